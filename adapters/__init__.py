@@ -1,0 +1,61 @@
+"""Framework adapters, registered by name.
+
+Each module listed in ADAPTER_MODULES defines one Adapter subclass named in the
+table; its `name` and `aliases` are what `pai -name` accepts. Modules are imported
+on first lookup so that `pai --help` imports no adapter at all.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from paicli.errors import UsageError
+
+# module -> class; a module that is not there (yet) is skipped.
+ADAPTER_MODULES = {
+    "paicli.adapters.python": "PythonAdapter",
+    "paicli.adapters.tensorflow": "TensorflowAdapter",
+    "paicli.adapters.mxnet": "MxnetAdapter",
+    "paicli.adapters.caffe": "CaffeAdapter",
+}
+
+_registry: dict[str, type] | None = None
+
+
+def _load() -> dict[str, type]:
+    global _registry
+    if _registry is None:
+        registry: dict[str, type] = {}
+        for module_name, class_name in ADAPTER_MODULES.items():
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as err:
+                if err.name == module_name:
+                    continue
+                raise
+            cls = getattr(module, class_name)
+            for name in (cls.name, *cls.aliases):
+                registry[name.lower()] = cls
+        _registry = registry
+    return _registry
+
+
+def adapter_names() -> list[str]:
+    """Canonical names, in registration order."""
+    seen = []
+    for cls in _load().values():
+        if cls.name not in seen:
+            seen.append(cls.name)
+    return seen
+
+
+def get_adapter(name: str):
+    """The adapter instance for `name` (case-insensitive, aliases included)."""
+    cls = _load().get(name.strip().lower())
+    if cls is None:
+        from paicli.spec import closest
+        guess = closest(name, list(_load()))
+        hint = f"did you mean -name {guess}? " if guess else ""
+        raise UsageError(f"-name {name}: unknown framework",
+                         f"{hint}known: {', '.join(adapter_names())}")
+    return cls()

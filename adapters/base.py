@@ -1,0 +1,102 @@
+"""The Adapter contract: a framework's knowledge, and nothing about processes.
+
+An adapter turns a validated JobSpec into a JobPlan: which roles exist, how many
+instances each has, which roles must finish for the job to succeed (the others
+are services, stopped afterwards), the argv/env every instance of a role starts
+with, the runtime it runs in, and regexes that pick metrics out of its log lines.
+Per-instance details that depend on assigned ports (TF_CONFIG, DMLC_*, classic
+--ps_hosts flags) are derived inside the runtime by the adapter's runner from the
+PAI_* variables the launcher sets (see paicli.plan).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from paicli.errors import SpecError
+from paicli.plan import KEY_VALUE_METRIC, JobPlan
+from paicli.spec import JobSpec, Param
+
+
+@dataclass(frozen=True)
+class StagedCode:
+    """Where the user's code is once submitted.
+
+    entry: absolute path of the script to run (None when the job has no script).
+    root:  the directory an archive was extracted into (None for a plain script).
+    cwd:   the working directory instances start in.
+    """
+
+    entry: Path | None
+    root: Path | None
+    cwd: Path
+
+
+class Adapter:
+    name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    task_name: ClassVar[str] = "Task"
+    runtime: ClassVar[str | None] = None          # a name in paicli.runners.runtimes, or None
+    params: ClassVar[tuple[Param, ...]] = ()      # framework-specific rows of the param table
+    metric_patterns: ClassVar[tuple[str, ...]] = (KEY_VALUE_METRIC,)
+    requires_script: ClassVar[bool] = True
+    summary: ClassVar[str] = ""
+
+    def validate(self, spec: JobSpec) -> None:
+        """Raise SpecError for combinations a single parameter's row cannot judge."""
+        if self.requires_script and not spec.get("script"):
+            raise SpecError("-Dscript", "missing",
+                            "give the training script, e.g. -Dscript=file:///home/me/train.py")
+
+    def plan(self, spec: JobSpec, code: StagedCode) -> JobPlan:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------
+# Helpers every adapter shares
+
+
+def cluster_roles(spec: JobSpec, default: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """-Dcluster as role -> {count, cpu, memory, gpu}, with `default` when absent."""
+    cluster = spec.get("cluster") or default
+    roles = {}
+    for role, conf in cluster.items():
+        roles[role] = {"count": conf.get("count", 1), "cpu": conf.get("cpu", 100),
+                       "memory": conf.get("memory", 0), "gpu": conf.get("gpu", 0)}
+    return roles
+
+
+# PAI handed these parameters to the script as flags when they were given.
+PASSTHROUGH_FLAGS = ("checkpointDir", "buckets", "tables", "outputs")
+
+
+def hyper_parameter_flags(path: str | None) -> list[str]:
+    """A key=value file as ["--key=value", ...]; blank lines and # comments skipped."""
+    if not path:
+        return []
+    flags = []
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        key = key.strip().lstrip("-")
+        if not sep or not key or any(c.isspace() for c in key):
+            raise SpecError(f"-DhyperParameters: {path} line {lineno}",
+                            f"expected key=value, got {line[:60]!r}", "write one key=value per line")
+        flags.append(f"--{key}={value.strip()}")
+    return flags
+
+
+def script_args(spec: JobSpec, passthrough: tuple[str, ...] = PASSTHROUGH_FLAGS) -> list[str]:
+    """The arguments after the script: the PAI pass-through flags that were given,
+    then hyperParameters as --key=value, then userDefinedParameters verbatim."""
+    args = [f"--{name}={spec.get(name)}" for name in passthrough if spec.get(name)]
+    args += hyper_parameter_flags(spec.get("hyperParameters"))
+    udp = spec.get("userDefinedParameters")
+    if udp:
+        args += shlex.split(udp)
+    return args

@@ -1,0 +1,48 @@
+"""The error types the CLI turns into one clear line.
+
+Library code raises these; only the CLI's error boundary (paicli.cli.main) formats
+them, so the console and the Python API see the same exceptions.
+"""
+
+
+class PaiError(Exception):
+    """A known failure with a message meant for the user."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}; {self.hint}" if self.hint else self.message
+
+
+class UsageError(PaiError):
+    """Bad input from the user: a key, a value, a file. Exit code 2."""
+
+    exit_code = 2
+
+
+class SpecError(UsageError):
+    """A job parameter is wrong. `where` names it the way the user wrote it
+    (`-Dcluster`, `job.yaml line 4: cluster`)."""
+
+    def __init__(self, where: str, message: str, hint: str | None = None):
+        super().__init__(f"{where}: {message}" if where else message, hint)
+        self.where = where
+
+
+class NotFound(UsageError):
+    """A job ID, instance or runtime that does not exist."""
+
+
+class JobFailed(PaiError):
+    """The job ended in a failed state (exit code 1)."""
+
+
+class Cancelled(PaiError):
+    """The job was cancelled (Ctrl-C or `pai kill`), exit code 130."""
+
+    exit_code = 130

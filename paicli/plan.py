@@ -1,0 +1,93 @@
+"""JobPlan: what an adapter hands the launcher.
+
+Plain, JSON-serialisable data. The adapter writes it once at submit time
+(`plan.json` in the job directory); the JobMaster reads it back. Nothing here
+knows about processes, and nothing here knows about frameworks.
+
+Every instance is started with `argv` and `env` of its role plus these variables,
+set by the launcher once ports are assigned:
+
+    PAI_JOB_ID    the job ID
+    PAI_ROLE      the instance's role (ps, worker, ...)
+    PAI_INDEX     its index within the role (0-based)
+    PAI_HOST      the host it should bind (127.0.0.1 on the local backend)
+    PAI_PORT      its own port (when the role listens)
+    PAI_CLUSTER   JSON: role -> ["host:port", ...] for every listening role
+    PAI_ATTEMPT   the attempt number (0 for the first run)
+    PYTHONUNBUFFERED=1
+
+Framework runners (paicli.runners.*) turn PAI_CLUSTER into TF_CONFIG, DMLC_*,
+or classic flags inside the framework's runtime.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RESTART_INSTANCE = "instance"  # restart only the failed instance
+RESTART_JOB = "job"            # restart every instance (ps-lite cannot take one back)
+
+
+@dataclass
+class RolePlan:
+    name: str
+    count: int
+    argv: list[str]
+    must_finish: bool = True   # the job succeeds when every must_finish instance exits 0
+    listens: bool = True       # gets a port, appears in PAI_CLUSTER
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    cpu: int = 100             # PAI units: 100 = one core
+    memory: int = 0            # MB
+    gpu: int = 0               # PAI units: 100 = one card
+    # After the must_finish roles are done, wait this long for a role that exits by
+    # itself (MXNet's scheduler and servers) before stopping it with SIGTERM.
+    stop_grace: float = 0.0
+
+
+@dataclass
+class JobPlan:
+    job_name: str
+    framework: str
+    task_name: str                      # the Fuxi task name shown in progress lines
+    roles: list[RolePlan]               # in start order
+    restart: str = RESTART_INSTANCE
+    max_retries: int = 3
+    timeout: float | None = None
+    # Regexes applied to every log line of every instance. Named groups become
+    # metrics (`(?P<loss>...)`); a group named `key` with a group named `value`
+    # gives a metric named by the text it matched.
+    metric_patterns: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)   # what the adapter decided, for `pai plan`
+
+    def role(self, name: str) -> RolePlan:
+        for role in self.roles:
+            if role.name == name:
+                return role
+        raise KeyError(name)
+
+    @property
+    def total_instances(self) -> int:
+        return sum(r.count for r in self.roles)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JobPlan":
+        data = dict(data)
+        data["roles"] = [RolePlan(**r) for r in data["roles"]]
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobPlan":
+        return cls.from_dict(json.loads(text))
+
+
+# key=number pairs such as the seed's `step=3, global_step=3, loss=6.97, duration=3.6s`.
+KEY_VALUE_METRIC = (
+    r"(?P<key>\b[A-Za-z_][A-Za-z0-9_.]*)\s*=\s*"
+    r"(?P<value>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)s?(?!\w|\.\d)"
+)

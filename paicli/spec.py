@@ -1,0 +1,301 @@
+"""JobSpec and the one table of job parameters.
+
+Every parameter a job can take is a `Param` row: the -D parser, the YAML loader,
+validation, `pai export` and the generated docs all read the same rows. The core
+rows are `CORE_PARAMS`; an adapter adds its own rows through `Adapter.params`.
+
+This module is pure data and parsing: it imports nothing of the launcher, so the
+adapters can share it as vocabulary.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from paicli.errors import SpecError
+
+# ---------------------------------------------------------------------------
+# Parameter table
+
+
+def snake_case(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One job parameter.
+
+    kind: str, int, float, json (a JSON object), path (file:// URI or a local
+    path; resolved to an absolute path), choice (one of `choices`), duration
+    (seconds, or a number with s/m/h), args (shell-style argument string).
+    """
+
+    name: str
+    kind: str = "str"
+    default: Any = None
+    help: str = ""
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    check: Callable[[Any], str | None] | None = None  # returns an error text or None
+    launcher: bool = False  # read by the launcher, not handed to the script
+
+    @property
+    def yaml_name(self) -> str:
+        return snake_case(self.name)
+
+
+def _check_cluster(value: Any) -> str | None:
+    if not isinstance(value, dict) or not value:
+        return 'expected a JSON object of roles, e.g. {"ps":{"count":1},"worker":{"count":2}}'
+    for role, conf in value.items():
+        if not isinstance(role, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", role):
+            return f"role name {role!r} must be a word (letters, digits, _)"
+        if not isinstance(conf, dict):
+            return f'role "{role}" must be an object such as {{"count":2}}, not {json.dumps(conf)}'
+        for key, val in conf.items():
+            if key not in ("count", "cpu", "memory", "gpu"):
+                close = difflib.get_close_matches(key, ["count", "cpu", "memory", "gpu"], 1)
+                tip = f' (did you mean "{close[0]}"?)' if close else ""
+                return f'role "{role}": unknown key "{key}"{tip}; known: count, cpu, memory, gpu'
+            if isinstance(val, bool) or not isinstance(val, int):
+                return f'role "{role}": "{key}" must be a whole number, not {json.dumps(val)}'
+            if key == "count" and val <= 0:
+                return f'role "{role}": count must be positive, not {val}'
+            if val < 0:
+                return f'role "{role}": "{key}" must not be negative, not {val}'
+    return None
+
+
+CORE_PARAMS: tuple[Param, ...] = (
+    Param("script", "path", help="The training script: a file:// URI or path to a .py file, "
+          "or a .tar.gz/.tgz archive (then name the entry with entryFile)."),
+    Param("entryFile", help="The entry script inside a script archive, relative to its root."),
+    Param("cluster", "json", check=_check_cluster,
+          help='Roles and instance counts as JSON, e.g. {"ps":{"count":1},"worker":{"count":2,'
+               '"cpu":100,"memory":2000,"gpu":0}} (cpu 100 = one core, memory in MB, gpu 100 = one card).'),
+    Param("userDefinedParameters", "args",
+          help="Extra arguments for the script, shell-style quoting, e.g. '--lr=0.1 --name \"a b\"'."),
+    Param("hyperParameters", "path",
+          help="A file of key=value lines; each line reaches the script as --key=value."),
+    Param("checkpointDir", help="Where the script saves checkpoints; passed as --checkpointDir."),
+    Param("buckets", help="Input/output storage locations; passed as --buckets."),
+    Param("tables", help="Input tables; passed as --tables."),
+    Param("outputs", help="Output tables; passed as --outputs."),
+    Param("gpuRequired", "int", default=0, minimum=0,
+          help="GPUs per worker in PAI units (100 = one card). A job that asks for more GPUs "
+               "than the machine has fails before it starts."),
+    Param("jobName", help="A name for the job, shown by `pai list` (default: the script's name)."),
+    Param("maxRetries", "int", default=3, minimum=0, launcher=True,
+          help="How many times a failed instance (or, for frameworks that cannot take a restarted "
+               "instance back, the whole job) is restarted after a retryable exit."),
+    Param("timeout", "duration", launcher=True,
+          help="Cancel the job after this long (seconds, or 90s/30m/2h); reason 'timeout'."),
+)
+
+
+# ---------------------------------------------------------------------------
+# JobSpec
+
+
+@dataclass
+class JobSpec:
+    """What the user asked for, typed and validated. `params` holds only the keys
+    the user set, by their PAI names; `get` falls back to the table's default."""
+
+    framework: str
+    params: dict[str, Any] = field(default_factory=dict)
+    project: str | None = None
+    table: dict[str, Param] = field(default_factory=dict, repr=False, compare=False)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        if name in self.params:
+            return self.params[name]
+        param = self.table.get(name)
+        if param is not None and param.default is not None:
+            return param.default
+        return default
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form (snake_case keys), as `pai export` prints it."""
+        out: dict[str, Any] = {"name": self.framework}
+        if self.project:
+            out["project"] = self.project
+        for pname, value in self.params.items():
+            out[self.table[pname].yaml_name if pname in self.table else pname] = value
+        return out
+
+
+# ---------------------------------------------------------------------------
+# Value conversion
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr)?\s*$")
+
+
+def _strip_quotes(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
+
+
+def _json_error_line(text: str, err: json.JSONDecodeError) -> str:
+    pos = err.pos
+    start = max(0, pos - 20)
+    snippet = text[start:pos] + "⟨here⟩" + text[pos:pos + 20]
+    snippet = snippet.replace("\n", " ")
+    return f"broken JSON at character {pos + 1}: {err.msg}: …{snippet}…"
+
+
+def resolve_path(value: str, base: Path) -> Path:
+    """A file:// URI or a path (relative to `base`) as an absolute path."""
+    if value.startswith("file://"):
+        value = value[len("file://"):]
+        if not value.startswith("/"):
+            raise ValueError("a file:// URI needs an absolute path, e.g. file:///home/me/train.py")
+    elif re.match(r"^[a-z][a-z0-9+.-]*://", value):
+        scheme = value.split("://", 1)[0]
+        raise ValueError(f"the {scheme}:// scheme is not supported here; use a file:// URI or a path")
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = base / path
+    return Path(str(path.resolve()))
+
+
+def convert(param: Param, raw: Any, base: Path) -> Any:
+    """Turn a raw value (a -D string or a YAML value) into the param's type.
+    Raises ValueError with a message that says what was expected."""
+    kind = param.kind
+    if isinstance(raw, str):
+        raw = _strip_quotes(raw.strip()) if kind != "args" else raw.strip()
+    if kind == "str":
+        if isinstance(raw, (dict, list)):
+            raise ValueError("expected text, not a structure")
+        if isinstance(raw, bool) or raw is None:
+            raise ValueError("expected text")
+        text = str(raw)
+        if not text:
+            raise ValueError("expected a value, got nothing")
+        return text
+    if kind == "int":
+        if isinstance(raw, bool):
+            raise ValueError(f"expected a whole number, not {raw}")
+        try:
+            value = int(raw) if not isinstance(raw, float) or raw.is_integer() else None
+        except (TypeError, ValueError):
+            value = None
+        if value is None:
+            raise ValueError(f"expected a whole number, not {raw!r}")
+    elif kind == "float":
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number, not {raw!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"expected a finite number, not {raw!r}")
+    elif kind == "duration":
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            value = float(raw)
+        else:
+            match = _DURATION.match(str(raw)) if isinstance(raw, str) else None
+            if not match:
+                raise ValueError(f"expected seconds or a duration such as 90s, 30m, 2h, not {raw!r}")
+            unit = (match.group(2) or "s")[0]
+            value = float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[unit]
+        if value <= 0 or value != value or value == float("inf"):
+            raise ValueError(f"expected a positive duration, not {raw!r}")
+    elif kind == "json":
+        if isinstance(raw, str):
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError as err:
+                raise ValueError(_json_error_line(raw, err)) from None
+        else:
+            value = raw
+    elif kind == "path":
+        if not isinstance(raw, str) or not raw:
+            raise ValueError("expected a file:// URI or a path")
+        if "\x00" in raw:
+            raise ValueError("a path cannot contain a NUL character")
+        path = resolve_path(raw, base)
+        if not path.exists():
+            raise ValueError(f"{path} does not exist; check the path (file:// URIs take an absolute path)")
+        if not path.is_file():
+            raise ValueError(f"{path} is not a file")
+        return str(path)
+    elif kind == "choice":
+        value = str(raw)
+        if value not in param.choices:
+            close = difflib.get_close_matches(value, param.choices, 1)
+            tip = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"expected one of {', '.join(param.choices)}, not {value!r}{tip}")
+    elif kind == "args":
+        if isinstance(raw, list):
+            value = " ".join(shlex.quote(str(x)) for x in raw)
+        elif isinstance(raw, str):
+            value = raw
+        else:
+            raise ValueError("expected an argument string such as '--lr=0.1 --epochs 3'")
+        try:
+            shlex.split(value)
+        except ValueError as err:
+            raise ValueError(f"cannot split the arguments: {err}") from None
+    else:  # pragma: no cover - a programming error in a table row
+        raise AssertionError(f"unknown parameter kind {kind}")
+    if param.minimum is not None and value < param.minimum:
+        raise ValueError(f"must be at least {param.minimum:g}, not {raw}")
+    if param.check is not None:
+        problem = param.check(value)
+        if problem:
+            raise ValueError(problem)
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Building a spec
+
+
+def closest(name: str, known: Iterable[str]) -> str | None:
+    known = list(known)
+    lowered = {k.lower(): k for k in known}
+    if name.lower() in lowered:
+        return lowered[name.lower()]
+    match = difflib.get_close_matches(name, known, 1, 0.6)
+    if not match:
+        match = difflib.get_close_matches(name.lower(), list(lowered), 1, 0.6)
+        match = [lowered[m] for m in match]
+    return match[0] if match else None
+
+
+def build_spec(framework: str, raw: dict[str, Any], *, params: Iterable[Param], base: Path,
+               project: str | None = None, where: Callable[[str], str] | None = None) -> JobSpec:
+    """Typed JobSpec from raw values keyed by PAI or snake_case names.
+
+    `where(key)` names a key the way the user wrote it, for error messages
+    (`-Dcluster`, `job.yaml line 3: cluster`)."""
+    table = {p.name: p for p in params}
+    by_yaml = {p.yaml_name: p for p in table.values()}
+    where = where or (lambda key: f"-D{key}")
+    spec = JobSpec(framework=framework, project=project, table=table)
+    for key, value in raw.items():
+        param = table.get(key) or by_yaml.get(key)
+        if param is None:
+            guess = closest(key, list(table))
+            hint = f"did you mean {where(guess).split(': ')[-1]}?" if guess else \
+                "run `pai params` to list the parameters"
+            if guess:
+                hint += " (`pai params` lists them all)"
+            raise SpecError(where(key), "unknown parameter", hint)
+        if param.name in spec.params:
+            raise SpecError(where(key), f"given twice (also as {param.name})", "keep one of them")
+        try:
+            spec.params[param.name] = convert(param, value, base)
+        except ValueError as err:
+            raise SpecError(where(key), str(err)) from None
+    return spec

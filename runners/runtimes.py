@@ -1,0 +1,204 @@
+"""Framework runtimes: where a framework's own Python lives.
+
+TensorFlow (numpy 2) and MXNet 1.9 (numpy < 1.24) cannot share one environment,
+and pycaffe exists only as Debian bullseye's python3-caffe, so each framework runs
+in a runtime of its own, provisioned once and cached:
+
+    $PAI_RUNTIME_DIR (default $XDG_CACHE_HOME/paicli/runtimes, i.e. ~/.cache/...)
+        tensorflow/   a venv
+        mxnet/        a venv
+        caffe/        a Debian bullseye root filesystem (see caffe_rootfs.py)
+
+A user can point a framework at an interpreter of their own (a GPU build, a conda
+env) with PAI_<NAME>_PYTHON, e.g. PAI_TENSORFLOW_PYTHON=/opt/conda/bin/python; then
+nothing is provisioned for it.
+
+This module runs on the submitting host only; it imports nothing of paicli.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+Progress = Callable[[str], None]
+
+MARKER = "paicli-runtime.json"
+
+
+class RuntimeError_(Exception):
+    """A runtime could not be provisioned or found; the message says why and what to do."""
+
+
+def runtime_root() -> Path:
+    if os.environ.get("PAI_RUNTIME_DIR"):
+        return Path(os.environ["PAI_RUNTIME_DIR"]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "paicli" / "runtimes"
+
+
+def dir_size(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+class Runtime:
+    """One framework's runtime. Subclasses fill in `_install` and `python`."""
+
+    name: str = ""
+    version: str = ""
+    description: str = ""
+
+    @property
+    def override_var(self) -> str:
+        return f"PAI_{self.name.upper()}_PYTHON"
+
+    @property
+    def override(self) -> str | None:
+        return os.environ.get(self.override_var) or None
+
+    @property
+    def path(self) -> Path:
+        return runtime_root() / self.name
+
+    def python(self) -> str:
+        """The interpreter that runs this framework's runner code."""
+        raise NotImplementedError
+
+    def is_installed(self) -> bool:
+        if self.override:
+            return True
+        marker = self.path / MARKER
+        if not marker.exists():
+            return False
+        try:
+            return json.loads(marker.read_text()).get("version") == self.version
+        except (OSError, ValueError):
+            return False
+
+    def ensure(self, progress: Progress = lambda line: None) -> None:
+        """Provision the runtime unless it is there already. Safe to call from
+        several processes at once: one installs, the others wait for it."""
+        if self.is_installed():
+            return
+        root = runtime_root()
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / f".{self.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.is_installed():
+                return
+            staging = root / f".{self.name}.partial"
+            if staging.exists():
+                shutil.rmtree(staging)
+            started = time.monotonic()
+            progress(f"provisioning the {self.name} runtime ({self.description}) in {self.path}")
+            try:
+                self._install(staging, progress)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            (staging / MARKER).write_text(json.dumps(
+                {"name": self.name, "version": self.version, "installed": time.time()}))
+            if self.path.exists():
+                shutil.rmtree(self.path)
+            os.rename(staging, self.path)  # atomic: a runtime is whole or absent
+            progress(f"{self.name} runtime ready in {time.monotonic() - started:.0f}s")
+
+    def _install(self, target: Path, progress: Progress) -> None:
+        raise NotImplementedError
+
+    def remove(self) -> bool:
+        if self.path.exists():
+            shutil.rmtree(self.path)
+            return True
+        return False
+
+    def info(self) -> dict:
+        installed = self.is_installed()
+        return {
+            "name": self.name,
+            "version": self.version,
+            "installed": installed,
+            "path": self.override or str(self.path),
+            "source": f"${self.override_var}" if self.override else "provisioned",
+            "size": dir_size(self.path) if installed and not self.override else None,
+        }
+
+
+def run_streaming(argv: list[str], progress: Progress, what: str, env: dict | None = None) -> None:
+    """Run an install step, feeding its output lines to `progress`; on failure
+    raise with the last lines of output in the message."""
+    tail: list[str] = []
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, errors="replace", env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip()
+        if line:
+            tail = (tail + [line])[-8:]
+            progress(line)
+    if proc.wait() != 0:
+        raise RuntimeError_(f"{what} failed (exit {proc.returncode}): " + " | ".join(tail[-3:]))
+
+
+class VenvRuntime(Runtime):
+    """A virtualenv made from the interpreter paicli runs on, with pinned packages
+    from the package index pip is configured for (pip's own config decides which)."""
+
+    def __init__(self, name: str, requirements: list[str], description: str = ""):
+        self.name = name
+        self.requirements = list(requirements)
+        self.version = ",".join(self.requirements)
+        self.description = description or " ".join(self.requirements)
+
+    def python(self) -> str:
+        if self.override:
+            return self.override
+        return str(self.path / "bin" / "python")
+
+    def _install(self, target: Path, progress: Progress) -> None:
+        run_streaming([sys.executable, "-m", "venv", str(target)], progress, "creating the venv")
+        # `python -m pip`, not bin/pip: the venv is renamed into place afterwards and
+        # bin/pip's shebang would still name the staging directory.
+        run_streaming([str(target / "bin" / "python"), "-m", "pip", "install",
+                       "--disable-pip-version-check", "--progress-bar", "off", *self.requirements],
+                      progress, f"pip install {' '.join(self.requirements)}")
+
+
+# name -> a Runtime, or "module:Class" for runtimes defined in their own module.
+RUNTIMES: dict[str, Runtime | str] = {
+    "tensorflow": VenvRuntime("tensorflow", ["tensorflow-cpu==2.21.0"], "TensorFlow 2.21 CPU"),
+    "mxnet": VenvRuntime("mxnet", ["mxnet==1.9.1", "numpy==1.23.5"], "MXNet 1.9.1"),
+    "caffe": "paicli.runners.caffe_rootfs:CaffeRuntime",
+}
+
+
+def get_runtime(name: str) -> Runtime:
+    entry = RUNTIMES.get(name)
+    if entry is None:
+        raise RuntimeError_(f"unknown runtime {name!r}; known: {', '.join(RUNTIMES)}")
+    if isinstance(entry, str):
+        module_name, class_name = entry.split(":")
+        entry = getattr(importlib.import_module(module_name), class_name)()
+        RUNTIMES[name] = entry
+    return entry
+
+
+def runner_path(filename: str) -> str:
+    """Absolute path of a runner script shipped next to this module; runtimes run
+    it by path, since they have no paicli installed."""
+    return str(Path(__file__).resolve().parent / filename)

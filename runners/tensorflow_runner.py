@@ -1,0 +1,195 @@
+"""Runs one TensorFlow instance inside the TensorFlow runtime.
+
+    python -u tensorflow_runner.py [--serve] [--cluster-flags=NAMES] [--] SCRIPT [ARGS...]
+
+The launcher starts every instance with PAI_ROLE, PAI_INDEX, PAI_CLUSTER, ... (see
+paicli.plan). This runner turns them into what TensorFlow expects, then either
+
+  * runs the user's SCRIPT with runpy, so that `__main__`, `sys.argv` and
+    `sys.path[0]` look exactly as with `python SCRIPT ARGS...`; or
+  * with --serve, runs a plain tf.distribute.Server (the ps and worker instances of a
+    TF2 ParameterServerStrategy job, whose user script runs only on the chief) until
+    SIGTERM, then exits 0.
+
+--cluster-flags=ps_hosts,worker_hosts,job_name,task_index names the classic 2016-style
+flags to prepend to ARGS (the adapter found them defined in the script).
+
+This file runs inside the framework's own Python: it imports only the standard
+library and TensorFlow, never paicli.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+import traceback
+
+# A failure that a restart on a fresh port cures. The launcher retries exit codes
+# 130, 137, 138 and 143 (and deaths by signal); 138 is the one no shell or OOM
+# killer produces, so a reader of the summary can tell what happened.
+EXIT_RETRY = 138
+
+# How TensorFlow/gRPC reports a port that another process holds.
+_PORT_TAKEN = ("address already in use", "could not start grpc server", "failed to add port")
+
+CLASSIC_FLAGS = ("ps_hosts", "worker_hosts", "chief_hosts", "job_name", "task_index")
+
+
+def say(message: str) -> None:
+    print(f"[tensorflow runner] {message}", flush=True)
+
+
+def read_cluster() -> tuple[str, int, dict[str, list[str]]]:
+    role = os.environ.get("PAI_ROLE") or "worker"
+    try:
+        index = int(os.environ.get("PAI_INDEX") or 0)
+    except ValueError:
+        sys.exit(f"tensorflow runner: PAI_INDEX={os.environ['PAI_INDEX']!r} is not a number")
+    raw = os.environ.get("PAI_CLUSTER") or "{}"
+    try:
+        cluster = json.loads(raw)
+    except ValueError as err:
+        sys.exit(f"tensorflow runner: PAI_CLUSTER is not JSON ({err}): {raw[:200]}")
+    if not isinstance(cluster, dict):
+        sys.exit(f"tensorflow runner: PAI_CLUSTER must map roles to host:port lists, got {raw[:200]}")
+    return role, index, {str(k): [str(a) for a in v] for k, v in cluster.items() if v}
+
+
+def tf_config(role: str, index: int, cluster: dict[str, list[str]]) -> dict:
+    """TF_CONFIG as TensorFlow reads it. The evaluator is left out of `cluster`:
+    TF expects it to stand beside the training cluster, not in it."""
+    spec = {name: hosts for name, hosts in cluster.items() if name != "evaluator"}
+    return {"cluster": spec, "task": {"type": role, "index": index}}
+
+
+def classic_flag_values(wanted: list[str], role: str, index: int,
+                        cluster: dict[str, list[str]]) -> list[str]:
+    values = {
+        "ps_hosts": ",".join(cluster.get("ps", [])),
+        "worker_hosts": ",".join(cluster.get("worker", [])),
+        "chief_hosts": ",".join(cluster.get("chief", [])),
+        "job_name": role,
+        "task_index": str(index),
+    }
+    return [f"--{name}={values[name]}" for name in wanted if name in values]
+
+
+def is_port_taken(err: BaseException) -> bool:
+    text = f"{type(err).__name__}: {err}".lower()
+    return any(marker in text for marker in _PORT_TAKEN)
+
+
+def block_stop_signals() -> None:
+    """Block SIGTERM/SIGINT in this thread before TensorFlow starts its own threads,
+    which inherit the mask; a blocked signal then waits for sigwait() instead of
+    killing the process. Needed because Server.join() sits in C++ and never returns
+    to the interpreter, so a Python signal handler would never run."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
+def wait_for_stop_then_exit(what: str) -> None:
+    got = signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    say(f"{what} stopped by {signal.Signals(got).name}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit: TensorFlow's gRPC server has no clean shutdown and its destructors
+    # can hang at interpreter exit.
+    os._exit(0)
+
+
+def serve(role: str, index: int, config: dict) -> None:
+    """A plain tf.distribute.Server for a ps or worker of a ParameterServerStrategy
+    job; the coordinator (the chief's script) drives it remotely."""
+    block_stop_signals()
+    # TensorFlow's own advice for PS training: let the coordinator see worker
+    # failures instead of gRPC retrying forever.
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    try:
+        tf.distribute.Server(resolver.cluster_spec(), job_name=role, task_index=index,
+                             protocol=resolver.rpc_layer or "grpc", start=True)
+    except Exception as err:  # noqa: BLE001 - we only choose the exit code
+        if is_port_taken(err):
+            say(f"{role}:{index} could not listen on {os.environ.get('PAI_PORT')}: {err}; "
+                f"exiting {EXIT_RETRY} so that the launcher retries on a fresh port")
+            os._exit(EXIT_RETRY)
+        raise
+    address = config["cluster"].get(role, ["?"] * (index + 1))[index]
+    say(f"{role}:{index} serving at {address}; waiting for the chief's coordinator")
+    wait_for_stop_then_exit(f"{role}:{index} server")
+
+
+def run_script(script: str, args: list[str], role: str) -> None:
+    if role == "ps":
+        # A TF1-style ps ends in server.join(), which never returns: the launcher
+        # stops it with SIGTERM once the workers are done. Turn that stop into a
+        # clean exit 0 from a thread that waits for it.
+        import threading
+
+        block_stop_signals()
+        threading.Thread(target=wait_for_stop_then_exit, args=("ps",), daemon=True,
+                         name="ps-stop").start()
+    script = os.path.abspath(script)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` would have it
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as err:
+        if is_port_taken(err):
+            traceback.print_exc()
+            say(f"could not listen on port {os.environ.get('PAI_PORT')}; exiting {EXIT_RETRY} "
+                "so that the launcher retries on a fresh port")
+            sys.stderr.flush()
+            os._exit(EXIT_RETRY)
+        raise
+
+
+def parse_argv(argv: list[str]) -> tuple[bool, list[str], list[str]]:
+    serve_mode = False
+    flags: list[str] = []
+    rest = list(argv)
+    while rest and rest[0].startswith("--"):
+        opt = rest.pop(0)
+        if opt == "--":
+            break
+        if opt == "--serve":
+            serve_mode = True
+        elif opt.startswith("--cluster-flags="):
+            flags = [f for f in opt.split("=", 1)[1].split(",") if f]
+            unknown = [f for f in flags if f not in CLASSIC_FLAGS]
+            if unknown:
+                sys.exit(f"tensorflow runner: unknown cluster flag(s) {unknown}; known: {CLASSIC_FLAGS}")
+        else:
+            sys.exit(f"tensorflow runner: unknown option {opt!r}")
+    return serve_mode, flags, rest
+
+
+def main(argv: list[str]) -> None:
+    serve_mode, wanted_flags, rest = parse_argv(argv)
+    role, index, cluster = read_cluster()
+    config = tf_config(role, index, cluster)
+    os.environ["TF_CONFIG"] = json.dumps(config)
+    # Hide TensorFlow's C++ INFO chatter (oneDNN, CPU features) unless the user chose.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    if serve_mode:
+        serve(role, index, config)
+        return
+    if not rest:
+        sys.exit("tensorflow runner: no script given; usage: tensorflow_runner.py [--serve] "
+                 "[--cluster-flags=...] [--] SCRIPT [ARGS...]")
+    script, args = rest[0], rest[1:]
+    if not os.path.isfile(script):
+        sys.exit(f"tensorflow runner: script {script} does not exist")
+    args = classic_flag_values(wanted_flags, role, index, cluster) + args
+    run_script(script, args, role)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,167 @@
+"""Runs one MXNet instance inside the MXNet runtime (stdlib + mxnet only).
+
+    python -u mxnet_runner.py                     scheduler / server: no user code
+    python -u mxnet_runner.py SCRIPT [ARGS...]    worker: runs SCRIPT as __main__
+
+The launcher sets PAI_ROLE, PAI_INDEX, PAI_HOST, PAI_PORT and PAI_CLUSTER (JSON:
+role -> ["host:port", ...]); this file turns them into the DMLC_* variables that
+ps-lite reads, before mxnet is imported. The adapter adds:
+
+    PAI_MXNET_KVSTORE                 dist_sync | dist_async | dist_device_sync; the
+                                      user's script reads it (the runner does not
+                                      force a kvstore type on the script)
+    PAI_MXNET_GRADIENT_COMPRESSION    "2bit" to compress every dist kvstore the
+                                      script creates, "none" (default) to leave it
+    PAI_MXNET_COMPRESSION_THRESHOLD   the 2-bit threshold (default 0.5)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+DIST_PREFIX = "dist"
+
+
+def fail(message: str) -> None:
+    print(f"mxnet_runner: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def dmlc_environment(env: dict[str, str]) -> dict[str, str]:
+    """The DMLC_* (and PORT) variables for this instance, from the PAI_* ones.
+
+    Roles in PAI_CLUSTER: scheduler (exactly one), server, worker.
+    """
+    role = env.get("PAI_ROLE", "")
+    if role not in ("scheduler", "server", "worker"):
+        fail(f"PAI_ROLE={role!r}: expected scheduler, server or worker")
+    try:
+        cluster = json.loads(env.get("PAI_CLUSTER") or "{}")
+    except ValueError as err:
+        fail(f"PAI_CLUSTER is not JSON ({err})")
+    schedulers = cluster.get("scheduler") or []
+    if len(schedulers) != 1:
+        fail(f"PAI_CLUSTER must list exactly one scheduler, found {len(schedulers)}")
+    root_host, _, root_port = schedulers[0].rpartition(":")
+    host = env.get("PAI_HOST") or root_host
+    out = {
+        "DMLC_ROLE": role,
+        "DMLC_PS_ROOT_URI": root_host,
+        # The scheduler's own port, for every role (PAI_PORT is each instance's own).
+        "DMLC_PS_ROOT_PORT": root_port,
+        "DMLC_NUM_SERVER": str(len(cluster.get("server") or [])),
+        "DMLC_NUM_WORKER": str(len(cluster.get("worker") or [])),
+        # Without it ps-lite binds the address of the first external interface.
+        "DMLC_NODE_HOST": host,
+    }
+    # ps-lite's van reads PORT for a server/worker's own port (otherwise it picks a
+    # random free one). The scheduler always binds DMLC_PS_ROOT_PORT.
+    if role != "scheduler" and env.get("PAI_PORT"):
+        out["PORT"] = env["PAI_PORT"]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Gradient compression, applied without the user's script knowing
+
+
+def install_pushpull_workaround(mx) -> None:
+    """Route KVStore.pushpull through push + pull while compression is on.
+
+    Why: in MXNet 1.9.1 the dist kvstore's PushPull refuses to run with gradient
+    compression ("Compression not supported with PushPull", kvstore_dist.h), yet
+    Gluon's Trainer and the Module API call pushpull for dense gradients. Push then
+    pull on the same key is what pushpull does in one message, and compression works
+    there. Installed for every worker, so a script that sets compression itself
+    (Trainer(compression_params=...)) trains too; without compression nothing changes.
+    """
+    KVStore = mx.kvstore.KVStore
+    original_set = KVStore.set_gradient_compression
+    original_pushpull = KVStore.pushpull
+
+    def set_gradient_compression(self, compression_params):
+        # A second call (Trainer(compression_params=...) after -DgradientCompression
+        # set it at create time) is ignored: the first setting wins, and resetting it
+        # after keys are initialised would fail.
+        if getattr(self, "_pai_compression", None):
+            return None
+        result = original_set(self, compression_params)
+        self._pai_compression = dict(compression_params)
+        return result
+
+    def pushpull(self, key, value, out=None, priority=0):
+        compression = getattr(self, "_pai_compression", None)
+        if compression and compression.get("type", "none") != "none":
+            self.push(key, value, priority=priority)
+            self.pull(key, out=value if out is None else out, priority=priority)
+            return None
+        return original_pushpull(self, key, value, out=out, priority=priority)
+
+    KVStore.set_gradient_compression = set_gradient_compression
+    KVStore.pushpull = pushpull
+
+
+def install_compression(mx, params: dict) -> None:
+    """Compress every distributed kvstore the script creates (-DgradientCompression)."""
+    kvstore_pkg = mx.kvstore
+    original_create = kvstore_pkg.create
+
+    def create(name="local"):
+        kv = original_create(name)
+        if isinstance(kv, kvstore_pkg.KVStore) and str(name).lower().startswith(DIST_PREFIX):
+            kv.set_gradient_compression(dict(params))
+            print(f"mxnet_runner: {params['type']} gradient compression on kvstore {name} "
+                  f"(threshold {params['threshold']:g})", file=sys.stderr, flush=True)
+        return kv
+
+    # mx.kv is the same module object as mx.kvstore, and mxnet.model calls
+    # kvs.create through it; base.create is the original the package re-exported.
+    kvstore_pkg.create = create
+    kvstore_pkg.base.create = create
+
+
+def compression_params(env: dict[str, str]) -> dict | None:
+    kind = (env.get("PAI_MXNET_GRADIENT_COMPRESSION") or "none").strip().lower()
+    if kind in ("", "none"):
+        return None
+    if kind != "2bit":
+        fail(f"PAI_MXNET_GRADIENT_COMPRESSION={kind!r}: expected 2bit or none")
+    try:
+        threshold = float(env.get("PAI_MXNET_COMPRESSION_THRESHOLD") or 0.5)
+    except ValueError:
+        fail("PAI_MXNET_COMPRESSION_THRESHOLD must be a number")
+    return {"type": "2bit", "threshold": threshold}
+
+
+# ---------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> None:
+    os.environ.update(dmlc_environment(dict(os.environ)))
+    role = os.environ["DMLC_ROLE"]
+    if role != "worker":
+        # With DMLC_ROLE=scheduler|server, `import mxnet` runs the node until the
+        # workers finalize their kvstores, then exits the process by itself.
+        import mxnet  # noqa: F401
+        return
+    if not argv:
+        fail("a worker needs the script to run: mxnet_runner.py SCRIPT [ARGS...]")
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        fail(f"{script}: no such script")
+    params = compression_params(os.environ)
+    import mxnet as mx  # the script imports it anyway; DMLC_* are set by now
+    install_pushpull_workaround(mx)
+    if params:
+        install_compression(mx, params)
+    sys.argv = [script, *argv[1:]]
+    # As `python SCRIPT` would: the script's folder first, not the runner's.
+    sys.path[0] = os.path.dirname(script)
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,181 @@
+"""`-name tensorflow`: distributed TensorFlow in its own runtime.
+
+Roles come from -Dcluster: ps, worker, chief, evaluator (no -Dcluster: one worker).
+Every instance runs runners/tensorflow_runner.py in the TensorFlow runtime, which
+sets TF_CONFIG from the ports the launcher assigned and then runs the user's script
+(or, see below, a plain tf.distribute.Server).
+
+Who must finish (Kubeflow's default success policy): with a chief, the chief; the
+ps, workers and evaluator are stopped once it succeeds. Without one, every worker;
+the ps (whose TF1 script ends in server.join() and never exits) and the evaluator
+are stopped then.
+
+Where the script runs (-DscriptRoles): `auto` runs it everywhere except on the ps
+and workers of a job with a chief, which get the runner's tf.distribute.Server: a
+TF2 ParameterServerStrategy script runs only on its coordinator. `all` runs it on
+every instance (TF1 scripts that use a chief, or scripts that start their own servers).
+
+Classic flags (-DclusterFlags): a 2016-style script defines --ps_hosts --worker_hosts
+--job_name --task_index with tf.app.flags/absl or argparse and fails on flags it does
+not define, while an argparse script rejects ones it does not know. So `auto` passes
+each of those flags only when the script's source defines it; `always`/`never` force it.
+PAI's own pass-through flags (--checkpointDir, --buckets, --tables, --outputs) are
+passed when those parameters are given, then hyperParameters, then userDefinedParameters.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from paicli.adapters.base import Adapter, StagedCode, cluster_roles, script_args
+from paicli.errors import SpecError
+from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
+from paicli.runners.runtimes import get_runtime, runner_path
+from paicli.spec import JobSpec, Param
+
+ROLES = ("ps", "worker", "chief", "evaluator")     # also the start order: services first
+CLASSIC_FLAGS = ("ps_hosts", "worker_hosts", "chief_hosts", "job_name", "task_index")
+RUNNER = "tensorflow_runner.py"
+
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+# tf.compat.v1.train.LoggingTensorHook / Estimator: `loss = 0.52, step = 100 (0.3 sec)`
+LOGGING_TENSOR_HOOK_METRIC = rf"\bloss = (?P<loss>{_NUMBER}), step = (?P<step>\d+)"
+# Keras progress lines: `32/32 - 0s - 2ms/step - accuracy: 0.9644 - loss: 0.0973`
+# ...and the loss on its own, in case a line yields only its first key/value match.
+KERAS_LOSS_METRIC = rf"\s-\sloss: (?P<loss>{_NUMBER})"
+KERAS_METRIC = rf"(?:^|\s-\s)(?P<key>[a-z][a-z0-9_]*): (?P<value>{_NUMBER})(?![\w.])"
+KERAS_EPOCH_METRIC = r"^Epoch (?P<epoch>\d+)/\d+\s*$"
+
+# Where a script defines a classic flag: absl/tf.app.flags DEFINE_* or argparse.
+_DEFINES_FLAG = re.compile(
+    r"""DEFINE_[a-z_]+\(\s*(?:name\s*=\s*)?["'](?P<absl>\w+)["']"""
+    r"""|add_argument\(\s*["']--(?P<argparse>\w+)["']""")
+_SCAN_LIMIT = 2_000_000  # bytes of source read when looking for flag definitions
+
+
+TF_PARAMS: tuple[Param, ...] = (
+    Param("scriptRoles", "choice", default="auto", choices=("auto", "all"),
+          help="Where the script runs. auto: on every instance, except that with a chief the ps "
+               "and workers run a plain tf.distribute.Server (TF2 ParameterServerStrategy). "
+               "all: on every instance."),
+    Param("clusterFlags", "choice", default="auto", choices=("auto", "always", "never"),
+          help="Pass --ps_hosts --worker_hosts --job_name --task_index to the script. auto: those "
+               "the script defines (tf.app.flags/absl DEFINE_* or argparse add_argument)."),
+)
+
+
+def defined_classic_flags(code: StagedCode) -> list[str]:
+    """The classic cluster flags that the script's source defines: the entry, and for
+    an archive every .py file in it (flags are often defined in a shared module)."""
+    files = [code.entry] if code.entry else []
+    if code.root:
+        files += sorted(p for p in Path(code.root).rglob("*.py") if p != code.entry)
+    found: set[str] = set()
+    budget = _SCAN_LIMIT
+    for path in files:
+        if budget <= 0:
+            break
+        try:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")[:budget]
+        except OSError:
+            continue
+        budget -= len(text)
+        for match in _DEFINES_FLAG.finditer(text):
+            found.add(match.group("absl") or match.group("argparse"))
+    return [flag for flag in CLASSIC_FLAGS if flag in found]
+
+
+class TensorflowAdapter(Adapter):
+    name = "tensorflow"
+    # PAI's versioned names. They all run the one runtime (TensorFlow 2.21 CPU, or the
+    # interpreter in $PAI_TENSORFLOW_PYTHON): the version in the name picks nothing.
+    aliases = ("tf", "tensorflow140", "tensorflow180", "tensorflow1100", "tensorflow1120",
+               "tensorflow1120_ext", "tensorflow1150", "tensorflow1150_ext", "tensorflow200",
+               "tensorflow210", "tensorflow220")
+    task_name = "TensorflowTask"
+    runtime = "tensorflow"
+    params = TF_PARAMS
+    metric_patterns = (KEY_VALUE_METRIC, LOGGING_TENSOR_HOOK_METRIC,
+                       KERAS_LOSS_METRIC, KERAS_METRIC, KERAS_EPOCH_METRIC)
+    summary = "TensorFlow ps/worker/chief/evaluator jobs with TF_CONFIG, in the TensorFlow runtime"
+
+    def roles(self, spec: JobSpec) -> dict[str, dict[str, int]]:
+        roles = cluster_roles(spec, {"worker": {"count": 1}})
+        unknown = [r for r in roles if r not in ROLES]
+        if unknown:
+            raise SpecError("-Dcluster", f'unknown TensorFlow role "{unknown[0]}"',
+                            "TensorFlow roles are ps, worker, chief and evaluator")
+        for role in ("chief", "evaluator"):
+            if roles.get(role, {}).get("count", 0) > 1:
+                raise SpecError("-Dcluster", f'"{role}" count is {roles[role]["count"]}',
+                                f"TensorFlow takes at most one {role}; use workers for more")
+        if "worker" not in roles and "chief" not in roles:
+            raise SpecError("-Dcluster", "no worker or chief to run the training",
+                            'add one, e.g. {"ps":{"count":1},"worker":{"count":2}}')
+        if ("chief" in roles and "ps" in roles and "worker" not in roles
+                and spec.get("scriptRoles") == "auto"):
+            raise SpecError("-Dcluster", "a chief with ps but no workers",
+                            "ParameterServerStrategy schedules its steps on workers: add "
+                            '"worker":{"count":1} or more')
+        return roles
+
+    def validate(self, spec: JobSpec) -> None:
+        super().validate(spec)
+        self.roles(spec)
+
+    def plan(self, spec: JobSpec, code: StagedCode) -> JobPlan:
+        roles = self.roles(spec)
+        has_chief = "chief" in roles
+        serve_roles = {"ps", "worker"} if has_chief and spec.get("scriptRoles") == "auto" else set()
+        flags = self.cluster_flags(spec, code, has_chief)
+        python = get_runtime(self.runtime).python()
+        runner = [python, "-u", runner_path(RUNNER)]
+        script = [*([f"--cluster-flags={','.join(flags)}"] if flags else []), "--",
+                  str(code.entry), *script_args(spec)]
+        finishing = "chief" if has_chief else "worker"
+
+        plans = []
+        for role in ROLES:
+            if role not in roles:
+                continue
+            conf = roles[role]
+            trains = role in ("worker", "chief")
+            plans.append(RolePlan(
+                name=role, count=conf["count"],
+                argv=runner + (["--serve"] if role in serve_roles else script),
+                cwd=str(code.cwd),
+                must_finish=role == finishing,
+                listens=role != "evaluator",  # TF keeps the evaluator out of the cluster
+                cpu=conf["cpu"], memory=conf["memory"],
+                gpu=conf["gpu"] or (spec.get("gpuRequired") if trains else 0),
+            ))
+
+        notes = [
+            f"roles: {', '.join(f'{r.name} x{r.count}' for r in plans)}; "
+            f"the job succeeds when every {finishing} exits 0, the others are then stopped",
+            "every instance gets TF_CONFIG (the evaluator stays out of its cluster)",
+            (f"the script runs on {', '.join(r.name for r in plans if r.name not in serve_roles)}; "
+             f"{' and '.join(sorted(serve_roles))} run a plain tf.distribute.Server"
+             if serve_roles else "the script runs on every instance"),
+            f"classic flags passed: {' '.join('--' + f for f in flags)}" if flags
+            else "no classic cluster flags passed (the script defines none)",
+            "a failure that a restart can cure restarts the whole job on fresh ports "
+            "(TF's cluster spec is fixed at start)",
+        ]
+        if spec.framework.lower() not in ("tensorflow", "tf"):
+            notes.append(f"-name {spec.framework}: the version in the name picks nothing; "
+                         f"the runtime is {get_runtime(self.runtime).description}")
+        job_name = spec.get("jobName") or (code.entry.stem if code.entry else "tensorflow")
+        return JobPlan(job_name=job_name, framework=self.name, task_name=self.task_name,
+                       roles=plans, restart=RESTART_JOB,
+                       max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
+                       metric_patterns=list(self.metric_patterns), notes=notes)
+
+    def cluster_flags(self, spec: JobSpec, code: StagedCode, has_chief: bool) -> list[str]:
+        mode = spec.get("clusterFlags")
+        if mode == "never":
+            return []
+        if mode == "always":
+            return [f for f in CLASSIC_FLAGS if f != "chief_hosts" or has_chief]
+        return defined_classic_flags(code)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import socket
 import sys
 
 DIST_PREFIX = "dist"
@@ -62,6 +63,27 @@ def dmlc_environment(env: dict[str, str]) -> dict[str, str]:
     if role != "scheduler" and env.get("PAI_PORT"):
         out["PORT"] = env["PAI_PORT"]
     return out
+
+
+def check_scheduler_port(host: str, port: int) -> None:
+    """Fail early and plainly when the scheduler's port is taken.
+
+    ps-lite binds the scheduler's port with no retry and dies with a bare "bind
+    failed" check; saying "address already in use" lets the launcher see a port
+    conflict and restart the job on fresh ports instead of counting a failure.
+    """
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # ZeroMQ sets SO_REUSEADDR on its listeners; probe the same way so that a
+        # port in TIME_WAIT from an earlier attempt is not taken for a conflict.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+    except OSError as err:
+        print(f"mxnet_runner: scheduler cannot bind {host}:{port}: address already in use ({err})",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        probe.close()
 
 
 # ---------------------------------------------------------------------------
@@ -142,6 +164,8 @@ def compression_params(env: dict[str, str]) -> dict | None:
 def main(argv: list[str]) -> None:
     os.environ.update(dmlc_environment(dict(os.environ)))
     role = os.environ["DMLC_ROLE"]
+    if role == "scheduler":
+        check_scheduler_port(os.environ["DMLC_PS_ROOT_URI"], int(os.environ["DMLC_PS_ROOT_PORT"]))
     if role != "worker":
         # With DMLC_ROLE=scheduler|server, `import mxnet` runs the node until the
         # workers finalize their kvstores, then exits the process by itself.

@@ -273,29 +273,38 @@ def closest(name: str, known: Iterable[str]) -> str | None:
     return match[0] if match else None
 
 
-def build_spec(framework: str, raw: dict[str, Any], *, params: Iterable[Param], base: Path,
-               project: str | None = None, where: Callable[[str], str] | None = None) -> JobSpec:
-    """Typed JobSpec from raw values keyed by PAI or snake_case names.
+@dataclass(frozen=True)
+class RawParam:
+    """A parameter as the user gave it: key as written, raw value, how to name it
+    in an error (`-Dcluster`, `job.yaml line 3: cluster`), and the directory a
+    relative path is relative to."""
 
-    `where(key)` names a key the way the user wrote it, for error messages
-    (`-Dcluster`, `job.yaml line 3: cluster`)."""
+    key: str
+    value: Any
+    where: str
+    base: Path
+
+
+def build_spec(framework: str, raw: Iterable[RawParam], *, params: Iterable[Param],
+               project: str | None = None) -> JobSpec:
+    """A typed JobSpec from raw values keyed by PAI or snake_case names. A later
+    entry for the same parameter overrides an earlier one (-D over YAML)."""
     table = {p.name: p for p in params}
     by_yaml = {p.yaml_name: p for p in table.values()}
-    where = where or (lambda key: f"-D{key}")
     spec = JobSpec(framework=framework, project=project, table=table)
-    for key, value in raw.items():
-        param = table.get(key) or by_yaml.get(key)
+    for item in raw:
+        param = table.get(item.key) or by_yaml.get(item.key)
         if param is None:
-            guess = closest(key, list(table))
-            hint = f"did you mean {where(guess).split(': ')[-1]}?" if guess else \
-                "run `pai params` to list the parameters"
+            guess = closest(item.key, list(table) + list(by_yaml))
             if guess:
-                hint += " (`pai params` lists them all)"
-            raise SpecError(where(key), "unknown parameter", hint)
-        if param.name in spec.params:
-            raise SpecError(where(key), f"given twice (also as {param.name})", "keep one of them")
+                guess = guess if item.where.startswith("-D") or guess in by_yaml else table[guess].yaml_name
+                shown = f"-D{guess}" if item.where.startswith("-D") else guess
+                hint = f"did you mean {shown}? (`pai params` lists them all)"
+            else:
+                hint = "`pai params` lists the parameters"
+            raise SpecError(item.where, "unknown parameter", hint)
         try:
-            spec.params[param.name] = convert(param, value, base)
+            spec.params[param.name] = convert(param, item.value, item.base)
         except ValueError as err:
-            raise SpecError(where(key), str(err)) from None
+            raise SpecError(item.where, str(err)) from None
     return spec

@@ -1,0 +1,73 @@
+"""Instances as local processes, each in a session (and process group) of its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from paicli.cluster.backends.base import Backend, Handle
+
+
+def signal_group(pgid: int, signum: int) -> bool:
+    """False when the group no longer exists."""
+    try:
+        os.killpg(pgid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+
+
+def group_exists(pgid: int) -> bool:
+    """True while any process of the group is alive (zombies excluded)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # killpg(…, 0) also succeeds for zombies; look for a live member.
+    try:
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(b")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] != b"Z":
+                return True
+    except OSError:
+        return True
+    return False
+
+
+class LocalBackend(Backend):
+    host = "127.0.0.1"
+
+    def start(self, argv, env, cwd):
+        read_fd, write_fd = os.pipe()
+        try:
+            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=write_fd, stderr=write_fd, start_new_session=True,
+                                    close_fds=True)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        os.set_blocking(read_fd, False)
+        return Handle(pid=proc.pid, pgid=proc.pid, output_fd=read_fd, host=self.host, native=proc)
+
+    def poll(self, handle):
+        return handle.native.poll()
+
+    def wait(self, handle):
+        return handle.native.wait()
+
+    def signal(self, handle, signum):
+        signal_group(handle.pgid, signum)
+
+    def group_alive(self, handle):
+        return group_exists(handle.pgid)

@@ -1,0 +1,152 @@
+"""Where the master puts what instances print.
+
+Every chunk an instance writes goes to its own attempt log (raw), and each
+complete line also goes to the job's combined log prefixed `[worker:1] `, in the
+order the master received it: the CLI tails that one file, so lines from
+different instances reach the terminal in arrival order. Files are capped: past
+the cap the file is renamed to `<name>.1` (replacing the previous one) and a new
+one begun, so the tail is always kept.
+
+Lines are also matched against the plan's metric patterns.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import time
+from pathlib import Path
+
+DEFAULT_CAP = 64 * 1024 * 1024
+
+
+def log_cap() -> int:
+    try:
+        return max(4096, int(os.environ.get("PAI_LOG_MAX_BYTES", DEFAULT_CAP)))
+    except ValueError:
+        return DEFAULT_CAP
+
+
+class CappedFile:
+    def __init__(self, path: Path, cap: int):
+        self.path = path
+        self.cap = cap
+        self.file = open(path, "ab", buffering=0)
+        self.size = self.file.tell()
+
+    def write(self, data: bytes) -> None:
+        if self.size + len(data) > self.cap and self.size:
+            self.file.close()
+            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+            self.file = open(self.path, "ab", buffering=0)
+            self.size = 0
+        self.file.write(data)
+        self.size += len(data)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class MetricParser:
+    """Applies the plan's regexes to lines. A pattern with named groups gives a
+    metric per group (`(?P<loss>…)`); a pattern with groups `key` and `value`
+    gives a metric named by the key's text. A line's step is its `step`,
+    `iteration` or `global_step` value."""
+
+    STEP_KEYS = ("step", "iteration", "iter", "global_step", "batch")
+
+    def __init__(self, patterns: list[str]):
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def parse(self, line: str) -> tuple[float | None, dict[str, float]]:
+        values: dict[str, float] = {}
+        for pattern in self.patterns:
+            for match in pattern.finditer(line):
+                groups = match.groupdict()
+                if "key" in groups and "value" in groups:
+                    if groups["key"] is not None and groups["value"] is not None:
+                        self._put(values, groups["key"], groups["value"])
+                    continue
+                for key, text in groups.items():
+                    if text is not None:
+                        self._put(values, key, text)
+        step = next((values[k] for k in self.STEP_KEYS if k in values), None)
+        return step, values
+
+    @staticmethod
+    def _put(values: dict[str, float], key: str, text: str) -> None:
+        try:
+            number = float(text)
+        except ValueError:
+            return
+        if number == number and abs(number) != float("inf"):
+            values.setdefault(key, number)
+
+
+class InstanceLog:
+    """One instance attempt's output: its file, its partial last line, its tail."""
+
+    def __init__(self, path: Path, prefix: str, cap: int, tail_lines: int = 20):
+        self.path = path
+        self.prefix = prefix.encode()
+        self.file = CappedFile(path, cap)
+        self.partial = b""
+        self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Write raw data; return the complete lines it finished."""
+        self.file.write(data)
+        data = self.partial + data
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            self.partial = data
+            return []
+        self.partial = data[cut + 1:]
+        lines = data[:cut].split(b"\n")
+        # A progress bar redraws with \r: keep what the line finally showed.
+        lines = [line.rsplit(b"\r", 1)[-1] if b"\r" in line else line for line in lines]
+        return lines
+
+    def flush(self) -> list[bytes]:
+        if not self.partial:
+            return []
+        lines, self.partial = [self.partial.rsplit(b"\r", 1)[-1]], b""
+        return lines
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class JobLog:
+    """The combined, prefixed log and the metrics found in it."""
+
+    def __init__(self, path: Path, parser: MetricParser, cap: int):
+        self.file = CappedFile(path, cap)
+        self.parser = parser
+        self.pending_metrics: list[tuple] = []
+
+    def lines(self, job_id: str, role: str, idx: int, log: InstanceLog, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        prefix = log.prefix
+        self.file.write(b"".join(prefix + line + b"\n" for line in lines))
+        now = time.time()
+        for raw in lines:
+            text = raw.decode("utf-8", "replace")
+            if text.strip():
+                log.tail.append(text)
+            step, values = self.parser.parse(text)
+            for key, value in values.items():
+                self.pending_metrics.append((job_id, role, idx, now, step, key, value))
+
+    def take_metrics(self) -> list[tuple]:
+        rows, self.pending_metrics = self.pending_metrics, []
+        return rows
+
+    def note(self, text: str) -> None:
+        """A line from the launcher itself, in the same stream."""
+        self.file.write(f"[pai] {text}\n".encode())
+
+    def close(self) -> None:
+        self.file.close()

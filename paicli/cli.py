@@ -1,0 +1,429 @@
+"""The `pai` command. Thin: parse, make one library call, render.
+
+    pai -name tensorflow -Dscript=file:///x/train.py -Dcluster='{"worker":{"count":2}}'
+    pai run job.yaml
+    pai status|wait|logs|kill|list ...
+
+Heavy modules (the launcher, rich, yaml) are imported inside the commands that
+need them, so `pai --help` starts fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import click
+
+from paicli import __version__
+from paicli.errors import Cancelled, PaiError, UsageError
+
+STATEMENT_FLAGS = ("-name", "-project", "-D")
+SUBMIT_OPTIONS = {"--detach": "detach", "-d": "detach", "--no-progress": "no_progress"}
+
+
+def _store():
+    from paicli.store import Store
+    return Store()
+
+
+def _echo_json(data) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def _split_submit_options(tokens: tuple[str, ...]) -> tuple[list[str], dict[str, bool]]:
+    options = {"detach": False, "no_progress": False}
+    rest = []
+    for token in tokens:
+        if token in SUBMIT_OPTIONS:
+            options[SUBMIT_OPTIONS[token]] = True
+        elif token.startswith("--"):
+            raise UsageError(f"unknown option {token}", "options here: --detach, --no-progress")
+        else:
+            rest.append(token)
+    return rest, options
+
+
+def _runtime_progress():
+    """Install progress: one line rewritten in place on a TTY, plain lines in a pipe."""
+    err = sys.stderr
+    if err.isatty():
+        def show(line: str) -> None:
+            width = 100
+            err.write("\r\x1b[2K" + ("runtime: " + line)[:width])
+            err.flush()
+            if line.endswith("ready") or " ready in " in line:
+                err.write("\n")
+        return show
+    return lambda line: err.write(f"runtime: {line}\n")
+
+
+def submit_and_follow(stmt, detach: bool = False, progress: bool = True) -> int:
+    from paicli import client
+
+    prepared = client.prepare(stmt)
+    store = _store()
+    job_id = client.submit(prepared, store, progress=_runtime_progress())
+    if detach:
+        click.echo(job_id)
+        return 0
+    job = store.job(job_id)
+    click.echo(f"ID = {job_id}")
+    click.echo(f"Log view: {os.path.join(job['job_dir'], 'summary.txt')}")
+    return attach(store, job_id, from_end=False, progress=progress)
+
+
+def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
+    """Follow a job to its end and render the verdict; Ctrl-C cancels it."""
+    from paicli import client, jobview, logtail
+
+    out = logtail.binary_stdout()
+    colour = logtail.use_colour(sys.stdout)
+    try:
+        status = logtail.follow_job(store, job_id, out, from_end=from_end, progress=progress, colour=colour)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"\ncancelling {job_id} (Ctrl-C)...\n")
+        client.kill(store, job_id, reason="cancelled (Ctrl-C)")
+        status = logtail.follow_job(store, job_id, out, from_end=True, progress=False, colour=colour)
+    for line in jobview.summary_lines(status):
+        click.echo(line)
+    if status["status"] == "Failed":
+        for event in store.events(job_id):
+            if event["kind"] == "last-lines":
+                click.echo(f"last lines of {event['role']}:{event['idx']}:")
+                for line in event["message"].splitlines():
+                    click.echo(f"  {line}")
+    click.echo(jobview.verdict_line(status))
+    return {"Succeeded": 0, "Cancelled": Cancelled.exit_code}.get(status["status"], 1)
+
+
+# -- the command group ------------------------------------------------------------
+
+
+def _is_statement_token(arg: str) -> bool:
+    return arg.startswith(STATEMENT_FLAGS) and not arg.startswith("--")
+
+
+class StatementCommand(click.Command):
+    """Click would read `-Dscript=/x/h.py` as a bundle of short options (and find
+    -h in it); everything from the first PAI token on is passed through as is."""
+
+    def parse_args(self, ctx, args):
+        for i, arg in enumerate(args):
+            if _is_statement_token(arg):
+                args = [*args[:i], "--", *args[i:]]
+                break
+        return super().parse_args(ctx, args)
+
+
+class PaiGroup(click.Group):
+    """A group that also accepts PAI statements: `pai -name X -Dk=v ...`."""
+
+    def parse_args(self, ctx, args):
+        if args and _is_statement_token(args[0]):
+            args = ["submit", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=PaiGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="pai")
+def cli():
+    """Submit and follow distributed deep-learning jobs, PAI style.
+
+    \b
+    Submit a job as in the PAI console (a trailing ; is fine):
+      pai -name tensorflow -Dscript=file:///home/me/train.py \\
+          -Dcluster='{"ps":{"count":1},"worker":{"count":2}}'
+    or from a YAML file:
+      pai run job.yaml -DmaxRetries=1
+
+    The job runs under its own supervisor: closing the terminal does not stop
+    it. `pai wait ID` re-attaches, `pai kill ID` cancels. Add --detach to
+    return as soon as the job is started. `pai params` lists every -D key.
+
+    \b
+    Exit codes: 0 job succeeded, 1 job failed, 2 bad input, 130 cancelled.
+    Environment: PAI_HOME (job store, default ~/.pai), NO_COLOR, PAI_DEBUG=1
+    (show tracebacks).
+    """
+
+
+@cli.command(cls=StatementCommand, context_settings={"ignore_unknown_options": True})
+@click.argument("statement", nargs=-1, type=click.UNPROCESSED)
+def submit(statement):
+    """Submit a PAI statement: -name FRAMEWORK [-project P] -Dkey=value ...
+
+    This is what `pai -name ...` runs. Options: --detach (print the job ID and
+    return), --no-progress (no progress lines).
+    """
+    from paicli.statement import parse_statement
+
+    tokens, options = _split_submit_options(statement)
+    stmt = parse_statement(tokens)
+    sys.exit(submit_and_follow(stmt, options["detach"], not options["no_progress"]))
+
+
+@cli.command(cls=StatementCommand)
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+@click.option("--detach", "-d", is_flag=True, help="Print the job ID and return.")
+@click.option("--no-progress", is_flag=True, help="Do not print progress lines.")
+def run(job_file, overrides, detach, no_progress):
+    """Run the job described by JOB_FILE (YAML); -Dkey=value overrides its values.
+
+    \b
+    Keys are PAI's names or their snake_case forms (max_retries = maxRetries);
+    `name:` is the framework. Relative paths are relative to the file's folder.
+      name: python
+      script: train.py
+      cluster: {ps: {count: 1}, worker: {count: 2}}
+    """
+    from paicli.statement import load_job_file, merge_overrides, parse_statement
+
+    overrides, options = _split_submit_options(overrides)
+    stmt = load_job_file(job_file)
+    if overrides:
+        stmt = merge_overrides(stmt, parse_statement(overrides, require_name=False))
+    sys.exit(submit_and_follow(stmt, detach or options["detach"], not (no_progress or options["no_progress"])))
+
+
+@cli.command(cls=StatementCommand, context_settings={"ignore_unknown_options": True})
+@click.argument("statement", nargs=-1, type=click.UNPROCESSED)
+def export(statement):
+    """Print the YAML job file for a statement (the same arguments as a submit).
+
+    `pai export -name python -Dscript=x.py > job.yaml` then `pai run job.yaml`
+    runs the identical job. Paths are written absolute.
+    """
+    from paicli import client
+    from paicli.statement import load_job_file, parse_statement
+
+    tokens = list(statement)
+    if tokens and not tokens[0].startswith("-") and tokens[0].endswith((".yaml", ".yml")):
+        stmt = load_job_file(tokens[0])
+    else:
+        stmt = parse_statement(tokens)
+    click.echo(client.export_yaml(client.prepare(stmt)), nl=False)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(job_id, as_json):
+    """Show a job's state, its tasks (Fatal/Finished/Total) and instances."""
+    from paicli import client, jobview
+
+    store = _store()
+    job_id = client.resolve_job(store, job_id)["id"]
+    st = client.status(store, job_id)
+    if as_json:
+        _echo_json(st)
+        return
+    click.echo(f"ID = {st['id']}  {st['name']}  ({st['framework']})")
+    click.echo(f"Status: {st['status']}" + (f"  {st['reason']}" if st["reason"] else ""))
+    click.echo(f"Log view: {st['log_view']}")
+    click.echo("")
+    for line in jobview.summary_lines(st):
+        click.echo(line)
+    click.echo("")
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("Instance", "Status", "Exit", "Attempts", "PID", "Port", "Last metrics", box=None)
+    for inst in st["instances"]:
+        name = f"{inst['role']}:{inst['index']}"
+        metrics = ", ".join(f"{k}={v:g}" for k, v in list(st["metrics"].get(name, {}).items())[:4])
+        table.add_row(name, inst["status"], str(inst["exit_code"] if inst["exit_code"] is not None else ""),
+                      str(inst["attempts"]), str(inst["pid"] or ""), str(inst["port"] or ""), metrics)
+    Console().print(table)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--no-progress", is_flag=True, help="Do not print progress lines.")
+def wait(job_id, no_progress):
+    """Re-attach to a job: follow its lines from now to its end.
+
+    Exits like the job: 0 succeeded, 1 failed, 130 cancelled.
+    """
+    from paicli import client
+
+    store = _store()
+    job_id = client.resolve_job(store, job_id)["id"]
+    sys.exit(attach(store, job_id, from_end=True, progress=not no_progress))
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--instance", "-i", help="One instance's log, e.g. worker:1 (default: every instance, prefixed).")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the job ends.")
+@click.option("--tail", "-n", type=click.IntRange(min=0), help="Only the last N lines.")
+@click.option("--attempt", type=click.IntRange(min=0), help="With --instance: that attempt (default: the latest).")
+def logs(job_id, instance, follow, tail, attempt):
+    """Print a job's log, or one instance's."""
+    from paicli import client, logtail
+    from paicli.logview import log_path, print_log
+
+    store = _store()
+    job = client.resolve_job(store, job_id)
+    path = log_path(store, job, instance, attempt)
+    print_log(store, job["id"], path, logtail.binary_stdout(), tail=tail, follow=follow,
+              colour=logtail.use_colour(sys.stdout) and instance is None)
+
+
+@cli.command()
+@click.argument("job_id")
+def kill(job_id):
+    """Cancel a job: every instance is stopped (SIGTERM, then SIGKILL) within 5 s."""
+    from paicli import client
+
+    store = _store()
+    job = client.resolve_job(store, job_id)
+    if client.kill(store, job["id"]):
+        click.echo(f"{job['id']} cancelled")
+    else:
+        click.echo(f"{job['id']} had already ended ({client.refresh(store, job['id'])['status']})")
+
+
+@cli.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the jobs as JSON.")
+@click.option("--limit", "-n", default=50, show_default=True, type=click.IntRange(min=1), help="How many jobs.")
+def list_(as_json, limit):
+    """List recent jobs, newest first (like PAI's `show instances`)."""
+    from paicli import client
+
+    jobs = client.list_jobs(_store(), limit)
+    if as_json:
+        _echo_json(jobs)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("StartTime", "RunTime", "Status", "InstanceID", "Name", "Framework", box=None)
+    for job in jobs:
+        table.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])),
+                      f"{job['run_time']:.0f}s", job["status"], job["id"], job["name"] or "", job["framework"])
+    Console().print(table)
+
+
+@cli.command()
+@click.option("--name", "-n", "framework", help="Also list this framework's own parameters.")
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+def params(framework, as_json):
+    """List the -D parameters: name, YAML name, type, default, meaning."""
+    from paicli.docs import param_rows
+
+    rows = param_rows(framework)
+    if as_json:
+        _echo_json(rows)
+        return
+    for row in rows:
+        default = "" if row["default"] is None else f" (default {row['default']})"
+        click.echo(f"-D{row['name']}  [{row['kind']}]{default}  yaml: {row['yaml']}  ({row['scope']})")
+        click.echo(f"    {row['help']}")
+
+
+@cli.group()
+def runtime():
+    """Framework runtimes: install, list, remove (cached under ~/.cache/paicli)."""
+
+
+@runtime.command("install")
+@click.argument("name")
+def runtime_install(name):
+    """Provision a framework's runtime now (jobs also do it on first use)."""
+    from paicli.runners.runtimes import RuntimeError_, get_runtime
+
+    try:
+        rt = get_runtime(name)
+        rt.ensure(_runtime_progress())
+    except RuntimeError_ as err:
+        raise PaiError(str(err)) from None
+    info = rt.info()
+    click.echo(f"{name}: ready at {info['path']} ({info['version']})")
+
+
+@runtime.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def runtime_list(as_json):
+    """Show each runtime: installed or not, path, version, size."""
+    from paicli.runners.runtimes import RUNTIMES, get_runtime
+
+    infos = []
+    for name in RUNTIMES:
+        try:
+            infos.append(get_runtime(name).info())
+        except Exception as err:  # one broken runtime must not hide the others
+            infos.append({"name": name, "installed": False, "path": "", "version": "", "size": None,
+                          "source": f"unavailable: {err}"})
+    if as_json:
+        _echo_json(infos)
+        return
+    for info in infos:
+        size = f"{info['size'] / 1e6:.0f} MB" if info.get("size") else "-"
+        state = "installed" if info["installed"] else "not installed"
+        click.echo(f"{info['name']:<11} {state:<14} {size:>8}  {info['version']}  {info['path']}  [{info['source']}]")
+
+
+@runtime.command("remove")
+@click.argument("name")
+def runtime_remove(name):
+    """Delete a provisioned runtime (the next job that needs it provisions it again)."""
+    from paicli.runners.runtimes import RuntimeError_, get_runtime
+
+    try:
+        removed = get_runtime(name).remove()
+    except RuntimeError_ as err:
+        raise PaiError(str(err)) from None
+    click.echo(f"{name}: removed" if removed else f"{name}: was not installed")
+
+
+@cli.command()
+def console():
+    """An interactive console: type statements ending in ;, as in the PAI console.
+
+    \b
+      pai> pai -name python -Dscript=train.py;
+      pai> show instances;
+      pai> quit;
+    """
+    from paicli.console import run_console
+
+    sys.exit(run_console())
+
+
+# -- the error boundary ---------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Known errors become one line on stderr and an exit code; tracebacks only
+    with PAI_DEBUG=1."""
+    debug = bool(os.environ.get("PAI_DEBUG"))
+    try:
+        cli.main(args=argv, prog_name="pai", standalone_mode=False)
+    except click.exceptions.Exit as exit_:
+        sys.exit(exit_.exit_code)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(2 if isinstance(err, click.UsageError) else err.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except PaiError as err:
+        if debug:
+            raise
+        click.echo(f"pai: error: {err}", err=True)  # one line: what, where, and the fix
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.stderr.close()
+        sys.exit(0)
+    except Exception as err:
+        if debug:
+            raise
+        click.echo(f"pai: internal error: {type(err).__name__}: {err} (run with PAI_DEBUG=1 for the traceback)",
+                   err=True)
+        sys.exit(1)

@@ -1,0 +1,195 @@
+"""The library API the CLI and the console share: prepare, submit, status, kill.
+
+Each function does one thing and raises paicli.errors on known failures; the
+callers render. The client never runs a framework: it writes the job, starts
+its JobMaster in a session of its own, and from then on only reads the store and
+the log files (and asks the master to cancel).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from paicli import jobview
+from paicli.errors import PaiError, UsageError
+from paicli.plan import JobPlan
+from paicli.spec import CORE_PARAMS, JobSpec, build_spec
+from paicli.statement import Statement, dump_yaml
+from paicli.states import InstanceStatus, JobStatus
+from paicli.store import Store
+
+
+@dataclass
+class Prepared:
+    adapter: Any
+    spec: JobSpec
+
+
+def prepare(stmt: Statement) -> Prepared:
+    """Validate a statement into a JobSpec for its adapter (no side effects)."""
+    from paicli.adapters import get_adapter
+
+    adapter = get_adapter(stmt.framework or "")
+    spec = build_spec(adapter.name, stmt.params, params=(*CORE_PARAMS, *adapter.params), project=stmt.project)
+    adapter.validate(spec)
+    return Prepared(adapter, spec)
+
+
+def export_yaml(prepared: Prepared) -> str:
+    return dump_yaml(prepared.spec.to_dict())
+
+
+def submit(prepared: Prepared, store: Store | None = None,
+           progress: Callable[[str], None] = lambda line: None) -> str:
+    """Stage the code, plan, provision the runtime, record the job and start its
+    master. Returns the job ID. Nothing is written to the store or the job
+    folder unless every step before starting succeeded."""
+    from paicli.cluster import scheduler
+    from paicli.staging import stage_code
+    from paicli.store import new_job_id
+
+    store = store or Store()
+    adapter, spec = prepared.adapter, prepared.spec
+    job_id = new_job_id()
+    # The job folder exists only once everything below succeeded; until then it is
+    # a hidden staging folder that a failure removes.
+    staging = store.jobs_dir / f".staging-{job_id}"
+    job_dir = store.jobs_dir / job_id
+    staging.mkdir()
+    try:
+        code = stage_code(spec, staging)
+        if code.root is not None:
+            code = type(code)(entry=job_dir / code.entry.relative_to(staging), root=job_dir / "code",
+                              cwd=job_dir / code.cwd.relative_to(staging))
+        plan: JobPlan = adapter.plan(spec, code)
+        scheduler.check_fits(plan)
+        if adapter.runtime:
+            from paicli.runners.runtimes import RuntimeError_, get_runtime
+            try:
+                get_runtime(adapter.runtime).ensure(progress)
+            except RuntimeError_ as err:
+                raise PaiError(f"the {adapter.runtime} runtime: {err}",
+                               f"retry with `pai runtime install {adapter.runtime}`") from None
+        (staging / "spec.yaml").write_text(dump_yaml(spec.to_dict()))
+        (staging / "plan.json").write_text(plan.to_json())
+        os.rename(staging, job_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    store.create_job(job_id, name=plan.job_name, framework=adapter.name, project=spec.project,
+                     task_name=plan.task_name, job_dir=job_dir,
+                     roles=[{"name": r.name, "count": r.count, "must_finish": r.must_finish} for r in plan.roles])
+    start_master(store, job_id, job_dir)
+    return job_id
+
+
+def start_master(store: Store, job_id: str, job_dir: Path) -> None:
+    from paicli.cluster.master import proc_start_time
+
+    env = dict(os.environ)
+    env["PAI_HOME"] = str(store.home)
+    with open(job_dir / "master.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "paicli.cluster.master", job_id],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, close_fds=True, env=env)
+    store.update_job(job_id, master_pid=proc.pid, master_start=proc_start_time(proc.pid))
+
+
+# -- reading ----------------------------------------------------------------------
+
+
+def master_alive(job) -> bool:
+    from paicli.cluster.master import proc_start_time
+
+    pid = job["master_pid"]
+    if not pid:
+        return True  # not started yet: nothing to judge
+    start = proc_start_time(pid)
+    if start is None or (job["master_start"] and start != job["master_start"]):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != b"Z"
+
+
+def refresh(store: Store, job_id: str):
+    """The job's row, after marking it failed ("master lost") if its master died
+    without recording an end."""
+    job = store.job(job_id)
+    if not JobStatus(job["status"]).is_terminal() and not master_alive(job):
+        time.sleep(0.2)  # the master may be writing its last transition right now
+        job = store.job(job_id)
+        if not JobStatus(job["status"]).is_terminal() and not master_alive(job):
+            from paicli.cluster.watchdog import mark_master_lost
+            mark_master_lost(store, job_id)
+            job = store.job(job_id)
+    return job
+
+
+def status(store: Store, job_id: str) -> dict[str, Any]:
+    refresh(store, job_id)
+    return jobview.build_status(store, job_id)
+
+
+def list_jobs(store: Store, limit: int = 50) -> list[dict[str, Any]]:
+    out = []
+    for job in store.jobs(limit):
+        if not JobStatus(job["status"]).is_terminal():
+            job = refresh(store, job["id"])
+        end = job["ended"] or time.time()
+        out.append({"id": job["id"], "name": job["name"], "framework": job["framework"],
+                    "status": job["status"], "start_time": job["started"] or job["created"],
+                    "run_time": (end - job["started"]) if job["started"] else 0.0, "reason": job["reason"]})
+    return out
+
+
+# -- cancelling -----------------------------------------------------------------------
+
+
+def kill(store: Store, job_id: str, reason: str = "cancelled by user", wait: float = 5.0) -> bool:
+    """Cancel a job: record it, signal its master, and make sure every instance
+    group is gone within `wait` seconds (killing them here if the master could
+    not). False if the job had already ended."""
+    from paicli.cluster.backends.local import group_exists
+    from paicli.cluster.watchdog import stop_groups
+
+    job = refresh(store, job_id)
+    if JobStatus(job["status"]).is_terminal():
+        return False
+    store.set_job(job_id, JobStatus.CANCELLED, reason)
+    if master_alive(job) and job["master_pid"]:
+        try:
+            os.kill(job["master_pid"], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait - 1.0
+    while time.monotonic() < deadline:
+        pgids = {i["pgid"] for i in store.instances(job_id)
+                 if i["pgid"] and i["status"] == InstanceStatus.RUNNING.value}
+        if not pgids and not master_alive(store.job(job_id)):
+            break
+        time.sleep(0.05)
+    leftovers = {a["pgid"] for a in store.attempts(job_id) if a["pgid"] and group_exists(a["pgid"])}
+    if leftovers:
+        stop_groups(leftovers, timeout=0.5)
+    for inst in store.instances(job_id):
+        if not InstanceStatus(inst["status"]).is_terminal():
+            store.set_instance(job_id, inst["role"], inst["idx"], InstanceStatus.KILLED, reason)
+    return True
+
+
+def resolve_job(store: Store, job_id: str):
+    if not job_id:
+        raise UsageError("missing job ID", "`pai list` shows the jobs")
+    return store.find_job(job_id)

@@ -1,0 +1,38 @@
+"""The parameter reference, generated from the one table (core rows and each
+adapter's own rows): `pai params` prints it and docs/parameters.md is made from it."""
+
+from __future__ import annotations
+
+from paicli.spec import CORE_PARAMS
+
+
+def param_rows(framework: str | None = None) -> list[dict]:
+    from paicli.adapters import adapter_names, get_adapter
+
+    names = [get_adapter(framework).name] if framework else adapter_names()
+    rows = [{"name": p.name, "yaml": p.yaml_name, "kind": p.kind, "default": p.default, "help": p.help,
+             "scope": "all frameworks", "choices": list(p.choices)} for p in CORE_PARAMS]
+    for name in names:
+        for p in get_adapter(name).params:
+            rows.append({"name": p.name, "yaml": p.yaml_name, "kind": p.kind, "default": p.default,
+                         "help": p.help, "scope": name, "choices": list(p.choices)})
+    return rows
+
+
+def parameters_markdown() -> str:
+    lines = ["# Job parameters", "",
+             "Generated from the parameter table (`python -m paicli.docs > docs/parameters.md`);",
+             "`pai params` prints the same. Give them as `-Dname=value` or, in a job file, by the",
+             "YAML name.", "",
+             "| -D name | YAML name | type | default | applies to | meaning |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in param_rows():
+        default = "" if row["default"] is None else f"`{row['default']}`"
+        kind = row["kind"] + (f" ({', '.join(row['choices'])})" if row["choices"] else "")
+        text = row["help"].replace("|", "\\|")
+        lines.append(f"| `{row['name']}` | `{row['yaml']}` | {kind} | {default} | {row['scope']} | {text} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(parameters_markdown(), end="")

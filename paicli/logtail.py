@@ -1,0 +1,145 @@
+"""Following a job in the terminal: its log lines live, progress lines, summary.
+
+The master writes every instance's lines, prefixed `[worker:1] `, into the job's
+combined log in the order it received them; following that one file keeps
+arrival order. Lines are written through in chunks (no per-line work on a pipe);
+on a TTY each prefix is coloured by instance. After the job ends the file is
+read once more to its end, so the last lines are never lost.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import IO, Callable
+
+from paicli.states import InstanceStatus, JobStatus
+from paicli.store import Store
+
+COLOURS = (36, 32, 33, 35, 34, 91, 92, 93, 94, 95, 96)
+PREFIX = re.compile(rb"^\[([A-Za-z0-9_]+:\d+)\] ", re.M)
+NOTE = re.compile(rb"^\[pai\] .*$", re.M)
+STATUS_POLL = 0.25
+IDLE_SLEEP = 0.02
+
+
+def use_colour(stream: IO) -> bool:
+    if os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    return hasattr(stream, "isatty") and stream.isatty()
+
+
+def _colour_prefix(match: re.Match) -> bytes:
+    name = match.group(1)
+    colour = COLOURS[zlib.crc32(name) % len(COLOURS)]
+    return b"\x1b[%dm[%s]\x1b[0m " % (colour, name)
+
+
+def colourise(chunk: bytes) -> bytes:
+    chunk = PREFIX.sub(_colour_prefix, chunk)
+    return NOTE.sub(lambda m: b"\x1b[2m" + m.group(0) + b"\x1b[0m", chunk)
+
+
+class FileFollower:
+    """Reads a growing file from an offset; survives the writer's rotation
+    (rename to .1 and a new file) by finishing the old file first."""
+
+    def __init__(self, path: Path, offset: int | str = 0):
+        self.path = path
+        self.file: IO[bytes] | None = None
+        self.inode: int | None = None
+        self.start = offset
+
+    def _open(self) -> bool:
+        try:
+            self.file = open(self.path, "rb")
+        except FileNotFoundError:
+            return False
+        self.inode = os.fstat(self.file.fileno()).st_ino
+        if self.start == "end":
+            self.file.seek(0, os.SEEK_END)
+        elif self.start:
+            self.file.seek(int(self.start))
+        self.start = 0
+        return True
+
+    def read(self) -> bytes:
+        if self.file is None and not self._open():
+            return b""
+        assert self.file is not None
+        data = self.file.read(1 << 20)
+        if data:
+            return data
+        try:
+            inode = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return b""
+        if inode != self.inode:  # rotated: the old file is finished, start the new one
+            self.file.close()
+            self.file = None
+            return self.read()
+        return b""
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+def progress_line(task_name: str, instances: list) -> tuple[tuple[int, int, int], str]:
+    total = len(instances)
+    running = sum(i["status"] == InstanceStatus.RUNNING.value for i in instances)
+    terminated = sum(InstanceStatus(i["status"]).is_terminal() for i in instances)
+    pct = int(100 * terminated / total) if total else 0
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return (running, terminated, total), f"train: {stamp} {task_name}_job:{running}/{terminated}/{total}[{pct}%]"
+
+
+def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = False,
+               progress: bool = True, colour: bool = False,
+               status_of: Callable[[Store, str], dict] | None = None) -> dict:
+    """Tail the job's combined log to `out` until the job ends; print progress lines
+    when running/terminated counts change. Returns the final status dict."""
+    from paicli import client
+
+    status_of = status_of or client.status
+    job = store.job(job_id)
+    follower = FileFollower(Path(job["job_dir"]) / "job.log", "end" if from_end else 0)
+    last_counts = None
+    next_check = 0.0
+    try:
+        while True:
+            data = follower.read()
+            if data:
+                out.write(colourise(data) if colour else data)
+                out.flush()
+                continue
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + STATUS_POLL
+                job = client.refresh(store, job_id)
+                if progress:
+                    counts, line = progress_line(job["task_name"] or "Task", store.instances(job_id))
+                    if counts != last_counts:
+                        last_counts = counts
+                        out.write((line + "\n").encode())
+                        out.flush()
+                if JobStatus(job["status"]).is_terminal() and not client.master_alive(job):
+                    # One more read after the end, so no last line is lost.
+                    while data := follower.read():
+                        out.write(colourise(data) if colour else data)
+                    out.flush()
+                    break
+            time.sleep(IDLE_SLEEP)
+    finally:
+        follower.close()
+    return status_of(store, job_id)
+
+
+def binary_stdout() -> IO[bytes]:
+    return sys.stdout.buffer

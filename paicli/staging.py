@@ -1,0 +1,66 @@
+"""Putting the user's code where the job can run it.
+
+A plain script runs in place, from the directory `pai` was started in, as
+`python train.py` would. An archive (.tar.gz/.tgz) is checked and extracted into
+the job's own `code/` folder, and instances start in that folder. Everything
+happens in a staging directory that becomes the job directory only once the
+whole submission is valid, so bad input leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path
+
+from paicli.adapters.base import StagedCode
+from paicli.errors import SpecError
+from paicli.runners.archive import UnsafeArchive, extract
+from paicli.spec import JobSpec
+
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+
+
+def is_archive(path: str) -> bool:
+    return path.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def stage_code(spec: JobSpec, staging: Path) -> StagedCode:
+    script = spec.get("script")
+    entry_file = spec.get("entryFile")
+    cwd = Path(os.getcwd())
+    if not script:
+        if entry_file:
+            raise SpecError("-DentryFile", "names an entry inside -Dscript's archive, but there is no -Dscript",
+                            "add -Dscript=file:///path/code.tar.gz")
+        return StagedCode(entry=None, root=None, cwd=cwd)
+    if not is_archive(script):
+        if entry_file:
+            raise SpecError("-DentryFile", f"only applies to a .tar.gz archive, and {script} is not one",
+                            "drop -DentryFile, or pack the code with `tar czf code.tar.gz ...`")
+        return StagedCode(entry=Path(script), root=None, cwd=cwd)
+    root = staging / "code"
+    root.mkdir(parents=True)
+    try:
+        extract(script, str(root))
+    except UnsafeArchive as err:
+        raise SpecError("-Dscript", f"unsafe archive {script}: {err}",
+                        "repack it with paths relative to its top folder and no links leaving it") from None
+    except (tarfile.TarError, OSError, EOFError) as err:
+        raise SpecError("-Dscript", f"cannot read the archive {script}: {err}",
+                        "check that it is a .tar.gz made with `tar czf`") from None
+    scripts = sorted(str(p.relative_to(root)) for p in root.rglob("*.py"))
+    if not entry_file:
+        if len(scripts) == 1:
+            entry_file = scripts[0]
+        else:
+            listing = ", ".join(scripts[:6]) + (" …" if len(scripts) > 6 else "") if scripts else "no .py files"
+            raise SpecError("-DentryFile", "missing: which script in the archive runs?",
+                            f"add -DentryFile=<path inside the archive> (it holds {listing})")
+    entry = (root / entry_file).resolve()
+    if not str(entry).startswith(str(root.resolve()) + os.sep):
+        raise SpecError("-DentryFile", f"{entry_file!r} points outside the archive", "give a path inside it")
+    if not entry.is_file():
+        listing = ", ".join(scripts[:6]) if scripts else "no .py files"
+        raise SpecError("-DentryFile", f"{entry_file} is not in {Path(script).name}", f"it holds {listing}")
+    return StagedCode(entry=entry, root=root, cwd=root)

@@ -1,0 +1,288 @@
+"""The job store: SQLite in WAL mode under $PAI_HOME (default ~/.pai).
+
+Several processes write at once (the CLI, one JobMaster per job, watchdogs), so
+every write is a short `BEGIN IMMEDIATE` transaction with a busy timeout: a
+writer waits its turn instead of failing with "database is locked".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sqlite3
+import string
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from paicli.errors import NotFound, PaiError
+from paicli.states import InstanceStatus, JobStatus, can_move
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, name TEXT, framework TEXT, project TEXT, task_name TEXT,
+    status TEXT NOT NULL, reason TEXT, created REAL, started REAL, ended REAL,
+    job_dir TEXT, master_pid INTEGER, master_start TEXT, job_attempt INTEGER DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS tasks (
+    job_id TEXT, role TEXT, count INTEGER, must_finish INTEGER, position INTEGER,
+    retries INTEGER DEFAULT 0, PRIMARY KEY (job_id, role)
+);
+CREATE TABLE IF NOT EXISTS instances (
+    job_id TEXT, role TEXT, idx INTEGER, status TEXT NOT NULL, attempt INTEGER DEFAULT 0,
+    host TEXT, port INTEGER, pid INTEGER, pgid INTEGER, started REAL, ended REAL, exit_code INTEGER,
+    PRIMARY KEY (job_id, role, idx)
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    job_id TEXT, role TEXT, idx INTEGER, attempt INTEGER, host TEXT, port INTEGER,
+    pid INTEGER, pgid INTEGER, started REAL, ended REAL, exit_code INTEGER, log_path TEXT,
+    PRIMARY KEY (job_id, role, idx, attempt)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT, ts REAL, kind TEXT,
+    role TEXT, idx INTEGER, message TEXT
+);
+CREATE INDEX IF NOT EXISTS events_job ON events (job_id, id);
+CREATE TABLE IF NOT EXISTS metrics (
+    job_id TEXT, role TEXT, idx INTEGER, ts REAL, step REAL, key TEXT, value REAL
+);
+CREATE INDEX IF NOT EXISTS metrics_job ON metrics (job_id, role, idx, key);
+CREATE TABLE IF NOT EXISTS ports (port INTEGER PRIMARY KEY, job_id TEXT);
+"""
+
+
+def pai_home() -> Path:
+    return Path(os.environ.get("PAI_HOME") or Path.home() / ".pai").expanduser()
+
+
+def new_job_id() -> str:
+    """ODPS-style instance ID: local time to the millisecond plus 7 random characters,
+    e.g. 20161209110921342g1j2sa. Sorts by submit time."""
+    now = time.time()
+    stamp = time.strftime("%Y%m%d%H%M%S", time.localtime(now)) + f"{int(now * 1000) % 1000:03d}"
+    return stamp + "".join(random.choices(string.ascii_lowercase + string.digits, k=7))
+
+
+class Store:
+    def __init__(self, home: Path | None = None):
+        self.home = home or pai_home()
+        self.jobs_dir = self.home / "jobs"
+        try:
+            self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise PaiError(f"cannot create the job store in {self.home}: {err.strerror}",
+                           "set PAI_HOME to a writable directory") from None
+        self.path = self.home / "pai.db"
+        self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA busy_timeout = 60000")
+        with self._retry_locked():
+            self.db.execute("PRAGMA journal_mode = WAL")
+        self.db.execute("PRAGMA synchronous = NORMAL")
+        with self.tx():
+            for statement in SCHEMA.strip().split(";"):
+                if statement.strip():
+                    self.db.execute(statement)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- transactions -------------------------------------------------------
+
+    @contextmanager
+    def _retry_locked(self) -> Iterator[None]:
+        # The busy timeout covers waiting for a lock; this covers the rare
+        # SQLITE_BUSY that WAL returns immediately (e.g. while another process
+        # switches journal mode or checkpoints).
+        for attempt in range(200):
+            try:
+                yield
+                return
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) and "busy" not in str(err):
+                    raise
+                time.sleep(0.01 + random.random() * 0.05)
+        raise PaiError("the job store stayed locked for too long", "try again")
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        for attempt in range(200):
+            try:
+                self.db.execute("BEGIN IMMEDIATE")
+                break
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) and "busy" not in str(err):
+                    raise
+                time.sleep(0.01 + random.random() * 0.05)
+        else:
+            raise PaiError("the job store stayed locked for too long", "try again")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        else:
+            self.db.execute("COMMIT")
+
+    # -- jobs ---------------------------------------------------------------
+
+    def create_job(self, job_id: str, *, name: str, framework: str, project: str | None,
+                   task_name: str, job_dir: Path, roles: list[dict[str, Any]]) -> None:
+        """The job, its tasks and instances, all Waiting, in one transaction."""
+        now = time.time()
+        with self.tx() as db:
+            db.execute("INSERT INTO jobs (id, name, framework, project, task_name, status, created, job_dir)"
+                       " VALUES (?,?,?,?,?,?,?,?)",
+                       (job_id, name, framework, project, task_name, JobStatus.WAITING.value, now, str(job_dir)))
+            for position, role in enumerate(roles):
+                db.execute("INSERT INTO tasks (job_id, role, count, must_finish, position) VALUES (?,?,?,?,?)",
+                           (job_id, role["name"], role["count"], int(role["must_finish"]), position))
+                for idx in range(role["count"]):
+                    db.execute("INSERT INTO instances (job_id, role, idx, status) VALUES (?,?,?,?)",
+                               (job_id, role["name"], idx, InstanceStatus.WAITING.value))
+            db.execute("INSERT INTO events (job_id, ts, kind, message) VALUES (?,?,?,?)",
+                       (job_id, now, "submitted", f"{framework} job {name}"))
+
+    def job(self, job_id: str) -> sqlite3.Row:
+        row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no job {job_id} in {self.home}", "`pai list` shows the jobs there")
+        return row
+
+    def find_job(self, prefix: str) -> sqlite3.Row:
+        """A job by its full ID or a unique prefix."""
+        if not prefix or any(c not in string.ascii_lowercase + string.digits for c in prefix):
+            raise NotFound(f"{prefix!r} is not a job ID", "IDs look like 20261122100003123abc1234; `pai list` shows them")
+        rows = self.db.execute("SELECT * FROM jobs WHERE id LIKE ? ORDER BY id LIMIT 2",
+                               (prefix + "%",)).fetchall()
+        if len(rows) == 1:
+            return rows[0]
+        if not rows:
+            raise NotFound(f"no job {prefix} in {self.home}", "`pai list` shows the jobs there")
+        raise NotFound(f"{prefix} matches more than one job", "give more of the ID")
+
+    def jobs(self, limit: int = 50) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
+
+    def set_job(self, job_id: str, status: JobStatus, reason: str | None = None, **fields: Any) -> bool:
+        """Move a job to `status`; False (and nothing written) if it is already
+        terminal or the move is not allowed."""
+        now = time.time()
+        with self.tx() as db:
+            current = JobStatus(db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()[0])
+            if current == status:
+                self._update(db, "jobs", {"id": job_id}, fields)
+                return True
+            if not can_move(current, status):
+                return False
+            values = {"status": status.value, **fields}
+            if reason is not None:
+                values["reason"] = reason
+            if status == JobStatus.RUNNING:
+                values.setdefault("started", now)
+            if status.is_terminal():
+                values["ended"] = now
+            self._update(db, "jobs", {"id": job_id}, values)
+            db.execute("INSERT INTO events (job_id, ts, kind, message) VALUES (?,?,?,?)",
+                       (job_id, now, "job", status.value + (f": {reason}" if reason else "")))
+            if status.is_terminal():
+                db.execute("DELETE FROM ports WHERE job_id = ?", (job_id,))
+        return True
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        with self.tx() as db:
+            self._update(db, "jobs", {"id": job_id}, fields)
+
+    # -- tasks and instances --------------------------------------------------
+
+    def tasks(self, job_id: str) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM tasks WHERE job_id = ? ORDER BY position", (job_id,)).fetchall()
+
+    def instances(self, job_id: str) -> list[sqlite3.Row]:
+        return self.db.execute(
+            "SELECT i.* FROM instances i JOIN tasks t ON t.job_id = i.job_id AND t.role = i.role"
+            " WHERE i.job_id = ? ORDER BY t.position, i.idx", (job_id,)).fetchall()
+
+    def attempts(self, job_id: str) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM attempts WHERE job_id = ? ORDER BY role, idx, attempt",
+                               (job_id,)).fetchall()
+
+    def set_instance(self, job_id: str, role: str, idx: int, status: InstanceStatus,
+                     message: str | None = None, **fields: Any) -> bool:
+        now = time.time()
+        with self.tx() as db:
+            row = db.execute("SELECT status FROM instances WHERE job_id=? AND role=? AND idx=?",
+                             (job_id, role, idx)).fetchone()
+            current = InstanceStatus(row[0])
+            if current != status and not can_move(current, status):
+                return False
+            self._update(db, "instances", {"job_id": job_id, "role": role, "idx": idx},
+                         {"status": status.value, **fields})
+            db.execute("INSERT INTO events (job_id, ts, kind, role, idx, message) VALUES (?,?,?,?,?,?)",
+                       (job_id, now, "instance", role, idx, status.value + (f": {message}" if message else "")))
+        return True
+
+    def record_attempt(self, job_id: str, role: str, idx: int, attempt: int, **fields: Any) -> None:
+        with self.tx() as db:
+            db.execute("INSERT OR IGNORE INTO attempts (job_id, role, idx, attempt) VALUES (?,?,?,?)",
+                       (job_id, role, idx, attempt))
+            self._update(db, "attempts", {"job_id": job_id, "role": role, "idx": idx, "attempt": attempt}, fields)
+
+    def add_retry(self, job_id: str, role: str) -> None:
+        with self.tx() as db:
+            db.execute("UPDATE tasks SET retries = retries + 1 WHERE job_id=? AND role=?", (job_id, role))
+
+    # -- events and metrics ----------------------------------------------------
+
+    def event(self, job_id: str, kind: str, message: str, role: str | None = None, idx: int | None = None) -> None:
+        with self.tx() as db:
+            db.execute("INSERT INTO events (job_id, ts, kind, role, idx, message) VALUES (?,?,?,?,?,?)",
+                       (job_id, time.time(), kind, role, idx, message))
+
+    def events(self, job_id: str, after: int = 0) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM events WHERE job_id = ? AND id > ? ORDER BY id",
+                               (job_id, after)).fetchall()
+
+    def add_metrics(self, rows: list[tuple]) -> None:
+        """rows: (job_id, role, idx, ts, step, key, value)."""
+        if rows:
+            with self.tx() as db:
+                db.executemany("INSERT INTO metrics VALUES (?,?,?,?,?,?,?)", rows)
+
+    def metrics(self, job_id: str) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM metrics WHERE job_id = ? ORDER BY rowid", (job_id,)).fetchall()
+
+    # -- ports -----------------------------------------------------------------
+
+    def claim_port(self, port: int, job_id: str) -> bool:
+        """Reserve a port for a job; False if another live job holds it."""
+        with self.tx() as db:
+            try:
+                db.execute("INSERT INTO ports (port, job_id) VALUES (?, ?)", (port, job_id))
+                return True
+            except sqlite3.IntegrityError:
+                return False
+
+    def release_ports(self, job_id: str) -> None:
+        with self.tx() as db:
+            db.execute("DELETE FROM ports WHERE job_id = ?", (job_id,))
+
+    # -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _update(db: sqlite3.Connection, table: str, key: dict[str, Any], values: dict[str, Any]) -> None:
+        if not values:
+            return
+        sets = ", ".join(f"{name} = ?" for name in values)
+        where = " AND ".join(f"{name} = ?" for name in key)
+        db.execute(f"UPDATE {table} SET {sets} WHERE {where}", (*values.values(), *key.values()))
+
+
+def row_dict(row: sqlite3.Row) -> dict[str, Any]:
+    return {key: row[key] for key in row.keys()}
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,210 @@
+"""`-name caffe`: Caffe 1.0 solver jobs and multi-worker model averaging.
+
+Every instance runs in the Caffe runtime (runners/caffe_rootfs.py: Debian bullseye's
+caffe + python3-caffe run through that root filesystem's own loader).
+
+What runs:
+- `-Dsolver=...` (or a -Dscript archive whose -DentryFile is a .prototxt) with one
+  worker: runners/caffe_runner.py runs `caffe train --solver=...` (with --weights or
+  --snapshot when given); Caffe's glog lines stream as they come.
+- The same with N > 1 workers and a ps (-Dcluster='{"ps":{"count":1},"worker":{"count":2}}'):
+  each worker steps its own pycaffe solver on shard `index` of N of the data (Caffe's
+  solver_count/solver_rank record sharding of HDF5Data and Data/LMDB layers) and every
+  -DmaPeriod iterations the workers send their weights to the ps, which averages them and
+  sends the average back. The ps is the runner's (no user code). One worker fails and
+  every instance restarts (restart=job): the rounds must stay in step.
+- `-Dscript=train.py`: a pycaffe script, run with the runtime's Python 3.9 on every
+  instance of -Dcluster (PAI_* variables in its environment), PAI's flags after it.
+
+Working directory of a solver job: the first of the solver's folder, its parent
+folders, and the folder `pai` was started in, in which the solver's `net:` (or
+`train_net:`) path exists; so BVLC's `examples/mnist/lenet_solver.prototxt`
+(`net: "examples/mnist/..."`) runs in the folder that holds `examples/`, and a solver
+next to its net runs in its own folder. Relative paths inside the prototxt (data
+sources, snapshot_prefix) resolve there, as they would for `caffe train` run there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from paicli.adapters.base import Adapter, StagedCode, cluster_roles, script_args
+from paicli.errors import PaiError, SpecError
+from paicli.plan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
+from paicli.runners.runtimes import RuntimeError_, get_runtime, runner_path
+from paicli.spec import JobSpec, Param
+
+RUNNER = "caffe_runner.py"
+DEFAULT_MA_PERIOD = 20  # keep in step with runners/caffe_runner.py
+SOLVER_SUFFIXES = (".prototxt", ".pbtxt", ".txt")
+ROLES = ("ps", "worker")
+
+_N = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)"
+CAFFE_METRIC_PATTERNS = (
+    # I1122 ... solver.cpp:239] Iteration 20 (58.8 iter/s, 0.34s/20 iters), loss = 1.23
+    rf"\bIteration (?P<step>\d+) \((?P<iter_per_s>{_N}) iter/s, (?P<sec_per_display>{_N})s/\d+ iters\), "
+    rf"loss = (?P<loss>{_N})",
+    # the last line of a run: "Iteration 200, loss = 0.0026"
+    rf"\bIteration (?P<step>\d+), loss = (?P<loss>{_N})",
+    rf"\bIteration (?P<step>\d+), lr = (?P<lr>{_N})",
+    # Train outputs other than the loss (already above, smoothed), by their own names
+    rf"Train net output #\d+: (?P<key>(?!loss\b)[A-Za-z_][\w/.-]*) = (?P<value>{_N})",
+    # Test outputs: the test loss gets a name of its own so as not to mix with training's
+    rf"Test net output #\d+: (?:loss|test_loss) = (?P<test_loss>{_N})",
+    rf"Test net output #\d+: (?P<key>(?!loss\b|test_loss\b)[A-Za-z_][\w/.-]*) = (?P<value>{_N})",
+    # the runner's model-averaging summary (worker 0 and the ps)
+    rf"Averaged model loss = (?P<averaged_loss>{_N}) \(starting loss = (?P<starting_loss>{_N})\)",
+    rf"model averaging round (?P<ma_round>\d+) at iteration (?P<step>\d+): exchange took (?P<exchange_ms>{_N}) ms",
+)
+
+CAFFE_PARAMS: tuple[Param, ...] = (
+    Param("solver", "path",
+          help="The solver prototxt: a file:// URI or a path (or, in a -Dscript .tar.gz, name "
+               "it with -DentryFile). Relative paths inside it resolve in the folder that holds "
+               "its net (see docs/caffe.md)."),
+    Param("weights", "path", help="A .caffemodel to fine-tune from (caffe train --weights)."),
+    Param("snapshot", "path",
+          help="A .solverstate to resume from (caffe train --snapshot); the iteration count continues."),
+    Param("maPeriod", "int", default=DEFAULT_MA_PERIOD, minimum=1,
+          help="With several workers: average the model through the ps every this many iterations."),
+)
+
+
+def _solver_field(text: str, name: str) -> str | None:
+    match = re.search(rf'^\s*{name}\s*:\s*"([^"]*)"', text, re.M)
+    return match.group(1) if match else None
+
+
+def solver_cwd(solver: Path, fallback: Path, top: Path | None = None) -> Path:
+    """Where a solver's relative paths resolve (see the module's docstring)."""
+    try:
+        text = solver.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return fallback
+    net = _solver_field(text, "net") or _solver_field(text, "train_net")
+    candidates = [solver.parent, *solver.parent.parents]
+    if top is not None:  # inside an archive: never above its root
+        candidates = [c for c in candidates if c == top or top in c.parents]
+    candidates.append(fallback)
+    if net and not os.path.isabs(net):
+        for folder in candidates:
+            if (folder / net).exists():
+                return folder
+    return solver.parent if not net or os.path.isabs(net) else fallback
+
+
+class CaffeAdapter(Adapter):
+    name = "caffe"
+    task_name = "CaffeTask"
+    runtime = "caffe"
+    params = CAFFE_PARAMS
+    metric_patterns = CAFFE_METRIC_PATTERNS
+    requires_script = False   # a solver replaces the script
+    summary = "Caffe 1.0 solver jobs; several workers + a ps train with periodic model averaging"
+
+    def _solver(self, spec: JobSpec, code: StagedCode) -> Path | None:
+        if spec.get("solver"):
+            return Path(spec.get("solver"))
+        if code.entry is not None and code.entry.suffix.lower() in SOLVER_SUFFIXES:
+            return code.entry
+        return None
+
+    def validate(self, spec: JobSpec) -> None:
+        script, solver = spec.get("script"), spec.get("solver")
+        if not script and not solver:
+            raise SpecError("-Dsolver", "missing",
+                            "give the solver, e.g. -Dsolver=file:///home/me/lenet_solver.prototxt, "
+                            "or a pycaffe script with -Dscript=file:///home/me/train.py")
+        if script and solver and not script.lower().endswith((".tar.gz", ".tgz", ".tar")):
+            raise SpecError("-Dsolver", f"given together with the script {script}",
+                            "give -Dsolver for a solver job or -Dscript for a pycaffe script, not both")
+        if spec.get("weights") and spec.get("snapshot"):
+            raise SpecError("-Dweights", "given together with -Dsnapshot",
+                            "resume from a snapshot (-Dsnapshot) or fine-tune from weights (-Dweights), not both")
+        for role in (spec.get("cluster") or {}):
+            if role not in ROLES:
+                raise SpecError("-Dcluster", f'unknown role "{role}" for caffe',
+                                'caffe jobs have "worker" instances and, to average models, "ps"')
+
+    def plan(self, spec: JobSpec, code: StagedCode) -> JobPlan:
+        self.validate(spec)
+        try:
+            runtime = get_runtime(self.runtime)
+            python = runtime.python()
+        except RuntimeError_ as err:
+            raise PaiError(f"the caffe runtime: {err}") from None
+        roles = cluster_roles(spec, {"worker": {"count": 1}})
+        if "worker" not in roles:
+            raise SpecError("-Dcluster", 'has no "worker" role',
+                            'add one, e.g. {"ps":{"count":1},"worker":{"count":2}}')
+        workers = roles["worker"]["count"]
+        solver = self._solver(spec, code)
+        notes: list[str] = [f"runtime: {runtime.description}"]
+        if solver is None:
+            return self._script_plan(spec, code, python, roles, notes)
+
+        cwd = solver_cwd(solver, code.cwd, code.root)
+        notes.append(f"solver {solver}, run in {cwd}")
+        solve = [python, "-u", runner_path(RUNNER), "solve", "--solver", str(solver)]
+        if spec.get("weights"):
+            solve += ["--weights", spec.get("weights")]
+        if spec.get("snapshot"):
+            solve += ["--snapshot", spec.get("snapshot")]
+        if spec.get("checkpointDir"):
+            solve += ["--checkpoint-dir", str(Path(os.path.expanduser(spec.get("checkpointDir"))).resolve())]
+        env = {"GLOG_logtostderr": "1"}
+        plan_roles = []
+        restart = RESTART_INSTANCE
+        if workers == 1:
+            try:
+                solve += ["--caffe", runtime.caffe()]
+            except RuntimeError_ as err:
+                raise PaiError(f"the caffe runtime: {err}") from None
+            if "ps" in roles:
+                notes.append("one worker: nothing to average, the ps is not started")
+            notes.append("one worker: caffe train")
+        else:
+            if "ps" not in roles:
+                raise SpecError("-Dcluster", f"{workers} workers but no ps to average their models",
+                                'add a ps: {"ps":{"count":1},"worker":{"count":%d}}' % workers)
+            period = spec.get("maPeriod")
+            solve += ["--workers", str(workers), "--ma-period", str(period), "--python", python]
+            ps = roles["ps"]
+            plan_roles.append(RolePlan(
+                name="ps", count=ps["count"], argv=[python, "-u", runner_path(RUNNER), "average",
+                                                   "--workers", str(workers)],
+                must_finish=False, cwd=str(cwd), env=dict(env), cpu=ps["cpu"], memory=ps["memory"],
+                stop_grace=10.0))
+            # Several Caffe processes share the cores: one BLAS thread each.
+            env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = "1"
+            restart = RESTART_JOB
+            notes.append(f"{workers} workers, data shard = worker index, model averaged by "
+                         f"{ps['count']} ps every {period} iterations")
+        conf = roles["worker"]
+        plan_roles.append(RolePlan(
+            name="worker", count=workers, argv=solve, must_finish=True, listens=False,
+            cwd=str(cwd), env=env, cpu=conf["cpu"], memory=conf["memory"],
+            gpu=conf["gpu"] or spec.get("gpuRequired")))
+        return JobPlan(job_name=spec.get("jobName") or solver.stem, framework=self.name,
+                       task_name=self.task_name, roles=plan_roles, restart=restart,
+                       max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
+                       metric_patterns=list(self.metric_patterns), notes=notes)
+
+    def _script_plan(self, spec: JobSpec, code: StagedCode, python: str, roles: dict,
+                     notes: list[str]) -> JobPlan:
+        if code.entry is None:
+            raise SpecError("-Dsolver", "missing", "give -Dsolver=... or a pycaffe -Dscript=...")
+        argv = [python, "-u", str(code.entry), *script_args(spec)]
+        plan_roles = [
+            RolePlan(name=role, count=conf["count"], argv=argv, cwd=str(code.cwd),
+                     must_finish=role != "ps", env={"GLOG_logtostderr": "1"},
+                     cpu=conf["cpu"], memory=conf["memory"], gpu=conf["gpu"])
+            for role, conf in sorted(roles.items(), key=lambda kv: kv[0] != "ps")
+        ]
+        notes.append(f"pycaffe script {code.entry.name} on {', '.join(roles)}")
+        return JobPlan(job_name=spec.get("jobName") or code.entry.stem, framework=self.name,
+                       task_name=self.task_name, roles=plan_roles,
+                       max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
+                       metric_patterns=list(self.metric_patterns), notes=notes)

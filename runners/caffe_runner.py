@@ -1,0 +1,434 @@
+"""Runs one instance of a `pai -name caffe` job, inside the Caffe runtime.
+
+Runs with the runtime's Python 3.9 (stdlib, numpy, pycaffe only: no paicli here).
+
+    caffe_runner.py solve --solver S [--weights W] [--snapshot SS] [--checkpoint-dir D]
+                          [--workers N] [--ma-period P] [--caffe BIN]
+    caffe_runner.py average --workers N            (the ps role: the averaging server)
+
+`solve` with one worker runs `caffe train` (Caffe's own binary, glog lines streamed
+as they come). With N > 1 workers each runs a pycaffe solver on its own shard of
+the data (Caffe's solver_count/solver_rank: its HDF5Data and Data/LMDB layers then
+keep every N-th record, offset by the rank) and every P iterations sends its
+weights to the ps, which averages them and sends the average back (periodic model
+averaging). Workers read the ps addresses from PAI_CLUSTER; with several ps the
+flat weight vector is split into one contiguous slice per ps.
+
+Either way the training runs in a child process watched by this one, because a
+Caffe CHECK failure aborts (SIGABRT), which a launcher would take for a retryable
+kill: here it becomes exit 1 with Caffe's own error line as the last log line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import queue
+
+DEFAULT_MA_PERIOD = 20
+
+# glog: "F1122 04:53:09.650353 30196 upgrade_proto.cpp:79] Check failed: ..."
+GLOG_FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ (?P<where>[^\]]+)\] (?P<msg>.*)")
+PROTOBUF_ERROR = re.compile(r"^\[libprotobuf (?:ERROR|FATAL) [^\]]*\] (?P<msg>.*)")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Solver text: the few top-level fields this runner reads or rewrites.
+# Plain regexes, not protobuf: a prototxt that does not parse must reach Caffe
+# untouched so that the user sees Caffe's own error.
+
+def solver_field(text: str, name: str) -> str | None:
+    match = re.search(rf'^\s*{name}\s*:\s*"?([^"\n#]*)"?', text, re.M)
+    return match.group(1).strip() if match else None
+
+
+def set_solver_field(text: str, name: str, value: str, quoted: bool = True) -> str:
+    rendered = f'{name}: "{value}"' if quoted else f"{name}: {value}"
+    pattern = re.compile(rf'^(\s*){name}\s*:.*$', re.M)
+    if pattern.search(text):
+        return pattern.sub(lambda m: m.group(1) + rendered, text, count=1)
+    return text.rstrip("\n") + "\n" + rendered + "\n"
+
+
+def prepare_solver(args, workdir: str) -> tuple[str, str]:
+    """The solver file to run and its text: the user's, or a copy in `workdir` whose
+    snapshot_prefix sits in --checkpoint-dir. Creates the snapshot directory, which
+    Caffe would otherwise refuse to train without."""
+    with open(args.solver, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    path = args.solver
+    prefix = solver_field(text, "snapshot_prefix")
+    if args.checkpoint_dir:
+        base = os.path.basename(prefix or "") or os.path.splitext(os.path.basename(args.solver))[0]
+        prefix = os.path.join(os.path.abspath(args.checkpoint_dir), base)
+        text = set_solver_field(text, "snapshot_prefix", prefix)
+        path = os.path.join(workdir, os.path.basename(args.solver))
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    if prefix:
+        directory = prefix if prefix.endswith("/") else os.path.dirname(prefix)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+    return path, text
+
+
+# ---------------------------------------------------------------------------
+# The watching parent
+
+
+def watch(argv: list[str], env: dict | None = None) -> int:
+    """Run argv, copy its output line by line, and turn a Caffe abort into exit 1
+    with Caffe's error as the last line."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=env)
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+
+    errors: list[str] = []
+    out = sys.stdout.buffer
+    assert proc.stdout is not None
+    for raw in iter(proc.stdout.readline, b""):
+        out.write(raw)
+        out.flush()
+        line = raw.decode("utf-8", "replace").rstrip()
+        match = PROTOBUF_ERROR.match(line) or GLOG_FATAL.match(line)
+        if match and len(errors) < 4:
+            errors.append(match.group("msg").strip())
+    code = proc.wait()
+    if code == 0:
+        return 0
+    if errors:
+        # Deterministic: the same prototxt fails the same way again, so no retry.
+        log("Caffe failed: " + " / ".join(errors))
+        return 1
+    if code < 0:
+        if -code == signal.SIGABRT:
+            log("Caffe aborted (SIGABRT) without an error line")
+            return 1
+        return 128 - code  # killed from outside: the launcher's policy decides
+    return code
+
+
+# ---------------------------------------------------------------------------
+# Wire format: a JSON header and a float32 payload, each length-prefixed.
+
+
+def send_msg(sock: socket.socket, header: dict, payload: bytes = b"") -> None:
+    head = json.dumps(header).encode()
+    sock.sendall(struct.pack("!IQ", len(head), len(payload)) + head)
+    if payload:
+        sock.sendall(payload)
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise ConnectionError("connection closed")
+        got += n
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket) -> tuple[dict, bytes]:
+    head_len, payload_len = struct.unpack("!IQ", recv_exact(sock, 12))
+    header = json.loads(recv_exact(sock, head_len))
+    return header, recv_exact(sock, payload_len) if payload_len else b""
+
+
+def ps_addresses() -> list[tuple[str, int]]:
+    cluster = json.loads(os.environ.get("PAI_CLUSTER") or "{}")
+    out = []
+    for entry in cluster.get("ps", []):
+        host, _sep, port = entry.rpartition(":")
+        out.append((host, int(port)))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The ps role: average what the workers send
+
+
+def serve_average(workers: int) -> int:
+    import numpy as np
+
+    host = os.environ.get("PAI_HOST", "127.0.0.1")
+    port = int(os.environ["PAI_PORT"])
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind((host, port))
+    server.listen(workers)
+    log(f"averaging server on {host}:{port} for {workers} workers")
+    inbox: "queue.Queue[tuple[int, dict, bytes, socket.socket]]" = queue.Queue()
+
+    def reader(conn: socket.socket) -> None:
+        try:
+            while True:
+                header, payload = recv_msg(conn)
+                inbox.put((int(header["worker"]), header, payload, conn))
+        except (ConnectionError, OSError, ValueError):
+            inbox.put((-1, {"op": "closed"}, b"", conn))
+
+    def acceptor() -> None:
+        while True:
+            conn, _addr = server.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=reader, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=acceptor, daemon=True).start()
+    pending: dict[int, tuple[dict, bytes, socket.socket]] = {}
+    done: set[int] = set()
+    rounds, total_avg, started = 0, 0.0, None
+    while len(done) < workers:
+        index, header, payload, conn = inbox.get()
+        if header["op"] == "closed":
+            continue  # a worker that ends after `done`, or one the launcher restarts
+        if header["op"] == "done":
+            done.add(index)
+            continue
+        pending[index] = (header, payload, conn)
+        if started is None:
+            started = time.monotonic()
+        if len(pending) < workers:
+            continue
+        ops = {h["op"] for h, _p, _c in pending.values()}
+        rnds = {h["round"] for h, _p, _c in pending.values()}
+        if len(ops) != 1 or len(rnds) != 1:
+            log(f"workers out of step: ops {sorted(ops)}, rounds {sorted(rnds)}; "
+                "every worker must run the same solver (same max_iter)")
+            return 1
+        op, rnd = ops.pop(), rnds.pop()
+        t0 = time.monotonic()
+        if op == "init":  # everyone starts from worker 0's weights
+            result = pending[0][1]
+        else:
+            arrays = [np.frombuffer(p, dtype=np.float32) for _h, p, _c in pending.values()]
+            result = (np.sum(arrays, axis=0) / len(arrays)).astype(np.float32).tobytes()
+        took = time.monotonic() - t0
+        for _h, _p, c in pending.values():
+            send_msg(c, {"op": op, "round": rnd, "workers": workers}, result)
+        wait = t0 - started
+        if op == "avg":
+            rounds += 1
+            total_avg += wait + took
+            iters = pending[0][0].get("iter")
+            log(f"averaging round {rnd} at iteration {iters}: {workers} workers, "
+                f"{len(result) / 1e6:.2f} MB, waited {wait * 1000:.0f} ms, averaged in {took * 1000:.1f} ms")
+        pending.clear()
+        started = None
+    if rounds:
+        log(f"model averaging done: {rounds} rounds, {total_avg / rounds * 1000:.1f} ms per round at the ps")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# A model-averaging worker (the watched child)
+
+
+class AveragingClient:
+    """Sends this worker's flat weights to every ps (one slice each), gets the result."""
+
+    def __init__(self, index: int, addresses: list[tuple[str, int]], connect_timeout: float = 120.0):
+        self.index = index
+        self.socks = []
+        for address in addresses:
+            deadline = time.monotonic() + connect_timeout
+            while True:
+                try:
+                    sock = socket.create_connection(address, timeout=5)
+                    break
+                except OSError as err:
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"cannot reach the averaging ps at {address[0]}:{address[1]}: {err}")
+                    time.sleep(0.2)
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.socks.append(sock)
+
+    def exchange(self, op: str, rnd: int, flat, iteration: int):
+        import numpy as np
+        slices = np.array_split(flat, len(self.socks))
+        for sock, part in zip(self.socks, slices):
+            send_msg(sock, {"op": op, "worker": self.index, "round": rnd, "iter": iteration}, part.tobytes())
+        parts = []
+        for sock in self.socks:
+            header, payload = recv_msg(sock)
+            if header.get("op") != op or header.get("round") != rnd:
+                raise SystemExit(f"the ps answered {header} to {op} round {rnd}")
+            parts.append(np.frombuffer(payload, dtype=np.float32))
+        return np.concatenate(parts)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            try:
+                send_msg(sock, {"op": "done", "worker": self.index})
+                sock.close()
+            except OSError:
+                pass
+
+
+def get_flat(net):
+    import numpy as np
+    return np.concatenate([blob.data.ravel() for blobs in net.params.values() for blob in blobs]
+                          ).astype(np.float32)
+
+
+def set_flat(net, flat) -> None:
+    offset = 0
+    for blobs in net.params.values():
+        for blob in blobs:
+            size = blob.data.size
+            blob.data[...] = flat[offset:offset + size].reshape(blob.data.shape)
+            offset += size
+
+
+def evaluate(solver, test_iter: int) -> dict[str, float]:
+    """Mean of each output of the first test net (or the train net) over test_iter batches."""
+    net = solver.test_nets[0] if len(solver.test_nets) else solver.net
+    if net is not solver.net:
+        net.share_with(solver.net)
+    sums: dict[str, float] = {}
+    for _ in range(max(1, test_iter)):
+        out = net.forward()
+        for name in net.outputs:
+            sums[name] = sums.get(name, 0.0) + float(out[name].ravel().mean())
+    return {k: v / max(1, test_iter) for k, v in sums.items()}
+
+
+def train_loss(solver) -> float:
+    outputs = solver.net.outputs
+    names = [n for n in outputs if "loss" in n] or list(outputs)
+    return sum(float(solver.net.blobs[n].data.ravel().mean()) for n in names)
+
+
+def run_averaging_worker(args) -> int:
+    import caffe
+
+    index = int(os.environ.get("PAI_INDEX", "0"))
+    workers = args.workers
+    # Data sharding: Caffe's HDF5Data and Data (LMDB/LevelDB) layers keep record k
+    # when k % solver_count == solver_rank. Rank 0 is Caffe's "root solver": it alone
+    # logs Caffe's display lines, tests and snapshots.
+    caffe.set_mode_cpu()
+    caffe.set_solver_count(workers)
+    caffe.set_solver_rank(index)
+    with tempfile.TemporaryDirectory(prefix="paicli-caffe-") as workdir:
+        path, text = prepare_solver(args, workdir)
+        snapshot_every = int(solver_field(text, "snapshot") or 0)
+        snapshot_after = (solver_field(text, "snapshot_after_train") or "true").lower() != "false"
+        # Snapshots are taken here, after averaging, not inside step() before it.
+        run_text = set_solver_field(text, "snapshot", "0", quoted=False)
+        run_path = os.path.join(workdir, "averaging_" + os.path.basename(path))
+        with open(run_path, "w", encoding="utf-8") as f:
+            f.write(run_text)
+        solver = caffe.get_solver(run_path)
+        max_iter = int(solver_field(text, "max_iter") or 0)
+        test_iter = int(solver_field(text, "test_iter") or 10)
+        if args.weights:
+            for weights in args.weights.split(","):
+                solver.net.copy_from(weights)
+        if args.snapshot:
+            solver.restore(args.snapshot)
+        client = AveragingClient(index, ps_addresses())
+        period = max(1, args.ma_period)
+        log(f"model averaging worker {index}/{workers}: every {period} iterations, "
+            f"iterations {solver.iter}..{max_iter}, data shard {index} of {workers}")
+        set_flat(solver.net, client.exchange("init", 0, get_flat(solver.net), solver.iter))
+        if index == 0:
+            start = evaluate(solver, test_iter)
+            log("Starting model: " + ", ".join(f"{k} = {v:.6g}" for k, v in start.items()))
+        rnd = 0
+        while solver.iter < max_iter:
+            steps = min(period, max_iter - solver.iter)
+            t0 = time.monotonic()
+            solver.step(steps)
+            took = time.monotonic() - t0
+            if index != 0:  # Caffe prints these for the root solver only
+                log(f"Iteration {solver.iter} ({steps / max(took, 1e-9):.4g} iter/s, {took:.3f}s/{steps} iters), "
+                    f"loss = {train_loss(solver):.6g}")
+            rnd += 1
+            t1 = time.monotonic()
+            set_flat(solver.net, client.exchange("avg", rnd, get_flat(solver.net), solver.iter))
+            log(f"model averaging round {rnd} at iteration {solver.iter}: exchange took "
+                f"{(time.monotonic() - t1) * 1000:.1f} ms")
+            if index == 0 and snapshot_every and solver.iter % snapshot_every == 0 and solver.iter < max_iter:
+                solver.snapshot()
+        client.close()
+        if index == 0:
+            end = evaluate(solver, test_iter)
+            log("Averaged model: " + ", ".join(f"{k} = {v:.6g}" for k, v in end.items()))
+            if "loss" in start and "loss" in end:
+                log(f"Averaged model loss = {end['loss']:.6g} (starting loss = {start['loss']:.6g})")
+            if snapshot_after:
+                solver.snapshot()
+    return 0
+
+
+# ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]):
+    parser = argparse.ArgumentParser(prog="caffe_runner.py")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    solve = sub.add_parser("solve")
+    solve.add_argument("--solver", required=True)
+    solve.add_argument("--weights")
+    solve.add_argument("--snapshot")
+    solve.add_argument("--checkpoint-dir")
+    solve.add_argument("--workers", type=int, default=1)
+    solve.add_argument("--ma-period", type=int, default=DEFAULT_MA_PERIOD)
+    solve.add_argument("--caffe", default="caffe")
+    # The runtime's python wrapper: sys.executable is the bare bullseye binary, which
+    # needs its own loader to run.
+    solve.add_argument("--python", default=sys.executable)
+    solve.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    average = sub.add_parser("average")
+    average.add_argument("--workers", type=int, required=True)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("GLOG_logtostderr", "1")
+    if args.mode == "average":
+        return serve_average(args.workers)
+    if not os.path.isfile(args.solver):
+        log(f"Caffe failed: the solver {args.solver} does not exist")
+        return 1
+    if args.workers > 1:
+        if args.child:
+            return run_averaging_worker(args)
+        return watch([args.python, "-u", os.path.abspath(__file__), *argv, "--child"])
+    with tempfile.TemporaryDirectory(prefix="paicli-caffe-") as workdir:
+        path, _text = prepare_solver(args, workdir)
+        command = [args.caffe, "train", f"--solver={path}"]
+        if args.weights:
+            command.append(f"--weights={args.weights}")
+        if args.snapshot:
+            command.append(f"--snapshot={args.snapshot}")
+        log("running: " + " ".join(command))
+        return watch(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

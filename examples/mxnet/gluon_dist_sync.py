@@ -33,7 +33,7 @@ def parse_args():
 
 def synthetic_shard(rank, samples, features, classes=2):
     """Every worker draws from the same distribution with its own seed."""
-    centers = np.random.RandomState(0).normal(0, 0.3, size=(classes, features))
+    centers = np.random.RandomState(0).normal(0, 0.6, size=(classes, features))
     rng = np.random.RandomState(1000 + rank)
     labels = rng.randint(0, classes, size=samples)
     data = centers[labels] + rng.normal(0, 1.0, size=(samples, features))

@@ -33,6 +33,29 @@ def _echo_json(data) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
+STATUS_STYLES = {"Succeeded": "green", "Terminated": "green", "Running": "cyan", "Waiting": "yellow",
+                 "Failed": "red", "Killed": "red", "Cancelled": "magenta"}
+
+
+def _print_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """Columns never wrap (a pipe gets whole rows); statuses coloured on a TTY."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, pad_edge=False)
+    for header in headers:
+        table.add_column(header, no_wrap=True)
+    for row in rows:
+        table.add_row(*(Text(cell, style=STATUS_STYLES.get(cell, "")) for cell in row))
+    # In a pipe, rows stay whole however long (a script reads them), without trailing padding.
+    console = Console(no_color=bool(os.environ.get("NO_COLOR")),
+                      width=None if sys.stdout.isatty() else 10_000)
+    with console.capture() as captured:
+        console.print(table)
+    click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
+
+
 def _split_submit_options(tokens: tuple[str, ...]) -> tuple[list[str], dict[str, bool]]:
     options = {"detach": False, "no_progress": False}
     rest = []
@@ -228,16 +251,13 @@ def status(job_id, as_json):
     for line in jobview.summary_lines(st):
         click.echo(line)
     click.echo("")
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table("Instance", "Status", "Exit", "Attempts", "PID", "Port", "Last metrics", box=None)
+    rows = []
     for inst in st["instances"]:
         name = f"{inst['role']}:{inst['index']}"
         metrics = ", ".join(f"{k}={v:g}" for k, v in list(st["metrics"].get(name, {}).items())[:4])
-        table.add_row(name, inst["status"], str(inst["exit_code"] if inst["exit_code"] is not None else ""),
-                      str(inst["attempts"]), str(inst["pid"] or ""), str(inst["port"] or ""), metrics)
-    Console().print(table)
+        rows.append((name, inst["status"], "" if inst["exit_code"] is None else str(inst["exit_code"]),
+                     str(inst["attempts"]), str(inst["pid"] or ""), str(inst["port"] or ""), metrics))
+    _print_table(("Instance", "Status", "Exit", "Attempts", "PID", "Port", "Last metrics"), rows)
 
 
 @cli.command()
@@ -298,14 +318,10 @@ def list_(as_json, limit):
     if as_json:
         _echo_json(jobs)
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table("StartTime", "RunTime", "Status", "InstanceID", "Name", "Framework", box=None)
-    for job in jobs:
-        table.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])),
-                      f"{job['run_time']:.0f}s", job["status"], job["id"], job["name"] or "", job["framework"])
-    Console().print(table)
+    _print_table(("StartTime", "RunTime", "Status", "InstanceID", "Name", "Framework"),
+                 [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])),
+                   f"{job['run_time']:.0f}s", job["status"], job["id"], job["name"] or "", job["framework"])
+                  for job in jobs])
 
 
 @cli.command()

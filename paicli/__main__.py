@@ -1,0 +1,5 @@
+"""`python -m paicli` is `pai`."""
+
+from paicli.cli import main
+
+main()

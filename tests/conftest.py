@@ -1,0 +1,79 @@
+"""Shared test helpers: an isolated PAI_HOME per test, running the real `pai`
+command, and looking for processes a job left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BEHAVE = ROOT / "tests" / "scripts" / "behave.py"
+PAI = [sys.executable, "-m", "paicli"]
+
+
+@pytest.fixture
+def pai_home(tmp_path, monkeypatch):
+    home = tmp_path / "pai-home"
+    monkeypatch.setenv("PAI_HOME", str(home))
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.delenv("PAI_DEBUG", raising=False)
+    return home
+
+
+def pai(*args: str, env: dict | None = None, timeout: float = 120, input: str | None = None,
+        cwd: str | None = None) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([*PAI, *args], capture_output=True, text=True, timeout=timeout, env=full_env,
+                          input=input, cwd=cwd)
+
+
+def pai_json(*args: str, env: dict | None = None) -> dict | list:
+    result = pai(*args, "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def job_id_from(output: str) -> str:
+    for line in output.splitlines():
+        if line.startswith("ID = "):
+            return line[5:].strip()
+    raise AssertionError(f"no 'ID = ' line in:\n{output}")
+
+
+def processes_in(groups: set[int]) -> list[tuple[int, int, str]]:
+    """Live processes (pid, pgid, state) whose process group or session is one of `groups`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        state, pgid, sid = fields[0].decode(), int(fields[2]), int(fields[3])
+        if state != "Z" and (pgid in groups or sid in groups):
+            found.append((int(entry), pgid, state))
+    return found
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+def instance_groups(status: dict) -> set[int]:
+    return {i["pgid"] for i in status["instances"] if i["pgid"]}

@@ -1,0 +1,300 @@
+"""Real jobs through the real `pai` command: launching, retrying, failing,
+cancelling, re-attaching, and leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import BEHAVE, PAI, ROOT, job_id_from, pai, pai_json, processes_in, wait_until
+
+EXAMPLE = ROOT / "examples" / "python" / "ps_worker.py"
+PS_2W = '{"ps":{"count":1},"worker":{"count":2}}'
+
+
+def pids_from(pidfile) -> dict[str, tuple[int, int, int]]:
+    """role:index -> (pid, pgid, sid) of the last attempt that wrote the file."""
+    out = {}
+    for line in pidfile.read_text().splitlines():
+        name, pid, pgid, sid = line.split()
+        out[name] = (int(pid), int(pgid), int(sid))
+    return out
+
+
+def start_attached(*args, env=None) -> subprocess.Popen:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.Popen([*PAI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, start_new_session=True)
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout: float = 60) -> str:
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if marker in line:
+            return "".join(seen)
+    raise AssertionError(f"{marker!r} never appeared in:\n{''.join(seen)}")
+
+
+def test_ps_and_two_workers_succeed_and_the_ps_is_stopped(pai_home):
+    result = pai("-name", "python", f"-Dscript=file://{EXAMPLE}", f"-Dcluster={PS_2W}",
+                 "-DuserDefinedParameters=--steps 8 --sleep 0.02;")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    job_id = job_id_from(out)
+    assert out.splitlines()[-1] == "OK"
+    assert out.splitlines()[1].startswith("Log view: ")
+    for worker in ("worker:0", "worker:1"):
+        assert f"[{worker}] step=7, global_step=" in out
+    assert "[ps:0] ps listening on" in out
+    assert "PythonTask_job:3/0/3[0%]" in out and "PythonTask_job:0/3/3[100%]" in out
+    summary = [line.split() for line in out.splitlines() if line.startswith(("ps ", "worker "))]
+    assert ["ps", "0/1/1", "0"] in summary and ["worker", "0/2/2", "0"] in summary
+    status = pai_json("status", job_id)
+    assert status["status"] == "Succeeded"
+    ps = next(i for i in status["instances"] if i["role"] == "ps")
+    assert ps["status"] == "Terminated" and ps["exit_code"] == -signal.SIGTERM  # stopped by us, counted finished
+    assert [t["fatal"] for t in status["tasks"]] == [0, 0]
+    assert processes_in({i["pgid"] for i in status["instances"]}) == []
+    # Metrics parsed from the worker lines and stored.
+    losses = status["metric_series"]["worker:0"]["loss"]
+    assert len(losses) == 8 and losses[-1][0] == 7
+    assert status["metrics"]["worker:1"]["global_step"] >= 8
+
+
+def test_worker_killed_by_sigkill_is_retried_and_the_job_succeeds(pai_home, tmp_path):
+    pidfile = tmp_path / "pids"
+    env = {"BEHAVE_WORKER_1": f"pidfile:{pidfile},print:2,selfkill:SIGKILL,print:2",
+           "BEHAVE_WORKER_0": "print:6", "SLEEP": "0.05"}
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":2}}', env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "OK"
+    assert "[worker:1] step=1, global_step=1, loss=0.5000, attempt=1" in result.stdout
+    assert "restarting it (retry 1 of 3)" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("worker ")]
+    assert rows == [["worker", "0/2/2", "1"]]
+    status = pai_json("status", job_id_from(result.stdout))
+    w1 = next(i for i in status["instances"] if (i["role"], i["index"]) == ("worker", 1))
+    assert w1["attempts"] == 2 and w1["exit_code"] == 0
+    assert status["tasks"][0]["retries"] == 1
+
+
+def test_worker_exiting_1_fails_the_job_fast_and_names_it(pai_home, tmp_path):
+    pidfile = tmp_path / "pids"
+    env = {"BEHAVE_WORKER_1": f"pidfile:{pidfile},print:2,exit:1",
+           "BEHAVE_WORKER_0": f"pidfile:{pidfile},print:600", "BEHAVE_PS": f"pidfile:{pidfile},serve",
+           "SLEEP": "0.05"}
+    started = time.monotonic()
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", f"-Dcluster={PS_2W}", env=env)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    last = result.stdout.splitlines()[-1]
+    assert last.startswith("FAILED: worker:1 exited with code 1")
+    assert "exiting with 1" in last  # its last log lines
+    assert elapsed < 20, "worker:0 would print for 30 s: the job must not wait for it"
+    status = pai_json("status", job_id_from(result.stdout))
+    states = {f"{i['role']}:{i['index']}": i["status"] for i in status["instances"]}
+    assert states == {"ps:0": "Killed", "worker:0": "Killed", "worker:1": "Failed"}
+    groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
+    assert processes_in(groups) == []
+
+
+def test_permanent_exit_code_is_not_retried(pai_home):
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "exit:2"})
+    assert result.returncode == 1
+    assert "worker:0 exited with code 2" in result.stdout
+    status = pai_json("status", job_id_from(result.stdout))
+    assert status["instances"][0]["attempts"] == 1
+
+
+def test_retries_are_bounded_by_max_retries(pai_home):
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", "-DmaxRetries=2", env={"BEHAVE": "exit:137"})
+    assert result.returncode == 1
+    assert "worker:0 exited with code 137 (no retries left of 2)" in result.stdout
+    assert pai_json("status", job_id_from(result.stdout))["instances"][0]["attempts"] == 3
+
+
+def test_sigint_to_attached_pai_cancels_and_leaves_no_process(pai_home, tmp_path):
+    pidfile = tmp_path / "pids"
+    env = {"BEHAVE_WORKER": f"pidfile:{pidfile},child,print:1,sleep:600",
+           "BEHAVE_PS": f"pidfile:{pidfile},child,ignore-term,serve"}
+    proc = start_attached("-name", "python", f"-Dscript={BEHAVE}", f"-Dcluster={PS_2W}", env=env)
+    head = read_until(proc, "[worker:1] step=0")
+    head += read_until(proc, "[worker:0] step=0") if "[worker:0] step=0" not in head else ""
+    job_id = job_id_from(head)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, out + err
+    assert (out.strip().splitlines() or [""])[-1] == "CANCELLED: cancelled (Ctrl-C)"
+    assert time.monotonic() - sent < 8
+    pids = pids_from(pidfile)
+    assert len(pids) == 3
+    groups = {pgid for _, pgid, _ in pids.values()} | {sid for *_, sid in pids.values()}
+    assert wait_until(lambda: processes_in(groups) == [], timeout=2), processes_in(groups)
+    status = pai_json("status", job_id)
+    assert status["status"] == "Cancelled"
+    assert {i["status"] for i in status["instances"]} == {"Killed"}
+
+
+def test_kill_9_of_the_cli_leaves_the_job_running_and_wait_reattaches(pai_home):
+    env = {"BEHAVE": "print:40", "SLEEP": "0.1"}
+    proc = start_attached("-name", "python", f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":2}}', env=env)
+    job_id = job_id_from(read_until(proc, "step=3"))
+    proc.kill()
+    proc.wait()
+    status = pai_json("status", job_id)
+    assert status["status"] == "Running"
+    waited = pai("wait", job_id, timeout=60)
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+    assert waited.stdout.splitlines()[-1] == "OK"
+    assert "step=39" in waited.stdout  # it tails from where the job is, to the end
+    assert "step=0," not in waited.stdout
+    assert pai_json("status", job_id)["status"] == "Succeeded"
+
+
+def test_kill_9_of_the_supervisor_leaves_no_orphan(pai_home, tmp_path):
+    pidfile = tmp_path / "pids"
+    env = {"BEHAVE_WORKER": f"pidfile:{pidfile},child,print:1,sleep:600",
+           "BEHAVE_PS": f"pidfile:{pidfile},child,serve"}
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", f"-Dcluster={PS_2W}",
+                 "--detach", env=env)
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.strip()
+    assert wait_until(lambda: pidfile.exists() and len(pidfile.read_text().splitlines()) == 3, timeout=20)
+    status = pai_json("status", job_id)
+    groups = {i["pgid"] for i in status["instances"]}
+    assert len(processes_in(groups)) >= 6  # each instance and its grandchild
+    os.kill(status["master_pid"], signal.SIGKILL)
+    assert wait_until(lambda: processes_in(groups) == [], timeout=10), processes_in(groups)
+    after = pai_json("status", job_id)
+    assert after["status"] == "Failed" and after["reason"] == "master lost"
+
+
+def test_supervisor_death_is_noticed_by_the_next_look_too(pai_home):
+    """With the watchdog gone as well, `pai status` marks the job and ends its groups."""
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", "--detach", env={"BEHAVE": "print:1,sleep:600"})
+    job_id = result.stdout.strip()
+    status = wait_until(lambda: (s := pai_json("status", job_id))["instances"][0]["pid"] and s, timeout=20)
+    master = status["master_pid"]
+    watchdogs = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith(f"watchdog {job_id}")]
+    assert len(watchdogs) == 1
+    os.kill(watchdogs[0], signal.SIGKILL)
+    os.kill(master, signal.SIGKILL)
+    after = pai_json("status", job_id)
+    assert after["status"] == "Failed" and after["reason"] == "master lost"
+    assert wait_until(lambda: processes_in({status["instances"][0]["pgid"]}) == [], timeout=10)
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def test_pai_kill_cancels_within_5_seconds(pai_home, tmp_path):
+    pidfile = tmp_path / "pids"
+    env = {"BEHAVE": f"pidfile:{pidfile},ignore-term,child,print:1,sleep:600"}
+    job_id = pai("-name", "python", f"-Dscript={BEHAVE}", "--detach", env=env).stdout.strip()
+    assert wait_until(lambda: pidfile.exists(), timeout=20)
+    started = time.monotonic()
+    result = pai("kill", job_id)
+    assert result.returncode == 0 and "cancelled" in result.stdout
+    groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
+    assert wait_until(lambda: processes_in(groups) == [], timeout=5)
+    assert time.monotonic() - started < 5
+    status = pai_json("status", job_id)
+    assert status["status"] == "Cancelled" and status["reason"] == "cancelled by user"
+    again = pai("kill", job_id)
+    assert "already ended (Cancelled)" in again.stdout
+    waited = pai("wait", job_id)
+    assert waited.returncode == 130
+
+
+def test_timeout_cancels_with_reason_timeout(pai_home):
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", "-Dtimeout=1.5s", env={"BEHAVE": "sleep:60"})
+    assert result.returncode == 130
+    assert result.stdout.splitlines()[-1] == "CANCELLED: timeout after 1.5s"
+
+
+def test_grandchildren_of_a_finished_instance_are_not_left_behind(pai_home, tmp_path):
+    pidfile = tmp_path / "pids"
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": f"pidfile:{pidfile},child,print:1"})
+    assert result.returncode == 0
+    groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
+    assert wait_until(lambda: processes_in(groups) == [], timeout=5)
+
+
+def test_ten_concurrent_jobs_get_distinct_ports(pai_home):
+    def one(_):
+        return pai("-name", "python", f"-Dscript={BEHAVE}", f"-Dcluster={PS_2W}",
+                   env={"BEHAVE_PS": "serve", "BEHAVE_WORKER": "print:2,sleep:1.5"}, timeout=120)
+
+    with ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(one, range(10)))
+    assert [r.returncode for r in results] == [0] * 10, [r.stdout[-300:] + r.stderr for r in results]
+    ports = []
+    for r in results:
+        status = pai_json("status", job_id_from(r.stdout))
+        ports += [i["port"] for i in status["instances"]]
+    assert len(ports) == 30 and len(set(ports)) == 30
+
+
+def test_logs_status_list_and_instance_log(pai_home):
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":2}}',
+                 "-DjobName=logs-test", env={"BEHAVE": "print:5"})
+    job_id = job_id_from(result.stdout)
+    one = pai("logs", job_id, "--instance", "worker:1")
+    assert one.returncode == 0
+    assert one.stdout.splitlines()[0] == "step=0, global_step=0, loss=1.0000, attempt=0"
+    assert len(one.stdout.splitlines()) == 5
+    tail = pai("logs", job_id, "--tail", "2")
+    assert tail.stdout.splitlines()[-1].startswith("[pai] job Succeeded")
+    assert len(tail.stdout.splitlines()) == 2
+    everything = pai("logs", job_id)
+    assert everything.stdout.count("[worker:0] step=") == 5 and everything.stdout.count("[worker:1] step=") == 5
+    bad = pai("logs", job_id, "--instance", "../../etc/passwd:0")
+    assert bad.returncode == 2 and "expected role:index" in bad.stderr
+    missing = pai("logs", job_id, "--instance", "ps:0")
+    assert missing.returncode == 2 and "has no such instance" in missing.stderr
+    listed = pai_json("list")
+    assert listed[0]["id"] == job_id and listed[0]["name"] == "logs-test" and listed[0]["status"] == "Succeeded"
+    plain = pai("list")
+    assert job_id in plain.stdout and "Succeeded" in plain.stdout
+    human = pai("status", job_id[:12])
+    assert human.returncode == 0 and "worker:1" in human.stdout and "Succeeded" in human.stdout
+    view = open(json.loads(pai("status", job_id, "--json").stdout)["log_view"]).read()
+    assert "Status: Succeeded" in view and "worker:1" in view
+
+
+def test_logs_follow_runs_until_the_job_ends(pai_home):
+    job_id = pai("-name", "python", f"-Dscript={BEHAVE}", "--detach",
+                 env={"BEHAVE": "print:20", "SLEEP": "0.05"}).stdout.strip()
+    followed = pai("logs", job_id, "--follow", "--instance", "worker:0", timeout=60)
+    assert followed.returncode == 0
+    assert followed.stdout.splitlines()[-1].startswith("step=19,")
+
+
+def test_job_from_a_yaml_file_with_overrides(pai_home, tmp_path):
+    job = tmp_path / "job.yaml"
+    local = tmp_path / "scripts"
+    local.mkdir()
+    (local / "w.py").write_text("import os; print('role', os.environ['PAI_ROLE'], os.environ['PAI_INDEX'])\n")
+    job.write_text("name: python\nscript: scripts/w.py\ncluster: {worker: {count: 2}}\njob_name: from-yaml\n")
+    result = pai("run", str(job), '-Dcluster={"worker":{"count":3}}')
+    assert result.returncode == 0, result.stderr
+    assert "[worker:2] role worker 2" in result.stdout
+    assert pai_json("list")[0]["name"] == "from-yaml"

@@ -38,6 +38,11 @@ SPEEDOMETER_METRIC = (
     r"Speed:\s+(?P<speed>[-+]?\d+(?:\.\d+)?)\s+samples/sec"
 )
 
+# Module.fit's `Epoch[0] Time cost=0.455`: the epoch's wall time.
+EPOCH_TIME_METRIC = r"Epoch\[(?P<epoch>\d+)\]\s+Time cost=(?P<epoch_seconds>\d+(?:\.\d+)?)"
+# key=value pairs, except the `cost` of `Time cost=` (that is a time, not a loss).
+KEY_VALUE_NOT_TIME_COST = r"(?<!Time )" + KEY_VALUE_METRIC
+
 ROLE_ALIASES = {"ps": "server"}
 KNOWN_ROLES = ("server", "worker")
 
@@ -67,7 +72,7 @@ class MxnetAdapter(Adapter):
               help=f"The 2bit compression threshold (default {DEFAULT_THRESHOLD}); only with "
                    "-DgradientCompression=2bit."),
     )
-    metric_patterns = (SPEEDOMETER_METRIC, KEY_VALUE_METRIC)
+    metric_patterns = (SPEEDOMETER_METRIC, EPOCH_TIME_METRIC, KEY_VALUE_NOT_TIME_COST)
 
     def validate(self, spec: JobSpec) -> None:
         super().validate(spec)

@@ -124,7 +124,12 @@ def test_speedometer_and_step_lines_are_metrics():
             else:
                 found.update(groups)
     assert found == {"epoch": "1", "batch": "20", "speed": "9494.07", "accuracy": "0.968750"}
-    assert re.search(plan.metric_patterns[1], "step=3, loss=0.25").group("value") == "3"
+    key_value = plan.metric_patterns[-1]
+    assert [m.group("key", "value") for m in re.finditer(key_value, "step=3, loss=0.25")] == \
+        [("step", "3"), ("loss", "0.25")]
+    # Module.fit's epoch time is a time, not a metric called `cost`.
+    assert not re.search(key_value, "Epoch[0] Time cost=0.455")
+    assert re.search(plan.metric_patterns[1], "Epoch[0] Time cost=0.455").group("epoch_seconds") == "0.455"
 
 
 # ---------------------------------------------------------------------------
@@ -274,6 +279,8 @@ def test_module_api_speedometer_lines_become_metrics(runtime, home):
     metrics = info["metrics"]["worker:0"]
     assert float(metrics["speed"]) > 0
     assert 0.5 < float(metrics["accuracy"]) <= 1.0
+    assert float(metrics["epoch"]) == 1 and float(metrics["epoch_seconds"]) > 0
+    assert "cost" not in metrics
     assert "kvstore dist_device_sync" in instance_log(info["id"], "worker:0")
 
 

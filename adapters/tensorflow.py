@@ -39,6 +39,10 @@ CLASSIC_FLAGS = ("ps_hosts", "worker_hosts", "chief_hosts", "job_name", "task_in
 RUNNER = "tensorflow_runner.py"
 
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+# The seed's `step=3, global_step=3, loss=6.97, duration=3.6s`: paicli's key=value
+# pattern, except for ALL-CAPS keys, which are environment variables in TensorFlow's
+# own messages (`set the environment variable TF_ENABLE_ONEDNN_OPTS=0`), not metrics.
+TF_KEY_VALUE_METRIC = r"(?![A-Z][A-Z0-9_]*\s*=)" + KEY_VALUE_METRIC
 # tf.compat.v1.train.LoggingTensorHook / Estimator: `loss = 0.52, step = 100 (0.3 sec)`
 LOGGING_TENSOR_HOOK_METRIC = rf"\bloss = (?P<loss>{_NUMBER}), step = (?P<step>\d+)"
 # Keras progress lines: `32/32 - 0s - 2ms/step - accuracy: 0.9644 - loss: 0.0973`
@@ -96,7 +100,7 @@ class TensorflowAdapter(Adapter):
     task_name = "TensorflowTask"
     runtime = "tensorflow"
     params = TF_PARAMS
-    metric_patterns = (KEY_VALUE_METRIC, LOGGING_TENSOR_HOOK_METRIC,
+    metric_patterns = (TF_KEY_VALUE_METRIC, LOGGING_TENSOR_HOOK_METRIC,
                        KERAS_LOSS_METRIC, KERAS_METRIC, KERAS_EPOCH_METRIC)
     summary = "TensorFlow ps/worker/chief/evaluator jobs with TF_CONFIG, in the TensorFlow runtime"
 

@@ -230,15 +230,20 @@ def loss_series(status: dict, instance: str) -> list[float]:
 def test_async_ps_worker_example_runs_the_seed_picture(pai):
     done, status = pai.run_job(f"-Dscript=file://{EXAMPLES / 'async_ps_worker.py'}",
                                '-Dcluster={"ps":{"count":1},"worker":{"count":2}}',
-                               "-DuserDefinedParameters=--steps 150 --log_every 10")
+                               "-DuserDefinedParameters=--steps 300 --log_every 20")
     assert_ok(done)
     out = done.stdout
+    by_global_step = []
     for worker in ("worker:0", "worker:1"):
         assert re.search(rf"^\[{worker}\] step=\d+, global_step=\d+, loss=[\d.]+, duration=[\d.]+s\.",
                          out, re.M), out[-3000:]
-        losses = loss_series(status, worker)
-        assert len(losses) >= 3 and losses[-1] < losses[0] / 5, (worker, losses)
-        assert status["metrics"][worker]["global_step"] >= 150
+        assert status["metrics"][worker]["global_step"] >= 300
+        series = status["metric_series"][worker]
+        by_global_step += [(g, loss) for (_, g), (_, loss) in zip(series["global_step"], series["loss"])]
+    # Async training: a worker that imports TensorFlow late may only see the end of it,
+    # so judge the loss along the shared global step.
+    by_global_step.sort()
+    assert len(by_global_step) >= 4 and by_global_step[-1][1] < by_global_step[0][1] / 5, by_global_step
     assert re.search(r"^train: \S+ \S+ TensorflowTask_job:\d+/\d+/\d+\[\d+%\]", out, re.M)
     assert status["status"] == "Succeeded"
     by_name = {f"{i['role']}:{i['index']}": i for i in status["instances"]}

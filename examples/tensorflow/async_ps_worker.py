@@ -86,7 +86,7 @@ if is_chief:
     sess = manager.prepare_session(target, init_op=init_op, config=session_config)
 else:
     sess = manager.wait_for_session(target, config=session_config, max_wait_secs=300)
-print(f"started training (until global_step={args.steps})", flush=True)
+print(f"started training (until the global step reaches {args.steps})", flush=True)
 
 step = 0
 while True:

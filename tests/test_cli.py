@@ -1,0 +1,170 @@
+"""The command line's contract: one-line errors with exit code 2 that leave
+nothing behind, --help on every command, --version, the console."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+
+import pytest
+
+from conftest import BEHAVE, pai, pai_json
+
+COMMANDS = [[], ["submit"], ["run"], ["export"], ["status"], ["wait"], ["logs"], ["kill"], ["list"],
+            ["params"], ["runtime"], ["runtime", "install"], ["runtime", "list"], ["runtime", "remove"],
+            ["console"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "pai")
+def test_every_command_has_help(command, pai_home):
+    result = pai(*command, "--help")
+    assert result.returncode == 0
+    assert result.stdout.startswith("Usage: pai")
+    assert len(result.stdout.splitlines()) > 4
+
+
+def test_version(pai_home):
+    from paicli import __version__
+
+    assert pai("--version").stdout.strip() == f"pai, version {__version__}"
+
+
+def _archive(path, members):
+    with tarfile.open(path, "w:gz") as tar:
+        for name, kind, data in members:
+            info = tarfile.TarInfo(name)
+            if kind == "sym":
+                info.type, info.linkname = tarfile.SYMTYPE, data
+                tar.addfile(info)
+            else:
+                payload = data.encode()
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    return str(path)
+
+
+def bad_inputs(tmp):
+    good = str(BEHAVE)
+    return [
+        (["-name", "nosuch", f"-Dscript={good}"], "-name nosuch: unknown framework", "known: python"),
+        (["-name", "python", f"-Dscript={good}", "-Dclustr={}"], "-Dclustr: unknown parameter",
+         "did you mean -Dcluster?"),
+        (["-name", "python", f"-Dscript={good}", "-DmaxRetries=1.5"], "-DmaxRetries: expected a whole number", ""),
+        (["-name", "python", f"-Dscript={good}", '-Dcluster={"worker":{"count":2'], "-Dcluster: broken JSON",
+         "⟨here⟩"),
+        (["-name", "python", f"-Dscript={good}", '-Dcluster={"worker":{"count":-1}}'], "-Dcluster:",
+         "count must be positive"),
+        (["-name", "python", "-Dscript=/no/such/train.py"], "-Dscript: /no/such/train.py does not exist", ""),
+        (["-name", "python"], "-Dscript: missing", "-Dscript=file:///"),
+        (["-name", "python", "-Dscript=" + _archive(tmp / "dotdot.tgz", [("../evil.py", "file", "x")])],
+         "-Dscript: unsafe archive", "outside the archive's folder"),
+        (["-name", "python", "-Dscript=" + _archive(tmp / "abs.tgz", [("/tmp/evil.py", "file", "x")])],
+         "-Dscript: unsafe archive", ""),
+        (["-name", "python", "-Dscript=" + _archive(tmp / "link.tgz", [("main.py", "file", "x"),
+                                                                        ("up", "sym", "../../etc")])],
+         "-Dscript: unsafe archive", "points outside"),
+        (["-name", "python", "-Dscript=" + _archive(tmp / "two.tgz", [("a.py", "file", ""), ("b.py", "file", "")])],
+         "-DentryFile: missing", "a.py, b.py"),
+        (["-name", "python", "-Dscript=" + _archive(tmp / "ok.tgz", [("a.py", "file", "")]), "-DentryFile=b.py"],
+         "-DentryFile: b.py is not in ok.tgz", "it holds a.py"),
+        (["-name", "python", f"-Dscript={good}", "-DentryFile=a.py"], "-DentryFile: only applies to", ""),
+        (["-name", "python", f"-Dscript={good}", "-DgpuRequired=100"], "-DgpuRequired/-Dcluster: the job asks for 1 GPU",
+         "-DgpuRequired=0"),
+        (["-name", "python", f"-Dscript={good}", "--bogus"], "unknown option --bogus", ""),
+    ]
+
+
+def test_bad_input_table(pai_home, tmp_path):
+    for args, start, hint in bad_inputs(tmp_path):
+        if "GPU" in start and os.path.isdir("/proc/driver/nvidia/gpus"):
+            continue  # a machine with GPUs would accept it
+        result = pai(*args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1, (args, result.stderr)
+        assert lines[0].startswith(f"pai: error: {start}"), (args, lines[0])
+        assert hint in lines[0], (args, lines[0])
+        assert "Traceback" not in result.stderr and result.stdout == ""
+    # Nothing half-written: no job recorded, no job folder, no staging left.
+    assert pai_json("list") == []
+    assert sorted(os.listdir(pai_home / "jobs")) == []
+
+
+def test_bad_yaml_and_missing_file(pai_home, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: python\nscript: x.py\n  bad: indent\n")
+    result = pai("run", str(job))
+    assert result.returncode == 2 and result.stderr.startswith(f"pai: error: {job} line 3")
+    assert pai("run", str(tmp_path / "nope.yaml")).returncode == 2
+    job.write_text(f"name: python\nscript: {BEHAVE}\nmax_retries: [1]\n")
+    result = pai("run", str(job))
+    assert result.returncode == 2 and f"{job} line 3: max_retries: expected a whole number" in result.stderr
+
+
+def test_unknown_job_id_is_a_usage_error(pai_home):
+    for command in (["status", "20990101000000000zzzzzzz"], ["wait", "nope"], ["logs", "x/../y"], ["kill", "abc"]):
+        result = pai(*command)
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+        assert "`pai list` shows" in result.stderr
+
+
+def test_debug_shows_the_traceback(pai_home):
+    result = pai("-name", "nosuch", env={"PAI_DEBUG": "1"})
+    assert "Traceback" in result.stderr and "UsageError" in result.stderr
+
+
+def test_archive_job_runs_its_entry_in_the_extracted_folder(pai_home, tmp_path):
+    archive = _archive(tmp_path / "code.tar.gz", [
+        ("pkg/main.py", "file", "import os, helper; print('cwd-has-helper', os.path.exists('pkg/helper.py'), helper.X)"),
+        ("pkg/helper.py", "file", "X = 42"),
+    ])
+    result = pai("-name", "python", f"-Dscript=file://{archive}", "-DentryFile=pkg/main.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[worker:0] cwd-has-helper True 42" in result.stdout
+
+
+def test_flags_reach_the_script(pai_home, tmp_path):
+    hp = tmp_path / "hp.txt"
+    hp.write_text("# comment\nlr = 0.5\nepochs=3\n")
+    script = tmp_path / "show.py"
+    script.write_text("import sys; print('ARGV', sys.argv[1:])\n")
+    result = pai("-name", "python", f"-Dscript={script}", f"-DhyperParameters={hp}", "-DcheckpointDir=/tmp/ck",
+                 "-DuserDefinedParameters=--name 'a b'")
+    assert "ARGV ['--checkpointDir=/tmp/ck', '--lr=0.5', '--epochs=3', '--name', 'a b']" in result.stdout
+
+
+def test_export_prints_yaml_that_runs(pai_home, tmp_path):
+    exported = pai("export", "-name", "python", f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":2}}')
+    assert exported.returncode == 0
+    assert exported.stdout.startswith("name: python\nscript: ")
+    job = tmp_path / "job.yaml"
+    job.write_text(exported.stdout)
+    again = pai("export", str(job))
+    assert again.stdout == exported.stdout
+    ran = pai("run", str(job), env={"BEHAVE": "print:1"})
+    assert ran.returncode == 0 and ran.stdout.count("] step=0,") == 2
+
+
+def test_params_lists_the_table(pai_home):
+    rows = pai_json("params")
+    assert {"script", "cluster", "maxRetries", "timeout"} <= {r["name"] for r in rows}
+    assert "-DmaxRetries  [int] (default 3)" in pai("params").stdout
+
+
+def test_console_runs_statements_ending_in_semicolons(pai_home):
+    script = (f"pai -name python\n  -Dscript={BEHAVE};\n"
+              "bogus;\n"
+              "show instances;\n")
+    result = pai("console", input=script, env={"BEHAVE": "print:1"})
+    assert "[worker:0] step=0" in result.stdout and "OK" in result.stdout
+    assert "unknown statement 'bogus'" in result.stderr
+    assert "Succeeded" in result.stdout.splitlines()[-1]
+
+
+def test_colour_only_when_asked_and_not_with_no_color(pai_home):
+    plain = pai("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1"})
+    assert "\x1b[" not in plain.stdout
+    coloured = pai("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1", "NO_COLOR": "",
+                                                                "FORCE_COLOR": "1"})
+    assert "\x1b[" in coloured.stdout and "worker:0]\x1b[0m step=0" in coloured.stdout

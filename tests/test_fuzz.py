@@ -1,0 +1,72 @@
+"""Fuzzing the parsers: whatever the input, a UsageError or a spec, never a
+traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from paicli import client
+from paicli.errors import UsageError
+from paicli.statement import load_job_file, parse_statement
+
+from conftest import BEHAVE
+
+KEYS = ["script", "cluster", "maxRetries", "timeout", "entryFile", "userDefinedParameters", "gpuRequired",
+        "hyperParameters", "jobName", "clustr", "", "max_retries"]
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                           lambda children: st.lists(children, max_size=3)
+                           | st.dictionaries(st.text(max_size=6), children, max_size=3), max_leaves=8)
+
+
+def tokens():
+    value = st.one_of(st.text(max_size=30), json_values.map(json.dumps), st.just(str(BEHAVE)))
+    param = st.builds(lambda k, v: f"-D{k}={v}", st.sampled_from(KEYS) | st.text(max_size=8), value)
+    return st.lists(st.one_of(param, st.sampled_from(["-name", "python", "-project", ";", "-D", "x"]),
+                              st.text(max_size=12)), max_size=8)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens())
+def test_statements_never_traceback(args):
+    try:
+        client.prepare(parse_statement(["-name", "python", *args]))
+    except UsageError as err:
+        assert str(err) and "\n" not in str(err).strip()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(KEYS + ["name", "project"]) | st.text(max_size=6), json_values, max_size=6))
+def test_job_files_never_traceback(tmp_path_factory, data):
+    import yaml
+
+    path = tmp_path_factory.mktemp("fuzz") / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    try:
+        client.prepare(load_job_file(str(path)))
+    except UsageError as err:
+        assert str(err)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_raw_yaml_bytes_never_traceback(tmp_path_factory, blob):
+    path = tmp_path_factory.mktemp("fuzz") / "job.yaml"
+    path.write_bytes(b"name: python\n" + blob)
+    try:
+        client.prepare(load_job_file(str(path)))
+    except UsageError as err:
+        assert str(err)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=60))
+def test_cluster_json_never_tracebacks(text):
+    try:
+        client.prepare(parse_statement(["-name", "python", f"-Dscript={BEHAVE}", f"-Dcluster={text}"]))
+    except UsageError as err:
+        assert str(err).startswith("-Dcluster")

@@ -84,6 +84,15 @@ class MetricParser:
             values.setdefault(key, number)
 
 
+def _last_redraw(line: bytes) -> bytes:
+    """What a line finally showed: CRLF endings dropped, and of a progress bar
+    redrawn with \r only its last state."""
+    if b"\r" not in line:
+        return line
+    line = line.rstrip(b"\r")
+    return line.rsplit(b"\r", 1)[-1]
+
+
 class InstanceLog:
     """One instance attempt's output: its file, its partial last line, its tail."""
 
@@ -105,13 +114,12 @@ class InstanceLog:
         self.partial = data[cut + 1:]
         lines = data[:cut].split(b"\n")
         # A progress bar redraws with \r: keep what the line finally showed.
-        lines = [line.rsplit(b"\r", 1)[-1] if b"\r" in line else line for line in lines]
-        return lines
+        return [_last_redraw(line) for line in lines]
 
     def flush(self) -> list[bytes]:
         if not self.partial:
             return []
-        lines, self.partial = [self.partial.rsplit(b"\r", 1)[-1]], b""
+        lines, self.partial = [_last_redraw(self.partial)], b""
         return lines
 
     def close(self) -> None:

@@ -1,0 +1,188 @@
+"""Unit tests of the launcher's parts: states, exit policy, ports, the store
+under concurrent writers, archives, metrics and capped logs."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import socket
+import tarfile
+
+import pytest
+
+from paicli.cluster.logsink import CappedFile, InstanceLog, MetricParser
+from paicli.cluster.ports import allocate_ports
+from paicli.plan import KEY_VALUE_METRIC, JobPlan, RolePlan
+from paicli.runners.archive import UnsafeArchive, extract
+from paicli.states import InstanceStatus, JobStatus, can_move, describe_exit, is_retryable
+from paicli.store import Store, new_job_id
+
+
+def test_terminal_states_have_no_way_out():
+    for status in JobStatus:
+        if status.is_terminal():
+            assert not any(can_move(status, other) for other in JobStatus)
+    for status in InstanceStatus:
+        if status.is_terminal():
+            assert not any(can_move(status, other) for other in InstanceStatus)
+    assert can_move(JobStatus.WAITING, JobStatus.RUNNING) and not can_move(JobStatus.RUNNING, JobStatus.WAITING)
+    assert can_move(InstanceStatus.RUNNING, InstanceStatus.WAITING)  # a restart
+
+
+def test_store_refuses_transitions_out_of_terminal_states(tmp_path):
+    store = Store(tmp_path)
+    store.create_job("j1", name="n", framework="python", project=None, task_name="T", job_dir=tmp_path,
+                     roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    assert store.set_job("j1", JobStatus.RUNNING)
+    assert store.set_job("j1", JobStatus.CANCELLED, "by user")
+    assert not store.set_job("j1", JobStatus.FAILED, "late")
+    assert store.job("j1")["status"] == "Cancelled" and store.job("j1")["reason"] == "by user"
+    assert store.set_instance("j1", "worker", 0, InstanceStatus.RUNNING)
+    assert store.set_instance("j1", "worker", 0, InstanceStatus.KILLED)
+    assert not store.set_instance("j1", "worker", 0, InstanceStatus.TERMINATED)
+    kinds = [e["message"] for e in store.events("j1")]
+    assert kinds[:3] == ["python job n", "Running", "Cancelled: by user"]
+
+
+@pytest.mark.parametrize("code, retry", [(1, False), (2, False), (126, False), (127, False), (128, False),
+                                         (139, False), (-11, False), (130, True), (137, True), (138, True),
+                                         (143, True), (-9, True), (-15, True), (3, False)])
+def test_exit_code_policy(code, retry):
+    assert is_retryable(code) is retry
+
+
+def test_describe_exit():
+    assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(3) == "exited with code 3"
+
+
+def test_job_ids_sort_by_time_and_are_unique():
+    ids = [new_job_id() for _ in range(200)]
+    assert len(set(ids)) == 200 and all(len(i) == 24 and i.isalnum() and i.islower() for i in ids)
+    assert ids[0][:14] <= ids[-1][:14]
+
+
+def _writer(home, worker, count, errors):
+    try:
+        store = Store(home)
+        for i in range(count):
+            job_id = f"w{worker}-{i}"
+            store.create_job(job_id, name=job_id, framework="python", project=None, task_name="T",
+                             job_dir=home, roles=[{"name": "worker", "count": 2, "must_finish": True}])
+            store.set_job(job_id, JobStatus.RUNNING)
+            store.set_instance(job_id, "worker", 0, InstanceStatus.RUNNING, pid=1, pgid=1)
+            store.add_metrics([(job_id, "worker", 0, 0.0, float(s), "loss", 1.0) for s in range(20)])
+            store.set_job(job_id, JobStatus.SUCCEEDED)
+    except Exception as err:  # reported to the parent, which asserts there were none
+        errors.put(f"{type(err).__name__}: {err}")
+
+
+def test_eight_concurrent_writers_never_see_database_is_locked(tmp_path):
+    Store(tmp_path)
+    ctx = multiprocessing.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(tmp_path, w, 25, errors)) for w in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * 8
+    assert errors.empty(), errors.get()
+    store = Store(tmp_path)
+    assert len(store.jobs(1000)) == 200
+    assert store.db.execute("SELECT COUNT(*) FROM metrics").fetchone()[0] == 200 * 20
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_ports_are_claimed_once_across_jobs(tmp_path):
+    store = Store(tmp_path)
+    a = allocate_ports(store, "job-a", "127.0.0.1", 20)
+    b = allocate_ports(store, "job-b", "127.0.0.1", 20)
+    assert len(set(a) | set(b)) == 40
+    assert not store.claim_port(a[0], "job-c")
+    store.release_ports("job-a")
+    assert store.claim_port(a[0], "job-c")
+
+
+def test_a_port_in_use_is_never_handed_out(tmp_path):
+    store = Store(tmp_path)
+    held = []
+    for _ in range(20):
+        sock = socket.socket()
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        held.append(sock)
+    taken = {s.getsockname()[1] for s in held}
+    try:
+        assert not taken & set(allocate_ports(store, "job", "127.0.0.1", 50))
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def _tar(tmp_path, members):
+    path = tmp_path / "a.tgz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, link in members:
+            info = tarfile.TarInfo(name)
+            if link is not None:
+                info.type, info.linkname = tarfile.SYMTYPE, link
+                tar.addfile(info)
+            else:
+                info.size = 2
+                tar.addfile(info, io.BytesIO(b"ok"))
+    return str(path)
+
+
+@pytest.mark.parametrize("members", [[("../x.py", None)], [("/abs.py", None)], [("a/../../x.py", None)],
+                                     [("l", "/etc/passwd")], [("d/l", "../../x")], [("l", "..")]])
+def test_unsafe_archives_are_refused_before_anything_is_written(tmp_path, members):
+    dest = tmp_path / "out"
+    dest.mkdir()
+    with pytest.raises(UnsafeArchive):
+        extract(_tar(tmp_path, [("main.py", None), *members]), str(dest))
+    assert os.listdir(dest) == []
+
+
+def test_safe_archive_with_an_inner_link(tmp_path):
+    dest = tmp_path / "out"
+    dest.mkdir()
+    extract(_tar(tmp_path, [("pkg/main.py", None), ("pkg/alias.py", "main.py")]), str(dest))
+    assert (dest / "pkg" / "alias.py").read_text() == "ok"
+
+
+def test_metric_parser_reads_the_seed_line():
+    parser = MetricParser([KEY_VALUE_METRIC])
+    step, values = parser.parse("step=3, global_step=1, loss=7.496880, duration=26.735484s.")
+    assert step == 3 and values == {"step": 3, "global_step": 1, "loss": 7.49688, "duration": 26.735484}
+    assert parser.parse("no numbers here, name=abc") == (None, {})
+    custom = MetricParser([r"Iteration (?P<iteration>\d+).*loss = (?P<loss>[\d.]+)"])
+    assert custom.parse("Iteration 100 (2.3 iter/s, 8.6s/20 iters), loss = 0.21") == (100, {"iteration": 100,
+                                                                                               "loss": 0.21})
+
+
+def test_instance_log_lines_partial_lines_and_carriage_returns(tmp_path):
+    log = InstanceLog(tmp_path / "w.log", "[worker:0] ", cap=1 << 20)
+    assert log.feed(b"a=1\nb=") == [b"a=1"]
+    assert log.feed(b"2\r\nprogress 10%\rprogress 100%\npart") == [b"b=2", b"progress 100%"]
+    assert log.flush() == [b"part"]
+    log.close()
+    assert (tmp_path / "w.log").read_bytes() == b"a=1\nb=2\r\nprogress 10%\rprogress 100%\npart"
+
+
+def test_capped_file_keeps_the_tail(tmp_path):
+    f = CappedFile(tmp_path / "x.log", cap=100)
+    for i in range(50):
+        f.write(f"line {i:04d}\n".encode())
+    f.close()
+    current = (tmp_path / "x.log").read_text()
+    previous = (tmp_path / "x.log.1").read_text()
+    assert current.endswith("line 0049\n") and len(current) <= 100 and len(previous) <= 100
+    assert (previous + current).splitlines() == [f"line {i:04d}" for i in range(50)][-len((previous + current).splitlines()):]
+
+
+def test_plan_round_trips_through_json():
+    plan = JobPlan("n", "python", "PythonTask", [RolePlan("ps", 1, ["python", "x.py"], must_finish=False),
+                                                 RolePlan("worker", 2, ["python", "x.py"], env={"A": "1"})])
+    assert JobPlan.from_json(plan.to_json()) == plan
+    assert plan.total_instances == 3 and plan.role("ps").must_finish is False

@@ -27,7 +27,6 @@ sources, snapshot_prefix) resolve there, as they would for `caffe train` run the
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from paicli.adapters.base import Adapter, StagedCode, cluster_roles, script_args
@@ -44,8 +43,10 @@ ROLES = ("ps", "worker")
 _N = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)"
 CAFFE_METRIC_PATTERNS = (
     # I1122 ... solver.cpp:239] Iteration 20 (58.8 iter/s, 0.34s/20 iters), loss = 1.23
-    rf"\bIteration (?P<step>\d+) \((?P<iter_per_s>{_N}) iter/s, (?P<sec_per_display>{_N})s/\d+ iters\), "
+    rf"\bIteration (?P<step>[1-9]\d*) \((?P<iter_per_s>{_N}) iter/s, (?P<sec_per_display>{_N})s/\d+ iters\), "
     rf"loss = (?P<loss>{_N})",
+    # Iteration 0's rate is meaningless (Caffe divides by an unset timer): its loss only
+    rf"\bIteration (?P<step>0) \([^)]*\), loss = (?P<loss>{_N})",
     # the last line of a run: "Iteration 200, loss = 0.0026"
     rf"\bIteration (?P<step>\d+), loss = (?P<loss>{_N})",
     rf"\bIteration (?P<step>\d+), lr = (?P<lr>{_N})",
@@ -70,29 +71,6 @@ CAFFE_PARAMS: tuple[Param, ...] = (
     Param("maPeriod", "int", default=DEFAULT_MA_PERIOD, minimum=1,
           help="With several workers: average the model through the ps every this many iterations."),
 )
-
-
-def _solver_field(text: str, name: str) -> str | None:
-    match = re.search(rf'^\s*{name}\s*:\s*"([^"]*)"', text, re.M)
-    return match.group(1) if match else None
-
-
-def solver_cwd(solver: Path, fallback: Path, top: Path | None = None) -> Path:
-    """Where a solver's relative paths resolve (see the module's docstring)."""
-    try:
-        text = solver.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return fallback
-    net = _solver_field(text, "net") or _solver_field(text, "train_net")
-    candidates = [solver.parent, *solver.parent.parents]
-    if top is not None:  # inside an archive: never above its root
-        candidates = [c for c in candidates if c == top or top in c.parents]
-    candidates.append(fallback)
-    if net and not os.path.isabs(net):
-        for folder in candidates:
-            if (folder / net).exists():
-                return folder
-    return solver.parent if not net or os.path.isabs(net) else fallback
 
 
 class CaffeAdapter(Adapter):
@@ -145,9 +123,13 @@ class CaffeAdapter(Adapter):
         if solver is None:
             return self._script_plan(spec, code, python, roles, notes)
 
-        cwd = solver_cwd(solver, code.cwd, code.root)
-        notes.append(f"solver {solver}, run in {cwd}")
+        # The runner picks the working directory at run time (an archive's files are
+        # only in place then): see runners/caffe_runner.py solver_cwd.
+        cwd = code.cwd
+        notes.append(f"solver {solver}; runs in the folder where its net path resolves")
         solve = [python, "-u", runner_path(RUNNER), "solve", "--solver", str(solver)]
+        if code.root is not None:
+            solve += ["--top", str(code.root)]
         if spec.get("weights"):
             solve += ["--weights", spec.get("weights")]
         if spec.get("snapshot"):

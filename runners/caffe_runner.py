@@ -3,7 +3,7 @@
 Runs with the runtime's Python 3.9 (stdlib, numpy, pycaffe only: no paicli here).
 
     caffe_runner.py solve --solver S [--weights W] [--snapshot SS] [--checkpoint-dir D]
-                          [--workers N] [--ma-period P] [--caffe BIN]
+                          [--workers N] [--ma-period P] [--caffe BIN] [--python PY] [--top DIR]
     caffe_runner.py average --workers N            (the ps role: the averaging server)
 
 `solve` with one worker runs `caffe train` (Caffe's own binary, glog lines streamed
@@ -39,6 +39,7 @@ DEFAULT_MA_PERIOD = 20
 
 # glog: "F1122 04:53:09.650353 30196 upgrade_proto.cpp:79] Check failed: ..."
 GLOG_FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ (?P<where>[^\]]+)\] (?P<msg>.*)")
+STACK_TRACE = re.compile(r"^(\*\*\* Check failure stack trace: \*\*\*|\s+@\s+0x[0-9a-f]+\s|\s+@\s+\(nil\))")
 PROTOBUF_ERROR = re.compile(r"^\[libprotobuf (?:ERROR|FATAL) [^\]]*\] (?P<msg>.*)")
 
 
@@ -62,6 +63,33 @@ def set_solver_field(text: str, name: str, value: str, quoted: bool = True) -> s
     if pattern.search(text):
         return pattern.sub(lambda m: m.group(1) + rendered, text, count=1)
     return text.rstrip("\n") + "\n" + rendered + "\n"
+
+
+def solver_cwd(solver: str, fallback: str, top: str | None = None) -> str:
+    """Where a solver's relative paths resolve: the first of the solver's folder, its
+    parents (not above `top`, an archive's root) and `fallback` (where the job was
+    submitted) in which its `net:`/`train_net:` path exists. So BVLC's
+    examples/mnist/lenet_solver.prototxt (net: "examples/mnist/...") runs in the folder
+    that holds examples/, and a solver beside its net runs in its own folder."""
+    try:
+        with open(solver, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return fallback
+    net = solver_field(text, "net") or solver_field(text, "train_net")
+    if not net or os.path.isabs(net):
+        return os.path.dirname(os.path.abspath(solver))
+    folder = os.path.dirname(os.path.abspath(solver))
+    candidates = []
+    while True:
+        candidates.append(folder)
+        if (top and os.path.abspath(folder) == os.path.abspath(top)) or os.path.dirname(folder) == folder:
+            break
+        folder = os.path.dirname(folder)
+    for candidate in candidates + [fallback]:
+        if os.path.exists(os.path.join(candidate, net)):
+            return candidate
+    return fallback
 
 
 def prepare_solver(args, workdir: str) -> tuple[str, str]:
@@ -106,9 +134,11 @@ def watch(argv: list[str], env: dict | None = None) -> int:
     out = sys.stdout.buffer
     assert proc.stdout is not None
     for raw in iter(proc.stdout.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip()
+        if STACK_TRACE.match(line):
+            continue  # glog's C++ stack after a CHECK failure: Caffe's internals, not the user's error
         out.write(raw)
         out.flush()
-        line = raw.decode("utf-8", "replace").rstrip()
         match = PROTOBUF_ERROR.match(line) or GLOG_FATAL.match(line)
         if match and len(errors) < 4:
             errors.append(match.group("msg").strip())
@@ -117,7 +147,10 @@ def watch(argv: list[str], env: dict | None = None) -> int:
         return 0
     if errors:
         # Deterministic: the same prototxt fails the same way again, so no retry.
-        log("Caffe failed: " + " / ".join(errors))
+        where = ""
+        if any(w in m for m in errors for w in ("open", "No such file", "does not exist")):
+            where = f" (relative paths resolve in {os.getcwd()})"
+        log("Caffe failed: " + " / ".join(errors) + where)
         return 1
     if code < 0:
         if -code == signal.SIGABRT:
@@ -401,6 +434,7 @@ def parse_args(argv: list[str]):
     # The runtime's python wrapper: sys.executable is the bare bullseye binary, which
     # needs its own loader to run.
     solve.add_argument("--python", default=sys.executable)
+    solve.add_argument("--top", help="an archive's root: the working directory is not searched above it")
     solve.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     average = sub.add_parser("average")
     average.add_argument("--workers", type=int, required=True)
@@ -415,6 +449,9 @@ def main(argv: list[str]) -> int:
     if not os.path.isfile(args.solver):
         log(f"Caffe failed: the solver {args.solver} does not exist")
         return 1
+    if not args.child:
+        os.chdir(solver_cwd(args.solver, os.getcwd(), args.top))
+        log(f"working directory {os.getcwd()} (relative paths in the prototxt resolve here)")
     if args.workers > 1:
         if args.child:
             return run_averaging_worker(args)

@@ -22,7 +22,8 @@ import pytest
 from conftest import instance_groups, job_id_from, pai, pai_json, processes_in, wait_until
 from paicli.adapters import get_adapter
 from paicli.adapters.base import StagedCode
-from paicli.adapters.caffe import CAFFE_METRIC_PATTERNS, CaffeAdapter, solver_cwd
+from paicli.adapters.caffe import CAFFE_METRIC_PATTERNS, CaffeAdapter
+from paicli.runners.caffe_runner import solver_cwd
 from paicli.errors import SpecError
 from paicli.spec import CORE_PARAMS, JobSpec
 
@@ -69,6 +70,7 @@ def test_one_worker_runs_caffe_train(tmp_path):
     assert worker.argv[worker.argv.index("--checkpoint-dir") + 1] == str(tmp_path / "ck")
     assert "--caffe" in worker.argv and "--workers" not in worker.argv
     assert worker.cwd == str(tmp_path) and worker.env["GLOG_logtostderr"] == "1"
+    assert "--top" not in worker.argv  # only for a solver inside an archive
     assert plan.restart == "instance" and plan.task_name == "CaffeTask"
 
 
@@ -110,14 +112,17 @@ def test_working_directory_is_where_the_net_path_resolves(tmp_path):
     mnist.mkdir(parents=True)
     (mnist / "lenet_train_test.prototxt").write_text("")
     solver = mnist / "lenet_solver.prototxt"
+    elsewhere = str(tmp_path / "elsewhere")
     solver.write_text('net: "examples/mnist/lenet_train_test.prototxt"\n')
-    assert solver_cwd(solver, tmp_path / "elsewhere") == tmp_path / "caffe"
+    assert solver_cwd(str(solver), elsewhere) == str(tmp_path / "caffe")
+    # ...but never above an archive's root
+    assert solver_cwd(str(solver), elsewhere, top=str(mnist)) == elsewhere
     # A solver beside its net runs in its own folder.
     solver.write_text('net: "lenet_train_test.prototxt"\n')
-    assert solver_cwd(solver, tmp_path / "elsewhere") == mnist
+    assert solver_cwd(str(solver), elsewhere) == str(mnist)
     # Nothing resolves: where `pai` was started, as `caffe train` run there would.
     solver.write_text('net: "nowhere/net.prototxt"\n')
-    assert solver_cwd(solver, tmp_path / "elsewhere") == tmp_path / "elsewhere"
+    assert solver_cwd(str(solver), elsewhere) == elsewhere
 
 
 def metrics_of(line: str) -> dict:

@@ -333,8 +333,8 @@ def test_a_missing_data_source_fails_with_caffes_message(pai_home, lenet, tmp_pa
 
 
 def test_cancel_stops_every_instance(pai_home, lenet):
-    result = pai("--detach", "-name", "caffe", f"-Dsolver={lenet}/long_solver.prototxt",
-                 f"-Dcluster={TWO_WORKERS}")
+    result = pai("-name", "caffe", f"-Dsolver={lenet}/long_solver.prototxt",
+                 f"-Dcluster={TWO_WORKERS}", "--detach")
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip().splitlines()[-1]
 

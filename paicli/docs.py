@@ -34,5 +34,28 @@ def parameters_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def cli_markdown() -> str:
+    """The command reference: every command's --help, as `pai` prints it."""
+    import click
+
+    from paicli.cli import cli
+
+    lines = ["# Command reference", "",
+             "Generated from `--help` (`python -m paicli.docs cli > docs/cli.md`); a test checks it is current.", ""]
+
+    def walk(command: click.Command, path: list[str]) -> None:
+        with click.Context(command, info_name=" ".join(path), terminal_width=100, max_content_width=100) as ctx:
+            text = command.get_help(ctx)
+        lines.extend([f"## {' '.join(path)}", "", "```", text.rstrip(), "```", ""])
+        if isinstance(command, click.Group):
+            for name in command.list_commands(ctx):
+                walk(command.get_command(ctx, name), [*path, name])
+
+    walk(cli, ["pai"])
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(parameters_markdown(), end="")
+    import sys
+
+    print(cli_markdown() if sys.argv[1:] == ["cli"] else parameters_markdown(), end="")

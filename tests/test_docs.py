@@ -1,0 +1,71 @@
+"""The generated docs are current, the README's Quickstart has exactly two
+commands, and the layering rules hold."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from paicli.docs import cli_markdown, parameters_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_cli_reference_is_generated_from_help():
+    assert (ROOT / "docs" / "cli.md").read_text() == cli_markdown(), \
+        "run: .venv/bin/python -m paicli.docs cli > docs/cli.md"
+
+
+def test_parameter_reference_is_generated_from_the_table():
+    assert (ROOT / "docs" / "parameters.md").read_text() == parameters_markdown(), \
+        "run: .venv/bin/python -m paicli.docs > docs/parameters.md"
+
+
+def test_quickstart_has_exactly_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(?:sh|bash)?\n(.*?)```", section, re.S)
+    commands = [line for block in blocks for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    assert commands == ["bash .ci/example", "bash .ci/run"]
+    assert "bash .ci/setup test" in (ROOT / ".ci" / "run").read_text()
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_data_flows_one_way():
+    """Adapters never import the launcher; the launcher never imports the CLI side;
+    code that runs inside a framework runtime imports nothing of paicli."""
+    user_side = {"paicli.cli", "paicli.client", "paicli.console", "paicli.logtail", "paicli.logview"}
+    for path in (ROOT / "adapters").glob("*.py"):
+        bad = {m for m in _imports(path) if m.startswith("paicli.cluster") or m in user_side}
+        assert not bad, f"{path.name} imports {bad}"
+    for path in (ROOT / "cluster").rglob("*.py"):
+        bad = {m for m in _imports(path) if m in user_side or m.startswith("paicli.adapters")}
+        assert not bad, f"{path.name} imports {bad}"
+    for path in (ROOT / "runners").glob("*.py"):
+        bad = {m for m in _imports(path) if m.split(".")[0] == "paicli"}
+        if path.name in ("runtimes.py", "caffe_rootfs.py", "archive.py"):
+            continue  # host-side modules; checked for no higher imports below
+        assert not bad, f"{path.name} runs inside a runtime but imports {bad}"
+    for name in ("runtimes.py", "archive.py"):
+        assert not {m for m in _imports(ROOT / "runners" / name) if m.startswith("paicli")}
+
+
+def test_help_imports_nothing_heavy():
+    code = "import sys, paicli.cli; print(sorted(m for m in sys.modules if m.split('.')[0] in " \
+           "('rich','yaml','sqlite3','tensorflow','mxnet','paicli.cluster','paicli.adapters')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

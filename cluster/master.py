@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,6 +121,7 @@ class JobMaster:
             self._write_log_view()
             outcome = self._supervise()
         except BaseException as err:  # a bug or an OS failure must not leave processes behind
+            traceback.print_exc()  # into master.log
             outcome = (JobStatus.FAILED, f"launcher error: {type(err).__name__}: {err}")
         status, reason = outcome
         self._finish(status, reason)

@@ -104,12 +104,12 @@ def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
 
     out = logtail.binary_stdout()
     colour = logtail.use_colour(sys.stdout)
-    try:
-        status = logtail.follow_job(store, job_id, out, from_end=from_end, progress=progress, colour=colour)
-    except KeyboardInterrupt:
-        sys.stderr.write(f"\ncancelling {job_id} (Ctrl-C)...\n")
+    def cancel() -> None:
+        sys.stderr.write(f"\ncancelling {job_id} (Ctrl-C; press it again to stop waiting)...\n")
         client.kill(store, job_id, reason="cancelled (Ctrl-C)")
-        status = logtail.follow_job(store, job_id, out, from_end=True, progress=False, colour=colour)
+
+    status = logtail.follow_job(store, job_id, out, from_end=from_end, progress=progress, colour=colour,
+                                on_interrupt=cancel)
     for line in jobview.summary_lines(status):
         click.echo(line)
     if status["status"] == "Failed":

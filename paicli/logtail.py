@@ -102,43 +102,60 @@ def progress_line(task_name: str, instances: list) -> tuple[tuple[int, int, int]
 
 def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = False,
                progress: bool = True, colour: bool = False,
-               status_of: Callable[[Store, str], dict] | None = None) -> dict:
+               on_interrupt: Callable[[], None] | None = None) -> dict:
     """Tail the job's combined log to `out` until the job ends; print progress lines
-    when running/terminated counts change. Returns the final status dict."""
+    when running/terminated counts change. The first Ctrl-C calls `on_interrupt`
+    (which cancels the job) and following goes on, so the lines written while the
+    job stops are shown too. Returns the final status dict."""
     from paicli import client
 
-    status_of = status_of or client.status
     job = store.job(job_id)
     follower = FileFollower(Path(job["job_dir"]) / "job.log", "end" if from_end else 0)
-    last_counts = None
-    next_check = 0.0
+    state = {"counts": None, "next_check": 0.0}
+    interrupted = False
     try:
         while True:
-            data = follower.read()
-            if data:
-                out.write(colourise(data) if colour else data)
-                out.flush()
-                continue
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + STATUS_POLL
-                job = client.refresh(store, job_id)
-                if progress:
-                    counts, line = progress_line(job["task_name"] or "Task", store.instances(job_id))
-                    if counts != last_counts:
-                        last_counts = counts
-                        out.write((line + "\n").encode())
-                        out.flush()
-                if JobStatus(job["status"]).is_terminal() and not client.master_alive(job):
-                    # One more read after the end, so no last line is lost.
-                    while data := follower.read():
-                        out.write(colourise(data) if colour else data)
-                    out.flush()
+            try:
+                if _follow_step(store, job_id, follower, out, progress, colour, state):
                     break
-            time.sleep(IDLE_SLEEP)
+            except KeyboardInterrupt:
+                if on_interrupt is None or interrupted:
+                    raise
+                interrupted = True
+                on_interrupt()
     finally:
         follower.close()
-    return status_of(store, job_id)
+    return client.status(store, job_id)
+
+
+def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[bytes], progress: bool,
+                 colour: bool, state: dict) -> bool:
+    """One step of following; True once the job has ended and its log is read out."""
+    from paicli import client
+
+    data = follower.read()
+    if data:
+        out.write(colourise(data) if colour else data)
+        out.flush()
+        return False
+    now = time.monotonic()
+    if now >= state["next_check"]:
+        state["next_check"] = now + STATUS_POLL
+        job = client.refresh(store, job_id)
+        if progress:
+            counts, line = progress_line(job["task_name"] or "Task", store.instances(job_id))
+            if counts != state["counts"]:
+                state["counts"] = counts
+                out.write((line + "\n").encode())
+                out.flush()
+        if JobStatus(job["status"]).is_terminal() and not client.master_alive(job):
+            # One more read after the end, so no last line is lost.
+            while data := follower.read():
+                out.write(colourise(data) if colour else data)
+            out.flush()
+            return True
+    time.sleep(IDLE_SLEEP)
+    return False
 
 
 def binary_stdout() -> IO[bytes]:

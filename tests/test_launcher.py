@@ -298,3 +298,39 @@ def test_job_from_a_yaml_file_with_overrides(pai_home, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "[worker:2] role worker 2" in result.stdout
     assert pai_json("list")[0]["name"] == "from-yaml"
+
+
+def test_closing_the_terminal_does_not_stop_the_job(pai_home):
+    """SIGHUP (a closed terminal, a laptop lid) ends the CLI, never the job."""
+    proc = start_attached("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "print:30", "SLEEP": "0.1"})
+    job_id = job_id_from(read_until(proc, "step=2"))
+    proc.send_signal(signal.SIGHUP)
+    proc.wait(timeout=10)
+    assert pai_json("status", job_id)["status"] == "Running"
+    assert pai("wait", job_id, timeout=60).returncode == 0
+
+
+def test_colour_per_instance_on_a_real_terminal(pai_home):
+    import pty
+
+    env = dict(os.environ, BEHAVE="print:2")
+    env.pop("NO_COLOR", None)
+    env.pop("FORCE_COLOR", None)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: `pai` with a terminal as its stdout
+        os.execvpe(PAI[0], [*PAI, "-name", "python", f"-Dscript={BEHAVE}",
+                            '-Dcluster={"worker":{"count":2}}'], env)
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    _, status = os.waitpid(pid, 0)
+    out = b"".join(chunks).decode()
+    assert os.waitstatus_to_exitcode(status) == 0
+    colours = {line.split("[worker:")[0] for line in out.splitlines() if "[worker:" in line}
+    assert len(colours) == 2 and all(c.startswith("\x1b[") for c in colours), colours

@@ -256,6 +256,18 @@ def test_resume_from_snapshot_continues_the_iteration_count(pai_home, lenet, tmp
     assert (resumed / "lenet_iter_60.caffemodel").exists() and not (resumed / "lenet_iter_30.caffemodel").exists()
 
 
+def test_weights_fine_tune_from_a_trained_model(pai_home, lenet, tmp_path):
+    result, _ = run("-name", "caffe", f"-Dsolver={lenet}/short_solver.prototxt", f"-DcheckpointDir={tmp_path}")
+    assert result.returncode == 0, result.stdout
+    fresh = losses(status_of(result.stdout))[0]
+    result, lines = run("-name", "caffe", f"-Dsolver={lenet}/short_solver.prototxt",
+                        f"-Dweights={tmp_path}/lenet_iter_60.caffemodel", f"-DcheckpointDir={tmp_path}/tuned")
+    assert result.returncode == 0, result.stdout
+    tuned = losses(status_of(result.stdout))[0]
+    assert fresh[0] == tuned[0] == 0  # a new run from iteration 0...
+    assert tuned[1] < fresh[1] * 0.5  # ...starting from the trained weights
+
+
 def test_two_workers_and_a_ps_average_the_model(pai_home, lenet, tmp_path):
     result, lines = run("-name", "caffe", f"-Dsolver={lenet}/short_solver.prototxt", "-DmaPeriod=10",
                         f"-Dcluster={TWO_WORKERS}", f"-DcheckpointDir={tmp_path / 'ck'}")
@@ -269,10 +281,13 @@ def test_two_workers_and_a_ps_average_the_model(pai_home, lenet, tmp_path):
     assert (tmp_path / "ck" / "lenet_iter_60.caffemodel").exists()  # the averaged model, by worker 0
 
 
+SHARD_LAYERS = {
+    "hdf5": 'type: "HDF5Data" hdf5_data_param { source: "list.txt" batch_size: 4 }',
+    "lmdb": 'type: "Data" data_param { source: "records_lmdb" backend: LMDB batch_size: 4 }',
+}
 SHARD_NET = """
 name: "shards"
-layer { name: "data" type: "HDF5Data" top: "data" top: "label"
-        hdf5_data_param { source: "list.txt" batch_size: 4 } }
+layer { name: "data" %s top: "data" top: "label" }
 layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
         inner_product_param { num_output: 1 weight_filler { type: "constant" } } }
 layer { name: "label_loss" type: "Reduction" bottom: "label" top: "label_loss"
@@ -280,16 +295,29 @@ layer { name: "label_loss" type: "Reduction" bottom: "label" top: "label_loss"
 """
 
 
-def test_each_worker_trains_on_its_own_shard(pai_home, caffe_runtime, tmp_path):
+def write_records(kind: str, folder: Path, runtime) -> None:
+    """64 records labelled 0, 1, 0, 1, ... as HDF5, or as an LMDB made by Caffe's convert_imageset."""
+    if kind == "hdf5":
+        subprocess.run([runtime.python(), "-c", (
+            "import h5py, numpy as np\n"
+            "with h5py.File('records.h5', 'w') as f:\n"
+            "    f['data'] = np.ones((64, 2), np.float32)\n"
+            "    f['label'] = (np.arange(64) % 2).astype(np.float32)\n")], cwd=folder, check=True, timeout=120)
+        (folder / "list.txt").write_text("records.h5\n")
+        return
+    for k in range(64):
+        (folder / f"img_{k}.pgm").write_bytes(b"P5\n2 2\n255\n" + bytes([k % 2 * 255] * 4))
+    (folder / "images.txt").write_text("".join(f"img_{k}.pgm {k % 2}\n" for k in range(64)))
+    subprocess.run([runtime.caffe(), "--gray", "./", "images.txt", "records_lmdb"], cwd=folder, check=True,
+                   timeout=120, capture_output=True, env=dict(os.environ, PAICLI_CAFFE_TOOL="convert_imageset"))
+
+
+@pytest.mark.parametrize("kind", ["hdf5", "lmdb"])
+def test_each_worker_trains_on_its_own_shard(pai_home, caffe_runtime, tmp_path, kind):
     # Records alternate label 0, 1, 0, 1...; the "loss" is the mean label of a batch.
     # Sharded by worker index, worker 0 sees only 0s and worker 1 only 1s; unsharded, 0.5.
-    subprocess.run([caffe_runtime.python(), "-c", (
-        "import h5py, numpy as np\n"
-        "with h5py.File('records.h5', 'w') as f:\n"
-        "    f['data'] = np.ones((64, 2), np.float32)\n"
-        "    f['label'] = (np.arange(64) % 2).astype(np.float32)\n")], cwd=tmp_path, check=True, timeout=120)
-    (tmp_path / "list.txt").write_text("records.h5\n")
-    (tmp_path / "net.prototxt").write_text(SHARD_NET)
+    write_records(kind, tmp_path, caffe_runtime)
+    (tmp_path / "net.prototxt").write_text(SHARD_NET % SHARD_LAYERS[kind])
     (tmp_path / "solver.prototxt").write_text(
         'net: "net.prototxt"\nbase_lr: 0.0\nlr_policy: "fixed"\ndisplay: 5\nmax_iter: 10\nsnapshot_after_train: false\n')
     result, _ = run("-name", "caffe", f"-Dsolver={tmp_path}/solver.prototxt", "-DmaPeriod=5",

@@ -20,11 +20,14 @@ library and TensorFlow, never paicli.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
+import re
 import runpy
 import signal
 import sys
+import tempfile
 import traceback
 
 # A failure that a restart on a fresh port cures. The launcher retries exit codes
@@ -36,6 +39,16 @@ EXIT_RETRY = 138
 _PORT_TAKEN = ("address already in use", "could not start grpc server", "failed to add port")
 
 CLASSIC_FLAGS = ("ps_hosts", "worker_hosts", "chief_hosts", "job_name", "task_index")
+
+# What `import tensorflow` prints on every import, twice, before TF_CPP_MIN_LOG_LEVEL
+# is read: notices about oneDNN and CPU features, in every instance's log.
+_IMPORT_BANNER = re.compile(
+    r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|I\d{4} \S+\s+\d+ (?:port|cpu_feature_guard)\.cc:\d+\] .*"
+    r"|To enable the following instructions: .* rebuild TensorFlow with the appropriate compiler flags\.")
+
+
+QUIET = False  # drop TensorFlow's import banner (main() decides)
 
 
 def say(message: str) -> None:
@@ -82,6 +95,45 @@ def is_port_taken(err: BaseException) -> bool:
     return any(marker in text for marker in _PORT_TAKEN)
 
 
+def import_tensorflow_quietly(import_=None):
+    """`import tensorflow` with its import-time banner dropped: fd 2 goes to a file for
+    the length of the import, then everything else in it is written back. Everything
+    TensorFlow prints later, warnings included, is untouched."""
+    import_ = import_ or builtins.__import__
+    sys.stderr.flush()
+    saved = os.dup(2)
+    capture = tempfile.TemporaryFile()
+    os.dup2(capture.fileno(), 2)
+    try:
+        return import_("tensorflow")
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        capture.seek(0)
+        for line in capture.read().decode("utf-8", "replace").splitlines(keepends=True):
+            if not _IMPORT_BANNER.fullmatch(line.rstrip("\r\n")):
+                sys.stderr.write(line)
+        capture.close()
+        sys.stderr.flush()
+
+
+def quiet_first_tensorflow_import() -> None:
+    """Make the script's first `import tensorflow` (or of anything that imports it,
+    keras say) a quiet one. The script still imports it itself, at the moment it
+    chooses: environment variables it sets before that still count."""
+    real_import = builtins.__import__
+
+    def first_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and (name == "tensorflow" or name.startswith("tensorflow.")) \
+                and "tensorflow" not in sys.modules:
+            builtins.__import__ = real_import
+            import_tensorflow_quietly(real_import)
+        return real_import(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = first_import
+
+
 def block_stop_signals() -> None:
     """Block SIGTERM/SIGINT in this thread before TensorFlow starts its own threads,
     which inherit the mask; a blocked signal then waits for sigwait() instead of
@@ -107,7 +159,7 @@ def serve(role: str, index: int, config: dict) -> None:
     # TensorFlow's own advice for PS training: let the coordinator see worker
     # failures instead of gRPC retrying forever.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-    import tensorflow as tf
+    tf = import_tensorflow_quietly() if QUIET else __import__("tensorflow")
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     try:
@@ -176,7 +228,10 @@ def main(argv: list[str]) -> None:
     role, index, cluster = read_cluster()
     config = tf_config(role, index, cluster)
     os.environ["TF_CONFIG"] = json.dumps(config)
-    # Hide TensorFlow's C++ INFO chatter (oneDNN, CPU features) unless the user chose.
+    # Hide TensorFlow's C++ INFO chatter and its import banner, unless the user chose
+    # a log level (TF_CPP_MIN_LOG_LEVEL=0 shows everything).
+    global QUIET
+    QUIET = "TF_CPP_MIN_LOG_LEVEL" not in os.environ
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     if serve_mode:
         serve(role, index, config)
@@ -188,6 +243,8 @@ def main(argv: list[str]) -> None:
     if not os.path.isfile(script):
         sys.exit(f"tensorflow runner: script {script} does not exist")
     args = classic_flag_values(wanted_flags, role, index, cluster) + args
+    if QUIET:
+        quiet_first_tensorflow_import()
     run_script(script, args, role)
 
 

@@ -163,6 +163,27 @@ def test_mirror_comes_from_the_apt_sources(tmp_path, monkeypatch):
         caffe_rootfs.choose_mirror()
 
 
+def test_building_without_root_says_how_to(tmp_path, monkeypatch):
+    from paicli.runners import caffe_rootfs
+    monkeypatch.setattr(caffe_rootfs.os, "geteuid", lambda: 1000)
+    with pytest.raises(caffe_rootfs.RuntimeError_) as err:
+        caffe_rootfs.CaffeRuntime()._install(tmp_path / "caffe", lambda line: None)
+    assert "needs root" in str(err.value) and "sudo pai runtime install caffe" in str(err.value)
+    assert "PAI_CAFFE_PYTHON" in str(err.value)
+
+
+def test_own_caffe_overrides_the_runtime(monkeypatch, tmp_path):
+    from paicli.runners.caffe_rootfs import CaffeRuntime
+    monkeypatch.setenv("PAI_CAFFE_PYTHON", "/opt/caffe/bin/python")
+    monkeypatch.setenv("PAI_CAFFE_BIN", "/opt/caffe/bin/caffe")
+    runtime = CaffeRuntime()
+    assert runtime.is_installed()  # nothing to build
+    assert (runtime.python(), runtime.caffe()) == ("/opt/caffe/bin/python", "/opt/caffe/bin/caffe")
+    plan = plan_for(tmp_path)
+    assert plan.roles[0].argv[0] == "/opt/caffe/bin/python"
+    assert plan.roles[0].argv[plan.roles[0].argv.index("--caffe") + 1] == "/opt/caffe/bin/caffe"
+
+
 def test_absolute_links_are_pointed_inside_the_root(tmp_path):
     from paicli.runners.caffe_rootfs import relativize_symlinks
     (tmp_path / "etc" / "alternatives").mkdir(parents=True)

@@ -13,11 +13,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import instance_groups, job_id_from, pai, processes_in
 
 from paicli.adapters import get_adapter
 from paicli.adapters.base import StagedCode
@@ -31,7 +31,6 @@ pytestmark = pytest.mark.mxnet
 REPO = Path(__file__).resolve().parent.parent
 GLUON = REPO / "examples" / "mxnet" / "gluon_dist_sync.py"
 MODULE = REPO / "examples" / "mxnet" / "module_speedometer.py"
-PAI = Path(sys.executable).with_name("pai")
 CLUSTER = '{"server":{"count":1},"worker":{"count":2}}'
 INSTANCES = {"scheduler:0", "server:0", "worker:0", "worker:1"}
 
@@ -146,14 +145,8 @@ def runtime():
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAI_HOME", str(tmp_path / "pai-home"))
-    return tmp_path / "pai-home"
-
-
-def pai(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([str(PAI), *args], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+def home(pai_home):
+    return pai_home
 
 
 def submit_args(script: Path, *extra: str, steps: int | None = None) -> list[str]:
@@ -161,12 +154,6 @@ def submit_args(script: Path, *extra: str, steps: int | None = None) -> list[str
     if steps is not None:
         args.append(f"-DuserDefinedParameters=--steps {steps}")
     return args
-
-
-def job_id_of(output: str) -> str:
-    match = re.search(r"^ID = (\S+)$", output, re.M)
-    assert match, f"no `ID = ...` line in:\n{output}"
-    return match.group(1)
 
 
 def status(job_id: str) -> dict:
@@ -214,6 +201,8 @@ def alive(pid: int) -> bool:
 def assert_all_gone(info: dict) -> None:
     names = {f"{i['role']}:{i['index']}" for i in info["instances"]}
     assert names == INSTANCES
+    # Nothing left in any instance's process group either.
+    assert not processes_in(instance_groups(info))
     for inst in info["instances"]:
         if inst.get("pid"):
             assert not alive(inst["pid"]), f"{inst['role']}:{inst['index']} (pid {inst['pid']}) still runs"
@@ -223,7 +212,7 @@ def assert_ok(result: subprocess.CompletedProcess) -> dict:
     lines = result.stdout.strip().splitlines()
     assert result.returncode == 0 and lines and lines[-1] == "OK", \
         f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-2000:]}"
-    info = status(job_id_of(result.stdout))
+    info = status(job_id_from(result.stdout))
     assert info["status"] == "Succeeded" and info["framework"] == "mxnet"
     assert_all_gone(info)
     return info

@@ -371,6 +371,9 @@ def run_averaging_worker(args) -> int:
         snapshot_after = (solver_field(text, "snapshot_after_train") or "true").lower() != "false"
         # Snapshots are taken here, after averaging, not inside step() before it.
         run_text = set_solver_field(text, "snapshot", "0", quoted=False)
+        if not solver_field(text, "snapshot_prefix"):
+            # Caffe's default names the solver file, and this copy lives in a temp folder.
+            run_text = set_solver_field(run_text, "snapshot_prefix", os.path.splitext(os.path.abspath(args.solver))[0])
         run_path = os.path.join(workdir, "averaging_" + os.path.basename(path))
         with open(run_path, "w", encoding="utf-8") as f:
             f.write(run_text)

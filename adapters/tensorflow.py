@@ -16,17 +16,15 @@ TF2 ParameterServerStrategy script runs only on its coordinator. `all` runs it o
 every instance (TF1 scripts that use a chief, or scripts that start their own servers).
 
 Classic flags (-DclusterFlags): a 2016-style script defines --ps_hosts --worker_hosts
---job_name --task_index with tf.app.flags/absl or argparse and fails on flags it does
-not define, while an argparse script rejects ones it does not know. So `auto` passes
-each of those flags only when the script's source defines it; `always`/`never` force it.
+--job_name --task_index with tf.app.flags/absl or argparse and fails without them,
+while absl and argparse scripts reject flags they do not define. So `auto` passes each
+of those flags only when the script's source defines it (the runner looks, at start);
+`always`/`never` force it.
 PAI's own pass-through flags (--checkpointDir, --buckets, --tables, --outputs) are
 passed when those parameters are given, then hyperParameters, then userDefinedParameters.
 """
 
 from __future__ import annotations
-
-import re
-from pathlib import Path
 
 from paicli.adapters.base import Adapter, StagedCode, cluster_roles, script_args
 from paicli.errors import SpecError
@@ -35,7 +33,6 @@ from paicli.runners.runtimes import get_runtime, runner_path
 from paicli.spec import JobSpec, Param
 
 ROLES = ("ps", "worker", "chief", "evaluator")     # also the start order: services first
-CLASSIC_FLAGS = ("ps_hosts", "worker_hosts", "chief_hosts", "job_name", "task_index")
 RUNNER = "tensorflow_runner.py"
 
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
@@ -51,13 +48,6 @@ KERAS_LOSS_METRIC = rf"\s-\sloss: (?P<loss>{_NUMBER})"
 KERAS_METRIC = rf"(?:^|\s-\s)(?P<key>[a-z][a-z0-9_]*): (?P<value>{_NUMBER})(?![\w.])"
 KERAS_EPOCH_METRIC = r"^Epoch (?P<epoch>\d+)/\d+\s*$"
 
-# Where a script defines a classic flag: absl/tf.app.flags DEFINE_* or argparse.
-_DEFINES_FLAG = re.compile(
-    r"""DEFINE_[a-z_]+\(\s*(?:name\s*=\s*)?["'](?P<absl>\w+)["']"""
-    r"""|add_argument\(\s*["']--(?P<argparse>\w+)["']""")
-_SCAN_LIMIT = 2_000_000  # bytes of source read when looking for flag definitions
-
-
 TF_PARAMS: tuple[Param, ...] = (
     Param("scriptRoles", "choice", default="auto", choices=("auto", "all"),
           help="Where the script runs. auto: on every instance, except that with a chief the ps "
@@ -67,27 +57,6 @@ TF_PARAMS: tuple[Param, ...] = (
           help="Pass --ps_hosts --worker_hosts --job_name --task_index to the script. auto: those "
                "the script defines (tf.app.flags/absl DEFINE_* or argparse add_argument)."),
 )
-
-
-def defined_classic_flags(code: StagedCode) -> list[str]:
-    """The classic cluster flags that the script's source defines: the entry, and for
-    an archive every .py file in it (flags are often defined in a shared module)."""
-    files = [code.entry] if code.entry else []
-    if code.root:
-        files += sorted(p for p in Path(code.root).rglob("*.py") if p != code.entry)
-    found: set[str] = set()
-    budget = _SCAN_LIMIT
-    for path in files:
-        if budget <= 0:
-            break
-        try:
-            text = Path(path).read_text(encoding="utf-8", errors="replace")[:budget]
-        except OSError:
-            continue
-        budget -= len(text)
-        for match in _DEFINES_FLAG.finditer(text):
-            found.add(match.group("absl") or match.group("argparse"))
-    return [flag for flag in CLASSIC_FLAGS if flag in found]
 
 
 class TensorflowAdapter(Adapter):
@@ -132,10 +101,12 @@ class TensorflowAdapter(Adapter):
         roles = self.roles(spec)
         has_chief = "chief" in roles
         serve_roles = {"ps", "worker"} if has_chief and spec.get("scriptRoles") == "auto" else set()
-        flags = self.cluster_flags(spec, code, has_chief)
         python = get_runtime(self.runtime).python()
         runner = [python, "-u", runner_path(RUNNER)]
-        script = [*([f"--cluster-flags={','.join(flags)}"] if flags else []), "--",
+        # The runner decides the classic flags at start: only there is the code surely
+        # in place (an archive is unpacked into the job directory after planning).
+        script = [f"--cluster-flags={spec.get('clusterFlags')}",
+                  *([f"--code-root={code.root}"] if code.root else []), "--",
                   str(code.entry), *script_args(spec)]
         finishing = "chief" if has_chief else "worker"
 
@@ -162,8 +133,10 @@ class TensorflowAdapter(Adapter):
             (f"the script runs on {', '.join(r.name for r in plans if r.name not in serve_roles)}; "
              f"{' and '.join(sorted(serve_roles))} run a plain tf.distribute.Server"
              if serve_roles else "the script runs on every instance"),
-            f"classic flags passed: {' '.join('--' + f for f in flags)}" if flags
-            else "no classic cluster flags passed (the script defines none)",
+            {"auto": "classic flags --ps_hosts --worker_hosts --job_name --task_index: passed "
+                     "when the script defines them (decided by the runner at start)",
+             "always": "classic flags --ps_hosts --worker_hosts --job_name --task_index: passed",
+             "never": "classic cluster flags: not passed"}[spec.get("clusterFlags")],
             "a failure that a restart can cure restarts the whole job on fresh ports "
             "(TF's cluster spec is fixed at start)",
         ]
@@ -175,11 +148,3 @@ class TensorflowAdapter(Adapter):
                        roles=plans, restart=RESTART_JOB,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
                        metric_patterns=list(self.metric_patterns), notes=notes)
-
-    def cluster_flags(self, spec: JobSpec, code: StagedCode, has_chief: bool) -> list[str]:
-        mode = spec.get("clusterFlags")
-        if mode == "never":
-            return []
-        if mode == "always":
-            return [f for f in CLASSIC_FLAGS if f != "chief_hosts" or has_chief]
-        return defined_classic_flags(code)

@@ -1,6 +1,7 @@
 """Runs one TensorFlow instance inside the TensorFlow runtime.
 
-    python -u tensorflow_runner.py [--serve] [--cluster-flags=NAMES] [--] SCRIPT [ARGS...]
+    python -u tensorflow_runner.py [--serve] [--cluster-flags=MODE] [--code-root=DIR]
+                                   [--] SCRIPT [ARGS...]
 
 The launcher starts every instance with PAI_ROLE, PAI_INDEX, PAI_CLUSTER, ... (see
 paicli.plan). This runner turns them into what TensorFlow expects, then either
@@ -11,8 +12,11 @@ paicli.plan). This runner turns them into what TensorFlow expects, then either
     TF2 ParameterServerStrategy job, whose user script runs only on the chief) until
     SIGTERM, then exits 0.
 
---cluster-flags=ps_hosts,worker_hosts,job_name,task_index names the classic 2016-style
-flags to prepend to ARGS (the adapter found them defined in the script).
+--cluster-flags says which classic 2016-style flags (--ps_hosts --worker_hosts
+--job_name --task_index) go before ARGS: `auto` (the default) those that the script
+defines, found in SCRIPT's source or, for an archive, in any .py file under
+--code-root; `always`; `never`; or a comma-separated list of names. It is decided
+here, at start, because only here is the code surely in place.
 
 This file runs inside the framework's own Python: it imports only the standard
 library and TensorFlow, never paicli.
@@ -39,6 +43,12 @@ EXIT_RETRY = 138
 _PORT_TAKEN = ("address already in use", "could not start grpc server", "failed to add port")
 
 CLASSIC_FLAGS = ("ps_hosts", "worker_hosts", "chief_hosts", "job_name", "task_index")
+
+# Where a script defines a classic flag: absl/tf.app.flags DEFINE_*(name) or argparse.
+_DEFINES_FLAG = re.compile(
+    r"""DEFINE_[a-z_]+\(\s*(?:name\s*=\s*)?["'](?P<absl>\w+)["']"""
+    r"""|add_argument\(\s*["']--(?P<argparse>\w+)["']""")
+_SCAN_LIMIT = 2_000_000  # bytes of source read when looking for flag definitions
 
 # What `import tensorflow` prints on every import, twice, before TF_CPP_MIN_LOG_LEVEL
 # is read: notices about oneDNN and CPU features, in every instance's log.
@@ -88,6 +98,41 @@ def classic_flag_values(wanted: list[str], role: str, index: int,
         "task_index": str(index),
     }
     return [f"--{name}={values[name]}" for name in wanted if name in values]
+
+
+def defined_classic_flags(script: str, code_root: str | None = None) -> list[str]:
+    """The classic cluster flags that the code defines: the entry script, and for an
+    archive every .py file in it (flags often live in a shared module)."""
+    files = [script]
+    if code_root:
+        for dirpath, _dirs, names in sorted(os.walk(code_root)):
+            files += [os.path.join(dirpath, n) for n in sorted(names)
+                      if n.endswith(".py") and os.path.join(dirpath, n) != script]
+    found: set[str] = set()
+    budget = _SCAN_LIMIT
+    for path in files:
+        if budget <= 0:
+            break
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read(budget)
+        except OSError:
+            continue
+        budget -= len(text)
+        for match in _DEFINES_FLAG.finditer(text):
+            found.add(match.group("absl") or match.group("argparse"))
+    return [flag for flag in CLASSIC_FLAGS if flag in found]
+
+
+def choose_classic_flags(mode: str, script: str, code_root: str | None,
+                         cluster: dict[str, list[str]]) -> list[str]:
+    if mode == "never":
+        return []
+    if mode == "always":
+        return [f for f in CLASSIC_FLAGS if f != "chief_hosts" or "chief" in cluster]
+    if mode == "auto":
+        return defined_classic_flags(script, code_root)
+    return [f for f in mode.split(",") if f]
 
 
 def is_port_taken(err: BaseException) -> bool:
@@ -203,28 +248,31 @@ def run_script(script: str, args: list[str], role: str) -> None:
         raise
 
 
-def parse_argv(argv: list[str]) -> tuple[bool, list[str], list[str]]:
-    serve_mode = False
-    flags: list[str] = []
+def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
+    options = {"serve": False, "cluster_flags": "auto", "code_root": None}
     rest = list(argv)
     while rest and rest[0].startswith("--"):
         opt = rest.pop(0)
         if opt == "--":
             break
         if opt == "--serve":
-            serve_mode = True
+            options["serve"] = True
         elif opt.startswith("--cluster-flags="):
-            flags = [f for f in opt.split("=", 1)[1].split(",") if f]
-            unknown = [f for f in flags if f not in CLASSIC_FLAGS]
-            if unknown:
-                sys.exit(f"tensorflow runner: unknown cluster flag(s) {unknown}; known: {CLASSIC_FLAGS}")
+            mode = opt.split("=", 1)[1]
+            unknown = [f for f in mode.split(",") if f and f not in CLASSIC_FLAGS]
+            if mode not in ("auto", "always", "never") and unknown:
+                sys.exit(f"tensorflow runner: --cluster-flags={mode}: unknown {unknown}; give "
+                         f"auto, always, never or names from {', '.join(CLASSIC_FLAGS)}")
+            options["cluster_flags"] = mode
+        elif opt.startswith("--code-root="):
+            options["code_root"] = opt.split("=", 1)[1]
         else:
             sys.exit(f"tensorflow runner: unknown option {opt!r}")
-    return serve_mode, flags, rest
+    return options, rest
 
 
 def main(argv: list[str]) -> None:
-    serve_mode, wanted_flags, rest = parse_argv(argv)
+    options, rest = parse_argv(argv)
     role, index, cluster = read_cluster()
     config = tf_config(role, index, cluster)
     os.environ["TF_CONFIG"] = json.dumps(config)
@@ -233,16 +281,22 @@ def main(argv: list[str]) -> None:
     global QUIET
     QUIET = "TF_CPP_MIN_LOG_LEVEL" not in os.environ
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    if serve_mode:
+    if options["serve"]:
         serve(role, index, config)
         return
     if not rest:
         sys.exit("tensorflow runner: no script given; usage: tensorflow_runner.py [--serve] "
-                 "[--cluster-flags=...] [--] SCRIPT [ARGS...]")
+                 "[--cluster-flags=MODE] [--code-root=DIR] [--] SCRIPT [ARGS...]")
     script, args = rest[0], rest[1:]
     if not os.path.isfile(script):
         sys.exit(f"tensorflow runner: script {script} does not exist")
-    args = classic_flag_values(wanted_flags, role, index, cluster) + args
+    wanted = choose_classic_flags(options["cluster_flags"], os.path.abspath(script),
+                                  options["code_root"], cluster)
+    if wanted:
+        say(f"passing --{' --'.join(wanted)} (the script defines them; "
+            "-DclusterFlags=never turns this off)" if options["cluster_flags"] == "auto"
+            else f"passing --{' --'.join(wanted)} (-DclusterFlags={options['cluster_flags']})")
+    args = classic_flag_values(wanted, role, index, cluster) + args
     if QUIET:
         quiet_first_tensorflow_import()
     run_script(script, args, role)

@@ -21,7 +21,8 @@ import pytest
 
 from paicli.adapters import get_adapter
 from paicli.adapters.base import StagedCode
-from paicli.adapters.tensorflow import TensorflowAdapter, defined_classic_flags
+from paicli.adapters.tensorflow import TensorflowAdapter
+from paicli.runners.tensorflow_runner import choose_classic_flags, defined_classic_flags
 from paicli.errors import SpecError
 from paicli.spec import CORE_PARAMS, JobSpec
 
@@ -123,11 +124,12 @@ def test_classic_flags_are_passed_only_when_the_script_defines_them(tmp_path):
                              ("import os\nprint(os.environ['TF_CONFIG'])\n", [])]:
         script = tmp_path / "s.py"
         script.write_text(source)
-        assert defined_classic_flags(StagedCode(script, None, tmp_path)) == expected
-    plan = plan_for(tmp_path, {"ps": {"count": 1}, "worker": {"count": 1}}, source=CLASSIC_ABSL)
-    assert "--cluster-flags=ps_hosts,worker_hosts,job_name,task_index" in plan.role("worker").argv
-    never = plan_for(tmp_path, {"worker": {"count": 1}}, source=CLASSIC_ABSL, clusterFlags="never")
-    assert not any(a.startswith("--cluster-flags") for a in never.role("worker").argv)
+        assert defined_classic_flags(str(script)) == expected
+        assert choose_classic_flags("auto", str(script), None, {"ps": ["h:1"]}) == expected
+    assert choose_classic_flags("never", str(script), None, {}) == []
+    assert "chief_hosts" in choose_classic_flags("always", str(script), None, {"chief": ["h:1"]})
+    plan = plan_for(tmp_path, {"ps": {"count": 1}, "worker": {"count": 1}}, clusterFlags="never")
+    assert "--cluster-flags=never" in plan.role("worker").argv
 
 
 def test_flags_defined_in_another_module_of_an_archive_are_found(tmp_path):
@@ -135,7 +137,11 @@ def test_flags_defined_in_another_module_of_an_archive_are_found(tmp_path):
     (root / "pkg").mkdir(parents=True)
     (root / "main.py").write_text("import pkg.flags\n")
     (root / "pkg" / "flags.py").write_text(CLASSIC_ABSL)
-    assert "ps_hosts" in defined_classic_flags(StagedCode(root / "main.py", root, root))
+    assert defined_classic_flags(str(root / "main.py")) == []
+    assert "ps_hosts" in defined_classic_flags(str(root / "main.py"), str(root))
+    plan = TensorflowAdapter().plan(make_spec(script=str(root / "main.py")),
+                                    StagedCode(root / "main.py", root, root))
+    assert f"--code-root={root}" in plan.role("worker").argv
 
 
 @pytest.mark.parametrize("line, expected", [
@@ -376,6 +382,27 @@ def test_classic_flags_script_runs_unmodified(pai, tmp_path):
     steps = [status["metrics"][w]["step"] for w in ("worker:0", "worker:1")]
     assert max(steps) >= 12
     assert_no_process_left(status)
+
+
+def test_classic_flags_defined_in_an_archive_module(pai, tmp_path):
+    import tarfile
+
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "__init__.py").write_text("")
+    head, body = CLASSIC_SCRIPT.split("FLAGS = flags.FLAGS\n")
+    (src / "pkg" / "cluster_flags.py").write_text(head + "FLAGS = flags.FLAGS\n")
+    (src / "main.py").write_text("import tensorflow as tf\nfrom pkg.cluster_flags import FLAGS\n" + body)
+    archive = tmp_path / "code.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src, arcname=".")
+    done, status = pai.run_job(f"-Dscript={archive}", "-DentryFile=main.py",
+                               "-DuserDefinedParameters=--steps 6",
+                               '-Dcluster={"ps":{"count":1},"worker":{"count":1}}')
+    assert_ok(done)
+    assert "[worker:0] classic worker:0 of 127.0.0.1:" in done.stdout
+    assert "[worker:0] [tensorflow runner] passing --ps_hosts --worker_hosts --job_name --task_index" \
+        in done.stdout
 
 
 ARGPARSE_SCRIPT = """

@@ -149,8 +149,8 @@ def home(pai_home):
     return pai_home
 
 
-def submit_args(script: Path, *extra: str, steps: int | None = None) -> list[str]:
-    args = ["-name", "mxnet", f"-Dscript=file://{script}", f"-Dcluster={CLUSTER}", *extra]
+def submit_args(script: Path, *extra: str, steps: int | None = None, cluster: str = CLUSTER) -> list[str]:
+    args = ["-name", "mxnet", f"-Dscript=file://{script}", f"-Dcluster={cluster}", *extra]
     if steps is not None:
         args.append(f"-DuserDefinedParameters=--steps {steps}")
     return args
@@ -239,8 +239,10 @@ def test_dist_sync_job_trains_and_both_workers_end_with_identical_weights(runtim
     assert loss_series[-1][1] < loss_series[0][1]
 
 
-def test_dist_async_job_trains(runtime, home):
-    info = assert_ok(pai(*submit_args(GLUON, "-Dkvstore=dist_async", steps=25)))
+def test_dist_async_job_trains_with_ps_as_the_server_role(runtime, home):
+    # `ps`, as TensorFlow jobs call it, runs as MXNet's server role (server:0).
+    info = assert_ok(pai(*submit_args(GLUON, "-Dkvstore=dist_async", steps=25,
+                                      cluster='{"ps":{"count":1},"worker":{"count":2}}')))
     assert_services_exited_by_themselves(info)
     for name in ("worker:0", "worker:1"):
         log = instance_log(info["id"], name)

@@ -214,7 +214,12 @@ def serve_average(workers: int) -> int:
     port = int(os.environ["PAI_PORT"])
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind((host, port))
+    try:
+        server.bind((host, port))
+    except OSError as err:
+        # Worded so that the launcher sees a taken port and restarts on fresh ones.
+        log(f"averaging ps cannot bind {host}:{port}: address already in use? ({err})")
+        return 1
     server.listen(workers)
     log(f"averaging server on {host}:{port} for {workers} workers")
     inbox: "queue.Queue[tuple[int, dict, bytes, socket.socket]]" = queue.Queue()

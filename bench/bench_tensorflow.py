@@ -11,6 +11,9 @@
    and whether either mapped TensorFlow (they must not: TF runs in its own runtime).
 
 Needs the TensorFlow runtime (provisioned on first use). Prints a table and a JSON line.
+Three TensorFlow imports fill both cores for several seconds, so anything else running
+on the machine moves these numbers by seconds: run it on a quiet machine, with --runs 5
+or more, and read the per-pair ratios as well as the medians.
 """
 
 from __future__ import annotations
@@ -202,8 +205,13 @@ def main() -> None:
         # One untimed run of each warms the page cache for the runtime's 1.6 GB.
         by_hand(Path(tmp), 50)
         for run in range(args.runs):
-            hand_runs.append(by_hand(Path(tmp), args.steps))
-            pai_runs.append(through_pai(Path(tmp) / f"home{run}", args.steps))
+            # Alternate which goes first, so a pair's order does not favour either.
+            if run % 2 == 0:
+                hand_runs.append(by_hand(Path(tmp), args.steps))
+                pai_runs.append(through_pai(Path(tmp) / f"home{run}", args.steps))
+            else:
+                pai_runs.append(through_pai(Path(tmp) / f"home{run}", args.steps))
+                hand_runs.append(by_hand(Path(tmp), args.steps))
             print(f"run {run + 1}: first step line by hand {hand_runs[-1]['first_step']:.2f}s, "
                   f"through pai {pai_runs[-1]['first_step']:.2f}s", file=sys.stderr)
 

@@ -145,7 +145,11 @@ class PaiGroup(click.Group):
     """A group that also accepts PAI statements: `pai -name X -Dk=v ...`."""
 
     def parse_args(self, ctx, args):
-        if args and _is_statement_token(args[0]):
+        # `pai -name ...`, and `pai --detach -name ...` with submit options in front.
+        lead = 0
+        while lead < len(args) and args[lead] in SUBMIT_OPTIONS:
+            lead += 1
+        if lead < len(args) and _is_statement_token(args[lead]):
             args = ["submit", *args]
         return super().parse_args(ctx, args)
 

@@ -208,7 +208,7 @@ def _cmdline(pid: str) -> str:
 def test_pai_kill_cancels_within_5_seconds(pai_home, tmp_path):
     pidfile = tmp_path / "pids"
     env = {"BEHAVE": f"pidfile:{pidfile},ignore-term,child,print:1,sleep:600"}
-    job_id = pai("-name", "python", f"-Dscript={BEHAVE}", "--detach", env=env).stdout.strip()
+    job_id = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}", env=env).stdout.strip()
     assert wait_until(lambda: pidfile.exists(), timeout=20)
     started = time.monotonic()
     result = pai("kill", job_id)

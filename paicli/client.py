@@ -59,16 +59,12 @@ def submit(prepared: Prepared, store: Store | None = None,
     store = store or Store()
     adapter, spec = prepared.adapter, prepared.spec
     job_id = new_job_id()
-    # The job folder exists only once everything below succeeded; until then it is
-    # a hidden staging folder that a failure removes.
-    staging = store.jobs_dir / f".staging-{job_id}"
+    # The job folder is filled first (code, spec, plan) and recorded in the store
+    # last; any failure before that removes the folder, so bad input leaves nothing.
     job_dir = store.jobs_dir / job_id
-    staging.mkdir()
+    job_dir.mkdir()
     try:
-        code = stage_code(spec, staging)
-        if code.root is not None:
-            code = type(code)(entry=job_dir / code.entry.relative_to(staging), root=job_dir / "code",
-                              cwd=job_dir / code.cwd.relative_to(staging))
+        code = stage_code(spec, job_dir)
         plan: JobPlan = adapter.plan(spec, code)
         scheduler.check_fits(plan)
         if adapter.runtime:
@@ -78,11 +74,10 @@ def submit(prepared: Prepared, store: Store | None = None,
             except RuntimeError_ as err:
                 raise PaiError(f"the {adapter.runtime} runtime: {err}",
                                f"retry with `pai runtime install {adapter.runtime}`") from None
-        (staging / "spec.yaml").write_text(dump_yaml(spec.to_dict()))
-        (staging / "plan.json").write_text(plan.to_json())
-        os.rename(staging, job_dir)
+        (job_dir / "spec.yaml").write_text(dump_yaml(spec.to_dict()))
+        (job_dir / "plan.json").write_text(plan.to_json())
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(job_dir, ignore_errors=True)
         raise
     store.create_job(job_id, name=plan.job_name, framework=adapter.name, project=spec.project,
                      task_name=plan.task_name, job_dir=job_dir,

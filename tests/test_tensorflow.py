@@ -507,3 +507,17 @@ def test_keras_single_worker_loss_becomes_metrics(pai):
     losses = loss_series(status, "worker:0")
     assert len(losses) >= 4 and losses[-1] < losses[0], losses
     assert status["metrics"]["worker:0"]["epoch"] == 4
+
+
+def test_own_interpreter_through_the_environment(pai, tmp_path, tf_runtime):
+    """PAI_TENSORFLOW_PYTHON points the framework at an interpreter of the user's own
+    (here: the provisioned one, seen from an empty runtime directory): nothing is
+    provisioned and the job runs with that interpreter."""
+    script = tmp_path / "which.py"
+    script.write_text("import sys\nprint('python is', sys.executable)\n")
+    empty = tmp_path / "no-runtimes"
+    pai.env.update(PAI_RUNTIME_DIR=str(empty), PAI_TENSORFLOW_PYTHON=tf_runtime.python())
+    done, _status = pai.run_job(f"-Dscript={script}")
+    assert_ok(done)
+    assert f"[worker:0] python is {tf_runtime.python()}" in done.stdout
+    assert not (empty / "tensorflow").exists()

@@ -28,6 +28,9 @@ class StagedCode:
     entry: absolute path of the script to run (None when the job has no script).
     root:  the directory an archive was extracted into (None for a plain script).
     cwd:   the working directory instances start in.
+
+    The paths are final when the adapter plans: an archive is already extracted
+    into the job folder, so its files can be read.
     """
 
     entry: Path | None

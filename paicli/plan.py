@@ -60,7 +60,7 @@ class JobPlan:
     # metrics (`(?P<loss>...)`); a group named `key` with a group named `value`
     # gives a metric named by the text it matched.
     metric_patterns: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)   # what the adapter decided, for `pai plan`
+    notes: list[str] = field(default_factory=list)   # what the adapter decided and why (kept in plan.json)
 
     def role(self, name: str) -> RolePlan:
         for role in self.roles:

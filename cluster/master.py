@@ -415,13 +415,77 @@ class JobMaster:
                 pass
 
 
+def spawn_master(home: Path, job_id: str, log_path: Path) -> int:
+    """Start the job's master in a session of its own and return its pid.
+
+    From a single-threaded caller (the `pai` CLI) the master is forked: it starts
+    supervising at once, without a new interpreter importing paicli again (about
+    a tenth of a second saved on every submit). A double fork makes it a child of
+    init, never of the CLI. A threaded caller (a program using the library) gets
+    a fresh interpreter instead, since forking a threaded process is unsafe.
+    """
+    import threading
+
+    env_home = {"PAI_HOME": str(home)}
+    if threading.active_count() > 1 or os.environ.get("PAI_MASTER_EXEC"):
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "paicli.cluster.master", job_id],
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    start_new_session=True, close_fds=True, env={**os.environ, **env_home})
+        return proc.pid
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    read_fd, write_fd = os.pipe()
+    child = os.fork()
+    if child == 0:  # the intermediate child: new session, fork the master, leave
+        code = 1
+        try:
+            os.close(read_fd)
+            os.setsid()
+            if os.fork() == 0:
+                os.write(write_fd, str(os.getpid()).encode())
+                os.close(write_fd)
+                code = _run_forked_master(home, job_id, log_path)
+            else:
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        pid = pipe.read()
+    os.waitpid(child, 0)
+    if not pid:
+        raise OSError("the job's master did not start")
+    return int(pid)
+
+
+def _run_forked_master(home: Path, job_id: str, log_path: Path) -> int:
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ["PAI_HOME"] = str(home)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
+        signal.signal(signum, signal.SIG_DFL)
+    try:
+        print(f"JobMaster for {job_id}: pid {os.getpid()}, started by fork", flush=True)
+        return JobMaster(Store(home), job_id).run()
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m paicli.cluster.master JOB_ID", file=sys.stderr)
         return 2
-    store = Store()
-    return JobMaster(store, argv[0]).run()
+    print(f"JobMaster for {argv[0]}: pid {os.getpid()}, started as a new interpreter", flush=True)
+    return JobMaster(Store(), argv[0]).run()
 
 
 if __name__ == "__main__":

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,15 +85,11 @@ def submit(prepared: Prepared, store: Store | None = None,
 
 
 def start_master(store: Store, job_id: str, job_dir: Path) -> None:
-    from paicli.cluster.master import proc_start_time
+    from paicli.cluster.master import proc_start_time, spawn_master
 
-    env = dict(os.environ)
-    env["PAI_HOME"] = str(store.home)
-    with open(job_dir / "master.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "paicli.cluster.master", job_id],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True, close_fds=True, env=env)
-    store.update_job(job_id, master_pid=proc.pid, master_start=proc_start_time(proc.pid))
+    with store.closed_for_fork():
+        pid = spawn_master(store.home, job_id, job_dir / "master.log")
+    store.update_job(job_id, master_pid=pid, master_start=proc_start_time(pid))
 
 
 # -- reading ----------------------------------------------------------------------

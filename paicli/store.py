@@ -75,19 +75,34 @@ class Store:
             raise PaiError(f"cannot create the job store in {self.home}: {err.strerror}",
                            "set PAI_HOME to a writable directory") from None
         self.path = self.home / "pai.db"
+        self.connect()
+        with self.tx():
+            for statement in SCHEMA.strip().split(";"):
+                if statement.strip():
+                    self.db.execute(statement)
+
+    def connect(self) -> None:
         self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA busy_timeout = 60000")
         with self._retry_locked():
             self.db.execute("PRAGMA journal_mode = WAL")
         self.db.execute("PRAGMA synchronous = NORMAL")
-        with self.tx():
-            for statement in SCHEMA.strip().split(";"):
-                if statement.strip():
-                    self.db.execute(statement)
 
     def close(self) -> None:
         self.db.close()
+
+    @contextmanager
+    def closed_for_fork(self) -> Iterator[None]:
+        """SQLite's per-process lock bookkeeping must not be copied by fork():
+        a child would believe it holds the parent's locks, and the parent's last
+        close could then checkpoint away the child's committed writes. So the
+        connection is closed across a fork and opened again after."""
+        self.db.close()
+        try:
+            yield
+        finally:
+            self.connect()
 
     # -- transactions -------------------------------------------------------
 

@@ -334,3 +334,14 @@ def test_colour_per_instance_on_a_real_terminal(pai_home):
     assert os.waitstatus_to_exitcode(status) == 0
     colours = {line.split("[worker:")[0] for line in out.splitlines() if "[worker:" in line}
     assert len(colours) == 2 and all(c.startswith("\x1b[") for c in colours), colours
+
+
+def test_master_started_as_a_fresh_interpreter_works_the_same(pai_home):
+    """The path a threaded caller of the library takes (no fork)."""
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":2}}',
+                 env={"BEHAVE": "print:2", "PAI_MASTER_EXEC": "1"})
+    assert result.returncode == 0 and result.stdout.splitlines()[-1] == "OK"
+    job_id = job_id_from(result.stdout)
+    assert "started as a new interpreter" in (pai_home / "jobs" / job_id / "master.log").read_text()
+    forked = pai("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1"})
+    assert "started by fork" in (pai_home / "jobs" / job_id_from(forked.stdout) / "master.log").read_text()

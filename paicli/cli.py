@@ -244,7 +244,7 @@ def status(job_id, as_json):
 
     store = _store()
     job_id = client.resolve_job(store, job_id)["id"]
-    st = client.status(store, job_id)
+    st = client.status(store, job_id, with_series=as_json)
     if as_json:
         _echo_json(st)
         return

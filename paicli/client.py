@@ -126,9 +126,9 @@ def refresh(store: Store, job_id: str):
     return job
 
 
-def status(store: Store, job_id: str) -> dict[str, Any]:
+def status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
     refresh(store, job_id)
-    return jobview.build_status(store, job_id)
+    return jobview.build_status(store, job_id, with_series)
 
 
 def list_jobs(store: Store, limit: int = 50) -> list[dict[str, Any]]:

@@ -14,8 +14,10 @@ from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
 
-def build_status(store: Store, job_id: str) -> dict[str, Any]:
-    """Everything `pai status --json` shows, read from the store."""
+def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
+    """Everything `pai status --json` shows, read from the store. The last value of
+    each metric comes from SQL; the whole series (which can be millions of rows)
+    only when asked for."""
     job = store.job(job_id)
     instances = store.instances(job_id)
     tasks = []
@@ -30,11 +32,13 @@ def build_status(store: Store, job_id: str) -> dict[str, Any]:
         })
     job_dir = Path(job["job_dir"])
     metrics: dict[str, dict[str, float]] = {}
+    for row in store.latest_metrics(job_id):
+        metrics.setdefault(f"{row['role']}:{row['idx']}", {})[row["key"]] = row["value"]
     series: dict[str, dict[str, list]] = {}
-    for row in store.metrics(job_id):
-        name = f"{row['role']}:{row['idx']}"
-        metrics.setdefault(name, {})[row["key"]] = row["value"]
-        series.setdefault(name, {}).setdefault(row["key"], []).append([row["step"], row["value"]])
+    if with_series:
+        for row in store.metrics(job_id):
+            name = f"{row['role']}:{row['idx']}"
+            series.setdefault(name, {}).setdefault(row["key"], []).append([row["step"], row["value"]])
     return {
         "id": job["id"], "name": job["name"], "framework": job["framework"], "project": job["project"],
         "task_name": job["task_name"], "status": job["status"], "reason": job["reason"],
@@ -46,7 +50,7 @@ def build_status(store: Store, job_id: str) -> dict[str, Any]:
             "attempts": (i["attempt"] or 0) + 1, "pid": i["pid"], "pgid": i["pgid"], "host": i["host"],
             "port": i["port"], "log": instance_log_path(job_dir, i["role"], i["idx"], i["attempt"] or 0),
         } for i in instances],
-        "metrics": metrics, "metric_series": series,
+        "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
 
 

@@ -24,7 +24,7 @@ COLOURS = (36, 32, 33, 35, 34, 91, 92, 93, 94, 95, 96)
 PREFIX = re.compile(rb"^\[([A-Za-z0-9_]+:\d+)\] ", re.M)
 NOTE = re.compile(rb"^\[pai\] .*$", re.M)
 STATUS_POLL = 0.25
-IDLE_SLEEP = 0.02
+IDLE_SLEEP = 0.005  # how soon a new line is seen (the display delay)
 
 
 def use_colour(stream: IO) -> bool:
@@ -111,7 +111,7 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
 
     job = store.job(job_id)
     follower = FileFollower(Path(job["job_dir"]) / "job.log", "end" if from_end else 0)
-    state = {"counts": None, "next_check": 0.0}
+    state = {"counts": None, "next_check": 0.0, "partial": b""}
     interrupted = False
     try:
         while True:
@@ -130,13 +130,20 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
 
 def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[bytes], progress: bool,
                  colour: bool, state: dict) -> bool:
-    """One step of following; True once the job has ended and its log is read out."""
+    """One step of following; True once the job has ended and its log is read out.
+
+    Only whole lines are written: a read can end inside a line the master is still
+    writing, and a progress line must not land in the middle of it."""
     from paicli import client
 
     data = follower.read()
     if data:
-        out.write(colourise(data) if colour else data)
-        out.flush()
+        data = state["partial"] + data
+        cut = data.rfind(b"\n") + 1
+        state["partial"] = data[cut:]
+        if cut:
+            out.write(colourise(data[:cut]) if colour else data[:cut])
+            out.flush()
         return False
     now = time.monotonic()
     if now >= state["next_check"]:
@@ -148,12 +155,19 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
                 state["counts"] = counts
                 out.write((line + "\n").encode())
                 out.flush()
-        if JobStatus(job["status"]).is_terminal() and not client.master_alive(job):
-            # One more read after the end, so no last line is lost.
-            while data := follower.read():
-                out.write(colourise(data) if colour else data)
-            out.flush()
-            return True
+        if JobStatus(job["status"]).is_terminal():
+            if client.master_alive(job):
+                state["next_check"] = now + IDLE_SLEEP  # it is writing its last lines; look again soon
+            else:
+                # One more read after the end, so no last line is lost.
+                rest = state["partial"]
+                while data := follower.read():
+                    rest += data
+                if rest:
+                    rest += b"" if rest.endswith(b"\n") else b"\n"
+                    out.write(colourise(rest) if colour else rest)
+                out.flush()
+                return True
     time.sleep(IDLE_SLEEP)
     return False
 

@@ -266,6 +266,13 @@ class Store:
             with self.tx() as db:
                 db.executemany("INSERT INTO metrics VALUES (?,?,?,?,?,?,?)", rows)
 
+    def latest_metrics(self, job_id: str) -> list[sqlite3.Row]:
+        """The last value of every metric of every instance."""
+        return self.db.execute(
+            "SELECT role, idx, key, value FROM metrics WHERE rowid IN ("
+            " SELECT MAX(rowid) FROM metrics WHERE job_id = ? GROUP BY role, idx, key)"
+            " ORDER BY role, idx, rowid", (job_id,)).fetchall()
+
     def metrics(self, job_id: str) -> list[sqlite3.Row]:
         return self.db.execute("SELECT * FROM metrics WHERE job_id = ? ORDER BY rowid", (job_id,)).fetchall()
 

@@ -11,7 +11,7 @@ import tarfile
 
 import pytest
 
-from paicli.cluster.logsink import CappedFile, InstanceLog, MetricParser
+from paicli.cluster.logsink import CappedFile, InstanceLog, JobLog, MetricParser
 from paicli.cluster.ports import allocate_ports
 from paicli.plan import KEY_VALUE_METRIC, JobPlan, RolePlan
 from paicli.runners.archive import UnsafeArchive, extract
@@ -163,11 +163,26 @@ def test_metric_parser_reads_the_seed_line():
 
 def test_instance_log_lines_partial_lines_and_carriage_returns(tmp_path):
     log = InstanceLog(tmp_path / "w.log", "[worker:0] ", cap=1 << 20)
-    assert log.feed(b"a=1\nb=") == [b"a=1"]
-    assert log.feed(b"2\r\nprogress 10%\rprogress 100%\npart") == [b"b=2", b"progress 100%"]
-    assert log.flush() == [b"part"]
+    assert log.feed(b"a=1\nb=") == b"a=1\n"
+    assert log.feed(b"2") == b""
+    assert log.feed(b"\r\nprogress 10%\rprogress 100%\npart") == b"b=2\nprogress 100%\n"
+    assert log.flush() == b"part\n"
     log.close()
     assert (tmp_path / "w.log").read_bytes() == b"a=1\nb=2\r\nprogress 10%\rprogress 100%\npart"
+
+
+def test_job_log_prefixes_every_line_and_keeps_the_tail_and_metrics(tmp_path):
+    job = JobLog(tmp_path / "job.log", MetricParser([KEY_VALUE_METRIC]), cap=1 << 20)
+    log = InstanceLog(tmp_path / "w.log", "[worker:1] ", cap=1 << 20)
+    chunk = b"".join(b"line %d step=%d, loss=%d.5\n" % (i, i, i) for i in range(30))
+    job.lines("j", "worker", 1, log, log.feed(chunk))
+    job.close()
+    shown = (tmp_path / "job.log").read_bytes().splitlines()
+    assert len(shown) == 30 and all(line.startswith(b"[worker:1] line ") for line in shown)
+    assert list(log.tail)[-1] == "line 29 step=29, loss=29.5" and len(log.tail) == 20
+    rows = job.take_metrics()
+    assert [(r[4], r[5], r[6]) for r in rows[-2:]] == [(29, "step", 29), (29, "loss", 29.5)]
+    assert len(rows) == 60
 
 
 def test_capped_file_keeps_the_tail(tmp_path):

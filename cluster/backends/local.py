@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 
@@ -43,6 +44,10 @@ def group_exists(pgid: int) -> bool:
     return False
 
 
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+PIPE_BYTES = 16384
+
+
 class LocalBackend(Backend):
     host = "127.0.0.1"
 
@@ -58,6 +63,13 @@ class LocalBackend(Backend):
         finally:
             os.close(write_fd)
         os.set_blocking(read_fd, False)
+        try:
+            # A small pipe keeps a burst of output from sitting in the kernel behind
+            # other instances' lines (the display delay), at the price of the writer
+            # waiting sooner for the master.
+            fcntl.fcntl(read_fd, F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:
+            pass
         return Handle(pid=proc.pid, pgid=proc.pid, output_fd=read_fd, host=self.host, native=proc)
 
     def poll(self, handle):

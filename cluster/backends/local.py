@@ -45,7 +45,7 @@ def group_exists(pgid: int) -> bool:
 
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-PIPE_BYTES = 8192
+PIPE_BYTES = 4096
 
 
 class LocalBackend(Backend):

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import instance_groups, job_id_from, pai, processes_in
+from conftest import instance_groups, job_id_from, pai, processes_in, wait_until
 
 from paicli.adapters import get_adapter
 from paicli.adapters.base import StagedCode
@@ -291,13 +291,9 @@ def test_module_api_speedometer_lines_become_metrics(runtime, home):
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    value = wait_until(predicate, timeout, interval)
+    assert value, f"timed out after {timeout:.0f}s waiting for {what}"
+    return value
 
 
 def start_slow_job(*extra: str) -> str:

@@ -285,7 +285,9 @@ def wait(job_id, no_progress):
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the job ends.")
 @click.option("--tail", "-n", type=click.IntRange(min=0), help="Only the last N lines.")
 @click.option("--attempt", type=click.IntRange(min=0), help="With --instance: that attempt (default: the latest).")
-def logs(job_id, instance, follow, tail, attempt):
+@click.option("--json", "as_json", is_flag=True,
+              help='One JSON object a line: {"instance": "worker:1", "line": "..."}.')
+def logs(job_id, instance, follow, tail, attempt, as_json):
     """Print a job's log, or one instance's."""
     from paicli import client, logtail
     from paicli.logview import log_path, print_log
@@ -294,7 +296,7 @@ def logs(job_id, instance, follow, tail, attempt):
     job = client.resolve_job(store, job_id)
     path = log_path(store, job, instance, attempt)
     print_log(store, job["id"], path, logtail.binary_stdout(), tail=tail, follow=follow,
-              colour=logtail.use_colour(sys.stdout) and instance is None)
+              colour=logtail.use_colour(sys.stdout) and instance is None, as_json=as_json, instance=instance)
 
 
 @cli.command()

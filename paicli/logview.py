@@ -3,10 +3,10 @@ the last N lines, and following it until the job ends."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
-from collections import deque
 from pathlib import Path
 from typing import IO
 
@@ -42,52 +42,92 @@ def log_path(store: Store, job, instance: str | None, attempt: int | None) -> Pa
     return resolved
 
 
-def _last_lines(path: Path, count: int) -> bytes:
+def _last_lines(path: Path, count: int, size: int) -> bytes:
+    """The last `count` lines of the first `size` bytes of the file."""
     if count == 0:
         return b""
-    lines: deque[bytes] = deque(maxlen=count)
     with open(path, "rb") as f:
-        for line in f:
-            lines.append(line)
-    return b"".join(lines)
+        lines = f.read(size).splitlines(keepends=True)
+    return b"".join(lines[-count:])
+
+
+class LineOutput:
+    """Writes log data as it comes: raw, coloured, or as one JSON object a line
+    ({"instance": "worker:1", "line": "..."}) for scripts. Colour and JSON work
+    on whole lines, so a chunk that ends inside a line keeps its end for later."""
+
+    COMBINED = re.compile(r"^\[([A-Za-z][A-Za-z0-9_]*:\d+|pai)\] ?(.*)$")
+
+    def __init__(self, out: IO[bytes], *, colour: bool, as_json: bool, instance: str | None):
+        self.out = out
+        self.colour = colour
+        self.as_json = as_json
+        self.instance = instance
+        self.partial = b""
+
+    def write(self, data: bytes, final: bool = False) -> None:
+        if not (self.colour or self.as_json):
+            self.out.write(data)
+            self.out.flush()
+            return
+        data = self.partial + data
+        cut = len(data) if final else data.rfind(b"\n") + 1
+        whole, self.partial = data[:cut], data[cut:]
+        if not whole:
+            return
+        if self.as_json:
+            whole = b"".join(self._json(line) for line in whole.decode("utf-8", "replace").splitlines())
+        else:
+            from paicli.logtail import colourise
+            whole = colourise(whole)
+        self.out.write(whole)
+        self.out.flush()
+
+    def _json(self, line: str) -> bytes:
+        if self.instance is not None:
+            record = {"instance": self.instance, "line": line}
+        else:
+            match = self.COMBINED.match(line)
+            record = {"instance": match.group(1), "line": match.group(2)} if match else \
+                {"instance": None, "line": line}
+        return (json.dumps(record) + "\n").encode()
+
+    def close(self) -> None:
+        self.write(b"", final=True)
 
 
 def print_log(store: Store, job_id: str, path: Path, out: IO[bytes], *, tail: int | None,
-              follow: bool, colour: bool) -> None:
+              follow: bool, colour: bool, as_json: bool = False, instance: str | None = None) -> None:
     from paicli import client
-    from paicli.logtail import FileFollower, colourise
+    from paicli.logtail import FileFollower
 
-    show = colourise if colour else (lambda data: data)
+    show = LineOutput(out, colour=colour and not as_json, as_json=as_json, instance=instance)
     rotated = path.with_name(path.name + ".1")
     if not path.exists() and not follow:
         raise NotFound(f"no log yet at {path}", "the instance may not have started; try --follow")
     if tail is not None:
-        data = _last_lines(path, tail) if path.exists() else b""
-        offset: int | str = "end"
+        # The tail of what is there now, and following from exactly there.
+        offset = path.stat().st_size if path.exists() else 0
+        data = _last_lines(path, tail, offset) if offset else b""
     else:
         data = rotated.read_bytes() if rotated.exists() else b""
         offset = 0
-    out.write(show(data))
-    out.flush()
-    if tail is None and path.exists():
-        follower = FileFollower(path, 0)
-    else:
-        follower = FileFollower(path, offset)
+    show.write(data)
+    follower = FileFollower(path, offset)
     try:
         while True:
             data = follower.read()
             if data:
-                out.write(show(data))
-                out.flush()
+                show.write(data)
                 continue
             if not follow:
                 break
             job = client.refresh(store, job_id)
             if JobStatus(job["status"]).is_terminal() and not client.master_alive(job):
                 while data := follower.read():
-                    out.write(show(data))
-                out.flush()
+                    show.write(data)
                 break
             time.sleep(0.1)
     finally:
+        show.close()
         follower.close()

@@ -266,6 +266,11 @@ def test_logs_status_list_and_instance_log(pai_home):
     assert len(tail.stdout.splitlines()) == 2
     everything = pai("logs", job_id)
     assert everything.stdout.count("[worker:0] step=") == 5 and everything.stdout.count("[worker:1] step=") == 5
+    as_json = [json.loads(line) for line in pai("logs", job_id, "--json").stdout.splitlines()]
+    assert {"instance": "worker:1", "line": "step=4, global_step=4, loss=0.2000, attempt=0"} in as_json
+    assert as_json[-1]["instance"] == "pai" and as_json[-1]["line"].startswith("job Succeeded")
+    one_json = [json.loads(line) for line in pai("logs", job_id, "-i", "worker:0", "--json", "-n", "1").stdout.splitlines()]
+    assert one_json == [{"instance": "worker:0", "line": "step=4, global_step=4, loss=0.2000, attempt=0"}]
     bad = pai("logs", job_id, "--instance", "../../etc/passwd:0")
     assert bad.returncode == 2 and "expected role:index" in bad.stderr
     missing = pai("logs", job_id, "--instance", "ps:0")

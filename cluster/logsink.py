@@ -19,6 +19,10 @@ import time
 from pathlib import Path
 
 DEFAULT_CAP = 64 * 1024 * 1024
+# At most this many lines of one read (a few KB of one instance's output) are
+# searched for metrics. A training loop prints a metric line per step, far fewer
+# than this between two reads; only a flood is sampled.
+METRIC_LINES_PER_READ = 16
 
 
 def log_cap() -> int:
@@ -166,6 +170,14 @@ class JobLog:
                 log.tail.append(line)
         if self.parser.patterns:
             now = time.time()
+            lines = text.count("\n")
+            if lines > METRIC_LINES_PER_READ:
+                # A flood: parse an even sample of the chunk's lines, always with
+                # its last one, so metrics cost the log path a bounded amount.
+                every = text.split("\n")[:-1]
+                stride = -(-len(every) // METRIC_LINES_PER_READ)
+                sample = every[len(every) - 1::-stride][::-1]
+                text = "\n".join(sample) + "\n"
             for step, values in self.parser.parse_text(text):
                 for key, value in values.items():
                     self.pending_metrics.append((job_id, role, idx, now, step, key, value))

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import socket
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -174,15 +175,17 @@ def test_instance_log_lines_partial_lines_and_carriage_returns(tmp_path):
 def test_job_log_prefixes_every_line_and_keeps_the_tail_and_metrics(tmp_path):
     job = JobLog(tmp_path / "job.log", MetricParser([KEY_VALUE_METRIC]), cap=1 << 20)
     log = InstanceLog(tmp_path / "w.log", "[worker:1] ", cap=1 << 20)
-    chunk = b"".join(b"line %d step=%d, loss=%d.5\n" % (i, i, i) for i in range(30))
+    chunk = b"".join(b"line %d step=%d, loss=%d.5\n" % (i, i, i) for i in range(12))
     job.lines("j", "worker", 1, log, log.feed(chunk))
+    job.lines("j", "worker", 1, log, log.feed(b"".join(b"more %d\n" % i for i in range(30))))
     job.close()
     shown = (tmp_path / "job.log").read_bytes().splitlines()
-    assert len(shown) == 30 and all(line.startswith(b"[worker:1] line ") for line in shown)
-    assert list(log.tail)[-1] == "line 29 step=29, loss=29.5" and len(log.tail) == 20
+    assert len(shown) == 42 and all(line.startswith(b"[worker:1] ") for line in shown)
+    assert shown[11] == b"[worker:1] line 11 step=11, loss=11.5"
+    assert list(log.tail)[-1] == "more 29" and len(log.tail) == 20
     rows = job.take_metrics()
-    assert [(r[4], r[5], r[6]) for r in rows[-2:]] == [(29, "step", 29), (29, "loss", 29.5)]
-    assert len(rows) == 60
+    assert [(r[4], r[5], r[6]) for r in rows[-2:]] == [(11, "step", 11), (11, "loss", 11.5)]
+    assert len(rows) == 24
 
 
 def test_capped_file_keeps_the_tail(tmp_path):
@@ -201,3 +204,17 @@ def test_plan_round_trips_through_json():
                                                  RolePlan("worker", 2, ["python", "x.py"], env={"A": "1"})])
     assert JobPlan.from_json(plan.to_json()) == plan
     assert plan.total_instances == 3 and plan.role("ps").must_finish is False
+
+
+def test_a_flood_of_metric_lines_is_sampled_evenly_keeping_the_last():
+    from paicli.cluster.logsink import METRIC_LINES_PER_READ
+
+    job = JobLog(Path("/dev/null"), MetricParser([KEY_VALUE_METRIC]), cap=1 << 40)
+    log = InstanceLog(Path("/dev/null"), "[worker:0] ", cap=1 << 40)
+    job.lines("j", "worker", 0, log, b"".join(b"step=%d, loss=1\n" % i for i in range(160)))
+    steps = [r[6] for r in job.take_metrics() if r[5] == "step"]
+    assert len(steps) <= METRIC_LINES_PER_READ and steps[-1] == 159
+    assert steps == sorted(steps) and steps[1] - steps[0] == 10
+    job.lines("j", "worker", 0, log, b"step=7, loss=0.5\n")  # a normal read: every line counts
+    assert [(r[5], r[6]) for r in job.take_metrics()] == [("step", 7), ("loss", 0.5)]
+

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from paicli.cluster import scheduler
@@ -67,11 +67,9 @@ class Instance:
     status: InstanceStatus = InstanceStatus.WAITING
     handle: Handle | None = None
     log: InstanceLog | None = None
-    stopping: bool = False
     restart_at: float | None = None
     exit_code: int | None = None
     gpus: str = ""
-    last_lines: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -177,7 +175,6 @@ class JobMaster:
             env["PAI_PORT"] = str(inst.port)
         log_path = self.logs_dir / f"{role.name}-{inst.idx}.{inst.attempt}.log"
         inst.log = InstanceLog(log_path, f"[{inst.name}] ", self.cap)
-        inst.stopping = False
         inst.restart_at = None
         self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, host=self.backend.host,
                                   port=inst.port, log_path=str(log_path), started=time.time())
@@ -337,7 +334,6 @@ class JobMaster:
                 inst.restart_at = time.monotonic() + RESTART_BACKOFF
                 return None
         inst.status = InstanceStatus.FAILED
-        inst.last_lines = tail[-5:]
         self.store.set_instance(self.job_id, role.name, inst.idx, InstanceStatus.FAILED, describe_exit(code),
                                 exit_code=code, ended=time.time())
         if is_retryable(code):
@@ -379,7 +375,6 @@ class JobMaster:
         while grace and time.monotonic() < deadline and any(self.backend.poll(i.handle) is None for i in insts):
             self._pump(POLL_SECONDS)
         for inst in insts:
-            inst.stopping = True
             if self.backend.poll(inst.handle) is None:
                 self.store.event(self.job_id, "stop", f"SIGTERM to {inst.name}", inst.role.name, inst.idx)
                 self.backend.signal(inst.handle, signal.SIGTERM)

@@ -8,7 +8,6 @@ marks the job failed with reason "master lost".
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time

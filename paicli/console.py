@@ -22,22 +22,23 @@ HELP = """statements (end each with ;):
   help ;   quit ;"""
 
 
+def _complete(buffer: str) -> bool:
+    """A statement is complete at a `;` that ends a line outside any quote."""
+    try:
+        shlex.split(buffer)
+    except ValueError:
+        return False  # an open quote: the statement goes on on the next line
+    return buffer.rstrip().endswith(";")
+
+
 def statements(lines):
     """Yield complete statements (without the ;) from an iterable of lines."""
     buffer = ""
     for line in lines:
         buffer += line
-        while True:
-            try:
-                tokens = shlex.split(buffer, comments=False, posix=True)
-            except ValueError:
-                break  # an open quote: the statement goes on on the next line
-            if not buffer.rstrip().endswith(";"):
-                break
-            del tokens
+        if _complete(buffer):
             yield buffer.rstrip().rstrip(";").strip()
             buffer = ""
-            break
     if buffer.strip():
         yield buffer.strip().rstrip(";")
 

@@ -38,10 +38,6 @@ class NotFound(UsageError):
     """A job ID, instance or runtime that does not exist."""
 
 
-class JobFailed(PaiError):
-    """The job ended in a failed state (exit code 1)."""
-
-
 class Cancelled(PaiError):
     """The job was cancelled (Ctrl-C or `pai kill`), exit code 130."""
 

@@ -6,7 +6,6 @@ the JobMaster (which writes the log view) share it.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 

@@ -7,7 +7,6 @@ writer waits its turn instead of failing with "database is locked".
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sqlite3
@@ -300,11 +299,3 @@ class Store:
         sets = ", ".join(f"{name} = ?" for name in values)
         where = " AND ".join(f"{name} = ?" for name in key)
         db.execute(f"UPDATE {table} SET {sets} WHERE {where}", (*values.values(), *key.values()))
-
-
-def row_dict(row: sqlite3.Row) -> dict[str, Any]:
-    return {key: row[key] for key in row.keys()}
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, indent=2, sort_keys=True, default=str)

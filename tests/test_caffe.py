@@ -8,11 +8,9 @@ The planning tests at the top start no process.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tarfile
 from pathlib import Path

@@ -168,3 +168,10 @@ def test_colour_only_when_asked_and_not_with_no_color(pai_home):
     coloured = pai("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1", "NO_COLOR": "",
                                                                 "FORCE_COLOR": "1"})
     assert "\x1b[" in coloured.stdout and "worker:0]\x1b[0m step=0" in coloured.stdout
+
+
+def test_console_statements_span_lines_and_respect_quotes():
+    from paicli.console import statements
+
+    lines = ["pai -name x\n", "  -Dk='a;\n", "b';\n", "show instances;\n", "quit"]
+    assert list(statements(lines)) == ["pai -name x\n  -Dk='a;\nb'", "show instances", "quit"]

@@ -7,7 +7,6 @@ import ast
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from paicli.docs import cli_markdown, parameters_markdown

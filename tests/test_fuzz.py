@@ -4,8 +4,6 @@ traceback."""
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -10,7 +10,6 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 
 from conftest import BEHAVE, PAI, ROOT, job_id_from, pai, pai_json, processes_in, wait_until
 

@@ -24,6 +24,14 @@ STATEMENT_FLAGS = ("-name", "-project", "-D")
 SUBMIT_OPTIONS = {"--detach": "detach", "-d": "detach", "--no-progress": "no_progress"}
 
 
+def _runtime(name: str):
+    from paicli.runners.runtimes import RUNTIMES, get_runtime
+
+    if name not in RUNTIMES:
+        raise UsageError(f"no runtime named {name!r}", f"known: {', '.join(RUNTIMES)}")
+    return get_runtime(name)
+
+
 def _store():
     from paicli.store import Store
     return Store()
@@ -356,10 +364,10 @@ def runtime():
 @click.argument("name")
 def runtime_install(name):
     """Provision a framework's runtime now (jobs also do it on first use)."""
-    from paicli.runners.runtimes import RuntimeError_, get_runtime
+    from paicli.runners.runtimes import RuntimeError_
 
+    rt = _runtime(name)
     try:
-        rt = get_runtime(name)
         rt.ensure(_runtime_progress())
     except RuntimeError_ as err:
         raise PaiError(str(err)) from None
@@ -393,12 +401,7 @@ def runtime_list(as_json):
 @click.argument("name")
 def runtime_remove(name):
     """Delete a provisioned runtime (the next job that needs it provisions it again)."""
-    from paicli.runners.runtimes import RuntimeError_, get_runtime
-
-    try:
-        removed = get_runtime(name).remove()
-    except RuntimeError_ as err:
-        raise PaiError(str(err)) from None
+    removed = _runtime(name).remove()
     click.echo(f"{name}: removed" if removed else f"{name}: was not installed")
 
 

@@ -14,7 +14,7 @@ import string
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from paicli.errors import NotFound, PaiError
 from paicli.states import InstanceStatus, JobStatus, can_move
@@ -84,8 +84,7 @@ class Store:
         self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA busy_timeout = 60000")
-        with self._retry_locked():
-            self.db.execute("PRAGMA journal_mode = WAL")
+        self._retrying(lambda: self.db.execute("PRAGMA journal_mode = WAL"))
         self.db.execute("PRAGMA synchronous = NORMAL")
 
     def close(self) -> None:
@@ -105,15 +104,15 @@ class Store:
 
     # -- transactions -------------------------------------------------------
 
-    @contextmanager
-    def _retry_locked(self) -> Iterator[None]:
-        # The busy timeout covers waiting for a lock; this covers the rare
-        # SQLITE_BUSY that WAL returns immediately (e.g. while another process
-        # switches journal mode or checkpoints).
-        for attempt in range(200):
+    @staticmethod
+    def _retrying(statement: Callable[[], Any]) -> Any:
+        """Run `statement`, again after a short random pause while SQLite says the
+        database is locked or busy. The busy timeout covers waiting for a lock; this
+        covers the SQLITE_BUSY that WAL returns at once (e.g. while another process
+        switches journal mode or checkpoints)."""
+        for _ in range(200):
             try:
-                yield
-                return
+                return statement()
             except sqlite3.OperationalError as err:
                 if "locked" not in str(err) and "busy" not in str(err):
                     raise
@@ -122,16 +121,7 @@ class Store:
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
-        for attempt in range(200):
-            try:
-                self.db.execute("BEGIN IMMEDIATE")
-                break
-            except sqlite3.OperationalError as err:
-                if "locked" not in str(err) and "busy" not in str(err):
-                    raise
-                time.sleep(0.01 + random.random() * 0.05)
-        else:
-            raise PaiError("the job store stayed locked for too long", "try again")
+        self._retrying(lambda: self.db.execute("BEGIN IMMEDIATE"))
         try:
             yield self.db
         except BaseException:

@@ -28,6 +28,7 @@ from paicli.cluster.backends.base import Backend, Handle
 from paicli.cluster.backends.local import LocalBackend
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
+from paicli.cluster.procinfo import start_time
 from paicli import jobview
 from paicli.plan import RESTART_JOB, JobPlan, RolePlan
 from paicli.states import InstanceStatus, JobStatus, describe_exit, is_retryable
@@ -44,17 +45,6 @@ PORT_CONFLICT_MARKERS = ("address already in use", "eaddrinuse", "address in use
 
 def stop_timeout() -> float:
     return float(os.environ.get("PAI_STOP_TIMEOUT", "3"))
-
-
-def proc_start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot: with the pid it names a
-    process uniquely, so a recycled pid is not mistaken for the master."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(b")") + 2:].split()[19].decode()
 
 
 @dataclass
@@ -113,7 +103,7 @@ class JobMaster:
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
         self.selector.register(wake_r, selectors.EVENT_READ, None)
-        self.store.update_job(self.job_id, master_pid=os.getpid(), master_start=proc_start_time(os.getpid()))
+        self.store.update_job(self.job_id, master_pid=os.getpid(), master_start=start_time(os.getpid()))
         self._start_watchdog()
         if not self.store.set_job(self.job_id, JobStatus.RUNNING):
             return 0  # cancelled before we got going

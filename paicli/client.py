@@ -87,31 +87,23 @@ def submit(prepared: Prepared, store: Store | None = None,
 
 
 def start_master(store: Store, job_id: str, job_dir: Path) -> None:
-    from paicli.cluster.master import proc_start_time, spawn_master
+    from paicli.cluster.master import spawn_master
+    from paicli.cluster.procinfo import start_time
 
     with store.closed_for_fork():
         pid = spawn_master(store.home, job_id, job_dir / "master.log")
-    store.update_job(job_id, master_pid=pid, master_start=proc_start_time(pid))
+    store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
 
 
 # -- reading ----------------------------------------------------------------------
 
 
 def master_alive(job) -> bool:
-    from paicli.cluster.master import proc_start_time
+    from paicli.cluster.procinfo import is_alive
 
-    pid = job["master_pid"]
-    if not pid:
+    if not job["master_pid"]:
         return True  # not started yet: nothing to judge
-    start = proc_start_time(pid)
-    if start is None or (job["master_start"] and start != job["master_start"]):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != b"Z"
+    return is_alive(job["master_pid"], job["master_start"])
 
 
 def refresh(store: Store, job_id: str):

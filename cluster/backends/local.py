@@ -7,6 +7,7 @@ import os
 import subprocess
 
 from paicli.cluster.backends.base import Backend, Handle
+from paicli.cluster.procinfo import live_members
 
 
 def signal_group(pgid: int, signum: int) -> bool:
@@ -23,25 +24,10 @@ def signal_group(pgid: int, signum: int) -> bool:
 def group_exists(pgid: int) -> bool:
     """True while any process of the group is alive (zombies excluded)."""
     try:
-        os.killpg(pgid, 0)
+        os.killpg(pgid, 0)  # cheap first answer; it also succeeds for zombies
     except (ProcessLookupError, PermissionError):
         return False
-    # killpg(…, 0) also succeeds for zombies; look for a live member.
-    try:
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(b")") + 2:].split()
-            if int(fields[2]) == pgid and fields[0] != b"Z":
-                return True
-    except OSError:
-        return True
-    return False
+    return live_members(pgid)
 
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)

@@ -106,6 +106,11 @@ def master_alive(job) -> bool:
     return is_alive(job["master_pid"], job["master_start"])
 
 
+def job_over(job) -> bool:
+    """The job has ended and its master is gone: its logs will not grow again."""
+    return JobStatus(job["status"]).is_terminal() and not master_alive(job)
+
+
 def refresh(store: Store, job_id: str):
     """The job's row, after marking it failed ("master lost") if its master died
     without recording an end."""

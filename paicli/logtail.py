@@ -199,19 +199,18 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
                 state["counts"] = counts
                 out.write((line + "\n").encode())
                 out.flush()
+        if client.job_over(job):
+            # One more read after the end, so no last line is lost.
+            rest = state["partial"]
+            while data := follower.read():
+                rest += data
+            if rest:
+                rest += b"" if rest.endswith(b"\n") else b"\n"
+                out.write(colourise(rest) if colour else rest)
+            out.flush()
+            return True
         if JobStatus(job["status"]).is_terminal():
-            if client.master_alive(job):
-                state["next_check"] = now + IDLE_SLEEP  # it is writing its last lines; look again soon
-            else:
-                # One more read after the end, so no last line is lost.
-                rest = state["partial"]
-                while data := follower.read():
-                    rest += data
-                if rest:
-                    rest += b"" if rest.endswith(b"\n") else b"\n"
-                    out.write(colourise(rest) if colour else rest)
-                out.flush()
-                return True
+            state["next_check"] = now + IDLE_SLEEP  # the master is writing its last lines; look again soon
     state["watch"].wait(state["next_check"] - time.monotonic())
     return False
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from pathlib import Path
 from typing import IO
 
 from paicli.errors import NotFound, UsageError
-from paicli.states import JobStatus
 from paicli.store import Store
 
 INSTANCE = re.compile(r"^([A-Za-z][A-Za-z0-9_]*):(\d+)$")
@@ -99,7 +97,7 @@ class LineOutput:
 def print_log(store: Store, job_id: str, path: Path, out: IO[bytes], *, tail: int | None,
               follow: bool, colour: bool, as_json: bool = False, instance: str | None = None) -> None:
     from paicli import client
-    from paicli.logtail import FileFollower
+    from paicli.logtail import DirectoryWatch, FileFollower
 
     show = LineOutput(out, colour=colour and not as_json, as_json=as_json, instance=instance)
     rotated = path.with_name(path.name + ".1")
@@ -114,20 +112,22 @@ def print_log(store: Store, job_id: str, path: Path, out: IO[bytes], *, tail: in
         offset = 0
     show.write(data)
     follower = FileFollower(path, offset)
+    watch = DirectoryWatch(path.parent) if follow else None
     try:
         while True:
             data = follower.read()
             if data:
                 show.write(data)
                 continue
-            if not follow:
+            if watch is None:
                 break
-            job = client.refresh(store, job_id)
-            if JobStatus(job["status"]).is_terminal() and not client.master_alive(job):
+            if client.job_over(client.refresh(store, job_id)):
                 while data := follower.read():
                     show.write(data)
                 break
-            time.sleep(0.1)
+            watch.wait(0.25)
     finally:
         show.close()
         follower.close()
+        if watch:
+            watch.close()

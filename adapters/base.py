@@ -46,7 +46,6 @@ class Adapter:
     params: ClassVar[tuple[Param, ...]] = ()      # framework-specific rows of the param table
     metric_patterns: ClassVar[tuple[str, ...]] = (KEY_VALUE_METRIC,)
     requires_script: ClassVar[bool] = True
-    summary: ClassVar[str] = ""
 
     def validate(self, spec: JobSpec) -> None:
         """Raise SpecError for combinations a single parameter's row cannot judge."""

@@ -80,7 +80,6 @@ class CaffeAdapter(Adapter):
     params = CAFFE_PARAMS
     metric_patterns = CAFFE_METRIC_PATTERNS
     requires_script = False   # a solver replaces the script
-    summary = "Caffe 1.0 solver jobs; several workers + a ps train with periodic model averaging"
 
     def _solver(self, spec: JobSpec, code: StagedCode) -> Path | None:
         if spec.get("solver"):

@@ -56,7 +56,6 @@ class MxnetAdapter(Adapter):
     aliases = ("mx",)
     task_name = "MXNetTask"
     runtime = "mxnet"
-    summary = "MXNet 1.9 parameter server: scheduler + servers (or ps) + workers running the script"
     params = (
         Param("kvstore", "choice", default="dist_sync", choices=KVSTORES,
               help="The kvstore type the script should create; it reaches the script as the "

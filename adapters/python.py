@@ -20,7 +20,6 @@ class PythonAdapter(Adapter):
     name = "python"
     aliases = ("py", "python3")
     task_name = "PythonTask"
-    summary = "any Python script; roles from -Dcluster, `ps` roles are services"
 
     def plan(self, spec: JobSpec, code: StagedCode) -> JobPlan:
         argv = [sys.executable, "-u", str(code.entry), *script_args(spec)]

@@ -71,7 +71,6 @@ class TensorflowAdapter(Adapter):
     params = TF_PARAMS
     metric_patterns = (TF_KEY_VALUE_METRIC, LOGGING_TENSOR_HOOK_METRIC,
                        KERAS_LOSS_METRIC, KERAS_METRIC, KERAS_EPOCH_METRIC)
-    summary = "TensorFlow ps/worker/chief/evaluator jobs with TF_CONFIG, in the TensorFlow runtime"
 
     def roles(self, spec: JobSpec) -> dict[str, dict[str, int]]:
         roles = cluster_roles(spec, {"worker": {"count": 1}})

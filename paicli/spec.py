@@ -44,7 +44,6 @@ class Param:
     choices: tuple[str, ...] = ()
     minimum: float | None = None
     check: Callable[[Any], str | None] | None = None  # returns an error text or None
-    launcher: bool = False  # read by the launcher, not handed to the script
 
     @property
     def yaml_name(self) -> str:
@@ -92,10 +91,10 @@ CORE_PARAMS: tuple[Param, ...] = (
           help="GPUs per worker in PAI units (100 = one card). A job that asks for more GPUs "
                "than the machine has fails before it starts."),
     Param("jobName", help="A name for the job, shown by `pai list` (default: the script's name)."),
-    Param("maxRetries", "int", default=3, minimum=0, launcher=True,
+    Param("maxRetries", "int", default=3, minimum=0,
           help="How many times a failed instance (or, for frameworks that cannot take a restarted "
                "instance back, the whole job) is restarted after a retryable exit."),
-    Param("timeout", "duration", launcher=True,
+    Param("timeout", "duration",
           help="Cancel the job after this long (seconds, or 90s/30m/2h); reason 'timeout'."),
 )
 

@@ -61,7 +61,9 @@ def is_retryable(returncode: int) -> bool:
     """returncode as subprocess gives it: negative for a death by signal."""
     if returncode < 0:
         return returncode != -11  # SIGSEGV is the program's own fault, like 139
-    return returncode in RETRYABLE_EXIT_CODES
+    if returncode in PERMANENT_EXIT_CODES:
+        return False
+    return returncode in RETRYABLE_EXIT_CODES  # any other code: the program's own verdict
 
 
 def describe_exit(returncode: int) -> str:

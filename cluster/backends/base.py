@@ -38,6 +38,3 @@ class Backend:
     def signal(self, handle: Handle, signum: int) -> None:
         """Send `signum` to the instance's whole process group."""
         raise NotImplementedError
-
-    def group_alive(self, handle: Handle) -> bool:
-        raise NotImplementedError

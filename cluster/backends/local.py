@@ -66,6 +66,3 @@ class LocalBackend(Backend):
 
     def signal(self, handle, signum):
         signal_group(handle.pgid, signum)
-
-    def group_alive(self, handle):
-        return group_exists(handle.pgid)

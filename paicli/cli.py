@@ -419,6 +419,22 @@ def console():
     sys.exit(run_console())
 
 
+# Commands that live in rooms of their own (multi-host nodes, the Pluto planner,
+# the logview page and plots) register here; each module imports its heavy
+# dependencies inside its commands, so `pai --help` stays fast.
+COMMAND_MODULES = ("paicli.cli_nodes", "paicli.cli_plan", "paicli.cli_logview")
+
+
+def _register_command_modules() -> None:
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(cli)
+
+
+_register_command_modules()
+
+
 # -- the error boundary ---------------------------------------------------------------
 
 

@@ -1,0 +1,12 @@
+"""`pai nodes` (multi-host: the nodes file, host keys, resources).
+
+Registered by paicli.cli (COMMAND_MODULES); keep heavy imports inside the commands.
+"""
+
+from __future__ import annotations
+
+import click
+
+
+def register(cli: click.Group) -> None:
+    """Add this module's commands to the `pai` group."""

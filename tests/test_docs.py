@@ -65,6 +65,6 @@ def test_data_flows_one_way():
 
 def test_help_imports_nothing_heavy():
     code = "import sys, paicli.cli; print(sorted(m for m in sys.modules if m.split('.')[0] in " \
-           "('rich','yaml','sqlite3','tensorflow','mxnet','paicli.cluster','paicli.adapters')))"
+           "('rich','yaml','sqlite3','tensorflow','mxnet','ray','paicli.cluster','paicli.adapters')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,0 +1,138 @@
+"""The nodes file (cluster/nodes.py) and the pure parts of the SSH backend: which
+file is in effect, what a good one gives, one clear line for a bad one (fuzzed),
+and path translation from the submitting machine to a node."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from paicli.cluster.nodes import NODE_KEYS, load_nodes, load_nodes_file, nodes_file_path, parse_nodes
+from paicli.errors import UsageError
+
+from conftest import pai
+
+
+def test_which_file_is_in_effect(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    assert nodes_file_path({"PAI_HOME": str(home)}) is None
+    assert load_nodes({"PAI_HOME": str(home)}) is None  # this machine alone
+    (home / "nodes.yaml").write_text("nodes: [{name: h1, host: 10.0.0.1}]")
+    assert nodes_file_path({"PAI_HOME": str(home)}) == home / "nodes.yaml"
+    other = tmp_path / "other.yaml"
+    other.write_text("nodes: [{name: x, host: 10.0.0.9}]")
+    config = load_nodes({"PAI_HOME": str(home), "PAI_NODES": str(other)})
+    assert [n.name for n in config.nodes] == ["x"]
+
+
+def test_a_good_file(tmp_path):
+    path = tmp_path / "nodes.yaml"
+    path.write_text("""
+known_hosts: kh
+nodes:
+  - name: h1
+    host: 10.0.0.11
+    port: 2222
+    user: alice
+    key: keys/id_ed25519
+    cpu: 800
+    memory: 16000
+    gpu: 2
+    runtime_dir: /opt/rt/
+  - {name: h2, host: node2.example}
+""")
+    config = load_nodes_file(path)
+    h1, h2 = config.nodes
+    assert config.known_hosts == str(tmp_path / "kh")
+    assert (h1.port, h1.user, h1.key, h1.cpu, h1.memory, h1.gpu) == \
+        (2222, "alice", str(tmp_path / "keys/id_ed25519"), 800, 16000, 2)
+    assert h1.runtime_dir == "/opt/rt"
+    assert h1.job_root == "/tmp/paicli-alice"
+    assert (h2.port, h2.cpu, h2.memory, h2.gpu, h2.key, h2.python) == (22, None, None, None, None, "python3")
+    assert config.node("h2") is h2
+    with pytest.raises(UsageError, match="no node named 'h3'"):
+        config.node("h3")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("nodes: [{name: h1, host: 10.0.0.1, prot: 22}]", "node 'h1': key 'prot': unknown key; did you mean 'port'?"),
+    ("nodes: [{name: h1, host: 10.0.0.1, port: http}]", "node 'h1': key 'port': expected a port 1-65535, got 'http'"),
+    ("nodes: [{name: h1, host: 10.0.0.1, port: 70000}]", "node 'h1': key 'port': expected a port 1-65535"),
+    ("nodes: [{name: h1, host: 10.0.0.1, cpu: -1}]", "node 'h1': key 'cpu': expected PAI cpu units"),
+    ("nodes: [{name: h1, host: 10.0.0.1, gpu: yes}]", "node 'h1': key 'gpu': expected a number of GPU cards"),
+    ("nodes: [{name: h1}]", "node 'h1': key 'host': missing"),
+    ("nodes: [{host: 10.0.0.1}]", "node 1: key 'name': missing"),
+    ("nodes: [{name: h1, host: 'a b; rm -rf /'}]", "node 'h1': key 'host': expected a host name or an IP"),
+    ("nodes: [{name: h1, host: -oProxyCommand=x}]", "node 'h1': key 'host'"),
+    ("nodes: [{name: h1, host: a}, {name: h1, host: b}]", "node 'h1': key 'name': used by an earlier node"),
+    ("nodes: [{name: h1, host: a, runtime_dir: rel/dir}]", "node 'h1': key 'runtime_dir': expected an absolute"),
+    ("nodes: []", "key 'nodes': expected a non-empty list"),
+    ("nodez: []", "key 'nodez': unknown key; did you mean 'nodes'?"),
+    ("- just a list", "expected a mapping with a 'nodes' list"),
+    ("nodes: [{name: h1, host: a}", "line 1"),
+])
+def test_a_bad_file_is_one_line_naming_file_node_and_key(tmp_path, text, message):
+    path = tmp_path / "nodes.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError) as caught:
+        load_nodes_file(path)
+    line = str(caught.value)
+    assert line.startswith(f"nodes file {path}")
+    assert message in line
+    assert "\n" not in line
+
+
+def test_the_cli_says_it_in_one_line_with_exit_2(tmp_path, pai_home):
+    path = tmp_path / "nodes.yaml"
+    path.write_text("nodes: [{name: h1, host: 10.0.0.1, memory: lots}]")
+    result = pai("nodes", env={"PAI_NODES": str(path)})
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"pai: error: nodes file {path}: node 'h1': key 'memory': "
+                                     "expected memory in MB, a positive integer, got 'lots'")
+    assert "Traceback" not in result.stderr
+
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 100000), st.text(max_size=12),
+                    st.floats(allow_nan=True), st.just("/abs/path"), st.just("10.0.0.1"))
+node_maps = st.dictionaries(st.sampled_from([*NODE_KEYS, "prot", "", "gpus"]) | st.text(max_size=5),
+                            scalars | st.lists(scalars, max_size=2), max_size=6)
+documents = st.one_of(
+    st.fixed_dictionaries({"nodes": st.lists(node_maps, max_size=3)},
+                          optional={"known_hosts": scalars, "ray": scalars | node_maps, "x": scalars}),
+    scalars, st.lists(node_maps, max_size=2))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(documents)
+def test_fuzz_documents_never_traceback(doc):
+    try:
+        config = parse_nodes(json.dumps(doc), "fuzz.yaml")
+    except UsageError as err:
+        assert str(err).startswith("nodes file fuzz.yaml") and "\n" not in str(err)
+    else:
+        names = [n.name for n in config.nodes]
+        assert len(names) == len(set(names))
+        for node in config.nodes:
+            assert 1 <= node.port <= 65535 and not node.host.startswith("-")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=80))
+def test_fuzz_text_never_tracebacks(text):
+    try:
+        parse_nodes(text, "fuzz.yaml")
+    except UsageError as err:
+        assert "\n" not in str(err)
+
+
+def test_snapshot_round_trip(tmp_path):
+    from paicli.cluster.nodes import config_from_dict
+
+    config = parse_nodes(yaml.safe_dump({"nodes": [{"name": "a", "host": "h", "cpu": 200}]}), str(tmp_path / "n.yaml"))
+    again = config_from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again.nodes == config.nodes and again.known_hosts == config.known_hosts

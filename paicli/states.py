@@ -44,7 +44,12 @@ INSTANCE_TRANSITIONS = {
 }
 
 
-def can_move(current: Enum, new: Enum) -> bool:
+def can_move(current: Enum, new: Enum, new_attempt: bool = False) -> bool:
+    """`new_attempt`: the instance starts a new attempt (a restart, or the whole
+    job run again after an instance had already finished); each attempt begins
+    Waiting, whatever the previous one ended as."""
+    if new_attempt and new == InstanceStatus.WAITING:
+        return True
     table = JOB_TRANSITIONS if isinstance(current, JobStatus) else INSTANCE_TRANSITIONS
     return new in table.get(current, set())
 

@@ -32,11 +32,13 @@ CREATE TABLE IF NOT EXISTS tasks (
 CREATE TABLE IF NOT EXISTS instances (
     job_id TEXT, role TEXT, idx INTEGER, status TEXT NOT NULL, attempt INTEGER DEFAULT 0,
     host TEXT, port INTEGER, pid INTEGER, pgid INTEGER, started REAL, ended REAL, exit_code INTEGER,
+    node TEXT, ref TEXT, gpus TEXT,
     PRIMARY KEY (job_id, role, idx)
 );
 CREATE TABLE IF NOT EXISTS attempts (
     job_id TEXT, role TEXT, idx INTEGER, attempt INTEGER, host TEXT, port INTEGER,
     pid INTEGER, pgid INTEGER, started REAL, ended REAL, exit_code INTEGER, log_path TEXT,
+    node TEXT, ref TEXT,
     PRIMARY KEY (job_id, role, idx, attempt)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -49,7 +51,16 @@ CREATE TABLE IF NOT EXISTS metrics (
 );
 CREATE INDEX IF NOT EXISTS metrics_job ON metrics (job_id, role, idx, key);
 CREATE TABLE IF NOT EXISTS ports (port INTEGER PRIMARY KEY, job_id TEXT);
+-- What live jobs hold on each node (kind "port" or "gpu"): a claim is what keeps
+-- two concurrent jobs from being handed the same port or card.
+CREATE TABLE IF NOT EXISTS claims (
+    kind TEXT, node TEXT, item TEXT, job_id TEXT, PRIMARY KEY (kind, node, item)
+);
+CREATE INDEX IF NOT EXISTS claims_job ON claims (job_id);
 """
+# Columns added after a store was first created: (table, column, type).
+ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("instances", "gpus", "TEXT"),
+                 ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"))
 
 
 def pai_home() -> Path:
@@ -79,6 +90,10 @@ class Store:
             for statement in SCHEMA.strip().split(";"):
                 if statement.strip():
                     self.db.execute(statement)
+            for table, column, kind in ADDED_COLUMNS:
+                have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def connect(self) -> None:
         self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
@@ -193,6 +208,7 @@ class Store:
                        (job_id, now, "job", status.value + (f": {reason}" if reason else "")))
             if status.is_terminal():
                 db.execute("DELETE FROM ports WHERE job_id = ?", (job_id,))
+                db.execute("DELETE FROM claims WHERE job_id = ?", (job_id,))
         return True
 
     def update_job(self, job_id: str, **fields: Any) -> None:
@@ -217,11 +233,18 @@ class Store:
                      message: str | None = None, **fields: Any) -> bool:
         now = time.time()
         with self.tx() as db:
-            row = db.execute("SELECT status FROM instances WHERE job_id=? AND role=? AND idx=?",
+            row = db.execute("SELECT status, attempt FROM instances WHERE job_id=? AND role=? AND idx=?",
                              (job_id, role, idx)).fetchone()
             current = InstanceStatus(row[0])
-            if current != status and not can_move(current, status):
+            # A new attempt (a restart) begins Waiting from any state, unless the job has ended.
+            new_attempt = "attempt" in fields and fields["attempt"] > (row[1] or 0)
+            if new_attempt and JobStatus(db.execute("SELECT status FROM jobs WHERE id = ?",
+                                                    (job_id,)).fetchone()[0]).is_terminal():
                 return False
+            if current != status and not can_move(current, status, new_attempt):
+                return False
+            if current == status and not new_attempt and current.is_terminal():
+                return False  # a terminal row is never rewritten
             self._update(db, "instances", {"job_id": job_id, "role": role, "idx": idx},
                          {"status": status.value, **fields})
             db.execute("INSERT INTO events (job_id, ts, kind, role, idx, message) VALUES (?,?,?,?,?,?)",
@@ -267,18 +290,45 @@ class Store:
 
     # -- ports -----------------------------------------------------------------
 
-    def claim_port(self, port: int, job_id: str) -> bool:
-        """Reserve a port for a job; False if another live job holds it."""
-        with self.tx() as db:
-            try:
-                db.execute("INSERT INTO ports (port, job_id) VALUES (?, ?)", (port, job_id))
-                return True
-            except sqlite3.IntegrityError:
-                return False
+    def claim_port(self, port: int, job_id: str, node: str = "local") -> bool:
+        """Reserve a port on a node for a job; False if another live job holds it."""
+        return self.claim("port", node, [str(port)], job_id)
 
     def release_ports(self, job_id: str) -> None:
         with self.tx() as db:
             db.execute("DELETE FROM ports WHERE job_id = ?", (job_id,))
+            db.execute("DELETE FROM claims WHERE job_id = ? AND kind = 'port'", (job_id,))
+
+    def claim(self, kind: str, node: str, items: list[str], job_id: str) -> bool:
+        """Reserve every item (ports, GPU cards) on `node` for a job, all or none;
+        False if another job holds any of them."""
+        with self.tx() as db:
+            for item in items:
+                holder = db.execute("SELECT job_id FROM claims WHERE kind=? AND node=? AND item=?",
+                                    (kind, node, item)).fetchone()
+                if holder is not None and holder[0] != job_id:
+                    return False
+            db.executemany("INSERT OR IGNORE INTO claims (kind, node, item, job_id) VALUES (?,?,?,?)",
+                           [(kind, node, item, job_id) for item in items])
+        return True
+
+    def held(self, kind: str, except_job: str | None = None) -> dict[str, set[str]]:
+        """node -> items claimed by live jobs (other than `except_job`)."""
+        out: dict[str, set[str]] = {}
+        for node, item in self.db.execute("SELECT node, item FROM claims WHERE kind = ? AND job_id IS NOT ?",
+                                          (kind, except_job)):
+            out.setdefault(node, set()).add(item)
+        return out
+
+    def release_claims(self, job_id: str, kind: str | None = None, node: str | None = None,
+                       items: list[str] | None = None) -> None:
+        with self.tx() as db:
+            if items is None:
+                db.execute("DELETE FROM claims WHERE job_id = ? AND kind IS COALESCE(?, kind)"
+                           " AND node IS COALESCE(?, node)", (job_id, kind, node))
+            else:
+                db.executemany("DELETE FROM claims WHERE job_id=? AND kind=? AND node=? AND item=?",
+                               [(job_id, kind, node, item) for item in items])
 
     # -----------------------------------------------------------------------------
 

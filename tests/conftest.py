@@ -16,6 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 BEHAVE = ROOT / "tests" / "scripts" / "behave.py"
 PAI = [sys.executable, "-m", "paicli"]
 
+# Jobs in tests print the summary file as their `Log view:` instead of starting a
+# logview server per test home; tests/test_logview.py turns the server on itself.
+os.environ.setdefault("PAI_LOGVIEW", "file")
+
 
 @pytest.fixture
 def pai_home(tmp_path, monkeypatch):

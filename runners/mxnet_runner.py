@@ -181,6 +181,10 @@ def main(argv: list[str]) -> None:
     install_pushpull_workaround(mx)
     if params:
         install_compression(mx, params)
+    # Pluto (runners/pluto_helpers.py): importable by the script; reports the
+    # kvstore's array sizes when a calibration asks for them.
+    import pluto_helpers
+    pluto_helpers.install_mxnet(mx)
     sys.argv = [script, *argv[1:]]
     # As `python SCRIPT` would: the script's folder first, not the runner's.
     sys.path[0] = os.path.dirname(script)

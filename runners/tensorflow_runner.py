@@ -232,6 +232,12 @@ def run_script(script: str, args: list[str], role: str) -> None:
         threading.Thread(target=wait_for_stop_then_exit, args=("ps",), daemon=True,
                          name="ps-stop").start()
     script = os.path.abspath(script)
+    # Pluto (runners/pluto_helpers.py): importable by the script from here on; its
+    # ps placement and size reports only when a plan or a calibration asks for them.
+    import pluto_helpers
+    if os.environ.get("PAI_TF_PS_STRATEGY") == "greedy" or os.environ.get("PAI_PLUTO_REPORT"):
+        import tensorflow as tf
+        pluto_helpers.install_tensorflow(tf)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` would have it
     try:

@@ -1,0 +1,178 @@
+"""Pluto's helpers inside a framework runtime (standard library only; frameworks
+are imported lazily, by the functions that need them).
+
+The runners import this module before they run the user's script, so a script
+can also `import pluto_helpers` and call the one-line helpers a plan names when
+an optimization needs a change in the script:
+
+    lr = pluto_helpers.learning_rate(base_lr, step)      # linear scaling + warm-up
+    w = tf.compat.v1.get_variable("w", shape, partitioner=pluto_helpers.tf_partitioner())
+
+What the runners call themselves (the script needs no change):
+
+    install_tensorflow(tf)   with PAI_TF_PS_STRATEGY=greedy, replica_device_setter
+                             places each variable on the least-loaded ps by byte size
+                             (TF's default is round-robin); with PAI_PLUTO_REPORT set,
+                             the variables' sizes are reported there
+    install_mxnet(mx)        with PAI_PLUTO_REPORT set, the sizes of the arrays the
+                             script's kvstore holds are reported there
+
+Environment read here (set by paicli's adapters when a plan says so):
+    PAI_PLUTO_REPORT         a file: one JSON object per line, appended (0600)
+    PAI_TF_PS_STRATEGY       greedy | roundRobin
+    PAI_PLUTO_LR_SCALE       the learning rate's factor (linear scaling)
+    PAI_PLUTO_WARMUP_STEPS   steps over which the factor is reached
+    PAI_PLUTO_PS_COUNT       how many ps a partitioner splits a variable over
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+_reported: dict[str, float] = {}
+
+
+def report(kind: str, **data) -> None:
+    """Append one record to $PAI_PLUTO_REPORT (nothing when it is not set)."""
+    path = os.environ.get("PAI_PLUTO_REPORT")
+    if not path:
+        return
+    record = {"kind": kind, "role": os.environ.get("PAI_ROLE"), "index": os.environ.get("PAI_INDEX"), **data}
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _report_variable(name: str, size: float) -> None:
+    if name in _reported:
+        return
+    _reported[name] = size
+    report("variable", name=name, bytes=size)
+
+
+# ---------------------------------------------------------------------------
+# Helpers a script may call
+
+
+def learning_rate(base: float, step: int) -> float:
+    """The learning rate a plan's linear scaling asks for at `step`: base x scale,
+    reached linearly over the warm-up steps (Goyal et al., 2017)."""
+    scale = float(os.environ.get("PAI_PLUTO_LR_SCALE") or 1.0)
+    warmup = int(os.environ.get("PAI_PLUTO_WARMUP_STEPS") or 0)
+    if warmup > 0 and step < warmup:
+        return base * (1.0 + (scale - 1.0) * step / warmup)
+    return base * scale
+
+
+def tf_partitioner(max_shards: int | None = None):
+    """A TF1 variable partitioner that splits a variable along its first axis over
+    the job's ps (PAI_PLUTO_PS_COUNT, else the ps in TF_CONFIG)."""
+    import tensorflow as tf
+
+    shards = max_shards or int(os.environ.get("PAI_PLUTO_PS_COUNT") or 0) or _tf_ps_count()
+    return tf.compat.v1.fixed_size_partitioner(max(1, shards))
+
+
+def _tf_ps_count() -> int:
+    try:
+        return len(json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {}).get("ps", []))
+    except ValueError:
+        return 1
+
+
+# ---------------------------------------------------------------------------
+# What the runners install
+
+
+def _tf_var_bytes(tf, op) -> float:
+    try:
+        shape = tf.TensorShape(op.get_attr("shape"))
+        size = tf.as_dtype(op.get_attr("dtype")).size
+    except (ValueError, TypeError, AttributeError):
+        return 0.0
+    if not shape.is_fully_defined():
+        return 0.0
+    return float(shape.num_elements() * size)
+
+
+class GreedyByBytes:
+    """ps_strategy for replica_device_setter: each variable to the ps holding the
+    fewest bytes so far (the load balancing TF1 had in contrib)."""
+
+    def __init__(self, tf, num_tasks: int):
+        self.tf = tf
+        self.loads = [0.0] * num_tasks
+
+    def __call__(self, op) -> int:
+        task = self.loads.index(min(self.loads))
+        self.loads[task] += _tf_var_bytes(self.tf, op)
+        return task
+
+
+class RoundRobinReporting:
+    """TF's default round-robin, reporting each variable's size on the way."""
+
+    def __init__(self, tf, num_tasks: int):
+        self.tf = tf
+        self.num_tasks = num_tasks
+        self.next = 0
+
+    def __call__(self, op) -> int:
+        task = self.next
+        self.next = (self.next + 1) % self.num_tasks
+        return task
+
+
+def install_tensorflow(tf) -> None:
+    mode = os.environ.get("PAI_TF_PS_STRATEGY", "roundRobin")
+    reporting = bool(os.environ.get("PAI_PLUTO_REPORT"))
+    if mode != "greedy" and not reporting:
+        return
+    v1_train = tf.compat.v1.train
+    original = v1_train.replica_device_setter
+
+    def replica_device_setter(ps_tasks=0, ps_device="/job:ps", worker_device="/job:worker",
+                              merge_devices=True, cluster=None, ps_ops=None, ps_strategy=None):
+        tasks = ps_tasks
+        if cluster is not None:
+            spec = cluster.as_dict() if hasattr(cluster, "as_dict") else dict(cluster)
+            tasks = len(spec.get(ps_device.split("/job:")[-1].split("/")[0]) or [])
+        if ps_strategy is None and tasks:
+            ps_strategy = (GreedyByBytes if mode == "greedy" else RoundRobinReporting)(tf, tasks)
+        if reporting and ps_strategy is not None:
+            chosen = ps_strategy
+
+            def ps_strategy(op, _chosen=chosen):
+                _report_variable(op.name, _tf_var_bytes(tf, op))
+                return _chosen(op)
+        return original(ps_tasks=ps_tasks, ps_device=ps_device, worker_device=worker_device,
+                        merge_devices=merge_devices, cluster=cluster, ps_ops=ps_ops,
+                        ps_strategy=ps_strategy)
+
+    v1_train.replica_device_setter = replica_device_setter
+
+
+def install_mxnet(mx) -> None:
+    if not os.environ.get("PAI_PLUTO_REPORT"):
+        return
+    KVStore = mx.kvstore.KVStore
+    original_init = KVStore.init
+
+    def init(self, key, value):
+        keys = key if isinstance(key, (list, tuple)) else [key]
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for k, v in zip(keys, values):
+            v = v[0] if isinstance(v, (list, tuple)) else v
+            try:
+                import numpy
+
+                size = float(v.size * numpy.dtype(v.dtype).itemsize)
+            except Exception:  # an exotic array type: report nothing rather than fail the job
+                continue
+            _report_variable(str(k), size)
+        return original_init(self, key, value)
+
+    KVStore.init = init

@@ -70,6 +70,10 @@ class MxnetAdapter(Adapter):
         Param("gradientCompressionThreshold", "float", check=_positive,
               help=f"The 2bit compression threshold (default {DEFAULT_THRESHOLD}); only with "
                    "-DgradientCompression=2bit."),
+        Param("bigArrayBound", "int", minimum=1,
+              help="Arrays with more elements than this are sliced evenly across every server "
+                   "(MXNET_KVSTORE_BIGARRAY_BOUND; MXNet's default 1000000). Smaller arrays go "
+                   "whole to one server."),
     )
     metric_patterns = (SPEEDOMETER_METRIC, EPOCH_TIME_METRIC, KEY_VALUE_NOT_TIME_COST)
 
@@ -118,6 +122,8 @@ class MxnetAdapter(Adapter):
                "PAI_MXNET_GRADIENT_COMPRESSION": compression}
         if compression != "none":
             env["PAI_MXNET_COMPRESSION_THRESHOLD"] = repr(float(threshold))
+        if spec.get("bigArrayBound"):
+            env["MXNET_KVSTORE_BIGARRAY_BOUND"] = str(spec.get("bigArrayBound"))
         # The scheduler and servers only route and sum; one OpenMP thread each
         # leaves the cores to the workers.
         service_env = {**env, "OMP_NUM_THREADS": "1"}
@@ -144,6 +150,8 @@ class MxnetAdapter(Adapter):
             notes.insert(1, 'role "ps" runs as MXNet servers')
         if compression != "none":
             notes.append(f"2bit gradient compression, threshold {threshold:g}, applied by the runner")
+        if spec.get("bigArrayBound"):
+            notes.append(f"arrays over {spec.get('bigArrayBound')} elements sliced across the servers")
         return JobPlan(job_name=spec.get("jobName") or code.entry.stem, framework=self.name,
                        task_name=self.task_name, roles=plan_roles, restart=RESTART_JOB,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),

@@ -56,6 +56,10 @@ TF_PARAMS: tuple[Param, ...] = (
     Param("clusterFlags", "choice", default="auto", choices=("auto", "always", "never"),
           help="Pass --ps_hosts --worker_hosts --job_name --task_index to the script. auto: those "
                "the script defines (tf.app.flags/absl DEFINE_* or argparse add_argument)."),
+    Param("psStrategy", "choice", default="roundRobin", choices=("roundRobin", "greedy"),
+          help="How replica_device_setter spreads variables over the ps. roundRobin: TF's "
+               "default, variable i on ps i mod P. greedy: each variable on the ps holding the "
+               "fewest bytes so far (Pluto's load balancing; the script needs no change)."),
 )
 
 
@@ -108,6 +112,7 @@ class TensorflowAdapter(Adapter):
                   *([f"--code-root={code.root}"] if code.root else []), "--",
                   str(code.entry), *script_args(spec)]
         finishing = "chief" if has_chief else "worker"
+        env = {"PAI_TF_PS_STRATEGY": spec.get("psStrategy")} if spec.get("psStrategy") != "roundRobin" else {}
 
         plans = []
         for role in ROLES:
@@ -118,7 +123,7 @@ class TensorflowAdapter(Adapter):
             plans.append(RolePlan(
                 name=role, count=conf["count"],
                 argv=runner + (["--serve"] if role in serve_roles else script),
-                cwd=str(code.cwd),
+                cwd=str(code.cwd), env=dict(env),
                 must_finish=role == finishing,
                 listens=role != "evaluator",  # TF keeps the evaluator out of the cluster
                 cpu=conf["cpu"], memory=conf["memory"],
@@ -139,6 +144,8 @@ class TensorflowAdapter(Adapter):
             "a failure that a restart can cure restarts the whole job on fresh ports "
             "(TF's cluster spec is fixed at start)",
         ]
+        if env:
+            notes.append("variables placed on the ps by size, greedily (-DpsStrategy=greedy)")
         if spec.framework.lower() not in ("tensorflow", "tf"):
             notes.append(f"-name {spec.framework}: the version in the name picks nothing; "
                          f"the runtime is {get_runtime(self.runtime).description}")

@@ -102,8 +102,20 @@ def submit_and_follow(stmt, detach: bool = False, progress: bool = True) -> int:
         return 0
     job = store.job(job_id)
     click.echo(f"ID = {job_id}")
-    click.echo(f"Log view: {os.path.join(job['job_dir'], 'summary.txt')}")
+    echo_log_view(store, job_id, os.path.join(job['job_dir'], 'summary.txt'))
     return attach(store, job_id, from_end=False, progress=progress)
+
+
+def echo_log_view(store, job_id: str, summary_file: str) -> None:
+    """The `Log view:` line: the job page's URL (the logview server is started,
+    detached, if it is not running; nothing waits for it), or the summary file
+    with a one-line note when no server can be had."""
+    from paicli.web.launch import log_view_line
+
+    line, note = log_view_line(store.home, job_id, summary_file)
+    click.echo(f"Log view: {line}")
+    if note:
+        click.echo(note, err=True)
 
 
 def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
@@ -258,7 +270,7 @@ def status(job_id, as_json):
         return
     click.echo(f"ID = {st['id']}  {st['name']}  ({st['framework']})")
     click.echo(f"Status: {st['status']}" + (f"  {st['reason']}" if st["reason"] else ""))
-    click.echo(f"Log view: {st['log_view']}")
+    echo_log_view(store, job_id, st["log_view"])
     click.echo("")
     for line in jobview.summary_lines(st):
         click.echo(line)
@@ -283,8 +295,9 @@ def wait(job_id, no_progress):
     from paicli import client
 
     store = _store()
-    job_id = client.resolve_job(store, job_id)["id"]
-    sys.exit(attach(store, job_id, from_end=True, progress=not no_progress))
+    job = client.resolve_job(store, job_id)
+    echo_log_view(store, job["id"], os.path.join(job["job_dir"], "summary.txt"))
+    sys.exit(attach(store, job["id"], from_end=True, progress=not no_progress))
 
 
 @cli.command()

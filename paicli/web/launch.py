@@ -1,0 +1,201 @@
+"""Finding the per-user logview server, or starting one, without waiting for it.
+
+State lives in $PAI_HOME/logview/ (0700): `token` (0600, the user's token, kept
+across servers so an old URL keeps working) and `server.json` (0600: pid, start
+time, host, port, token). The CLI binds the listening socket itself and hands it
+to the server process, so the URL it prints is good at once: a browser that
+connects before the server is ready just waits in the socket's backlog.
+
+Imports no web library: `pai status` and a submit use this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlencode
+
+from paicli.errors import PaiError
+
+IDLE_SECONDS = 900.0  # the server exits after this long without a request or a CLI using it
+
+
+class LogviewUnavailable(PaiError):
+    """The server cannot be started here (extra not installed, no socket)."""
+
+
+def mode() -> str:
+    """PAI_LOGVIEW: `web` (default) prints a URL, `file` the plain summary file."""
+    value = (os.environ.get("PAI_LOGVIEW") or "web").strip().lower()
+    return "file" if value in ("file", "off", "0", "no") else "web"
+
+
+def state_dir(home: Path) -> Path:
+    folder = home / "logview"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    return folder
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Atomically, 0600 from the first byte."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def user_token(home: Path) -> str:
+    path = state_dir(home) / "token"
+    try:
+        token = path.read_text().strip()
+        if token:
+            return token
+    except FileNotFoundError:
+        pass
+    token = secrets.token_urlsafe(24)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another pai made it first: use theirs
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def bind_host() -> str:
+    return os.environ.get("PAI_LOGVIEW_HOST") or "127.0.0.1"
+
+
+def read_state(home: Path) -> dict | None:
+    try:
+        return json.loads((home / "logview" / "server.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(state: dict) -> bool:
+    from paicli.cluster.procinfo import is_alive
+
+    return bool(state.get("pid")) and is_alive(int(state["pid"]), state.get("start"))
+
+
+def running_server(home: Path) -> dict | None:
+    """The state of the live server of this PAI_HOME, or None."""
+    state = read_state(home)
+    return state if state and _alive(state) else None
+
+
+def start_server(home: Path) -> dict:
+    """Start a server (detached, own session) on a socket bound here; returns its state."""
+    import importlib.util
+
+    if importlib.util.find_spec("aiohttp") is None or importlib.util.find_spec("jinja2") is None:
+        raise LogviewUnavailable("the logview server needs aiohttp and jinja2",
+                                 "install them with: pip install 'paicli[logview]'")
+    folder = state_dir(home)
+    host = bind_host()
+    token = user_token(home)
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.bind((host, int(os.environ.get("PAI_LOGVIEW_PORT") or 0)))
+        sock.listen(128)
+    except OSError as err:
+        raise LogviewUnavailable(f"cannot listen on {host}: {err.strerror or err}",
+                                 "set PAI_LOGVIEW_HOST to an address of this machine") from None
+    log = os.open(folder / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "paicli.web.server", "--home", str(home), "--fd", str(sock.fileno())],
+            pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True, close_fds=True, cwd="/",
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        os.close(log)
+        port = sock.getsockname()[1]
+        sock.close()
+    from paicli.cluster.procinfo import start_time
+
+    state = {"pid": proc.pid, "start": start_time(proc.pid), "host": host, "port": port,
+             "token": token, "started": time.time()}
+    _write_private(folder / "server.json", json.dumps(state))
+    proc.returncode = 0  # never reaped here: it outlives this pai (Popen must not wait on it)
+    return state
+
+
+def ensure_server(home: Path) -> dict:
+    """The live server's state, starting one if there is none. A lock keeps two
+    pai commands from starting two servers; nothing here waits for the server."""
+    import fcntl
+
+    folder = state_dir(home)
+    with open(folder / "lock", "a+") as lock:
+        os.chmod(folder / "lock", 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = running_server(home)
+        if state is None:
+            state = start_server(home)
+        else:
+            try:  # a CLI handing out the URL counts as use: the server's idle clock restarts
+                os.utime(folder / "server.json")
+            except OSError:
+                pass
+    return state
+
+
+def url_for(state: dict, job_id: str | None = None) -> str:
+    host = state["host"]
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    elif ":" in host:
+        host = f"[{host}]"
+    query = {"i": job_id} if job_id else {}
+    query["token"] = state["token"]
+    return f"http://{host}:{state['port']}/logview/?{urlencode(query)}"
+
+
+def log_view_line(home: Path, job_id: str, fallback: str) -> tuple[str, str | None]:
+    """What a `Log view:` line shows: the page's URL, or `fallback` (the summary
+    file) and a one-line note saying why, when the server cannot be had."""
+    if mode() == "file":
+        return fallback, None
+    try:
+        return url_for(ensure_server(home), job_id), None
+    except PaiError as err:
+        return fallback, f"note: no logview page ({err}); showing the summary file"
+    except OSError as err:
+        return fallback, f"note: no logview page ({err.strerror or err}); showing the summary file"
+
+
+def stop_server(home: Path, timeout: float = 3.0) -> bool:
+    """SIGTERM, a bounded wait, then SIGKILL, only to the process recorded as this
+    home's server (pid and start time both match). False if none was running."""
+    from paicli.cluster.procinfo import is_alive
+
+    state = running_server(home)
+    if state is None:
+        return False
+    pid, start = int(state["pid"]), state.get("start")
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not is_alive(pid, start):
+            break
+        time.sleep(0.05)
+    else:
+        if is_alive(pid, start):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        if (read_state(home) or {}).get("pid") == pid:
+            (home / "logview" / "server.json").unlink()
+    except OSError:
+        pass
+    return True

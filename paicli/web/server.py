@@ -1,0 +1,294 @@
+"""The logview server: an aiohttp application over the job store and job folders.
+
+    python -m paicli.web.server --home ~/.pai --fd N      (started by paicli.web.launch)
+
+Routes (every one answers 403 without the user's token, as ?token=...):
+    /  and /logview/            the job list (like `show instances`)
+    /logview/?i=ID              a job's page, updated live over server-sent events
+    /api/jobs.json              the job list as JSON
+    /api/jobs/ID.json           the job's JSON summary (status, series, events, plan)
+    /api/jobs/ID/log            a whole log: the combined one, or ?instance=worker:0[&attempt=N]
+    /api/jobs/ID/stream         the page's live feed (server-sent events)
+    /static/NAME                the page's own JS and CSS (nothing comes from a CDN)
+
+It exits by itself after PAI_LOGVIEW_IDLE seconds (default 900) without a request,
+an open page or a pai command handing out its URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import jinja2
+from aiohttp import web
+
+from paicli.errors import PaiError
+from paicli.store import Store
+from paicli.web import data
+from paicli.web.launch import IDLE_SECONDS, read_state, user_token
+
+HERE = Path(__file__).resolve().parent
+STATIC = HERE / "static"
+POLL = 0.5                    # seconds between two looks at the store and the logs of a live page
+READ_CAP = 256 * 1024         # at most this much of one log per look
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                               "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+TOKEN = web.AppKey("token", str)
+STORE = web.AppKey("store", Store)
+ENV = web.AppKey("env", jinja2.Environment)
+USE = web.AppKey("use", dict)
+
+
+def make_app(home: Path, token: str) -> web.Application:
+    app = web.Application(middlewares=[guard])
+    app[TOKEN] = token
+    app[STORE] = Store(home)
+    app[ENV] = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
+                                  autoescape=True, undefined=jinja2.StrictUndefined)
+    app[USE] = {"last": time.monotonic(), "streams": 0}
+    app.router.add_get("/", job_list_page)
+    app.router.add_get("/logview/", logview_page)
+    app.router.add_get("/api/jobs.json", jobs_json)
+    app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}.json", job_json)
+    app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/log", whole_log)
+    app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/stream", stream)
+    app.router.add_get(r"/static/{name:[a-z0-9_.-]+}", static_file)
+    return app
+
+
+@web.middleware
+async def guard(request: web.Request, handler):
+    """The token on every URL (compared in constant time), security headers on every answer."""
+    given = request.query.get("token", "")
+    if not hmac.compare_digest(given.encode(), request.app[TOKEN].encode()):
+        return web.Response(status=403, text="403 forbidden: this page needs the token= of its URL"
+                            " (`pai logview` prints it)\n", headers=SECURITY_HEADERS)
+    request.app[USE]["last"] = time.monotonic()
+    try:
+        response = await handler(request)
+    except PaiError as err:  # unknown job, bad instance: one clear line
+        code = 404 if "no job" in str(err) or "no such" in str(err) or "not a job" in str(err) else 400
+        response = web.Response(status=code, text=f"{code}: {err}\n")
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
+    return response
+
+
+def _render(request: web.Request, template: str, **context) -> str:
+    token = request.app[TOKEN]
+    return request.app[ENV].get_template(template).render(token=token, **context)
+
+
+def _html(request: web.Request, template: str, **context) -> web.Response:
+    return web.Response(text=_render(request, template, **context), content_type="text/html")
+
+
+async def job_list_page(request: web.Request) -> web.Response:
+    return _html(request, "jobs.html", jobs=data.job_list(request.app[STORE]))
+
+
+async def logview_page(request: web.Request) -> web.Response:
+    job_id = request.query.get("i")
+    if not job_id:
+        return await job_list_page(request)
+    store = request.app[STORE]
+    job = store.find_job(job_id)
+    page = data.job_page(store, job["id"])
+    logs = [{**log, "tail": data.tail_text(log["path"])[0]} for log in data.instance_logs(store, job["id"])]
+    return _html(request, "job.html", page=page, logs=logs)
+
+
+async def jobs_json(request: web.Request) -> web.Response:
+    return web.json_response(data.job_list(request.app[STORE]))
+
+
+async def job_json(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    job = store.job(request.match_info["job_id"])
+    return web.json_response(data.summary_json(store, job["id"]), dumps=lambda d: json.dumps(d, default=str))
+
+
+async def whole_log(request: web.Request) -> web.StreamResponse:
+    from paicli.logview import log_path
+
+    store = request.app[STORE]
+    job = store.job(request.match_info["job_id"])
+    attempt = request.query.get("attempt")
+    if attempt is not None and not attempt.isdigit():
+        raise PaiError(f"attempt={attempt!r}: expected a number")
+    path = log_path(store, job, request.query.get("instance") or None, int(attempt) if attempt else None)
+    if not path.is_file():
+        return web.Response(status=404, text=f"404: no log yet for {request.query.get('instance') or 'the job'}\n")
+    name = path.name if path.name != "job.log" else f"{job['id']}.log"
+    return web.FileResponse(path, headers={"Content-Type": "text/plain; charset=utf-8",
+                                           "Content-Disposition": f'inline; filename="{name}"'})
+
+
+async def static_file(request: web.Request) -> web.StreamResponse:
+    name = request.match_info["name"]
+    path = (STATIC / name).resolve()
+    if path.parent != STATIC or not path.is_file():
+        raise web.HTTPNotFound()
+    kind = {"js": "text/javascript", "css": "text/css"}.get(path.suffix[1:], "application/octet-stream")
+    return web.FileResponse(path, headers={"Content-Type": f"{kind}; charset=utf-8"})
+
+
+class LogFollower:
+    """One instance's log as the page sees it: its tail first, then whole new lines."""
+
+    def __init__(self):
+        self.path: Path | None = None
+        self.offset = 0
+
+    def read(self, path: Path, final: bool) -> tuple[str, bool] | None:
+        """(text, reset) or None when nothing new."""
+        size = path.stat().st_size if path.exists() else 0
+        if path != self.path or size < self.offset:  # a new attempt, or the log rotated
+            self.path = path
+            text, self.offset = data.tail_text(path)
+            return text, True
+        if size == self.offset:
+            return None
+        with open(path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read(min(size - self.offset, READ_CAP))
+        if not final:
+            cut = chunk.rfind(b"\n") + 1
+            if not cut:
+                return None
+            chunk = chunk[:cut]
+        self.offset += len(chunk)
+        return chunk.decode("utf-8", "replace"), False
+
+
+async def stream(request: web.Request) -> web.StreamResponse:
+    """The live feed of a job page: `status` (the rendered status part), `log`
+    (new lines of an instance), `metrics` (new points), and `end` once the job is
+    over and everything is sent. A reconnecting page gets everything again."""
+    from paicli import client
+
+    store = request.app[STORE]
+    job_id = store.job(request.match_info["job_id"])["id"]
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
+                                           **SECURITY_HEADERS})
+    await response.prepare(request)
+    use = request.app[USE]
+    use["streams"] += 1
+
+    async def send(event: str, payload) -> None:
+        await response.write(f"event: {event}\ndata: {json.dumps(payload)}\n\n".encode())
+
+    followers: dict[str, LogFollower] = {}
+    last_html = None
+    metric_after = 0
+    try:
+        while True:
+            over = client.job_over(store.job(job_id))  # read first: then every line before the end is seen
+            page = data.job_page(store, job_id)
+            html = _render(request, "_status.html", page=page)
+            if html != last_html:
+                last_html = html
+                await send("status", {"html": html, "status": page["status"]})
+            for log in data.instance_logs(store, job_id):
+                got = followers.setdefault(log["instance"], LogFollower()).read(log["path"], over)
+                if got is not None:
+                    await send("log", {"instance": log["instance"], "attempt": log["attempt"],
+                                       "text": got[0], "reset": got[1]})
+            points, metric_after = data.metric_points(store, job_id, metric_after)
+            if points:
+                await send("metrics", {"points": points})
+            if over:
+                await send("end", {"status": page["status"], "verdict": page["verdict"]})
+                break
+            use["last"] = time.monotonic()
+            await asyncio.sleep(POLL)
+    except (ConnectionResetError, ConnectionError):
+        pass
+    finally:
+        use["streams"] -= 1
+    return response
+
+
+# -- the server process -----------------------------------------------------------
+
+
+def _idle_limit() -> float:
+    try:
+        return float(os.environ.get("PAI_LOGVIEW_IDLE") or IDLE_SECONDS)
+    except ValueError:
+        return IDLE_SECONDS
+
+
+async def serve(home: Path, sock: socket.socket) -> None:
+    token = user_token(home)
+    app = make_app(home, token)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    idle = _idle_limit()
+    state_file = home / "logview" / "server.json"
+    use = app[USE]
+    print(f"logview serving {home} on {sock.getsockname()} (idle limit {idle:g}s)", flush=True)
+    born = time.monotonic()
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=min(5.0, max(idle / 4, 0.2)))
+        except asyncio.TimeoutError:
+            pass
+        state = read_state(home)
+        if time.monotonic() - born < 5.0 and (not state or state.get("pid") != os.getpid()):
+            continue  # the pai that started us writes the state file just after starting us
+        if not state or state.get("pid") != os.getpid():
+            print("another server took over (or the state is gone): exiting", flush=True)
+            break
+        try:
+            handed_out = time.time() - state_file.stat().st_mtime  # a pai command printed the URL
+        except OSError:
+            handed_out = idle + 1
+        quiet = min(time.monotonic() - use["last"], handed_out)
+        if use["streams"] == 0 and quiet > idle:
+            print(f"idle for {quiet:.0f}s: exiting", flush=True)
+            break
+    await runner.cleanup()
+    state = read_state(home)
+    if state and state.get("pid") == os.getpid():
+        try:
+            state_file.unlink()
+        except OSError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m paicli.web.server")
+    parser.add_argument("--home", required=True, type=Path)
+    parser.add_argument("--fd", required=True, type=int, help="an already listening socket")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # its own session: no terminal to lose anyway
+    sock = socket.socket(fileno=args.fd)
+    sock.setblocking(False)
+    asyncio.run(serve(args.home, sock))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

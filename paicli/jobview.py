@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from paicli import steptime
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
@@ -49,6 +50,7 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
             "attempts": (i["attempt"] or 0) + 1, "pid": i["pid"], "pgid": i["pgid"], "host": i["host"],
             "port": i["port"], "log": instance_log_path(job_dir, i["role"], i["idx"], i["attempt"] or 0),
         } for i in instances],
+        "step_seconds": steptime.job_step_seconds(store, job_id),
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
 

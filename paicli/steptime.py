@@ -1,0 +1,83 @@
+"""Measured seconds per step: `step_seconds` in `pai status --json`, what Pluto's
+calibration measures and what its forecast is checked against.
+
+Every framework prints its steps differently (TF scripts `step=N ... duration=`,
+Caffe `Iteration N (x iter/s, ...)`, MXNet scripts `step=N` or Speedometer lines),
+but the master stores each metric line with its step and the time it was read. So
+one rule fits all: per training instance (worker, chief), the seconds between
+consecutive step lines divided by the steps between them, the first interval
+dropped (graph building, first contact with the ps); the instance's median; then
+the median over instances. An instance with fewer than two intervals falls back
+to the framework's own timing: a per-step `duration` in seconds, or Caffe's
+`iter_per_s`.
+
+Shared vocabulary: reads the store, imports nothing above it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterable
+
+TRAINING_ROLES = ("worker", "chief")
+
+
+def instance_step_seconds(points: Iterable[tuple[float, float]]) -> float | None:
+    """Median seconds per step from (step, time) points in the order they were read.
+    A step going backwards (a restarted attempt) starts the series again."""
+    rates: list[float] = []
+    previous = None
+    first = True
+    for step, ts in points:
+        if previous is not None:
+            dstep, dts = step - previous[0], ts - previous[1]
+            if dstep < 0:
+                previous, first = (step, ts), True
+                continue
+            if dstep == 0:
+                continue
+            if not first:
+                rates.append(max(0.0, dts) / dstep)
+            first = False
+        previous = (step, ts)
+    return statistics.median(rates) if rates else None
+
+
+def from_timing(values: dict[str, list[float]]) -> float | None:
+    """The framework's own per-step timing, when step lines were too few."""
+    durations = [v for v in values.get("duration", []) if v > 0]
+    if durations:
+        return statistics.median(durations[1:] or durations)
+    rates = [v for v in values.get("iter_per_s", []) if v > 0]
+    if rates:
+        return 1.0 / statistics.median(rates)
+    return None
+
+
+def step_seconds(points: dict[str, list[tuple[float, float]]],
+                 timing: dict[str, dict[str, list[float]]]) -> float | None:
+    """The median over training instances (named "role:index") of their seconds per step."""
+    per_instance = []
+    for name in sorted(set(points) | set(timing)):
+        value = instance_step_seconds(points.get(name, []))
+        if value is None:
+            value = from_timing(timing.get(name, {}))
+        if value is not None:
+            per_instance.append(value)
+    return statistics.median(per_instance) if per_instance else None
+
+
+def job_step_seconds(store, job_id: str, roles: tuple[str, ...] = TRAINING_ROLES) -> float | None:
+    """step_seconds of a job, read from its stored metrics (two small queries)."""
+    marks = ",".join("?" * len(roles))
+    points: dict[str, list[tuple[float, float]]] = {}
+    for row in store.db.execute(
+            f"SELECT role, idx, step, MIN(ts) AS ts FROM metrics WHERE job_id = ? AND role IN ({marks}) "
+            f"AND step IS NOT NULL GROUP BY role, idx, step ORDER BY role, idx, MIN(ts)", (job_id, *roles)):
+        points.setdefault(f"{row[0]}:{row[1]}", []).append((row[2], row[3]))
+    timing: dict[str, dict[str, list[float]]] = {}
+    for row in store.db.execute(
+            f"SELECT role, idx, key, value FROM metrics WHERE job_id = ? AND role IN ({marks}) "
+            f"AND key IN ('duration', 'iter_per_s') ORDER BY rowid", (job_id, *roles)):
+        timing.setdefault(f"{row[0]}:{row[1]}", {}).setdefault(row[2], []).append(row[3])
+    return step_seconds(points, timing)

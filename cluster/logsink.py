@@ -32,18 +32,24 @@ def log_cap() -> int:
         return DEFAULT_CAP
 
 
+def open_private(path: Path):
+    """Open a log for appending, readable by its owner only (logs hold argv and
+    whatever the script prints)."""
+    return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab", buffering=0)
+
+
 class CappedFile:
     def __init__(self, path: Path, cap: int):
         self.path = path
         self.cap = cap
-        self.file = open(path, "ab", buffering=0)
+        self.file = open_private(path)
         self.size = self.file.tell()
 
     def write(self, data: bytes) -> None:
         if self.size + len(data) > self.cap and self.size:
             self.file.close()
             os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-            self.file = open(self.path, "ab", buffering=0)
+            self.file = open_private(self.path)
             self.size = 0
         self.file.write(data)
         self.size += len(data)
@@ -117,6 +123,17 @@ def _last_redraw(line: bytes) -> bytes:
     return line.rsplit(b"\r", 1)[-1]
 
 
+# The line an instance is still writing (no newline yet) is kept collapsed: of a
+# bar redrawn with \r only its current state. A line without any \r or newline
+# is cut into pieces of this size, so no output can grow the master's memory.
+MAX_PARTIAL = 1 << 20
+# A line still open after this long is shown live (job.live), rewritten at most
+# this often: a progress bar's latest state reaches the attached view, while the
+# usual line split over two reads never does.
+LIVE_DELAY = 0.3
+LIVE_INTERVAL = 0.25
+
+
 class InstanceLog:
     """One instance attempt's output: its file, its partial last line, its tail."""
 
@@ -124,8 +141,33 @@ class InstanceLog:
         self.path = path
         self.prefix = prefix.encode()
         self.file = CappedFile(path, cap)
-        self.partial = b""
+        # The open line: its current state, and whether a \r is pending (the next
+        # text redraws the line, unless it is the newline of a CRLF).
+        self.partial = bytearray()
+        self.cr = False
+        self.line_began: float | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+
+    def _extend(self, data: bytes) -> bytes:
+        """Add text without a newline to the open line; linear in len(data).
+        Returns a piece of an over-long line, cut off as a line of its own."""
+        if data and self.line_began is None:
+            self.line_began = time.monotonic()
+        body = data.rstrip(b"\r")
+        last = body.rfind(b"\r")
+        if last >= 0:
+            self.partial = bytearray(body[last + 1:])
+        elif body:
+            if self.cr:
+                self.partial = bytearray(body)
+            else:
+                self.partial += body
+        if data:
+            self.cr = data.endswith(b"\r") or (self.cr and not body)
+        if len(self.partial) > MAX_PARTIAL:
+            piece, self.partial = bytes(self.partial[:MAX_PARTIAL]) + b"\n", self.partial[MAX_PARTIAL:]
+            return piece
+        return b""
 
     def feed(self, data: bytes) -> bytes:
         """Write raw data; return the complete lines it finished, as one chunk
@@ -133,17 +175,26 @@ class InstanceLog:
         self.file.write(data)
         cut = data.rfind(b"\n")
         if cut < 0:
-            self.partial += data
-            return b""
-        complete, self.partial = self.partial + data[:cut + 1], data[cut + 1:]
+            return self._extend(data)
+        head = bytes(self.partial) + (b"\r" if self.cr else b"")
+        complete = head + data[:cut + 1]
+        self.partial, self.cr, self.line_began = bytearray(), False, None
         if b"\r" in complete:
             complete = b"".join(_last_redraw(line) + b"\n" for line in complete[:-1].split(b"\n"))
-        return complete
+        return complete + self._extend(data[cut + 1:])
+
+    def live(self, now: float) -> bytes | None:
+        """The open line's current state, once it has been open LIVE_DELAY."""
+        if self.partial and self.line_began is not None and now - self.line_began >= LIVE_DELAY:
+            return bytes(self.partial)
+        return None
 
     def flush(self) -> bytes:
         if not self.partial:
+            self.cr, self.line_began = False, None
             return b""
-        complete, self.partial = _last_redraw(self.partial) + b"\n", b""
+        complete = bytes(self.partial) + b"\n"
+        self.partial, self.cr, self.line_began = bytearray(), False, None
         return complete
 
     def close(self) -> None:
@@ -157,9 +208,18 @@ class JobLog:
         self.file = CappedFile(path, cap)
         self.parser = parser
         self.pending_metrics: list[tuple] = []
+        # job.live: the open line of every instance that has one (a progress bar),
+        # one `[worker:0] state` line each, most recently changed last. Replaced
+        # whole (rename), at most every LIVE_INTERVAL; the attached view shows it.
+        self.live_path = path.with_name(path.stem + ".live")
+        self.open_lines: dict[bytes, InstanceLog] = {}
+        self.live_shown: dict[bytes, bytes] = {}
+        self.live_written = 0.0
 
     def lines(self, job_id: str, role: str, idx: int, log: InstanceLog, chunk: bytes) -> None:
         """Record a chunk of complete lines (ending with a newline) of one instance."""
+        if log.partial:
+            self.open_lines[log.prefix] = log
         if not chunk:
             return
         prefix = log.prefix
@@ -183,12 +243,49 @@ class JobLog:
                     self.pending_metrics.append((job_id, role, idx, now, step, key, value))
 
     def take_metrics(self) -> list[tuple]:
+        """The metrics found since the last call. The master calls this once per
+        round of its loop, so it is also where the live lines are refreshed."""
+        self.refresh_live(time.monotonic())
         rows, self.pending_metrics = self.pending_metrics, []
         return rows
+
+    def refresh_live(self, now: float, force: bool = False) -> None:
+        if not force and now - self.live_written < LIVE_INTERVAL:
+            return
+        shown: dict[bytes, bytes] = {}
+        for prefix, log in list(self.open_lines.items()):
+            state = log.live(now)
+            if log.partial or log.line_began is not None:
+                if state is not None:
+                    shown[prefix] = state
+            else:
+                del self.open_lines[prefix]
+        if shown == self.live_shown:
+            return
+        # Unchanged lines first, the ones that moved last: the view shows the last.
+        order = sorted(shown, key=lambda k: (self.live_shown.get(k) != shown[k], k))
+        self.live_shown = shown
+        self.live_written = now
+        text = b"".join(prefix + shown[prefix] + b"\n" for prefix in order)
+        try:
+            if text:
+                tmp = self.live_path.with_name(self.live_path.name + ".tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.write(fd, text)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self.live_path)
+            elif self.live_path.exists():
+                os.unlink(self.live_path)
+        except OSError:
+            pass  # a full disk must not stop the job; the complete lines are what count
 
     def note(self, text: str) -> None:
         """A line from the launcher itself, in the same stream."""
         self.file.write(f"[pai] {text}\n".encode())
 
     def close(self) -> None:
+        self.open_lines.clear()
+        self.refresh_live(time.monotonic(), force=True)
         self.file.close()

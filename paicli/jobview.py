@@ -5,7 +5,9 @@ the JobMaster (which writes the log view) share it.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
         for row in store.metrics(job_id):
             name = f"{row['role']}:{row['idx']}"
             series.setdefault(name, {}).setdefault(row["key"], []).append([row["step"], row["value"]])
-    return {
+    out = {
         "id": job["id"], "name": job["name"], "framework": job["framework"], "project": job["project"],
         "task_name": job["task_name"], "status": job["status"], "reason": job["reason"],
         "created": job["created"], "started": job["started"], "ended": job["ended"],
@@ -53,6 +55,106 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
         "step_seconds": steptime.job_step_seconds(store, job_id),
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
+    out["idle"] = idle_instances(out)
+    out["exposed"] = exposed_instances(out)
+    return out
+
+
+# -- signs of trouble while a job runs --------------------------------------------
+
+IDLE_AFTER = 300.0  # seconds without a line before a running instance counts as idle
+
+
+def idle_after() -> float:
+    """$PAI_IDLE_SECONDS, or IDLE_AFTER."""
+    try:
+        value = float(os.environ.get("PAI_IDLE_SECONDS", IDLE_AFTER))
+    except ValueError:
+        return IDLE_AFTER
+    return value if value > 0 else IDLE_AFTER
+
+
+def idle_instances(status: dict, now: float | None = None) -> list[dict[str, Any]]:
+    """Running workers that printed nothing for idle_after() seconds, judged by
+    their log file's modification time (the master writes every byte there at
+    once), so no master is asked. A finished job has none."""
+    if JobStatus(status["status"]).is_terminal():
+        return []
+    now = time.time() if now is None else now
+    limit = idle_after()
+    # Services (a ps) are quiet by nature: only the instances that must finish count.
+    services = {t["name"] for t in status["tasks"] if not t["must_finish"]}
+    idle = []
+    for inst in status["instances"]:
+        if inst["status"] != InstanceStatus.RUNNING.value or inst["role"] in services:
+            continue
+        try:
+            quiet = now - os.stat(inst["log"]).st_mtime
+        except OSError:
+            continue
+        if quiet >= limit:
+            idle.append({"instance": f"{inst['role']}:{inst['index']}", "seconds": round(quiet, 1)})
+    return idle
+
+
+def _listening(path: str) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket in /proc/net/tcp or tcp6."""
+    found = []
+    try:
+        with open(path) as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) < 4 or fields[3] != "0A":  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((str(ipaddress.ip_address(raw)), int(port, 16)))
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "")
+
+
+def exposed_instances(status: dict) -> list[dict[str, Any]]:
+    """Running instances on this machine whose port is listened on at an address
+    other than loopback (TensorFlow's servers bind every interface): anyone who
+    can reach the machine can talk to them, and they check no credentials."""
+    if JobStatus(status["status"]).is_terminal():
+        return []
+    mine = {inst["port"]: f"{inst['role']}:{inst['index']}" for inst in status["instances"]
+            if inst["port"] and inst["status"] == InstanceStatus.RUNNING.value
+            and (inst["host"] or "") in LOCAL_HOSTS}
+    if not mine:
+        return []
+    exposed: dict[str, dict[str, Any]] = {}
+    for address, port in _listening("/proc/net/tcp") + _listening("/proc/net/tcp6"):
+        if port in mine and not is_loopback(address):
+            exposed.setdefault(mine[port], {"instance": mine[port], "port": port, "address": address})
+    return sorted(exposed.values(), key=lambda e: e["instance"])
+
+
+def notice_lines(status: dict) -> list[str]:
+    """Warnings `pai status` prints under the job's state."""
+    lines = []
+    if status.get("idle"):
+        names = ", ".join(f"{i['instance']} ({i['seconds'] / 60:.0f} min)" for i in status["idle"])
+        lines.append(f"Idle: no output from {names}; the job may be hung (`pai logs ID -i NAME`, `pai kill ID`)")
+    if status.get("exposed"):
+        names = ", ".join(f"{e['instance']} on {e['address']}:{e['port']}" for e in status["exposed"])
+        lines.append(f"Warning: reachable from other machines, without authentication: {names}")
+    return lines
 
 
 def instance_log_path(job_dir: Path, role: str, idx: int, attempt: int) -> str:

@@ -25,6 +25,7 @@ PREFIX = re.compile(rb"^\[([A-Za-z0-9_]+:\d+)\] ", re.M)
 NOTE = re.compile(rb"^\[pai\] .*$", re.M)
 STATUS_POLL = 0.25
 IDLE_SLEEP = 0.005  # where inotify is missing: how soon a new line is seen
+IDLE_CHECK = 5.0  # how often the attached view looks for workers gone quiet
 
 
 def use_colour(stream: IO) -> bool:
@@ -132,6 +133,70 @@ class DirectoryWatch:
             self.fd = -1
 
 
+class LiveLine:
+    """The bottom line of a terminal: the latest state of a line an instance is
+    still redrawing (a progress bar), from the master's `job.live` (one line per
+    instance with an open line, the most recently changed last). Whole lines are
+    written above it; it is cleared before they are and drawn again after."""
+
+    def __init__(self, path: Path, out: IO[bytes], colour: bool):
+        self.path = path
+        self.out = out
+        self.colour = colour
+        self.stamp: tuple | None = None
+        self.text = b""  # what the file says
+        self.shown = b""  # what is on the screen now
+
+    def _width(self) -> int:
+        try:
+            columns = os.get_terminal_size(self.out.fileno()).columns
+        except (OSError, AttributeError, ValueError):
+            columns = 0
+        return max(20, columns - 1) if columns else 79  # a terminal of unknown size says 0
+
+    def poll(self) -> None:
+        """Read job.live if it changed and show its last line."""
+        try:
+            st = os.stat(self.path)
+            stamp: tuple | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp == self.stamp:
+            return
+        self.stamp = stamp
+        text = b""
+        if stamp is not None:
+            try:
+                lines = self.path.read_bytes().splitlines()
+            except OSError:
+                lines = []
+            text = lines[-1] if lines else b""
+        # Cut to the terminal's width (a wrapped line cannot be redrawn in place).
+        self.text = text.decode("utf-8", "replace")[:self._width()].encode()
+        self.draw()
+
+    def hide(self) -> None:
+        if self.shown:
+            self.out.write(b"\r\x1b[K")
+            self.shown = b""
+
+    def draw(self) -> None:
+        if self.text == self.shown:
+            return
+        self.out.write(b"\r\x1b[K" + (colourise(self.text) if self.colour else self.text))
+        self.shown = self.text
+        self.out.flush()
+
+
+def idle_note(status: dict) -> str | None:
+    """A line for the attached view when running workers have gone quiet."""
+    if not status["idle"]:
+        return None
+    names = ", ".join(i["instance"] for i in status["idle"])
+    quiet = min(i["seconds"] for i in status["idle"])
+    return f"[pai] no output from {names} for {quiet / 60:.0f} min while the job runs: it may be hung"
+
+
 def progress_line(task_name: str, instances: list) -> tuple[tuple[int, int, int], str]:
     total = len(instances)
     running = sum(i["status"] == InstanceStatus.RUNNING.value for i in instances)
@@ -151,8 +216,11 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
     from paicli import client
 
     job = store.job(job_id)
-    follower = FileFollower(Path(job["job_dir"]) / "job.log", "end" if from_end else 0)
-    state = {"counts": None, "next_check": 0.0, "partial": b"", "watch": DirectoryWatch(Path(job["job_dir"]))}
+    job_dir = Path(job["job_dir"])
+    follower = FileFollower(job_dir / "job.log", "end" if from_end else 0)
+    live = LiveLine(job_dir / "job.live", out, colour) if hasattr(out, "isatty") and out.isatty() else None
+    state = {"counts": None, "next_check": 0.0, "partial": b"", "watch": DirectoryWatch(job_dir),
+             "live": live, "idle_check": time.monotonic() + IDLE_CHECK, "idle": None}
     interrupted = False
     try:
         while True:
@@ -165,9 +233,21 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
                 interrupted = True
                 on_interrupt()
     finally:
+        if live is not None:
+            live.hide()
+            out.flush()
         follower.close()
         state["watch"].close()
     return client.status(store, job_id)
+
+
+def _write(out: IO[bytes], state: dict, data: bytes) -> None:
+    """Whole lines above the live line."""
+    live = state.get("live")
+    if live is not None:
+        live.hide()
+    out.write(data)
+    out.flush()
 
 
 def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[bytes], progress: bool,
@@ -184,10 +264,12 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
         cut = data.rfind(b"\n") + 1
         state["partial"] = data[cut:]
         if cut:
-            out.write(colourise(data[:cut]) if colour else data[:cut])
-            out.flush()
+            _write(out, state, colourise(data[:cut]) if colour else data[:cut])
             if b"[pai] job " in data[:cut]:
                 state["next_check"] = 0.0  # the master's verdict: look at the job now
+        if state["live"] is not None:
+            state["live"].stamp = None  # hidden by these lines: draw it again
+            state["live"].poll()
         return False
     now = time.monotonic()
     if now >= state["next_check"]:
@@ -197,13 +279,24 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
             counts, line = progress_line(job["task_name"] or "Task", store.instances(job_id))
             if counts != state["counts"]:
                 state["counts"] = counts
-                out.write((line + "\n").encode())
-                out.flush()
+                _write(out, state, (line + "\n").encode())
+        if now >= state["idle_check"] and not JobStatus(job["status"]).is_terminal():
+            state["idle_check"] = now + IDLE_CHECK
+            from paicli import jobview
+
+            note = idle_note(jobview.build_status(store, job_id))
+            # Said once when workers go quiet, again if the set of quiet ones changes.
+            names = note.split(" for ")[0] if note else None
+            if note and names != state["idle"]:
+                _write(out, state, ((colourise(note.encode()) if colour else note.encode()) + b"\n"))
+            state["idle"] = names
         if client.job_over(job):
             # One more read after the end, so no last line is lost.
             rest = state["partial"]
             while data := follower.read():
                 rest += data
+            if state["live"] is not None:
+                state["live"].hide()
             if rest:
                 rest += b"" if rest.endswith(b"\n") else b"\n"
                 out.write(colourise(rest) if colour else rest)
@@ -211,6 +304,10 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
             return True
         if JobStatus(job["status"]).is_terminal():
             state["next_check"] = now + IDLE_SLEEP  # the master is writing its last lines; look again soon
+    if state["live"] is not None:
+        state["live"].poll()
+        if state["live"].shown:
+            out.flush()
     state["watch"].wait(state["next_check"] - time.monotonic())
     return False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,29 @@ PAI = [sys.executable, "-m", "paicli"]
 # Jobs in tests print the summary file as their `Log view:` instead of starting a
 # logview server per test home; tests/test_logview.py turns the server on itself.
 os.environ.setdefault("PAI_LOGVIEW", "file")
+
+# Signals a shell may have set to "ignore" for us (nohup, a background job in a
+# script: `trap '' INT HUP`). An ignored signal stays ignored across exec, so
+# every `pai` and instance a test starts would inherit it. A Python handler does
+# not survive exec: installing a no-op one here keeps this process as deaf as it
+# was asked to be, while every child a test starts (subprocess, pty.fork + exec)
+# begins with the default disposition, as it would from a fresh terminal.
+CHILD_DEFAULT_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT)
+
+
+def _ignore(signum, frame) -> None:
+    pass
+
+
+for _signum in CHILD_DEFAULT_SIGNALS:
+    if signal.getsignal(_signum) == signal.SIG_IGN:
+        signal.signal(_signum, _ignore)
+
+
+def default_signals() -> None:
+    """For a forked child before it execs: every signal back to its default."""
+    for signum in CHILD_DEFAULT_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
 
 
 @pytest.fixture

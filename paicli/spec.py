@@ -96,6 +96,10 @@ CORE_PARAMS: tuple[Param, ...] = (
                "instance back, the whole job) is restarted after a retryable exit."),
     Param("timeout", "duration",
           help="Cancel the job after this long (seconds, or 90s/30m/2h); reason 'timeout'."),
+    Param("autoStrategy", "choice", default="false", choices=("true", "false"),
+          help="true: Pluto plans the job (ps and worker counts, partitioning, compression, "
+               "averaging period) from a short calibration run, as `pai plan` would, and submits "
+               "its recommendation; the plan and its forecast go into plan.json."),
 )
 
 

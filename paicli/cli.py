@@ -375,11 +375,18 @@ def runtime():
 
 @runtime.command("install")
 @click.argument("name")
-def runtime_install(name):
+@click.option("--node", help="Provision it on this node of the nodes file instead (over SSH).")
+def runtime_install(name, node):
     """Provision a framework's runtime now (jobs also do it on first use)."""
     from paicli.runners.runtimes import RuntimeError_
 
     rt = _runtime(name)
+    if node:
+        from paicli.cli_nodes import install_on_node
+
+        path = install_on_node(name, node, _runtime_progress())
+        click.echo(f"{name}: ready on {node} at {path} ({rt.version})")
+        return
     try:
         rt.ensure(_runtime_progress())
     except RuntimeError_ as err:

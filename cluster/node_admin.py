@@ -1,0 +1,149 @@
+"""What `pai nodes` and `pai runtime install --node` do: probe every node of the
+nodes file, trust a node's host key, provision a framework runtime on a node.
+
+Library functions; paicli/cli_nodes.py only parses and renders.
+"""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from paicli.cluster import ssh_transport as ssh
+from paicli.cluster.nodes import NodeEntry, NodesConfig
+from paicli.errors import PaiError, UsageError
+
+RUNNERS = Path(__file__).resolve().parent.parent / "runners"
+
+UP, UNREACHABLE, KEY_UNKNOWN, KEY_CHANGED, AUTH_FAILED = (
+    "up", "unreachable", "host key unknown", "host key changed", "auth failed")
+
+
+def probe_node(config: NodesConfig, node: NodeEntry) -> dict:
+    row = {"name": node.name, "host": node.host, "port": node.port, "user": node.user,
+           "state": UP, "error": None, "cores": None, "cpu": node.cpu, "memory": node.memory,
+           "gpus": None, "python": None, "runtime_dir": node.runtime_dir, "runtimes": {}, "instances": []}
+    try:
+        client = ssh.connect(node, config.known_hosts)
+    except ssh.HostKeyError as err:
+        row["state"] = KEY_CHANGED if "CHANGED" in str(err) else KEY_UNKNOWN
+        row["error"] = str(err)
+        return row
+    except ssh.NodeAuthError as err:
+        row["state"], row["error"] = AUTH_FAILED, str(err)
+        return row
+    except PaiError as err:
+        row["state"], row["error"] = UNREACHABLE, str(err)
+        return row
+    try:
+        info = ssh.run_agent(client, node, "info", node.runtime_dir or "", timeout=30)
+    except PaiError as err:
+        row["state"], row["error"] = UNREACHABLE, str(err)
+        return row
+    finally:
+        client.close()
+    row.update({
+        "cores": info["cores"],
+        "cpu": node.cpu if node.cpu is not None else info["cores"] * 100,
+        "memory": node.memory if node.memory is not None else info["memory"],
+        "gpus": info["gpus"] if node.gpu is None else [str(i) for i in range(node.gpu)],
+        "python": info["python"], "python_path": info["python_path"],
+        "runtime_dir": info["runtime_dir"], "runtimes": info["runtimes"],
+        "instances": info["instances"], "boot": info["boot"],
+    })
+    return row
+
+
+def probe_nodes(config: NodesConfig) -> list[dict]:
+    """Every node's state and resources, probed in parallel."""
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(config.nodes)))) as pool:
+        return list(pool.map(lambda n: probe_node(config, n), config.nodes))
+
+
+def trust_node(config: NodesConfig, name: str, confirm: Callable[[str, str | None], bool]) -> tuple[str, str]:
+    """Fetch the node's host key, let `confirm(fingerprint, known_fingerprint)` decide,
+    record it in known_hosts. Returns (fingerprint, "recorded" | "known" | "declined")."""
+    node = config.node(name)
+    key = ssh.scan_host_key(node)
+    fp = ssh.fingerprint(key)
+    old = ssh.known_key(node, config.known_hosts)
+    old_fp = ssh.fingerprint(old) if old is not None else None
+    if old_fp == fp:
+        return fp, "known"
+    if not confirm(fp, old_fp):
+        return fp, "declined"
+    ssh.record_host_key(node, config.known_hosts, key)
+    return fp, "recorded"
+
+
+def provision_runtime(config: NodesConfig, node_name: str, runtime: str,
+                      progress: Callable[[str], None]) -> str:
+    """Provision `runtime` on the node (in its runtime_dir, default its
+    ~/.cache/paicli/runtimes) the way `pai runtime install` does here: the runtime
+    code is copied to the node and run with the node's python3. Returns the path."""
+    from paicli.runners.runtimes import RUNTIMES
+
+    if runtime not in RUNTIMES:
+        raise UsageError(f"no runtime named {runtime!r}", f"known: {', '.join(RUNTIMES)}")
+    node = config.node(node_name)
+    client = ssh.connect(node, config.known_hosts)
+    try:
+        return _provision(client, node, runtime, progress)
+    finally:
+        client.close()
+
+
+def _provision(client, node: NodeEntry, runtime: str, progress: Callable[[str], None]) -> str:
+    info = ssh.run_agent(client, node, "info", node.runtime_dir or "", timeout=30)
+    if runtime in info["runtimes"]:
+        from paicli.runners.runtimes import get_runtime
+
+        if info["runtimes"][runtime] == get_runtime(runtime).version:
+            progress(f"{node.name}: {runtime} runtime already in {info['runtime_dir']}")
+            return f"{info['runtime_dir']}/{runtime}"
+    folder = f"{node.job_root}/provision"
+    sftp = ssh.Sftp(client)
+    try:
+        sftp.makedirs(f"{folder}/paicli/runners")
+        for rel in ("paicli/__init__.py", "paicli/runners/__init__.py"):
+            with sftp.sftp.open(f"{folder}/{rel}", "w") as f:
+                f.write(b"")
+        for name in ("runtimes.py", "caffe_rootfs.py"):
+            sftp.put(str(RUNNERS / name), f"{folder}/paicli/runners/{name}")
+    finally:
+        sftp.close()
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from paicli.runners.runtimes import get_runtime; "
+            "rt = get_runtime(sys.argv[2]); rt.ensure(lambda line: print(line, flush=True)); print(rt.path)")
+    argv = ["env", f"PAI_RUNTIME_DIR={info['runtime_dir']}", info["python_path"], "-u", "-c", code,
+            folder, runtime]
+    chan = client.get_transport().open_session()
+    chan.set_combine_stderr(True)
+    chan.exec_command(ssh.quote_argv(argv))
+    chan.shutdown_write()
+    tail: list[str] = []
+    buf = b""
+    try:
+        while True:
+            data = chan.recv(65536)
+            if not data:
+                break
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace").rstrip()
+                if line:
+                    tail = (tail + [line])[-5:]
+                    progress(f"{node.name}: {line}")
+        status = chan.recv_exit_status()
+    except socket.timeout:
+        raise ssh.NodeUnreachable(f"node {node.name}: provisioning {runtime} stopped answering") from None
+    finally:
+        chan.close()
+    if status != 0:
+        raise PaiError(f"node {node.name}: provisioning the {runtime} runtime failed (exit {status}): "
+                       + " | ".join(tail[-2:]), "see the lines above; fix the node or set runtime_dir")
+    return tail[-1] if tail else f"{info['runtime_dir']}/{runtime}"
+

@@ -1,0 +1,309 @@
+"""SSH to the nodes of a nodes file, with paramiko (imported here only, lazily).
+
+- Host keys are checked against the nodes file's known_hosts (RejectPolicy): an
+  unknown or changed key is refused with one line naming the node and saying
+  `pai nodes trust NAME`; `trust_node` shows the fingerprint and records the key.
+- Commands are argv lists; what crosses SSH as a string is shlex.quote'd.
+- Nothing secret is logged: key files are named, never read into a message.
+
+The node agent (runners/node_agent.py) does the work on the node: `run_agent`
+runs one of its subcommands by piping its source to the node's python3 (nothing
+needs to be on the node first); instances run from the per-job copy.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shlex
+import socket
+import stat
+import threading
+from pathlib import Path
+
+from paicli.cluster.nodes import NodeEntry
+from paicli.errors import PaiError, UsageError
+
+CONNECT_TIMEOUT = 8.0
+# Source tree (cluster/ next to runners/) and installed package (paicli/cluster next to
+# paicli/runners) alike.
+AGENT_SOURCE = Path(__file__).resolve().parent.parent / "runners" / "node_agent.py"
+
+
+class NodeUnreachable(PaiError):
+    """The node does not answer (network, sshd down). Retryable elsewhere."""
+
+
+class HostKeyError(UsageError):
+    """The node's host key is unknown or has changed: refused, exit 2."""
+
+
+class NodeAuthError(UsageError):
+    """The node refused our user/key: exit 2."""
+
+
+def quote_argv(argv: list[str]) -> str:
+    """The one way an argv becomes the command string the remote shell parses."""
+    return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+def fingerprint(key) -> str:
+    """OpenSSH's SHA256 fingerprint of a paramiko key."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def host_key_name(node: NodeEntry) -> str:
+    return node.host if node.port == 22 else f"[{node.host}]:{node.port}"
+
+
+def _paramiko():
+    import paramiko
+    return paramiko
+
+
+def connect(node: NodeEntry, known_hosts: str, timeout: float = CONNECT_TIMEOUT):
+    """An authenticated paramiko SSHClient, or one of the errors above."""
+    paramiko = _paramiko()
+    client = paramiko.SSHClient()
+    if os.path.exists(known_hosts):
+        try:
+            client.load_host_keys(known_hosts)
+        except (OSError, paramiko.SSHException, ValueError) as err:
+            raise UsageError(f"known_hosts file {known_hosts}: cannot read it ({err.__class__.__name__})",
+                             "fix or remove the bad line") from None
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    where = f"node {node.name} ({node.user}@{node.host}:{node.port})"
+    try:
+        client.connect(node.host, port=node.port, username=node.user, key_filename=node.key,
+                       look_for_keys=node.key is None, allow_agent=node.key is None,
+                       timeout=timeout, banner_timeout=timeout, auth_timeout=timeout)
+    except paramiko.BadHostKeyException as err:
+        client.close()
+        raise HostKeyError(f"{where}: host key CHANGED (now {fingerprint(err.key)}; {known_hosts} "
+                           "records another); refused",
+                           f"if the node was reinstalled, check the key and run: pai nodes trust {node.name}") from None
+    except paramiko.AuthenticationException:
+        client.close()
+        key = f"key {node.key}" if node.key else "the agent's and ~/.ssh's keys"
+        raise NodeAuthError(f"{where}: authentication failed: user {node.user!r} with {key} was refused",
+                            "check `user:` and `key:` for this node in the nodes file") from None
+    except FileNotFoundError:
+        client.close()
+        raise UsageError(f"{where}: key file {node.key} does not exist",
+                         "fix `key:` for this node in the nodes file") from None
+    except paramiko.SSHException as err:
+        client.close()
+        text = str(err)
+        if "not found in known_hosts" in text:
+            raise HostKeyError(f"{where}: host key unknown (not in {known_hosts}); refused",
+                               f"check it and run: pai nodes trust {node.name}") from None
+        if "private key" in text.lower() or "key" in text.lower() and "invalid" in text.lower():
+            raise NodeAuthError(f"{where}: cannot use key {node.key}: {text}",
+                                "fix `key:` for this node in the nodes file") from None
+        raise NodeUnreachable(f"{where}: SSH failed: {text}", "check that sshd runs there") from None
+    except (OSError, EOFError) as err:
+        client.close()
+        reason = "timed out" if isinstance(err, (socket.timeout, TimeoutError)) else \
+            (getattr(err, "strerror", None) or err.__class__.__name__)
+        raise NodeUnreachable(f"{where}: unreachable ({reason})",
+                              "check the address, the network and that sshd runs there") from None
+    transport = client.get_transport()
+    if transport is not None:
+        transport.set_keepalive(5)
+    return client
+
+
+def scan_host_key(node: NodeEntry, timeout: float = CONNECT_TIMEOUT):
+    """The key the node's sshd presents (no authentication)."""
+    paramiko = _paramiko()
+    try:
+        sock = socket.create_connection((node.host, node.port), timeout=timeout)
+    except OSError as err:
+        raise NodeUnreachable(f"node {node.name} ({node.host}:{node.port}): unreachable "
+                              f"({getattr(err, 'strerror', None) or err.__class__.__name__})",
+                              "check the address and that sshd runs there") from None
+    transport = paramiko.Transport(sock)
+    try:
+        transport.start_client(timeout=timeout)
+        return transport.get_remote_server_key()
+    except (paramiko.SSHException, OSError, EOFError) as err:
+        raise NodeUnreachable(f"node {node.name}: SSH handshake failed: {err}") from None
+    finally:
+        transport.close()
+
+
+def known_key(node: NodeEntry, known_hosts: str):
+    """The key known_hosts records for the node, or None."""
+    paramiko = _paramiko()
+    if not os.path.exists(known_hosts):
+        return None
+    keys = paramiko.HostKeys(known_hosts)
+    entry = keys.lookup(host_key_name(node))
+    if not entry:
+        return None
+    return next(iter(entry.values()), None)
+
+
+def record_host_key(node: NodeEntry, known_hosts: str, key) -> None:
+    """Replace the node's entries in known_hosts with `key` (0600 file, 0700 dir)."""
+    name = host_key_name(node)
+    path = Path(known_hosts)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lines = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            hosts = line.split(" ", 1)[0].split(",") if line and not line.startswith("#") else []
+            if name in hosts:
+                continue
+            lines.append(line)
+    lines.append(f"{name} {key.get_name()} {key.get_base64()}")
+    tmp = path.with_name(f".{path.name}.paicli-tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+def exec_command(client, argv: list[str], stdin: bytes | None = None, timeout: float = 60.0,
+                 env_note: str = "") -> tuple[int, bytes, bytes]:
+    """Run argv on the node; (exit status, stdout, stderr)."""
+    del env_note
+    transport = client.get_transport()
+    chan = transport.open_session(timeout=timeout)
+    chan.settimeout(timeout)
+    try:
+        chan.exec_command(quote_argv(argv))
+        if stdin:
+            chan.sendall(stdin)
+        chan.shutdown_write()
+        out, err = bytearray(), bytearray()
+        while True:
+            data = chan.recv(65536)
+            if not data:
+                break
+            out += data
+        while True:
+            data = chan.recv_stderr(65536)
+            if not data:
+                break
+            err += data
+        return chan.recv_exit_status(), bytes(out), bytes(err)
+    except socket.timeout:
+        raise NodeUnreachable(f"command on the node timed out after {timeout:.0f}s") from None
+    finally:
+        chan.close()
+
+
+def agent_argv(python: str, command: str, *args: str) -> list[str]:
+    """The agent run from its source, passed with -c (nothing staged first)."""
+    return [python, "-c", AGENT_SOURCE.read_text(), command, *args]
+
+
+def run_agent(client, node: NodeEntry, command: str, *args: str, timeout: float = 60.0):
+    status, out, err = exec_command(client, agent_argv(node.python, command, *args), timeout=timeout)
+    if status != 0:
+        tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {status}"]
+        if status == 127:
+            raise NodeUnreachable(f"node {node.name}: {node.python} not found there",
+                                  "install python3 on the node or set `python:` in the nodes file")
+        raise NodeUnreachable(f"node {node.name}: the paicli agent failed: {tail[0]}")
+    return json.loads(out)
+
+
+class Sftp:
+    """Per-job folders on a node: 0700 dirs, files keep their mode's x bit (else 0600)."""
+
+    def __init__(self, client):
+        self.sftp = client.open_sftp()
+
+    def close(self) -> None:
+        self.sftp.close()
+
+    def makedirs(self, path: str) -> None:
+        parts = [p for p in path.split("/") if p]
+        current = ""
+        for part in parts:
+            current += "/" + part
+            try:
+                self.sftp.stat(current)
+            except FileNotFoundError:
+                self.sftp.mkdir(current, mode=0o700)
+                self.sftp.chmod(current, 0o700)
+
+    def put(self, local: str, remote: str) -> None:
+        self.sftp.put(local, remote)
+        mode = os.stat(local).st_mode
+        self.sftp.chmod(remote, 0o700 if mode & stat.S_IXUSR else 0o600)
+
+    def put_tree(self, local: str, remote: str) -> None:
+        self.makedirs(remote)
+        for dirpath, dirnames, filenames in os.walk(local):
+            rel = os.path.relpath(dirpath, local)
+            target = remote if rel == "." else f"{remote}/{rel}"
+            for d in dirnames:
+                if os.path.islink(os.path.join(dirpath, d)):
+                    continue
+                try:
+                    self.sftp.mkdir(f"{target}/{d}", mode=0o700)
+                except OSError:
+                    pass
+            for f in filenames:
+                src = os.path.join(dirpath, f)
+                if os.path.islink(src) or not os.path.isfile(src):
+                    continue
+                self.put(src, f"{target}/{f}")
+
+    def rmtree(self, remote: str) -> None:
+        try:
+            entries = self.sftp.listdir_attr(remote)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            path = f"{remote}/{entry.filename}"
+            if stat.S_ISDIR(entry.st_mode):
+                self.rmtree(path)
+            else:
+                self.sftp.remove(path)
+        self.sftp.rmdir(remote)
+
+
+class Connections:
+    """One SSH connection per node, opened on first use, shared by threads."""
+
+    def __init__(self, known_hosts: str):
+        self.known_hosts = known_hosts
+        self._clients: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def get(self, node: NodeEntry):
+        with self._lock:
+            client = self._clients.get(node.name)
+            if client is not None:
+                transport = client.get_transport()
+                if transport is not None and transport.is_active():
+                    return client
+                client.close()
+                del self._clients[node.name]
+        client = connect(node, self.known_hosts)
+        with self._lock:
+            old = self._clients.get(node.name)
+            if old is not None:
+                client.close()
+                return old
+            self._clients[node.name] = client
+        return client
+
+    def drop(self, node: NodeEntry) -> None:
+        with self._lock:
+            client = self._clients.pop(node.name, None)
+        if client is not None:
+            client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()

@@ -1,0 +1,374 @@
+"""The paicli node agent: runs on a node with the node's own python3, over SSH.
+
+Standard library only; imports nothing of paicli (the node has no paicli).
+
+    python3 node_agent.py run LABEL        start one instance; the spec comes on stdin
+    python3 node_agent.py info [RUNTIME_DIR]   cores, memory, GPUs, Python, runtimes, instances
+    python3 node_agent.py stop PID PGID START BOOT TIMEOUT   identity-checked stop of a group
+    python3 node_agent.py ports HOST COUNT [TAKEN,...]       free ports on this node
+
+`run` reads one JSON line from stdin: {"argv": [...], "env": {...}, "cwd": "...",
+"heartbeat": seconds}. It starts the instance in a session (process group) of its
+own with default signal dispositions, then writes frames to stdout, each
+    1 byte type, 4 bytes big-endian length, payload:
+    I  identity JSON {pid, pgid, start, boot}     (first)
+    O  output bytes (stdout and stderr, merged)
+    H  heartbeat (empty)                           (every second)
+    X  exit JSON {status}   status < 0: killed by that signal  (last)
+From stdin it takes single bytes: h heartbeat, t SIGTERM the group, k SIGKILL it.
+When stdin ends (the SSH channel closed: a dead master, a killed `pai`, a dropped
+connection) or no byte came for `heartbeat` seconds (a dropped link), the whole
+group is stopped (SIGTERM, a short wait, SIGKILL) and the agent exits: no process
+is left on the node. When the instance's main process ends, whatever else is left
+in its group is stopped the same way.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+MAX_BUFFERED = 256 * 1024
+GRACE = 1.5
+
+
+def boot_id() -> str:
+    try:
+        with open(BOOT_ID_FILE) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def proc_stat(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields[0].decode(), int(fields[2]), fields[19].decode()   # state, pgid, start ticks
+
+
+def group_members(pgid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = proc_stat(name)
+            if stat and stat[1] == pgid and stat[0] != "Z":
+                found.append(int(name))
+    return found
+
+
+def stop_group(pgid: int, grace: float, reap=None) -> bool:
+    """SIGTERM the group, wait up to `grace` s for it to go, then SIGKILL.
+    `reap` collects our own child so that it does not linger as a zombie.
+    True when something was signalled."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return False
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if reap:
+            reap()
+        if not group_members(pgid):
+            return True
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and group_members(pgid):
+        if reap:
+            reap()
+        time.sleep(0.02)
+    return True
+
+
+def _default_signals():
+    # Instances start with default dispositions whatever the agent inherited.
+    for name in ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT", "SIGPIPE", "SIGUSR1", "SIGUSR2"):
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+class Channel:
+    """Framed, non-blocking writes to stdout with a bounded buffer."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.buf = bytearray()
+        self.closed = False
+        os.set_blocking(fd, False)
+
+    def frame(self, kind: bytes, payload: bytes = b"") -> None:
+        self.buf += kind + struct.pack(">I", len(payload)) + payload
+
+    def flush(self) -> None:
+        while self.buf and not self.closed:
+            try:
+                sent = os.write(self.fd, self.buf[:65536])
+            except BlockingIOError:
+                return
+            except OSError:
+                self.closed = True   # EPIPE: the channel is gone
+                return
+            del self.buf[:sent]
+
+    def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.buf and not self.closed and time.monotonic() < deadline:
+            select.select([], [self.fd], [], max(0.0, deadline - time.monotonic()))
+            self.flush()
+
+
+def cmd_run(label: str) -> int:
+    del label  # only there so that `ps` and `info` can tell which instance this is
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    line = sys.stdin.buffer.readline()
+    spec = json.loads(line)
+    heartbeat = float(spec.get("heartbeat") or 0)
+    env = dict(os.environ)
+    env.update(spec.get("env") or {})
+    out = Channel(sys.stdout.fileno())
+    stdin_fd = sys.stdin.fileno()
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.Popen(spec["argv"], cwd=spec.get("cwd") or None, env=env,
+                                stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
+                                start_new_session=True, close_fds=True, preexec_fn=_default_signals)
+    except OSError as err:
+        os.close(write_fd)
+        out.frame(b"O", f"paicli node agent: cannot start {spec['argv'][0]}: {err.strerror}\n".encode())
+        out.frame(b"X", json.dumps({"status": 127}).encode())
+        out.drain(5)
+        return 0
+    os.close(write_fd)
+    os.set_blocking(read_fd, False)
+    stat = proc_stat(proc.pid)
+    out.frame(b"I", json.dumps({"pid": proc.pid, "pgid": proc.pid, "start": stat[2] if stat else "",
+                                "boot": boot_id()}).encode())
+    pgid = proc.pid
+    state = {"stopping": None}
+
+    def on_signal(signum, frame):
+        state["stopping"] = signum
+
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, on_signal)
+
+    last_in = time.monotonic()
+    last_beat = 0.0
+    output_open = True
+    status = None
+    while True:
+        if state["stopping"] is not None:
+            stop_group(pgid, GRACE, proc.poll)
+            return 1
+        now = time.monotonic()
+        if now - last_beat >= 1.0:
+            out.frame(b"H")
+            last_beat = now
+        out.flush()
+        if out.closed:
+            stop_group(pgid, GRACE, proc.poll)
+            return 1
+        if heartbeat and now - last_in > heartbeat:
+            stop_group(pgid, GRACE, proc.poll)   # the master stopped answering: a dropped link
+            return 1
+        readers = [stdin_fd]
+        if output_open and len(out.buf) < MAX_BUFFERED:
+            readers.append(read_fd)
+        writers = [out.fd] if out.buf else []
+        try:
+            ready_r, _, _ = select.select(readers, writers, [], 0.2 if status is None else 0.05)
+        except InterruptedError:
+            continue
+        if stdin_fd in ready_r:
+            try:
+                data = os.read(stdin_fd, 1024)
+            except OSError:
+                data = b""
+            if not data:
+                stop_group(pgid, GRACE, proc.poll)   # the channel closed
+                return 1
+            last_in = time.monotonic()
+            if b"k" in data:
+                _killpg(pgid, signal.SIGKILL)
+            elif b"t" in data:
+                _killpg(pgid, signal.SIGTERM)
+        if read_fd in ready_r:
+            try:
+                chunk = os.read(read_fd, 65536)
+            except BlockingIOError:
+                chunk = None
+            except OSError:
+                chunk = b""
+            if chunk:
+                out.frame(b"O", chunk)
+            elif chunk == b"":
+                output_open = False
+        if status is None:
+            status = proc.poll()
+        if status is not None:
+            # The main process ended: take what is left in the pipe, stop the rest of
+            # its group (nothing outlives an instance), then report the exit.
+            if group_members(pgid):
+                stop_group(pgid, GRACE, None)
+            while output_open:
+                try:
+                    chunk = os.read(read_fd, 65536)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    output_open = False
+                    break
+                out.frame(b"O", chunk)
+            out.frame(b"X", json.dumps({"status": status}).encode())
+            out.drain(10)
+            return 0
+
+
+def _killpg(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def cmd_stop(pid: str, pgid: str, start: str, boot: str, timeout: str) -> int:
+    """Stop the group only if `pid` is still the process we started (same start
+    time, same boot); prints {"result": "stopped" | "gone"}."""
+    stat = proc_stat(int(pid))
+    same = stat is not None and stat[0] != "Z" and stat[2] == start and (not boot or boot == boot_id())
+    if same and int(pgid) == stat[1]:
+        stop_group(int(pgid), float(timeout))
+        result = "stopped"
+    else:
+        result = "gone"
+    print(json.dumps({"result": result}))
+    return 0
+
+
+def runtimes_in(root: str) -> dict:
+    found = {}
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return found
+    for name in names:
+        marker = os.path.join(root, name, "paicli-runtime.json")
+        try:
+            with open(marker) as f:
+                found[name] = json.load(f).get("version", "")
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def gpus() -> list[str]:
+    for path in ("/usr/bin/nvidia-smi", "/usr/local/bin/nvidia-smi"):
+        if os.path.exists(path):
+            try:
+                out = subprocess.run([path, "--query-gpu=index", "--format=csv,noheader"],
+                                     capture_output=True, text=True, timeout=10).stdout
+                return [line.strip() for line in out.splitlines() if line.strip()]
+            except (OSError, subprocess.SubprocessError):
+                return []
+    return sorted(name[len("nvidia"):] for name in _listdir("/dev") if name[6:].isdigit() and name.startswith("nvidia"))
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def instances() -> list[str]:
+    """Labels (JOB/role:index) of the paicli instances this agent runs here."""
+    found = []
+    me = os.path.basename(__file__) if "__file__" in globals() else "node_agent.py"
+    for name in _listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) >= 4 and argv[1].endswith(me.encode()) and argv[2] == b"run":
+            found.append(argv[3].decode(errors="replace"))
+    return sorted(found)
+
+
+def cmd_info(runtime_dir: str = "") -> int:
+    mem_total = mem_avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_total = int(line.split()[1]) // 1024
+                elif line.startswith("MemAvailable:"):
+                    mem_avail = int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    root = os.path.expanduser(runtime_dir or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "paicli", "runtimes"))
+    print(json.dumps({
+        "cores": cores, "memory": mem_total, "memory_available": mem_avail, "gpus": gpus(),
+        "python": "%d.%d.%d" % sys.version_info[:3], "python_path": sys.executable,
+        "runtime_dir": root, "runtimes": runtimes_in(root), "instances": instances(),
+        "boot": boot_id(), "hostname": socket.gethostname(),
+    }))
+    return 0
+
+
+def cmd_ports(host: str, count: str, taken: str = "") -> int:
+    avoid = {int(p) for p in taken.split(",") if p.strip().isdigit()}
+    socks, ports = [], []
+    try:
+        while len(ports) < int(count) and len(socks) < int(count) + 200:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            sock.bind((host, 0))
+            socks.append(sock)
+            port = sock.getsockname()[1]
+            if port not in avoid and port not in ports:
+                ports.append(port)
+    finally:
+        for sock in socks:
+            sock.close()
+    print(json.dumps(ports))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "stop": cmd_stop, "info": cmd_info, "ports": cmd_ports}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: node_agent.py {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        return 2
+    return COMMANDS[argv[0]](*argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -50,6 +50,13 @@ class Param:
         return snake_case(self.name)
 
 
+# Upper bounds of a role's resources: a typo such as 1000000 workers is an input
+# error, not an attempt to start a million processes. Instances per job: every one
+# is a process (and a port) on this machine.
+MAX_INSTANCES = 512
+LIMITS = {"count": MAX_INSTANCES, "cpu": 100 * 1024, "memory": 16 * 1024 * 1024, "gpu": 100 * 64}
+
+
 def _check_cluster(value: Any) -> str | None:
     if not isinstance(value, dict) or not value:
         return 'expected a JSON object of roles, e.g. {"ps":{"count":1},"worker":{"count":2}}'
@@ -69,6 +76,11 @@ def _check_cluster(value: Any) -> str | None:
                 return f'role "{role}": count must be positive, not {val}'
             if val < 0:
                 return f'role "{role}": "{key}" must not be negative, not {val}'
+            if val > LIMITS[key]:
+                return f'role "{role}": "{key}" must be at most {LIMITS[key]}, not {val}'
+    total = sum(conf.get("count", 1) for conf in value.values())
+    if total > MAX_INSTANCES:
+        return f"{total} instances in all; a job may have at most {MAX_INSTANCES}"
     return None
 
 
@@ -165,7 +177,11 @@ def resolve_path(value: str, base: Path) -> Path:
     elif re.match(r"^[a-z][a-z0-9+.-]*://", value):
         scheme = value.split("://", 1)[0]
         raise ValueError(f"the {scheme}:// scheme is not supported here; use a file:// URI or a path")
-    path = Path(value).expanduser()
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError:  # `~name` of a user this machine does not know
+        user = value[1:].split("/", 1)[0]
+        raise ValueError(f"~{user}: no such user on this machine; give the path without ~{user}") from None
     if not path.is_absolute():
         path = base / path
     return Path(str(path.resolve()))
@@ -290,11 +306,13 @@ class RawParam:
 
 def build_spec(framework: str, raw: Iterable[RawParam], *, params: Iterable[Param],
                project: str | None = None) -> JobSpec:
-    """A typed JobSpec from raw values keyed by PAI or snake_case names. A later
-    entry for the same parameter overrides an earlier one (-D over YAML)."""
+    """A typed JobSpec from raw values keyed by PAI or snake_case names. A parameter
+    given twice (under either name) is an error; -D over a job file's value is
+    resolved before (statement.merge_overrides)."""
     table = {p.name: p for p in params}
     by_yaml = {p.yaml_name: p for p in table.values()}
     spec = JobSpec(framework=framework, project=project, table=table)
+    given: dict[str, str] = {}
     for item in raw:
         param = table.get(item.key) or by_yaml.get(item.key)
         if param is None:
@@ -306,6 +324,10 @@ def build_spec(framework: str, raw: Iterable[RawParam], *, params: Iterable[Para
             else:
                 hint = "`pai params` lists the parameters"
             raise SpecError(item.where, "unknown parameter", hint)
+        if param.name in given:
+            # maxRetries and max_retries are one parameter: giving both is giving it twice.
+            raise SpecError(item.where, f"given twice (also as {given[param.name]})", "keep one of them")
+        given[param.name] = item.where
         try:
             spec.params[param.name] = convert(param, item.value, item.base)
         except ValueError as err:

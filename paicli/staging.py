@@ -15,7 +15,7 @@ from pathlib import Path
 
 from paicli.adapters.base import StagedCode
 from paicli.errors import SpecError
-from paicli.runners.archive import UnsafeArchive, extract
+from paicli.runners.archive import ArchiveTooLarge, UnsafeArchive, extract
 from paicli.spec import JobSpec
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
@@ -43,6 +43,10 @@ def stage_code(spec: JobSpec, staging: Path) -> StagedCode:
     root.mkdir(parents=True)
     try:
         extract(script, str(root))
+    except ArchiveTooLarge as err:
+        raise SpecError("-Dscript", f"archive {script} is too large: {err}",
+                        "pack only the code (data belongs in -Dbuckets), or raise "
+                        "PAI_ARCHIVE_MAX_BYTES / PAI_ARCHIVE_MAX_MEMBERS") from None
     except UnsafeArchive as err:
         raise SpecError("-Dscript", f"unsafe archive {script}: {err}",
                         "repack it with paths relative to its top folder and no links leaving it") from None

@@ -102,7 +102,11 @@ def _key_lines(text: str) -> dict[str, int]:
 def load_job_file(path: str) -> Statement:
     import yaml
 
-    file = Path(path).expanduser()
+    try:
+        file = Path(path).expanduser()
+    except RuntimeError:  # `~name` of an unknown user
+        raise UsageError(f"{path}: no such user as {path.split('/', 1)[0]} on this machine",
+                         "give the job file's path without it") from None
     try:
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError:

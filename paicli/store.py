@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from paicli.errors import NotFound, PaiError
+from paicli.errors import NotFound, PaiError, UsageError
 from paicli.states import InstanceStatus, JobStatus, can_move
 
 SCHEMA = """
@@ -64,7 +64,12 @@ ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("
 
 
 def pai_home() -> Path:
-    return Path(os.environ.get("PAI_HOME") or Path.home() / ".pai").expanduser()
+    given = os.environ.get("PAI_HOME")
+    try:
+        return Path(given).expanduser() if given else Path.home() / ".pai"
+    except RuntimeError:  # `~name` of an unknown user
+        raise UsageError(f"PAI_HOME={given}: no such user on this machine",
+                       "set PAI_HOME to a folder, e.g. ~/.pai") from None
 
 
 def new_job_id() -> str:

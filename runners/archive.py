@@ -16,8 +16,36 @@ class UnsafeArchive(Exception):
     pass
 
 
-def check_members(tar: tarfile.TarFile) -> list[tarfile.TarInfo]:
-    members = tar.getmembers()
+class ArchiveTooLarge(UnsafeArchive):
+    pass
+
+
+# What a script archive may hold. Sizes come from the members' headers, read one
+# by one before anything is written, so a gzip bomb is refused after reading
+# only as far as its first oversized header (not after filling the disk).
+MAX_MEMBERS = int(os.environ.get("PAI_ARCHIVE_MAX_MEMBERS", "10000"))
+MAX_BYTES = int(os.environ.get("PAI_ARCHIVE_MAX_BYTES", str(1 << 30)))
+
+
+def _size(count: int) -> str:
+    return f"{count / (1 << 20):.0f} MiB" if count >= 1 << 20 else f"{count} bytes"
+
+
+def check_members(tar: tarfile.TarFile, max_members: int | None = None,
+                  max_bytes: int | None = None) -> list[tarfile.TarInfo]:
+    max_members = MAX_MEMBERS if max_members is None else max_members
+    max_bytes = MAX_BYTES if max_bytes is None else max_bytes
+    members = []
+    total = 0
+    for m in tar:  # lazily: stop at the first member over a limit
+        members.append(m)
+        total += m.size
+        if len(members) > max_members:
+            raise ArchiveTooLarge(f"more than {max_members} members")
+        if total > max_bytes:
+            raise ArchiveTooLarge(f"more than {_size(max_bytes)} once unpacked")
+        if m.issparse():
+            raise UnsafeArchive(f"member {m.name!r} is a sparse file, which a script archive has no use for")
     for m in members:
         name = m.name
         norm = posixpath.normpath(name)
@@ -37,6 +65,8 @@ def check_members(tar: tarfile.TarFile) -> list[tarfile.TarInfo]:
 def extract(archive: str, dest: str) -> None:
     """Extract `archive` into `dest` (which must exist) or raise UnsafeArchive /
     tarfile.TarError without writing anything for an unsafe archive."""
+    if not hasattr(tarfile, "data_filter"):  # PEP 706 came in 3.11.4; setup.cfg asks for it
+        raise UnsafeArchive("this Python cannot extract archives safely; use Python 3.11.4 or later")
     with tarfile.open(archive, "r:*") as tar:
         members = check_members(tar)
         # The "data" filter re-checks the same rules member by member.

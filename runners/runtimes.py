@@ -40,7 +40,11 @@ class RuntimeError_(Exception):
 
 def runtime_root() -> Path:
     if os.environ.get("PAI_RUNTIME_DIR"):
-        return Path(os.environ["PAI_RUNTIME_DIR"]).expanduser()
+        try:
+            return Path(os.environ["PAI_RUNTIME_DIR"]).expanduser()
+        except RuntimeError:  # `~name` of an unknown user
+            raise RuntimeError_(f"PAI_RUNTIME_DIR={os.environ['PAI_RUNTIME_DIR']}: no such user on this "
+                                "machine; set it to a folder") from None
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "paicli" / "runtimes"
 

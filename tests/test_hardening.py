@@ -116,3 +116,69 @@ def test_a_progress_bar_reaches_the_attached_terminal_before_its_line_ends(pai_h
     combined = (pai_home / "jobs" / job_id / "job.log").read_text()
     assert combined.splitlines()[0] == "[worker:0] " + "    40/40 |".ljust(99, "#") + "|"
     assert not (pai_home / "jobs" / job_id / "job.live").exists()
+
+
+# -- 4. bad input that escaped as an internal error ------------------------------------
+
+
+def test_a_home_folder_of_an_unknown_user_is_bad_input_not_a_crash(pai_home):
+    result = pai("-name", "python", "-Dscript=~nosuchuser_a/t.py")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "pai: error: -Dscript: ~nosuchuser_a: no such user on this machine; give the path without ~nosuchuser_a"]
+    home = pai("list", env={"PAI_HOME": "~nosuchuser_a/pai"})
+    assert home.returncode == 2 and "Traceback" not in home.stderr
+    assert "PAI_HOME=~nosuchuser_a/pai: no such user" in home.stderr
+
+
+def _bomb(path: Path, declared: int) -> Path:
+    """A .tar.gz whose one member's header claims `declared` bytes of zeros,
+    followed by only the first megabyte of them: what a gzip bomb looks like
+    to a reader that trusts headers only after writing."""
+    import gzip
+    import tarfile
+
+    info = tarfile.TarInfo("train.py")
+    info.size = declared
+    with gzip.open(path, "wb") as f:
+        f.write(info.tobuf(format=tarfile.GNU_FORMAT))
+        f.write(b"\0" * (1 << 20))
+    return path
+
+
+def test_an_archive_bomb_is_refused_before_anything_is_written(pai_home, tmp_path):
+    bomb = _bomb(tmp_path / "bomb.tar.gz", 64 << 30)
+    result = pai("-name", "python", f"-Dscript={bomb}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"pai: error: -Dscript: archive {bomb} is too large: more than 1024 MiB once unpacked; "
+        "pack only the code (data belongs in -Dbuckets), or raise PAI_ARCHIVE_MAX_BYTES / PAI_ARCHIVE_MAX_MEMBERS"]
+    assert list((pai_home / "jobs").iterdir()) == []
+
+
+def test_archive_member_count_and_size_limits(pai_home, tmp_path):
+    import tarfile
+
+    many = tmp_path / "many.tar.gz"
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(30):
+        (src / f"m{i}.py").write_text("print(1)\n")
+    with tarfile.open(many, "w:gz") as tar:
+        tar.add(src, arcname="code")
+    result = pai("-name", "python", f"-Dscript={many}", "-DentryFile=code/m1.py",
+                 env={"PAI_ARCHIVE_MAX_MEMBERS": "20"})
+    assert result.returncode == 2 and "too large: more than 20 members" in result.stderr
+    ok = pai("-name", "python", f"-Dscript={many}", "-DentryFile=code/m1.py", env={"PAI_ARCHIVE_MAX_MEMBERS": "40"})
+    assert ok.returncode == 0, ok.stderr
+    assert list((pai_home / "jobs").iterdir()) != []
+
+
+def test_setup_cfg_asks_for_the_python_that_has_extraction_filters():
+    import configparser
+    import tarfile
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parent.parent / "setup.cfg")
+    assert cfg["options"]["python_requires"] == ">=3.11.4"  # tarfile.data_filter: 3.11.4 (PEP 706)
+    assert hasattr(tarfile, "data_filter")

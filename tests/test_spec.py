@@ -64,6 +64,15 @@ def test_snake_case_keys_are_accepted_on_the_command_line_too():
      "cannot split"),
     (["-name", "python", f"-Dscript={SCRIPT}", "-DmaxRetries"], "-DmaxRetries", "expected -Dkey=value"),
     (["-name", "python", f"-Dscript={SCRIPT}", f"-Dscript={SCRIPT}"], "-Dscript", "given twice"),
+    (["-name", "python", f"-Dscript={SCRIPT}", "-DmaxRetries=1", "-Dmax_retries=2"], "-Dmax_retries",
+     "given twice (also as -DmaxRetries)"),
+    (["-name", "python", "-Dscript=~nosuchuser_a/t.py"], "-Dscript", "~nosuchuser_a: no such user"),
+    (["-name", "python", f"-Dscript={SCRIPT}", '-Dcluster={"worker":{"count":100000}}'], "-Dcluster",
+     '"count" must be at most 512'),
+    (["-name", "python", f"-Dscript={SCRIPT}", '-Dcluster={"ps":{"count":300},"worker":{"count":300}}'],
+     "-Dcluster", "600 instances in all; a job may have at most 512"),
+    (["-name", "python", f"-Dscript={SCRIPT}", '-Dcluster={"worker":{"count":1,"memory":99999999999999999999}}'],
+     "-Dcluster", '"memory" must be at most'),
     ([f"-Dscript={SCRIPT}"], "", "missing -name"),
     (["-name", "python", "train.py"], "", "unexpected 'train.py'"),
 ])
@@ -144,7 +153,23 @@ def test_adapter_params_are_in_the_table():
     assert "| `maxRetries` | `max_retries` | int | `3` |" in parameters_markdown()
 
 
-def test_build_spec_later_entries_override():
-    spec = build_spec("python", [RawParam("maxRetries", "1", "a", Path("/")),
-                                 RawParam("max_retries", 4, "b", Path("/"))], params=CORE_PARAMS)
-    assert spec.params["maxRetries"] == 4
+def test_one_parameter_under_both_names_is_given_twice():
+    """The docs say a key given twice is an error: maxRetries and max_retries are one key."""
+    with pytest.raises(SpecError) as err:
+        build_spec("python", [RawParam("maxRetries", "1", "-DmaxRetries", Path("/")),
+                              RawParam("max_retries", 4, "job.yaml line 3: max_retries", Path("/"))],
+                   params=CORE_PARAMS)
+    assert str(err.value).startswith("job.yaml line 3: max_retries: given twice (also as -DmaxRetries)")
+
+
+def test_a_job_file_key_overridden_on_the_command_line_is_not_twice(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: python\nscript: {SCRIPT}\nmax_retries: 1\n")
+    stmt = merge_overrides(load_job_file(str(job)), parse_statement(["-DmaxRetries=4"], require_name=False))
+    assert client.prepare(stmt).spec.params["maxRetries"] == 4
+
+
+def test_a_job_file_under_an_unknown_users_home_is_a_usage_error():
+    with pytest.raises(UsageError) as err:
+        load_job_file("~nosuchuser_a/job.yaml")
+    assert "no such user as ~nosuchuser_a" in str(err.value)

@@ -426,17 +426,25 @@ def runtime_remove(name):
 
 
 @cli.command()
-def console():
-    """An interactive console: type statements ending in ;, as in the PAI console.
+@click.option("-project", "--project", "project", help="The project of this session (`use P;` changes it).")
+def console(project):
+    """An interactive console like odpscmd: statements end in ; and may span lines.
 
     \b
-      pai> pai -name python -Dscript=train.py;
-      pai> show instances;
-      pai> quit;
+      pai@ test8> pai -name python -Dscript=train.py
+                >   -Dcluster={"ps":{"count":1},"worker":{"count":2}};
+      pai@ test8> show instances;
+      pai@ test8> desc instance 20261122...;
+      pai@ test8> set maxRetries=1;
+      pai@ test8> quit;
+
+    Type help; for every statement. Tab completes statements, frameworks, -D
+    keys and recent job IDs; history is kept in $PAI_HOME/console_history.
+    Ctrl-C clears the line or cancels the job being followed; Ctrl-D quits.
     """
     from paicli.console import run_console
 
-    sys.exit(run_console())
+    sys.exit(run_console(project))
 
 
 # Commands that live in rooms of their own (multi-host nodes, the Pluto planner,

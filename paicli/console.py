@@ -1,109 +1,437 @@
-"""The SQL-style console: statements end with `;` and may span lines.
+"""The console, like odpscmd: statements end with `;` and may span lines.
 
-    pai> pai -name python -Dscript=examples/python/ps_worker.py
-     ..>     -Dcluster='{"ps":{"count":1},"worker":{"count":2}}';
-    pai> show instances;
-    pai> quit;
+    pai@ test8> pai -name python -Dscript=examples/python/ps_worker.py
+              >   -Dcluster={"ps":{"count":1},"worker":{"count":2}};
+    pai@ test8> show instances;
+    pai@ test8> quit;
 
-A statement's error is printed as one line and the console goes on.
+On a terminal it is a prompt_toolkit session: line editing, history kept across
+sessions ($PAI_HOME/console_history, 0600), completion of statements, framework
+names, -D keys and recent job IDs. Ctrl-C clears the line (or cancels the job
+being followed), Ctrl-D quits. From a pipe it reads statements without prompts.
+A statement's error is one line and the console goes on.
 """
 
 from __future__ import annotations
 
-import shlex
+import os
+import signal
 import sys
+from pathlib import Path
+from typing import Callable, Iterable
 
-from paicli.errors import PaiError
+from paicli import __version__
+from paicli.errors import PaiError, UsageError
 
-HELP = """statements (end each with ;):
-  pai -name <framework> -Dkey=value ... ;   submit and follow a job (add --detach to return)
-  show instances ;                          recent jobs
-  status <ID> ;   wait <ID> ;   kill <ID> ;
-  help ;   quit ;"""
+GREETING = r"""                 _
+  _ __    __ _  (_)
+ | '_ \  / _` | | |
+ | |_) || (_| | | |
+ | .__/  \__,_| |_|
+ |_|
+paicli Command Line Tool
+Version {version}
+Statements end with ;  Type help; for the list, quit; or Ctrl-D to leave.
+"""
+
+HELP = """statements (each ends with ; and may span lines):
+  pai -name <framework> -Dkey=value ... [--detach];   submit a job and follow it (Ctrl-C cancels it)
+  show instances [N];            recent jobs
+  desc instance <ID>;            the job's ID, owner, start/end time, status and summary
+  status <ID>;  wait <ID>;  kill <ID>;
+  logs <ID> [--instance worker:0] [--tail N] [-f];
+  plot <ID> [--metric loss] [--instance worker:0];
+  logview [<ID>];                the URL of the job's logview page
+  set KEY=VALUE;                 a session default for -DKEY (set KEY=; removes it; set; lists them)
+  use <PROJECT>;                 the project for this session's jobs (shown in the prompt)
+  help;   quit;
+-D values may be typed as in PAI's console, unquoted: -Dcluster={"ps":{"count":1},"worker":{"count":2}}"""
+
+STATEMENTS = ("pai", "show instances", "desc instance", "status", "wait", "kill", "logs", "plot", "logview",
+              "set", "use", "help", "quit")
+PASS_THROUGH = ("status", "wait", "kill", "logs", "plot", "logview", "list", "export", "run", "params")
+QUOTES = "'\""
 
 
-def _complete(buffer: str) -> bool:
-    """A statement is complete at a `;` that ends a line outside any quote."""
-    try:
-        shlex.split(buffer)
-    except ValueError:
-        return False  # an open quote: the statement goes on on the next line
-    return buffer.rstrip().endswith(";")
+# -- reading statements -------------------------------------------------------------
 
 
-def statements(lines):
+def _scan(text: str):
+    """Yield (index, char, quoted) over text, tracking ' and " quotes."""
+    quote = None
+    for i, ch in enumerate(text):
+        if quote:
+            if ch == quote:
+                quote = None
+            yield i, ch, True
+        else:
+            if ch in QUOTES:
+                quote = ch
+                yield i, ch, True
+            else:
+                yield i, ch, False
+    return quote
+
+
+def open_quote(text: str) -> bool:
+    quote = None
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in QUOTES:
+            quote = ch
+    return quote is not None
+
+
+def is_complete(buffer: str) -> bool:
+    """A statement is complete at a `;` that ends the text outside any quote."""
+    return not open_quote(buffer) and buffer.rstrip().endswith(";")
+
+
+def split_statements(buffer: str) -> list[str]:
+    """Statements (without their `;`) of a complete buffer: `status A; status B;`."""
+    out, start = [], 0
+    for i, ch, quoted in _scan(buffer):
+        if ch == ";" and not quoted:
+            out.append(buffer[start:i].strip())
+            start = i + 1
+    rest = buffer[start:].strip()
+    if rest:
+        out.append(rest)
+    return [s for s in out if s]
+
+
+def statements(lines: Iterable[str]):
     """Yield complete statements (without the ;) from an iterable of lines."""
     buffer = ""
     for line in lines:
         buffer += line
-        if _complete(buffer):
-            yield buffer.rstrip().rstrip(";").strip()
+        if is_complete(buffer):
+            yield from split_statements(buffer)
             buffer = ""
     if buffer.strip():
-        yield buffer.strip().rstrip(";")
+        yield from split_statements(buffer)
 
 
-def execute(text: str) -> int:
-    from paicli import cli
+def tokens_of(text: str) -> list[str]:
+    """Split a statement at blanks outside quotes and brackets, as PAI's console
+    did: `-Dcluster={"ps": {"count": 1}}` is one token and keeps its quotes (the
+    parameter table unwraps a value wrapped in one pair of quotes). Any other
+    token wrapped in quotes is unwrapped here."""
+    if open_quote(text):
+        raise UsageError("a quote is not closed in the statement", "close it, or end the statement with ;")
+    tokens, current, depth, quote = [], "", 0, None
+    for ch in text:
+        if quote:
+            current += ch
+            if ch == quote:
+                quote = None
+        elif ch in QUOTES:
+            quote = ch
+            current += ch
+        elif ch in "{[":
+            depth += 1
+            current += ch
+        elif ch in "}]":
+            depth = max(0, depth - 1)
+            current += ch
+        elif ch.isspace() and depth == 0:
+            if current:
+                tokens.append(current)
+            current = ""
+        else:
+            current += ch
+    if current:
+        tokens.append(current)
+    return [t if t.startswith("-D") else _unquote(t) for t in tokens]
 
-    try:
-        tokens = shlex.split(text)
-    except ValueError as err:
-        print(f"pai: error: cannot read the statement: {err}", file=sys.stderr)
-        return 2
-    if not tokens:
-        return 0
-    head = tokens[0].lower()
-    if head in ("quit", "exit"):
-        raise EOFError
-    if head == "help":
-        print(HELP)
-        return 0
-    if head == "show" and tokens[1:2] == ["instances"]:
-        args = ["list"]
-    elif head == "pai":
-        args = tokens[1:]
-    elif head in ("status", "wait", "kill", "logs", "list", "export", "run"):
-        args = tokens
-    else:
-        print(f"pai: error: unknown statement {tokens[0]!r}; type help; for the statements", file=sys.stderr)
-        return 2
-    try:
-        cli.cli.main(args=args, prog_name="pai", standalone_mode=False)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    except PaiError as err:
-        print(f"pai: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except Exception as err:  # the console survives a bad statement
+
+def _unquote(token: str) -> str:
+    if len(token) >= 2 and token[0] == token[-1] and token[0] in QUOTES:
+        return token[1:-1]
+    return token
+
+
+# -- the session ----------------------------------------------------------------------
+
+
+def known_params() -> dict[str, str]:
+    """snake_case name -> PAI name of every -D key (core and every framework's)."""
+    from paicli.adapters import adapter_names, get_adapter
+    from paicli.spec import CORE_PARAMS, snake_case
+
+    names = {snake_case(p.name): p.name for p in CORE_PARAMS}
+    for name in adapter_names():
+        names.update({snake_case(p.name): p.name for p in get_adapter(name).params})
+    return names
+
+
+class Console:
+    """One console session: its project, its -D defaults, and the statements."""
+
+    def __init__(self, project: str | None = None, out: Callable[[str], None] | None = None):
+        self.project = project
+        self.defaults: dict[str, str] = {}   # PAI name -> raw value, as typed
+        self.echo = out or (lambda text: print(text, flush=True))
+
+    @property
+    def prompt(self) -> str:
+        return f"pai@ {self.project or ''}> " if self.project else "pai@ > "
+
+    def error(self, message: str) -> None:
+        print(f"pai: error: {message}", file=sys.stderr, flush=True)
+
+    def execute(self, text: str) -> int:
+        """Run one statement (without its ;); errors become one line. EOFError on quit."""
+        try:
+            return self._execute(text)
+        except PaiError as err:
+            self.error(str(err))
+            return err.exit_code
+
+    def _execute(self, text: str) -> int:
+        tokens = tokens_of(text)
+        if not tokens:
+            return 0
+        head = tokens[0].lower()
+        if head in ("quit", "exit", "q"):
+            raise EOFError
+        if head == "help":
+            self.echo(HELP)
+            return 0
+        if head == "pai":
+            return self._submit(tokens[1:])
+        if head == "set":
+            return self._set(text.strip()[3:].strip())
+        if head == "use":
+            if len(tokens) != 2:
+                raise UsageError("use needs one project name", "e.g. use test8;")
+            self.project = tokens[1]
+            self.echo(f"project: {self.project}")
+            return 0
+        if head == "show" and tokens[1:2] == ["instances"]:
+            extra = tokens[2:]
+            if extra and not (len(extra) == 1 and extra[0].isdigit()):
+                raise UsageError(f"show instances {' '.join(extra)}: expected a number", "e.g. show instances 10;")
+            return self._cli(["list", *(["-n", extra[0]] if extra else [])])
+        if head == "desc" and tokens[1:2] == ["instance"]:
+            if len(tokens) != 3:
+                raise UsageError("desc instance needs one job ID", "e.g. desc instance 20261122...;")
+            return self._desc(tokens[2])
+        if head in PASS_THROUGH:
+            return self._cli(tokens)
+        from paicli.spec import closest
+        guess = closest(tokens[0], [s.split()[0] for s in STATEMENTS])
+        hint = f"did you mean {guess}? " if guess and guess != tokens[0] else ""
+        raise UsageError(f"unknown statement {tokens[0]!r}", f"{hint}type help; for the statements")
+
+    def _cli(self, args: list[str]) -> int:
+        """A statement that is a `pai` command: run it in this process."""
         import click
-        if isinstance(err, click.ClickException):
+
+        from paicli import cli
+
+        try:
+            cli.cli.main(args=args, prog_name="pai", standalone_mode=False)
+        except SystemExit as exit_:
+            return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except click.exceptions.Exit as exit_:
+            return exit_.exit_code
+        except click.ClickException as err:
             err.show()
             return 2
-        print(f"pai: error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
-    return 0
+        return 0
+
+    def _submit(self, tokens: list[str]) -> int:
+        from paicli import cli
+        from paicli.spec import RawParam, snake_case
+        from paicli.statement import parse_statement
+
+        rest, options = cli._split_submit_options(tuple(tokens))
+        stmt = parse_statement(rest)
+        if stmt.project is None:
+            stmt.project = self.project
+        if self.defaults:
+            from paicli.adapters import get_adapter
+            from paicli.spec import CORE_PARAMS
+
+            given = {snake_case(p.key) for p in stmt.params}
+            applies = {snake_case(p.name) for p in (*CORE_PARAMS, *get_adapter(stmt.framework or "").params)}
+            for key, value in self.defaults.items():
+                if snake_case(key) in applies and snake_case(key) not in given:
+                    stmt.params.append(RawParam(key, value, f"set {key}", Path(os.getcwd())))
+        return cli.submit_and_follow(stmt, options["detach"], not options["no_progress"])
+
+    def _set(self, assignment: str) -> int:
+        if not assignment:
+            for key, value in self.defaults.items():
+                self.echo(f"{key}={value}")
+            if not self.defaults:
+                self.echo("no session defaults; e.g. set maxRetries=1;")
+            return 0
+        key, eq, value = assignment.partition("=")
+        key = key.strip()
+        if key.startswith("-D"):
+            key = key[2:]
+        if not eq or not key:
+            raise UsageError(f"set {assignment}: expected set KEY=VALUE", "e.g. set maxRetries=1;")
+        from paicli.spec import closest, snake_case
+
+        names = known_params()
+        if snake_case(key) not in names:
+            guess = closest(key, list(names.values()))
+            raise UsageError(f"set {key}: no such -D parameter",
+                             (f"did you mean {guess}? " if guess else "") + "`pai params` lists them")
+        key = names[snake_case(key)]
+        value = value.strip()
+        if value:
+            self.defaults[key] = value
+            self.echo(f"{key}={value}")
+        else:
+            self.defaults.pop(key, None)
+            self.echo(f"{key} unset")
+        return 0
+
+    def _desc(self, job_id: str) -> int:
+        """odpscmd's `desc instance`: ID, owner, times, status, then the summary."""
+        from paicli import client, jobview
+        from paicli.store import Store
+        from paicli.web.data import fmt_time, owner_of
+
+        store = Store()
+        st = client.status(store, client.resolve_job(store, job_id)["id"])
+        rows = [("ID", st["id"]), ("Owner", owner_of(st["job_dir"])), ("Project", st["project"] or ""),
+                ("Name", f"{st['name']} ({st['framework']})"),
+                ("StartTime", fmt_time(st["started"] or st["created"])), ("EndTime", fmt_time(st["ended"])),
+                ("Status", st["status"] + (f"  {st['reason']}" if st["reason"] else ""))]
+        for name, value in rows:
+            self.echo(f"{name:<12}{value}")
+        self.echo("")
+        for line in jobview.summary_lines(st):
+            self.echo(line)
+        return 0
 
 
-def run_console() -> int:
-    interactive = sys.stdin.isatty()
+# -- the interactive session --------------------------------------------------------
+
+
+def make_completer():
+    """Statements at the start, framework names after -name, -D keys after -D,
+    recent job IDs after statements that take one."""
+    from prompt_toolkit.completion import Completer, Completion
+
+    class ConsoleCompleter(Completer):
+        def get_completions(self, document, complete_event):
+            before = document.text_before_cursor
+            statement = before.rsplit(";", 1)[-1].lstrip()
+            word = document.get_word_before_cursor(WORD=True)
+            words = statement.split()
+            if len(words) == 0 or (len(words) == 1 and word):
+                for name in STATEMENTS:
+                    if name.startswith(word.lower()):
+                        yield Completion(name, -len(word))
+                return
+            head = words[0].lower()
+            previous = words[-2] if word and len(words) >= 2 else (words[-1] if words else "")
+            if head == "pai" and word.startswith("-D"):
+                for name in sorted(set(known_params().values())):
+                    if ("-D" + name).lower().startswith(word.lower()):
+                        yield Completion(f"-D{name}=", -len(word), display=f"-D{name}")
+            elif head == "pai" and (previous == "-name" or word.startswith("-name=")):
+                from paicli.adapters import adapter_names
+                prefix = word.split("=", 1)[1] if word.startswith("-name=") else word
+                for name in adapter_names():
+                    if name.startswith(prefix):
+                        yield Completion(name, -len(prefix))
+            elif head == "pai" and word.startswith("-"):
+                for flag in ("-name", "-project", "-D", "--detach", "--no-progress"):
+                    if flag.startswith(word):
+                        yield Completion(flag, -len(word))
+            elif head == "set":
+                for name in sorted(set(known_params().values())):
+                    if name.lower().startswith(word.lower()):
+                        yield Completion(f"{name}=", -len(word))
+            elif head in ("status", "wait", "kill", "logs", "plot", "logview") or \
+                    (head == "desc" and len(words) >= 2):
+                for job_id in _recent_job_ids():
+                    if job_id.startswith(word):
+                        yield Completion(job_id, -len(word))
+            elif head == "desc":
+                yield from (Completion("instance", -len(word)) for _ in [0] if "instance".startswith(word))
+            elif head == "show":
+                yield from (Completion("instances", -len(word)) for _ in [0] if "instances".startswith(word))
+
+    return ConsoleCompleter()
+
+
+def _recent_job_ids(limit: int = 20) -> list[str]:
+    try:
+        from paicli.store import Store
+        return [job["id"] for job in Store().jobs(limit)]
+    except Exception:  # completion must never break the prompt
+        return []
+
+
+def history_path() -> Path:
+    from paicli.store import pai_home
+
+    home = pai_home()
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "console_history"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)
+    return path
+
+
+def run_interactive(console: Console) -> int:
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.filters import Condition
+    from prompt_toolkit.history import FileHistory
+
+    session: PromptSession = PromptSession(
+        history=FileHistory(str(history_path())),
+        completer=make_completer(),
+        complete_while_typing=False,
+        # Enter ends the statement once it ends in `;`; before that it starts a new line.
+        multiline=Condition(lambda: not is_complete(session.default_buffer.text)
+                            and bool(session.default_buffer.text.strip())),
+        prompt_continuation=lambda width, line_number, wrap_count: " " * (width - 2) + "> ",
+    )
+    # Ctrl-C must interrupt a statement even when we were started with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    print(GREETING.format(version=__version__), flush=True)
+    code = 0
+    while True:
+        try:
+            text = session.prompt(console.prompt)
+        except KeyboardInterrupt:
+            continue  # Ctrl-C at the prompt: the line is cleared
+        except EOFError:
+            break     # Ctrl-D
+        try:
+            for statement in split_statements(text):
+                code = console.execute(statement)
+        except KeyboardInterrupt:
+            print("", flush=True)  # Ctrl-C in a statement: back to the prompt
+        except EOFError:
+            break
+    return code
+
+
+def run_console(project: str | None = None) -> int:
+    console = Console(project)
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        return run_interactive(console)
 
     def lines():
-        prompt = "pai> "
-        while True:
-            try:
-                line = input(prompt) if interactive else sys.stdin.readline()
-            except EOFError:
-                return
-            if not interactive and line == "":
-                return
-            yield line + ("\n" if interactive else "")
-            prompt = " ..> "
+        while line := sys.stdin.readline():
+            yield line
 
     code = 0
     try:
         for text in statements(lines()):
-            code = execute(text)
+            code = console.execute(text)
     except (EOFError, KeyboardInterrupt):
         pass
     return code

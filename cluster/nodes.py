@@ -261,3 +261,14 @@ def _current_user() -> str:
         return getpass.getuser()
     except Exception:
         return "root" if os.geteuid() == 0 else str(os.geteuid())
+
+
+def load_config(path: Path | str) -> dict[str, Any]:
+    """The backend registry's entry point (cluster/backends/__init__.py): the file
+    parsed and resolved into the JSON-serialisable config snapshotted into each job
+    folder; "backend" is "ray" for a file with a top-level `ray:`, else "ssh"."""
+    config = load_nodes_file(path)
+    data = config.to_dict()
+    data["backend"] = "ray" if config.ray is not None else "ssh"
+    data["path"] = str(path)
+    return data

@@ -4,8 +4,11 @@ Standard library only; imports nothing of paicli (the node has no paicli).
 
     python3 node_agent.py run LABEL        start one instance; the spec comes on stdin
     python3 node_agent.py info [RUNTIME_DIR]   cores, memory, GPUs, Python, runtimes, instances
-    python3 node_agent.py stop PID PGID START BOOT TIMEOUT   identity-checked stop of a group
-    python3 node_agent.py ports HOST COUNT [TAKEN,...]       free ports on this node
+    python3 node_agent.py stop TIMEOUT REFS       identity-checked stop of groups
+    python3 node_agent.py signal SIGNUM REFS      identity-checked signal to groups
+    python3 node_agent.py alive REFS              which groups still run
+    python3 node_agent.py ports HOST COUNT [TAKEN,...]   free ports on this node
+REFS is a JSON list of [pid, pgid, start ticks, boot id].
 
 `run` reads one JSON line from stdin: {"argv": [...], "env": {...}, "cwd": "...",
 "heartbeat": seconds}. It starts the instance in a session (process group) of its
@@ -15,6 +18,7 @@ own with default signal dispositions, then writes frames to stdout, each
     O  output bytes (stdout and stderr, merged)
     H  heartbeat (empty)                           (every second)
     X  exit JSON {status}   status < 0: killed by that signal  (last)
+    E  JSON {errno, strerror}: the program could not be started (instead of I)
 From stdin it takes single bytes: h heartbeat, t SIGTERM the group, k SIGKILL it.
 When stdin ends (the SSH channel closed: a dead master, a killed `pai`, a dropped
 connection) or no byte came for `heartbeat` seconds (a dropped link), the whole
@@ -151,8 +155,7 @@ def cmd_run(label: str) -> int:
                                 start_new_session=True, close_fds=True, preexec_fn=_default_signals)
     except OSError as err:
         os.close(write_fd)
-        out.frame(b"O", f"paicli node agent: cannot start {spec['argv'][0]}: {err.strerror}\n".encode())
-        out.frame(b"X", json.dumps({"status": 127}).encode())
+        out.frame(b"E", json.dumps({"errno": err.errno, "strerror": err.strerror or str(err)}).encode())
         out.drain(5)
         return 0
     os.close(write_fd)
@@ -250,17 +253,49 @@ def _killpg(pgid: int, signum: int) -> None:
         pass
 
 
-def cmd_stop(pid: str, pgid: str, start: str, boot: str, timeout: str) -> int:
-    """Stop the group only if `pid` is still the process we started (same start
-    time, same boot); prints {"result": "stopped" | "gone"}."""
-    stat = proc_stat(int(pid))
-    same = stat is not None and stat[0] != "Z" and stat[2] == start and (not boot or boot == boot_id())
-    if same and int(pgid) == stat[1]:
-        stop_group(int(pgid), float(timeout))
-        result = "stopped"
-    else:
-        result = "gone"
-    print(json.dumps({"result": result}))
+def _is_ours(ref: list) -> bool:
+    """`ref` = [pid, pgid, start, boot] names a group we started: same boot, and the
+    leader either still has its start time or is gone (Linux gives no new process
+    the number of a live group, so members of `pgid` are the original group's)."""
+    pid, pgid, start, boot = int(ref[0]), int(ref[1]), str(ref[2] or ""), str(ref[3] or "")
+    if boot and boot != boot_id():
+        return False
+    stat = proc_stat(pid)
+    if stat is not None and stat[0] != "Z":
+        return stat[2] == start and stat[1] == pgid
+    return True
+
+
+def cmd_stop(timeout: str, refs: str) -> int:
+    """Identity-checked stop of every ref (JSON list of [pid, pgid, start, boot]):
+    SIGTERM the groups, one bounded wait, SIGKILL. Prints the list of the refs
+    that were ours and had something to stop."""
+    ours = [ref for ref in json.loads(refs) if _is_ours(ref) and group_members(int(ref[1]))]
+    for ref in ours:
+        _killpg(int(ref[1]), signal.SIGTERM)
+    deadline = time.monotonic() + float(timeout)
+    while time.monotonic() < deadline and any(group_members(int(ref[1])) for ref in ours):
+        time.sleep(0.05)
+    for ref in ours:
+        _killpg(int(ref[1]), signal.SIGKILL)
+    print(json.dumps(ours))
+    return 0
+
+
+def cmd_signal(signum: str, refs: str) -> int:
+    """Send `signum` to each ref's group if it is ours; prints [true|false, ...]."""
+    done = []
+    for ref in json.loads(refs):
+        ok = _is_ours(ref) and bool(group_members(int(ref[1])))
+        if ok:
+            _killpg(int(ref[1]), int(signum))
+        done.append(ok)
+    print(json.dumps(done))
+    return 0
+
+
+def cmd_alive(refs: str) -> int:
+    print(json.dumps([_is_ours(ref) and bool(group_members(int(ref[1]))) for ref in json.loads(refs)]))
     return 0
 
 
@@ -360,7 +395,8 @@ def cmd_ports(host: str, count: str, taken: str = "") -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "stop": cmd_stop, "info": cmd_info, "ports": cmd_ports}
+COMMANDS = {"run": cmd_run, "stop": cmd_stop, "signal": cmd_signal, "alive": cmd_alive, "info": cmd_info,
+            "ports": cmd_ports}
 
 
 def main(argv: list[str]) -> int:

@@ -136,3 +136,48 @@ def test_snapshot_round_trip(tmp_path):
     config = parse_nodes(yaml.safe_dump({"nodes": [{"name": "a", "host": "h", "cpu": 200}]}), str(tmp_path / "n.yaml"))
     again = config_from_dict(json.loads(json.dumps(config.to_dict())))
     assert again.nodes == config.nodes and again.known_hosts == config.known_hosts
+
+
+def test_path_translation_for_a_node():
+    from paicli.cluster.remote_paths import job_folder, normalise, translate, translate_argv, translate_env
+
+    mapping = normalise([
+        ("/root/.cache/paicli/runtimes", "/opt/rt"),
+        ("/work/main/runners/", "/tmp/paicli-root/J1/runners"),
+        ("/home/me/.pai/jobs/J1", "/tmp/paicli-root/J1"),
+        ("/home/me/.pai/jobs/J1/code", "/tmp/paicli-root/J1/code"),
+        ("/home/me", "/tmp/paicli-root/J1/code"),          # the cwd of an in-place script
+        ("/", "/nowhere"),                                   # never a blanket rewrite
+        ("/usr/bin/python3.11", "/usr/bin/python3"),
+    ])
+    argv = ["/root/.cache/paicli/runtimes/tensorflow/bin/python", "-u", "/work/main/runners/tensorflow_runner.py",
+            "/home/me/train.py", "--data=/home/me/data", "-solver=/home/me/.pai/jobs/J1/code/s.prototxt",
+            "relative/x.py", "/home/meat/other", "/usr/bin/python3.11", "a=b=/home/me/x", "--lr=0.1"]
+    assert translate_argv(argv, mapping) == [
+        "/opt/rt/tensorflow/bin/python", "-u", "/tmp/paicli-root/J1/runners/tensorflow_runner.py",
+        "/tmp/paicli-root/J1/code/train.py", "--data=/tmp/paicli-root/J1/code/data",
+        "-solver=/tmp/paicli-root/J1/code/s.prototxt", "relative/x.py", "/home/meat/other", "/usr/bin/python3",
+        "a=b=/home/me/x", "--lr=0.1"]
+    assert translate("/home/me", mapping) == "/tmp/paicli-root/J1/code"
+    assert translate("/etc/passwd", mapping) == "/etc/passwd"
+    env = translate_env({"PAI_JOB_DIR": "/home/me/.pai/jobs/J1", "PYTHONPATH": "/work/main/runners:/x",
+                         "PAI_CLUSTER": '{"ps": ["10.0.0.1:5000"]}'}, mapping)
+    assert env == {"PAI_JOB_DIR": "/tmp/paicli-root/J1", "PYTHONPATH": "/tmp/paicli-root/J1/runners:/x",
+                   "PAI_CLUSTER": '{"ps": ["10.0.0.1:5000"]}'}
+    assert job_folder("/tmp/paicli-root/", "20261122abc") == "/tmp/paicli-root/20261122abc"
+    for bad in ("", "../x", "a/b", "x y"):
+        with pytest.raises(ValueError):
+            job_folder("/tmp/r", bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(alphabet="/ab.=-", max_size=12), max_size=4), st.text(alphabet="/ab.=-", max_size=16))
+def test_fuzz_translation_only_rewrites_mapped_prefixes(prefixes, value):
+    from paicli.cluster.remote_paths import normalise, translate
+
+    mapping = normalise([(p, "/N") for p in prefixes])
+    out = translate(value, mapping)
+    if out != value:
+        path = value if value.startswith("/") else value.partition("=")[2]
+        assert any(path == p or path.startswith(p + "/") for p, _ in mapping)
+        assert out.endswith(path[len(max((p for p, _ in mapping if path == p or path.startswith(p + "/")), key=len)):])

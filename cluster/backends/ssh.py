@@ -1,0 +1,475 @@
+"""Instances on SSH hosts: the nodes of a nodes file (cluster/nodes.py).
+
+Each instance runs under the stdlib node agent (runners/node_agent.py) started
+over one SSH channel: the agent puts it in a session of its own, reports its
+identity, streams its output back in frames, reports its exit status, and stops
+its whole group when the channel closes or the heartbeat stops (a dead master,
+a killed `pai`, a dropped link). Here a pump thread per instance turns the frames
+into a pipe the master select()s on, like a local instance's.
+
+Nothing is shared with the nodes but SSH: `prepare` copies the runners, the
+script or the extracted archive and the plan files into a per-job folder on each
+node (SFTP, 0700) and provisions the job's runtime there unless the node has it
+(or declares `runtime_dir`); `cleanup` removes the folders. Paths in the plan are
+translated for each node (cluster/remote_paths.py).
+
+stop(): with the live channel (the master) a byte on it asks the agent to signal
+the group; from any other process (watchdog, `pai kill`) the agent's `stop`
+command is run over SSH with the ref's identity (pid, start time, boot id).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from paicli.cluster import remote_paths
+from paicli.cluster import ssh_transport as ssh
+from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, InstanceRef, NodeSpec, Placement
+from paicli.cluster.nodes import NodeEntry, config_from_dict
+from paicli.errors import PaiError, UsageError
+
+RUNNERS_DIR = Path(__file__).resolve().parent.parent.parent / "runners"
+HEARTBEAT = 6.0           # seconds without a frame (agent) / a byte (master) = the link is gone
+START_TIMEOUT = 30.0      # for the agent's identity frame
+PIPE_BYTES = 4096
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+# Job folder files the instances may read (plan files); logs and the store stay here.
+PLAN_FILES_SKIP = {"nodes.json", "placement.json", "master.log", "job.log", "summary.txt"}
+
+
+class RemoteInstance:
+    """The master's side of one instance: its channel, pump thread and status."""
+
+    def __init__(self, node: str, chan, write_fd: int):
+        self.node = node
+        self.chan = chan
+        self.write_fd = write_fd
+        self.status: int | None = None
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def send(self, data: bytes) -> bool:
+        with self.lock:
+            if self.status is not None or self.chan.closed:
+                return False
+            try:
+                self.chan.sendall(data)
+                return True
+            except (OSError, EOFError, Exception):
+                return False
+
+
+def _read_exact(chan, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        data = chan.recv(n - len(buf))
+        if not data:
+            raise EOFError
+        buf += data
+    return bytes(buf)
+
+
+def read_frame(chan) -> tuple[bytes, bytes]:
+    head = _read_exact(chan, 5)
+    (length,) = struct.unpack(">I", head[1:])
+    return head[:1], _read_exact(chan, length) if length else b""
+
+
+class SSHBackend(Backend):
+    name = "ssh"
+
+    def __init__(self, config: dict[str, Any] | None = None):
+        super().__init__(config)
+        self.nodes_config = config_from_dict(self.config, self.config.get("path") or "nodes snapshot")
+        self.conns = ssh.Connections(self.nodes_config.known_hosts)
+        self._infos: dict[str, dict] = {}
+        self._specs: list[NodeSpec] | None = None
+        self._maps: dict[str, remote_paths.Mapping] = {}
+        self._folders: dict[str, str] = {}
+        self._live: dict[tuple[str, int], RemoteInstance] = {}
+        self._lock = threading.Lock()
+        self._beating = False
+        self.progress: Callable[[str], None] = lambda line: None
+
+    # -- nodes --------------------------------------------------------------------
+
+    def entry(self, name: str) -> NodeEntry:
+        for node in self.nodes_config.nodes:
+            if node.name == name:
+                return node
+        raise UsageError(f"no node named {name!r} in {self.nodes_config.path}")
+
+    def _client(self, node: NodeEntry):
+        return self.conns.get(node)
+
+    def _agent(self, node: NodeEntry, command: str, *args: str, timeout: float = 30.0):
+        try:
+            return ssh.run_agent(self._client(node), node, command, *args, timeout=timeout)
+        except (OSError, EOFError) as err:
+            self.conns.drop(node)
+            raise ssh.NodeUnreachable(f"node {node.name}: connection lost ({err.__class__.__name__})") from None
+
+    def info(self, name: str) -> dict:
+        if name not in self._infos:
+            node = self.entry(name)
+            self._infos[name] = self._agent(node, "info", node.runtime_dir or "")
+        return self._infos[name]
+
+    def nodes(self) -> list[NodeSpec]:
+        """Every node that answers, with declared or detected resources. A host key
+        or login problem is the user's to fix (UsageError); unreachable nodes are
+        left out, and if none answers that is an error naming them."""
+        if self._specs is not None:
+            return list(self._specs)
+
+        def probe(node: NodeEntry):
+            try:
+                return node, self.info(node.name), None
+            except UsageError:
+                raise
+            except PaiError as err:
+                return node, None, err
+
+        with ThreadPoolExecutor(max_workers=min(16, len(self.nodes_config.nodes) or 1)) as pool:
+            results = list(pool.map(probe, self.nodes_config.nodes))
+        specs, down = [], []
+        for node, info, err in results:
+            if info is None:
+                down.append(f"{node.name} ({err})")
+                continue
+            gpus = tuple(str(i) for i in range(node.gpu)) if node.gpu is not None else tuple(info["gpus"])
+            specs.append(NodeSpec(
+                name=node.name, host=node.host,
+                cpu=node.cpu if node.cpu is not None else info["cores"] * 100,
+                memory=node.memory if node.memory is not None else info["memory"],
+                gpus=gpus, attrs={"user": node.user, "port": node.port}))
+        if not specs:
+            raise PaiError("no node of the nodes file answers: " + "; ".join(down))
+        self._specs = specs
+        return list(specs)
+
+    # -- staging ------------------------------------------------------------------
+
+    def _job_id(self, job_dir: str) -> str:
+        return Path(job_dir).name
+
+    def mapping(self, node: NodeEntry, job_dir: str, plan: Any) -> remote_paths.Mapping:
+        """Local path prefixes -> this node's, for this job (see remote_paths)."""
+        from paicli.runners.runtimes import runtime_root
+
+        info = self.info(node.name)
+        folder = remote_paths.job_folder(node.job_root, self._job_id(job_dir))
+        pairs = [
+            (str(runtime_root()), info["runtime_dir"]),
+            (str(RUNNERS_DIR), f"{folder}/runners"),
+            (str(Path(job_dir)), folder),
+            (str(Path(job_dir) / "code"), f"{folder}/code"),
+            (sys.executable, info["python_path"]),
+        ]
+        for role in plan.roles:
+            if role.cwd and not (Path(job_dir) / "code").is_dir():
+                pairs.append((role.cwd, f"{folder}/code"))
+        return remote_paths.normalise(pairs)
+
+    def _loose_files(self, job_dir: str, plan: Any) -> list[tuple[str, str]]:
+        """Script files the plan names that are not in the runtime, runners or job
+        folder: (local path, path relative to the node's code folder)."""
+        from paicli.runners.runtimes import runtime_root
+
+        skip = [str(runtime_root()), str(RUNNERS_DIR), str(Path(job_dir)), sys.prefix, sys.base_prefix]
+        found = []
+        for role in plan.roles:
+            for arg in role.argv[1:]:
+                if not arg.startswith("/") or any(arg == s or arg.startswith(s + "/") for s in skip):
+                    continue
+                if os.path.isfile(arg):
+                    cwd = role.cwd or ""
+                    rel = os.path.relpath(arg, cwd) if cwd and arg.startswith(cwd.rstrip("/") + "/") \
+                        else os.path.basename(arg)
+                    found.append((arg, rel))
+        return sorted(set(found))
+
+    def prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
+        names = sorted({p.node for p in placements})
+        errors: list[str] = []
+
+        def stage(name: str) -> None:
+            node = self.entry(name)
+            try:
+                self._stage(node, job_dir, plan)
+            except UsageError:
+                raise
+            except (PaiError, OSError, EOFError) as err:
+                errors.append(f"{name}: {err}")
+
+        with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
+            list(pool.map(stage, names))
+        if errors:
+            raise PaiError("staging the job on its nodes failed: " + "; ".join(errors))
+
+    def _stage(self, node: NodeEntry, job_dir: str, plan: Any) -> None:
+        runtime = getattr(plan, "runtime", None)
+        info = self.info(node.name)
+        if runtime and runtime not in info["runtimes"] and node.runtime_dir is None:
+            from paicli.cluster.node_admin import _provision
+
+            _provision(self._client(node), node, runtime, self.progress)
+            self._infos.pop(node.name, None)
+            info = self.info(node.name)
+        folder = remote_paths.job_folder(node.job_root, self._job_id(job_dir))
+        sftp = ssh.Sftp(self._client(node))
+        try:
+            sftp.makedirs(f"{folder}/runners")
+            for path in sorted(RUNNERS_DIR.glob("*.py")):
+                sftp.put(str(path), f"{folder}/runners/{path.name}")
+            code = Path(job_dir) / "code"
+            if code.is_dir():
+                sftp.put_tree(str(code), f"{folder}/code")
+            else:
+                sftp.makedirs(f"{folder}/code")
+                for local, rel in self._loose_files(job_dir, plan):
+                    target = f"{folder}/code/{rel}"
+                    sftp.makedirs(target.rsplit("/", 1)[0])
+                    sftp.put(local, target)
+            for path in sorted(Path(job_dir).iterdir()):
+                if path.is_file() and path.name not in PLAN_FILES_SKIP and path.suffix in (".json", ".txt", ".yaml"):
+                    sftp.put(str(path), f"{folder}/{path.name}")
+        finally:
+            sftp.close()
+        with self._lock:
+            self._maps[node.name] = self.mapping(node, job_dir, plan)
+            self._folders[node.name] = folder
+
+    def cleanup(self, job_dir: str) -> None:
+        names = set(self._folders)
+        placements = Path(job_dir) / "placement.json"
+        if placements.exists():
+            try:
+                names |= {p["node"] for p in json.loads(placements.read_text())}
+            except (ValueError, KeyError, TypeError):
+                pass
+        job_id = self._job_id(job_dir)
+
+        def remove(name: str) -> None:
+            try:
+                node = self.entry(name)
+                folder = remote_paths.job_folder(node.job_root, job_id)
+                ssh.exec_command(self._client(node), ["rm", "-rf", "--", folder], timeout=30)
+            except (PaiError, OSError, EOFError, ValueError):
+                pass  # an unreachable node keeps its folder; /tmp is cleared at boot
+
+        with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
+            list(pool.map(remove, sorted(names)))
+
+    def pick_ports(self, node: str, count: int, taken: Iterable[int] = ()) -> list[int]:
+        entry = self.entry(node)
+        taken_text = ",".join(str(int(p)) for p in taken)
+        return [int(p) for p in self._agent(entry, "ports", entry.host, str(int(count)), taken_text)]
+
+    # -- running --------------------------------------------------------------------
+
+    def start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None) -> Handle:
+        node = self.entry(placed.node)
+        mapping = self._maps.get(node.name) or []
+        folder = self._folders.get(node.name)
+        if folder is None:
+            raise OSError(f"node {node.name} was not prepared for this job")
+        # Only what the job adds to our own environment crosses: the node has its own
+        # PATH, HOME, ... (and this machine's secrets stay here).
+        delta = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        spec = {"argv": remote_paths.translate_argv(list(argv), mapping),
+                "env": remote_paths.translate_env(delta, mapping),
+                "cwd": remote_paths.translate(cwd, mapping) if cwd else f"{folder}/code",
+                "heartbeat": HEARTBEAT}
+        label = f"{env.get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}"
+        python = self.info(node.name)["python_path"]
+        try:
+            client = self._client(node)
+            chan = client.get_transport().open_session(timeout=START_TIMEOUT)
+            chan.settimeout(START_TIMEOUT)
+            chan.exec_command(ssh.quote_argv([python, f"{folder}/runners/node_agent.py", "run", label]))
+            chan.sendall(json.dumps(spec).encode() + b"\n")
+            kind, payload = read_frame(chan)
+            while kind == b"H":
+                kind, payload = read_frame(chan)
+        except (PaiError, OSError, EOFError, socket.timeout, Exception) as err:
+            if isinstance(err, UsageError):
+                raise
+            self.conns.drop(node)
+            return self._lost_handle(placed, f"{err.__class__.__name__}: {err}")
+        if kind == b"E":
+            chan.close()
+            data = json.loads(payload)
+            raise OSError(data.get("errno") or 0, data.get("strerror") or "cannot start")
+        if kind != b"I":
+            chan.close()
+            return self._lost_handle(placed, f"unexpected frame {kind!r}")
+        ident = json.loads(payload)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        try:
+            fcntl.fcntl(read_fd, F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:
+            pass
+        remote = RemoteInstance(node.name, chan, write_fd)
+        ref = InstanceRef(backend=self.name, node=node.name, host=placed.host, pid=int(ident["pid"]),
+                          pgid=int(ident["pgid"]), start=ident.get("start") or None, boot_id=ident.get("boot") or None)
+        with self._lock:
+            self._live[(node.name, ref.pid)] = remote
+        remote.thread = threading.Thread(target=self._pump, args=(remote,), name=f"ssh-pump-{label}", daemon=True)
+        remote.thread.start()
+        self._ensure_heartbeat()
+        return Handle(ref=ref, output_fd=read_fd, native=remote)
+
+    def _lost_handle(self, placed: Placement, why: str) -> Handle:
+        """The node did not take the instance: a handle that reports NODE_LOST."""
+        read_fd, write_fd = os.pipe()
+        os.write(write_fd, f"paicli: node {placed.node} did not start the instance: {why}\n".encode()[:4000])
+        remote = RemoteInstance(placed.node, _ClosedChannel(), -1)
+        remote.status = NODE_LOST
+        os.close(write_fd)
+        os.set_blocking(read_fd, False)
+        ref = InstanceRef(backend=self.name, node=placed.node, host=placed.host, pid=0, pgid=0, start=None,
+                          boot_id=None)
+        return Handle(ref=ref, output_fd=read_fd, native=remote)
+
+    def _pump(self, remote: RemoteInstance) -> None:
+        chan = remote.chan
+        chan.settimeout(HEARTBEAT)
+        status = NODE_LOST
+        try:
+            while True:
+                kind, payload = read_frame(chan)
+                if kind == b"O":
+                    view = memoryview(payload)
+                    while view:
+                        written = os.write(remote.write_fd, view)
+                        view = view[written:]
+                elif kind == b"X":
+                    status = int(json.loads(payload)["status"])
+                    break
+        except (socket.timeout, EOFError, OSError, Exception):
+            status = NODE_LOST
+        finally:
+            remote.status = status
+            try:
+                os.close(remote.write_fd)   # EOF wakes the master, which then polls
+            except OSError:
+                pass
+            try:
+                chan.close()
+            except Exception:
+                pass
+
+    def _ensure_heartbeat(self) -> None:
+        with self._lock:
+            if self._beating:
+                return
+            self._beating = True
+        threading.Thread(target=self._heartbeat, name="ssh-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        while True:
+            time.sleep(1.0)
+            with self._lock:
+                live = [r for r in self._live.values() if r.status is None]
+            for remote in live:
+                remote.send(b"h")
+
+    def poll(self, handle: Handle) -> int | None:
+        remote = handle.native
+        if remote is None:
+            return None
+        if remote.status is not None and remote.thread is not None:
+            remote.thread.join(timeout=1)
+        return remote.status
+
+    # -- stopping -----------------------------------------------------------------------
+
+    def _remote(self, ref: InstanceRef) -> RemoteInstance | None:
+        with self._lock:
+            return self._live.get((ref.node, ref.pid))
+
+    @staticmethod
+    def _ref_list(refs: list[InstanceRef]) -> str:
+        return json.dumps([[r.pid, r.pgid, r.start or "", r.boot_id or ""] for r in refs])
+
+    def _signal(self, ref: InstanceRef, signum: int) -> bool:
+        if ref.pid <= 0:
+            return False
+        remote = self._remote(ref)
+        if remote is not None:
+            if remote.status is not None:
+                return False      # the agent stops what is left of a group before it reports
+            return remote.send(b"k" if signum == signal.SIGKILL else b"t")
+        try:
+            return bool(self._agent(self.entry(ref.node), "signal", str(int(signum)), self._ref_list([ref]))[0])
+        except (PaiError, OSError, EOFError):
+            return False
+
+    def _alive(self, ref: InstanceRef) -> bool:
+        if ref.pid <= 0:
+            return False
+        remote = self._remote(ref)
+        if remote is not None:
+            return remote.status is None
+        try:
+            return bool(self._agent(self.entry(ref.node), "alive", self._ref_list([ref]))[0])
+        except (PaiError, OSError, EOFError):
+            return False
+
+    def stop_all(self, refs: Iterable[InstanceRef], timeout: float = 3.0,
+                 waiting: Callable[[], None] | None = None) -> list[InstanceRef]:
+        """Instances with a live channel (ours) through it; any other ref by the
+        agent's identity-checked `stop` on its node, one SSH command per node."""
+        refs = [r for r in refs if r.pid > 0]
+        local = [r for r in refs if self._remote(r) is not None]
+        remote: dict[str, list[InstanceRef]] = {}
+        for ref in refs:
+            if self._remote(ref) is None:
+                remote.setdefault(ref.node, []).append(ref)
+        stopped: list[InstanceRef] = []
+        threads = []
+
+        def stop_on(node_name: str, group: list[InstanceRef]) -> None:
+            try:
+                done = self._agent(self.entry(node_name), "stop", str(float(timeout)), self._ref_list(group),
+                                   timeout=timeout + 30)
+            except (PaiError, OSError, EOFError):
+                return
+            pids = {int(r[0]) for r in done}
+            stopped.extend(r for r in group if r.pid in pids)
+
+        for node_name, group in remote.items():
+            t = threading.Thread(target=stop_on, args=(node_name, group), daemon=True)
+            t.start()
+            threads.append(t)
+        if local:
+            stopped.extend(super().stop_all(local, timeout, waiting))
+        for t in threads:
+            while t.is_alive():
+                if waiting:
+                    waiting()
+                t.join(0.05)
+        return stopped
+
+
+class _ClosedChannel:
+    closed = True
+
+    def sendall(self, data):
+        raise OSError("closed")
+
+    def close(self):
+        pass

@@ -1,0 +1,67 @@
+"""Path translation for a remote node (pure functions, unit-tested).
+
+plan.json's argv, env and cwd hold absolute paths of the submitting machine: the
+runtime's python, the runner file, the script, the code folder, the job folder,
+the directory `pai` ran in. On a node those live elsewhere: the runtime in the
+node's runtime dir, runners and code in the job's per-job folder there. A mapping
+is a list of (local prefix, node prefix) pairs; the longest matching prefix wins.
+A value is translated when it IS a mapped path, starts with one followed by '/',
+or is `--flag=PATH` / `key=PATH` with such a path after the first '='.
+"""
+
+from __future__ import annotations
+
+Mapping = list[tuple[str, str]]
+
+
+def normalise(mapping: Mapping) -> Mapping:
+    """Longest local prefix first; trailing slashes dropped; empty or '/' prefixes
+    ignored (they would translate everything)."""
+    cleaned = []
+    for local, remote in mapping:
+        local = local.rstrip("/")
+        if local and remote:
+            cleaned.append((local, remote.rstrip("/") or "/"))
+    return sorted(dict(cleaned).items(), key=lambda pair: len(pair[0]), reverse=True)
+
+
+def translate_path(value: str, mapping: Mapping) -> str:
+    for local, remote in mapping:
+        if value == local:
+            return remote
+        if value.startswith(local + "/"):
+            return remote + value[len(local):]
+    return value
+
+
+def translate(value: str, mapping: Mapping) -> str:
+    """One argv item / env value / cwd, translated."""
+    if value.startswith("/"):
+        return translate_path(value, mapping)
+    head, eq, tail = value.partition("=")
+    if eq and tail.startswith("/") and "/" not in head:
+        return head + eq + translate_path(tail, mapping)
+    return value
+
+
+def translate_argv(argv: list[str], mapping: Mapping) -> list[str]:
+    return [translate(a, mapping) for a in argv]
+
+
+def translate_env(env: dict[str, str], mapping: Mapping) -> dict[str, str]:
+    """Each value; PATH-like lists (':'-separated absolute paths) item by item."""
+    out = {}
+    for key, value in env.items():
+        if ":" in value and value.startswith("/") and all(p.startswith("/") or not p for p in value.split(":")):
+            out[key] = ":".join(translate_path(p, mapping) if p else p for p in value.split(":"))
+        else:
+            out[key] = translate(value, mapping)
+    return out
+
+
+def job_folder(job_root: str, job_id: str) -> str:
+    """The per-job folder on a node. Job IDs are [0-9a-z] only; anything else is refused
+    here so that no path built from one can leave `job_root`."""
+    if not job_id or not job_id.isalnum():
+        raise ValueError(f"not a job ID: {job_id!r}")
+    return f"{job_root.rstrip('/')}/{job_id}"

@@ -44,7 +44,8 @@ def run_ps(port: int) -> None:
         allow_reuse_address = True
         daemon_threads = True
 
-    with Server(("127.0.0.1", port), Handler) as server:
+    # PAI_HOST: the address of the node this ps runs on (127.0.0.1 on this machine alone).
+    with Server((os.environ.get("PAI_HOST", "127.0.0.1"), port), Handler) as server:
         print(f"ps listening on {port}", flush=True)
         server.serve_forever()  # until the launcher stops us once the workers are done
 

@@ -18,6 +18,8 @@ import re
 import time
 from pathlib import Path
 
+from paicli.private import write_private
+
 DEFAULT_CAP = 64 * 1024 * 1024
 # At most this many lines of one read (a few KB of one instance's output) are
 # searched for metrics. A training loop prints a metric line per step, far fewer
@@ -269,13 +271,7 @@ class JobLog:
         text = b"".join(prefix + shown[prefix] + b"\n" for prefix in order)
         try:
             if text:
-                tmp = self.live_path.with_name(self.live_path.name + ".tmp")
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    os.write(fd, text)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, self.live_path)
+                write_private(self.live_path, text)
             elif self.live_path.exists():
                 os.unlink(self.live_path)
         except OSError:

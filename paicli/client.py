@@ -52,6 +52,7 @@ def submit(prepared: Prepared, store: Store | None = None,
     master. Returns the job ID. Nothing is written to the store or the job
     folder unless every step before starting succeeded."""
     from paicli.cluster import scheduler
+    from paicli.private import private_dir, write_private
     from paicli.staging import stage_code
     from paicli.store import new_job_id
 
@@ -61,7 +62,8 @@ def submit(prepared: Prepared, store: Store | None = None,
     # The job folder is filled first (code, spec, plan) and recorded in the store
     # last; any failure before that removes the folder, so bad input leaves nothing.
     job_dir = store.jobs_dir / job_id
-    job_dir.mkdir()
+    private_dir(job_dir)  # 0700: argv and logs are the owner's business
+    private_dir(job_dir / "logs")
     try:
         code = stage_code(spec, job_dir)
         plan: JobPlan = adapter.plan(spec, code)
@@ -74,8 +76,8 @@ def submit(prepared: Prepared, store: Store | None = None,
                 raise PaiError(f"the {adapter.runtime} runtime: {err}",
                                f"retry with `pai runtime install {adapter.runtime}`") from None
         # JSON, not YAML: importing yaml would cost every submit ~30 ms (`pai export` gives YAML).
-        (job_dir / "spec.json").write_text(json.dumps(spec.to_dict(), indent=2))
-        (job_dir / "plan.json").write_text(plan.to_json())
+        write_private(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))
+        write_private(job_dir / "plan.json", plan.to_json())
     except BaseException:
         shutil.rmtree(job_dir, ignore_errors=True)
         raise

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from paicli import steptime
+from paicli.private import write_private
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
@@ -193,8 +194,6 @@ def write_summary_file(status: dict) -> None:
                      f"  attempts={inst['attempts']}  log={inst['log']}")
     for name, values in status["metrics"].items():
         lines.append(f"  {name} last metrics: " + ", ".join(f"{k}={v:g}" for k, v in values.items()))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    write_private(path, "\n".join(lines) + "\n")
 
 

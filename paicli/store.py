@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from paicli.errors import NotFound, PaiError, UsageError
+from paicli.private import private_dir, touch_private
 from paicli.states import InstanceStatus, JobStatus, can_move
 
 SCHEMA = """
@@ -84,12 +85,18 @@ class Store:
     def __init__(self, home: Path | None = None):
         self.home = home or pai_home()
         self.jobs_dir = self.home / "jobs"
+        self.path = self.home / "pai.db"
         try:
-            self.jobs_dir.mkdir(parents=True, exist_ok=True)
+            # Owner only: the store and the job folders hold argv and log tails.
+            private_dir(self.home, parents=True)
+            private_dir(self.jobs_dir)
+            touch_private(self.path)
+            for suffix in ("-wal", "-shm"):  # SQLite gives these the database's mode; older stores
+                if self.path.with_name(self.path.name + suffix).exists():
+                    touch_private(self.path.with_name(self.path.name + suffix))
         except OSError as err:
             raise PaiError(f"cannot create the job store in {self.home}: {err.strerror}",
                            "set PAI_HOME to a writable directory") from None
-        self.path = self.home / "pai.db"
         self.connect()
         with self.tx():
             for statement in SCHEMA.strip().split(";"):

@@ -182,3 +182,42 @@ def test_setup_cfg_asks_for_the_python_that_has_extraction_filters():
     cfg.read(Path(__file__).resolve().parent.parent / "setup.cfg")
     assert cfg["options"]["python_requires"] == ">=3.11.4"  # tarfile.data_filter: 3.11.4 (PEP 706)
     assert hasattr(tarfile, "data_filter")
+
+
+# -- 5. permissions -------------------------------------------------------------------
+
+
+def test_the_store_job_folders_and_logs_are_the_owners_only(pai_home, tmp_path):
+    old = os.umask(0o022)  # the usual umask: what we write must not follow it
+    try:
+        result = pai("-name", "python", f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":2}}',
+                     "-DuserDefinedParameters=--key=s3cr3t", env={"BEHAVE": "print:2"})
+    finally:
+        os.umask(old)
+    assert result.returncode == 0, result.stderr
+    job_dir = pai_home / "jobs" / job_id_from(result.stdout)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert {p.name: mode(p) for p in (pai_home, pai_home / "jobs", job_dir, job_dir / "logs")} == \
+        {p.name: 0o700 for p in (pai_home, pai_home / "jobs", job_dir, job_dir / "logs")}
+    files = [pai_home / "pai.db", *job_dir.rglob("*")]
+    files += [p for p in pai_home.glob("pai.db-*")]
+    # master.log and watchdog.log are opened by the launcher itself (issue 12, helper B).
+    loose = {str(p.relative_to(pai_home)): oct(mode(p)) for p in files
+             if p.is_file() and p.name not in ("master.log", "watchdog.log") and mode(p) != 0o600}
+    assert loose == {}
+    for name in ("spec.json", "plan.json", "job.log", "summary.txt"):
+        assert (job_dir / name).exists()
+    assert len(list((job_dir / "logs").iterdir())) == 2
+
+
+def test_an_existing_looser_store_is_tightened(tmp_path):
+    from paicli.store import Store
+
+    home = tmp_path / "home"
+    (home / "jobs").mkdir(parents=True, mode=0o755)
+    home.chmod(0o755)
+    (home / "pai.db").touch(mode=0o644)
+    Store(home).close()
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert stat.S_IMODE((home / "jobs").stat().st_mode) == 0o700
+    assert stat.S_IMODE((home / "pai.db").stat().st_mode) == 0o600

@@ -1,0 +1,58 @@
+"""Files and folders only their owner can read.
+
+What paicli writes holds argv (buckets, checkpointDir, user parameters, where
+people put keys) and log tails, so folders are 0700 and files 0600 whatever the
+umask says. Existing ones are tightened when we open them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def private_dir(path: Path, parents: bool = False) -> Path:
+    """Create `path` (0700) or tighten it if it is ours and looser."""
+    try:
+        path.mkdir(mode=DIR_MODE, parents=parents)
+    except FileExistsError:
+        pass
+    _tighten(path, DIR_MODE)
+    return path
+
+
+def write_private(path: Path, text: str | bytes) -> None:
+    """Write a whole file, 0600, through a temporary name: a reader (or a full
+    disk) never sees half of it."""
+    data = text.encode() if isinstance(text, str) else text
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def touch_private(path: Path) -> None:
+    """Make sure `path` exists and is 0600 (a file another program then opens,
+    such as an SQLite database)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, FILE_MODE))
+    _tighten(path, FILE_MODE)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    try:
+        st = os.stat(path)
+        if st.st_uid == os.getuid() and st.st_mode & 0o777 & ~mode:
+            os.chmod(path, st.st_mode & 0o777 & mode)
+    except OSError:
+        pass

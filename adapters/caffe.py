@@ -58,6 +58,8 @@ CAFFE_METRIC_PATTERNS = (
     # the runner's model-averaging summary (worker 0 and the ps)
     rf"Averaged model loss = (?P<averaged_loss>{_N}) \(starting loss = (?P<starting_loss>{_N})\)",
     rf"model averaging round (?P<ma_round>\d+) at iteration (?P<step>\d+): exchange took (?P<exchange_ms>{_N}) ms",
+    # the averaging ps: the model's size (Pluto's calibration reads it)
+    rf"averaging round \d+ at iteration \d+: \d+ workers, (?P<model_mb>{_N}) MB",
 )
 
 CAFFE_PARAMS: tuple[Param, ...] = (

@@ -1,12 +1,404 @@
-"""`pai plan` (Pluto: the planner and its forecast).
+"""`pai plan` (Pluto: the planner and its forecast), and the library call behind it
+that `-DautoStrategy=true` shares.
 
-Registered by paicli.cli (COMMAND_MODULES); keep heavy imports inside the commands.
+    pai plan -name tensorflow -Dscript=train.py [-D...] [--json] [--budget 10m]
+    pai plan job.yaml [-Dkey=value ...] [--json] [--budget 10m]
+
+`make_plan` calibrates the script through pai itself (short real runs on a small
+cluster, cached per script and cluster), describes where the job would run
+(the nodes file's nodes, else this machine) and hands both to the pure planner in
+paicli.cluster.pluto. Registered by paicli.cli (COMMAND_MODULES); heavy imports
+stay inside the functions.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
 import click
+
+PLAN_FRAMEWORKS = ("tensorflow", "mxnet", "caffe")
+CALIBRATION_LIMIT_S = 180.0     # a calibration run that shows no steps by then fails
+CALIBRATION_INTERVALS = 4       # step-line intervals per worker before a run is stopped
+CALIBRATION_MA_PERIOD = 5
+
+
+@dataclass
+class PlanResult:
+    plan: Any                   # paicli.cluster.pluto.planner.Plan
+    profile: Any                # Profile
+    cluster: Any                # Cluster
+    cached: bool
+    calibration_jobs: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.plan.to_json()
+        out["profile"] = self.profile.to_dict()
+        out["where"] = {"source": self.cluster.source,
+                        "nodes": [{"name": n.name, "cores": n.cores, "bandwidth_Bps": n.bandwidth_Bps}
+                                  for n in self.cluster.nodes],
+                        "loopback_Bps": self.cluster.loopback_Bps}
+        out["calibration"] = {"cached": self.cached, "jobs": self.calibration_jobs}
+        return out
+
+
+# -- where the job would run -------------------------------------------------------
+
+
+def parse_rate(text: str) -> float:
+    """'100mbit', '1gbit', '12.5MB' (bytes) -> bytes/s."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(bit|b|B)?(?:/s|ps)?\s*", text, re.I)
+    if not match:
+        raise ValueError(f"expected a rate such as 100mbit or 1gbit, not {text!r}")
+    value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2).lower()]
+    unit = match.group(3) or "bit"
+    return value / 8 if unit.lower() == "bit" and unit != "B" else value
+
+
+def target_cluster(loopback_Bps: float):
+    """The nodes of the nodes file (cores declared or 1; link bandwidth from
+    PAI_PLUTO_BANDWIDTH, else assumed 1 Gbit/s and said so), else this machine."""
+    from paicli.cluster.pluto.strategy import Cluster, Node
+    from paicli.errors import UsageError
+
+    config = None
+    try:
+        from paicli.cluster.nodes import load_nodes
+        config = load_nodes()
+    except ImportError:
+        config = None
+    if config is None or not config.nodes:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return Cluster((Node("local", float(cores), loopback_Bps),), loopback_Bps=loopback_Bps,
+                       source=f"this machine ({cores} cores)")
+    raw = os.environ.get("PAI_PLUTO_BANDWIDTH")
+    try:
+        bandwidth = parse_rate(raw) if raw else 125e6
+    except ValueError as err:
+        raise UsageError(f"PAI_PLUTO_BANDWIDTH: {err}", "e.g. PAI_PLUTO_BANDWIDTH=100mbit") from None
+    nodes = tuple(Node(n.name, (n.cpu or 100) / 100.0, bandwidth) for n in config.nodes)
+    said = f"{raw} links" if raw else "links assumed 1 Gbit/s (set PAI_PLUTO_BANDWIDTH)"
+    return Cluster(nodes, loopback_Bps=loopback_Bps, source=f"{len(nodes)} nodes of {config.path}, {said}")
+
+
+# -- the user's strategy and script ------------------------------------------------
+
+
+def user_strategy(framework: str, spec):
+    from paicli.cluster.pluto.model import default_strategy
+
+    cluster = spec.get("cluster") or {}
+    counts = {role: conf.get("count", 1) for role, conf in cluster.items()}
+    workers = counts.get("worker", 1)
+    if framework == "mxnet":
+        ps = counts.get("server", counts.get("ps", 1))
+    elif framework == "caffe":
+        ps = counts.get("ps", 1 if workers > 1 else 0)
+    else:
+        ps = counts.get("ps", 1)
+    strategy = default_strategy(framework, max(ps, 0), workers)
+    if framework == "mxnet":
+        strategy = strategy.with_(compression=spec.get("gradientCompression") or "none",
+                                  threshold=spec.get("gradientCompressionThreshold") or 0.5,
+                                  big_array_bound=spec.get("bigArrayBound"),
+                                  sync=spec.get("kvstore") != "dist_async")
+    if framework == "caffe" and workers > 1:
+        strategy = strategy.with_(ma_period=spec.get("maPeriod"))
+    if framework == "tensorflow" and spec.get("psStrategy") == "greedy":
+        strategy = strategy.with_(partition="greedy")
+    return strategy
+
+
+def _read(path: str | None) -> str:
+    if not path:
+        return ""
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def script_inputs(prepared):
+    """(facts, files the cache key covers, script arguments)."""
+    import re
+
+    from paicli.adapters.base import script_args
+    from paicli.cluster.pluto.calibrate import script_facts
+
+    spec = prepared.spec
+    args = script_args(spec)
+    files = [Path(p) for p in (spec.get("script"), spec.get("solver"), spec.get("hyperParameters")) if p]
+    source = _read(spec.get("script")) if str(spec.get("script") or "").endswith(".py") else ""
+    solver = _read(spec.get("solver")) if spec.get("solver") else ""
+    net = ""
+    if solver:
+        match = re.search(r'^\s*(?:train_)?net\s*:\s*"([^"]+)"', solver, re.M)
+        if match:
+            base = Path(spec.get("solver")).parent
+            for folder in (base, *base.parents):
+                if (folder / match.group(1)).is_file():
+                    net = _read(str(folder / match.group(1)))
+                    files.append(folder / match.group(1))
+                    break
+    return script_facts(args, source=source, solver=solver, net=net), files, args
+
+
+# -- calibration through pai itself ---------------------------------------------------
+
+
+def _calibration_configs(framework: str):
+    """(cluster, extra params) of each calibration run."""
+    if framework == "mxnet":
+        return [({"server": {"count": 1}, "worker": {"count": 1}}, {}),
+                ({"server": {"count": 1}, "worker": {"count": 2}}, {})]
+    if framework == "caffe":
+        return [({"worker": {"count": 1}}, {}),
+                ({"ps": {"count": 1}, "worker": {"count": 2}}, {"maPeriod": CALIBRATION_MA_PERIOD})]
+    return [({"ps": {"count": 1}, "worker": {"count": 1}}, {}),
+            ({"ps": {"count": 1}, "worker": {"count": 2}}, {})]
+
+
+def _enough_steps(store, job_id: str, workers: int) -> bool:
+    rows = store.db.execute(
+        "SELECT role, idx, COUNT(DISTINCT step) FROM metrics WHERE job_id = ? AND role IN ('worker','chief') "
+        "AND step IS NOT NULL GROUP BY role, idx", (job_id,)).fetchall()
+    return len(rows) >= workers and all(r[2] >= CALIBRATION_INTERVALS + 2 for r in rows)
+
+
+def calibration_run(prepared, store, cluster_value: dict, extra: dict, report: Path,
+                    say: Callable[[str], None]):
+    """Submit the user's script on `cluster_value`, let it run a few steps, stop it,
+    and read what it measured. Raises PaiError when the script fails or shows no steps."""
+    from paicli import client, steptime
+    from paicli.cluster.pluto.calibrate import Run, median, read_report
+    from paicli.errors import PaiError
+    from paicli.states import JobStatus
+
+    params = {k: v for k, v in prepared.spec.params.items() if k not in ("autoStrategy", "timeout")}
+    params.update({"cluster": cluster_value, **extra, "maxRetries": 0,
+                   "jobName": f"pluto-calibration-{Path(str(prepared.spec.get('script') or prepared.spec.get('solver') or 'job')).stem}"})
+    spec = replace(prepared.spec, params=params)
+    workers = cluster_value.get("worker", {}).get("count", 1)
+    os.environ["PAI_PLUTO_REPORT"] = str(report)
+    try:
+        job_id = client.submit(client.Prepared(prepared.adapter, spec), store)
+    finally:
+        os.environ.pop("PAI_PLUTO_REPORT", None)
+    say(f"calibration job {job_id}: {json.dumps(cluster_value)}")
+    deadline = time.monotonic() + CALIBRATION_LIMIT_S
+    while True:
+        job = client.refresh(store, job_id)
+        if JobStatus(job["status"]).is_terminal() or _enough_steps(store, job_id, workers):
+            break
+        if time.monotonic() > deadline:
+            client.kill(store, job_id, reason="pluto calibration: no steps in time")
+            raise PaiError(f"calibration: the script printed fewer than {CALIBRATION_INTERVALS + 2} step "
+                           f"lines per worker in {CALIBRATION_LIMIT_S:.0f} s (job {job_id})",
+                           f"see `pai logs {job_id}`; a step line has step=N (or Caffe's Iteration N)")
+        time.sleep(0.3)
+    job = store.job(job_id)
+    if not JobStatus(job["status"]).is_terminal():
+        client.kill(store, job_id, reason="pluto calibration done")
+    elif job["status"] == JobStatus.FAILED.value:
+        raise PaiError(f"calibration: the script failed on {json.dumps(cluster_value)}: {job['reason']}",
+                       f"see `pai logs {job_id}`")
+    step_s = steptime.job_step_seconds(store, job_id)
+    latest: dict[str, dict[str, list[float]]] = {}
+    for row in store.db.execute("SELECT role, key, value FROM metrics WHERE job_id = ? AND key IN "
+                                "('model_mb','iter_per_s','exchange_ms','global_step')", (job_id,)):
+        latest.setdefault(row[0], {}).setdefault(row[1], []).append(row[2])
+    workers_m = latest.get("worker", {})
+    iter_rates = workers_m.get("iter_per_s") or []
+    exchange = workers_m.get("exchange_ms") or []
+    model_mb = (latest.get("ps", {}).get("model_mb") or [None])[-1]
+    if step_s is None and not iter_rates:
+        raise PaiError(f"calibration: no step timing in the script's output (job {job_id})",
+                       "print a line with step=N per step (or every few steps)")
+    return job_id, Run(ps=cluster_value.get("ps", cluster_value.get("server", {})).get("count", 0),
+                       workers=workers, step_s=step_s, var_bytes=read_report(report), model_mb=model_mb,
+                       iter_s=(1.0 / median(iter_rates)) if iter_rates else None,
+                       exchange_s=(median(exchange[1:] or exchange) / 1000.0) if exchange else None,
+                       ma_period=extra.get("maPeriod"), global_step=bool(workers_m.get("global_step")))
+
+
+def make_plan(stmt, budget_s: float | None = None, store=None,
+              say: Callable[[str], None] = lambda line: None) -> PlanResult:
+    """Calibrate (or read the cache), describe the cluster, plan. Raises UsageError
+    for bad input and PaiError when calibration fails."""
+    from paicli import client
+    from paicli.cluster.pluto import calibrate, planner
+    from paicli.cluster.pluto.strategy import Cluster, Node, Profile
+    from paicli.errors import UsageError
+    from paicli.store import Store, pai_home
+
+    prepared = client.prepare(stmt)
+    framework = prepared.adapter.name
+    if framework not in PLAN_FRAMEWORKS:
+        raise UsageError(f"-name {framework}: pai plan plans {', '.join(PLAN_FRAMEWORKS)} jobs",
+                         "a plain Python job has no parameter server or model to plan")
+    store = store or Store()
+    loopback = calibrate.measure_loopback()
+    where = target_cluster(loopback)
+    facts, files, args = script_inputs(prepared)
+    user = user_strategy(framework, prepared.spec)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # Calibration runs where `pai` runs jobs (this machine without a nodes file).
+    here = where if len(where.nodes) > 1 else Cluster((Node("local", float(cores), loopback),),
+                                                      loopback_Bps=loopback, source=where.source)
+    key = calibrate.cache_key(framework, files, args, here,
+                              extra=json.dumps({k: prepared.spec.get(k) for k in ("kvstore", "entryFile")}))
+    home = pai_home()
+    cached = calibrate.cache_get(home, key)
+    jobs: list[str] = []
+    if cached:
+        profile = Profile.from_dict(cached["profile"])
+        say("calibration: cached")
+    else:
+        runs = []
+        with tempfile.TemporaryDirectory(prefix="pai-pluto-") as tmp:
+            os.chmod(tmp, 0o700)
+            for i, (cluster_value, extra) in enumerate(_calibration_configs(framework)):
+                report = Path(tmp) / f"report-{i}.jsonl"
+                job_id, run = calibration_run(prepared, store, cluster_value, extra, report, say)
+                jobs.append(job_id)
+                runs.append(run)
+        sync = user.sync
+        if framework == "tensorflow":
+            # TF1 between-graph replication is async unless the script wraps its optimizer
+            # in SyncReplicasOptimizer; ParameterServerStrategy steps are async too.
+            sync = "SyncReplicasOptimizer" in _read(prepared.spec.get("script"))
+        profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
+        calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
+                                        "jobs": jobs})
+    result = planner.plan(profile, where, user, budget_s=budget_s)
+    return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs)
+
+
+# -- rendering ------------------------------------------------------------------------
+
+
+def _dur(seconds) -> str:
+    from paicli.cluster.pluto.planner import _dur as dur
+    return dur(seconds)
+
+
+def _d_args(choice_json: dict) -> str:
+    import shlex
+
+    parts = [f"-Dcluster={shlex.quote(json.dumps(choice_json['cluster'], separators=(',', ':')))}"]
+    parts += [f"-D{k}={v}" for k, v in choice_json["params"].items()]
+    return " ".join(parts)
+
+
+def render_text(result: PlanResult) -> list[str]:
+    data = result.plan.to_json()
+    rec = data["recommended"]
+    p = result.profile
+    lines = []
+    model = f"model {p.param_bytes / 1e6:.2f} MB in {len(p.var_bytes)} arrays" if p.var_bytes else "model size unknown"
+    target = (f"step target {p.step_target} ({'all workers together' if p.target_global else 'per worker'})"
+              if p.step_target else "no step target found")
+    lines.append(f"calibration: {'cached' if result.cached else 'measured by ' + ', '.join(result.calibration_jobs)}; "
+                 f"{model}, {p.compute_s_per_sample * 1000:.3f} ms compute per sample, batch {p.batch_size}, {target}")
+    lines.append(f"recommended: {rec['label']} on {result.cluster.source}")
+    lines.append(f"  {_d_args(rec)}")
+    lines.append(f"  forecast {rec['forecast_step_s']:.4f} s/step, {rec['samples_per_s']:.1f} samples/s"
+                 + (f", step target in {_dur(rec['time_to_target_s'])}" if rec["time_to_target_s"] is not None else ""))
+    lines.append("why:")
+    lines += [f"  - {reason}" for reason in data["reasons"]]
+    lines.append("alternatives:")
+    return lines
+
+
+def alternatives_rows(result: PlanResult) -> list[tuple[str, ...]]:
+    data = result.plan.to_json()
+    rows = []
+    for mark, choice in [("*", data["recommended"])] + [("", c) for c in data["alternatives"]]:
+        rows.append((mark, choice["label"], f"{choice['forecast_step_s']:.4f}", f"{choice['samples_per_s']:.1f}",
+                     _dur(choice["time_to_target_s"]), choice["bottleneck"]))
+    return rows
+
+
+# -- the command ---------------------------------------------------------------------------
+
+
+def _split_plan_options(tokens: tuple[str, ...]) -> tuple[list[str], bool, str | None]:
+    from paicli.errors import UsageError
+
+    rest, as_json, budget = [], False, None
+    items = list(tokens)
+    while items:
+        token = items.pop(0)
+        if token == "--json":
+            as_json = True
+        elif token == "--budget":
+            if not items:
+                raise UsageError("--budget needs a duration", "e.g. --budget 10m")
+            budget = items.pop(0)
+        elif token.startswith("--budget="):
+            budget = token.split("=", 1)[1]
+        elif token.startswith("--"):
+            raise UsageError(f"unknown option {token}", "options here: --json, --budget DURATION")
+        else:
+            rest.append(token)
+    return rest, as_json, budget
 
 
 def register(cli: click.Group) -> None:
     """Add this module's commands to the `pai` group."""
+    from paicli.cli import StatementCommand
+
+    @cli.command("plan", cls=StatementCommand, context_settings={"ignore_unknown_options": True})
+    @click.argument("statement", nargs=-1, type=click.UNPROCESSED)
+    def plan_command(statement):
+        """Plan a job without submitting it: the cluster, the optimizations and the forecast.
+
+        \b
+        pai plan -name tensorflow -Dscript=train.py [-D...] [--json] [--budget 10m]
+        pai plan job.yaml [-Dkey=value ...] [--json] [--budget 10m]
+
+        Pluto runs the script briefly through pai (a calibration, cached per
+        script and cluster) to measure its model size and compute per sample,
+        then prints the recommended -Dcluster and -D values, one line per
+        optimization and why, and the alternatives it considered with their
+        forecast step time, samples/s and time to the script's step target.
+        --budget: the cheapest plan that reaches the step target within it (or
+        why none does). --json: {"recommended": PLAN, "alternatives": [...],
+        "reasons": [...]}, each PLAN with cluster, params and forecast_step_s.
+        On the nodes of the nodes file when one is set (PAI_PLUTO_BANDWIDTH
+        gives their link rate, e.g. 100mbit), else on this machine.
+        """
+        from paicli.cli import _print_table
+        from paicli.spec import Param, convert
+        from paicli.statement import load_job_file, merge_overrides, parse_statement
+        from paicli.errors import UsageError
+
+        tokens, as_json, budget_text = _split_plan_options(statement)
+        budget_s = None
+        if budget_text is not None:
+            try:
+                budget_s = convert(Param("budget", "duration"), budget_text, Path.cwd())
+            except ValueError as err:
+                raise UsageError(f"--budget: {err}", "e.g. --budget 10m") from None
+        if tokens and not tokens[0].startswith("-") and tokens[0].endswith((".yaml", ".yml")):
+            stmt = load_job_file(tokens[0])
+            if tokens[1:]:
+                stmt = merge_overrides(stmt, parse_statement(tokens[1:], require_name=False))
+        else:
+            stmt = parse_statement(tokens)
+        say = (lambda line: None) if as_json else (lambda line: click.echo(f"pluto: {line}", err=True))
+        result = make_plan(stmt, budget_s=budget_s, say=say)
+        if as_json:
+            click.echo(json.dumps(result.to_json(), indent=2, sort_keys=True))
+            return
+        for line in render_text(result):
+            click.echo(line)
+        _print_table(("", "PLAN", "STEP(s)", "SAMPLES/S", "TO TARGET", "BOUND BY"), alternatives_rows(result))

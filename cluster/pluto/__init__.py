@@ -1,0 +1,16 @@
+"""Pluto: the planner and its performance forecast (issue 10).
+
+    strategy.py   the typed Strategy (ps/worker counts, partitioning, compression,
+                  averaging period, batch/LR scaling, sync/async) and the -D values it sets
+    model.py      the cost model: forecast step time of a Strategy from a measured
+                  Profile (calibration) and the Links between nodes. Pure functions.
+    planner.py    enumerate alternatives, pick the recommended one (or, with a budget,
+                  the cheapest that meets it), one line of reasoning per optimization
+    calibrate.py  what a short calibration run measured -> Profile; the cache under
+                  $PAI_HOME (0600); link bandwidth
+    seedfit.py    the seed's data- vs hybrid-parallel table: fit one column, predict the rest
+
+Nothing here imports an adapter or the CLI: the planner knows frameworks only as
+data (which optimizations each one can apply), the way cluster/ knows them from
+plan.json.
+"""

@@ -1,0 +1,296 @@
+"""Calibration: from what a short real run measured to a Profile, and its cache.
+
+A calibration run is the user's own script submitted through pai (the caller does
+that: paicli/cli_plan.py) on a small cluster, stopped after a few steps. What it
+leaves behind is read here:
+
+- seconds per step: paicli.steptime over the workers' step lines;
+- the model: the sizes of the variables (TF) or kvstore arrays (MXNet) the
+  runners report through runners/pluto_helpers.py into $PAI_PLUTO_REPORT, or the
+  MB the Caffe averaging ps prints each round;
+- Caffe: seconds per iteration (`iter_per_s`) and per averaging round (`exchange_ms`);
+- the script's step target, batch size and learning rate: its arguments, else the
+  defaults its argparse/absl flags (or solver) declare.
+
+The cost model then splits the measured step into compute and communication and
+fits the Optimus-style overheads (model.fit_overheads) to what is left.
+
+The cache ($PAI_HOME/pluto/calibration.json, 0600 in a 0700 folder) is keyed by a
+digest of the script, its arguments and the cluster, so a second `pai plan` of the
+same script costs nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from paicli.cluster.pluto.model import comm_seconds, compute_seconds, fit_overheads
+from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
+
+CACHE_VERSION = 1
+STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
+BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
+LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")
+_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+
+
+@dataclass
+class ScriptFacts:
+    step_target: int | None = None
+    batch_size: int | None = None
+    learning_rate: float | None = None
+    where: dict[str, str] = field(default_factory=dict)   # fact -> where it was found
+
+
+def _flag_value(args: list[str], names: tuple[str, ...]) -> str | None:
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == f"--{name}" and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(f"--{name}="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def _source_default(source: str, names: tuple[str, ...]) -> str | None:
+    for name in names:
+        pattern = (rf"""add_argument\(\s*["']--{re.escape(name)}["'][^)]*?default\s*=\s*({_NUM})"""
+                   rf"""|DEFINE_\w+\(\s*(?:name\s*=\s*)?["']{re.escape(name)}["']\s*,\s*(?:default\s*=\s*)?({_NUM})""")
+        match = re.search(pattern, source)
+        if match:
+            return match.group(1) or match.group(2)
+    return None
+
+
+def _solver_value(text: str, name: str) -> str | None:
+    match = re.search(rf"^\s*{name}\s*:\s*({_NUM})", text, re.M)
+    return match.group(1) if match else None
+
+
+def script_facts(args: list[str], source: str = "", solver: str = "", net: str = "") -> ScriptFacts:
+    """The step target, batch size and learning rate: the script's arguments first,
+    then its flag defaults (argparse add_argument, absl DEFINE_*), then a Caffe
+    solver's max_iter/base_lr and its net's training batch_size."""
+    facts = ScriptFacts()
+    for attr, names, cast in (("step_target", STEP_FLAGS, lambda v: int(float(v))),
+                              ("batch_size", BATCH_FLAGS, lambda v: int(float(v))),
+                              ("learning_rate", LR_FLAGS, float)):
+        value, where = _flag_value(args, names), "arguments"
+        if value is None and source:
+            value, where = _source_default(source, names), "the script's flag defaults"
+        if value is None and solver and attr != "batch_size":
+            value, where = _solver_value(solver, {"step_target": "max_iter", "learning_rate": "base_lr"}[attr]), \
+                "the solver"
+        if value is None and net and attr == "batch_size":
+            value, where = _solver_value(net, "batch_size"), "the net"
+        if value is None:
+            continue
+        try:
+            setattr(facts, attr, cast(value))
+            facts.where[attr] = where
+        except ValueError:
+            continue
+    return facts
+
+
+# ---------------------------------------------------------------------------
+# What one calibration run measured
+
+
+@dataclass
+class Run:
+    ps: int
+    workers: int
+    step_s: float | None                          # paicli.steptime over the workers
+    var_bytes: tuple[float, ...] = ()             # reported, in creation order
+    model_mb: float | None = None                 # Caffe's averaging ps
+    iter_s: float | None = None                   # Caffe: solver time per iteration
+    exchange_s: float | None = None               # Caffe: one averaging round
+    ma_period: int | None = None
+    global_step: bool = False                     # the workers print a global_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def read_report(path: Path) -> tuple[float, ...]:
+    """Variable sizes from a pluto_helpers report: the first training instance that
+    reported, in the order it created them."""
+    if not path.exists():
+        return ()
+    by_instance: dict[str, list[float]] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("kind") != "variable":
+            continue
+        name = f"{record.get('role')}:{record.get('index')}"
+        by_instance.setdefault(name, []).append(float(record.get("bytes") or 0.0))
+    for preferred in ("chief:0", "worker:0"):
+        if preferred in by_instance:
+            return tuple(by_instance[preferred])
+    return tuple(next(iter(by_instance.values()), ()))
+
+
+def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cluster,
+                  sync: bool = True) -> Profile:
+    """A Profile from calibration runs made on `where` (this machine): the first
+    run (1 ps, 1 worker) sets compute per sample; the others fit the overheads."""
+    base = runs[0]
+    batch = facts.batch_size or 1
+    notes = [f"{k.replace('_', ' ')} from {v}" for k, v in facts.where.items()]
+    if framework == "caffe":
+        return _caffe_profile(runs, facts, where, batch, notes)
+    var_bytes = next((r.var_bytes for r in runs if r.var_bytes), ())
+    param_bytes = float(sum(var_bytes))
+    if not var_bytes:
+        notes.append("no variable sizes were reported (the script places no variables on a ps "
+                     "through replica_device_setter or a kvstore): communication is not modelled")
+    profile = Profile(framework=framework, param_bytes=param_bytes, var_bytes=var_bytes,
+                      batch_size=batch, step_target=facts.step_target,
+                      target_global=any(r.global_step for r in runs) and framework == "tensorflow",
+                      sync=sync, learning_rate=facts.learning_rate, notes=tuple(notes))
+    partition = SLICED if framework == "mxnet" else "round_robin"
+    s0 = Strategy(framework, base.ps, base.workers, partition=partition, sync=sync)
+    comm0 = comm_seconds(profile, s0, where)
+    unit = replace(profile, compute_s_per_sample=1.0)
+    per_sample = max(1e-9, (base.step_s or 0.0) - comm0) / max(1e-9, compute_seconds(unit, s0, where))
+    profile = replace(profile, compute_s_per_sample=per_sample)
+    observations = []
+    for run in runs:
+        if run.step_s is None:
+            continue
+        s = Strategy(framework, run.ps, run.workers, partition=partition, sync=sync)
+        residual = run.step_s - compute_seconds(profile, s, where) - comm_seconds(profile, s, where)
+        observations.append((run.workers / max(1, run.ps), residual))
+    # theta0 is already inside compute (the first run defines it); fit the fan-in term
+    # on what the other runs add beyond the first.
+    x0 = observations[0][0] if observations else 0.0
+    fanin = 0.0
+    extra = [(x - x0, y) for x, y in observations[1:] if x > x0]
+    if extra:
+        _, fanin = fit_overheads([(0.0, 0.0)] + extra)
+    return replace(profile, fanin_s=fanin)
+
+
+def _caffe_profile(runs: list[Run], facts: ScriptFacts, where: Cluster, batch: int,
+                   notes: list[str]) -> Profile:
+    iter_s = next((r.iter_s for r in runs if r.iter_s), None) or next((r.step_s for r in runs if r.step_s), 0.0)
+    model_mb = next((r.model_mb for r in runs if r.model_mb), None)
+    param_bytes = (model_mb or 0.0) * 1e6
+    profile = Profile(framework="caffe", param_bytes=param_bytes, var_bytes=(param_bytes,), batch_size=batch,
+                      step_target=facts.step_target, learning_rate=facts.learning_rate, notes=tuple(notes))
+    unit = replace(profile, compute_s_per_sample=1.0)
+    one = Strategy("caffe", 0, 1)
+    per_sample = (iter_s or 0.0) / max(1e-9, compute_seconds(unit, one, where))
+    profile = replace(profile, compute_s_per_sample=per_sample)
+    ma = next((r for r in runs if r.exchange_s is not None and r.workers > 1), None)
+    if ma is not None:
+        s = Strategy("caffe", 1, ma.workers, ma_period=ma.ma_period or 1)
+        # A round's fixed cost beyond the bytes (connection, numpy copies), per worker per ps.
+        residual = ma.exchange_s - comm_seconds(profile, s, where)
+        profile = replace(profile, fanin_s=max(0.0, residual) / ma.workers, ma_exchange_s=ma.exchange_s)
+    return profile
+
+
+# ---------------------------------------------------------------------------
+# The cache
+
+
+def cache_key(framework: str, files: list[Path], args: list[str], cluster: Cluster, extra: str = "") -> str:
+    digest = hashlib.sha256()
+    digest.update(f"v{CACHE_VERSION}\0{framework}\0{json.dumps(args)}\0{cluster.key()}\0{extra}".encode())
+    for path in files:
+        digest.update(b"\0" + str(path).encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def cache_path(home: Path) -> Path:
+    return home / "pluto" / "calibration.json"
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def cache_get(home: Path, key: str) -> dict | None:
+    try:
+        data = json.loads(cache_path(home).read_text())
+    except (OSError, ValueError):
+        return None
+    entry = data.get(key) if isinstance(data, dict) else None
+    return entry if isinstance(entry, dict) else None
+
+
+def cache_put(home: Path, key: str, entry: dict) -> None:
+    """Write the cache atomically, 0600 in a 0700 folder."""
+    path = cache_path(home)
+    _private_dir(path.parent)
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data[key] = {**entry, "saved": time.time()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------
+# Loopback bandwidth (instances on one node talk through it)
+
+
+def measure_loopback(seconds: float = 0.3, chunk: int = 1 << 20) -> float:
+    """Bytes/s through a TCP connection on 127.0.0.1, as ps and workers on one node use."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    received = [0]
+
+    def sink() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while True:
+                data = conn.recv(chunk)
+                if not data:
+                    break
+                received[0] += len(data)
+
+    thread = threading.Thread(target=sink, daemon=True)
+    thread.start()
+    payload = b"\0" * chunk
+    client = socket.create_connection(server.getsockname())
+    started = time.perf_counter()
+    sent = 0
+    while time.perf_counter() - started < seconds:
+        client.sendall(payload)
+        sent += chunk
+    client.shutdown(socket.SHUT_WR)
+    thread.join(10)
+    elapsed = time.perf_counter() - started
+    client.close()
+    server.close()
+    return received[0] / elapsed if elapsed > 0 else 0.0
+
+
+def median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None

@@ -1,0 +1,205 @@
+"""The cost model: a Strategy's step time from a measured Profile and the Cluster.
+
+    step = overhead + fan-in + compute + communication
+
+- compute (Paleo): seconds per sample x samples per worker per step, slowed by the
+  share of a node's cores its busy instances want (several workers on one node);
+- communication (Paleo, with the ps in the picture): every worker pushes its
+  gradients (2bit: 1/16 of them) to, and pulls the parameters from, every ps in
+  proportion to the bytes that ps holds. The traffic each node's link carries is
+  summed per direction; a phase lasts as long as the busiest link needs. Sync jobs
+  push then pull behind a barrier; async workers overlap each other, so a shared
+  link bounds the rate instead;
+- overhead and fan-in (Optimus): theta0 + theta1 x W/P, fitted by least squares to
+  calibration runs (`fit_overheads`), because round trips and a ps serving many
+  workers cost time that no byte count shows.
+
+Caffe's model averaging: an iteration is compute plus one averaging round (every
+worker sends its model to the ps and receives the average) divided by the period.
+
+Pure functions of their arguments; tests/test_pluto.py checks them on fixed inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+from paicli.cluster.pluto.strategy import (GREEDY, MA_FRAMEWORKS, MXNET_DEFAULT_BIGARRAY_BOUND, ROUND_ROBIN,
+                                           SLICED, Cluster, Forecast, Profile, Strategy)
+
+PS_CPU = 0.25          # cores a busy ps uses (summing gradients, serving pulls)
+TWO_BIT = 1.0 / 16.0   # 2 bits sent for every 32-bit gradient value
+
+
+def ps_loads(var_bytes: tuple[float, ...] | list[float], ps: int, partition: str,
+             big_array_bound: int | None = None) -> list[float]:
+    """Bytes each ps holds when the variables (in creation order) are spread over `ps`.
+
+    round_robin: variable i on ps i % P (TF's replica_device_setter default).
+    greedy: each variable, as created, on the least-loaded ps (TF's
+        GreedyLoadBalancingStrategy with byte_size_load_fn).
+    sliced: MXNet; arrays of more than `big_array_bound` elements are split evenly
+        over every server, smaller ones go whole to one server (by key).
+    """
+    loads = [0.0] * max(1, ps)
+    if ps <= 1:
+        loads[0] = float(sum(var_bytes))
+        return loads
+    if partition == GREEDY:
+        for size in var_bytes:
+            loads[loads.index(min(loads))] += size
+    elif partition == SLICED:
+        bound_bytes = 4.0 * (big_array_bound or MXNET_DEFAULT_BIGARRAY_BOUND)
+        small = 0
+        for size in var_bytes:
+            if size > bound_bytes:
+                for j in range(ps):
+                    loads[j] += size / ps
+            else:
+                loads[small % ps] += size
+                small += 1
+    else:  # round robin, and anything unknown
+        for i, size in enumerate(var_bytes):
+            loads[i % ps] += size
+    return loads
+
+
+def layout(strategy: Strategy, cluster: Cluster) -> tuple[list[int], list[int]]:
+    """Node index of every ps and every worker, as the placement step puts them:
+    services spread one per node in turn, workers each on the node with the most
+    free cores left (ties: the first)."""
+    n = len(cluster.nodes)
+    free = [node.cores for node in cluster.nodes]
+    ps_nodes = []
+    for j in range(strategy.ps):
+        node = j % n
+        ps_nodes.append(node)
+        free[node] -= PS_CPU
+    worker_nodes = []
+    for _ in range(strategy.workers):
+        node = max(range(n), key=lambda i: (free[i], -i))
+        worker_nodes.append(node)
+        free[node] -= 1.0
+    return ps_nodes, worker_nodes
+
+
+def _phase_seconds(flows: list[tuple[int, int, float]], cluster: Cluster) -> float:
+    """How long a set of simultaneous transfers (src node, dst node, bytes) takes:
+    the busiest link (each direction of each node's link counted apart), or the
+    busiest node's loopback for transfers inside one node."""
+    n = len(cluster.nodes)
+    out_b, in_b, local_b = [0.0] * n, [0.0] * n, [0.0] * n
+    for src, dst, size in flows:
+        if src == dst:
+            local_b[src] += size
+        else:
+            out_b[src] += size
+            in_b[dst] += size
+    worst = 0.0
+    for i, node in enumerate(cluster.nodes):
+        worst = max(worst, max(out_b[i], in_b[i]) / node.bandwidth_Bps, local_b[i] / cluster.loopback_Bps)
+    return worst
+
+
+def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
+                 loads: list[float] | None = None) -> float:
+    """Seconds of communication in one step (PS frameworks) or one averaging
+    round (model averaging), as seen by a worker."""
+    ps_nodes, worker_nodes = layout(strategy, cluster)
+    total = profile.param_bytes
+    if total <= 0 or strategy.ps == 0:
+        return 0.0
+    if strategy.framework in MA_FRAMEWORKS:
+        if strategy.workers <= 1:
+            return 0.0
+        # Each worker sends its whole model to the (first) ps, then gets the average back.
+        ps_node = ps_nodes[0]
+        send = [(w, ps_node, total) for w in worker_nodes]
+        back = [(ps_node, w, total) for w in worker_nodes]
+        return _phase_seconds(send, cluster) + _phase_seconds(back, cluster)
+    loads = loads if loads is not None else ps_loads(profile.var_bytes or (total,), strategy.ps,
+                                                     strategy.partition, strategy.big_array_bound)
+    held = sum(loads) or total
+    fractions = [load / held for load in loads]
+    push_bytes = total * (TWO_BIT if strategy.compression == "2bit" else 1.0)
+    push = [(w, ps_nodes[j], push_bytes * f) for w in worker_nodes for j, f in enumerate(fractions)]
+    pull = [(ps_nodes[j], w, total * f) for w in worker_nodes for j, f in enumerate(fractions)]
+    if strategy.sync:
+        return _phase_seconds(push, cluster) + _phase_seconds(pull, cluster)
+    # Async: one worker's own push then pull, unless the shared links are the limit,
+    # where every worker's pushes and pulls overlap (so W steps need the whole lot).
+    own = (_phase_seconds(push[:len(fractions)], cluster) + _phase_seconds(pull[:len(fractions)], cluster))
+    shared = _phase_seconds(push + pull, cluster) if strategy.workers > 1 else 0.0
+    return max(own, shared)
+
+
+def compute_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
+    """Compute of one step on the most crowded worker's node."""
+    ps_nodes, worker_nodes = layout(strategy, cluster)
+    busy = [0.0] * len(cluster.nodes)
+    for node in ps_nodes:
+        busy[node] += PS_CPU
+    for node in worker_nodes:
+        busy[node] += 1.0
+    slowdown = max((max(1.0, busy[node] / cluster.nodes[node].cores) for node in set(worker_nodes)),
+                   default=1.0)
+    batch = strategy.batch_per_worker or profile.batch_size
+    return profile.compute_s_per_sample * batch * slowdown
+
+
+def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast:
+    loads = ps_loads(profile.var_bytes or (profile.param_bytes,), strategy.ps, strategy.partition,
+                     strategy.big_array_bound) if strategy.ps else []
+    compute = compute_seconds(profile, strategy, cluster)
+    comm = comm_seconds(profile, strategy, cluster, loads)
+    fanin = profile.fanin_s * strategy.workers / max(1, strategy.ps) if strategy.ps else 0.0
+    overhead = profile.overhead_s
+    if strategy.framework in MA_FRAMEWORKS:
+        period = strategy.ma_period or 1
+        comm = comm / period if strategy.workers > 1 else 0.0
+        fanin = fanin / period if strategy.workers > 1 else 0.0
+    step = overhead + fanin + compute + comm
+    batch = strategy.batch_per_worker or profile.batch_size
+    samples = strategy.workers * batch / step if step > 0 else math.inf
+    steps_per_worker = None
+    to_target = None
+    if profile.step_target:
+        steps_per_worker = profile.step_target / strategy.workers if profile.target_global \
+            else float(profile.step_target)
+        to_target = steps_per_worker * step
+    parts = {"compute": compute, "network": comm, "ps fan-in": fanin, "overhead": overhead}
+    bottleneck = max(parts, key=parts.get)
+    return Forecast(step_s=step, compute_s=compute, comm_s=comm, overhead_s=overhead + fanin,
+                    samples_per_s=samples, steps_per_worker=steps_per_worker,
+                    time_to_target_s=to_target, bottleneck=bottleneck, ps_bytes=loads)
+
+
+def fit_overheads(observations: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares theta0, theta1 >= 0 for residual = theta0 + theta1 x (W/P), from
+    (W/P, residual seconds) pairs: what measured step times leave after compute and
+    communication. One observation gives theta0 alone."""
+    if not observations:
+        return 0.0, 0.0
+    xs = [x for x, _ in observations]
+    ys = [y for _, y in observations]
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    var_x = sum((x - mean_x) ** 2 for x in xs)
+    if n < 2 or var_x == 0:
+        return max(0.0, mean_y), 0.0
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var_x
+    slope = max(0.0, slope)
+    intercept = mean_y - slope * mean_x
+    if intercept < 0:   # keep both non-negative: refit the slope through the origin
+        intercept = 0.0
+        slope = max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+    return intercept, slope
+
+
+def default_strategy(framework: str, ps: int, workers: int) -> Strategy:
+    """What a submit without Pluto runs: the framework's defaults."""
+    if framework == "mxnet":
+        return Strategy(framework, ps, workers, partition=SLICED, big_array_bound=None)
+    if framework in MA_FRAMEWORKS:
+        return Strategy(framework, ps if workers > 1 else 0, workers, ma_period=20)
+    return Strategy(framework, ps, workers, partition=ROUND_ROBIN)

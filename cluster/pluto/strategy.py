@@ -1,0 +1,160 @@
+"""The typed Strategy Pluto plans, and what it measured to plan it.
+
+A Strategy is what a job runs with: ps/server and worker counts, how the model
+is spread over the ps, gradient compression, the model-averaging period, the
+per-worker batch and learning-rate scaling, sync or async. `cluster_value()` and
+`params()` turn it into the `-Dcluster` and other `-D` values a submit takes, so a
+plan is always something the user could have typed.
+
+A Profile is what a calibration run measured about the script (model size, the
+sizes of its variables, compute per sample, the fitted per-step overheads); a
+Cluster is where it runs (nodes, their cores, the bandwidth of their links).
+Nothing here is asked of the user.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+PS_FRAMEWORKS = ("tensorflow", "mxnet")   # parameter-server data parallelism
+MA_FRAMEWORKS = ("caffe",)                 # model averaging through a ps
+
+# How the model is spread over the ps.
+ROUND_ROBIN = "round_robin"   # TF's replica_device_setter default: variable i -> ps i % P
+GREEDY = "greedy"             # each variable to the least-loaded ps, by byte size
+SLICED = "sliced"             # MXNet: arrays above a bound split evenly over every server
+PARTITIONS = (ROUND_ROBIN, GREEDY, SLICED)
+
+MXNET_DEFAULT_BIGARRAY_BOUND = 1_000_000   # elements; MXNET_KVSTORE_BIGARRAY_BOUND's default
+
+
+@dataclass(frozen=True)
+class Strategy:
+    framework: str
+    ps: int
+    workers: int
+    partition: str = ROUND_ROBIN
+    compression: str = "none"          # "none" | "2bit" (MXNet)
+    threshold: float = 0.5             # 2bit threshold
+    big_array_bound: int | None = None  # MXNet: elements above which an array is sliced
+    ma_period: int | None = None       # Caffe: average the model every this many iterations
+    batch_per_worker: int | None = None
+    lr_scale: float = 1.0              # linear scaling of the learning rate
+    warmup_steps: int = 0
+    sync: bool = True
+
+    @property
+    def instances(self) -> int:
+        return self.ps + self.workers
+
+    def ps_role(self) -> str:
+        return "server" if self.framework == "mxnet" else "ps"
+
+    def cluster_value(self) -> dict[str, dict[str, int]]:
+        """The -Dcluster this strategy submits."""
+        if self.framework in MA_FRAMEWORKS and self.workers == 1:
+            return {"worker": {"count": 1}}
+        return {self.ps_role(): {"count": self.ps}, "worker": {"count": self.workers}}
+
+    def params(self) -> dict[str, Any]:
+        """The other -D values this strategy sets (PAI names, as a submit takes them)."""
+        out: dict[str, Any] = {}
+        if self.framework == "tensorflow" and self.ps > 1:
+            out["psStrategy"] = "greedy" if self.partition == GREEDY else "roundRobin"
+        if self.framework == "mxnet":
+            out["gradientCompression"] = self.compression
+            if self.compression == "2bit":
+                out["gradientCompressionThreshold"] = self.threshold
+            if self.partition == SLICED and self.big_array_bound:
+                out["bigArrayBound"] = self.big_array_bound
+        if self.framework in MA_FRAMEWORKS and self.workers > 1 and self.ma_period:
+            out["maPeriod"] = self.ma_period
+        return out
+
+    def label(self) -> str:
+        parts = [f"{self.ps} {self.ps_role()}" if self.ps else "", f"{self.workers} worker"]
+        if self.framework in PS_FRAMEWORKS and self.ps > 1:
+            parts.append(self.partition.replace("_", "-"))
+        if self.compression != "none":
+            parts.append(self.compression)
+        if self.ma_period and self.workers > 1:
+            parts.append(f"maPeriod {self.ma_period}")
+        return ", ".join(p for p in parts if p)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_(self, **changes) -> "Strategy":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What calibration measured about one script (per worker, uncontended)."""
+
+    framework: str
+    param_bytes: float                 # trainable parameters, bytes (what one step pulls)
+    var_bytes: tuple[float, ...] = ()  # each variable/array in creation order (for ps balance)
+    compute_s_per_sample: float = 0.0  # forward+backward per sample on one worker, one core
+    batch_size: int = 1
+    overhead_s: float = 0.0            # fitted: fixed per-step cost (round trips, session)
+    fanin_s: float = 0.0               # fitted: per-step cost per worker a ps serves (Optimus' W/P term)
+    step_target: int | None = None     # the script's step target, if it has one
+    target_global: bool = False        # the target counts every worker's steps (TF global_step)
+    sync: bool = True
+    learning_rate: float | None = None
+    ma_exchange_s: float = 0.0         # Caffe: measured seconds of one averaging round (2 workers)
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Profile":
+        data = dict(data)
+        data["var_bytes"] = tuple(data.get("var_bytes") or ())
+        data["notes"] = tuple(data.get("notes") or ())
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    cores: float
+    bandwidth_Bps: float               # the node's link to the others, bytes/s each way
+
+
+LOOPBACK_BPS = 2.0e9                   # used only when nothing was measured
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: tuple[Node, ...]
+    loopback_Bps: float = LOOPBACK_BPS  # between instances on one node
+    source: str = "this machine"
+
+    @property
+    def total_cores(self) -> float:
+        return sum(n.cores for n in self.nodes)
+
+    def key(self) -> str:
+        """What the calibration cache is keyed on besides the script."""
+        return json.dumps([[n.name, n.cores] for n in self.nodes])
+
+
+@dataclass
+class Forecast:
+    step_s: float
+    compute_s: float
+    comm_s: float
+    overhead_s: float
+    samples_per_s: float
+    steps_per_worker: float | None
+    time_to_target_s: float | None
+    bottleneck: str                    # "compute" | "network" | "ps fan-in" | "overhead"
+    ps_bytes: list[float] = field(default_factory=list)   # bytes each ps holds
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -23,34 +23,29 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from paicli.cluster import scheduler
-from paicli.cluster.backends.base import Backend, Handle
-from paicli.cluster.backends.local import LocalBackend
+from paicli.cluster import placement as placing
+from paicli.cluster import policy
+from paicli.cluster.backends import backend_for_job
+from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
 from paicli.cluster.procinfo import start_time
 from paicli import jobview
-from paicli.plan import RESTART_JOB, JobPlan, RolePlan
-from paicli.states import InstanceStatus, JobStatus, describe_exit, is_retryable
+from paicli.errors import UsageError
+from paicli.plan import JobPlan, RolePlan
+from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
 POLL_SECONDS = 0.1  # a child's exit and its output wake the loop sooner
 RESTART_BACKOFF = 0.5
-# A bind failure is the port's fault, not the program's: restart the whole job on
-# fresh ports, up to this many times, without spending the job's retries.
-PORT_CONFLICT_RESTARTS = 5
-PORT_CONFLICT_MARKERS = ("address already in use", "eaddrinuse", "address in use",
-                         "could not start grpc server", "failed to bind")
-
-
-def stop_timeout() -> float:
-    return float(os.environ.get("PAI_STOP_TIMEOUT", "3"))
+PLACEMENT_FILE = "placement.json"
 
 
 @dataclass
 class Instance:
     role: RolePlan
     idx: int
+    placed: Placement
     port: int | None = None
     attempt: int = 0
     retries: int = 0
@@ -59,11 +54,51 @@ class Instance:
     log: InstanceLog | None = None
     restart_at: float | None = None
     exit_code: int | None = None
-    gpus: str = ""
 
     @property
     def name(self) -> str:
         return f"{self.role.name}:{self.idx}"
+
+    @property
+    def demand(self) -> placing.Demand:
+        return placing.Demand(self.role.name, self.idx, max(0, self.role.cpu), max(0, self.role.memory),
+                              placing.cards(self.role.gpu), not self.role.must_finish)
+
+
+def write_placements(job_dir: Path, placements: list[Placement]) -> None:
+    fd = os.open(Path(job_dir) / PLACEMENT_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump([p.to_dict() for p in placements], f, indent=2)
+
+
+def read_placements(job_dir: Path) -> list[Placement] | None:
+    try:
+        return [Placement.from_dict(p) for p in json.loads((Path(job_dir) / PLACEMENT_FILE).read_text())]
+    except FileNotFoundError:
+        return None
+
+
+def claim_gpus(store: Store, job_id: str, placements: list[Placement]) -> bool:
+    by_node: dict[str, list[str]] = {}
+    for p in placements:
+        by_node.setdefault(p.node, []).extend(p.gpus)
+    for node, gpus in by_node.items():
+        if gpus and not store.claim("gpu", node, gpus, job_id):
+            store.release_claims(job_id, "gpu")
+            return False
+    return True
+
+
+def place_job(store: Store, job_id: str, plan: JobPlan, backend: Backend) -> list[Placement]:
+    """Place every instance on the backend's nodes with the GPUs no running job
+    holds, and claim those GPUs (UsageError when the job cannot fit)."""
+    nodes = backend.nodes()
+    for _ in range(20):  # another job may claim a card between our look and our claim
+        placements = placing.place_plan(plan, nodes, store.held("gpu", except_job=job_id))
+        if claim_gpus(store, job_id, placements):
+            return placements
+        time.sleep(0.05)
+    raise OSError("GPU claims kept changing under us")
 
 
 class JobMaster:
@@ -73,18 +108,23 @@ class JobMaster:
         row = store.job(job_id)
         self.job_dir = Path(row["job_dir"])
         self.plan = JobPlan.from_json((self.job_dir / "plan.json").read_text())
-        self.backend = backend or LocalBackend()
-        self.instances = [Instance(role, idx) for role in self.plan.roles for idx in range(role.count)]
+        self.backend = backend or backend_for_job(self.job_dir)
+        self.placements = read_placements(self.job_dir)
+        self.instances = [Instance(role, idx, Placement(role.name, idx, "", ""))
+                          for role in self.plan.roles for idx in range(role.count)]
         self.must_finish = [i for i in self.instances if i.role.must_finish] or self.instances
         self.selector = selectors.DefaultSelector()
         self.logs_dir = self.job_dir / "logs"
-        self.logs_dir.mkdir(exist_ok=True)
+        self.logs_dir.mkdir(exist_ok=True, mode=0o700)
         self.cap = log_cap()
         self.joblog = JobLog(self.job_dir / "job.log", MetricParser(self.plan.metric_patterns), self.cap)
+        self.stop_timeout, stop_note = policy.stop_timeout_or_default()
+        if stop_note:
+            self.joblog.note(stop_note)
         self.cancel_reason: str | None = None
         self.job_attempt = 0
         self.job_retries = 0
-        self.port_restarts = 0
+        self.avoid: set[str] = set()     # nodes this job lost
         self.started = time.monotonic()
         self.last_store_check = 0.0
         self.watchdog: subprocess.Popen | None = None
@@ -93,6 +133,11 @@ class JobMaster:
     # -- entry ------------------------------------------------------------------
 
     def run(self) -> int:
+        from paicli.cluster.backends.local import unignore_signals
+
+        # Instances must start with default signal dispositions whatever we
+        # inherited (nohup, a shell's background job); caught ones reset at exec.
+        unignore_signals()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._on_signal)
         # A child's exit wakes the loop at once (self-pipe), instead of waiting
@@ -106,12 +151,17 @@ class JobMaster:
         self.store.update_job(self.job_id, master_pid=os.getpid(), master_start=start_time(os.getpid()))
         self._start_watchdog()
         if not self.store.set_job(self.job_id, JobStatus.RUNNING):
+            self._tell_watchdog("done")
             return 0  # cancelled before we got going
         try:
-            gpus = scheduler.assign_gpus(self.plan)
+            if self.placements is None:
+                self.placements = place_job(self.store, self.job_id, self.plan, self.backend)
+                write_placements(self.job_dir, self.placements)
+            placed = {(p.role, p.idx): p for p in self.placements}
             for inst in self.instances:
-                inst.gpus = gpus[(inst.role.name, inst.idx)]
-            self._assign_ports()
+                inst.placed = placed[(inst.role.name, inst.idx)]
+            self.backend.prepare(str(self.job_dir), self.plan, self.placements)
+            self._assign_ports(self.instances)
             for inst in self.instances:
                 self._launch(inst)
             self._write_log_view()
@@ -129,24 +179,55 @@ class JobMaster:
     def _start_watchdog(self) -> None:
         # The watchdog holds the read end of a pipe only we write to: when we die,
         # however we die, it reads EOF and ends the instances.
-        self.watchdog = subprocess.Popen(
-            [sys.executable, "-m", "paicli.cluster.watchdog", self.job_id],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=open(self.job_dir / "watchdog.log", "ab"),
-            start_new_session=True, close_fds=True)
+        fd = os.open(self.job_dir / "watchdog.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            self.watchdog = subprocess.Popen(
+                [sys.executable, "-m", "paicli.cluster.watchdog", self.job_id],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=fd,
+                start_new_session=True, close_fds=True)
+        finally:
+            os.close(fd)
+
+    def _tell_watchdog(self, line: str) -> None:
+        if self.watchdog and self.watchdog.stdin:
+            try:
+                self.watchdog.stdin.write(f"{line}\n".encode())
+                self.watchdog.stdin.flush()
+            except OSError:
+                pass
+
+    # -- one way to change an instance's state -------------------------------------
+
+    def _set(self, inst: Instance, status: InstanceStatus, message: str | None = None, **fields) -> bool:
+        """Record `status` in the store; memory follows only if the store accepted
+        it (a refused move leaves both as they were, and says so in master.log)."""
+        if self.store.set_instance(self.job_id, inst.role.name, inst.idx, status, message, **fields):
+            inst.status = status
+            if "attempt" in fields:
+                inst.attempt = fields["attempt"]
+            return True
+        print(f"{time.ctime()}: the store refused {inst.name} {inst.status.value} -> {status.value}",
+              file=sys.stderr, flush=True)
+        return False
 
     # -- ports and launching --------------------------------------------------------
 
-    def _assign_ports(self) -> None:
-        listening = [i for i in self.instances if i.role.listens]
-        ports = allocate_ports(self.store, self.job_id, self.backend.host, len(listening))
-        for inst, port in zip(listening, ports):
-            inst.port = port
+    def _assign_ports(self, insts: list[Instance]) -> None:
+        by_node: dict[str, list[Instance]] = {}
+        for inst in insts:
+            if inst.role.listens:
+                by_node.setdefault(inst.placed.node, []).append(inst)
+        for node, group in by_node.items():
+            ports = allocate_ports(self.store, self.job_id, group[0].placed.host, len(group),
+                                   backend=self.backend, node=node)
+            for inst, port in zip(group, ports):
+                inst.port = port
 
     def _cluster_json(self) -> str:
         cluster: dict[str, list[str]] = {}
         for inst in self.instances:
             if inst.role.listens:
-                cluster.setdefault(inst.role.name, []).append(f"{self.backend.host}:{inst.port}")
+                cluster.setdefault(inst.role.name, []).append(f"{inst.placed.host}:{inst.port}")
         return json.dumps(cluster)
 
     def _launch(self, inst: Instance) -> None:
@@ -155,10 +236,10 @@ class JobMaster:
         env.update(role.env)
         env.update({
             "PAI_JOB_ID": self.job_id, "PAI_ROLE": role.name, "PAI_INDEX": str(inst.idx),
-            "PAI_HOST": self.backend.host, "PAI_CLUSTER": self._cluster_json(),
+            "PAI_HOST": inst.placed.host, "PAI_NODE": inst.placed.node, "PAI_CLUSTER": self._cluster_json(),
             "PAI_ATTEMPT": str(inst.attempt), "PAI_JOB_ATTEMPT": str(self.job_attempt),
             "PAI_JOB_DIR": str(self.job_dir), "PYTHONUNBUFFERED": "1",
-            "CUDA_VISIBLE_DEVICES": inst.gpus,
+            "CUDA_VISIBLE_DEVICES": ",".join(inst.placed.gpus),
         })
         env.pop("PAI_PORT", None)
         if inst.port is not None:
@@ -166,30 +247,27 @@ class JobMaster:
         log_path = self.logs_dir / f"{role.name}-{inst.idx}.{inst.attempt}.log"
         inst.log = InstanceLog(log_path, f"[{inst.name}] ", self.cap)
         inst.restart_at = None
-        self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, host=self.backend.host,
-                                  port=inst.port, log_path=str(log_path), started=time.time())
+        self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, host=inst.placed.host,
+                                  node=inst.placed.node, port=inst.port, log_path=str(log_path), started=time.time())
         try:
-            handle = self.backend.start(role.argv, env, role.cwd)
+            handle = self.backend.start(inst.placed, role.argv, env, role.cwd)
         except OSError as err:
             # Not executable / not found: the shell's verdicts for these are 126 / 127.
-            self._lines(inst, inst.log.feed(f"cannot start {role.argv[0]}: {err.strerror}\n".encode()))
-            inst.status = InstanceStatus.RUNNING
-            self.store.set_instance(self.job_id, role.name, inst.idx, InstanceStatus.RUNNING, attempt=inst.attempt)
+            self._lines(inst, inst.log.feed(f"cannot start {role.argv[0]}: {err.strerror or err}\n".encode()))
+            self._set(inst, InstanceStatus.RUNNING, attempt=inst.attempt, node=inst.placed.node,
+                      host=inst.placed.host, port=inst.port)
             self.failure = self._exited(inst, 127 if isinstance(err, FileNotFoundError) else 126)
             return
         inst.handle = handle
-        inst.status = InstanceStatus.RUNNING
-        self.store.set_instance(self.job_id, role.name, inst.idx, InstanceStatus.RUNNING,
-                                f"attempt {inst.attempt}, pid {handle.pid}", attempt=inst.attempt,
-                                host=handle.host, port=inst.port, pid=handle.pid, pgid=handle.pgid,
-                                started=time.time(), ended=None, exit_code=None)
-        self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, pid=handle.pid, pgid=handle.pgid)
-        if self.watchdog and self.watchdog.stdin:
-            try:
-                self.watchdog.stdin.write(f"{handle.pgid}\n".encode())
-                self.watchdog.stdin.flush()
-            except OSError:
-                pass
+        ref = json.dumps(handle.ref.to_dict())
+        # The watchdog learns the instance before anything else can go wrong.
+        self._tell_watchdog(ref)
+        self._set(inst, InstanceStatus.RUNNING, f"attempt {inst.attempt}, pid {handle.pid} on {inst.placed.node}",
+                  attempt=inst.attempt, node=inst.placed.node, host=handle.host, port=inst.port, pid=handle.pid,
+                  pgid=handle.pgid, ref=ref, gpus=",".join(inst.placed.gpus), started=time.time(), ended=None,
+                  exit_code=None)
+        self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, pid=handle.pid,
+                                  pgid=handle.pgid, ref=ref)
         self.selector.register(handle.output_fd, selectors.EVENT_READ, inst)
 
     def _write_log_view(self) -> None:
@@ -210,6 +288,8 @@ class JobMaster:
             for inst in self.instances:
                 if inst.restart_at is not None and now >= inst.restart_at:
                     self._launch(inst)
+                    if self.failure:
+                        return self.failure
             if self.plan.timeout and now - self.started > self.plan.timeout:
                 return JobStatus.CANCELLED, f"timeout after {self.plan.timeout:g}s"
             if now - self.last_store_check > 1.0:
@@ -282,110 +362,144 @@ class JobMaster:
             return JobStatus.SUCCEEDED, None
         return None
 
+    def _close_output(self, inst: Instance) -> None:
+        if inst.handle and inst.handle.output_fd >= 0:
+            try:
+                self.selector.unregister(inst.handle.output_fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(inst.handle.output_fd)
+            inst.handle.output_fd = -1
+
     def _exited(self, inst: Instance, code: int) -> tuple[JobStatus, str | None] | None:
-        """Decide what an instance's exit means. Returns the job's outcome when it
-        ends the job."""
+        """Decide what an instance's exit means (cluster/policy.py) and act on it.
+        Returns the job's outcome when it ends the job."""
         inst.exit_code = code
         role = inst.role
         if inst.handle is not None:
             # Whatever the instance left running in its group goes with it.
-            self.backend.signal(inst.handle, signal.SIGKILL)
+            if code != NODE_LOST:
+                self.backend.stop_all([inst.handle.ref], 0)
+            self._close_output(inst)
         self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, ended=time.time(), exit_code=code)
-        if code == 0:
-            inst.status = InstanceStatus.TERMINATED
-            self.store.set_instance(self.job_id, role.name, inst.idx, InstanceStatus.TERMINATED, "exit 0",
-                                    exit_code=0, ended=time.time())
-            return None
-        what = f"{inst.name} {describe_exit(code)}"
         tail = list(inst.log.tail) if inst.log else []
-        if any(m in line.lower() for line in tail[-10:] for m in PORT_CONFLICT_MARKERS) \
-                and self.port_restarts < PORT_CONFLICT_RESTARTS:
-            self.port_restarts += 1
-            self.joblog.note(f"{what}: its port was taken; restarting the job on fresh ports")
-            self.store.event(self.job_id, "port-conflict", what, role.name, inst.idx)
-            self._restart_job(count_retry=False)
+        if code == NODE_LOST:
+            self.avoid.add(inst.placed.node)
+            self.store.event(self.job_id, "node-lost", f"{inst.name}: node {inst.placed.node} stopped answering",
+                             role.name, inst.idx)
+        verdict = policy.judge_exit(code, tail, restart=self.plan.restart, max_retries=self.plan.max_retries,
+                                    instance_retries=inst.retries, job_retries=self.job_retries, name=inst.name,
+                                    node=inst.placed.node, moved_listens=role.listens)
+        if verdict.action == policy.FINISHED:
+            self._set(inst, InstanceStatus.TERMINATED, "exit 0", exit_code=0, ended=time.time())
             return None
-        if is_retryable(code):
-            if self.plan.restart == RESTART_JOB and self.job_retries < self.plan.max_retries:
-                self.job_retries += 1
-                self.joblog.note(f"{what}; restarting the whole job "
+        if verdict.action in (policy.RESTART_JOB_, policy.RESTART_INSTANCE) and verdict.node_lost:
+            try:
+                self._move(inst)
+                if verdict.action == policy.RESTART_INSTANCE and inst.role.listens:
+                    self._assign_ports([inst])
+            except (UsageError, OSError) as err:  # no node has room
+                verdict = policy.Verdict(policy.FAIL, f"{verdict.reason}; no other node has room ({err})")
+        if verdict.action == policy.RESTART_JOB_:
+            self.job_retries += 1
+            self.store.add_retry(self.job_id, role.name)
+            if verdict.port_conflict:
+                self.store.event(self.job_id, "port-conflict", verdict.reason, role.name, inst.idx)
+                self.joblog.note(f"{verdict.reason}; restarting the job on fresh ports "
                                  f"(retry {self.job_retries} of {self.plan.max_retries})")
-                self._restart_job(count_retry=True, failed=inst)
-                return None
-            if self.plan.restart != RESTART_JOB and inst.retries < self.plan.max_retries:
-                inst.retries += 1
-                self.store.add_retry(self.job_id, role.name)
-                self.joblog.note(f"{what}; restarting it (retry {inst.retries} of {self.plan.max_retries})")
-                inst.status = InstanceStatus.WAITING
-                self.store.set_instance(self.job_id, role.name, inst.idx, InstanceStatus.WAITING,
-                                        f"{describe_exit(code)}, restarting", exit_code=code)
-                inst.attempt += 1
+            else:
+                self.joblog.note(f"{verdict.reason}; restarting the whole job "
+                                 f"(retry {self.job_retries} of {self.plan.max_retries})")
+            self._restart_job(failed=inst, code=code)
+            return None
+        if verdict.action == policy.RESTART_INSTANCE:
+            inst.retries += 1
+            self.store.add_retry(self.job_id, role.name)
+            self.joblog.note(f"{verdict.reason}; restarting it (retry {inst.retries} of {self.plan.max_retries})")
+            if self._set(inst, InstanceStatus.WAITING, f"{policy.describe(code, inst.placed.node)}, restarting",
+                         exit_code=code, attempt=inst.attempt + 1):
                 inst.handle = None
                 inst.restart_at = time.monotonic() + RESTART_BACKOFF
-                return None
-        inst.status = InstanceStatus.FAILED
-        self.store.set_instance(self.job_id, role.name, inst.idx, InstanceStatus.FAILED, describe_exit(code),
-                                exit_code=code, ended=time.time())
-        if is_retryable(code):
-            what += f" (no retries left of {self.plan.max_retries})"
+            return None
+        self._set(inst, InstanceStatus.FAILED, policy.describe(code, inst.placed.node), exit_code=code,
+                  ended=time.time())
         if tail:
             self.store.event(self.job_id, "last-lines", "\n".join(tail[-10:]), role.name, inst.idx)
         last = " | ".join(line.strip() for line in tail[-3:])
-        return JobStatus.FAILED, what + (f"; last lines: {last}" if last else "")
+        return JobStatus.FAILED, verdict.reason + (f"; last lines: {last}" if last else "")
 
-    def _restart_job(self, count_retry: bool, failed: Instance | None = None) -> None:
+    def _move(self, inst: Instance) -> None:
+        """Place `inst` again, away from the nodes this job lost, with what the
+        job's other instances leave free. UsageError when no node has room."""
+        nodes = self.backend.nodes()
+        free = placing.free_resources(nodes, self.store.held("gpu", except_job=self.job_id))
+        for other in self.instances:
+            if other is not inst and other.placed.node not in self.avoid:
+                placing.reserve(free, other.placed, other.demand)
+        new = placing.place([inst.demand], nodes, free, self.avoid)[0]
+        self.store.release_claims(self.job_id, "gpu", inst.placed.node, list(inst.placed.gpus))
+        if new.gpus and not self.store.claim("gpu", new.node, list(new.gpus), self.job_id):
+            raise OSError(f"GPUs {','.join(new.gpus)} on {new.node} were taken meanwhile")
+        self.joblog.note(f"{inst.name} moves from {inst.placed.node} to {new.node}")
+        self.store.event(self.job_id, "moved", f"{inst.name}: {inst.placed.node} -> {new.node}",
+                         inst.role.name, inst.idx)
+        inst.placed = new
+        self.placements = [new if (p.role, p.idx) == (new.role, new.idx) else p for p in self.placements or []]
+        write_placements(self.job_dir, self.placements)
+        self.backend.prepare(str(self.job_dir), self.plan, [new])
+
+    def _restart_job(self, failed: Instance, code: int) -> None:
         """Stop every instance, take fresh ports, start them all again (a job-level
-        attempt, for frameworks that cannot take one restarted instance back)."""
+        attempt, for frameworks that cannot take one restarted instance back). Each
+        instance begins a new attempt: Waiting, whatever its last one ended as."""
         running = [i for i in self.instances if i.status == InstanceStatus.RUNNING and i is not failed]
         self._stop(running, InstanceStatus.WAITING)
         self.store.release_ports(self.job_id)
         self.job_attempt += 1
         self.store.update_job(self.job_id, job_attempt=self.job_attempt)
-        if count_retry and failed is not None:
-            self.store.add_retry(self.job_id, failed.role.name)
         for inst in self.instances:
-            if inst.status != InstanceStatus.WAITING:
-                self.store.set_instance(self.job_id, inst.role.name, inst.idx, InstanceStatus.WAITING,
-                                        f"job restart {self.job_attempt}")
-                inst.status = InstanceStatus.WAITING
-            inst.attempt += 1
+            if inst.placed.node in self.avoid and inst is not failed:
+                try:
+                    self._move(inst)
+                except (UsageError, OSError) as err:
+                    self.failure = (JobStatus.FAILED, f"{inst.name} was on lost node {inst.placed.node} "
+                                                      f"and no other node has room ({err})")
+                    return
+            message = (f"{policy.describe(code, failed.placed.node)}, job restart {self.job_attempt}"
+                       if inst is failed else f"job restart {self.job_attempt}")
+            self._set(inst, InstanceStatus.WAITING, message, attempt=inst.attempt + 1)
             inst.handle = None
-        self._assign_ports()
+        self._assign_ports(self.instances)
         time.sleep(RESTART_BACKOFF)
         for inst in self.instances:
-            self._launch(inst)
+            if inst.status == InstanceStatus.WAITING:
+                self._launch(inst)
 
     # -- stopping ---------------------------------------------------------------------
 
     def _stop(self, insts: list[Instance], final: InstanceStatus, grace: float = 0.0) -> None:
-        """Stop instances: wait `grace` for them to exit by themselves, then SIGTERM
-        to each group, a bounded wait, SIGKILL."""
+        """Stop instances through the backend's one stop path: wait `grace` for them
+        to exit by themselves, then SIGTERM to each group, a bounded wait, SIGKILL."""
         insts = [i for i in insts if i.handle is not None and i.status == InstanceStatus.RUNNING]
         deadline = time.monotonic() + grace
         while grace and time.monotonic() < deadline and any(self.backend.poll(i.handle) is None for i in insts):
             self._pump(POLL_SECONDS)
+        live = [i for i in insts if self.backend.poll(i.handle) is None]
+        for inst in live:
+            self.store.event(self.job_id, "stop", f"SIGTERM to {inst.name}", inst.role.name, inst.idx)
+        self.backend.stop_all([i.handle.ref for i in insts], self.stop_timeout,
+                              waiting=lambda: self._pump(POLL_SECONDS / 2))
         for inst in insts:
-            if self.backend.poll(inst.handle) is None:
-                self.store.event(self.job_id, "stop", f"SIGTERM to {inst.name}", inst.role.name, inst.idx)
-                self.backend.signal(inst.handle, signal.SIGTERM)
-        deadline = time.monotonic() + stop_timeout()
-        while time.monotonic() < deadline and any(self.backend.poll(i.handle) is None for i in insts):
-            self._pump(POLL_SECONDS)
-        for inst in insts:
-            if self.backend.poll(inst.handle) is None:
-                self.store.event(self.job_id, "stop", f"SIGKILL to {inst.name}", inst.role.name, inst.idx)
-            self.backend.signal(inst.handle, signal.SIGKILL)  # stragglers in the group too
-        for inst in insts:
-            code = self.backend.wait(inst.handle)
+            code = self.backend.wait(inst.handle, self.stop_timeout + 5)
+            code = NODE_LOST if code is None else code
             self._drain(inst)
+            self._close_output(inst)
             inst.exit_code = code
             self.store.record_attempt(self.job_id, inst.role.name, inst.idx, inst.attempt,
                                       ended=time.time(), exit_code=code)
             # `final` is Terminated when services are stopped after success: their
             # SIGTERM exit is the end of their work, not a failure.
-            inst.status = final
-            self.store.set_instance(self.job_id, inst.role.name, inst.idx, final, describe_exit(code),
-                                    exit_code=code, ended=time.time())
+            self._set(inst, final, policy.describe(code, inst.placed.node), exit_code=code, ended=time.time())
 
     def _finish(self, status: JobStatus, reason: str | None) -> None:
         running = [i for i in self.instances if i.status == InstanceStatus.RUNNING]
@@ -400,8 +514,7 @@ class JobMaster:
             self._stop(running, InstanceStatus.KILLED)
         for inst in self.instances:
             if inst.status == InstanceStatus.WAITING:
-                self.store.set_instance(self.job_id, inst.role.name, inst.idx, InstanceStatus.KILLED, "never restarted")
-                inst.status = InstanceStatus.KILLED
+                self._set(inst, InstanceStatus.KILLED, "never restarted")
         row = self.store.job(self.job_id)
         self.joblog.note(f"job {row['status']}" + (f": {row['reason']}" if row["reason"] else ""))
         self.store.add_metrics(self.joblog.take_metrics())
@@ -409,11 +522,16 @@ class JobMaster:
         for inst in self.instances:
             if inst.log:
                 inst.log.close()
+        self.store.release_claims(self.job_id)
         self.store.release_ports(self.job_id)
+        try:
+            self.backend.cleanup(str(self.job_dir))
+        except Exception:
+            traceback.print_exc()
         self._write_log_view()
+        self._tell_watchdog("done")
         if self.watchdog and self.watchdog.stdin:
             try:
-                self.watchdog.stdin.write(b"done\n")
                 self.watchdog.stdin.close()
             except OSError:
                 pass
@@ -432,10 +550,13 @@ def spawn_master(home: Path, job_id: str, log_path: Path) -> int:
 
     env_home = {"PAI_HOME": str(home)}
     if threading.active_count() > 1 or os.environ.get("PAI_MASTER_EXEC"):
-        with open(log_path, "ab") as log:
+        log = open_private(log_path)
+        try:
             proc = subprocess.Popen([sys.executable, "-m", "paicli.cluster.master", job_id],
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=str(log_path.parent),
                                     start_new_session=True, close_fds=True, env={**os.environ, **env_home})
+        finally:
+            os.close(log)
         return proc.pid
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -463,12 +584,29 @@ def spawn_master(home: Path, job_id: str, log_path: Path) -> int:
     return int(pid)
 
 
+def open_private(path: Path) -> int:
+    """An append-only log file only its owner can read (it holds argv and log tails)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 def _run_forked_master(home: Path, job_id: str, log_path: Path) -> int:
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = open_private(log_path)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    # Nothing of the CLI's: not its descriptors (a terminal, a pipe someone waits
+    # to see closed, the SQLite file), not its working directory (an unmount of it
+    # would fail while the job runs).
+    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+        if fd > 2:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own descriptor, already gone
+    os.chdir(log_path.parent)
     os.environ["PAI_HOME"] = str(home)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
         signal.signal(signum, signal.SIG_DFL)

@@ -47,3 +47,18 @@ def live_members(pgid: int) -> bool:
             if stat and stat.pgid == pgid and stat.state != "Z":
                 return True
     return False
+
+
+_BOOT_ID: str | None = None
+
+
+def boot_id() -> str | None:
+    """This boot's random id: a pid and start time from another boot mean nothing."""
+    global _BOOT_ID
+    if _BOOT_ID is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _BOOT_ID = f.read().strip()
+        except OSError:
+            return None
+    return _BOOT_ID

@@ -1,18 +1,12 @@
-"""Resources in PAI units (cpu 100 = one core, gpu 100 = one card, memory in MB)
-and placement on the local machine.
-
-A job that asks for more GPUs or memory than the machine has is refused before it
-starts: running it on the CPU while it claims a GPU would hide the problem.
+"""This machine's resources in PAI units (cpu 100 = one core, gpu 100 = one
+card, memory in MB): what the local backend reports as its one node. Placing
+instances on nodes is cluster/placement.py.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
-
-from paicli.errors import UsageError
-from paicli.plan import JobPlan
 
 
 def machine_gpus() -> list[str]:
@@ -29,34 +23,3 @@ def machine_gpus() -> list[str]:
 def machine_memory_mb() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
 
-
-def cards(gpu_units: int) -> int:
-    return math.ceil(gpu_units / 100) if gpu_units > 0 else 0
-
-
-def check_fits(plan: JobPlan) -> None:
-    wanted_gpus = sum(cards(r.gpu) * r.count for r in plan.roles)
-    have = machine_gpus()
-    if wanted_gpus > len(have):
-        where = ", ".join(f"{r.name} x{r.count}: gpu {r.gpu}" for r in plan.roles if r.gpu)
-        raise UsageError(
-            f"-DgpuRequired/-Dcluster: the job asks for {wanted_gpus} GPU(s) ({where}) but this machine has "
-            f"{len(have) or 'none'}",
-            "set -DgpuRequired=0 (and gpu 0 in -Dcluster) to train on the CPU, or submit on a machine with GPUs")
-    wanted_mb = sum(r.memory * r.count for r in plan.roles)
-    if wanted_mb > machine_memory_mb():
-        raise UsageError(f"-Dcluster: the job asks for {wanted_mb} MB of memory but this machine has "
-                         f"{machine_memory_mb()} MB", "lower the memory per role or the instance counts")
-
-
-def assign_gpus(plan: JobPlan) -> dict[tuple[str, int], str]:
-    """CUDA_VISIBLE_DEVICES per instance: its own cards, or "" for an instance that
-    asked for none (so it cannot grab a card another instance was given)."""
-    free = machine_gpus()
-    assignment = {}
-    for role in plan.roles:
-        for idx in range(role.count):
-            n = cards(role.gpu)
-            assignment[(role.name, idx)] = ",".join(free[:n])
-            free = free[n:]
-    return assignment

@@ -1,46 +1,61 @@
 """The watchdog: ends a job's instances when its JobMaster dies.
 
-The master starts it with a pipe on stdin and writes each instance's process
-group ID to it. EOF on that pipe without a prior "done" means the master is gone
-(kill -9, a crash, OOM): the watchdog stops every group it was told about and
-marks the job failed with reason "master lost".
+The master starts it with a pipe on stdin and writes each instance's identity
+(an InstanceRef as one JSON line) to it as it starts. EOF on that pipe without a
+prior "done" means the master is gone (kill -9, a crash, OOM): the watchdog
+stops every instance it was told about, and every one the store knows, through
+the job's backend (`Backend.stop_all`: identity checked, SIGTERM, bounded wait,
+SIGKILL), and marks the job failed with reason "master lost".
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
+from pathlib import Path
 
-from paicli.cluster.backends.local import group_exists, signal_group
+from paicli.cluster.backends import backend_for_job
+from paicli.cluster.backends.base import InstanceRef
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
-
-def stop_groups(pgids: set[int], timeout: float = 3.0) -> None:
-    """SIGTERM to every group, a bounded wait, SIGKILL to what is left."""
-    for pgid in pgids:
-        signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(group_exists(p) for p in pgids):
-        time.sleep(0.05)
-    for pgid in pgids:
-        signal_group(pgid, signal.SIGKILL)
+STOP_TIMEOUT = 3.0
 
 
-def mark_master_lost(store: Store, job_id: str, pgids: set[int] | None = None) -> None:
-    """The job's master is gone: record it, then stop whatever it left running
-    (the groups given, and every group the store knows for the job)."""
+def stored_refs(store: Store, job_id: str, live_only: bool = True) -> list[InstanceRef]:
+    """The identities the store holds for a job: every attempt's (an attempt may
+    have left processes in its group), or only those of instances not yet ended."""
+    rows = store.instances(job_id) if live_only else store.attempts(job_id)
+    refs = []
+    for row in rows:
+        if live_only and InstanceStatus(row["status"]).is_terminal():
+            continue
+        if row["ref"]:
+            refs.append(InstanceRef.from_dict(json.loads(row["ref"])))
+    return refs
+
+
+def stop_job_instances(store: Store, job_id: str, refs: list[InstanceRef] | None = None,
+                       timeout: float = STOP_TIMEOUT) -> list[InstanceRef]:
+    """Stop what a job may have left running: the refs given and every attempt
+    the store knows, through the job's backend. Returns what was signalled."""
+    job = store.job(job_id)
+    backend = backend_for_job(Path(job["job_dir"]))
+    wanted = {ref: None for ref in [*(refs or ()), *stored_refs(store, job_id, live_only=False)]}
+    return backend.stop_all(list(wanted), timeout)
+
+
+def mark_master_lost(store: Store, job_id: str, refs: list[InstanceRef] | None = None,
+                     reason: str = "master lost") -> None:
+    """The job's master is gone: record it, then stop whatever it left running."""
     # Write the verdict first, then act: anyone who looks sees why.
-    store.set_job(job_id, JobStatus.FAILED, "master lost")
-    pgids = set(pgids or ())
-    for inst in store.instances(job_id):
-        if inst["pgid"] and not InstanceStatus(inst["status"]).is_terminal():
-            pgids.add(inst["pgid"])
-    stop_groups(pgids)
+    store.set_job(job_id, JobStatus.FAILED, reason)
+    stop_job_instances(store, job_id, refs)
     for inst in store.instances(job_id):
         if not InstanceStatus(inst["status"]).is_terminal():
-            store.set_instance(job_id, inst["role"], inst["idx"], InstanceStatus.KILLED, "master lost")
+            store.set_instance(job_id, inst["role"], inst["idx"], InstanceStatus.KILLED, reason)
 
 
 def main(argv: list[str]) -> int:
@@ -48,18 +63,22 @@ def main(argv: list[str]) -> int:
     # Our own session already: a signal to the master's group does not reach us.
     for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    pgids: set[int] = set()
+    refs: list[InstanceRef] = []
     done = False
     for line in sys.stdin.buffer:
         word = line.strip()
         if word == b"done":
             done = True
-        elif word.isdigit():
-            pgids.add(int(word))
+        elif word.startswith(b"{"):
+            try:
+                refs.append(InstanceRef.from_dict(json.loads(word)))
+            except (ValueError, KeyError, TypeError):
+                print(f"{time.ctime()}: ignored a bad line from the master: {word[:200]!r}", file=sys.stderr)
     if done:
         return 0
-    mark_master_lost(Store(), job_id, pgids)
-    print(f"{time.ctime()}: master of {job_id} lost; stopped process groups {sorted(pgids)}", file=sys.stderr)
+    mark_master_lost(Store(), job_id, refs)
+    print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in refs]}",
+          file=sys.stderr)
     return 0
 
 

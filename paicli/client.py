@@ -51,13 +51,16 @@ def submit(prepared: Prepared, store: Store | None = None,
     """Stage the code, plan, provision the runtime, record the job and start its
     master. Returns the job ID. Nothing is written to the store or the job
     folder unless every step before starting succeeded."""
-    from paicli.cluster import scheduler
+    from paicli.cluster import backends, policy
+    from paicli.cluster.master import place_job, write_placements
     from paicli.private import private_dir, write_private
     from paicli.staging import stage_code
     from paicli.store import new_job_id
 
     store = store or Store()
     adapter, spec = prepared.adapter, prepared.spec
+    policy.check_launcher_env()
+    config = backends.submit_config(store.home)
     job_id = new_job_id()
     # The job folder is filled first (code, spec, plan) and recorded in the store
     # last; any failure before that removes the folder, so bad input leaves nothing.
@@ -67,7 +70,11 @@ def submit(prepared: Prepared, store: Store | None = None,
     try:
         code = stage_code(spec, job_dir)
         plan: JobPlan = adapter.plan(spec, code)
-        scheduler.check_fits(plan)
+        plan.runtime = adapter.runtime or None
+        backend = backends.get_backend(config)
+        # Placed now, so a job that cannot fit is refused before anything starts;
+        # its GPUs are claimed now, so a concurrent submit cannot get them too.
+        placements = place_job(store, job_id, plan, backend)
         if adapter.runtime:
             from paicli.runners.runtimes import RuntimeError_, get_runtime
             try:
@@ -78,7 +85,10 @@ def submit(prepared: Prepared, store: Store | None = None,
         # JSON, not YAML: importing yaml would cost every submit ~30 ms (`pai export` gives YAML).
         write_private(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))
         write_private(job_dir / "plan.json", plan.to_json())
+        backends.write_snapshot(job_dir, config)
+        write_placements(job_dir, placements)
     except BaseException:
+        store.release_claims(job_id)
         shutil.rmtree(job_dir, ignore_errors=True)
         raise
     store.create_job(job_id, name=plan.job_name, framework=adapter.name, project=spec.project,
@@ -92,19 +102,30 @@ def start_master(store: Store, job_id: str, job_dir: Path) -> None:
     from paicli.cluster.master import spawn_master
     from paicli.cluster.procinfo import start_time
 
-    with store.closed_for_fork():
-        pid = spawn_master(store.home, job_id, job_dir / "master.log")
+    try:
+        with store.closed_for_fork():
+            pid = spawn_master(store.home, job_id, job_dir / "master.log")
+    except OSError as err:
+        # Recorded but never supervised: say so rather than leave it Waiting.
+        store.set_job(job_id, JobStatus.FAILED, f"its master did not start: {err}")
+        store.release_claims(job_id)
+        raise PaiError(f"job {job_id}: its master did not start: {err}", "see master.log in the job folder") from None
     store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
 
 
 # -- reading ----------------------------------------------------------------------
+
+# A job recorded this long ago with no master pid never got its master (the CLI
+# died between recording it and starting the master, or the start failed).
+MASTER_START_DEADLINE = 30.0
 
 
 def master_alive(job) -> bool:
     from paicli.cluster.procinfo import is_alive
 
     if not job["master_pid"]:
-        return True  # not started yet: nothing to judge
+        # Not started yet: alive while it may still be starting, not forever.
+        return time.time() - (job["created"] or 0) < MASTER_START_DEADLINE
     return is_alive(job["master_pid"], job["master_start"])
 
 
@@ -122,7 +143,8 @@ def refresh(store: Store, job_id: str):
         job = store.job(job_id)
         if not JobStatus(job["status"]).is_terminal() and not master_alive(job):
             from paicli.cluster.watchdog import mark_master_lost
-            mark_master_lost(store, job_id)
+            mark_master_lost(store, job_id, reason="master lost" if job["master_pid"] else
+                             f"its master never started (none within {MASTER_START_DEADLINE:g}s)")
             job = store.job(job_id)
     return job
 
@@ -151,8 +173,7 @@ def kill(store: Store, job_id: str, reason: str = "cancelled by user", wait: flo
     """Cancel a job: record it, signal its master, and make sure every instance
     group is gone within `wait` seconds (killing them here if the master could
     not). False if the job had already ended."""
-    from paicli.cluster.backends.local import group_exists
-    from paicli.cluster.watchdog import stop_groups
+    from paicli.cluster.watchdog import stop_job_instances
 
     job = refresh(store, job_id)
     if JobStatus(job["status"]).is_terminal():
@@ -165,14 +186,13 @@ def kill(store: Store, job_id: str, reason: str = "cancelled by user", wait: flo
             pass
     deadline = time.monotonic() + wait - 1.0
     while time.monotonic() < deadline:
-        pgids = {i["pgid"] for i in store.instances(job_id)
-                 if i["pgid"] and i["status"] == InstanceStatus.RUNNING.value}
-        if not pgids and not master_alive(store.job(job_id)):
+        running = [i for i in store.instances(job_id) if i["status"] == InstanceStatus.RUNNING.value]
+        if not running and not master_alive(store.job(job_id)):
             break
         time.sleep(0.05)
-    leftovers = {a["pgid"] for a in store.attempts(job_id) if a["pgid"] and group_exists(a["pgid"])}
-    if leftovers:
-        stop_groups(leftovers, timeout=0.5)
+    # Whatever the master could not stop in time: the same one stop path,
+    # identity-checked, for every attempt the store knows.
+    stop_job_instances(store, job_id, timeout=0.5)
     for inst in store.instances(job_id):
         if not InstanceStatus(inst["status"]).is_terminal():
             store.set_instance(job_id, inst["role"], inst["idx"], InstanceStatus.KILLED, reason)

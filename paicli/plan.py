@@ -10,7 +10,9 @@ set by the launcher once ports are assigned:
     PAI_JOB_ID    the job ID
     PAI_ROLE      the instance's role (ps, worker, ...)
     PAI_INDEX     its index within the role (0-based)
-    PAI_HOST      the host it should bind (127.0.0.1 on the local backend)
+    PAI_HOST      the address of its node: what it binds and what peers are told
+                  (127.0.0.1 on the local backend)
+    PAI_NODE      the name of the node it was placed on
     PAI_PORT      its own port (when the role listens)
     PAI_CLUSTER   JSON: role -> ["host:port", ...] for every listening role
     PAI_ATTEMPT   the attempt number (0 for the first run)
@@ -61,6 +63,7 @@ class JobPlan:
     # gives a metric named by the text it matched.
     metric_patterns: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)   # what the adapter decided and why (kept in plan.json)
+    runtime: str | None = None          # the framework runtime instances run in (provisioned on each node)
 
     def role(self, name: str) -> RolePlan:
         for role in self.roles:

@@ -69,7 +69,7 @@ def bad_inputs(tmp):
         (["-name", "python", "-Dscript=" + _archive(tmp / "ok.tgz", [("a.py", "file", "")]), "-DentryFile=b.py"],
          "-DentryFile: b.py is not in ok.tgz", "it holds a.py"),
         (["-name", "python", f"-Dscript={good}", "-DentryFile=a.py"], "-DentryFile: only applies to", ""),
-        (["-name", "python", f"-Dscript={good}", "-DgpuRequired=100"], "-DgpuRequired/-Dcluster: the job asks for 1 GPU",
+        (["-name", "python", f"-Dscript={good}", "-DgpuRequired=100"], "-Dcluster: worker needs 1 GPU, the most free on one node is 0",
          "-DgpuRequired=0"),
         (["-name", "python", f"-Dscript={good}", "--bogus"], "unknown option --bogus", ""),
     ]

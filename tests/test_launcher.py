@@ -349,3 +349,26 @@ def test_master_started_as_a_fresh_interpreter_works_the_same(pai_home):
     assert "started as a new interpreter" in (pai_home / "jobs" / job_id / "master.log").read_text()
     forked = pai("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1"})
     assert "started by fork" in (pai_home / "jobs" / job_id_from(forked.stdout) / "master.log").read_text()
+
+
+def test_job_restart_after_a_finished_worker_keeps_memory_and_store_in_step(pai_home, tmp_path):
+    """restart=job (TensorFlow without a chief): worker:0 exits 0, then worker:1 is
+    SIGKILLed. The whole job runs again; worker:0's second run must be what the
+    store shows (Running with its new pid, then Terminated at attempt 2), not its
+    first run's Terminated row while a new process runs unseen."""
+    pidfile = tmp_path / "pids"
+    env = {"BEHAVE_WORKER_0": f"pidfile:{pidfile},print:2,sleep:0.6",
+           "BEHAVE_WORKER_1": f"pidfile:{pidfile},print:1,sleep:1.2,selfkill:SIGKILL,sleep:0.6",
+           "BEHAVE_PS": f"pidfile:{pidfile},serve", "SLEEP": "0.05"}
+    result = pai("-name", "tensorflow", f"-Dscript={BEHAVE}", f"-Dcluster={PS_2W}", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "restarting the whole job (retry 1 of 3)" in result.stdout
+    status = pai_json("status", job_id_from(result.stdout))
+    w0 = next(i for i in status["instances"] if (i["role"], i["index"]) == ("worker", 0))
+    assert w0["attempts"] == 2 and w0["status"] == "Terminated" and w0["exit_code"] == 0
+    pids = [line.split() for line in pidfile.read_text().splitlines()]
+    second_w0 = [int(p[1]) for p in pids if p[0] == "worker:0"]
+    assert len(second_w0) == 2
+    assert w0["pid"] == second_w0[-1], "the store must show worker:0's second run"
+    groups = {int(p[2]) for p in pids}
+    assert processes_in(groups) == []

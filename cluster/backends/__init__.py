@@ -1,0 +1,103 @@
+"""The backend registry: a backend by name, and the backend a job uses.
+
+Which backend a job uses is decided once, at submit, from the nodes config:
+
+    PAI_RAY_ADDRESS set                  -> {"backend": "ray", "address": ...}
+    PAI_NODES=/path/nodes.yaml           -> paicli.cluster.nodes.load_config(path)
+    else $PAI_HOME/nodes.yaml if present -> the same
+    else                                 -> {"backend": "local"} (this machine alone)
+
+`paicli.cluster.nodes.load_config(path) -> dict` (helper C's module) parses the
+nodes file, raises UsageError (one line: file, node, key) on a bad one, and
+returns a JSON-serialisable dict whose "backend" key is a name registered here
+("ssh", or "ray" for a file with a top-level `ray:`); the rest is whatever that
+backend's constructor reads from `config`. The dict is snapshotted into the job
+folder as `nodes.json` (0600), so the master, the watchdog and `pai kill` rebuild
+the same backend with `backend_for_job(job_dir)`.
+
+Backends are imported lazily by name (`module:Class`): `pai --help` and a local
+job never import paramiko or ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from paicli.errors import UsageError
+
+BACKENDS: dict[str, str] = {
+    "local": "paicli.cluster.backends.local:LocalBackend",
+    "ssh": "paicli.cluster.backends.ssh:SSHBackend",
+    "ray": "paicli.cluster.backends.ray:RayBackend",
+}
+SNAPSHOT = "nodes.json"
+
+
+def register(name: str, target: str) -> None:
+    """Add a backend: `target` is "module:Class" (imported when first used)."""
+    BACKENDS[name] = target
+
+
+def get_backend(config: dict[str, Any]):
+    name = config.get("backend") or "local"
+    if name not in BACKENDS:
+        raise UsageError(f"unknown backend {name!r}", f"valid backends: {', '.join(sorted(BACKENDS))}")
+    module_name, _, class_name = BACKENDS[name].partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as err:
+        raise UsageError(f"the {name} backend is not available: {err}",
+                         "pip install 'paicli[ray]' for Ray" if name == "ray" else "check the installation") from None
+    return cls(config)
+
+
+def nodes_file(home: Path) -> Path | None:
+    given = os.environ.get("PAI_NODES")
+    if given:
+        return Path(given).expanduser()
+    default = home / "nodes.yaml"
+    return default if default.is_file() else None
+
+
+def submit_config(home: Path) -> dict[str, Any]:
+    """The nodes config a job submitted now would use (see the module docstring)."""
+    address = os.environ.get("PAI_RAY_ADDRESS")
+    if address:
+        return {"backend": "ray", "address": address}
+    path = nodes_file(home)
+    if path is None:
+        return {"backend": "local"}
+    try:
+        from paicli.cluster import nodes
+    except ImportError:
+        raise UsageError(f"{path}: nodes files are not supported by this installation",
+                         "unset PAI_NODES / remove the file to run on this machine") from None
+    config = nodes.load_config(path)
+    if config.get("backend") not in BACKENDS:
+        raise UsageError(f"{path}: unknown backend {config.get('backend')!r}",
+                         f"valid backends: {', '.join(sorted(BACKENDS))}")
+    return config
+
+
+def write_snapshot(job_dir: Path, config: dict[str, Any]) -> None:
+    path = Path(job_dir) / SNAPSHOT
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def job_config(job_dir: Path) -> dict[str, Any]:
+    """The snapshot; a job folder without one (recorded before multi-host) ran locally."""
+    try:
+        return json.loads((Path(job_dir) / SNAPSHOT).read_text())
+    except FileNotFoundError:
+        return {"backend": "local"}
+
+
+def backend_for_job(job_dir: Path):
+    """The backend the job was submitted with, rebuilt from its snapshot."""
+    return get_backend(job_config(job_dir))

@@ -132,6 +132,9 @@ def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
                                 on_interrupt=cancel)
     for line in jobview.summary_lines(status):
         click.echo(line)
+    from paicli.plutoview import forecast_line
+    if forecast_line(status):
+        click.echo(forecast_line(status))
     if status["status"] == "Failed":
         for event in store.events(job_id):
             if event["kind"] == "last-lines":
@@ -280,8 +283,15 @@ def status(job_id, as_json):
         name = f"{inst['role']}:{inst['index']}"
         metrics = ", ".join(f"{k}={v:g}" for k, v in list(st["metrics"].get(name, {}).items())[:4])
         rows.append((name, inst["status"], "" if inst["exit_code"] is None else str(inst["exit_code"]),
-                     str(inst["attempts"]), str(inst["pid"] or ""), str(inst["port"] or ""), metrics))
-    _print_table(("Instance", "Status", "Exit", "Attempts", "PID", "Port", "Last metrics"), rows)
+                     str(inst["attempts"]), inst["node"] or "", inst["host"] or "", str(inst["pid"] or ""),
+                     str(inst["port"] or ""), metrics))
+    _print_table(("Instance", "Status", "Exit", "Attempts", "Node", "Host", "PID", "Port", "Last metrics"), rows)
+    from paicli.plutoview import status_lines
+    pluto = status_lines(st)
+    if pluto:
+        click.echo("")
+        for line in pluto:
+            click.echo(line)
 
 
 @cli.command()

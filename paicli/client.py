@@ -58,6 +58,9 @@ def submit(prepared: Prepared, store: Store | None = None,
     from paicli.store import new_job_id
 
     store = store or Store()
+    if prepared.spec.get("autoStrategy") == "true":
+        from paicli.cli_plan import auto_strategy  # Pluto: calibrate, plan, apply its recommendation
+        prepared = auto_strategy(prepared, store, progress)
     adapter, spec = prepared.adapter, prepared.spec
     policy.check_launcher_env()
     config = backends.submit_config(store.home)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paicli import steptime
+from paicli import plutoview, steptime
 from paicli.private import write_private
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
@@ -54,6 +54,7 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
             "port": i["port"], "log": instance_log_path(job_dir, i["role"], i["idx"], i["attempt"] or 0),
         } for i in instances],
         "step_seconds": steptime.job_step_seconds(store, job_id),
+        "pluto": plutoview.record(job_dir),
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
     out["idle"] = idle_instances(out)

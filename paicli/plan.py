@@ -58,6 +58,7 @@ class JobPlan:
     restart: str = RESTART_INSTANCE
     max_retries: int = 3
     timeout: float | None = None
+    pluto: dict | None = None           # Pluto's plan and forecast (-DautoStrategy=true)
     # Regexes applied to every log line of every instance. Named groups become
     # metrics (`(?P<loss>...)`); a group named `key` with a group named `value`
     # gives a metric named by the text it matched.

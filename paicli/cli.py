@@ -283,7 +283,7 @@ def status(job_id, as_json):
         name = f"{inst['role']}:{inst['index']}"
         metrics = ", ".join(f"{k}={v:g}" for k, v in list(st["metrics"].get(name, {}).items())[:4])
         rows.append((name, inst["status"], "" if inst["exit_code"] is None else str(inst["exit_code"]),
-                     str(inst["attempts"]), inst["node"] or "", inst["host"] or "", str(inst["pid"] or ""),
+                     str(inst["attempts"]), inst.get("node") or "", inst.get("host") or "", str(inst["pid"] or ""),
                      str(inst["port"] or ""), metrics))
     _print_table(("Instance", "Status", "Exit", "Attempts", "Node", "Host", "PID", "Port", "Last metrics"), rows)
     from paicli.plutoview import status_lines

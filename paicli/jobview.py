@@ -50,7 +50,8 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
         "job_attempt": job["job_attempt"], "tasks": tasks,
         "instances": [{
             "role": i["role"], "index": i["idx"], "status": i["status"], "exit_code": i["exit_code"],
-            "attempts": (i["attempt"] or 0) + 1, "pid": i["pid"], "pgid": i["pgid"], "host": i["host"],
+            "attempts": (i["attempt"] or 0) + 1, "pid": i["pid"], "pgid": i["pgid"],
+            "node": i["node"], "host": i["host"],
             "port": i["port"], "log": instance_log_path(job_dir, i["role"], i["idx"], i["attempt"] or 0),
         } for i in instances],
         "step_seconds": steptime.job_step_seconds(store, job_id),

@@ -234,12 +234,17 @@ def make_plan(stmt, budget_s: float | None = None, store=None,
     """Calibrate (or read the cache), describe the cluster, plan. Raises UsageError
     for bad input and PaiError when calibration fails."""
     from paicli import client
+
+    return plan_prepared(client.prepare(stmt), budget_s, store, say)
+
+
+def plan_prepared(prepared, budget_s: float | None = None, store=None,
+                  say: Callable[[str], None] = lambda line: None) -> PlanResult:
     from paicli.cluster.pluto import calibrate, planner
     from paicli.cluster.pluto.strategy import Cluster, Node, Profile
     from paicli.errors import UsageError
     from paicli.store import Store, pai_home
 
-    prepared = client.prepare(stmt)
     framework = prepared.adapter.name
     if framework not in PLAN_FRAMEWORKS:
         raise UsageError(f"-name {framework}: pai plan plans {', '.join(PLAN_FRAMEWORKS)} jobs",
@@ -280,6 +285,52 @@ def make_plan(stmt, budget_s: float | None = None, store=None,
                                         "jobs": jobs})
     result = planner.plan(profile, where, user, budget_s=budget_s)
     return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs)
+
+
+# -- -DautoStrategy=true ----------------------------------------------------------------
+
+
+class PlannedAdapter:
+    """The user's adapter, planning with Pluto's spec and recording the plan and
+    its forecast in plan.json (JobPlan.pluto)."""
+
+    def __init__(self, adapter, record: dict[str, Any]):
+        self._adapter = adapter
+        self._record = record
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+    def plan(self, spec, code):
+        plan = self._adapter.plan(spec, code)
+        plan.pluto = self._record
+        plan.notes.append(f"Pluto (-DautoStrategy=true): {self._record['label']}, forecast "
+                          f"{self._record['forecast_step_s']:.4f} s/step")
+        return plan
+
+
+def auto_strategy(prepared, store=None, progress: Callable[[str], None] = lambda line: None):
+    """The prepared job with Pluto's recommendation applied: -Dcluster and the
+    strategy's -D values replaced (what the user set for them is overridden, and
+    said in the reasons), the plan and forecast carried into plan.json."""
+    from paicli import client
+
+    result = plan_prepared(prepared, store=store, say=lambda line: progress(f"pluto: {line}"))
+    rec = result.plan.recommended
+    chosen = rec.to_json()
+    reasons = list(result.plan.reasons)
+    overridden = [k for k in chosen["params"] if k in prepared.spec.params and
+                  prepared.spec.params[k] != chosen["params"][k]]
+    if overridden:
+        reasons.append("overrode " + ", ".join(f"-D{k}" for k in overridden) + " (-DautoStrategy=true decides them)")
+    params = {**prepared.spec.params, "cluster": chosen["cluster"], **chosen["params"]}
+    spec = replace(prepared.spec, params=params)
+    prepared.adapter.validate(spec)
+    record = {**chosen, "reasons": reasons, "default": result.plan.default.to_json(),
+              "param_bytes": result.profile.param_bytes, "ps_role": rec.strategy.ps_role(),
+              "where": result.cluster.source, "calibration_jobs": result.calibration_jobs,
+              "cached": result.cached}
+    return client.Prepared(PlannedAdapter(prepared.adapter, record), spec)
 
 
 # -- rendering ------------------------------------------------------------------------

@@ -401,7 +401,6 @@ def run_interactive(console: Console) -> int:
     # Ctrl-C must interrupt a statement even when we were started with SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     print(GREETING.format(version=__version__), flush=True)
-    code = 0
     while True:
         try:
             text = session.prompt(console.prompt)
@@ -411,12 +410,12 @@ def run_interactive(console: Console) -> int:
             break     # Ctrl-D
         try:
             for statement in split_statements(text):
-                code = console.execute(statement)
+                console.execute(statement)
         except KeyboardInterrupt:
             print("", flush=True)  # Ctrl-C in a statement: back to the prompt
         except EOFError:
             break
-    return code
+    return 0  # leaving a terminal session is not a failure (from a pipe: the last statement's code)
 
 
 def run_console(project: str | None = None) -> int:

@@ -1,0 +1,170 @@
+"""The logview server over real HTTP: the `Log view:` URL of a submit, the pages
+and the JSON summary, the token on every URL, escaping, log paths confined to
+the job's folder, the idle exit, the fallback to the summary file; `pai plot`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import BEHAVE, pai, pai_json, wait_until
+
+URL = re.compile(r"^Log view: (http://127\.0\.0\.1:(\d+)/logview/\?i=([a-z0-9]+)&token=([\w-]+))$", re.M)
+
+
+@pytest.fixture
+def web(pai_home, monkeypatch):
+    """The logview server on for this test's home; stopped (and checked gone) after."""
+    from paicli.web import launch
+
+    monkeypatch.setenv("PAI_LOGVIEW", "web")
+    yield pai_home
+    state = launch.read_state(pai_home)
+    launch.stop_server(pai_home)
+    if state:
+        from paicli.cluster.procinfo import is_alive
+        assert not is_alive(state["pid"], state["start"])
+
+
+def get(url: str) -> tuple[int, str, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=20) as response:
+            return response.status, response.read().decode(), dict(response.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(), dict(err.headers)
+
+
+def submit(*args: str, env: dict | None = None) -> tuple[str, str, str]:
+    """Run a job to its end; (job ID, base URL, token) from its `Log view:` line."""
+    result = pai("-name", "python", *args, env=env)
+    assert result.returncode == 0, result.stderr
+    match = URL.search(result.stdout)
+    assert match, result.stdout
+    return match.group(3), f"http://127.0.0.1:{match.group(2)}", match.group(4)
+
+
+def test_submit_prints_the_page_url_and_the_page_shows_the_job(web):
+    job_id, base, token = submit(f"-Dscript={BEHAVE}", '-Dcluster={"ps":{"count":1},"worker":{"count":2}}',
+                                 env={"BEHAVE": "print:5", "BEHAVE_PS": "serve"})
+    code, page, headers = get(f"{base}/logview/?i={job_id}&token={token}")
+    assert code == 200
+    assert "default-src 'none'" in headers["Content-Security-Policy"]
+    for text in (job_id, "Fatal/Finished/Total", "PythonTask", "0/3/3", ">OK<", "worker:1", "ps:0",
+                 "Only tail 10KB", "step=4, global_step=4"):
+        assert text in page, text
+    summary = json.loads(get(f"{base}/api/jobs/{job_id}.json?token={token}")[1])
+    assert summary["status"] == "Succeeded" and summary["owner"]
+    assert [p[0] for p in summary["metric_series"]["worker:0"]["loss"]] == [0, 1, 2, 3, 4]
+    assert any(e["kind"] == "job" and e["message"] == "Succeeded" for e in summary["events"])
+    whole = get(f"{base}/api/jobs/{job_id}/log?instance=worker:1&token={token}")
+    assert whole[0] == 200 and whole[2]["Content-Type"].startswith("text/plain") and "step=4" in whole[1]
+    listing = get(f"{base}/logview/?token={token}")[1]
+    assert job_id in listing and "Succeeded" in listing
+    # pai status and pai logview hand out the same server's URL.
+    assert f"{base}/logview/?i={job_id}&token={token}" in pai("status", job_id).stdout
+    assert pai("logview", job_id[:12]).stdout.strip() == f"{base}/logview/?i={job_id}&token={token}"
+    # The token and the state are the user's alone.
+    folder = web / "logview"
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    for name in ("token", "server.json", "server.log"):
+        assert oct((folder / name).stat().st_mode & 0o777) == "0o600", name
+    assert (folder / "token").read_text().strip() == token
+
+
+def test_every_url_is_403_without_the_token(web):
+    job_id, base, token = submit(f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1"})
+    paths = ["/", "/logview/", f"/logview/?i={job_id}", "/api/jobs.json", f"/api/jobs/{job_id}.json",
+             f"/api/jobs/{job_id}/log", f"/api/jobs/{job_id}/stream", "/static/logview.js",
+             "/static/logview.css", "/nothing/here"]
+    for path in paths:
+        sep = "&" if "?" in path else "?"
+        for suffix in ("", f"{sep}token=", f"{sep}token={token[:-1]}x"):
+            code, body, _ = get(base + path + suffix)
+            assert code == 403, (path, suffix, code)
+            assert job_id not in body
+    assert get(f"{base}/static/logview.js?token={token}")[0] == 200
+
+
+def test_script_tags_in_logs_and_names_are_text(web, tmp_path):
+    script = tmp_path / "evil<b>name.py"
+    script.write_text('print("<script>alert(1)</script> step=1, loss=0.5", flush=True)\n')
+    job_id, base, token = submit(f"-Dscript={script}")
+    page = get(f"{base}/logview/?i={job_id}&token={token}")[1]
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "evil&lt;b&gt;name" in page
+    assert "<script>alert" not in page and "<b>name" not in page
+    other, _, _ = submit(f"-Dscript={script}", "-DjobName=<img src=x onerror=alert(2)>")
+    for url in (f"{base}/logview/?token={token}", f"{base}/logview/?i={other}&token={token}"):
+        html = get(url)[1]
+        assert "<img src=x" not in html and "&lt;img src=x onerror=alert(2)&gt;" in html
+
+
+def test_a_log_path_cannot_leave_its_job_folder(web, tmp_path):
+    job_id, base, token = submit(f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1"})
+    secret = tmp_path / "secret.txt"
+    secret.write_text("top secret")
+    logs = web / "jobs" / job_id / "logs"
+    (logs / "worker-0.7.log").symlink_to(secret)        # a link planted in the logs folder
+    for query in ("instance=worker:0&attempt=7", "instance=../../../etc/passwd", "instance=..:0",
+                  "instance=worker:0/../../x:0", "attempt=abc&instance=worker:0"):
+        code, body, _ = get(f"{base}/api/jobs/{job_id}/log?{query}&token={token}")
+        assert code in (400, 404), (query, code)
+        assert "top secret" not in body and "root:" not in body
+    assert get(f"{base}/api/jobs/..%2F..%2Fetc/log?token={token}")[0] == 404
+    assert get(f"{base}/static/..%2Fserver.py?token={token}")[0] == 404
+    assert get(f"{base}/logview/?i=nosuchjob&token={token}")[0] == 404
+
+
+def test_the_server_goes_away_when_idle(pai_home, monkeypatch):
+    from paicli.cluster.procinfo import is_alive
+    from paicli.web import launch
+
+    monkeypatch.setenv("PAI_LOGVIEW_IDLE", "1")
+    state = launch.ensure_server(pai_home)
+    try:
+        assert get(launch.url_for(state))[0] == 200
+        assert wait_until(lambda: not is_alive(state["pid"], state["start"]), timeout=20)
+        assert not (pai_home / "logview" / "server.json").exists()
+        # The next command that needs one starts a new one, with the same token.
+        again = launch.ensure_server(pai_home)
+        assert again["pid"] != state["pid"] and again["token"] == state["token"]
+        assert get(launch.url_for(again))[0] == 200
+    finally:
+        launch.stop_server(pai_home)
+
+
+def test_pai_logview_stop_and_the_file_fallback(web, monkeypatch):
+    url = pai("logview").stdout.strip()
+    assert url.startswith("http://127.0.0.1:") and get(url)[0] == 200
+    assert pai("logview", "--stop").stdout.strip() == "logview server stopped"
+    assert pai("logview", "--stop").stdout.strip() == "no logview server was running"
+    # An address this machine does not have: the summary file, and a note why.
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1", "PAI_LOGVIEW_HOST": "192.0.2.1"})
+    assert result.returncode == 0
+    line = [ln for ln in result.stdout.splitlines() if ln.startswith("Log view: ")][0]
+    assert line.endswith("summary.txt") and Path(line[10:]).is_file()
+    assert "note: no logview page (cannot listen on 192.0.2.1" in result.stderr
+
+
+def test_plot_in_a_pipe_is_plain_text(pai_home):
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":2}}',
+                 env={"BEHAVE": "print:8"})
+    job_id = pai_json("list")[0]["id"]
+    assert result.returncode == 0
+    out = pai("plot", job_id, "--width", "60", "--height", "12")
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout
+    assert "loss of " + job_id in out.stdout and "worker:0" in out.stdout and "worker:1" in out.stdout
+    assert "step" in out.stdout and "1.0" in out.stdout            # loss starts at 1.0
+    assert len(out.stdout.splitlines()) >= 10
+    one = pai("plot", job_id, "--instance", "worker:1", "--metric", "loss").stdout
+    assert "worker:1" in one and "worker:0" not in one
+    bad = pai("plot", job_id, "--metric", "accuracy")
+    assert bad.returncode == 2 and bad.stderr.startswith("pai: error: --metric accuracy: job ") \
+        and "it has loss" in bad.stderr
+    assert os.environ.get("PAI_LOGVIEW") == "file"  # other tests start no server

@@ -259,6 +259,17 @@ class TestCluster:
         os.chmod(path, 0o600)
         return path
 
+    def ssh(self, name: str, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+        """Run argv on the host through its sshd (so inside its private /tmp)."""
+        import shlex
+
+        host = self.host(name)
+        return subprocess.run(
+            ["ssh", "-i", str(self.client_key), "-o", f"UserKnownHostsFile={self.known_hosts}",
+             "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+             "-p", str(host.port), f"{self.user}@{host.addr}", "--", " ".join(shlex.quote(a) for a in argv)],
+            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
     def link_down(self, name: str) -> None:
         """The host drops off the network (its processes live on, unreachable)."""
         _run([IP, "link", "set", self.host(name).veth, "down"])

@@ -157,6 +157,10 @@ class SSHBackend(Backend):
         if not specs:
             raise PaiError("no node of the nodes file answers: " + "; ".join(down))
         self._specs = specs
+        if not self._live and not self._folders:
+            # Probing only (the CLI at submit): no connection or paramiko thread
+            # outlives it, so the CLI can fork the job's master cleanly.
+            self.conns.close()
         return list(specs)
 
     # -- staging ------------------------------------------------------------------
@@ -177,9 +181,11 @@ class SSHBackend(Backend):
             (str(Path(job_dir) / "code"), f"{folder}/code"),
             (sys.executable, info["python_path"]),
         ]
-        for role in plan.roles:
-            if role.cwd and not (Path(job_dir) / "code").is_dir():
-                pairs.append((role.cwd, f"{folder}/code"))
+        if not (Path(job_dir) / "code").is_dir():
+            for role in plan.roles:
+                if role.cwd:
+                    pairs.append((role.cwd, f"{folder}/code"))
+            pairs += [(local, f"{folder}/code/{rel}") for local, rel in self._loose_files(job_dir, plan)]
         return remote_paths.normalise(pairs)
 
     def _loose_files(self, job_dir: str, plan: Any) -> list[tuple[str, str]]:

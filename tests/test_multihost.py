@@ -1,0 +1,360 @@
+"""Jobs across real (virtual) hosts over SSH: a cluster of network namespaces, each
+with its own address, its own sshd and its own /tmp (tests/netns.py), and a nodes
+file pointing paicli at them. Skipped, with the reason, where the machine cannot
+build namespaces (not root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until
+from netns import TestCluster, can_build
+
+REASON = can_build()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host tests skipped: {REASON}")
+
+EXAMPLE = ROOT / "examples" / "python" / "ps_worker.py"
+PS_WORKER = '{"ps":{"count":1},"worker":{"count":2}}'
+GONE_WITHIN = 5.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with TestCluster(prefix="pcc", hosts=4, subnet="10.213.7") as built:
+        yield built
+
+
+@pytest.fixture
+def nodes(cluster, tmp_path, monkeypatch, pai_home):
+    """A nodes file for the cluster; each node has one core for paicli (cpu 100),
+    so a 3-instance job lands on 3 nodes. Runtimes are the shared cache (the hosts
+    share the filesystem except /tmp)."""
+    path = cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100)
+    monkeypatch.setenv("PAI_NODES", str(path))
+    yield path
+    # Every test leaves nothing on any host, whatever happened.
+    left = wait_until(lambda: not cluster.all_leftovers(), timeout=15)
+    assert left, f"processes left on the hosts: {cluster.all_leftovers()}"
+
+
+def status(job_id: str) -> dict:
+    return pai_json("status", job_id)
+
+
+def by_name(info: dict) -> dict[str, dict]:
+    return {f"{i['role']}:{i['index']}": i for i in info["instances"]}
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> dict:
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert result.returncode == 0 and lines and lines[-1] == "OK", \
+        f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-2000:]}"
+    info = status(job_id_from(result.stdout))
+    assert info["status"] == "Succeeded"
+    return info
+
+
+def assert_nothing_left(cluster: TestCluster, job_id: str, within: float = GONE_WITHIN,
+                        folders: bool = True) -> None:
+    started = time.monotonic()
+    gone = wait_until(lambda: not cluster.all_leftovers(), timeout=within)
+    assert gone, f"left after {time.monotonic() - started:.1f}s: {cluster.all_leftovers()}"
+    if not folders:
+        return
+    # and the per-job folders on the nodes are gone
+    for host in cluster.hosts:
+        listing = cluster.ssh(host.name, ["ls", "-a", f"/tmp/paicli-{cluster.user}"])
+        assert job_id not in listing.stdout, f"{host.name} keeps {job_id}: {listing.stdout}"
+
+
+def hosts_of(info: dict) -> dict[str, str]:
+    return {name: inst["host"] for name, inst in by_name(info).items()}
+
+
+def worker_losses(info: dict, worker: str) -> list[float]:
+    return [v for _s, v in info["metric_series"].get(worker, {}).get("loss", [])]
+
+
+# -- plain Python ------------------------------------------------------------------
+
+
+def test_python_ps_worker_runs_on_three_nodes_with_real_addresses(cluster, nodes):
+    result = pai("-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}",
+                 "-DuserDefinedParameters=--steps 40 --sleep 0.01", timeout=120)
+    info = assert_ok(result)
+    hosts = hosts_of(info)
+    assert sorted(hosts.values()) == sorted({h.addr for h in cluster.hosts[:4]} & set(hosts.values()))
+    assert len(set(hosts.values())) == 3, hosts           # one node each
+    assert all(h.startswith("10.213.7.") for h in hosts.values())
+    for inst in info["instances"]:
+        if "node" in inst:
+            assert inst["node"] in {h.name for h in cluster.hosts}
+    # workers reached the ps at its node's address (PAI_CLUSTER), and trained
+    for worker in ("worker:0", "worker:1"):
+        assert re.search(rf"^\[{worker}\] step=39, global_step=\d+, loss=", result.stdout, re.M)
+        losses = worker_losses(info, worker)
+        assert len(losses) >= 10 and losses[-1] < losses[0] / 5, losses
+    assert_nothing_left(cluster, info["id"])
+
+
+def test_output_and_exit_codes_come_back_from_the_node(cluster, nodes, tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, socket\n"
+                      "print('on', os.environ['PAI_HOST'], 'cwd', os.getcwd(), flush=True)\n"
+                      "print('tmp', sorted(os.listdir('/tmp')), flush=True)\n"
+                      "sys.exit(3)\n")
+    result = pai("-name", "python", f"-Dscript={script}", "-DmaxRetries=0", timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    job_id = job_id_from(result.stdout)
+    line = re.search(r"^\[worker:0\] on (\S+) cwd (\S+)$", result.stdout, re.M)
+    assert line, result.stdout
+    assert line.group(1).startswith("10.213.7.")
+    assert line.group(2) == f"/tmp/paicli-{cluster.user}/{job_id}/code"   # the node's copy, not ours
+    assert not os.path.exists(line.group(2))                                # ... which is not here
+    info = status(job_id)
+    assert by_name(info)["worker:0"]["exit_code"] == 3
+    assert_nothing_left(cluster, job_id)
+
+
+# -- failures ------------------------------------------------------------------------
+
+
+def test_a_job_too_big_for_the_cluster_is_exit_2(cluster, nodes, pai_home):
+    result = pai("-name", "python", f"-Dscript={EXAMPLE}", '-Dcluster={"worker":{"count":1,"cpu":400}}')
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "worker needs cpu 400" in result.stderr and "100" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (pai_home / "jobs").exists() or not any((pai_home / "jobs").iterdir())
+
+
+def test_unknown_host_key_is_refused_naming_the_node(cluster, nodes, tmp_path, monkeypatch):
+    known = tmp_path / "known_hosts"
+    keep = [line for line in cluster.known_hosts.read_text().splitlines() if not line.startswith("10.213.7.12 ")]
+    known.write_text("\n".join(keep) + "\n")
+    path = cluster.write_nodes_file(tmp_path / "strict.yaml", known_hosts=known, cpu=100)
+    monkeypatch.setenv("PAI_NODES", str(path))
+    result = pai("-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "node h2" in result.stderr and "host key unknown" in result.stderr
+    assert "pai nodes trust h2" in result.stderr
+    listed = pai("nodes", "--json")
+    states = {n["name"]: n["state"] for n in json.loads(listed.stdout)}
+    assert states == {"h1": "up", "h2": "host key unknown", "h3": "up", "h4": "up"}
+    # trusting it records the key: the job then runs
+    trusted = pai("nodes", "trust", "h2", "--yes")
+    assert trusted.returncode == 0 and "SHA256:" in trusted.stdout, trusted.stderr
+    assert "10.213.7.12 ssh-ed25519 " in known.read_text()
+    assert oct(known.stat().st_mode & 0o777) == "0o600"
+    assert_ok(pai("-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}",
+                  "-DuserDefinedParameters=--steps 5 --sleep 0"))
+
+
+def test_a_changed_host_key_is_refused(cluster, nodes, tmp_path, monkeypatch):
+    known = tmp_path / "known_hosts"
+    lines = cluster.known_hosts.read_text().splitlines()
+    h1_key = cluster.host("h1").host_key_pub
+    known.write_text("\n".join(f"10.213.7.13 {h1_key}" if line.startswith("10.213.7.13 ") else line
+                               for line in lines) + "\n")
+    path = cluster.write_nodes_file(tmp_path / "changed.yaml", known_hosts=known, cpu=100)
+    monkeypatch.setenv("PAI_NODES", str(path))
+    result = pai("-name", "python", f"-Dscript={EXAMPLE}")
+    assert result.returncode == 2
+    assert "node h3" in result.stderr and "host key CHANGED" in result.stderr and "pai nodes trust h3" in result.stderr
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"user": "nobody"}, "authentication failed: user 'nobody'"),
+    ({"key": "WRONGKEY"}, "authentication failed"),
+])
+def test_wrong_user_or_key_is_a_clear_error(cluster, nodes, tmp_path, monkeypatch, change, words):
+    if change.get("key") == "WRONGKEY":
+        other = tmp_path / "other_key"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+        change = {"key": str(other)}
+    data = json.loads(nodes.read_text())
+    data["nodes"][0].update(change)
+    nodes.write_text(json.dumps(data))
+    result = pai("-name", "python", f"-Dscript={EXAMPLE}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("pai: error: node h1 (") and words in result.stderr
+    assert "check `user:` and `key:`" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# -- no orphans ------------------------------------------------------------------------
+
+
+def start_long_job(*extra: str) -> tuple[subprocess.Popen, str]:
+    """An attached `pai` running a long ps/worker job; returns once every instance runs."""
+    proc = subprocess.Popen([*PAI, "-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}",
+                             "-DuserDefinedParameters=--steps 100000 --sleep 0.05", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = proc.stdout.readline()
+    assert first.startswith("ID = "), first + proc.stdout.read()
+    job_id = first[5:].strip()
+    running = wait_until(lambda: all(i["status"] == "Running" and i["pid"] for i in status(job_id)["instances"]),
+                         timeout=60, interval=0.2)
+    assert running, status(job_id)
+    return proc, job_id
+
+
+def on_nodes(cluster: TestCluster) -> int:
+    return sum(len(v) for v in cluster.all_leftovers().values())
+
+
+def test_kill_9_of_the_master_leaves_nothing_on_any_node(cluster, nodes):
+    proc, job_id = start_long_job()
+    try:
+        assert on_nodes(cluster) >= 3
+        master = status(job_id)["master_pid"]
+        os.kill(master, signal.SIGKILL)
+        assert_nothing_left(cluster, job_id, within=GONE_WITHIN, folders=False)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_kill_9_of_pai_then_pai_kill_leaves_nothing(cluster, nodes):
+    proc, job_id = start_long_job()
+    proc.send_signal(signal.SIGKILL)   # the terminal goes; the job is supervised on its own
+    proc.wait()
+    time.sleep(1)
+    assert status(job_id)["status"] == "Running" and on_nodes(cluster) >= 3
+    started = time.monotonic()
+    killed = pai("kill", job_id)
+    assert killed.returncode == 0, killed.stderr
+    assert_nothing_left(cluster, job_id, within=GONE_WITHIN - (time.monotonic() - started) + 1)
+    assert status(job_id)["status"] == "Cancelled"
+
+
+def test_a_node_dropping_off_mid_job_moves_its_worker_and_the_job_succeeds(cluster, nodes):
+    proc = subprocess.Popen([*PAI, "-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}",
+                             "-DuserDefinedParameters=--steps 150 --sleep 0.06", "-DmaxRetries=2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lost = None
+    try:
+        first = proc.stdout.readline()
+        job_id = first[5:].strip()
+        assert wait_until(lambda: worker_losses(status(job_id), "worker:1"), timeout=60, interval=0.2)
+        before = by_name(status(job_id))["worker:1"]
+        lost = next(h.name for h in cluster.hosts if h.addr == before["host"])
+        cluster.link_down(lost)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if lost:
+            cluster.link_up(lost)
+    assert proc.returncode == 0 and out.strip().splitlines()[-1] == "OK", out[-3000:]
+    info = status(job_id)
+    after = by_name(info)["worker:1"]
+    assert after["host"] != before["host"] and after["exit_code"] == 0
+    assert f"node {lost}" in out and "moves from" in out, out[-3000:]
+    # the instance stranded on the lost node stopped itself when the heartbeat stopped
+    assert wait_until(lambda: not cluster.leftovers(lost), timeout=10), cluster.leftovers(lost)
+    assert_nothing_left(cluster, job_id)
+
+
+# -- frameworks -------------------------------------------------------------------------
+
+
+def runtime_ready(name: str):
+    from paicli.runners.runtimes import get_runtime
+
+    rt = get_runtime(name)
+    if not rt.is_installed():
+        rt.ensure(lambda line: None)
+    return rt
+
+
+@pytest.mark.tensorflow
+def test_tensorflow_ps_and_two_workers_on_three_nodes(cluster, nodes):
+    runtime_ready("tensorflow")
+    result = pai("-name", "tensorflow", f"-Dscript=file://{ROOT / 'examples' / 'tensorflow' / 'async_ps_worker.py'}",
+                 f"-Dcluster={PS_WORKER}", "-DuserDefinedParameters=--steps 200 --log_every 20", timeout=300)
+    info = assert_ok(result)
+    assert len(set(hosts_of(info).values())) == 3, hosts_of(info)
+    points = []
+    for worker in ("worker:0", "worker:1"):
+        series = info["metric_series"][worker]
+        points += [(g, v) for (_, g), (_, v) in zip(series["global_step"], series["loss"])]
+    points.sort()
+    assert len(points) >= 4 and points[-1][1] < points[0][1] / 5, points
+    assert "ps stopped by SIGTERM" in pai("logs", info["id"], "--instance", "ps:0").stdout
+    assert_nothing_left(cluster, info["id"])
+
+
+@pytest.mark.mxnet
+def test_mxnet_dist_sync_across_nodes(cluster, nodes):
+    runtime_ready("mxnet")
+    result = pai("-name", "mxnet", f"-Dscript=file://{ROOT / 'examples' / 'mxnet' / 'gluon_dist_sync.py'}",
+                 '-Dcluster={"server":{"count":1},"worker":{"count":2}}', "-Dkvstore=dist_sync",
+                 "-DuserDefinedParameters=--steps 20", timeout=300)
+    info = assert_ok(result)
+    hosts = hosts_of(info)
+    assert len(set(hosts.values())) >= 3, hosts
+    for worker in ("worker:0", "worker:1"):
+        log = pai("logs", info["id"], "--instance", worker).stdout
+        series = [float(v) for v in re.findall(r"^step=\d+, loss=([-\d.e+]+)", log, re.M)]
+        assert len(series) == 20 and sum(series[-5:]) < 0.75 * sum(series[:5]), series
+    digests = {re.search(r"final weights sha256 ([0-9a-f]{64})",
+                         pai("logs", info["id"], "--instance", w).stdout).group(1) for w in ("worker:0", "worker:1")}
+    assert len(digests) == 1   # dist_sync: both workers end with the same weights, across nodes
+    assert_nothing_left(cluster, info["id"])
+
+
+@pytest.mark.caffe
+def test_caffe_model_averaging_across_nodes(cluster, nodes, tmp_path):
+    rt = runtime_ready("caffe")
+    folder = tmp_path / "lenet"
+    import shutil
+    shutil.copytree(ROOT / "examples" / "caffe" / "lenet", folder)
+    subprocess.run([rt.python(), str(folder / "make_data.py")], check=True, timeout=300, cwd=folder)
+    solver = (folder / "lenet_solver.prototxt").read_text()
+    for name, value in (("max_iter", 40), ("display", 10), ("snapshot", 0), ("test_interval", 1000)):
+        solver, n = re.subn(rf"^{name}:.*$", f"{name}: {value}", solver, flags=re.M)
+        if not n:
+            solver += f"{name}: {value}\n"
+    (folder / "short_solver.prototxt").write_text(solver)
+    archive = tmp_path / "lenet.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(folder, arcname="lenet")
+    result = pai("-name", "caffe", f"-Dscript=file://{archive}", "-Dsolver=lenet/short_solver.prototxt",
+                 "-DmaPeriod=10", '-Dcluster={"ps":{"count":1},"worker":{"count":2}}', timeout=300)
+    info = assert_ok(result)
+    assert len(set(hosts_of(info).values())) == 3, hosts_of(info)
+    worker0 = info["metrics"]["worker:0"]
+    assert worker0["averaged_loss"] < worker0["starting_loss"] * 0.8, worker0
+    assert sum("[ps:0] averaging round" in line for line in result.stdout.splitlines()) == 4
+    assert_nothing_left(cluster, info["id"])
+
+
+def test_runtime_install_on_a_node_reports_what_is_there(cluster, nodes):
+    runtime_ready("mxnet")
+    result = pai("runtime", "install", "mxnet", "--node", "h2")
+    assert result.returncode == 0, result.stderr
+    assert "h2: mxnet runtime already in" in result.stderr
+    assert "ready on h2" in result.stdout
+    missing = pai("runtime", "install", "mxnet", "--node", "h9")
+    assert missing.returncode == 2 and "no node named 'h9'" in missing.stderr
+
+
+def test_pai_nodes_lists_every_node(cluster, nodes):
+    rows = json.loads(pai("nodes", "--json").stdout)
+    assert [r["name"] for r in rows] == ["h1", "h2", "h3", "h4"]
+    for row in rows:
+        assert row["state"] == "up" and row["cores"] >= 1 and row["memory"] > 0 and row["cpu"] == 100
+        assert row["python"] == "%d.%d.%d" % sys.version_info[:3] or row["python"].startswith("3.")
+    text = pai("nodes").stdout
+    assert re.search(r"^h1\s+10\.213\.7\.11:22\s+up\s+\d+", text, re.M), text

@@ -23,15 +23,14 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from paicli.cluster.backends.base import NodeSpec, Placement
 from paicli.errors import UsageError
 from paicli.plan import JobPlan
 
 
-@dataclass(frozen=True)
-class Demand:
+class Demand(NamedTuple):
     role: str
     idx: int
     cpu: int
@@ -54,8 +53,11 @@ def cards(gpu_units: int) -> int:
 
 
 def demands(plan: JobPlan) -> list[Demand]:
-    return [Demand(role.name, idx, max(0, role.cpu), max(0, role.memory), cards(role.gpu), not role.must_finish)
-            for role in plan.roles for idx in range(role.count)]
+    out = []
+    for role in plan.roles:
+        need = (max(0, role.cpu), max(0, role.memory), cards(role.gpu), not role.must_finish)
+        out.extend(Demand(role.name, idx, *need) for idx in range(role.count))
+    return out
 
 
 def free_resources(nodes: Iterable[NodeSpec], held_gpus: dict[str, set[str]] | None = None) -> dict[str, Free]:
@@ -91,8 +93,10 @@ def place(wanted: list[Demand], nodes: list[NodeSpec], free: dict[str, Free] | N
 
     def take(node: str, d: Demand) -> None:
         room = free[node]
-        gpus = tuple(room.gpus[:d.cards])
-        room.gpus = room.gpus[d.cards:]
+        gpus = ()
+        if d.cards:
+            gpus = tuple(room.gpus[:d.cards])
+            room.gpus = room.gpus[d.cards:]
         room.cpu -= d.cpu
         room.memory -= d.memory
         room.services += d.service
@@ -147,18 +151,19 @@ def _spread(group, usable, free, order, hard_fit, take) -> None:
 
 def _pack(group, usable, free, order, take) -> None:
     probe = group[0]
-    todo = list(group)
+    next_ = 0
     # Fullest first (least cpu left), among the nodes where one more still fits.
     for n in sorted(usable, key=lambda n: (free[n.name].cpu, order[n.name])):
-        if not todo:
+        left = len(group) - next_
+        if not left:
             return
         room = free[n.name]
-        fit = min(room.cpu // probe.cpu if probe.cpu else len(todo),
-                  room.memory // probe.memory if probe.memory else len(todo),
-                  len(room.gpus) // probe.cards if probe.cards else len(todo))
-        for d in todo[:max(0, fit)]:
+        fit = min(room.cpu // probe.cpu if probe.cpu else left,
+                  room.memory // probe.memory if probe.memory else left,
+                  len(room.gpus) // probe.cards if probe.cards else left, left)
+        for d in group[next_:next_ + max(0, fit)]:
             take(n.name, d)
-        todo = todo[max(0, fit):]
+        next_ += max(0, fit)
 
 
 def no_fit(d: Demand, usable: list[NodeSpec], free: dict[str, Free], biggest_cpu: int,
@@ -178,7 +183,8 @@ def no_fit(d: Demand, usable: list[NodeSpec], free: dict[str, Free], biggest_cpu
                           hint)
     most_gpus = max(len(free[n.name].gpus) for n in usable)
     if d.cards > most_gpus:
-        held = "" if most_gpus == max(len(n.gpus) for n in usable) else " (cards held by running jobs are not free)"
+        held = ("" if most_gpus == max(len(n.gpus) for n in usable)
+                else " (cards held by running jobs or by this job's other instances are not free)")
         return UsageError(f"{name} needs {d.cards} GPU{'s' if d.cards > 1 else ''}, the most free on one node "
                           f"is {most_gpus}{held}",
                           "set -DgpuRequired=0 (and gpu 0 in -Dcluster) to train on the CPU, or add nodes with GPUs")

@@ -65,7 +65,9 @@ class Instance:
                               placing.cards(self.role.gpu), not self.role.must_finish)
 
 
-def write_placements(job_dir: Path, placements: list[Placement]) -> None:
+def write_placements(job_dir: Path, placements: list[Placement] | None) -> None:
+    if placements is None:
+        return  # a backend that places jobs itself has not placed this one yet
     fd = os.open(Path(job_dir) / PLACEMENT_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump([p.to_dict() for p in placements], f, indent=2)
@@ -91,7 +93,11 @@ def claim_gpus(store: Store, job_id: str, placements: list[Placement]) -> bool:
 
 def place_job(store: Store, job_id: str, plan: JobPlan, backend: Backend) -> list[Placement]:
     """Place every instance on the backend's nodes with the GPUs no running job
-    holds, and claim those GPUs (UsageError when the job cannot fit)."""
+    holds, and claim those GPUs (UsageError when the job cannot fit). A backend
+    that schedules jobs itself (`places_jobs`: Ray, which waits for room) is not
+    placed here: None, and the master asks it when the job starts."""
+    if getattr(backend, "places_jobs", False):
+        return None
     nodes = backend.nodes()
     for _ in range(20):  # another job may claim a card between our look and our claim
         placements = placing.place_plan(plan, nodes, store.held("gpu", except_job=job_id))
@@ -154,6 +160,11 @@ class JobMaster:
             self._tell_watchdog("done")
             return 0  # cancelled before we got going
         try:
+            if self.placements is None and getattr(self.backend, "places_jobs", False):
+                # Ray: waits while the cluster is busy (the job's timeout covers it).
+                self.placements = self.backend.place_job(self.plan, self.job_id, self.joblog.note,
+                                                         self._deadline(), lambda: self.cancel_reason)
+                write_placements(self.job_dir, self.placements)
             if self.placements is None:
                 self.placements = place_job(self.store, self.job_id, self.plan, self.backend)
                 write_placements(self.job_dir, self.placements)
@@ -168,10 +179,15 @@ class JobMaster:
             outcome = self._supervise()
         except BaseException as err:  # a bug or an OS failure must not leave processes behind
             traceback.print_exc()  # into master.log
-            outcome = (JobStatus.FAILED, f"launcher error: {type(err).__name__}: {err}")
+            # A backend's own verdict (Ray: timed out or cancelled while waiting for room).
+            outcome = getattr(err, "outcome", None) or (JobStatus.FAILED,
+                                                        f"launcher error: {type(err).__name__}: {err}")
         status, reason = outcome
         self._finish(status, reason)
         return 0
+
+    def _deadline(self) -> float | None:
+        return self.started + self.plan.timeout if self.plan.timeout else None
 
     def _on_signal(self, signum, frame) -> None:
         self.cancel_reason = self.cancel_reason or "cancelled"
@@ -431,15 +447,20 @@ class JobMaster:
     def _move(self, inst: Instance) -> None:
         """Place `inst` again, away from the nodes this job lost, with what the
         job's other instances leave free. UsageError when no node has room."""
-        nodes = self.backend.nodes()
-        free = placing.free_resources(nodes, self.store.held("gpu", except_job=self.job_id))
-        for other in self.instances:
-            if other is not inst and other.placed.node not in self.avoid:
-                placing.reserve(free, other.placed, other.demand)
-        new = placing.place([inst.demand], nodes, free, self.avoid)[0]
-        self.store.release_claims(self.job_id, "gpu", inst.placed.node, list(inst.placed.gpus))
-        if new.gpus and not self.store.claim("gpu", new.node, list(new.gpus), self.job_id):
-            raise OSError(f"GPUs {','.join(new.gpus)} on {new.node} were taken meanwhile")
+        if getattr(self.backend, "places_jobs", False):
+            # Ray moves the lost node's bundle to a node with room, waiting for one.
+            new = self.backend.place_instance(inst.role.name, inst.idx, inst.attempt + 1, self.joblog.note,
+                                              self._deadline(), lambda: self.cancel_reason)
+        else:
+            nodes = self.backend.nodes()
+            free = placing.free_resources(nodes, self.store.held("gpu", except_job=self.job_id))
+            for other in self.instances:
+                if other is not inst and other.placed.node not in self.avoid:
+                    placing.reserve(free, other.placed, other.demand)
+            new = placing.place([inst.demand], nodes, free, self.avoid)[0]
+            self.store.release_claims(self.job_id, "gpu", inst.placed.node, list(inst.placed.gpus))
+            if new.gpus and not self.store.claim("gpu", new.node, list(new.gpus), self.job_id):
+                raise OSError(f"GPUs {','.join(new.gpus)} on {new.node} were taken meanwhile")
         self.joblog.note(f"{inst.name} moves from {inst.placed.node} to {new.node}")
         self.store.event(self.job_id, "moved", f"{inst.name}: {inst.placed.node} -> {new.node}",
                          inst.role.name, inst.idx)

@@ -27,6 +27,7 @@ sources, snapshot_prefix) resolve there, as they would for `caffe train` run the
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 from paicli.adapters.base import Adapter, StagedCode, cluster_roles, script_args
@@ -153,6 +154,8 @@ class CaffeAdapter(Adapter):
                 raise SpecError("-Dcluster", f"{workers} workers but no ps to average their models",
                                 'add a ps: {"ps":{"count":1},"worker":{"count":%d}}' % workers)
             period = spec.get("maPeriod")
+            # The averaging ps accepts only workers that know this job's secret.
+            env["PAI_CAFFE_SECRET"] = secrets.token_hex(32)
             solve += ["--workers", str(workers), "--ma-period", str(period), "--python", python]
             ps = roles["ps"]
             plan_roles.append(RolePlan(

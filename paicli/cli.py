@@ -274,6 +274,8 @@ def status(job_id, as_json):
     click.echo(f"ID = {st['id']}  {st['name']}  ({st['framework']})")
     click.echo(f"Status: {st['status']}" + (f"  {st['reason']}" if st["reason"] else ""))
     echo_log_view(store, job_id, st["log_view"])
+    for line in jobview.notice_lines(st):  # idle workers, servers reachable from outside
+        click.echo(line)
     click.echo("")
     for line in jobview.summary_lines(st):
         click.echo(line)
@@ -431,7 +433,12 @@ def runtime_list(as_json):
 @click.argument("name")
 def runtime_remove(name):
     """Delete a provisioned runtime (the next job that needs it provisions it again)."""
-    removed = _runtime(name).remove()
+    from paicli.runners.runtimes import RuntimeError_
+
+    try:
+        removed = _runtime(name).remove()
+    except RuntimeError_ as err:  # in use by a running job
+        raise PaiError(str(err)) from None
     click.echo(f"{name}: removed" if removed else f"{name}: was not installed")
 
 

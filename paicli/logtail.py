@@ -220,7 +220,7 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
     follower = FileFollower(job_dir / "job.log", "end" if from_end else 0)
     live = LiveLine(job_dir / "job.live", out, colour) if hasattr(out, "isatty") and out.isatty() else None
     state = {"counts": None, "next_check": 0.0, "partial": b"", "watch": DirectoryWatch(job_dir),
-             "live": live, "idle_check": time.monotonic() + IDLE_CHECK, "idle": None}
+             "live": live, "idle_check": time.monotonic(), "idle": None}
     interrupted = False
     try:
         while True:
@@ -281,8 +281,9 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
                 state["counts"] = counts
                 _write(out, state, (line + "\n").encode())
         if now >= state["idle_check"] and not JobStatus(job["status"]).is_terminal():
-            state["idle_check"] = now + IDLE_CHECK
             from paicli import jobview
+
+            state["idle_check"] = now + min(IDLE_CHECK, jobview.idle_after() / 2)
 
             note = idle_note(jobview.build_status(store, job_id))
             # Said once when workers go quiet, again if the set of quiet ones changes.

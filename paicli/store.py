@@ -152,7 +152,14 @@ class Store:
         try:
             yield self.db
         except BaseException:
-            self.db.execute("ROLLBACK")
+            # SQLite may have rolled back by itself (a full disk, an I/O error, a
+            # trigger's RAISE(ROLLBACK)): a second ROLLBACK would then fail and
+            # hide the error that matters.
+            if self.db.in_transaction:
+                try:
+                    self.db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
             raise
         else:
             self.db.execute("COMMIT")

@@ -169,9 +169,40 @@ def watch(argv: list[str], env: dict | None = None) -> int:
 # Wire format: a JSON header and a float32 payload, each length-prefixed.
 
 
+# The averaging protocol. A frame is MAGIC, the JSON header's length, the
+# payload's length, the header, the payload. Lengths are capped and checked
+# before anything is allocated, and a connection must first prove it knows the
+# job's secret (PAI_CAFFE_SECRET, in the plan only the job's owner can read):
+# the ps sends a random challenge, the worker answers HMAC-SHA256(secret,
+# challenge + its index). Anything else on the port is dropped.
+MAGIC = b"PAIc"
+FRAME = struct.Struct("!4sIQ")
+MAX_HEADER = 64 * 1024
+MAX_PAYLOAD = int(os.environ.get("PAI_CAFFE_MAX_PAYLOAD", str(1 << 30)))  # float32 weights of a large model
+AUTH_TIMEOUT = 10.0
+OPS = {"init", "avg", "done"}
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+def secret() -> bytes:
+    value = os.environ.get("PAI_CAFFE_SECRET", "")
+    if len(value) < 32:
+        raise SystemExit("caffe runner: no PAI_CAFFE_SECRET for the averaging ps (the caffe adapter sets one)")
+    return value.encode()
+
+
+def answer(key: bytes, challenge: bytes, index: int) -> str:
+    import hashlib
+    import hmac
+    return hmac.new(key, challenge + str(index).encode(), hashlib.sha256).hexdigest()
+
+
 def send_msg(sock: socket.socket, header: dict, payload: bytes = b"") -> None:
     head = json.dumps(header).encode()
-    sock.sendall(struct.pack("!IQ", len(head), len(payload)) + head)
+    sock.sendall(FRAME.pack(MAGIC, len(head), len(payload)) + head)
     if payload:
         sock.sendall(payload)
 
@@ -188,10 +219,33 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket) -> tuple[dict, bytes]:
-    head_len, payload_len = struct.unpack("!IQ", recv_exact(sock, 12))
+def recv_msg(sock: socket.socket, max_payload: int | None = None) -> tuple[dict, bytes]:
+    max_payload = MAX_PAYLOAD if max_payload is None else max_payload
+    magic, head_len, payload_len = FRAME.unpack(recv_exact(sock, FRAME.size))
+    if magic != MAGIC:
+        raise ProtocolError("not an averaging frame")
+    if head_len > MAX_HEADER or payload_len > max_payload:
+        raise ProtocolError(f"frame too large: header {head_len}, payload {payload_len} bytes")
     header = json.loads(recv_exact(sock, head_len))
+    if not isinstance(header, dict):
+        raise ProtocolError("the header is not an object")
     return header, recv_exact(sock, payload_len) if payload_len else b""
+
+
+def authenticate(conn: socket.socket, key: bytes, workers: int) -> int:
+    """The worker index a new connection proves it is, or ProtocolError."""
+    challenge = os.urandom(32)
+    conn.settimeout(AUTH_TIMEOUT)
+    send_msg(conn, {"op": "challenge", "challenge": challenge.hex()})
+    header, _ = recv_msg(conn, max_payload=0)
+    index = header.get("worker")
+    if header.get("op") != "hello" or not isinstance(index, int) or not 0 <= index < workers:
+        raise ProtocolError("no hello")
+    import hmac
+    if not hmac.compare_digest(str(header.get("answer", "")), answer(key, challenge, index)):
+        raise ProtocolError("wrong answer to the challenge")
+    conn.settimeout(None)
+    return index
 
 
 def ps_addresses() -> list[tuple[str, int]]:
@@ -224,19 +278,32 @@ def serve_average(workers: int) -> int:
     log(f"averaging server on {host}:{port} for {workers} workers")
     inbox: "queue.Queue[tuple[int, dict, bytes, socket.socket]]" = queue.Queue()
 
-    def reader(conn: socket.socket) -> None:
+    key = secret()
+
+    def reader(conn: socket.socket, addr) -> None:
+        try:
+            index = authenticate(conn, key, workers)
+        except (ConnectionError, OSError, ValueError) as err:
+            log(f"averaging ps: refused a connection from {addr[0]}:{addr[1]}: {err}")
+            conn.close()
+            return
         try:
             while True:
                 header, payload = recv_msg(conn)
-                inbox.put((int(header["worker"]), header, payload, conn))
-        except (ConnectionError, OSError, ValueError):
+                if header.get("op") not in OPS or header.get("worker") != index \
+                        or not isinstance(header.get("round", 0), int):
+                    raise ProtocolError(f"unexpected message {str(header)[:200]}")
+                inbox.put((index, header, payload, conn))
+        except (ConnectionError, OSError, ValueError) as err:
+            if isinstance(err, ProtocolError):
+                log(f"averaging ps: dropped worker {index}: {err}")
             inbox.put((-1, {"op": "closed"}, b"", conn))
 
     def acceptor() -> None:
         while True:
-            conn, _addr = server.accept()
+            conn, addr = server.accept()
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=reader, args=(conn,), daemon=True).start()
+            threading.Thread(target=reader, args=(conn, addr), daemon=True).start()
 
     threading.Thread(target=acceptor, daemon=True).start()
     pending: dict[int, tuple[dict, bytes, socket.socket]] = {}
@@ -304,8 +371,13 @@ class AveragingClient:
                     if time.monotonic() > deadline:
                         raise SystemExit(f"cannot reach the averaging ps at {address[0]}:{address[1]}: {err}")
                     time.sleep(0.2)
-            sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            header, _ = recv_msg(sock, max_payload=0)
+            if header.get("op") != "challenge":
+                raise SystemExit(f"the averaging ps at {address[0]}:{address[1]} did not ask who we are")
+            send_msg(sock, {"op": "hello", "worker": index,
+                            "answer": answer(secret(), bytes.fromhex(header["challenge"]), index)})
+            sock.settimeout(None)
             self.socks.append(sock)
 
     def exchange(self, op: str, rnd: int, flat, iteration: int):
@@ -454,7 +526,33 @@ def parse_args(argv: list[str]):
     return parser.parse_args(argv)
 
 
+
+RUNTIME_LOCK: int | None = None
+
+
+def hold_runtime_lock() -> int | None:
+    """Hold the runtime's marker file (paicli-runtime.json, at the runtime's root:
+    sys.prefix for a venv, its parent for a root filesystem's /usr) with a shared
+    lock while this instance runs: `pai runtime remove` and an upgrade take it
+    exclusively and refuse while any instance holds it. Our own interpreters
+    (PAI_<NAME>_PYTHON) have no marker and no lock."""
+    import fcntl
+
+    here = os.path.realpath(sys.prefix)
+    for folder in (here, os.path.dirname(here)):
+        marker = os.path.join(folder, "paicli-runtime.json")
+        if os.path.exists(marker):
+            try:
+                fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                return None  # being removed right now: the run fails on its own
+            return fd
+    return None
+
 def main(argv: list[str]) -> int:
+    global RUNTIME_LOCK
+    RUNTIME_LOCK = hold_runtime_lock()  # kept open until this process ends
     args = parse_args(argv)
     os.environ.setdefault("GLOG_logtostderr", "1")
     if args.mode == "average":

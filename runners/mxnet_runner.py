@@ -17,6 +17,7 @@ ps-lite reads, before mxnet is imported. The adapter adds:
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -161,7 +162,41 @@ def compression_params(env: dict[str, str]) -> dict | None:
 # ---------------------------------------------------------------------------
 
 
+
+def wait_for_engine(mx) -> None:
+    """At exit: let MXNet's engine finish what the script queued."""
+    try:
+        mx.nd.waitall()
+    except Exception as err:  # the script's own error was already reported
+        print(f"[mxnet runner] waiting for the engine at exit: {err}", file=sys.stderr, flush=True)
+
+
+RUNTIME_LOCK: int | None = None
+
+
+def hold_runtime_lock() -> int | None:
+    """Hold the runtime's marker file (paicli-runtime.json, at the runtime's root:
+    sys.prefix for a venv, its parent for a root filesystem's /usr) with a shared
+    lock while this instance runs: `pai runtime remove` and an upgrade take it
+    exclusively and refuse while any instance holds it. Our own interpreters
+    (PAI_<NAME>_PYTHON) have no marker and no lock."""
+    import fcntl
+
+    here = os.path.realpath(sys.prefix)
+    for folder in (here, os.path.dirname(here)):
+        marker = os.path.join(folder, "paicli-runtime.json")
+        if os.path.exists(marker):
+            try:
+                fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                return None  # being removed right now: the run fails on its own
+            return fd
+    return None
+
 def main(argv: list[str]) -> None:
+    global RUNTIME_LOCK
+    RUNTIME_LOCK = hold_runtime_lock()  # kept open until this process ends
     os.environ.update(dmlc_environment(dict(os.environ)))
     role = os.environ["DMLC_ROLE"]
     if role == "scheduler":
@@ -178,6 +213,10 @@ def main(argv: list[str]) -> None:
         fail(f"{script}: no such script")
     params = compression_params(os.environ)
     import mxnet as mx  # the script imports it anyway; DMLC_* are set by now
+    # A dist_sync script that ends without mx.nd.waitall() can hang at interpreter
+    # exit with its pushes still queued (MXNet's own launch.py too), and the job
+    # would never end. Registered after mxnet's own exit hooks, so it runs first.
+    atexit.register(wait_for_engine, mx)
     install_pushpull_workaround(mx)
     if params:
         install_compression(mx, params)

@@ -18,6 +18,7 @@ This module runs on the submitting host only; it imports nothing of paicli.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib
 import json
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 Progress = Callable[[str], None]
 
@@ -118,7 +119,12 @@ class Runtime:
             (staging / MARKER).write_text(json.dumps(
                 {"name": self.name, "version": self.version, "installed": time.time()}))
             if self.path.exists():
-                shutil.rmtree(self.path)
+                try:
+                    with self.exclusive("upgrade"):
+                        shutil.rmtree(self.path)
+                except RuntimeError_:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    raise
             os.rename(staging, self.path)  # atomic: a runtime is whole or absent
             progress(f"{self.name} runtime ready in {time.monotonic() - started:.0f}s")
 
@@ -126,10 +132,32 @@ class Runtime:
         raise NotImplementedError
 
     def remove(self) -> bool:
-        if self.path.exists():
+        if not self.path.exists():
+            return False
+        with self.exclusive("remove"):
             shutil.rmtree(self.path)
-            return True
-        return False
+        return True
+
+    @contextlib.contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        """The runtime's lock, exclusively, or RuntimeError_ at once if a job is
+        using it. Every instance running in the runtime holds its marker file with
+        a shared lock for its whole life (the runners' hold_runtime_lock), so a
+        runtime is never deleted under a running job."""
+        try:
+            fd = os.open(self.path / MARKER, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            yield  # a half-made runtime: nothing can be running in it
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RuntimeError_(f"cannot {what} the {self.name} runtime: a running job uses it "
+                                    f"({self.path}); try again when its jobs have ended (`pai list`)") from None
+            yield
+        finally:
+            os.close(fd)
 
     def info(self) -> dict:
         installed = self.is_installed()

@@ -221,3 +221,213 @@ def test_an_existing_looser_store_is_tightened(tmp_path):
     assert stat.S_IMODE(home.stat().st_mode) == 0o700
     assert stat.S_IMODE((home / "jobs").stat().st_mode) == 0o700
     assert stat.S_IMODE((home / "pai.db").stat().st_mode) == 0o600
+
+
+# -- 6. the Caffe averaging ps --------------------------------------------------------
+
+
+def _numpy_python() -> str:
+    from paicli.runners.runtimes import get_runtime
+
+    rt = get_runtime("mxnet")  # any interpreter with numpy runs the averaging ps
+    if not rt.is_installed():
+        pytest.skip("the mxnet runtime (numpy) is not provisioned")
+    return rt.python()
+
+
+@pytest.mark.mxnet
+def test_the_averaging_ps_checks_frames_and_authenticates_workers(tmp_path):
+    import hashlib
+    import hmac
+    import socket
+    import struct
+
+    from paicli.runners.runtimes import runner_path
+
+    key = os.urandom(32).hex()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, PAI_HOST="127.0.0.1", PAI_PORT=str(port), PAI_CAFFE_SECRET=key)
+    log = open(tmp_path / "ps.log", "wb")
+    ps = subprocess.Popen([_numpy_python(), "-u", runner_path("caffe_runner.py"), "average", "--workers", "2"],
+                          env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def connect():
+        return wait_until(lambda: _try_connect(port), timeout=30)
+
+    def frame(header: dict, payload: bytes = b"") -> bytes:
+        head = json.dumps(header).encode()
+        return struct.pack("!4sIQ", b"PAIc", len(head), len(payload)) + head + payload
+
+    def read(sock) -> tuple[dict, bytes]:
+        raw = b""
+        while len(raw) < 16:
+            raw += sock.recv(16 - len(raw))
+        _, head_len, payload_len = struct.unpack("!4sIQ", raw)
+        body = b""
+        while len(body) < head_len + payload_len:
+            body += sock.recv(head_len + payload_len - len(body))
+        return json.loads(body[:head_len]), body[head_len:]
+
+    def closed(sock) -> bool:
+        sock.settimeout(5)
+        try:
+            while sock.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+        return True
+
+    try:
+        # 1. A 64-bit length from a stranger: dropped before anything is allocated.
+        bomb = connect()
+        read(bomb)  # the challenge
+        bomb.sendall(struct.pack("!4sIQ", b"PAIc", 2, 1 << 62))
+        assert closed(bomb)
+        # 2. A wrong answer to the challenge: dropped.
+        liar = connect()
+        challenge, _ = read(liar)
+        liar.sendall(frame({"op": "hello", "worker": 0, "answer": "00" * 32}))
+        assert closed(liar)
+        # 3. Two workers that know the secret are averaged.
+        workers = []
+        for index, values in ((0, (1.0, 3.0)), (1, (3.0, 5.0))):
+            sock = connect()
+            challenge, _ = read(sock)
+            mac = hmac.new(key.encode(), bytes.fromhex(challenge["challenge"]) + str(index).encode(),
+                           hashlib.sha256).hexdigest()
+            sock.sendall(frame({"op": "hello", "worker": index, "answer": mac}))
+            workers.append((sock, struct.pack("<2f", *values)))
+        for index, (sock, payload) in enumerate(workers):
+            sock.sendall(frame({"op": "avg", "worker": index, "round": 1, "iter": 10}, payload))
+        for sock, _ in workers:
+            header, payload = read(sock)
+            assert header["op"] == "avg" and struct.unpack("<2f", payload) == (2.0, 4.0)
+        for index, (sock, _) in enumerate(workers):
+            sock.sendall(frame({"op": "done", "worker": index}))
+        assert ps.wait(timeout=30) == 0
+    finally:
+        if ps.poll() is None:
+            os.killpg(ps.pid, 9)
+            ps.wait()
+        log.close()
+    text = (tmp_path / "ps.log").read_text()
+    assert "refused a connection from 127.0.0.1" in text and "frame too large" in text
+    assert "wrong answer to the challenge" in text
+
+
+def _try_connect(port: int):
+    import socket
+
+    try:
+        return socket.create_connection(("127.0.0.1", port), timeout=5)
+    except OSError:
+        return None
+
+
+# -- 6. a runtime in use ----------------------------------------------------------------
+
+
+def test_a_runtime_a_running_instance_uses_is_not_removed(pai_home, tmp_path):
+    from paicli.runners.runtimes import runner_path
+
+    root = tmp_path / "runtimes"
+    runtime = root / "mxnet"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(runtime)], check=True)
+    (runtime / "paicli-runtime.json").write_text(json.dumps({"name": "mxnet", "version": "old"}))
+    # What every runner does first, in the runtime's own interpreter.
+    holder = subprocess.Popen(
+        [str(runtime / "bin" / "python"), "-c",
+         "import runpy, sys, time; runner = runpy.run_path(sys.argv[1]); "
+         "print('held' if runner['hold_runtime_lock']() is not None else 'none', flush=True); time.sleep(60)",
+         runner_path("mxnet_runner.py")], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    env = {"PAI_RUNTIME_DIR": str(root)}
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        refused = pai("runtime", "remove", "mxnet", env=env)
+        assert refused.returncode == 1 and runtime.exists()
+        assert refused.stderr.strip() == (f"pai: error: cannot remove the mxnet runtime: a running job uses it "
+                                          f"({runtime}); try again when its jobs have ended (`pai list`)")
+    finally:
+        holder.kill()
+        holder.wait()
+    removed = pai("runtime", "remove", "mxnet", env=env)
+    assert removed.stdout.strip() == "mxnet: removed" and not runtime.exists()
+
+
+# -- 7. idle workers ----------------------------------------------------------------------
+
+LISTEN = Path(__file__).resolve().parent / "scripts" / "listen.py"
+PS_W = '{"ps":{"count":1},"worker":{"count":1}}'
+
+
+def test_quiet_workers_are_shown_idle_in_status_and_the_attached_view(pai_home):
+    env = {"PAI_IDLE_SECONDS": "1", "QUIET": "5"}
+    result = pai("-name", "python", f"-Dscript={LISTEN}", f"-Dcluster={PS_W}", env=env)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if "no output from" in line]
+    # Said once, naming the quiet worker and not the ps (a service is quiet by nature).
+    assert notes == ["[pai] no output from worker:0 for 0 min while the job runs: it may be hung"], result.stdout
+
+
+def test_status_names_idle_workers(pai_home):
+    proc = subprocess.Popen([*PAI, "-name", "python", f"-Dscript={LISTEN}", f"-Dcluster={PS_W}", "--detach"],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, QUIET="6"))
+    job_id = proc.communicate(timeout=60)[0].strip()
+    try:
+        assert wait_until(lambda: pai_json("status", job_id)["status"] == "Running", timeout=20)
+        quiet = wait_until(lambda: pai_json("status", job_id, env={"PAI_IDLE_SECONDS": "2"})["idle"], timeout=10)
+        assert [i["instance"] for i in quiet] == ["worker:0"] and quiet[0]["seconds"] >= 2
+        text = pai("status", job_id, env={"PAI_IDLE_SECONDS": "2"}).stdout
+        assert "Idle: no output from worker:0" in text
+        assert pai_json("status", job_id)["idle"] == []  # the default: five minutes
+    finally:
+        pai("kill", job_id)
+
+
+# -- 8. servers reachable from outside ------------------------------------------------------
+
+
+@pytest.mark.parametrize("address, exposed", [("0.0.0.0", True), ("127.0.0.1", False), ("::", True)])
+def test_status_warns_when_a_server_listens_beyond_loopback(pai_home, address, exposed):
+    proc = subprocess.Popen([*PAI, "-name", "python", f"-Dscript={LISTEN}", f"-Dcluster={PS_W}", "--detach"],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, LISTEN_ADDR=address, QUIET="30"))
+    job_id = proc.communicate(timeout=60)[0].strip()
+    try:
+        logs = pai_home / "jobs" / job_id / "logs" / "ps-0.0.log"
+        assert wait_until(lambda: logs.exists() and "listening" in logs.read_text(), timeout=20)
+        status = pai_json("status", job_id)
+        port = next(i["port"] for i in status["instances"] if i["role"] == "ps")
+        text = pai("status", job_id).stdout
+        if exposed:
+            assert status["exposed"] == [{"instance": "ps:0", "port": port, "address": address}]
+            assert f"Warning: reachable from other machines, without authentication: ps:0 on {address}:{port}" in text
+        else:
+            assert status["exposed"] == [] and "reachable" not in text
+    finally:
+        pai("kill", job_id)
+
+
+# -- 6. the store's rollback ------------------------------------------------------------
+
+
+def test_the_real_error_survives_sqlites_own_rollback(tmp_path):
+    """A statement SQLite answers by rolling the transaction back itself (here a
+    trigger's RAISE(ROLLBACK); a full disk does the same) must surface as its
+    own error, not as "cannot rollback - no transaction is active"."""
+    import sqlite3
+
+    from paicli.store import Store
+
+    store = Store(tmp_path)
+    store.db.execute("CREATE TABLE t (x)")
+    store.db.execute("CREATE TRIGGER t_no BEFORE INSERT ON t BEGIN SELECT RAISE(ROLLBACK, 'disk is full'); END")
+    with pytest.raises(sqlite3.IntegrityError, match="disk is full"):
+        with store.tx() as db:
+            db.execute("INSERT INTO t VALUES (1)")
+    assert not store.db.in_transaction
+    with store.tx() as db:  # and the store goes on working
+        db.execute("DROP TRIGGER t_no")
+        db.execute("INSERT INTO t VALUES (2)")
+    assert store.db.execute("SELECT x FROM t").fetchall()[0][0] == 2

@@ -86,7 +86,14 @@ def target_cluster(loopback_Bps: float):
         raise UsageError(f"PAI_PLUTO_BANDWIDTH: {err}", "e.g. PAI_PLUTO_BANDWIDTH=100mbit") from None
     nodes = tuple(Node(n.name, (n.cpu or 100) / 100.0, bandwidth) for n in config.nodes)
     said = f"{raw} links" if raw else "links assumed 1 Gbit/s (set PAI_PLUTO_BANDWIDTH)"
-    return Cluster(nodes, loopback_Bps=loopback_Bps, source=f"{len(nodes)} nodes of {config.path}, {said}")
+    shared = os.environ.get("PAI_PLUTO_SHARED_CORES")
+    try:
+        machine_cores = float(shared) if shared else None
+    except ValueError:
+        raise UsageError(f"PAI_PLUTO_SHARED_CORES: expected a number of cores, not {shared!r}",
+                         "e.g. PAI_PLUTO_SHARED_CORES=2 when the nodes are virtual hosts of one machine") from None
+    return Cluster(nodes, loopback_Bps=loopback_Bps, machine_cores=machine_cores,
+                   source=f"{len(nodes)} nodes of {config.path}, {said}")
 
 
 # -- the user's strategy and script ------------------------------------------------

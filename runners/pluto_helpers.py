@@ -160,8 +160,9 @@ def install_mxnet(mx) -> None:
         return
     KVStore = mx.kvstore.KVStore
     original_init = KVStore.init
+    original_broadcast = KVStore.broadcast
 
-    def init(self, key, value):
+    def record(key, value):
         keys = key if isinstance(key, (list, tuple)) else [key]
         values = value if isinstance(value, (list, tuple)) else [value]
         for k, v in zip(keys, values):
@@ -173,6 +174,15 @@ def install_mxnet(mx) -> None:
             except Exception:  # an exotic array type: report nothing rather than fail the job
                 continue
             _report_variable(str(k), size)
+
+    def init(self, key, value):
+        record(key, value)
         return original_init(self, key, value)
 
+    def broadcast(self, key, value, out, priority=0):
+        # gluon.Trainer hands its dense parameters to the kvstore this way
+        record(key, value)
+        return original_broadcast(self, key, value, out, priority=priority)
+
     KVStore.init = init
+    KVStore.broadcast = broadcast

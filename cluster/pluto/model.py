@@ -143,6 +143,8 @@ def compute_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> f
         busy[node] += 1.0
     slowdown = max((max(1.0, busy[node] / cluster.nodes[node].cores) for node in set(worker_nodes)),
                    default=1.0)
+    if cluster.machine_cores:
+        slowdown = max(slowdown, sum(busy) / cluster.machine_cores)
     batch = strategy.batch_per_worker or profile.batch_size
     return profile.compute_s_per_sample * batch * slowdown
 

@@ -77,6 +77,8 @@ class Strategy:
         parts = [f"{self.ps} {self.ps_role()}" if self.ps else "", f"{self.workers} worker"]
         if self.framework in PS_FRAMEWORKS and self.ps > 1:
             parts.append(self.partition.replace("_", "-"))
+        if self.framework == "mxnet" and self.partition == SLICED and self.big_array_bound and self.ps > 1:
+            parts.append(f"bound {self.big_array_bound:,}")
         if self.compression != "none":
             parts.append(self.compression)
         if self.ma_period and self.workers > 1:
@@ -134,6 +136,9 @@ class Cluster:
     nodes: tuple[Node, ...]
     loopback_Bps: float = LOOPBACK_BPS  # between instances on one node
     source: str = "this machine"
+    # When the nodes are virtual hosts of one machine (a test cluster), the cores
+    # they all share: compute contends machine-wide, not only per node.
+    machine_cores: float | None = None
 
     @property
     def total_cores(self) -> float:

@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""Pluto's forecast against measured runs, and the communication-bound proof.
+
+    # the grid on the multi-host test cluster (root: network namespaces, veth, tc tbf)
+    sudo .venv/bin/python bench/bench_pluto.py grid --rates 100mbit,1gbit
+    sudo .venv/bin/python bench/bench_pluto.py grid --rates 100mbit --frameworks mxnet
+    # the same grid on this machine alone (loopback; tc cannot shape loopback usefully)
+    .venv/bin/python bench/bench_pluto.py grid --local
+    # -DautoStrategy=true against the default 1 ps, side by side, at 100 Mbit/s
+    sudo .venv/bin/python bench/bench_pluto.py proof --rate 100mbit
+
+For every framework the grid first runs `pai plan` (its calibration runs go
+through pai on the same cluster), then runs each configuration of the grid for
+real through pai and compares the forecast step time with the measured
+`step_seconds`. It prints one line per configuration, the median absolute error
+(goal <= 20%) and the recommended plan's measured speed against the best
+measured configuration (goal: within 10%).
+
+The test cluster's hosts are network namespaces of this one machine: they share
+its cores, which the forecast is told (PAI_PLUTO_SHARED_CORES) so that compute
+contention is modelled as it really is here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+TF_SCRIPT = ROOT / "examples" / "pluto" / "tf_wide_mlp.py"
+MX_SCRIPT = ROOT / "examples" / "pluto" / "mxnet_wide_mlp.py"
+CAFFE_SOLVER = ROOT / "examples" / "caffe" / "mlp" / "mlp_solver.prototxt"
+STEPS_PER_WORKER = 24
+HOSTS = 7
+
+
+def grid(framework: str) -> list[dict]:
+    """Configurations as (cluster, params): >= 8 per framework."""
+    from paicli.cluster.pluto.planner import pluto_bound
+
+    if framework == "tensorflow":
+        out = []
+        for ps, workers, partition in ((1, 1, "roundRobin"), (1, 2, "roundRobin"), (2, 2, "roundRobin"),
+                                       (2, 2, "greedy"), (3, 2, "greedy"), (4, 2, "greedy"),
+                                       (1, 3, "roundRobin"), (2, 3, "greedy"), (4, 3, "greedy")):
+            params = {"psStrategy": partition} if ps > 1 else {}
+            out.append({"cluster": {"ps": {"count": ps}, "worker": {"count": workers}}, "params": params})
+        return out
+    if framework == "mxnet":
+        out = []
+        for servers, comp, ours in ((1, "none", False), (1, "2bit", False), (2, "none", False),
+                                    (2, "none", True), (2, "2bit", True), (3, "none", True),
+                                    (4, "none", True), (4, "2bit", True)):
+            params = {"gradientCompression": comp}
+            if comp == "2bit":
+                params["gradientCompressionThreshold"] = 0.5
+            if ours:
+                params["bigArrayBound"] = "PLUTO"   # filled in with pluto_bound once sizes are known
+            out.append({"cluster": {"server": {"count": servers}, "worker": {"count": 2}}, "params": params})
+        out.append({"cluster": {"server": {"count": 1}, "worker": {"count": 1}}, "params": {"gradientCompression": "none"}})
+        return out
+    if framework == "caffe":
+        out = [{"cluster": {"worker": {"count": 1}}, "params": {}}]
+        for period in (1, 2, 5, 10, 20, 50):
+            out.append({"cluster": {"ps": {"count": 1}, "worker": {"count": 2}}, "params": {"maPeriod": period}})
+        out.append({"cluster": {"ps": {"count": 1}, "worker": {"count": 3}}, "params": {"maPeriod": 5}})
+        return out
+    raise SystemExit(f"unknown framework {framework}")
+
+
+def base_tokens(framework: str, workers_hint: int = 2) -> list[str]:
+    if framework == "tensorflow":
+        return ["-name", "tensorflow", f"-Dscript={TF_SCRIPT}"]
+    if framework == "mxnet":
+        return ["-name", "mxnet", f"-Dscript={MX_SCRIPT}",
+                '-Dcluster={"server":{"count":1},"worker":{"count":2}}']
+    return ["-name", "caffe", f"-Dsolver={CAFFE_SOLVER}",
+            '-Dcluster={"ps":{"count":1},"worker":{"count":2}}']
+
+
+def steps_args(framework: str, workers: int) -> list[str]:
+    if framework == "tensorflow":
+        return [f"-DuserDefinedParameters=--steps={STEPS_PER_WORKER * workers}"]
+    if framework == "mxnet":
+        return [f"-DuserDefinedParameters=--steps={STEPS_PER_WORKER}"]
+    return []
+
+
+def run_job(tokens: list[str], limit: float = 600.0) -> tuple[str, float | None, str, float]:
+    """Submit through pai's library, wait for the end; (id, step_seconds, status, wall seconds)."""
+    from paicli import client, steptime
+    from paicli.states import JobStatus
+    from paicli.statement import parse_statement
+    from paicli.store import Store
+
+    store = Store()
+    started = time.monotonic()
+    job_id = client.submit(client.prepare(parse_statement(tokens)), store)
+    while True:
+        job = client.refresh(store, job_id)
+        if JobStatus(job["status"]).is_terminal() and not client.master_alive(job):
+            break
+        if time.monotonic() - started > limit:
+            client.kill(store, job_id, reason="bench limit")
+        time.sleep(0.3)
+    return job_id, steptime.job_step_seconds(store, job_id), job["status"], time.monotonic() - started
+
+
+def losses_fall(job_id: str) -> bool:
+    from paicli.store import Store
+
+    rows = [r for r in Store().metrics(job_id) if r["key"] == "loss" and r["role"] == "worker" and r["idx"] == 0]
+    if len(rows) < 4:
+        return False
+    first = statistics.mean(r["value"] for r in rows[:3])
+    last = statistics.mean(r["value"] for r in rows[-3:])
+    return last < first
+
+
+def strategy_of(framework: str, config: dict, profile):
+    from paicli.cluster.pluto.model import default_strategy
+
+    cluster, params = config["cluster"], config["params"]
+    workers = cluster["worker"]["count"]
+    ps = cluster.get("ps", cluster.get("server", {"count": 0}))["count"]
+    s = default_strategy(framework, ps, workers)
+    if framework == "tensorflow":
+        s = s.with_(partition="greedy" if params.get("psStrategy") == "greedy" else "round_robin",
+                    sync=profile.sync)
+    elif framework == "mxnet":
+        s = s.with_(compression=params.get("gradientCompression", "none"),
+                    big_array_bound=params.get("bigArrayBound"), sync=profile.sync)
+    elif framework == "caffe" and workers > 1:
+        s = s.with_(ma_period=params.get("maPeriod", 20))
+    return s
+
+
+def tokens_for(framework: str, config: dict) -> list[str]:
+    base = [t for t in base_tokens(framework) if not t.startswith("-Dcluster=")]
+    workers = config["cluster"]["worker"]["count"]
+    out = base + [f"-Dcluster={json.dumps(config['cluster'], separators=(',', ':'))}"]
+    out += [f"-D{k}={v}" for k, v in config["params"].items()]
+    return out + steps_args(framework, workers)
+
+
+def bench_framework(framework: str, label: str) -> dict:
+    from paicli.cli_plan import make_plan
+    from paicli.cluster.pluto.model import forecast
+    from paicli.cluster.pluto.planner import pluto_bound
+    from paicli.statement import parse_statement
+
+    print(f"\n== {framework} on {label}", flush=True)
+    t0 = time.monotonic()
+    result = make_plan(parse_statement(base_tokens(framework) + steps_args(framework, 2)),
+                       say=lambda line: print(f"   {line}", flush=True))
+    profile, where = result.profile, result.cluster
+    print(f"   calibrated in {time.monotonic() - t0:.0f}s: model {profile.param_bytes / 1e6:.2f} MB "
+          f"({len(profile.var_bytes)} arrays), {profile.compute_s_per_sample * 1e3:.3f} ms/sample, "
+          f"fan-in {profile.fanin_s * 1e3:.2f} ms, sync={profile.sync}", flush=True)
+    rec = result.plan.recommended.to_json()
+    configs = grid(framework)
+    for config in configs:
+        if config["params"].get("bigArrayBound") == "PLUTO":
+            ps = config["cluster"]["server"]["count"]
+            config["params"]["bigArrayBound"] = pluto_bound(profile.var_bytes or (profile.param_bytes,), ps)
+    rec_config = {"cluster": rec["cluster"], "params": rec["params"]}
+    same = [c for c in configs if c["cluster"] == rec_config["cluster"] and
+            {k: v for k, v in c["params"].items() if k != "gradientCompressionThreshold"} ==
+            {k: v for k, v in rec_config["params"].items() if k != "gradientCompressionThreshold"}]
+    if not same:
+        configs.append(rec_config)
+    rows = []
+    for config in configs:
+        strategy = strategy_of(framework, config, profile)
+        predicted = forecast(profile, strategy, where).step_s
+        job_id, measured, status, wall = run_job(tokens_for(framework, config))
+        err = (predicted - measured) / measured if measured else None
+        is_rec = config is rec_config or (same and config is same[0])
+        rows.append({"config": strategy.label(), "cluster": config["cluster"], "params": config["params"],
+                     "forecast_s": predicted, "measured_s": measured, "error": err, "status": status,
+                     "job": job_id, "recommended": bool(is_rec), "wall_s": wall})
+        print(f"   {'*' if is_rec else ' '} {strategy.label():42s} forecast {predicted:8.4f}s  measured "
+              f"{(measured or float('nan')):8.4f}s  error {(err if err is not None else float('nan')):+6.0%}  "
+              f"{status} {job_id} ({wall:.0f}s)", flush=True)
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    med = statistics.median(errors) if errors else None
+    measured = [r for r in rows if r["measured_s"]]
+    best = min(measured, key=lambda r: r["measured_s"]) if measured else None
+    recd = next((r for r in rows if r["recommended"]), None)
+    ratio = (recd["measured_s"] / best["measured_s"]) if (best and recd and recd["measured_s"]) else None
+    print(f"   median |error| {med:.1%} over {len(errors)} configurations (goal <= 20%)" if med is not None
+          else "   no measurements", flush=True)
+    if ratio:
+        print(f"   recommended ({recd['config']}) measured {recd['measured_s']:.4f}s/step; best measured "
+              f"({best['config']}) {best['measured_s']:.4f}s/step: {ratio:.2f}x (goal <= 1.10)", flush=True)
+    return {"framework": framework, "where": label, "rows": rows, "median_abs_error": med,
+            "recommended_vs_best": ratio, "profile": profile.to_dict()}
+
+
+def with_cluster(rate: str | None, body):
+    """Run body() with PAI_NODES set to a fresh test cluster limited to `rate`
+    (or on this machine when rate is None), in a PAI_HOME of its own."""
+    home = Path(tempfile.mkdtemp(prefix="pai-bench-pluto-"))
+    os.environ["PAI_HOME"] = str(home)
+    os.environ.pop("PAI_NODES", None)
+    if rate is None:
+        return body("this machine (loopback, not shaped)")
+    from netns import TestCluster, can_build
+
+    reason = can_build()
+    if reason:
+        raise SystemExit(f"cannot build the test cluster: {reason}; use --local")
+    with TestCluster(prefix="eplu", hosts=HOSTS, subnet="10.213.44") as cluster:
+        cluster.rate_limit(rate)
+        nodes = cluster.write_nodes_file(home / "nodes.yaml", cpu=100)
+        os.environ["PAI_NODES"] = str(nodes)
+        os.environ["PAI_PLUTO_BANDWIDTH"] = rate
+        os.environ["PAI_PLUTO_SHARED_CORES"] = str(len(os.sched_getaffinity(0)))
+        try:
+            return body(f"{HOSTS} hosts at {rate}")
+        finally:
+            for key in ("PAI_NODES", "PAI_PLUTO_BANDWIDTH", "PAI_PLUTO_SHARED_CORES"):
+                os.environ.pop(key, None)
+
+
+def cmd_grid(args) -> None:
+    results = []
+    rates = [None] if args.local else args.rates.split(",")
+    for rate in rates:
+        for framework in args.frameworks.split(","):
+            results.append(with_cluster(rate, lambda label, fw=framework: bench_framework(fw, label)))
+    print("\n== summary")
+    for r in results:
+        med = r["median_abs_error"]
+        ratio = r["recommended_vs_best"]
+        print(f"{r['framework']:10s} {r['where']:36s} median |error| "
+              f"{'n/a' if med is None else f'{med:.1%}'}  recommended/best "
+              f"{'n/a' if ratio is None else f'{ratio:.2f}x'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+def cmd_proof(args) -> None:
+    """-DautoStrategy=true against the default plan (1 ps), same script, same step
+    target, one after the other in one run."""
+    def body(label):
+        out = []
+        for framework in args.frameworks.split(","):
+            base = base_tokens(framework)
+            if framework == "tensorflow":
+                base = [t for t in base if not t.startswith("-Dcluster=")] + \
+                    ['-Dcluster={"ps":{"count":1},"worker":{"count":2}}']
+            steps = steps_args(framework, 2)
+            print(f"\n== proof: {framework} on {label}", flush=True)
+            auto_id, auto_s, auto_status, auto_wall = run_job(base + steps + ["-DautoStrategy=true"])
+            default_id, default_s, default_status, default_wall = run_job(base + steps)
+            # the calibration is cached by the first run: time the auto run again without it
+            auto2_id, auto2_s, auto2_status, auto2_wall = run_job(base + steps + ["-DautoStrategy=true"])
+            from paicli.plutoview import record
+            from paicli.store import Store
+            plan = record(Store().job(auto2_id)["job_dir"]) or {}
+            speed = default_wall / auto2_wall if auto2_wall else None
+            print(f"   default 1 ps : {default_wall:6.1f}s to the step target, {default_s or float('nan'):.4f} s/step "
+                  f"({default_status}, loss falls: {losses_fall(default_id)})")
+            print(f"   autoStrategy : {auto2_wall:6.1f}s to the step target, {auto2_s or float('nan'):.4f} s/step "
+                  f"({auto2_status}, loss falls: {losses_fall(auto2_id)}) plan: {plan.get('label')}, "
+                  f"forecast {plan.get('forecast_step_s')}")
+            print(f"   speed-up {speed:.2f}x wall (goal >= 1.5x); per step "
+                  f"{(default_s / auto2_s) if default_s and auto2_s else float('nan'):.2f}x; "
+                  f"the first autoStrategy submit (calibrating) took {auto_wall:.1f}s", flush=True)
+            out.append({"framework": framework, "default": [default_id, default_s, default_wall],
+                        "auto": [auto2_id, auto2_s, auto2_wall], "plan": plan})
+        return out
+    with_cluster(None if args.local else args.rate, body)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("grid")
+    g.add_argument("--rates", default="100mbit,1gbit")
+    g.add_argument("--local", action="store_true")
+    g.add_argument("--frameworks", default="tensorflow,mxnet,caffe")
+    g.add_argument("--json")
+    p = sub.add_parser("proof")
+    p.add_argument("--rate", default="100mbit")
+    p.add_argument("--local", action="store_true")
+    p.add_argument("--frameworks", default="tensorflow,mxnet")
+    args = parser.parse_args()
+    {"grid": cmd_grid, "proof": cmd_proof}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ run in order:
   print:N        print N lines "step=i, loss=..." (one every SLEEP seconds)
   sleep:S        sleep S seconds
   exit:C         exit with code C
+  say:TEXT       print TEXT (no commas)
   selfkill:SIG   kill itself with signal SIG, only on attempt 0
   serve          listen on PAI_PORT forever (a ps)
   child          start a grandchild that sleeps forever in the same group
@@ -35,6 +36,8 @@ def main() -> int:
                 time.sleep(sleep)
         elif name == "sleep":
             time.sleep(float(arg))
+        elif name == "say":
+            print(arg, flush=True)
         elif name == "exit":
             print(f"exiting with {arg}", flush=True)
             return int(arg)

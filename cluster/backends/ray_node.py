@@ -1,0 +1,352 @@
+"""What runs ON a Ray node for the Ray backend: standard library only.
+
+The Ray backend (ray.py) wraps `InstanceActor` with `ray.remote` and ships this
+module to the cluster by value (cloudpickle), so a Ray node needs Ray and
+nothing of paicli. One actor per instance, in the instance's placement-group
+bundle:
+
+- `stage()` writes what the instance needs (the runners, the job folder's code
+  and plan files, a script that lives outside it) into a per-job folder on its
+  node (0700 folders, 0600 files); `ensure_runtime()` provisions the framework
+  runtime there on first use with the shipped runners/runtimes.py (or finds the
+  node's own); `pick_ports()` finds ports free on the node;
+- `start()` runs the instance under the paicli node agent (runners/node_agent.py,
+  the same agent the SSH backend uses): the agent starts it in a session of its
+  own with default signal dispositions, reports its identity, streams its output
+  and its exit status, and stops its whole group when its stdin closes. The
+  actor holds that stdin: when the actor dies (the master died and Ray killed
+  the actors it owned, `ray stop`, a crash) the agent stops the instance.
+  The agent runs in a session of its own, out of reach of Ray's clean-up of the
+  worker's process group, so it always lives to do that;
+- `read()` hands the output to the master, with the exit status at the end.
+
+Stopping from any process is `stop_ref()`: the node agent's identity-checked
+stop (pid + start time + boot id, see cluster/backends/base.py), run on the node
+by the actor or by a task pinned to the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MAX_BUFFERED = 1 << 20   # output held in the actor before the agent is made to wait
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _stat(pid: int):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields[0].decode(), int(fields[2]), fields[19].decode()   # state, pgid, start
+
+
+def members(pgid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _stat(int(name))
+            if stat and stat[1] == pgid and stat[0] != "Z":
+                found.append(int(name))
+    return found
+
+
+def is_ours(ref: dict) -> bool:
+    """`ref` still names the group we started here (cluster/backends/base.py):
+    the same boot, and its leader either gone or the process that started at the
+    recorded time (a group's number is not handed out while the group lives)."""
+    if ref.get("boot_id") and ref["boot_id"] != boot_id():
+        return False
+    stat = _stat(int(ref["pid"]))
+    return stat is None or not ref.get("start") or stat[2] == ref["start"]
+
+
+def signal_ref(ref: dict, signum: int) -> bool:
+    if not is_ours(ref) or not members(int(ref["pgid"])):
+        return False
+    try:
+        os.killpg(int(ref["pgid"]), signum)
+        return True
+    except OSError:
+        return False
+
+
+def alive_ref(ref: dict) -> bool:
+    return is_ours(ref) and bool(members(int(ref["pgid"])))
+
+
+def stop_ref(ref: dict, timeout: float) -> bool:
+    """THE stop on a node: identity check, SIGTERM to the group, up to `timeout`
+    seconds, SIGKILL. True when the group was ours and was signalled."""
+    if not signal_ref(ref, signal.SIGTERM):
+        return False
+    deadline = time.monotonic() + max(0.0, timeout)
+    while time.monotonic() < deadline and alive_ref(ref):
+        time.sleep(0.05)
+    signal_ref(ref, signal.SIGKILL)
+    return True
+
+
+def free_ports(count: int, taken=()) -> list[int]:
+    """`count` distinct ports this node can bind now (on every address), none in `taken`."""
+    avoid = {int(p) for p in taken}
+    socks, ports = [], []
+    try:
+        while len(ports) < count and len(socks) < count + 200:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("0.0.0.0", 0))
+            socks.append(sock)
+            port = sock.getsockname()[1]
+            if port not in avoid and port not in ports:
+                ports.append(port)
+    finally:
+        for sock in socks:
+            sock.close()
+    if len(ports) != count:
+        raise OSError(f"could not find {count} free ports")
+    return ports
+
+
+def job_folder(job_id: str, node_id: str) -> str:
+    """The per-job folder on a node: under the node's temporary directory, one per
+    (user, node), so that nodes sharing a filesystem never share it."""
+    return os.path.join(tempfile.gettempdir(), f"paicli-ray-{os.getuid()}", node_id[:16], job_id)
+
+
+def private_dirs(path: str) -> None:
+    """Create `path` and its missing parents 0700, whatever the umask."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(folder, 0o700)
+
+
+def write_files(root: str, files: dict[str, bytes], executable=()) -> None:
+    """Write {relative path: content} under `root` (0700 folders, 0600 files,
+    0700 for `executable`), each file whole or absent (written aside, renamed)."""
+    private_dirs(root)
+    real_root = os.path.realpath(root)
+    for rel, data in files.items():
+        path = os.path.realpath(os.path.join(root, rel))
+        if not path.startswith(real_root + os.sep):
+            raise ValueError(f"refusing to write outside the job folder: {rel!r}")
+        private_dirs(os.path.dirname(path))
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700 if rel in executable else 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+
+class InstanceActor:
+    """One instance on one node (see the module docstring). The master calls it
+    through Ray; `read()` blocks while `stop()` may be called, so the actor is
+    created with max_concurrency > 1."""
+
+    def __init__(self, job_id: str, label: str, node_id: str):
+        self.job_id = job_id
+        self.label = label                  # JOB/role:idx, as the node agent shows it
+        self.node_ip = ""
+        if not node_id:   # inside a Ray worker: ask Ray where we are
+            import ray
+
+            node_id = ray.get_runtime_context().get_node_id()
+            self.node_ip = ray.util.get_node_ip_address()
+        self.node_id = node_id
+        self.folder = job_folder(job_id, node_id)
+        self.agent: subprocess.Popen | None = None
+        self.ref: dict | None = None
+        self.status: int | None = None
+        self.ended = False
+        self.buf = bytearray()
+        self.cond = threading.Condition()
+
+    # -- about the node ---------------------------------------------------------
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "boot_id": boot_id(), "python": sys.executable, "folder": self.folder,
+                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "hostname": socket.gethostname(),
+                "node_id": self.node_id, "node_ip": self.node_ip}
+
+    def stage(self, files: dict[str, bytes], executable=()) -> str:
+        write_files(self.folder, files, executable)
+        return self.folder
+
+    def ensure_runtime(self, name: str | None) -> dict:
+        """The interpreter of runtime `name` on this node, provisioned here on first
+        use by the shipped runners/runtimes.py; {"error": ...} when it cannot be."""
+        if not name:
+            return {"python": sys.executable, "lines": []}
+        import importlib.util
+
+        path = os.path.join(self.folder, "runners", "runtimes.py")
+        spec = importlib.util.spec_from_file_location("paicli_node_runtimes", path)
+        module = importlib.util.module_from_spec(spec)
+        lines: list[str] = []
+        try:
+            spec.loader.exec_module(module)
+            runtime = module.get_runtime(name)
+            runtime.ensure(lines.append)
+            return {"python": runtime.python(), "lines": lines, "root": str(module.runtime_root())}
+        except Exception as err:  # noqa: BLE001 - one line for the master
+            return {"error": f"{type(err).__name__}: {err}", "lines": lines}
+
+    def pick_ports(self, count: int, taken=()) -> list[int]:
+        return free_ports(count, taken)
+
+    # -- one instance ---------------------------------------------------------------
+
+    def start(self, argv: list[str], env: dict[str, str], cwd: str | None) -> dict:
+        """Start the instance under the node agent. Its identity {pid, pgid, start,
+        boot_id}, or {"error": message} when it could not start."""
+        with self.cond:
+            if self.agent is not None and not self.ended:
+                return {"error": "this actor's instance is still running"}
+            # A restart on the same node: the last run is over; start afresh.
+            self.release()
+            self.ref, self.status, self.ended = None, None, False
+            self.buf.clear()
+        agent_path = os.path.join(self.folder, "runners", "node_agent.py")
+        agent_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        self.agent = subprocess.Popen(
+            [sys.executable, agent_path, "run", self.label],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env=agent_env, start_new_session=True, close_fds=True)
+        spec = {"argv": list(argv), "env": dict(env), "cwd": cwd, "heartbeat": 0}
+        self.agent.stdin.write((json.dumps(spec) + "\n").encode())
+        self.agent.stdin.flush()
+        first = threading.Event()
+        threading.Thread(target=self._frames, args=(first,), daemon=True).start()
+        first.wait(30)
+        with self.cond:
+            if self.ref is not None:
+                return dict(self.ref)
+            text = bytes(self.buf).decode(errors="replace").strip()
+        return {"error": text or "the node agent did not start", "status": self.status}
+
+    def _frames(self, first: threading.Event) -> None:
+        out = self.agent.stdout
+        try:
+            while True:
+                head = out.read(5)
+                if len(head) < 5:
+                    break
+                kind, size = head[:1], struct.unpack(">I", head[1:])[0]
+                payload = out.read(size) if size else b""
+                with self.cond:
+                    if kind == b"I":
+                        ident = json.loads(payload)
+                        self.ref = {"pid": ident["pid"], "pgid": ident["pgid"], "start": ident.get("start"),
+                                    "boot_id": ident.get("boot") or boot_id()}
+                        first.set()
+                    elif kind == b"O":
+                        while len(self.buf) > MAX_BUFFERED and not self.ended:
+                            self.cond.wait(0.5)
+                        self.buf += payload
+                    elif kind == b"X":
+                        self.status = int(json.loads(payload)["status"])
+                    self.cond.notify_all()
+        finally:
+            with self.cond:
+                if self.status is None:
+                    self.status = -int(signal.SIGKILL)   # the agent died without a word
+                self.ended = True
+                self.cond.notify_all()
+            first.set()
+
+    def read(self, wait: float = 0.5) -> tuple[bytes, int | None, bool]:
+        """(output since the last read, exit status or None, nothing more will come).
+        Blocks up to `wait` seconds for something to say."""
+        with self.cond:
+            if not self.buf and not self.ended:
+                self.cond.wait(wait)
+            data = bytes(self.buf)
+            self.buf.clear()
+            self.cond.notify_all()
+            return data, (self.status if self.ended else None), self.ended
+
+    def stop(self, timeout: float) -> bool:
+        return stop_ref(self.ref, timeout) if self.ref else False
+
+    def signal(self, signum: int) -> bool:
+        return signal_ref(self.ref, signum) if self.ref else False
+
+    def alive(self) -> bool:
+        return alive_ref(self.ref) if self.ref else False
+
+    def release(self) -> None:
+        """Close the agent's stdin: it stops whatever is left of the group."""
+        if self.agent is not None and self.agent.stdin:
+            try:
+                self.agent.stdin.close()
+            except OSError:
+                pass
+
+    def cleanup(self) -> None:
+        """Remove this job's folder on the node."""
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def pinned_stop(ref: dict, timeout: float) -> bool:
+    """Run on the instance's node by a pinned task (the watchdog, `pai kill`)."""
+    return stop_ref(ref, timeout)
+
+
+def pinned_signal(ref: dict, signum: int) -> bool:
+    return signal_ref(ref, signum)
+
+
+def pinned_alive(ref: dict) -> bool:
+    return alive_ref(ref)
+
+
+def pinned_ports(count: int, taken) -> list[int]:
+    return free_ports(count, taken)
+
+
+def pinned_instances() -> list[str]:
+    """Labels (JOB/role:idx) of the paicli instances node agents run on this node."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) >= 4 and argv[1].endswith(b"node_agent.py") and argv[2] == b"run":
+            found.append(argv[3].decode(errors="replace"))
+    return sorted(found)
+
+
+def pinned_cleanup(job_id: str, node_id: str) -> None:
+    import shutil
+
+    shutil.rmtree(job_folder(job_id, node_id), ignore_errors=True)

@@ -1,0 +1,213 @@
+"""A real Ray cluster for tests and benchmarks: a head and worker nodes started
+with `ray start`, each in its own network namespace of the multi-host harness
+(tests/netns.py: veth pairs on a bridge, addresses that exist only inside this
+sandbox).
+
+    with RayCluster(prefix="fray", subnet="10.213.9") as ray_cluster:
+        ray_cluster.address            # "10.213.9.11:6379", the head's GCS
+        ray_cluster.run_argv(["pai", ...])  # a command on the head node (the driver's machine)
+        ray_cluster.stop_node("h3")    # the node dies (every Ray process on it killed)
+        ray_cluster.start_node("h3")   # and comes back
+
+Each node: `--num-cpus=1 --include-dashboard=false --disable-usage-stats`, its own
+`--temp-dir` (session folders, sockets and logs never collide between nodes that
+share this machine's filesystem), a small object store, and Ray's health checks
+tightened so that a dead node is declared dead within a few seconds.
+
+`ray stop` is NOT used: it finds Ray's processes by name on the whole machine, so
+run in one namespace it would stop every node here (and any other Ray on the
+machine). A node is stopped by killing the processes of its own namespace.
+Teardown (also at exit, and on a failed start) kills every process in the
+namespaces, then removes them, the bridge and the state folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from netns import TestCluster, can_build
+
+VENV_BIN = Path(sys.executable).parent
+RAY = str(VENV_BIN / "ray")
+GCS_PORT = 6379
+CLIENT_PORT = 10001
+# A dead node is declared dead after about period * threshold (+ timeout).
+FAST_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+               "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}
+
+
+def ray_missing() -> str | None:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "the Ray tests need Ray: pip install 'paicli[ray]' (the test extra has it)"
+    if not os.path.exists(RAY):
+        return f"the Ray tests need the ray command next to {sys.executable}"
+    return None
+
+
+def cannot_run() -> str | None:
+    return ray_missing() or can_build()
+
+
+class RayCluster:
+    __test__ = False
+
+    def __init__(self, prefix: str = "fray", subnet: str = "10.213.9", nodes: int = 3, cpus: int = 1):
+        self.net = TestCluster(prefix=prefix, hosts=nodes, subnet=subnet)
+        self.cpus = cpus
+        self.started: dict[str, float] = {}       # node -> seconds its `ray start` took
+
+    # -- build ------------------------------------------------------------------
+
+    def __enter__(self) -> "RayCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def head(self):
+        return self.net.hosts[0]
+
+    @property
+    def address(self) -> str:
+        return f"{self.head.addr}:{GCS_PORT}"
+
+    @property
+    def client_address(self) -> str:
+        return f"ray://{self.head.addr}:{CLIENT_PORT}"
+
+    def start(self) -> None:
+        self.net.start()
+        self.start_node(self.head.name)
+        for host in self.net.hosts[1:]:
+            self.start_node(host.name)
+        self.wait_nodes(len(self.net.hosts))
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(FAST_HEALTH)
+        env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}"
+        return env
+
+    def temp_dir(self, name: str) -> Path:
+        return self.net.state / name / "ray"
+
+    def start_node(self, name: str) -> float:
+        """`ray start` on node `name` (the head when it is the first host); the
+        seconds it took."""
+        host = self.net.host(name)
+        temp = self.temp_dir(name)
+        temp.mkdir(parents=True, exist_ok=True)
+        argv = [RAY, "start", f"--node-ip-address={host.addr}", f"--num-cpus={self.cpus}", "--num-gpus=0",
+                "--disable-usage-stats", f"--temp-dir={temp}", "--object-store-memory=100000000"]
+        if host is self.head:
+            argv += ["--head", f"--port={GCS_PORT}", "--include-dashboard=false",
+                     f"--ray-client-server-port={CLIENT_PORT}"]
+        else:
+            argv += [f"--address={self.address}"]
+        began = time.monotonic()
+        log = self.net.state / name / "ray-start.log"
+        with open(log, "ab") as out:
+            code = subprocess.run(host.exec_argv(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                  env=self._env(), timeout=120, start_new_session=True).returncode
+        if code != 0:
+            raise RuntimeError(f"ray start on {name} failed ({code}): {log.read_text()[-1500:]}")
+        self.started[name] = time.monotonic() - began
+        return self.started[name]
+
+    def wait_nodes(self, count: int, timeout: float = 60.0) -> None:
+        """Until the head sees `count` live nodes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.alive_nodes() == count:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the Ray cluster has {self.alive_nodes()} live nodes, not {count}")
+
+    def alive_nodes(self) -> int:
+        code = ("import ray, logging; ray.init(address=%r, logging_level=logging.ERROR, log_to_driver=False); "
+                "print(sum(1 for n in ray.nodes() if n['Alive']))" % self.address)
+        out = self.run([sys.executable, "-c", code], timeout=60)
+        try:
+            return int(out.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return -1
+
+    # -- use --------------------------------------------------------------------
+
+    def exec_argv(self, argv: list[str], node: str | None = None) -> list[str]:
+        """`argv` run on a node (the head by default): inside its network namespace."""
+        host = self.net.host(node) if node else self.head
+        return host.exec_argv(argv)
+
+    def run(self, argv: list[str], node: str | None = None, env: dict | None = None, timeout: float = 300,
+            **kw) -> subprocess.CompletedProcess:
+        full = dict(os.environ)
+        full.update(env or {})
+        return subprocess.run(self.exec_argv(argv, node), capture_output=True, text=True, env=full,
+                              timeout=timeout, **kw)
+
+    def ray_pids(self, name: str) -> list[int]:
+        """Processes on node `name` other than its sshd: Ray's and whatever runs there."""
+        return [pid for pid, _ in self.net.leftovers(name)]
+
+    def stop_node(self, name: str) -> None:
+        """The node dies: every process in its namespace but the harness's sshd is
+        killed (SIGKILL, as a power cut would)."""
+        for _ in range(50):
+            pids = self.ray_pids(name)
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+
+    # -- teardown ---------------------------------------------------------------
+
+    def close(self) -> None:
+        for host in list(self.net.hosts):
+            try:
+                self.stop_node(host.name)
+            except Exception:  # noqa: BLE001 - close() below kills what is left
+                pass
+        self.net.close()
+        for host in ("h1", "h2", "h3"):
+            shutil.rmtree(self.net.state / host, ignore_errors=True)
+
+
+def job_processes(job_id: str) -> list[tuple[int, str]]:
+    """Live processes anywhere on this machine (every namespace node included)
+    whose environment says they belong to paicli job `job_id`."""
+    found = []
+    needle = f"PAI_JOB_ID={job_id}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if needle in environ and state != b"Z":
+            found.append((int(name), cmd.strip()))
+    return found

@@ -1,0 +1,224 @@
+"""The Ray backend (issue 9): the same `pai -name ...` jobs on a real Ray cluster.
+
+The module starts one Ray cluster for all its cluster tests (tests/ray_cluster.py):
+a head and two worker nodes with `ray start`, each in its own network namespace
+with its own address, one CPU each, dashboard off; torn down at the end even when
+a test fails. `pai` runs on the head node (the master is the Ray driver there).
+The unit tests at the top start nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paicli.cluster.backends import ray as rb
+from paicli.cluster.backends import ray_node
+from paicli.errors import UsageError
+from paicli.plan import JobPlan, RolePlan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ray_cluster import RayCluster, cannot_run, job_processes  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SUBNET = "10.213.9"
+
+
+# ---------------------------------------------------------------------------
+# Pure parts: no Ray, no processes
+
+
+def plan_of(*roles: RolePlan) -> JobPlan:
+    return JobPlan(job_name="j", framework="python", task_name="PythonTask", roles=list(roles))
+
+
+def test_bundles_from_pai_units():
+    assert rb.bundle_for(100, 0, 0) == {"CPU": 1.0}
+    assert rb.bundle_for(250, 2000, 100) == {"CPU": 2.5, "memory": 2000.0 * 1024 * 1024, "GPU": 1.0}
+    assert rb.bundle_for(0, 0, 0) == {"CPU": 0.01}   # a bundle may not be empty
+    plan = plan_of(RolePlan("ps", 1, ["x"], must_finish=False, cpu=50), RolePlan("worker", 2, ["x"]))
+    assert rb.job_bundles(plan) == [("ps", 0, {"CPU": 0.5}), ("worker", 0, {"CPU": 1.0}),
+                                    ("worker", 1, {"CPU": 1.0})]
+
+
+def test_services_spread_workers_pack():
+    assert rb.strategy_for(plan_of(RolePlan("ps", 1, ["x"], must_finish=False), RolePlan("worker", 2, ["x"]))) \
+        == "SPREAD"
+    assert rb.strategy_for(plan_of(RolePlan("worker", 4, ["x"]))) == "PACK"
+
+
+def test_waiting_list_names_what_cannot_be_placed():
+    wanted = [("worker", i, {"CPU": 1.0}) for i in range(4)]
+    line = rb.waiting_list(wanted, {"10.0.0.1": {"CPU": 1.0}, "10.0.0.2": {"CPU": 1.0}})
+    assert "2 instance(s) cannot be placed now: worker:2 (cpu 100), worker:3 (cpu 100)" in line
+    assert "the freest node has cpu 100" in line
+    gpu = rb.waiting_list([("worker", 0, {"CPU": 1.0, "GPU": 1.0})], {"n": {"CPU": 4.0}})
+    assert "worker:0 (cpu 100, gpu 100)" in gpu and "0 GPU(s) free" in gpu
+    assert "no node is up" in rb.waiting_list(wanted, {})
+
+
+def test_paths_of_the_submitting_machine_become_the_nodes():
+    folder = "/tmp/paicli-ray-0/abcd/J1"
+    mapping = rb.path_mapping(folder, "/src/runners", "/home/u/.pai/jobs/J1", {"/home/u/train.py": "train.py"},
+                              {"/venv/bin/python": "/node/venv/bin/python",
+                               "/rt/tensorflow/bin/python": "/node/rt/tensorflow/bin/python"},
+                              ["/home/u/work"])
+    from paicli.cluster.remote_paths import translate_argv, translate_env
+
+    argv = ["/rt/tensorflow/bin/python", "-u", "/src/runners/tensorflow_runner.py", "/home/u/train.py",
+            "--data=/home/u/.pai/jobs/J1/code/data.csv", "--lr=0.1"]
+    assert translate_argv(argv, mapping) == [
+        "/node/rt/tensorflow/bin/python", "-u", f"{folder}/runners/tensorflow_runner.py",
+        f"{folder}/script/train.py", f"--data={folder}/job/code/data.csv", "--lr=0.1"]
+    assert translate_env({"PAI_JOB_DIR": "/home/u/.pai/jobs/J1", "PAI_ROLE": "ps"}, mapping) == \
+        {"PAI_JOB_DIR": f"{folder}/job", "PAI_ROLE": "ps"}
+    # the directory `pai` ran in (a plain script's working directory) is a fresh folder there
+    assert translate_argv(["/home/u/work"], mapping) == [f"{folder}/work"]
+
+
+def test_only_what_the_master_set_goes_to_the_node():
+    master = {"PATH": "/usr/bin", "HOME": "/root", "PAI_DEBUG": "1"}
+    env = dict(master, PAI_ROLE="worker", PATH="/usr/bin", CUDA_VISIBLE_DEVICES="", HOME="/root")
+    assert rb.node_env(env, master) == {"PAI_ROLE": "worker", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_job_files_leave_logs_and_the_masters_files(tmp_path):
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "train.py").write_text("print(1)")
+    (tmp_path / "plan.json").write_text("{}")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "worker-0.0.log").write_text("x")
+    (tmp_path / "master.log").write_text("x")
+    (tmp_path / "nodes.json").write_text("{}")
+    assert sorted(rb.job_files(tmp_path)) == ["code/train.py", "plan.json"]
+
+
+def test_node_folder_writes_stay_inside(tmp_path):
+    ray_node.write_files(str(tmp_path / "job"), {"runners/a.py": b"x", "job/code/t.py": b"y"}, ["runners/a.py"])
+    assert (tmp_path / "job" / "runners" / "a.py").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "job" / "job" / "code" / "t.py").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "job" / "job").stat().st_mode & 0o777 == 0o700
+    with pytest.raises(ValueError):
+        ray_node.write_files(str(tmp_path / "job"), {"../escape": b"x"})
+    assert not (tmp_path / "escape").exists()
+
+
+def test_node_stop_checks_identity():
+    """ray_node.stop_ref refuses a ref whose pid now has another start time or
+    whose boot id is another's, and stops a group that is ours."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        stat = ray_node._stat(proc.pid)
+        ref = {"pid": proc.pid, "pgid": proc.pid, "start": stat[2], "boot_id": ray_node.boot_id()}
+        assert not ray_node.stop_ref(dict(ref, start=str(int(stat[2]) + 1)), 1)
+        assert not ray_node.stop_ref(dict(ref, boot_id="another-boot"), 1)
+        assert proc.poll() is None
+        assert ray_node.stop_ref(ref, 2)
+        assert proc.wait(5) == -15
+        assert not ray_node.alive_ref(ref)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_address_errors_are_one_line():
+    with pytest.raises(UsageError, match="needs an address"):
+        rb.ray_address({"backend": "ray"})
+    assert rb.ray_address({"backend": "ray", "ray": {"address": " 10.0.0.1:6379 "}}) == "10.0.0.1:6379"
+    with pytest.raises(UsageError, match="does not answer"):
+        rb.probe_address("127.0.0.1:1", timeout=1)
+    with pytest.raises(UsageError, match="expected HOST:PORT"):
+        rb.probe_address("nohostport")
+
+
+def test_without_ray_a_ray_address_says_how_to_install(tmp_path):
+    """Ray hidden from the interpreter (sys.modules['ray'] = None makes `import ray`
+    fail as if it were not installed): one line, exit 2, nothing recorded."""
+    script = tmp_path / "t.py"
+    script.write_text("print('hi')\n")
+    code = "import sys; sys.modules['ray'] = None; from paicli.cli import main; sys.exit(main())"
+    env = dict(os.environ, PAI_HOME=str(tmp_path / "home"), PAI_RAY_ADDRESS="127.0.0.1:6379", NO_COLOR="1")
+    env.pop("PAI_DEBUG", None)
+    result = subprocess.run([sys.executable, "-c", code, "-name", "python", f"-Dscript={script}"],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Ray is not installed" in lines[0] and "pip install 'paicli[ray]'" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not list((tmp_path / "home" / "jobs").glob("*")) if (tmp_path / "home" / "jobs").exists() else True
+
+
+# ---------------------------------------------------------------------------
+# A real Ray cluster: head + 2 workers, each in its own network namespace
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    reason = cannot_run()
+    if reason:
+        pytest.skip(reason)
+    with RayCluster(prefix="fray", subnet=SUBNET) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def home(tmp_path):
+    home = tmp_path / "pai-home"
+    return home
+
+
+def pai_ray(cluster: RayCluster, home: Path, *args: str, timeout: float = 300,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """`pai ARGS` on the head node with PAI_RAY_ADDRESS set (the master runs there)."""
+    full = {"PAI_HOME": str(home), "PAI_RAY_ADDRESS": cluster.address, "NO_COLOR": "1",
+            "PAI_DEBUG": ""}
+    full.update(env or {})
+    return cluster.run([sys.executable, "-m", "paicli", *args], env=full, timeout=timeout, cwd=str(REPO))
+
+
+def job_id_of(output: str) -> str:
+    for line in output.splitlines():
+        if line.startswith("ID = "):
+            return line[5:].strip()
+    raise AssertionError(f"no 'ID = ' line in:\n{output}")
+
+
+def status_of(cluster: RayCluster, home: Path, job_id: str) -> dict:
+    result = pai_ray(cluster, home, "status", job_id, "--json", timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def losses(output: str, role: str = "worker") -> list[float]:
+    return [float(m.group(1)) for m in re.finditer(rf"\[{role}:\d+\].*?loss[=:]\s*([-+0-9.eE]+)", output)]
+
+
+def assert_nothing_left(job_id: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    left = job_processes(job_id)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = job_processes(job_id)
+    assert not left, f"processes of {job_id} left behind: {left}"
+
+
+def test_python_job_runs_on_three_nodes(ray_cluster, home):
+    result = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={REPO}/examples/python/ps_worker.py",
+                     '-Dcluster={"ps":{"count":1},"worker":{"count":2}}')
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert result.stdout.rstrip().endswith("OK")
+    job_id = job_id_of(result.stdout)
+    status = status_of(ray_cluster, home, job_id)
+    hosts = {i["host"] for i in status["instances"]}
+    assert len(hosts) == 3 and all(h.startswith(SUBNET + ".") for h in hosts), status["instances"]
+    assert {i["node"] for i in status["instances"]} == hosts
+    series = losses(result.stdout)
+    assert series and series[-1] < series[0]
+    assert_nothing_left(job_id)

@@ -7,9 +7,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from paicli.cluster.backends.base import InstanceRef
+from paicli.cluster.backends.local import LocalBackend
+from paicli.cluster.procinfo import boot_id, proc_stat
+from paicli.store import Store
 
 from conftest import BEHAVE, PAI, ROOT, job_id_from, pai, pai_json, processes_in, wait_until
 
@@ -372,3 +377,231 @@ def test_job_restart_after_a_finished_worker_keeps_memory_and_store_in_step(pai_
     assert w0["pid"] == second_w0[-1], "the store must show worker:0's second run"
     groups = {int(p[2]) for p in pids}
     assert processes_in(groups) == []
+
+
+# -- one identity, one stop path -------------------------------------------------------------
+
+
+def _sleeper(*extra: str) -> subprocess.Popen:
+    """A real process in a session of its own (as an instance is), with default signals."""
+    return subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(600)", *extra],
+                            start_new_session=True, restore_signals=True,
+                            preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL)
+                                                for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)])
+
+
+def _ref_of(pid: int, **changes) -> InstanceRef:
+    fields = dict(backend="local", node="local", host="127.0.0.1", pid=pid, pgid=pid,
+                  start=proc_stat(pid).start, boot_id=boot_id())
+    fields.update(changes)
+    return InstanceRef(**fields)
+
+
+def test_identity_checked_stop_refuses_a_recycled_pid_and_another_boot():
+    backend = LocalBackend()
+    proc = _sleeper()
+    try:
+        # Same pid, another start time: the number was handed to another process.
+        recycled = _ref_of(proc.pid, start=str(int(proc_stat(proc.pid).start) - 1))
+        assert backend.stop(recycled, timeout=0.5) is False
+        assert proc.poll() is None
+        assert backend.stop(_ref_of(proc.pid, boot_id="0" * 32), timeout=0.5) is False
+        assert proc.poll() is None
+        ref = InstanceRef.from_dict(json.loads(json.dumps(_ref_of(proc.pid).to_dict())))  # stored and read back
+        assert backend.alive(ref)
+        assert backend.stop(ref, timeout=2) is True
+        assert proc.wait(timeout=5) == -signal.SIGTERM
+        assert not backend.alive(ref)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_stop_ends_what_is_left_of_a_group_whose_leader_is_gone(tmp_path):
+    """The leader exited; its child (same group) is still ours: Linux does not reuse
+    the number while the group lives."""
+    pidfile = tmp_path / "child"
+    leader = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+                               "'import time; time.sleep(600)']); open(sys.argv[1], 'w').write(str(p.pid))",
+                               str(pidfile)], start_new_session=True)
+    ref = _ref_of(leader.pid)
+    leader.wait(timeout=10)
+    child = int(pidfile.read_text())
+    try:
+        assert processes_in({ref.pgid}) != []
+        assert LocalBackend().stop(ref, timeout=2) is True
+        assert wait_until(lambda: processes_in({ref.pgid}) == [], timeout=5)
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _plant_stale_ref(home, job_id: str, victim: subprocess.Popen) -> None:
+    """An old attempt whose recorded process is gone and whose pid now belongs to
+    another process (`victim`): its stored pid/pgid point at a stranger."""
+    store = Store(home)
+    stale = _ref_of(victim.pid, start=str(int(proc_stat(victim.pid).start) - 7))
+    store.record_attempt(job_id, "worker", 0, 99, pid=victim.pid, pgid=victim.pid, ref=json.dumps(stale.to_dict()))
+    store.close()
+
+
+def test_pai_kill_stops_through_the_identity_checked_path(pai_home, tmp_path):
+    pidfile = tmp_path / "pids"
+    job_id = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}",
+                 env={"BEHAVE": f"pidfile:{pidfile},child,print:1,sleep:600"}).stdout.strip()
+    assert wait_until(lambda: pidfile.exists(), timeout=20)
+    stranger = _sleeper()
+    try:
+        _plant_stale_ref(pai_home, job_id, stranger)
+        result = pai("kill", job_id)
+        assert result.returncode == 0, result.stderr
+        groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
+        assert wait_until(lambda: processes_in(groups) == [], timeout=5)
+        time.sleep(0.3)
+        assert stranger.poll() is None, "pai kill signalled a process group that was not the job's"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_master_lost_clean_up_stops_through_the_identity_checked_path(pai_home, tmp_path):
+    pidfile = tmp_path / "pids"
+    job_id = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}",
+                 env={"BEHAVE": f"pidfile:{pidfile},child,print:1,sleep:600"}).stdout.strip()
+    assert wait_until(lambda: pidfile.exists(), timeout=20)
+    stranger = _sleeper()
+    try:
+        _plant_stale_ref(pai_home, job_id, stranger)
+        status = pai_json("status", job_id)
+        inst = status["instances"][0]
+        assert (inst["node"], inst["host"]) == ("local", "127.0.0.1")
+        os.kill(status["master_pid"], signal.SIGKILL)  # the watchdog cleans up
+        groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
+        assert wait_until(lambda: processes_in(groups) == [], timeout=10)
+        assert wait_until(lambda: pai_json("status", job_id)["reason"] == "master lost", timeout=5)
+        time.sleep(0.3)
+        assert stranger.poll() is None, "the watchdog signalled a process group that was not the job's"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+# -- issue 12: the launcher's defects ----------------------------------------------------------
+
+
+def test_a_job_whose_master_never_started_does_not_stay_waiting(pai_home, tmp_path):
+    """Defect 2: recorded, but no master ever ran (the CLI died in between, or the
+    start failed): after the start deadline it is Failed, and wait/logs -f end."""
+    store = Store(pai_home)
+    job_dir = store.jobs_dir / "20200101000000000abcdefg"
+    job_dir.mkdir()
+    store.create_job("20200101000000000abcdefg", name="n", framework="python", project=None, task_name="T",
+                     job_dir=job_dir, roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    store.update_job("20200101000000000abcdefg", created=time.time() - 600)
+    store.close()
+    started = time.monotonic()
+    waited = pai("wait", "20200101000000000abcdefg", timeout=30)
+    assert time.monotonic() - started < 10
+    assert waited.returncode == 1
+    assert waited.stdout.splitlines()[-1] == "FAILED: its master never started (none within 30s)"
+    followed = pai("logs", "-f", "20200101000000000abcdefg", timeout=30)
+    assert followed.returncode == 0
+    assert pai_json("status", "20200101000000000abcdefg")["instances"][0]["status"] == "Killed"
+
+
+def test_a_fresh_job_without_a_master_yet_is_still_waiting(pai_home):
+    store = Store(pai_home)
+    job_dir = store.jobs_dir / "20200101000000000hijklmn"
+    job_dir.mkdir()
+    store.create_job("20200101000000000hijklmn", name="n", framework="python", project=None, task_name="T",
+                     job_dir=job_dir, roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    store.close()
+    assert pai_json("status", "20200101000000000hijklmn")["status"] == "Waiting"
+
+
+def test_a_port_conflict_respects_max_retries(pai_home):
+    """Defect 3: an exit 1 whose last lines say the address is in use used to restart
+    the whole job 5 times even with maxRetries=0."""
+    env = {"BEHAVE_WORKER_1": "print:1,say:bind failed: address already in use,exit:1", "BEHAVE_PS": "serve",
+           "BEHAVE_WORKER_0": "sleep:30"}
+    script = BEHAVE
+    result = pai("-name", "python", f"-Dscript={script}", f"-Dcluster={PS_2W}", "-DmaxRetries=0", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    last = result.stdout.splitlines()[-1]
+    assert last.startswith("FAILED: worker:1 exited with code 1 (its port was taken) (no retries left of 0)"), last
+    status = pai_json("status", job_id_from(result.stdout))
+    assert status["job_attempt"] == 0
+    assert all(i["attempts"] == 1 for i in status["instances"])
+    # With a retry to spend, the job is restarted once on fresh ports, then fails.
+    again = pai("-name", "python", f"-Dscript={script}", f"-Dcluster={PS_2W}", "-DmaxRetries=1", env=env)
+    assert "its port was taken); restarting the job on fresh ports (retry 1 of 1)" in again.stdout
+    assert again.stdout.splitlines()[-1].startswith("FAILED: worker:1 exited with code 1 (its port was taken) "
+                                                    "(no retries left of 1)")
+    assert pai_json("status", job_id_from(again.stdout))["job_attempt"] == 1
+
+
+def test_a_bad_stop_timeout_is_refused_at_submit(pai_home):
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", env={"PAI_STOP_TIMEOUT": "abc"})
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "pai: error: PAI_STOP_TIMEOUT='abc': expected seconds between 0 and 3600; "
+        "e.g. PAI_STOP_TIMEOUT=3, or unset it for the default (3)"]
+    assert not (pai_home / "jobs").exists() or list((pai_home / "jobs").iterdir()) == []
+
+
+def test_the_forked_master_keeps_nothing_of_the_cli(pai_home, tmp_path):
+    """Defect 6: no inherited descriptor (a pipe the caller waits on sees EOF once
+    `pai` is gone), not the CLI's working directory; its logs are 0600."""
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen([*PAI, "--detach", "-name", "python", f"-Dscript={BEHAVE}"],
+                            env={**os.environ, "BEHAVE": "sleep:5"}, stdout=subprocess.PIPE, text=True,
+                            pass_fds=(write_fd,), cwd=tmp_path)
+    os.close(write_fd)
+    job_id = proc.communicate(timeout=30)[0].strip()
+    try:
+        os.set_blocking(read_fd, False)
+        assert wait_until(lambda: _eof(read_fd), timeout=5), "the master holds the CLI's descriptor"
+        master = pai_json("status", job_id)["master_pid"]
+        job_dir = pai_home / "jobs" / job_id
+        assert os.readlink(f"/proc/{master}/cwd") == str(job_dir)
+        for name in ("master.log", "watchdog.log"):
+            assert wait_until(lambda: (job_dir / name).exists(), timeout=5)
+            assert (job_dir / name).stat().st_mode & 0o777 == 0o600, name
+        watchdog = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith(f"watchdog {job_id}")]
+        fds = [os.readlink(f"/proc/{master}/fd/{fd}") for fd in os.listdir(f"/proc/{master}/fd")]
+        assert sum("watchdog.log" in target for target in fds) == 0, "watchdog.log left open in the master"
+        assert len(watchdog) == 1
+    finally:
+        os.close(read_fd)
+        pai("kill", job_id)
+
+
+def _eof(fd: int) -> bool:
+    try:
+        return os.read(fd, 1) == b""
+    except BlockingIOError:
+        return False
+
+
+def test_instances_get_default_signal_dispositions_even_from_nohup(pai_home, tmp_path):
+    """`pai` started with SIGINT/SIGHUP/SIGTERM/SIGQUIT/SIGPIPE ignored (nohup, a
+    script's background job): its instances still start with the defaults."""
+    probe = tmp_path / "sigign.py"
+    probe.write_text("import os\n"
+                     "line = [l for l in open('/proc/self/status') if l.startswith('SigIgn:')][0]\n"
+                     "print('ignored mask', int(line.split()[1], 16), flush=True)\n")
+    ignoring = ("import os, signal, sys\n"
+                "for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT, signal.SIGPIPE):\n"
+                "    signal.signal(s, signal.SIG_IGN)\n"
+                "os.execv(sys.executable, [sys.executable, '-m', 'paicli', *sys.argv[1:]])\n")
+    result = subprocess.run([sys.executable, "-c", ignoring, "-name", "python", f"-Dscript={probe}"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    mask = int(result.stdout.split("ignored mask ")[1].split()[0])
+    # Not SIGPIPE: every Python interpreter ignores it at start-up by itself, so a
+    # Python instance shows it ignored whatever it inherited (Popen restores it at exec).
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT):
+        assert not mask & (1 << (signum - 1)), f"{signal.Signals(signum).name} ignored in the instance"

@@ -8,9 +8,12 @@ import pytest
 
 from paicli.cluster import placement as placing
 from paicli.cluster import policy
-from paicli.cluster.backends.base import NODE_LOST, NodeSpec
+from paicli.cluster.backends.base import NODE_LOST, Backend, NodeSpec
+from paicli.cluster.master import place_job
 from paicli.errors import UsageError
 from paicli.plan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
+from paicli.states import JobStatus
+from paicli.store import Store
 
 
 def nodes(*specs) -> list[NodeSpec]:
@@ -174,3 +177,35 @@ def test_stop_timeout_values(raw, ok):
         assert value == 3.0 and "using 3" in note
     else:
         assert policy.stop_timeout({"PAI_STOP_TIMEOUT": raw}) == ok
+
+
+# -- GPU claims across jobs (the store's claims table) ---------------------------------------
+
+
+class GpuNodes(Backend):
+    """Nodes as data only: what a backend with GPUs reports (placement needs no process)."""
+    name = "gpu-data"
+
+    def nodes(self):
+        return nodes((800, 8000, 2), (800, 8000, 1))
+
+
+def test_concurrent_jobs_never_get_the_same_card_and_an_ended_job_gives_its_cards_back(tmp_path):
+    store = Store(tmp_path)
+    for job in ("a", "b", "c"):
+        store.create_job(job, name=job, framework="python", project=None, task_name="T", job_dir=tmp_path,
+                         roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    backend = GpuNodes()
+    two = plan(worker=(1, 100, 0, 200, True))
+    first = place_job(store, "a", two, backend)
+    assert (first[0].node, first[0].gpus) == ("h1", ("0", "1"))
+    one = plan(worker=(1, 100, 0, 100, True))
+    second = place_job(store, "b", one, backend)
+    assert (second[0].node, second[0].gpus) == ("h2", ("0",))
+    with pytest.raises(UsageError) as err:
+        place_job(store, "c", one, backend)
+    assert "needs 1 GPU, the most free on one node is 0" in err.value.message
+    store.set_job("a", JobStatus.CANCELLED, "done")  # an ended job's claims go with it
+    third = place_job(store, "c", one, backend)
+    assert (third[0].node, third[0].gpus) == ("h1", ("0",))
+    assert store.held("gpu") == {"h1": {"0"}, "h2": {"0"}}

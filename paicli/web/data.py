@@ -145,6 +145,14 @@ def instance_logs(store: Store, job_id: str) -> list[dict[str, Any]]:
     return out
 
 
+def first_tab(instances: list[str]) -> str:
+    """The log shown first: a worker's (their lines carry the steps), else the first."""
+    for name in instances:
+        if name.startswith(("worker:", "chief:")):
+            return name
+    return instances[0] if instances else ""
+
+
 def metric_points(store: Store, job_id: str, after: int = 0, limit: int = 200_000) -> tuple[list, int]:
     """New metric points since rowid `after`: ([instance, key, step, value], ...), last rowid.
     Step counters are left out (they are the x axis)."""

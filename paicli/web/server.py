@@ -111,7 +111,7 @@ async def logview_page(request: web.Request) -> web.Response:
     job = store.find_job(job_id)
     page = data.job_page(store, job["id"])
     logs = [{**log, "tail": data.tail_text(log["path"])[0]} for log in data.instance_logs(store, job["id"])]
-    return _html(request, "job.html", page=page, logs=logs)
+    return _html(request, "job.html", page=page, logs=logs, first=data.first_tab([log["instance"] for log in logs]))
 
 
 async def jobs_json(request: web.Request) -> web.Response:
@@ -178,7 +178,7 @@ class LogFollower:
 
 
 async def stream(request: web.Request) -> web.StreamResponse:
-    """The live feed of a job page: `status` (the rendered status part), `log`
+    """The live feed of a job page: `status` (the rendered head and tail parts), `log`
     (new lines of an instance), `metrics` (new points), and `end` once the job is
     over and everything is sent. A reconnecting page gets everything again."""
     from paicli import client
@@ -201,10 +201,10 @@ async def stream(request: web.Request) -> web.StreamResponse:
         while True:
             over = client.job_over(store.job(job_id))  # read first: then every line before the end is seen
             page = data.job_page(store, job_id)
-            html = _render(request, "_status.html", page=page)
+            html = {part: _render(request, f"_{part}.html", page=page) for part in ("head", "tail")}
             if html != last_html:
                 last_html = html
-                await send("status", {"html": html, "status": page["status"]})
+                await send("status", {**html, "status": page["status"]})
             for log in data.instance_logs(store, job_id):
                 got = followers.setdefault(log["instance"], LogFollower()).read(log["path"], over)
                 if got is not None:

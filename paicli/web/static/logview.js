@@ -15,6 +15,7 @@
   const plot = document.getElementById("plot");
   const legend = document.getElementById("legend");
   const live = document.getElementById("live");
+  const logy = document.getElementById("logy");
 
   // -- log tails ---------------------------------------------------------------
   function tabFor(instance) {
@@ -43,6 +44,8 @@
     document.querySelectorAll("#tabs .tab, #tails .tail").forEach(function (el) {
       el.classList.toggle("on", el.dataset.instance === instance);
     });
+    const pre = document.querySelector("#tails .tail.on pre");
+    if (pre) pre.scrollTop = pre.scrollHeight;   // a tail is read from its end
   }
   document.getElementById("tabs").addEventListener("click", function (ev) {
     if (ev.target.dataset && ev.target.dataset.instance) show(ev.target.dataset.instance);
@@ -58,7 +61,7 @@
       if (nl >= 0) text = text.slice(nl + 1);
     }
     pre.textContent = text;
-    if (atBottom) pre.scrollTop = pre.scrollHeight;
+    if (atBottom || msg.reset) pre.scrollTop = pre.scrollHeight;
     const link = tail.querySelector("a.whole");
     link.href = "/api/jobs/" + encodeURIComponent(jobId) + "/log?instance=" + encodeURIComponent(msg.instance) +
       "&attempt=" + msg.attempt + "&token=" + encodeURIComponent(token);
@@ -83,6 +86,7 @@
       });
       select.value = current && series[current] ? current : (series.loss ? "loss" : keys[0]);
     }
+    if (!logyTouched) logy.checked = spansDecades(series[select.value] || {});
     draw();
   }
   function el(name, attrs, text) {
@@ -104,11 +108,13 @@
     plot.textContent = "";
     legend.textContent = "";
     const W = 760, H = 320, L = 64, R = 16, T = 12, B = 34;
+    const log = logy.checked;
+    const ty = function (v) { return log ? Math.log10(Math.max(v, 1e-12)) : v; };
     let x0 = Infinity, x1 = -Infinity, y0 = Infinity, y1 = -Infinity, count = 0;
     names.forEach(function (n) {
       lines[n].forEach(function (p) {
         x0 = Math.min(x0, p[0]); x1 = Math.max(x1, p[0]);
-        y0 = Math.min(y0, p[1]); y1 = Math.max(y1, p[1]);
+        y0 = Math.min(y0, ty(p[1])); y1 = Math.max(y1, ty(p[1]));
         count++;
       });
     });
@@ -124,14 +130,15 @@
     for (let i = 0; i <= 4; i++) {
       const yv = y0 + (y1 - y0) * i / 4, xv = x0 + (x1 - x0) * i / 4;
       el("line", {x1: L, y1: sy(yv), x2: W - R, y2: sy(yv), "class": "grid"});
-      el("text", {x: L - 6, y: sy(yv) + 4, "class": "tick", "text-anchor": "end"}, fmt(yv));
-      el("text", {x: sx(xv), y: H - B + 16, "class": "tick", "text-anchor": "middle"}, fmt(xv));
+      el("text", {x: L - 6, y: sy(yv) + 4, "class": "tick", "text-anchor": "end"}, fmt(log ? Math.pow(10, yv) : yv));
+      el("text", {x: sx(xv), y: H - B + 16, "class": "tick", "text-anchor": "middle"},
+         fmt(x1 - x0 >= 8 ? Math.round(xv) : xv));
     }
     el("text", {x: W - R, y: H - 4, "class": "label", "text-anchor": "end"}, "step");
     names.forEach(function (n, i) {
       const colour = COLOURS[i % COLOURS.length];
       const pts = lines[n].slice().sort(function (a, b) { return a[0] - b[0]; });
-      el("polyline", {points: pts.map(function (p) { return sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1); }).join(" "),
+      el("polyline", {points: pts.map(function (p) { return sx(p[0]).toFixed(1) + "," + sy(ty(p[1])).toFixed(1); }).join(" "),
                       stroke: colour, "class": "curve", "data-instance": n, "data-count": pts.length});
       const item = document.createElement("span");
       item.className = "key";
@@ -142,7 +149,22 @@
       legend.appendChild(item);
     });
   }
-  select.addEventListener("change", draw);
+  // A curve over several decades (a loss that converges) reads better on a log
+  // scale: chosen until the user ticks or unticks the box.
+  let logyTouched = false;
+  function spansDecades(lines) {
+    let lo = Infinity, hi = -Infinity;
+    Object.keys(lines).forEach(function (n) {
+      lines[n].forEach(function (p) { lo = Math.min(lo, p[1]); hi = Math.max(hi, p[1]); });
+    });
+    return lo > 0 && hi / lo >= 100;
+  }
+  select.addEventListener("change", function () {
+    if (!logyTouched) logy.checked = spansDecades(series[select.value] || {});
+    draw();
+  });
+  logy.addEventListener("change", function () { logyTouched = true; draw(); });
+  document.querySelectorAll("#tails pre").forEach(function (pre) { pre.scrollTop = pre.scrollHeight; });
 
   // -- the feed --------------------------------------------------------------------
   let source = null;
@@ -151,7 +173,9 @@
     let first = true;
     source.addEventListener("status", function (ev) {
       // Rendered (and escaped) by the server's templates.
-      document.getElementById("status").innerHTML = JSON.parse(ev.data).html;
+      const parts = JSON.parse(ev.data);
+      document.getElementById("head").innerHTML = parts.head;
+      document.getElementById("tail").innerHTML = parts.tail;
     });
     source.addEventListener("log", function (ev) { addLog(JSON.parse(ev.data)); });
     source.addEventListener("metrics", function (ev) {

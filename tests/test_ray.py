@@ -187,6 +187,8 @@ def job_id_of(output: str) -> str:
     for line in output.splitlines():
         if line.startswith("ID = "):
             return line[5:].strip()
+    if re.fullmatch(r"[0-9a-z]{12,40}", output.strip()):
+        return output.strip()   # --detach prints the ID alone
     raise AssertionError(f"no 'ID = ' line in:\n{output}")
 
 
@@ -222,3 +224,139 @@ def test_python_job_runs_on_three_nodes(ray_cluster, home):
     series = losses(result.stdout)
     assert series and series[-1] < series[0]
     assert_nothing_left(job_id)
+
+
+def loss_falls_along_steps(status: dict, instances: list[str]) -> None:
+    for name in instances:
+        series = [v for _s, v in status["metric_series"].get(name, {}).get("loss", [])]
+        assert len(series) >= 2 and series[-1] < series[0], f"{name}: {series}"
+
+
+@pytest.mark.tensorflow
+def test_tensorflow_ps_and_two_workers_over_three_nodes(ray_cluster, home):
+    result = pai_ray(ray_cluster, home, "-name", "tensorflow",
+                     f"-Dscript=file://{REPO}/examples/tensorflow/async_ps_worker.py",
+                     '-Dcluster={"ps":{"count":1},"worker":{"count":2}}',
+                     "-DuserDefinedParameters=--steps 200 --log_every 20", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    job_id = job_id_of(result.stdout)
+    status = status_of(ray_cluster, home, job_id)
+    assert status["status"] == "Succeeded"
+    assert len({i["host"] for i in status["instances"]}) == 3, status["instances"]
+    by_global_step = []
+    for worker in ("worker:0", "worker:1"):
+        series = status["metric_series"][worker]
+        by_global_step += [(g, loss) for (_, g), (_, loss) in zip(series["global_step"], series["loss"])]
+    by_global_step.sort()
+    assert len(by_global_step) >= 4 and by_global_step[-1][1] < by_global_step[0][1], by_global_step
+    assert_nothing_left(job_id)
+
+
+@pytest.mark.mxnet
+def test_mxnet_dist_sync_over_three_nodes(ray_cluster, home):
+    # scheduler (cpu 10) + server (cpu 50) + 2 workers (cpu 100): 2.6 of the cluster's 3 CPUs
+    result = pai_ray(ray_cluster, home, "-name", "mxnet",
+                     f"-Dscript=file://{REPO}/examples/mxnet/gluon_dist_sync.py",
+                     '-Dcluster={"server":{"count":1,"cpu":50},"worker":{"count":2}}',
+                     "-DuserDefinedParameters=--steps 30", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    job_id = job_id_of(result.stdout)
+    status = status_of(ray_cluster, home, job_id)
+    assert status["status"] == "Succeeded"
+    workers = [i for i in status["instances"] if i["role"] == "worker"]
+    assert len({i["host"] for i in workers}) == 2
+    assert all(i["host"].startswith(SUBNET + ".") for i in status["instances"])
+    loss_falls_along_steps(status, ["worker:0", "worker:1"])
+    assert_nothing_left(job_id)
+
+
+LONG_SCRIPT = """
+import os, sys, time
+steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 40
+for step in range(steps):
+    print(f"step={step}, loss={1.0 / (step + 1):.4f}, host={os.environ['PAI_HOST']}", flush=True)
+    time.sleep(0.5)
+"""
+
+
+def wait_running(cluster: RayCluster, home: Path, job_id: str, count: int, timeout: float = 90) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = status_of(cluster, home, job_id)
+        running = [i for i in status["instances"] if i["status"] == "Running" and i["pid"]]
+        if len(running) == count and "step=" in pai_ray(cluster, home, "logs", job_id).stdout:
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+
+
+def test_kill_9_of_the_master_leaves_no_process_on_any_node(ray_cluster, home, tmp_path):
+    script = tmp_path / "long.py"
+    script.write_text(LONG_SCRIPT)
+    result = pai_ray(ray_cluster, home, "--detach", "-name", "python", f"-Dscript={script}",
+                     '-Dcluster={"ps":{"count":1},"worker":{"count":2}}', "-DuserDefinedParameters=--steps 600")
+    assert result.returncode == 0, result.stderr
+    job_id = job_id_of(result.stdout)
+    status = wait_running(ray_cluster, home, job_id, 3)
+    assert len({i["host"] for i in status["instances"]}) == 3
+    assert len(job_processes(job_id)) >= 3
+    os.kill(status["master_pid"], 9)
+    assert_nothing_left(job_id, timeout=10)
+    after = status_of(ray_cluster, home, job_id)
+    assert after["status"] == "Failed" and "master lost" in (after["reason"] or "")
+
+
+def test_a_lost_node_runs_its_instance_again_elsewhere(ray_cluster, home, tmp_path):
+    script = tmp_path / "steps.py"
+    script.write_text(LONG_SCRIPT)
+    proc = subprocess.Popen(
+        ray_cluster.exec_argv([sys.executable, "-m", "paicli", "-name", "python", f"-Dscript={script}",
+                               '-Dcluster={"worker":{"count":2}}', "-DuserDefinedParameters=--steps 30"]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+        env=dict(os.environ, PAI_HOME=str(home), PAI_RAY_ADDRESS=ray_cluster.address, NO_COLOR="1"))
+    stopped = None
+    try:
+        job_id = None
+        deadline = time.monotonic() + 60
+        while job_id is None and time.monotonic() < deadline:
+            jobs = list((home / "jobs").glob("2*")) if (home / "jobs").exists() else []
+            job_id = jobs[0].name if jobs else None
+            time.sleep(0.2)
+        assert job_id, "no job was recorded"
+        status = wait_running(ray_cluster, home, job_id, 2)
+        head = ray_cluster.head.addr
+        victim = next(i for i in status["instances"] if i["host"] != head)
+        stopped = next(h.name for h in ray_cluster.net.hosts if h.addr == victim["host"])
+        ray_cluster.stop_node(stopped)
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-3000:] + err[-2000:]
+        assert out.rstrip().endswith("OK")
+        after = status_of(ray_cluster, home, job_id)
+        moved = next(i for i in after["instances"] if (i["role"], i["index"]) == (victim["role"], victim["index"]))
+        assert moved["attempts"] >= 2 and moved["host"] != victim["host"], moved
+        assert after["status"] == "Succeeded"
+        assert_nothing_left(job_id)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if stopped:
+            ray_cluster.start_node(stopped)
+            ray_cluster.wait_nodes(3)
+
+
+def test_a_job_bigger_than_the_cluster_waits_then_times_out(ray_cluster, home, tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("print('never')\n")
+    began = time.monotonic()
+    result = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={script}",
+                     '-Dcluster={"worker":{"count":4}}', "-Dtimeout=12", timeout=120)
+    took = time.monotonic() - began
+    assert result.returncode == 130, result.stdout[-3000:] + result.stderr[-2000:]
+    out = result.stdout + result.stderr
+    assert "waiting for resources" in out                      # the Waiting List while it waited
+    assert "cannot be placed now" in out and "worker:3 (cpu 100)" in out
+    assert re.search(r"CANCELLED: timeout after 12s while waiting for Ray", out), out[-2000:]
+    assert took >= 12
+    job_id = job_id_of(result.stdout)
+    assert not job_processes(job_id)

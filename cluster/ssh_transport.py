@@ -303,7 +303,12 @@ class Connections:
             client.close()
 
     def close(self) -> None:
+        """Close every connection and wait for paramiko's threads to end (so that a
+        process that only probed nodes can fork without threads)."""
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
+            transport = client.get_transport()
             client.close()
+            if transport is not None and transport is not threading.current_thread():
+                transport.join(2.0)

@@ -142,6 +142,8 @@ def cmd_run(label: str) -> int:
     del label  # only there so that `ps` and `info` can tell which instance this is
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     line = sys.stdin.buffer.readline()
+    if not line.strip():
+        return 0     # started ahead of time and never used: the channel closed
     spec = json.loads(line)
     heartbeat = float(spec.get("heartbeat") or 0)
     env = dict(os.environ)

@@ -100,6 +100,11 @@ class SSHBackend(Backend):
         self._live: dict[tuple[str, int], RemoteInstance] = {}
         self._lock = threading.Lock()
         self._beating = False
+        self._lost: set[str] = set()      # nodes that stopped answering during this job
+        # Started ahead of time by prepare(), one per placed instance: an agent
+        # waiting for its spec, so that start() is one round trip, not a new process.
+        self._warm: dict[tuple[str, int], tuple[str, Any]] = {}
+        self._ports: dict[str, list[int]] = {}   # free ports found on each node by prepare()
         self.progress: Callable[[str], None] = lambda line: None
 
     # -- nodes --------------------------------------------------------------------
@@ -213,7 +218,7 @@ class SSHBackend(Backend):
         def stage(name: str) -> None:
             node = self.entry(name)
             try:
-                self._stage(node, job_dir, plan)
+                self._stage(node, job_dir, plan, [p for p in placements if p.node == name])
             except UsageError:
                 raise
             except (PaiError, OSError, EOFError) as err:
@@ -224,7 +229,7 @@ class SSHBackend(Backend):
         if errors:
             raise PaiError("staging the job on its nodes failed: " + "; ".join(errors))
 
-    def _stage(self, node: NodeEntry, job_dir: str, plan: Any) -> None:
+    def _stage(self, node: NodeEntry, job_dir: str, plan: Any, placed: list[Placement]) -> None:
         runtime = getattr(plan, "runtime", None)
         info = self.info(node.name)
         if runtime and runtime not in info["runtimes"] and node.runtime_dir is None:
@@ -256,8 +261,31 @@ class SSHBackend(Backend):
         with self._lock:
             self._maps[node.name] = self.mapping(node, job_dir, plan)
             self._folders[node.name] = folder
+        listens = {r.name for r in plan.roles if r.listens}
+        wanted = sum(1 for p in placed if p.role in listens)
+        if wanted:
+            ports = self._agent(node, "ports", node.host, str(wanted + 2), "")
+            with self._lock:
+                self._ports[node.name] = [int(p) for p in ports]
+        python = info["python_path"]
+        for p in placed:
+            label = f"{self._job_id(job_dir)}/{p.role}:{p.idx}"
+            try:
+                chan = self._client(node).get_transport().open_session(timeout=START_TIMEOUT)
+                chan.exec_command(ssh.quote_argv([python, f"{folder}/runners/node_agent.py", "run", label]))
+            except Exception:
+                continue   # start() opens its own
+            with self._lock:
+                old = self._warm.pop((p.role, p.idx), None)
+                self._warm[(p.role, p.idx)] = (node.name, chan)
+            if old is not None:
+                old[1].close()
 
     def cleanup(self, job_dir: str) -> None:
+        with self._lock:
+            warm, self._warm = list(self._warm.values()), {}
+        for _node, chan in warm:
+            chan.close()   # the waiting agent reads EOF and exits
         names = set(self._folders)
         placements = Path(job_dir) / "placement.json"
         if placements.exists():
@@ -266,6 +294,7 @@ class SSHBackend(Backend):
             except (ValueError, KeyError, TypeError):
                 pass
         job_id = self._job_id(job_dir)
+        names -= self._lost   # unreachable: it keeps its folder (under /tmp, cleared at boot)
 
         def remove(name: str) -> None:
             try:
@@ -280,7 +309,13 @@ class SSHBackend(Backend):
 
     def pick_ports(self, node: str, count: int, taken: Iterable[int] = ()) -> list[int]:
         entry = self.entry(node)
-        taken_text = ",".join(str(int(p)) for p in taken)
+        taken = {int(p) for p in taken}
+        with self._lock:
+            cached = [p for p in self._ports.get(node, []) if p not in taken]
+            if len(cached) >= count:
+                self._ports[node] = cached[count:]
+                return cached[:count]
+        taken_text = ",".join(str(p) for p in sorted(taken))
         return [int(p) for p in self._agent(entry, "ports", entry.host, str(int(count)), taken_text)]
 
     # -- running --------------------------------------------------------------------
@@ -300,11 +335,17 @@ class SSHBackend(Backend):
                 "heartbeat": HEARTBEAT}
         label = f"{env.get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}"
         python = self.info(node.name)["python_path"]
+        with self._lock:
+            warm = self._warm.pop((placed.role, placed.idx), None)
+        chan = warm[1] if warm is not None and warm[0] == node.name and not warm[1].closed else None
+        if warm is not None and chan is None:
+            warm[1].close()
         try:
-            client = self._client(node)
-            chan = client.get_transport().open_session(timeout=START_TIMEOUT)
+            if chan is None:
+                client = self._client(node)
+                chan = client.get_transport().open_session(timeout=START_TIMEOUT)
+                chan.exec_command(ssh.quote_argv([python, f"{folder}/runners/node_agent.py", "run", label]))
             chan.settimeout(START_TIMEOUT)
-            chan.exec_command(ssh.quote_argv([python, f"{folder}/runners/node_agent.py", "run", label]))
             chan.sendall(json.dumps(spec).encode() + b"\n")
             kind, payload = read_frame(chan)
             while kind == b"H":
@@ -368,6 +409,14 @@ class SSHBackend(Backend):
         except (socket.timeout, EOFError, OSError, Exception):
             status = NODE_LOST
         finally:
+            if status == NODE_LOST:
+                # The link is gone: later calls must not wait on the dead connection.
+                self._lost.add(remote.node)
+                self._infos.pop(remote.node, None)
+                try:
+                    self.conns.drop(self.entry(remote.node))
+                except Exception:
+                    pass
             remote.status = status
             try:
                 os.close(remote.write_fd)   # EOF wakes the master, which then polls

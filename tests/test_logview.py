@@ -168,3 +168,32 @@ def test_plot_in_a_pipe_is_plain_text(pai_home):
     assert bad.returncode == 2 and bad.stderr.startswith("pai: error: --metric accuracy: job ") \
         and "it has loss" in bad.stderr
     assert os.environ.get("PAI_LOGVIEW") == "file"  # other tests start no server
+
+
+def test_pluto_plan_and_forecast_on_the_page(web):
+    job_id, base, token = submit(f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":2}}', env={"BEHAVE": "print:6"})
+    plan_file = web / "jobs" / job_id / "plan.json"
+    plan = json.loads(plan_file.read_text())
+    plan["pluto"] = {"label": "2 ps, variables spread by size", "forecast_step_s": 0.05,
+                     "reasons": ["<ps> is the bottleneck: spread the weights"]}
+    plan_file.write_text(json.dumps(plan))
+    page = get(f"{base}/logview/?i={job_id}&token={token}")[1]
+    assert "Pluto plan: 2 ps, variables spread by size" in page
+    assert "Pluto: forecast 0.0500 s/step, measured" in page
+    assert "&lt;ps&gt; is the bottleneck" in page
+    assert json.loads(get(f"{base}/api/jobs/{job_id}.json?token={token}")[1])["plan"]["pluto"][0].startswith("Pluto plan")
+
+
+def test_tails_start_at_a_whole_line_and_long_series_are_thinned(tmp_path):
+    from paicli.web.data import tail_text, thin
+
+    log = tmp_path / "x.log"
+    log.write_bytes(b"".join(b"line %05d\n" % i for i in range(5000)))
+    text, end = tail_text(log, size=1000)
+    assert end == log.stat().st_size and text.startswith("line ") and text.endswith("line 04999\n")
+    assert len(text) <= 1000
+    points = [["worker:0", "loss", step, 1.0 / (step + 1)] for step in range(10_000)]
+    points += [["worker:1", "loss", 0, 1.0]]
+    kept = thin(points, cap=100)
+    assert len([p for p in kept if p[0] == "worker:0"]) == 100 and kept[99][2] == 9999
+    assert ["worker:1", "loss", 0, 1.0] in kept

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paicli import jobview
+from paicli import jobview, plutoview
 from paicli.store import Store
 
 TAIL_BYTES = 10 * 1024          # "Only tail 10KB is shown here", as PAI's logview
@@ -37,19 +37,20 @@ def owner_of(job_dir: str) -> str:
         return str(uid)
 
 
-def read_plan(job_dir: str) -> dict[str, Any]:
+def read_plan(job_dir: str, status: dict | None = None) -> dict[str, Any]:
     """The parts of plan.json a person reads: the adapter's notes, and Pluto's
-    strategy and forecast when it made them."""
+    plan and forecast (against the measured step time) when it made one."""
     try:
         plan = json.loads((Path(job_dir) / "plan.json").read_text())
     except (OSError, ValueError):
         return {}
     if not isinstance(plan, dict):
         return {}
-    shown = {}
-    for key in ("notes", "strategy", "forecast"):
-        if plan.get(key):
-            shown[key] = plan[key]
+    shown: dict[str, Any] = {}
+    if plan.get("notes"):
+        shown["notes"] = [str(note) for note in plan["notes"]]
+    if status is not None and status.get("pluto"):
+        shown["pluto"] = plutoview.status_lines(status)
     return shown
 
 
@@ -66,7 +67,7 @@ def job_page(store: Store, job_id: str) -> dict[str, Any]:
     for inst in status["instances"]:
         name = f"{inst['role']}:{inst['index']}"
         metrics = status["metrics"].get(name, {})
-        instances.append({**inst, "name": name, "node": inst["host"] or "",
+        instances.append({**inst, "name": name, "node": inst.get("node") or inst["host"] or "",
                           "metrics": ", ".join(f"{k}={v:g}" for k, v in list(metrics.items())[:5])})
     return {
         "id": job_id, "name": status["name"], "framework": status["framework"],
@@ -75,7 +76,9 @@ def job_page(store: Store, job_id: str) -> dict[str, Any]:
         "start": fmt_time(status["started"] or status["created"]), "end": fmt_time(status["ended"]),
         "summary": summary_rows(status), "verdict": jobview.verdict_line(status)
         if status["status"] in ("Succeeded", "Failed", "Cancelled") else "",
-        "instances": instances, "events": events, "plan": read_plan(status["job_dir"]),
+        "instances": instances, "events": events, "plan": read_plan(status["job_dir"], status),
+        "notices": jobview.notice_lines(status),
+        "step_seconds": status.get("step_seconds"),
         "task_name": status["task_name"] or "", "over": bool(job["ended"]),
     }
 
@@ -98,7 +101,7 @@ def summary_json(store: Store, job_id: str) -> dict[str, Any]:
     status = jobview.build_status(store, job_id, with_series=True)
     status["events"] = [{"ts": ev["ts"], "kind": ev["kind"], "role": ev["role"], "index": ev["idx"],
                          "message": ev["message"]} for ev in store.events(job_id)]
-    status["plan"] = read_plan(status["job_dir"])
+    status["plan"] = read_plan(status["job_dir"], status)
     status["owner"] = owner_of(status["job_dir"])
     return status
 

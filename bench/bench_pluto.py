@@ -283,6 +283,10 @@ def cmd_proof(args) -> None:
 
 
 def main() -> None:
+    import signal
+
+    # A SIGTERM tears the test cluster down like Ctrl-C does (its `with` block exits).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("grid")

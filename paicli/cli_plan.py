@@ -161,6 +161,24 @@ def script_inputs(prepared):
 # -- calibration through pai itself ---------------------------------------------------
 
 
+class CalibrationAdapter:
+    """The user's adapter, with every instance told to report its model's sizes
+    (PAI_PLUTO_REPORT=stderr: lines that reach the instance logs from any node)."""
+
+    def __init__(self, adapter):
+        self._adapter = adapter
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+    def plan(self, spec, code):
+        plan = self._adapter.plan(spec, code)
+        for role in plan.roles:
+            role.env["PAI_PLUTO_REPORT"] = "stderr"
+        plan.notes.append("Pluto calibration run: instances report their model's sizes")
+        return plan
+
+
 def _calibration_configs(framework: str):
     """(cluster, extra params) of each calibration run."""
     if framework == "mxnet":
@@ -194,11 +212,7 @@ def calibration_run(prepared, store, cluster_value: dict, extra: dict, report: P
                    "jobName": f"pluto-calibration-{Path(str(prepared.spec.get('script') or prepared.spec.get('solver') or 'job')).stem}"})
     spec = replace(prepared.spec, params=params)
     workers = cluster_value.get("worker", {}).get("count", 1)
-    os.environ["PAI_PLUTO_REPORT"] = str(report)
-    try:
-        job_id = client.submit(client.Prepared(prepared.adapter, spec), store)
-    finally:
-        os.environ.pop("PAI_PLUTO_REPORT", None)
+    job_id = client.submit(client.Prepared(CalibrationAdapter(prepared.adapter), spec), store)
     say(f"calibration job {job_id}: {json.dumps(cluster_value)}")
     deadline = time.monotonic() + CALIBRATION_LIMIT_S
     while True:
@@ -230,7 +244,8 @@ def calibration_run(prepared, store, cluster_value: dict, extra: dict, report: P
         raise PaiError(f"calibration: no step timing in the script's output (job {job_id})",
                        "print a line with step=N per step (or every few steps)")
     return job_id, Run(ps=cluster_value.get("ps", cluster_value.get("server", {})).get("count", 0),
-                       workers=workers, step_s=step_s, var_bytes=read_report(report), model_mb=model_mb,
+                       workers=workers, step_s=step_s, model_mb=model_mb,
+                       var_bytes=read_report(sorted((Path(job["job_dir"]) / "logs").glob("*.log"))),
                        iter_s=(1.0 / median(iter_rates)) if iter_rates else None,
                        exchange_s=(median(exchange[1:] or exchange) / 1000.0) if exchange else None,
                        ma_period=extra.get("maPeriod"), global_step=bool(workers_m.get("global_step")))

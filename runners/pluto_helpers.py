@@ -18,7 +18,7 @@ What the runners call themselves (the script needs no change):
                              script's kvstore holds are reported there
 
 Environment read here (set by paicli's adapters when a plan says so):
-    PAI_PLUTO_REPORT         a file: one JSON object per line, appended (0600)
+    PAI_PLUTO_REPORT         stderr (lines `pluto-report: {json}`) or a file (JSON lines, 0600)
     PAI_TF_PS_STRATEGY       greedy | roundRobin
     PAI_PLUTO_LR_SCALE       the learning rate's factor (linear scaling)
     PAI_PLUTO_WARMUP_STEPS   steps over which the factor is reached
@@ -29,19 +29,31 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 _reported: dict[str, float] = {}
 
 
+REPORT_PREFIX = "pluto-report: "
+
+
 def report(kind: str, **data) -> None:
-    """Append one record to $PAI_PLUTO_REPORT (nothing when it is not set)."""
-    path = os.environ.get("PAI_PLUTO_REPORT")
-    if not path:
+    """One record for Pluto's calibration, when $PAI_PLUTO_REPORT is set: a line
+    `pluto-report: {json}` on stderr (it reaches the instance's log on the
+    submitting machine from any node), or, when the variable names a file, a JSON
+    line appended there (0600)."""
+    target = os.environ.get("PAI_PLUTO_REPORT")
+    if not target:
         return
     record = {"kind": kind, "role": os.environ.get("PAI_ROLE"), "index": os.environ.get("PAI_INDEX"), **data}
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    line = json.dumps(record, separators=(",", ":"))
+    if target == "stderr":
+        sys.stderr.write(REPORT_PREFIX + line + "\n")
+        sys.stderr.flush()
+        return
+    fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
+        os.write(fd, (line + "\n").encode())
     finally:
         os.close(fd)
 

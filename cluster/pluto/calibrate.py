@@ -123,25 +123,44 @@ class Run:
         return dict(self.__dict__)
 
 
-def read_report(path: Path) -> tuple[float, ...]:
-    """Variable sizes from a pluto_helpers report: the first training instance that
+REPORT_PREFIX = "pluto-report: "   # runners/pluto_helpers.py REPORT_PREFIX
+
+
+def read_report(paths: list[Path]) -> tuple[float, ...]:
+    """Variable sizes from pluto_helpers reports (`pluto-report: {json}` lines in
+    instance logs, or JSON-lines files): the first training instance that
     reported, in the order it created them."""
-    if not path.exists():
-        return ()
     by_instance: dict[str, list[float]] = {}
-    for line in path.read_text(errors="replace").splitlines():
+    for path in paths:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        by_instance_lines = []
+        for line in text.splitlines():
+            at = line.find(REPORT_PREFIX)
+            by_instance_lines.append(line[at + len(REPORT_PREFIX):] if at >= 0 else line)
+        _collect(by_instance_lines, by_instance)
+    for preferred in ("chief:0", "worker:0"):
+        if preferred in by_instance:
+            return tuple(by_instance[preferred])
+    return tuple(next(iter(by_instance.values()), ()))
+
+
+def _collect(lines: list[str], by_instance: dict[str, list[float]]) -> None:
+    for line in lines:
+        if not line.startswith("{"):
+            continue
         try:
             record = json.loads(line)
         except ValueError:
+            continue
+        if not isinstance(record, dict):
             continue
         if record.get("kind") != "variable":
             continue
         name = f"{record.get('role')}:{record.get('index')}"
         by_instance.setdefault(name, []).append(float(record.get("bytes") or 0.0))
-    for preferred in ("chief:0", "worker:0"):
-        if preferred in by_instance:
-            return tuple(by_instance[preferred])
-    return tuple(next(iter(by_instance.values()), ()))
 
 
 def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cluster,

@@ -124,6 +124,8 @@ def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
     push_bytes = total * (TWO_BIT if strategy.compression == "2bit" else 1.0)
     push = [(w, ps_nodes[j], push_bytes * f) for w in worker_nodes for j, f in enumerate(fractions)]
     pull = [(ps_nodes[j], w, total * f) for w in worker_nodes for j, f in enumerate(fractions)]
+    if strategy.sync and strategy.framework == "mxnet":
+        return _pipelined_seconds(profile, strategy, cluster, ps_nodes, worker_nodes)
     if strategy.sync:
         return _phase_seconds(push, cluster) + _phase_seconds(pull, cluster)
     # Async: one worker's own push then pull, unless the shared links are the limit,
@@ -131,6 +133,50 @@ def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
     own = (_phase_seconds(push[:len(fractions)], cluster) + _phase_seconds(pull[:len(fractions)], cluster))
     shared = _phase_seconds(push + pull, cluster) if strategy.workers > 1 else 0.0
     return max(own, shared)
+
+
+def array_homes(var_bytes, ps: int, partition: str, big_array_bound: int | None) -> list[list[float]]:
+    """For each array (in creation order), the bytes of it each ps holds."""
+    homes = []
+    loads = [0.0] * max(1, ps)
+    small = 0
+    bound_bytes = 4.0 * (big_array_bound or MXNET_DEFAULT_BIGARRAY_BOUND)
+    for i, size in enumerate(var_bytes):
+        share = [0.0] * max(1, ps)
+        if ps <= 1:
+            share[0] = size
+        elif partition == SLICED and size > bound_bytes:
+            share = [size / ps] * ps
+        elif partition == SLICED:
+            share[small % ps] = size
+            small += 1
+        elif partition == GREEDY:
+            share[loads.index(min(loads))] = size
+        else:
+            share[i % ps] = size
+        loads = [a + b for a, b in zip(loads, share)]
+        homes.append(share)
+    return homes
+
+
+def _pipelined_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
+                       ps_nodes: list[int], worker_nodes: list[int]) -> float:
+    """MXNet dist_sync: the kvstore pushes every array and pulls each back as soon
+    as the servers have summed it, so pushes and pulls overlap: a two-stage flow
+    shop over the arrays in order, whose makespan is
+    max over k of (pushes of arrays 1..k + pulls of arrays k..n)."""
+    ratio = TWO_BIT if strategy.compression == "2bit" else 1.0
+    var_bytes = profile.var_bytes or (profile.param_bytes,)
+    a, b = [], []
+    for share in array_homes(var_bytes, strategy.ps, strategy.partition, strategy.big_array_bound):
+        a.append(_phase_seconds([(w, ps_nodes[j], s * ratio) for w in worker_nodes
+                                 for j, s in enumerate(share) if s], cluster))
+        b.append(_phase_seconds([(ps_nodes[j], w, s) for w in worker_nodes
+                                 for j, s in enumerate(share) if s], cluster))
+    best = 0.0
+    for k in range(len(a)):
+        best = max(best, sum(a[:k + 1]) + sum(b[k:]))
+    return best
 
 
 def compute_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:

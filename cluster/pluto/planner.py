@@ -113,7 +113,25 @@ def _rank_key(choice: Choice) -> tuple:
             s.partition != ROUND_ROBIN, choice.score())
 
 
+COMPRESSION_GAIN = 0.10   # 2bit must save this much over the same plan uncompressed
+
+
+def worth_it(choices: list[Choice]) -> list[Choice]:
+    """Drop compressed plans that save under COMPRESSION_GAIN over the same plan
+    uncompressed: compression changes the numbers the model trains on, so it is
+    used only when the links really are the bottleneck."""
+    plain = {c.strategy.with_(compression="none"): c for c in choices if c.strategy.compression == "none"}
+    kept = []
+    for c in choices:
+        twin = plain.get(c.strategy.with_(compression="none")) if c.strategy.compression != "none" else None
+        if twin is not None and c.score() > twin.score() * (1 - COMPRESSION_GAIN):
+            continue
+        kept.append(c)
+    return kept
+
+
 def recommend(choices: list[Choice]) -> Choice:
+    choices = worth_it(choices) or choices
     best = min(c.score() for c in choices)
     near = [c for c in choices if c.score() <= best * (1 + TIE)]
     return min(near, key=_rank_key)
@@ -132,7 +150,7 @@ def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | N
             reasons.append("budget: the script's step target is unknown (no --steps, --max_steps or "
                            "max_iter found), so no plan can be judged against it; recommending the fastest")
         else:
-            fitting = [c for c in choices if c.forecast.time_to_target_s <= budget_s]
+            fitting = [c for c in worth_it(choices) if c.forecast.time_to_target_s <= budget_s]
             if fitting:
                 rec = min(fitting, key=lambda c: (c.strategy.instances, c.strategy.compression != "none",
                                                   c.score()))
@@ -195,7 +213,7 @@ def explain(profile: Profile, cluster: Cluster, rec: Choice, default: Choice) ->
             lines.append(f"compression: 2bit, threshold {s.threshold:g}: the links are the bottleneck "
                          f"(network {f.comm_s:.3f} s of {f.step_s:.3f} s per step); pushes shrink 16x")
         else:
-            lines.append(f"compression: none: it would save under {TIE:.0%} "
+            lines.append(f"compression: none: 2bit would save under {COMPRESSION_GAIN:.0%} "
                          f"(network {f.comm_s:.3f} s of {f.step_s:.3f} s per step)")
     if s.framework == "caffe" and s.workers > 1:
         lines.append(f"model averaging: every {s.ma_period} iterations: a round costs "

@@ -112,23 +112,15 @@ def test_runner_derives_dmlc_variables_from_the_pai_ones():
 
 
 def test_speedometer_and_step_lines_are_metrics():
-    plan = plan_of()
-    line = "Epoch[1] Batch [10-20]\tSpeed: 9494.07 samples/sec\taccuracy=0.968750"
-    found = {}
-    for pattern in plan.metric_patterns:
-        for match in re.finditer(pattern, line):
-            groups = match.groupdict()
-            if "key" in groups:
-                found[groups["key"]] = groups["value"]
-            else:
-                found.update(groups)
-    assert found == {"epoch": "1", "batch": "20", "speed": "9494.07", "accuracy": "0.968750"}
-    key_value = plan.metric_patterns[-1]
-    assert [m.group("key", "value") for m in re.finditer(key_value, "step=3, loss=0.25")] == \
-        [("step", "3"), ("loss", "0.25")]
+    """Through the parser the master runs on every log line, with the plan's patterns."""
+    from paicli.cluster.logsink import MetricParser
+
+    parser = MetricParser(plan_of().metric_patterns)
+    step, found = parser.parse("Epoch[1] Batch [10-20]\tSpeed: 9494.07 samples/sec\taccuracy=0.968750")
+    assert found == {"epoch": 1, "batch": 20, "speed": 9494.07, "accuracy": 0.96875} and step == 20
+    assert parser.parse("step=3, loss=0.25") == (3, {"step": 3, "loss": 0.25})
     # Module.fit's epoch time is a time, not a metric called `cost`.
-    assert not re.search(key_value, "Epoch[0] Time cost=0.455")
-    assert re.search(plan.metric_patterns[1], "Epoch[0] Time cost=0.455").group("epoch_seconds") == "0.455"
+    assert parser.parse("Epoch[0] Time cost=0.455") == (None, {"epoch": 0, "epoch_seconds": 0.455})
 
 
 # ---------------------------------------------------------------------------
@@ -364,3 +356,23 @@ def test_bad_values_are_one_line_errors_from_pai(home, flag, key):
     assert len(lines) == 1, result.stderr
     assert key in lines[0] and "Traceback" not in result.stderr
     assert not (home / "jobs").exists() or not any((home / "jobs").iterdir())
+
+
+NO_WAITALL = REPO / "tests" / "scripts" / "mx_no_waitall.py"
+
+
+def test_a_dist_sync_script_without_waitall_ends(runtime, home):
+    """Without the runner's exit wait this job hung 3 times out of 3: every
+    worker printed its last line and never exited."""
+    submitted = pai(*submit_args(NO_WAITALL, "-Dkvstore=dist_sync"), "--detach")
+    job_id = submitted.stdout.strip()
+    assert submitted.returncode == 0, submitted.stderr
+    try:
+        result = pai("wait", job_id, timeout=60)
+        assert result.returncode == 0, result.stdout[-2000:]
+        assert pai("logs", job_id).stdout.count("finished its steps") == 2
+        assert_all_gone(status(job_id))
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the job did not end within 60 s: the workers hang at exit") from None
+    finally:
+        pai("kill", job_id)

@@ -150,16 +150,14 @@ def test_flags_defined_in_another_module_of_an_archive_are_found(tmp_path):
     ("32/32 - 0s - 2ms/step - accuracy: 0.9644 - loss: 0.0973", {"accuracy": 0.9644, "loss": 0.0973}),
     ("Epoch 3/5", {"epoch": 3}),
 ])
-def test_metric_patterns(line, expected):
-    found: dict[str, float] = {}
-    for pattern in TensorflowAdapter.metric_patterns:
-        for match in re.finditer(pattern, line):
-            groups = match.groupdict()
-            if "key" in groups:
-                found.setdefault(groups["key"], float(groups["value"]))
-            else:
-                found.update({k: float(v) for k, v in groups.items() if v is not None})
+def test_metric_patterns(tmp_path, line, expected):
+    """Through the parser the master runs on every log line, with the plan's patterns."""
+    from paicli.cluster.logsink import MetricParser
+
+    plan = plan_for(tmp_path)
+    step, found = MetricParser(plan.metric_patterns).parse(line)
     assert found == expected
+    assert step == expected.get("step")
 
 
 # ---------------------------------------------------------------------------

@@ -335,7 +335,7 @@ def test_caffe_model_averaging_across_nodes(cluster, nodes, tmp_path):
     archive = tmp_path / "lenet.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(folder, arcname="lenet")
-    result = pai("-name", "caffe", f"-Dscript=file://{archive}", "-Dsolver=lenet/short_solver.prototxt",
+    result = pai("-name", "caffe", f"-Dscript=file://{archive}", "-DentryFile=lenet/short_solver.prototxt",
                  "-DmaPeriod=10", '-Dcluster={"ps":{"count":1},"worker":{"count":2}}', timeout=300)
     info = assert_ok(result)
     assert len(set(hosts_of(info).values())) == 3, hosts_of(info)

@@ -86,7 +86,7 @@ class Runtime:
 
     def is_installed(self) -> bool:
         if self.override:
-            return True
+            return os.path.isfile(self.override) and os.access(self.override, os.X_OK)
         marker = self.path / MARKER
         if not marker.exists():
             return False
@@ -100,6 +100,9 @@ class Runtime:
         several processes at once: one installs, the others wait for it."""
         if self.is_installed():
             return
+        if self.override:  # the user's own interpreter: nothing to provision
+            raise RuntimeError_(f"{self.override_var}={self.override} is not an interpreter that can run "
+                                f"(no such executable file); fix it or unset {self.override_var}")
         root = runtime_root()
         root.mkdir(parents=True, exist_ok=True)
         with open(root / f".{self.name}.lock", "w") as lock:

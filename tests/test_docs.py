@@ -33,15 +33,49 @@ def test_quickstart_has_exactly_two_commands():
     assert "bash .ci/setup test" in (ROOT / ".ci" / "run").read_text()
 
 
-def _imports(path: Path) -> set[str]:
+PACKAGES = {"paicli": "paicli", "adapters": "paicli.adapters", "cluster": "paicli.cluster",
+            "runners": "paicli.runners"}
+
+
+def _package_of(path: Path) -> str | None:
+    """The installed package a source file belongs to (setup.cfg's package_dir)."""
+    parts = path.resolve().relative_to(ROOT).parts[:-1]
+    if not parts or parts[0] not in PACKAGES:
+        return None
+    return ".".join([PACKAGES[parts[0]], *parts[1:]])
+
+
+def _imports(path: Path, package: str | None = None) -> set[str]:
+    """Every module a file imports, in full: `import paicli.x`, `from paicli
+    import client` (paicli.client), `from . import x` and `from ..y import z`
+    (resolved against the file's package)."""
     tree = ast.parse(path.read_text())
+    package = package or _package_of(path)
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = (package or "").split(".")
+                base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+                module = ".".join(p for p in [*base, module] if p)
+            if module:
+                names.add(module)
+            # `from paicli import client` imports the module paicli.client.
+            names |= {f"{module}.{a.name}" if module else a.name for a in node.names if a.name != "*"}
     return names
+
+
+def test_the_import_reader_sees_every_form(tmp_path):
+    """The layering rules below are only as good as this reader."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from paicli import client\nimport paicli.logtail\nfrom .. import master\n"
+                     "from . import local\nfrom ...adapters import tensorflow\n")
+    seen = _imports(probe, package="paicli.cluster.backends")
+    assert {"paicli.client", "paicli.logtail", "paicli.cluster.master", "paicli.cluster.backends.local",
+            "paicli.adapters.tensorflow"} <= seen
 
 
 def test_data_flows_one_way():

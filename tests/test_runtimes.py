@@ -52,7 +52,20 @@ def test_unknown_runtime_is_a_usage_error(pai_home):
 
 
 def test_own_interpreter_is_listed_as_the_source(pai_home, tmp_path):
-    env = {"PAI_RUNTIME_DIR": str(tmp_path), "PAI_TENSORFLOW_PYTHON": "/opt/conda/bin/python"}
+    import sys
+
+    env = {"PAI_RUNTIME_DIR": str(tmp_path), "PAI_TENSORFLOW_PYTHON": sys.executable}
     listed = {r["name"]: r for r in json.loads(pai("runtime", "list", "--json", env=env).stdout)}
-    assert listed["tensorflow"]["path"] == "/opt/conda/bin/python"
+    assert listed["tensorflow"]["path"] == sys.executable
     assert listed["tensorflow"]["source"] == "$PAI_TENSORFLOW_PYTHON" and listed["tensorflow"]["installed"]
+
+
+def test_a_missing_own_interpreter_is_not_installed(pai_home, tmp_path):
+    env = {"PAI_RUNTIME_DIR": str(tmp_path), "PAI_TENSORFLOW_PYTHON": str(tmp_path / "no" / "python")}
+    listed = {r["name"]: r for r in json.loads(pai("runtime", "list", "--json", env=env).stdout)}
+    assert listed["tensorflow"]["installed"] is False
+    result = pai("runtime", "install", "tensorflow", env=env)
+    assert result.returncode == 1 and not (tmp_path / "tensorflow").exists()
+    assert result.stderr.strip() == (f"pai: error: PAI_TENSORFLOW_PYTHON={tmp_path}/no/python is not an "
+                                     "interpreter that can run (no such executable file); fix it or unset "
+                                     "PAI_TENSORFLOW_PYTHON")

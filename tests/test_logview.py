@@ -133,7 +133,9 @@ def test_the_server_goes_away_when_idle(pai_home, monkeypatch):
         # The next command that needs one starts a new one, with the same token.
         again = launch.ensure_server(pai_home)
         assert again["pid"] != state["pid"] and again["token"] == state["token"]
-        assert get(launch.url_for(again))[0] == 200
+        # ... on the same port when it is free: the URL printed before works again.
+        assert launch.url_for(again) == launch.url_for(state)
+        assert get(launch.url_for(state))[0] == 200
     finally:
         launch.stop_server(pai_home)
 

@@ -94,6 +94,35 @@ def running_server(home: Path) -> dict | None:
     return state if state and _alive(state) else None
 
 
+def _listen(host: str, folder: Path) -> socket.socket:
+    """A listening socket: on PAI_LOGVIEW_PORT if set; else on the port the last
+    server of this home had, so URLs printed before an idle exit work again; else any."""
+    fixed = os.environ.get("PAI_LOGVIEW_PORT")
+    ports = [int(fixed)] if fixed else []
+    if not fixed:
+        try:
+            ports.append(int((folder / "port").read_text()))
+        except (OSError, ValueError):
+            pass
+        ports.append(0)
+    error: OSError | None = None
+    for port in ports:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the last server's closed connections may linger
+        try:
+            sock.bind((host, port))
+            sock.listen(128)
+        except OSError as err:
+            sock.close()
+            error = err
+            continue
+        _write_private(folder / "port", str(sock.getsockname()[1]))
+        return sock
+    assert error is not None
+    raise LogviewUnavailable(f"cannot listen on {host}:{ports[-1] or 'any port'}: {error.strerror or error}",
+                             "set PAI_LOGVIEW_HOST to an address of this machine (PAI_LOGVIEW_PORT to a free port)")
+
+
 def start_server(home: Path) -> dict:
     """Start a server (detached, own session) on a socket bound here; returns its state."""
     import importlib.util
@@ -104,13 +133,7 @@ def start_server(home: Path) -> dict:
     folder = state_dir(home)
     host = bind_host()
     token = user_token(home)
-    try:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.bind((host, int(os.environ.get("PAI_LOGVIEW_PORT") or 0)))
-        sock.listen(128)
-    except OSError as err:
-        raise LogviewUnavailable(f"cannot listen on {host}: {err.strerror or err}",
-                                 "set PAI_LOGVIEW_HOST to an address of this machine") from None
+    sock = _listen(host, folder)
     log = os.open(folder / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         proc = subprocess.Popen(

@@ -431,3 +431,58 @@ def test_the_real_error_survives_sqlites_own_rollback(tmp_path):
         db.execute("DROP TRIGGER t_no")
         db.execute("INSERT INTO t VALUES (2)")
     assert store.db.execute("SELECT x FROM t").fetchall()[0][0] == 2
+
+
+# -- tests that must be able to fail: distinct ports ------------------------------------------
+
+
+@pytest.fixture
+def small_port_range():
+    """A network namespace (loopback only) whose ephemeral ports are 40000-40059:
+    there the kernel hands the same free port to several probes, as it rarely
+    does on a machine with 28,000 of them, so only the store's claims keep
+    concurrent jobs apart. Torn down even when the test fails."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a network namespace")
+    name = f"A-ports-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "netns", "exec", name, "sysctl", "-qw", "net.ipv4.ip_local_port_range=40000 40059"],
+                       check=True)
+        yield ["ip", "netns", "exec", name]
+    finally:
+        for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+            try:
+                os.kill(int(pid), 9)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def test_ten_concurrent_jobs_in_a_narrow_port_range_never_share_a_port(pai_home, small_port_range):
+    from concurrent.futures import ThreadPoolExecutor
+
+    cluster = '{"ps":{"count":1},"worker":{"count":2}}'
+    env = dict(os.environ, BEHAVE_PS="serve", BEHAVE_WORKER="print:2,sleep:4")
+
+    def one(_):
+        return subprocess.run([*small_port_range, *PAI, "-name", "python", f"-Dscript={BEHAVE}",
+                               f"-Dcluster={cluster}"], capture_output=True, text=True, env=env, timeout=150)
+
+    with ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(one, range(10)))
+    assert [r.returncode for r in results] == [0] * 10, [r.stdout[-300:] + r.stderr for r in results]
+    jobs = [pai_json("status", job_id_from(r.stdout)) for r in results]
+    spans = {}
+    for job in jobs:
+        ports = [i["port"] for i in job["instances"]]
+        assert len(ports) == 3 and all(40000 <= p <= 40059 for p in ports)
+        spans[job["id"]] = (job["started"], job["ended"], set(ports))
+    overlapping = 0
+    for a in spans:
+        for b in spans:
+            if a < b and spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]:
+                overlapping += 1
+                assert not spans[a][2] & spans[b][2], f"{a} and {b} ran at once on ports {spans[a][2] & spans[b][2]}"
+    assert overlapping >= 15  # the jobs really ran together

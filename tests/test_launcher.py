@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from paicli.cluster.backends.base import InstanceRef
 from paicli.cluster.backends.local import LocalBackend
@@ -240,21 +239,6 @@ def test_grandchildren_of_a_finished_instance_are_not_left_behind(pai_home, tmp_
     assert result.returncode == 0
     groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
     assert wait_until(lambda: processes_in(groups) == [], timeout=5)
-
-
-def test_ten_concurrent_jobs_get_distinct_ports(pai_home):
-    def one(_):
-        return pai("-name", "python", f"-Dscript={BEHAVE}", f"-Dcluster={PS_2W}",
-                   env={"BEHAVE_PS": "serve", "BEHAVE_WORKER": "print:2,sleep:1.5"}, timeout=120)
-
-    with ThreadPoolExecutor(10) as pool:
-        results = list(pool.map(one, range(10)))
-    assert [r.returncode for r in results] == [0] * 10, [r.stdout[-300:] + r.stderr for r in results]
-    ports = []
-    for r in results:
-        status = pai_json("status", job_id_from(r.stdout))
-        ports += [i["port"] for i in status["instances"]]
-    assert len(ports) == 30 and len(set(ports)) == 30
 
 
 def test_logs_status_list_and_instance_log(pai_home):

@@ -25,12 +25,30 @@ def _config():
     return config
 
 
+def _ray_config() -> dict | None:
+    """The Ray cluster jobs go to (PAI_RAY_ADDRESS, or a nodes file with `ray:`), if any."""
+    import os
+
+    if os.environ.get("PAI_RAY_ADDRESS"):
+        return {"backend": "ray", "address": os.environ["PAI_RAY_ADDRESS"]}
+    from paicli.cluster.nodes import load_nodes
+
+    config = load_nodes()
+    return {"backend": "ray", "ray": config.ray} if config is not None and config.ray is not None else None
+
+
 def _list_nodes(as_json: bool) -> None:
     import json
 
-    from paicli.cluster.node_admin import probe_nodes
+    ray_config = _ray_config()
+    if ray_config is not None:
+        from paicli.cluster.backends.ray import list_nodes   # helper F's module
 
-    rows = probe_nodes(_config())
+        rows = list_nodes(ray_config)
+    else:
+        from paicli.cluster.node_admin import probe_nodes
+
+        rows = probe_nodes(_config())
     if as_json:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return

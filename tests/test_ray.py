@@ -300,6 +300,14 @@ def test_kill_9_of_the_master_leaves_no_process_on_any_node(ray_cluster, home, t
     status = wait_running(ray_cluster, home, job_id, 3)
     assert len({i["host"] for i in status["instances"]}) == 3
     assert len(job_processes(job_id)) >= 3
+    # `pai nodes` lists the Ray nodes, their resources and this job's instance on each
+    nodes = pai_ray(ray_cluster, home, "nodes", "--json", timeout=120)
+    assert nodes.returncode == 0, nodes.stderr
+    rows = json.loads(nodes.stdout)
+    assert sorted(r["host"] for r in rows if r["state"] == "up") == sorted(h.addr for h in ray_cluster.net.hosts)
+    assert all(r["cores"] == 1 and r["error"] is None for r in rows)
+    assert sorted(label for r in rows for label in r["instances"] if label.startswith(job_id)) == \
+        [f"{job_id}/ps:0", f"{job_id}/worker:0", f"{job_id}/worker:1"]
     os.kill(status["master_pid"], 9)
     assert_nothing_left(job_id, timeout=10)
     after = status_of(ray_cluster, home, job_id)
@@ -360,3 +368,17 @@ def test_a_job_bigger_than_the_cluster_waits_then_times_out(ray_cluster, home, t
     assert took >= 12
     job_id = job_id_of(result.stdout)
     assert not job_processes(job_id)
+
+
+def test_pai_kill_stops_every_instance_on_every_node(ray_cluster, home, tmp_path):
+    script = tmp_path / "long.py"
+    script.write_text(LONG_SCRIPT)
+    result = pai_ray(ray_cluster, home, "--detach", "-name", "python", f"-Dscript={script}",
+                     '-Dcluster={"worker":{"count":2}}', "-DuserDefinedParameters=--steps 600")
+    assert result.returncode == 0, result.stderr
+    job_id = job_id_of(result.stdout)
+    wait_running(ray_cluster, home, job_id, 2)
+    killed = pai_ray(ray_cluster, home, "kill", job_id, timeout=60)
+    assert killed.returncode == 0, killed.stderr
+    assert_nothing_left(job_id, timeout=5)
+    assert status_of(ray_cluster, home, job_id)["status"] == "Cancelled"

@@ -494,6 +494,10 @@ class RayBackend(Backend):
         there. The interpreter found on each node is what argv[0] becomes."""
         ray = self.connect()
         files = {f"runners/{p.name}": p.read_bytes() for p in sorted(runners_dir().glob("*.py"))}
+        # the runtimes code as the package it imports itself as (caffe's rootfs builder)
+        files.update({"pkg/paicli/__init__.py": b"", "pkg/paicli/runners/__init__.py": b""})
+        for name in ("runtimes.py", "caffe_rootfs.py"):
+            files[f"pkg/paicli/runners/{name}"] = (runners_dir() / name).read_bytes()
         files.update({f"job/{rel}": data for rel, data in job_files(Path(job_dir)).items()})
         self._job_dir = str(job_dir)
         self._script_names = self._scripts(plan, job_dir)
@@ -655,21 +659,29 @@ class RayBackend(Backend):
 
 
 def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every Ray node with its resources and the paicli instances on it (for
-    `pai nodes`): name, host, state, cpu (PAI units), memory (MB), gpus, instances."""
+    """`pai nodes` for a Ray cluster: every node Ray knows with its resources and
+    what the node agent's `info` says there (Python, runtimes, the paicli
+    instances running on it), in the rows `pai nodes` prints for SSH nodes."""
     backend = RayBackend(config)
     ray = backend.connect()
-    out = []
+    agent = (runners_dir() / "node_agent.py").read_text()
+    rows = []
     for n in ray.nodes():
         res = n.get("Resources") or {}
         host = n.get("NodeManagerAddress", "")
-        entry = {"name": host, "host": host, "state": "up" if n.get("Alive") else "dead",
-                 "node_id": n["NodeID"], "cpu": round(res.get("CPU", 0) * 100),
-                 "memory": round(res.get("memory", 0) / MB), "gpus": int(res.get("GPU", 0)), "instances": []}
+        cores = res.get("CPU", 0)
+        row = {"name": host, "host": host, "port": n.get("NodeManagerPort"), "user": "",
+               "state": "up" if n.get("Alive") else "dead", "error": None, "node_id": n["NodeID"],
+               "cores": int(cores) if float(cores).is_integer() else cores, "cpu": round(res.get("CPU", 0) * 100),
+               "memory": round(res.get("memory", 0) / MB), "gpus": [str(i) for i in range(int(res.get("GPU", 0)))],
+               "python": None, "runtime_dir": None, "runtimes": {}, "instances": []}
         if n.get("Alive"):
             try:
-                entry["instances"] = backend._pinned(host, ray_node.pinned_instances, timeout=30)
-            except Exception as err:  # noqa: BLE001 - shown, not fatal
-                entry["state"] = f"up (instances unknown: {type(err).__name__})"
-        out.append(entry)
-    return out
+                info = backend._pinned(host, ray_node.pinned_info, agent, timeout=60)
+                row.update({"python": info["python"], "python_path": info["python_path"],
+                            "runtime_dir": info["runtime_dir"], "runtimes": info["runtimes"],
+                            "instances": info["instances"], "boot": info["boot"]})
+            except Exception as err:  # noqa: BLE001 - shown in the row, not fatal
+                row["error"] = f"cannot run on the node: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["state"] != "up", r["name"]))

@@ -198,22 +198,25 @@ class InstanceActor:
 
     def ensure_runtime(self, name: str | None) -> dict:
         """The interpreter of runtime `name` on this node, provisioned here on first
-        use by the shipped runners/runtimes.py; {"error": ...} when it cannot be."""
+        use by the shipped runtimes code (pkg/paicli/runners, run in a process of
+        its own); {"error": ...} when it cannot be."""
         if not name:
             return {"python": sys.executable, "lines": []}
-        import importlib.util
-
-        path = os.path.join(self.folder, "runners", "runtimes.py")
-        spec = importlib.util.spec_from_file_location("paicli_node_runtimes", path)
-        module = importlib.util.module_from_spec(spec)
-        lines: list[str] = []
-        try:
-            spec.loader.exec_module(module)
-            runtime = module.get_runtime(name)
-            runtime.ensure(lines.append)
-            return {"python": runtime.python(), "lines": lines, "root": str(module.runtime_root())}
-        except Exception as err:  # noqa: BLE001 - one line for the master
-            return {"error": f"{type(err).__name__}: {err}", "lines": lines}
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+                "from paicli.runners.runtimes import get_runtime; "
+                "rt = get_runtime(sys.argv[2]); rt.ensure(lambda line: print(line, flush=True)); "
+                "print(json.dumps({'python': rt.python()}))")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        result = subprocess.run([sys.executable, "-c", code, os.path.join(self.folder, "pkg"), name],
+                                capture_output=True, text=True, env=env, start_new_session=True)
+        lines = result.stdout.splitlines()
+        if result.returncode == 0 and lines:
+            try:
+                return {"python": json.loads(lines[-1])["python"], "lines": lines[:-1]}
+            except (ValueError, KeyError):
+                pass
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": last, "lines": lines}
 
     def pick_ports(self, count: int, taken=()) -> list[int]:
         return free_ports(count, taken)
@@ -330,8 +333,30 @@ def pinned_ports(count: int, taken) -> list[int]:
     return free_ports(count, taken)
 
 
-def pinned_instances() -> list[str]:
-    """Labels (JOB/role:idx) of the paicli instances node agents run on this node."""
+def pinned_info(agent_source: str) -> dict:
+    """The node agent's `info` (cores, memory, GPUs, Python, runtimes, the paicli
+    instances agents run here), run on this node from the agent's source."""
+    import contextlib
+    import io
+
+    agent: dict = {"__name__": "paicli_node_agent"}
+    exec(compile(agent_source, "node_agent.py", "exec"), agent)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        agent["cmd_info"]("")
+    info = json.loads(out.getvalue())
+    info["instances"] = agents_here()
+    return info
+
+
+def agents_here() -> list[str]:
+    """Labels of the node agents running instances on this node. Nodes that share
+    one kernel (containers, the test sandbox's namespaces) see each other's
+    processes: only those in this node's network namespace are this node's."""
+    try:
+        mine = os.readlink("/proc/self/ns/net")
+    except OSError:
+        mine = None
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -339,10 +364,13 @@ def pinned_instances() -> list[str]:
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
+            if not (len(argv) >= 4 and argv[1].endswith(b"node_agent.py") and argv[2] == b"run"):
+                continue
+            if mine is not None and os.readlink(f"/proc/{name}/ns/net") != mine:
+                continue
         except OSError:
             continue
-        if len(argv) >= 4 and argv[1].endswith(b"node_agent.py") and argv[2] == b"run":
-            found.append(argv[3].decode(errors="replace"))
+        found.append(argv[3].decode(errors="replace"))
     return sorted(found)
 
 

@@ -344,10 +344,7 @@ class JobMaster:
             except OSError:
                 data = b""
             if not data:
-                self.selector.unregister(fd)
-                os.close(fd)
-                if inst.handle and inst.handle.output_fd == fd:
-                    inst.handle.output_fd = -1
+                self._close_fd(inst, fd)
                 self._lines(inst, inst.log.flush() if inst.log else b"")
                 return
             self._lines(inst, inst.log.feed(data))
@@ -380,12 +377,22 @@ class JobMaster:
 
     def _close_output(self, inst: Instance) -> None:
         if inst.handle and inst.handle.output_fd >= 0:
-            try:
-                self.selector.unregister(inst.handle.output_fd)
-            except (KeyError, ValueError):
-                pass
-            os.close(inst.handle.output_fd)
+            self._close_fd(inst, inst.handle.output_fd)
+
+    def _close_fd(self, inst: Instance, fd: int) -> None:
+        """The one place an instance's output descriptor is closed: only while the
+        selector still holds it, so a number is never closed twice (it may belong
+        to another file by then)."""
+        if inst.handle and inst.handle.output_fd == fd:
             inst.handle.output_fd = -1
+        try:
+            self.selector.unregister(fd)
+        except (KeyError, ValueError):
+            return
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
     def _exited(self, inst: Instance, code: int) -> tuple[JobStatus, str | None] | None:
         """Decide what an instance's exit means (cluster/policy.py) and act on it.
@@ -628,6 +635,10 @@ def _run_forked_master(home: Path, job_id: str, log_path: Path) -> int:
             except OSError:
                 pass  # the listing's own descriptor, already gone
     os.chdir(log_path.parent)
+    # The caller's sys.stdout/stderr may be its own objects (a library user's, a
+    # test runner's capture) over descriptors just closed: write to the log.
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ["PAI_HOME"] = str(home)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
         signal.signal(signum, signal.SIG_DFL)

@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 STATIC = HERE / "static"
 POLL = 0.5                    # seconds between two looks at the store and the logs of a live page
 READ_CAP = 256 * 1024         # at most this much of one log per look
+STATUS_EVERY = 2.0            # seconds between two renderings of a live page's status parts without a new event
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
                                "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'self'",
@@ -154,13 +155,18 @@ class LogFollower:
 
     def __init__(self):
         self.path: Path | None = None
+        self.inode: int | None = None
         self.offset = 0
 
     def read(self, path: Path, final: bool) -> tuple[str, bool] | None:
         """(text, reset) or None when nothing new."""
-        size = path.stat().st_size if path.exists() else 0
-        if path != self.path or size < self.offset:  # a new attempt, or the log rotated
-            self.path = path
+        try:
+            st = path.stat()
+            size, inode = st.st_size, st.st_ino
+        except FileNotFoundError:
+            size, inode = 0, None
+        if path != self.path or inode != self.inode or size < self.offset:  # a new attempt, or rotated
+            self.path, self.inode = path, inode
             text, self.offset = data.tail_text(path)
             return text, True
         if size == self.offset:
@@ -197,14 +203,21 @@ async def stream(request: web.Request) -> web.StreamResponse:
     followers: dict[str, LogFollower] = {}
     last_html = None
     metric_after = 0
+    seen_event, rendered_at = -1, 0.0
+    page = None
     try:
         while True:
             over = client.job_over(store.job(job_id))  # read first: then every line before the end is seen
-            page = data.job_page(store, job_id)
-            html = {part: _render(request, f"_{part}.html", page=page) for part in ("head", "tail")}
-            if html != last_html:
-                last_html = html
-                await send("status", {**html, "status": page["status"]})
+            # The status parts (some 20 ms of queries and rendering) are redone when an event
+            # happened, every STATUS_EVERY seconds for the last metrics, and at the end.
+            event = store.db.execute("SELECT MAX(id) FROM events WHERE job_id = ?", (job_id,)).fetchone()[0] or 0
+            if page is None or over or event != seen_event or time.monotonic() - rendered_at >= STATUS_EVERY:
+                seen_event, rendered_at = event, time.monotonic()
+                page = data.job_page(store, job_id)
+                html = {part: _render(request, f"_{part}.html", page=page) for part in ("head", "tail")}
+                if html != last_html:
+                    last_html = html
+                    await send("status", {**html, "status": page["status"]})
             for log in data.instance_logs(store, job_id):
                 got = followers.setdefault(log["instance"], LogFollower()).read(log["path"], over)
                 if got is not None:

@@ -69,6 +69,7 @@ def test_submit_prints_the_page_url_and_the_page_shows_the_job(web):
     # pai status and pai logview hand out the same server's URL.
     assert f"{base}/logview/?i={job_id}&token={token}" in pai("status", job_id).stdout
     assert pai("logview", job_id[:12]).stdout.strip() == f"{base}/logview/?i={job_id}&token={token}"
+    assert pai("wait", job_id).stdout.startswith(f"Log view: {base}/logview/?i={job_id}&token={token}\n")
     # The token and the state are the user's alone.
     folder = web / "logview"
     assert oct(folder.stat().st_mode & 0o777) == "0o700"

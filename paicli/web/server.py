@@ -31,7 +31,7 @@ from pathlib import Path
 import jinja2
 from aiohttp import web
 
-from paicli.errors import PaiError
+from paicli.errors import NotFound, PaiError
 from paicli.store import Store
 from paicli.web import data
 from paicli.web.launch import IDLE_SECONDS, read_state, user_token
@@ -83,8 +83,8 @@ async def guard(request: web.Request, handler):
     request.app[USE]["last"] = time.monotonic()
     try:
         response = await handler(request)
-    except PaiError as err:  # unknown job, bad instance: one clear line
-        code = 404 if "no job" in str(err) or "no such" in str(err) or "not a job" in str(err) else 400
+    except PaiError as err:  # unknown job or instance: 404; a bad or outside path: 400; one line
+        code = 404 if isinstance(err, NotFound) else 400
         response = web.Response(status=code, text=f"{code}: {err}\n")
     for name, value in SECURITY_HEADERS.items():
         response.headers.setdefault(name, value)

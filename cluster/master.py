@@ -96,7 +96,7 @@ def place_job(store: Store, job_id: str, plan: JobPlan, backend: Backend) -> lis
     holds, and claim those GPUs (UsageError when the job cannot fit). A backend
     that schedules jobs itself (`places_jobs`: Ray, which waits for room) is not
     placed here: None, and the master asks it when the job starts."""
-    if getattr(backend, "places_jobs", False):
+    if backend.places_jobs:
         return None
     nodes = backend.nodes()
     for _ in range(20):  # another job may claim a card between our look and our claim
@@ -160,7 +160,7 @@ class JobMaster:
             self._tell_watchdog("done")
             return 0  # cancelled before we got going
         try:
-            if self.placements is None and getattr(self.backend, "places_jobs", False):
+            if self.placements is None and self.backend.places_jobs:
                 # Ray: waits while the cluster is busy (the job's timeout covers it).
                 self.placements = self.backend.place_job(self.plan, self.job_id, self.joblog.note,
                                                          self._deadline(), lambda: self.cancel_reason)
@@ -454,7 +454,7 @@ class JobMaster:
     def _move(self, inst: Instance) -> None:
         """Place `inst` again, away from the nodes this job lost, with what the
         job's other instances leave free. UsageError when no node has room."""
-        if getattr(self.backend, "places_jobs", False):
+        if self.backend.places_jobs:
             # Ray moves the lost node's bundle to a node with room, waiting for one.
             new = self.backend.place_instance(inst.role.name, inst.idx, inst.attempt + 1, self.joblog.note,
                                               self._deadline(), lambda: self.cancel_reason)

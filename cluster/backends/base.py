@@ -135,6 +135,11 @@ class Backend:
     nodes."""
 
     name = "base"
+    # A backend whose cluster schedules jobs itself (Ray: placement groups, which
+    # wait for room) sets this: the submit does not place the job (no exit 2 for a
+    # job that may fit later); the master calls place_job()/place_instance() instead
+    # of paicli.cluster.placement when it starts and when an instance's node is lost.
+    places_jobs = False
 
     def __init__(self, config: dict[str, Any] | None = None):
         self.config = dict(config or {})
@@ -160,6 +165,19 @@ class Backend:
     def cleanup(self, job_dir: str) -> None:
         """Remove the per-job folders on the nodes. Local: nothing (the job folder
         is the user's to keep)."""
+
+    def place_job(self, plan: Any, job_id: str, note: Callable[[str], None], deadline: float | None,
+                  cancelled: Callable[[], Any]) -> list[Placement]:
+        """Only when `places_jobs`: one Placement per instance of `plan`, waiting for
+        room until `deadline` (time.monotonic()) or `cancelled()`, saying what it waits
+        for through `note`. An exception with an `outcome` attribute ((JobStatus,
+        reason)) is the job's verdict as it stands."""
+        raise NotImplementedError
+
+    def place_instance(self, role: str, idx: int, attempt: int, note: Callable[[str], None],
+                       deadline: float | None, cancelled: Callable[[], Any]) -> Placement:
+        """Only when `places_jobs`: a new place for one instance whose node was lost."""
+        raise NotImplementedError
 
     def pick_ports(self, node: str, count: int, taken: Iterable[int] = ()) -> list[int]:
         """`count` distinct ports free ON `node` now, none of them in `taken`.

@@ -3,7 +3,8 @@
 Standard library only; imports nothing of paicli (the node has no paicli).
 
     python3 node_agent.py run LABEL        start one instance; the spec comes on stdin
-    python3 node_agent.py info [RUNTIME_DIR]   cores, memory, GPUs, Python, runtimes, instances
+    python3 node_agent.py info [RUNTIME_DIR [HOST COUNT]]   cores, memory, GPUs, Python,
+                                               runtimes, instances (and COUNT free ports)
     python3 node_agent.py stop TIMEOUT REFS       identity-checked stop of groups
     python3 node_agent.py signal SIGNUM REFS      identity-checked signal to groups
     python3 node_agent.py alive REFS              which groups still run
@@ -353,7 +354,8 @@ def instances() -> list[str]:
     return sorted(found)
 
 
-def cmd_info(runtime_dir: str = "") -> int:
+def cmd_info(runtime_dir: str = "", host: str = "", count: str = "0") -> int:
+    """Also `count` free ports on `host` when asked (one call while staging a job)."""
     mem_total = mem_avail = 0
     try:
         with open("/proc/meminfo") as f:
@@ -375,15 +377,21 @@ def cmd_info(runtime_dir: str = "") -> int:
         "python": "%d.%d.%d" % sys.version_info[:3], "python_path": sys.executable,
         "runtime_dir": root, "runtimes": runtimes_in(root), "instances": instances(),
         "boot": boot_id(), "hostname": socket.gethostname(),
+        "ports": free_ports(host, int(count), set()) if host and int(count) > 0 else [],
     }))
     return 0
 
 
 def cmd_ports(host: str, count: str, taken: str = "") -> int:
-    avoid = {int(p) for p in taken.split(",") if p.strip().isdigit()}
+    print(json.dumps(free_ports(host, int(count), {int(p) for p in taken.split(",") if p.strip().isdigit()})))
+    return 0
+
+
+def free_ports(host: str, count: int, avoid: set) -> list:
+    """`count` distinct ports free on `host` now (bound together, then released)."""
     socks, ports = [], []
     try:
-        while len(ports) < int(count) and len(socks) < int(count) + 200:
+        while len(ports) < count and len(socks) < count + 200:
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
             sock.bind((host, 0))
             socks.append(sock)
@@ -393,8 +401,7 @@ def cmd_ports(host: str, count: str, taken: str = "") -> int:
     finally:
         for sock in socks:
             sock.close()
-    print(json.dumps(ports))
-    return 0
+    return ports
 
 
 COMMANDS = {"run": cmd_run, "stop": cmd_stop, "signal": cmd_signal, "alive": cmd_alive, "info": cmd_info,

@@ -48,6 +48,26 @@ F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 PLAN_FILES_SKIP = {"nodes.json", "placement.json", "master.log", "job.log", "summary.txt"}
 
 
+# Cores (this user's affinity), MemTotal in kB, then one GPU index a line. A fixed
+# script: nothing of ours is interpolated into it.
+RESOURCES_SCRIPT = (
+    "nproc; grep '^MemTotal:' /proc/meminfo; "
+    "if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi --query-gpu=index --format=csv,noheader; "
+    "else for d in /dev/nvidia[0-9]*; do [ -e \"$d\" ] && echo \"${d#/dev/nvidia}\"; done; fi; true")
+
+
+def parse_resources(text: str) -> dict:
+    """RESOURCES_SCRIPT's output -> {"cores", "memory" (MB), "gpus"}."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    try:
+        cores = max(1, int(lines[0]))
+        memory = int(lines[1].split()[1]) // 1024
+    except (IndexError, ValueError):
+        raise PaiError(f"cannot read the node's resources from {text[:200]!r}",
+                       "declare cpu, memory and gpu for the node in the nodes file") from None
+    return {"cores": cores, "memory": memory, "gpus": [g for g in lines[2:] if g.isdigit()]}
+
+
 class RemoteInstance:
     """The master's side of one instance: its channel, pump thread and status."""
 
@@ -140,7 +160,7 @@ class SSHBackend(Backend):
 
         def probe(node: NodeEntry):
             try:
-                return node, self.info(node.name), None
+                return node, self._resources(node), None
             except UsageError:
                 raise
             except PaiError as err:
@@ -167,6 +187,20 @@ class SSHBackend(Backend):
             # outlives it, so the CLI can fork the job's master cleanly.
             self.conns.close()
         return list(specs)
+
+    def _resources(self, node: NodeEntry) -> dict:
+        """What placement needs: cores, memory, GPUs. Declared values are used as
+        they are (only the login is checked); the rest comes from a shell one-liner,
+        far cheaper than starting Python on a busy node."""
+        client = self._client(node)
+        if node.cpu is not None and node.memory is not None and node.gpu is not None:
+            return {"cores": node.cpu // 100, "memory": node.memory, "gpus": []}
+        try:
+            status, out, _err = ssh.exec_command(client, ["sh", "-c", RESOURCES_SCRIPT], timeout=30)
+        except (OSError, EOFError) as err:
+            self.conns.drop(node)
+            raise ssh.NodeUnreachable(f"node {node.name}: connection lost ({err.__class__.__name__})") from None
+        return parse_resources(out.decode(errors="replace"))
 
     # -- staging ------------------------------------------------------------------
 
@@ -230,20 +264,34 @@ class SSHBackend(Backend):
             raise PaiError("staging the job on its nodes failed: " + "; ".join(errors))
 
     def _stage(self, node: NodeEntry, job_dir: str, plan: Any, placed: list[Placement]) -> None:
+        """Copy what the node's instances need, in parallel with a fresh look at the
+        node (runtime dir, interpreter, free ports: one agent call), and start one
+        agent per placed instance as soon as the agent file is there."""
         runtime = getattr(plan, "runtime", None)
-        info = self.info(node.name)
-        if runtime and runtime not in info["runtimes"] and node.runtime_dir is None:
-            from paicli.cluster.node_admin import _provision
+        listens = {r.name for r in plan.roles if r.listens}
+        wanted = sum(1 for p in placed if p.role in listens)
+        client = self._client(node)
+        looked: dict[str, Any] = {}
 
-            _provision(self._client(node), node, runtime, self.progress)
-            self._infos.pop(node.name, None)
-            info = self.info(node.name)
-        folder = remote_paths.job_folder(node.job_root, self._job_id(job_dir))
-        sftp = ssh.Sftp(self._client(node))
+        def look() -> None:
+            try:
+                looked["info"] = ssh.run_agent(client, node, "info", node.runtime_dir or "", node.host,
+                                               str(wanted + 2 if wanted else 0), timeout=60)
+            except BaseException as err:  # re-raised below, in the staging thread
+                looked["error"] = err
+
+        looking = threading.Thread(target=look, daemon=True)
+        looking.start()
+        job_id = self._job_id(job_dir)
+        folder = remote_paths.job_folder(node.job_root, job_id)
+        sftp = ssh.Sftp(client)
         try:
             sftp.makedirs(f"{folder}/runners")
+            sftp.put(str(RUNNERS_DIR / "node_agent.py"), f"{folder}/runners/node_agent.py")
+            self._warm_up(node, client, folder, job_id, placed)
             for path in sorted(RUNNERS_DIR.glob("*.py")):
-                sftp.put(str(path), f"{folder}/runners/{path.name}")
+                if path.name != "node_agent.py":
+                    sftp.put(str(path), f"{folder}/runners/{path.name}")
             code = Path(job_dir) / "code"
             if code.is_dir():
                 sftp.put_tree(str(code), f"{folder}/code")
@@ -258,21 +306,28 @@ class SSHBackend(Backend):
                     sftp.put(str(path), f"{folder}/{path.name}")
         finally:
             sftp.close()
+            looking.join()
+        if "error" in looked:
+            raise looked["error"]
+        info = looked["info"]
+        self._infos[node.name] = info
+        if runtime and runtime not in info["runtimes"] and node.runtime_dir is None:
+            from paicli.cluster.node_admin import _provision
+
+            _provision(client, node, runtime, self.progress)
+            self._infos.pop(node.name, None)
+            info = self.info(node.name)
         with self._lock:
             self._maps[node.name] = self.mapping(node, job_dir, plan)
             self._folders[node.name] = folder
-        listens = {r.name for r in plan.roles if r.listens}
-        wanted = sum(1 for p in placed if p.role in listens)
-        if wanted:
-            ports = self._agent(node, "ports", node.host, str(wanted + 2), "")
-            with self._lock:
-                self._ports[node.name] = [int(p) for p in ports]
-        python = info["python_path"]
+            self._ports[node.name] = [int(p) for p in info.get("ports", [])]
+
+    def _warm_up(self, node: NodeEntry, client, folder: str, job_id: str, placed: list[Placement]) -> None:
         for p in placed:
-            label = f"{self._job_id(job_dir)}/{p.role}:{p.idx}"
+            label = f"{job_id}/{p.role}:{p.idx}"
             try:
-                chan = self._client(node).get_transport().open_session(timeout=START_TIMEOUT)
-                chan.exec_command(ssh.quote_argv([python, f"{folder}/runners/node_agent.py", "run", label]))
+                chan = client.get_transport().open_session(timeout=START_TIMEOUT)
+                chan.exec_command(ssh.quote_argv([node.python, f"{folder}/runners/node_agent.py", "run", label]))
             except Exception:
                 continue   # start() opens its own
             with self._lock:
@@ -334,7 +389,7 @@ class SSHBackend(Backend):
                 "cwd": remote_paths.translate(cwd, mapping) if cwd else f"{folder}/code",
                 "heartbeat": HEARTBEAT}
         label = f"{env.get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}"
-        python = self.info(node.name)["python_path"]
+        python = node.python
         with self._lock:
             warm = self._warm.pop((placed.role, placed.idx), None)
         chan = warm[1] if warm is not None and warm[0] == node.name and not warm[1].closed else None

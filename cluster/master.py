@@ -29,6 +29,7 @@ from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
+from paicli.cluster.job_placement import place_job, read_placements, write_placements
 from paicli.cluster.procinfo import start_time
 from paicli import jobview
 from paicli.errors import UsageError
@@ -38,7 +39,6 @@ from paicli.store import Store
 
 POLL_SECONDS = 0.1  # a child's exit and its output wake the loop sooner
 RESTART_BACKOFF = 0.5
-PLACEMENT_FILE = "placement.json"
 
 
 @dataclass
@@ -63,48 +63,6 @@ class Instance:
     def demand(self) -> placing.Demand:
         return placing.Demand(self.role.name, self.idx, max(0, self.role.cpu), max(0, self.role.memory),
                               placing.cards(self.role.gpu), not self.role.must_finish)
-
-
-def write_placements(job_dir: Path, placements: list[Placement] | None) -> None:
-    if placements is None:
-        return  # a backend that places jobs itself has not placed this one yet
-    fd = os.open(Path(job_dir) / PLACEMENT_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump([p.to_dict() for p in placements], f, indent=2)
-
-
-def read_placements(job_dir: Path) -> list[Placement] | None:
-    try:
-        return [Placement.from_dict(p) for p in json.loads((Path(job_dir) / PLACEMENT_FILE).read_text())]
-    except FileNotFoundError:
-        return None
-
-
-def claim_gpus(store: Store, job_id: str, placements: list[Placement]) -> bool:
-    by_node: dict[str, list[str]] = {}
-    for p in placements:
-        by_node.setdefault(p.node, []).extend(p.gpus)
-    for node, gpus in by_node.items():
-        if gpus and not store.claim("gpu", node, gpus, job_id):
-            store.release_claims(job_id, "gpu")
-            return False
-    return True
-
-
-def place_job(store: Store, job_id: str, plan: JobPlan, backend: Backend) -> list[Placement]:
-    """Place every instance on the backend's nodes with the GPUs no running job
-    holds, and claim those GPUs (UsageError when the job cannot fit). A backend
-    that schedules jobs itself (`places_jobs`: Ray, which waits for room) is not
-    placed here: None, and the master asks it when the job starts."""
-    if backend.places_jobs:
-        return None
-    nodes = backend.nodes()
-    for _ in range(20):  # another job may claim a card between our look and our claim
-        placements = placing.place_plan(plan, nodes, store.held("gpu", except_job=job_id))
-        if claim_gpus(store, job_id, placements):
-            return placements
-        time.sleep(0.05)
-    raise OSError("GPU claims kept changing under us")
 
 
 class JobMaster:
@@ -563,94 +521,6 @@ class JobMaster:
                 self.watchdog.stdin.close()
             except OSError:
                 pass
-
-
-def spawn_master(home: Path, job_id: str, log_path: Path) -> int:
-    """Start the job's master in a session of its own and return its pid.
-
-    From a single-threaded caller (the `pai` CLI) the master is forked: it starts
-    supervising at once, without a new interpreter importing paicli again (about
-    a tenth of a second saved on every submit). A double fork makes it a child of
-    init, never of the CLI. A threaded caller (a program using the library) gets
-    a fresh interpreter instead, since forking a threaded process is unsafe.
-    """
-    import threading
-
-    env_home = {"PAI_HOME": str(home)}
-    if threading.active_count() > 1 or os.environ.get("PAI_MASTER_EXEC"):
-        log = open_private(log_path)
-        try:
-            proc = subprocess.Popen([sys.executable, "-m", "paicli.cluster.master", job_id],
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=str(log_path.parent),
-                                    start_new_session=True, close_fds=True, env={**os.environ, **env_home})
-        finally:
-            os.close(log)
-        return proc.pid
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    read_fd, write_fd = os.pipe()
-    child = os.fork()
-    if child == 0:  # the intermediate child: new session, fork the master, leave
-        code = 1
-        try:
-            os.close(read_fd)
-            os.setsid()
-            if os.fork() == 0:
-                os.write(write_fd, str(os.getpid()).encode())
-                os.close(write_fd)
-                code = _run_forked_master(home, job_id, log_path)
-            else:
-                code = 0
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
-        pid = pipe.read()
-    os.waitpid(child, 0)
-    if not pid:
-        raise OSError("the job's master did not start")
-    return int(pid)
-
-
-def open_private(path: Path) -> int:
-    """An append-only log file only its owner can read (it holds argv and log tails)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.fchmod(fd, 0o600)
-    return fd
-
-
-def _run_forked_master(home: Path, job_id: str, log_path: Path) -> int:
-    log = open_private(log_path)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    # Nothing of the CLI's: not its descriptors (a terminal, a pipe someone waits
-    # to see closed, the SQLite file), not its working directory (an unmount of it
-    # would fail while the job runs).
-    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
-        if fd > 2:
-            try:
-                os.close(fd)
-            except OSError:
-                pass  # the listing's own descriptor, already gone
-    os.chdir(log_path.parent)
-    # The caller's sys.stdout/stderr may be its own objects (a library user's, a
-    # test runner's capture) over descriptors just closed: write to the log.
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    os.environ["PAI_HOME"] = str(home)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
-        signal.signal(signum, signal.SIG_DFL)
-    try:
-        print(f"JobMaster for {job_id}: pid {os.getpid()}, started by fork", flush=True)
-        return JobMaster(Store(home), job_id).run()
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> int:

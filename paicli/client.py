@@ -52,7 +52,7 @@ def submit(prepared: Prepared, store: Store | None = None,
     master. Returns the job ID. Nothing is written to the store or the job
     folder unless every step before starting succeeded."""
     from paicli.cluster import backends, policy
-    from paicli.cluster.master import place_job, write_placements
+    from paicli.cluster.job_placement import place_job, write_placements
     from paicli.private import private_dir, write_private
     from paicli.staging import stage_code
     from paicli.store import new_job_id
@@ -102,7 +102,7 @@ def submit(prepared: Prepared, store: Store | None = None,
 
 
 def start_master(store: Store, job_id: str, job_dir: Path) -> None:
-    from paicli.cluster.master import spawn_master
+    from paicli.cluster.spawn import spawn_master
     from paicli.cluster.procinfo import start_time
 
     try:

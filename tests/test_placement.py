@@ -9,7 +9,7 @@ import pytest
 from paicli.cluster import placement as placing
 from paicli.cluster import policy
 from paicli.cluster.backends.base import NODE_LOST, Backend, NodeSpec
-from paicli.cluster.master import place_job
+from paicli.cluster.job_placement import place_job
 from paicli.errors import UsageError
 from paicli.plan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
 from paicli.states import JobStatus

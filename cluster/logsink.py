@@ -48,12 +48,17 @@ class CappedFile:
         self.size = self.file.tell()
 
     def write(self, data: bytes) -> None:
-        if self.size + len(data) > self.cap and self.size:
-            self.file.close()
-            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-            self.file = open_private(self.path)
-            self.size = 0
-        self.file.write(data)
+        try:
+            if self.size + len(data) > self.cap and self.size:
+                self.file.close()
+                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                self.file = open_private(self.path)
+                self.size = 0
+            self.file.write(data)
+        except OSError as err:
+            if err.filename is None:  # say which file: "no space left on device" alone says little
+                raise OSError(err.errno, err.strerror, str(self.path)) from None
+            raise
         self.size += len(data)
 
     def close(self) -> None:

@@ -486,3 +486,35 @@ def test_ten_concurrent_jobs_in_a_narrow_port_range_never_share_a_port(pai_home,
                 overlapping += 1
                 assert not spans[a][2] & spans[b][2], f"{a} and {b} ran at once on ports {spans[a][2] & spans[b][2]}"
     assert overlapping >= 15  # the jobs really ran together
+
+
+# -- a full disk ----------------------------------------------------------------------------
+
+
+def test_a_full_store_is_one_clear_error_and_stays_whole(tmp_path):
+    from paicli.errors import PaiError
+    from paicli.store import Store
+
+    store = Store(tmp_path)
+    store.create_job("j1", name="n", framework="python", project=None, task_name="T", job_dir=tmp_path,
+                     roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    pages = store.db.execute("PRAGMA page_count").fetchone()[0]
+    store.db.execute(f"PRAGMA max_page_count = {pages + 2}")  # SQLite's own "database or disk is full"
+    with pytest.raises(PaiError) as err:
+        for i in range(10_000):
+            store.event("j1", "note", "x" * 1000)
+    assert str(err.value).startswith(f"the job store {tmp_path / 'pai.db'} could not be written: "
+                                     "database or disk is full; free some space")
+    assert not store.db.in_transaction
+    assert store.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert store.job("j1")["status"] == "Waiting"
+
+
+def test_a_full_disk_under_a_log_names_the_file():
+    from paicli.cluster.logsink import CappedFile
+
+    log = CappedFile(Path("/dev/full"), cap=1 << 20)  # every write: ENOSPC
+    with pytest.raises(OSError) as err:
+        log.write(b"a line\n")
+    assert str(err.value) == "[Errno 28] No space left on device: '/dev/full'"
+    log.close()

@@ -115,9 +115,9 @@ def statements(lines: Iterable[str]):
 
 def tokens_of(text: str) -> list[str]:
     """Split a statement at blanks outside quotes and brackets, as PAI's console
-    did: `-Dcluster={"ps": {"count": 1}}` is one token and keeps its quotes (the
-    parameter table unwraps a value wrapped in one pair of quotes). Any other
-    token wrapped in quotes is unwrapped here."""
+    did: `-Dcluster={"ps": {"count": 1}}` is one token and keeps its inner quotes.
+    A -D value wrapped in one pair of quotes is unwrapped (`-Dscript="x.py"`,
+    `-DuserDefinedParameters="--steps 5"`), as is any other token wrapped in quotes."""
     if open_quote(text):
         raise UsageError("a quote is not closed in the statement", "close it, or end the statement with ;")
     tokens, current, depth, quote = [], "", 0, None
@@ -143,7 +143,13 @@ def tokens_of(text: str) -> list[str]:
             current += ch
     if current:
         tokens.append(current)
-    return [t if t.startswith("-D") else _unquote(t) for t in tokens]
+    return [_unquote_value(t) if t.startswith("-D") else _unquote(t) for t in tokens]
+
+
+def _unquote_value(token: str) -> str:
+    """`-Dkey="a b"` -> `-Dkey=a b`: what a shell would have handed over."""
+    key, eq, value = token.partition("=")
+    return key + eq + _unquote(value) if eq else token
 
 
 def _unquote(token: str) -> str:
@@ -351,15 +357,14 @@ def make_completer():
                 for name in sorted(set(known_params().values())):
                     if name.lower().startswith(word.lower()):
                         yield Completion(f"{name}=", -len(word))
-            elif head in ("status", "wait", "kill", "logs", "plot", "logview") or \
-                    (head == "desc" and len(words) >= 2):
+            elif head in ("desc", "show") and len(words) == (2 if word else 1):
+                second = "instance" if head == "desc" else "instances"
+                if second.startswith(word):
+                    yield Completion(second, -len(word))
+            elif head in ("status", "wait", "kill", "logs", "plot", "logview", "desc"):
                 for job_id in _recent_job_ids():
                     if job_id.startswith(word):
                         yield Completion(job_id, -len(word))
-            elif head == "desc":
-                yield from (Completion("instance", -len(word)) for _ in [0] if "instance".startswith(word))
-            elif head == "show":
-                yield from (Completion("instances", -len(word)) for _ in [0] if "instances".startswith(word))
 
     return ConsoleCompleter()
 

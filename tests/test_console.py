@@ -184,12 +184,22 @@ def test_statement_tokens_keep_pai_console_values():
     from paicli.console import split_statements, tokens_of
 
     assert tokens_of('pai -name python -Dcluster={"ps": {"count": 1}} -Dscript="a b.py"') == \
-        ["pai", "-name", "python", '-Dcluster={"ps": {"count": 1}}', '-Dscript="a b.py"']
+        ["pai", "-name", "python", '-Dcluster={"ps": {"count": 1}}', "-Dscript=a b.py"]
+    assert tokens_of("pai -DuserDefinedParameters='--steps 5 --name \"a b\"'") == \
+        ["pai", '-DuserDefinedParameters=--steps 5 --name "a b"']
+    assert tokens_of("""pai -Dcluster='{"worker":{"count":1}}'""") == ["pai", '-Dcluster={"worker":{"count":1}}']
     assert tokens_of("logs 2026 --instance 'worker:0'") == ["logs", "2026", "--instance", "worker:0"]
     assert split_statements("status a; status 'b;c';") == ["status a", "status 'b;c'"]
     from paicli.errors import UsageError
     with pytest.raises(UsageError):
         tokens_of("pai -Dx='open")
+
+
+def test_quoted_script_arguments_reach_the_script(pai_home, tmp_path):
+    script = tmp_path / "args.py"
+    script.write_text("import sys; print('ARGS', sys.argv[1:], flush=True)\n")
+    result = pai("console", input=f'pai -name python -Dscript="{script}" -DuserDefinedParameters="--steps 5";\n')
+    assert "ARGS ['--steps', '5']" in result.stdout, result.stdout + result.stderr
 
 
 def test_unquoted_json_reaches_the_job(pai_home):
@@ -217,6 +227,8 @@ def test_completion_of_statements_frameworks_keys_and_job_ids(pai_home):
         return [c.text for c in completer.get_completions(Document(text), None)]
 
     assert "desc instance" in complete("de")
+    assert complete("desc in") == ["instance"] and complete("show ") == ["instances"]
+    assert job_id in complete("desc instance ")
     assert "tensorflow" in complete("pai -name tens")
     assert "-DmaxRetries=" in complete("pai -name python -Dmax")
     assert job_id in complete(f"status {job_id[:8]}")

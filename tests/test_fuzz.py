@@ -22,7 +22,11 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats
 
 
 def tokens():
-    value = st.one_of(st.text(max_size=30), json_values.map(json.dumps), st.just(str(BEHAVE)))
+    # Paths under home folders (`~nosuchuser/...` raised a RuntimeError once) and
+    # huge counts are drawn on purpose: random text rarely finds them.
+    paths = st.sampled_from(["~nosuchuser_fz/t.py", "~/t.py", "~root/none.py", "~", "file://~x/t.py"])
+    counts = st.integers(min_value=-2, max_value=10**12).map(lambda n: json.dumps({"worker": {"count": n}}))
+    value = st.one_of(st.text(max_size=30), json_values.map(json.dumps), st.just(str(BEHAVE)), paths, counts)
     param = st.builds(lambda k, v: f"-D{k}={v}", st.sampled_from(KEYS) | st.text(max_size=8), value)
     return st.lists(st.one_of(param, st.sampled_from(["-name", "python", "-project", ";", "-D", "x"]),
                               st.text(max_size=12)), max_size=8)

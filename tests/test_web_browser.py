@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BEHAVE, ROOT, pai, wait_until
+from conftest import ROOT, pai, wait_until
 
 CHROMIUM = shutil.which("chromium")
 DRIVER = shutil.which("chromedriver")

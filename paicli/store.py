@@ -55,13 +55,19 @@ CREATE TABLE IF NOT EXISTS ports (port INTEGER PRIMARY KEY, job_id TEXT);
 -- What live jobs hold on each node (kind "port" or "gpu"): a claim is what keeps
 -- two concurrent jobs from being handed the same port or card.
 CREATE TABLE IF NOT EXISTS claims (
-    kind TEXT, node TEXT, item TEXT, job_id TEXT, PRIMARY KEY (kind, node, item)
+    kind TEXT, node TEXT, item TEXT, job_id TEXT, ts REAL, PRIMARY KEY (kind, node, item)
 );
 CREATE INDEX IF NOT EXISTS claims_job ON claims (job_id);
 """
 # Columns added after a store was first created: (table, column, type).
 ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("instances", "gpus", "TEXT"),
-                 ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"))
+                 ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"), ("claims", "ts", "REAL"))
+# A claim holds while its job lives; a claim whose job was never recorded (a
+# submit killed between claiming and recording) holds only this many seconds.
+CLAIM_GRACE = 60.0
+# The claims that hold: of a live job, or of a submit still under way.
+LIVE_CLAIMS = ("SELECT c.node, c.item, c.job_id FROM claims c LEFT JOIN jobs j ON j.id = c.job_id"
+               " WHERE c.kind = ? AND (j.status IN ('Waiting', 'Running') OR (j.id IS NULL AND c.ts > ?))")
 
 
 def pai_home() -> Path:
@@ -333,22 +339,22 @@ class Store:
     def claim(self, kind: str, node: str, items: list[str], job_id: str) -> bool:
         """Reserve every item (ports, GPU cards) on `node` for a job, all or none;
         False if another job holds any of them."""
+        now = time.time()
         with self.tx() as db:
-            for item in items:
-                holder = db.execute("SELECT job_id FROM claims WHERE kind=? AND node=? AND item=?",
-                                    (kind, node, item)).fetchone()
-                if holder is not None and holder[0] != job_id:
+            wanted = set(items)
+            for held_node, item, holder in db.execute(LIVE_CLAIMS, (kind, now - CLAIM_GRACE)):
+                if held_node == node and item in wanted and holder != job_id:
                     return False
-            db.executemany("INSERT OR IGNORE INTO claims (kind, node, item, job_id) VALUES (?,?,?,?)",
-                           [(kind, node, item, job_id) for item in items])
+            db.executemany("INSERT OR REPLACE INTO claims (kind, node, item, job_id, ts) VALUES (?,?,?,?,?)",
+                           [(kind, node, item, job_id, now) for item in items])
         return True
 
     def held(self, kind: str, except_job: str | None = None) -> dict[str, set[str]]:
         """node -> items claimed by live jobs (other than `except_job`)."""
         out: dict[str, set[str]] = {}
-        for node, item in self.db.execute("SELECT node, item FROM claims WHERE kind = ? AND job_id IS NOT ?",
-                                          (kind, except_job)):
-            out.setdefault(node, set()).add(item)
+        for node, item, holder in self.db.execute(LIVE_CLAIMS, (kind, time.time() - CLAIM_GRACE)):
+            if holder != except_job:
+                out.setdefault(node, set()).add(item)
         return out
 
     def release_claims(self, job_id: str, kind: str | None = None, node: str | None = None,

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from paicli.cluster import placement as placing
-from paicli.cluster.backends.base import Backend, Placement
+from paicli.cluster.backends.base import Backend, NodeSpec, Placement
 from paicli.plan import JobPlan
 from paicli.store import Store
 
@@ -43,14 +43,26 @@ def claim_gpus(store: Store, job_id: str, placements: list[Placement]) -> bool:
     return True
 
 
-def place_job(store: Store, job_id: str, plan: JobPlan, backend: Backend) -> list[Placement]:
+def check_fits(store: Store, plan: JobPlan, backend: Backend) -> list[NodeSpec] | None:
+    """UsageError (exit 2) when the job cannot be placed now; the nodes looked at
+    (for place_job, so a remote cluster is probed once), None for a backend that
+    places jobs itself."""
+    if backend.places_jobs:
+        return None
+    nodes = backend.nodes()
+    placing.place_plan(plan, nodes, store.held("gpu"))
+    return nodes
+
+
+def place_job(store: Store, job_id: str, plan: JobPlan, backend: Backend,
+              nodes: list[NodeSpec] | None = None) -> list[Placement] | None:
     """Place every instance on the backend's nodes with the GPUs no running job
     holds, and claim those GPUs (UsageError when the job cannot fit). A backend
     that schedules jobs itself (`places_jobs`: Ray, which waits for room) is not
     placed here: None, and the master asks it when the job starts."""
     if backend.places_jobs:
         return None
-    nodes = backend.nodes()
+    nodes = nodes if nodes is not None else backend.nodes()
     for _ in range(20):  # another job may claim a card between our look and our claim
         placements = placing.place_plan(plan, nodes, store.held("gpu", except_job=job_id))
         if claim_gpus(store, job_id, placements):

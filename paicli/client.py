@@ -52,7 +52,7 @@ def submit(prepared: Prepared, store: Store | None = None,
     master. Returns the job ID. Nothing is written to the store or the job
     folder unless every step before starting succeeded."""
     from paicli.cluster import backends, policy
-    from paicli.cluster.job_placement import place_job, write_placements
+    from paicli.cluster.job_placement import check_fits, place_job, write_placements
     from paicli.private import private_dir, write_private
     from paicli.staging import stage_code
     from paicli.store import new_job_id
@@ -75,9 +75,8 @@ def submit(prepared: Prepared, store: Store | None = None,
         plan: JobPlan = adapter.plan(spec, code)
         plan.runtime = adapter.runtime or None
         backend = backends.get_backend(config)
-        # Placed now, so a job that cannot fit is refused before anything starts;
-        # its GPUs are claimed now, so a concurrent submit cannot get them too.
-        placements = place_job(store, job_id, plan, backend)
+        # Placed now, so a job that cannot fit is refused before anything starts.
+        nodes = check_fits(store, plan, backend)
         if adapter.runtime:
             from paicli.runners.runtimes import RuntimeError_, get_runtime
             try:
@@ -89,7 +88,9 @@ def submit(prepared: Prepared, store: Store | None = None,
         write_private(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))
         write_private(job_dir / "plan.json", plan.to_json())
         backends.write_snapshot(job_dir, config)
-        write_placements(job_dir, placements)
+        # Claimed last, right before the job is recorded: a submit killed in between
+        # leaves claims that lapse (store.CLAIM_GRACE), not cards held for good.
+        write_placements(job_dir, place_job(store, job_id, plan, backend, nodes))
     except BaseException:
         store.release_claims(job_id)
         shutil.rmtree(job_dir, ignore_errors=True)

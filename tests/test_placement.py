@@ -209,3 +209,15 @@ def test_concurrent_jobs_never_get_the_same_card_and_an_ended_job_gives_its_card
     third = place_job(store, "c", one, backend)
     assert (third[0].node, third[0].gpus) == ("h1", ("0",))
     assert store.held("gpu") == {"h1": {"0"}, "h2": {"0"}}
+
+
+def test_a_claim_whose_job_was_never_recorded_lapses(tmp_path, monkeypatch):
+    """A submit killed between claiming its cards and recording its job must not
+    hold them for good."""
+    store = Store(tmp_path)
+    assert store.claim("gpu", "h1", ["0"], "never-recorded")
+    assert store.held("gpu") == {"h1": {"0"}}
+    assert not store.claim("gpu", "h1", ["0"], "other")
+    monkeypatch.setattr("paicli.store.time.time", lambda: 10 ** 10)  # long after
+    assert store.held("gpu") == {}
+    assert store.claim("gpu", "h1", ["0"], "other")

@@ -224,6 +224,11 @@ def test_python_job_runs_on_three_nodes(ray_cluster, home):
     series = losses(result.stdout)
     assert series and series[-1] < series[0]
     assert_nothing_left(job_id)
+    # the per-job folders on the nodes went with the job
+    import glob
+    import tempfile
+
+    assert not glob.glob(f"{tempfile.gettempdir()}/paicli-ray-{os.getuid()}/*/{job_id}")
 
 
 def loss_falls_along_steps(status: dict, instances: list[str]) -> None:
@@ -382,3 +387,22 @@ def test_pai_kill_stops_every_instance_on_every_node(ray_cluster, home, tmp_path
     assert killed.returncode == 0, killed.stderr
     assert_nothing_left(job_id, timeout=5)
     assert status_of(ray_cluster, home, job_id)["status"] == "Cancelled"
+
+
+def test_ray_client_from_a_machine_that_is_not_a_ray_node(ray_cluster, home):
+    """`ray://HEAD:10001` from this machine (no Ray node here: its only way to the
+    cluster is the sandbox's bridge)."""
+    env = dict(os.environ, PAI_HOME=str(home), PAI_RAY_ADDRESS=ray_cluster.client_address, NO_COLOR="1")
+    env.pop("PAI_DEBUG", None)
+    result = subprocess.run([sys.executable, "-m", "paicli", "-name", "python",
+                             f"-Dscript={REPO}/examples/python/ps_worker.py",
+                             '-Dcluster={"ps":{"count":1},"worker":{"count":2}}'],
+                            capture_output=True, text=True, env=env, timeout=300, cwd=str(REPO))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    job_id = job_id_of(result.stdout)
+    status = json.loads(subprocess.run([sys.executable, "-m", "paicli", "status", job_id, "--json"],
+                                       capture_output=True, text=True, env=env, timeout=60).stdout)
+    assert len({i["host"] for i in status["instances"]}) == 3
+    series = losses(result.stdout)
+    assert series and series[-1] < series[0]
+    assert_nothing_left(job_id)

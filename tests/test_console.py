@@ -126,6 +126,18 @@ def test_greeting_prompt_after_every_statement_and_multi_line(console, pai_home)
     history = pai_home / "console_history"
     assert "use other;" in history.read_text()
     assert oct(history.stat().st_mode & 0o777) == "0o600"
+    # The next session recalls it: Up twice (bogus; then use other;), Enter.
+    again = console()
+    again.read_until("pai@ >")
+    again.type("\x1b[A")
+    again.read_until("bogus;")
+    again.type("\x1b[A")
+    again.read_until("use other;")
+    again.type("\r")
+    again.read_until("project: other")
+    again.read_until("pai@ other>")
+    again.type("\x04")
+    assert again.wait_exit() == 0
 
 
 def test_ctrl_c_clears_the_line(console):

@@ -128,6 +128,22 @@ def test_node_stop_checks_identity():
         proc.wait()
 
 
+def test_the_actor_code_needs_no_paicli_on_the_node():
+    """What the backend ships to Ray nodes (by value) loads and runs in an
+    interpreter where paicli cannot be imported."""
+    pytest.importorskip("ray")
+    import ray.cloudpickle as cloudpickle
+
+    cloudpickle.register_pickle_by_value(ray_node)
+    data = cloudpickle.dumps((ray_node.InstanceActor, ray_node.pinned_info, ray_node.free_ports))
+    code = ("import sys, pickle; sys.modules['paicli'] = None; "
+            "cls, info, ports = pickle.loads(sys.stdin.buffer.read()); "
+            "print(cls.__name__, len(ports(2)), 'paicli' in sys.modules and sys.modules['paicli'] is not None)")
+    result = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert result.stdout.decode().split() == ["InstanceActor", "2", "False"]
+
+
 def test_address_errors_are_one_line():
     with pytest.raises(UsageError, match="needs an address"):
         rb.ray_address({"backend": "ray"})

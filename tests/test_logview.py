@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -200,3 +201,37 @@ def test_tails_start_at_a_whole_line_and_long_series_are_thinned(tmp_path):
     kept = thin(points, cap=100)
     assert len([p for p in kept if p[0] == "worker:0"]) == 100 and kept[99][2] == 9999
     assert ["worker:1", "loss", 0, 1.0] in kept
+
+
+def test_the_server_listens_where_it_is_told(pai_home, monkeypatch):
+    from paicli.web import launch
+
+    monkeypatch.setenv("PAI_LOGVIEW_HOST", "127.0.0.2")
+    state = launch.ensure_server(pai_home)
+    try:
+        url = launch.url_for(state, None)
+        assert url.startswith("http://127.0.0.2:")
+        assert get(url)[0] == 200
+        with pytest.raises(OSError):  # nothing on 127.0.0.1 at that port
+            socket.create_connection(("127.0.0.1", state["port"]), timeout=2).close()
+    finally:
+        launch.stop_server(pai_home)
+
+
+def test_the_feed_sends_whole_lines_and_restarts_a_rotated_log(tmp_path):
+    from paicli.web.server import LogFollower
+
+    log = tmp_path / "worker-0.0.log"
+    log.write_bytes(b"old line\n")
+    follower = LogFollower()
+    assert follower.read(log, final=False) == ("old line\n", True)
+    assert follower.read(log, final=False) is None
+    with open(log, "ab") as f:
+        f.write(b"step=1\nstep=2, lo")          # the writer is in the middle of a line
+    assert follower.read(log, final=False) == ("step=1\n", False)
+    with open(log, "ab") as f:
+        f.write(b"ss=0.5\n")
+    assert follower.read(log, final=False) == ("step=2, loss=0.5\n", False)
+    log.rename(tmp_path / "worker-0.0.log.1")    # rotated: a new file, longer than the old offset
+    log.write_bytes(b"x" * 100 + b"\nnew\n")
+    assert follower.read(log, final=False) == ("x" * 100 + "\nnew\n", True)

@@ -341,9 +341,21 @@ def instances() -> list[str]:
     """Labels (JOB/role:index) of the paicli instances this agent runs here."""
     found = []
     me = os.path.basename(__file__) if "__file__" in globals() else "node_agent.py"
+    try:
+        # Hosts that share a kernel (containers, network namespaces) share /proc:
+        # only agents in this host's network namespace are this host's.
+        own_net = os.readlink("/proc/self/ns/net")
+    except OSError:
+        own_net = None
     for name in _listdir("/proc"):
         if not name.isdigit():
             continue
+        if own_net is not None:
+            try:
+                if os.readlink(f"/proc/{name}/ns/net") != own_net:
+                    continue
+            except OSError:
+                continue
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")

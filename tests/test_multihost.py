@@ -219,6 +219,12 @@ def test_kill_9_of_the_master_leaves_nothing_on_any_node(cluster, nodes):
     proc, job_id = start_long_job()
     try:
         assert on_nodes(cluster) >= 3
+        # pai nodes sees the job's instances, each on its own node
+        rows = {r["name"]: r for r in json.loads(pai("nodes", "--json").stdout)}
+        placed = {i["host"]: f"{job_id}/{i['role']}:{i['index']}" for i in status(job_id)["instances"]}
+        for host in cluster.hosts:
+            expected = [placed[host.addr]] if host.addr in placed else []
+            assert rows[host.name]["instances"] == expected, (host.name, rows[host.name]["instances"])
         master = status(job_id)["master_pid"]
         os.kill(master, signal.SIGKILL)
         assert_nothing_left(cluster, job_id, within=GONE_WITHIN, folders=False)

@@ -125,7 +125,9 @@ class SSHBackend(Backend):
         # waiting for its spec, so that start() is one round trip, not a new process.
         self._warm: dict[tuple[str, int], tuple[str, Any]] = {}
         self._ports: dict[str, list[int]] = {}   # free ports found on each node by prepare()
-        self.progress: Callable[[str], None] = lambda line: None
+        # Where provisioning on a node reports its progress; by default the job's own
+        # log (see _job_log_progress), so the attached view shows it.
+        self.progress: Callable[[str], None] | None = None
 
     # -- nodes --------------------------------------------------------------------
 
@@ -245,7 +247,30 @@ class SSHBackend(Backend):
                     found.append((arg, rel))
         return sorted(set(found))
 
+    @staticmethod
+    def _job_log_progress(job_dir: str) -> Callable[[str], None]:
+        """Whole `[pai] ...` lines appended to the job's job.log. The master opens it
+        O_APPEND and writes whole lines too, so lines never interleave."""
+        path = Path(job_dir) / "job.log"
+        lock = threading.Lock()
+
+        def note(line: str) -> None:
+            data = f"[pai] {line}\n".encode("utf-8", "replace")
+            with lock:
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                except OSError:
+                    return
+                try:
+                    os.write(fd, data)
+                finally:
+                    os.close(fd)
+
+        return note
+
     def prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
+        if self.progress is None:
+            self.progress = self._job_log_progress(job_dir)
         names = sorted({p.node for p in placements})
         errors: list[str] = []
 
@@ -314,6 +339,7 @@ class SSHBackend(Backend):
         if runtime and runtime not in info["runtimes"] and node.runtime_dir is None:
             from paicli.cluster.node_admin import _provision
 
+            self.progress(f"{node.name}: no {runtime} runtime there; provisioning it")
             _provision(client, node, runtime, self.progress)
             self._infos.pop(node.name, None)
             info = self.info(node.name)

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import socket
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -172,6 +173,26 @@ def test_plot_in_a_pipe_is_plain_text(pai_home):
     assert bad.returncode == 2 and bad.stderr.startswith("pai: error: --metric accuracy: job ") \
         and "it has loss" in bad.stderr
     assert os.environ.get("PAI_LOGVIEW") == "file"  # other tests start no server
+    # On a terminal: colour, braille curves.
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
+        os.execvpe(sys.executable, [sys.executable, "-m", "paicli", "plot", job_id, "--width", "60"], env)
+    screen = b""
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        screen += data
+    os.waitpid(pid, 0)
+    os.close(fd)
+    text = screen.decode("utf-8", "replace")
+    assert "\x1b[" in text and any("\u2800" <= ch <= "\u28ff" for ch in text), text[:500]
 
 
 def test_pluto_plan_and_forecast_on_the_page(web):

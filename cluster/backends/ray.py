@@ -259,8 +259,12 @@ class _Stream:
                 if ended:
                     status = code
                     break
-        except Exception:  # noqa: BLE001 - the actor (its node) is gone
+        except Exception as err:  # noqa: BLE001 - the actor (its node) is gone
             status = NODE_LOST
+            if not isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+                import traceback
+
+                traceback.print_exc()   # into master.log: not a lost node but a failure of ours
         finally:
             # The status first: poll() answers only once the thread is over, and
             # the master then drains the pipe to its end.
@@ -285,14 +289,13 @@ class RayBackend(Backend):
             raise UsageError(f"this job goes to the Ray cluster at {self.address}, but Ray is not installed",
                              INSTALL_HINT)
         probe_address(self.address)
-        self.job_id = self.config.get("job_id", "")
+        self.job_id = ""
         self._ray = None
         self._pg = None
         self._bundles: list[tuple[str, int, dict[str, float]]] = []
         self._instances: dict[tuple[str, int], _Instance] = {}
         self._by_pid: dict[tuple[str, int], _Instance] = {}
         self._staged: dict[str, str] = {}         # node id -> python of the runtime there
-        self._nodes_cache: list[NodeSpec] | None = None
         self._job_dir = ""
         self._script_names: dict[str, str] = {}
         self._timeout: float | None = None
@@ -339,20 +342,13 @@ class RayBackend(Backend):
                                 memory=round(res.get("memory", 0) / MB),
                                 gpus=tuple(str(i) for i in range(int(res.get("GPU", 0)))),
                                 attrs={"node_id": n["NodeID"], "hostname": n.get("NodeManagerHostname", "")}))
-        self._nodes_cache = out
         return out
 
     def _node_id(self, name: str) -> str | None:
         for inst in self._instances.values():
             if inst.host == name and inst.node_id:
                 return inst.node_id
-        for node in self._nodes_cache or self.nodes():
-            if node.name == name:
-                return node.attrs["node_id"]
-        for node in self.nodes():
-            if node.name == name:
-                return node.attrs["node_id"]
-        return None
+        return next((n.attrs["node_id"] for n in self.nodes() if n.name == name), None)
 
     def _pinned(self, node_name: str, fn, *args, timeout: float = 60.0):
         """Run ray_node.fn(*args) on that node (a zero-CPU task pinned to it)."""
@@ -528,8 +524,11 @@ class RayBackend(Backend):
         found: dict[str, str] = {}
         for role in plan.roles:
             for arg in role.argv[1:]:
-                if arg.startswith("/") and arg.endswith(".py") and not arg.startswith(skip) and os.path.isfile(arg):
-                    found.setdefault(arg, Path(arg).name)
+                if arg.startswith("/") and arg.endswith(".py") and not arg.startswith(skip) and os.path.isfile(arg) \
+                        and arg not in found:
+                    name = Path(arg).name
+                    # two scripts of one name (from two folders) must not land on one file
+                    found[arg] = name if name not in found.values() else f"{len(found)}-{name}"
         return found
 
     @staticmethod

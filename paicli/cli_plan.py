@@ -183,12 +183,14 @@ def _calibration_configs(framework: str):
     """(cluster, extra params) of each calibration run."""
     if framework == "mxnet":
         return [({"server": {"count": 1}, "worker": {"count": 1}}, {}),
-                ({"server": {"count": 1}, "worker": {"count": 2}}, {})]
+                ({"server": {"count": 1}, "worker": {"count": 2}}, {}),
+                ({"server": {"count": 2}, "worker": {"count": 1}}, {})]
     if framework == "caffe":
         return [({"worker": {"count": 1}}, {}),
                 ({"ps": {"count": 1}, "worker": {"count": 2}}, {"maPeriod": CALIBRATION_MA_PERIOD})]
     return [({"ps": {"count": 1}, "worker": {"count": 1}}, {}),
-            ({"ps": {"count": 1}, "worker": {"count": 2}}, {})]
+            ({"ps": {"count": 1}, "worker": {"count": 2}}, {}),
+            ({"ps": {"count": 2}, "worker": {"count": 1}}, {})]
 
 
 def _enough_steps(store, job_id: str, workers: int) -> bool:

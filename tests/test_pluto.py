@@ -78,11 +78,30 @@ def test_compute_slows_down_when_workers_share_cores():
         0.01 * (4 + model.PS_CPU) / 2)
 
 
-def test_fit_overheads_recovers_a_line_and_stays_non_negative():
-    theta0, theta1 = model.fit_overheads([(1, 0.03), (2, 0.05), (4, 0.09)])
-    assert theta0 == pytest.approx(0.01) and theta1 == pytest.approx(0.02)
-    assert model.fit_overheads([(1, 0.05), (2, 0.01)]) == (pytest.approx(0.03), 0.0)
-    assert model.fit_overheads([]) == (0.0, 0.0)
+def test_calibration_fit_recovers_compute_fan_in_and_per_ps_terms_non_negative():
+    rows = [[1.0, 1.0, 1.0], [1.125, 2.0, 1.0], [1.25, 0.5, 2.0]]
+    truth = (0.1, 0.02, 0.01)
+    ys = [sum(c * v for c, v in zip(truth, r)) for r in rows]
+    assert calibrate.nnls(rows, ys) == pytest.approx(list(truth))
+    # a run that came out faster than the others allow: no negative overhead
+    fit = calibrate.nnls(rows, [0.2, 0.1, 0.25])
+    assert all(v >= 0 for v in fit)
+
+
+def test_build_profile_splits_measured_steps_into_compute_and_overheads():
+    where = nodes(4)
+    sizes = (1 * MB, 1 * MB)
+    truth = Profile("mxnet", param_bytes=2 * MB, var_bytes=sizes, compute_s_per_sample=0.001, batch_size=10,
+                    fanin_s=0.02, per_ps_s=0.005, step_target=100)
+    runs = []
+    for ps, workers in ((1, 1), (1, 2), (2, 1)):
+        s = model.default_strategy("mxnet", ps, workers)
+        runs.append(calibrate.Run(ps=ps, workers=workers, step_s=model.forecast(truth, s, where).step_s,
+                                  var_bytes=sizes))
+    facts = calibrate.ScriptFacts(step_target=100, batch_size=10)
+    got = calibrate.build_profile("mxnet", runs, facts, where)
+    assert got.param_bytes == 2 * MB and got.step_target == 100
+    assert (got.compute_s_per_sample, got.fanin_s, got.per_ps_s) == pytest.approx((0.001, 0.02, 0.005))
 
 
 def test_forecast_names_the_bottleneck_and_the_time_to_target():

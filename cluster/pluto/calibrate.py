@@ -13,7 +13,7 @@ leaves behind is read here:
   defaults its argparse/absl flags (or solver) declare.
 
 The cost model then splits the measured step into compute and communication and
-fits the Optimus-style overheads (model.fit_overheads) to what is left.
+fits the Optimus-style overheads with it (nnls) to what is left.
 
 The cache ($PAI_HOME/pluto/calibration.json, 0600 in a 0700 folder) is keyed by a
 digest of the script, its arguments and the cluster, so a second `pai plan` of the
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from paicli.cluster.pluto.model import comm_seconds, compute_seconds, fit_overheads
+from paicli.cluster.pluto.model import comm_seconds, compute_seconds
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 
 CACHE_VERSION = 1
@@ -165,9 +165,8 @@ def _collect(lines: list[str], by_instance: dict[str, list[float]]) -> None:
 
 def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cluster,
                   sync: bool = True) -> Profile:
-    """A Profile from calibration runs made on `where` (this machine): the first
-    run (1 ps, 1 worker) sets compute per sample; the others fit the overheads."""
-    base = runs[0]
+    """A Profile from calibration runs made on `where`: what each run's step time
+    leaves after communication, split into compute and the fitted overheads."""
     batch = facts.batch_size or 1
     notes = [f"{k.replace('_', ' ')} from {v}" for k, v in facts.where.items()]
     if framework == "caffe":
@@ -182,26 +181,58 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
                       target_global=any(r.global_step for r in runs) and framework == "tensorflow",
                       sync=sync, learning_rate=facts.learning_rate, notes=tuple(notes))
     partition = SLICED if framework == "mxnet" else "round_robin"
-    s0 = Strategy(framework, base.ps, base.workers, partition=partition, sync=sync)
-    comm0 = comm_seconds(profile, s0, where)
+    # step - communication = c x batch x slowdown + theta1 x W/P + theta_p x P, for every
+    # run, fitted with c, theta1, theta_p >= 0 (Optimus' fan-in and per-ps terms; the
+    # fixed per-step cost is in c, since the batch size is not varied).
     unit = replace(profile, compute_s_per_sample=1.0)
-    per_sample = max(1e-9, (base.step_s or 0.0) - comm0) / max(1e-9, compute_seconds(unit, s0, where))
-    profile = replace(profile, compute_s_per_sample=per_sample)
-    observations = []
+    rows, ys = [], []
     for run in runs:
         if run.step_s is None:
             continue
         s = Strategy(framework, run.ps, run.workers, partition=partition, sync=sync)
-        residual = run.step_s - compute_seconds(profile, s, where) - comm_seconds(profile, s, where)
-        observations.append((run.workers / max(1, run.ps), residual))
-    # theta0 is already inside compute (the first run defines it); fit the fan-in term
-    # on what the other runs add beyond the first.
-    x0 = observations[0][0] if observations else 0.0
-    fanin = 0.0
-    extra = [(x - x0, y) for x, y in observations[1:] if x > x0]
-    if extra:
-        _, fanin = fit_overheads([(0.0, 0.0)] + extra)
-    return replace(profile, fanin_s=fanin)
+        rows.append([compute_seconds(unit, s, where), run.workers / max(1, run.ps), float(max(1, run.ps))])
+        ys.append(run.step_s - comm_seconds(profile, s, where))
+    per_sample, fanin, per_ps = nnls(rows, ys) if rows else (0.0, 0.0, 0.0)
+    return replace(profile, compute_s_per_sample=per_sample, fanin_s=fanin, per_ps_s=per_ps)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination for a small square system; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-15:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0, for a handful of unknowns: the
+    best of the unconstrained fits on each subset of the columns."""
+    from itertools import combinations
+
+    k = len(rows[0])
+    best, best_err = [0.0] * k, sum(y * y for y in ys)
+    for size in range(1, k + 1):
+        for cols in combinations(range(k), size):
+            a = [[sum(r[i] * r[j] for r in rows) for j in cols] for i in cols]
+            b = [sum(r[i] * y for r, y in zip(rows, ys)) for i in cols]
+            x = _solve(a, b)
+            if x is None or any(v < 0 for v in x):
+                continue
+            coef = [0.0] * k
+            for c, v in zip(cols, x):
+                coef[c] = v
+            err = sum((sum(c * v for c, v in zip(coef, r)) - y) ** 2 for r, y in zip(rows, ys))
+            if err < best_err - 1e-18:
+                best, best_err = coef, err
+    return best
 
 
 def _caffe_profile(runs: list[Run], facts: ScriptFacts, where: Cluster, batch: int,

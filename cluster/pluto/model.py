@@ -10,9 +10,10 @@
   summed per direction; a phase lasts as long as the busiest link needs. Sync jobs
   push then pull behind a barrier; async workers overlap each other, so a shared
   link bounds the rate instead;
-- overhead and fan-in (Optimus): theta0 + theta1 x W/P, fitted by least squares to
-  calibration runs (`fit_overheads`), because round trips and a ps serving many
-  workers cost time that no byte count shows.
+- overhead and fan-in (Optimus): theta1 x W/P + theta_p x P, fitted with the compute
+  term by non-negative least squares to the calibration runs (calibrate.nnls),
+  because round trips, a ps serving many workers, and a worker talking to many ps
+  cost time that no byte count shows.
 
 Caffe's model averaging: an iteration is compute plus one averaging round (every
 worker sends its model to the ps and receives the average) divided by the period.
@@ -200,7 +201,8 @@ def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast
                      strategy.big_array_bound) if strategy.ps else []
     compute = compute_seconds(profile, strategy, cluster)
     comm = comm_seconds(profile, strategy, cluster, loads)
-    fanin = profile.fanin_s * strategy.workers / max(1, strategy.ps) if strategy.ps else 0.0
+    fanin = (profile.fanin_s * strategy.workers / max(1, strategy.ps) + profile.per_ps_s * strategy.ps
+             if strategy.ps else 0.0)
     overhead = profile.overhead_s
     if strategy.framework in MA_FRAMEWORKS:
         period = strategy.ma_period or 1
@@ -220,28 +222,6 @@ def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast
     return Forecast(step_s=step, compute_s=compute, comm_s=comm, overhead_s=overhead + fanin,
                     samples_per_s=samples, steps_per_worker=steps_per_worker,
                     time_to_target_s=to_target, bottleneck=bottleneck, ps_bytes=loads)
-
-
-def fit_overheads(observations: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares theta0, theta1 >= 0 for residual = theta0 + theta1 x (W/P), from
-    (W/P, residual seconds) pairs: what measured step times leave after compute and
-    communication. One observation gives theta0 alone."""
-    if not observations:
-        return 0.0, 0.0
-    xs = [x for x, _ in observations]
-    ys = [y for _, y in observations]
-    n = len(xs)
-    mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    var_x = sum((x - mean_x) ** 2 for x in xs)
-    if n < 2 or var_x == 0:
-        return max(0.0, mean_y), 0.0
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var_x
-    slope = max(0.0, slope)
-    intercept = mean_y - slope * mean_x
-    if intercept < 0:   # keep both non-negative: refit the slope through the origin
-        intercept = 0.0
-        slope = max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
-    return intercept, slope
 
 
 def default_strategy(framework: str, ps: int, workers: int) -> Strategy:

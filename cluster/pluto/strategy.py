@@ -103,6 +103,7 @@ class Profile:
     batch_size: int = 1
     overhead_s: float = 0.0            # fitted: fixed per-step cost (round trips, session)
     fanin_s: float = 0.0               # fitted: per-step cost per worker a ps serves (Optimus' W/P term)
+    per_ps_s: float = 0.0              # fitted: per-step cost of each ps a worker talks to (Optimus' P term)
     step_target: int | None = None     # the script's step target, if it has one
     target_global: bool = False        # the target counts every worker's steps (TF global_step)
     sync: bool = True

@@ -167,10 +167,9 @@ def record_host_key(node: NodeEntry, known_hosts: str, key) -> None:
     os.replace(tmp, path)
 
 
-def exec_command(client, argv: list[str], stdin: bytes | None = None, timeout: float = 60.0,
-                 env_note: str = "") -> tuple[int, bytes, bytes]:
+def exec_command(client, argv: list[str], stdin: bytes | None = None,
+                 timeout: float = 60.0) -> tuple[int, bytes, bytes]:
     """Run argv on the node; (exit status, stdout, stderr)."""
-    del env_note
     transport = client.get_transport()
     chan = transport.open_session(timeout=timeout)
     chan.settimeout(timeout)

@@ -30,7 +30,6 @@ in its group is stopped the same way.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import select

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tarfile
 import time
-from pathlib import Path
 
 import pytest
 

@@ -70,7 +70,6 @@ def _scan(text: str):
                 yield i, ch, True
             else:
                 yield i, ch, False
-    return quote
 
 
 def open_quote(text: str) -> bool:
@@ -182,7 +181,7 @@ class Console:
 
     @property
     def prompt(self) -> str:
-        return f"pai@ {self.project or ''}> " if self.project else "pai@ > "
+        return f"pai@ {self.project}> " if self.project else "pai@ > "
 
     def error(self, message: str) -> None:
         print(f"pai: error: {message}", file=sys.stderr, flush=True)
@@ -194,6 +193,14 @@ class Console:
         except PaiError as err:
             self.error(str(err))
             return err.exit_code
+        except BrokenPipeError:
+            raise
+        except Exception as err:  # the console survives a bug in one statement, as the CLI does
+            if os.environ.get("PAI_DEBUG"):
+                raise
+            print(f"pai: internal error: {type(err).__name__}: {err} (run with PAI_DEBUG=1 for the traceback)",
+                  file=sys.stderr, flush=True)
+            return 1
 
     def _execute(self, text: str) -> int:
         tokens = tokens_of(text)

@@ -236,13 +236,23 @@ class JobMaster:
         ref = json.dumps(handle.ref.to_dict())
         # The watchdog learns the instance before anything else can go wrong.
         self._tell_watchdog(ref)
-        self._set(inst, InstanceStatus.RUNNING, f"attempt {inst.attempt}, pid {handle.pid} on {inst.placed.node}",
-                  attempt=inst.attempt, node=inst.placed.node, host=handle.host, port=inst.port, pid=handle.pid,
-                  pgid=handle.pgid, ref=ref, gpus=",".join(inst.placed.gpus), started=time.time(), ended=None,
-                  exit_code=None)
         self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, pid=handle.pid,
                                   pgid=handle.pgid, ref=ref)
         self.selector.register(handle.output_fd, selectors.EVENT_READ, inst)
+        if not self._set(inst, InstanceStatus.RUNNING,
+                         f"attempt {inst.attempt}, pid {handle.pid} on {inst.placed.node}",
+                         attempt=inst.attempt, node=inst.placed.node, host=handle.host, port=inst.port,
+                         pid=handle.pid, pgid=handle.pgid, ref=ref, gpus=",".join(inst.placed.gpus),
+                         started=time.time(), ended=None, exit_code=None):
+            # The store said no (the job was ended from outside meanwhile): what the
+            # store does not show as running must not run.
+            self.backend.stop_all([handle.ref], 0)
+            code = self.backend.wait(handle, self.stop_timeout + 5)
+            self._drain(inst)
+            self._close_output(inst)
+            self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, ended=time.time(),
+                                      exit_code=code)
+            inst.handle = None
 
     def _write_log_view(self) -> None:
         try:

@@ -81,8 +81,14 @@ def candidates(profile: Profile, cluster: Cluster, user: Strategy) -> list[Strat
     max_workers = max(user.workers, min(MAX_WORKERS, int(cluster.total_cores)))
     worker_counts = range(1, max_workers + 1) if profile.target_global else (user.workers,)
     var_bytes = profile.var_bytes or (profile.param_bytes,)
+    # On several nodes each instance asks a core (cpu 100), and placement refuses what
+    # does not fit: only plans that fit are considered. One machine runs them all.
+    fits = (lambda n: True) if len(cluster.nodes) <= 1 else \
+        (lambda n: n <= max(user.instances, int(sum(int(node.cores) for node in cluster.nodes))))
     for workers in worker_counts:
         for ps in range(1, MAX_PS + 1):
+            if not fits(ps + workers):
+                continue
             if fw == "tensorflow":
                 parts = (ROUND_ROBIN, GREEDY) if ps > 1 else (ROUND_ROBIN,)
                 out += [Strategy(fw, ps, workers, partition=p, sync=profile.sync) for p in parts]

@@ -21,7 +21,9 @@ off) and removes it at the end. Figures:
      `[worker:N] step=` line on its stdout, and to its end.
   3. The JobMaster's peak RSS (VmHWM of /proc/<master pid>/status, sampled every
      50 ms until the master exits; the pid read from the job store) for both runs
-     of 2: the Ray driver's cost inside the master.
+     of 2: the Ray driver's cost inside the master. For comparison, a bare driver
+     (import ray + ray.init on the head): seconds and peak RSS; and the RSS of the
+     three idle Ray nodes.
 
 The machine is shared (2 cores), so the load average is printed before and after.
 """
@@ -132,6 +134,29 @@ def usable_cluster(cluster: RayCluster) -> dict:
             "note": "includes building the namespaces (well under a second)"}
 
 
+def cluster_memory(cluster: RayCluster) -> float:
+    """MB of RSS of every process on the Ray nodes (the harness's sshd excluded), idle."""
+    total = 0
+    for host in cluster.net.hosts:
+        for pid in cluster.ray_pids(host.name):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+            except OSError:
+                pass
+    return round(total / 1024, 1)
+
+
+def driver_cost(cluster: RayCluster) -> dict:
+    """A bare Ray driver on the head: seconds to import Ray and to connect, its peak RSS."""
+    code = ("import time; t0 = time.monotonic(); import ray, logging; t1 = time.monotonic(); "
+            "ray.init(address=%r, logging_level=logging.ERROR, log_to_driver=False); t2 = time.monotonic(); "
+            "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]; "
+            "print(round(t1 - t0, 2), round(t2 - t1, 2), round(int(hwm) / 1024, 1))" % cluster.address)
+    out = cluster.run([sys.executable, "-c", code], timeout=120).stdout.split()
+    return {"import_ray_s": float(out[0]), "ray_init_s": float(out[1]), "driver_peak_rss_mb": float(out[2])}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the figures to this file")
@@ -145,6 +170,11 @@ def main() -> int:
     try:
         figures["cluster"] = usable_cluster(cluster)
         print(f"ray start -> usable 3-node cluster: {figures['cluster']}", flush=True)
+        time.sleep(5)
+        figures["cluster_idle_rss_mb"] = cluster_memory(cluster)
+        print(f"RSS of the 3 idle Ray nodes: {figures['cluster_idle_rss_mb']} MB", flush=True)
+        figures["driver"] = driver_cost(cluster)
+        print(f"a bare Ray driver: {figures['driver']}", flush=True)
         with tempfile.TemporaryDirectory(prefix="paicli-bench-ray-") as tmp:
             ray_home = Path(tmp) / "ray-home"
             env = dict(os.environ, PAI_HOME=str(ray_home), PAI_RAY_ADDRESS=cluster.address, NO_COLOR="1")

@@ -201,11 +201,9 @@ def test_the_store_job_folders_and_logs_are_the_owners_only(pai_home, tmp_path):
         {p.name: 0o700 for p in (pai_home, pai_home / "jobs", job_dir, job_dir / "logs")}
     files = [pai_home / "pai.db", *job_dir.rglob("*")]
     files += [p for p in pai_home.glob("pai.db-*")]
-    # master.log and watchdog.log are opened by the launcher itself (issue 12, helper B).
-    loose = {str(p.relative_to(pai_home)): oct(mode(p)) for p in files
-             if p.is_file() and p.name not in ("master.log", "watchdog.log") and mode(p) != 0o600}
+    loose = {str(p.relative_to(pai_home)): oct(mode(p)) for p in files if p.is_file() and mode(p) != 0o600}
     assert loose == {}
-    for name in ("spec.json", "plan.json", "job.log", "summary.txt"):
+    for name in ("spec.json", "plan.json", "job.log", "summary.txt", "master.log", "watchdog.log"):
         assert (job_dir / name).exists()
     assert len(list((job_dir / "logs").iterdir())) == 2
 

@@ -186,6 +186,22 @@ def bench_bars(args) -> dict:
 # -- overhead -------------------------------------------------------------------------------
 
 
+def job_phases(home: Path, t_submit: float, t_exit: float) -> dict:
+    """Where pai's time went, from the store's own timestamps: submit -> job
+    recorded -> master running -> last instance started; last worker's exit ->
+    verdict recorded -> the CLI's exit."""
+    db = sqlite3.connect(home / "pai.db")
+    try:
+        created, started, ended = db.execute("SELECT created, started, ended FROM jobs").fetchone()
+        starts = [r[0] for r in db.execute("SELECT started FROM attempts WHERE started IS NOT NULL")]
+        worker_ends = [r[0] for r in db.execute("SELECT ended FROM attempts WHERE role = 'worker'")]
+    finally:
+        db.close()
+    return {"to_recorded": round(created - t_submit, 3), "to_master_running": round(started - created, 3),
+            "to_instances_started": round(max(starts) - started, 3),
+            "last_worker_to_verdict": round(ended - max(worker_ends), 3), "verdict_to_cli_exit": round(t_exit - ended, 3)}
+
+
 def bench_overhead(args) -> dict:
     core = argparse.Namespace(pai=args.pai, steps=args.steps, sleep=args.sleep, reps=args.reps)
     before = bench_core.load()
@@ -194,20 +210,26 @@ def bench_overhead(args) -> dict:
         home = Path(tempfile.mkdtemp(prefix="A-bench-overhead-"))
         try:
             if rep % 2 == 0:
-                p, b = bench_core.run_pai_job(core, home), bench_core.run_plain_job(core)
+                t_submit = time.time()
+                p = bench_core.run_pai_job(core, home)
+                b = bench_core.run_plain_job(core)
             else:
                 b = bench_core.run_plain_job(core)
+                t_submit = time.time()
                 p = bench_core.run_pai_job(core, home)
+            phases = job_phases(home, t_submit, t_submit + p["wall_s"])
         finally:
             shutil.rmtree(home, ignore_errors=True)
         extras.append({"pai_s": round(p["wall_s"], 3), "plain_s": round(b["wall_s"], 3),
-                       "added_s": round(p["wall_s"] - b["wall_s"], 3), "load": bench_core.load()})
+                       "added_s": round(p["wall_s"] - b["wall_s"], 3), "phases_s": phases, "load": bench_core.load()})
         print(f"    pair {rep + 1}: pai {p['wall_s']:.3f} s, by hand {b['wall_s']:.3f} s, "
-              f"added {p['wall_s'] - b['wall_s']:+.3f} s, load {bench_core.load()}", flush=True)
+              f"added {p['wall_s'] - b['wall_s']:+.3f} s; pai's phases {phases}; load {bench_core.load()}", flush=True)
     added = statistics.median(e["added_s"] for e in extras)
     res = {"figure": "submit overhead", "steps": args.steps, "sleep": args.sleep, "pairs": extras,
            "median_added_s": added, "median_ratio": round(statistics.median(e["pai_s"] / e["plain_s"] for e in extras), 3),
            "load_before": before, "load_after": bench_core.load(), "met": added <= 0.2}
+    res["median_phases_s"] = {k: statistics.median(e["phases_s"][k] for e in extras) for k in extras[0]["phases_s"]}
+    print(f"[overhead] pai's phases (medians): {res['median_phases_s']}", flush=True)
     print(f"[overhead] 1 ps + 2 workers, {args.steps} x {args.sleep} s: pai adds {added:+.3f} s (median of "
           f"{len(extras)} pairs; ratio {res['median_ratio']}); goal <= 0.2 s: {'MET' if res['met'] else 'NOT MET'}; "
           f"load {before} -> {res['load_after']}", flush=True)

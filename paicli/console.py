@@ -193,8 +193,8 @@ class Console:
         except PaiError as err:
             self.error(str(err))
             return err.exit_code
-        except BrokenPipeError:
-            raise
+        except (EOFError, BrokenPipeError):
+            raise  # quit; and a closed output end the session
         except Exception as err:  # the console survives a bug in one statement, as the CLI does
             if os.environ.get("PAI_DEBUG"):
                 raise

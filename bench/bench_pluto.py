@@ -44,8 +44,6 @@ HOSTS = 7
 
 def grid(framework: str) -> list[dict]:
     """Configurations as (cluster, params): >= 8 per framework."""
-    from paicli.cluster.pluto.planner import pluto_bound
-
     if framework == "tensorflow":
         out = []
         for ps, workers, partition in ((1, 1, "roundRobin"), (1, 2, "roundRobin"), (2, 2, "roundRobin"),

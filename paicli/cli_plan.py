@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -200,8 +199,7 @@ def _enough_steps(store, job_id: str, workers: int) -> bool:
     return len(rows) >= workers and all(r[2] >= CALIBRATION_INTERVALS + 2 for r in rows)
 
 
-def calibration_run(prepared, store, cluster_value: dict, extra: dict, report: Path,
-                    say: Callable[[str], None]):
+def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Callable[[str], None]):
     """Submit the user's script on `cluster_value`, let it run a few steps, stop it,
     and read what it measured. Raises PaiError when the script fails or shows no steps."""
     from paicli import client, steptime
@@ -292,13 +290,10 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         say("calibration: cached")
     else:
         runs = []
-        with tempfile.TemporaryDirectory(prefix="pai-pluto-") as tmp:
-            os.chmod(tmp, 0o700)
-            for i, (cluster_value, extra) in enumerate(_calibration_configs(framework)):
-                report = Path(tmp) / f"report-{i}.jsonl"
-                job_id, run = calibration_run(prepared, store, cluster_value, extra, report, say)
-                jobs.append(job_id)
-                runs.append(run)
+        for cluster_value, extra in _calibration_configs(framework):
+            job_id, run = calibration_run(prepared, store, cluster_value, extra, say)
+            jobs.append(job_id)
+            runs.append(run)
         sync = user.sync
         if framework == "tensorflow":
             # TF1 between-graph replication is async unless the script wraps its optimizer

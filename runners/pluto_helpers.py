@@ -165,6 +165,36 @@ def install_tensorflow(tf) -> None:
                         ps_strategy=ps_strategy)
 
     v1_train.replica_device_setter = replica_device_setter
+    if mode == "greedy":
+        _install_tf2_partitioner(tf)
+
+
+MIN_SHARD_BYTES = 256 << 10
+
+
+def tf2_partitioner(tf, num_ps: int):
+    """TF2 ParameterServerStrategy's variable_partitioner: variables split along their
+    first axis into shards of at least 256 KB, at most one per ps, so a big variable
+    spreads over the ps instead of landing whole on one."""
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=MIN_SHARD_BYTES, max_shards=max(1, num_ps))
+
+
+def _install_tf2_partitioner(tf) -> None:
+    """A ParameterServerStrategy the script creates without a variable_partitioner
+    gets tf2_partitioner (the TF2 side of -DpsStrategy=greedy)."""
+    strategy_cls = getattr(tf.distribute, "ParameterServerStrategy", None)
+    if strategy_cls is None or getattr(strategy_cls, "_pai_partitioned", False):
+        return
+    original_init = strategy_cls.__init__
+
+    def __init__(self, cluster_resolver, variable_partitioner=None, *args, **kwargs):
+        if variable_partitioner is None:
+            variable_partitioner = tf2_partitioner(tf, _tf_ps_count())
+        original_init(self, cluster_resolver, variable_partitioner, *args, **kwargs)
+
+    strategy_cls.__init__ = __init__
+    strategy_cls._pai_partitioned = True
 
 
 def install_mxnet(mx) -> None:

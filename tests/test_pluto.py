@@ -5,11 +5,8 @@ forecast holds on a small real grid)."""
 from __future__ import annotations
 
 import json
-import os
 import stat
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from paicli.cluster.pluto.model import default_strategy, forecast, ps_loads
+from paicli.cluster.pluto.model import forecast, ps_loads
 from paicli.cluster.pluto.strategy import (GREEDY, MXNET_DEFAULT_BIGARRAY_BOUND, ROUND_ROBIN, SLICED, Cluster,
                                            Forecast, Profile, Strategy)
 

@@ -100,6 +100,19 @@ def idle_instances(status: dict, now: float | None = None) -> list[dict[str, Any
     return idle
 
 
+def idle_now(store: Store, job_id: str) -> list[dict[str, Any]]:
+    """idle_instances() from the job's row, tasks and instances only: cheap enough
+    for the attached view to ask every few seconds (no metrics, no step times)."""
+    job = store.job(job_id)
+    job_dir = Path(job["job_dir"])
+    status = {"status": job["status"],
+              "tasks": [{"name": t["role"], "must_finish": bool(t["must_finish"])} for t in store.tasks(job_id)],
+              "instances": [{"role": i["role"], "index": i["idx"], "status": i["status"],
+                             "log": instance_log_path(job_dir, i["role"], i["idx"], i["attempt"] or 0)}
+                            for i in store.instances(job_id)]}
+    return idle_instances(status)
+
+
 def _listening(path: str) -> list[tuple[str, int]]:
     """(address, port) of every listening TCP socket in /proc/net/tcp or tcp6."""
     found = []

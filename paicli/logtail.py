@@ -188,12 +188,12 @@ class LiveLine:
         self.out.flush()
 
 
-def idle_note(status: dict) -> str | None:
+def idle_note(idle: list[dict]) -> str | None:
     """A line for the attached view when running workers have gone quiet."""
-    if not status["idle"]:
+    if not idle:
         return None
-    names = ", ".join(i["instance"] for i in status["idle"])
-    quiet = min(i["seconds"] for i in status["idle"])
+    names = ", ".join(i["instance"] for i in idle)
+    quiet = min(i["seconds"] for i in idle)
     return f"[pai] no output from {names} for {quiet / 60:.0f} min while the job runs: it may be hung"
 
 
@@ -285,7 +285,7 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
 
             state["idle_check"] = now + min(IDLE_CHECK, jobview.idle_after() / 2)
 
-            note = idle_note(jobview.build_status(store, job_id))
+            note = idle_note(jobview.idle_now(store, job_id))
             # Said once when workers go quiet, again if the set of quiet ones changes.
             names = note.split(" for ")[0] if note else None
             if note and names != state["idle"]:

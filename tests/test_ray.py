@@ -422,3 +422,46 @@ def test_ray_client_from_a_machine_that_is_not_a_ray_node(ray_cluster, home):
     series = losses(result.stdout)
     assert series and series[-1] < series[0]
     assert_nothing_left(job_id)
+
+
+RETRY_SCRIPT = """
+import os, signal, time
+if os.environ["PAI_INDEX"] == "1" and os.environ["PAI_ATTEMPT"] == "0":
+    print("worker:1 dies by SIGKILL on its first attempt", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+for step in range(5):
+    print(f"step={step}, loss={1.0 / (step + 1):.4f}", flush=True)
+    time.sleep(0.1)
+"""
+
+
+def test_a_retryable_exit_restarts_the_instance_on_its_node(ray_cluster, home, tmp_path):
+    script = tmp_path / "retry.py"
+    script.write_text(RETRY_SCRIPT)
+    result = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={script}", '-Dcluster={"worker":{"count":2}}')
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "dies by SIGKILL" in result.stdout and "restarting it (retry 1 of 3)" in result.stdout
+    job_id = job_id_of(result.stdout)
+    by_name = {f"{i['role']}:{i['index']}": i for i in status_of(ray_cluster, home, job_id)["instances"]}
+    assert by_name["worker:1"]["attempts"] == 2 and by_name["worker:0"]["attempts"] == 1
+    assert by_name["worker:1"]["exit_code"] == 0
+    logs = pai_ray(ray_cluster, home, "logs", job_id, "--instance", "worker:1", timeout=60)
+    assert "step=4, loss=0.2000" in logs.stdout
+    assert_nothing_left(job_id)
+
+
+def test_services_spread_and_workers_pack(ray_cluster, home, tmp_path):
+    """Small instances (cpu 10) all fit on one node: a job with services spreads
+    (two ps on two nodes), a job without packs (three workers on one node)."""
+    script = tmp_path / "short.py"
+    script.write_text("import os; print('host', os.environ['PAI_HOST'])\n")
+    spread = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={script}",
+                     '-Dcluster={"ps":{"count":2,"cpu":10},"worker":{"count":1,"cpu":10}}')
+    assert spread.returncode == 0, spread.stdout[-3000:] + spread.stderr[-2000:]
+    ps_hosts = {i["host"] for i in status_of(ray_cluster, home, job_id_of(spread.stdout))["instances"]
+                if i["role"] == "ps"}
+    assert len(ps_hosts) == 2
+    pack = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={script}",
+                   '-Dcluster={"worker":{"count":3,"cpu":10}}')
+    assert pack.returncode == 0, pack.stdout[-3000:] + pack.stderr[-2000:]
+    assert len({i["host"] for i in status_of(ray_cluster, home, job_id_of(pack.stdout))["instances"]}) == 1

@@ -463,9 +463,10 @@ def test_master_lost_clean_up_stops_through_the_identity_checked_path(pai_home, 
         inst = status["instances"][0]
         assert (inst["node"], inst["host"]) == ("local", "127.0.0.1")
         text = pai("status", job_id).stdout.splitlines()
-        header = next(line.split() for line in text if line.startswith("Instance"))
-        row = next(line.split() for line in text if line.startswith("worker:0"))
-        assert (row[header.index("Node")], row[header.index("Host")]) == ("local", "127.0.0.1")
+        header = next(line for line in text if line.startswith("Instance"))
+        row = next(line for line in text if line.startswith("worker:0"))
+        node_at, host_at = header.index("Node"), header.index("Host")
+        assert (row[node_at:host_at].strip(), row[host_at:].split()[0]) == ("local", "127.0.0.1")
         os.kill(status["master_pid"], signal.SIGKILL)  # the watchdog cleans up
         groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
         assert wait_until(lambda: processes_in(groups) == [], timeout=10)

@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,8 +93,21 @@ class RayCluster:
     def start(self) -> None:
         self.net.start()
         self.start_node(self.head.name)
-        for host in self.net.hosts[1:]:
-            self.start_node(host.name)
+        errors: list[BaseException] = []
+
+        def start(name: str) -> None:
+            try:
+                self.start_node(name)
+            except BaseException as err:  # noqa: BLE001 - raised below, in this thread
+                errors.append(err)
+
+        threads = [threading.Thread(target=start, args=(h.name,)) for h in self.net.hosts[1:]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
         self.wait_nodes(len(self.net.hosts))
 
     def _env(self) -> dict[str, str]:

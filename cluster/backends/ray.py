@@ -586,10 +586,8 @@ class RayBackend(Backend):
         return Handle(ref=ref, output_fd=stream.read_fd, native=stream)
 
     def poll(self, handle: Handle) -> int | None:
-        stream: _Stream = handle.native
-        if stream.thread.is_alive():
-            return None
-        return stream.status
+        # Set by the stream's thread once every byte of output is in the pipe.
+        return handle.native.status
 
     # -- stopping ---------------------------------------------------------------------
 

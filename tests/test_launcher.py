@@ -449,6 +449,7 @@ def test_pai_kill_stops_through_the_identity_checked_path(pai_home, tmp_path):
     finally:
         stranger.kill()
         stranger.wait()
+        pai("kill", job_id)  # a failed assertion must not leave the job running
 
 
 def test_master_lost_clean_up_stops_through_the_identity_checked_path(pai_home, tmp_path):
@@ -476,6 +477,7 @@ def test_master_lost_clean_up_stops_through_the_identity_checked_path(pai_home, 
     finally:
         stranger.kill()
         stranger.wait()
+        pai("kill", job_id)  # a failed assertion must not leave the job running
 
 
 # -- issue 12: the launcher's defects ----------------------------------------------------------

@@ -465,3 +465,29 @@ def test_services_spread_and_workers_pack(ray_cluster, home, tmp_path):
                    '-Dcluster={"worker":{"count":3,"cpu":10}}')
     assert pack.returncode == 0, pack.stdout[-3000:] + pack.stderr[-2000:]
     assert len({i["host"] for i in status_of(ray_cluster, home, job_id_of(pack.stdout))["instances"]}) == 1
+
+
+def test_pai_kill_of_a_job_waiting_for_room(ray_cluster, home, tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("print('never')\n")
+    result = pai_ray(ray_cluster, home, "--detach", "-name", "python", f"-Dscript={script}",
+                     '-Dcluster={"worker":{"count":5}}')
+    assert result.returncode == 0, result.stderr
+    job_id = job_id_of(result.stdout)
+    deadline = time.monotonic() + 60
+    while "waiting for resources" not in pai_ray(ray_cluster, home, "logs", job_id, timeout=60).stdout:
+        assert time.monotonic() < deadline, "no Waiting List line"
+        time.sleep(1)
+    assert status_of(ray_cluster, home, job_id)["status"] == "Running"
+    began = time.monotonic()
+    killed = pai_ray(ray_cluster, home, "kill", job_id, timeout=60)
+    assert killed.returncode == 0, killed.stderr
+    deadline = time.monotonic() + 20
+    while True:
+        status = status_of(ray_cluster, home, job_id)
+        if status["status"] == "Cancelled" and not os.path.exists(f"/proc/{status['master_pid']}"):
+            break   # cancelled, and its master (the Ray driver) has exited
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+    assert time.monotonic() - began < 20
+    assert not job_processes(job_id)

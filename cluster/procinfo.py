@@ -39,6 +39,19 @@ def is_alive(pid: int, start: str | None) -> bool:
     return stat is not None and stat.state != "Z" and (start is None or stat.start == start)
 
 
+def live_groups(pgids: set[int]) -> set[int]:
+    """Which of `pgids` still have a live member (zombies excluded), in one pass."""
+    found: set[int] = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = proc_stat(name)
+            if stat and stat.pgid in pgids and stat.state != "Z":
+                found.add(stat.pgid)
+                if found == pgids:
+                    break
+    return found
+
+
 def live_members(pgid: int) -> bool:
     """True while any process of the group is alive (zombies excluded)."""
     for name in os.listdir("/proc"):

@@ -224,7 +224,7 @@ class Backend:
         right after SIGTERM (what an exited instance left in its group)."""
         ours = [ref for ref in refs if self._signal(ref, signal.SIGTERM)]
         deadline = time.monotonic() + max(0.0, timeout)
-        while ours and time.monotonic() < deadline and any(self._alive(ref) for ref in ours):
+        while ours and time.monotonic() < deadline and self._any_alive(ours):
             if waiting:
                 waiting()
             else:
@@ -244,3 +244,7 @@ class Backend:
 
     def _alive(self, ref: InstanceRef) -> bool:
         raise NotImplementedError
+
+    def _any_alive(self, refs: list[InstanceRef]) -> bool:
+        """Whether any of `refs` is alive; a backend may answer for all at once."""
+        return any(self._alive(ref) for ref in refs)

@@ -268,7 +268,13 @@ def status(job_id, as_json):
     store = _store()
     job_id = client.resolve_job(store, job_id)["id"]
     st = client.status(store, job_id, with_series=as_json)
-    if as_json:
+    if as_json:  # log_view as the text form prints it (the page's URL); summary_file is always the file
+        from paicli.web.launch import log_view_line
+
+        st["summary_file"] = st["log_view"]
+        st["log_view"], note = log_view_line(store.home, job_id, st["summary_file"])
+        if note:
+            click.echo(note, err=True)
         _echo_json(st)
         return
     click.echo(f"ID = {st['id']}  {st['name']}  ({st['framework']})")

@@ -72,6 +72,9 @@ def test_submit_prints_the_page_url_and_the_page_shows_the_job(web):
     assert f"{base}/logview/?i={job_id}&token={token}" in pai("status", job_id).stdout
     assert pai("logview", job_id[:12]).stdout.strip() == f"{base}/logview/?i={job_id}&token={token}"
     assert pai("wait", job_id).stdout.startswith(f"Log view: {base}/logview/?i={job_id}&token={token}\n")
+    as_json = pai_json("status", job_id)  # the same URL, and the plain file beside it
+    assert as_json["log_view"] == f"{base}/logview/?i={job_id}&token={token}"
+    assert as_json["summary_file"].endswith("summary.txt") and "Status: Succeeded" in open(as_json["summary_file"]).read()
     # The token and the state are the user's alone.
     folder = web / "logview"
     assert oct(folder.stat().st_mode & 0o777) == "0o700"
@@ -144,6 +147,8 @@ def test_the_server_goes_away_when_idle(pai_home, monkeypatch):
 
 
 def test_pai_logview_stop_and_the_file_fallback(web, monkeypatch):
+    from paicli.web import launch
+
     url = pai("logview").stdout.strip()
     assert url.startswith("http://127.0.0.1:") and get(url)[0] == 200
     assert pai("logview", "--stop").stdout.strip() == "logview server stopped"
@@ -154,6 +159,13 @@ def test_pai_logview_stop_and_the_file_fallback(web, monkeypatch):
     line = [ln for ln in result.stdout.splitlines() if ln.startswith("Log view: ")][0]
     assert line.endswith("summary.txt") and Path(line[10:]).is_file()
     assert "note: no logview page (cannot listen on 192.0.2.1" in result.stderr
+    job_id = pai_json("list")[0]["id"]
+    noted = pai("status", job_id, "--json", env={"PAI_LOGVIEW_HOST": "192.0.2.1"})
+    assert json.loads(noted.stdout)["log_view"] == line[10:] and "note: no logview page" in noted.stderr
+    # PAI_LOGVIEW=file: the file, no server started, no note.
+    plain = pai("status", job_id, "--json", env={"PAI_LOGVIEW": "file"})
+    assert json.loads(plain.stdout)["log_view"] == line[10:] and plain.stderr == ""
+    assert launch.running_server(web) is None
 
 
 def test_plot_in_a_pipe_is_plain_text(pai_home):

@@ -596,3 +596,24 @@ def test_instances_get_default_signal_dispositions_even_from_nohup(pai_home, tmp
     # Python instance shows it ignored whatever it inherited (Popen restores it at exec).
     for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT):
         assert not mask & (1 << (signum - 1)), f"{signal.Signals(signum).name} ignored in the instance"
+
+
+def test_the_backend_registry_names_the_valid_backends_and_rebuilds_a_jobs_backend(tmp_path, monkeypatch):
+    from paicli.cluster import backends
+    from paicli.errors import UsageError
+
+    try:
+        backends.get_backend({"backend": "nope"})
+    except UsageError as err:
+        assert err.message == "unknown backend 'nope'" and err.hint == "valid backends: local, ray, ssh"
+    else:
+        raise AssertionError("an unknown backend must be refused")
+    monkeypatch.delenv("PAI_NODES", raising=False)
+    monkeypatch.delenv("PAI_RAY_ADDRESS", raising=False)
+    assert backends.submit_config(tmp_path) == {"backend": "local"}  # no nodes file: this machine alone
+    backends.write_snapshot(tmp_path, {"backend": "local"})
+    assert (tmp_path / "nodes.json").stat().st_mode & 0o777 == 0o600
+    rebuilt = backends.backend_for_job(tmp_path)
+    assert rebuilt.name == "local" and [n.name for n in rebuilt.nodes()] == ["local"]
+    monkeypatch.setenv("PAI_RAY_ADDRESS", "10.0.0.1:6379")
+    assert backends.submit_config(tmp_path) == {"backend": "ray", "address": "10.0.0.1:6379"}

@@ -68,6 +68,8 @@ def test_submit_prints_the_page_url_and_the_page_shows_the_job(web):
     assert whole[0] == 200 and whole[2]["Content-Type"].startswith("text/plain") and "step=4" in whole[1]
     listing = get(f"{base}/logview/?token={token}")[1]
     assert job_id in listing and "Succeeded" in listing
+    rows = get(f"{base}/api/jobs.html?token={token}")  # what the open list polls for
+    assert rows[0] == 200 and f'<tr data-job="{job_id}">' in rows[1] and "Succeeded" in rows[1]
     # pai status and pai logview hand out the same server's URL.
     assert f"{base}/logview/?i={job_id}&token={token}" in pai("status", job_id).stdout
     assert pai("logview", job_id[:12]).stdout.strip() == f"{base}/logview/?i={job_id}&token={token}"
@@ -85,7 +87,7 @@ def test_submit_prints_the_page_url_and_the_page_shows_the_job(web):
 
 def test_every_url_is_403_without_the_token(web):
     job_id, base, token = submit(f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1"})
-    paths = ["/", "/logview/", f"/logview/?i={job_id}", "/api/jobs.json", f"/api/jobs/{job_id}.json",
+    paths = ["/", "/logview/", f"/logview/?i={job_id}", "/api/jobs.json", "/api/jobs.html", f"/api/jobs/{job_id}.json",
              f"/api/jobs/{job_id}/log", f"/api/jobs/{job_id}/stream", "/static/logview.js",
              "/static/logview.css", "/nothing/here"]
     for path in paths:

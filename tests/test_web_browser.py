@@ -155,3 +155,31 @@ def test_finished_job_page_shows_summary_ok_and_script_as_text(web, browser, tmp
     # The job list links to the page.
     browser.get(url.split("?")[0] + "?token=" + url.split("token=")[1])
     assert wait_until(lambda: browser.find_elements("css selector", "#jobs a"), timeout=10)
+
+
+def test_job_list_updates_itself_while_jobs_run(web, browser):
+    url = pai("logview").stdout.strip()            # the job list, before any job
+    browser.get(url)
+    browser.execute_script("window.__sameDocument = 'yes';")
+    assert "no jobs yet" in text_of(browser, "job-rows")
+    example = ROOT / "examples" / "python" / "ps_worker.py"
+    started = pai("--detach", "-name", "python", f"-Dscript={example}",
+                  '-Dcluster={"ps":{"count":1},"worker":{"count":1}}', "-DjobName=<i>listed</i>", "-DuserDefinedParameters=--steps 60 --sleep 0.1")
+    assert started.returncode == 0, started.stderr
+    job_id = started.stdout.strip()
+
+    def row() -> str:
+        return browser.execute_script(
+            "const r = document.querySelector('#job-rows tr[data-job=\"' + arguments[0] + '\"]');"
+            " return r ? r.textContent : '';", job_id)
+
+    # The new job appears, running, then finished: all without a reload.
+    assert wait_until(lambda: "Running" in row(), timeout=20), text_of(browser, "job-rows")
+    assert "<i>listed</i>" in row() and not browser.find_elements("css selector", "#job-rows i")
+    assert pai("wait", job_id, timeout=120).returncode == 0
+    assert wait_until(lambda: "Succeeded" in row(), timeout=10), row()
+    assert browser.execute_script("return window.__sameDocument") == "yes"
+    assert int(browser.find_element("id", "live").get_attribute("data-updates")) >= 3
+    # Its link leads to the job's page.
+    browser.find_element("css selector", f'#job-rows tr[data-job="{job_id}"] a').click()
+    assert wait_until(lambda: text_of(browser, "verdict") == "OK", timeout=20)

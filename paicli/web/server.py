@@ -6,6 +6,7 @@ Routes (every one answers 403 without the user's token, as ?token=...):
     /  and /logview/            the job list (like `show instances`)
     /logview/?i=ID              a job's page, updated live over server-sent events
     /api/jobs.json              the job list as JSON
+    /api/jobs.html              the job list's rows (what the open list page polls for)
     /api/jobs/ID.json           the job's JSON summary (status, series, events, plan)
     /api/jobs/ID/log            a whole log: the combined one, or ?instance=worker:0[&attempt=N]
     /api/jobs/ID/stream         the page's live feed (server-sent events)
@@ -41,6 +42,7 @@ STATIC = HERE / "static"
 POLL = 0.5                    # seconds between two looks at the store and the logs of a live page
 READ_CAP = 256 * 1024         # at most this much of one log per look
 STATUS_EVERY = 2.0            # seconds between two renderings of a live page's status parts without a new event
+LIST_EVERY = 2                # seconds between two looks of an open job list at its rows
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
                                "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'self'",
@@ -66,6 +68,7 @@ def make_app(home: Path, token: str) -> web.Application:
     app.router.add_get("/", job_list_page)
     app.router.add_get("/logview/", logview_page)
     app.router.add_get("/api/jobs.json", jobs_json)
+    app.router.add_get("/api/jobs.html", jobs_rows)
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}.json", job_json)
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/log", whole_log)
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/stream", stream)
@@ -101,7 +104,12 @@ def _html(request: web.Request, template: str, **context) -> web.Response:
 
 
 async def job_list_page(request: web.Request) -> web.Response:
-    return _html(request, "jobs.html", jobs=data.job_list(request.app[STORE]))
+    return _html(request, "jobs.html", jobs=data.job_list(request.app[STORE]), every=LIST_EVERY)
+
+
+async def jobs_rows(request: web.Request) -> web.Response:
+    """The list's rows, rendered (and escaped) by the same template as the page."""
+    return _html(request, "_jobs.html", jobs=data.job_list(request.app[STORE]))
 
 
 async def logview_page(request: web.Request) -> web.Response:

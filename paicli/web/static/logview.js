@@ -2,6 +2,38 @@
 // log lines (as text, never as HTML) and adds points to the curves (a small SVG
 // plot drawn here; no library, nothing from a CDN).
 "use strict";
+
+// The job list: its rows are fetched again every LIST_EVERY seconds (rendered and
+// escaped by the server's template) and swapped in when they changed; no reload.
+(function () {
+  const table = document.getElementById("jobs");
+  if (!table) return;
+  const rows = document.getElementById("job-rows");
+  const live = document.getElementById("live");
+  const EVERY = 1000 * Number(table.dataset.every || 2);
+  const url = "/api/jobs.html?token=" + encodeURIComponent(table.dataset.token);
+  let last = null, busy = false;
+  function look() {
+    if (busy || document.hidden) return;
+    busy = true;
+    fetch(url, {cache: "no-store"}).then(function (response) {
+      if (!response.ok) throw new Error("HTTP " + response.status);
+      return response.text();
+    }).then(function (html) {
+      if (html !== last) {
+        rows.innerHTML = html;
+        last = html;
+        live.dataset.updates = String(Number(live.dataset.updates) + 1);
+      }
+      live.textContent = "live: updated " + new Date().toLocaleTimeString();
+    }).catch(function () {
+      live.textContent = "the logview server does not answer: retrying";
+    }).finally(function () { busy = false; });
+  }
+  look();
+  setInterval(look, EVERY);
+})();
+
 (function () {
   const root = document.getElementById("job");
   if (!root) return;

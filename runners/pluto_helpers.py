@@ -152,8 +152,9 @@ def install_tensorflow(tf) -> None:
         if cluster is not None:
             spec = cluster.as_dict() if hasattr(cluster, "as_dict") else dict(cluster)
             tasks = len(spec.get(ps_device.split("/job:")[-1].split("/")[0]) or [])
+        greedy = os.environ.get("PAI_TF_PS_STRATEGY", "roundRobin") == "greedy"
         if ps_strategy is None and tasks:
-            ps_strategy = (GreedyByBytes if mode == "greedy" else RoundRobinReporting)(tf, tasks)
+            ps_strategy = (GreedyByBytes if greedy else RoundRobinReporting)(tf, tasks)
         if reporting and ps_strategy is not None:
             chosen = ps_strategy
 

@@ -5,6 +5,7 @@ forecast holds on a small real grid)."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 import statistics
 
@@ -326,3 +327,63 @@ def test_plan_json_then_run_the_recommendation_forecast_holds(pai_home):
     assert statistics.median(errors) <= 0.5, errors
     again = pai("plan", *base, "--json", timeout=120)
     assert json.loads(again.stdout)["calibration"]["cached"] is True
+
+
+def _runtime_python(name: str) -> str:
+    from paicli.runners.runtimes import get_runtime
+
+    runtime = get_runtime(name)
+    if not runtime.is_installed():
+        pytest.skip(f"the {name} runtime is not provisioned")
+    return runtime.python()
+
+
+@pytest.mark.tensorflow
+def test_greedy_placement_and_partitioners_inside_tensorflow(tmp_path):
+    """pluto_helpers in the real TF runtime: replica_device_setter with the greedy
+    strategy spreads alternating weights/biases by bytes (round-robin piles the
+    weights on ps 0), sizes are reported, and the TF2 partitioner shards big variables."""
+    import subprocess
+
+    probe = tmp_path / "probe.py"
+    probe.write_text('''
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import tensorflow as tf
+import pluto_helpers
+tf.compat.v1.disable_eager_execution()
+pluto_helpers.install_tensorflow(tf)
+spec = {"ps": ["127.0.0.1:1", "127.0.0.1:2"], "worker": ["127.0.0.1:3"]}
+out = {}
+for mode in ("roundRobin", "greedy"):
+    os.environ["PAI_TF_PS_STRATEGY"] = mode
+    g = tf.Graph()
+    with g.as_default(), tf.compat.v1.device(tf.compat.v1.train.replica_device_setter(cluster=spec)):
+        for i, (rows, cols) in enumerate(((500, 500), (500, 400), (400, 300))):
+            tf.compat.v1.get_variable(f"w{i}", [rows, cols])
+            tf.compat.v1.get_variable(f"b{i}", [cols])
+    out[mode] = {v.op.name: v.device for v in g.get_collection("variables")}
+part = pluto_helpers.tf2_partitioner(tf, 2)
+out["shards_big"] = list(part(tf.TensorShape([1000, 1000]), tf.float32))
+out["shards_small"] = list(part(tf.TensorShape([10, 10]), tf.float32))
+print("RESULT " + json.dumps(out))
+''')
+    env = {**os.environ, "PAI_PLUTO_REPORT": "stderr", "PAI_ROLE": "worker", "PAI_INDEX": "0",
+           "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([_runtime_python("tensorflow"), str(probe), str(ROOT / "runners")],
+                            capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(next(line[7:] for line in result.stdout.splitlines() if line.startswith("RESULT ")))
+
+    def ps_bytes(devices):
+        sizes = {"w0": 500 * 500, "b0": 500, "w1": 500 * 400, "b1": 400, "w2": 400 * 300, "b2": 300}
+        loads = [0, 0]
+        for name, device in devices.items():
+            loads[int(device.split("task:")[1][0])] += sizes[name] * 4
+        return loads
+
+    rr, greedy = ps_bytes(data["roundRobin"]), ps_bytes(data["greedy"])
+    assert min(rr) < 0.01 * max(rr)                  # every weight on one ps
+    assert min(greedy) > 0.3 * max(greedy)           # spread by size
+    assert data["shards_big"] == [2, 1] and data["shards_small"] == [1, 1]
+    assert '"name":"w0"' in result.stderr and '"bytes":1000000.0' in result.stderr

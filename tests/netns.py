@@ -119,19 +119,24 @@ class TestCluster:
             raise ValueError("prefix: up to 6 lowercase letters/digits (interface names are short)")
         self.prefix = prefix
         self.subnet = subnet
-        self.user = user or os.environ.get("USER") or "root"
+        import pwd
+
+        self.user = user or pwd.getpwuid(os.geteuid()).pw_name
         self.bridge = f"{prefix}br"
         self.bridge_addr = f"{subnet}.1"
         self.state = STATE_ROOT / f"paicli-cluster-{prefix}"
         self.hosts: list[Host] = []
         self._count = hosts
         self._closed = False
+        self._owned = False
         self.client_key = self.state / "client_ed25519"
         self.known_hosts = self.state / "known_hosts"
 
     # -- build ------------------------------------------------------------------
 
     def __enter__(self) -> "TestCluster":
+        if self._owned:
+            return self   # already started (build_cluster)
         try:
             self.start()
         except BaseException:
@@ -143,10 +148,15 @@ class TestCluster:
         self.close()
 
     def start(self) -> None:
-        self.sweep()
+        self._claim()
         atexit.register(self.close)
-        self.state.mkdir(mode=0o700, parents=True)
-        (self.state / "owner").write_text(str(os.getpid()))
+        taken = [line.split()[1] for line in _run([IP, "-o", "-4", "addr", "show"], check=False).stdout.splitlines()
+                 if f" {self.subnet}." in line]
+        if taken:
+            # Two bridges on one subnet: this machine's traffic would reach the other
+            # cluster's hosts (a "changed host key" at best). Each user picks its own.
+            raise ClusterInUse(f"subnet {self.subnet}.0/24 is already used by {', '.join(taken)}; "
+                               "give this TestCluster another subnet")
         _run([SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-C", f"paicli-test-{self.prefix}",
               "-f", str(self.client_key)])
         _run([IP, "link", "add", self.bridge, "type", "bridge"])
@@ -202,6 +212,11 @@ class TestCluster:
             "StrictModes no",
             "MaxSessions 64",
             "MaxStartups 64:30:128",
+            # Debian's bash sources ~/.bashrc for `ssh host cmd` unless SHLVL is already
+            # set; a ~/.bashrc that runs `pyenv init` then rehashes under a lock on every
+            # session (serialising them), and a session killed at teardown leaves that
+            # lock behind for every later shell. Test hosts skip it.
+            "SetEnv SHLVL=1",
             "ClientAliveInterval 2",
             "ClientAliveCountMax 3",
             f"Subsystem sftp {SFTP_SERVER}",
@@ -324,8 +339,8 @@ class TestCluster:
     # -- teardown ---------------------------------------------------------------
 
     def close(self) -> None:
-        if self._closed:
-            return
+        if self._closed or not self._owned:
+            return   # never tear down what another run owns
         self._closed = True
         for host in self.hosts:
             self._kill_namespace(host.netns)
@@ -370,15 +385,47 @@ class TestCluster:
                 if ifname.startswith(prefix) and (ifname == f"{prefix}br" or ifname[len(prefix):][:1] == "h"):
                     _run([IP, "link", "del", ifname], check=False)
 
+    def _claim(self) -> None:
+        """Own the prefix: its state directory appears whole, with our pid in it, by one
+        rename (two runs cannot both get it). A stale one (owner gone) is swept first."""
+        for _ in range(2):
+            staging = STATE_ROOT / f".paicli-cluster-{self.prefix}.{os.getpid()}"
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(mode=0o700)
+            (staging / "owner").write_text(str(os.getpid()))
+            try:
+                os.rename(staging, self.state)
+                self._owned = True
+                return
+            except OSError:
+                shutil.rmtree(staging, ignore_errors=True)
+            self.sweep()
+        raise ClusterInUse(f"cannot claim the test cluster prefix {self.prefix!r}")
+
     def sweep(self) -> None:
         """Remove what an earlier run with this prefix left, unless its owner lives."""
         owner = self.state / "owner"
-        if owner.exists():
-            try:
-                pid = int(owner.read_text())
-            except ValueError:
-                pid = 0
-            if pid and pid != os.getpid() and _pid_alive(pid):
-                raise RuntimeError(f"a test cluster with prefix {self.prefix!r} is in use by pid {pid}")
+        try:
+            pid = int(owner.read_text())
+        except (OSError, ValueError):
+            pid = 0
+        if pid and _pid_alive(pid):
+            raise ClusterInUse(f"a test cluster with prefix {self.prefix!r} is in use by pid {pid}")
         self._remove_prefixed(self.prefix)
         shutil.rmtree(self.state, ignore_errors=True)
+
+
+class ClusterInUse(RuntimeError):
+    """Another live run owns this prefix or subnet."""
+
+
+def build_cluster(hosts: int, prefix: str = "pcc", first_subnet: int = 100, tries: int = 20) -> TestCluster:
+    """A started cluster on the first free prefix `PREFIXn` / subnet 10.213.(first_subnet+n),
+    so that two runs of the same tests (a developer's and CI's) do not collide."""
+    for n in range(tries):
+        cluster = TestCluster(prefix=f"{prefix}{n}", hosts=hosts, subnet=f"10.213.{first_subnet + n}")
+        try:
+            return cluster.__enter__()
+        except ClusterInUse:
+            continue
+    raise ClusterInUse(f"no free test cluster prefix {prefix}0..{prefix}{tries - 1}")

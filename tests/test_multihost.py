@@ -17,7 +17,7 @@ import time
 import pytest
 
 from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until
-from netns import TestCluster, can_build
+from netns import TestCluster, build_cluster, can_build
 
 REASON = can_build()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host tests skipped: {REASON}")
@@ -29,8 +29,11 @@ GONE_WITHIN = 5.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    with TestCluster(prefix="pcc", hosts=4, subnet="10.213.7") as built:
+    built = build_cluster(hosts=4, prefix="pcc", first_subnet=100)
+    try:
         yield built
+    finally:
+        built.close()
 
 
 @pytest.fixture
@@ -96,7 +99,7 @@ def test_python_ps_worker_runs_on_three_nodes_with_real_addresses(cluster, nodes
     hosts = hosts_of(info)
     assert sorted(hosts.values()) == sorted({h.addr for h in cluster.hosts[:4]} & set(hosts.values()))
     assert len(set(hosts.values())) == 3, hosts           # one node each
-    assert all(h.startswith("10.213.7.") for h in hosts.values())
+    assert all(h.startswith(cluster.subnet + ".") for h in hosts.values())
     for inst in info["instances"]:
         if "node" in inst:
             assert inst["node"] in {h.name for h in cluster.hosts}
@@ -119,7 +122,7 @@ def test_output_and_exit_codes_come_back_from_the_node(cluster, nodes, tmp_path)
     job_id = job_id_from(result.stdout)
     line = re.search(r"^\[worker:0\] on (\S+) cwd (\S+)$", result.stdout, re.M)
     assert line, result.stdout
-    assert line.group(1).startswith("10.213.7.")
+    assert line.group(1).startswith(cluster.subnet + ".")
     assert line.group(2) == f"/tmp/paicli-{cluster.user}/{job_id}/code"   # the node's copy, not ours
     assert not os.path.exists(line.group(2))                                # ... which is not here
     info = status(job_id)
@@ -140,7 +143,8 @@ def test_a_job_too_big_for_the_cluster_is_exit_2(cluster, nodes, pai_home):
 
 def test_unknown_host_key_is_refused_naming_the_node(cluster, nodes, tmp_path, monkeypatch):
     known = tmp_path / "known_hosts"
-    keep = [line for line in cluster.known_hosts.read_text().splitlines() if not line.startswith("10.213.7.12 ")]
+    h2 = cluster.host("h2").addr
+    keep = [line for line in cluster.known_hosts.read_text().splitlines() if not line.startswith(h2 + " ")]
     known.write_text("\n".join(keep) + "\n")
     path = cluster.write_nodes_file(tmp_path / "strict.yaml", known_hosts=known, cpu=100)
     monkeypatch.setenv("PAI_NODES", str(path))
@@ -155,7 +159,7 @@ def test_unknown_host_key_is_refused_naming_the_node(cluster, nodes, tmp_path, m
     # trusting it records the key: the job then runs
     trusted = pai("nodes", "trust", "h2", "--yes")
     assert trusted.returncode == 0 and "SHA256:" in trusted.stdout, trusted.stderr
-    assert "10.213.7.12 ssh-ed25519 " in known.read_text()
+    assert f"{h2} ssh-ed25519 " in known.read_text()
     assert oct(known.stat().st_mode & 0o777) == "0o600"
     assert_ok(pai("-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}",
                   "-DuserDefinedParameters=--steps 5 --sleep 0"))
@@ -165,7 +169,8 @@ def test_a_changed_host_key_is_refused(cluster, nodes, tmp_path, monkeypatch):
     known = tmp_path / "known_hosts"
     lines = cluster.known_hosts.read_text().splitlines()
     h1_key = cluster.host("h1").host_key_pub
-    known.write_text("\n".join(f"10.213.7.13 {h1_key}" if line.startswith("10.213.7.13 ") else line
+    h3 = cluster.host("h3").addr
+    known.write_text("\n".join(f"{h3} {h1_key}" if line.startswith(h3 + " ") else line
                                for line in lines) + "\n")
     path = cluster.write_nodes_file(tmp_path / "changed.yaml", known_hosts=known, cpu=100)
     monkeypatch.setenv("PAI_NODES", str(path))
@@ -367,4 +372,4 @@ def test_pai_nodes_lists_every_node(cluster, nodes):
         assert row["state"] == "up" and row["cores"] >= 1 and row["memory"] > 0 and row["cpu"] == 100
         assert row["python"] == "%d.%d.%d" % sys.version_info[:3] or row["python"].startswith("3.")
     text = pai("nodes").stdout
-    assert re.search(r"^h1\s+10\.213\.7\.11:22\s+up\s+\d+", text, re.M), text
+    assert re.search(rf"^h1\s+{re.escape(cluster.host('h1').addr)}:22\s+up\s+\d+", text, re.M), text

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paicli.cluster.nodes import NODE_KEYS, load_nodes, load_nodes_file, nodes_file_path, parse_nodes
-from paicli.errors import UsageError
+from paicli.errors import PaiError, UsageError
 
 from conftest import pai
 
@@ -181,3 +181,22 @@ def test_fuzz_translation_only_rewrites_mapped_prefixes(prefixes, value):
         path = value if value.startswith("/") else value.partition("=")[2]
         assert any(path == p or path.startswith(p + "/") for p, _ in mapping)
         assert out.endswith(path[len(max((p for p, _ in mapping if path == p or path.startswith(p + "/")), key=len)):])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(max_size=20).filter(lambda t: "\0" not in t), min_size=1, max_size=5))
+def test_argv_crosses_ssh_quoted_whatever_it_holds(argv):
+    import shlex
+
+    from paicli.cluster.ssh_transport import quote_argv
+
+    assert shlex.split(quote_argv(argv)) == argv   # what the node's shell parses is exactly the argv
+
+
+def test_resources_one_liner_parsing():
+    from paicli.cluster.backends.ssh import parse_resources
+
+    assert parse_resources("8\nMemTotal:       16384000 kB\n0\n1\n") == {"cores": 8, "memory": 16000, "gpus": ["0", "1"]}
+    assert parse_resources("2\nMemTotal: 2048 kB\n") == {"cores": 2, "memory": 2, "gpus": []}
+    with pytest.raises(PaiError, match="declare cpu, memory and gpu"):
+        parse_resources("sh: nproc: not found\n")

@@ -176,6 +176,15 @@ def test_submit_with_unquoted_cluster_then_ctrl_c_cancels_the_job(console, pai_h
     term.read_until(f"ID          {job_id}")
     shown = term.read_until("pai@ p1>")
     assert "Cancelled" in shown and "worker" in shown
+    # Re-attached with wait: Ctrl-C cancels that job too.
+    other = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}",
+                env={"BEHAVE": "print:2000", "SLEEP": "0.05"}).stdout.strip()
+    term.type(f"wait {other};\r")
+    term.read_until("step=", timeout=30)
+    term.type("\x03")
+    term.read_until("CANCELLED", timeout=30)
+    term.read_until("pai@ p1>")
+    assert pai_json("status", other)["status"] == "Cancelled"
     term.type("\x04")
     assert term.wait_exit() == 0
 
@@ -245,3 +254,25 @@ def test_completion_of_statements_frameworks_keys_and_job_ids(pai_home):
     assert "-DmaxRetries=" in complete("pai -name python -Dmax")
     assert job_id in complete(f"status {job_id[:8]}")
     assert job_id in complete("wait ")
+
+
+def test_job_statements_from_a_pipe(pai_home):
+    """status, logs, plot, show instances, desc instance, kill and wait run as their pai commands."""
+    assert pai("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "print:4"}).returncode == 0
+    done = pai_json("list")[0]["id"]
+    running = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}", "-DjobName=long",
+                  env={"BEHAVE": "print:2000", "SLEEP": "0.05"}).stdout.strip()
+    script = (f"status {done};\nlogs {done} --instance worker:0\n  --tail 1;\nplot {done} --width 50 --height 8;\n"
+              f"show instances 2;\ndesc instance {done};\nkill {running};\nwait {running};\n")
+    result = pai("console", input=script)
+    out = result.stdout
+    assert f"ID = {done}  behave  (python)" in out and "Status: Succeeded" in out     # status
+    assert "\nstep=3, global_step=3, loss=0.2500, attempt=0\n" in out                # logs --tail 1
+    assert "step=2, global_step=2" not in out
+    assert f"loss of {done} (Succeeded)" in out                                        # plot
+    listed = out[out.index("StartTime  "):]
+    assert listed.index(running) < listed.index(done) and "long" in listed             # show instances 2
+    assert f"ID          {done}" in out and "EndTime" in out                           # desc instance
+    assert f"{running} cancelled" in out and "CANCELLED: cancelled by user" in out      # kill, wait
+    assert result.returncode == 130, result.stderr   # from a pipe: the last statement's code (wait)
+    assert pai_json("status", running)["status"] == "Cancelled"

@@ -85,6 +85,24 @@ def test_submit_prints_the_page_url_and_the_page_shows_the_job(web):
     assert (folder / "token").read_text().strip() == token
 
 
+def test_a_retried_instance_shows_its_events_attempts_and_both_logs(web):
+    job_id, base, token = submit(f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":1}}',
+                                 env={"BEHAVE": "print:2,selfkill:SIGKILL,print:3"})
+    page = get(f"{base}/logview/?i={job_id}&token={token}")[1]
+    events = page[page.index('id="events"'):]
+    for text in ("submitted", "Running: attempt 0", "Waiting: killed by SIGKILL, restarting",
+                 "Running: attempt 1", "Terminated: exit 0", ">Succeeded<"):
+        assert text in events, text
+    instances = page[page.index('id="instances"'):page.index('id="events"')]
+    assert "<td>worker:0</td><td>local</td>" in instances and "<td>2</td><td>0</td>" in instances  # attempts, exit
+    assert "<td>PythonTask</td><td>0/1/1</td><td>1</td>" in page                                 # one retry
+    assert "whole log of worker:0 (attempt 1)" in page
+    first = get(f"{base}/api/jobs/{job_id}/log?instance=worker:0&attempt=0&token={token}")[1]
+    second = get(f"{base}/api/jobs/{job_id}/log?instance=worker:0&attempt=1&token={token}")[1]
+    assert "killing myself with SIGKILL" in first and "attempt=0" in first and "attempt=0" not in second
+    assert "step=2, global_step=2, loss=0.3333, attempt=1" in second
+
+
 def test_every_url_is_403_without_the_token(web):
     job_id, base, token = submit(f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1"})
     paths = ["/", "/logview/", f"/logview/?i={job_id}", "/api/jobs.json", "/api/jobs.html", f"/api/jobs/{job_id}.json",

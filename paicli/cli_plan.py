@@ -272,18 +272,25 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         raise UsageError(f"-name {framework}: pai plan plans {', '.join(PLAN_FRAMEWORKS)} jobs",
                          "a plain Python job has no parameter server or model to plan")
     store = store or Store()
-    loopback = calibrate.measure_loopback()
-    where = target_cluster(loopback)
     facts, files, args = script_inputs(prepared)
     user = user_strategy(framework, prepared.spec)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    # Calibration runs where `pai` runs jobs (this machine without a nodes file).
-    here = where if len(where.nodes) > 1 else Cluster((Node("local", float(cores), loopback),),
-                                                      loopback_Bps=loopback, source=where.source)
-    key = calibrate.cache_key(framework, files, args, here,
+
+    def clusters(loopback: float):
+        where = target_cluster(loopback)
+        # Calibration runs where `pai` runs jobs (this machine without a nodes file).
+        here = where if len(where.nodes) > 1 else Cluster((Node("local", float(cores), loopback),),
+                                                          loopback_Bps=loopback, source=where.source)
+        return where, here
+
+    key = calibrate.cache_key(framework, files, args, clusters(0.0)[1],   # keyed on nodes and cores
                               extra=json.dumps({k: prepared.spec.get(k) for k in ("kvstore", "entryFile")}))
     home = pai_home()
     cached = calibrate.cache_get(home, key)
+    # The loopback rate is measured with the calibration and kept with it, so a cached
+    # plan forecasts exactly what the first one did.
+    loopback = (cached or {}).get("loopback_Bps") or calibrate.measure_loopback()
+    where, here = clusters(loopback)
     jobs: list[str] = []
     if cached:
         profile = Profile.from_dict(cached["profile"])
@@ -301,7 +308,7 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
             sync = "SyncReplicasOptimizer" in _read(prepared.spec.get("script"))
         profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
-                                        "jobs": jobs})
+                                        "jobs": jobs, "loopback_Bps": loopback})
     result = planner.plan(profile, where, user, budget_s=budget_s)
     return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs)
 

@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -327,6 +328,19 @@ def test_plan_json_then_run_the_recommendation_forecast_holds(pai_home):
     assert statistics.median(errors) <= 0.5, errors
     again = pai("plan", *base, "--json", timeout=120)
     assert json.loads(again.stdout)["calibration"]["cached"] is True
+    # -DautoStrategy=true applies the same recommendation (calibration cached) and tells
+    # forecast against measurement at the end, in plan.json and in pai status.
+    auto = pai(*base, "-DautoStrategy=true", timeout=300)
+    assert auto.returncode == 0, auto.stdout[-2000:] + auto.stderr[-2000:]
+    assert "Pluto: forecast" in auto.stdout and "measured" in auto.stdout
+    job = next(line[5:] for line in auto.stdout.splitlines() if line.startswith("ID = "))
+    status = json.loads(pai("status", job, "--json").stdout)
+    assert status["pluto"]["cluster"] == data["recommended"]["cluster"]
+    assert status["pluto"]["params"] == data["recommended"]["params"]
+    plan_json = json.loads((Path(status["job_dir"]) / "plan.json").read_text())
+    assert plan_json["pluto"]["forecast_step_s"] == data["recommended"]["forecast_step_s"]
+    text = pai("status", job).stdout
+    assert "Pluto plan:" in text and "Bytes per server" in text and "Pluto: forecast" in text
 
 
 def _runtime_python(name: str) -> str:

@@ -8,6 +8,8 @@
     .venv/bin/python bench/bench_pluto.py grid --local
     # -DautoStrategy=true against the default 1 ps, side by side, at 100 Mbit/s
     sudo .venv/bin/python bench/bench_pluto.py proof --rate 100mbit
+    # markdown rows of saved results (grid --json FILE)
+    .venv/bin/python bench/bench_pluto.py table FILE...
 
 For every framework the grid first runs `pai plan` (its calibration runs go
 through pai on the same cluster), then runs each configuration of the grid for
@@ -303,6 +305,23 @@ def cmd_proof(args) -> None:
     with_cluster(None if args.local else args.rate, body)
 
 
+def cmd_table(args) -> None:
+    """Markdown rows of saved grid results (docs/pluto.md)."""
+    for path in args.files:
+        for r in json.loads(Path(path).read_text()):
+            print(f"\n{r['framework']} on {r['where']}: median |error| "
+                  f"{r['median_abs_error']:.1%}, recommended / best measured "
+                  f"{(r['recommended_vs_best'] or float('nan')):.2f}x\n")
+            print("| plan | forecast s/step | measured s/step | error |")
+            print("| --- | --- | --- | --- |")
+            for row in r["rows"]:
+                mark = " (recommended)" if row["recommended"] else ""
+                measured = row["measured_s"]
+                print(f"| {row['config']}{mark} | {row['forecast_s']:.4f} | "
+                      f"{'n/a' if measured is None else f'{measured:.4f}'} | "
+                      f"{'n/a' if row['error'] is None else format(row['error'], '+.0%')} |")
+
+
 def main() -> None:
     import signal
 
@@ -319,8 +338,10 @@ def main() -> None:
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--local", action="store_true")
     p.add_argument("--frameworks", default="tensorflow,mxnet")
+    t = sub.add_parser("table")
+    t.add_argument("files", nargs="+")
     args = parser.parse_args()
-    {"grid": cmd_grid, "proof": cmd_proof}[args.cmd](args)
+    {"grid": cmd_grid, "proof": cmd_proof, "table": cmd_table}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from typing import Any
 from paicli.cluster.pluto.model import comm_seconds, compute_seconds
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2   # 2: three calibration runs, the per-ps term
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")

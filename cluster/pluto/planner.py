@@ -182,10 +182,11 @@ def explain(profile: Profile, cluster: Cluster, rec: Choice, default: Choice) ->
     d = default.forecast
     mb = profile.param_bytes / 1e6
     lines = []
-    speedup = d.step_s / f.step_s if f.step_s else 1.0
+    speedup = default.score() / rec.score() if rec.score() else 1.0
+    goal = "to the step target" if f.time_to_target_s is not None else "in samples/s"
     lines.append(f"cluster: {s.label()} on {cluster.source}: forecast {f.step_s:.3f} s/step, "
-                 f"{f.samples_per_s:.1f} samples/s ({speedup:.2f}x the default {default.strategy.label()}); "
-                 f"model {mb:.1f} MB, step {_share(f)}")
+                 f"{f.samples_per_s:.1f} samples/s, {speedup:.2f}x faster {goal} than the default "
+                 f"{default.strategy.label()}; model {mb:.1f} MB, step {_share(f)}")
     if s.framework in ("tensorflow", "mxnet"):
         if profile.target_global:
             lines.append(f"workers: {s.workers}: the step target counts every worker's steps, "

@@ -103,6 +103,27 @@ def test_a_retried_instance_shows_its_events_attempts_and_both_logs(web):
     assert "step=2, global_step=2, loss=0.3333, attempt=1" in second
 
 
+def test_the_feed_ends_when_a_master_died_without_recording_the_end(web):
+    import sqlite3
+
+    job_id, base, token = submit(f"-Dscript={BEHAVE}", env={"BEHAVE": "print:3"})
+    with urllib.request.urlopen(f"{base}/api/jobs/{job_id}/stream?token={token}", timeout=20) as response:
+        assert response.read().decode().rstrip().split("\n")[-2] == "event: end"   # a finished job: at once
+    # As if master and watchdog had died mid-run: Running in the store, nobody alive.
+    db = sqlite3.connect(web / "pai.db")
+    with db:
+        db.execute("UPDATE jobs SET status = 'Running', ended = NULL WHERE id = ?", (job_id,))
+    db.close()
+    with urllib.request.urlopen(f"{base}/api/jobs/{job_id}/stream?token={token}", timeout=20) as response:
+        feed = response.read().decode()                # returns only because the feed ends
+    end = json.loads(feed.rstrip().split("\n")[-1][len("data: "):])
+    assert end["status"] == "Running" and end["verdict"].startswith("its master is gone")
+    assert "step=2" in feed
+    # The server changed nothing in the store; pai status records the loss.
+    assert json.loads(get(f"{base}/api/jobs/{job_id}.json?token={token}")[1])["status"] == "Running"
+    assert pai_json("status", job_id)["status"] == "Failed"
+
+
 def test_every_url_is_403_without_the_token(web):
     job_id, base, token = submit(f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1"})
     paths = ["/", "/logview/", f"/logview/?i={job_id}", "/api/jobs.json", "/api/jobs.html", f"/api/jobs/{job_id}.json",

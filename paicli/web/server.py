@@ -33,6 +33,7 @@ import jinja2
 from aiohttp import web
 
 from paicli.errors import NotFound, PaiError
+from paicli.states import JobStatus
 from paicli.store import Store
 from paicli.web import data
 from paicli.web.launch import IDLE_SECONDS, read_state, user_token
@@ -213,9 +214,16 @@ async def stream(request: web.Request) -> web.StreamResponse:
     metric_after = 0
     seen_event, rendered_at = -1, 0.0
     page = None
+    gone = 0
     try:
         while True:
-            over = client.job_over(store.job(job_id))  # read first: then every line before the end is seen
+            job = store.job(job_id)
+            over = client.job_over(job)  # read first: then every line before the end is seen
+            # A master (and its watchdog) gone without recording the end: the logs will not
+            # grow again. Seen twice, a poll apart (not a master writing its last transition),
+            # the feed ends; the store is left to `pai status`, which records it.
+            gone = 0 if over or JobStatus(job["status"]).is_terminal() or client.master_alive(job) else gone + 1
+            over = over or gone >= 2
             # The status parts (some 20 ms of queries and rendering) are redone when an event
             # happened, every STATUS_EVERY seconds for the last metrics, and at the end.
             event = store.db.execute("SELECT MAX(id) FROM events WHERE job_id = ?", (job_id,)).fetchone()[0] or 0
@@ -235,7 +243,9 @@ async def stream(request: web.Request) -> web.StreamResponse:
             if points:
                 await send("metrics", {"points": points})
             if over:
-                await send("end", {"status": page["status"], "verdict": page["verdict"]})
+                verdict = page["verdict"] or (f"its master is gone without recording the end"
+                                              f" (pai status {job_id} records it)" if gone else "")
+                await send("end", {"status": page["status"], "verdict": verdict})
                 break
             use["last"] = time.monotonic()
             await asyncio.sleep(POLL)

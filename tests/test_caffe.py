@@ -172,14 +172,21 @@ def test_building_without_root_says_how_to(tmp_path, monkeypatch):
 
 def test_own_caffe_overrides_the_runtime(monkeypatch, tmp_path):
     from paicli.runners.caffe_rootfs import CaffeRuntime
-    monkeypatch.setenv("PAI_CAFFE_PYTHON", "/opt/caffe/bin/python")
-    monkeypatch.setenv("PAI_CAFFE_BIN", "/opt/caffe/bin/caffe")
+    own = tmp_path / "opt-caffe"
+    own.mkdir()
+    for name in ("python", "caffe"):  # an installation of one's own: executables that exist
+        (own / name).write_text("#!/bin/sh\n")
+        (own / name).chmod(0o755)
+    monkeypatch.setenv("PAI_CAFFE_PYTHON", str(own / "python"))
+    monkeypatch.setenv("PAI_CAFFE_BIN", str(own / "caffe"))
     runtime = CaffeRuntime()
     assert runtime.is_installed()  # nothing to build
-    assert (runtime.python(), runtime.caffe()) == ("/opt/caffe/bin/python", "/opt/caffe/bin/caffe")
+    assert (runtime.python(), runtime.caffe()) == (str(own / "python"), str(own / "caffe"))
     plan = plan_for(tmp_path)
-    assert plan.roles[0].argv[0] == "/opt/caffe/bin/python"
-    assert plan.roles[0].argv[plan.roles[0].argv.index("--caffe") + 1] == "/opt/caffe/bin/caffe"
+    assert plan.roles[0].argv[0] == str(own / "python")
+    assert plan.roles[0].argv[plan.roles[0].argv.index("--caffe") + 1] == str(own / "caffe")
+    monkeypatch.setenv("PAI_CAFFE_PYTHON", str(own / "missing"))
+    assert not CaffeRuntime().is_installed()  # a path that is not there is no interpreter
 
 
 def test_absolute_links_are_pointed_inside_the_root(tmp_path):

@@ -311,11 +311,9 @@ class RayBackend(Backend):
             # handlers (cancel on SIGTERM/SIGINT/SIGHUP) must stay in place.
             saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
             try:
-                import logging
-
-                ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False,
-                         logging_level=logging.WARNING, configure_logging=True)
+                self._init(ray)
             except (ConnectionError, RuntimeError, ValueError) as err:
+                print(f"ray.init({self.address!r}) failed: {err}", file=sys.stderr, flush=True)  # the whole story
                 raise UsageError(f"cannot reach the Ray cluster at {self.address}: {str(err).splitlines()[0]}",
                                  "check PAI_RAY_ADDRESS / the nodes file's ray.address and that `ray status` "
                                  "answers there") from None
@@ -327,6 +325,27 @@ class RayBackend(Backend):
         ray.cloudpickle.register_pickle_by_value(ray_node)
         self._ray = ray
         return ray
+
+    def _init(self, ray) -> None:
+        import logging
+
+        # Ray Client's server starts a Python process of its own per client: on a busy
+        # head that can fail once. A GCS address is tried once.
+        tries = 3 if "://" in self.address else 1
+        for attempt in range(tries):
+            try:
+                ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False,
+                         logging_level=logging.WARNING, configure_logging=True)
+                return
+            except ConnectionError as err:
+                if attempt == tries - 1:
+                    raise
+                print(f"ray.init({self.address!r}) failed, trying again: {err}", file=sys.stderr, flush=True)
+                try:
+                    ray.shutdown()
+                except Exception:  # noqa: BLE001 - nothing to shut down
+                    pass
+                time.sleep(2 * (attempt + 1))
 
     # -- nodes ---------------------------------------------------------------------
 

@@ -5,7 +5,6 @@ the JobMaster (which writes the log view) share it.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import time
 from pathlib import Path
@@ -115,6 +114,8 @@ def idle_now(store: Store, job_id: str) -> list[dict[str, Any]]:
 
 def _listening(path: str) -> list[tuple[str, int]]:
     """(address, port) of every listening TCP socket in /proc/net/tcp or tcp6."""
+    import ipaddress  # here, not at the top: `pai` imports this module on every submit
+
     found = []
     try:
         with open(path) as f:
@@ -134,6 +135,8 @@ def _listening(path: str) -> list[tuple[str, int]]:
 
 
 def is_loopback(address: str) -> bool:
+    import ipaddress
+
     ip = ipaddress.ip_address(address)
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
         ip = ip.ipv4_mapped

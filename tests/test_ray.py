@@ -461,10 +461,15 @@ def test_services_spread_and_workers_pack(ray_cluster, home, tmp_path):
     ps_hosts = {i["host"] for i in status_of(ray_cluster, home, job_id_of(spread.stdout))["instances"]
                 if i["role"] == "ps"}
     assert len(ps_hosts) == 2
+    # this one through a nodes file whose top level is `ray:` (JSON is YAML)
+    nodes_file = tmp_path / "nodes.yaml"
+    nodes_file.write_text(json.dumps({"ray": {"address": ray_cluster.address}}))
     pack = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={script}",
-                   '-Dcluster={"worker":{"count":3,"cpu":10}}')
+                   '-Dcluster={"worker":{"count":3,"cpu":10}}',
+                   env={"PAI_RAY_ADDRESS": "", "PAI_NODES": str(nodes_file)})
     assert pack.returncode == 0, pack.stdout[-3000:] + pack.stderr[-2000:]
-    assert len({i["host"] for i in status_of(ray_cluster, home, job_id_of(pack.stdout))["instances"]}) == 1
+    pack_hosts = {i["host"] for i in status_of(ray_cluster, home, job_id_of(pack.stdout))["instances"]}
+    assert len(pack_hosts) == 1 and pack_hosts.pop().startswith(SUBNET + "."), pack_hosts   # on Ray, one node
 
 
 def test_pai_kill_of_a_job_waiting_for_room(ray_cluster, home, tmp_path):

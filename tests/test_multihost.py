@@ -100,9 +100,12 @@ def test_python_ps_worker_runs_on_three_nodes_with_real_addresses(cluster, nodes
     assert sorted(hosts.values()) == sorted({h.addr for h in cluster.hosts[:4]} & set(hosts.values()))
     assert len(set(hosts.values())) == 3, hosts           # one node each
     assert all(h.startswith(cluster.subnet + ".") for h in hosts.values())
+    names = {h.addr: h.name for h in cluster.hosts}
     for inst in info["instances"]:
-        if "node" in inst:
-            assert inst["node"] in {h.name for h in cluster.hosts}
+        assert inst["node"] == names[inst["host"]], inst     # instances[].node and .host
+    text = pai("status", info["id"]).stdout
+    for inst in info["instances"]:
+        assert re.search(rf"^{inst['role']}:{inst['index']}\b.*\b{inst['node']}\b", text, re.M), text
     # workers reached the ps at its node's address (PAI_CLUSTER), and trained
     for worker in ("worker:0", "worker:1"):
         assert re.search(rf"^\[{worker}\] step=39, global_step=\d+, loss=", result.stdout, re.M)

@@ -76,9 +76,16 @@ def main(argv: list[str]) -> int:
                 print(f"{time.ctime()}: ignored a bad line from the master: {word[:200]!r}", file=sys.stderr)
     if done:
         return 0
-    mark_master_lost(Store(), job_id, refs)
+    store = Store()
+    mark_master_lost(store, job_id, refs)
     print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in refs]}",
           file=sys.stderr)
+    try:
+        # What the master would have removed at its end (SSH: the per-job folders on the nodes).
+        job_dir = Path(store.job(job_id)["job_dir"])
+        backend_for_job(job_dir).cleanup(str(job_dir))
+    except Exception as err:  # noqa: BLE001 - a clean-up failure must not hide the verdict
+        print(f"{time.ctime()}: clean-up after the lost master failed: {err}", file=sys.stderr)
     return 0
 
 

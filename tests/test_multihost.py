@@ -235,6 +235,9 @@ def test_kill_9_of_the_master_leaves_nothing_on_any_node(cluster, nodes):
         master = status(job_id)["master_pid"]
         os.kill(master, signal.SIGKILL)
         assert_nothing_left(cluster, job_id, within=GONE_WITHIN, folders=False)
+        # the watchdog also removes the job's folders on the nodes
+        assert wait_until(lambda: all(job_id not in cluster.ssh(h.name, ["ls", f"/tmp/paicli-{cluster.user}"]).stdout
+                                      for h in cluster.hosts), timeout=15)
     finally:
         proc.kill()
         proc.wait()

@@ -60,9 +60,13 @@ def cannot_run() -> str | None:
 class RayCluster:
     __test__ = False
 
-    def __init__(self, prefix: str = "fray", subnet: str = "10.213.9", nodes: int = 3, cpus: int = 1):
+    def __init__(self, prefix: str = "fray", subnet: str = "10.213.9", nodes: int = 3, cpus: int = 1,
+                 gpus: dict[str, int] | None = None):
         self.net = TestCluster(prefix=prefix, hosts=nodes, subnet=subnet)
         self.cpus = cpus
+        # GPUs Ray is told a node has (`--num-gpus`): Ray's own accounting and
+        # CUDA_VISIBLE_DEVICES, with no card behind them on this machine.
+        self.gpus = dict(gpus or {})
         self.started: dict[str, float] = {}       # node -> seconds its `ray start` took
 
     # -- build ------------------------------------------------------------------
@@ -125,7 +129,7 @@ class RayCluster:
         host = self.net.host(name)
         temp = self.temp_dir(name)
         temp.mkdir(parents=True, exist_ok=True)
-        argv = [RAY, "start", f"--node-ip-address={host.addr}", f"--num-cpus={self.cpus}", "--num-gpus=0",
+        argv = [RAY, "start", f"--node-ip-address={host.addr}", f"--num-cpus={self.cpus}", f"--num-gpus={self.gpus.get(name, 0)}",
                 "--disable-usage-stats", f"--temp-dir={temp}", "--object-store-memory=100000000"]
         if host is self.head:
             argv += ["--head", f"--port={GCS_PORT}", "--include-dashboard=false",

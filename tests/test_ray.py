@@ -180,7 +180,7 @@ def ray_cluster():
     reason = cannot_run()
     if reason:
         pytest.skip(reason)
-    with RayCluster(prefix="fray", subnet=SUBNET) as cluster:
+    with RayCluster(prefix="fray", subnet=SUBNET, gpus={"h3": 1}) as cluster:
         yield cluster
 
 
@@ -496,3 +496,22 @@ def test_pai_kill_of_a_job_waiting_for_room(ray_cluster, home, tmp_path):
         time.sleep(0.5)
     assert time.monotonic() - began < 20
     assert not job_processes(job_id)
+
+
+def test_a_gpu_instance_goes_where_ray_has_a_gpu(ray_cluster, home, tmp_path):
+    """Node h3 tells Ray it has one GPU (`ray start --num-gpus=1`; there is no card
+    behind it here): a worker asking for gpu 100 is placed there and gets the card
+    Ray gave its bundle in CUDA_VISIBLE_DEVICES; the others get none."""
+    script = tmp_path / "gpu.py"
+    script.write_text("import os; print('cuda=' + repr(os.environ.get('CUDA_VISIBLE_DEVICES')))\n")
+    result = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={script}",
+                     '-Dcluster={"worker":{"count":1,"gpu":100},"eval":{"count":1}}')
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "[worker:0] cuda='0'" in result.stdout and "[eval:0] cuda=''" in result.stdout
+    by_role = {i["role"]: i for i in status_of(ray_cluster, home, job_id_of(result.stdout))["instances"]}
+    assert by_role["worker"]["host"] == ray_cluster.net.host("h3").addr
+    # two GPU workers cannot be placed: the Waiting List says what is short
+    too_many = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={script}",
+                       '-Dcluster={"worker":{"count":2,"gpu":100}}', "-Dtimeout=7")
+    assert too_many.returncode == 130
+    assert "worker:1 (cpu 100, gpu 100)" in too_many.stdout + too_many.stderr

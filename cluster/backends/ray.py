@@ -299,6 +299,7 @@ class RayBackend(Backend):
         self._job_dir = ""
         self._script_names: dict[str, str] = {}
         self._timeout: float | None = None
+        self._progress: Progress = lambda line: None
 
     # -- connecting ----------------------------------------------------------------
 
@@ -405,6 +406,7 @@ class RayBackend(Backend):
         from ray.util.placement_group import placement_group
 
         self.job_id = job_id
+        self._progress = progress
         self._timeout = plan.timeout
         self._bundles = job_bundles(plan)
         self._pg = placement_group([b for _, _, b in self._bundles], strategy=strategy_for(plan),
@@ -524,12 +526,17 @@ class RayBackend(Backend):
             inst = self._instances[(placed.role, placed.idx)]
             if inst.node_id not in self._staged:
                 todo.setdefault(inst.node_id, inst)
-        calls = {nid: inst.actor.stage.remote(files, ["runners/node_agent.py"]) for nid, inst in todo.items()}
+        if not todo:
+            return
+        shipped = ray.put(files)   # into the object store once, fetched by each node
+        calls = {nid: inst.actor.stage.remote(shipped, ["runners/node_agent.py"]) for nid, inst in todo.items()}
         for ref in calls.values():
             ray.get(ref)
         answers = {nid: todo[nid].actor.ensure_runtime.remote(runtime) for nid in todo}
         for nid, ref in answers.items():
             got = ray.get(ref)
+            for line in got.get("lines", []):
+                self._progress(f"Ray node {todo[nid].host}: {line}")   # a runtime provisioned there
             if "error" in got:
                 raise PaiError(f"the {runtime} runtime on Ray node {todo[nid].host}: {got['error']}",
                                "provision it there (pai runtime install) or set PAI_<NAME>_PYTHON on the node")

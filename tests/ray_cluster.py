@@ -44,9 +44,9 @@ FAST_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_m
 
 
 def ray_missing() -> str | None:
-    try:
-        import ray  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
         return "the Ray tests need Ray: pip install 'paicli[ray]' (the test extra has it)"
     if not os.path.exists(RAY):
         return f"the Ray tests need the ray command next to {sys.executable}"

@@ -60,7 +60,13 @@ def host_key_name(node: NodeEntry) -> str:
 
 
 def _paramiko():
+    import logging
+
     import paramiko
+
+    # paramiko logs a refused channel (a node's MaxSessions reached, handled by
+    # Connections.session) and dropped links at ERROR; our errors say it in one line.
+    logging.getLogger("paramiko").setLevel(logging.CRITICAL)
     return paramiko
 
 
@@ -169,9 +175,9 @@ def record_host_key(node: NodeEntry, known_hosts: str, key) -> None:
 
 def exec_command(client, argv: list[str], stdin: bytes | None = None,
                  timeout: float = 60.0) -> tuple[int, bytes, bytes]:
-    """Run argv on the node; (exit status, stdout, stderr)."""
-    transport = client.get_transport()
-    chan = transport.open_session(timeout=timeout)
+    """Run argv on the node; (exit status, stdout, stderr). `client` is an SSHClient,
+    or a fresh session channel (Connections.session)."""
+    chan = client.get_transport().open_session(timeout=timeout) if _is_client(client) else client
     chan.settimeout(timeout)
     try:
         chan.exec_command(quote_argv(argv))
@@ -196,6 +202,10 @@ def exec_command(client, argv: list[str], stdin: bytes | None = None,
         chan.close()
 
 
+def _is_client(obj) -> bool:
+    return hasattr(obj, "open_sftp")
+
+
 def agent_argv(python: str, command: str, *args: str) -> list[str]:
     """The agent run from its source, passed with -c (nothing staged first)."""
     return [python, "-c", AGENT_SOURCE.read_text(), command, *args]
@@ -216,7 +226,11 @@ class Sftp:
     """Per-job folders on a node: 0700 dirs, files keep their mode's x bit (else 0600)."""
 
     def __init__(self, client):
-        self.sftp = client.open_sftp()
+        if _is_client(client):
+            self.sftp = client.open_sftp()
+        else:   # a session channel (Connections.session)
+            client.invoke_subsystem("sftp")
+            self.sftp = _paramiko().SFTPClient(client)
 
     def close(self) -> None:
         self.sftp.close()
@@ -270,12 +284,39 @@ class Sftp:
 
 
 class Connections:
-    """One SSH connection per node, opened on first use, shared by threads."""
+    """SSH connections per node, opened on first use, shared by threads. One
+    connection carries several channels, up to the server's MaxSessions (OpenSSH's
+    default is 10): `session()` opens another connection when the node refuses one
+    more channel on the ones it has."""
+
+    MAX_PER_NODE = 32
 
     def __init__(self, known_hosts: str):
         self.known_hosts = known_hosts
         self._clients: dict[str, object] = {}
+        self._extra: dict[str, list] = {}
         self._lock = threading.Lock()
+
+    def session(self, node: NodeEntry, timeout: float = 30.0):
+        """A new session channel to the node."""
+        paramiko = _paramiko()
+        tried = [self.get(node)]
+        with self._lock:
+            tried += [c for c in self._extra.get(node.name, []) if c.get_transport() and c.get_transport().is_active()]
+        for client in tried:
+            try:
+                return client.get_transport().open_session(timeout=timeout)
+            except paramiko.ChannelException:
+                continue   # this connection has its MaxSessions channels
+        with self._lock:
+            if len(self._extra.get(node.name, [])) + 1 >= self.MAX_PER_NODE:
+                raise NodeUnreachable(f"node {node.name}: refuses more SSH sessions "
+                                      f"({self.MAX_PER_NODE} connections open)",
+                                      "raise MaxSessions in its sshd_config") from None
+        client = connect(node, self.known_hosts)
+        with self._lock:
+            self._extra.setdefault(node.name, []).append(client)
+        return client.get_transport().open_session(timeout=timeout)
 
     def get(self, node: NodeEntry):
         with self._lock:
@@ -297,15 +338,17 @@ class Connections:
 
     def drop(self, node: NodeEntry) -> None:
         with self._lock:
-            client = self._clients.pop(node.name, None)
-        if client is not None:
-            client.close()
+            clients = [self._clients.pop(node.name, None), *self._extra.pop(node.name, [])]
+        for client in clients:
+            if client is not None:
+                client.close()
 
     def close(self) -> None:
         """Close every connection and wait for paramiko's threads to end (so that a
         process that only probed nodes can fork without threads)."""
         with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
+            clients = [*self._clients.values(), *(c for extra in self._extra.values() for c in extra)]
+            self._clients, self._extra = {}, {}
         for client in clients:
             transport = client.get_transport()
             client.close()

@@ -210,7 +210,8 @@ class TestCluster:
             "PermitRootLogin prohibit-password",
             "UsePAM no",
             "StrictModes no",
-            "MaxSessions 64",
+            # MaxSessions stays OpenSSH's default (10): more instances on a node than
+            # that must spread over several connections, as on a stock server.
             "MaxStartups 64:30:128",
             # Debian's bash sources ~/.bashrc for `ssh host cmd` unless SHLVL is already
             # set; a ~/.bashrc that runs `pyenv init` then rehashes under a lock on every

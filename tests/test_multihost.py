@@ -379,3 +379,20 @@ def test_pai_nodes_lists_every_node(cluster, nodes):
         assert row["python"] == "%d.%d.%d" % sys.version_info[:3] or row["python"].startswith("3.")
     text = pai("nodes").stdout
     assert re.search(rf"^h1\s+{re.escape(cluster.host('h1').addr)}:22\s+up\s+\d+", text, re.M), text
+
+
+def test_more_instances_on_a_node_than_its_sshd_allows_sessions(cluster, tmp_path, monkeypatch, pai_home):
+    """Stock sshd allows 10 sessions per connection: 12 instances on one node spread
+    over a second connection."""
+    data = {"known_hosts": str(cluster.known_hosts), "nodes": cluster.nodes(cpu=1600)[:1]}
+    path = tmp_path / "one.yaml"
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv("PAI_NODES", str(path))
+    script = tmp_path / "hello.py"
+    script.write_text("import os, time\ntime.sleep(1)\nprint('hello from', os.environ['PAI_INDEX'], flush=True)\n")
+    result = pai("-name", "python", f"-Dscript={script}", '-Dcluster={"worker":{"count":12}}', timeout=120)
+    info = assert_ok(result)
+    assert sorted(int(i) for i in re.findall(r"^\[worker:\d+\] hello from (\d+)$", result.stdout, re.M)) == \
+        list(range(12))
+    assert {inst["node"] for inst in info["instances"]} == {"h1"}
+    assert_nothing_left(cluster, info["id"])

@@ -142,8 +142,8 @@ class SSHBackend(Backend):
 
     def _agent(self, node: NodeEntry, command: str, *args: str, timeout: float = 30.0):
         try:
-            return ssh.run_agent(self._client(node), node, command, *args, timeout=timeout)
-        except (OSError, EOFError) as err:
+            return ssh.run_agent(self.conns.session(node, timeout=timeout), node, command, *args, timeout=timeout)
+        except (OSError, EOFError, self._ssh_errors()) as err:
             self.conns.drop(node)
             raise ssh.NodeUnreachable(f"node {node.name}: connection lost ({err.__class__.__name__})") from None
 
@@ -300,7 +300,7 @@ class SSHBackend(Backend):
 
         def look() -> None:
             try:
-                looked["info"] = ssh.run_agent(client, node, "info", node.runtime_dir or "", node.host,
+                looked["info"] = ssh.run_agent(self.conns.session(node), node, "info", node.runtime_dir or "", node.host,
                                                str(wanted + 2 if wanted else 0), timeout=60)
             except BaseException as err:  # re-raised below, in the staging thread
                 looked["error"] = err
@@ -309,7 +309,7 @@ class SSHBackend(Backend):
         looking.start()
         job_id = self._job_id(job_dir)
         folder = remote_paths.job_folder(node.job_root, job_id)
-        sftp = ssh.Sftp(client)
+        sftp = ssh.Sftp(self.conns.session(node))
         try:
             sftp.makedirs(f"{folder}/runners")
             sftp.put(str(RUNNERS_DIR / "node_agent.py"), f"{folder}/runners/node_agent.py")
@@ -352,9 +352,9 @@ class SSHBackend(Backend):
         for p in placed:
             label = f"{job_id}/{p.role}:{p.idx}"
             try:
-                chan = client.get_transport().open_session(timeout=START_TIMEOUT)
+                chan = self.conns.session(node, timeout=START_TIMEOUT)
                 chan.exec_command(ssh.quote_argv([node.python, f"{folder}/runners/node_agent.py", "run", label]))
-            except Exception:
+            except (PaiError, OSError, EOFError, self._ssh_errors()):
                 continue   # start() opens its own
             with self._lock:
                 old = self._warm.pop((p.role, p.idx), None)
@@ -381,7 +381,7 @@ class SSHBackend(Backend):
             try:
                 node = self.entry(name)
                 folder = remote_paths.job_folder(node.job_root, job_id)
-                ssh.exec_command(self._client(node), ["rm", "-rf", "--", folder], timeout=30)
+                ssh.exec_command(self.conns.session(node), ["rm", "-rf", "--", folder], timeout=30)
             except (PaiError, OSError, EOFError, ValueError):
                 pass  # an unreachable node keeps its folder; /tmp is cleared at boot
 
@@ -423,15 +423,14 @@ class SSHBackend(Backend):
             warm[1].close()
         try:
             if chan is None:
-                client = self._client(node)
-                chan = client.get_transport().open_session(timeout=START_TIMEOUT)
+                chan = self.conns.session(node, timeout=START_TIMEOUT)
                 chan.exec_command(ssh.quote_argv([python, f"{folder}/runners/node_agent.py", "run", label]))
             chan.settimeout(START_TIMEOUT)
             chan.sendall(json.dumps(spec).encode() + b"\n")
             kind, payload = read_frame(chan)
             while kind == b"H":
                 kind, payload = read_frame(chan)
-        except (PaiError, OSError, EOFError, socket.timeout, Exception) as err:
+        except (PaiError, OSError, EOFError, socket.timeout, self._ssh_errors()) as err:
             if isinstance(err, UsageError):
                 raise
             self.conns.drop(node)
@@ -460,6 +459,12 @@ class SSHBackend(Backend):
         self._ensure_heartbeat()
         return Handle(ref=ref, output_fd=read_fd, native=remote)
 
+    @staticmethod
+    def _ssh_errors() -> type:
+        import paramiko
+
+        return paramiko.SSHException
+
     def _lost_handle(self, placed: Placement, why: str) -> Handle:
         """The node did not take the instance: a handle that reports NODE_LOST."""
         read_fd, write_fd = os.pipe()
@@ -487,7 +492,7 @@ class SSHBackend(Backend):
                 elif kind == b"X":
                     status = int(json.loads(payload)["status"])
                     break
-        except (socket.timeout, EOFError, OSError, Exception):
+        except (socket.timeout, EOFError, OSError, ValueError, KeyError, self._ssh_errors()):
             status = NODE_LOST
         finally:
             if status == NODE_LOST:

@@ -145,6 +145,10 @@ def script_inputs(prepared):
     source = _read(spec.get("script")) if str(spec.get("script") or "").endswith(".py") else ""
     solver = _read(spec.get("solver")) if spec.get("solver") else ""
     net = ""
+    script = str(spec.get("script") or "")
+    if script.endswith((".tar.gz", ".tgz", ".tar")) and spec.get("entryFile"):
+        source, solver, net = _archive_texts(script, spec.get("entryFile"))
+        return script_facts(args, source=source, solver=solver, net=net), files, args
     if solver:
         match = re.search(r'^\s*(?:train_)?net\s*:\s*"([^"]+)"', solver, re.M)
         if match:
@@ -155,6 +159,41 @@ def script_inputs(prepared):
                     files.append(folder / match.group(1))
                     break
     return script_facts(args, source=source, solver=solver, net=net), files, args
+
+
+def _archive_texts(archive: str, entry: str) -> tuple[str, str, str]:
+    """(script source, solver, net) of an archive's entry file, read without extracting."""
+    import posixpath
+    import re
+    import tarfile
+
+    def member_text(tar, name: str) -> str:
+        try:
+            member = tar.getmember(name)
+        except KeyError:
+            return ""
+        if not member.isfile() or member.size > 2_000_000:
+            return ""
+        handle = tar.extractfile(member)
+        return handle.read().decode("utf-8", "replace") if handle else ""
+
+    try:
+        with tarfile.open(archive) as tar:
+            text = member_text(tar, entry)
+            if not entry.endswith((".prototxt", ".pbtxt", ".txt")):
+                return text, "", ""
+            net = ""
+            match = re.search(r'^\s*(?:train_)?net\s*:\s*"([^"]+)"', text, re.M)
+            if match:
+                folder = posixpath.dirname(entry)
+                while True:
+                    net = member_text(tar, posixpath.normpath(posixpath.join(folder, match.group(1))))
+                    if net or not folder:
+                        break
+                    folder = posixpath.dirname(folder)
+            return "", text, net
+    except (OSError, tarfile.TarError):
+        return "", "", ""
 
 
 # -- calibration through pai itself ---------------------------------------------------

@@ -212,7 +212,9 @@ def test_script_facts_prefer_arguments_then_flag_defaults_then_the_solver():
     facts = calibrate.script_facts(["--steps=40"], source=source)
     assert (facts.step_target, facts.batch_size, facts.learning_rate) == (40, 64, 0.05)
     assert facts.where["step_target"] == "arguments"
-    caffe = calibrate.script_facts([], solver="base_lr: 0.01\nmax_iter: 300\n", net="batch_size: 64\n")
+    caffe = calibrate.script_facts([], solver="base_lr: 0.01\nmax_iter: 300\n",
+                                   net='hdf5_data_param { source: "t.txt" batch_size: 64 shuffle: true }\n'
+                                       'hdf5_data_param { source: "v.txt" batch_size: 128 }\n')
     assert (caffe.step_target, caffe.batch_size, caffe.learning_rate) == (300, 64, 0.01)
 
 

@@ -92,7 +92,9 @@ def script_facts(args: list[str], source: str = "", solver: str = "", net: str =
             value, where = _solver_value(solver, {"step_target": "max_iter", "learning_rate": "base_lr"}[attr]), \
                 "the solver"
         if value is None and net and attr == "batch_size":
-            value, where = _solver_value(net, "batch_size"), "the net"
+            # the first data layer's batch_size (the training one comes first), inline or not
+            match = re.search(r"\bbatch_size\s*:\s*(\d+)", net)
+            value, where = (match.group(1) if match else None), "the net"
         if value is None:
             continue
         try:

@@ -430,3 +430,75 @@ def build_cluster(hosts: int, prefix: str = "pcc", first_subnet: int = 100, trie
         except ClusterInUse:
             continue
     raise ClusterInUse(f"no free test cluster prefix {prefix}0..{prefix}{tries - 1}")
+
+
+class LoopbackHost:
+    """One sshd on 127.0.0.1 in this machine's own namespaces (no private /tmp, the
+    machine's own network): a node for what a namespace host cannot do, such as
+    provisioning a runtime from the package index. Same key-only config."""
+
+    __test__ = False
+
+    def __init__(self, state: Path):
+        import socket
+
+        self.state = state
+        self.name = "lo"
+        self.addr = "127.0.0.1"
+        with socket.socket() as sock:
+            sock.bind((self.addr, 0))
+            self.port = sock.getsockname()[1]
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "LoopbackHost":
+        import pwd
+
+        self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.user = pwd.getpwuid(os.geteuid()).pw_name
+        self.client_key = self.state / "client_ed25519"
+        host_key = self.state / "ssh_host_ed25519_key"
+        for key in (self.client_key, host_key):
+            _run([SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-f", str(key)])
+        shutil.copyfile(f"{self.client_key}.pub", self.state / "authorized_keys")
+        config = self.state / "sshd_config"
+        config.write_text("\n".join([
+            f"ListenAddress {self.addr}:{self.port}", f"HostKey {host_key}",
+            f"AuthorizedKeysFile {self.state / 'authorized_keys'}", f"PidFile {self.state / 'sshd.pid'}",
+            "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PermitRootLogin prohibit-password",
+            "UsePAM no", "StrictModes no", "SetEnv SHLVL=1", f"Subsystem sftp {SFTP_SERVER}", "LogLevel ERROR", ""]))
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True, preexec_fn=_default_signals)
+        pub = Path(f"{host_key}.pub").read_text().split()
+        self.known_hosts = self.state / "known_hosts"
+        self.known_hosts.write_text(f"[{self.addr}]:{self.port} {pub[0]} {pub[1]}\n")
+        import socket
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((self.addr, self.port), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self.__exit__()
+        raise RuntimeError("the loopback sshd did not start")
+
+    def node(self, **extra) -> dict:
+        return {"name": self.name, "host": self.addr, "port": self.port, "user": self.user,
+                "key": str(self.client_key), **extra}
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)   # the listener and its sessions
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            self.proc = None
+        shutil.rmtree(self.state, ignore_errors=True)

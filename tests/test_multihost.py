@@ -13,11 +13,12 @@ import subprocess
 import sys
 import tarfile
 import time
+from pathlib import Path
 
 import pytest
 
 from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until
-from netns import TestCluster, build_cluster, can_build
+from netns import LoopbackHost, TestCluster, build_cluster, can_build
 
 REASON = can_build()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host tests skipped: {REASON}")
@@ -396,3 +397,38 @@ def test_more_instances_on_a_node_than_its_sshd_allows_sessions(cluster, tmp_pat
         list(range(12))
     assert {inst["node"] for inst in info["instances"]} == {"h1"}
     assert_nothing_left(cluster, info["id"])
+
+
+@pytest.mark.mxnet
+def test_a_job_provisions_its_runtime_on_a_node_that_lacks_it(tmp_path, monkeypatch, pai_home):
+    """Real provisioning on a node, with progress in the job's view. The node is an
+    sshd on loopback (a namespace host has no route to the package index)."""
+    runtime_ready("mxnet")   # the submitting side's own copy (the plan names its paths)
+    with LoopbackHost(Path("/var/tmp") / f"paicli-lo-{os.getpid()}") as lo:
+        rt_dir = tmp_path / "node-runtimes"
+        path = tmp_path / "lo.yaml"
+        path.write_text(json.dumps({"known_hosts": str(lo.known_hosts),
+                                    "nodes": [lo.node(runtime_dir=str(rt_dir), work_dir=str(tmp_path / "work"))]}))
+        monkeypatch.setenv("PAI_NODES", str(path))
+        result = pai("-name", "mxnet", f"-Dscript=file://{ROOT / 'examples' / 'mxnet' / 'gluon_dist_sync.py'}",
+                     '-Dcluster={"server":{"count":1},"worker":{"count":1}}', "-DuserDefinedParameters=--steps 5",
+                     timeout=600)
+        info = assert_ok(result)
+        assert f"[pai] lo: no mxnet runtime in {rt_dir}; provisioning it" in result.stdout
+        assert re.search(r"^\[pai\] lo: mxnet runtime ready in \d+s$", result.stdout, re.M), result.stdout[-3000:]
+        marker = json.loads((rt_dir / "mxnet" / "paicli-runtime.json").read_text())
+        assert marker["name"] == "mxnet"
+        # the instances ran the node's copy
+        assert all(inst["node"] == "lo" for inst in info["instances"])
+        log = pai("logs", info["id"], "--instance", "worker:0").stdout
+        assert "step=4" in log
+        assert not (tmp_path / "work" / info["id"]).exists()   # per-job folder removed
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, info["id"])]
+        assert not left, left
+
+
+def _cmdline_has(pid: str, text: str) -> bool:
+    try:
+        return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

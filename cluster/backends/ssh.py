@@ -68,6 +68,12 @@ def parse_resources(text: str) -> dict:
     return {"cores": cores, "memory": memory, "gpus": [g for g in lines[2:] if g.isdigit()]}
 
 
+def _runtime_version(name: str) -> str | None:
+    from paicli.runners.runtimes import RUNTIMES, get_runtime
+
+    return get_runtime(name).version if name in RUNTIMES else None
+
+
 class RemoteInstance:
     """The master's side of one instance: its channel, pump thread and status."""
 
@@ -336,10 +342,10 @@ class SSHBackend(Backend):
             raise looked["error"]
         info = looked["info"]
         self._infos[node.name] = info
-        if runtime and runtime not in info["runtimes"] and node.runtime_dir is None:
+        if runtime and info["runtimes"].get(runtime) != _runtime_version(runtime):
             from paicli.cluster.node_admin import _provision
 
-            self.progress(f"{node.name}: no {runtime} runtime there; provisioning it")
+            self.progress(f"{node.name}: no {runtime} runtime in {info['runtime_dir']}; provisioning it")
             _provision(client, node, runtime, self.progress)
             self._infos.pop(node.name, None)
             info = self.info(node.name)

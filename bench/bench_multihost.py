@@ -185,7 +185,9 @@ def main() -> None:
             from paicli.runners.runtimes import get_runtime
 
             get_runtime("tensorflow").ensure(print)
-            nodes_file = cluster.write_nodes_file(workdir / "nodes.yaml", cpu=100)
+            from paicli.runners.runtimes import runtime_root
+
+            nodes_file = cluster.write_nodes_file(workdir / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
             pai_runs, hand_runs = [], []
             for run in range(args.runs):
                 order = (("pai", lambda: through_pai(nodes_file, args.steps)),

@@ -42,7 +42,9 @@ def nodes(cluster, tmp_path, monkeypatch, pai_home):
     """A nodes file for the cluster; each node has one core for paicli (cpu 100),
     so a 3-instance job lands on 3 nodes. Runtimes are the shared cache (the hosts
     share the filesystem except /tmp)."""
-    path = cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100)
+    from paicli.runners.runtimes import runtime_root
+
+    path = cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
     monkeypatch.setenv("PAI_NODES", str(path))
     yield path
     # Every test leaves nothing on any host, whatever happened.

@@ -218,6 +218,14 @@ def losses(output: str, role: str = "worker") -> list[float]:
     return [float(m.group(1)) for m in re.finditer(rf"\[{role}:\d+\].*?loss[=:]\s*([-+0-9.eE]+)", output)]
 
 
+def node_folders(job_id: str) -> list[str]:
+    """The job's per-job folders on the nodes (which share this machine's /tmp)."""
+    import glob
+    import tempfile
+
+    return glob.glob(f"{tempfile.gettempdir()}/paicli-ray-{os.getuid()}/*/{job_id}")
+
+
 def assert_nothing_left(job_id: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     left = job_processes(job_id)
@@ -240,11 +248,7 @@ def test_python_job_runs_on_three_nodes(ray_cluster, home):
     series = losses(result.stdout)
     assert series and series[-1] < series[0]
     assert_nothing_left(job_id)
-    # the per-job folders on the nodes went with the job
-    import glob
-    import tempfile
-
-    assert not glob.glob(f"{tempfile.gettempdir()}/paicli-ray-{os.getuid()}/*/{job_id}")
+    assert not node_folders(job_id)   # the per-job folders on the nodes went with the job
 
 
 def loss_falls_along_steps(status: dict, instances: list[str]) -> None:
@@ -333,6 +337,11 @@ def test_kill_9_of_the_master_leaves_no_process_on_any_node(ray_cluster, home, t
     assert_nothing_left(job_id, timeout=10)
     after = status_of(ray_cluster, home, job_id)
     assert after["status"] == "Failed" and "master lost" in (after["reason"] or "")
+    # the watchdog removed the per-job folders on the nodes (tasks pinned to each node)
+    deadline = time.monotonic() + 30
+    while node_folders(job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not node_folders(job_id)
 
 
 def test_a_lost_node_runs_its_instance_again_elsewhere(ray_cluster, home, tmp_path):

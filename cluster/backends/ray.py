@@ -372,15 +372,18 @@ class RayBackend(Backend):
 
     def _pinned(self, node_name: str, fn, *args, timeout: float = 60.0):
         """Run ray_node.fn(*args) on that node (a zero-CPU task pinned to it)."""
-        ray = self.connect()
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         node_id = self._node_id(node_name)
         if node_id is None:
             raise ConnectionError(f"Ray node {node_name} is not in the cluster")
+        return self.connect().get(self._pinned_ref(node_id, fn, *args), timeout=timeout)
+
+    def _pinned_ref(self, node_id: str, fn, *args):
+        ray = self.connect()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         task = ray.remote(num_cpus=0, max_retries=0)(fn).options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-        return ray.get(task.remote(*args), timeout=timeout)
+        return task.remote(*args)
 
     # -- placing --------------------------------------------------------------------
 
@@ -651,8 +654,19 @@ class RayBackend(Backend):
 
     def cleanup(self, job_dir: str) -> None:
         """Remove the per-job folders, release the actors (their agents stop
-        anything left) and the placement group."""
-        if self._ray is None:
+        anything left) and the placement group. A backend built afresh (the
+        watchdog, after the master died: Ray has already removed the master's
+        actors and placement group) removes the folders on every live node."""
+        job_id = Path(job_dir).name
+        if not self._instances:
+            ray = self.connect()
+            refs = []
+            for node in self.nodes():
+                try:
+                    refs.append(self._pinned_ref(node.attrs["node_id"], ray_node.pinned_cleanup, job_id))
+                except Exception:  # noqa: BLE001 - a node going away takes its folder with it
+                    pass
+            ray.wait(refs, num_returns=len(refs), timeout=60)
             return
         ray = self._ray
         seen = set()
@@ -664,10 +678,7 @@ class RayBackend(Backend):
                 ray.get(inst.actor.release.remote(), timeout=30)
             except Exception:  # noqa: BLE001 - a lost node took its folder with it
                 pass
-            try:
-                ray.kill(inst.actor, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            self._forget(inst)
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 

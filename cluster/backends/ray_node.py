@@ -311,9 +311,7 @@ class InstanceActor:
 
     def cleanup(self) -> None:
         """Remove this job's folder on the node."""
-        import shutil
-
-        shutil.rmtree(self.folder, ignore_errors=True)
+        remove_job_folder(self.folder)
 
 
 def pinned_stop(ref: dict, timeout: float) -> bool:
@@ -374,7 +372,20 @@ def agents_here() -> list[str]:
     return sorted(found)
 
 
-def pinned_cleanup(job_id: str, node_id: str) -> None:
+def remove_job_folder(folder: str) -> None:
+    """The job's folder, and its node's folder once no job is left in it."""
     import shutil
 
-    shutil.rmtree(job_folder(job_id, node_id), ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(folder))
+    except OSError:
+        pass   # other jobs' folders are there
+
+
+def pinned_cleanup(job_id: str) -> None:
+    """Run on a node by a task pinned to it (a backend that has no actor there:
+    the watchdog after the master died)."""
+    import ray
+
+    remove_job_folder(job_folder(job_id, ray.get_runtime_context().get_node_id()))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -380,7 +379,7 @@ def test_a_lost_node_runs_its_instance_again_elsewhere(ray_cluster, home, tmp_pa
         left = node_folders(job_id)
         assert len(left) <= 1, left
         for folder in left:
-            shutil.rmtree(folder, ignore_errors=True)
+            ray_node.remove_job_folder(folder)
     finally:
         if proc.poll() is None:
             proc.kill()

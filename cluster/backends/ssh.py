@@ -150,7 +150,6 @@ class SSHBackend(Backend):
         try:
             return ssh.run_agent(self.conns.session(node, timeout=timeout), node, command, *args, timeout=timeout)
         except (OSError, EOFError, self._ssh_errors()) as err:
-            self.conns.drop(node)
             raise ssh.NodeUnreachable(f"node {node.name}: connection lost ({err.__class__.__name__})") from None
 
     def info(self, name: str) -> dict:
@@ -174,8 +173,10 @@ class SSHBackend(Backend):
             except PaiError as err:
                 return node, None, err
 
-        with ThreadPoolExecutor(max_workers=min(16, len(self.nodes_config.nodes) or 1)) as pool:
-            results = list(pool.map(probe, self.nodes_config.nodes))
+        # A node this job lost is not asked again (its connection may hang until TCP gives up).
+        asked = [n for n in self.nodes_config.nodes if n.name not in self._lost]
+        with ThreadPoolExecutor(max_workers=min(16, len(asked) or 1)) as pool:
+            results = list(pool.map(probe, asked))
         specs, down = [], []
         for node, info, err in results:
             if info is None:
@@ -205,7 +206,7 @@ class SSHBackend(Backend):
             return {"cores": node.cpu // 100, "memory": node.memory, "gpus": []}
         try:
             status, out, _err = ssh.exec_command(client, ["sh", "-c", RESOURCES_SCRIPT], timeout=30)
-        except (OSError, EOFError) as err:
+        except (OSError, EOFError, self._ssh_errors()) as err:
             self.conns.drop(node)
             raise ssh.NodeUnreachable(f"node {node.name}: connection lost ({err.__class__.__name__})") from None
         return parse_resources(out.decode(errors="replace"))
@@ -439,7 +440,9 @@ class SSHBackend(Backend):
         except (PaiError, OSError, EOFError, socket.timeout, self._ssh_errors()) as err:
             if isinstance(err, UsageError):
                 raise
-            self.conns.drop(node)
+            if chan is not None:
+                chan.close()
+            # Not conns.drop(): the node's other instances run over the same connection.
             return self._lost_handle(placed, f"{err.__class__.__name__}: {err}")
         if kind == b"E":
             chan.close()
@@ -502,13 +505,10 @@ class SSHBackend(Backend):
             status = NODE_LOST
         finally:
             if status == NODE_LOST:
-                # The link is gone: later calls must not wait on the dead connection.
+                # Clean-up skips the node; its connection is left alone (other instances
+                # may still run over it; a dead one is replaced when next used).
                 self._lost.add(remote.node)
                 self._infos.pop(remote.node, None)
-                try:
-                    self.conns.drop(self.entry(remote.node))
-                except Exception:
-                    pass
             remote.status = status
             try:
                 os.close(remote.write_fd)   # EOF wakes the master, which then polls

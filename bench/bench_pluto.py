@@ -333,12 +333,14 @@ def cmd_proof(args) -> None:
         out = []
         for framework in args.frameworks.split(","):
             base = base_tokens(framework)
+            workers = args.tf_workers if framework == "tensorflow" else 2
             if framework == "tensorflow":
                 base = [t for t in base if not t.startswith("-Dcluster=")] + \
-                    ['-Dcluster={"ps":{"count":1},"worker":{"count":2}}']
-            # three times the grid's steps, so that training, not start-up, dominates
-            steps = [a.replace(f"--steps={n}", f"--steps={3 * n}") for a in steps_args(framework, 2)
-                     for n in [STEPS_PER_WORKER * (2 if framework == "tensorflow" else 1)]]
+                    ['-Dcluster={"ps":{"count":1},"worker":{"count":%d}}' % workers]
+            # more steps than the grid's, so that training, not start-up, dominates
+            steps = [a.replace(f"--steps={n}", f"--steps={args.steps_factor * n}")
+                     for a in steps_args(framework, workers)
+                     for n in [STEPS_PER_WORKER * (workers if framework == "tensorflow" else 1)]]
             print(f"\n== proof: {framework} on {label}", flush=True)
             auto_id, auto_s, auto_status, auto_wall = run_job(base + steps + ["-DautoStrategy=true"])
             default_id, default_s, default_status, default_wall = run_job(base + steps)
@@ -399,6 +401,8 @@ def main() -> None:
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--local", action="store_true")
     p.add_argument("--frameworks", default="tensorflow,mxnet")
+    p.add_argument("--tf-workers", type=int, default=2, help="workers of the TF default plan (1 ps)")
+    p.add_argument("--steps-factor", type=int, default=3, help="steps per worker, times the grid's")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     args = parser.parse_args()

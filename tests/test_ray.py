@@ -531,3 +531,21 @@ def test_a_gpu_instance_goes_where_ray_has_a_gpu(ray_cluster, home, tmp_path):
                        '-Dcluster={"worker":{"count":2,"gpu":100}}', "-Dtimeout=7")
     assert too_many.returncode == 130
     assert "worker:1 (cpu 100, gpu 100)" in too_many.stdout + too_many.stderr
+
+
+def test_a_ray_address_nobody_answers_is_one_line(tmp_path):
+    """Submit and `pai nodes` with PAI_RAY_ADDRESS where nothing listens: exit 2,
+    one line naming the address, nothing recorded."""
+    pytest.importorskip("ray")
+    script = tmp_path / "t.py"
+    script.write_text("print('hi')\n")
+    env = dict(os.environ, PAI_HOME=str(tmp_path / "home"), PAI_RAY_ADDRESS="127.0.0.1:1", NO_COLOR="1")
+    env.pop("PAI_DEBUG", None)
+    for args in (["-name", "python", f"-Dscript={script}"], ["nodes"]):
+        result = subprocess.run([sys.executable, "-m", "paicli", *args], capture_output=True, text=True,
+                                env=env, timeout=60)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "the Ray cluster at 127.0.0.1:1 does not answer" in lines[0], lines
+    jobs = tmp_path / "home" / "jobs"
+    assert not (jobs.exists() and any(jobs.iterdir()))

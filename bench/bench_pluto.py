@@ -96,7 +96,7 @@ def caffe_archive() -> Path:
     net = (mlp / "mlp_train_test.prototxt").read_text()
     (mlp / "mlp_train_test.prototxt").write_text(net.replace("num_output: 64", f"num_output: {CAFFE_HIDDEN}"))
     solver = (mlp / "mlp_solver.prototxt").read_text()
-    for name, value in (("max_iter", 100), ("display", 10), ("snapshot", 0), ("test_interval", 1000)):
+    for name, value in (("max_iter", 400), ("display", 20), ("snapshot", 0), ("test_interval", 1000)):
         solver = re.sub(rf"^{name}:.*$", f"{name}: {value}", solver, flags=re.M)
     (mlp / "mlp_solver.prototxt").write_text(solver)
     runtime = get_runtime("caffe")
@@ -132,16 +132,30 @@ def steps_args(framework: str, workers: int) -> list[str]:
     return []
 
 
+_STORES: dict[str, object] = {}
+
+
+def the_store():
+    """ONE store per PAI_HOME for this whole process: every submit forks a master, and
+    a second open SQLite connection inherited across that fork (which only the store
+    handed to submit closes) can corrupt the database when the child drops it."""
+    from paicli.store import Store, pai_home
+
+    home = str(pai_home())
+    if home not in _STORES:
+        _STORES[home] = Store()
+    return _STORES[home]
+
+
 def run_job(tokens: list[str], limit: float = 600.0) -> tuple[str, float | None, str, float]:
     """Submit through pai's library, wait for the end; (id, step_seconds, status, wall seconds)."""
     from paicli import client, steptime
     from paicli.states import JobStatus
     from paicli.statement import parse_statement
-    from paicli.store import Store
 
     from paicli.errors import PaiError
 
-    store = Store()
+    store = the_store()
     started = time.monotonic()
     for attempt in range(4):
         try:
@@ -167,16 +181,14 @@ def run_job(tokens: list[str], limit: float = 600.0) -> tuple[str, float | None,
 def training_seconds(job_id: str) -> float | None:
     """From the first step line of any worker to the last: the time to the step target
     without the job's start-up (runtime import, connecting)."""
-    from paicli.store import Store
 
-    stamps = [r["ts"] for r in Store().metrics(job_id) if r["role"] in ("worker", "chief") and r["step"] is not None]
+    stamps = [r["ts"] for r in the_store().metrics(job_id) if r["role"] in ("worker", "chief") and r["step"] is not None]
     return (max(stamps) - min(stamps)) if len(stamps) > 1 else None
 
 
 def losses_fall(job_id: str) -> bool:
-    from paicli.store import Store
 
-    rows = [r for r in Store().metrics(job_id) if r["key"] == "loss" and r["role"] == "worker" and r["idx"] == 0]
+    rows = [r for r in the_store().metrics(job_id) if r["key"] == "loss" and r["role"] == "worker" and r["idx"] == 0]
     if len(rows) < 4:
         return False
     first = statistics.mean(r["value"] for r in rows[:3])
@@ -218,7 +230,7 @@ def bench_framework(framework: str, label: str) -> dict:
 
     print(f"\n== {framework} on {label}", flush=True)
     t0 = time.monotonic()
-    result = make_plan(parse_statement(base_tokens(framework) + steps_args(framework, 2)),
+    result = make_plan(parse_statement(base_tokens(framework) + steps_args(framework, 2)), store=the_store(),
                        say=lambda line: print(f"   {line}", flush=True))
     profile, where = result.profile, result.cluster
     print(f"   calibrated in {time.monotonic() - t0:.0f}s: model {profile.param_bytes / 1e6:.2f} MB "
@@ -258,7 +270,12 @@ def bench_framework(framework: str, label: str) -> dict:
         workers = r["cluster"]["worker"]["count"]
         r["measured_per_target_step_s"] = (r["measured_s"] / workers if profile.target_global
                                            else r["measured_s"]) if r["measured_s"] else None
-    measured = [r for r in rows if r["measured_per_target_step_s"]]
+    recd = next((r for r in rows if r["recommended"]), None)
+    # A per-worker step target: plans with other worker counts train on other amounts
+    # of data, so the recommendation is judged against plans with its worker count.
+    same_work = (lambda r: True) if profile.target_global or recd is None else \
+        (lambda r: r["cluster"]["worker"]["count"] == recd["cluster"]["worker"]["count"])
+    measured = [r for r in rows if r["measured_per_target_step_s"] and same_work(r)]
     best = min(measured, key=lambda r: r["measured_per_target_step_s"]) if measured else None
     recd = next((r for r in rows if r["recommended"]), None)
     ratio = (recd["measured_per_target_step_s"] / best["measured_per_target_step_s"]) \
@@ -347,8 +364,7 @@ def cmd_proof(args) -> None:
             # the calibration is cached by the first run: time the auto run again without it
             auto2_id, auto2_s, auto2_status, auto2_wall = run_job(base + steps + ["-DautoStrategy=true"])
             from paicli.plutoview import record
-            from paicli.store import Store
-            plan = record(Store().job(auto2_id)["job_dir"]) or {}
+            plan = record(the_store().job(auto2_id)["job_dir"]) or {}
             speed = default_wall / auto2_wall if auto2_wall else None
             train_default, train_auto = training_seconds(default_id), training_seconds(auto2_id)
             print(f"   default 1 ps : {default_wall:6.1f}s submit to end, {train_default or float('nan'):6.1f}s "

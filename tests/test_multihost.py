@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -342,7 +343,6 @@ def test_mxnet_dist_sync_across_nodes(cluster, nodes):
 def test_caffe_model_averaging_across_nodes(cluster, nodes, tmp_path):
     rt = runtime_ready("caffe")
     folder = tmp_path / "lenet"
-    import shutil
     shutil.copytree(ROOT / "examples" / "caffe" / "lenet", folder)
     subprocess.run([rt.python(), str(folder / "make_data.py")], check=True, timeout=300, cwd=folder)
     solver = (folder / "lenet_solver.prototxt").read_text()
@@ -406,8 +406,15 @@ def test_a_job_provisions_its_runtime_on_a_node_that_lacks_it(tmp_path, monkeypa
     """Real provisioning on a node, with progress in the job's view. The node is an
     sshd on loopback (a namespace host has no route to the package index)."""
     runtime_ready("mxnet")   # the submitting side's own copy (the plan names its paths)
+    rt_dir = tmp_path / "node-runtimes"
+    try:
+        provision_and_run(tmp_path, monkeypatch, rt_dir)
+    finally:
+        shutil.rmtree(rt_dir, ignore_errors=True)   # ~300 MB: not kept with pytest's old folders
+
+
+def provision_and_run(tmp_path, monkeypatch, rt_dir):
     with LoopbackHost(Path("/var/tmp") / f"paicli-lo-{os.getpid()}") as lo:
-        rt_dir = tmp_path / "node-runtimes"
         path = tmp_path / "lo.yaml"
         path.write_text(json.dumps({"known_hosts": str(lo.known_hosts),
                                     "nodes": [lo.node(runtime_dir=str(rt_dir), work_dir=str(tmp_path / "work"))]}))

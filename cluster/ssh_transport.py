@@ -252,22 +252,27 @@ class Sftp:
         self.sftp.chmod(remote, 0o700 if mode & stat.S_IXUSR else 0o600)
 
     def put_tree(self, local: str, remote: str) -> None:
+        """A copy of `local`; relative symlinks that stay inside it are kept as links,
+        any other link is left out (nothing outside the tree is reached)."""
         self.makedirs(remote)
+        root = os.path.realpath(local)
         for dirpath, dirnames, filenames in os.walk(local):
             rel = os.path.relpath(dirpath, local)
             target = remote if rel == "." else f"{remote}/{rel}"
-            for d in dirnames:
-                if os.path.islink(os.path.join(dirpath, d)):
-                    continue
-                try:
-                    self.sftp.mkdir(f"{target}/{d}", mode=0o700)
-                except OSError:
-                    pass
-            for f in filenames:
-                src = os.path.join(dirpath, f)
-                if os.path.islink(src) or not os.path.isfile(src):
-                    continue
-                self.put(src, f"{target}/{f}")
+            for name in [*dirnames, *filenames]:
+                src = os.path.join(dirpath, name)
+                if os.path.islink(src):
+                    link = os.readlink(src)
+                    inside = os.path.realpath(src).startswith(root + os.sep)
+                    if not os.path.isabs(link) and inside:
+                        self.sftp.symlink(link, f"{target}/{name}")
+                elif os.path.isdir(src):
+                    try:
+                        self.sftp.mkdir(f"{target}/{name}", mode=0o700)
+                    except OSError:
+                        pass
+                elif os.path.isfile(src):
+                    self.put(src, f"{target}/{name}")
 
     def rmtree(self, remote: str) -> None:
         try:

@@ -441,3 +441,29 @@ def _cmdline_has(pid: str, text: str) -> bool:
         return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def test_sftp_copy_keeps_inner_links_and_drops_links_that_leave(cluster, tmp_path):
+    from paicli.cluster import ssh_transport as ssh
+    from paicli.cluster.nodes import NodeEntry
+
+    tree = tmp_path / "code"
+    (tree / "a" / "b").mkdir(parents=True)
+    (tree / "a" / "b" / "f.txt").write_text("data")
+    os.symlink("a/b/f.txt", tree / "rel")
+    os.symlink("b", tree / "a" / "dirlink")
+    os.symlink("/etc/passwd", tree / "abs")
+    os.symlink("../../../../etc/passwd", tree / "up")
+    h1 = cluster.host("h1")
+    client = ssh.connect(NodeEntry(name="h1", host=h1.addr, user=cluster.user, key=str(cluster.client_key)),
+                         str(cluster.known_hosts))
+    try:
+        sftp = ssh.Sftp(client)
+        sftp.put_tree(str(tree), "/tmp/sftp-test/code")
+        sftp.close()
+    finally:
+        client.close()
+    listing = cluster.ssh("h1", ["sh", "-c", "cd /tmp/sftp-test/code && find . -printf '%p %y %m\\n' | sort; "
+                                             "cat rel a/dirlink/f.txt; rm -rf /tmp/sftp-test"]).stdout
+    assert listing.splitlines() == [". d 700", "./a d 700", "./a/b d 700", "./a/b/f.txt f 600",
+                                    "./a/dirlink l 777", "./rel l 777", "datadata"], listing

@@ -220,7 +220,7 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
     follower = FileFollower(job_dir / "job.log", "end" if from_end else 0)
     live = LiveLine(job_dir / "job.live", out, colour) if hasattr(out, "isatty") and out.isatty() else None
     state = {"counts": None, "next_check": 0.0, "partial": b"", "watch": DirectoryWatch(job_dir),
-             "live": live, "idle_check": time.monotonic(), "idle": None}
+             "live": live, "idle_check": time.monotonic(), "idle": []}
     interrupted = False
     try:
         while True:
@@ -284,12 +284,12 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
             from paicli import jobview
 
             state["idle_check"] = now + min(IDLE_CHECK, jobview.idle_after() / 2)
-
-            note = idle_note(jobview.idle_now(store, job_id))
+            idle = jobview.idle_now(store, job_id)
+            names = [i["instance"] for i in idle]
             # Said once when workers go quiet, again if the set of quiet ones changes.
-            names = note.split(" for ")[0] if note else None
-            if note and names != state["idle"]:
-                _write(out, state, ((colourise(note.encode()) if colour else note.encode()) + b"\n"))
+            if idle and names != state["idle"]:
+                note = idle_note(idle).encode()
+                _write(out, state, (colourise(note) if colour else note) + b"\n")
             state["idle"] = names
         if client.job_over(job):
             # One more read after the end, so no last line is lost.

@@ -467,3 +467,20 @@ def test_sftp_copy_keeps_inner_links_and_drops_links_that_leave(cluster, tmp_pat
                                              "cat rel a/dirlink/f.txt; rm -rf /tmp/sftp-test"]).stdout
     assert listing.splitlines() == [". d 700", "./a d 700", "./a/b d 700", "./a/b/f.txt f 600",
                                     "./a/dirlink l 777", "./rel l 777", "datadata"], listing
+
+
+def test_an_unreachable_node_is_listed_so_and_left_out_of_placement(cluster, nodes):
+    data = json.loads(nodes.read_text())
+    h1 = cluster.host("h1")
+    # the same host on a port where nothing listens: refused at once
+    data["nodes"].append({**data["nodes"][0], "name": "dead", "port": 2})
+    nodes.write_text(json.dumps(data))
+    rows = {r["name"]: r for r in json.loads(pai("nodes", "--json").stdout)}
+    assert rows["dead"]["state"] == "unreachable" and rows["h1"]["state"] == "up"
+    assert f"node dead ({cluster.user}@{h1.addr}:2): unreachable" in rows["dead"]["error"]
+    text = pai("nodes")
+    assert re.search(r"^dead\s+\S+:2\s+unreachable\s+-", text.stdout, re.M), text.stdout
+    assert "dead: node dead" in text.stderr
+    info = assert_ok(pai("-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}",
+                         "-DuserDefinedParameters=--steps 5 --sleep 0"))
+    assert "dead" not in {inst["node"] for inst in info["instances"]}

@@ -162,7 +162,7 @@ def record_host_key(node: NodeEntry, known_hosts: str, key) -> None:
     if path.exists():
         for line in path.read_text().splitlines():
             hosts = line.split(" ", 1)[0].split(",") if line and not line.startswith("#") else []
-            if name in hosts:
+            if any(_names(entry, name) for entry in hosts):
                 continue
             lines.append(line)
     lines.append(f"{name} {key.get_name()} {key.get_base64()}")
@@ -171,6 +171,14 @@ def record_host_key(node: NodeEntry, known_hosts: str, key) -> None:
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")
     os.replace(tmp, path)
+
+
+def _names(entry: str, name: str) -> bool:
+    """A known_hosts host field names `name`, plainly or hashed (`|1|salt|hash`)."""
+    if entry.startswith("|1|"):
+        salt = entry.split("|")[2] if entry.count("|") >= 3 else ""
+        return _paramiko().HostKeys.hash_host(name, salt) == entry
+    return entry == name
 
 
 def exec_command(client, argv: list[str], stdin: bytes | None = None,

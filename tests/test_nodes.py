@@ -200,3 +200,25 @@ def test_resources_one_liner_parsing():
     assert parse_resources("2\nMemTotal: 2048 kB\n") == {"cores": 2, "memory": 2, "gpus": []}
     with pytest.raises(PaiError, match="declare cpu, memory and gpu"):
         parse_resources("sh: nproc: not found\n")
+
+
+def test_trusting_a_node_replaces_its_entries_plain_or_hashed(tmp_path):
+    import base64
+
+    import paramiko
+
+    from paicli.cluster.nodes import NodeEntry
+    from paicli.cluster.ssh_transport import known_key, record_host_key
+
+    old = "AAAAC3NzaC1lZDI1NTE5AAAAIFGg2MshnJ/0kCGuXdLyo0wQJr1/JQWHwffcbqpH7B54"
+    new = "AAAAC3NzaC1lZDI1NTE5AAAAIIzwOx4hNJ1AH3/cqEWzTllRXKGCzATMItGDRTo39hwX"
+    known = tmp_path / "known_hosts"
+    known.write_text(f"{paramiko.HostKeys.hash_host('10.0.0.5')} ssh-ed25519 {old}\n"
+                     f"10.0.0.5 ssh-ed25519 {old}\n[10.0.0.5]:2222 ssh-ed25519 {old}\n10.0.0.9 ssh-ed25519 {old}\n")
+    key = paramiko.PKey.from_type_string("ssh-ed25519", base64.b64decode(new))
+    node = NodeEntry(name="x", host="10.0.0.5")
+    record_host_key(node, str(known), key)
+    assert known.read_text().splitlines() == [f"[10.0.0.5]:2222 ssh-ed25519 {old}", f"10.0.0.9 ssh-ed25519 {old}",
+                                              f"10.0.0.5 ssh-ed25519 {new}"]
+    assert known_key(node, str(known)).get_base64() == new
+    assert oct(known.stat().st_mode & 0o777) == "0o600"

@@ -26,6 +26,8 @@ PLAN_FRAMEWORKS = ("tensorflow", "mxnet", "caffe")
 CALIBRATION_LIMIT_S = 180.0     # a calibration run that shows no steps by then fails
 CALIBRATION_INTERVALS = 4       # step-line intervals per worker before a run is stopped
 CALIBRATION_MA_PERIOD = 5
+STRATEGY_KEYS = ("autoStrategy", "timeout", "gradientCompression", "gradientCompressionThreshold",
+                 "bigArrayBound", "psStrategy", "maPeriod")
 
 
 @dataclass
@@ -246,7 +248,9 @@ def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Call
     from paicli.errors import PaiError
     from paicli.states import JobStatus
 
-    params = {k: v for k, v in prepared.spec.params.items() if k not in ("autoStrategy", "timeout")}
+    # The script as the user gave it, minus what Pluto decides: the calibration's
+    # communication model assumes no compression, MXNet's own slicing, TF round-robin.
+    params = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
     params.update({"cluster": cluster_value, **extra, "maxRetries": 0,
                    "jobName": f"pluto-calibration-{Path(str(prepared.spec.get('script') or prepared.spec.get('solver') or 'job')).stem}"})
     spec = replace(prepared.spec, params=params)

@@ -385,14 +385,12 @@ def _recent_job_ids(limit: int = 20) -> list[str]:
 
 
 def history_path() -> Path:
+    from paicli.private import private_dir, touch_private
     from paicli.store import pai_home
 
-    home = pai_home()
-    home.mkdir(parents=True, exist_ok=True)
+    home = private_dir(pai_home(), parents=True)   # the console may be the first to make it
     path = home / "console_history"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.close(fd)
-    os.chmod(path, 0o600)
+    touch_private(path)
     return path
 
 

@@ -276,3 +276,18 @@ def test_job_statements_from_a_pipe(pai_home):
     assert f"{running} cancelled" in out and "CANCELLED: cancelled by user" in out      # kill, wait
     assert result.returncode == 130, result.stderr   # from a pipe: the last statement's code (wait)
     assert pai_json("status", running)["status"] == "Cancelled"
+
+
+def test_history_file_and_a_fresh_pai_home_are_private(pai_home):
+    """The console may be the first to create PAI_HOME: 0700 whatever the umask,
+    and the history (typed -D values) 0600."""
+    from paicli.console import history_path
+
+    old = os.umask(0o022)
+    try:
+        path = history_path()
+    finally:
+        os.umask(old)
+    assert path == pai_home / "console_history"
+    assert oct(pai_home.stat().st_mode & 0o777) == "0o700"
+    assert oct(path.stat().st_mode & 0o777) == "0o600"

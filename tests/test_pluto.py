@@ -190,6 +190,17 @@ def test_caffe_averaging_period_shortest_within_reach_of_the_fastest():
     assert plan.recommended.to_json()["params"] == {"maPeriod": period}
 
 
+def test_caffe_rounds_are_anchored_on_the_measured_one():
+    profile = Profile("caffe", param_bytes=1 * MB, var_bytes=(1 * MB,), compute_s_per_sample=1e-4, batch_size=10,
+                      ma_exchange_s=0.5, ma_workers=2)
+    where = nodes(5)
+    two = model.forecast(profile, Strategy("caffe", 1, 2, ma_period=5), where)
+    assert two.comm_s == pytest.approx(0.5 / 5)
+    four = model.forecast(profile, Strategy("caffe", 1, 4, ma_period=5), where)
+    assert four.comm_s == pytest.approx(0.5 * 2 / 5)     # the ps link carries twice the bytes
+    assert model.forecast(profile, Strategy("caffe", 0, 1), where).comm_s == 0
+
+
 def test_strategy_values_are_what_a_submit_takes():
     from paicli.spec import CORE_PARAMS, RawParam, build_spec
     from paicli.adapters import get_adapter

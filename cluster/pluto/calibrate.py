@@ -37,7 +37,7 @@ from typing import Any
 from paicli.cluster.pluto.model import comm_seconds, compute_seconds
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 
-CACHE_VERSION = 2   # 2: three calibration runs, the per-ps term
+CACHE_VERSION = 3   # 2: three calibration runs, the per-ps term; 3: Caffe's measured round
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")
@@ -250,10 +250,8 @@ def _caffe_profile(runs: list[Run], facts: ScriptFacts, where: Cluster, batch: i
     profile = replace(profile, compute_s_per_sample=per_sample)
     ma = next((r for r in runs if r.exchange_s is not None and r.workers > 1), None)
     if ma is not None:
-        s = Strategy("caffe", 1, ma.workers, ma_period=ma.ma_period or 1)
-        # A round's fixed cost beyond the bytes (connection, numpy copies), per worker per ps.
-        residual = ma.exchange_s - comm_seconds(profile, s, where)
-        profile = replace(profile, fanin_s=max(0.0, residual) / ma.workers, ma_exchange_s=ma.exchange_s)
+        # The measured round is the model's anchor for averaging (model.forecast scales it).
+        profile = replace(profile, ma_exchange_s=ma.exchange_s, ma_workers=ma.workers)
     return profile
 
 

@@ -206,6 +206,13 @@ def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast
     overhead = profile.overhead_s
     if strategy.framework in MA_FRAMEWORKS:
         period = strategy.ma_period or 1
+        if profile.ma_exchange_s > 0 and strategy.workers > 1:
+            # A round was measured (calibration, ma_workers workers): scale it by what the
+            # byte model says a round with this many workers costs against that one.
+            measured_with = strategy.with_(workers=profile.ma_workers, ps=max(1, strategy.ps))
+            base = comm_seconds(profile, measured_with, cluster)
+            comm = profile.ma_exchange_s * (comm / base if base > 0 else 1.0)
+            fanin = 0.0
         comm = comm / period if strategy.workers > 1 else 0.0
         fanin = fanin / period if strategy.workers > 1 else 0.0
     step = overhead + fanin + compute + comm

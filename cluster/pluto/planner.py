@@ -179,7 +179,6 @@ def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | N
 def explain(profile: Profile, cluster: Cluster, rec: Choice, default: Choice) -> list[str]:
     """One line per decision, each with the measured fact behind it."""
     s, f = rec.strategy, rec.forecast
-    d = default.forecast
     mb = profile.param_bytes / 1e6
     lines = []
     speedup = default.score() / rec.score() if rec.score() else 1.0

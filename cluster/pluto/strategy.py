@@ -108,7 +108,8 @@ class Profile:
     target_global: bool = False        # the target counts every worker's steps (TF global_step)
     sync: bool = True
     learning_rate: float | None = None
-    ma_exchange_s: float = 0.0         # Caffe: measured seconds of one averaging round (2 workers)
+    ma_exchange_s: float = 0.0         # Caffe: measured seconds of one averaging round...
+    ma_workers: int = 2                # ...with this many workers
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Library functions; paicli/cli_nodes.py only parses and renders.
 
 from __future__ import annotations
 
+import secrets
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +17,7 @@ from paicli.cluster.nodes import NodeEntry, NodesConfig
 from paicli.errors import PaiError, UsageError
 
 RUNNERS = Path(__file__).resolve().parent.parent / "runners"
+PROVISION_SILENCE = 900.0   # seconds without a line from the node's provisioning = it stopped answering
 
 UP, UNREACHABLE, KEY_UNKNOWN, KEY_CHANGED, AUTH_FAILED = (
     "up", "unreachable", "host key unknown", "host key changed", "auth failed")
@@ -90,36 +92,62 @@ def provision_runtime(config: NodesConfig, node_name: str, runtime: str,
     node = config.node(node_name)
     client = ssh.connect(node, config.known_hosts)
     try:
-        return _provision(client, node, runtime, progress)
+        return _provision(lambda: client.get_transport().open_session(timeout=30), node, runtime, progress)
     finally:
         client.close()
 
 
-def _provision(client, node: NodeEntry, runtime: str, progress: Callable[[str], None]) -> str:
-    info = ssh.run_agent(client, node, "info", node.runtime_dir or "", timeout=30)
+def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
+               progress: Callable[[str], None]) -> str:
+    """`session()` opens a fresh SSH session channel to the node (a job's shared
+    connection may already carry as many as the node's sshd allows: use
+    Connections.session there). The provisioning code goes to a folder of its own
+    (0700, files 0600), removed afterwards, whatever happened."""
+    info = ssh.run_agent(session(), node, "info", node.runtime_dir or "", timeout=30)
     if runtime in info["runtimes"]:
         from paicli.runners.runtimes import get_runtime
 
         if info["runtimes"][runtime] == get_runtime(runtime).version:
             progress(f"{node.name}: {runtime} runtime already in {info['runtime_dir']}")
             return f"{info['runtime_dir']}/{runtime}"
-    folder = f"{node.job_root}/provision"
-    sftp = ssh.Sftp(client)
+    # One folder per provisioning: two jobs provisioning the node at once do not
+    # remove each other's copy.
+    folder = f"{node.job_root}/provision-{secrets.token_hex(6)}"
+    try:
+        return _run_provisioning(session, node, runtime, progress, info, folder)
+    finally:
+        try:
+            sftp = ssh.Sftp(session())
+            try:
+                sftp.rmtree(folder)
+            finally:
+                sftp.close()
+        except (PaiError, OSError, EOFError):
+            pass   # an unreachable node keeps it (under /tmp, cleared at boot)
+
+
+def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable[[str], None],
+                      info: dict, folder: str) -> str:
+    sftp = ssh.Sftp(session())
     try:
         sftp.makedirs(f"{folder}/paicli/runners")
         for rel in ("paicli/__init__.py", "paicli/runners/__init__.py"):
-            with sftp.sftp.open(f"{folder}/{rel}", "w") as f:
-                f.write(b"")
+            sftp.write(f"{folder}/{rel}", b"")
         for name in ("runtimes.py", "caffe_rootfs.py"):
             sftp.put(str(RUNNERS / name), f"{folder}/paicli/runners/{name}")
     finally:
         sftp.close()
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "from paicli.runners.runtimes import get_runtime; "
-            "rt = get_runtime(sys.argv[2]); rt.ensure(lambda line: print(line, flush=True)); print(rt.path)")
+    # A failure on the node is one line too (its last line becomes the error).
+    code = ("import sys\nsys.path.insert(0, sys.argv[1])\n"
+            "from paicli.runners.runtimes import get_runtime\n"
+            "try:\n"
+            "    rt = get_runtime(sys.argv[2]); rt.ensure(lambda line: print(line, flush=True)); print(rt.path)\n"
+            "except Exception as err:\n"
+            "    print(f'{err.__class__.__name__.rstrip(\"_\")}: {err}', flush=True); sys.exit(1)\n")
     argv = ["env", f"PAI_RUNTIME_DIR={info['runtime_dir']}", info["python_path"], "-u", "-c", code,
             folder, runtime]
-    chan = client.get_transport().open_session()
+    chan = session()
+    chan.settimeout(PROVISION_SILENCE)
     chan.set_combine_stderr(True)
     chan.exec_command(ssh.quote_argv(argv))
     chan.shutdown_write()

@@ -254,6 +254,12 @@ class Sftp:
                 self.sftp.mkdir(current, mode=0o700)
                 self.sftp.chmod(current, 0o700)
 
+    def write(self, remote: str, data: bytes) -> None:
+        """A file of ours with `data`, 0600 before anything is written to it."""
+        with self.sftp.open(remote, "w") as f:
+            f.chmod(0o600)
+            f.write(data)
+
     def put(self, local: str, remote: str) -> None:
         self.sftp.put(local, remote)
         mode = os.stat(local).st_mode

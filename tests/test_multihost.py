@@ -374,6 +374,20 @@ def test_runtime_install_on_a_node_reports_what_is_there(cluster, nodes):
     assert missing.returncode == 2 and "no node named 'h9'" in missing.stderr
 
 
+def test_a_failed_runtime_install_on_a_node_is_one_line_and_leaves_no_folder(cluster, tmp_path, monkeypatch,
+                                                                            pai_home):
+    """Provisioning copies its code to a folder of its own on the node: gone after
+    a failure too. (A runtime_dir under /dev/null makes it fail at once.)"""
+    path = cluster.write_nodes_file(tmp_path / "bad-rt.yaml", cpu=100, runtime_dir="/dev/null/rt")
+    monkeypatch.setenv("PAI_NODES", str(path))
+    result = pai("runtime", "install", "mxnet", "--node", "h3", timeout=120)
+    assert result.returncode != 0
+    assert "provisioning the mxnet runtime failed" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 2, result.stderr
+    listing = cluster.ssh("h3", ["ls", "-a", f"/tmp/paicli-{cluster.user}"])
+    assert listing.returncode == 0 and "provision" not in listing.stdout, listing.stdout
+
+
 def test_pai_nodes_lists_every_node(cluster, nodes):
     rows = json.loads(pai("nodes", "--json").stdout)
     assert [r["name"] for r in rows] == ["h1", "h2", "h3", "h4"]

@@ -347,7 +347,7 @@ class SSHBackend(Backend):
             from paicli.cluster.node_admin import _provision
 
             self.progress(f"{node.name}: no {runtime} runtime in {info['runtime_dir']}; provisioning it")
-            _provision(client, node, runtime, self.progress)
+            _provision(lambda: self.conns.session(node), node, runtime, self.progress)
             self._infos.pop(node.name, None)
             info = self.info(node.name)
         with self._lock:

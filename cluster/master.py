@@ -32,7 +32,7 @@ from paicli.cluster.ports import allocate_ports
 from paicli.cluster.job_placement import place_job, read_placements, write_placements
 from paicli.cluster.procinfo import start_time
 from paicli import jobview
-from paicli.errors import UsageError
+from paicli.errors import PaiError, UsageError
 from paicli.plan import JobPlan, RolePlan
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
@@ -138,8 +138,10 @@ class JobMaster:
         except BaseException as err:  # a bug or an OS failure must not leave processes behind
             traceback.print_exc()  # into master.log
             # A backend's own verdict (Ray: timed out or cancelled while waiting for room).
-            outcome = getattr(err, "outcome", None) or (JobStatus.FAILED,
-                                                        f"launcher error: {type(err).__name__}: {err}")
+            # A known error (PaiError: a node refused, staging failed) is its own one
+            # line; anything else names its class (the traceback is in master.log).
+            why = str(err) if isinstance(err, PaiError) else f"launcher error: {type(err).__name__}: {err}"
+            outcome = getattr(err, "outcome", None) or (JobStatus.FAILED, why)
         status, reason = outcome
         self._finish(status, reason)
         return 0

@@ -130,6 +130,7 @@ def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable
                       info: dict, folder: str) -> str:
     sftp = ssh.Sftp(session())
     try:
+        sftp.private_root(node.job_root, node.name)
         sftp.makedirs(f"{folder}/paicli/runners")
         for rel in ("paicli/__init__.py", "paicli/runners/__init__.py"):
             sftp.write(f"{folder}/{rel}", b"")

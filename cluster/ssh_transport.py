@@ -17,6 +17,7 @@ import base64
 import hashlib
 import json
 import os
+import secrets
 import shlex
 import socket
 import stat
@@ -253,6 +254,29 @@ class Sftp:
             except FileNotFoundError:
                 self.sftp.mkdir(current, mode=0o700)
                 self.sftp.chmod(current, 0o700)
+
+    def private_root(self, path: str, node_name: str) -> None:
+        """`path` (a node's work_dir, by default /tmp/paicli-USER) exists and is
+        ours alone: a directory, not a link, owned by the user we log in as, not
+        writable by others. Anyone else who owns it, or may write to it, could swap
+        a job's folder for theirs between our copy and our start of the agent."""
+        self.makedirs(path)
+        attrs = self.sftp.lstat(path)
+        probe = f"{path}/.paicli-owner-{secrets.token_hex(4)}"
+        try:
+            self.write(probe, b"")
+            ours = self.sftp.lstat(probe).st_uid
+        finally:
+            try:
+                self.sftp.remove(probe)
+            except OSError:
+                pass
+        if not stat.S_ISDIR(attrs.st_mode) or attrs.st_uid != ours or attrs.st_mode & 0o022:
+            what = ("not a directory" if not stat.S_ISDIR(attrs.st_mode) else
+                    f"owned by uid {attrs.st_uid}, not by us ({ours})" if attrs.st_uid != ours else
+                    f"writable by others (mode {attrs.st_mode & 0o777:o})")
+            raise UsageError(f"node {node_name}: the per-job folder root {path} is {what}; refused",
+                             "remove it on the node, or set `work_dir:` for the node to a folder of your own")
 
     def write(self, remote: str, data: bytes) -> None:
         """A file of ours with `data`, 0600 before anything is written to it."""

@@ -388,6 +388,32 @@ def test_a_failed_runtime_install_on_a_node_is_one_line_and_leaves_no_folder(clu
     assert listing.returncode == 0 and "provision" not in listing.stdout, listing.stdout
 
 
+def test_a_work_dir_someone_else_could_swap_is_refused(cluster, tmp_path, monkeypatch, pai_home):
+    """The per-job folders' root on a node must be ours alone: one writable by
+    others, or owned by another user, is refused before anything is copied."""
+    root = "/tmp/paicli-swappable"
+    data = {"known_hosts": str(cluster.known_hosts), "nodes": cluster.nodes(cpu=100, work_dir=root)[3:]}
+    path = tmp_path / "one.yaml"
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv("PAI_NODES", str(path))
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello', flush=True)\n")
+    try:
+        for prepare, words in ((["mkdir", "-m", "0777", root], "writable by others (mode 777); refused"),
+                               (["chmod", "0700", root, "+", "chown", "65534", root], "owned by uid 65534, not by us (0); refused")):
+            for argv in " ".join(prepare).split(" + "):
+                assert cluster.ssh("h4", argv.split()).returncode == 0
+            result = pai("-name", "python", f"-Dscript={script}", timeout=120)
+            assert result.returncode != 0, result.stdout
+            assert f"node h4: the per-job folder root {root} is {words}" in result.stdout + result.stderr, \
+                result.stdout[-2000:] + result.stderr[-2000:]
+            assert "FAILED: node h4: the per-job folder root" in result.stdout   # one line, no class name
+            listing = cluster.ssh("h4", ["find", root, "-mindepth", "1"])
+            assert listing.stdout.strip() == "", listing.stdout   # nothing copied into it
+    finally:
+        cluster.ssh("h4", ["rm", "-rf", root])
+
+
 def test_pai_nodes_lists_every_node(cluster, nodes):
     rows = json.loads(pai("nodes", "--json").stdout)
     assert [r["name"] for r in rows] == ["h1", "h2", "h3", "h4"]

@@ -318,6 +318,7 @@ class SSHBackend(Backend):
         folder = remote_paths.job_folder(node.job_root, job_id)
         sftp = ssh.Sftp(self.conns.session(node))
         try:
+            sftp.private_root(node.job_root, node.name)
             sftp.makedirs(f"{folder}/runners")
             sftp.put(str(RUNNERS_DIR / "node_agent.py"), f"{folder}/runners/node_agent.py")
             self._warm_up(node, client, folder, job_id, placed)

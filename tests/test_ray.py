@@ -549,3 +549,21 @@ def test_a_ray_address_nobody_answers_is_one_line(tmp_path):
         assert len(lines) == 1 and "the Ray cluster at 127.0.0.1:1 does not answer" in lines[0], lines
     jobs = tmp_path / "home" / "jobs"
     assert not (jobs.exists() and any(jobs.iterdir()))
+
+
+def test_a_node_folder_root_someone_else_could_swap_is_refused(tmp_path, monkeypatch):
+    """The actor writes a job's files only under a root of ours alone (0700 if it
+    makes it): one writable by others is refused in one line, nothing written."""
+    monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
+    actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
+    assert actor.stage({"runners/a.py": b"x"}) == {"folder": actor.folder}
+    root = Path(ray_node.user_root())
+    assert root.stat().st_mode & 0o777 == 0o700
+    os.chmod(root, 0o777)
+    answer = actor.stage({"runners/b.py": b"x"})
+    assert "writable by others (mode 777); refused" in answer["error"]
+    assert not (Path(actor.folder) / "runners" / "b.py").exists()
+    os.chmod(root, 0o700)
+    root.rename(tmp_path / "elsewhere")
+    root.symlink_to(tmp_path / "elsewhere")      # a link in its place is refused too
+    assert "not a directory" in actor.stage({"runners/c.py": b"x"})["error"]

@@ -533,8 +533,10 @@ class RayBackend(Backend):
             return
         shipped = ray.put(files)   # into the object store once, fetched by each node
         calls = {nid: inst.actor.stage.remote(shipped, ["runners/node_agent.py"]) for nid, inst in todo.items()}
-        for ref in calls.values():
-            ray.get(ref)
+        for nid, ref in calls.items():
+            staged = ray.get(ref)
+            if "error" in staged:
+                raise PaiError(f"staging the job on Ray node {todo[nid].host}: {staged['error']}")
         answers = {nid: todo[nid].actor.ensure_runtime.remote(runtime) for nid in todo}
         for nid, ref in answers.items():
             got = ray.get(ref)
@@ -603,7 +605,9 @@ class RayBackend(Backend):
         node_cwd = remote_paths.translate(cwd, mapping) if cwd else None
         folder = inst.info["folder"]
         if node_cwd and node_cwd.startswith(folder + "/"):   # make sure it exists there
-            ray.get(inst.actor.stage.remote({f"{node_cwd[len(folder) + 1:]}/.keep": b""}))
+            staged = ray.get(inst.actor.stage.remote({f"{node_cwd[len(folder) + 1:]}/.keep": b""}))
+            if "error" in staged:
+                raise OSError(staged["error"])
         answer = ray.get(inst.actor.start.remote(node_argv, env_out, node_cwd))
         if "error" in answer:
             raise FileNotFoundError(2, f"{answer['error']}".strip()[:300])

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from stat import S_ISDIR
 
 MAX_BUFFERED = 1 << 20   # output held in the actor before the agent is made to wait
 
@@ -125,10 +126,33 @@ def free_ports(count: int, taken=()) -> list[int]:
     return ports
 
 
+def user_root() -> str:
+    """Where this user's per-job folders go on a node (see job_folder)."""
+    return os.path.join(tempfile.gettempdir(), f"paicli-ray-{os.getuid()}")
+
+
 def job_folder(job_id: str, node_id: str) -> str:
     """The per-job folder on a node: under the node's temporary directory, one per
     (user, node), so that nodes sharing a filesystem never share it."""
-    return os.path.join(tempfile.gettempdir(), f"paicli-ray-{os.getuid()}", node_id[:16], job_id)
+    return os.path.join(user_root(), node_id[:16], job_id)
+
+
+def own_root(path: str) -> None:
+    """`path` exists (made 0700 if missing) and is ours alone: a directory, not a
+    link, owned by us, not writable by others. In a shared /tmp anyone may create
+    it first; whoever could write there could swap a job's folder (and the node
+    agent in it) for theirs. PermissionError naming what is wrong."""
+    private_dirs(path)
+    st = os.lstat(path)
+    if not S_ISDIR(st.st_mode):
+        what = "not a directory"
+    elif st.st_uid != os.getuid():
+        what = f"owned by uid {st.st_uid}, not by us ({os.getuid()})"
+    elif st.st_mode & 0o022:
+        what = f"writable by others (mode {st.st_mode & 0o777:o})"
+    else:
+        return
+    raise PermissionError(f"the per-job folder root {path} is {what}; refused (remove it on the node)")
 
 
 def private_dirs(path: str) -> None:
@@ -192,9 +216,16 @@ class InstanceActor:
                 "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "hostname": socket.gethostname(),
                 "node_id": self.node_id, "node_ip": self.node_ip}
 
-    def stage(self, files: dict[str, bytes], executable=()) -> str:
-        write_files(self.folder, files, executable)
-        return self.folder
+    def stage(self, files: dict[str, bytes], executable=()) -> dict:
+        """{"folder": ...}, or {"error": one line} when the node's folder is not safe
+        to use or cannot be written."""
+        try:
+            if self.folder.startswith(user_root() + os.sep):
+                own_root(user_root())
+            write_files(self.folder, files, executable)
+        except (OSError, ValueError) as err:
+            return {"error": str(err)}
+        return {"folder": self.folder}
 
     def ensure_runtime(self, name: str | None) -> dict:
         """The interpreter of runtime `name` on this node, provisioned here on first

@@ -24,7 +24,6 @@ namespaces, then removes them, the bridge and the state folder.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from netns import TestCluster, can_build
+from netns import TestCluster, _default_signals, can_build
 
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
@@ -140,7 +139,8 @@ class RayCluster:
         log = self.net.state / name / "ray-start.log"
         with open(log, "ab") as out:
             code = subprocess.run(host.exec_argv(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                  env=self._env(), timeout=120, start_new_session=True).returncode
+                                  env=self._env(), timeout=120, start_new_session=True,
+                                  preexec_fn=_default_signals).returncode
         if code != 0:
             raise RuntimeError(f"ray start on {name} failed ({code}): {log.read_text()[-1500:]}")
         self.started[name] = time.monotonic() - began
@@ -175,6 +175,7 @@ class RayCluster:
             **kw) -> subprocess.CompletedProcess:
         full = dict(os.environ)
         full.update(env or {})
+        kw.setdefault("preexec_fn", _default_signals)   # whatever the shell that started the tests ignores
         return subprocess.run(self.exec_argv(argv, node), capture_output=True, text=True, env=full,
                               timeout=timeout, **kw)
 
@@ -204,9 +205,7 @@ class RayCluster:
                 self.stop_node(host.name)
             except Exception:  # noqa: BLE001 - close() below kills what is left
                 pass
-        self.net.close()
-        for host in ("h1", "h2", "h3"):
-            shutil.rmtree(self.net.state / host, ignore_errors=True)
+        self.net.close()   # the namespaces, and the state folder with each node's Ray temp dir
 
 
 def job_processes(job_id: str) -> list[tuple[int, str]]:

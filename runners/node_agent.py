@@ -255,7 +255,7 @@ def _killpg(pgid: int, signum: int) -> None:
         pass
 
 
-def _is_ours(ref: list) -> bool:
+def is_ours(ref: list) -> bool:
     """`ref` = [pid, pgid, start, boot] names a group we started: same boot, and the
     leader either still has its start time or is gone (Linux gives no new process
     the number of a live group, so members of `pgid` are the original group's)."""
@@ -272,7 +272,7 @@ def cmd_stop(timeout: str, refs: str) -> int:
     """Identity-checked stop of every ref (JSON list of [pid, pgid, start, boot]):
     SIGTERM the groups, one bounded wait, SIGKILL. Prints the list of the refs
     that were ours and had something to stop."""
-    ours = [ref for ref in json.loads(refs) if _is_ours(ref) and group_members(int(ref[1]))]
+    ours = [ref for ref in json.loads(refs) if is_ours(ref) and group_members(int(ref[1]))]
     for ref in ours:
         _killpg(int(ref[1]), signal.SIGTERM)
     deadline = time.monotonic() + float(timeout)
@@ -288,7 +288,7 @@ def cmd_signal(signum: str, refs: str) -> int:
     """Send `signum` to each ref's group if it is ours; prints [true|false, ...]."""
     done = []
     for ref in json.loads(refs):
-        ok = _is_ours(ref) and bool(group_members(int(ref[1])))
+        ok = is_ours(ref) and bool(group_members(int(ref[1])))
         if ok:
             _killpg(int(ref[1]), int(signum))
         done.append(ok)
@@ -297,7 +297,7 @@ def cmd_signal(signum: str, refs: str) -> int:
 
 
 def cmd_alive(refs: str) -> int:
-    print(json.dumps([_is_ours(ref) and bool(group_members(int(ref[1]))) for ref in json.loads(refs)]))
+    print(json.dumps([is_ours(ref) and bool(group_members(int(ref[1]))) for ref in json.loads(refs)]))
     return 0
 
 

@@ -115,7 +115,7 @@ def test_node_stop_checks_identity():
     whose boot id is another's, and stops a group that is ours."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
-        stat = ray_node._stat(proc.pid)
+        stat = ray_node.node_agent.proc_stat(proc.pid)
         ref = {"pid": proc.pid, "pgid": proc.pid, "start": stat[2], "boot_id": ray_node.boot_id()}
         assert not ray_node.stop_ref(dict(ref, start=str(int(stat[2]) + 1)), 1)
         assert not ray_node.stop_ref(dict(ref, boot_id="another-boot"), 1)
@@ -134,14 +134,18 @@ def test_the_actor_code_needs_no_paicli_on_the_node():
     pytest.importorskip("ray")
     import ray.cloudpickle as cloudpickle
 
-    cloudpickle.register_pickle_by_value(ray_node)
-    data = cloudpickle.dumps((ray_node.InstanceActor, ray_node.pinned_info, ray_node.free_ports))
-    code = ("import sys, pickle; sys.modules['paicli'] = None; "
-            "cls, info, ports = pickle.loads(sys.stdin.buffer.read()); "
-            "print(cls.__name__, len(ports(2)), 'paicli' in sys.modules and sys.modules['paicli'] is not None)")
+    ray_node.ship_by_value(cloudpickle)
+    data = cloudpickle.dumps((ray_node.InstanceActor, ray_node.pinned_info, ray_node.free_ports,
+                              ray_node.pinned_alive))
+    code = ("import os, sys, pickle; sys.modules['paicli'] = None; "
+            "cls, info, ports, alive = pickle.loads(sys.stdin.buffer.read()); "
+            "start = open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19]; "
+            "me = {'pid': os.getpid(), 'pgid': os.getpgid(0), 'start': start, 'boot_id': ''}; "
+            "print(cls.__name__, len(ports(2)), alive(me), "
+            "'paicli' in sys.modules and sys.modules['paicli'] is not None)")
     result = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=60)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
-    assert result.stdout.decode().split() == ["InstanceActor", "2", "False"]
+    assert result.stdout.decode().split() == ["InstanceActor", "2", "True", "False"]
 
 
 def test_address_errors_are_one_line():

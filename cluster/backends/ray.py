@@ -323,7 +323,7 @@ class RayBackend(Backend):
                     if handler is not None and threading.current_thread() is threading.main_thread():
                         signal.signal(signum, handler)
         # The actor's code travels by value: a Ray node needs Ray, not paicli.
-        ray.cloudpickle.register_pickle_by_value(ray_node)
+        ray_node.ship_by_value(ray.cloudpickle)
         self._ray = ray
         return ray
 

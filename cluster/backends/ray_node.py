@@ -22,7 +22,9 @@ bundle:
 
 Stopping from any process is `stop_ref()`: the node agent's identity-checked
 stop (pid + start time + boot id, see cluster/backends/base.py), run on the node
-by the actor or by a task pinned to the node.
+by the actor or by a task pinned to the node. The identity check, group members,
+boot id and free ports are the node agent's own functions (one implementation for
+SSH and Ray nodes), shipped by value with this module (`ship_by_value`).
 """
 
 from __future__ import annotations
@@ -39,45 +41,25 @@ import threading
 import time
 from stat import S_ISDIR
 
+from paicli.runners import node_agent
+from paicli.runners.node_agent import boot_id, group_members as members, instances as agents_here
+from paicli.runners.node_agent import free_ports as _agent_free_ports, is_ours as _agent_is_ours
+
+def ship_by_value(cloudpickle) -> None:
+    """Register what goes to Ray nodes by value: this module and the node agent's
+    functions it uses (a Ray node needs Ray, not paicli)."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(node_agent)
+
+
 MAX_BUFFERED = 1 << 20   # output held in the actor before the agent is made to wait
 
 
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _stat(pid: int):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    return fields[0].decode(), int(fields[2]), fields[19].decode()   # state, pgid, start
-
-
-def members(pgid: int) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            stat = _stat(int(name))
-            if stat and stat[1] == pgid and stat[0] != "Z":
-                found.append(int(name))
-    return found
-
-
 def is_ours(ref: dict) -> bool:
-    """`ref` still names the group we started here (cluster/backends/base.py):
-    the same boot, and its leader either gone or the process that started at the
-    recorded time (a group's number is not handed out while the group lives)."""
-    if ref.get("boot_id") and ref["boot_id"] != boot_id():
-        return False
-    stat = _stat(int(ref["pid"]))
-    return stat is None or not ref.get("start") or stat[2] == ref["start"]
+    """`ref` ({pid, pgid, start, boot_id}) still names the group we started here:
+    the node agent's check (same boot; the leader gone, or the process that
+    started at the recorded time and still leads that group)."""
+    return _agent_is_ours([ref["pid"], ref["pgid"], ref.get("start") or "", ref.get("boot_id") or ""])
 
 
 def signal_ref(ref: dict, signum: int) -> bool:
@@ -108,19 +90,7 @@ def stop_ref(ref: dict, timeout: float) -> bool:
 
 def free_ports(count: int, taken=()) -> list[int]:
     """`count` distinct ports this node can bind now (on every address), none in `taken`."""
-    avoid = {int(p) for p in taken}
-    socks, ports = [], []
-    try:
-        while len(ports) < count and len(socks) < count + 200:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("0.0.0.0", 0))
-            socks.append(sock)
-            port = sock.getsockname()[1]
-            if port not in avoid and port not in ports:
-                ports.append(port)
-    finally:
-        for sock in socks:
-            sock.close()
+    ports = _agent_free_ports("0.0.0.0", count, {int(p) for p in taken})
     if len(ports) != count:
         raise OSError(f"could not find {count} free ports")
     return ports
@@ -374,33 +344,8 @@ def pinned_info(agent_source: str) -> dict:
     with contextlib.redirect_stdout(out):
         agent["cmd_info"]("")
     info = json.loads(out.getvalue())
-    info["instances"] = agents_here()
+    info["instances"] = agents_here()   # the exec'd copy's view is this worker's, not the node's
     return info
-
-
-def agents_here() -> list[str]:
-    """Labels of the node agents running instances on this node. Nodes that share
-    one kernel (containers, the test sandbox's namespaces) see each other's
-    processes: only those in this node's network namespace are this node's."""
-    try:
-        mine = os.readlink("/proc/self/ns/net")
-    except OSError:
-        mine = None
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            if not (len(argv) >= 4 and argv[1].endswith(b"node_agent.py") and argv[2] == b"run"):
-                continue
-            if mine is not None and os.readlink(f"/proc/{name}/ns/net") != mine:
-                continue
-        except OSError:
-            continue
-        found.append(argv[3].decode(errors="replace"))
-    return sorted(found)
 
 
 def remove_job_folder(folder: str) -> None:

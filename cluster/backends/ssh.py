@@ -360,8 +360,7 @@ class SSHBackend(Backend):
         for p in placed:
             label = f"{job_id}/{p.role}:{p.idx}"
             try:
-                chan = self.conns.session(node, timeout=START_TIMEOUT)
-                chan.exec_command(ssh.quote_argv([node.python, f"{folder}/runners/node_agent.py", "run", label]))
+                chan = self._run_agent_channel(node, folder, label)
             except (PaiError, OSError, EOFError, self._ssh_errors()):
                 continue   # start() opens its own
             with self._lock:
@@ -369,6 +368,17 @@ class SSHBackend(Backend):
                 self._warm[(p.role, p.idx)] = (node.name, chan)
             if old is not None:
                 old[1].close()
+
+    def _run_agent_channel(self, node: NodeEntry, folder: str, label: str):
+        """A channel running `node_agent.py run LABEL` from the job's folder on the
+        node, waiting for its spec (closed again if the command cannot be sent)."""
+        chan = self.conns.session(node, timeout=START_TIMEOUT)
+        try:
+            chan.exec_command(ssh.quote_argv([node.python, f"{folder}/runners/node_agent.py", "run", label]))
+        except BaseException:
+            chan.close()
+            raise
+        return chan
 
     def cleanup(self, job_dir: str) -> None:
         with self._lock:
@@ -423,7 +433,6 @@ class SSHBackend(Backend):
                 "cwd": remote_paths.translate(cwd, mapping) if cwd else f"{folder}/code",
                 "heartbeat": HEARTBEAT}
         label = f"{env.get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}"
-        python = node.python
         with self._lock:
             warm = self._warm.pop((placed.role, placed.idx), None)
         chan = warm[1] if warm is not None and warm[0] == node.name and not warm[1].closed else None
@@ -431,8 +440,7 @@ class SSHBackend(Backend):
             warm[1].close()
         try:
             if chan is None:
-                chan = self.conns.session(node, timeout=START_TIMEOUT)
-                chan.exec_command(ssh.quote_argv([python, f"{folder}/runners/node_agent.py", "run", label]))
+                chan = self._run_agent_channel(node, folder, label)
             chan.settimeout(START_TIMEOUT)
             chan.sendall(json.dumps(spec).encode() + b"\n")
             kind, payload = read_frame(chan)

@@ -37,7 +37,7 @@ from typing import Any
 from paicli.cluster.pluto.model import comm_seconds, compute_seconds
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 
-CACHE_VERSION = 3   # 2: three calibration runs, the per-ps term; 3: Caffe's measured round
+CACHE_VERSION = 4   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")
@@ -239,16 +239,20 @@ def nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
 
 def _caffe_profile(runs: list[Run], facts: ScriptFacts, where: Cluster, batch: int,
                    notes: list[str]) -> Profile:
-    iter_s = next((r.iter_s for r in runs if r.iter_s), None) or next((r.step_s for r in runs if r.step_s), 0.0)
     model_mb = next((r.model_mb for r in runs if r.model_mb), None)
     param_bytes = (model_mb or 0.0) * 1e6
     profile = Profile(framework="caffe", param_bytes=param_bytes, var_bytes=(param_bytes,), batch_size=batch,
                       step_target=facts.step_target, learning_rate=facts.learning_rate, notes=tuple(notes))
     unit = replace(profile, compute_s_per_sample=1.0)
-    one = Strategy("caffe", 0, 1)
-    per_sample = (iter_s or 0.0) / max(1e-9, compute_seconds(unit, one, where))
-    profile = replace(profile, compute_s_per_sample=per_sample)
     ma = next((r for r in runs if r.exchange_s is not None and r.workers > 1), None)
+    # Compute per iteration as averaging workers see it: each runs one BLAS thread
+    # (the runner's choice), where a lone `caffe train` uses every core; so the
+    # averaging run's own solver time is the reference when there is one.
+    ref = ma if ma is not None and ma.iter_s else next((r for r in runs if r.iter_s or r.step_s), None)
+    iter_s = (ref.iter_s or ref.step_s or 0.0) if ref else 0.0
+    shape = Strategy("caffe", 1 if ref and ref.workers > 1 else 0, ref.workers if ref else 1)
+    per_sample = iter_s / max(1e-9, compute_seconds(unit, shape, where))
+    profile = replace(profile, compute_s_per_sample=per_sample)
     if ma is not None:
         # The measured round is the model's anchor for averaging (model.forecast scales it).
         profile = replace(profile, ma_exchange_s=ma.exchange_s, ma_workers=ma.workers)

@@ -48,9 +48,21 @@ def nodes(cluster, tmp_path, monkeypatch, pai_home):
     path = cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
     monkeypatch.setenv("PAI_NODES", str(path))
     yield path
-    # Every test leaves nothing on any host, whatever happened.
+    # A test that failed half-way may have left a job running (its master is on this
+    # machine, outside the sandbox): cancel it, then check nothing is on any host.
+    kill_unfinished_jobs()
     left = wait_until(lambda: not cluster.all_leftovers(), timeout=15)
     assert left, f"processes left on the hosts: {cluster.all_leftovers()}"
+
+
+def kill_unfinished_jobs() -> list[str]:
+    """`pai kill` every job of this PAI_HOME that has not ended; their IDs."""
+    listed = pai("list", "--json", "-n", "200")
+    jobs = json.loads(listed.stdout) if listed.returncode == 0 else []
+    unfinished = [j["id"] for j in jobs if j["status"] not in ("Succeeded", "Failed", "Cancelled")]
+    for job_id in unfinished:
+        pai("kill", job_id, timeout=60)
+    return unfinished
 
 
 def status(job_id: str) -> dict:

@@ -48,14 +48,16 @@ def stop_job_instances(store: Store, job_id: str, refs: list[InstanceRef] | None
 
 
 def mark_master_lost(store: Store, job_id: str, refs: list[InstanceRef] | None = None,
-                     reason: str = "master lost") -> None:
-    """The job's master is gone: record it, then stop whatever it left running."""
+                     reason: str = "master lost") -> list[InstanceRef]:
+    """The job's master is gone: record it, then stop whatever it left running.
+    Returns what was stopped."""
     # Write the verdict first, then act: anyone who looks sees why.
     store.set_job(job_id, JobStatus.FAILED, reason)
-    stop_job_instances(store, job_id, refs)
+    stopped = stop_job_instances(store, job_id, refs)
     for inst in store.instances(job_id):
         if not InstanceStatus(inst["status"]).is_terminal():
             store.set_instance(job_id, inst["role"], inst["idx"], InstanceStatus.KILLED, reason)
+    return stopped
 
 
 def main(argv: list[str]) -> int:
@@ -77,9 +79,9 @@ def main(argv: list[str]) -> int:
     if done:
         return 0
     store = Store()
-    mark_master_lost(store, job_id, refs)
-    print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in refs]}",
-          file=sys.stderr)
+    stopped = mark_master_lost(store, job_id, refs)
+    print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in stopped]} "
+          f"(of {len(refs)} instance(s) it was told about)", file=sys.stderr)
     try:
         # What the master would have removed at its end (SSH: the per-job folders on the nodes).
         job_dir = Path(store.job(job_id)["job_dir"])

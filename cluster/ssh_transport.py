@@ -92,6 +92,11 @@ def connect(node: NodeEntry, known_hosts: str, timeout: float = CONNECT_TIMEOUT)
         raise HostKeyError(f"{where}: host key CHANGED (now {fingerprint(err.key)}; {known_hosts} "
                            "records another); refused",
                            f"if the node was reinstalled, check the key and run: pai nodes trust {node.name}") from None
+    except paramiko.PasswordRequiredException:
+        client.close()
+        raise NodeAuthError(f"{where}: key {node.key} is protected by a passphrase, which paicli does not ask for",
+                            "load it into ssh-agent and leave `key:` out for this node, or use a key "
+                            "without a passphrase") from None
     except paramiko.AuthenticationException:
         client.close()
         key = f"key {node.key}" if node.key else "the agent's and ~/.ssh's keys"

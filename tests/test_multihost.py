@@ -201,11 +201,13 @@ def test_a_changed_host_key_is_refused(cluster, nodes, tmp_path, monkeypatch):
 @pytest.mark.parametrize("change, words", [
     ({"user": "nobody"}, "authentication failed: user 'nobody'"),
     ({"key": "WRONGKEY"}, "authentication failed"),
+    ({"key": "ENCRYPTED"}, "is protected by a passphrase"),
 ])
 def test_wrong_user_or_key_is_a_clear_error(cluster, nodes, tmp_path, monkeypatch, change, words):
-    if change.get("key") == "WRONGKEY":
+    if change.get("key") in ("WRONGKEY", "ENCRYPTED"):
         other = tmp_path / "other_key"
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+        passphrase = "s3cret-Passphrase" if change["key"] == "ENCRYPTED" else ""
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", passphrase, "-f", str(other)], check=True)
         change = {"key": str(other)}
     data = json.loads(nodes.read_text())
     data["nodes"][0].update(change)
@@ -213,7 +215,8 @@ def test_wrong_user_or_key_is_a_clear_error(cluster, nodes, tmp_path, monkeypatc
     result = pai("-name", "python", f"-Dscript={EXAMPLE}")
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.startswith("pai: error: node h1 (") and words in result.stderr
-    assert "check `user:` and `key:`" in result.stderr
+    assert ("ssh-agent" if "passphrase" in words else "check `user:` and `key:`") in result.stderr
+    assert "s3cret" not in result.stdout + result.stderr   # (the passphrase is never ours to know)
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 

@@ -190,9 +190,18 @@ def ray_cluster():
 
 
 @pytest.fixture
-def home(tmp_path):
+def home(tmp_path, request):
     home = tmp_path / "pai-home"
-    return home
+    cluster = request.getfixturevalue("ray_cluster") if "ray_cluster" in request.fixturenames else None
+    yield home
+    if cluster is not None and (home / "jobs").exists():
+        # A test that failed half-way may have left a job on the cluster the next
+        # tests share: cancel whatever has not ended.
+        listed = pai_ray(cluster, home, "list", "--json", "-n", "200", timeout=60)
+        jobs = json.loads(listed.stdout) if listed.returncode == 0 else []
+        for job in jobs:
+            if job["status"] not in ("Succeeded", "Failed", "Cancelled"):
+                pai_ray(cluster, home, "kill", job["id"], timeout=60)
 
 
 def pai_ray(cluster: RayCluster, home: Path, *args: str, timeout: float = 300,

@@ -309,3 +309,15 @@ def test_the_feed_sends_whole_lines_and_restarts_a_rotated_log(tmp_path):
     log.rename(tmp_path / "worker-0.0.log.1")    # rotated: a new file, longer than the old offset
     log.write_bytes(b"x" * 100 + b"\nnew\n")
     assert follower.read(log, final=False) == ("x" * 100 + "\nnew\n", True)
+
+
+def test_a_token_file_left_readable_is_tightened_when_used(tmp_path):
+    """The token is stored 0600: one written looser (by hand, an old version) is
+    tightened the next time it is read, and kept (old URLs keep working)."""
+    from paicli.web import launch
+
+    folder = launch.state_dir(tmp_path)
+    (folder / "token").write_text("abc\n")
+    os.chmod(folder / "token", 0o644)
+    assert launch.user_token(tmp_path) == "abc"
+    assert oct((folder / "token").stat().st_mode & 0o777) == "0o600"

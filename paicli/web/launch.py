@@ -58,6 +58,7 @@ def user_token(home: Path) -> str:
     try:
         token = path.read_text().strip()
         if token:
+            os.chmod(path, 0o600)   # stored 0600, whoever wrote it looser
             return token
     except FileNotFoundError:
         pass

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import InstanceRef
+from paicli.errors import PaiError
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
@@ -53,7 +54,14 @@ def mark_master_lost(store: Store, job_id: str, refs: list[InstanceRef] | None =
     Returns what was stopped."""
     # Write the verdict first, then act: anyone who looks sees why.
     store.set_job(job_id, JobStatus.FAILED, reason)
-    stopped = stop_job_instances(store, job_id, refs)
+    try:
+        stopped = stop_job_instances(store, job_id, refs)
+    except PaiError as err:
+        # The job's backend cannot be had (a Ray head that no longer answers): the
+        # nodes stop what they run themselves (the agents' heartbeat, Ray killing the
+        # dead driver's actors). The instances are still recorded as ended.
+        print(f"{time.ctime()}: cannot reach the job's backend to stop its instances: {err}", file=sys.stderr)
+        stopped = []
     for inst in store.instances(job_id):
         if not InstanceStatus(inst["status"]).is_terminal():
             store.set_instance(job_id, inst["role"], inst["idx"], InstanceStatus.KILLED, reason)

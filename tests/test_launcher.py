@@ -452,6 +452,33 @@ def test_pai_kill_stops_through_the_identity_checked_path(pai_home, tmp_path):
         pai("kill", job_id)  # a failed assertion must not leave the job running
 
 
+def test_master_lost_with_its_backend_out_of_reach_still_ends_the_instances_in_the_store(pai_home, tmp_path):
+    """The watchdog cannot build the job's backend (here: a Ray address nobody
+    answers at, as when a Ray head went down with the master): one line in its log,
+    and the instances are still recorded as ended, not left Running."""
+    pidfile = tmp_path / "pids"
+    job_id = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}",
+                 env={"BEHAVE": f"pidfile:{pidfile},print:1,sleep:600"}).stdout.strip()
+    groups: set[int] = set()
+    try:
+        assert wait_until(lambda: pidfile.exists(), timeout=20)
+        groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
+        job_dir = pai_home / "jobs" / job_id
+        (job_dir / "nodes.json").write_text(json.dumps({"backend": "ray", "address": "127.0.0.1:1"}))
+        os.kill(pai_json("status", job_id)["master_pid"], signal.SIGKILL)
+        assert wait_until(lambda: all(i["status"] == "Killed" for i in pai_json("status", job_id)["instances"]),
+                          timeout=15), pai_json("status", job_id)
+        assert pai_json("status", job_id)["reason"] == "master lost"
+        log = (job_dir / "watchdog.log").read_text()
+        assert "cannot reach the job's backend to stop its instances: " in log and "Traceback" not in log, log
+    finally:
+        for pgid in groups:   # the pretend Ray backend could not stop them: this machine's processes
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_master_lost_clean_up_stops_through_the_identity_checked_path(pai_home, tmp_path):
     pidfile = tmp_path / "pids"
     job_id = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}",

@@ -193,22 +193,38 @@ def exec_command(client, argv: list[str], stdin: bytes | None = None,
     or a fresh session channel (Connections.session)."""
     chan = client.get_transport().open_session(timeout=timeout) if _is_client(client) else client
     chan.settimeout(timeout)
+    err = bytearray()
+    failed: list[BaseException] = []
+
+    def drain_stderr() -> None:
+        # Read alongside stdout: both share the channel's window, so a command
+        # writing more to stderr than the window holds would otherwise stall
+        # while we wait for its stdout to end.
+        try:
+            while True:
+                data = chan.recv_stderr(65536)
+                if not data:
+                    return
+                err.extend(data)
+        except (socket.timeout, OSError, EOFError) as exc:
+            failed.append(exc)
+
     try:
         chan.exec_command(quote_argv(argv))
         if stdin:
             chan.sendall(stdin)
         chan.shutdown_write()
-        out, err = bytearray(), bytearray()
+        reader = threading.Thread(target=drain_stderr, name="ssh-stderr", daemon=True)
+        reader.start()
+        out = bytearray()
         while True:
             data = chan.recv(65536)
             if not data:
                 break
             out += data
-        while True:
-            data = chan.recv_stderr(65536)
-            if not data:
-                break
-            err += data
+        reader.join(timeout)
+        if reader.is_alive() or any(isinstance(exc, socket.timeout) for exc in failed):
+            raise socket.timeout
         return chan.recv_exit_status(), bytes(out), bytes(err)
     except socket.timeout:
         raise NodeUnreachable(f"command on the node timed out after {timeout:.0f}s") from None

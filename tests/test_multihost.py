@@ -429,6 +429,22 @@ def test_a_work_dir_someone_else_could_swap_is_refused(cluster, tmp_path, monkey
         cluster.ssh("h4", ["rm", "-rf", root])
 
 
+def test_a_command_with_much_on_stderr_does_not_stall(cluster, nodes):
+    """stdout and stderr share an SSH channel's window: 3 MB on stderr before the
+    last line of stdout (more than paramiko's 2 MB window) comes back whole."""
+    from paicli.cluster import nodes as nodes_mod
+    from paicli.cluster import ssh_transport as ssh
+
+    config = nodes_mod.config_from_dict(nodes_mod.load_config(nodes), str(nodes))
+    client = ssh.connect(config.nodes[0], config.known_hosts)
+    try:
+        status, out, err = ssh.exec_command(
+            client, ["sh", "-c", "echo first; head -c 3000000 /dev/zero >&2; echo last"], timeout=20)
+    finally:
+        client.close()
+    assert (status, out, len(err)) == (0, b"first\nlast\n", 3000000)
+
+
 def test_pai_nodes_lists_every_node(cluster, nodes):
     rows = json.loads(pai("nodes", "--json").stdout)
     assert [r["name"] for r in rows] == ["h1", "h2", "h3", "h4"]

@@ -293,9 +293,25 @@ def bench_framework(framework: str, label: str) -> dict:
 
 def with_cluster(rate: str | None, body):
     """Run body() with PAI_NODES set to a fresh test cluster limited to `rate`
-    (or on this machine when rate is None), in a PAI_HOME of its own."""
+    (or on this machine when rate is None), in a PAI_HOME of its own, removed
+    afterwards unless PAI_BENCH_KEEP=1 (to look at the jobs the lines name)."""
+    import shutil
+
     home = Path(tempfile.mkdtemp(prefix="pai-bench-pluto-"))
     os.environ["PAI_HOME"] = str(home)
+    try:
+        return _in_cluster(rate, body, home)
+    finally:
+        store = _STORES.pop(str(home), None)
+        if store is not None:
+            store.close()
+        if os.environ.get("PAI_BENCH_KEEP") != "1":
+            shutil.rmtree(home, ignore_errors=True)
+        else:
+            print(f"   jobs kept in PAI_HOME={home}", flush=True)
+
+
+def _in_cluster(rate: str | None, body, home: Path):
     os.environ.pop("PAI_NODES", None)
     if rate is None:
         return body("this machine (loopback, not shaped)")

@@ -64,9 +64,10 @@ def parse_rate(text: str) -> float:
     return value / 8 if unit.lower() == "bit" and unit != "B" else value
 
 
-def target_cluster(loopback_Bps: float):
+def target_cluster(loopback_Bps: float, measured_Bps: float | None = None):
     """The nodes of the nodes file (cores declared or 1; link bandwidth from
-    PAI_PLUTO_BANDWIDTH, else assumed 1 Gbit/s and said so), else this machine."""
+    PAI_PLUTO_BANDWIDTH, else `measured_Bps` (the probe), else assumed 1 Gbit/s and
+    said so), else this machine."""
     from paicli.cluster.pluto.strategy import Cluster, Node
     from paicli.errors import UsageError
 
@@ -82,11 +83,13 @@ def target_cluster(loopback_Bps: float):
                        source=f"this machine ({cores} cores)")
     raw = os.environ.get("PAI_PLUTO_BANDWIDTH")
     try:
-        bandwidth = parse_rate(raw) if raw else 125e6
+        bandwidth = parse_rate(raw) if raw else (measured_Bps or 125e6)
     except ValueError as err:
         raise UsageError(f"PAI_PLUTO_BANDWIDTH: {err}", "e.g. PAI_PLUTO_BANDWIDTH=100mbit") from None
     nodes = tuple(Node(n.name, (n.cpu or 100) / 100.0, bandwidth) for n in config.nodes)
-    said = f"{raw} links" if raw else "links assumed 1 Gbit/s (set PAI_PLUTO_BANDWIDTH)"
+    said = (f"{raw} links" if raw else
+            f"links measured at {bandwidth * 8 / 1e6:.0f} Mbit/s" if measured_Bps else
+            "links assumed 1 Gbit/s (set PAI_PLUTO_BANDWIDTH)")
     shared = os.environ.get("PAI_PLUTO_SHARED_CORES")
     try:
         machine_cores = float(shared) if shared else None
@@ -95,6 +98,38 @@ def target_cluster(loopback_Bps: float):
                          "e.g. PAI_PLUTO_SHARED_CORES=2 when the nodes are virtual hosts of one machine") from None
     return Cluster(nodes, loopback_Bps=loopback_Bps, machine_cores=machine_cores,
                    source=f"{len(nodes)} nodes of {config.path}, {said}")
+
+
+def measure_links(store, say: Callable[[str], None]) -> float | None:
+    """Bytes/s between two nodes, measured through pai: a job of one ps (a sink) and
+    one worker (a source) running runners/pluto_helpers.py, which placement puts on
+    two nodes. None when both landed on one node or the probe failed."""
+    from paicli import client
+    from paicli.runners import pluto_helpers
+    from paicli.states import JobStatus
+    from paicli.statement import parse_statement
+
+    stmt = parse_statement(["-name", "python", f"-Dscript={pluto_helpers.__file__}",
+                            '-Dcluster={"ps":{"count":1},"worker":{"count":1}}',
+                            "-DuserDefinedParameters=bandwidth 1.0", "-DmaxRetries=0",
+                            "-DjobName=pluto-bandwidth-probe"])
+    job_id = client.submit(client.prepare(stmt), store)
+    say(f"link bandwidth probe {job_id}")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        job = client.refresh(store, job_id)
+        if JobStatus(job["status"]).is_terminal():
+            break
+        time.sleep(0.3)
+    else:
+        client.kill(store, job_id, reason="pluto bandwidth probe: too slow")
+        return None
+    hosts = {i["role"]: i["host"] for i in store.instances(job_id)}
+    rows = store.db.execute("SELECT value FROM metrics WHERE job_id = ? AND role = 'worker' AND key = 'bytes_per_s' "
+                            "ORDER BY rowid DESC LIMIT 1", (job_id,)).fetchall()
+    if not rows or hosts.get("ps") == hosts.get("worker"):
+        return None
+    return float(rows[0][0])
 
 
 # -- the user's strategy and script ------------------------------------------------
@@ -319,8 +354,8 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     user = user_strategy(framework, prepared.spec)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-    def clusters(loopback: float):
-        where = target_cluster(loopback)
+    def clusters(loopback: float, links: float | None = None):
+        where = target_cluster(loopback, links)
         # Calibration runs where `pai` runs jobs (this machine without a nodes file).
         here = where if len(where.nodes) > 1 else Cluster((Node("local", float(cores), loopback),),
                                                           loopback_Bps=loopback, source=where.source)
@@ -330,10 +365,13 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
                               extra=json.dumps({k: prepared.spec.get(k) for k in ("kvstore", "entryFile")}))
     home = pai_home()
     cached = calibrate.cache_get(home, key)
-    # The loopback rate is measured with the calibration and kept with it, so a cached
-    # plan forecasts exactly what the first one did.
+    # The loopback rate (and, on nodes, the links' rate) is measured with the calibration
+    # and kept with it, so a cached plan forecasts exactly what the first one did.
     loopback = (cached or {}).get("loopback_Bps") or calibrate.measure_loopback()
-    where, here = clusters(loopback)
+    links = (cached or {}).get("links_Bps")
+    if links is None and len(clusters(0.0)[0].nodes) > 1 and not os.environ.get("PAI_PLUTO_BANDWIDTH"):
+        links = measure_links(store, say)
+    where, here = clusters(loopback, links)
     jobs: list[str] = []
     if cached:
         profile = Profile.from_dict(cached["profile"])
@@ -351,7 +389,7 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
             sync = "SyncReplicasOptimizer" in _read(prepared.spec.get("script"))
         profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
-                                        "jobs": jobs, "loopback_Bps": loopback})
+                                        "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links})
     result = planner.plan(profile, where, user, budget_s=budget_s)
     return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs)
 

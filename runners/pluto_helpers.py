@@ -229,3 +229,64 @@ def install_mxnet(mx) -> None:
 
     KVStore.init = init
     KVStore.broadcast = broadcast
+
+
+# ---------------------------------------------------------------------------
+# Link bandwidth probe: `python pluto_helpers.py bandwidth [SECONDS]`, run by pai as a
+# job of one ps (the sink) and one worker (the source) on two nodes.
+
+
+def _probe_sink() -> int:
+    import socket
+
+    host = os.environ.get("PAI_HOST") or "127.0.0.1"
+    port = int(os.environ["PAI_PORT"])
+    with socket.create_server((host, port)) as server:
+        conn, _ = server.accept()
+        with conn:
+            received = 0
+            while True:
+                data = conn.recv(1 << 20)
+                if not data:
+                    break
+                received += len(data)
+            conn.sendall(str(received).encode() + b"\n")
+    return 0
+
+
+def _probe_source(seconds: float) -> int:
+    import socket
+    import time
+
+    peers = json.loads(os.environ.get("PAI_CLUSTER") or "{}").get("ps") or []
+    if not peers:
+        sys.stderr.write("pluto bandwidth probe: no ps to send to\n")
+        return 2
+    host, port = peers[0].rsplit(":", 1)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    payload = b"\0" * (1 << 18)
+    with sock:
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        received = int(sock.makefile().readline() or 0)
+        elapsed = time.perf_counter() - started
+    print(f"pluto bandwidth probe: bytes_per_s={received / elapsed:.0f} from={os.environ.get('PAI_HOST')} "
+          f"to={host}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "bandwidth":
+        seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
+        sys.exit(_probe_sink() if os.environ.get("PAI_ROLE") == "ps" else _probe_source(seconds))
+    sys.exit("usage: pluto_helpers.py bandwidth [SECONDS]  (run by pai plan as a two-instance job)")

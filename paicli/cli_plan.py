@@ -531,8 +531,9 @@ def register(cli: click.Group) -> None:
         --budget: the cheapest plan that reaches the step target within it (or
         why none does). --json: {"recommended": PLAN, "alternatives": [...],
         "reasons": [...]}, each PLAN with cluster, params and forecast_step_s.
-        On the nodes of the nodes file when one is set (PAI_PLUTO_BANDWIDTH
-        gives their link rate, e.g. 100mbit), else on this machine.
+        On the nodes of the nodes file when one is set (their link rate
+        measured by a probe job; PAI_PLUTO_BANDWIDTH=100mbit overrides it),
+        else on this machine.
         """
         from paicli.cli import _print_table
         from paicli.spec import Param, convert

@@ -414,3 +414,29 @@ print("RESULT " + json.dumps(out))
     assert min(greedy) > 0.3 * max(greedy)           # spread by size
     assert data["shards_big"] == [2, 1] and data["shards_small"] == [1, 1]
     assert '"name":"w0"' in result.stderr and '"bytes":1000000.0' in result.stderr
+
+
+def test_bandwidth_probe_measures_a_real_transfer(tmp_path):
+    """runners/pluto_helpers.py bandwidth: the ps sinks, the worker sends and prints
+    bytes_per_s (what measure_links reads); on loopback here."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    helper = str(ROOT / "runners" / "pluto_helpers.py")
+    base = {**os.environ, "PAI_HOST": "127.0.0.1", "PAI_CLUSTER": json.dumps({"ps": [f"127.0.0.1:{port}"]})}
+    sink = subprocess.Popen([sys.executable, helper, "bandwidth"], env={**base, "PAI_ROLE": "ps", "PAI_PORT": str(port)})
+    try:
+        source = subprocess.run([sys.executable, helper, "bandwidth", "0.3"], env={**base, "PAI_ROLE": "worker"},
+                                capture_output=True, text=True, timeout=60)
+        assert source.returncode == 0, source.stderr
+        rate = float(source.stdout.split("bytes_per_s=")[1].split()[0])
+        assert rate > 10e6   # loopback moves far more than 10 MB/s
+        assert sink.wait(timeout=30) == 0
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.wait()

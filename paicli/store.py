@@ -26,6 +26,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     status TEXT NOT NULL, reason TEXT, created REAL, started REAL, ended REAL,
     job_dir TEXT, master_pid INTEGER, master_start TEXT, job_attempt INTEGER DEFAULT 0
 );
+-- `pai list` reads the newest jobs: no scan of a long history.
+CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created);
 CREATE TABLE IF NOT EXISTS tasks (
     job_id TEXT, role TEXT, count INTEGER, must_finish INTEGER, position INTEGER,
     retries INTEGER DEFAULT 0, PRIMARY KEY (job_id, role)

@@ -114,15 +114,20 @@ class DirectoryWatch:
         except (OSError, AttributeError):
             self.fd = -1
 
-    def wait(self, timeout: float) -> None:
-        if self.fd < 0:
-            time.sleep(min(timeout, IDLE_SLEEP))
-            return
+    def wait(self, timeout: float, also: int = -1) -> None:
+        """Sleep until a file in the folder changes, `timeout` passes, or the
+        optional fd `also` (a signal wake-up pipe) becomes readable."""
         import select
 
-        if select.select([self.fd], [], [], max(timeout, 0))[0]:
+        fds = [fd for fd in (self.fd, also) if fd >= 0]
+        if not fds:
+            time.sleep(min(timeout, IDLE_SLEEP))
+            return
+        if self.fd < 0:
+            timeout = min(timeout, IDLE_SLEEP)
+        for fd in select.select(fds, [], [], max(timeout, 0))[0]:
             try:
-                while os.read(self.fd, 65536):
+                while os.read(fd, 65536):
                     pass
             except BlockingIOError:
                 pass
@@ -206,6 +211,64 @@ def progress_line(task_name: str, instances: list) -> tuple[tuple[int, int, int]
     return (running, terminated, total), f"train: {stamp} {task_name}_job:{running}/{terminated}/{total}[{pct}%]"
 
 
+class InterruptCatcher:
+    """Ctrl-C while following, counted instead of raised.
+
+    A KeyboardInterrupt is raised wherever the interpreter happens to be when
+    SIGINT arrives, also between the statements of a loop, outside any `try` put
+    there to catch it (seen: the console went back to its prompt without
+    cancelling the job). So while a job is followed, SIGINT only sets a flag and
+    wakes the follower through a pipe; the loop acts on it at a known point.
+    Where SIGINT cannot be handled here (not the main thread, or SIGINT ignored
+    by whoever started us), nothing changes."""
+
+    def __init__(self):
+        self.count = 0
+        self.handled = False
+        self.wake_fd = -1
+        self._write_fd = -1
+        self._previous = None
+        self._previous_wakeup = None
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        os.set_blocking(write_fd, False)
+        self.wake_fd, self._write_fd = read_fd, write_fd
+        self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.count += 1
+        try:
+            os.write(self._write_fd, b"\0")
+        except OSError:
+            pass
+
+    def take(self) -> bool:
+        if self.count:
+            self.count -= 1
+            return True
+        return False
+
+    def restore(self) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        for fd in (self.wake_fd, self._write_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.wake_fd = self._write_fd = -1
+
+
 def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = False,
                progress: bool = True, colour: bool = False,
                on_interrupt: Callable[[], None] | None = None) -> dict:
@@ -221,18 +284,22 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
     live = LiveLine(job_dir / "job.live", out, colour) if hasattr(out, "isatty") and out.isatty() else None
     state = {"counts": None, "next_check": 0.0, "partial": b"", "watch": DirectoryWatch(job_dir),
              "live": live, "idle_check": time.monotonic(), "idle": []}
-    interrupted = False
+    catcher = InterruptCatcher() if on_interrupt is not None else None
     try:
+        if catcher:
+            catcher.install()
+            state["wake_fd"] = catcher.wake_fd
         while True:
-            try:
-                if _follow_step(store, job_id, follower, out, progress, colour, state):
-                    break
-            except KeyboardInterrupt:
-                if on_interrupt is None or interrupted:
-                    raise
-                interrupted = True
+            if _follow_step(store, job_id, follower, out, progress, colour, state):
+                break
+            if catcher and catcher.take():
+                if catcher.handled:
+                    raise KeyboardInterrupt  # the second Ctrl-C: stop waiting
+                catcher.handled = True
                 on_interrupt()
     finally:
+        if catcher:
+            catcher.restore()
         if live is not None:
             live.hide()
             out.flush()
@@ -309,7 +376,7 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
         state["live"].poll()
         if state["live"].shown:
             out.flush()
-    state["watch"].wait(state["next_check"] - time.monotonic())
+    state["watch"].wait(state["next_check"] - time.monotonic(), state.get("wake_fd", -1))
     return False
 
 

@@ -218,3 +218,25 @@ def test_a_flood_of_metric_lines_is_sampled_evenly_keeping_the_last():
     job.lines("j", "worker", 0, log, b"step=7, loss=0.5\n")  # a normal read: every line counts
     assert [(r[5], r[6]) for r in job.take_metrics()] == [("step", 7), ("loss", 0.5)]
 
+
+
+def test_ctrl_c_while_following_is_counted_at_a_known_point_not_raised_anywhere():
+    """SIGINT during `follow_job` sets a flag and wakes the follower; it must not
+    raise KeyboardInterrupt between two statements of the loop (the console went
+    back to its prompt without cancelling the job when it did)."""
+    import select
+    import signal
+
+    from paicli.logtail import InterruptCatcher
+
+    before = signal.getsignal(signal.SIGINT)
+    catcher = InterruptCatcher()
+    catcher.install()
+    try:
+        assert catcher.wake_fd >= 0
+        signal.raise_signal(signal.SIGINT)   # would raise KeyboardInterrupt here without the catcher
+        assert select.select([catcher.wake_fd], [], [], 1.0)[0], "the follower is not woken"
+        assert catcher.take() and not catcher.take()
+    finally:
+        catcher.restore()
+    assert signal.getsignal(signal.SIGINT) is before

@@ -12,6 +12,7 @@ import random
 import sqlite3
 import string
 import time
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -89,6 +90,11 @@ def new_job_id() -> str:
     return stamp + "".join(random.choices(string.ascii_lowercase + string.digits, k=7))
 
 
+# Every Store with an open connection in this process: a fork must close them all
+# (see Store.closed_for_fork), not just the one the caller forks with.
+_OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
 class Store:
     def __init__(self, home: Path | None = None):
         self.home = home or pai_home()
@@ -121,21 +127,29 @@ class Store:
         self.db.execute("PRAGMA busy_timeout = 60000")
         self._retrying(lambda: self.db.execute("PRAGMA journal_mode = WAL"))
         self.db.execute("PRAGMA synchronous = NORMAL")
+        _OPEN_STORES.add(self)
 
     def close(self) -> None:
+        _OPEN_STORES.discard(self)
         self.db.close()
 
     @contextmanager
     def closed_for_fork(self) -> Iterator[None]:
         """SQLite's per-process lock bookkeeping must not be copied by fork():
         a child would believe it holds the parent's locks, and the parent's last
-        close could then checkpoint away the child's committed writes. So the
-        connection is closed across a fork and opened again after."""
-        self.db.close()
+        close could then checkpoint away the child's committed writes. So every
+        open connection of this process (a library caller may hold several
+        Stores: "database disk image is malformed" was seen with two) is closed
+        across a fork and opened again after."""
+        stores = [self, *(other for other in list(_OPEN_STORES) if other is not self)]
+        reopen = [store for store in stores if store in _OPEN_STORES]
+        for store in reopen:
+            store.close()
         try:
             yield
         finally:
-            self.connect()
+            for store in reopen:
+                store.connect()
 
     # -- transactions -------------------------------------------------------
 

@@ -240,3 +240,23 @@ def test_ctrl_c_while_following_is_counted_at_a_known_point_not_raised_anywhere(
     finally:
         catcher.restore()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_fork_closes_every_open_store_of_the_process(tmp_path):
+    """Two Stores open in one process (a library caller): forking the master with
+    one must close the other's connection too, or the child inherits SQLite's
+    lock bookkeeping for it (seen: "database disk image is malformed")."""
+    import sqlite3
+
+    from paicli.store import Store
+
+    first, second = Store(tmp_path / "home"), Store(tmp_path / "home")
+    with first.closed_for_fork():
+        for store in (first, second):
+            try:
+                store.db.execute("SELECT 1")
+            except sqlite3.ProgrammingError:
+                continue
+            raise AssertionError("a connection stayed open across the fork")
+    assert second.db.execute("SELECT count(*) FROM jobs").fetchone()[0] == 0
+    assert first.db.execute("SELECT count(*) FROM jobs").fetchone()[0] == 0

@@ -14,8 +14,8 @@ import tarfile
 from pathlib import Path
 
 from paicli.adapters.base import StagedCode
-from paicli.errors import SpecError
-from paicli.runners.archive import ArchiveTooLarge, UnsafeArchive, extract
+from paicli.errors import SpecError, UsageError
+from paicli.runners.archive import ArchiveTooLarge, BadLimit, UnsafeArchive, extract
 from paicli.spec import JobSpec
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
@@ -43,6 +43,8 @@ def stage_code(spec: JobSpec, staging: Path) -> StagedCode:
     root.mkdir(parents=True)
     try:
         extract(script, str(root))
+    except BadLimit as err:
+        raise UsageError(str(err), "unset it to use the default") from None
     except ArchiveTooLarge as err:
         raise SpecError("-Dscript", f"archive {script} is too large: {err}",
                         "pack only the code (data belongs in -Dbuckets), or raise "

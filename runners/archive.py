@@ -23,8 +23,28 @@ class ArchiveTooLarge(UnsafeArchive):
 # What a script archive may hold. Sizes come from the members' headers, read one
 # by one before anything is written, so a gzip bomb is refused after reading
 # only as far as its first oversized header (not after filling the disk).
-MAX_MEMBERS = int(os.environ.get("PAI_ARCHIVE_MAX_MEMBERS", "10000"))
-MAX_BYTES = int(os.environ.get("PAI_ARCHIVE_MAX_BYTES", str(1 << 30)))
+MAX_MEMBERS = 10_000
+MAX_BYTES = 1 << 30
+
+
+class BadLimit(ValueError):
+    """A limit variable that is not a positive whole number."""
+
+
+def limit(name: str, default: int) -> int:
+    """$name as a positive whole number, else `default` when it is unset. Read at
+    extraction time, so a bad value is an error of the submit that uses it (a
+    plain script never reads it)."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise BadLimit(f"{name}={raw!r}: expected a positive whole number, e.g. {name}={default}")
+    return value
 
 
 def _size(count: int) -> str:
@@ -33,8 +53,8 @@ def _size(count: int) -> str:
 
 def check_members(tar: tarfile.TarFile, max_members: int | None = None,
                   max_bytes: int | None = None) -> list[tarfile.TarInfo]:
-    max_members = MAX_MEMBERS if max_members is None else max_members
-    max_bytes = MAX_BYTES if max_bytes is None else max_bytes
+    max_members = limit("PAI_ARCHIVE_MAX_MEMBERS", MAX_MEMBERS) if max_members is None else max_members
+    max_bytes = limit("PAI_ARCHIVE_MAX_BYTES", MAX_BYTES) if max_bytes is None else max_bytes
     members = []
     total = 0
     for m in tar:  # lazily: stop at the first member over a limit

@@ -174,6 +174,24 @@ def test_archive_member_count_and_size_limits(pai_home, tmp_path):
     assert list((pai_home / "jobs").iterdir()) != []
 
 
+def test_a_bad_archive_limit_is_one_line_and_a_plain_script_ignores_it(pai_home, tmp_path):
+    import tarfile
+
+    archive = tmp_path / "code.tar.gz"
+    (tmp_path / "train.py").write_text("print('step=0, loss=1.0')\n")
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "train.py", arcname="train.py")
+    bad = {"PAI_ARCHIVE_MAX_BYTES": "abc"}
+    result = pai("-name", "python", f"-Dscript={archive}", env=bad)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "pai: error: PAI_ARCHIVE_MAX_BYTES='abc': expected a positive whole number, "
+        "e.g. PAI_ARCHIVE_MAX_BYTES=1073741824; unset it to use the default"]
+    assert list((pai_home / "jobs").iterdir()) == []
+    plain = pai("-name", "python", f"-Dscript={tmp_path / 'train.py'}", env=bad)
+    assert plain.returncode == 0, plain.stderr
+
+
 def test_setup_cfg_asks_for_the_python_that_has_extraction_filters():
     import configparser
     import tarfile

@@ -174,28 +174,10 @@ def wait_for_engine(mx) -> None:
 RUNTIME_LOCK: int | None = None
 
 
-def hold_runtime_lock() -> int | None:
-    """Hold the runtime's marker file (paicli-runtime.json, at the runtime's root:
-    sys.prefix for a venv, its parent for a root filesystem's /usr) with a shared
-    lock while this instance runs: `pai runtime remove` and an upgrade take it
-    exclusively and refuse while any instance holds it. Our own interpreters
-    (PAI_<NAME>_PYTHON) have no marker and no lock."""
-    import fcntl
-
-    here = os.path.realpath(sys.prefix)
-    for folder in (here, os.path.dirname(here)):
-        marker = os.path.join(folder, "paicli-runtime.json")
-        if os.path.exists(marker):
-            try:
-                fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError:
-                return None  # being removed right now: the run fails on its own
-            return fd
-    return None
-
 def main(argv: list[str]) -> None:
     global RUNTIME_LOCK
+    from runtime_lock import hold_runtime_lock  # a sibling in runners/, staged with us on every node
+
     RUNTIME_LOCK = hold_runtime_lock()  # kept open until this process ends
     os.environ.update(dmlc_environment(dict(os.environ)))
     role = os.environ["DMLC_ROLE"]

@@ -355,8 +355,10 @@ def test_a_runtime_a_running_instance_uses_is_not_removed(pai_home, tmp_path):
     # What every runner does first, in the runtime's own interpreter.
     holder = subprocess.Popen(
         [str(runtime / "bin" / "python"), "-c",
-         "import runpy, sys, time; runner = runpy.run_path(sys.argv[1]); "
-         "print('held' if runner['hold_runtime_lock']() is not None else 'none', flush=True); time.sleep(60)",
+         # As when run as a script: the runner's folder first on sys.path (its siblings).
+         "import os, runpy, sys, time; sys.path.insert(0, os.path.dirname(sys.argv[1])); "
+         "from runtime_lock import hold_runtime_lock; runpy.run_path(sys.argv[1]); "
+         "print('held' if hold_runtime_lock() is not None else 'none', flush=True); time.sleep(60)",
          runner_path("mxnet_runner.py")], stdout=subprocess.PIPE, text=True, start_new_session=True)
     env = {"PAI_RUNTIME_DIR": str(root)}
     try:

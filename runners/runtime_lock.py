@@ -1,0 +1,32 @@
+"""The runtime lock every framework runner holds while its instance runs.
+
+Stdlib only (it runs inside a framework's runtime, Python 3.9 in Caffe's root
+filesystem). The runners import it as a sibling module: each backend stages
+every runners/*.py file next to them, on this machine and on nodes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+
+
+def hold_runtime_lock() -> int | None:
+    """Hold the runtime's marker file (paicli-runtime.json, at the runtime's root:
+    sys.prefix for a venv, its parent for a root filesystem's /usr) with a shared
+    lock while this instance runs: `pai runtime remove` and an upgrade take it
+    exclusively and refuse while any instance holds it. Our own interpreters
+    (PAI_<NAME>_PYTHON) have no marker and no lock. The caller keeps the returned
+    descriptor open until its process ends."""
+    here = os.path.realpath(sys.prefix)
+    for folder in (here, os.path.dirname(here)):
+        marker = os.path.join(folder, "paicli-runtime.json")
+        if os.path.exists(marker):
+            try:
+                fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                return None  # being removed right now: the run fails on its own
+            return fd
+    return None

@@ -54,12 +54,7 @@ def live_groups(pgids: set[int]) -> set[int]:
 
 def live_members(pgid: int) -> bool:
     """True while any process of the group is alive (zombies excluded)."""
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            stat = proc_stat(name)
-            if stat and stat.pgid == pgid and stat.state != "Z":
-                return True
-    return False
+    return bool(live_groups({pgid}))
 
 
 _BOOT_ID: str | None = None

@@ -25,17 +25,10 @@ from paicli.store import Store
 STOP_TIMEOUT = 3.0
 
 
-def stored_refs(store: Store, job_id: str, live_only: bool = True) -> list[InstanceRef]:
+def stored_refs(store: Store, job_id: str) -> list[InstanceRef]:
     """The identities the store holds for a job: every attempt's (an attempt may
-    have left processes in its group), or only those of instances not yet ended."""
-    rows = store.instances(job_id) if live_only else store.attempts(job_id)
-    refs = []
-    for row in rows:
-        if live_only and InstanceStatus(row["status"]).is_terminal():
-            continue
-        if row["ref"]:
-            refs.append(InstanceRef.from_dict(json.loads(row["ref"])))
-    return refs
+    have left processes in its group)."""
+    return [InstanceRef.from_dict(json.loads(row["ref"])) for row in store.attempts(job_id) if row["ref"]]
 
 
 def stop_job_instances(store: Store, job_id: str, refs: list[InstanceRef] | None = None,
@@ -44,7 +37,7 @@ def stop_job_instances(store: Store, job_id: str, refs: list[InstanceRef] | None
     the store knows, through the job's backend. Returns what was signalled."""
     job = store.job(job_id)
     backend = backend_for_job(Path(job["job_dir"]))
-    wanted = {ref: None for ref in [*(refs or ()), *stored_refs(store, job_id, live_only=False)]}
+    wanted = {ref: None for ref in [*(refs or ()), *stored_refs(store, job_id)]}
     return backend.stop_all(list(wanted), timeout)
 
 

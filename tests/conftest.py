@@ -45,6 +45,30 @@ def default_signals() -> None:
         signal.signal(signum, signal.SIG_DFL)
 
 
+def run_on_pty(argv: list[str], env: dict[str, str]) -> tuple[int, bytes]:
+    """Run `argv` with a terminal as its stdout until it ends: (exit code, all it wrote)."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        default_signals()
+        os.execvpe(argv[0], argv, env)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:   # EIO once the child's side closed
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), b"".join(chunks)
+
+
 @pytest.fixture
 def pai_home(tmp_path, monkeypatch):
     home = tmp_path / "pai-home"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BEHAVE, PAI, default_signals, job_id_from, pai, pai_json, wait_until
+from conftest import BEHAVE, PAI, job_id_from, pai, pai_json, run_on_pty, wait_until
 from paicli.cluster import logsink
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser
 from paicli.plan import KEY_VALUE_METRIC
@@ -87,29 +87,11 @@ def test_an_open_line_is_shown_live_and_removed_when_it_completes(tmp_path, monk
 def test_a_progress_bar_reaches_the_attached_terminal_before_its_line_ends(pai_home):
     """A real job redraws a bar for a few seconds; `pai` on a terminal shows its
     states while it runs, and the combined log gets only the finished line."""
-    import pty
-
     env = dict(os.environ, BAR_STEPS="40", BAR_SLEEP="0.1")
     env.pop("NO_COLOR", None)
-    pid, fd = pty.fork()
-    if pid == 0:
-        default_signals()
-        os.execvpe(PAI[0], [*PAI, "-name", "python", f"-Dscript={BAR}"], env)
-    chunks = []
-    try:
-        while True:
-            try:
-                data = os.read(fd, 4096)
-            except OSError:
-                break
-            if not data:
-                break
-            chunks.append(data)
-    finally:
-        _, status = os.waitpid(pid, 0)
-        os.close(fd)
-    out = b"".join(chunks).decode()
-    assert os.waitstatus_to_exitcode(status) == 0, out
+    code, raw = run_on_pty([*PAI, "-name", "python", f"-Dscript={BAR}"], env)
+    out = raw.decode()
+    assert code == 0, out
     shown = [int(part.split("/")[0].split()[-1]) for part in out.split("\r") if "/40 |" in part]
     assert len([s for s in shown if 0 < s < 40]) >= 3, out  # intermediate states, live
     job_id = job_id_from(out)

@@ -15,7 +15,7 @@ from paicli.cluster.backends.local import LocalBackend
 from paicli.cluster.procinfo import boot_id, proc_stat
 from paicli.store import Store
 
-from conftest import BEHAVE, PAI, ROOT, job_id_from, pai, pai_json, processes_in, wait_until
+from conftest import BEHAVE, PAI, ROOT, job_id_from, pai, pai_json, processes_in, run_on_pty, wait_until
 
 EXAMPLE = ROOT / "examples" / "python" / "ps_worker.py"
 PS_2W = '{"ps":{"count":1},"worker":{"count":2}}'
@@ -304,27 +304,12 @@ def test_closing_the_terminal_does_not_stop_the_job(pai_home):
 
 
 def test_colour_per_instance_on_a_real_terminal(pai_home):
-    import pty
-
     env = dict(os.environ, BEHAVE="print:2")
     env.pop("NO_COLOR", None)
     env.pop("FORCE_COLOR", None)
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: `pai` with a terminal as its stdout
-        os.execvpe(PAI[0], [*PAI, "-name", "python", f"-Dscript={BEHAVE}",
-                            '-Dcluster={"worker":{"count":2}}'], env)
-    chunks = []
-    while True:
-        try:
-            data = os.read(fd, 4096)
-        except OSError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-    _, status = os.waitpid(pid, 0)
-    out = b"".join(chunks).decode()
-    assert os.waitstatus_to_exitcode(status) == 0
+    code, raw = run_on_pty([*PAI, "-name", "python", f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":2}}'], env)
+    out = raw.decode()
+    assert code == 0
     colours = {line.split("[worker:")[0] for line in out.splitlines() if "[worker:" in line}
     assert len(colours) == 2 and all(c.startswith("\x1b[") for c in colours), colours
 

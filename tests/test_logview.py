@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BEHAVE, pai, pai_json, wait_until
+from conftest import BEHAVE, pai, pai_json, run_on_pty, wait_until
 
 URL = re.compile(r"^Log view: (http://127\.0\.0\.1:(\d+)/logview/\?i=([a-z0-9]+)&token=([\w-]+))$", re.M)
 
@@ -227,23 +227,8 @@ def test_plot_in_a_pipe_is_plain_text(pai_home):
         and "it has loss" in bad.stderr
     assert os.environ.get("PAI_LOGVIEW") == "file"  # other tests start no server
     # On a terminal: colour, braille curves.
-    import pty
-
-    pid, fd = pty.fork()
-    if pid == 0:
-        env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
-        os.execvpe(sys.executable, [sys.executable, "-m", "paicli", "plot", job_id, "--width", "60"], env)
-    screen = b""
-    while True:
-        try:
-            data = os.read(fd, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        screen += data
-    os.waitpid(pid, 0)
-    os.close(fd)
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
+    _, screen = run_on_pty([sys.executable, "-m", "paicli", "plot", job_id, "--width", "60"], env)
     text = screen.decode("utf-8", "replace")
     assert "\x1b[" in text and any("\u2800" <= ch <= "\u28ff" for ch in text), text[:500]
 

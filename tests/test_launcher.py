@@ -3,6 +3,7 @@ cancelling, re-attaching, and leaving no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -417,24 +418,32 @@ def _plant_stale_ref(home, job_id: str, victim: subprocess.Popen) -> None:
     store.close()
 
 
-def test_pai_kill_stops_through_the_identity_checked_path(pai_home, tmp_path):
-    pidfile = tmp_path / "pids"
+@contextlib.contextmanager
+def _job_with_a_stale_ref(home, pidfile):
+    """A detached job (one instance with a child) whose store entry also holds an old
+    attempt pointing at a live stranger; yields (job id, stranger), kills both after."""
     job_id = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}",
                  env={"BEHAVE": f"pidfile:{pidfile},child,print:1,sleep:600"}).stdout.strip()
     assert wait_until(lambda: pidfile.exists(), timeout=20)
     stranger = _sleeper()
     try:
-        _plant_stale_ref(pai_home, job_id, stranger)
+        _plant_stale_ref(home, job_id, stranger)
+        yield job_id, stranger
+    finally:
+        stranger.kill()
+        stranger.wait()
+        pai("kill", job_id)  # a failed assertion must not leave the job running
+
+
+def test_pai_kill_stops_through_the_identity_checked_path(pai_home, tmp_path):
+    pidfile = tmp_path / "pids"
+    with _job_with_a_stale_ref(pai_home, pidfile) as (job_id, stranger):
         result = pai("kill", job_id)
         assert result.returncode == 0, result.stderr
         groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
         assert wait_until(lambda: processes_in(groups) == [], timeout=5)
         time.sleep(0.3)
         assert stranger.poll() is None, "pai kill signalled a process group that was not the job's"
-    finally:
-        stranger.kill()
-        stranger.wait()
-        pai("kill", job_id)  # a failed assertion must not leave the job running
 
 
 def test_master_lost_with_its_backend_out_of_reach_still_ends_the_instances_in_the_store(pai_home, tmp_path):
@@ -466,12 +475,7 @@ def test_master_lost_with_its_backend_out_of_reach_still_ends_the_instances_in_t
 
 def test_master_lost_clean_up_stops_through_the_identity_checked_path(pai_home, tmp_path):
     pidfile = tmp_path / "pids"
-    job_id = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}",
-                 env={"BEHAVE": f"pidfile:{pidfile},child,print:1,sleep:600"}).stdout.strip()
-    assert wait_until(lambda: pidfile.exists(), timeout=20)
-    stranger = _sleeper()
-    try:
-        _plant_stale_ref(pai_home, job_id, stranger)
+    with _job_with_a_stale_ref(pai_home, pidfile) as (job_id, stranger):
         status = pai_json("status", job_id)
         inst = status["instances"][0]
         assert (inst["node"], inst["host"]) == ("local", "127.0.0.1")
@@ -490,10 +494,6 @@ def test_master_lost_clean_up_stops_through_the_identity_checked_path(pai_home, 
         log = (pai_home / "jobs" / job_id / "watchdog.log").read_text()
         assert f"stopped ['local:{inst['pid']}'] (of 1 instance(s)" in log, log
         assert str(stranger.pid) not in log
-    finally:
-        stranger.kill()
-        stranger.wait()
-        pai("kill", job_id)  # a failed assertion must not leave the job running
 
 
 # -- issue 12: the launcher's defects ----------------------------------------------------------

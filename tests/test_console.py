@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import BEHAVE, PAI, pai, pai_json
+from conftest import BEHAVE, PAI, default_signals, pai, pai_json
 
 ESCAPES = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07|\x1b[=>]|\r")
 
@@ -29,8 +29,7 @@ class Terminal:
 
         pid, fd = pty.fork()
         if pid == 0:  # the child: default signals (a test runner may ignore SIGINT), then exec
-            for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT):
-                signal.signal(sig, signal.SIG_DFL)
+            default_signals()
             os.execvpe(args[0], args, env)
         self.pid, self.fd = pid, fd
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))

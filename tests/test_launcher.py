@@ -16,7 +16,7 @@ from paicli.cluster.backends.local import LocalBackend
 from paicli.cluster.procinfo import boot_id, proc_stat
 from paicli.store import Store
 
-from conftest import BEHAVE, PAI, ROOT, job_id_from, pai, pai_json, processes_in, run_on_pty, wait_until
+from conftest import BEHAVE, PAI, ROOT, default_signals, job_id_from, pai, pai_json, processes_in, run_on_pty, wait_until
 
 EXAMPLE = ROOT / "examples" / "python" / "ps_worker.py"
 PS_2W = '{"ps":{"count":1},"worker":{"count":2}}'
@@ -356,8 +356,7 @@ def _sleeper(*extra: str) -> subprocess.Popen:
     """A real process in a session of its own (as an instance is), with default signals."""
     return subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(600)", *extra],
                             start_new_session=True, restore_signals=True,
-                            preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL)
-                                                for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)])
+                            preexec_fn=default_signals)
 
 
 def _ref_of(pid: int, **changes) -> InstanceRef:

@@ -34,10 +34,15 @@ def log_cap() -> int:
         return DEFAULT_CAP
 
 
+def open_append_fd(path: Path | str) -> int:
+    """A descriptor appending to `path`, created readable by its owner only (logs
+    hold argv and whatever the script prints)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+
 def open_private(path: Path):
-    """Open a log for appending, readable by its owner only (logs hold argv and
-    whatever the script prints)."""
-    return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab", buffering=0)
+    """Open a log for appending, readable by its owner only."""
+    return open(open_append_fd(path), "ab", buffering=0)
 
 
 class CappedFile:

@@ -27,7 +27,7 @@ from paicli.cluster import placement as placing
 from paicli.cluster import policy
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
-from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
+from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap, open_append_fd
 from paicli.cluster.ports import allocate_ports
 from paicli.cluster.job_placement import place_job, read_placements, write_placements
 from paicli.cluster.procinfo import start_time
@@ -155,7 +155,7 @@ class JobMaster:
     def _start_watchdog(self) -> None:
         # The watchdog holds the read end of a pipe only we write to: when we die,
         # however we die, it reads EOF and ends the instances.
-        fd = os.open(self.job_dir / "watchdog.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = open_append_fd(self.job_dir / "watchdog.log")
         try:
             self.watchdog = subprocess.Popen(
                 [sys.executable, "-m", "paicli.cluster.watchdog", self.job_id],

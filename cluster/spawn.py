@@ -10,6 +10,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from paicli.cluster.logsink import open_append_fd
 from paicli.store import Store
 
 
@@ -62,7 +63,7 @@ def spawn_master(home: Path, job_id: str, log_path: Path) -> int:
 
 def open_private(path: Path) -> int:
     """An append-only log file only its owner can read (it holds argv and log tails)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = open_append_fd(path)
     os.fchmod(fd, 0o600)
     return fd
 

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable
 from paicli.cluster import remote_paths
 from paicli.cluster import ssh_transport as ssh
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, InstanceRef, NodeSpec, Placement
+from paicli.cluster.logsink import open_append_fd
 from paicli.cluster.nodes import NodeEntry, config_from_dict
 from paicli.errors import PaiError, UsageError
 
@@ -265,7 +266,7 @@ class SSHBackend(Backend):
             data = f"[pai] {line}\n".encode("utf-8", "replace")
             with lock:
                 try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                    fd = open_append_fd(path)
                 except OSError:
                     return
                 try:

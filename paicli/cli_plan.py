@@ -16,9 +16,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import click
 
@@ -30,8 +29,7 @@ STRATEGY_KEYS = ("autoStrategy", "timeout", "gradientCompression", "gradientComp
                  "bigArrayBound", "psStrategy", "maPeriod")
 
 
-@dataclass
-class PlanResult:
+class PlanResult(NamedTuple):  # not a dataclass: `dataclasses` stays off the `pai --help` path
     plan: Any                   # paicli.cluster.pluto.planner.Plan
     profile: Any                # Profile
     cluster: Any                # Cluster
@@ -278,6 +276,8 @@ def _enough_steps(store, job_id: str, workers: int) -> bool:
 def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Callable[[str], None]):
     """Submit the user's script on `cluster_value`, let it run a few steps, stop it,
     and read what it measured. Raises PaiError when the script fails or shows no steps."""
+    import dataclasses
+
     from paicli import client, steptime
     from paicli.cluster.pluto.calibrate import Run, median, read_report
     from paicli.errors import PaiError
@@ -288,7 +288,7 @@ def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Call
     params = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
     params.update({"cluster": cluster_value, **extra, "maxRetries": 0,
                    "jobName": f"pluto-calibration-{Path(str(prepared.spec.get('script') or prepared.spec.get('solver') or 'job')).stem}"})
-    spec = replace(prepared.spec, params=params)
+    spec = dataclasses.replace(prepared.spec, params=params)
     workers = cluster_value.get("worker", {}).get("count", 1)
     job_id = client.submit(client.Prepared(CalibrationAdapter(prepared.adapter), spec), store)
     say(f"calibration job {job_id}: {json.dumps(cluster_value)}")
@@ -420,6 +420,8 @@ def auto_strategy(prepared, store=None, progress: Callable[[str], None] = lambda
     """The prepared job with Pluto's recommendation applied: -Dcluster and the
     strategy's -D values replaced (what the user set for them is overridden, and
     said in the reasons), the plan and forecast carried into plan.json."""
+    import dataclasses
+
     from paicli import client
 
     result = plan_prepared(prepared, store=store, say=lambda line: progress(f"pluto: {line}"))
@@ -431,7 +433,7 @@ def auto_strategy(prepared, store=None, progress: Callable[[str], None] = lambda
     if overridden:
         reasons.append("overrode " + ", ".join(f"-D{k}" for k in overridden) + " (-DautoStrategy=true decides them)")
     params = {**prepared.spec.params, "cluster": chosen["cluster"], **chosen["params"]}
-    spec = replace(prepared.spec, params=params)
+    spec = dataclasses.replace(prepared.spec, params=params)
     prepared.adapter.validate(spec)
     record = {**chosen, "reasons": reasons, "default": result.plan.default.to_json(),
               "param_bytes": result.profile.param_bytes, "ps_role": rec.strategy.ps_role(),

@@ -36,6 +36,7 @@ from typing import Any
 
 from paicli.cluster.pluto.model import comm_seconds, compute_seconds
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
+from paicli.private import write_private
 
 CACHE_VERSION = 4   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
@@ -301,11 +302,7 @@ def cache_put(home: Path, key: str, entry: dict) -> None:
     except (OSError, ValueError):
         data = {}
     data[key] = {**entry, "saved": time.time()}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    write_private(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 # ---------------------------------------------------------------------------

@@ -133,8 +133,9 @@ def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
     for line in jobview.summary_lines(status):
         click.echo(line)
     from paicli.plutoview import forecast_line
-    if forecast_line(status):
-        click.echo(forecast_line(status))
+    forecast = forecast_line(status)
+    if forecast:
+        click.echo(forecast)
     if status["status"] == "Failed":
         for event in store.events(job_id):
             if event["kind"] == "last-lines":

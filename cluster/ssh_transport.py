@@ -26,6 +26,7 @@ from pathlib import Path
 
 from paicli.cluster.nodes import NodeEntry
 from paicli.errors import PaiError, UsageError
+from paicli.private import write_private
 
 CONNECT_TIMEOUT = 8.0
 # Source tree (cluster/ next to runners/) and installed package (paicli/cluster next to
@@ -172,11 +173,7 @@ def record_host_key(node: NodeEntry, known_hosts: str, key) -> None:
                 continue
             lines.append(line)
     lines.append(f"{name} {key.get_name()} {key.get_base64()}")
-    tmp = path.with_name(f".{path.name}.paicli-tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    write_private(path, "\n".join(lines) + "\n")
 
 
 def _names(entry: str, name: str) -> bool:

@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 from paicli.errors import PaiError
+from paicli.private import private_dir, write_private
 
 IDLE_SECONDS = 900.0  # the server exits after this long without a request or a CLI using it
 
@@ -38,19 +39,7 @@ def mode() -> str:
 
 
 def state_dir(home: Path) -> Path:
-    folder = home / "logview"
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)
-    return folder
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Atomically, 0600 from the first byte."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    return private_dir(home / "logview", parents=True)
 
 
 def user_token(home: Path) -> str:
@@ -117,7 +106,7 @@ def _listen(host: str, folder: Path) -> socket.socket:
             sock.close()
             error = err
             continue
-        _write_private(folder / "port", str(sock.getsockname()[1]))
+        write_private(folder / "port", str(sock.getsockname()[1]))
         return sock
     assert error is not None
     raise LogviewUnavailable(f"cannot listen on {host}:{ports[-1] or 'any port'}: {error.strerror or error}",
@@ -150,7 +139,7 @@ def start_server(home: Path) -> dict:
 
     state = {"pid": proc.pid, "start": start_time(proc.pid), "host": host, "port": port,
              "token": token, "started": time.time()}
-    _write_private(folder / "server.json", json.dumps(state))
+    write_private(folder / "server.json", json.dumps(state))
     proc.returncode = 0  # never reaped here: it outlives this pai (Popen must not wait on it)
     return state
 

@@ -5,13 +5,13 @@ holds, those GPUs claimed in the store, and the result kept in the job folder
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from paicli.cluster import placement as placing
 from paicli.cluster.backends.base import Backend, NodeSpec, Placement
 from paicli.plan import JobPlan
+from paicli.private import write_private
 from paicli.store import Store
 
 PLACEMENT_FILE = "placement.json"
@@ -20,9 +20,7 @@ PLACEMENT_FILE = "placement.json"
 def write_placements(job_dir: Path, placements: list[Placement] | None) -> None:
     if placements is None:
         return  # a backend that places jobs itself has not placed this one yet
-    fd = os.open(Path(job_dir) / PLACEMENT_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump([p.to_dict() for p in placements], f, indent=2)
+    write_private(Path(job_dir) / PLACEMENT_FILE, json.dumps([p.to_dict() for p in placements], indent=2))
 
 
 def read_placements(job_dir: Path) -> list[Placement] | None:

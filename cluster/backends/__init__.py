@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from paicli.errors import UsageError
+from paicli.private import write_private
 
 BACKENDS: dict[str, str] = {
     "local": "paicli.cluster.backends.local:LocalBackend",
@@ -84,10 +85,7 @@ def submit_config(home: Path) -> dict[str, Any]:
 
 
 def write_snapshot(job_dir: Path, config: dict[str, Any]) -> None:
-    path = Path(job_dir) / SNAPSHOT
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+    write_private(Path(job_dir) / SNAPSHOT, json.dumps(config, indent=2, sort_keys=True))
 
 
 def job_config(job_dir: Path) -> dict[str, Any]:

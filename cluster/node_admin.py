@@ -9,14 +9,13 @@ from __future__ import annotations
 import secrets
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Callable
 
 from paicli.cluster import ssh_transport as ssh
 from paicli.cluster.nodes import NodeEntry, NodesConfig
 from paicli.errors import PaiError, UsageError
 
-RUNNERS = Path(__file__).resolve().parent.parent / "runners"
+RUNNERS = ssh.RUNNERS_DIR
 PROVISION_SILENCE = 900.0   # seconds without a line from the node's provisioning = it stopped answering
 
 UP, UNREACHABLE, KEY_UNKNOWN, KEY_CHANGED, AUTH_FAILED = (

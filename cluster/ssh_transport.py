@@ -31,7 +31,8 @@ from paicli.private import write_private
 CONNECT_TIMEOUT = 8.0
 # Source tree (cluster/ next to runners/) and installed package (paicli/cluster next to
 # paicli/runners) alike.
-AGENT_SOURCE = Path(__file__).resolve().parent.parent / "runners" / "node_agent.py"
+RUNNERS_DIR = Path(__file__).resolve().parent.parent / "runners"   # what is staged on every node
+AGENT_SOURCE = RUNNERS_DIR / "node_agent.py"
 
 
 class NodeUnreachable(PaiError):

@@ -40,7 +40,7 @@ from paicli.cluster.logsink import open_append_fd
 from paicli.cluster.nodes import NodeEntry, config_from_dict
 from paicli.errors import PaiError, UsageError
 
-RUNNERS_DIR = Path(__file__).resolve().parent.parent.parent / "runners"
+RUNNERS_DIR = ssh.RUNNERS_DIR
 HEARTBEAT = 6.0           # seconds without a frame (agent) / a byte (master) = the link is gone
 START_TIMEOUT = 30.0      # for the agent's identity frame
 PIPE_BYTES = 4096

@@ -42,6 +42,9 @@ MX_SCRIPT = ROOT / "examples" / "pluto" / "mxnet_wide_mlp.py"
 CAFFE_SOLVER = ROOT / "examples" / "caffe" / "mlp" / "mlp_solver.prototxt"
 STEPS_PER_WORKER = 24
 HOSTS = 7
+# The proof's step targets, times the grid's: long enough that start-up (10-20 s a
+# job) is a small share of a communication-bound job.
+PROOF_STEPS_FACTOR = {"tensorflow": 18, "mxnet": 3, "caffe": 12}
 
 
 def grid(framework: str) -> list[dict]:
@@ -80,9 +83,12 @@ def grid(framework: str) -> list[dict]:
 CAFFE_HIDDEN = 12000    # the MLP's hidden layer: about 1 MB of weights to average
 
 
-def caffe_archive() -> Path:
-    """examples/caffe/mlp widened (a model worth averaging), its data made, shortened,
-    as an archive: on other nodes a job sees only its script or archive."""
+CAFFE_ITERS = 400       # the grid's step target (solver max_iter)
+
+
+def caffe_archive(max_iter: int = CAFFE_ITERS) -> Path:
+    """examples/caffe/mlp widened (a model worth averaging), its data made, max_iter
+    set, as an archive: on other nodes a job sees only its script or archive."""
     import re
     import shutil
     import subprocess
@@ -96,7 +102,7 @@ def caffe_archive() -> Path:
     net = (mlp / "mlp_train_test.prototxt").read_text()
     (mlp / "mlp_train_test.prototxt").write_text(net.replace("num_output: 64", f"num_output: {CAFFE_HIDDEN}"))
     solver = (mlp / "mlp_solver.prototxt").read_text()
-    for name, value in (("max_iter", 400), ("display", 20), ("snapshot", 0), ("test_interval", 1000)):
+    for name, value in (("max_iter", max_iter), ("display", 20), ("snapshot", 0), ("test_interval", 1000)):
         solver = re.sub(rf"^{name}:.*$", f"{name}: {value}", solver, flags=re.M)
     (mlp / "mlp_solver.prototxt").write_text(solver)
     runtime = get_runtime("caffe")
@@ -109,18 +115,18 @@ def caffe_archive() -> Path:
     return archive
 
 
-_CAFFE_ARCHIVE: list[Path] = []
+_CAFFE_ARCHIVE: dict[int, Path] = {}
 
 
-def base_tokens(framework: str, workers_hint: int = 2) -> list[str]:
+def base_tokens(framework: str, caffe_iters: int = CAFFE_ITERS) -> list[str]:
     if framework == "tensorflow":
         return ["-name", "tensorflow", f"-Dscript={TF_SCRIPT}"]
     if framework == "mxnet":
         return ["-name", "mxnet", f"-Dscript={MX_SCRIPT}",
                 '-Dcluster={"server":{"count":1},"worker":{"count":2}}']
-    if not _CAFFE_ARCHIVE:
-        _CAFFE_ARCHIVE.append(caffe_archive())
-    return ["-name", "caffe", f"-Dscript={_CAFFE_ARCHIVE[0]}", "-DentryFile=mlp/mlp_solver.prototxt",
+    if caffe_iters not in _CAFFE_ARCHIVE:
+        _CAFFE_ARCHIVE[caffe_iters] = caffe_archive(caffe_iters)
+    return ["-name", "caffe", f"-Dscript={_CAFFE_ARCHIVE[caffe_iters]}", "-DentryFile=mlp/mlp_solver.prototxt",
             '-Dcluster={"ps":{"count":1},"worker":{"count":2}}']
 
 
@@ -365,16 +371,18 @@ def cmd_proof(args) -> None:
     def body(label):
         out = []
         for framework in args.frameworks.split(","):
-            base = base_tokens(framework)
+            factor = args.steps_factor or PROOF_STEPS_FACTOR[framework]
+            # Caffe's step target is the solver's max_iter: an archive of its own
+            base = base_tokens(framework, caffe_iters=CAFFE_ITERS * factor)
             workers = args.tf_workers if framework == "tensorflow" else 2
             if framework == "tensorflow":
                 base = [t for t in base if not t.startswith("-Dcluster=")] + \
                     ['-Dcluster={"ps":{"count":1},"worker":{"count":%d}}' % workers]
             # more steps than the grid's, so that training, not start-up, dominates
-            steps = [a.replace(f"--steps={n}", f"--steps={args.steps_factor * n}")
+            steps = [a.replace(f"--steps={n}", f"--steps={factor * n}")
                      for a in steps_args(framework, workers)
                      for n in [STEPS_PER_WORKER * (workers if framework == "tensorflow" else 1)]]
-            print(f"\n== proof: {framework} on {label}", flush=True)
+            print(f"\n== proof: {framework} on {label}, {factor}x the grid's steps", flush=True)
             auto_id, auto_s, auto_status, auto_wall = run_job(base + steps + ["-DautoStrategy=true"])
             default_id, default_s, default_status, default_wall = run_job(base + steps)
             # the calibration is cached by the first run: time the auto run again without it
@@ -394,8 +402,18 @@ def cmd_proof(args) -> None:
                   f"{(train_default / train_auto) if train_default and train_auto else float('nan'):.2f}x "
                   f"training (goal >= 1.5x); the first autoStrategy submit (calibrating) took {auto_wall:.1f}s",
                   flush=True)
-            out.append({"framework": framework, "default": [default_id, default_s, default_wall, train_default],
-                        "auto": [auto2_id, auto2_s, auto2_wall, train_auto], "plan": plan})
+            out.append({"framework": framework, "where": label, "steps_factor": factor,
+                        "default": {"job": default_id, "step_s": default_s, "wall_s": default_wall,
+                                    "training_s": train_default, "status": default_status,
+                                    "loss_falls": losses_fall(default_id)},
+                        "auto": {"job": auto2_id, "step_s": auto2_s, "wall_s": auto2_wall,
+                                 "training_s": train_auto, "status": auto2_status,
+                                 "loss_falls": losses_fall(auto2_id)},
+                        "first_auto_wall_s": auto_wall, "plan": plan, "speedup": speed,
+                        "training_speedup": (train_default / train_auto) if train_default and train_auto else None,
+                        "loadavg": os.getloadavg()})
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=1, default=str))
         return out
     with_cluster(None if args.local else args.rate, body)
 
@@ -432,9 +450,11 @@ def main() -> None:
     p = sub.add_parser("proof")
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--local", action="store_true")
-    p.add_argument("--frameworks", default="tensorflow,mxnet")
-    p.add_argument("--tf-workers", type=int, default=2, help="workers of the TF default plan (1 ps)")
-    p.add_argument("--steps-factor", type=int, default=3, help="steps per worker, times the grid's")
+    p.add_argument("--frameworks", default="tensorflow,mxnet,caffe")
+    p.add_argument("--tf-workers", type=int, default=3, help="workers of the TF default plan (1 ps)")
+    p.add_argument("--steps-factor", type=int, help="steps per worker (Caffe: iterations), times the grid's; "
+                   "default per framework: " + ", ".join(f"{k} {v}" for k, v in PROOF_STEPS_FACTOR.items()))
+    p.add_argument("--json")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     args = parser.parse_args()

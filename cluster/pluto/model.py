@@ -127,6 +127,8 @@ def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
     pull = [(ps_nodes[j], w, total * f) for w in worker_nodes for j, f in enumerate(fractions)]
     if strategy.sync and strategy.framework == "mxnet":
         return _pipelined_seconds(profile, strategy, cluster, ps_nodes, worker_nodes)
+    if strategy.framework == "mxnet":
+        return _mxnet_async_seconds(profile, strategy, cluster, ps_nodes, worker_nodes, push + pull)
     if strategy.sync:
         return _phase_seconds(push, cluster) + _phase_seconds(pull, cluster)
     # Async: one worker's own push then pull, unless the shared links are the limit,
@@ -178,6 +180,22 @@ def _pipelined_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
     for k in range(len(a)):
         best = max(best, sum(a[:k + 1]) + sum(b[k:]))
     return best
+
+
+def _mxnet_async_seconds(profile: Profile, strategy: Strategy, cluster: Cluster, ps_nodes: list[int],
+                         worker_nodes: list[int], flows: list[tuple[int, int, float]]) -> float:
+    """MXNet dist_async: no barrier. A worker's own pushes and pulls pipeline as in
+    dist_sync (the pull of an array waits only for its own push), and nobody waits
+    for the other workers, so one worker's traffic overlaps the others' compute.
+    A worker's cycle is its compute plus its own traffic, unless the links the
+    workers share (a server's) cannot carry every worker's pushes and pulls in that
+    time: cycle = max(compute + own, shared); the communication is what the cycle
+    adds to compute. One worker: exactly dist_sync."""
+    own = _pipelined_seconds(profile, strategy, cluster, ps_nodes, worker_nodes[:1])
+    if strategy.workers <= 1:
+        return own
+    shared = _phase_seconds(flows, cluster)
+    return max(own, shared - compute_seconds(profile, strategy, cluster))
 
 
 def compute_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:

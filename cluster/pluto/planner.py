@@ -11,8 +11,12 @@
 
 The worker count is the user's when each worker runs the script's steps on its own
 shard (sync data parallelism): more workers would train on more data, which changes
-what the job does, not how fast. Sync stays sync and async stays async for the same
-reason. The recommendation is the fastest to the step target (or the most
+what the job does, not how fast. Sync and async are both considered only where both
+are the script's own (`switchable`: it takes the mode from -Dkvstore or a flag the
+user left unset); the mode the script does not default to must save 10%. The
+per-worker batch is kept and the learning rate follows the global batch
+(`apply_scaling`), applied through the job's -D values or the script's own flags.
+The recommendation is the fastest to the step target (or the most
 samples/s when the script has none); among plans within 5% of it, the one with the
 fewest instances, without compression, with the shortest averaging period. With a
 budget: the cheapest plan that meets it, or why none does.
@@ -25,7 +29,7 @@ from typing import Any
 
 from paicli.cluster.pluto.model import forecast, ps_loads
 from paicli.cluster.pluto.strategy import (GREEDY, MXNET_DEFAULT_BIGARRAY_BOUND, ROUND_ROBIN, SLICED, Cluster,
-                                           Forecast, Profile, Strategy)
+                                           Forecast, Knobs, Profile, Strategy)
 
 TIE = 0.05            # plans within 5% of the best count as equally fast
 MAX_PS = 4
@@ -71,7 +75,48 @@ class Plan:
                 "budget_s": self.budget_s, "meets_budget": self.meets_budget}
 
 
-def candidates(profile: Profile, cluster: Cluster, user: Strategy) -> list[Strategy]:
+def switchable(profile: Profile, knobs: Knobs) -> bool:
+    """Both sync and async are the script's own: it takes the choice from outside
+    (MXNet: the kvstore -Dkvstore names, or a --kv-store flag; TF: a --sync_replicas
+    flag) and the user left it unset. Not for TF when the step target is global_step:
+    sync counts one aggregated update of W batches where async counts every worker's,
+    so the target would mean another thing."""
+    if profile.framework not in ("tensorflow", "mxnet") or not knobs.sync_switch or knobs.sync_pinned:
+        return False
+    if profile.framework == "tensorflow":
+        if profile.target_global:
+            return False
+        if profile.sync and not knobs.sync_flag_negation:
+            return False   # a flag that is on by default and has no negation cannot be turned off
+    return True
+
+
+def with_mode(s: Strategy, sync: bool, knobs: Knobs) -> Strategy:
+    """`s` set to sync or async the way the script takes it."""
+    s = s.with_(sync=sync, mode_chosen=True)
+    if knobs.sync_switch == "-Dkvstore":
+        return s.with_(kvstore="dist_sync" if sync else "dist_async")
+    if s.framework == "mxnet":   # the script's own --kv-store flag
+        return s.with_(script_flags=s.script_flags + (f"{knobs.sync_switch}={'dist_sync' if sync else 'dist_async'}",))
+    if sync:
+        return s.with_(script_flags=s.script_flags + (knobs.sync_switch,))
+    return s.with_(script_flags=s.script_flags + ((knobs.sync_flag_negation,) if knobs.sync_flag_negation else ()))
+
+
+def candidates(profile: Profile, cluster: Cluster, user: Strategy, knobs: Knobs | None = None) -> list[Strategy]:
+    knobs = knobs or Knobs()
+    out = _candidates(profile, cluster, user)
+    if not switchable(profile, knobs):
+        return out
+    moded = []
+    for s in out:
+        moded.append(with_mode(s, s.sync, knobs))
+        if s.workers > 1:   # one worker: sync and async are the same thing
+            moded.append(with_mode(s, not s.sync, knobs))
+    return moded
+
+
+def _candidates(profile: Profile, cluster: Cluster, user: Strategy) -> list[Strategy]:
     fw = profile.framework
     out: list[Strategy] = []
     if fw == "caffe":
@@ -136,19 +181,49 @@ def worth_it(choices: list[Choice]) -> list[Choice]:
     return kept
 
 
-def recommend(choices: list[Choice]) -> Choice:
+MODE_GAIN = 0.10   # the mode the script does not default to must save this much
+
+
+def _shape(s: Strategy) -> tuple:
+    return (s.ps, s.workers, s.partition, s.compression, s.big_array_bound, s.ma_period)
+
+
+def mode_twin(choice: Choice, choices: list[Choice]) -> Choice | None:
+    """The same plan in the other mode (sync <-> async), when it was considered."""
+    return next((c for c in choices if c.strategy.sync != choice.strategy.sync
+                 and _shape(c.strategy) == _shape(choice.strategy)), None)
+
+
+def worth_switching(choices: list[Choice], default_sync: bool) -> list[Choice]:
+    """Drop plans in the mode the script does not default to that save under
+    MODE_GAIN over the same plan in its default mode: async's stale updates (or
+    sync's larger global batch) change convergence, so the switch must pay."""
+    kept = []
+    for c in choices:
+        twin = mode_twin(c, choices) if c.strategy.sync != default_sync else None
+        if twin is not None and c.score() > twin.score() * (1 - MODE_GAIN):
+            continue
+        kept.append(c)
+    return kept
+
+
+def recommend(choices: list[Choice], default_sync: bool | None = None) -> Choice:
+    if default_sync is not None:
+        choices = worth_switching(choices, default_sync) or choices
     choices = worth_it(choices) or choices
     best = min(c.score() for c in choices)
     near = [c for c in choices if c.score() <= best * (1 + TIE)]
     return min(near, key=_rank_key)
 
 
-def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | None = None) -> Plan:
+def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | None = None,
+         knobs: Knobs | None = None) -> Plan:
+    knobs = knobs or Knobs()
     default = Choice(user, forecast(profile, user, cluster))
-    choices = [Choice(s, forecast(profile, s, cluster)) for s in candidates(profile, cluster, user)]
+    choices = [Choice(s, forecast(profile, s, cluster)) for s in candidates(profile, cluster, user, knobs)]
     if not choices:
         choices = [default]
-    rec = recommend(choices)
+    rec = recommend(choices, profile.sync)
     meets = None
     reasons: list[str] = []
     if budget_s is not None:
@@ -156,7 +231,8 @@ def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | N
             reasons.append("budget: the script's step target is unknown (no --steps, --max_steps or "
                            "max_iter found), so no plan can be judged against it; recommending the fastest")
         else:
-            fitting = [c for c in worth_it(choices) if c.forecast.time_to_target_s <= budget_s]
+            fitting = [c for c in worth_it(worth_switching(choices, profile.sync))
+                       if c.forecast.time_to_target_s <= budget_s]
             if fitting:
                 rec = min(fitting, key=lambda c: (c.strategy.instances, c.strategy.compression != "none",
                                                   c.score()))
@@ -170,13 +246,22 @@ def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | N
                 reasons.append(f"budget {_dur(budget_s)}: no plan meets it; the fastest ({fastest.strategy.label()}) "
                                f"needs {_dur(fastest.forecast.time_to_target_s)} to step {profile.step_target}, "
                                f"limited by {fastest.forecast.bottleneck}")
-    reasons += explain(profile, cluster, rec, default)
+    # The batch/learning-rate rule applied to every plan (it changes no forecast).
+    scaled = {id(c): apply_scaling(c.strategy, profile, knobs) for c in choices}
+    twin = mode_twin(rec, choices)
+    reasons += explain(profile, cluster, rec, default, knobs=knobs, twin=twin,
+                       scaling=scaled[id(rec)][1])
+    for c in choices:
+        c.strategy = scaled[id(c)][0]
+        if c.strategy.script_flags:   # appended to the user's own arguments, which stay first
+            c.strategy = c.strategy.with_(user_args=knobs.user_args)
     alternatives = sorted((c for c in choices if c is not rec), key=Choice.score)
     return Plan(recommended=rec, alternatives=alternatives, reasons=reasons, default=default,
                 budget_s=budget_s, meets_budget=meets)
 
 
-def explain(profile: Profile, cluster: Cluster, rec: Choice, default: Choice) -> list[str]:
+def explain(profile: Profile, cluster: Cluster, rec: Choice, default: Choice, knobs: Knobs | None = None,
+            twin: Choice | None = None, scaling: str | None = None) -> list[str]:
     """One line per decision, each with the measured fact behind it."""
     s, f = rec.strategy, rec.forecast
     mb = profile.param_bytes / 1e6
@@ -225,20 +310,116 @@ def explain(profile: Profile, cluster: Cluster, rec: Choice, default: Choice) ->
         lines.append(f"model averaging: every {s.ma_period} iterations: a round costs "
                      f"{f.comm_s * (s.ma_period or 1):.3f} s against {f.compute_s:.3f} s of compute per "
                      f"iteration; the shortest period within {TIE:.0%} of the fastest")
-    lines.append(_scaling_line(profile, s))
-    lines.append(f"sync/async: {'sync' if s.sync else 'async'}, as the script does: switching would "
-                 f"change its convergence, not only its speed")
+    lines.append(scaling or apply_scaling(s, profile, knobs or Knobs())[1])
+    lines.append(_mode_line(profile, rec, knobs or Knobs(), twin))
     return lines
 
 
-def _scaling_line(profile: Profile, s: Strategy) -> str:
-    if s.sync and s.workers > 1:
-        return (f"batch/learning rate: {s.workers} workers x batch {s.batch_per_worker or profile.batch_size} = "
-                f"global batch {s.workers * (s.batch_per_worker or profile.batch_size)}; linear scaling "
-                f"would multiply the learning rate by {s.workers} with a warm-up; the script sets its own, "
-                f"so call lr = pluto_helpers.learning_rate(base_lr, step) (one line) to apply it")
-    return ("batch/learning rate: kept (linear scaling applies to sync data parallelism over several "
-            "workers)")
+def _mode_name(s: Strategy) -> str:
+    return "sync" if s.sync else "async"
+
+
+def _mode_line(profile: Profile, rec: Choice, knobs: Knobs, twin: Choice | None) -> str:
+    s = rec.strategy
+    mode = _mode_name(s)
+    if s.framework == "caffe":
+        return "sync/async: sync: the workers average their models in rounds, the runner's only way"
+    if knobs.sync_pinned:
+        return f"sync/async: {mode}, as you set it ({knobs.sync_pinned}): kept"
+    if knobs.sync_switch and profile.framework == "tensorflow" and profile.target_global:
+        return (f"sync/async: {mode}, the script's default: its {knobs.sync_switch} would change what "
+                f"global_step counts (one update of {s.workers} batches in sync, one per worker in async), "
+                f"so the step target would mean another thing: kept")
+    if not switchable(profile, knobs):
+        return (f"sync/async: {mode}, as the script does (it fixes the mode itself): switching would change "
+                f"its convergence, not only its speed")
+    how = {"-Dkvstore": "it creates the kvstore -Dkvstore names (PAI_MXNET_KVSTORE) and -Dkvstore was left unset"}\
+        .get(knobs.sync_switch, f"it takes the mode from its own {knobs.sync_switch} flag, which was not given")
+    if s.workers <= 1 or twin is None:
+        return f"sync/async: {mode}: one worker, so sync and async are the same thing ({how})"
+    gain = 1.0 - rec.score() / twin.score() if twin.score() else 0.0
+    applied = (f"-Dkvstore={s.kvstore}" if s.kvstore else
+               " ".join(f for f in s.script_flags if "sync" in f or "kv" in f) or "the script's default")
+    if s.sync == profile.sync:
+        return (f"sync/async: {mode} ({applied}), the script's default: both are the script's ({how}); "
+                f"{_mode_name(twin.strategy)} would forecast {twin.forecast.step_s:.3f} s/step against "
+                f"{rec.forecast.step_s:.3f}, {-gain:+.0%} to the target, under the {MODE_GAIN:.0%} a switch "
+                f"must save (it changes convergence)")
+    return (f"sync/async: {mode} ({applied}), switched from the script's default {_mode_name(twin.strategy)}: "
+            f"both are the script's ({how}); forecast {rec.forecast.step_s:.3f} s/step against "
+            f"{twin.forecast.step_s:.3f}, {gain:.0%} faster to the target (a switch must save {MODE_GAIN:.0%})")
+
+
+WARMUP_SHARE = 0.05      # warm-up over the first 5% of the step target (Goyal et al.: 5 of 90 epochs)
+WARMUP_DEFAULT = 100     # steps, when the script has no step target
+SCALED_SOLVERS = ("SGD", "Nesterov")   # Caffe solvers whose step is lr x gradient
+
+
+def warmup_steps(profile: Profile) -> int:
+    if not profile.step_target:
+        return WARMUP_DEFAULT
+    return max(1, round(profile.step_target * WARMUP_SHARE))
+
+
+def apply_scaling(s: Strategy, profile: Profile, knobs: Knobs) -> tuple[Strategy, str]:
+    """The per-worker batch and learning-rate rule for `s`, applied (the strategy
+    with the -D values that carry it) and said (one reason line).
+
+    The per-worker batch is kept: the job the user submitted trains W x B samples a
+    step and Pluto does not shrink what each worker computes. The learning rate
+    follows the global batch linearly, with a warm-up, where the workers' updates
+    are combined into one of batch W x B and nothing scales it already:
+
+    - Caffe averaging (W models that each took a step of batch B, averaged, are one
+      step of batch W x B): base_lr x W, warm-up, in the job's own solver copy;
+    - TF SyncReplicasOptimizer and MXNet's Module API (the mean over W workers):
+      x W through the script's learning-rate flag, else -DlrScale for
+      pluto_helpers.learning_rate;
+    - MXNet dist_sync with a Gluon Trainer (the servers SUM the workers' gradients,
+      each normalised by its own batch): already W x, nothing to do;
+    - async (each worker's update applied alone) and one worker: nothing to scale."""
+    w, b = s.workers, s.batch_per_worker or profile.batch_size
+    base = profile.learning_rate
+    head = f"batch/learning rate: per-worker batch {b} kept"
+    if w <= 1:
+        return s, f"{head}; learning rate kept: one worker, nothing is combined"
+    head += f" (global batch {w} x {b} = {w * b})"
+    if knobs.lr_pinned:
+        return s, f"{head}; learning rate kept: you set it"
+    warm = warmup_steps(profile)
+    if s.framework == "caffe":
+        if knobs.solver_type not in SCALED_SOLVERS:
+            return s, (f"{head}; learning rate kept: the {knobs.solver_type} solver adapts its own step size, "
+                       f"so linear scaling does not apply")
+        if base is None:
+            return s, f"{head}; learning rate kept: the solver's base_lr was not found"
+        s = s.with_(learning_rate=base * w, lr_scale=float(w), warmup_steps=warm)
+        return s, (f"{head}; base_lr {base:g} -> {base * w:g} (x{w}, linear scaling: averaging {w} models that "
+                   f"each took a step of batch {b} is one step of batch {w * b}), reached by a linear warm-up "
+                   f"over the first {warm} iterations; the runner writes it into the job's own copy of the "
+                   f"solver and ramps it (your files are unchanged): -DlearningRate={base * w:g} "
+                   f"-DwarmupIterations={warm}")
+    if not s.sync:
+        return s, (f"{head}; learning rate kept: async applies each worker's update alone (batch {b} at the "
+                   f"script's rate), nothing is combined")
+    if s.framework == "mxnet" and knobs.aggregation == "sum":
+        return s, (f"{head}; learning rate kept: dist_sync SUMS the {w} workers' gradients on the servers "
+                   f"(each normalised by its own batch {b}), so the script's rate already acts {w}x on the "
+                   f"global batch: linear scaling holds unchanged (without a warm-up)")
+    what = ("SyncReplicasOptimizer averages" if s.framework == "tensorflow"
+            else "the Module API averages")
+    if base is not None and knobs.lr_flag:
+        flag = f"{knobs.lr_flag}={base * w:g}"
+        s = s.with_(script_flags=s.script_flags + (flag,), lr_scale=float(w))
+        return s, (f"{head}; learning rate {base:g} -> {base * w:g} (x{w}, linear scaling: {what} the {w} "
+                   f"workers' gradients into one step of batch {w * b}), set through the script's own "
+                   f"{knobs.lr_flag} ({flag}); a flag cannot ramp it, so the warm-up needs "
+                   f"lr = pluto_helpers.learning_rate(base_lr, step) in the script (one line)")
+    s = s.with_(helper_scale=True, lr_scale=float(w), warmup_steps=warm)
+    return s, (f"{head}; the learning rate should be x{w} (linear scaling: {what} the {w} workers' "
+               f"gradients into one step of batch {w * b}) with a warm-up over {warm} steps, but the script "
+               f"exposes no learning-rate flag: -DlrScale={w} -DwarmupSteps={warm} take effect where it calls "
+               f"lr = pluto_helpers.learning_rate(base_lr, step) (one line)")
 
 
 def _share(f: Forecast) -> str:

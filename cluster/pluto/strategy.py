@@ -44,6 +44,14 @@ class Strategy:
     lr_scale: float = 1.0              # linear scaling of the learning rate
     warmup_steps: int = 0
     sync: bool = True
+    # How the scaling and the sync/async choice reach the job (planner.apply_scaling
+    # and planner.candidates fill these in; a user's strategy leaves them empty):
+    learning_rate: float | None = None  # Caffe: base_lr of the job's solver copy (-DlearningRate)
+    helper_scale: bool = False         # MXNet/TF: -DlrScale/-DwarmupSteps for pluto_helpers.learning_rate
+    script_flags: tuple[str, ...] = ()  # appended to the script's arguments (-DuserDefinedParameters)
+    user_args: str = ""                # the user's own userDefinedParameters, kept in front of them
+    kvstore: str | None = None         # MXNet: -Dkvstore, when Pluto chose it
+    mode_chosen: bool = False          # sync/async was Pluto's choice (both are the script's)
 
     @property
     def instances(self) -> int:
@@ -71,6 +79,20 @@ class Strategy:
                 out["bigArrayBound"] = self.big_array_bound
         if self.framework in MA_FRAMEWORKS and self.workers > 1 and self.ma_period:
             out["maPeriod"] = self.ma_period
+        if self.framework == "mxnet" and self.kvstore:
+            out["kvstore"] = self.kvstore
+        if self.framework in MA_FRAMEWORKS:
+            if self.learning_rate is not None:
+                out["learningRate"] = float(f"{self.learning_rate:.6g}")
+            if self.batch_per_worker:
+                out["batchSize"] = self.batch_per_worker
+            if self.warmup_steps:
+                out["warmupIterations"] = self.warmup_steps
+        elif self.helper_scale:
+            out["lrScale"] = float(f"{self.lr_scale:.6g}")
+            out["warmupSteps"] = self.warmup_steps
+        if self.script_flags:
+            out["userDefinedParameters"] = " ".join(p for p in (self.user_args.strip(), *self.script_flags) if p)
         return out
 
     def label(self) -> str:
@@ -83,6 +105,8 @@ class Strategy:
             parts.append(self.compression)
         if self.ma_period and self.workers > 1:
             parts.append(f"maPeriod {self.ma_period}")
+        if self.mode_chosen:
+            parts.append("sync" if self.sync else "async")
         return ", ".join(p for p in parts if p)
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,6 +145,24 @@ class Profile:
         data["var_bytes"] = tuple(data.get("var_bytes") or ())
         data["notes"] = tuple(data.get("notes") or ())
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What the script and the user leave Pluto free to set, read from the statement
+    and the script's text (nothing here is measured; not cached with the Profile)."""
+
+    lr_flag: str | None = None         # the script's learning-rate flag (e.g. "--lr"), not given by the user
+    lr_pinned: bool = False            # the user set the learning rate (argument or -DlearningRate)
+    sync_switch: str | None = None     # how sync/async is chosen: "-Dkvstore" (the script creates
+                                       # PAI_MXNET_KVSTORE's kvstore), a flag ("--kv-store",
+                                       # "--sync_replicas"); None: the script fixes it
+    sync_pinned: str | None = None     # the user chose it: what they gave (e.g. "-Dkvstore=dist_sync")
+    sync_flag_negation: str | None = None  # TF: the flag that turns sync off (absl "--nosync_replicas")
+    aggregation: str = "mean"          # how sync workers' gradients combine: "sum" (MXNet Gluon
+                                       # Trainer), "mean" (TF SyncReplicasOptimizer, MXNet Module)
+    solver_type: str = "SGD"           # Caffe: the solver's type
+    user_args: str = ""                # the user's userDefinedParameters
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@
 - overhead and fan-in (Optimus): theta1 x W/P + theta_p x P, fitted with the compute
   term by non-negative least squares to the calibration runs (calibrate.nnls),
   because round trips, a ps serving many workers, and a worker talking to many ps
-  cost time that no byte count shows.
+  cost time that no byte count shows. TensorFlow async: theta1 x (W - 1) instead
+  (`overhead_terms`): every other worker's traffic collides with this one's part of
+  the time, whichever ps it goes to, and more ps do not take that away.
 
 Caffe's model averaging: an iteration is compute plus one averaging round (every
 worker sends its model to the ps and receives the average) divided by the period.
@@ -214,13 +216,31 @@ def compute_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> f
     return profile.compute_s_per_sample * batch * slowdown
 
 
+def overhead_terms(strategy: Strategy) -> tuple[float, float]:
+    """What the two fitted overheads multiply: step += fanin_s x a + per_ps_s x b.
+
+    Sync (Optimus): a = W/P, a ps serving W workers; b = P, a worker talking to P ps.
+    TensorFlow async: a = W - 1, the other workers. Measured at 100 Mbit/s and 1 Gbit/s
+    (docs/pluto.md), async TF steps grow by about the same seconds for every worker
+    added whether there are 1, 2, 3 or 4 ps, beyond what the bytes on the busiest link
+    explain: the workers' pushes and pulls collide part of the time on links and in
+    the one kernel that carries every link here, and a ps more does not spread that
+    (W/P said it would). Calibration's 2-worker run gives theta1 (calibrate.build_profile
+    fits with these same terms)."""
+    if not strategy.ps:
+        return 0.0, 0.0
+    if strategy.framework == "tensorflow" and not strategy.sync:
+        return float(max(0, strategy.workers - 1)), float(strategy.ps)
+    return strategy.workers / strategy.ps, float(strategy.ps)
+
+
 def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast:
     loads = ps_loads(profile.var_bytes or (profile.param_bytes,), strategy.ps, strategy.partition,
                      strategy.big_array_bound) if strategy.ps else []
     compute = compute_seconds(profile, strategy, cluster)
     comm = comm_seconds(profile, strategy, cluster, loads)
-    fanin = (profile.fanin_s * strategy.workers / max(1, strategy.ps) + profile.per_ps_s * strategy.ps
-             if strategy.ps else 0.0)
+    per_fanin, per_ps = overhead_terms(strategy)
+    fanin = profile.fanin_s * per_fanin + profile.per_ps_s * per_ps
     overhead = profile.overhead_s
     if strategy.framework in MA_FRAMEWORKS:
         period = strategy.ma_period or 1

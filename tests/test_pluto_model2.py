@@ -1,0 +1,81 @@
+"""Pluto's cost model on fixed inputs: TensorFlow async's per-other-worker overhead
+(model.overhead_terms), fitted by calibration and forecast for other clusters."""
+
+from __future__ import annotations
+
+import pytest
+
+from paicli.cluster.pluto import calibrate, model
+from paicli.cluster.pluto.strategy import GREEDY, ROUND_ROBIN, Cluster, Node, Profile, Strategy
+
+MB = 1e6
+LINK_100M = 12.5e6   # bytes/s
+
+
+def hosts(n: int = 7) -> Cluster:
+    """The bench's test cluster: n one-core hosts on 100 Mbit/s links sharing 2 cores."""
+    return Cluster(tuple(Node(f"h{i}", 1.0, LINK_100M) for i in range(n)), loopback_Bps=2e9,
+                   source=f"{n} nodes", machine_cores=2)
+
+
+# the sizes tf_wide_mlp.py's variables report, in creation order
+TF_WIDE = (8.0, 81920.0, 2560.0, 1638400.0, 2560.0, 819200.0, 1280.0, 1280.0, 4.0)
+
+
+def tf_async(fanin_s: float = 0.05, per_ps_s: float = 0.0) -> Profile:
+    return Profile("tensorflow", param_bytes=sum(TF_WIDE), var_bytes=TF_WIDE, compute_s_per_sample=0.0,
+                   batch_size=32, fanin_s=fanin_s, per_ps_s=per_ps_s, step_target=1296, target_global=True,
+                   sync=False)
+
+
+def test_overhead_terms_are_optimus_for_sync_and_other_workers_for_tensorflow_async():
+    assert model.overhead_terms(Strategy("tensorflow", 2, 4, sync=False)) == (3.0, 2.0)
+    assert model.overhead_terms(Strategy("tensorflow", 1, 1, sync=False)) == (0.0, 1.0)
+    assert model.overhead_terms(Strategy("tensorflow", 2, 4, sync=True)) == (2.0, 2.0)
+    assert model.overhead_terms(Strategy("mxnet", 4, 2)) == (0.5, 4.0)
+    assert model.overhead_terms(Strategy("caffe", 0, 1)) == (0.0, 0.0)
+
+
+def test_async_forecast_adds_the_same_seconds_per_other_worker_whatever_the_ps_count():
+    where = hosts()
+    one = 2547212.0 / LINK_100M           # the whole model over one link, one way: 0.2038 s
+    profile = tf_async(fanin_s=0.05, per_ps_s=0.0)
+    # 2 ps greedy, 3 workers: the worker's own link is the limit (push + pull of the model);
+    # the busiest ps holds 64% of it, 3 x 64% < 2 models. Plus 2 x 0.05 for the other workers.
+    f = model.forecast(profile, Strategy("tensorflow", 2, 3, partition=GREEDY, sync=False), where)
+    assert f.comm_s == pytest.approx(2 * one, rel=1e-9)
+    assert f.step_s == pytest.approx(2 * one + 0.10, rel=1e-9)
+    # 4 ps: the same 0.10 (the W/P shape would have halved it)
+    f4 = model.forecast(profile, Strategy("tensorflow", 4, 3, partition=GREEDY, sync=False), where)
+    assert f4.step_s - f4.comm_s == pytest.approx(0.10, rel=1e-9)
+    # 1 ps, 3 workers: the ps link carries three models each way, then the 0.10
+    f1 = model.forecast(profile, Strategy("tensorflow", 1, 3, partition=ROUND_ROBIN, sync=False), where)
+    assert f1.step_s == pytest.approx(3 * one + 0.10, rel=1e-9)
+    # one worker: nobody to collide with
+    solo = model.forecast(profile, Strategy("tensorflow", 1, 1, sync=False), where)
+    assert solo.step_s == pytest.approx(2 * one, rel=1e-9)
+
+
+def test_the_fitted_per_worker_term_is_what_calibration_measured_between_one_and_two_workers():
+    where = hosts()
+    truth = tf_async(fanin_s=0.035, per_ps_s=0.004)
+    runs = []
+    for ps, workers in ((1, 1), (1, 2), (2, 1)):      # calibration's three runs
+        s = model.default_strategy("tensorflow", ps, workers).with_(sync=False)
+        runs.append(calibrate.Run(ps=ps, workers=workers, step_s=model.forecast(truth, s, where).step_s,
+                                  var_bytes=TF_WIDE, global_step=True))
+    facts = calibrate.ScriptFacts(step_target=1296, batch_size=32)
+    got = calibrate.build_profile("tensorflow", runs, facts, where, sync=False)
+    assert got.fanin_s == pytest.approx(0.035) and got.per_ps_s == pytest.approx(0.004)
+    # and the forecast for a cluster calibration never ran: 2 ps greedy, 4 workers
+    s = Strategy("tensorflow", 2, 4, partition=GREEDY, sync=False)
+    shared = 4 * max(model.ps_loads(TF_WIDE, 2, GREEDY)) / LINK_100M   # the busiest ps' link, 4 workers
+    assert model.forecast(got, s, where).step_s == pytest.approx(shared + 3 * 0.035 + 2 * 0.004, rel=1e-6)
+
+
+def test_more_workers_still_reach_a_global_step_target_sooner_when_collisions_cost_less_than_a_step():
+    where = hosts()
+    profile = tf_async(fanin_s=0.05)
+    per_target = [model.forecast(profile, Strategy("tensorflow", 2, w, partition=GREEDY, sync=False),
+                                 where).time_to_target_s for w in (1, 2, 3)]
+    assert per_target[0] > per_target[1] > per_target[2]

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from paicli.cluster.pluto.model import comm_seconds, compute_seconds
+from paicli.cluster.pluto.model import comm_seconds, compute_seconds, overhead_terms
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 from paicli.private import write_private
 
-CACHE_VERSION = 4   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute
+CACHE_VERSION = 5   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1)
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")
@@ -51,6 +51,7 @@ class ScriptFacts:
     batch_size: int | None = None
     learning_rate: float | None = None
     where: dict[str, str] = field(default_factory=dict)   # fact -> where it was found
+    flags: dict[str, str] = field(default_factory=dict)   # fact -> the script's own flag ("--lr")
 
 
 def _flag_value(args: list[str], names: tuple[str, ...]) -> str | None:
@@ -64,12 +65,45 @@ def _flag_value(args: list[str], names: tuple[str, ...]) -> str | None:
 
 
 def _source_default(source: str, names: tuple[str, ...]) -> str | None:
+    found = source_flag(source, names)
+    return found[1] if found else None
+
+
+def source_flag(source: str, names: tuple[str, ...]) -> tuple[str, str] | None:
+    """(the flag as a command line spells it, its numeric default) of the first of
+    `names` the script declares (argparse add_argument, absl DEFINE_*)."""
     for name in names:
         pattern = (rf"""add_argument\(\s*["']--{re.escape(name)}["'][^)]*?default\s*=\s*({_NUM})"""
                    rf"""|DEFINE_\w+\(\s*(?:name\s*=\s*)?["']{re.escape(name)}["']\s*,\s*(?:default\s*=\s*)?({_NUM})""")
         match = re.search(pattern, source)
         if match:
-            return match.group(1) or match.group(2)
+            return f"--{name}", match.group(1) or match.group(2)
+    return None
+
+
+def bool_flag(source: str, names: tuple[str, ...]) -> tuple[str, bool, str | None] | None:
+    """(flag, default, the flag that turns it off or None) of a boolean flag the
+    script declares: absl DEFINE_bool(ean)("name", default) (off: --noname), argparse
+    add_argument("--name", action="store_true") (default False, no off flag)."""
+    for name in names:
+        absl = re.search(rf"""DEFINE_bool(?:ean)?\(\s*(?:name\s*=\s*)?["']{re.escape(name)}["']\s*,\s*"""
+                         rf"""(?:default\s*=\s*)?(True|False)""", source)
+        if absl:
+            return f"--{name}", absl.group(1) == "True", f"--no{name}"
+        arg = re.search(rf"""add_argument\(\s*["']--{re.escape(name)}["'][^)]*?action\s*=\s*["']store_true["']""",
+                        source)
+        if arg:
+            return f"--{name}", False, None
+    return None
+
+
+def choice_flag(source: str, names: tuple[str, ...]) -> tuple[str, str] | None:
+    """(flag, default text) of a string flag the script declares with argparse."""
+    for name in names:
+        match = re.search(rf"""add_argument\(\s*["']--{re.escape(name)}["'][^)]*?default\s*=\s*["']([^"']*)["']""",
+                          source)
+        if match:
+            return f"--{name}", match.group(1)
     return None
 
 
@@ -87,8 +121,11 @@ def script_facts(args: list[str], source: str = "", solver: str = "", net: str =
                               ("batch_size", BATCH_FLAGS, lambda v: int(float(v))),
                               ("learning_rate", LR_FLAGS, float)):
         value, where = _flag_value(args, names), "arguments"
-        if value is None and source:
-            value, where = _source_default(source, names), "the script's flag defaults"
+        declared = source_flag(source, names) if source else None
+        if declared:
+            facts.flags[attr] = declared[0]
+        if value is None and declared:
+            value, where = declared[1], "the script's flag defaults"
         if value is None and solver and attr != "batch_size":
             value, where = _solver_value(solver, {"step_target": "max_iter", "learning_rate": "base_lr"}[attr]), \
                 "the solver"
@@ -185,7 +222,8 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
                       sync=sync, learning_rate=facts.learning_rate, notes=tuple(notes))
     partition = SLICED if framework == "mxnet" else "round_robin"
     # step - communication = c x batch x slowdown + theta1 x W/P + theta_p x P, for every
-    # run, fitted with c, theta1, theta_p >= 0 (Optimus' fan-in and per-ps terms; the
+    # run, fitted with c, theta1, theta_p >= 0 (Optimus' fan-in and per-ps terms, TF
+    # async: theta1 x (W - 1), model.overhead_terms; the
     # fixed per-step cost is in c, since the batch size is not varied).
     unit = replace(profile, compute_s_per_sample=1.0)
     rows, ys = [], []
@@ -193,7 +231,7 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
         if run.step_s is None:
             continue
         s = Strategy(framework, run.ps, run.workers, partition=partition, sync=sync)
-        rows.append([compute_seconds(unit, s, where), run.workers / max(1, run.ps), float(max(1, run.ps))])
+        rows.append([compute_seconds(unit, s, where), *overhead_terms(s)])
         ys.append(run.step_s - comm_seconds(profile, s, where))
     per_sample, fanin, per_ps = nnls(rows, ys) if rows else (0.0, 0.0, 0.0)
     return replace(profile, compute_s_per_sample=per_sample, fanin_s=fanin, per_ps_s=per_ps)

@@ -243,6 +243,10 @@ def bench_framework(framework: str, label: str) -> dict:
           f"({len(profile.var_bytes)} arrays), {profile.compute_s_per_sample * 1e3:.3f} ms/sample, "
           f"fan-in {profile.fanin_s * 1e3:.2f} ms, per ps {profile.per_ps_s * 1e3:.2f} ms, sync={profile.sync}, "
           f"step target {profile.step_target} ({'global' if profile.target_global else 'per worker'})", flush=True)
+    calibration_runs = newest_calibration_runs()
+    for run in calibration_runs:
+        print(f"   calibration run: {run.get('ps')} ps, {run.get('workers')} worker: step {run.get('step_s')} s, "
+              f"iteration {run.get('iter_s')} s, round {run.get('exchange_s')} s", flush=True)
     rec = result.plan.recommended.to_json()
     configs = grid(framework)
     for config in configs:
@@ -294,7 +298,20 @@ def bench_framework(framework: str, label: str) -> dict:
               f"measured ({best['config']}) {best['measured_per_target_step_s']:.4f} {unit}: {ratio:.2f}x "
               f"(goal <= 1.10)", flush=True)
     return {"framework": framework, "where": label, "rows": rows, "median_abs_error": med,
-            "recommended_vs_best": ratio, "profile": profile.to_dict()}
+            "recommended_vs_best": ratio, "profile": profile.to_dict(), "calibration_runs": calibration_runs,
+            "loadavg": os.getloadavg()}
+
+
+def newest_calibration_runs() -> list[dict]:
+    """What the calibration runs measured (the cache entry written last)."""
+    from paicli.cluster.pluto.calibrate import cache_path
+    from paicli.store import pai_home
+
+    try:
+        entries = json.loads(cache_path(pai_home()).read_text()).values()
+        return max(entries, key=lambda e: e.get("saved", 0)).get("runs") or []
+    except (OSError, ValueError):
+        return []
 
 
 def with_cluster(rate: str | None, body):

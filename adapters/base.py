@@ -102,3 +102,27 @@ def script_args(spec: JobSpec, passthrough: tuple[str, ...] = PASSTHROUGH_FLAGS)
     if udp:
         args += shlex.split(udp)
     return args
+
+
+# Pluto's linear learning-rate scaling for scripts that call
+# pluto_helpers.learning_rate(base_lr, step) (runners/pluto_helpers.py); a plan sets
+# them when the script exposes no learning-rate flag of its own.
+PLUTO_SCALING_PARAMS = (
+    Param("lrScale", "float", check=lambda v: None if v > 0 else f"must be greater than 0, not {v:g}",
+          help="The factor pluto_helpers.learning_rate(base_lr, step) multiplies the script's "
+               "learning rate by (PAI_PLUTO_LR_SCALE; linear scaling for sync data parallelism). "
+               "Only a script that calls the helper sees it."),
+    Param("warmupSteps", "int", minimum=0,
+          help="Steps over which pluto_helpers.learning_rate ramps from the script's rate to "
+               "-DlrScale times it (PAI_PLUTO_WARMUP_STEPS)."),
+)
+
+
+def pluto_scaling_env(spec: JobSpec) -> dict[str, str]:
+    """PAI_PLUTO_LR_SCALE / PAI_PLUTO_WARMUP_STEPS for the instances, when set."""
+    env = {}
+    if spec.get("lrScale") is not None:
+        env["PAI_PLUTO_LR_SCALE"] = repr(float(spec.get("lrScale")))
+    if spec.get("warmupSteps") is not None:
+        env["PAI_PLUTO_WARMUP_STEPS"] = str(int(spec.get("warmupSteps")))
+    return env

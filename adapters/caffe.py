@@ -73,7 +73,18 @@ CAFFE_PARAMS: tuple[Param, ...] = (
           help="A .solverstate to resume from (caffe train --snapshot); the iteration count continues."),
     Param("maPeriod", "int", default=DEFAULT_MA_PERIOD, minimum=1,
           help="With several workers: average the model through the ps every this many iterations."),
+    Param("learningRate", "float", check=lambda v: None if v > 0 else f"must be greater than 0, not {v:g}",
+          help="base_lr for this job: written into the job's own copy of the solver (the file you "
+               "gave is unchanged). Pluto sets it to scale the rate with the workers."),
+    Param("batchSize", "int", minimum=1,
+          help="Each worker's training batch: written into the job's own copy of the net (the first "
+               "data layer's batch_size; your file is unchanged)."),
+    Param("warmupIterations", "int", minimum=0,
+          help="With several SGD/Nesterov workers: ramp the learning rate linearly from base_lr / "
+               "workers to base_lr over this many iterations (the runner scales the gradients; "
+               "BVLC Caffe's lr_policy has no warm-up)."),
 )
+SOLVER_ONLY = ("learningRate", "batchSize", "warmupIterations")
 
 
 class CaffeAdapter(Adapter):
@@ -138,6 +149,10 @@ class CaffeAdapter(Adapter):
             solve += ["--snapshot", spec.get("snapshot")]
         if spec.get("checkpointDir"):
             solve += ["--checkpoint-dir", str(Path(os.path.expanduser(spec.get("checkpointDir"))).resolve())]
+        for key, flag in (("learningRate", "--base-lr"), ("batchSize", "--batch-size"),
+                          ("warmupIterations", "--warmup-iters")):
+            if spec.get(key) is not None:
+                solve += [flag, str(spec.get(key))]
         env = {"GLOG_logtostderr": "1"}
         plan_roles = []
         restart = RESTART_INSTANCE
@@ -182,6 +197,10 @@ class CaffeAdapter(Adapter):
                      notes: list[str]) -> JobPlan:
         if code.entry is None:
             raise SpecError("-Dsolver", "missing", "give -Dsolver=... or a pycaffe -Dscript=...")
+        for key in SOLVER_ONLY:
+            if spec.get(key) is not None:
+                raise SpecError(f"-D{key}", "applies to solver jobs, not to a pycaffe script",
+                                "pass the value to your script with -DuserDefinedParameters instead")
         argv = [python, "-u", str(code.entry), *script_args(spec)]
         plan_roles = [
             RolePlan(name=role, count=conf["count"], argv=argv, cwd=str(code.cwd),

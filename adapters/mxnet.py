@@ -16,7 +16,8 @@ for it forever), so a retryable failure restarts the whole job: restart="job".
 
 from __future__ import annotations
 
-from paicli.adapters.base import Adapter, StagedCode, cluster_roles, script_args
+from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, StagedCode, cluster_roles, pluto_scaling_env,
+                                  script_args)
 from paicli.errors import SpecError
 from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import get_runtime, runner_path
@@ -74,6 +75,7 @@ class MxnetAdapter(Adapter):
               help="Arrays with more elements than this are sliced evenly across every server "
                    "(MXNET_KVSTORE_BIGARRAY_BOUND; MXNet's default 1000000). Smaller arrays go "
                    "whole to one server."),
+        *PLUTO_SCALING_PARAMS,
     )
     metric_patterns = (SPEEDOMETER_METRIC, EPOCH_TIME_METRIC, KEY_VALUE_NOT_TIME_COST)
 
@@ -124,6 +126,7 @@ class MxnetAdapter(Adapter):
             env["PAI_MXNET_COMPRESSION_THRESHOLD"] = repr(float(threshold))
         if spec.get("bigArrayBound"):
             env["MXNET_KVSTORE_BIGARRAY_BOUND"] = str(spec.get("bigArrayBound"))
+        env.update(pluto_scaling_env(spec))
         # The scheduler and servers only route and sum; one OpenMP thread each
         # leaves the cores to the workers.
         service_env = {**env, "OMP_NUM_THREADS": "1"}

@@ -26,7 +26,8 @@ passed when those parameters are given, then hyperParameters, then userDefinedPa
 
 from __future__ import annotations
 
-from paicli.adapters.base import Adapter, StagedCode, cluster_roles, script_args
+from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, StagedCode, cluster_roles, pluto_scaling_env,
+                                  script_args)
 from paicli.errors import SpecError
 from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import get_runtime, runner_path
@@ -60,6 +61,7 @@ TF_PARAMS: tuple[Param, ...] = (
           help="How replica_device_setter spreads variables over the ps. roundRobin: TF's "
                "default, variable i on ps i mod P. greedy: each variable on the ps holding the "
                "fewest bytes so far (Pluto's load balancing; the script needs no change)."),
+    *PLUTO_SCALING_PARAMS,
 )
 
 
@@ -113,6 +115,7 @@ class TensorflowAdapter(Adapter):
                   str(code.entry), *script_args(spec)]
         finishing = "chief" if has_chief else "worker"
         env = {"PAI_TF_PS_STRATEGY": spec.get("psStrategy")} if spec.get("psStrategy") != "roundRobin" else {}
+        env.update(pluto_scaling_env(spec))
 
         plans = []
         for role in ROLES:

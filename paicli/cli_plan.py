@@ -26,7 +26,10 @@ CALIBRATION_LIMIT_S = 180.0     # a calibration run that shows no steps by then 
 CALIBRATION_INTERVALS = 4       # step-line intervals per worker before a run is stopped
 CALIBRATION_MA_PERIOD = 5
 STRATEGY_KEYS = ("autoStrategy", "timeout", "gradientCompression", "gradientCompressionThreshold",
-                 "bigArrayBound", "psStrategy", "maPeriod")
+                 "bigArrayBound", "psStrategy", "maPeriod", "lrScale", "warmupSteps", "learningRate",
+                 "warmupIterations")
+KVSTORE_FLAGS = ("kv-store", "kvstore", "kv_store")
+SYNC_FLAGS = ("sync_replicas", "sync-replicas")
 
 
 class PlanResult(NamedTuple):  # not a dataclass: `dataclasses` stays off the `pai --help` path
@@ -194,6 +197,76 @@ def script_inputs(prepared):
                     files.append(folder / match.group(1))
                     break
     return script_facts(args, source=source, solver=solver, net=net), files, args
+
+
+def script_texts(prepared) -> tuple[str, str]:
+    """(script source, solver text) as script_inputs reads them."""
+    spec = prepared.spec
+    script = str(spec.get("script") or "")
+    if script.endswith((".tar.gz", ".tgz", ".tar")) and spec.get("entryFile"):
+        source, solver, _net = _archive_texts(script, spec.get("entryFile"))
+        return source, solver
+    return (_read(script) if script.endswith(".py") else ""), (_read(spec.get("solver")) if spec.get("solver") else "")
+
+
+def script_knobs(prepared, facts, args: list[str]):
+    """What the user and the script leave Pluto to set (strategy.Knobs): the
+    script's learning-rate flag, where sync/async is chosen and whether the user
+    chose it, how sync workers' gradients combine."""
+    import re
+
+    from paicli.cluster.pluto.calibrate import _flag_value, bool_flag, choice_flag
+    from paicli.cluster.pluto.strategy import Knobs
+
+    spec = prepared.spec
+    framework = prepared.adapter.name
+    source, solver = script_texts(prepared)
+    lr_pinned = facts.where.get("learning_rate") == "arguments" or "learningRate" in spec.params
+    knobs = dict(lr_flag=facts.flags.get("learning_rate") if not lr_pinned else None, lr_pinned=lr_pinned,
+                 user_args=spec.get("userDefinedParameters") or "")
+    if framework == "mxnet":
+        flag = choice_flag(source, KVSTORE_FLAGS)
+        if "kvstore" in spec.params:
+            knobs["sync_pinned"] = f"-Dkvstore={spec.params['kvstore']}"
+        elif flag and _flag_value(args, (flag[0][2:],)) is not None:
+            knobs["sync_pinned"] = f"{flag[0]} {_flag_value(args, (flag[0][2:],))}"
+        elif flag:
+            knobs["sync_switch"] = flag[0]
+        elif "PAI_MXNET_KVSTORE" in source:
+            knobs["sync_switch"] = "-Dkvstore"
+        module = re.search(r"\bmod\.Module\(|\.fit\(", source) and not re.search(r"\bTrainer\(", source)
+        knobs["aggregation"] = "mean" if module else "sum"
+    elif framework == "tensorflow":
+        flag = bool_flag(source, SYNC_FLAGS)
+        if flag:
+            given = [a for a in args if a.split("=", 1)[0] in (flag[0], flag[2] or flag[0])]
+            if given:
+                knobs["sync_pinned"] = " ".join(given)
+            else:
+                knobs["sync_switch"], knobs["sync_flag_negation"] = flag[0], flag[2]
+    elif framework == "caffe":
+        match = re.search(r'^\s*(?:type|solver_type)\s*:\s*"?(\w+)', solver, re.M)
+        knobs["solver_type"] = match.group(1) if match else "SGD"
+    return Knobs(**knobs)
+
+
+def tf_sync(prepared, args: list[str]) -> bool:
+    """Does a TF script train sync: its --sync_replicas flag (given, else its
+    default) when it has one, else whether it uses SyncReplicasOptimizer at all
+    (TF1 between-graph replication and ParameterServerStrategy steps are async)."""
+    from paicli.cluster.pluto.calibrate import bool_flag
+
+    source, _solver = script_texts(prepared)
+    flag = bool_flag(source, SYNC_FLAGS)
+    if flag is None:
+        return "SyncReplicasOptimizer" in source
+    for arg in args:
+        name, _sep, value = arg.partition("=")
+        if name == flag[0]:
+            return value.lower() not in ("false", "0", "no") if value else True
+        if flag[2] and name == flag[2]:
+            return False
+    return flag[1]
 
 
 def _archive_texts(archive: str, entry: str) -> tuple[str, str, str]:
@@ -382,15 +455,11 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
             job_id, run = calibration_run(prepared, store, cluster_value, extra, say)
             jobs.append(job_id)
             runs.append(run)
-        sync = user.sync
-        if framework == "tensorflow":
-            # TF1 between-graph replication is async unless the script wraps its optimizer
-            # in SyncReplicasOptimizer; ParameterServerStrategy steps are async too.
-            sync = "SyncReplicasOptimizer" in _read(prepared.spec.get("script"))
+        sync = tf_sync(prepared, args) if framework == "tensorflow" else user.sync
         profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
                                         "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links})
-    result = planner.plan(profile, where, user, budget_s=budget_s)
+    result = planner.plan(profile, where, user, budget_s=budget_s, knobs=script_knobs(prepared, facts, args))
     return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs)
 
 
@@ -428,10 +497,13 @@ def auto_strategy(prepared, store=None, progress: Callable[[str], None] = lambda
     rec = result.plan.recommended
     chosen = rec.to_json()
     reasons = list(result.plan.reasons)
-    overridden = [k for k in chosen["params"] if k in prepared.spec.params and
-                  prepared.spec.params[k] != chosen["params"][k]]
+    overridden = [k for k in chosen["params"] if k in prepared.spec.params and k != "userDefinedParameters"
+                  and prepared.spec.params[k] != chosen["params"][k]]
     if overridden:
         reasons.append("overrode " + ", ".join(f"-D{k}" for k in overridden) + " (-DautoStrategy=true decides them)")
+    if rec.strategy.script_flags:
+        reasons.append("appended " + " ".join(rec.strategy.script_flags) + " to the script's arguments "
+                       "(-DuserDefinedParameters; your own arguments come first)")
     params = {**prepared.spec.params, "cluster": chosen["cluster"], **chosen["params"]}
     spec = dataclasses.replace(prepared.spec, params=params)
     prepared.adapter.validate(spec)
@@ -454,7 +526,7 @@ def _d_args(choice_json: dict) -> str:
     import shlex
 
     parts = [f"-Dcluster={shlex.quote(json.dumps(choice_json['cluster'], separators=(',', ':')))}"]
-    parts += [f"-D{k}={v}" for k, v in choice_json["params"].items()]
+    parts += [f"-D{k}={shlex.quote(str(v))}" for k, v in choice_json["params"].items()]
     return " ".join(parts)
 
 

@@ -92,18 +92,68 @@ def solver_cwd(solver: str, fallback: str, top: str | None = None) -> str:
     return fallback
 
 
+def set_batch_size(net_text: str, batch: int) -> str | None:
+    """The net with its first batch_size (the first data layer's: the training one
+    comes first, as Pluto's calibration reads it) set to `batch`; None without one."""
+    pattern = re.compile(r"\bbatch_size\s*:\s*\d+")
+    if not pattern.search(net_text):
+        return None
+    return pattern.sub(f"batch_size: {batch}", net_text, count=1)
+
+
+def copy_net(text: str, batch: int, workdir: str) -> str:
+    """The solver text pointing at a copy of its net (in `workdir`) whose training
+    batch is `batch`. Relative paths inside the net resolve in the working
+    directory, as they did for the original."""
+    field = "net" if solver_field(text, "net") else "train_net"
+    net = solver_field(text, field)
+    if not net:
+        log("pluto: -DbatchSize ignored: the solver names no net file (an inline net_param?)")
+        return text
+    try:
+        with open(net, encoding="utf-8", errors="replace") as f:
+            net_text = f.read()
+    except OSError as err:
+        log(f"pluto: -DbatchSize ignored: cannot read the net {net}: {err}")
+        return text
+    changed = set_batch_size(net_text, batch)
+    if changed is None:
+        log(f"pluto: -DbatchSize ignored: the net {net} sets no batch_size")
+        return text
+    copy = os.path.join(workdir, "pluto_" + os.path.basename(net))
+    with open(copy, "w", encoding="utf-8") as f:
+        f.write(changed)
+    return set_solver_field(text, field, copy)
+
+
 def prepare_solver(args, workdir: str) -> tuple[str, str]:
     """The solver file to run and its text: the user's, or a copy in `workdir` whose
-    snapshot_prefix sits in --checkpoint-dir. Creates the snapshot directory, which
-    Caffe would otherwise refuse to train without."""
+    snapshot_prefix sits in --checkpoint-dir, whose base_lr is --base-lr and whose
+    net is a copy with --batch-size (Pluto's scaling; the user's files are never
+    written). Creates the snapshot directory, which Caffe would otherwise refuse to
+    train without."""
     with open(args.solver, encoding="utf-8", errors="replace") as f:
         text = f.read()
     path = args.solver
     prefix = solver_field(text, "snapshot_prefix")
+    copy = False
     if args.checkpoint_dir:
         base = os.path.basename(prefix or "") or os.path.splitext(os.path.basename(args.solver))[0]
         prefix = os.path.join(os.path.abspath(args.checkpoint_dir), base)
         text = set_solver_field(text, "snapshot_prefix", prefix)
+        copy = True
+    if getattr(args, "base_lr", None) is not None:
+        log(f"pluto: base_lr {solver_field(text, 'base_lr')} -> {args.base_lr:g} in the job's copy of the solver")
+        text = set_solver_field(text, "base_lr", f"{args.base_lr:g}", quoted=False)
+        copy = True
+    if getattr(args, "batch_size", None):
+        log(f"pluto: training batch_size {args.batch_size} in the job's copy of the net")
+        text = copy_net(text, args.batch_size, workdir)
+        copy = True
+    if copy:
+        if prefix is None and not args.checkpoint_dir:
+            # Caffe's default prefix names the solver file, and the copy lives in a temp folder.
+            text = set_solver_field(text, "snapshot_prefix", os.path.splitext(os.path.abspath(args.solver))[0])
         path = os.path.join(workdir, os.path.basename(args.solver))
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
@@ -436,6 +486,47 @@ def train_loss(solver) -> float:
     return sum(float(solver.net.blobs[n].data.ravel().mean()) for n in names)
 
 
+WARMUP_SOLVERS = ("SGD", "Nesterov")   # the solvers whose step is lr x gradient
+
+
+def warmup_factor(iteration: int, warmup: int, workers: int) -> float:
+    """The share of base_lr (already scaled x workers) in effect at `iteration`: from
+    1/workers (the single-worker rate) up to 1 over the warm-up (Goyal et al., 2017)."""
+    if warmup <= 0 or iteration >= warmup:
+        return 1.0
+    return (1.0 + (workers - 1) * iteration / warmup) / workers
+
+
+def install_warmup(solver, text: str, warmup: int, workers: int) -> None:
+    """Ramp the learning rate over the first `warmup` iterations. BVLC Caffe's
+    lr_policy has no warm-up (and replacing the user's policy would lose theirs), so
+    the gradients are scaled before each update instead: for SGD and Nesterov the
+    step is lr x gradient (plus momentum), so that is the same ramp. Weight decay,
+    added by Caffe after this callback, is not ramped."""
+    if warmup <= 0 or workers <= 1:
+        return
+    kind = (solver_field(text, "type") or solver_field(text, "solver_type") or "SGD").strip('"')
+    if kind.upper() not in {k.upper() for k in WARMUP_SOLVERS}:
+        log(f"pluto: no learning-rate warm-up: the {kind} solver adapts its own step size")
+        return
+    said = set()
+
+    def on_gradients_ready():
+        factor = warmup_factor(solver.iter, warmup, workers)
+        if factor >= 1.0:
+            return
+        for blobs in solver.net.params.values():
+            for blob in blobs:
+                blob.diff[...] *= factor
+        mark = int(factor * 4)   # a line at each quarter of the ramp
+        if mark not in said:
+            said.add(mark)
+            log(f"pluto: warm-up at iteration {solver.iter}: learning rate x{factor:.3f} of base_lr")
+
+    solver.add_callback(lambda: None, on_gradients_ready)
+    log(f"pluto: learning-rate warm-up over {warmup} iterations, from base_lr/{workers} to base_lr")
+
+
 def run_averaging_worker(args) -> int:
     import caffe
 
@@ -467,6 +558,7 @@ def run_averaging_worker(args) -> int:
                 solver.net.copy_from(weights)
         if args.snapshot:
             solver.restore(args.snapshot)
+        install_warmup(solver, text, args.warmup_iters, workers)
         client = AveragingClient(index, ps_addresses())
         period = max(1, args.ma_period)
         log(f"model averaging worker {index}/{workers}: every {period} iterations, "
@@ -515,6 +607,9 @@ def parse_args(argv: list[str]):
     solve.add_argument("--checkpoint-dir")
     solve.add_argument("--workers", type=int, default=1)
     solve.add_argument("--ma-period", type=int, default=DEFAULT_MA_PERIOD)
+    solve.add_argument("--base-lr", type=float, help="base_lr in the job's copy of the solver")
+    solve.add_argument("--batch-size", type=int, help="the training batch in the job's copy of the net")
+    solve.add_argument("--warmup-iters", type=int, default=0, help="learning-rate warm-up (several workers)")
     solve.add_argument("--caffe", default="caffe")
     # The runtime's python wrapper: sys.executable is the bare bullseye binary, which
     # needs its own loader to run.
@@ -549,6 +644,8 @@ def main(argv: list[str]) -> int:
         if args.child:
             return run_averaging_worker(args)
         return watch([args.python, "-u", os.path.abspath(__file__), *argv, "--child"])
+    if args.warmup_iters:
+        log("pluto: no learning-rate warm-up with one worker (`caffe train` runs the solver as it is)")
     with tempfile.TemporaryDirectory(prefix="paicli-caffe-") as workdir:
         path, _text = prepare_solver(args, workdir)
         command = [args.caffe, "train", f"--solver={path}"]

@@ -1,0 +1,197 @@
+"""Pluto's optimizations applied to the unchanged script (issue 10, part 2): the
+per-worker batch / learning-rate rule and sync vs async, chosen on fixed inputs
+(unit), and applied values reaching real instances (a Caffe job's solver copy, an
+MXNet script's kvstore and flags through -DautoStrategy=true)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, job_id_from, pai, pai_json
+from paicli.cluster.pluto import model, planner
+from paicli.cluster.pluto.strategy import SLICED, Cluster, Knobs, Node, Profile, Strategy
+
+MB = 1e6
+LINK_100M = 12.5e6
+
+
+def nodes(n: int, cores: float = 1.0, bandwidth: float = LINK_100M) -> Cluster:
+    return Cluster(tuple(Node(f"h{i}", cores, bandwidth) for i in range(n)), loopback_Bps=2e9, source=f"{n} nodes")
+
+
+def reason(plan, head: str) -> str:
+    return next(r for r in plan.reasons if r.startswith(head))
+
+
+# -- the model: MXNet dist_async --------------------------------------------------------
+
+
+def test_mxnet_async_overlaps_one_workers_traffic_with_the_others_compute():
+    profile = Profile("mxnet", param_bytes=8 * MB, var_bytes=(4 * MB, 4 * MB), compute_s_per_sample=0.01,
+                      batch_size=32)
+    where = nodes(4)
+    sync1, async1 = Strategy("mxnet", 1, 1, partition=SLICED), Strategy("mxnet", 1, 1, partition=SLICED, sync=False)
+    # One worker: sync and async are the same thing.
+    assert model.forecast(profile, async1, where).step_s == pytest.approx(model.forecast(profile, sync1, where).step_s)
+    sync2 = Strategy("mxnet", 1, 2, partition=SLICED)
+    async2 = sync2.with_(sync=False)
+    # Two workers on one server: the server's link carries 2 x 8 MB each way. Sync waits
+    # for both (pipelined: 1.92 s); async needs max(compute + own 0.96 s, shared 1.28 s).
+    assert model.comm_seconds(profile, sync2, where) == pytest.approx(1.92)
+    compute = model.compute_seconds(profile, async2, where)
+    assert compute == pytest.approx(0.32)
+    assert model.forecast(profile, async2, where).step_s == pytest.approx(max(compute + 0.96, 1.28))
+
+
+# -- sync vs async: where both are the script's -------------------------------------------
+
+
+COMM_BOUND = Profile("mxnet", param_bytes=8 * MB, var_bytes=(4 * MB, 4 * MB), compute_s_per_sample=0.01,
+                     batch_size=32, step_target=100, learning_rate=0.05)
+
+
+def test_async_is_chosen_and_applied_where_the_script_leaves_the_kvstore_to_pai():
+    user = Strategy("mxnet", 1, 2, partition=SLICED)
+    plan = planner.plan(COMM_BOUND, nodes(6), user, knobs=Knobs(sync_switch="-Dkvstore"))
+    rec = plan.recommended
+    assert not rec.strategy.sync and rec.strategy.params()["kvstore"] == "dist_async"
+    line = reason(plan, "sync/async:")
+    assert "async (-Dkvstore=dist_async), switched from the script's default sync" in line
+    twin = planner.mode_twin(rec, [rec] + plan.alternatives)
+    assert twin is not None and twin.strategy.sync and rec.score() <= twin.score() * 0.9
+    # The learning rate is not scaled for async, and the line says why.
+    assert "async applies each worker's update alone" in reason(plan, "batch/learning rate:")
+
+
+def test_the_users_kvstore_is_kept_and_said():
+    user = Strategy("mxnet", 1, 2, partition=SLICED)
+    plan = planner.plan(COMM_BOUND, nodes(6), user,
+                        knobs=Knobs(sync_switch=None, sync_pinned="-Dkvstore=dist_sync"))
+    assert all(c.strategy.sync for c in [plan.recommended] + plan.alternatives)
+    assert "kvstore" not in plan.recommended.strategy.params()
+    assert reason(plan, "sync/async:") == "sync/async: sync, as you set it (-Dkvstore=dist_sync): kept"
+
+
+def test_a_small_gain_keeps_the_scripts_default_mode():
+    # Compute-bound: async saves next to nothing, so the default (sync) stays, applied explicitly.
+    profile = Profile("mxnet", param_bytes=0.1 * MB, var_bytes=(0.1 * MB,), compute_s_per_sample=0.01,
+                      batch_size=32, step_target=100)
+    plan = planner.plan(profile, nodes(6), Strategy("mxnet", 1, 2, partition=SLICED),
+                        knobs=Knobs(sync_switch="--kv-store"))
+    rec = plan.recommended.strategy
+    assert rec.sync and "--kv-store=dist_sync" in rec.script_flags
+    assert rec.params()["userDefinedParameters"].endswith("--kv-store=dist_sync")
+    assert "the script's default" in reason(plan, "sync/async:") and "under the 10%" in reason(plan, "sync/async:")
+
+
+def test_one_worker_has_nothing_to_choose():
+    plan = planner.plan(COMM_BOUND, nodes(4), Strategy("mxnet", 1, 1, partition=SLICED),
+                        knobs=Knobs(sync_switch="-Dkvstore"))
+    assert all(c.strategy.sync for c in [plan.recommended] + plan.alternatives)
+    assert "one worker, so sync and async are the same thing" in reason(plan, "sync/async:")
+
+
+def test_tensorflow_global_step_target_keeps_the_mode():
+    profile = Profile("tensorflow", param_bytes=8 * MB, var_bytes=(4 * MB, 4 * MB), compute_s_per_sample=0.001,
+                      batch_size=32, step_target=120, target_global=True, sync=False)
+    knobs = Knobs(sync_switch="--sync_replicas", sync_flag_negation="--nosync_replicas")
+    assert not planner.switchable(profile, knobs)
+    plan = planner.plan(profile, nodes(6), Strategy("tensorflow", 1, 2, sync=False), knobs=knobs)
+    assert all(not c.strategy.sync for c in [plan.recommended] + plan.alternatives)
+    assert "would change what global_step counts" in reason(plan, "sync/async:")
+    # A per-worker target: both modes are forecast; a flag on by default needs its negation.
+    per_worker = Profile(**{**profile.to_dict(), "target_global": False, "var_bytes": (4 * MB, 4 * MB)})
+    assert planner.switchable(per_worker, knobs)
+    assert not planner.switchable(Profile(**{**per_worker.to_dict(), "sync": True, "var_bytes": ()}),
+                                  Knobs(sync_switch="--sync_replicas"))
+
+
+# -- batch / learning rate -------------------------------------------------------------------
+
+
+def test_caffe_scales_base_lr_linearly_with_a_warm_up():
+    profile = Profile("caffe", param_bytes=1 * MB, var_bytes=(1 * MB,), compute_s_per_sample=0.0005, batch_size=64,
+                      step_target=300, learning_rate=0.01, ma_exchange_s=0.2, ma_workers=2)
+    user = Strategy("caffe", 1, 4, ma_period=20)
+    plan = planner.plan(profile, nodes(6), user, knobs=Knobs())
+    params = plan.recommended.strategy.params()
+    assert params["learningRate"] == pytest.approx(0.04) and params["warmupIterations"] == 15
+    assert "batchSize" not in params          # the per-worker batch is kept
+    line = reason(plan, "batch/learning rate:")
+    assert "per-worker batch 64 kept (global batch 4 x 64 = 256)" in line and "base_lr 0.01 -> 0.04" in line
+    # The user's own rate, an adaptive solver, one worker: kept, and said.
+    assert "you set it" in planner.apply_scaling(user, profile, Knobs(lr_pinned=True))[1]
+    kept, line = planner.apply_scaling(user, profile, Knobs(solver_type="Adam"))
+    assert kept.learning_rate is None and "adapts its own step size" in line
+    assert "one worker" in planner.apply_scaling(user.with_(workers=1, ps=0), profile, Knobs())[1]
+
+
+def test_mxnet_gluon_sums_already_and_module_gets_the_flag():
+    user = Strategy("mxnet", 1, 2, partition=SLICED)
+    summed, line = planner.apply_scaling(user, COMM_BOUND, Knobs(lr_flag="--lr", aggregation="sum"))
+    assert summed == user and "SUMS the 2 workers' gradients" in line
+    mean, line = planner.apply_scaling(user, COMM_BOUND, Knobs(lr_flag="--lr", aggregation="mean"))
+    assert mean.script_flags == ("--lr=0.1",) and "Module API averages" in line
+    assert mean.with_(user_args="--width 8").params()["userDefinedParameters"] == "--width 8 --lr=0.1"
+
+
+def test_tensorflow_sync_without_a_flag_names_the_helper_and_sets_its_scale():
+    profile = Profile("tensorflow", param_bytes=1 * MB, var_bytes=(1 * MB,), compute_s_per_sample=0.001,
+                      batch_size=32, step_target=400, sync=True, learning_rate=0.02)
+    s, line = planner.apply_scaling(Strategy("tensorflow", 1, 4), profile, Knobs())
+    assert s.params()["lrScale"] == 4.0 and s.params()["warmupSteps"] == 20
+    assert "lr = pluto_helpers.learning_rate(base_lr, step)" in line
+    s, line = planner.apply_scaling(Strategy("tensorflow", 1, 4), profile, Knobs(lr_flag="--learning_rate"))
+    assert s.script_flags == ("--learning_rate=0.08",) and "SyncReplicasOptimizer averages" in line
+    # Async TF: nothing combined, nothing scaled.
+    s, line = planner.apply_scaling(Strategy("tensorflow", 1, 4, sync=False), profile, Knobs(lr_flag="--lr"))
+    assert not s.script_flags and "async" in line
+
+
+def test_the_helper_reads_what_the_plan_sets(monkeypatch):
+    from paicli.runners import pluto_helpers
+
+    monkeypatch.setenv("PAI_PLUTO_LR_SCALE", "4.0")
+    monkeypatch.setenv("PAI_PLUTO_WARMUP_STEPS", "20")
+    assert pluto_helpers.learning_rate(0.02, 10) == pytest.approx(0.05)
+    assert pluto_helpers.learning_rate(0.02, 20) == pytest.approx(0.08)
+
+
+def test_script_knobs_read_the_scripts_flags_and_the_users_pins(tmp_path):
+    from paicli import client
+    from paicli.cli_plan import script_inputs, script_knobs, tf_sync
+    from paicli.statement import parse_statement
+
+    mx_script = tmp_path / "mx.py"
+    mx_script.write_text('import argparse, os\np = argparse.ArgumentParser()\np.add_argument("--lr", type=float, '
+                         'default=0.05)\np.add_argument("--kv-store", default="dist_sync")\n'
+                         'trainer = gluon.Trainer(params, "sgd")\n')
+    tf_script = tmp_path / "tf.py"
+    tf_script.write_text('from absl import flags\nflags.DEFINE_boolean("sync_replicas", False, "sync")\n'
+                         'flags.DEFINE_float("learning_rate", 0.01, "lr")\n')
+
+    def knobs(*statement):
+        prepared = client.prepare(parse_statement(list(statement)))
+        facts, _files, args = script_inputs(prepared)
+        return script_knobs(prepared, facts, args), prepared, args
+
+    k, _, _ = knobs("-name", "mxnet", f"-Dscript={mx_script}", "-DuserDefinedParameters=--width 8")
+    assert (k.lr_flag, k.sync_switch, k.sync_pinned, k.aggregation, k.user_args) == \
+        ("--lr", "--kv-store", None, "sum", "--width 8")
+    k, _, _ = knobs("-name", "mxnet", f"-Dscript={mx_script}", "-DuserDefinedParameters=--kv-store dist_async --lr 1")
+    assert k.sync_pinned == "--kv-store dist_async" and k.sync_switch is None and k.lr_pinned and k.lr_flag is None
+    k, _, _ = knobs("-name", "mxnet", f"-Dscript={ROOT / 'examples' / 'pluto' / 'mxnet_wide_mlp.py'}",
+                    "-Dkvstore=dist_sync")
+    assert k.sync_pinned == "-Dkvstore=dist_sync"
+    k, prepared, args = knobs("-name", "tensorflow", f"-Dscript={tf_script}")
+    assert (k.sync_switch, k.sync_flag_negation, k.lr_flag) == ("--sync_replicas", "--nosync_replicas",
+                                                                 "--learning_rate")
+    assert tf_sync(prepared, args) is False
+    k, prepared, args = knobs("-name", "tensorflow", f"-Dscript={tf_script}", "-DuserDefinedParameters=--sync_replicas")
+    assert k.sync_pinned == "--sync_replicas" and tf_sync(prepared, args) is True

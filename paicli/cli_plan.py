@@ -411,6 +411,15 @@ def make_plan(stmt, budget_s: float | None = None, store=None,
     return plan_prepared(client.prepare(stmt), budget_s, store, say)
 
 
+def calibration_key(prepared, files, args, here) -> str:
+    """The calibration cache's key: the script's files and arguments, kvstore and
+    entry file, and where it calibrates (`here`: node names and cores)."""
+    from paicli.cluster.pluto import calibrate
+
+    return calibrate.cache_key(prepared.adapter.name, files, args, here,
+                               extra=json.dumps({k: prepared.spec.get(k) for k in ("kvstore", "entryFile")}))
+
+
 def plan_prepared(prepared, budget_s: float | None = None, store=None,
                   say: Callable[[str], None] = lambda line: None) -> PlanResult:
     from paicli.cluster.pluto import calibrate, planner
@@ -434,8 +443,7 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
                                                           loopback_Bps=loopback, source=where.source)
         return where, here
 
-    key = calibrate.cache_key(framework, files, args, clusters(0.0)[1],   # keyed on nodes and cores
-                              extra=json.dumps({k: prepared.spec.get(k) for k in ("kvstore", "entryFile")}))
+    key = calibration_key(prepared, files, args, clusters(0.0)[1])
     home = pai_home()
     cached = calibrate.cache_get(home, key)
     # The loopback rate (and, on nodes, the links' rate) is measured with the calibration

@@ -195,3 +195,110 @@ def test_script_knobs_read_the_scripts_flags_and_the_users_pins(tmp_path):
     assert tf_sync(prepared, args) is False
     k, prepared, args = knobs("-name", "tensorflow", f"-Dscript={tf_script}", "-DuserDefinedParameters=--sync_replicas")
     assert k.sync_pinned == "--sync_replicas" and tf_sync(prepared, args) is True
+
+
+# -- applied values reach real instances ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    """The Caffe MLP example with its data, and a 40-iteration solver."""
+    from paicli.runners.runtimes import get_runtime
+
+    runtime = get_runtime("caffe")
+    if not runtime.is_installed():
+        pytest.skip("the Caffe runtime is not built (sudo pai runtime install caffe)")
+    folder = tmp_path_factory.mktemp("g_caffe") / "mlp"
+    shutil.copytree(ROOT / "examples" / "caffe" / "mlp", folder, ignore=shutil.ignore_patterns("data", "snapshots"))
+    subprocess.run([runtime.python(), str(folder / "make_data.py")], check=True, timeout=120,
+                   stdout=subprocess.DEVNULL)
+    text = (folder / "mlp_solver.prototxt").read_text()
+    for name, value in (("max_iter", 40), ("display", 10), ("snapshot", 0), ("test_interval", 1000)):
+        text = re.sub(rf"^{name}:.*$", f"{name}: {value}", text, flags=re.M)
+    (folder / "short_solver.prototxt").write_text(text)
+    return folder
+
+
+def test_caffe_job_trains_with_the_scaled_rate_and_batch_in_its_own_copies(pai_home, mlp):
+    solver, net = mlp / "short_solver.prototxt", mlp / "mlp_train_test.prototxt"
+    before = (solver.read_text(), net.read_text())
+    result = pai("-name", "caffe", f"-Dsolver={solver}", '-Dcluster={"ps":{"count":1},"worker":{"count":2}}',
+                 "-DmaPeriod=10", "-DlearningRate=0.02", "-DbatchSize=32", "-DwarmupIterations=20", timeout=240)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    # Caffe's own account of the solver and net it built (worker 0, the root solver):
+    params = out[out.index("[worker:0]", out.index("Initializing solver from parameters")):]
+    assert re.search(r"\[worker:0\] base_lr: 0\.02\b", params), params[:2000]
+    assert re.search(r"\[worker:0\] .*Top shape: 32 16 \(512\)", out)   # the training batch, 32 of 16 features
+    # The warm-up ramp, from base_lr / 2 at iteration 0 up to base_lr at 20.
+    ramp = [float(x) for x in re.findall(r"\[worker:0\] pluto: warm-up at iteration \d+: learning rate x([\d.]+)", out)]
+    assert ramp and ramp[0] == pytest.approx(0.5) and ramp == sorted(ramp) and max(ramp) < 1.0
+    assert (solver.read_text(), net.read_text()) == before   # the user's files are unchanged
+
+
+KV_SCRIPT = '''"""A tiny MXNet dist job that prints what it was given."""
+import argparse
+import time
+
+import mxnet as mx
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=40)
+p.add_argument("--lr", type=float, default=0.05)
+p.add_argument("--kv-store", default="dist_sync")
+args = p.parse_args()
+kv = mx.kv.create(args.kv_store)
+print(f"kvstore={kv.type} lr={args.lr} steps={args.steps}", flush=True)
+kv.set_optimizer(mx.optimizer.SGD(learning_rate=args.lr))   # async servers apply updates themselves
+w = mx.nd.zeros((1000,))
+kv.init(0, w)
+for step in range(args.steps):
+    kv.push(0, mx.nd.ones((1000,)))
+    kv.pull(0, out=w)
+    w.wait_to_read()
+    print(f"step={step}", flush=True)
+    time.sleep(0.05)
+mx.nd.waitall()
+'''
+
+
+def test_auto_strategy_switches_an_mxnet_script_to_async_through_its_own_flag(pai_home, tmp_path):
+    """-DautoStrategy=true on a script that takes its kvstore from --kv-store (left
+    unset): with a calibration cached for a communication-bound profile, Pluto picks
+    dist_async, the script sees --kv-store=dist_async after the user's own
+    arguments, and plan.json records it."""
+    import os
+
+    from paicli import client
+    from paicli.cli_plan import calibration_key, script_inputs, script_knobs, user_strategy
+    from paicli.cluster.pluto import calibrate
+    from paicli.statement import parse_statement
+
+    script = tmp_path / "kv.py"
+    script.write_text(KV_SCRIPT)
+    statement = ["-name", "mxnet", f"-Dscript={script}", '-Dcluster={"server":{"count":1},"worker":{"count":2}}',
+                 "-DuserDefinedParameters=--steps 6"]
+    prepared = client.prepare(parse_statement(statement))
+    facts, files, args = script_inputs(prepared)
+    cores = float(len(os.sched_getaffinity(0)))
+    here = Cluster((Node("local", cores, 2e9),), loopback_Bps=2e9, source="this machine")
+    # 400 MB over loopback with 0.5 s of compute: sync waits 0.6 s per step on the
+    # transfers, async overlaps one worker's with the other's compute.
+    profile = Profile("mxnet", param_bytes=400 * MB, var_bytes=(200 * MB, 200 * MB),
+                      compute_s_per_sample=0.5 / 32 / max(1.0, 2.25 / cores), batch_size=32, step_target=6)
+    knobs = script_knobs(prepared, facts, args)
+    assert knobs.sync_switch == "--kv-store"
+    expected = planner.plan(profile, here, user_strategy("mxnet", prepared.spec), knobs=knobs).recommended
+    assert not expected.strategy.sync, expected.strategy.label()
+    calibrate.cache_put(Path(os.environ["PAI_HOME"]), calibration_key(prepared, files, args, here),
+                        {"profile": profile.to_dict(), "runs": [], "jobs": [], "loopback_Bps": 2e9,
+                         "links_Bps": None})
+    result = pai(*statement, "-DautoStrategy=true", timeout=240)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    seen = re.findall(r"\[worker:\d\] kvstore=(\S+) lr=(\S+) steps=(\d+)", out)
+    assert seen == [("dist_async", "0.05", "6")] * 2, out
+    job = pai_json("status", job_id_from(out))
+    plan_json = json.loads((Path(job["job_dir"]) / "plan.json").read_text())["pluto"]
+    assert plan_json["params"]["userDefinedParameters"] == "--steps 6 --kv-store=dist_async"
+    assert any(r.startswith("sync/async: async (--kv-store=dist_async), switched") for r in plan_json["reasons"])

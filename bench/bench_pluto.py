@@ -86,9 +86,10 @@ CAFFE_HIDDEN = 12000    # the MLP's hidden layer: about 1 MB of weights to avera
 CAFFE_ITERS = 400       # the grid's step target (solver max_iter)
 
 
-def caffe_archive(max_iter: int = CAFFE_ITERS) -> Path:
+def caffe_archive(max_iter: int = CAFFE_ITERS, batch: int | None = None) -> Path:
     """examples/caffe/mlp widened (a model worth averaging), its data made, max_iter
-    set, as an archive: on other nodes a job sees only its script or archive."""
+    (and the training batch, when given) set, as an archive: on other nodes a job
+    sees only its script or archive."""
     import re
     import shutil
     import subprocess
@@ -100,7 +101,11 @@ def caffe_archive(max_iter: int = CAFFE_ITERS) -> Path:
     mlp = folder / "mlp"
     shutil.copytree(CAFFE_SOLVER.parent, mlp, ignore=shutil.ignore_patterns("data", "snapshots"))
     net = (mlp / "mlp_train_test.prototxt").read_text()
-    (mlp / "mlp_train_test.prototxt").write_text(net.replace("num_output: 64", f"num_output: {CAFFE_HIDDEN}"))
+    net = net.replace("num_output: 64", f"num_output: {CAFFE_HIDDEN}")
+    if batch:
+        net = net.replace('source: "data/train.txt" batch_size: 64', f'source: "data/train.txt" batch_size: {batch}')
+        assert f"batch_size: {batch}" in net, "the training data layer's batch_size was not found"
+    (mlp / "mlp_train_test.prototxt").write_text(net)
     solver = (mlp / "mlp_solver.prototxt").read_text()
     for name, value in (("max_iter", max_iter), ("display", 20), ("snapshot", 0), ("test_interval", 1000)):
         solver = re.sub(rf"^{name}:.*$", f"{name}: {value}", solver, flags=re.M)
@@ -115,18 +120,19 @@ def caffe_archive(max_iter: int = CAFFE_ITERS) -> Path:
     return archive
 
 
-_CAFFE_ARCHIVE: dict[int, Path] = {}
+_CAFFE_ARCHIVE: dict[tuple[int, int | None], Path] = {}
 
 
-def base_tokens(framework: str, caffe_iters: int = CAFFE_ITERS) -> list[str]:
+def base_tokens(framework: str, caffe_iters: int = CAFFE_ITERS, caffe_batch: int | None = None) -> list[str]:
     if framework == "tensorflow":
         return ["-name", "tensorflow", f"-Dscript={TF_SCRIPT}"]
     if framework == "mxnet":
         return ["-name", "mxnet", f"-Dscript={MX_SCRIPT}",
                 '-Dcluster={"server":{"count":1},"worker":{"count":2}}']
-    if caffe_iters not in _CAFFE_ARCHIVE:
-        _CAFFE_ARCHIVE[caffe_iters] = caffe_archive(caffe_iters)
-    return ["-name", "caffe", f"-Dscript={_CAFFE_ARCHIVE[caffe_iters]}", "-DentryFile=mlp/mlp_solver.prototxt",
+    key = (caffe_iters, caffe_batch)
+    if key not in _CAFFE_ARCHIVE:
+        _CAFFE_ARCHIVE[key] = caffe_archive(caffe_iters, caffe_batch)
+    return ["-name", "caffe", f"-Dscript={_CAFFE_ARCHIVE[key]}", "-DentryFile=mlp/mlp_solver.prototxt",
             '-Dcluster={"ps":{"count":1},"worker":{"count":2}}']
 
 
@@ -190,6 +196,28 @@ def training_seconds(job_id: str) -> float | None:
 
     stamps = [r["ts"] for r in the_store().metrics(job_id) if r["role"] in ("worker", "chief") and r["step"] is not None]
     return (max(stamps) - min(stamps)) if len(stamps) > 1 else None
+
+
+def mean_step_seconds(job_id: str) -> float | None:
+    """Seconds per step from each training instance's second step line to its last
+    (the first interval dropped, as step_seconds does), the median over instances.
+    Unlike step_seconds' median interval this counts every pause: Caffe averages
+    every maPeriod iterations while its display lines come every 20, so with a
+    period of 50 or 100 most intervals hold no averaging round and their median
+    leaves the rounds out."""
+    series: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in the_store().metrics(job_id):
+        if r["role"] in ("worker", "chief") and r["step"] is not None:
+            series.setdefault((r["role"], r["idx"]), []).append((r["ts"], r["step"]))
+    rates = []
+    for points in series.values():
+        first_seen: dict[float, float] = {}
+        for ts, step in sorted(points):
+            first_seen.setdefault(step, ts)
+        ordered = sorted((ts, step) for step, ts in first_seen.items())[1:]
+        if len(ordered) >= 2 and ordered[-1][1] > ordered[0][1]:
+            rates.append((ordered[-1][0] - ordered[0][0]) / (ordered[-1][1] - ordered[0][1]))
+    return statistics.median(rates) if rates else None
 
 
 def losses_fall(job_id: str) -> bool:
@@ -264,15 +292,20 @@ def bench_framework(framework: str, label: str) -> dict:
     for config in configs:
         strategy = strategy_of(framework, config, profile)
         predicted = forecast(profile, strategy, where).step_s
-        job_id, measured, status, wall = run_job(tokens_for(framework, config))
+        job_id, median_interval, status, wall = run_job(tokens_for(framework, config))
+        mean = mean_step_seconds(job_id)
+        # Caffe: the mean over the run, averaging rounds included (mean_step_seconds)
+        measured = mean if framework == "caffe" else median_interval
         err = (predicted - measured) / measured if measured else None
         is_rec = config is rec_config or (same and config is same[0])
         rows.append({"config": strategy.label(), "cluster": config["cluster"], "params": config["params"],
                      "forecast_s": predicted, "measured_s": measured, "error": err, "status": status,
-                     "job": job_id, "recommended": bool(is_rec), "wall_s": wall})
+                     "job": job_id, "recommended": bool(is_rec), "wall_s": wall,
+                     "step_seconds": median_interval, "mean_step_s": mean})
         print(f"   {'*' if is_rec else ' '} {strategy.label():42s} forecast {predicted:8.4f}s  measured "
               f"{(measured or float('nan')):8.4f}s  error {(err if err is not None else float('nan')):+6.0%}  "
-              f"{status} {job_id} ({wall:.0f}s)", flush=True)
+              f"{status} {job_id} ({wall:.0f}s; step_seconds {(median_interval or float('nan')):.4f}, "
+              f"mean {(mean or float('nan')):.4f})", flush=True)
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     med = statistics.median(errors) if errors else None
     # The planner's objective: time to the step target. When the target counts every
@@ -391,7 +424,7 @@ def cmd_proof(args) -> None:
         for framework in args.frameworks.split(","):
             factor = args.steps_factor or PROOF_STEPS_FACTOR[framework]
             # Caffe's step target is the solver's max_iter: an archive of its own
-            base = base_tokens(framework, caffe_iters=CAFFE_ITERS * factor)
+            base = base_tokens(framework, caffe_iters=CAFFE_ITERS * factor, caffe_batch=args.caffe_batch)
             workers = args.tf_workers if framework == "tensorflow" else 2
             if framework == "tensorflow":
                 base = [t for t in base if not t.startswith("-Dcluster=")] + \
@@ -400,7 +433,9 @@ def cmd_proof(args) -> None:
             steps = [a.replace(f"--steps={n}", f"--steps={factor * n}")
                      for a in steps_args(framework, workers)
                      for n in [STEPS_PER_WORKER * (workers if framework == "tensorflow" else 1)]]
-            print(f"\n== proof: {framework} on {label}, {factor}x the grid's steps", flush=True)
+            print(f"\n== proof: {framework} on {label}, {factor}x the grid's steps"
+                  + (f", Caffe batch {args.caffe_batch}" if framework == "caffe" and args.caffe_batch else ""),
+                  flush=True)
             auto_id, auto_s, auto_status, auto_wall = run_job(base + steps + ["-DautoStrategy=true"])
             default_id, default_s, default_status, default_wall = run_job(base + steps)
             # the calibration is cached by the first run: time the auto run again without it
@@ -409,11 +444,12 @@ def cmd_proof(args) -> None:
             plan = record(the_store().job(auto2_id)["job_dir"]) or {}
             speed = default_wall / auto2_wall if auto2_wall else None
             train_default, train_auto = training_seconds(default_id), training_seconds(auto2_id)
+            mean_default, mean_auto = mean_step_seconds(default_id), mean_step_seconds(auto2_id)
             print(f"   default 1 ps : {default_wall:6.1f}s submit to end, {train_default or float('nan'):6.1f}s "
-                  f"first to last step, {default_s or float('nan'):.4f} s/step "
+                  f"first to last step, {default_s or float('nan'):.4f} s/step (mean {mean_default or float('nan'):.4f}) "
                   f"({default_status}, loss falls: {losses_fall(default_id)}) {default_id}")
             print(f"   autoStrategy : {auto2_wall:6.1f}s submit to end, {train_auto or float('nan'):6.1f}s "
-                  f"first to last step, {auto2_s or float('nan'):.4f} s/step "
+                  f"first to last step, {auto2_s or float('nan'):.4f} s/step (mean {mean_auto or float('nan'):.4f}) "
                   f"({auto2_status}, loss falls: {losses_fall(auto2_id)}) {auto2_id}; plan: {plan.get('label')}, "
                   f"forecast {plan.get('forecast_step_s')}")
             print(f"   speed-up to the step target: {speed:.2f}x submit to end, "
@@ -421,10 +457,12 @@ def cmd_proof(args) -> None:
                   f"training (goal >= 1.5x); the first autoStrategy submit (calibrating) took {auto_wall:.1f}s",
                   flush=True)
             out.append({"framework": framework, "where": label, "steps_factor": factor,
-                        "default": {"job": default_id, "step_s": default_s, "wall_s": default_wall,
+                        "caffe_batch": args.caffe_batch if framework == "caffe" else None,
+                        "default": {"job": default_id, "step_s": default_s, "mean_step_s": mean_default,
+                                    "wall_s": default_wall,
                                     "training_s": train_default, "status": default_status,
                                     "loss_falls": losses_fall(default_id)},
-                        "auto": {"job": auto2_id, "step_s": auto2_s, "wall_s": auto2_wall,
+                        "auto": {"job": auto2_id, "step_s": auto2_s, "mean_step_s": mean_auto, "wall_s": auto2_wall,
                                  "training_s": train_auto, "status": auto2_status,
                                  "loss_falls": losses_fall(auto2_id)},
                         "first_auto_wall_s": auto_wall, "plan": plan, "speedup": speed,
@@ -472,6 +510,7 @@ def main() -> None:
     p.add_argument("--tf-workers", type=int, default=3, help="workers of the TF default plan (1 ps)")
     p.add_argument("--steps-factor", type=int, help="steps per worker (Caffe: iterations), times the grid's; "
                    "default per framework: " + ", ".join(f"{k} {v}" for k, v in PROOF_STEPS_FACTOR.items()))
+    p.add_argument("--caffe-batch", type=int, help="Caffe: the training batch per worker (default: the net's 64)")
     p.add_argument("--json")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")

@@ -302,3 +302,36 @@ def test_auto_strategy_switches_an_mxnet_script_to_async_through_its_own_flag(pa
     plan_json = json.loads((Path(job["job_dir"]) / "plan.json").read_text())["pluto"]
     assert plan_json["params"]["userDefinedParameters"] == "--steps 6 --kv-store=dist_async"
     assert any(r.startswith("sync/async: async (--kv-store=dist_async), switched") for r in plan_json["reasons"])
+
+
+def test_auto_strategy_scales_a_caffe_jobs_rate_in_its_solver_copy(pai_home, mlp):
+    """-DautoStrategy=true on a 2-worker Caffe job (calibration cached): the plan's
+    -DlearningRate (2 x the solver's 0.01) and warm-up reach Caffe's own solver."""
+    import os
+
+    from paicli import client
+    from paicli.cli_plan import calibration_key, script_inputs
+    from paicli.cluster.pluto import calibrate
+    from paicli.statement import parse_statement
+
+    statement = ["-name", "caffe", f"-Dsolver={mlp / 'short_solver.prototxt'}",
+                 '-Dcluster={"ps":{"count":1},"worker":{"count":2}}']
+    prepared = client.prepare(parse_statement(statement))
+    facts, files, args = script_inputs(prepared)
+    assert (facts.learning_rate, facts.batch_size, facts.step_target) == (0.01, 64, 40)
+    here = Cluster((Node("local", float(len(os.sched_getaffinity(0))), 2e9),), loopback_Bps=2e9)
+    profile = Profile("caffe", param_bytes=0.01 * MB, var_bytes=(0.01 * MB,), compute_s_per_sample=1e-5,
+                      batch_size=64, step_target=40, learning_rate=0.01, ma_exchange_s=0.001, ma_workers=2)
+    calibrate.cache_put(Path(os.environ["PAI_HOME"]), calibration_key(prepared, files, args, here),
+                        {"profile": profile.to_dict(), "runs": [], "jobs": [], "loopback_Bps": 2e9,
+                         "links_Bps": None})
+    result = pai(*statement, "-DautoStrategy=true", timeout=240)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    params = out[out.index("[worker:0]", out.index("Initializing solver from parameters")):]
+    assert re.search(r"\[worker:0\] base_lr: 0\.02\b", params), params[:2000]
+    assert re.search(r"\[worker:1\] pluto: learning-rate warm-up over 2 iterations", out)
+    job = pai_json("status", job_id_from(out))
+    pluto = json.loads((Path(job["job_dir"]) / "plan.json").read_text())["pluto"]
+    assert pluto["params"]["learningRate"] == 0.02 and pluto["params"]["warmupIterations"] == 2
+    assert any(r.startswith("batch/learning rate: per-worker batch 64 kept") for r in pluto["reasons"])

@@ -187,6 +187,48 @@ def test_the_server_goes_away_when_idle(pai_home, monkeypatch):
         launch.stop_server(pai_home)
 
 
+def loaded(pid: int, name: str) -> bool:
+    """Whether a process has mapped a shared object whose path contains `name`."""
+    return name in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_server_imports_no_web_library_until_its_page_is_opened(pai_home, monkeypatch):
+    """A submit starts a standby that holds the socket; aiohttp (its compiled
+    parser) is loaded only when a page is asked for, in the same process."""
+    from paicli.cluster.procinfo import is_alive
+    from paicli.web import launch
+
+    state = launch.ensure_server(pai_home)
+    try:
+        log = pai_home / "logview" / "server.log"
+        assert wait_until(lambda: "standing by" in log.read_text(), timeout=20)
+        assert not loaded(state["pid"], "aiohttp")
+        assert get(launch.url_for(state))[0] == 200  # queued on the socket until the server is up
+        assert loaded(state["pid"], "aiohttp") and is_alive(state["pid"], state["start"])
+        assert "logview serving" in log.read_text()
+    finally:
+        launch.stop_server(pai_home)
+
+
+def test_an_unvisited_standby_goes_away_when_idle(pai_home, monkeypatch):
+    from paicli.cluster.procinfo import is_alive
+    from paicli.web import launch
+
+    monkeypatch.setenv("PAI_LOGVIEW_IDLE", "1")
+    state = launch.ensure_server(pai_home)
+    try:
+        assert wait_until(lambda: not is_alive(state["pid"], state["start"]), timeout=20)
+        assert not (pai_home / "logview" / "server.json").exists()
+        assert "before any visit: exiting" in (pai_home / "logview" / "server.log").read_text()
+        assert not loaded_ever(pai_home)
+    finally:
+        launch.stop_server(pai_home)
+
+
+def loaded_ever(home: Path) -> bool:
+    return "logview serving" in (home / "logview" / "server.log").read_text()
+
+
 def test_pai_logview_stop_and_the_file_fallback(web, monkeypatch):
     from paicli.web import launch
 

@@ -127,7 +127,7 @@ def start_server(home: Path) -> dict:
     log = os.open(folder / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "paicli.web.server", "--home", str(home), "--fd", str(sock.fileno())],
+            [sys.executable, "-m", "paicli.web.standby", "--home", str(home), "--fd", str(sock.fileno())],
             pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             start_new_session=True, close_fds=True, cwd="/",
             env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -1,6 +1,9 @@
 """The logview server: an aiohttp application over the job store and job folders.
 
-    python -m paicli.web.server --home ~/.pai --fd N      (started by paicli.web.launch)
+    python -m paicli.web.server --home ~/.pai --fd N
+
+(paicli.web.launch starts paicli.web.standby, which becomes this server on the
+first visit.)
 
 Routes (every one answers 403 without the user's token, as ?token=...):
     /  and /logview/            the job list (like `show instances`)
@@ -35,8 +38,8 @@ from aiohttp import web
 from paicli.errors import NotFound, PaiError
 from paicli.states import JobStatus
 from paicli.store import Store
-from paicli.web import data
-from paicli.web.launch import IDLE_SECONDS, read_state, user_token
+from paicli.web import data, standby
+from paicli.web.launch import user_token
 
 HERE = Path(__file__).resolve().parent
 STATIC = HERE / "static"
@@ -259,13 +262,6 @@ async def stream(request: web.Request) -> web.StreamResponse:
 # -- the server process -----------------------------------------------------------
 
 
-def _idle_limit() -> float:
-    try:
-        return float(os.environ.get("PAI_LOGVIEW_IDLE") or IDLE_SECONDS)
-    except ValueError:
-        return IDLE_SECONDS
-
-
 async def serve(home: Path, sock: socket.socket) -> None:
     token = user_token(home)
     app = make_app(home, token)
@@ -276,37 +272,29 @@ async def serve(home: Path, sock: socket.socket) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    idle = _idle_limit()
-    state_file = home / "logview" / "server.json"
+    idle = standby.idle_limit()
     use = app[USE]
     print(f"logview serving {home} on {sock.getsockname()} (idle limit {idle:g}s)", flush=True)
     born = time.monotonic()
     while not stop.is_set():
         try:
-            await asyncio.wait_for(stop.wait(), timeout=min(5.0, max(idle / 4, 0.2)))
+            await asyncio.wait_for(stop.wait(), timeout=standby.check_every(idle))
         except asyncio.TimeoutError:
             pass
-        state = read_state(home)
-        if time.monotonic() - born < 5.0 and (not state or state.get("pid") != os.getpid()):
-            continue  # the pai that started us writes the state file just after starting us
-        if not state or state.get("pid") != os.getpid():
-            print("another server took over (or the state is gone): exiting", flush=True)
-            break
-        try:
-            handed_out = time.time() - state_file.stat().st_mtime  # a pai command printed the URL
-        except OSError:
-            handed_out = idle + 1
-        quiet = min(time.monotonic() - use["last"], handed_out)
-        if use["streams"] == 0 and quiet > idle:
-            print(f"idle for {quiet:.0f}s: exiting", flush=True)
+        now = time.monotonic()
+        why = standby.reason_to_exit(home, os.getpid(), now - born, now - use["last"], use["streams"], idle)
+        if why:
+            print(f"{why}: exiting", flush=True)
             break
     await runner.cleanup()
-    state = read_state(home)
-    if state and state.get("pid") == os.getpid():
-        try:
-            state_file.unlink()
-        except OSError:
-            pass
+    standby.forget_state(home, os.getpid())
+
+
+def run(home: Path, sock: socket.socket) -> int:
+    """Serve on an already listening socket until idle or told to stop."""
+    sock.setblocking(False)
+    asyncio.run(serve(home, sock))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,10 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", required=True, type=int, help="an already listening socket")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # its own session: no terminal to lose anyway
-    sock = socket.socket(fileno=args.fd)
-    sock.setblocking(False)
-    asyncio.run(serve(args.home, sock))
-    return 0
+    return run(args.home, socket.socket(fileno=args.fd))
 
 
 if __name__ == "__main__":

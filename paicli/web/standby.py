@@ -1,0 +1,100 @@
+"""The logview server's first life: a bare interpreter holding the listening socket.
+
+    python -m paicli.web.standby --home ~/.pai --fd N      (started by paicli.web.launch)
+
+A submit prints the job page's URL at once, and most URLs are never opened. So the
+process the CLI starts imports no web library: it waits for the first connection
+(which the kernel queues on the socket meanwhile) and only then becomes the aiohttp
+server (paicli.web.server), in the same process, so its pid, start time and state
+file stay the ones `launch` recorded. Until then it costs the instances the submit is
+starting no CPU. It leaves by the same rules as the server: idle too long, or its
+state file gone or taken over by another server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from paicli.web.launch import IDLE_SECONDS, read_state
+
+
+def idle_limit() -> float:
+    try:
+        return float(os.environ.get("PAI_LOGVIEW_IDLE") or IDLE_SECONDS)
+    except ValueError:
+        return IDLE_SECONDS
+
+
+def reason_to_exit(home: Path, pid: int, age: float, quiet_for: float, streams: int, idle: float) -> str | None:
+    """Why a server (or its standby) should leave now, or None to keep serving.
+    `age`: seconds since it started; `quiet_for`: since its last request."""
+    state = read_state(home)
+    if age < 5.0 and (not state or state.get("pid") != pid):
+        return None  # the pai that started us writes the state file just after starting us
+    if not state or state.get("pid") != pid:
+        return "another server took over (or the state is gone)"
+    try:
+        handed_out = time.time() - (home / "logview" / "server.json").stat().st_mtime  # a pai printed the URL
+    except OSError:
+        handed_out = idle + 1
+    quiet = min(quiet_for, handed_out)
+    if streams == 0 and quiet > idle:
+        return f"idle for {quiet:.0f}s"
+    return None
+
+
+def forget_state(home: Path, pid: int) -> None:
+    """Remove the state file on the way out, if it is still ours."""
+    state = read_state(home)
+    if state and state.get("pid") == pid:
+        try:
+            (home / "logview" / "server.json").unlink()
+        except OSError:
+            pass
+
+
+def check_every(idle: float) -> float:
+    return min(5.0, max(idle / 4, 0.2))
+
+
+def wait_for_first_visit(home: Path, sock: socket.socket) -> bool:
+    """True when a connection is waiting on the socket; False when the standby
+    should leave instead (said in server.log)."""
+    idle = idle_limit()
+    born = time.monotonic()
+    while True:
+        ready, _, _ = select.select([sock], [], [], check_every(idle))
+        if ready:
+            return True
+        age = time.monotonic() - born
+        why = reason_to_exit(home, os.getpid(), age, age, 0, idle)
+        if why:
+            print(f"{why} before any visit: exiting", flush=True)
+            forget_state(home, os.getpid())
+            return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m paicli.web.standby")
+    parser.add_argument("--home", required=True, type=Path)
+    parser.add_argument("--fd", required=True, type=int, help="an already listening socket")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # its own session: no terminal to lose anyway
+    sock = socket.socket(fileno=args.fd)
+    print(f"logview standing by for {args.home} on {sock.getsockname()}", flush=True)
+    if not wait_for_first_visit(args.home, sock):
+        return 0
+    from paicli.web import server
+
+    return server.run(args.home, sock)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,6 +4,8 @@
     # the grid on the multi-host test cluster (root: network namespaces, veth, tc tbf)
     sudo .venv/bin/python bench/bench_pluto.py grid --rates 100mbit,1gbit
     sudo .venv/bin/python bench/bench_pluto.py grid --rates 100mbit --frameworks mxnet
+    # ...with two dist_async rows (Pluto's async MXNet forecast against measured)
+    sudo .venv/bin/python bench/bench_pluto.py grid --rates 100mbit --frameworks mxnet --mxnet-async
     # the same grid on this machine alone (loopback; tc cannot shape loopback usefully)
     .venv/bin/python bench/bench_pluto.py grid --local
     # -DautoStrategy=true against the default 1 ps, side by side, at 100 Mbit/s
@@ -47,6 +49,9 @@ HOSTS = 7
 PROOF_STEPS_FACTOR = {"tensorflow": 18, "mxnet": 3, "caffe": 12}
 
 
+MXNET_ASYNC = False      # grid --mxnet-async
+
+
 def grid(framework: str) -> list[dict]:
     """Configurations as (cluster, params): >= 8 per framework."""
     if framework == "tensorflow":
@@ -70,6 +75,12 @@ def grid(framework: str) -> list[dict]:
                 params["bigArrayBound"] = "PLUTO"   # filled in with pluto_bound once sizes are known
             out.append({"cluster": {"server": {"count": servers}, "worker": {"count": 2}}, "params": params})
         out.append({"cluster": {"server": {"count": 1}, "worker": {"count": 1}}, "params": {"gradientCompression": "none"}})
+        if MXNET_ASYNC:   # grid --mxnet-async: dist_async rows beside their dist_sync twins above
+            out.append({"cluster": {"server": {"count": 1}, "worker": {"count": 2}},
+                        "params": {"gradientCompression": "none", "kvstore": "dist_async"}})
+            out.append({"cluster": {"server": {"count": 2}, "worker": {"count": 2}},
+                        "params": {"gradientCompression": "2bit", "gradientCompressionThreshold": 0.5,
+                                   "bigArrayBound": "PLUTO", "kvstore": "dist_async"}})
         return out
     if framework == "caffe":
         out = [{"cluster": {"worker": {"count": 1}}, "params": {}}]
@@ -391,6 +402,8 @@ def _in_cluster(rate: str | None, body, home: Path):
 
 
 def cmd_grid(args) -> None:
+    global MXNET_ASYNC
+    MXNET_ASYNC = args.mxnet_async
     results = []
     rates = [None] if args.local else args.rates.split(",")
     for rate in rates:
@@ -503,6 +516,7 @@ def main() -> None:
     g.add_argument("--local", action="store_true")
     g.add_argument("--frameworks", default="tensorflow,mxnet,caffe")
     g.add_argument("--json")
+    g.add_argument("--mxnet-async", action="store_true", help="add two dist_async rows to the MXNet grid")
     p = sub.add_parser("proof")
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--local", action="store_true")

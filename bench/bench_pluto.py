@@ -294,9 +294,12 @@ def bench_framework(framework: str, label: str) -> dict:
             ps = config["cluster"]["server"]["count"]
             config["params"]["bigArrayBound"] = pluto_bound(profile.var_bytes or (profile.param_bytes,), ps)
     rec_config = {"cluster": rec["cluster"], "params": rec["params"]}
+    def essential(params: dict) -> dict:   # dist_sync is MXNet's default whether or not Pluto names it
+        return {k: v for k, v in params.items()
+                if k != "gradientCompressionThreshold" and (k, v) != ("kvstore", "dist_sync")}
+
     same = [c for c in configs if c["cluster"] == rec_config["cluster"] and
-            {k: v for k, v in c["params"].items() if k != "gradientCompressionThreshold"} ==
-            {k: v for k, v in rec_config["params"].items() if k != "gradientCompressionThreshold"}]
+            essential(c["params"]) == essential(rec_config["params"])]
     if not same:
         configs.append(rec_config)
     rows = []

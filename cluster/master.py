@@ -16,7 +16,6 @@ import json
 import os
 import selectors
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -27,10 +26,11 @@ from paicli.cluster import placement as placing
 from paicli.cluster import policy
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
-from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap, open_append_fd
+from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
 from paicli.cluster.job_placement import place_job, read_placements, write_placements
 from paicli.cluster.procinfo import start_time
+from paicli.cluster.spawn import Watchdog, spawn_watchdog
 from paicli import jobview
 from paicli.errors import PaiError, UsageError
 from paicli.plan import JobPlan, RolePlan
@@ -91,7 +91,7 @@ class JobMaster:
         self.avoid: set[str] = set()     # nodes this job lost
         self.started = time.monotonic()
         self.last_store_check = 0.0
-        self.watchdog: subprocess.Popen | None = None
+        self.watchdog: Watchdog | None = None
         self.failure: tuple[JobStatus, str | None] | None = None
 
     # -- entry ------------------------------------------------------------------
@@ -155,14 +155,7 @@ class JobMaster:
     def _start_watchdog(self) -> None:
         # The watchdog holds the read end of a pipe only we write to: when we die,
         # however we die, it reads EOF and ends the instances.
-        fd = open_append_fd(self.job_dir / "watchdog.log")
-        try:
-            self.watchdog = subprocess.Popen(
-                [sys.executable, "-m", "paicli.cluster.watchdog", self.job_id],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=fd,
-                start_new_session=True, close_fds=True)
-        finally:
-            os.close(fd)
+        self.watchdog = spawn_watchdog(self.job_id, self.job_dir / "watchdog.log", self.store)
 
     def _tell_watchdog(self, line: str) -> None:
         if self.watchdog and self.watchdog.stdin:

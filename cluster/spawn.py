@@ -1,5 +1,6 @@
-"""Starting a job's JobMaster in a session of its own: forked from the CLI (no
-new interpreter), or as a fresh interpreter from a threaded caller."""
+"""Starting a job's JobMaster, and the master's watchdog, each in a session of its
+own: forked (no new interpreter importing paicli again), or as a fresh interpreter
+from a threaded caller, where fork() is unsafe."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from typing import BinaryIO, NamedTuple
 
 from paicli.cluster.logsink import open_append_fd
 from paicli.store import Store
@@ -23,10 +25,8 @@ def spawn_master(home: Path, job_id: str, log_path: Path) -> int:
     init, never of the CLI. A threaded caller (a program using the library) gets
     a fresh interpreter instead, since forking a threaded process is unsafe.
     """
-    import threading
-
     env_home = {"PAI_HOME": str(home)}
-    if threading.active_count() > 1 or os.environ.get("PAI_MASTER_EXEC"):
+    if _must_exec():
         log = open_private(log_path)
         try:
             proc = subprocess.Popen([sys.executable, "-m", "paicli.cluster.master", job_id],
@@ -61,6 +61,74 @@ def spawn_master(home: Path, job_id: str, log_path: Path) -> int:
     return int(pid)
 
 
+def _must_exec() -> bool:
+    import threading
+
+    return threading.active_count() > 1 or bool(os.environ.get("PAI_MASTER_EXEC"))
+
+
+def _close_inherited() -> None:
+    """Close every descriptor above 2 (the parent's store, pipes, sockets)."""
+    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+        if fd > 2:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own descriptor, already gone
+
+
+class Watchdog(NamedTuple):
+    pid: int
+    stdin: BinaryIO   # the master writes each instance's identity here; EOF without "done" = master lost
+
+
+def spawn_watchdog(job_id: str, log_path: Path, store: Store) -> Watchdog:
+    """Start the watchdog of a job (cluster/watchdog.py) with a pipe on its stdin,
+    in a session of its own, stderr into `log_path`. Forked from a single-threaded
+    master (about 70 ms of CPU saved at the very moment the instances start);
+    a fresh interpreter from a threaded one."""
+    log = open_private(log_path)
+    try:
+        if _must_exec():
+            proc = subprocess.Popen([sys.executable, "-m", "paicli.cluster.watchdog", job_id],
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
+                                    start_new_session=True, close_fds=True)
+            assert proc.stdin is not None
+            return Watchdog(proc.pid, proc.stdin)
+        read_fd, write_fd = os.pipe()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        with store.closed_for_fork():
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.setsid()
+                    null = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(read_fd, 0)
+                    os.dup2(null, 1)
+                    os.dup2(log, 2)
+                    _close_inherited()  # the write end too: EOF must mean the master is gone
+                    signal.set_wakeup_fd(-1)
+                    for signum in (signal.SIGCHLD, signal.SIGTSTP):
+                        signal.signal(signum, signal.SIG_DFL)
+                    sys.stdin = open(0, "r", closefd=False)
+                    sys.stdout = open(1, "w", buffering=1, closefd=False)
+                    sys.stderr = open(2, "w", buffering=1, closefd=False)
+                    from paicli.cluster import watchdog
+
+                    code = watchdog.main([job_id])
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    sys.stderr.flush()
+                    os._exit(code)
+        os.close(read_fd)
+        return Watchdog(pid, os.fdopen(write_fd, "wb"))
+    finally:
+        os.close(log)
+
+
 def open_private(path: Path) -> int:
     """An append-only log file only its owner can read (it holds argv and log tails)."""
     fd = open_append_fd(path)
@@ -77,12 +145,7 @@ def _run_forked_master(home: Path, job_id: str, log_path: Path) -> int:
     # Nothing of the CLI's: not its descriptors (a terminal, a pipe someone waits
     # to see closed, the SQLite file), not its working directory (an unmount of it
     # would fail while the job runs).
-    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
-        if fd > 2:
-            try:
-                os.close(fd)
-            except OSError:
-                pass  # the listing's own descriptor, already gone
+    _close_inherited()
     os.chdir(log_path.parent)
     # The caller's sys.stdout/stderr may be its own objects (a library user's, a
     # test runner's capture) over descriptors just closed: write to the log.

@@ -11,6 +11,7 @@ SIGKILL), and marks the job failed with reason "master lost".
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -66,6 +67,7 @@ def main(argv: list[str]) -> int:
     # Our own session already: a signal to the master's group does not reach us.
     for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
+    print(f"{time.ctime()}: watchdog of {job_id}: pid {os.getpid()}", file=sys.stderr, flush=True)
     refs: list[InstanceRef] = []
     done = False
     for line in sys.stdin.buffer:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from paicli.cluster.backends.base import InstanceRef
 from paicli.cluster.backends.local import LocalBackend
@@ -192,21 +194,30 @@ def test_supervisor_death_is_noticed_by_the_next_look_too(pai_home):
     job_id = result.stdout.strip()
     status = wait_until(lambda: (s := pai_json("status", job_id))["instances"][0]["pid"] and s, timeout=20)
     master = status["master_pid"]
-    watchdogs = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith(f"watchdog {job_id}")]
-    assert len(watchdogs) == 1
-    os.kill(watchdogs[0], signal.SIGKILL)
+    watchdog = watchdog_pid(pai_home, job_id)
+    assert os.getsid(watchdog) == watchdog  # its own session: a signal to the master's group misses it
+    os.kill(watchdog, signal.SIGKILL)
     os.kill(master, signal.SIGKILL)
     after = pai_json("status", job_id)
     assert after["status"] == "Failed" and after["reason"] == "master lost"
     assert wait_until(lambda: processes_in({status["instances"][0]["pgid"]}) == [], timeout=10)
 
 
-def _cmdline(pid: str) -> str:
+def watchdog_pid(pai_home: Path, job_id: str) -> int:
+    """The job's watchdog, as it names itself at the top of its log."""
+    log = pai_home / "jobs" / job_id / "watchdog.log"
+    assert wait_until(lambda: log.exists() and f"watchdog of {job_id}: pid" in log.read_text(), timeout=10)
+    pids = [int(pid) for pid in re.findall(rf"watchdog of {job_id}: pid (\d+)", log.read_text())]
+    assert len(pids) == 1, log.read_text()
+    return pids[0]
+
+
+def _holds(pid: str, target: str) -> bool:
+    """Whether a process has a descriptor on `target` (a pipe: both ends look alike)."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode().strip()
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in os.listdir(f"/proc/{pid}/fd"))
     except OSError:
-        return ""
+        return False
 
 
 def test_pai_kill_cancels_within_5_seconds(pai_home, tmp_path):
@@ -576,10 +587,16 @@ def test_the_forked_master_keeps_nothing_of_the_cli(pai_home, tmp_path):
         for name in ("master.log", "watchdog.log"):
             assert wait_until(lambda: (job_dir / name).exists(), timeout=5)
             assert (job_dir / name).stat().st_mode & 0o777 == 0o600, name
-        watchdog = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith(f"watchdog {job_id}")]
         fds = [os.readlink(f"/proc/{master}/fd/{fd}") for fd in os.listdir(f"/proc/{master}/fd")]
         assert sum("watchdog.log" in target for target in fds) == 0, "watchdog.log left open in the master"
-        assert len(watchdog) == 1
+        # The watchdog (forked from the master) holds its pipe, /dev/null and its log:
+        # not the store, not the write end of its own pipe (EOF must mean "master gone").
+        watchdog = watchdog_pid(pai_home, job_id)
+        held = {int(fd): os.readlink(f"/proc/{watchdog}/fd/{fd}") for fd in os.listdir(f"/proc/{watchdog}/fd")}
+        assert sorted(held) == [0, 1, 2], held
+        assert held[0].startswith("pipe:") and held[1] == "/dev/null" and held[2].endswith("watchdog.log"), held
+        holders = {int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _holds(pid, held[0])}
+        assert holders == {master, watchdog}, holders  # no instance keeps the master's end open
     finally:
         os.close(read_fd)
         pai("kill", job_id)

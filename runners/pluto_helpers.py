@@ -20,8 +20,9 @@ What the runners call themselves (the script needs no change):
 Environment read here (set by paicli's adapters when a plan says so):
     PAI_PLUTO_REPORT         stderr (lines `pluto-report: {json}`) or a file (JSON lines, 0600)
     PAI_TF_PS_STRATEGY       greedy | roundRobin
-    PAI_PLUTO_LR_SCALE       the learning rate's factor (linear scaling)
-    PAI_PLUTO_WARMUP_STEPS   steps over which the factor is reached
+    PAI_PLUTO_LR_SCALE       the learning rate's factor (linear scaling; -DlrScale, which a
+                             plan sets for a sync script that has no learning-rate flag)
+    PAI_PLUTO_WARMUP_STEPS   steps over which the factor is reached (-DwarmupSteps)
     PAI_PLUTO_PS_COUNT       how many ps a partitioner splits a variable over
 """
 

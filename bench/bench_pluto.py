@@ -47,6 +47,8 @@ HOSTS = 7
 # The proof's step targets, times the grid's: long enough that start-up (10-20 s a
 # job) is a small share of a communication-bound job.
 PROOF_STEPS_FACTOR = {"tensorflow": 18, "mxnet": 3, "caffe": 12}
+# plan parameters that change what a step learns, not how long it takes
+NOT_SPEED = ("gradientCompressionThreshold", "learningRate", "warmupIterations", "warmupSteps", "lrScale")
 
 
 MXNET_ASYNC = False      # grid --mxnet-async
@@ -295,8 +297,9 @@ def bench_framework(framework: str, label: str) -> dict:
             config["params"]["bigArrayBound"] = pluto_bound(profile.var_bytes or (profile.param_bytes,), ps)
     rec_config = {"cluster": rec["cluster"], "params": rec["params"]}
     def essential(params: dict) -> dict:   # dist_sync is MXNet's default whether or not Pluto names it
+        # (the learning rate and warm-up a plan adds change what a step learns, not its time)
         return {k: v for k, v in params.items()
-                if k != "gradientCompressionThreshold" and (k, v) != ("kvstore", "dist_sync")}
+                if k not in NOT_SPEED and (k, v) != ("kvstore", "dist_sync")}
 
     same = [c for c in configs if c["cluster"] == rec_config["cluster"] and
             essential(c["params"]) == essential(rec_config["params"])]

@@ -256,7 +256,8 @@ def strategy_of(framework: str, config: dict, profile):
     elif framework == "mxnet":
         s = s.with_(compression=params.get("gradientCompression", "none"),
                     big_array_bound=params.get("bigArrayBound"),
-                    sync=params["kvstore"] != "dist_async" if "kvstore" in params else profile.sync)
+                    sync=params["kvstore"] != "dist_async" if "kvstore" in params else profile.sync,
+                    mode_chosen="kvstore" in params)
     elif framework == "caffe" and workers > 1:
         s = s.with_(ma_period=params.get("maPeriod", 20))
     return s

@@ -550,6 +550,10 @@ def main() -> int:
         args.steps = 600 if args.figure == "chaos" else 150
     if args.sleep is None:
         args.sleep = 0.25 if args.figure == "chaos" else 0.05
+    if args.figure in ("overhead", "load"):
+        compiled = bench_core.compile_sources()
+        print(f"bytecode of {compiled} compiled first (as pip does at install; an editable checkout under "
+              f"PYTHONDONTWRITEBYTECODE=1 would recompile every module on every pai)", flush=True)
     print(f"bench_hardening {args.figure} with {args.pai}; load {bench_core.load()}", flush=True)
     res = {"bars": bench_bars, "overhead": bench_overhead, "chaos": bench_chaos, "load": bench_load,
            "diskfull": bench_diskfull}[args.figure](args)

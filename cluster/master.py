@@ -31,7 +31,6 @@ from paicli.cluster.ports import allocate_ports
 from paicli.cluster.job_placement import place_job, read_placements, write_placements
 from paicli.cluster.procinfo import start_time
 from paicli.cluster.spawn import Watchdog, spawn_watchdog
-from paicli import jobview
 from paicli.errors import PaiError, UsageError
 from paicli.plan import JobPlan, RolePlan
 from paicli.states import InstanceStatus, JobStatus
@@ -39,6 +38,7 @@ from paicli.store import Store
 
 POLL_SECONDS = 0.1  # a child's exit and its output wake the loop sooner
 RESTART_BACKOFF = 0.5
+SUMMARY_DELAY = 1.0  # seconds after the launch before the first summary file is written
 
 
 @dataclass
@@ -91,6 +91,7 @@ class JobMaster:
         self.avoid: set[str] = set()     # nodes this job lost
         self.started = time.monotonic()
         self.last_store_check = 0.0
+        self.summary_due: float | None = None
         self.watchdog: Watchdog | None = None
         self.failure: tuple[JobStatus, str | None] | None = None
 
@@ -133,7 +134,9 @@ class JobMaster:
             self._assign_ports(self.instances)
             for inst in self.instances:
                 self._launch(inst)
-            self._write_log_view()
+            # The summary file (the log view without a server) is written once the
+            # instances are under way, not while they start (it is a few ms of CPU).
+            self.summary_due = time.monotonic() + SUMMARY_DELAY
             outcome = self._supervise()
         except BaseException as err:  # a bug or an OS failure must not leave processes behind
             traceback.print_exc()  # into master.log
@@ -250,6 +253,8 @@ class JobMaster:
             inst.handle = None
 
     def _write_log_view(self) -> None:
+        from paicli import jobview
+
         try:
             jobview.write_summary_file(jobview.build_status(self.store, self.job_id))
         except OSError:
@@ -271,6 +276,9 @@ class JobMaster:
                         return self.failure
             if self.plan.timeout and now - self.started > self.plan.timeout:
                 return JobStatus.CANCELLED, f"timeout after {self.plan.timeout:g}s"
+            if self.summary_due is not None and now >= self.summary_due:
+                self.summary_due = None
+                self._write_log_view()
             if now - self.last_store_check > 1.0:
                 # A cancel written by `pai kill` whose signal we somehow missed.
                 self.last_store_check = now

@@ -491,6 +491,41 @@ _register_command_modules()
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`pai`: run the command, then leave at once (see exit_now)."""
+    try:
+        run(argv)
+        code: object = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    exit_now(code)
+
+
+def exit_now(code: object) -> None:
+    """Flush our output and end the process without the interpreter's clean-up:
+    freeing every module and object, and SQLite's checkpoint on close, cost
+    `pai` 30-40 ms on every command (at the end of every attached job, after
+    its verdict). Nothing is lost: our writes are flushed here, the store
+    commits as it goes. The normal exit is kept where something still wants
+    it: a command that left a thread running (none does today), a profiler or
+    tracer (cProfile, coverage), and PAI_DEBUG=1."""
+    import threading
+
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed pipe (`pai ... | head`) or an already closed stream
+    if threading.active_count() > 1 or sys.getprofile() or sys.gettrace() or os.environ.get("PAI_DEBUG"):
+        sys.exit(code)
+    os._exit(code)
+
+
+def run(argv: list[str] | None = None) -> None:
     """Known errors become one line on stderr and an exit code; tracebacks only
     with PAI_DEBUG=1."""
     debug = bool(os.environ.get("PAI_DEBUG"))

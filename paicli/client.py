@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from paicli import jobview
 from paicli.errors import PaiError, UsageError
 from paicli.plan import JobPlan
 from paicli.spec import CORE_PARAMS, JobSpec, build_spec
@@ -155,6 +154,8 @@ def refresh(store: Store, job_id: str):
 
 def status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
     refresh(store, job_id)
+    from paicli import jobview
+
     return jobview.build_status(store, job_id, with_series)
 
 

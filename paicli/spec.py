@@ -10,7 +10,6 @@ adapters can share it as vocabulary.
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 import shlex
@@ -22,6 +21,13 @@ from paicli.errors import SpecError
 
 # ---------------------------------------------------------------------------
 # Parameter table
+
+
+def close_matches(word: str, possibilities, n: int = 1, cutoff: float = 0.6) -> list[str]:
+    """difflib.get_close_matches, imported only when a suggestion is needed."""
+    import difflib
+
+    return difflib.get_close_matches(word, list(possibilities), n, cutoff)
 
 
 def snake_case(name: str) -> str:
@@ -67,7 +73,7 @@ def _check_cluster(value: Any) -> str | None:
             return f'role "{role}" must be an object such as {{"count":2}}, not {json.dumps(conf)}'
         for key, val in conf.items():
             if key not in ("count", "cpu", "memory", "gpu"):
-                close = difflib.get_close_matches(key, ["count", "cpu", "memory", "gpu"], 1)
+                close = close_matches(key, ["count", "cpu", "memory", "gpu"], 1)
                 tip = f' (did you mean "{close[0]}"?)' if close else ""
                 return f'role "{role}": unknown key "{key}"{tip}; known: count, cpu, memory, gpu'
             if isinstance(val, bool) or not isinstance(val, int):
@@ -251,7 +257,7 @@ def convert(param: Param, raw: Any, base: Path) -> Any:
     elif kind == "choice":
         value = str(raw)
         if value not in param.choices:
-            close = difflib.get_close_matches(value, param.choices, 1)
+            close = close_matches(value, param.choices, 1)
             tip = f" (did you mean {close[0]}?)" if close else ""
             raise ValueError(f"expected one of {', '.join(param.choices)}, not {value!r}{tip}")
     elif kind == "args":
@@ -285,9 +291,9 @@ def closest(name: str, known: Iterable[str]) -> str | None:
     lowered = {k.lower(): k for k in known}
     if name.lower() in lowered:
         return lowered[name.lower()]
-    match = difflib.get_close_matches(name, known, 1, 0.6)
+    match = close_matches(name, known, 1, 0.6)
     if not match:
-        match = difflib.get_close_matches(name.lower(), list(lowered), 1, 0.6)
+        match = close_matches(name.lower(), list(lowered), 1, 0.6)
         match = [lowered[m] for m in match]
     return match[0] if match else None
 

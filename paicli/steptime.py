@@ -16,8 +16,16 @@ Shared vocabulary: reads the store, imports nothing above it.
 
 from __future__ import annotations
 
-import statistics
 from typing import Iterable
+
+
+def median(values: list[float]) -> float:
+    """statistics.median, without importing statistics (fractions, decimal,
+    random) on the path of every `pai`."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
 
 TRAINING_ROLES = ("worker", "chief")
 
@@ -40,17 +48,17 @@ def instance_step_seconds(points: Iterable[tuple[float, float]]) -> float | None
                 rates.append(max(0.0, dts) / dstep)
             first = False
         previous = (step, ts)
-    return statistics.median(rates) if rates else None
+    return median(rates) if rates else None
 
 
 def from_timing(values: dict[str, list[float]]) -> float | None:
     """The framework's own per-step timing, when step lines were too few."""
     durations = [v for v in values.get("duration", []) if v > 0]
     if durations:
-        return statistics.median(durations[1:] or durations)
+        return median(durations[1:] or durations)
     rates = [v for v in values.get("iter_per_s", []) if v > 0]
     if rates:
-        return 1.0 / statistics.median(rates)
+        return 1.0 / median(rates)
     return None
 
 
@@ -64,7 +72,7 @@ def step_seconds(points: dict[str, list[tuple[float, float]]],
             value = from_timing(timing.get(name, {}))
         if value is not None:
             per_instance.append(value)
-    return statistics.median(per_instance) if per_instance else None
+    return median(per_instance) if per_instance else None
 
 
 def job_step_seconds(store, job_id: str, roles: tuple[str, ...] = TRAINING_ROLES) -> float | None:

@@ -172,13 +172,24 @@ def _read(path: str | None) -> str:
 
 def script_inputs(prepared):
     """(facts, files the cache key covers, script arguments)."""
-    import re
-
     from paicli.adapters.base import script_args
     from paicli.cluster.pluto.calibrate import script_facts
 
     spec = prepared.spec
     args = script_args(spec)
+    facts, files = _script_inputs(spec, args, script_facts)
+    # Caffe's -DbatchSize / -DlearningRate replace the net's and the solver's (the
+    # runner writes them into the job's copies; calibration runs with them too).
+    for attr, key in (("batch_size", "batchSize"), ("learning_rate", "learningRate")):
+        if prepared.adapter.name == "caffe" and spec.params.get(key) is not None:
+            setattr(facts, attr, spec.params[key])
+            facts.where[attr] = f"-D{key}"
+    return facts, files, args
+
+
+def _script_inputs(spec, args, script_facts):
+    import re
+
     files = [Path(p) for p in (spec.get("script"), spec.get("solver"), spec.get("hyperParameters")) if p]
     source = _read(spec.get("script")) if str(spec.get("script") or "").endswith(".py") else ""
     solver = _read(spec.get("solver")) if spec.get("solver") else ""
@@ -186,7 +197,7 @@ def script_inputs(prepared):
     script = str(spec.get("script") or "")
     if script.endswith((".tar.gz", ".tgz", ".tar")) and spec.get("entryFile"):
         source, solver, net = _archive_texts(script, spec.get("entryFile"))
-        return script_facts(args, source=source, solver=solver, net=net), files, args
+        return script_facts(args, source=source, solver=solver, net=net), files
     if solver:
         match = re.search(r'^\s*(?:train_)?net\s*:\s*"([^"]+)"', solver, re.M)
         if match:
@@ -196,7 +207,7 @@ def script_inputs(prepared):
                     net = _read(str(folder / match.group(1)))
                     files.append(folder / match.group(1))
                     break
-    return script_facts(args, source=source, solver=solver, net=net), files, args
+    return script_facts(args, source=source, solver=solver, net=net), files
 
 
 def script_texts(prepared) -> tuple[str, str]:

@@ -197,6 +197,23 @@ def test_script_knobs_read_the_scripts_flags_and_the_users_pins(tmp_path):
     assert k.sync_pinned == "--sync_replicas" and tf_sync(prepared, args) is True
 
 
+def test_a_caffe_users_batch_and_rate_are_the_plans_facts_and_pin_the_rate():
+    from paicli import client
+    from paicli.cli_plan import script_inputs, script_knobs
+    from paicli.statement import parse_statement
+
+    solver = ROOT / "examples" / "caffe" / "mlp" / "mlp_solver.prototxt"
+    prepared = client.prepare(parse_statement(["-name", "caffe", f"-Dsolver={solver}"]))
+    facts, _files, args = script_inputs(prepared)
+    assert (facts.batch_size, facts.learning_rate) == (64, 0.01)
+    assert not script_knobs(prepared, facts, args).lr_pinned
+    prepared = client.prepare(parse_statement(["-name", "caffe", f"-Dsolver={solver}", "-DbatchSize=16",
+                                               "-DlearningRate=0.03"]))
+    facts, _files, args = script_inputs(prepared)
+    assert (facts.batch_size, facts.learning_rate) == (16, 0.03) and facts.where["batch_size"] == "-DbatchSize"
+    assert script_knobs(prepared, facts, args).lr_pinned
+
+
 # -- applied values reach real instances ------------------------------------------------------
 
 

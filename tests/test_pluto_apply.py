@@ -251,6 +251,9 @@ def test_caffe_job_trains_with_the_scaled_rate_and_batch_in_its_own_copies(pai_h
     ramp = [float(x) for x in re.findall(r"\[worker:0\] pluto: warm-up at iteration \d+: learning rate x([\d.]+)", out)]
     assert ramp and ramp[0] == pytest.approx(0.5) and ramp == sorted(ramp) and max(ramp) < 1.0
     assert (solver.read_text(), net.read_text()) == before   # the user's files are unchanged
+    # ...and the averaged model still learns at the doubled rate.
+    metrics = pai_json("status", job_id_from(out))["metrics"]["worker:0"]
+    assert metrics["averaged_loss"] < metrics["starting_loss"] * 0.8, metrics
 
 
 KV_SCRIPT = '''"""A tiny MXNet dist job that prints what it was given."""

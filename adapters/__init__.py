@@ -21,6 +21,16 @@ ADAPTER_MODULES = {
 
 _registry: dict[str, type] | None = None
 
+# The common names, so that a submit imports its own adapter only (importing all
+# four costs every `pai` 10-15 ms). Checked against the class on every lookup:
+# a name the class does not claim falls back to the full registry.
+USUAL_NAMES = {
+    "python": "paicli.adapters.python", "py": "paicli.adapters.python", "python3": "paicli.adapters.python",
+    "tensorflow": "paicli.adapters.tensorflow", "tf": "paicli.adapters.tensorflow",
+    "mxnet": "paicli.adapters.mxnet", "mx": "paicli.adapters.mxnet",
+    "caffe": "paicli.adapters.caffe",
+}
+
 
 def _load() -> dict[str, type]:
     global _registry
@@ -51,7 +61,13 @@ def adapter_names() -> list[str]:
 
 def get_adapter(name: str):
     """The adapter instance for `name` (case-insensitive, aliases included)."""
-    cls = _load().get(name.strip().lower())
+    key = name.strip().lower()
+    if _registry is None and key in USUAL_NAMES:
+        module = USUAL_NAMES[key]
+        cls = getattr(importlib.import_module(module), ADAPTER_MODULES[module])
+        if key in (cls.name, *cls.aliases):
+            return cls()
+    cls = _load().get(key)
     if cls is None:
         from paicli.spec import closest
         guess = closest(name, list(_load()))

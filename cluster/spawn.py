@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
@@ -119,6 +118,8 @@ def spawn_watchdog(job_id: str, log_path: Path, store: Store) -> Watchdog:
 
                     code = watchdog.main([job_id])
                 except BaseException:
+                    import traceback
+
                     traceback.print_exc()
                 finally:
                     sys.stderr.flush()
@@ -160,6 +161,8 @@ def _run_forked_master(home: Path, job_id: str, log_path: Path) -> int:
 
         return JobMaster(Store(home), job_id).run()
     except BaseException:
+        import traceback
+
         traceback.print_exc()
         return 1
     finally:

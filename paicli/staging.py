@@ -10,12 +10,10 @@ whole submission is valid, so bad input leaves nothing behind.
 from __future__ import annotations
 
 import os
-import tarfile
 from pathlib import Path
 
 from paicli.adapters.base import StagedCode
 from paicli.errors import SpecError, UsageError
-from paicli.runners.archive import ArchiveTooLarge, BadLimit, UnsafeArchive, extract
 from paicli.spec import JobSpec
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
@@ -41,20 +39,7 @@ def stage_code(spec: JobSpec, staging: Path) -> StagedCode:
         return StagedCode(entry=Path(script), root=None, cwd=cwd)
     root = staging / "code"
     root.mkdir(parents=True)
-    try:
-        extract(script, str(root))
-    except BadLimit as err:
-        raise UsageError(str(err), "unset it to use the default") from None
-    except ArchiveTooLarge as err:
-        raise SpecError("-Dscript", f"archive {script} is too large: {err}",
-                        "pack only the code (data belongs in -Dbuckets), or raise "
-                        "PAI_ARCHIVE_MAX_BYTES / PAI_ARCHIVE_MAX_MEMBERS") from None
-    except UnsafeArchive as err:
-        raise SpecError("-Dscript", f"unsafe archive {script}: {err}",
-                        "repack it with paths relative to its top folder and no links leaving it") from None
-    except (tarfile.TarError, OSError, EOFError) as err:
-        raise SpecError("-Dscript", f"cannot read the archive {script}: {err}",
-                        "check that it is a .tar.gz made with `tar czf`") from None
+    extract_checked(script, root)
     scripts = sorted(str(p.relative_to(root)) for p in root.rglob("*.py"))
     if not entry_file:
         if len(scripts) == 1:
@@ -70,3 +55,26 @@ def stage_code(spec: JobSpec, staging: Path) -> StagedCode:
         listing = ", ".join(scripts[:6]) if scripts else "no .py files"
         raise SpecError("-DentryFile", f"{entry_file} is not in {Path(script).name}", f"it holds {listing}")
     return StagedCode(entry=entry, root=root, cwd=root)
+
+
+def extract_checked(script: str, root: Path) -> None:
+    """Extract an archive into `root`, its problems as one line each (tarfile and
+    the archive checks are imported only for an archive)."""
+    import tarfile
+
+    from paicli.runners.archive import ArchiveTooLarge, BadLimit, UnsafeArchive, extract
+
+    try:
+        extract(script, str(root))
+    except BadLimit as err:
+        raise UsageError(str(err), "unset it to use the default") from None
+    except ArchiveTooLarge as err:
+        raise SpecError("-Dscript", f"archive {script} is too large: {err}",
+                        "pack only the code (data belongs in -Dbuckets), or raise "
+                        "PAI_ARCHIVE_MAX_BYTES / PAI_ARCHIVE_MAX_MEMBERS") from None
+    except UnsafeArchive as err:
+        raise SpecError("-Dscript", f"unsafe archive {script}: {err}",
+                        "repack it with paths relative to its top folder and no links leaving it") from None
+    except (tarfile.TarError, OSError, EOFError) as err:
+        raise SpecError("-Dscript", f"cannot read the archive {script}: {err}",
+                        "check that it is a .tar.gz made with `tar czf`") from None

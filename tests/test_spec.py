@@ -173,3 +173,22 @@ def test_a_job_file_under_an_unknown_users_home_is_a_usage_error():
     with pytest.raises(UsageError) as err:
         load_job_file("~nosuchuser_a/job.yaml")
     assert "no such user as ~nosuchuser_a" in str(err.value)
+
+
+def test_the_usual_adapter_names_name_the_adapter_the_registry_has():
+    """get_adapter's short cut (one module imported per submit) agrees with the
+    full registry on every name it knows, and a name no adapter claims still
+    gets the registry's error."""
+    import pytest
+
+    import paicli.adapters as adapters
+    from paicli.errors import UsageError
+
+    for name, module in adapters.USUAL_NAMES.items():
+        adapters._registry = None
+        fast = adapters.get_adapter(name.upper())
+        assert type(fast).__module__ == module
+        assert type(fast) is adapters._load()[name]
+    adapters._registry = None
+    with pytest.raises(UsageError, match="unknown framework"):
+        adapters.get_adapter("tensorfow")

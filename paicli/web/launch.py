@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -51,6 +50,8 @@ def user_token(home: Path) -> str:
             return token
     except FileNotFoundError:
         pass
+    import secrets
+
     token = secrets.token_urlsafe(24)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -79,3 +79,16 @@ def test_more_workers_still_reach_a_global_step_target_sooner_when_collisions_co
     per_target = [model.forecast(profile, Strategy("tensorflow", 2, w, partition=GREEDY, sync=False),
                                  where).time_to_target_s for w in (1, 2, 3)]
     assert per_target[0] > per_target[1] > per_target[2]
+
+
+def test_the_default_plan_of_an_async_tensorflow_script_is_forecast_async():
+    from paicli.cluster.pluto import planner
+
+    where = hosts()
+    profile = tf_async(fanin_s=0.03)
+    user = model.default_strategy("tensorflow", 1, 3)     # what `pai plan` reads from the statement
+    result = planner.plan(profile, where, user)
+    as_run = model.forecast(profile, Strategy("tensorflow", 1, 3, sync=False), where)
+    assert result.default.forecast.step_s == pytest.approx(as_run.step_s)
+    # 1 ps, 3 workers async: the ps link carries three models each way, overlapped, + 2 x 0.03
+    assert result.default.forecast.step_s == pytest.approx(3 * sum(TF_WIDE) / LINK_100M + 0.06, rel=1e-9)

@@ -219,6 +219,11 @@ def recommend(choices: list[Choice], default_sync: bool | None = None) -> Choice
 def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | None = None,
          knobs: Knobs | None = None) -> Plan:
     knobs = knobs or Knobs()
+    if user.framework == "tensorflow":
+        # The script fixes TF's mode (profile.sync), as every candidate has it; the
+        # statement alone (cli_plan.user_strategy) cannot tell, and a TF async job
+        # forecast as sync made the default look twice as slow as it runs.
+        user = user.with_(sync=profile.sync)
     default = Choice(user, forecast(profile, user, cluster))
     choices = [Choice(s, forecast(profile, s, cluster)) for s in candidates(profile, cluster, user, knobs)]
     if not choices:

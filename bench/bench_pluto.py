@@ -9,7 +9,10 @@
     # the same grid on this machine alone (loopback; tc cannot shape loopback usefully)
     .venv/bin/python bench/bench_pluto.py grid --local
     # -DautoStrategy=true against the default 1 ps, side by side, at 100 Mbit/s
+    # (TF 3 workers at 18x the grid's steps, MXNet 3x, Caffe 12x: docs/pluto.md's rows)
     sudo .venv/bin/python bench/bench_pluto.py proof --rate 100mbit
+    # Caffe communication-bound: the widened mlp at a per-worker batch of 16
+    sudo .venv/bin/python bench/bench_pluto.py proof --rate 100mbit --frameworks caffe --caffe-batch 16
     # markdown rows of saved results (grid --json FILE)
     .venv/bin/python bench/bench_pluto.py table FILE...
 

@@ -290,8 +290,7 @@ def test_auto_strategy_switches_an_mxnet_script_to_async_through_its_own_flag(pa
     import os
 
     from paicli import client
-    from paicli.cli_plan import calibration_key, script_inputs, script_knobs, user_strategy
-    from paicli.cluster.pluto import calibrate
+    from paicli.cli_plan import script_inputs, script_knobs, user_strategy
     from paicli.statement import parse_statement
 
     script = tmp_path / "kv.py"
@@ -310,12 +309,7 @@ def test_auto_strategy_switches_an_mxnet_script_to_async_through_its_own_flag(pa
     assert knobs.sync_switch == "--kv-store"
     expected = planner.plan(profile, here, user_strategy("mxnet", prepared.spec), knobs=knobs).recommended
     assert not expected.strategy.sync, expected.strategy.label()
-    calibrate.cache_put(Path(os.environ["PAI_HOME"]), calibration_key(prepared, files, args, here),
-                        {"profile": profile.to_dict(), "runs": [], "jobs": [], "loopback_Bps": 2e9,
-                         "links_Bps": None})
-    result = pai(*statement, "-DautoStrategy=true", timeout=240)
-    out = result.stdout
-    assert result.returncode == 0, out + result.stderr
+    out = auto_strategy_with_calibration(statement, prepared, files, args, here, profile)
     seen = re.findall(r"\[worker:\d\] kvstore=(\S+) lr=(\S+) steps=(\d+)", out)
     assert seen == [("dist_async", "0.05", "6")] * 2, out
     job = pai_json("status", job_id_from(out))
@@ -330,8 +324,7 @@ def test_auto_strategy_scales_a_caffe_jobs_rate_in_its_solver_copy(pai_home, mlp
     import os
 
     from paicli import client
-    from paicli.cli_plan import calibration_key, script_inputs
-    from paicli.cluster.pluto import calibrate
+    from paicli.cli_plan import script_inputs
     from paicli.statement import parse_statement
 
     statement = ["-name", "caffe", f"-Dsolver={mlp / 'short_solver.prototxt'}",
@@ -342,12 +335,7 @@ def test_auto_strategy_scales_a_caffe_jobs_rate_in_its_solver_copy(pai_home, mlp
     here = Cluster((Node("local", float(len(os.sched_getaffinity(0))), 2e9),), loopback_Bps=2e9)
     profile = Profile("caffe", param_bytes=0.01 * MB, var_bytes=(0.01 * MB,), compute_s_per_sample=1e-5,
                       batch_size=64, step_target=40, learning_rate=0.01, ma_exchange_s=0.001, ma_workers=2)
-    calibrate.cache_put(Path(os.environ["PAI_HOME"]), calibration_key(prepared, files, args, here),
-                        {"profile": profile.to_dict(), "runs": [], "jobs": [], "loopback_Bps": 2e9,
-                         "links_Bps": None})
-    result = pai(*statement, "-DautoStrategy=true", timeout=240)
-    out = result.stdout
-    assert result.returncode == 0, out + result.stderr
+    out = auto_strategy_with_calibration(statement, prepared, files, args, here, profile)
     params = out[out.index("[worker:0]", out.index("Initializing solver from parameters")):]
     assert re.search(r"\[worker:0\] base_lr: 0\.02\b", params), params[:2000]
     assert re.search(r"\[worker:1\] pluto: learning-rate warm-up over 2 iterations", out)
@@ -355,3 +343,19 @@ def test_auto_strategy_scales_a_caffe_jobs_rate_in_its_solver_copy(pai_home, mlp
     pluto = json.loads((Path(job["job_dir"]) / "plan.json").read_text())["pluto"]
     assert pluto["params"]["learningRate"] == 0.02 and pluto["params"]["warmupIterations"] == 2
     assert any(r.startswith("batch/learning rate: per-worker batch 64 kept") for r in pluto["reasons"])
+
+
+def auto_strategy_with_calibration(statement, prepared, files, args, here, profile) -> str:
+    """Submit with -DautoStrategy=true over a calibration seeded in the cache (so
+    the test runs one job, not calibration's three); the job's output."""
+    import os
+
+    from paicli.cli_plan import calibration_key
+    from paicli.cluster.pluto import calibrate
+
+    calibrate.cache_put(Path(os.environ["PAI_HOME"]), calibration_key(prepared, files, args, here),
+                        {"profile": profile.to_dict(), "runs": [], "jobs": [], "loopback_Bps": 2e9,
+                         "links_Bps": None})
+    result = pai(*statement, "-DautoStrategy=true", timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout

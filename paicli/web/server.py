@@ -1,9 +1,9 @@
 """The logview server: an aiohttp application over the job store and job folders.
 
-    python -m paicli.web.server --home ~/.pai --fd N
+    python -m paicli.web.standby --home ~/.pai --fd N     (started by paicli.web.launch)
 
-(paicli.web.launch starts paicli.web.standby, which becomes this server on the
-first visit.)
+The standby holds the socket and becomes this server, in the same process, on the
+page's first visit (`run`).
 
 Routes (every one answers 403 without the user's token, as ?token=...):
     /  and /logview/            the job list (like `show instances`)
@@ -21,14 +21,12 @@ an open page or a pai command handing out its URL.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import json
 import os
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -295,16 +293,3 @@ def run(home: Path, sock: socket.socket) -> int:
     sock.setblocking(False)
     asyncio.run(serve(home, sock))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paicli.web.server")
-    parser.add_argument("--home", required=True, type=Path)
-    parser.add_argument("--fd", required=True, type=int, help="an already listening socket")
-    args = parser.parse_args(argv)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # its own session: no terminal to lose anyway
-    return run(args.home, socket.socket(fileno=args.fd))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,6 +24,7 @@ COLOURS = (36, 32, 33, 35, 34, 91, 92, 93, 94, 95, 96)
 PREFIX = re.compile(rb"^\[([A-Za-z0-9_]+:\d+)\] ", re.M)
 NOTE = re.compile(rb"^\[pai\] .*$", re.M)
 STATUS_POLL = 0.25
+EARLY_POLL, EARLY_SECONDS = 0.05, 2.0  # the pace of status looks in a job's first seconds
 IDLE_SLEEP = 0.005  # where inotify is missing: how soon a new line is seen
 IDLE_CHECK = 5.0  # how often the attached view looks for workers gone quiet
 
@@ -344,10 +345,16 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
         if state["live"] is not None:
             state["live"].stamp = None  # hidden by these lines: draw it again
             state["live"].poll()
-        return False
+        if time.monotonic() < state["next_check"]:
+            return False
+        # Due for a look at the job even while lines keep coming: a chatty job
+        # must not hold back its progress lines until it pauses.
     now = time.monotonic()
     if now >= state["next_check"]:
-        state["next_check"] = now + STATUS_POLL
+        # Quick looks while a job starts (its instances may all run, and even end,
+        # within a quarter of a second), the usual pace after.
+        early = now - state.setdefault("since", now) < EARLY_SECONDS
+        state["next_check"] = now + (EARLY_POLL if early else STATUS_POLL)
         job = client.refresh(store, job_id)
         if progress:
             counts, line = progress_line(job["task_name"] or "Task", store.instances(job_id))

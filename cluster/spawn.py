@@ -66,14 +66,22 @@ def _must_exec() -> bool:
     return threading.active_count() > 1 or bool(os.environ.get("PAI_MASTER_EXEC"))
 
 
-def _close_inherited() -> None:
-    """Close every descriptor above 2 (the parent's store, pipes, sockets)."""
+def _take_stdio(stdin_fd: int, stdout_fd: int, stderr_fd: int) -> None:
+    """In a forked child: these three descriptors become 0, 1 and 2, every other
+    inherited one is closed (the parent's store, pipes, sockets, a terminal), and
+    sys.stdin/stdout/stderr are opened anew over them (the parent's may be its own
+    objects, a library user's or a test runner's capture)."""
+    for target, fd in enumerate((stdin_fd, stdout_fd, stderr_fd)):
+        os.dup2(fd, target)
     for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
         if fd > 2:
             try:
                 os.close(fd)
             except OSError:
                 pass  # the listing's own descriptor, already gone
+    sys.stdin = open(0, "r", closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
 
 
 class Watchdog(NamedTuple):
@@ -103,17 +111,11 @@ def spawn_watchdog(job_id: str, log_path: Path, store: Store) -> Watchdog:
                 code = 1
                 try:
                     os.setsid()
-                    null = os.open(os.devnull, os.O_WRONLY)
-                    os.dup2(read_fd, 0)
-                    os.dup2(null, 1)
-                    os.dup2(log, 2)
-                    _close_inherited()  # the write end too: EOF must mean the master is gone
+                    # The write end is closed too: EOF must mean the master is gone.
+                    _take_stdio(read_fd, os.open(os.devnull, os.O_WRONLY), log)
                     signal.set_wakeup_fd(-1)
                     for signum in (signal.SIGCHLD, signal.SIGTSTP):
                         signal.signal(signum, signal.SIG_DFL)
-                    sys.stdin = open(0, "r", closefd=False)
-                    sys.stdout = open(1, "w", buffering=1, closefd=False)
-                    sys.stderr = open(2, "w", buffering=1, closefd=False)
                     from paicli.cluster import watchdog
 
                     code = watchdog.main([job_id])
@@ -139,19 +141,11 @@ def open_private(path: Path) -> int:
 
 def _run_forked_master(home: Path, job_id: str, log_path: Path) -> int:
     log = open_private(log_path)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
     # Nothing of the CLI's: not its descriptors (a terminal, a pipe someone waits
     # to see closed, the SQLite file), not its working directory (an unmount of it
     # would fail while the job runs).
-    _close_inherited()
+    _take_stdio(os.open(os.devnull, os.O_RDONLY), log, log)
     os.chdir(log_path.parent)
-    # The caller's sys.stdout/stderr may be its own objects (a library user's, a
-    # test runner's capture) over descriptors just closed: write to the log.
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ["PAI_HOME"] = str(home)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
         signal.signal(signum, signal.SIG_DFL)

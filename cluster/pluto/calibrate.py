@@ -64,11 +64,6 @@ def _flag_value(args: list[str], names: tuple[str, ...]) -> str | None:
     return None
 
 
-def _source_default(source: str, names: tuple[str, ...]) -> str | None:
-    found = source_flag(source, names)
-    return found[1] if found else None
-
-
 def source_flag(source: str, names: tuple[str, ...]) -> tuple[str, str] | None:
     """(the flag as a command line spells it, its numeric default) of the first of
     `names` the script declares (argparse add_argument, absl DEFINE_*)."""

@@ -125,7 +125,9 @@ def start_server(home: Path) -> dict:
     host = bind_host()
     token = user_token(home)
     sock = _listen(host, folder)
-    log = os.open(folder / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    from paicli.cluster.logsink import open_append_fd
+
+    log = open_append_fd(folder / "server.log")
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "paicli.web.standby", "--home", str(home), "--fd", str(sock.fileno())],

@@ -219,7 +219,6 @@ def test_a_flood_of_metric_lines_is_sampled_evenly_keeping_the_last():
     assert [(r[5], r[6]) for r in job.take_metrics()] == [("step", 7), ("loss", 0.5)]
 
 
-
 def test_ctrl_c_while_following_is_counted_at_a_known_point_not_raised_anywhere():
     """SIGINT during `follow_job` sets a flag and wakes the follower; it must not
     raise KeyboardInterrupt between two statements of the loop (the console went

@@ -268,36 +268,48 @@ def is_ours(ref: list) -> bool:
     return True
 
 
-def cmd_stop(timeout: str, refs: str) -> int:
-    """Identity-checked stop of every ref (JSON list of [pid, pgid, start, boot]):
-    SIGTERM the groups, one bounded wait, SIGKILL. Prints the list of the refs
-    that were ours and had something to stop."""
-    ours = [ref for ref in json.loads(refs) if is_ours(ref) and group_members(int(ref[1]))]
+def alive(ref: list) -> bool:
+    """`ref` names a group we started that still has a live member."""
+    return is_ours(ref) and bool(group_members(int(ref[1])))
+
+
+def signal_ref(ref: list, signum: int) -> bool:
+    """Send `signum` to `ref`'s group if it is ours and alive; whether it was."""
+    ok = alive(ref)
+    if ok:
+        _killpg(int(ref[1]), signum)
+    return ok
+
+
+def stop_refs(refs: list, timeout: float) -> list:
+    """THE stop on a node: the refs that are ours and alive get SIGTERM, one bounded
+    wait, then SIGKILL (identity checked again). The refs that were stopped."""
+    ours = [ref for ref in refs if alive(ref)]
     for ref in ours:
         _killpg(int(ref[1]), signal.SIGTERM)
-    deadline = time.monotonic() + float(timeout)
-    while time.monotonic() < deadline and any(group_members(int(ref[1])) for ref in ours):
+    deadline = time.monotonic() + max(0.0, float(timeout))
+    while time.monotonic() < deadline and any(alive(ref) for ref in ours):
         time.sleep(0.05)
     for ref in ours:
-        _killpg(int(ref[1]), signal.SIGKILL)
-    print(json.dumps(ours))
+        signal_ref(ref, signal.SIGKILL)
+    return ours
+
+
+def cmd_stop(timeout: str, refs: str) -> int:
+    """Identity-checked stop of every ref (JSON list of [pid, pgid, start, boot]),
+    see stop_refs. Prints the list of the refs that were ours and had something to stop."""
+    print(json.dumps(stop_refs(json.loads(refs), float(timeout))))
     return 0
 
 
 def cmd_signal(signum: str, refs: str) -> int:
     """Send `signum` to each ref's group if it is ours; prints [true|false, ...]."""
-    done = []
-    for ref in json.loads(refs):
-        ok = is_ours(ref) and bool(group_members(int(ref[1])))
-        if ok:
-            _killpg(int(ref[1]), int(signum))
-        done.append(ok)
-    print(json.dumps(done))
+    print(json.dumps([signal_ref(ref, int(signum)) for ref in json.loads(refs)]))
     return 0
 
 
 def cmd_alive(refs: str) -> int:
-    print(json.dumps([is_ours(ref) and bool(group_members(int(ref[1]))) for ref in json.loads(refs)]))
+    print(json.dumps([alive(ref) for ref in json.loads(refs)]))
     return 0
 
 

@@ -38,12 +38,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from stat import S_ISDIR
 
 from paicli.runners import node_agent
-from paicli.runners.node_agent import boot_id, group_members as members, instances as agents_here
-from paicli.runners.node_agent import free_ports as _agent_free_ports, is_ours as _agent_is_ours
+from paicli.runners.node_agent import boot_id, instances as agents_here
+from paicli.runners.node_agent import free_ports as _agent_free_ports
 
 def ship_by_value(cloudpickle) -> None:
     """Register what goes to Ray nodes by value: this module and the node agent's
@@ -55,37 +54,31 @@ def ship_by_value(cloudpickle) -> None:
 MAX_BUFFERED = 1 << 20   # output held in the actor before the agent is made to wait
 
 
+def _as_list(ref: dict) -> list:
+    """The node agent's form of a ref: [pid, pgid, start, boot]."""
+    return [ref["pid"], ref["pgid"], ref.get("start") or "", ref.get("boot_id") or ""]
+
+
 def is_ours(ref: dict) -> bool:
     """`ref` ({pid, pgid, start, boot_id}) still names the group we started here:
     the node agent's check (same boot; the leader gone, or the process that
     started at the recorded time and still leads that group)."""
-    return _agent_is_ours([ref["pid"], ref["pgid"], ref.get("start") or "", ref.get("boot_id") or ""])
+    return node_agent.is_ours(_as_list(ref))
 
 
 def signal_ref(ref: dict, signum: int) -> bool:
-    if not is_ours(ref) or not members(int(ref["pgid"])):
-        return False
-    try:
-        os.killpg(int(ref["pgid"]), signum)
-        return True
-    except OSError:
-        return False
+    return node_agent.signal_ref(_as_list(ref), signum)
 
 
 def alive_ref(ref: dict) -> bool:
-    return is_ours(ref) and bool(members(int(ref["pgid"])))
+    return node_agent.alive(_as_list(ref))
 
 
 def stop_ref(ref: dict, timeout: float) -> bool:
-    """THE stop on a node: identity check, SIGTERM to the group, up to `timeout`
-    seconds, SIGKILL. True when the group was ours and was signalled."""
-    if not signal_ref(ref, signal.SIGTERM):
-        return False
-    deadline = time.monotonic() + max(0.0, timeout)
-    while time.monotonic() < deadline and alive_ref(ref):
-        time.sleep(0.05)
-    signal_ref(ref, signal.SIGKILL)
-    return True
+    """THE stop on a node (the node agent's stop_refs): identity check, SIGTERM to
+    the group, up to `timeout` seconds, SIGKILL. True when the group was ours and
+    was signalled."""
+    return bool(node_agent.stop_refs([_as_list(ref)], timeout))
 
 
 def free_ports(count: int, taken=()) -> list[int]:

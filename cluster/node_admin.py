@@ -15,7 +15,6 @@ from paicli.cluster import ssh_transport as ssh
 from paicli.cluster.nodes import NodeEntry, NodesConfig
 from paicli.errors import PaiError, UsageError
 
-RUNNERS = ssh.RUNNERS_DIR
 PROVISION_SILENCE = 900.0   # seconds without a line from the node's provisioning = it stopped answering
 
 UP, UNREACHABLE, KEY_UNKNOWN, KEY_CHANGED, AUTH_FAILED = (
@@ -134,7 +133,7 @@ def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable
         for rel in ("paicli/__init__.py", "paicli/runners/__init__.py"):
             sftp.write(f"{folder}/{rel}", b"")
         for name in ("runtimes.py", "caffe_rootfs.py"):
-            sftp.put(str(RUNNERS / name), f"{folder}/paicli/runners/{name}")
+            sftp.put(str(ssh.RUNNERS_DIR / name), f"{folder}/paicli/runners/{name}")
     finally:
         sftp.close()
     # A failure on the node is one line too (its last line becomes the error).

@@ -40,7 +40,6 @@ from paicli.cluster.logsink import open_append_fd
 from paicli.cluster.nodes import NodeEntry, config_from_dict
 from paicli.errors import PaiError, UsageError
 
-RUNNERS_DIR = ssh.RUNNERS_DIR
 HEARTBEAT = 6.0           # seconds without a frame (agent) / a byte (master) = the link is gone
 START_TIMEOUT = 30.0      # for the agent's identity frame
 PIPE_BYTES = 4096
@@ -225,7 +224,7 @@ class SSHBackend(Backend):
         folder = remote_paths.job_folder(node.job_root, self._job_id(job_dir))
         pairs = [
             (str(runtime_root()), info["runtime_dir"]),
-            (str(RUNNERS_DIR), f"{folder}/runners"),
+            (str(ssh.RUNNERS_DIR), f"{folder}/runners"),
             (str(Path(job_dir)), folder),
             (str(Path(job_dir) / "code"), f"{folder}/code"),
             (sys.executable, info["python_path"]),
@@ -242,7 +241,7 @@ class SSHBackend(Backend):
         folder: (local path, path relative to the node's code folder)."""
         from paicli.runners.runtimes import runtime_root
 
-        skip = [str(runtime_root()), str(RUNNERS_DIR), str(Path(job_dir)), sys.prefix, sys.base_prefix]
+        skip = [str(runtime_root()), str(ssh.RUNNERS_DIR), str(Path(job_dir)), sys.prefix, sys.base_prefix]
         found = []
         for role in plan.roles:
             for arg in role.argv[1:]:
@@ -321,9 +320,9 @@ class SSHBackend(Backend):
         try:
             sftp.private_root(node.job_root, node.name)
             sftp.makedirs(f"{folder}/runners")
-            sftp.put(str(RUNNERS_DIR / "node_agent.py"), f"{folder}/runners/node_agent.py")
+            sftp.put(str(ssh.RUNNERS_DIR / "node_agent.py"), f"{folder}/runners/node_agent.py")
             self._warm_up(node, client, folder, job_id, placed)
-            for path in sorted(RUNNERS_DIR.glob("*.py")):
+            for path in sorted(ssh.RUNNERS_DIR.glob("*.py")):
                 if path.name != "node_agent.py":
                     sftp.put(str(path), f"{folder}/runners/{path.name}")
             code = Path(job_dir) / "code"

@@ -126,11 +126,11 @@ def measure_links(store, say: Callable[[str], None]) -> float | None:
         client.kill(store, job_id, reason="pluto bandwidth probe: too slow")
         return None
     hosts = {i["role"]: i["host"] for i in store.instances(job_id)}
-    rows = store.db.execute("SELECT value FROM metrics WHERE job_id = ? AND role = 'worker' AND key = 'bytes_per_s' "
-                            "ORDER BY rowid DESC LIMIT 1", (job_id,)).fetchall()
-    if not rows or hosts.get("ps") == hosts.get("worker"):
+    rate = next((r["value"] for r in store.latest_metrics(job_id)
+                 if r["role"] == "worker" and r["key"] == "bytes_per_s"), None)
+    if rate is None or hosts.get("ps") == hosts.get("worker"):
         return None
-    return float(rows[0][0])
+    return float(rate)
 
 
 # -- the user's strategy and script ------------------------------------------------
@@ -220,10 +220,11 @@ def script_texts(prepared) -> tuple[str, str]:
     return (_read(script) if script.endswith(".py") else ""), (_read(spec.get("solver")) if spec.get("solver") else "")
 
 
-def script_knobs(prepared, facts, args: list[str]):
+def script_knobs(prepared, facts, args: list[str], texts: tuple[str, str] | None = None):
     """What the user and the script leave Pluto to set (strategy.Knobs): the
     script's learning-rate flag, where sync/async is chosen and whether the user
-    chose it, how sync workers' gradients combine."""
+    chose it, how sync workers' gradients combine. `texts`: script_texts(prepared),
+    when the caller has read them already."""
     import re
 
     from paicli.cluster.pluto.calibrate import _flag_value, bool_flag, choice_flag
@@ -231,7 +232,7 @@ def script_knobs(prepared, facts, args: list[str]):
 
     spec = prepared.spec
     framework = prepared.adapter.name
-    source, solver = script_texts(prepared)
+    source, solver = texts or script_texts(prepared)
     lr_pinned = facts.where.get("learning_rate") == "arguments" or "learningRate" in spec.params
     knobs = dict(lr_flag=facts.flags.get("learning_rate") if not lr_pinned else None, lr_pinned=lr_pinned,
                  user_args=spec.get("userDefinedParameters") or "")
@@ -261,13 +262,14 @@ def script_knobs(prepared, facts, args: list[str]):
     return Knobs(**knobs)
 
 
-def tf_sync(prepared, args: list[str]) -> bool:
+def tf_sync(prepared, args: list[str], source: str | None = None) -> bool:
     """Does a TF script train sync: its --sync_replicas flag (given, else its
     default) when it has one, else whether it uses SyncReplicasOptimizer at all
     (TF1 between-graph replication and ParameterServerStrategy steps are async)."""
     from paicli.cluster.pluto.calibrate import bool_flag
 
-    source, _solver = script_texts(prepared)
+    if source is None:
+        source = script_texts(prepared)[0]
     flag = bool_flag(source, SYNC_FLAGS)
     if flag is None:
         return "SyncReplicasOptimizer" in source
@@ -454,16 +456,18 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
                                                           loopback_Bps=loopback, source=where.source)
         return where, here
 
-    key = calibration_key(prepared, files, args, clusters(0.0)[1])
+    unmeasured = clusters(0.0)   # the nodes file, read once before anything is measured
+    key = calibration_key(prepared, files, args, unmeasured[1])
     home = pai_home()
     cached = calibrate.cache_get(home, key)
     # The loopback rate (and, on nodes, the links' rate) is measured with the calibration
     # and kept with it, so a cached plan forecasts exactly what the first one did.
     loopback = (cached or {}).get("loopback_Bps") or calibrate.measure_loopback()
     links = (cached or {}).get("links_Bps")
-    if links is None and len(clusters(0.0)[0].nodes) > 1 and not os.environ.get("PAI_PLUTO_BANDWIDTH"):
+    if links is None and len(unmeasured[0].nodes) > 1 and not os.environ.get("PAI_PLUTO_BANDWIDTH"):
         links = measure_links(store, say)
     where, here = clusters(loopback, links)
+    texts = script_texts(prepared)   # read once for tf_sync and script_knobs
     jobs: list[str] = []
     if cached:
         profile = Profile.from_dict(cached["profile"])
@@ -474,11 +478,11 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
             job_id, run = calibration_run(prepared, store, cluster_value, extra, say)
             jobs.append(job_id)
             runs.append(run)
-        sync = tf_sync(prepared, args) if framework == "tensorflow" else user.sync
+        sync = tf_sync(prepared, args, texts[0]) if framework == "tensorflow" else user.sync
         profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
                                         "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links})
-    result = planner.plan(profile, where, user, budget_s=budget_s, knobs=script_knobs(prepared, facts, args))
+    result = planner.plan(profile, where, user, budget_s=budget_s, knobs=script_knobs(prepared, facts, args, texts))
     return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs)
 
 

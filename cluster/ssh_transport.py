@@ -290,10 +290,10 @@ class Sftp:
                 self.sftp.remove(probe)
             except OSError:
                 pass
-        if not stat.S_ISDIR(attrs.st_mode) or attrs.st_uid != ours or attrs.st_mode & 0o022:
-            what = ("not a directory" if not stat.S_ISDIR(attrs.st_mode) else
-                    f"owned by uid {attrs.st_uid}, not by us ({ours})" if attrs.st_uid != ours else
-                    f"writable by others (mode {attrs.st_mode & 0o777:o})")
+        from paicli.runners.node_agent import root_fault
+
+        what = root_fault(attrs.st_mode, attrs.st_uid, ours)
+        if what is not None:
             raise UsageError(f"node {node_name}: the per-job folder root {path} is {what}; refused",
                              "remove it on the node, or set `work_dir:` for the node to a folder of your own")
 

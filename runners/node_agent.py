@@ -39,6 +39,7 @@ import struct
 import subprocess
 import sys
 import time
+from stat import S_ISDIR
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 MAX_BUFFERED = 256 * 1024
@@ -311,6 +312,20 @@ def cmd_signal(signum: str, refs: str) -> int:
 def cmd_alive(refs: str) -> int:
     print(json.dumps([alive(ref) for ref in json.loads(refs)]))
     return 0
+
+
+def root_fault(mode: int, uid: int, ours: int) -> str | None:
+    """What makes a per-job folder root unsafe, from its lstat (`mode`, `uid`) and our
+    uid: not a directory (a link, say), someone else's, or writable by others (who
+    could swap a job's folder for theirs). None when it is ours alone. One check for
+    SSH nodes (ssh_transport.Sftp.private_root) and Ray nodes (ray_node.own_root)."""
+    if not S_ISDIR(mode):
+        return "not a directory"
+    if uid != ours:
+        return f"owned by uid {uid}, not by us ({ours})"
+    if mode & 0o022:
+        return f"writable by others (mode {mode & 0o777:o})"
+    return None
 
 
 def runtimes_in(root: str) -> dict:

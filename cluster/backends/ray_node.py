@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from stat import S_ISDIR
 
 from paicli.runners import node_agent
 from paicli.runners.node_agent import boot_id, instances as agents_here
@@ -107,13 +106,8 @@ def own_root(path: str) -> None:
     agent in it) for theirs. PermissionError naming what is wrong."""
     private_dirs(path)
     st = os.lstat(path)
-    if not S_ISDIR(st.st_mode):
-        what = "not a directory"
-    elif st.st_uid != os.getuid():
-        what = f"owned by uid {st.st_uid}, not by us ({os.getuid()})"
-    elif st.st_mode & 0o022:
-        what = f"writable by others (mode {st.st_mode & 0o777:o})"
-    else:
+    what = node_agent.root_fault(st.st_mode, st.st_uid, os.getuid())
+    if what is None:
         return
     raise PermissionError(f"the per-job folder root {path} is {what}; refused (remove it on the node)")
 

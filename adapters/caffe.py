@@ -84,7 +84,8 @@ CAFFE_PARAMS: tuple[Param, ...] = (
                "workers to base_lr over this many iterations (the runner scales the gradients; "
                "BVLC Caffe's lr_policy has no warm-up)."),
 )
-SOLVER_ONLY = ("learningRate", "batchSize", "warmupIterations")
+# -D values written into the job's copies of the solver and net: the runner's flag for each.
+SOLVER_ONLY = {"learningRate": "--base-lr", "batchSize": "--batch-size", "warmupIterations": "--warmup-iters"}
 
 
 class CaffeAdapter(Adapter):
@@ -149,8 +150,7 @@ class CaffeAdapter(Adapter):
             solve += ["--snapshot", spec.get("snapshot")]
         if spec.get("checkpointDir"):
             solve += ["--checkpoint-dir", str(Path(os.path.expanduser(spec.get("checkpointDir"))).resolve())]
-        for key, flag in (("learningRate", "--base-lr"), ("batchSize", "--batch-size"),
-                          ("warmupIterations", "--warmup-iters")):
+        for key, flag in SOLVER_ONLY.items():
             if spec.get(key) is not None:
                 solve += [flag, str(spec.get(key))]
         env = {"GLOG_logtostderr": "1"}

@@ -142,11 +142,11 @@ def prepare_solver(args, workdir: str) -> tuple[str, str]:
         prefix = os.path.join(os.path.abspath(args.checkpoint_dir), base)
         text = set_solver_field(text, "snapshot_prefix", prefix)
         copy = True
-    if getattr(args, "base_lr", None) is not None:
+    if args.base_lr is not None:
         log(f"pluto: base_lr {solver_field(text, 'base_lr')} -> {args.base_lr:g} in the job's copy of the solver")
         text = set_solver_field(text, "base_lr", f"{args.base_lr:g}", quoted=False)
         copy = True
-    if getattr(args, "batch_size", None):
+    if args.batch_size:
         log(f"pluto: training batch_size {args.batch_size} in the job's copy of the net")
         text = copy_net(text, args.batch_size, workdir)
         copy = True

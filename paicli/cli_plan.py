@@ -238,10 +238,11 @@ def script_knobs(prepared, facts, args: list[str], texts: tuple[str, str] | None
                  user_args=spec.get("userDefinedParameters") or "")
     if framework == "mxnet":
         flag = choice_flag(source, KVSTORE_FLAGS)
+        given = _flag_value(args, (flag[0][2:],)) if flag else None
         if "kvstore" in spec.params:
             knobs["sync_pinned"] = f"-Dkvstore={spec.params['kvstore']}"
-        elif flag and _flag_value(args, (flag[0][2:],)) is not None:
-            knobs["sync_pinned"] = f"{flag[0]} {_flag_value(args, (flag[0][2:],))}"
+        elif given is not None:
+            knobs["sync_pinned"] = f"{flag[0]} {given}"
         elif flag:
             knobs["sync_switch"] = flag[0]
         elif "PAI_MXNET_KVSTORE" in source:

@@ -173,11 +173,10 @@ def _read(path: str | None) -> str:
 def script_inputs(prepared):
     """(facts, files the cache key covers, script arguments)."""
     from paicli.adapters.base import script_args
-    from paicli.cluster.pluto.calibrate import script_facts
 
     spec = prepared.spec
     args = script_args(spec)
-    facts, files = _script_inputs(spec, args, script_facts)
+    facts, files = _script_inputs(spec, args)
     # Caffe's -DbatchSize / -DlearningRate replace the net's and the solver's (the
     # runner writes them into the job's copies; calibration runs with them too).
     for attr, key in (("batch_size", "batchSize"), ("learning_rate", "learningRate")):
@@ -187,17 +186,18 @@ def script_inputs(prepared):
     return facts, files, args
 
 
-def _script_inputs(spec, args, script_facts):
+def _script_inputs(spec, args):
     import re
 
+    from paicli.cluster.pluto.calibrate import script_facts
+
     files = [Path(p) for p in (spec.get("script"), spec.get("solver"), spec.get("hyperParameters")) if p]
-    source = _read(spec.get("script")) if str(spec.get("script") or "").endswith(".py") else ""
-    solver = _read(spec.get("solver")) if spec.get("solver") else ""
-    net = ""
     script = str(spec.get("script") or "")
-    if script.endswith((".tar.gz", ".tgz", ".tar")) and spec.get("entryFile"):
+    if _is_archive(spec):
         source, solver, net = _archive_texts(script, spec.get("entryFile"))
         return script_facts(args, source=source, solver=solver, net=net), files
+    source, solver = _plain_texts(spec)
+    net = ""
     if solver:
         match = re.search(r'^\s*(?:train_)?net\s*:\s*"([^"]+)"', solver, re.M)
         if match:
@@ -210,14 +210,23 @@ def _script_inputs(spec, args, script_facts):
     return script_facts(args, source=source, solver=solver, net=net), files
 
 
+def _is_archive(spec) -> bool:
+    return str(spec.get("script") or "").endswith((".tar.gz", ".tgz", ".tar")) and bool(spec.get("entryFile"))
+
+
+def _plain_texts(spec) -> tuple[str, str]:
+    """(the .py script's source, the solver's text) of a job that is no archive."""
+    script = str(spec.get("script") or "")
+    return (_read(script) if script.endswith(".py") else ""), (_read(spec.get("solver")) if spec.get("solver") else "")
+
+
 def script_texts(prepared) -> tuple[str, str]:
     """(script source, solver text) as script_inputs reads them."""
     spec = prepared.spec
-    script = str(spec.get("script") or "")
-    if script.endswith((".tar.gz", ".tgz", ".tar")) and spec.get("entryFile"):
-        source, solver, _net = _archive_texts(script, spec.get("entryFile"))
+    if _is_archive(spec):
+        source, solver, _net = _archive_texts(str(spec.get("script")), spec.get("entryFile"))
         return source, solver
-    return (_read(script) if script.endswith(".py") else ""), (_read(spec.get("solver")) if spec.get("solver") else "")
+    return _plain_texts(spec)
 
 
 def script_knobs(prepared, facts, args: list[str], texts: tuple[str, str] | None = None):

@@ -392,8 +392,9 @@ def instances() -> list[str]:
     return sorted(found)
 
 
-def cmd_info(runtime_dir: str = "", host: str = "", count: str = "0") -> int:
-    """Also `count` free ports on `host` when asked (one call while staging a job)."""
+def info(runtime_dir: str = "", host: str = "", count: int = 0) -> dict:
+    """This node: cores, memory, GPUs, Python, runtimes, the paicli instances here;
+    also `count` free ports on `host` when asked (one call while staging a job)."""
     mem_total = mem_avail = 0
     try:
         with open("/proc/meminfo") as f:
@@ -410,13 +411,17 @@ def cmd_info(runtime_dir: str = "", host: str = "", count: str = "0") -> int:
         cores = os.cpu_count() or 1
     root = os.path.expanduser(runtime_dir or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "paicli", "runtimes"))
-    print(json.dumps({
+    return {
         "cores": cores, "memory": mem_total, "memory_available": mem_avail, "gpus": gpus(),
         "python": "%d.%d.%d" % sys.version_info[:3], "python_path": sys.executable,
         "runtime_dir": root, "runtimes": runtimes_in(root), "instances": instances(),
         "boot": boot_id(), "hostname": socket.gethostname(),
-        "ports": free_ports(host, int(count), set()) if host and int(count) > 0 else [],
-    }))
+        "ports": free_ports(host, count, set()) if host and count > 0 else [],
+    }
+
+
+def cmd_info(runtime_dir: str = "", host: str = "", count: str = "0") -> int:
+    print(json.dumps(info(runtime_dir, host, int(count))))
     return 0
 
 

@@ -702,7 +702,6 @@ def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
     instances running on it), in the rows `pai nodes` prints for SSH nodes."""
     backend = RayBackend(config)
     ray = backend.connect()
-    agent = (runners_dir() / "node_agent.py").read_text()
     rows = []
     for n in ray.nodes():
         res = n.get("Resources") or {}
@@ -715,7 +714,7 @@ def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
                "python": None, "runtime_dir": None, "runtimes": {}, "instances": []}
         if n.get("Alive"):
             try:
-                info = backend._pinned(host, ray_node.pinned_info, agent, timeout=60)
+                info = backend._pinned(host, ray_node.pinned_info, timeout=60)
                 row.update({"python": info["python"], "python_path": info["python_path"],
                             "runtime_dir": info["runtime_dir"], "runtimes": info["runtimes"],
                             "instances": info["instances"], "boot": info["boot"]})

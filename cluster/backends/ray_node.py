@@ -40,7 +40,7 @@ import tempfile
 import threading
 
 from paicli.runners import node_agent
-from paicli.runners.node_agent import boot_id, instances as agents_here
+from paicli.runners.node_agent import boot_id
 from paicli.runners.node_agent import free_ports as _agent_free_ports
 
 def ship_by_value(cloudpickle) -> None:
@@ -319,20 +319,10 @@ def pinned_ports(count: int, taken) -> list[int]:
     return free_ports(count, taken)
 
 
-def pinned_info(agent_source: str) -> dict:
+def pinned_info() -> dict:
     """The node agent's `info` (cores, memory, GPUs, Python, runtimes, the paicli
-    instances agents run here), run on this node from the agent's source."""
-    import contextlib
-    import io
-
-    agent: dict = {"__name__": "paicli_node_agent"}
-    exec(compile(agent_source, "node_agent.py", "exec"), agent)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        agent["cmd_info"]("")
-    info = json.loads(out.getvalue())
-    info["instances"] = agents_here()   # the exec'd copy's view is this worker's, not the node's
-    return info
+    instances agents run here), run on this node (the agent travels by value)."""
+    return node_agent.info()
 
 
 def remove_job_folder(folder: str) -> None:

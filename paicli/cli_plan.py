@@ -107,7 +107,6 @@ def measure_links(store, say: Callable[[str], None]) -> float | None:
     two nodes. None when both landed on one node or the probe failed."""
     from paicli import client
     from paicli.runners import pluto_helpers
-    from paicli.states import JobStatus
     from paicli.statement import parse_statement
 
     stmt = parse_statement(["-name", "python", f"-Dscript={pluto_helpers.__file__}",
@@ -116,13 +115,7 @@ def measure_links(store, say: Callable[[str], None]) -> float | None:
                             "-DjobName=pluto-bandwidth-probe"])
     job_id = client.submit(client.prepare(stmt), store)
     say(f"link bandwidth probe {job_id}")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        job = client.refresh(store, job_id)
-        if JobStatus(job["status"]).is_terminal():
-            break
-        time.sleep(0.3)
-    else:
+    if not wait_job(store, job_id, 120):
         client.kill(store, job_id, reason="pluto bandwidth probe: too slow")
         return None
     hosts = {i["role"]: i["host"] for i in store.instances(job_id)}
@@ -369,6 +362,22 @@ def _enough_steps(store, job_id: str, workers: int) -> bool:
     return len(rows) >= workers and all(r[2] >= CALIBRATION_INTERVALS + 2 for r in rows)
 
 
+def wait_job(store, job_id: str, limit_s: float, enough: Callable[[], bool] = lambda: False) -> bool:
+    """Refresh the job until it ends or `enough()`; False when `limit_s` passes first
+    (the job is left running: the caller stops it)."""
+    from paicli import client
+    from paicli.states import JobStatus
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        job = client.refresh(store, job_id)
+        if JobStatus(job["status"]).is_terminal() or enough():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.3)
+
+
 def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Callable[[str], None]):
     """Submit the user's script on `cluster_value`, let it run a few steps, stop it,
     and read what it measured. Raises PaiError when the script fails or shows no steps."""
@@ -388,17 +397,11 @@ def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Call
     workers = cluster_value.get("worker", {}).get("count", 1)
     job_id = client.submit(client.Prepared(CalibrationAdapter(prepared.adapter), spec), store)
     say(f"calibration job {job_id}: {json.dumps(cluster_value)}")
-    deadline = time.monotonic() + CALIBRATION_LIMIT_S
-    while True:
-        job = client.refresh(store, job_id)
-        if JobStatus(job["status"]).is_terminal() or _enough_steps(store, job_id, workers):
-            break
-        if time.monotonic() > deadline:
-            client.kill(store, job_id, reason="pluto calibration: no steps in time")
-            raise PaiError(f"calibration: the script printed fewer than {CALIBRATION_INTERVALS + 2} step "
-                           f"lines per worker in {CALIBRATION_LIMIT_S:.0f} s (job {job_id})",
-                           f"see `pai logs {job_id}`; a step line has step=N (or Caffe's Iteration N)")
-        time.sleep(0.3)
+    if not wait_job(store, job_id, CALIBRATION_LIMIT_S, lambda: _enough_steps(store, job_id, workers)):
+        client.kill(store, job_id, reason="pluto calibration: no steps in time")
+        raise PaiError(f"calibration: the script printed fewer than {CALIBRATION_INTERVALS + 2} step "
+                       f"lines per worker in {CALIBRATION_LIMIT_S:.0f} s (job {job_id})",
+                       f"see `pai logs {job_id}`; a step line has step=N (or Caffe's Iteration N)")
     job = store.job(job_id)
     if not JobStatus(job["status"]).is_terminal():
         client.kill(store, job_id, reason="pluto calibration done")

@@ -30,6 +30,10 @@ class SpecError(UsageError):
     (`-Dcluster`, `job.yaml line 4: cluster`)."""
 
     def __init__(self, where: str, message: str, hint: str | None = None):
+        if where and not where.isprintable():
+            # A key as typed may hold a newline or a control character: shown
+            # escaped, so the error stays one line (found by tests/test_fuzz.py).
+            where = where.encode("unicode_escape").decode("ascii")
         super().__init__(f"{where}: {message}" if where else message, hint)
         self.where = where
 

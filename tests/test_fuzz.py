@@ -72,3 +72,12 @@ def test_cluster_json_never_tracebacks(text):
         client.prepare(parse_statement(["-name", "python", f"-Dscript={BEHAVE}", f"-Dcluster={text}"]))
     except UsageError as err:
         assert str(err).startswith("-Dcluster")
+
+
+def test_a_key_with_a_newline_is_named_escaped_on_one_line():
+    """Found by test_statements_never_traceback: `-D0<newline>0=...`."""
+    import pytest
+
+    with pytest.raises(UsageError) as caught:
+        client.prepare(parse_statement(["-name", "python", "-D0\n0=x"]))
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("-D0\\n0: unknown parameter")

@@ -10,6 +10,7 @@ adapters can share it as vocabulary.
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shlex
@@ -249,8 +250,12 @@ def convert(param: Param, raw: Any, base: Path) -> Any:
         if "\x00" in raw:
             raise ValueError("a path cannot contain a NUL character")
         path = resolve_path(raw, base)
-        if not path.exists():
-            raise ValueError(f"{path} does not exist; check the path (file:// URIs take an absolute path)")
+        try:
+            path.stat()
+        except OSError as err:
+            if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):   # what Path.exists() calls missing
+                raise ValueError(f"{path} does not exist; check the path (file:// URIs take an absolute path)") from None
+            raise ValueError(f"cannot use {raw!r} as a path: {err.strerror}") from None   # too long, no permission
         if not path.is_file():
             raise ValueError(f"{path} is not a file")
         return str(path)

@@ -81,3 +81,13 @@ def test_a_key_with_a_newline_is_named_escaped_on_one_line():
     with pytest.raises(UsageError) as caught:
         client.prepare(parse_statement(["-name", "python", "-D0\n0=x"]))
     assert "\n" not in str(caught.value) and str(caught.value).startswith("-D0\\n0: unknown parameter")
+
+
+def test_a_script_path_too_long_for_the_system_is_one_line():
+    """Found by test_statements_never_traceback: a -Dscript value longer than a file
+    name may be (ENAMETOOLONG) was an OSError out of the parser."""
+    import pytest
+
+    with pytest.raises(UsageError) as caught:
+        client.prepare(parse_statement(["-name", "python", "-Dscript=" + "x" * 300]))
+    assert "\n" not in str(caught.value) and "File name too long" in str(caught.value)

@@ -133,6 +133,15 @@ class Store:
         _OPEN_STORES.discard(self)
         self.db.close()
 
+    def __del__(self) -> None:
+        # A sqlite3.Connection is freed only by the cyclic collector (its statement
+        # cache refers back to it): a dropped Store's connection would stay open,
+        # unknown to _OPEN_STORES, until some later collection, and a fork in
+        # between would carry it (and SQLite's lock bookkeeping) into the child.
+        db = self.__dict__.get("db")
+        if db is not None:
+            db.close()
+
     @contextmanager
     def closed_for_fork(self) -> Iterator[None]:
         """SQLite's per-process lock bookkeeping must not be copied by fork():

@@ -3,6 +3,8 @@ must not take the others' locks away (real processes, real SQLite in WAL mode)."
 
 from __future__ import annotations
 
+import gc
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +52,48 @@ def test_a_second_store_keeps_the_locks_of_the_first_so_no_write_is_lost(tmp_pat
         first.close()
         second.close()
     assert {row["id"] for row in Store(home).jobs()} == {"job1", "job2", "job3"}
+
+
+def _locked_by(pid: int, path: Path) -> bool:
+    """Whether process `pid` holds a POSIX lock on `path` (from /proc/locks)."""
+    device_inode = os.stat(path).st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if fields[1] == "POSIX" and fields[4] == str(pid) and fields[5].rsplit(":", 1)[1] == str(device_inode):
+            return True
+    return False
+
+
+def test_a_fork_closes_the_connection_of_a_dropped_store_too(tmp_path):
+    """A dropped Store closes its connection at once. A sqlite3.Connection is
+    freed only by the cyclic collector, so an earlier statement's Store (the
+    console makes one per statement) left its connection open, unknown to
+    closed_for_fork: the forked master inherited it, and its own Store, sharing
+    SQLite's inherited lock bookkeeping, never took a lock of its own."""
+    home = tmp_path / "home"
+    collecting = gc.isenabled()
+    gc.disable()   # as when no collection happens to run between the statements
+    try:
+        earlier = Store(home)
+        earlier.jobs()
+        del earlier
+        store = Store(home)
+        with store.closed_for_fork():
+            open_here = [fd for fd in os.listdir("/proc/self/fd")
+                         if "pai.db" in os.path.realpath(f"/proc/self/fd/{fd}")]
+            pid = os.fork()
+            if pid == 0:  # the child: a master's Store, then does it hold its locks?
+                code = 1
+                try:
+                    child = Store(home)
+                    child.jobs()
+                    code = 0 if _locked_by(os.getpid(), child.path) else 3
+                finally:
+                    os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        store.close()
+    finally:
+        if collecting:
+            gc.enable()
+    assert open_here == [], "a connection stayed open across the fork"
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's Store holds no lock on the database"

@@ -142,11 +142,13 @@ class Link:
         return b""   # X came and the agent is reaped: nothing follows X
 
     def poll(self) -> int | None:
+        if self.thread is not None and self.thread.is_alive():
+            return None    # pump mode: the status counts once every byte before it is in the pipe
         if self.status is not None:
             self._finish()
         return self.status
 
-    def wait(self, timeout: float | None) -> int | None:
+    def wait(self, timeout: float | None = None) -> int | None:
         """Block up to `timeout` for the status; a direct link reads its frames here
         (the output waits for the master's next read)."""
         deadline = None if timeout is None else time.monotonic() + timeout

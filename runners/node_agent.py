@@ -6,8 +6,6 @@ Standard library only; imports nothing of paicli (the node has no paicli).
     python3 node_agent.py info [RUNTIME_DIR [HOST COUNT]]   cores, memory, GPUs, Python,
                                                runtimes, instances (and COUNT free ports)
     python3 node_agent.py stop TIMEOUT REFS       identity-checked stop of groups
-    python3 node_agent.py signal SIGNUM REFS      identity-checked signal to groups
-    python3 node_agent.py alive REFS              which groups still run
     python3 node_agent.py ports HOST COUNT [TAKEN,...]   free ports on this node
 REFS is a JSON list of [pid, pgid, start ticks, boot id].
 
@@ -71,39 +69,39 @@ def proc_stat(pid):
 
 
 def group_members(pgid: int) -> list[int]:
+    return [pid for pid, _ in _members({pgid})]
+
+
+def live_groups(pgids: set) -> set:
+    """Which of `pgids` still have a live member: one pass over /proc for all."""
+    return {pgid for _, pgid in _members(pgids)}
+
+
+def _members(pgids: set) -> list:
     found = []
     for name in os.listdir("/proc"):
-        if name.isdigit():
-            stat = proc_stat(name)
-            if stat and stat[1] == pgid and stat[0] != "Z":
-                found.append(int(name))
+        stat = proc_stat(name) if name.isdigit() else None
+        if stat and stat[1] in pgids and stat[0] != "Z":
+            found.append((int(name), stat[1]))
     return found
 
 
 def stop_group(pgid: int, grace: float, reap=None) -> bool:
-    """SIGTERM the group, wait up to `grace` s for it to go, then SIGKILL.
-    `reap` collects our own child so that it does not linger as a zombie.
-    True when something was signalled."""
+    """SIGTERM the group, wait up to `grace` s for it to go, then SIGKILL (and up to
+    2 s more). `reap` collects our own child so that it does not linger as a
+    zombie. True when something was signalled."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
         return False
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if reap:
-            reap()
-        if not group_members(pgid):
-            return True
-        time.sleep(0.05)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline and group_members(pgid):
-        if reap:
-            reap()
-        time.sleep(0.02)
+    for wait, then in ((grace, signal.SIGKILL), (2.0, None)):
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and group_members(pgid):
+            if reap:
+                reap()
+            time.sleep(0.02)
+        if then is not None:
+            _killpg(pgid, then)
     return True
 
 
@@ -158,6 +156,8 @@ class Instance:
         self.stdin_fd = stdin_fd
         self.out = out
         self.heartbeat = float(spec.get("heartbeat") or 0)
+        # A small output pipe asks for a small backlog here too (the display delay).
+        self.max_buffered = min(MAX_BUFFERED, int(spec.get("pipe") or MAX_BUFFERED))
         self.proc: subprocess.Popen | None = None
         self.read_fd = -1
         self.output_open = True
@@ -215,7 +215,7 @@ class Instance:
             if ended is not None:
                 return ended
             readers = [self.stdin_fd, self.wake_fd]
-            if self.output_open and len(self.out.buf) < MAX_BUFFERED:
+            if self.output_open and len(self.out.buf) < self.max_buffered:
                 readers.append(self.read_fd)
             writers = [self.out.fd] if self.out.buf else []
             try:
@@ -332,17 +332,6 @@ def is_ours(ref: list) -> bool:
     return True
 
 
-def live_groups(pgids: set) -> set:
-    """Which of `pgids` still have a live member: one pass over /proc for all."""
-    found = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            stat = proc_stat(name)
-            if stat and stat[1] in pgids and stat[0] != "Z":
-                found.add(stat[1])
-    return found
-
-
 def alive(ref: list) -> bool:
     """`ref` names a group we started that still has a live member."""
     return is_ours(ref) and bool(group_members(int(ref[1])))
@@ -377,17 +366,6 @@ def cmd_stop(timeout: str, refs: str) -> int:
     """Identity-checked stop of every ref (JSON list of [pid, pgid, start, boot]),
     see stop_refs. Prints the list of the refs that were ours and had something to stop."""
     print(json.dumps(stop_refs(json.loads(refs), float(timeout))))
-    return 0
-
-
-def cmd_signal(signum: str, refs: str) -> int:
-    """Send `signum` to each ref's group if it is ours; prints [true|false, ...]."""
-    print(json.dumps([signal_ref(ref, int(signum)) for ref in json.loads(refs)]))
-    return 0
-
-
-def cmd_alive(refs: str) -> int:
-    print(json.dumps([alive(ref) for ref in json.loads(refs)]))
     return 0
 
 
@@ -537,8 +515,7 @@ def free_ports(host: str, count: int, avoid: set, candidates=None) -> list:
     return ports
 
 
-COMMANDS = {"run": cmd_run, "stop": cmd_stop, "signal": cmd_signal, "alive": cmd_alive, "info": cmd_info,
-            "ports": cmd_ports}
+COMMANDS = {"run": cmd_run, "stop": cmd_stop, "info": cmd_info, "ports": cmd_ports}
 
 
 def main(argv: list[str]) -> int:

@@ -41,12 +41,9 @@ is gone. When the leader is gone, the group's remaining members are still ours:
 Linux does not hand out a pid while a process group of that number exists, so
 members of group `pgid` can only be the original group's. A leader with the
 same pid but another start time (a recycled pid) or another boot id (a
-reboot) is refused: nothing is signalled. A ref without a start time cannot be
-verified: it is refused too, and reported on stderr (the master's, the
-watchdog's log, `pai kill`'s terminal). The check is the node agent's
-(runners/node_agent.is_ours), on every node, this machine included. An instance
-this process started holds a live link to its agent: it is stopped through the
-link (the agent holds the process itself), no check needed.
+reboot) is refused, and so is a ref without a start time (said on stderr). The
+check is the node agent's (node_agent.is_ours), this machine's included; an
+instance this process started is stopped through its live agent link.
 """
 
 from __future__ import annotations
@@ -247,9 +244,8 @@ class Backend:
     # -- stopping: THE one path ------------------------------------------------------
 
     def stop(self, ref: InstanceRef, timeout: float = 3.0) -> bool:
-        """Stop one instance's whole group: SIGTERM, up to `timeout` seconds,
-        SIGKILL. Checks the identity first (see the module docstring). True when
-        something of ours was signalled."""
+        """Stop one instance's whole group (identity checked): SIGTERM, up to
+        `timeout` seconds, SIGKILL. True when something of ours was signalled."""
         return bool(self.stop_all([ref], timeout))
 
     def stop_all(self, refs: Iterable[InstanceRef], timeout: float = 3.0,

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from paicli.cluster import agent_link
 from paicli.cluster.backends.base import Backend, NodeSpec, agent_ref
@@ -30,21 +31,6 @@ F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 # Small pipes keep a burst of output from sitting in the kernel behind other
 # instances' lines (the display delay), at the price of the writer waiting sooner.
 PIPE_BYTES = 4096
-# Signals a shell, nohup or a CI runner may leave ignored (SIG_IGN survives exec).
-IGNORABLE_SIGNALS = ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT", "SIGPIPE", "SIGUSR1", "SIGUSR2",
-                     "SIGTTIN", "SIGTTOU", "SIGTSTP")
-
-
-def unignore_signals(keep: tuple[int, ...] = ()) -> None:
-    """In the process that starts instances (the master), put every ignored
-    signal back to its default so that children exec with default dispositions:
-    an ignored signal stays ignored across exec, a caught one is reset. SIGPIPE,
-    which Python ignores, is restored in the child by Popen (restore_signals).
-    `keep`: signals the caller will catch itself right after."""
-    for name in IGNORABLE_SIGNALS:
-        signum = getattr(signal, name)
-        if signum not in keep and signum != signal.SIGPIPE and signal.getsignal(signum) == signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
 
 
 def machine_cpu() -> int:
@@ -59,13 +45,22 @@ def local_node() -> NodeSpec:
 
 class AgentProcess:
     """A node agent on this machine, waiting for its spec; its stdin and stdout are
-    the link. `fileno()`: the master reads the frames itself (agent_link)."""
+    the link. `fileno()`: the master reads the frames itself (agent_link).
+
+    A single-threaded master forks it (the agent's code is already imported: no
+    interpreter to start); a threaded one, where a fork is unsafe, starts
+    `python -I -S node_agent.py run LABEL`, as an SSH node does."""
 
     def __init__(self, label: str):
-        # -I -S: the agent is stdlib only; no site, no user paths, a fast start.
-        self.proc = subprocess.Popen([sys.executable, "-I", "-S", AGENT, "run", label], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, bufsize=0, close_fds=True)
-        self._in, self._out = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        from paicli.cluster.spawn import _must_exec
+
+        self.proc: subprocess.Popen | None = None
+        if _must_exec():
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", AGENT, "run", label], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, bufsize=0, close_fds=True)
+            self.pid, self._in, self._out = self.proc.pid, self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        else:
+            self.pid, self._in, self._out = _fork_agent(label)
         os.set_blocking(self._out, False)
         try:
             fcntl.fcntl(self._out, F_SETPIPE_SZ, PIPE_BYTES)
@@ -87,16 +82,54 @@ class AgentProcess:
 
     def close(self) -> None:
         """The agent reads EOF and exits (stopping the group if it still runs)."""
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
+        if self.proc is not None:
+            for stream in (self.proc.stdin, self.proc.stdout):
                 stream.close()
-            except OSError:
-                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            return
+        for fd in (self._in, self._out):
+            os.close(fd)
+        deadline = time.monotonic() + 10
+        while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+                return
+            time.sleep(0.002)
+
+
+def _fork_agent(label: str) -> tuple[int, int, int]:
+    """Fork `node_agent.py run LABEL`'s code: (pid, its stdin, its stdout)."""
+    from paicli.cluster.spawn import _take_stdio
+
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
         try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            signal.set_wakeup_fd(-1)   # the master's: closed below
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+                signal.signal(signum, signal.SIG_DFL)
+            _take_stdio(in_r, out_w, 2)   # nothing of the master's stays open here
+            with open("/proc/self/comm", "w") as comm:
+                comm.write("pai-node-agent")   # what `ps` and `top` show for it
+            code = node_agent.cmd_run(label)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(in_r)
+    os.close(out_w)
+    return pid, in_w, out_r
 
 
 class LocalBackend(Backend):
@@ -144,9 +177,6 @@ class LocalBackend(Backend):
     def _stop_refs(self, node, refs, timeout):
         stopped = {tuple(r) for r in node_agent.stop_refs([agent_ref(ref) for ref in refs], timeout)}
         return [ref for ref in refs if tuple(agent_ref(ref)) in stopped]
-
-    def _signal(self, ref, signum):
-        return node_agent.signal_ref(agent_ref(ref), signum)
 
     def _alive(self, ref):
         return node_agent.alive(agent_ref(ref))

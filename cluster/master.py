@@ -98,11 +98,8 @@ class JobMaster:
     # -- entry ------------------------------------------------------------------
 
     def run(self) -> int:
-        from paicli.cluster.backends.local import unignore_signals
-
-        # Instances must start with default signal dispositions whatever we
-        # inherited (nohup, a shell's background job); caught ones reset at exec.
-        unignore_signals()
+        # (Instances start with default signal dispositions whatever we inherited:
+        # their node agent sees to that, on every backend.)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._on_signal)
         # A child's exit wakes the loop at once (self-pipe), instead of waiting
@@ -309,7 +306,8 @@ class JobMaster:
     def _read(self, inst: Instance, fd: int, rounds: int) -> None:
         for _ in range(rounds):
             try:
-                data = os.read(fd, 65536)
+                # The handle decodes what its transport carries (the agent's frames).
+                data = inst.handle.read(65536) if inst.handle and inst.handle.output_fd == fd else os.read(fd, 65536)
             except BlockingIOError:
                 return
             except OSError:

@@ -105,14 +105,38 @@ def test_ports_are_claimed_once_across_jobs(tmp_path):
     assert store.claim_port(a[0], "job-c")
 
 
+def _listener(host: str) -> socket.socket:
+    sock = socket.socket()
+    sock.bind((host, 0))
+    sock.listen()
+    return sock
+
+
+def test_the_free_port_routine_refuses_a_port_held_on_any_address():
+    """The one free-port routine (the node agent's, used by every backend) is steered
+    to ports held by listeners: on 0.0.0.0, and on another address than the host
+    asked for (an instance may bind 0.0.0.0, which would then fail). It must skip
+    both and take the free one; a routine that trusted the port, or checked only
+    the host's own address, fails here."""
+    from paicli.runners.node_agent import free_ports
+
+    wildcard, elsewhere = _listener("0.0.0.0"), _listener("127.0.0.2")
+    with socket.socket() as probe:
+        probe.bind(("0.0.0.0", 0))
+        free = probe.getsockname()[1]
+    held = [wildcard.getsockname()[1], elsewhere.getsockname()[1]]
+    try:
+        assert free_ports("127.0.0.1", 1, set(), candidates=[*held, free]) == [free]
+        assert free_ports("127.0.0.1", 2, set(), candidates=held) == []
+        assert free_ports("127.0.0.1", 1, {free}, candidates=[free]) == []   # `avoid`
+    finally:
+        wildcard.close()
+        elsewhere.close()
+
+
 def test_a_port_in_use_is_never_handed_out(tmp_path):
     store = Store(tmp_path)
-    held = []
-    for _ in range(20):
-        sock = socket.socket()
-        sock.bind(("0.0.0.0", 0))
-        sock.listen()
-        held.append(sock)
+    held = [_listener("0.0.0.0") for _ in range(20)]
     taken = {s.getsockname()[1] for s in held}
     try:
         assert not taken & set(allocate_ports(store, "job", "127.0.0.1", 50))

@@ -4,8 +4,9 @@ Each instance runs under the stdlib node agent (runners/node_agent.py) started
 over one SSH channel: the agent puts it in a session of its own, reports its
 identity, streams its output back in frames, reports its exit status, and stops
 its whole group when the channel closes or the heartbeat stops (a dead master,
-a killed `pai`, a dropped link). Here a pump thread per instance turns the frames
-into a pipe the master select()s on, like a local instance's.
+a killed `pai`, a dropped link). The channel is only the transport: the
+protocol (frames, pump, heartbeat, stop bytes) is cluster/agent_link.py's, as
+for every backend.
 
 Nothing is shared with the nodes but SSH: `prepare` copies the runners, the
 script or the extracted archive and the plan files into a per-job folder on each
@@ -14,36 +15,30 @@ node (SFTP, 0700) and provisions the job's runtime there unless the node has it
 translated for each node (cluster/remote_paths.py).
 
 stop(): with the live channel (the master) a byte on it asks the agent to signal
-the group; from any other process (watchdog, `pai kill`) the agent's `stop`
-command is run over SSH with the ref's identity (pid, start time, boot id).
+the group (base.Backend); from any other process (watchdog, `pai kill`) the
+agent's `stop` command is run over SSH with the ref's identity (pid, start time,
+boot id).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import signal
-import socket
-import struct
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from paicli.cluster import remote_paths
+from paicli.cluster import agent_link, remote_paths
 from paicli.cluster import ssh_transport as ssh
-from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, InstanceRef, NodeSpec, Placement
+from paicli.cluster.backends.base import Backend, Handle, InstanceRef, NodeSpec, Placement, agent_ref
 from paicli.cluster.logsink import open_append_fd
 from paicli.cluster.nodes import NodeEntry, config_from_dict
 from paicli.errors import PaiError, UsageError
 
 HEARTBEAT = 6.0           # seconds without a frame (agent) / a byte (master) = the link is gone
 START_TIMEOUT = 30.0      # for the agent's identity frame
-PIPE_BYTES = 4096
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 # Job folder files the instances may read (plan files); logs and the store stay here.
 PLAN_FILES_SKIP = {"nodes.json", "placement.json", "master.log", "job.log", "summary.txt"}
 
@@ -74,42 +69,33 @@ def _runtime_version(name: str) -> str | None:
     return get_runtime(name).version if name in RUNTIMES else None
 
 
-class RemoteInstance:
-    """The master's side of one instance: its channel, pump thread and status."""
+class ChannelTransport:
+    """One agent's SSH channel as an agent_link transport (paramiko's errors become OSError)."""
 
-    def __init__(self, node: str, chan, write_fd: int):
-        self.node = node
+    def __init__(self, chan):
         self.chan = chan
-        self.write_fd = write_fd
-        self.status: int | None = None
-        self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
 
-    def send(self, data: bytes) -> bool:
-        with self.lock:
-            if self.status is not None or self.chan.closed:
-                return False
-            try:
-                self.chan.sendall(data)
-                return True
-            except (OSError, EOFError, Exception):
-                return False
+    def send(self, data: bytes) -> None:
+        try:
+            self.chan.sendall(data)
+        except _ssh_error() as err:
+            raise OSError(f"{err.__class__.__name__}: {err}") from None
 
+    def recv(self, max_bytes: int, timeout: float) -> bytes:
+        self.chan.settimeout(timeout)
+        try:
+            return self.chan.recv(max_bytes)
+        except _ssh_error() as err:
+            raise OSError(f"{err.__class__.__name__}: {err}") from None
 
-def _read_exact(chan, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        data = chan.recv(n - len(buf))
-        if not data:
-            raise EOFError
-        buf += data
-    return bytes(buf)
+    def close(self) -> None:
+        self.chan.close()
 
 
-def read_frame(chan) -> tuple[bytes, bytes]:
-    head = _read_exact(chan, 5)
-    (length,) = struct.unpack(">I", head[1:])
-    return head[:1], _read_exact(chan, length) if length else b""
+def _ssh_error() -> type:
+    import paramiko
+
+    return paramiko.SSHException
 
 
 class SSHBackend(Backend):
@@ -123,9 +109,7 @@ class SSHBackend(Backend):
         self._specs: list[NodeSpec] | None = None
         self._maps: dict[str, remote_paths.Mapping] = {}
         self._folders: dict[str, str] = {}
-        self._live: dict[tuple[str, int], RemoteInstance] = {}
         self._lock = threading.Lock()
-        self._beating = False
         self._lost: set[str] = set()      # nodes that stopped answering during this job
         # Started ahead of time by prepare(), one per placed instance: an agent
         # waiting for its spec, so that start() is one round trip, not a new process.
@@ -191,7 +175,7 @@ class SSHBackend(Backend):
         if not specs:
             raise PaiError("no node of the nodes file answers: " + "; ".join(down))
         self._specs = specs
-        if not self._live and not self._folders:
+        if not self._links and not self._folders:
             # Probing only (the CLI at submit): no connection or paramiko thread
             # outlives it, so the CLI can fork the job's master cleanly.
             self.conns.close()
@@ -419,7 +403,7 @@ class SSHBackend(Backend):
 
     # -- running --------------------------------------------------------------------
 
-    def start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None) -> Handle:
+    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None) -> Handle:
         node = self.entry(placed.node)
         mapping = self._maps.get(node.name) or []
         folder = self._folders.get(node.name)
@@ -441,191 +425,29 @@ class SSHBackend(Backend):
         try:
             if chan is None:
                 chan = self._run_agent_channel(node, folder, label)
-            chan.settimeout(START_TIMEOUT)
-            chan.sendall(json.dumps(spec).encode() + b"\n")
-            kind, payload = read_frame(chan)
-            while kind == b"H":
-                kind, payload = read_frame(chan)
-        except (PaiError, OSError, EOFError, socket.timeout, self._ssh_errors()) as err:
-            if isinstance(err, UsageError):
-                raise
-            if chan is not None:
-                chan.close()
+        except UsageError:
+            raise
+        except (PaiError, OSError, EOFError, self._ssh_errors()) as err:
             # Not conns.drop(): the node's other instances run over the same connection.
-            return self._lost_handle(placed, f"{err.__class__.__name__}: {err}")
-        if kind == b"E":
-            chan.close()
-            data = json.loads(payload)
-            raise OSError(data.get("errno") or 0, data.get("strerror") or "cannot start")
-        if kind != b"I":
-            chan.close()
-            return self._lost_handle(placed, f"unexpected frame {kind!r}")
-        ident = json.loads(payload)
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(read_fd, False)
+            return agent_link.lost_handle(self.name, node.name, placed.host, f"{err.__class__.__name__}: {err}")
+        return agent_link.start_instance(ChannelTransport(chan), spec, backend=self.name, node=node.name,
+                                         host=placed.host, start_timeout=START_TIMEOUT)
+
+    _ssh_errors = staticmethod(_ssh_error)
+
+    def _node_lost(self, node: str) -> None:
+        # Clean-up skips the node; its connection is left alone (other instances
+        # may still run over it; a dead one is replaced when next used).
+        self._lost.add(node)
+        self._infos.pop(node, None)
+
+    # -- stopping: the agent's commands, for refs without a live channel here --------------
+
+    def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
         try:
-            fcntl.fcntl(read_fd, F_SETPIPE_SZ, PIPE_BYTES)
-        except OSError:
-            pass
-        remote = RemoteInstance(node.name, chan, write_fd)
-        ref = InstanceRef(backend=self.name, node=node.name, host=placed.host, pid=int(ident["pid"]),
-                          pgid=int(ident["pgid"]), start=ident.get("start") or None, boot_id=ident.get("boot") or None)
-        with self._lock:
-            self._live[(node.name, ref.pid)] = remote
-        remote.thread = threading.Thread(target=self._pump, args=(remote,), name=f"ssh-pump-{label}", daemon=True)
-        remote.thread.start()
-        self._ensure_heartbeat()
-        return Handle(ref=ref, output_fd=read_fd, native=remote)
-
-    @staticmethod
-    def _ssh_errors() -> type:
-        import paramiko
-
-        return paramiko.SSHException
-
-    def _lost_handle(self, placed: Placement, why: str) -> Handle:
-        """The node did not take the instance: a handle that reports NODE_LOST."""
-        read_fd, write_fd = os.pipe()
-        os.write(write_fd, f"paicli: node {placed.node} did not start the instance: {why}\n".encode()[:4000])
-        remote = RemoteInstance(placed.node, _ClosedChannel(), -1)
-        remote.status = NODE_LOST
-        os.close(write_fd)
-        os.set_blocking(read_fd, False)
-        ref = InstanceRef(backend=self.name, node=placed.node, host=placed.host, pid=0, pgid=0, start=None,
-                          boot_id=None)
-        return Handle(ref=ref, output_fd=read_fd, native=remote)
-
-    def _pump(self, remote: RemoteInstance) -> None:
-        chan = remote.chan
-        chan.settimeout(HEARTBEAT)
-        status = NODE_LOST
-        try:
-            while True:
-                kind, payload = read_frame(chan)
-                if kind == b"O":
-                    view = memoryview(payload)
-                    while view:
-                        written = os.write(remote.write_fd, view)
-                        view = view[written:]
-                elif kind == b"X":
-                    status = int(json.loads(payload)["status"])
-                    break
-        except (socket.timeout, EOFError, OSError, ValueError, KeyError, self._ssh_errors()):
-            status = NODE_LOST
-        finally:
-            if status == NODE_LOST:
-                # Clean-up skips the node; its connection is left alone (other instances
-                # may still run over it; a dead one is replaced when next used).
-                self._lost.add(remote.node)
-                self._infos.pop(remote.node, None)
-            remote.status = status
-            try:
-                os.close(remote.write_fd)   # EOF wakes the master, which then polls
-            except OSError:
-                pass
-            try:
-                chan.close()
-            except Exception:
-                pass
-
-    def _ensure_heartbeat(self) -> None:
-        with self._lock:
-            if self._beating:
-                return
-            self._beating = True
-        threading.Thread(target=self._heartbeat, name="ssh-heartbeat", daemon=True).start()
-
-    def _heartbeat(self) -> None:
-        while True:
-            time.sleep(1.0)
-            with self._lock:
-                live = [r for r in self._live.values() if r.status is None]
-            for remote in live:
-                remote.send(b"h")
-
-    def poll(self, handle: Handle) -> int | None:
-        remote = handle.native
-        if remote is None:
-            return None
-        if remote.status is not None and remote.thread is not None:
-            remote.thread.join(timeout=1)
-        return remote.status
-
-    # -- stopping -----------------------------------------------------------------------
-
-    def _remote(self, ref: InstanceRef) -> RemoteInstance | None:
-        with self._lock:
-            return self._live.get((ref.node, ref.pid))
-
-    @staticmethod
-    def _ref_list(refs: list[InstanceRef]) -> str:
-        return json.dumps([[r.pid, r.pgid, r.start or "", r.boot_id or ""] for r in refs])
-
-    def _signal(self, ref: InstanceRef, signum: int) -> bool:
-        if ref.pid <= 0:
-            return False
-        remote = self._remote(ref)
-        if remote is not None:
-            if remote.status is not None:
-                return False      # the agent stops what is left of a group before it reports
-            return remote.send(b"k" if signum == signal.SIGKILL else b"t")
-        try:
-            return bool(self._agent(self.entry(ref.node), "signal", str(int(signum)), self._ref_list([ref]))[0])
+            done = self._agent(self.entry(node), "stop", str(float(timeout)), json.dumps([agent_ref(r) for r in refs]),
+                               timeout=timeout + 30)
         except (PaiError, OSError, EOFError):
-            return False
-
-    def _alive(self, ref: InstanceRef) -> bool:
-        if ref.pid <= 0:
-            return False
-        remote = self._remote(ref)
-        if remote is not None:
-            return remote.status is None
-        try:
-            return bool(self._agent(self.entry(ref.node), "alive", self._ref_list([ref]))[0])
-        except (PaiError, OSError, EOFError):
-            return False
-
-    def stop_all(self, refs: Iterable[InstanceRef], timeout: float = 3.0,
-                 waiting: Callable[[], None] | None = None) -> list[InstanceRef]:
-        """Instances with a live channel (ours) through it; any other ref by the
-        agent's identity-checked `stop` on its node, one SSH command per node."""
-        refs = [r for r in refs if r.pid > 0]
-        local = [r for r in refs if self._remote(r) is not None]
-        remote: dict[str, list[InstanceRef]] = {}
-        for ref in refs:
-            if self._remote(ref) is None:
-                remote.setdefault(ref.node, []).append(ref)
-        stopped: list[InstanceRef] = []
-        threads = []
-
-        def stop_on(node_name: str, group: list[InstanceRef]) -> None:
-            try:
-                done = self._agent(self.entry(node_name), "stop", str(float(timeout)), self._ref_list(group),
-                                   timeout=timeout + 30)
-            except (PaiError, OSError, EOFError):
-                return
-            pids = {int(r[0]) for r in done}
-            stopped.extend(r for r in group if r.pid in pids)
-
-        for node_name, group in remote.items():
-            t = threading.Thread(target=stop_on, args=(node_name, group), daemon=True)
-            t.start()
-            threads.append(t)
-        if local:
-            stopped.extend(super().stop_all(local, timeout, waiting))
-        for t in threads:
-            while t.is_alive():
-                if waiting:
-                    waiting()
-                t.join(0.05)
-        return stopped
-
-
-class _ClosedChannel:
-    closed = True
-
-    def sendall(self, data):
-        raise OSError("closed")
-
-    def close(self):
-        pass
+            return []
+        pids = {int(r[0]) for r in done}
+        return [r for r in refs if r.pid in pids]

@@ -158,4 +158,4 @@ class MxnetAdapter(Adapter):
         return JobPlan(job_name=spec.get("jobName") or code.entry.stem, framework=self.name,
                        task_name=self.task_name, roles=plan_roles, restart=RESTART_JOB,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes)
+                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=code_inputs(code))

@@ -156,4 +156,4 @@ class TensorflowAdapter(Adapter):
         return JobPlan(job_name=job_name, framework=self.name, task_name=self.task_name,
                        roles=plans, restart=RESTART_JOB,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes)
+                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=code_inputs(code))

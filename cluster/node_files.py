@@ -88,6 +88,10 @@ def _inside(path: str, folder: str) -> bool:
     return path.startswith(folder.rstrip("/") + "/")
 
 
+def _join(head: str, tail: str) -> str:
+    return f"{head}/{tail}" if head and tail else head or tail
+
+
 def runner_files() -> list[NodeFile]:
     return [NodeFile(str(p), f"runners/{p.name}", _mode(str(p))) for p in sorted(RUNNERS_DIR.glob("*.py"))]
 
@@ -100,17 +104,17 @@ def tree_files(local: str, dst: str) -> list[NodeFile]:
     for dirpath, dirnames, filenames in os.walk(local):
         dirnames.sort()
         rel = os.path.relpath(dirpath, local)
-        base = dst if rel == "." else f"{dst}/{rel}"
+        base = _join(dst, "" if rel == "." else rel)
         for name in [*dirnames, *sorted(filenames)]:
-            src = os.path.join(dirpath, name)
+            src, here = os.path.join(dirpath, name), _join(base, name)
             if os.path.islink(src):
                 link = os.readlink(src)
                 if not os.path.isabs(link) and _inside(os.path.realpath(src), root):
-                    out.append(NodeFile(src, f"{base}/{name}", 0o700, "link", link))
+                    out.append(NodeFile(src, here, 0o700, "link", link))
             elif os.path.isdir(src):
-                out.append(NodeFile(src, f"{base}/{name}", 0o700, "dir"))
+                out.append(NodeFile(src, here, 0o700, "dir"))
             elif os.path.isfile(src):
-                out.append(NodeFile(src, f"{base}/{name}", _mode(src)))
+                out.append(NodeFile(src, here, _mode(src)))
     return out
 
 

@@ -175,3 +175,17 @@ def test_exact_entries_translate_only_themselves(value, expected):
                                       (remote_paths.Exact("/w/proj/train.py"), "/n/code/train.py"),
                                       ("/r/runners", "/n/runners")])
     assert remote_paths.translate(value, mapping) == expected
+
+
+@pytest.mark.parametrize("framework, cluster", [
+    ("python", '{"worker":{"count":1}}'),
+    ("tensorflow", '{"ps":{"count":1},"worker":{"count":1}}'),
+    ("mxnet", '{"server":{"count":1},"worker":{"count":1}}'),
+    ("caffe", '{"worker":{"count":1}}'),
+])
+def test_every_adapter_names_a_plain_script_as_its_input(tmp_path, monkeypatch, framework, cluster):
+    script = tmp_path / "proj" / "train.py"
+    script.parent.mkdir()
+    script.write_text("print(1)\n")
+    _job_dir, plan = planned(tmp_path, monkeypatch, "-name", framework, f"-Dscript={script}", f"-Dcluster={cluster}")
+    assert plan.inputs == [str(script)]

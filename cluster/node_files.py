@@ -131,14 +131,13 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
     code = f"{job_dir}/{CODE}"
     files = runner_files()
     trees = [(str(RUNNERS_DIR), "runners"), (job_dir, "")]
-    exact: list[tuple[str, str]] = []
-    if os.path.isdir(code):
-        files += tree_files(code, CODE)
-    else:
-        files.append(NodeFile(job_dir, CODE, 0o700, "dir"))   # where the instances start
     cwds = sorted({r.cwd.rstrip("/") for r in plan.roles if r.cwd and not _inside(r.cwd, job_dir)
                    and r.cwd.rstrip("/") != job_dir}, key=len, reverse=True)
-    exact += [(cwd, CODE) for cwd in cwds]
+    exact = [(cwd, CODE) for cwd in cwds]
+    if os.path.isdir(code):
+        files += tree_files(code, CODE)
+    else:   # the folder plain-script instances start in, standing for the working folder
+        files.append(NodeFile(cwds[0] if cwds else code, CODE, 0o700, "dir"))
     seen = {f.dst for f in files}
     for path in getattr(plan, "inputs", None) or []:
         path = os.path.abspath(path)

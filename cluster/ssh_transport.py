@@ -331,22 +331,17 @@ class Sftp:
             mode = 0o700 if os.stat(local).st_mode & stat.S_IXUSR else 0o600
         self.sftp.chmod(remote, mode)
 
-    def put_files(self, files, folder: str, made: set[str] | None = None) -> None:
-        """node_files.NodeFile entries under `folder` (which exists): folders, files
-        and inner links, creating any parent folder not listed. `made` holds the
-        folders known to exist (saves a round trip each)."""
-        made = {folder} if made is None else made
+    def put_files(self, files, folder: str, made: set[str]) -> None:
+        """node_files.NodeFile entries under `folder`: folders, files and inner links.
+        `made` holds folders known to exist (a private root at least): any other
+        folder on the way is created 0700 (one round trip each, no look first)."""
         for f in files:
             target = f"{folder}/{f.dst}" if f.dst else folder
-            parent = target.rsplit("/", 1)[0]
-            if parent not in made:
-                self.makedirs(parent)
-                made.add(parent)
             if f.kind == "dir":
-                if target not in made:
-                    self.makedirs(target)
-                    made.add(target)
-            elif f.kind == "link":
+                self._ensure(target, made)
+                continue
+            self._ensure(target.rsplit("/", 1)[0], made)
+            if f.kind == "link":
                 self.sftp.symlink(f.target, target)
             else:
                 self.put(f.src, target, f.mode)
@@ -357,7 +352,17 @@ class Sftp:
         from paicli.cluster.node_files import tree_files
 
         self.makedirs(remote)
-        self.put_files(tree_files(local, ""), remote)
+        self.put_files(tree_files(local, ""), remote, {remote})
+
+    def _ensure(self, path: str, made: set[str]) -> None:
+        if path in made or "/" not in path.strip("/"):
+            return   # known, or a top folder (/tmp): there
+        self._ensure(path.rsplit("/", 1)[0], made)
+        try:
+            self.sftp.mkdir(path, mode=0o700)
+        except OSError:
+            pass   # there already (in our private root: ours); a real fault fails the next write
+        made.add(path)
 
     def rmtree(self, remote: str) -> None:
         try:

@@ -214,12 +214,6 @@ class SSHBackend(Backend):
     def _job_id(self, job_dir: str) -> str:
         return Path(job_dir).name
 
-    def mapping(self, node: NodeEntry, job_dir: str, plan: Any) -> remote_paths.Mapping:
-        """Local path prefixes -> this node's, for this job (node_files.Manifest.mapping)."""
-        info = self.info(node.name)
-        folder = remote_paths.job_folder(node.job_root, self._job_id(job_dir))
-        return node_files.manifest(job_dir, plan).mapping(folder, info["runtime_dir"], info["python_path"])
-
     @staticmethod
     def _job_log_progress(job_dir: str) -> Callable[[str], None]:
         """Whole `[pai] ...` lines appended to the job's job.log. The master opens it
@@ -291,9 +285,7 @@ class SSHBackend(Backend):
             raise
         try:
             sftp.private_root(node.job_root, node.name)
-            made = {folder}
-            sftp.makedirs(f"{folder}/runners")
-            made.add(f"{folder}/runners")
+            made = {node.job_root.rstrip("/")}
             # The agent first: instances' agents start while the rest is copied.
             sftp.put_files(agent, folder, made)
             self._warm_up(node, client, folder, job_id, placed)

@@ -93,6 +93,12 @@ def hyper_parameter_flags(path: str | None) -> list[str]:
     return flags
 
 
+def code_inputs(code: StagedCode) -> list[str]:
+    """The files of the user's code the instances read: a plain script (an archive's
+    files travel as its whole extracted folder)."""
+    return [str(code.entry)] if code.entry is not None and code.root is None else []
+
+
 def script_args(spec: JobSpec, passthrough: tuple[str, ...] = PASSTHROUGH_FLAGS) -> list[str]:
     """The arguments after the script: the PAI pass-through flags that were given,
     then hyperParameters as --key=value, then userDefinedParameters verbatim."""

@@ -30,7 +30,7 @@ import os
 import secrets
 from pathlib import Path
 
-from paicli.adapters.base import Adapter, StagedCode, cluster_roles, script_args
+from paicli.adapters.base import Adapter, StagedCode, cluster_roles, code_inputs, script_args
 from paicli.errors import PaiError, SpecError
 from paicli.plan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import RuntimeError_, get_runtime, runner_path
@@ -191,7 +191,8 @@ class CaffeAdapter(Adapter):
         return JobPlan(job_name=spec.get("jobName") or solver.stem, framework=self.name,
                        task_name=self.task_name, roles=plan_roles, restart=restart,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes)
+                       metric_patterns=list(self.metric_patterns), notes=notes,
+                       inputs=solver_inputs(solver, code, spec))
 
     def _script_plan(self, spec: JobSpec, code: StagedCode, python: str, roles: dict,
                      notes: list[str]) -> JobPlan:
@@ -212,4 +213,25 @@ class CaffeAdapter(Adapter):
         return JobPlan(job_name=spec.get("jobName") or code.entry.stem, framework=self.name,
                        task_name=self.task_name, roles=plan_roles,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes)
+                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=code_inputs(code))
+
+
+def solver_inputs(solver: Path, code: StagedCode, spec: JobSpec) -> list[str]:
+    """What `caffe train` reads besides the data: the solver, its net (where the
+    runner will find it), the weights or snapshot given. Inside an archive they
+    travel with it; data sources named in the net are not followed (an archive or a
+    shared filesystem holds them; docs/multihost.md)."""
+    from paicli.runners.caffe_runner import solver_cwd, solver_field
+
+    if code.root is not None:
+        return []
+    found = [solver]
+    try:
+        text = solver.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    net = solver_field(text, "net") or solver_field(text, "train_net")
+    if net:
+        found.append(Path(solver_cwd(str(solver), str(code.cwd))) / net)
+    found += [Path(spec.get(key)) for key in ("weights", "snapshot") if spec.get(key)]
+    return [str(p.absolute()) for p in found if p.is_file()]

@@ -16,8 +16,8 @@ for it forever), so a retryable failure restarts the whole job: restart="job".
 
 from __future__ import annotations
 
-from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, StagedCode, cluster_roles, pluto_scaling_env,
-                                  script_args)
+from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, StagedCode, cluster_roles, code_inputs,
+                                  pluto_scaling_env, script_args)
 from paicli.errors import SpecError
 from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import get_runtime, runner_path
@@ -158,4 +158,4 @@ class MxnetAdapter(Adapter):
         return JobPlan(job_name=spec.get("jobName") or code.entry.stem, framework=self.name,
                        task_name=self.task_name, roles=plan_roles, restart=RESTART_JOB,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes)
+                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=code_inputs(code))

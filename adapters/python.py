@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from paicli.adapters.base import Adapter, StagedCode, cluster_roles, script_args
+from paicli.adapters.base import Adapter, StagedCode, cluster_roles, code_inputs, script_args
 from paicli.plan import JobPlan, RolePlan
 from paicli.spec import JobSpec
 
@@ -36,4 +36,4 @@ class PythonAdapter(Adapter):
         return JobPlan(job_name=spec.get("jobName") or code.entry.stem, framework=self.name,
                        task_name=self.task_name, roles=roles,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns))
+                       metric_patterns=list(self.metric_patterns), inputs=code_inputs(code))

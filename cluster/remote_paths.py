@@ -6,7 +6,9 @@ the directory `pai` ran in. On a node those live elsewhere: the runtime in the
 node's runtime dir, runners and code in the job's per-job folder there. A mapping
 is a list of (local prefix, node prefix) pairs; the longest matching prefix wins.
 A value is translated when it IS a mapped path, starts with one followed by '/',
-or is `--flag=PATH` / `key=PATH` with such a path after the first '='.
+or is `--flag=PATH` / `key=PATH` with such a path after the first '='. A local
+path given as `Exact(path)` translates only itself, never what lies below it (the
+working folder of a plain script: a file below it that is not staged stays as it is).
 """
 
 from __future__ import annotations
@@ -14,22 +16,30 @@ from __future__ import annotations
 Mapping = list[tuple[str, str]]
 
 
+class Exact(str):
+    """A local path in a mapping that matches only itself, not as a prefix."""
+
+
 def normalise(mapping: Mapping) -> Mapping:
     """Longest local prefix first; trailing slashes dropped; empty or '/' prefixes
     ignored (they would translate everything)."""
     cleaned = []
     for local, remote in mapping:
-        local = local.rstrip("/")
+        local = Exact(local.rstrip("/")) if isinstance(local, Exact) else local.rstrip("/")
         if local and remote:
             cleaned.append((local, remote.rstrip("/") or "/"))
-    return sorted(dict(cleaned).items(), key=lambda pair: len(pair[0]), reverse=True)
+    table: dict[str, str] = {}
+    for local, remote in cleaned:
+        table.pop(local, None)   # the later pair wins, its Exact-ness with it
+        table[local] = remote
+    return sorted(table.items(), key=lambda pair: len(pair[0]), reverse=True)
 
 
 def translate_path(value: str, mapping: Mapping) -> str:
     for local, remote in mapping:
         if value == local:
             return remote
-        if value.startswith(local + "/"):
+        if value.startswith(local + "/") and not isinstance(local, Exact):
             return remote + value[len(local):]
     return value
 

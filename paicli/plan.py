@@ -65,6 +65,10 @@ class JobPlan:
     metric_patterns: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)   # what the adapter decided and why (kept in plan.json)
     runtime: str | None = None          # the framework runtime instances run in (provisioned on each node)
+    # Absolute local files the instances read (a plain script, a Caffe solver and its
+    # net, weights): staged on every node (cluster/node_files.py). Nothing else is
+    # guessed from argv; an archive's code/ travels whole without being named here.
+    inputs: list[str] = field(default_factory=list)
 
     def role(self, name: str) -> RolePlan:
         for role in self.roles:

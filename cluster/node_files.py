@@ -1,0 +1,153 @@
+"""What a node needs for a job, and where the job's paths are there: the one staging rule.
+
+Every backend stages the same list into the node's per-job folder: SSH writes it
+over SFTP, Ray ships it through the object store, the local backend copies nothing
+(its instances read the files in place, and its mapping is the identity). The list:
+
+- runners/*.py -> `runners/NAME`: the node agent and the framework runners.
+- an archive's extracted code (the job folder's `code/`) -> `code/...`, whole:
+  its folders, files and the relative links that stay inside it.
+- the inputs the plan names (JobPlan.inputs, filled by the adapter): one under the
+  job's working folder (where `pai` ran, for a plain script) -> `code/REL`, so the
+  script's relative paths behave as here; any other -> `files/ABSOLUTE/PATH`, so
+  inputs keep their places relative to each other (a Caffe solver and its net).
+- the job folder's files instances read (INSTANCE_FILES): none today. plan.json and
+  spec.json hold the job's secrets (the Caffe averaging secret), which reach an
+  instance through its own env only; nodes.json, placement.json, logs/, master.log,
+  job.log and summary.txt are the master's.
+
+Nothing is guessed from argv: an absolute path the plan does not name as input
+reaches the script unchanged (a shared filesystem, an output folder).
+
+`Manifest.mapping` gives the local prefixes -> node paths that translate argv, env
+and cwd (cluster/remote_paths.py): the runtime root, the runners, the job folder
+(PAI_JOB_DIR; its code/), each staged input and the working folder (exactly: a path
+below the working folder that is not staged stays as it is), and this Python.
+
+The contract other backends code against:
+    NodeFile(src, dst, mode, kind="file", target="")
+        src:    absolute path on the submitting machine
+        dst:    path relative to the node's per-job folder ("runners/node_agent.py")
+        mode:   0o700 for executables and folders, else 0o600
+        kind:   "file", "dir" (a folder to create; src not read) or "link"
+        target: for a link, its relative target (inside the same tree; src not read)
+    Manifest.files (folders before what they hold), Manifest.mapping(folder, runtime_dir, python)
+    manifest(job_dir, plan) -> Manifest
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paicli.cluster import remote_paths
+
+# Source tree (cluster/ next to runners/) and installed package (paicli/cluster next to
+# paicli/runners) alike.
+RUNNERS_DIR = Path(__file__).resolve().parent.parent / "runners"
+INSTANCE_FILES: tuple[str, ...] = ()   # job-folder files (by name) instances read
+CODE = "code"
+FILES = "files"
+
+
+@dataclass(frozen=True)
+class NodeFile:
+    src: str
+    dst: str
+    mode: int
+    kind: str = "file"
+    target: str = ""
+
+
+@dataclass
+class Manifest:
+    files: list[NodeFile]
+    job_dir: str = ""
+    trees: list[tuple[str, str]] = field(default_factory=list)    # local folder -> dst, by prefix
+    exact: list[tuple[str, str]] = field(default_factory=list)    # local path -> dst, that path only
+
+    def mapping(self, folder: str, runtime_dir: str, python: str) -> remote_paths.Mapping:
+        from paicli.runners.runtimes import runtime_root
+
+        folder = folder.rstrip("/")
+        pairs: remote_paths.Mapping = [(str(runtime_root()), runtime_dir), (sys.executable, python)]
+        pairs += [(local, f"{folder}/{dst}" if dst else folder) for local, dst in self.trees]
+        pairs += [(remote_paths.Exact(local), f"{folder}/{dst}") for local, dst in self.exact]
+        return remote_paths.normalise(pairs)
+
+
+def _mode(path: str) -> int:
+    return 0o700 if os.stat(path).st_mode & stat.S_IXUSR else 0o600
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip("/") + "/")
+
+
+def _join(head: str, tail: str) -> str:
+    return f"{head}/{tail}" if head and tail else head or tail
+
+
+def runner_files() -> list[NodeFile]:
+    return [NodeFile(str(p), f"runners/{p.name}", _mode(str(p))) for p in sorted(RUNNERS_DIR.glob("*.py"))]
+
+
+def tree_files(local: str, dst: str) -> list[NodeFile]:
+    """A folder whole: folders, files, and the relative links that stay inside it
+    (any other link is left out: nothing outside the tree is reached)."""
+    root = os.path.realpath(local)
+    out = [NodeFile(local, dst, 0o700, "dir")]
+    for dirpath, dirnames, filenames in os.walk(local):
+        dirnames.sort()
+        rel = os.path.relpath(dirpath, local)
+        base = _join(dst, "" if rel == "." else rel)
+        for name in [*dirnames, *sorted(filenames)]:
+            src, here = os.path.join(dirpath, name), _join(base, name)
+            if os.path.islink(src):
+                link = os.readlink(src)
+                if not os.path.isabs(link) and _inside(os.path.realpath(src), root):
+                    out.append(NodeFile(src, here, 0o700, "link", link))
+            elif os.path.isdir(src):
+                out.append(NodeFile(src, here, 0o700, "dir"))
+            elif os.path.isfile(src):
+                out.append(NodeFile(src, here, _mode(src)))
+    return out
+
+
+def input_dst(path: str, cwds: list[str]) -> str:
+    """Where an input goes in the node's per-job folder (see the module's docstring)."""
+    for cwd in cwds:
+        if _inside(path, cwd):
+            return f"{CODE}/{os.path.relpath(path, cwd)}"
+    return f"{FILES}/{path.lstrip('/')}"
+
+
+def manifest(job_dir: str | Path, plan: Any) -> Manifest:
+    job_dir = os.path.abspath(job_dir)   # as the plan and PAI_JOB_DIR spell it
+    code = f"{job_dir}/{CODE}"
+    files = runner_files()
+    trees = [(str(RUNNERS_DIR), "runners"), (job_dir, "")]
+    cwds = sorted({r.cwd.rstrip("/") for r in plan.roles if r.cwd and not _inside(r.cwd, job_dir)
+                   and r.cwd.rstrip("/") != job_dir}, key=len, reverse=True)
+    exact = [(cwd, CODE) for cwd in cwds]
+    if os.path.isdir(code):
+        files += tree_files(code, CODE)
+    else:   # the folder plain-script instances start in, standing for the working folder
+        files.append(NodeFile(cwds[0] if cwds else code, CODE, 0o700, "dir"))
+    seen = {f.dst for f in files}
+    for path in getattr(plan, "inputs", None) or []:
+        path = os.path.abspath(path)
+        if _inside(path, job_dir) or not os.path.isfile(path):
+            continue   # in the code tree already; a missing input is the script's to report
+        dst = input_dst(path, cwds)
+        if dst not in seen:
+            seen.add(dst)
+            files.append(NodeFile(path, dst, _mode(path)))
+            exact.append((path, dst))
+    files += [NodeFile(f"{job_dir}/{name}", name, 0o600) for name in INSTANCE_FILES
+              if os.path.isfile(f"{job_dir}/{name}")]
+    return Manifest(files=files, job_dir=job_dir, trees=trees, exact=exact)

@@ -12,7 +12,9 @@ Standard library only; imports nothing of paicli (the node has no paicli).
 REFS is a JSON list of [pid, pgid, start ticks, boot id].
 
 `run` reads one JSON line from stdin: {"argv": [...], "env": {...}, "cwd": "...",
-"heartbeat": seconds}. It starts the instance in a session (process group) of its
+"heartbeat": seconds} and optionally "inherit": false (the environment is `env`
+alone, not the agent's own plus `env`) and "pipe": bytes (the size of the
+instance's output pipe). It starts the instance in a session (process group) of its
 own with default signal dispositions, then writes frames to stdout, each
     1 byte type, 4 bytes big-endian length, payload:
     I  identity JSON {pid, pgid, start, boot}     (first)
@@ -30,6 +32,7 @@ in its group is stopped the same way.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -42,7 +45,10 @@ import time
 from stat import S_ISDIR
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
-MAX_BUFFERED = 256 * 1024
+# Output read from the instance while the master has not taken the last of it: more
+# would only sit here, behind other instances' lines (the display delay).
+MAX_BUFFERED = 64 * 1024
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 GRACE = 1.5
 
 
@@ -101,9 +107,12 @@ def stop_group(pgid: int, grace: float, reap=None) -> bool:
     return True
 
 
-def _default_signals():
-    # Instances start with default dispositions whatever the agent inherited.
-    for name in ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT", "SIGPIPE", "SIGUSR1", "SIGUSR2"):
+def _default_signals() -> None:
+    """The agent's own dispositions back to the defaults, so that the instance
+    execs with them whatever the agent inherited (nohup, a shell's background
+    job): an ignored signal stays ignored across exec, a caught one is reset.
+    SIGPIPE is restored in the child by Popen (restore_signals)."""
+    for name in ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGTTIN", "SIGTTOU", "SIGTSTP"):
         signum = getattr(signal, name, None)
         if signum is not None:
             signal.signal(signum, signal.SIG_DFL)
@@ -139,114 +148,167 @@ class Channel:
             self.flush()
 
 
+class Instance:
+    """`run`: one instance under the agent. start() launches it and sends I (or E);
+    loop() is one select() over the master's bytes, the instance's output and
+    SIGCHLD, with one short method per event, until the exit is reported."""
+
+    def __init__(self, spec: dict, stdin_fd: int, out: Channel):
+        self.spec = spec
+        self.stdin_fd = stdin_fd
+        self.out = out
+        self.heartbeat = float(spec.get("heartbeat") or 0)
+        self.proc: subprocess.Popen | None = None
+        self.read_fd = -1
+        self.output_open = True
+        self.status: int | None = None
+        self.stopping: int | None = None
+        self.last_in = self.last_beat = time.monotonic()
+        self.wake_fd = -1
+
+    def start(self) -> bool:
+        env = dict(os.environ) if self.spec.get("inherit", True) else {}
+        env.update(self.spec.get("env") or {})
+        read_fd, write_fd = os.pipe()
+        if self.spec.get("pipe"):
+            try:
+                fcntl.fcntl(read_fd, F_SETPIPE_SZ, int(self.spec["pipe"]))
+            except OSError:
+                pass
+        _default_signals()
+        try:
+            self.proc = subprocess.Popen(self.spec["argv"], cwd=self.spec.get("cwd") or None, env=env,
+                                         stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
+                                         start_new_session=True, close_fds=True, restore_signals=True)
+        except OSError as err:
+            os.close(read_fd)
+            os.close(write_fd)
+            self.out.frame(b"E", json.dumps({"errno": err.errno, "strerror": err.strerror or str(err)}).encode())
+            self.out.drain(5)
+            return False
+        os.close(write_fd)
+        os.set_blocking(read_fd, False)
+        self.read_fd = read_fd
+        stat = proc_stat(self.proc.pid)
+        self.out.frame(b"I", json.dumps({"pid": self.proc.pid, "pgid": self.proc.pid,
+                                         "start": stat[2] if stat else "", "boot": boot_id()}).encode())
+        self._catch_signals()
+        return True
+
+    def _catch_signals(self) -> None:
+        # SIGCHLD wakes select() at once: the exit is reported without a polling delay.
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        self.wake_fd = wake_r
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping = signum
+
+    def loop(self) -> int:
+        while True:
+            ended = self._check()
+            if ended is not None:
+                return ended
+            readers = [self.stdin_fd, self.wake_fd]
+            if self.output_open and len(self.out.buf) < MAX_BUFFERED:
+                readers.append(self.read_fd)
+            writers = [self.out.fd] if self.out.buf else []
+            try:
+                ready, _, _ = select.select(readers, writers, [], 0.5)
+            except InterruptedError:
+                continue
+            if self.wake_fd in ready:
+                _drain_fd(self.wake_fd)
+            if self.stdin_fd in ready and not self.on_input():
+                return self.stop_all()     # the link closed: a dead master
+            if self.read_fd in ready:
+                self.on_output()
+            if self.status is None:
+                self.status = self.proc.poll()
+            if self.status is not None:
+                return self.on_exit()
+
+    def _check(self) -> int | None:
+        """Beat, flush, and end on a signal, a closed channel or a silent master."""
+        now = time.monotonic()
+        if now - self.last_beat >= 1.0:
+            self.out.frame(b"H")
+            self.last_beat = now
+        self.out.flush()
+        silent = self.heartbeat and now - self.last_in > self.heartbeat   # a dropped link
+        if self.stopping is not None or self.out.closed or silent:
+            return self.stop_all()
+        return None
+
+    def on_input(self) -> bool:
+        """A byte from the master: h heartbeat, t SIGTERM, k SIGKILL; False at EOF."""
+        try:
+            data = os.read(self.stdin_fd, 1024)
+        except OSError:
+            data = b""
+        if not data:
+            return False
+        self.last_in = time.monotonic()
+        if b"k" in data:
+            _killpg(self.proc.pid, signal.SIGKILL)
+        elif b"t" in data:
+            _killpg(self.proc.pid, signal.SIGTERM)
+        return True
+
+    def on_output(self) -> None:
+        try:
+            chunk = os.read(self.read_fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            self.out.frame(b"O", chunk)
+        else:
+            self.output_open = False
+
+    def on_exit(self) -> int:
+        """The main process ended: stop the rest of its group (nothing outlives an
+        instance), take what is left in the pipe, then report the exit."""
+        if group_members(self.proc.pid):
+            stop_group(self.proc.pid, GRACE, None)
+        while self.output_open:
+            before = len(self.out.buf)
+            self.on_output()
+            if len(self.out.buf) == before:
+                break
+        self.out.frame(b"X", json.dumps({"status": self.status}).encode())
+        self.out.drain(10)
+        return 0
+
+    def stop_all(self) -> int:
+        stop_group(self.proc.pid, GRACE, self.proc.poll)
+        return 1
+
+
+def _drain_fd(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except OSError:
+        pass
+
+
 def cmd_run(label: str) -> int:
     del label  # only there so that `ps` and `info` can tell which instance this is
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     line = sys.stdin.buffer.readline()
     if not line.strip():
         return 0     # started ahead of time and never used: the channel closed
-    spec = json.loads(line)
-    heartbeat = float(spec.get("heartbeat") or 0)
-    env = dict(os.environ)
-    env.update(spec.get("env") or {})
-    out = Channel(sys.stdout.fileno())
-    stdin_fd = sys.stdin.fileno()
-    read_fd, write_fd = os.pipe()
-    try:
-        proc = subprocess.Popen(spec["argv"], cwd=spec.get("cwd") or None, env=env,
-                                stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
-                                start_new_session=True, close_fds=True, preexec_fn=_default_signals)
-    except OSError as err:
-        os.close(write_fd)
-        out.frame(b"E", json.dumps({"errno": err.errno, "strerror": err.strerror or str(err)}).encode())
-        out.drain(5)
+    instance = Instance(json.loads(line), sys.stdin.fileno(), Channel(sys.stdout.fileno()))
+    if not instance.start():
         return 0
-    os.close(write_fd)
-    os.set_blocking(read_fd, False)
-    stat = proc_stat(proc.pid)
-    out.frame(b"I", json.dumps({"pid": proc.pid, "pgid": proc.pid, "start": stat[2] if stat else "",
-                                "boot": boot_id()}).encode())
-    pgid = proc.pid
-    state = {"stopping": None}
-
-    def on_signal(signum, frame):
-        state["stopping"] = signum
-
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(signum, on_signal)
-
-    last_in = time.monotonic()
-    last_beat = 0.0
-    output_open = True
-    status = None
-    while True:
-        if state["stopping"] is not None:
-            stop_group(pgid, GRACE, proc.poll)
-            return 1
-        now = time.monotonic()
-        if now - last_beat >= 1.0:
-            out.frame(b"H")
-            last_beat = now
-        out.flush()
-        if out.closed:
-            stop_group(pgid, GRACE, proc.poll)
-            return 1
-        if heartbeat and now - last_in > heartbeat:
-            stop_group(pgid, GRACE, proc.poll)   # the master stopped answering: a dropped link
-            return 1
-        readers = [stdin_fd]
-        if output_open and len(out.buf) < MAX_BUFFERED:
-            readers.append(read_fd)
-        writers = [out.fd] if out.buf else []
-        try:
-            ready_r, _, _ = select.select(readers, writers, [], 0.2 if status is None else 0.05)
-        except InterruptedError:
-            continue
-        if stdin_fd in ready_r:
-            try:
-                data = os.read(stdin_fd, 1024)
-            except OSError:
-                data = b""
-            if not data:
-                stop_group(pgid, GRACE, proc.poll)   # the channel closed
-                return 1
-            last_in = time.monotonic()
-            if b"k" in data:
-                _killpg(pgid, signal.SIGKILL)
-            elif b"t" in data:
-                _killpg(pgid, signal.SIGTERM)
-        if read_fd in ready_r:
-            try:
-                chunk = os.read(read_fd, 65536)
-            except BlockingIOError:
-                chunk = None
-            except OSError:
-                chunk = b""
-            if chunk:
-                out.frame(b"O", chunk)
-            elif chunk == b"":
-                output_open = False
-        if status is None:
-            status = proc.poll()
-        if status is not None:
-            # The main process ended: take what is left in the pipe, stop the rest of
-            # its group (nothing outlives an instance), then report the exit.
-            if group_members(pgid):
-                stop_group(pgid, GRACE, None)
-            while output_open:
-                try:
-                    chunk = os.read(read_fd, 65536)
-                except BlockingIOError:
-                    break
-                except OSError:
-                    chunk = b""
-                if not chunk:
-                    output_open = False
-                    break
-                out.frame(b"O", chunk)
-            out.frame(b"X", json.dumps({"status": status}).encode())
-            out.drain(10)
-            return 0
+    return instance.loop()
 
 
 def _killpg(pgid: int, signum: int) -> None:
@@ -259,14 +321,26 @@ def _killpg(pgid: int, signum: int) -> None:
 def is_ours(ref: list) -> bool:
     """`ref` = [pid, pgid, start, boot] names a group we started: same boot, and the
     leader either still has its start time or is gone (Linux gives no new process
-    the number of a live group, so members of `pgid` are the original group's)."""
+    the number of a live group, so members of `pgid` are the original group's).
+    A ref without a start time cannot be told from a stranger: never ours."""
     pid, pgid, start, boot = int(ref[0]), int(ref[1]), str(ref[2] or ""), str(ref[3] or "")
-    if boot and boot != boot_id():
+    if not start or (boot and boot != boot_id()):
         return False
     stat = proc_stat(pid)
     if stat is not None and stat[0] != "Z":
         return stat[2] == start and stat[1] == pgid
     return True
+
+
+def live_groups(pgids: set) -> set:
+    """Which of `pgids` still have a live member: one pass over /proc for all."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = proc_stat(name)
+            if stat and stat[1] in pgids and stat[0] != "Z":
+                found.add(stat[1])
+    return found
 
 
 def alive(ref: list) -> bool:
@@ -289,10 +363,13 @@ def stop_refs(refs: list, timeout: float) -> list:
     for ref in ours:
         _killpg(int(ref[1]), signal.SIGTERM)
     deadline = time.monotonic() + max(0.0, float(timeout))
-    while time.monotonic() < deadline and any(alive(ref) for ref in ours):
+    groups = {int(ref[1]) for ref in ours}
+    while groups and time.monotonic() < deadline:
         time.sleep(0.05)
+        groups = live_groups(groups)
     for ref in ours:
-        signal_ref(ref, signal.SIGKILL)
+        if int(ref[1]) in groups:
+            signal_ref(ref, signal.SIGKILL)
     return ours
 
 
@@ -430,13 +507,26 @@ def cmd_ports(host: str, count: str, taken: str = "") -> int:
     return 0
 
 
-def free_ports(host: str, count: int, avoid: set) -> list:
-    """`count` distinct ports free on `host` now (bound together, then released)."""
+def free_ports(host: str, count: int, avoid: set, candidates=None) -> list:
+    """`count` distinct ports free on this node now, on every address: an instance
+    may bind 0.0.0.0 rather than `host`. Each is bound on the wildcard address
+    (which fails while any address holds the port) and held until all are found.
+    `candidates`: ports to try instead of the kernel's choice (tests steer it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
+    wanted = iter(candidates) if candidates is not None else None
     socks, ports = [], []
     try:
-        while len(ports) < count and len(socks) < count + 200:
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            sock.bind((host, 0))
+        for _ in range(count + 200):
+            port = 0 if wanted is None else next(wanted, None)
+            if len(ports) == count or port is None:
+                break
+            sock = socket.socket(family)
+            try:
+                sock.bind((wildcard, port))
+            except OSError:
+                sock.close()
+                continue
             socks.append(sock)
             port = sock.getsockname()[1]
             if port not in avoid and port not in ports:

@@ -500,9 +500,12 @@ def test_master_lost_clean_up_stops_through_the_identity_checked_path(pai_home, 
         assert wait_until(lambda: pai_json("status", job_id)["reason"] == "master lost", timeout=5)
         time.sleep(0.3)
         assert stranger.poll() is None, "the watchdog signalled a process group that was not the job's"
-        # its log names what it stopped: the instance, never the stranger
+        # its log names what it stopped: the instance or nothing (the instance's node
+        # agent saw the master's end of its pipe close and stopped the group itself,
+        # maybe first), never the stranger
         log = (pai_home / "jobs" / job_id / "watchdog.log").read_text()
-        assert f"stopped ['local:{inst['pid']}'] (of 1 instance(s)" in log, log
+        assert (f"stopped ['local:{inst['pid']}'] (of 1 instance(s)" in log
+                or "stopped [] (of 1 instance(s)" in log), log
         assert str(stranger.pid) not in log
 
 

@@ -23,9 +23,9 @@ InstanceRef   an instance's identity, stored per instance and per attempt
               from /proc/PID/stat field 22 ON THAT NODE) and boot_id
               (/proc/sys/kernel/random/boot_id ON THAT NODE).
 Handle        what `start()` returns to the master: `ref`, `output_fd` (an fd the
-              master can select() on: the instance's stdout+stderr merged; a
-              backend that is not fd-based feeds a pipe from a thread), `native`
-              (the backend's own object).
+              master can select() on), `read()` (the instance's stdout+stderr
+              merged), `native` (an agent_link.Link for an instance run by the node
+              agent, which every backend uses: cluster/agent_link.py).
 
 Exit statuses
 -------------
@@ -41,12 +41,20 @@ is gone. When the leader is gone, the group's remaining members are still ours:
 Linux does not hand out a pid while a process group of that number exists, so
 members of group `pgid` can only be the original group's. A leader with the
 same pid but another start time (a recycled pid) or another boot id (a
-reboot) is refused: nothing is signalled.
+reboot) is refused: nothing is signalled. A ref without a start time cannot be
+verified: it is refused too, and reported on stderr (the master's, the
+watchdog's log, `pai kill`'s terminal). The check is the node agent's
+(runners/node_agent.is_ours), on every node, this machine included. An instance
+this process started holds a live link to its agent: it is stopped through the
+link (the agent holds the process itself), no check needed.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
@@ -127,6 +135,12 @@ class Handle:
     def host(self) -> str:
         return self.ref.host
 
+    def read(self, size: int = 65536) -> bytes:
+        """The instance's next output bytes: b"" at its end, BlockingIOError when
+        nothing is there now (select() on `output_fd` first)."""
+        reader = getattr(self.native, "read", None)
+        return reader(size) if reader is not None else os.read(self.output_fd, size)
+
 
 class Backend:
     """One kind of node. `config` is the JSON-serialisable nodes config the
@@ -143,6 +157,8 @@ class Backend:
 
     def __init__(self, config: dict[str, Any] | None = None):
         self.config = dict(config or {})
+        # The instances this process started, by (node, pid): their live agent links.
+        self._links: dict[tuple[str, int], Any] = {}
 
     # -- nodes and staging ------------------------------------------------------
 
@@ -189,24 +205,44 @@ class Backend:
     def start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None) -> Handle:
         """Start one instance on `placed.node` in a session (process group) of its
         own with default signal dispositions, stdin from /dev/null, stdout+stderr
-        into `Handle.output_fd`. Raises OSError (FileNotFoundError: 127,
+        into the Handle. Raises OSError (FileNotFoundError: 127,
         PermissionError: 126) when the program cannot be started."""
+        from paicli.cluster.agent_link import Link
+
+        handle = self._start(placed, argv, env, cwd)
+        if isinstance(handle.native, Link) and handle.ref.pid > 0:
+            self._links[(handle.ref.node, handle.ref.pid)] = handle.native
+        return handle
+
+    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None) -> Handle:
+        """A transport to a node agent for `placed`, handed to agent_link.start_instance."""
         raise NotImplementedError
 
     def poll(self, handle: Handle) -> int | None:
         """The exit status once the instance's main process has ended (negative:
         killed by that signal; NODE_LOST: its node stopped answering), else None."""
-        raise NotImplementedError
+        poll = getattr(handle.native, "poll", None)
+        code = poll() if poll is not None else None
+        if code == NODE_LOST:
+            self._node_lost(handle.ref.node)
+        return code
 
     def wait(self, handle: Handle, timeout: float | None = None) -> int | None:
         """Block up to `timeout` (None: forever) for the main process; None if it
         is still running then."""
+        wait = getattr(handle.native, "wait", None)
+        if wait is not None:
+            wait(timeout)
+            return self.poll(handle)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             code = self.poll(handle)
             if code is not None or (deadline is not None and time.monotonic() >= deadline):
                 return code
             time.sleep(0.02)
+
+    def _node_lost(self, node: str) -> None:
+        """An instance's node stopped answering (a backend forgets what it knew of it)."""
 
     # -- stopping: THE one path ------------------------------------------------------
 
@@ -221,21 +257,63 @@ class Backend:
         """`stop()` for many instances at once (one bounded wait for all of them).
         `waiting` is called while waiting (the master keeps reading output there).
         Returns the refs that were ours and were signalled. `timeout` 0: SIGKILL
-        right after SIGTERM (what an exited instance left in its group)."""
-        ours = [ref for ref in refs if self._signal(ref, signal.SIGTERM)]
+        right after SIGTERM (what an exited instance left in its group).
+        Instances this process started go through their live links; the others
+        through the node's identity-checked stop (`_stop_refs`), one per node, all
+        nodes at once."""
+        refs = [ref for ref in refs if ref.pid > 0]
+        linked = [(ref, self._links[(ref.node, ref.pid)]) for ref in refs if (ref.node, ref.pid) in self._links]
+        by_node: dict[str, list[InstanceRef]] = {}
+        for ref in refs:
+            if (ref.node, ref.pid) not in self._links and verified(ref):
+                by_node.setdefault(ref.node, []).append(ref)
+        stopped: list[InstanceRef] = []
+        threads = [threading.Thread(target=lambda n=node, g=group: stopped.extend(self._stop_refs(n, g, timeout)),
+                                    daemon=True) for node, group in by_node.items()]
+        for thread in threads:
+            thread.start()
+        stopped.extend(self._stop_links(linked, timeout, waiting))
+        for thread in threads:
+            while thread.is_alive():
+                if waiting:
+                    waiting()
+                thread.join(0.05)
+        return stopped
+
+    @staticmethod
+    def _stop_links(linked: list, timeout: float, waiting: Callable[[], None] | None) -> list[InstanceRef]:
+        ours = [(ref, link) for ref, link in linked if link.signal(signal.SIGTERM)]
         deadline = time.monotonic() + max(0.0, timeout)
-        while ours and time.monotonic() < deadline and self._any_alive(ours):
+        while time.monotonic() < deadline:
+            running = [link for _, link in ours if link.status is None]
+            if not running:
+                break
             if waiting:
                 waiting()
             else:
-                time.sleep(0.02)
-        for ref in ours:
-            self._signal(ref, signal.SIGKILL)
-        return ours
+                running[0].wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        for _, link in ours:
+            link.signal(signal.SIGKILL)
+        return [ref for ref, _ in ours]
 
     def alive(self, ref: InstanceRef) -> bool:
         """True while anything of the instance's group runs (identity checked)."""
-        return self._alive(ref)
+        link = self._links.get((ref.node, ref.pid))
+        if link is not None:
+            return link.status is None
+        return ref.pid > 0 and self._alive(ref)
+
+    def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
+        """The identity-checked stop on `node` (the agent's stop_refs there): SIGTERM,
+        one bounded wait, SIGKILL. A backend with an agent command overrides this;
+        the default goes by `_signal`/`_alive`."""
+        ours = [ref for ref in refs if self._signal(ref, signal.SIGTERM)]
+        deadline = time.monotonic() + max(0.0, timeout)
+        while ours and time.monotonic() < deadline and self._any_alive(ours):
+            time.sleep(0.02)
+        for ref in ours:
+            self._signal(ref, signal.SIGKILL)
+        return ours
 
     def _signal(self, ref: InstanceRef, signum: int) -> bool:
         """Send `signum` to the group of `ref` if `ref` is still ours; False when it
@@ -248,3 +326,18 @@ class Backend:
     def _any_alive(self, refs: list[InstanceRef]) -> bool:
         """Whether any of `refs` is alive; a backend may answer for all at once."""
         return any(self._alive(ref) for ref in refs)
+
+
+def agent_ref(ref: InstanceRef) -> list:
+    """`ref` as the node agent's commands take it: [pid, pgid, start, boot]."""
+    return [ref.pid, ref.pgid, ref.start or "", ref.boot_id or ""]
+
+
+def verified(ref: InstanceRef) -> bool:
+    """Whether `ref` carries an identity the node can check (a start time); one that
+    does not is never stopped, and that is said on stderr."""
+    if ref.start:
+        return True
+    print(f"paicli: not stopping {ref.node}:{ref.pid}: no start time was recorded for it, so it cannot be "
+          f"told from another process that got its number", file=sys.stderr, flush=True)
+    return False

@@ -1,24 +1,34 @@
-"""Instances as processes on this machine: a one-node cluster named "local".
+"""Instances on this machine: a one-node cluster named "local".
 
-Each instance runs in a session (and process group) of its own with default
-signal dispositions, whatever the master inherited (a `pai` started from nohup
-ignores SIGHUP; its instances must not).
+Each instance runs under the node agent (runners/node_agent.py), as on an SSH
+host or a Ray node; the transport is the agent's stdin and stdout, and the
+master reads the agent's frames straight from that pipe (cluster/agent_link.py).
+A dead master closes the agent's stdin, and the agent stops the instance's
+group. The agents are started by prepare(), ahead of the instances, so a start
+is one round trip on a pipe, not a new interpreter.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import select
 import signal
-import socket
 import subprocess
+import sys
+import threading
 
-from paicli.cluster.backends.base import Backend, Handle, InstanceRef, NodeSpec
-from paicli.cluster.procinfo import boot_id, live_groups, live_members, proc_stat
+from paicli.cluster import agent_link
+from paicli.cluster.backends.base import Backend, NodeSpec, agent_ref
+from paicli.runners import node_agent
 
 LOCAL_NODE = "local"
 LOCAL_HOST = "127.0.0.1"
+AGENT = os.path.join(os.path.dirname(node_agent.__file__), "node_agent.py")
+START_TIMEOUT = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+# Small pipes keep a burst of output from sitting in the kernel behind other
+# instances' lines (the display delay), at the price of the writer waiting sooner.
 PIPE_BYTES = 4096
 # Signals a shell, nohup or a CI runner may leave ignored (SIG_IGN survives exec).
 IGNORABLE_SIGNALS = ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT", "SIGPIPE", "SIGUSR1", "SIGUSR2",
@@ -47,106 +57,96 @@ def local_node() -> NodeSpec:
     return NodeSpec(LOCAL_NODE, LOCAL_HOST, machine_cpu(), machine_memory_mb(), tuple(machine_gpus()))
 
 
-def still_ours(ref: InstanceRef) -> bool:
-    """The identity check on this machine (see base.py): same boot, and the
-    group's leader is either the process we started or gone."""
-    if ref.boot_id and ref.boot_id != boot_id():
-        return False
-    leader = proc_stat(ref.pgid)
-    if leader is not None and leader.state != "Z" and ref.pgid == ref.pid and ref.start is not None \
-            and leader.start != ref.start:
-        return False  # the number was recycled: another process leads that group now
-    return True
+class AgentProcess:
+    """A node agent on this machine, waiting for its spec; its stdin and stdout are
+    the link. `fileno()`: the master reads the frames itself (agent_link)."""
 
+    def __init__(self, label: str):
+        # -I -S: the agent is stdlib only; no site, no user paths, a fast start.
+        self.proc = subprocess.Popen([sys.executable, "-I", "-S", AGENT, "run", label], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, bufsize=0, close_fds=True)
+        self._in, self._out = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        os.set_blocking(self._out, False)
+        try:
+            fcntl.fcntl(self._out, F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:
+            pass
 
-def group_exists(pgid: int) -> bool:
-    """True while any process of the group is alive (zombies excluded)."""
-    try:
-        os.killpg(pgid, 0)  # cheap first answer; it also succeeds for zombies
-    except (ProcessLookupError, PermissionError):
-        return False
-    return live_members(pgid)
+    def fileno(self) -> int:
+        return self._out
+
+    def send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._in, view):]
+
+    def recv(self, max_bytes: int, timeout: float) -> bytes:
+        if not select.select([self._out], [], [], timeout)[0]:
+            raise TimeoutError
+        return os.read(self._out, max_bytes)
+
+    def close(self) -> None:
+        """The agent reads EOF and exits (stopping the group if it still runs)."""
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class LocalBackend(Backend):
     name = "local"
 
+    def __init__(self, config=None):
+        super().__init__(config)
+        self._warm: dict[tuple[str, int], AgentProcess] = {}
+        self._lock = threading.Lock()
+
     def nodes(self):
         return [local_node()]
 
+    def prepare(self, job_dir, plan, placements):
+        job_id = os.path.basename(str(job_dir).rstrip("/"))
+        for p in placements:
+            agent = AgentProcess(f"{job_id}/{p.role}:{p.idx}")
+            with self._lock:
+                old, self._warm[(p.role, p.idx)] = self._warm.get((p.role, p.idx)), agent
+            if old is not None:
+                old.close()
+
+    def cleanup(self, job_dir):
+        with self._lock:
+            warm, self._warm = list(self._warm.values()), {}
+        for agent in warm:
+            agent.close()
+
     def pick_ports(self, node, count, taken=()):
-        taken = set(taken)
-        ports: list[int] = []
-        for _ in range(count * 50):
-            if len(ports) == count:
-                break
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((LOCAL_HOST, 0))
-                port = sock.getsockname()[1]
-            # Instances may bind 0.0.0.0 rather than the host they were given.
-            if port in ports or port in taken or not can_bind("0.0.0.0", port):
-                continue
-            ports.append(port)
+        ports = node_agent.free_ports(LOCAL_HOST, count, set(taken))
         if len(ports) != count:
             raise OSError(f"could not find {count} free ports on {node}")
         return ports
 
-    def start(self, placed, argv, env, cwd):
-        read_fd, write_fd = os.pipe()
-        try:
-            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=write_fd, stderr=write_fd, start_new_session=True,
-                                    close_fds=True, restore_signals=True)
-        except BaseException:
-            os.close(read_fd)
-            raise
-        finally:
-            os.close(write_fd)
-        os.set_blocking(read_fd, False)
-        try:
-            # A small pipe keeps a burst of output from sitting in the kernel behind
-            # other instances' lines (the display delay), at the price of the writer
-            # waiting sooner for the master.
-            fcntl.fcntl(read_fd, F_SETPIPE_SZ, PIPE_BYTES)
-        except OSError:
-            pass
-        stat = proc_stat(proc.pid)
-        ref = InstanceRef(backend=self.name, node=placed.node, host=placed.host, pid=proc.pid, pgid=proc.pid,
-                          start=stat.start if stat else None, boot_id=boot_id())
-        return Handle(ref=ref, output_fd=read_fd, native=proc)
+    def _start(self, placed, argv, env, cwd):
+        with self._lock:
+            agent = self._warm.pop((placed.role, placed.idx), None)
+        if agent is None:
+            agent = AgentProcess(f"{env.get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}")
+        spec = {"argv": list(argv), "env": dict(env), "inherit": False, "cwd": cwd, "heartbeat": 0,
+                "pipe": PIPE_BYTES}
+        return agent_link.start_instance(agent, spec, backend=self.name, node=placed.node, host=placed.host,
+                                         start_timeout=START_TIMEOUT)
 
-    def poll(self, handle):
-        return handle.native.poll()
-
-    def wait(self, handle, timeout=None):
-        try:
-            return handle.native.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
+    def _stop_refs(self, node, refs, timeout):
+        stopped = {tuple(r) for r in node_agent.stop_refs([agent_ref(ref) for ref in refs], timeout)}
+        return [ref for ref in refs if tuple(agent_ref(ref)) in stopped]
 
     def _signal(self, ref, signum):
-        if not still_ours(ref):
-            return False
-        try:
-            os.killpg(ref.pgid, signum)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
+        return node_agent.signal_ref(agent_ref(ref), signum)
 
     def _alive(self, ref):
-        return still_ours(ref) and group_exists(ref.pgid)
-
-    def _any_alive(self, refs):
-        # One pass over /proc for every group, not one per group: stopping 64
-        # instances polls this every few tens of milliseconds.
-        groups = {ref.pgid for ref in refs if still_ours(ref)}
-        return bool(groups) and bool(live_groups(groups))
-
-
-def can_bind(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
+        return node_agent.alive(agent_ref(ref))

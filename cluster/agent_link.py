@@ -1,0 +1,323 @@
+"""The master's side of the node agent's wire protocol (runners/node_agent.py), once.
+
+Every backend runs its instances under the node agent; a backend provides only a
+*transport* for one instance's agent (a pipe to a local agent, an SSH channel, a
+Ray actor) and this module does the rest: it sends the spec, reads the identity
+(or the E frame) with a deadline, turns O frames into the output the master
+reads, X into the exit status, keeps the heartbeat going both ways, and stops
+the instance with t/k bytes on the live link.
+
+    class Transport(Protocol):
+        send(data)                  raises OSError/EOFError when the link is gone
+        recv(max_bytes, timeout)    b"" at EOF; raises TimeoutError (socket.timeout
+                                    is one) when nothing came in `timeout` seconds
+        close()
+        fileno()                    OPTIONAL: a transport whose byte stream can be
+                                    read with os.read() on this (non-blocking) fd,
+                                    a local pipe, is read by the master directly,
+                                    without a pump thread and a second pipe
+
+    start_instance(transport, spec, *, backend, node, host, start_timeout) -> Handle
+        spec = {"argv", "env", "cwd", "heartbeat"} (+ "inherit", "pipe": see the
+        agent). Raises OSError for an E frame (the program could not be started);
+        a transport failure gives a Handle whose poll() reports NODE_LOST.
+
+The Handle's `native` is a Link: `Link.poll()` is the exit status (None while it
+runs), `Link.signal(signum)` asks the agent to signal the group, `Link.wait()`
+blocks for the status, `Handle.read()` gives the instance's output bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import struct
+import threading
+import time
+from typing import Protocol
+
+from paicli.cluster.backends.base import NODE_LOST, Handle, InstanceRef
+
+HEAD = struct.Struct(">cI")   # 1 byte type, 4 bytes big-endian length
+BEAT_EVERY = 1.0              # seconds between the master's heartbeat bytes
+
+
+class Transport(Protocol):
+    def send(self, data: bytes) -> None: ...
+
+    def recv(self, max_bytes: int, timeout: float) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class Link:
+    """One live instance: its transport, the frames read so far, its status."""
+
+    def __init__(self, transport: Transport, node: str, heartbeat: float = 0.0):
+        self.transport = transport
+        self.node = node
+        self.heartbeat = heartbeat      # seconds of silence that mean a dropped link
+        self.status: int | None = None
+        self.first: tuple[bytes, bytes] | None = None   # the I or E frame
+        self._buf = bytearray()         # bytes of an incomplete frame
+        self._pending = bytearray()     # output decoded but not yet read by the master
+        self._lock = threading.Lock()
+        self._closed = False
+        self.fd = -1                    # the fd the master select()s on (and closes)
+        self._direct = False            # the master reads frames from the transport's own fd
+        self._rfd = -1                  # direct: that fd (the transport's; closed by it)
+        self._write_fd = -1             # pump mode: our end of the master's pipe
+        self.thread: threading.Thread | None = None
+
+    # -- frames -------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> bytes:
+        """Decode `data` (any slice of the stream); the output bytes it completes."""
+        buf = self._buf
+        buf += data
+        out = []
+        pos, end = 0, len(buf)
+        while end - pos >= 5:
+            kind, length = HEAD.unpack_from(buf, pos)
+            if end - pos - 5 < length:
+                break
+            payload = bytes(buf[pos + 5:pos + 5 + length])
+            pos += 5 + length
+            if kind == b"O":
+                out.append(payload)
+            elif kind == b"X":
+                self.status = int(json.loads(payload)["status"])
+            elif kind in (b"I", b"E"):
+                self.first = (kind, payload)
+        del buf[:pos]
+        return b"".join(out)
+
+    def _read_first(self, deadline: float) -> None:
+        """Read until the I or E frame; what output follows it in the same read waits in _pending."""
+        while self.first is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no answer from the node agent")
+            data = self.transport.recv(65536, min(left, 1.0)) if not self._direct else self._recv_fd(left)
+            if data == b"":
+                raise EOFError("the node agent ended before it started the instance")
+            self._pending += self.feed(data)
+
+    def _recv_fd(self, timeout: float) -> bytes | None:
+        ready, _, _ = select.select([self._rfd], [], [], timeout)
+        if not ready:
+            return None
+        try:
+            return os.read(self._rfd, 65536)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
+
+    # -- what the master calls ------------------------------------------------------
+
+    def read(self, size: int) -> bytes:
+        """The next output bytes (b"" at the end); BlockingIOError when none is there now."""
+        if self._pending:
+            data = bytes(self._pending)
+            del self._pending[:]
+            return data
+        if not self._direct:
+            return os.read(self.fd, size)
+        while not self._closed:
+            try:
+                raw = os.read(self._rfd, size)
+            except BlockingIOError:
+                raise
+            except OSError:
+                raw = b""
+            if not raw:
+                self._ended()
+                return b""
+            data = self.feed(raw)
+            if data:
+                return data
+        return b""   # X came and the agent is reaped: nothing follows X
+
+    def poll(self) -> int | None:
+        if self.status is not None:
+            self._finish()
+        return self.status
+
+    def wait(self, timeout: float | None) -> int | None:
+        """Block up to `timeout` for the status; a direct link reads its frames here
+        (the output waits for the master's next read)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.status is None:
+            left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+            if left <= 0:
+                break
+            if self._direct and not self._closed:
+                data = self._recv_fd(left)
+                if data == b"":
+                    self._ended()
+                elif data:
+                    self._pending += self.feed(data)
+            elif self.thread is not None:
+                self.thread.join(left)
+            else:
+                time.sleep(left)
+        return self.poll()
+
+    def signal(self, signum: int) -> bool:
+        """SIGKILL or SIGTERM to the instance's group, by the agent; False once it has ended."""
+        return self.send(b"k" if signum == signal.SIGKILL else b"t")
+
+    def send(self, data: bytes) -> bool:
+        with self._lock:
+            if self.status is not None or self._closed:
+                return False
+            try:
+                self.transport.send(data)
+                return True
+            except (OSError, EOFError, ValueError):
+                return False
+
+    # -- ending ---------------------------------------------------------------------
+
+    def _ended(self) -> None:
+        """The stream ended: without an X frame the agent or its link is gone."""
+        if self.status is None:
+            self.status = NODE_LOST
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.transport.close()
+        except Exception:  # noqa: BLE001 - a transport already gone
+            pass
+
+    def pump(self) -> None:
+        """Pump mode (a transport without an fd): frames -> the master's pipe, in a thread.
+        Silence longer than the heartbeat means the link dropped: NODE_LOST."""
+        silence = self.heartbeat or 3600.0
+        try:
+            data = bytes(self._pending)
+            del self._pending[:]
+            while True:
+                _write_all(self._write_fd, data)
+                if self.status is not None:
+                    break
+                data = self.transport.recv(65536, silence)
+                if not data:
+                    break
+                data = self.feed(data)
+        except (TimeoutError, OSError, EOFError, ValueError, KeyError):
+            pass
+        except Exception:  # noqa: BLE001 - a transport's own error class (paramiko, ray)
+            pass
+        finally:
+            self._ended()
+            try:
+                os.close(self._write_fd)   # EOF wakes the master, which then polls
+            except OSError:
+                pass
+            self._finish()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+# -- the heartbeat: one thread for every live link that asks for it ---------------------
+
+_beating: list[Link] = []
+_beat_lock = threading.Lock()
+_beat_thread: threading.Thread | None = None
+
+
+def _beat() -> None:
+    while True:
+        time.sleep(BEAT_EVERY)
+        with _beat_lock:
+            _beating[:] = [link for link in _beating if link.status is None and not link._closed]
+            links = list(_beating)
+        for link in links:
+            link.send(b"h")
+
+
+def _keep_beating(link: Link) -> None:
+    global _beat_thread
+    with _beat_lock:
+        _beating.append(link)
+        if _beat_thread is None:
+            _beat_thread = threading.Thread(target=_beat, name="agent-heartbeat", daemon=True)
+            _beat_thread.start()
+
+
+# -- starting ----------------------------------------------------------------------------
+
+def start_instance(transport: Transport, spec: dict, *, backend: str, node: str, host: str,
+                   start_timeout: float) -> Handle:
+    heartbeat = float(spec.get("heartbeat") or 0)
+    link = Link(transport, node, heartbeat)
+    fileno = getattr(transport, "fileno", None)
+    if fileno is not None:
+        # The master gets a duplicate to select() on and close; reads go through the
+        # link, on the transport's own descriptor, which the transport closes.
+        link._rfd, link._direct = fileno(), True
+        link.fd = os.dup(link._rfd)
+    try:
+        transport.send(json.dumps(spec).encode() + b"\n")
+        link._read_first(time.monotonic() + start_timeout)
+    except Exception as err:  # noqa: BLE001 - OSError, EOFError, TimeoutError or a transport's own
+        link._finish()
+        if link._direct:
+            os.close(link.fd)
+        return lost_handle(backend, node, host, f"{err.__class__.__name__}: {err}")
+    kind, payload = link.first
+    if kind == b"E":
+        link._finish()
+        if link._direct:
+            os.close(link.fd)
+        data = json.loads(payload)
+        raise OSError(data.get("errno") or 0, data.get("strerror") or "cannot start")
+    ident = json.loads(payload)
+    ref = InstanceRef(backend=backend, node=node, host=host, pid=int(ident["pid"]), pgid=int(ident["pgid"]),
+                      start=ident.get("start") or None, boot_id=ident.get("boot") or None)
+    if not link._direct:
+        link.fd, link._write_fd = os.pipe()
+        os.set_blocking(link.fd, False)
+        link.thread = threading.Thread(target=link.pump, name=f"agent-pump-{node}-{ref.pid}", daemon=True)
+        link.thread.start()
+    if heartbeat:
+        _keep_beating(link)
+    return Handle(ref=ref, output_fd=link.fd, native=link)
+
+
+class _Gone:
+    """The transport of an instance that never started."""
+
+    def send(self, data: bytes) -> None:
+        raise OSError("closed")
+
+    def recv(self, max_bytes: int, timeout: float) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+def lost_handle(backend: str, node: str, host: str, why: str) -> Handle:
+    """The node did not take the instance: a handle that says why and reports NODE_LOST."""
+    link = Link(_Gone(), node)
+    link.status = NODE_LOST
+    link._pending += f"paicli: node {node} did not start the instance: {why}\n".encode()[:4000]
+    read_fd, write_fd = os.pipe()
+    os.close(write_fd)
+    os.set_blocking(read_fd, False)
+    link.fd = read_fd
+    ref = InstanceRef(backend=backend, node=node, host=host, pid=0, pgid=0, start=None, boot_id=None)
+    return Handle(ref=ref, output_fd=read_fd, native=link)

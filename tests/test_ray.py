@@ -9,6 +9,7 @@ The unit tests at the top start nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -626,3 +627,111 @@ def test_a_node_folder_root_someone_else_could_swap_is_refused(tmp_path, monkeyp
     root.rename(tmp_path / "elsewhere")
     root.symlink_to(tmp_path / "elsewhere")      # a link in its place is refused too
     assert "not a directory" in actor.stage([("runners/c.py", 0o600, "file", "", b"x")])["error"]
+
+
+SECRET_DRIVER = r"""
+import hashlib, json, os, pickle, sys, time
+from pathlib import Path
+import ray
+from paicli.cluster.backends.ray import RayBackend
+from paicli.plan import JobPlan, RolePlan
+
+address, secret, job_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+argv = [sys.executable, "-c", "import hashlib, os; "
+        "print('sha=' + hashlib.sha256(os.environ['PAI_CAFFE_SECRET'].encode()).hexdigest(), flush=True)"]
+roles = [RolePlan(name, 1, argv, env={"PAI_CAFFE_SECRET": secret}) for name in ("ps", "worker")]
+plan = JobPlan(job_name="s", framework="caffe", task_name="CaffeTask", roles=roles)
+(job_dir / "plan.json").write_text(plan.to_json())   # as a Caffe job's: the secret in a role's env
+put = []
+real_put = ray.put
+
+def spy(value, **kw):   # the real put, and a copy of what went into the object store
+    put.append(pickle.dumps(value))
+    return real_put(value, **kw)
+
+ray.put = spy
+backend = RayBackend({"backend": "ray", "address": address})
+placements = backend.place_job(plan, job_dir.name, lambda line: None, time.monotonic() + 120)
+backend.prepare(str(job_dir), plan, placements)
+outputs = []
+for placed in placements:
+    role = plan.role(placed.role)
+    handle = backend.start(placed, role.argv, dict(os.environ, **role.env), None)
+    code = backend.wait(handle, 60)
+    out = b""
+    while True:
+        try:
+            chunk = handle.read(65536) if hasattr(handle, "read") else os.read(handle.output_fd, 65536)
+        except BlockingIOError:
+            time.sleep(0.05)
+            continue
+        if not chunk:
+            break
+        out += chunk
+    outputs.append([code, out.decode()])
+backend.cleanup(str(job_dir))
+print(json.dumps({"puts": len(put), "secret_put": any(secret.encode() in blob for blob in put),
+                  "outputs": outputs}))
+"""
+
+
+def test_a_jobs_secret_never_goes_into_rays_object_store(ray_cluster, tmp_path):
+    """A Caffe job's averaging secret (PAI_CAFFE_SECRET, in plan.json's role env)
+    reaches each instance in its own spec and nothing else: what staging put into
+    Ray's object store (readable by any client of the cluster) does not hold it,
+    nor do the nodes' Ray logs. The backend driven as the master drives it, on the
+    head node, with ray.put watched."""
+    import secrets
+
+    secret = secrets.token_hex(32)
+    job_dir = tmp_path / "jobs" / "secretjob1"
+    job_dir.mkdir(parents=True)
+    result = ray_cluster.run([sys.executable, "-c", SECRET_DRIVER, ray_cluster.address, secret, str(job_dir)],
+                             timeout=240, cwd=str(REPO))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    assert report["outputs"] == [[0, f"sha={digest}\n"]] * 2   # each instance got it in its spec
+    assert report["puts"] >= 1 and not report["secret_put"]
+    for path in ray_cluster.net.state.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_size < 64 << 20:
+            assert secret.encode() not in path.read_bytes(), f"the secret is in {path}"
+
+
+def test_a_gcs_address_from_a_machine_that_is_not_a_ray_node_is_one_line(ray_cluster, tmp_path):
+    """PAI_RAY_ADDRESS=HEAD:6379 (what `ray start` prints) from this machine, which
+    is not a Ray node: Ray could not call the driver back, and every call that
+    needs it would wait forever. The job ends within 60 s, on one line saying to use
+    ray://HEAD:10001, and its master is gone."""
+    script = tmp_path / "t.py"
+    script.write_text("print('hi')\n")
+    home = tmp_path / "outside-home"
+    env = dict(os.environ, PAI_HOME=str(home), PAI_RAY_ADDRESS=ray_cluster.address, NO_COLOR="1")
+    env.pop("PAI_DEBUG", None)
+    began = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "paicli", "-name", "python", f"-Dscript={script}",
+                             '-Dcluster={"ps":{"count":1},"worker":{"count":2}}'],   # on every node
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(REPO))
+    try:
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for master in (home / "jobs").glob("*/master.log") if (home / "jobs").exists() else ():
+            status = subprocess.run([sys.executable, "-m", "paicli", "status", master.parent.name, "--json"],
+                                    capture_output=True, text=True, env=env, timeout=60)
+            pid = json.loads(status.stdout or "{}").get("master_pid") if status.returncode == 0 else None
+            deadline = time.monotonic() + 10
+            while pid and os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if pid and os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, 9)
+                raise AssertionError(f"the master {pid} was still running")
+    assert took < 60
+    assert proc.returncode != 0, out[-2000:] + err[-2000:]
+    hint = f"PAI_RAY_ADDRESS=ray://{ray_cluster.head.addr}:10001"
+    lines = [line for line in (out + err).splitlines() if line.startswith("FAILED:")]
+    assert len(lines) == 1 and "is not a node of the Ray cluster" in lines[0] and hint in lines[0], \
+        out[-2000:] + err[-2000:]

@@ -239,7 +239,7 @@ class RayTransport:
 
     def send(self, data: bytes) -> None:
         try:
-            self.backend._get(self.actor.send.remote(data), "the node agent took no input", CALL_TIMEOUT,
+            self.backend._get(self.actor.send.remote(data), "the node agent took no input", STOP_TIMEOUT,
                               interruptible=False)
         except Exception as err:  # noqa: BLE001 - a Ray error: the link is gone
             raise OSError(f"the instance's actor is gone: {type(err).__name__}") from None
@@ -356,17 +356,23 @@ class RayBackend(Backend):
                     pass
                 time.sleep(2 * (attempt + 1))
 
-    def _get(self, ref, what: str, timeout: float = CALL_TIMEOUT, interruptible: bool = True):
-        """ray.get with a deadline, waiting in slices so that a cancel (the master's
-        SIGTERM) or the job's timeout ends the wait within half a second. PaiError
-        naming `what` when Ray did not answer in `timeout` seconds."""
+    def _get(self, ref, what: str | Callable[[], str], timeout: float | None = CALL_TIMEOUT,
+             interruptible: bool = True, report: Callable[[], str] | None = None):
+        """ray.get with a deadline (None: only the job's timeout), waiting in slices
+        so that a cancel (the master's SIGTERM) or the job's timeout ends the wait
+        within half a second; `report()` goes to the job log every few seconds.
+        PaiError naming `what` when Ray did not answer in `timeout` seconds."""
         ray = self._ray
-        deadline = time.monotonic() + timeout
-        while not ray.wait([ref], timeout=max(0.0, min(0.5, deadline - time.monotonic())))[0]:
+        began = last = time.monotonic()
+        while not ray.wait([ref], timeout=0.5 if timeout is None else
+                           max(0.0, min(0.5, began + timeout - time.monotonic())))[0]:
             if interruptible:
-                self._check_wait(self._deadline, self._interrupted, lambda: what)
-            if time.monotonic() >= deadline:
-                raise PaiError(f"{what}: no answer from Ray within {timeout:g}s")
+                self._check_wait(what)
+            if timeout is not None and time.monotonic() >= began + timeout:
+                raise PaiError(f"{what() if callable(what) else what}: no answer from Ray within {timeout:g}s")
+            if report and time.monotonic() - last >= WAIT_REPORT_SECONDS:
+                last = time.monotonic()
+                self._progress(report())
         return ray.get(ref, timeout=CALL_TIMEOUT)
 
     # -- nodes ---------------------------------------------------------------------
@@ -437,35 +443,24 @@ class RayBackend(Backend):
         self._bundles = job_bundles(plan)
         self._pg = placement_group([b for _, _, b in self._bundles], strategy=strategy_for(plan),
                                    name=f"paicli-{job_id}")
-        self._wait_ready(progress, deadline, list(self._bundles), interrupted)
+        self._wait_ready(list(self._bundles))
         for index, (role, idx, _) in enumerate(self._bundles):
             self._instances[(role, idx)] = self._new_actor(role, idx, index, attempt=0)
-        return [self._await_actor(self._instances[(role, idx)], progress, deadline, interrupted)
-                for role, idx, _ in self._bundles]
+        return [self._await_actor(self._instances[(role, idx)]) for role, idx, _ in self._bundles]
 
-    def _check_wait(self, deadline: float | None, interrupted: Callable[[], str | None],
-                    what: Callable[[], str]) -> None:
-        reason = interrupted()
+    def _check_wait(self, what: str | Callable[[], str]) -> None:
+        reason = self._interrupted()
         if reason:
             raise RayWaitStopped(reason, cancelled=True)
-        if deadline is not None and time.monotonic() >= deadline:
+        if self._deadline is not None and time.monotonic() >= self._deadline:
             after = f" after {self._timeout:g}s" if self._timeout else ""
-            raise RayWaitStopped(f"timeout{after} while waiting for Ray: {what()}")
+            raise RayWaitStopped(f"timeout{after} while waiting for Ray: {what() if callable(what) else what}")
 
-    def _wait_ready(self, progress: Progress, deadline: float | None, wanted,
-                    interrupted: Callable[[], str | None] = lambda: None) -> None:
-        ray = self.connect()
-        ready = self._pg.ready()
-        last_report = time.monotonic()
-        while True:
-            done, _ = ray.wait([ready], timeout=0.5)
-            if done:
-                ray.get(done[0])
-                return
-            self._check_wait(deadline, interrupted, lambda: waiting_list(wanted, self._available()))
-            if time.monotonic() - last_report >= WAIT_REPORT_SECONDS:
-                last_report = time.monotonic()
-                progress(waiting_list(wanted, self._available()))
+    def _wait_ready(self, wanted) -> None:
+        def line() -> str:
+            return waiting_list(wanted, self._available())
+
+        self._get(self._pg.ready(), line, None, report=line)
 
     def _new_actor(self, role: str, idx: int, bundle: int, attempt: int) -> _Instance:
         ray = self.connect()
@@ -481,17 +476,9 @@ class RayBackend(Backend):
         ).remote(self.job_id, f"{self.job_id}/{role}:{idx}", "")   # "": the actor finds its node
         return _Instance(role, idx, bundle, actor)
 
-    def _await_actor(self, inst: _Instance, progress: Progress, deadline: float | None,
-                     interrupted: Callable[[], str | None] = lambda: None) -> Placement:
-        ray = self.connect()
-        ref = inst.actor.info.remote()
-        last_report = time.monotonic()
-        while not ray.wait([ref], timeout=0.5)[0]:
-            self._check_wait(deadline, interrupted, lambda: f"the actor of {inst.role}:{inst.idx} did not start")
-            if time.monotonic() - last_report >= WAIT_REPORT_SECONDS:
-                last_report = time.monotonic()
-                progress(f"waiting for Ray to start {inst.role}:{inst.idx}")
-        inst.info = ray.get(ref)
+    def _await_actor(self, inst: _Instance) -> Placement:
+        inst.info = self._get(inst.actor.info.remote(), f"the actor of {inst.role}:{inst.idx} did not start", None,
+                              report=lambda: f"waiting for Ray to start {inst.role}:{inst.idx}")
         inst.node_id, inst.host = inst.info["node_id"], inst.info["node_ip"]
         gpus = tuple(g for g in str(inst.info.get("gpus") or "").split(",") if g.strip())
         return Placement(inst.role, inst.idx, inst.host, inst.host, gpus)
@@ -503,6 +490,7 @@ class RayBackend(Backend):
         that were there to nodes with room (waiting, like a new job, while there
         is none)."""
         ray = self.connect()
+        self._progress, self._deadline, self._interrupted = progress, deadline, interrupted
         old = self._instances.get((role, idx))
         lost = old.node_id if old is not None else ""
         if old is not None:
@@ -511,12 +499,12 @@ class RayBackend(Backend):
         while True:
             # Until Ray has marked the node dead, its bundle is still "placed" there.
             while lost and any(n["NodeID"] == lost and n.get("Alive") for n in ray.nodes()):
-                self._check_wait(deadline, interrupted, lambda: f"Ray has not declared node {old.host} dead yet")
+                self._check_wait(f"Ray has not declared node {old.host} dead yet")
                 time.sleep(0.5)
-            self._wait_ready(progress, deadline, [self._bundles[bundle]], interrupted)
+            self._wait_ready([self._bundles[bundle]])
             inst = self._new_actor(role, idx, bundle, attempt)
             try:
-                placed = self._await_actor(inst, progress, deadline, interrupted)
+                placed = self._await_actor(inst)
             except ray.exceptions.RayActorError:
                 self._forget(inst)
                 continue   # placed on a node that died meanwhile: again
@@ -552,7 +540,7 @@ class RayBackend(Backend):
             staged = self._get(ref, f"staging the job on Ray node {todo[nid].host}")
             if "error" in staged:
                 raise PaiError(f"staging the job on Ray node {todo[nid].host}: {staged['error']}")
-        runtime = self._runtime_name(plan)
+        runtime = plan.runtime
         answers = {nid: todo[nid].actor.ensure_runtime.remote(runtime) for nid in todo}
         for nid, ref in answers.items():
             got = self._get(ref, f"the {runtime} runtime on Ray node {todo[nid].host}", PROVISION_TIMEOUT)
@@ -562,19 +550,6 @@ class RayBackend(Backend):
                 raise PaiError(f"the {runtime} runtime on Ray node {todo[nid].host}: {got['error']}",
                                "provision it there (pai runtime install) or set PAI_<NAME>_PYTHON on the node")
             self._staged[nid] = got["python"]
-
-    @staticmethod
-    def _runtime_name(plan) -> str | None:
-        name = getattr(plan, "runtime", None)
-        if name:
-            return name
-        from paicli.runners import runtimes
-
-        root = str(runtimes.runtime_root())
-        for role in plan.roles:
-            if role.argv and role.argv[0].startswith(root + "/"):
-                return role.argv[0][len(root) + 1:].split("/")[0]
-        return None
 
     def _mapping(self, inst: _Instance, argv0: str) -> remote_paths.Mapping:
         info = inst.info

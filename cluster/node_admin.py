@@ -115,7 +115,7 @@ def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
         return _run_provisioning(session, node, runtime, progress, info, folder)
     finally:
         try:
-            sftp = ssh.Sftp(session())
+            sftp = ssh.Sftp(session(), node.name)
             try:
                 sftp.rmtree(folder)
             finally:
@@ -126,7 +126,7 @@ def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
 
 def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable[[str], None],
                       info: dict, folder: str) -> str:
-    sftp = ssh.Sftp(session())
+    sftp = ssh.Sftp(session(), node.name)
     try:
         sftp.private_root(node.job_root, node.name)
         sftp.makedirs(f"{folder}/paicli/runners")

@@ -88,6 +88,10 @@ def _inside(path: str, folder: str) -> bool:
     return path.startswith(folder.rstrip("/") + "/")
 
 
+def _join(head: str, tail: str) -> str:
+    return f"{head}/{tail}" if head and tail else head or tail
+
+
 def runner_files() -> list[NodeFile]:
     return [NodeFile(str(p), f"runners/{p.name}", _mode(str(p))) for p in sorted(RUNNERS_DIR.glob("*.py"))]
 
@@ -100,17 +104,17 @@ def tree_files(local: str, dst: str) -> list[NodeFile]:
     for dirpath, dirnames, filenames in os.walk(local):
         dirnames.sort()
         rel = os.path.relpath(dirpath, local)
-        base = dst if rel == "." else f"{dst}/{rel}"
+        base = _join(dst, "" if rel == "." else rel)
         for name in [*dirnames, *sorted(filenames)]:
-            src = os.path.join(dirpath, name)
+            src, here = os.path.join(dirpath, name), _join(base, name)
             if os.path.islink(src):
                 link = os.readlink(src)
                 if not os.path.isabs(link) and _inside(os.path.realpath(src), root):
-                    out.append(NodeFile(src, f"{base}/{name}", 0o700, "link", link))
+                    out.append(NodeFile(src, here, 0o700, "link", link))
             elif os.path.isdir(src):
-                out.append(NodeFile(src, f"{base}/{name}", 0o700, "dir"))
+                out.append(NodeFile(src, here, 0o700, "dir"))
             elif os.path.isfile(src):
-                out.append(NodeFile(src, f"{base}/{name}", _mode(src)))
+                out.append(NodeFile(src, here, _mode(src)))
     return out
 
 
@@ -127,14 +131,13 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
     code = f"{job_dir}/{CODE}"
     files = runner_files()
     trees = [(str(RUNNERS_DIR), "runners"), (job_dir, "")]
-    exact: list[tuple[str, str]] = []
-    if os.path.isdir(code):
-        files += tree_files(code, CODE)
-    else:
-        files.append(NodeFile(job_dir, CODE, 0o700, "dir"))   # where the instances start
     cwds = sorted({r.cwd.rstrip("/") for r in plan.roles if r.cwd and not _inside(r.cwd, job_dir)
                    and r.cwd.rstrip("/") != job_dir}, key=len, reverse=True)
-    exact += [(cwd, CODE) for cwd in cwds]
+    exact = [(cwd, CODE) for cwd in cwds]
+    if os.path.isdir(code):
+        files += tree_files(code, CODE)
+    else:   # the folder plain-script instances start in, standing for the working folder
+        files.append(NodeFile(cwds[0] if cwds else code, CODE, 0o700, "dir"))
     seen = {f.dst for f in files}
     for path in getattr(plan, "inputs", None) or []:
         path = os.path.abspath(path)

@@ -24,14 +24,13 @@ import stat
 import threading
 from pathlib import Path
 
+from paicli.cluster import node_files
 from paicli.cluster.nodes import NodeEntry
 from paicli.errors import PaiError, UsageError
 from paicli.private import write_private
 
 CONNECT_TIMEOUT = 8.0
-# Source tree (cluster/ next to runners/) and installed package (paicli/cluster next to
-# paicli/runners) alike.
-RUNNERS_DIR = Path(__file__).resolve().parent.parent / "runners"   # what is staged on every node
+RUNNERS_DIR = node_files.RUNNERS_DIR
 AGENT_SOURCE = RUNNERS_DIR / "node_agent.py"
 
 
@@ -234,6 +233,11 @@ def _is_client(obj) -> bool:
     return hasattr(obj, "open_sftp")
 
 
+def _transport_active(obj) -> bool:
+    transport = obj.get_transport()
+    return transport is not None and transport.is_active()
+
+
 def agent_argv(python: str, command: str, *args: str) -> list[str]:
     """The agent run from its source, passed with -c (nothing staged first)."""
     return [python, "-c", AGENT_SOURCE.read_text(), command, *args]
@@ -250,15 +254,33 @@ def run_agent(client, node: NodeEntry, command: str, *args: str, timeout: float 
     return json.loads(out)
 
 
-class Sftp:
-    """Per-job folders on a node: 0700 dirs, files keep their mode's x bit (else 0600)."""
+class NoSftp(UsageError):
+    """The node's sshd runs no SFTP server: nothing can be staged there until its
+    administrator enables it (a node's setup, like its host key: exit 2)."""
 
-    def __init__(self, client):
-        if _is_client(client):
-            self.sftp = client.open_sftp()
-        else:   # a session channel (Connections.session)
-            client.invoke_subsystem("sftp")
-            self.sftp = _paramiko().SFTPClient(client)
+
+NO_SFTP_HINT = ("add `Subsystem sftp internal-sftp` (or the path of its sftp-server) to the node's "
+                "/etc/ssh/sshd_config and reload sshd")
+
+
+class Sftp:
+    """Per-job folders on a node: 0700 dirs, files 0700 when executable, else 0600."""
+
+    def __init__(self, client, node_name: str = "the node"):
+        paramiko = _paramiko()
+        try:
+            if _is_client(client):
+                self.sftp = client.open_sftp()
+            else:   # a session channel (Connections.session)
+                client.invoke_subsystem("sftp")
+                self.sftp = paramiko.SFTPClient(client)
+        except paramiko.SSHException:
+            # OpenSSH closes the channel when it has no `Subsystem sftp` line; paramiko
+            # then says only "Channel closed.".
+            if not _transport_active(client):
+                raise
+            raise NoSftp(f"node {node_name}: its sshd has no SFTP subsystem (paicli copies a job's files "
+                         "over SFTP)", NO_SFTP_HINT) from None
 
     def close(self) -> None:
         self.sftp.close()
@@ -303,33 +325,44 @@ class Sftp:
             f.chmod(0o600)
             f.write(data)
 
-    def put(self, local: str, remote: str) -> None:
+    def put(self, local: str, remote: str, mode: int | None = None) -> None:
         self.sftp.put(local, remote)
-        mode = os.stat(local).st_mode
-        self.sftp.chmod(remote, 0o700 if mode & stat.S_IXUSR else 0o600)
+        if mode is None:
+            mode = 0o700 if os.stat(local).st_mode & stat.S_IXUSR else 0o600
+        self.sftp.chmod(remote, mode)
+
+    def put_files(self, files, folder: str, made: set[str]) -> None:
+        """node_files.NodeFile entries under `folder`: folders, files and inner links.
+        `made` holds folders known to exist (a private root at least): any other
+        folder on the way is created 0700 (one round trip each, no look first)."""
+        for f in files:
+            target = f"{folder}/{f.dst}" if f.dst else folder
+            if f.kind == "dir":
+                self._ensure(target, made)
+                continue
+            self._ensure(target.rsplit("/", 1)[0], made)
+            if f.kind == "link":
+                self.sftp.symlink(f.target, target)
+            else:
+                self.put(f.src, target, f.mode)
 
     def put_tree(self, local: str, remote: str) -> None:
-        """A copy of `local`; relative symlinks that stay inside it are kept as links,
-        any other link is left out (nothing outside the tree is reached)."""
+        """A copy of `local` (node_files.tree_files: inner relative links kept as links,
+        any other link left out)."""
+        from paicli.cluster.node_files import tree_files
+
         self.makedirs(remote)
-        root = os.path.realpath(local)
-        for dirpath, dirnames, filenames in os.walk(local):
-            rel = os.path.relpath(dirpath, local)
-            target = remote if rel == "." else f"{remote}/{rel}"
-            for name in [*dirnames, *filenames]:
-                src = os.path.join(dirpath, name)
-                if os.path.islink(src):
-                    link = os.readlink(src)
-                    inside = os.path.realpath(src).startswith(root + os.sep)
-                    if not os.path.isabs(link) and inside:
-                        self.sftp.symlink(link, f"{target}/{name}")
-                elif os.path.isdir(src):
-                    try:
-                        self.sftp.mkdir(f"{target}/{name}", mode=0o700)
-                    except OSError:
-                        pass
-                elif os.path.isfile(src):
-                    self.put(src, f"{target}/{name}")
+        self.put_files(tree_files(local, ""), remote, {remote})
+
+    def _ensure(self, path: str, made: set[str]) -> None:
+        if path in made or "/" not in path.strip("/"):
+            return   # known, or a top folder (/tmp): there
+        self._ensure(path.rsplit("/", 1)[0], made)
+        try:
+            self.sftp.mkdir(path, mode=0o700)
+        except OSError:
+            pass   # there already (in our private root: ours); a real fault fails the next write
+        made.add(path)
 
     def rmtree(self, remote: str) -> None:
         try:

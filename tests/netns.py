@@ -439,10 +439,11 @@ class LoopbackHost:
 
     __test__ = False
 
-    def __init__(self, state: Path):
+    def __init__(self, state: Path, sftp: bool = True):
         import socket
 
         self.state = state
+        self.sftp = sftp
         self.name = "lo"
         self.addr = "127.0.0.1"
         with socket.socket() as sock:
@@ -465,7 +466,8 @@ class LoopbackHost:
             f"ListenAddress {self.addr}:{self.port}", f"HostKey {host_key}",
             f"AuthorizedKeysFile {self.state / 'authorized_keys'}", f"PidFile {self.state / 'sshd.pid'}",
             "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PermitRootLogin prohibit-password",
-            "UsePAM no", "StrictModes no", "SetEnv SHLVL=1", f"Subsystem sftp {SFTP_SERVER}", "LogLevel ERROR", ""]))
+            "UsePAM no", "StrictModes no", "SetEnv SHLVL=1",
+            *([f"Subsystem sftp {SFTP_SERVER}"] if self.sftp else []), "LogLevel ERROR", ""]))
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
         self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

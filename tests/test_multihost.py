@@ -82,11 +82,26 @@ def assert_ok(result: subprocess.CompletedProcess) -> dict:
     return info
 
 
+def gone_after(cluster: TestCluster, since: float, deadline: float = 60.0) -> float | None:
+    """Seconds from `since` to the start of the first look at the hosts that found
+    nothing left (a look costs a few `ip netns pids` on a loaded machine: it does not
+    count against the budget), waiting up to `deadline`; None if something stays."""
+    while True:
+        looked = time.monotonic()
+        if not cluster.all_leftovers():
+            return looked - since
+        if looked - since > deadline:
+            return None
+        time.sleep(0.05)
+
+
 def assert_nothing_left(cluster: TestCluster, job_id: str, within: float = GONE_WITHIN,
-                        folders: bool = True, unreachable: str | None = None) -> None:
-    started = time.monotonic()
-    gone = wait_until(lambda: not cluster.all_leftovers(), timeout=within)
-    assert gone, f"left after {time.monotonic() - started:.1f}s: {cluster.all_leftovers()}"
+                        folders: bool = True, unreachable: str | None = None, since: float | None = None) -> None:
+    """Nothing of the job on any host `within` seconds of `since` (now by default)."""
+    since = time.monotonic() if since is None else since
+    took = gone_after(cluster, since)
+    assert took is not None, f"left after {time.monotonic() - since:.1f}s: {cluster.all_leftovers()}"
+    assert took <= within, f"the hosts emptied {took:.1f}s after the stop, not within {within:.0f}s"
     if not folders:
         return
     # and the per-job folders on the nodes are gone
@@ -147,6 +162,52 @@ def test_output_and_exit_codes_come_back_from_the_node(cluster, nodes, tmp_path)
     info = status(job_id)
     assert by_name(info)["worker:0"]["exit_code"] == 3
     assert_nothing_left(cluster, job_id)
+
+
+STAGED = ("import os, sys\n"
+          "print('argv', sys.argv[1:], flush=True)\n"
+          "folder = os.environ['PAI_JOB_DIR']\n"
+          "print('staged', sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder)\n"
+          "                       for f in fs if not d.startswith(folder + '/runners')), flush=True)\n")
+
+
+def test_an_absolute_path_that_is_no_input_reaches_the_script_unchanged(cluster, nodes, tmp_path):
+    """Only what the plan names as input is staged: `--out /data/x` (an existing file
+    here) is neither copied to the node nor rewritten into its per-job folder."""
+    out = tmp_path / "data" / "x"
+    out.parent.mkdir()
+    out.write_text("here, and only here")
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "args.py").write_text(STAGED)
+    (proj / "other.txt").write_text("below the working folder, not named as input")
+    result = pai("-name", "python", f"-Dscript={proj / 'args.py'}", "-DmaxRetries=0",
+                 f"-DuserDefinedParameters=--out {out} --other {proj / 'other.txt'}", cwd=str(proj), timeout=60)
+    info = assert_ok(result)
+    assert f"[worker:0] argv ['--out', '{out}', '--other', '{proj / 'other.txt'}']" in result.stdout, result.stdout
+    # the node got the script (beside the working folder's place), nothing else of ours
+    assert "[worker:0] staged ['code/args.py']" in result.stdout, result.stdout
+    assert_nothing_left(cluster, info["id"])
+
+
+def test_a_node_without_sftp_is_one_line_naming_it_and_the_fix(tmp_path, monkeypatch, pai_home):
+    """An sshd with no `Subsystem sftp` line: the job fails with one line naming the
+    node and how to enable SFTP (it was `launcher error: SSHException: Channel closed.`)."""
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello', flush=True)\n")
+    with LoopbackHost(Path("/var/tmp") / f"paicli-nosftp-{os.getpid()}", sftp=False) as lo:
+        path = tmp_path / "lo.yaml"
+        path.write_text(json.dumps({"known_hosts": str(lo.known_hosts),
+                                    "nodes": [lo.node(work_dir=str(tmp_path / "work"), cpu=100, memory=1000, gpu=0)]}))
+        monkeypatch.setenv("PAI_NODES", str(path))
+        result = pai("-name", "python", f"-Dscript={script}", "-DmaxRetries=0", timeout=120)
+    text = result.stdout + result.stderr
+    assert result.returncode != 0, text
+    assert "Channel closed" not in text and "launcher error" not in text, text
+    lines = [line for line in text.splitlines() if line.startswith("FAILED: ")]
+    assert len(lines) == 1 and lines[0].startswith("FAILED: node lo: its sshd has no SFTP subsystem"), text
+    assert "add `Subsystem sftp internal-sftp`" in lines[0] and "sshd_config" in lines[0], text
+    assert status(job_id_from(result.stdout))["status"] == "Failed"
 
 
 # -- failures ------------------------------------------------------------------------
@@ -252,8 +313,9 @@ def test_kill_9_of_the_master_leaves_nothing_on_any_node(cluster, nodes):
             expected = [placed[host.addr]] if host.addr in placed else []
             assert rows[host.name]["instances"] == expected, (host.name, rows[host.name]["instances"])
         master = status(job_id)["master_pid"]
+        killed = time.monotonic()
         os.kill(master, signal.SIGKILL)
-        assert_nothing_left(cluster, job_id, within=GONE_WITHIN, folders=False)
+        assert_nothing_left(cluster, job_id, within=GONE_WITHIN, folders=False, since=killed)
         # the watchdog also removes the job's folders on the nodes
         assert wait_until(lambda: all(job_id not in cluster.ssh(h.name, ["ls", f"/tmp/paicli-{cluster.user}"]).stdout
                                       for h in cluster.hosts), timeout=15)
@@ -271,7 +333,7 @@ def test_kill_9_of_pai_then_pai_kill_leaves_nothing(cluster, nodes):
     started = time.monotonic()
     killed = pai("kill", job_id)
     assert killed.returncode == 0, killed.stderr
-    assert_nothing_left(cluster, job_id, within=GONE_WITHIN - (time.monotonic() - started) + 1)
+    assert_nothing_left(cluster, job_id, within=GONE_WITHIN + 1, since=started)
     assert status(job_id)["status"] == "Cancelled"
 
 

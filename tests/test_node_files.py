@@ -142,25 +142,26 @@ def test_a_caffe_solver_job_stages_solver_net_and_weights_but_not_its_secret(tmp
                    for f in manifest.files if f.kind == "file" and not f.dst.startswith("runners/"))
 
 
-def test_local_needs_no_copy_its_mapping_is_the_identity(tmp_path, monkeypatch):
-    import sys
-
-    from paicli.runners.runtimes import runtime_root
-
-    script = tmp_path / "proj" / "train.py"
-    script.parent.mkdir()
+@pytest.mark.parametrize("archive", [False, True])
+def test_every_staged_path_translates_to_its_copy_on_the_node(tmp_path, monkeypatch, archive):
+    """So that argv, env and cwd naming a staged file or folder find it there."""
+    script = tmp_path / "proj" / "sub" / "train.py"
+    script.parent.mkdir(parents=True)
     script.write_text("print(1)\n")
-    job_dir, plan = planned(tmp_path, monkeypatch, "-name", "python", f"-Dscript={script}")
+    (script.parent / "helper.py").write_text("")
+    if archive:
+        packed = tmp_path / "code.tgz"
+        with tarfile.open(packed, "w:gz") as tar:
+            tar.add(script.parent, arcname=".")
+        statement = (f"-Dscript={packed}", "-DentryFile=train.py")
+    else:
+        statement = (f"-Dscript={script}",)
+    job_dir, plan = planned(tmp_path, monkeypatch, "-name", "python", *statement)
     manifest = node_files.manifest(job_dir, plan)
-    mapping = manifest.mapping(str(job_dir), str(runtime_root()), sys.executable)
+    mapping = manifest.mapping(FOLDER, "/node/rt", "/usr/bin/python3")
     for f in manifest.files:
-        if f.dst.startswith("runners/") or f.dst.startswith("code/"):
-            # the files a node gets are where the local instances read them
-            local = remote_paths.translate(f.src, manifest.mapping(FOLDER, "/rt", "/py"))
-            assert local == f"{FOLDER}/{f.dst}"
-    assert remote_paths.translate_argv(plan.role("worker").argv, manifest.mapping(
-        str(job_dir), str(runtime_root()), sys.executable))[0] == sys.executable
-    assert mapping  # identity for the runtime and the interpreter
+        assert remote_paths.translate(f.src, mapping) == f"{FOLDER}/{f.dst}", f
+    assert remote_paths.translate(plan.role("worker").cwd, mapping) == f"{FOLDER}/code"
 
 
 @pytest.mark.parametrize("value,expected", [
@@ -175,3 +176,17 @@ def test_exact_entries_translate_only_themselves(value, expected):
                                       (remote_paths.Exact("/w/proj/train.py"), "/n/code/train.py"),
                                       ("/r/runners", "/n/runners")])
     assert remote_paths.translate(value, mapping) == expected
+
+
+@pytest.mark.parametrize("framework, cluster", [
+    ("python", '{"worker":{"count":1}}'),
+    ("tensorflow", '{"ps":{"count":1},"worker":{"count":1}}'),
+    ("mxnet", '{"server":{"count":1},"worker":{"count":1}}'),
+    ("caffe", '{"worker":{"count":1}}'),
+])
+def test_every_adapter_names_a_plain_script_as_its_input(tmp_path, monkeypatch, framework, cluster):
+    script = tmp_path / "proj" / "train.py"
+    script.parent.mkdir()
+    script.write_text("print(1)\n")
+    _job_dir, plan = planned(tmp_path, monkeypatch, "-name", framework, f"-Dscript={script}", f"-Dcluster={cluster}")
+    assert plan.inputs == [str(script)]

@@ -7,11 +7,11 @@ its whole group when the channel closes or the heartbeat stops (a dead master,
 a killed `pai`, a dropped link). Here a pump thread per instance turns the frames
 into a pipe the master select()s on, like a local instance's.
 
-Nothing is shared with the nodes but SSH: `prepare` copies the runners, the
-script or the extracted archive and the plan files into a per-job folder on each
-node (SFTP, 0700) and provisions the job's runtime there unless the node has it
-(or declares `runtime_dir`); `cleanup` removes the folders. Paths in the plan are
-translated for each node (cluster/remote_paths.py).
+Nothing is shared with the nodes but SSH: `prepare` writes what the job needs on a
+node (cluster/node_files.py: the runners, the extracted archive or the inputs the
+plan names) into a per-job folder there (SFTP, 0700) and provisions the job's
+runtime unless the node has it (or declares `runtime_dir`); `cleanup` removes the
+folders. Paths in the plan are translated for each node by the manifest's mapping.
 
 stop(): with the live channel (the master) a byte on it asks the agent to signal
 the group; from any other process (watchdog, `pai kill`) the agent's `stop`
@@ -26,26 +26,24 @@ import os
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from paicli.cluster import remote_paths
+from paicli.cluster import node_files, remote_paths
 from paicli.cluster import ssh_transport as ssh
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, InstanceRef, NodeSpec, Placement
 from paicli.cluster.logsink import open_append_fd
 from paicli.cluster.nodes import NodeEntry, config_from_dict
 from paicli.errors import PaiError, UsageError
 
+AGENT_FILE = "runners/node_agent.py"
 HEARTBEAT = 6.0           # seconds without a frame (agent) / a byte (master) = the link is gone
 START_TIMEOUT = 30.0      # for the agent's identity frame
 PIPE_BYTES = 4096
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-# Job folder files the instances may read (plan files); logs and the store stay here.
-PLAN_FILES_SKIP = {"nodes.json", "placement.json", "master.log", "job.log", "summary.txt"}
 
 
 # Cores (this user's affinity), MemTotal in kB, then one GPU index a line. A fixed
@@ -216,44 +214,6 @@ class SSHBackend(Backend):
     def _job_id(self, job_dir: str) -> str:
         return Path(job_dir).name
 
-    def mapping(self, node: NodeEntry, job_dir: str, plan: Any) -> remote_paths.Mapping:
-        """Local path prefixes -> this node's, for this job (see remote_paths)."""
-        from paicli.runners.runtimes import runtime_root
-
-        info = self.info(node.name)
-        folder = remote_paths.job_folder(node.job_root, self._job_id(job_dir))
-        pairs = [
-            (str(runtime_root()), info["runtime_dir"]),
-            (str(ssh.RUNNERS_DIR), f"{folder}/runners"),
-            (str(Path(job_dir)), folder),
-            (str(Path(job_dir) / "code"), f"{folder}/code"),
-            (sys.executable, info["python_path"]),
-        ]
-        if not (Path(job_dir) / "code").is_dir():
-            for role in plan.roles:
-                if role.cwd:
-                    pairs.append((role.cwd, f"{folder}/code"))
-            pairs += [(local, f"{folder}/code/{rel}") for local, rel in self._loose_files(job_dir, plan)]
-        return remote_paths.normalise(pairs)
-
-    def _loose_files(self, job_dir: str, plan: Any) -> list[tuple[str, str]]:
-        """Script files the plan names that are not in the runtime, runners or job
-        folder: (local path, path relative to the node's code folder)."""
-        from paicli.runners.runtimes import runtime_root
-
-        skip = [str(runtime_root()), str(ssh.RUNNERS_DIR), str(Path(job_dir)), sys.prefix, sys.base_prefix]
-        found = []
-        for role in plan.roles:
-            for arg in role.argv[1:]:
-                if not arg.startswith("/") or any(arg == s or arg.startswith(s + "/") for s in skip):
-                    continue
-                if os.path.isfile(arg):
-                    cwd = role.cwd or ""
-                    rel = os.path.relpath(arg, cwd) if cwd and arg.startswith(cwd.rstrip("/") + "/") \
-                        else os.path.basename(arg)
-                    found.append((arg, rel))
-        return sorted(set(found))
-
     @staticmethod
     def _job_log_progress(job_dir: str) -> Callable[[str], None]:
         """Whole `[pai] ...` lines appended to the job's job.log. The master opens it
@@ -316,27 +276,20 @@ class SSHBackend(Backend):
         looking.start()
         job_id = self._job_id(job_dir)
         folder = remote_paths.job_folder(node.job_root, job_id)
-        sftp = ssh.Sftp(self.conns.session(node))
+        manifest = node_files.manifest(job_dir, plan)
+        agent = [f for f in manifest.files if f.dst == AGENT_FILE]
+        try:
+            sftp = ssh.Sftp(self.conns.session(node), node.name)
+        except BaseException:
+            looking.join()
+            raise
         try:
             sftp.private_root(node.job_root, node.name)
-            sftp.makedirs(f"{folder}/runners")
-            sftp.put(str(ssh.RUNNERS_DIR / "node_agent.py"), f"{folder}/runners/node_agent.py")
+            made = {node.job_root.rstrip("/")}
+            # The agent first: instances' agents start while the rest is copied.
+            sftp.put_files(agent, folder, made)
             self._warm_up(node, client, folder, job_id, placed)
-            for path in sorted(ssh.RUNNERS_DIR.glob("*.py")):
-                if path.name != "node_agent.py":
-                    sftp.put(str(path), f"{folder}/runners/{path.name}")
-            code = Path(job_dir) / "code"
-            if code.is_dir():
-                sftp.put_tree(str(code), f"{folder}/code")
-            else:
-                sftp.makedirs(f"{folder}/code")
-                for local, rel in self._loose_files(job_dir, plan):
-                    target = f"{folder}/code/{rel}"
-                    sftp.makedirs(target.rsplit("/", 1)[0])
-                    sftp.put(local, target)
-            for path in sorted(Path(job_dir).iterdir()):
-                if path.is_file() and path.name not in PLAN_FILES_SKIP and path.suffix in (".json", ".txt", ".yaml"):
-                    sftp.put(str(path), f"{folder}/{path.name}")
+            sftp.put_files([f for f in manifest.files if f.dst != AGENT_FILE], folder, made)
         finally:
             sftp.close()
             looking.join()
@@ -352,7 +305,7 @@ class SSHBackend(Backend):
             self._infos.pop(node.name, None)
             info = self.info(node.name)
         with self._lock:
-            self._maps[node.name] = self.mapping(node, job_dir, plan)
+            self._maps[node.name] = manifest.mapping(folder, info["runtime_dir"], info["python_path"])
             self._folders[node.name] = folder
             self._ports[node.name] = [int(p) for p in info.get("ports", [])]
 

@@ -9,6 +9,7 @@ The unit tests at the top start nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -64,65 +65,111 @@ def test_waiting_list_names_what_cannot_be_placed():
     assert "no node is up" in rb.waiting_list(wanted, {})
 
 
-def test_paths_of_the_submitting_machine_become_the_nodes():
-    folder = "/tmp/paicli-ray-0/abcd/J1"
-    mapping = rb.path_mapping(folder, "/src/runners", "/home/u/.pai/jobs/J1", {"/home/u/train.py": "train.py"},
-                              {"/venv/bin/python": "/node/venv/bin/python",
-                               "/rt/tensorflow/bin/python": "/node/rt/tensorflow/bin/python"},
-                              ["/home/u/work"])
-    from paicli.cluster.remote_paths import translate_argv, translate_env
-
-    argv = ["/rt/tensorflow/bin/python", "-u", "/src/runners/tensorflow_runner.py", "/home/u/train.py",
-            "--data=/home/u/.pai/jobs/J1/code/data.csv", "--lr=0.1"]
-    assert translate_argv(argv, mapping) == [
-        "/node/rt/tensorflow/bin/python", "-u", f"{folder}/runners/tensorflow_runner.py",
-        f"{folder}/script/train.py", f"--data={folder}/job/code/data.csv", "--lr=0.1"]
-    assert translate_env({"PAI_JOB_DIR": "/home/u/.pai/jobs/J1", "PAI_ROLE": "ps"}, mapping) == \
-        {"PAI_JOB_DIR": f"{folder}/job", "PAI_ROLE": "ps"}
-    # the directory `pai` ran in (a plain script's working directory) is a fresh folder there
-    assert translate_argv(["/home/u/work"], mapping) == [f"{folder}/work"]
-
-
 def test_only_what_the_master_set_goes_to_the_node():
     master = {"PATH": "/usr/bin", "HOME": "/root", "PAI_DEBUG": "1"}
     env = dict(master, PAI_ROLE="worker", PATH="/usr/bin", CUDA_VISIBLE_DEVICES="", HOME="/root")
     assert rb.node_env(env, master) == {"PAI_ROLE": "worker", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def test_job_files_leave_logs_and_the_masters_files(tmp_path):
-    (tmp_path / "code").mkdir()
-    (tmp_path / "code" / "train.py").write_text("print(1)")
-    (tmp_path / "plan.json").write_text("{}")
-    (tmp_path / "logs").mkdir()
-    (tmp_path / "logs" / "worker-0.0.log").write_text("x")
-    (tmp_path / "master.log").write_text("x")
-    (tmp_path / "nodes.json").write_text("{}")
-    assert sorted(rb.job_files(tmp_path)) == ["code/train.py", "plan.json"]
-
-
 def test_node_folder_writes_stay_inside(tmp_path):
-    ray_node.write_files(str(tmp_path / "job"), {"runners/a.py": b"x", "job/code/t.py": b"y"}, ["runners/a.py"])
+    root = str(tmp_path / "job")
+    ray_node.write_files(root, [("runners/a.py", 0o700, "file", "", b"x"), ("code", 0o700, "dir", "", b""),
+                                ("code/t.py", 0o600, "file", "", b"y"), ("code/l.py", 0o700, "link", "t.py", b"")])
     assert (tmp_path / "job" / "runners" / "a.py").stat().st_mode & 0o777 == 0o700
-    assert (tmp_path / "job" / "job" / "code" / "t.py").stat().st_mode & 0o777 == 0o600
-    assert (tmp_path / "job" / "job").stat().st_mode & 0o777 == 0o700
-    with pytest.raises(ValueError):
-        ray_node.write_files(str(tmp_path / "job"), {"../escape": b"x"})
-    assert not (tmp_path / "escape").exists()
+    assert (tmp_path / "job" / "code" / "t.py").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "job" / "code").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "job" / "code" / "l.py").read_bytes() == b"y"
+    for bad in [("../escape", 0o600, "file", "", b"x"), ("code/out", 0o700, "link", "../../escape", b"")]:
+        with pytest.raises(ValueError):
+            ray_node.write_files(root, [bad])
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "job" / "code" / "out").exists()
+
+
+def test_what_staging_ships_is_the_one_list_and_no_secret(tmp_path):
+    """Ray ships the staging list of cluster/node_files.py, whole and nothing else:
+    not plan.json, which holds a Caffe job's averaging secret."""
+    from paicli.cluster import node_files
+
+    job_dir = tmp_path / "job1"
+    (job_dir / "code").mkdir(parents=True)
+    (job_dir / "code" / "train.py").write_text("print(1)")
+    secret = "s3cr3t" * 8
+    plan = plan_of(RolePlan("worker", 1, [sys.executable, "train.py"], env={"PAI_CAFFE_SECRET": secret}))
+    (job_dir / "plan.json").write_text(plan.to_json())
+    (job_dir / "spec.json").write_text("{}")
+    manifest = node_files.manifest(job_dir, plan)
+    shipped = rb.shipped_files(manifest)
+    assert [s[0] for s in shipped] == [f.dst for f in manifest.files]
+    assert ("code/train.py", 0o600, "file", "", b"print(1)") in shipped
+    assert not any(dst in ("plan.json", "spec.json") for dst, *_ in shipped)
+    assert secret.encode() not in repr(shipped).encode()
+
+
+def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
+    """The actor's relay (open/send/recv/close) under agent_link, without Ray: the
+    instance starts, its output and exit status come back through the relay, and
+    closing the relay stops a group that still runs."""
+    from paicli.cluster import agent_link, node_files
+
+    monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
+    actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
+    assert actor.stage(rb.shipped_files(node_files.Manifest(node_files.runner_files()))) == {"folder": actor.folder}
+
+    class Direct:   # the RayTransport's calls, made on the actor in this process
+        def send(self, data):
+            actor.send(data)
+
+        def recv(self, max_bytes, timeout):
+            data = actor.recv(max_bytes, timeout)
+            if data is None:
+                raise TimeoutError
+            return data
+
+        def close(self):
+            actor.close()
+
+    def run(argv):
+        actor.open()
+        return agent_link.start_instance(Direct(), {"argv": argv, "env": {}, "cwd": None, "heartbeat": 0},
+                                         backend="ray", node="n", host="n", start_timeout=30)
+
+    handle = run([sys.executable, "-c", "print('x' * 300000); raise SystemExit(3)"])
+    out = b""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            chunk = handle.read(65536)
+        except BlockingIOError:
+            time.sleep(0.01)
+            continue
+        if not chunk:
+            break
+        out += chunk
+    assert out == b"x" * 300000 + b"\n"
+    assert handle.native.wait(30) == 3
+    handle = run([sys.executable, "-c", "import time; time.sleep(60)"])
+    ref = rb.agent_ref(handle.ref)
+    assert handle.ref.pid > 0 and ray_node.pinned_alive([ref]) == [True]
+    actor.close()   # what Ray killing the actor does to the agent's stdin
+    deadline = time.monotonic() + 10
+    while ray_node.pinned_alive([ref]) != [False]:
+        assert time.monotonic() < deadline, "the group outlived its relay"
+        time.sleep(0.1)
 
 
 def test_node_stop_checks_identity():
-    """ray_node.stop_ref refuses a ref whose pid now has another start time or
-    whose boot id is another's, and stops a group that is ours."""
+    """The pinned stop refuses a ref whose pid now has another start time or whose
+    boot id is another's, and stops a group that is ours."""
+    node_agent = ray_node.node_agent
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
-        stat = ray_node.node_agent.proc_stat(proc.pid)
-        ref = {"pid": proc.pid, "pgid": proc.pid, "start": stat[2], "boot_id": ray_node.boot_id()}
-        assert not ray_node.stop_ref(dict(ref, start=str(int(stat[2]) + 1)), 1)
-        assert not ray_node.stop_ref(dict(ref, boot_id="another-boot"), 1)
+        ref = [proc.pid, proc.pid, node_agent.proc_stat(proc.pid)[2], node_agent.boot_id()]
+        assert not ray_node.pinned_stop([[*ref[:2], str(int(ref[2]) + 1), ref[3]]], 1)
+        assert not ray_node.pinned_stop([[*ref[:3], "another-boot"]], 1)
         assert proc.poll() is None
-        assert ray_node.stop_ref(ref, 2)
+        assert ray_node.pinned_stop([ref], 2) == [ref]
         assert proc.wait(5) == -15
-        assert not ray_node.alive_ref(ref)
+        assert ray_node.pinned_alive([ref]) == [False]
     finally:
         proc.kill()
         proc.wait()
@@ -140,8 +187,8 @@ def test_the_actor_code_needs_no_paicli_on_the_node():
     code = ("import os, sys, pickle; sys.modules['paicli'] = None; "
             "cls, info, ports, alive = pickle.loads(sys.stdin.buffer.read()); "
             "start = open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19]; "
-            "me = {'pid': os.getpid(), 'pgid': os.getpgid(0), 'start': start, 'boot_id': ''}; "
-            "print(cls.__name__, len(ports(2)), alive(me), "
+            "me = [os.getpid(), os.getpgid(0), start, '']; "
+            "print(cls.__name__, len(ports(2)), alive([me])[0], "
             "'paicli' in sys.modules and sys.modules['paicli'] is not None)")
     result = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=60)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
@@ -569,14 +616,122 @@ def test_a_node_folder_root_someone_else_could_swap_is_refused(tmp_path, monkeyp
     makes it): one writable by others is refused in one line, nothing written."""
     monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
     actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
-    assert actor.stage({"runners/a.py": b"x"}) == {"folder": actor.folder}
+    assert actor.stage([("runners/a.py", 0o600, "file", "", b"x")]) == {"folder": actor.folder}
     root = Path(ray_node.user_root())
     assert root.stat().st_mode & 0o777 == 0o700
     os.chmod(root, 0o777)
-    answer = actor.stage({"runners/b.py": b"x"})
+    answer = actor.stage([("runners/b.py", 0o600, "file", "", b"x")])
     assert "writable by others (mode 777); refused" in answer["error"]
     assert not (Path(actor.folder) / "runners" / "b.py").exists()
     os.chmod(root, 0o700)
     root.rename(tmp_path / "elsewhere")
     root.symlink_to(tmp_path / "elsewhere")      # a link in its place is refused too
-    assert "not a directory" in actor.stage({"runners/c.py": b"x"})["error"]
+    assert "not a directory" in actor.stage([("runners/c.py", 0o600, "file", "", b"x")])["error"]
+
+
+SECRET_DRIVER = r"""
+import hashlib, json, os, pickle, sys, time
+from pathlib import Path
+import ray
+from paicli.cluster.backends.ray import RayBackend
+from paicli.plan import JobPlan, RolePlan
+
+address, secret, job_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+argv = [sys.executable, "-c", "import hashlib, os; "
+        "print('sha=' + hashlib.sha256(os.environ['PAI_CAFFE_SECRET'].encode()).hexdigest(), flush=True)"]
+roles = [RolePlan(name, 1, argv, env={"PAI_CAFFE_SECRET": secret}) for name in ("ps", "worker")]
+plan = JobPlan(job_name="s", framework="caffe", task_name="CaffeTask", roles=roles)
+(job_dir / "plan.json").write_text(plan.to_json())   # as a Caffe job's: the secret in a role's env
+put = []
+real_put = ray.put
+
+def spy(value, **kw):   # the real put, and a copy of what went into the object store
+    put.append(pickle.dumps(value))
+    return real_put(value, **kw)
+
+ray.put = spy
+backend = RayBackend({"backend": "ray", "address": address})
+placements = backend.place_job(plan, job_dir.name, lambda line: None, time.monotonic() + 120)
+backend.prepare(str(job_dir), plan, placements)
+outputs = []
+for placed in placements:
+    role = plan.role(placed.role)
+    handle = backend.start(placed, role.argv, dict(os.environ, **role.env), None)
+    code = backend.wait(handle, 60)
+    out = b""
+    while True:
+        try:
+            chunk = handle.read(65536) if hasattr(handle, "read") else os.read(handle.output_fd, 65536)
+        except BlockingIOError:
+            time.sleep(0.05)
+            continue
+        if not chunk:
+            break
+        out += chunk
+    outputs.append([code, out.decode()])
+backend.cleanup(str(job_dir))
+print(json.dumps({"puts": len(put), "secret_put": any(secret.encode() in blob for blob in put),
+                  "outputs": outputs}))
+"""
+
+
+def test_a_jobs_secret_never_goes_into_rays_object_store(ray_cluster, tmp_path):
+    """A Caffe job's averaging secret (PAI_CAFFE_SECRET, in plan.json's role env)
+    reaches each instance in its own spec and nothing else: what staging put into
+    Ray's object store (readable by any client of the cluster) does not hold it,
+    nor do the nodes' Ray logs. The backend driven as the master drives it, on the
+    head node, with ray.put watched."""
+    import secrets
+
+    secret = secrets.token_hex(32)
+    job_dir = tmp_path / "jobs" / "secretjob1"
+    job_dir.mkdir(parents=True)
+    result = ray_cluster.run([sys.executable, "-c", SECRET_DRIVER, ray_cluster.address, secret, str(job_dir)],
+                             timeout=240, cwd=str(REPO))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    assert report["outputs"] == [[0, f"sha={digest}\n"]] * 2   # each instance got it in its spec
+    assert report["puts"] >= 1 and not report["secret_put"]
+    for path in ray_cluster.net.state.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_size < 64 << 20:
+            assert secret.encode() not in path.read_bytes(), f"the secret is in {path}"
+
+
+def test_a_gcs_address_from_a_machine_that_is_not_a_ray_node_is_one_line(ray_cluster, tmp_path):
+    """PAI_RAY_ADDRESS=HEAD:6379 (what `ray start` prints) from this machine, which
+    is not a Ray node: Ray could not call the driver back, and every call that
+    needs it would wait forever. The job ends within 60 s, on one line saying to use
+    ray://HEAD:10001, and its master is gone."""
+    script = tmp_path / "t.py"
+    script.write_text("print('hi')\n")
+    home = tmp_path / "outside-home"
+    env = dict(os.environ, PAI_HOME=str(home), PAI_RAY_ADDRESS=ray_cluster.address, NO_COLOR="1")
+    env.pop("PAI_DEBUG", None)
+    began = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "paicli", "-name", "python", f"-Dscript={script}",
+                             '-Dcluster={"ps":{"count":1},"worker":{"count":2}}'],   # on every node
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(REPO))
+    try:
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for master in (home / "jobs").glob("*/master.log") if (home / "jobs").exists() else ():
+            status = subprocess.run([sys.executable, "-m", "paicli", "status", master.parent.name, "--json"],
+                                    capture_output=True, text=True, env=env, timeout=60)
+            pid = json.loads(status.stdout or "{}").get("master_pid") if status.returncode == 0 else None
+            deadline = time.monotonic() + 10
+            while pid and os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if pid and os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, 9)
+                raise AssertionError(f"the master {pid} was still running")
+    assert took < 60
+    assert proc.returncode != 0, out[-2000:] + err[-2000:]
+    hint = f"PAI_RAY_ADDRESS=ray://{ray_cluster.head.addr}:10001"
+    lines = [line for line in (out + err).splitlines() if line.startswith("FAILED:")]
+    assert len(lines) == 1 and "is not a node of the Ray cluster" in lines[0] and hint in lines[0], \
+        out[-2000:] + err[-2000:]

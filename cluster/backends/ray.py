@@ -14,11 +14,16 @@ How a job runs (the JobMaster is the Ray driver):
   `place_job()` reports what is missing (PAI's "Waiting List"); the job's
   `timeout` covers the wait.
 - One `InstanceActor` (ray_node.py, shipped by value: the nodes need only Ray)
-  per instance in its bundle: it stages the job's files into a per-job folder on
-  its node, provisions the runtime there, picks ports there, runs the instance
-  under the node agent (own session, default signals, killed when the actor
-  dies), and streams its output back. The master reads it through a pipe fed by
-  one thread per instance (`Handle.output_fd`).
+  per instance in its bundle: it writes the job's staging list (the one rule of
+  cluster/node_files.py, shipped once through the object store: no plan.json, no
+  secret) into a per-job folder on its node, provisions the runtime there, picks
+  ports there, and relays bytes to and from the node agent it runs the instance
+  under. Ray is only the transport: the protocol (spec, identity, output, exit
+  status, stop) is cluster/agent_link.py's, as for local and SSH instances; a
+  job's secrets travel only in the spec sent to the instance that needs them.
+- Every Ray call that waits has a deadline and, in the master, ends within half a
+  second of a cancel. A GCS address used from a machine that is not a Ray node
+  (Ray could not call the driver back) is one line saying to use ray://.
 - The actors belong to the master's Ray job: when the master dies (even kill -9)
   Ray kills them, and each instance's node agent stops its group.
 - A node that dies takes its actors with it: the instance's status is NODE_LOST
@@ -40,15 +45,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from paicli.cluster import remote_paths
+from paicli.cluster import agent_link, node_files, remote_paths
 from paicli.cluster.backends import ray_node
-from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, InstanceRef, NodeSpec, Placement
+from paicli.cluster.backends.base import Backend, Handle, InstanceRef, NodeSpec, Placement, agent_ref
 from paicli.errors import PaiError, UsageError
 
 NAMESPACE = "paicli"
 INSTALL_HINT = "install it with: pip install 'paicli[ray]'"
 WAIT_REPORT_SECONDS = 5.0      # how often the Waiting List is reported
-ACTOR_CONCURRENCY = 4          # read() blocks while stop()/signal() may come in
+ACTOR_CONCURRENCY = 4          # recv() blocks while send() may come in
+# Every Ray call that waits has a deadline (a driver that Ray cannot call back
+# would otherwise wait forever, with no line said).
+CALL_TIMEOUT = 60.0            # one actor method or pinned task
+PROVISION_TIMEOUT = 3600.0     # a framework runtime provisioned on a node (a cancel ends it sooner)
+STOP_TIMEOUT = 10.0            # what stopping and cleaning up may wait for Ray, beyond the stop's own grace
+RECV_SLICE = 1.0               # one call for the agent's output waits this long for some
 MB = 1024 * 1024
 
 Progress = Callable[[str], None]
@@ -138,24 +149,6 @@ def waiting_list(wanted: list[tuple[str, int, dict[str, float]]], available: dic
         (" ..." if len(short) > 6 else "") + f"; {have}"
 
 
-def path_mapping(folder: str, runners_dir: str, job_dir: str, scripts: dict[str, str],
-                 pythons: dict[str, str], cwds: Iterable[str] = ()) -> list[tuple[str, str]]:
-    """The (submitting path -> node path) prefixes of one job on one node, longest
-    first: interpreters -> the node's, runners -> folder/runners, the job folder
-    -> folder/job, each script outside it -> folder/script/NAME, any other
-    working directory -> folder/work."""
-    pairs = [(src, dst) for src, dst in pythons.items()]
-    pairs.append((runners_dir, f"{folder}/runners"))
-    pairs.append((job_dir, f"{folder}/job"))
-    for src, name in scripts.items():
-        pairs.append((src, f"{folder}/script/{name}"))
-    known = [src for src, _ in pairs]
-    for cwd in cwds:
-        if cwd and not any(cwd == k or cwd.startswith(k.rstrip("/") + "/") for k in known):
-            pairs.append((cwd, f"{folder}/work"))
-    return remote_paths.normalise(pairs)
-
-
 def node_env(env: dict[str, str], master_env: dict[str, str]) -> dict[str, str]:
     """What the instance needs from the master's env: the entries the master set
     or changed (PAI_*, the role's env), not the master's own environment
@@ -163,26 +156,16 @@ def node_env(env: dict[str, str], master_env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if master_env.get(k) != v}
 
 
-def job_files(job_dir: Path, skip=("logs",)) -> dict[str, bytes]:
-    """The job folder's files an instance may need (code, plan, spec), relative
-    to it; logs and the master's own files stay."""
-    out: dict[str, bytes] = {}
-    for path in sorted(job_dir.rglob("*")):
-        rel = path.relative_to(job_dir)
-        if rel.parts[0] in skip or path.suffix == ".log" or rel.name == "nodes.json":
-            continue
-        if path.is_file() and not path.is_symlink():
-            out[str(rel)] = path.read_bytes()
-    return out
+def shipped_files(manifest) -> list[tuple[str, int, str, str, bytes]]:
+    """The staging list (cluster/node_files.py) as the actors write it: (dst, mode,
+    kind, link target, content). The one thing of the job that goes into Ray's
+    object store, which any client of the cluster can read: it holds no plan.json
+    and no env (a job's secrets reach an instance only in its own spec)."""
+    return [(f.dst, f.mode, f.kind, f.target, Path(f.src).read_bytes() if f.kind == "file" else b"")
+            for f in manifest.files]
 
 
 # -- Ray -------------------------------------------------------------------------
-
-
-def runners_dir() -> Path:
-    from paicli.runners import runtimes
-
-    return Path(runtimes.__file__).resolve().parent
 
 
 def ray_installed() -> bool:
@@ -213,6 +196,18 @@ def probe_address(address: str, timeout: float = 3.0) -> None:
                          "check PAI_RAY_ADDRESS / the nodes file's ray.address and that the head node runs") from None
 
 
+def is_local_address(ip: str) -> bool:
+    """Whether this machine has address `ip` (it can bind it)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
+            sock.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
 def import_ray():
     try:
         import ray  # noqa: F401
@@ -233,46 +228,41 @@ class _Instance:
     info: dict = field(default_factory=dict)
 
 
-class _Stream:
-    """One instance's output: a thread asks the actor for it and writes it into a
-    pipe the master select()s on; the status arrives last."""
+class RayTransport:
+    """One instance's node agent through its actor (agent_link's Transport): bytes
+    to its stdin, bytes from its stdout. Every call has a deadline; a dead actor
+    (its node is gone) is the end of the stream."""
 
-    def __init__(self, actor: Any):
+    def __init__(self, backend: "RayBackend", actor: Any):
+        self.backend = backend
         self.actor = actor
-        self.read_fd, self.write_fd = os.pipe()
-        os.set_blocking(self.read_fd, False)
-        self.status: int | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        import ray
-
-        status = None
+    def send(self, data: bytes) -> None:
         try:
-            while True:
-                data, code, ended = ray.get(self.actor.read.remote(0.5))
-                if data:
-                    try:
-                        os.write(self.write_fd, data)
-                    except OSError:
-                        pass
-                if ended:
-                    status = code
-                    break
-        except Exception as err:  # noqa: BLE001 - the actor (its node) is gone
-            status = NODE_LOST
-            if not isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-                import traceback
+            self.backend._get(self.actor.send.remote(data), "the node agent took no input", STOP_TIMEOUT,
+                              interruptible=False)
+        except Exception as err:  # noqa: BLE001 - a Ray error: the link is gone
+            raise OSError(f"the instance's actor is gone: {type(err).__name__}") from None
 
-                traceback.print_exc()   # into master.log: not a lost node but a failure of ours
-        finally:
-            # The status first: poll() answers only once the thread is over, and
-            # the master then drains the pipe to its end.
-            self.status = NODE_LOST if status is None else status
+    def recv(self, max_bytes: int, timeout: float) -> bytes:
+        ray = self.backend._ray
+        deadline = time.monotonic() + timeout
+        while True:
+            wait = max(0.0, min(RECV_SLICE, deadline - time.monotonic()))
             try:
-                os.close(self.write_fd)
-            except OSError:
-                pass
+                data = ray.get(self.actor.recv.remote(max_bytes, wait), timeout=wait + CALL_TIMEOUT)
+            except Exception:  # noqa: BLE001 - the actor (its node) is gone or does not answer
+                return b""
+            if data is not None:
+                return data
+            if time.monotonic() >= deadline:
+                raise TimeoutError("no output from the node agent")
+
+    def close(self) -> None:
+        try:
+            self.actor.close.remote()   # not waited for: the agent stops the group when its stdin closes
+        except Exception:  # noqa: BLE001 - the actor is gone already
+            pass
 
 
 class RayBackend(Backend):
@@ -291,14 +281,15 @@ class RayBackend(Backend):
         probe_address(self.address)
         self.job_id = ""
         self._ray = None
+        self._unusable = False
         self._pg = None
         self._bundles: list[tuple[str, int, dict[str, float]]] = []
         self._instances: dict[tuple[str, int], _Instance] = {}
-        self._by_pid: dict[tuple[str, int], _Instance] = {}
         self._staged: dict[str, str] = {}         # node id -> python of the runtime there
-        self._job_dir = ""
-        self._script_names: dict[str, str] = {}
+        self._manifest = None
         self._timeout: float | None = None
+        self._deadline: float | None = None
+        self._interrupted: Callable[[], str | None] = lambda: None
         self._progress: Progress = lambda line: None
 
     # -- connecting ----------------------------------------------------------------
@@ -306,6 +297,8 @@ class RayBackend(Backend):
     def connect(self):
         if self._ray is not None:
             return self._ray
+        if self._unusable:
+            raise PaiError(f"the Ray cluster at {self.address} cannot be used from here")
         ray = import_ray()
         if not ray.is_initialized():
             # ray.init installs a SIGTERM handler of its own (sys.exit): the master's
@@ -314,6 +307,7 @@ class RayBackend(Backend):
             try:
                 self._init(ray)
             except (ConnectionError, RuntimeError, ValueError) as err:
+                self._unusable = True
                 print(f"ray.init({self.address!r}) failed: {err}", file=sys.stderr, flush=True)  # the whole story
                 raise UsageError(f"cannot reach the Ray cluster at {self.address}: {str(err).splitlines()[0]}",
                                  "check PAI_RAY_ADDRESS / the nodes file's ray.address and that `ray status` "
@@ -322,10 +316,24 @@ class RayBackend(Backend):
                 for signum, handler in saved.items():
                     if handler is not None and threading.current_thread() is threading.main_thread():
                         signal.signal(signum, handler)
+        self._check_driver(ray)
         # The actor's code travels by value: a Ray node needs Ray, not paicli.
         ray_node.ship_by_value(ray.cloudpickle)
         self._ray = ray
         return ray
+
+    def _check_driver(self, ray) -> None:
+        """With a GCS address the driver must be a Ray node: Ray tells the nodes to
+        reach it at the address of the node it attached to. From any other machine
+        every call that needs the nodes to call back waits forever: one line instead."""
+        ip = ray.util.get_node_ip_address()
+        if "://" in self.address or is_local_address(ip):
+            return
+        self._unusable = True
+        host = self.address.rpartition(":")[0]
+        raise UsageError(f"this machine is not a node of the Ray cluster at {self.address} (Ray would reach "
+                         f"this driver at {ip}, an address it does not have)",
+                         f"from outside the cluster use Ray Client: PAI_RAY_ADDRESS=ray://{host}:10001")
 
     def _init(self, ray) -> None:
         import logging
@@ -347,6 +355,25 @@ class RayBackend(Backend):
                 except Exception:  # noqa: BLE001 - nothing to shut down
                     pass
                 time.sleep(2 * (attempt + 1))
+
+    def _get(self, ref, what: str | Callable[[], str], timeout: float | None = CALL_TIMEOUT,
+             interruptible: bool = True, report: Callable[[], str] | None = None):
+        """ray.get with a deadline (None: only the job's timeout), waiting in slices
+        so that a cancel (the master's SIGTERM) or the job's timeout ends the wait
+        within half a second; `report()` goes to the job log every few seconds.
+        PaiError naming `what` when Ray did not answer in `timeout` seconds."""
+        ray = self._ray
+        began = last = time.monotonic()
+        while not ray.wait([ref], timeout=0.5 if timeout is None else
+                           max(0.0, min(0.5, began + timeout - time.monotonic())))[0]:
+            if interruptible:
+                self._check_wait(what)
+            if timeout is not None and time.monotonic() >= began + timeout:
+                raise PaiError(f"{what() if callable(what) else what}: no answer from Ray within {timeout:g}s")
+            if report and time.monotonic() - last >= WAIT_REPORT_SECONDS:
+                last = time.monotonic()
+                self._progress(report())
+        return ray.get(ref, timeout=CALL_TIMEOUT)
 
     # -- nodes ---------------------------------------------------------------------
 
@@ -370,12 +397,13 @@ class RayBackend(Backend):
                 return inst.node_id
         return next((n.attrs["node_id"] for n in self.nodes() if n.name == name), None)
 
-    def _pinned(self, node_name: str, fn, *args, timeout: float = 60.0):
+    def _pinned(self, node_name: str, fn, *args, timeout: float = CALL_TIMEOUT):
         """Run ray_node.fn(*args) on that node (a zero-CPU task pinned to it)."""
         node_id = self._node_id(node_name)
         if node_id is None:
             raise ConnectionError(f"Ray node {node_name} is not in the cluster")
-        return self.connect().get(self._pinned_ref(node_id, fn, *args), timeout=timeout)
+        return self._get(self._pinned_ref(node_id, fn, *args), f"Ray node {node_name}", timeout,
+                         interruptible=False)
 
     def _pinned_ref(self, node_id: str, fn, *args):
         ray = self.connect()
@@ -410,39 +438,29 @@ class RayBackend(Backend):
 
         self.job_id = job_id
         self._progress = progress
+        self._deadline, self._interrupted = deadline, interrupted
         self._timeout = plan.timeout
         self._bundles = job_bundles(plan)
         self._pg = placement_group([b for _, _, b in self._bundles], strategy=strategy_for(plan),
                                    name=f"paicli-{job_id}")
-        self._wait_ready(progress, deadline, list(self._bundles), interrupted)
+        self._wait_ready(list(self._bundles))
         for index, (role, idx, _) in enumerate(self._bundles):
             self._instances[(role, idx)] = self._new_actor(role, idx, index, attempt=0)
-        return [self._await_actor(self._instances[(role, idx)], progress, deadline, interrupted)
-                for role, idx, _ in self._bundles]
+        return [self._await_actor(self._instances[(role, idx)]) for role, idx, _ in self._bundles]
 
-    def _check_wait(self, deadline: float | None, interrupted: Callable[[], str | None],
-                    what: Callable[[], str]) -> None:
-        reason = interrupted()
+    def _check_wait(self, what: str | Callable[[], str]) -> None:
+        reason = self._interrupted()
         if reason:
             raise RayWaitStopped(reason, cancelled=True)
-        if deadline is not None and time.monotonic() >= deadline:
+        if self._deadline is not None and time.monotonic() >= self._deadline:
             after = f" after {self._timeout:g}s" if self._timeout else ""
-            raise RayWaitStopped(f"timeout{after} while waiting for Ray: {what()}")
+            raise RayWaitStopped(f"timeout{after} while waiting for Ray: {what() if callable(what) else what}")
 
-    def _wait_ready(self, progress: Progress, deadline: float | None, wanted,
-                    interrupted: Callable[[], str | None] = lambda: None) -> None:
-        ray = self.connect()
-        ready = self._pg.ready()
-        last_report = time.monotonic()
-        while True:
-            done, _ = ray.wait([ready], timeout=0.5)
-            if done:
-                ray.get(done[0])
-                return
-            self._check_wait(deadline, interrupted, lambda: waiting_list(wanted, self._available()))
-            if time.monotonic() - last_report >= WAIT_REPORT_SECONDS:
-                last_report = time.monotonic()
-                progress(waiting_list(wanted, self._available()))
+    def _wait_ready(self, wanted) -> None:
+        def line() -> str:
+            return waiting_list(wanted, self._available())
+
+        self._get(self._pg.ready(), line, None, report=line)
 
     def _new_actor(self, role: str, idx: int, bundle: int, attempt: int) -> _Instance:
         ray = self.connect()
@@ -458,17 +476,9 @@ class RayBackend(Backend):
         ).remote(self.job_id, f"{self.job_id}/{role}:{idx}", "")   # "": the actor finds its node
         return _Instance(role, idx, bundle, actor)
 
-    def _await_actor(self, inst: _Instance, progress: Progress, deadline: float | None,
-                     interrupted: Callable[[], str | None] = lambda: None) -> Placement:
-        ray = self.connect()
-        ref = inst.actor.info.remote()
-        last_report = time.monotonic()
-        while not ray.wait([ref], timeout=0.5)[0]:
-            self._check_wait(deadline, interrupted, lambda: f"the actor of {inst.role}:{inst.idx} did not start")
-            if time.monotonic() - last_report >= WAIT_REPORT_SECONDS:
-                last_report = time.monotonic()
-                progress(f"waiting for Ray to start {inst.role}:{inst.idx}")
-        inst.info = ray.get(ref)
+    def _await_actor(self, inst: _Instance) -> Placement:
+        inst.info = self._get(inst.actor.info.remote(), f"the actor of {inst.role}:{inst.idx} did not start", None,
+                              report=lambda: f"waiting for Ray to start {inst.role}:{inst.idx}")
         inst.node_id, inst.host = inst.info["node_id"], inst.info["node_ip"]
         gpus = tuple(g for g in str(inst.info.get("gpus") or "").split(",") if g.strip())
         return Placement(inst.role, inst.idx, inst.host, inst.host, gpus)
@@ -480,6 +490,7 @@ class RayBackend(Backend):
         that were there to nodes with room (waiting, like a new job, while there
         is none)."""
         ray = self.connect()
+        self._progress, self._deadline, self._interrupted = progress, deadline, interrupted
         old = self._instances.get((role, idx))
         lost = old.node_id if old is not None else ""
         if old is not None:
@@ -488,12 +499,12 @@ class RayBackend(Backend):
         while True:
             # Until Ray has marked the node dead, its bundle is still "placed" there.
             while lost and any(n["NodeID"] == lost and n.get("Alive") for n in ray.nodes()):
-                self._check_wait(deadline, interrupted, lambda: f"Ray has not declared node {old.host} dead yet")
+                self._check_wait(f"Ray has not declared node {old.host} dead yet")
                 time.sleep(0.5)
-            self._wait_ready(progress, deadline, [self._bundles[bundle]], interrupted)
+            self._wait_ready([self._bundles[bundle]])
             inst = self._new_actor(role, idx, bundle, attempt)
             try:
-                placed = self._await_actor(inst, progress, deadline, interrupted)
+                placed = self._await_actor(inst)
             except ray.exceptions.RayActorError:
                 self._forget(inst)
                 continue   # placed on a node that died meanwhile: again
@@ -509,21 +520,13 @@ class RayBackend(Backend):
     # -- staging ---------------------------------------------------------------------
 
     def prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
-        """Stage the runners, the job folder's files and any script outside it on
-        every node the placements use (once per node), and provision the runtime
-        there. The interpreter found on each node is what argv[0] becomes."""
+        """Stage the job's staging list (cluster/node_files.py) on every node the
+        placements use (once per node: one object in the object store, fetched by
+        each node) and provision the runtime there. The interpreter found on each
+        node is what argv[0] becomes."""
         ray = self.connect()
-        files = {f"runners/{p.name}": p.read_bytes() for p in sorted(runners_dir().glob("*.py"))}
-        # the runtimes code as the package it imports itself as (caffe's rootfs builder)
-        files.update({"pkg/paicli/__init__.py": b"", "pkg/paicli/runners/__init__.py": b""})
-        for name in ("runtimes.py", "caffe_rootfs.py"):
-            files[f"pkg/paicli/runners/{name}"] = (runners_dir() / name).read_bytes()
-        files.update({f"job/{rel}": data for rel, data in job_files(Path(job_dir)).items()})
-        self._job_dir = str(job_dir)
-        self._script_names = self._scripts(plan, job_dir)
-        for src, name in self._script_names.items():
-            files[f"script/{name}"] = Path(src).read_bytes()
-        runtime = self._runtime_name(plan)
+        if self._manifest is None:
+            self._manifest = node_files.manifest(job_dir, plan)
         todo: dict[str, _Instance] = {}
         for placed in placements:
             inst = self._instances[(placed.role, placed.idx)]
@@ -531,15 +534,16 @@ class RayBackend(Backend):
                 todo.setdefault(inst.node_id, inst)
         if not todo:
             return
-        shipped = ray.put(files)   # into the object store once, fetched by each node
-        calls = {nid: inst.actor.stage.remote(shipped, ["runners/node_agent.py"]) for nid, inst in todo.items()}
+        shipped = ray.put(shipped_files(self._manifest))
+        calls = {nid: inst.actor.stage.remote(shipped) for nid, inst in todo.items()}
         for nid, ref in calls.items():
-            staged = ray.get(ref)
+            staged = self._get(ref, f"staging the job on Ray node {todo[nid].host}")
             if "error" in staged:
                 raise PaiError(f"staging the job on Ray node {todo[nid].host}: {staged['error']}")
+        runtime = plan.runtime
         answers = {nid: todo[nid].actor.ensure_runtime.remote(runtime) for nid in todo}
         for nid, ref in answers.items():
-            got = ray.get(ref)
+            got = self._get(ref, f"the {runtime} runtime on Ray node {todo[nid].host}", PROVISION_TIMEOUT)
             for line in got.get("lines", []):
                 self._progress(f"Ray node {todo[nid].host}: {line}")   # a runtime provisioned there
             if "error" in got:
@@ -547,142 +551,84 @@ class RayBackend(Backend):
                                "provision it there (pai runtime install) or set PAI_<NAME>_PYTHON on the node")
             self._staged[nid] = got["python"]
 
-    @staticmethod
-    def _scripts(plan, job_dir: str) -> dict[str, str]:
-        """Script files named in argv that live outside the job folder and the
-        runners (a plain script runs in place): submitting path -> file name."""
-        skip = (str(Path(job_dir).resolve()) + "/", str(runners_dir()) + "/")
-        found: dict[str, str] = {}
-        for role in plan.roles:
-            for arg in role.argv[1:]:
-                if arg.startswith("/") and arg.endswith(".py") and not arg.startswith(skip) and os.path.isfile(arg) \
-                        and arg not in found:
-                    name = Path(arg).name
-                    # two scripts of one name (from two folders) must not land on one file
-                    found[arg] = name if name not in found.values() else f"{len(found)}-{name}"
-        return found
-
-    @staticmethod
-    def _runtime_name(plan) -> str | None:
-        name = getattr(plan, "runtime", None)
-        if name:
-            return name
-        from paicli.runners import runtimes
-
-        root = str(runtimes.runtime_root())
-        for role in plan.roles:
-            if role.argv and role.argv[0].startswith(root + "/"):
-                return role.argv[0][len(root) + 1:].split("/")[0]
-        return None
-
-    def _mapping(self, inst: _Instance, argv0: str, cwd: str | None) -> list[tuple[str, str]]:
-        node_python = self._staged.get(inst.node_id) or inst.info["python"]
-        pythons = {sys.executable: inst.info["python"]}
-        if argv0 != sys.executable:
-            pythons[argv0] = node_python     # the runtime's interpreter -> the node's
-        return path_mapping(inst.info["folder"], str(runners_dir()), self._job_dir, self._script_names,
-                            pythons, [cwd] if cwd else [])
+    def _mapping(self, inst: _Instance, argv0: str) -> remote_paths.Mapping:
+        info = inst.info
+        pairs = self._manifest.mapping(info["folder"], info["runtime_dir"], info["python"])
+        if argv0 != sys.executable:   # the runtime's interpreter -> the one found on the node
+            pairs.append((remote_paths.Exact(argv0), self._staged.get(inst.node_id) or info["python"]))
+        return remote_paths.normalise(pairs)
 
     # -- ports and running ---------------------------------------------------------------
 
     def pick_ports(self, node: str, count: int, taken: Iterable[int] = ()) -> list[int]:
         if count <= 0:
             return []
-        ray = self.connect()
+        self.connect()
         for inst in self._instances.values():
             if inst.host == node:
-                return ray.get(inst.actor.pick_ports.remote(count, list(taken)))
+                return self._get(inst.actor.pick_ports.remote(count, list(taken)), f"ports on Ray node {node}")
         return self._pinned(node, ray_node.pinned_ports, count, list(taken))
 
-    def start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None) -> Handle:
-        ray = self.connect()
+    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None) -> Handle:
+        self.connect()
         inst = self._instances[(placed.role, placed.idx)]
-        mapping = self._mapping(inst, argv[0], cwd)
-        node_argv = remote_paths.translate_argv(argv, mapping)
+        mapping = self._mapping(inst, argv[0])
         env_out = remote_paths.translate_env(node_env(env, dict(os.environ)), mapping)
         if inst.info.get("gpus"):
             env_out["CUDA_VISIBLE_DEVICES"] = inst.info["gpus"]   # what Ray gave the bundle
-        node_cwd = remote_paths.translate(cwd, mapping) if cwd else None
-        folder = inst.info["folder"]
-        if node_cwd and node_cwd.startswith(folder + "/"):   # make sure it exists there
-            staged = ray.get(inst.actor.stage.remote({f"{node_cwd[len(folder) + 1:]}/.keep": b""}))
-            if "error" in staged:
-                raise OSError(staged["error"])
-        answer = ray.get(inst.actor.start.remote(node_argv, env_out, node_cwd))
-        if "error" in answer:
-            raise FileNotFoundError(2, f"{answer['error']}".strip()[:300])
-        ref = InstanceRef(backend=self.name, node=inst.host, host=inst.host, pid=int(answer["pid"]),
-                          pgid=int(answer["pgid"]), start=answer.get("start"), boot_id=answer.get("boot_id"))
-        stream = _Stream(inst.actor)
-        stream.thread.start()
-        self._by_pid[(inst.host, ref.pid)] = inst
-        return Handle(ref=ref, output_fd=stream.read_fd, native=stream)
+        spec = {"argv": remote_paths.translate_argv(argv, mapping), "env": env_out,
+                "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": 0}
+        # No heartbeat: the actor holds the agent's stdin, and Ray kills the actor
+        # when the master (its owner) dies, however it dies.
+        self._get(inst.actor.open.remote(), f"starting {placed.role}:{placed.idx} on Ray node {inst.host}")
+        return agent_link.start_instance(RayTransport(self, inst.actor), spec, backend=self.name,
+                                         node=inst.host, host=inst.host, start_timeout=CALL_TIMEOUT)
 
-    def poll(self, handle: Handle) -> int | None:
-        # Set by the stream's thread once every byte of output is in the pipe.
-        return handle.native.status
+    # -- stopping what this process did not start (`pai kill`, the watchdog) ---------------
 
-    # -- stopping ---------------------------------------------------------------------
-
-    def _actor_for(self, ref: InstanceRef):
-        inst = self._by_pid.get((ref.host, ref.pid))
-        return inst.actor if inst is not None else None
-
-    def _signal(self, ref: InstanceRef, signum: int) -> bool:
-        ray = self.connect()
-        actor = self._actor_for(ref)
-        plain = {"pid": ref.pid, "pgid": ref.pgid, "start": ref.start, "boot_id": ref.boot_id}
+    def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
         try:
-            if actor is not None:
-                return bool(ray.get(actor.signal.remote(int(signum)), timeout=30))
-        except Exception:  # noqa: BLE001 - the actor is gone; its agent stops the group
-            pass
-        try:
-            return bool(self._pinned(ref.node, ray_node.pinned_signal, plain, int(signum), timeout=30))
+            stopped = self._pinned(node, ray_node.pinned_stop, [agent_ref(r) for r in refs], timeout,
+                                   timeout=timeout + STOP_TIMEOUT)
         except Exception:  # noqa: BLE001 - the node is gone: nothing of ours runs there
-            return False
+            return []
+        return [r for r in refs if agent_ref(r) in stopped]
 
     def _alive(self, ref: InstanceRef) -> bool:
-        ray = self.connect()
-        actor = self._actor_for(ref)
-        plain = {"pid": ref.pid, "pgid": ref.pgid, "start": ref.start, "boot_id": ref.boot_id}
         try:
-            if actor is not None:
-                return bool(ray.get(actor.alive.remote(), timeout=30))
-        except Exception:  # noqa: BLE001
-            pass
-        try:
-            return bool(self._pinned(ref.node, ray_node.pinned_alive, plain, timeout=30))
-        except Exception:  # noqa: BLE001
+            return bool(self._pinned(ref.node, ray_node.pinned_alive, [agent_ref(ref)], timeout=STOP_TIMEOUT)[0])
+        except Exception:  # noqa: BLE001 - the node is gone
             return False
 
     def cleanup(self, job_dir: str) -> None:
         """Remove the per-job folders, release the actors (their agents stop
-        anything left) and the placement group. A backend built afresh (the
-        watchdog, after the master died: Ray has already removed the master's
-        actors and placement group) removes the folders on every live node."""
+        anything left) and the placement group, within STOP_TIMEOUT in all. A
+        backend built afresh (the watchdog, after the master died: Ray has already
+        removed the master's actors and placement group) removes the folders on
+        every live node."""
+        if self._unusable:
+            return
         job_id = Path(job_dir).name
+        ray = self.connect()
         if not self._instances:
-            ray = self.connect()
             refs = []
             for node in self.nodes():
                 try:
                     refs.append(self._pinned_ref(node.attrs["node_id"], ray_node.pinned_cleanup, job_id))
                 except Exception:  # noqa: BLE001 - a node going away takes its folder with it
                     pass
-            ray.wait(refs, num_returns=len(refs), timeout=60)
+            ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT)
             return
-        ray = self._ray
-        seen = set()
-        for inst in self._instances.values():
+        firsts = {inst.node_id: inst for inst in self._instances.values() if inst.node_id}
+        refs = []
+        for inst in firsts.values():
             try:
-                if inst.node_id and inst.node_id not in seen:
-                    seen.add(inst.node_id)
-                    ray.get(inst.actor.cleanup.remote(), timeout=30)
-                ray.get(inst.actor.release.remote(), timeout=30)
+                refs.append(inst.actor.cleanup.remote())
             except Exception:  # noqa: BLE001 - a lost node took its folder with it
                 pass
-            self._forget(inst)
+        ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT)
+        for inst in self._instances.values():
+            self._forget(inst)   # its agent sees its stdin close and stops what is left
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 

@@ -5,43 +5,39 @@ module to the cluster by value (cloudpickle), so a Ray node needs Ray and
 nothing of paicli. One actor per instance, in the instance's placement-group
 bundle:
 
-- `stage()` writes what the instance needs (the runners, the job folder's code
-  and plan files, a script that lives outside it) into a per-job folder on its
-  node (0700 folders, 0600 files); `ensure_runtime()` provisions the framework
-  runtime there on first use with the shipped runners/runtimes.py (or finds the
-  node's own); `pick_ports()` finds ports free on the node;
-- `start()` runs the instance under the paicli node agent (runners/node_agent.py,
-  the same agent the SSH backend uses): the agent starts it in a session of its
-  own with default signal dispositions, reports its identity, streams its output
-  and its exit status, and stops its whole group when its stdin closes. The
-  actor holds that stdin: when the actor dies (the master died and Ray killed
-  the actors it owned, `ray stop`, a crash) the agent stops the instance.
+- `stage()` writes the job's staging list (cluster/node_files.py: runners, code,
+  the inputs the plan names; never plan.json, which holds the job's secrets) into
+  a per-job folder on its node (0700 folders, files in their modes);
+  `ensure_runtime()` provisions the framework runtime there on first use with the
+  staged runners/runtimes.py (or finds the node's own); `pick_ports()` finds ports
+  free on the node;
+- `open()` starts the paicli node agent (runners/node_agent.py, the one agent of
+  every backend) and the actor becomes a byte relay: `send()` writes to the
+  agent's stdin, `recv()` hands back what the agent wrote on stdout. The master's
+  side of the protocol (spec, frames, exit status, stop) is cluster/agent_link.py.
+  The actor holds the agent's stdin: when the actor dies (the master died and Ray
+  killed the actors it owned, `ray stop`, a crash) the agent stops the instance.
   The agent runs in a session of its own, out of reach of Ray's clean-up of the
-  worker's process group, so it always lives to do that;
-- `read()` hands the output to the master, with the exit status at the end.
+  worker's process group, so it always lives to do that.
 
-Stopping from any process is `stop_ref()`: the node agent's identity-checked
-stop (pid + start time + boot id, see cluster/backends/base.py), run on the node
-by the actor or by a task pinned to the node. The identity check, group members,
-boot id and free ports are the node agent's own functions (one implementation for
-SSH and Ray nodes), shipped by value with this module (`ship_by_value`).
+A process that holds no link (`pai kill`, the watchdog) stops instances with the
+node agent's identity-checked stop, run on the node by a task pinned to it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 
 from paicli.runners import node_agent
-from paicli.runners.node_agent import boot_id
-from paicli.runners.node_agent import free_ports as _agent_free_ports
+
+MAX_BUFFERED = 1 << 20   # agent output held in the actor before the agent is made to wait
+
 
 def ship_by_value(cloudpickle) -> None:
     """Register what goes to Ray nodes by value: this module and the node agent's
@@ -50,39 +46,9 @@ def ship_by_value(cloudpickle) -> None:
     cloudpickle.register_pickle_by_value(node_agent)
 
 
-MAX_BUFFERED = 1 << 20   # output held in the actor before the agent is made to wait
-
-
-def _as_list(ref: dict) -> list:
-    """The node agent's form of a ref: [pid, pgid, start, boot]."""
-    return [ref["pid"], ref["pgid"], ref.get("start") or "", ref.get("boot_id") or ""]
-
-
-def is_ours(ref: dict) -> bool:
-    """`ref` ({pid, pgid, start, boot_id}) still names the group we started here:
-    the node agent's check (same boot; the leader gone, or the process that
-    started at the recorded time and still leads that group)."""
-    return node_agent.is_ours(_as_list(ref))
-
-
-def signal_ref(ref: dict, signum: int) -> bool:
-    return node_agent.signal_ref(_as_list(ref), signum)
-
-
-def alive_ref(ref: dict) -> bool:
-    return node_agent.alive(_as_list(ref))
-
-
-def stop_ref(ref: dict, timeout: float) -> bool:
-    """THE stop on a node (the node agent's stop_refs): identity check, SIGTERM to
-    the group, up to `timeout` seconds, SIGKILL. True when the group was ours and
-    was signalled."""
-    return bool(node_agent.stop_refs([_as_list(ref)], timeout))
-
-
 def free_ports(count: int, taken=()) -> list[int]:
     """`count` distinct ports this node can bind now (on every address), none in `taken`."""
-    ports = _agent_free_ports("0.0.0.0", count, {int(p) for p in taken})
+    ports = node_agent.free_ports("0.0.0.0", count, {int(p) for p in taken})
     if len(ports) != count:
         raise OSError(f"could not find {count} free ports")
     return ports
@@ -107,9 +73,8 @@ def own_root(path: str) -> None:
     private_dirs(path)
     st = os.lstat(path)
     what = node_agent.root_fault(st.st_mode, st.st_uid, os.getuid())
-    if what is None:
-        return
-    raise PermissionError(f"the per-job folder root {path} is {what}; refused (remove it on the node)")
+    if what is not None:
+        raise PermissionError(f"the per-job folder root {path} is {what}; refused (remove it on the node)")
 
 
 def private_dirs(path: str) -> None:
@@ -126,30 +91,45 @@ def private_dirs(path: str) -> None:
         os.chmod(folder, 0o700)
 
 
-def write_files(root: str, files: dict[str, bytes], executable=()) -> None:
-    """Write {relative path: content} under `root` (0700 folders, 0600 files,
-    0700 for `executable`), each file whole or absent (written aside, renamed)."""
+def write_files(root: str, files: list) -> None:
+    """Write the staging list under `root`: (dst, mode, kind, target, data) each,
+    kind "file" (whole or absent: written aside, renamed), "dir" or "link" (a
+    relative link that must stay inside `root`). Nothing is written outside it."""
     private_dirs(root)
     real_root = os.path.realpath(root)
-    for rel, data in files.items():
-        path = os.path.realpath(os.path.join(root, rel))
-        if not path.startswith(real_root + os.sep):
-            raise ValueError(f"refusing to write outside the job folder: {rel!r}")
+    for dst, mode, kind, target, data in files:
+        path = os.path.join(root, dst)
+        real = os.path.realpath(path)
+        if real != real_root and not real.startswith(real_root + os.sep):
+            raise ValueError(f"refusing to write outside the job folder: {dst!r}")
+        if kind == "dir":
+            private_dirs(path)
+            continue
         private_dirs(os.path.dirname(path))
+        if kind == "link":
+            if not os.path.realpath(os.path.join(os.path.dirname(real), target)).startswith(real_root + os.sep):
+                raise ValueError(f"refusing a link out of the job folder: {dst!r}")
+            if os.path.islink(path):
+                os.unlink(path)   # staged again (an instance moved to this node)
+            os.symlink(target, path)
+            continue
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700 if rel in executable else 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
 
 
+def _node_env() -> dict[str, str]:
+    # What the agent and the provisioning inherit: not the Ray worker's own settings.
+    return {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+
+
 class InstanceActor:
-    """One instance on one node (see the module docstring). The master calls it
-    through Ray; `read()` blocks while `stop()` may be called, so the actor is
-    created with max_concurrency > 1."""
+    """One instance on one node (see the module docstring). `recv()` blocks while
+    `send()` may be called, so the actor is created with max_concurrency > 1."""
 
     def __init__(self, job_id: str, label: str, node_id: str):
-        self.job_id = job_id
         self.label = label                  # JOB/role:idx, as the node agent shows it
         self.node_ip = ""
         if not node_id:   # inside a Ray worker: ask Ray where we are
@@ -160,43 +140,48 @@ class InstanceActor:
         self.node_id = node_id
         self.folder = job_folder(job_id, node_id)
         self.agent: subprocess.Popen | None = None
-        self.ref: dict | None = None
-        self.status: int | None = None
-        self.ended = False
         self.buf = bytearray()
+        self.eof = False
         self.cond = threading.Condition()
 
     # -- about the node ---------------------------------------------------------
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "boot_id": boot_id(), "python": sys.executable, "folder": self.folder,
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return {"boot_id": node_agent.boot_id(), "python": sys.executable, "folder": self.folder,
                 "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "hostname": socket.gethostname(),
-                "node_id": self.node_id, "node_ip": self.node_ip}
+                "node_id": self.node_id, "node_ip": self.node_ip,
+                "runtime_dir": os.path.expanduser(os.environ.get("PAI_RUNTIME_DIR") or
+                                                  os.path.join(cache, "paicli", "runtimes"))}
 
-    def stage(self, files: dict[str, bytes], executable=()) -> dict:
+    def stage(self, files: list) -> dict:
         """{"folder": ...}, or {"error": one line} when the node's folder is not safe
         to use or cannot be written."""
         try:
             if self.folder.startswith(user_root() + os.sep):
                 own_root(user_root())
-            write_files(self.folder, files, executable)
+            write_files(self.folder, files)
         except (OSError, ValueError) as err:
             return {"error": str(err)}
         return {"folder": self.folder}
 
     def ensure_runtime(self, name: str | None) -> dict:
         """The interpreter of runtime `name` on this node, provisioned here on first
-        use by the shipped runtimes code (pkg/paicli/runners, run in a process of
-        its own); {"error": ...} when it cannot be."""
+        use by the staged runtimes code (imported as the package it is, in a process
+        of its own); {"error": ...} when it cannot be."""
         if not name:
             return {"python": sys.executable, "lines": []}
+        pkg = os.path.join(self.folder, "pkg", "paicli")
+        if not os.path.isdir(pkg):
+            private_dirs(pkg)
+            open(os.path.join(pkg, "__init__.py"), "w").close()
+            os.symlink(os.path.join(self.folder, "runners"), os.path.join(pkg, "runners"))
         code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
                 "from paicli.runners.runtimes import get_runtime; "
                 "rt = get_runtime(sys.argv[2]); rt.ensure(lambda line: print(line, flush=True)); "
                 "print(json.dumps({'python': rt.python()}))")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        result = subprocess.run([sys.executable, "-c", code, os.path.join(self.folder, "pkg"), name],
-                                capture_output=True, text=True, env=env, start_new_session=True)
+        result = subprocess.run([sys.executable, "-c", code, os.path.dirname(pkg), name],
+                                capture_output=True, text=True, env=_node_env(), start_new_session=True)
         lines = result.stdout.splitlines()
         if result.returncode == 0 and lines:
             try:
@@ -209,87 +194,60 @@ class InstanceActor:
     def pick_ports(self, count: int, taken=()) -> list[int]:
         return free_ports(count, taken)
 
-    # -- one instance ---------------------------------------------------------------
+    # -- the relay to one node agent --------------------------------------------------
 
-    def start(self, argv: list[str], env: dict[str, str], cwd: str | None) -> dict:
-        """Start the instance under the node agent. Its identity {pid, pgid, start,
-        boot_id}, or {"error": message} when it could not start."""
+    def open(self) -> None:
+        """Start a node agent for the instance (a restart on this node: a new one;
+        the last one's stdin is closed, which stops whatever it left)."""
+        self.close()
         with self.cond:
-            if self.agent is not None and not self.ended:
-                return {"error": "this actor's instance is still running"}
-            # A restart on the same node: the last run is over; start afresh.
-            self.release()
-            self.ref, self.status, self.ended = None, None, False
             self.buf.clear()
-        agent_path = os.path.join(self.folder, "runners", "node_agent.py")
-        agent_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+            self.eof = False
         self.agent = subprocess.Popen(
-            [sys.executable, agent_path, "run", self.label],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=agent_env, start_new_session=True, close_fds=True)
-        spec = {"argv": list(argv), "env": dict(env), "cwd": cwd, "heartbeat": 0}
-        self.agent.stdin.write((json.dumps(spec) + "\n").encode())
-        self.agent.stdin.flush()
-        first = threading.Event()
-        threading.Thread(target=self._frames, args=(first,), daemon=True).start()
-        first.wait(30)
-        with self.cond:
-            if self.ref is not None:
-                return dict(self.ref)
-            text = bytes(self.buf).decode(errors="replace").strip()
-        return {"error": text or "the node agent did not start", "status": self.status}
+            [sys.executable, os.path.join(self.folder, "runners", "node_agent.py"), "run", self.label],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
+            env=_node_env(), start_new_session=True, close_fds=True)
+        threading.Thread(target=self._pump, args=(self.agent,), daemon=True).start()
 
-    def _frames(self, first: threading.Event) -> None:
-        out = self.agent.stdout
-        try:
-            while True:
-                head = out.read(5)
-                if len(head) < 5:
-                    break
-                kind, size = head[:1], struct.unpack(">I", head[1:])[0]
-                payload = out.read(size) if size else b""
-                with self.cond:
-                    if kind == b"I":
-                        ident = json.loads(payload)
-                        self.ref = {"pid": ident["pid"], "pgid": ident["pgid"], "start": ident.get("start"),
-                                    "boot_id": ident.get("boot") or boot_id()}
-                        first.set()
-                    elif kind == b"O":
-                        while len(self.buf) > MAX_BUFFERED and not self.ended:
-                            self.cond.wait(0.5)
-                        self.buf += payload
-                    elif kind == b"X":
-                        self.status = int(json.loads(payload)["status"])
-                    self.cond.notify_all()
-        finally:
+    def _pump(self, agent: subprocess.Popen) -> None:
+        fd = agent.stdout.fileno()
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b""
             with self.cond:
-                if self.status is None:
-                    self.status = -int(signal.SIGKILL)   # the agent died without a word
-                self.ended = True
+                if agent is not self.agent:
+                    return          # a newer agent owns the buffer
+                while data and len(self.buf) > MAX_BUFFERED:
+                    self.cond.wait(0.5)
+                self.buf += data
+                self.eof = not data
                 self.cond.notify_all()
-            first.set()
+            if not data:
+                agent.wait()
+                return
 
-    def read(self, wait: float = 0.5) -> tuple[bytes, int | None, bool]:
-        """(output since the last read, exit status or None, nothing more will come).
-        Blocks up to `wait` seconds for something to say."""
+    def send(self, data: bytes) -> None:
+        """Bytes to the agent's stdin; OSError once the agent is gone."""
+        if self.agent is None:
+            raise BrokenPipeError("no node agent")
+        self.agent.stdin.write(data)
+
+    def recv(self, max_bytes: int, wait: float) -> bytes | None:
+        """Up to `max_bytes` of the agent's output, waiting up to `wait` seconds for
+        some; b"" once it ended, None when nothing came meanwhile."""
         with self.cond:
-            if not self.buf and not self.ended:
+            if not self.buf and not self.eof:
                 self.cond.wait(wait)
-            data = bytes(self.buf)
-            self.buf.clear()
-            self.cond.notify_all()
-            return data, (self.status if self.ended else None), self.ended
+            if self.buf:
+                data = bytes(self.buf[:max_bytes])
+                del self.buf[:max_bytes]
+                self.cond.notify_all()
+                return data
+            return b"" if self.eof else None
 
-    def stop(self, timeout: float) -> bool:
-        return stop_ref(self.ref, timeout) if self.ref else False
-
-    def signal(self, signum: int) -> bool:
-        return signal_ref(self.ref, signum) if self.ref else False
-
-    def alive(self) -> bool:
-        return alive_ref(self.ref) if self.ref else False
-
-    def release(self) -> None:
+    def close(self) -> None:
         """Close the agent's stdin: it stops whatever is left of the group."""
         if self.agent is not None and self.agent.stdin:
             try:
@@ -302,17 +260,14 @@ class InstanceActor:
         remove_job_folder(self.folder)
 
 
-def pinned_stop(ref: dict, timeout: float) -> bool:
-    """Run on the instance's node by a pinned task (the watchdog, `pai kill`)."""
-    return stop_ref(ref, timeout)
+def pinned_stop(refs: list, timeout: float) -> list:
+    """The node agent's identity-checked stop, run on the refs' node by a pinned task
+    (`pai kill`, the watchdog: processes that hold no link)."""
+    return node_agent.stop_refs(refs, timeout)
 
 
-def pinned_signal(ref: dict, signum: int) -> bool:
-    return signal_ref(ref, signum)
-
-
-def pinned_alive(ref: dict) -> bool:
-    return alive_ref(ref)
+def pinned_alive(refs: list) -> list:
+    return [node_agent.alive(ref) for ref in refs]
 
 
 def pinned_ports(count: int, taken) -> list[int]:

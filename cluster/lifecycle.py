@@ -100,6 +100,7 @@ def cancel(store: Store, job_id: str, reason: str = "cancelled by user", wait: f
         return False
     lost = lost_reason(job)
     if lost:
+        report(f"{job_id}: {lost}; recorded, and what it left is stopped")
         declare_master_lost(store, job_id, reason=lost, report=report)
         return True
     store.set_job(job_id, JobStatus.CANCELLED, reason)

@@ -61,6 +61,8 @@ def stop_job_instances(store: Store, job_id: str, refs: list[InstanceRef] | None
             result["stopped"] = backend_for_job(job_dir).stop_all(wanted, timeout)
         except PaiError as err:
             result["error"] = err
+        except Exception as err:  # noqa: BLE001 - a transport's own error: one line, not a thread's traceback
+            result["error"] = f"{type(err).__name__}: {err}"
 
     worker = threading.Thread(target=stop, name=f"stop {job_id}", daemon=True)
     worker.start()

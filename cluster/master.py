@@ -250,10 +250,10 @@ class JobMaster:
             inst.handle = None
 
     def _write_log_view(self) -> None:
-        from paicli import jobview
+        from paicli import jobstatus
 
         try:
-            jobview.write_summary_file(jobview.build_status(self.store, self.job_id))
+            jobstatus.write_summary_file(jobstatus.build_status(self.store, self.job_id))
         except OSError:
             pass  # the log view is a convenience; the store has the truth
 

@@ -7,6 +7,7 @@ names one process for good, which is how a job's master is recognised later.
 from __future__ import annotations
 
 import os
+import signal
 from typing import NamedTuple
 
 
@@ -34,9 +35,38 @@ def start_time(pid: int) -> str | None:
 
 
 def is_alive(pid: int, start: str | None) -> bool:
-    """The process `pid` that started at `start` is still there (zombies are not)."""
+    """The process `pid` that started at `start` is still there (zombies are not).
+    Without a start time nothing says the pid is still that process: False."""
     stat = proc_stat(pid)
-    return stat is not None and stat.state != "Z" and (start is None or stat.start == start)
+    return start is not None and stat is not None and stat.state != "Z" and stat.start == start
+
+
+class Unverified(Exception):
+    """A pid whose identity cannot be checked: it is never signalled."""
+
+
+def signal_verified(pid: int, start: str | None, signum: int) -> bool:
+    """Send `signum` to `pid` only if it is still the process that started at
+    `start`. False if that process is gone (or is a zombie); Unverified, and
+    nothing sent, when no start time was recorded.
+
+    The process is pinned with a pidfd before its start time is read, so the pid
+    cannot be recycled between the check and the signal."""
+    if start is None or not pid or pid <= 0:
+        raise Unverified(f"pid {pid} has no recorded start time: it may name another process now; not signalled")
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    try:
+        if not is_alive(pid, start):
+            return False
+        signal.pidfd_send_signal(pidfd, signum)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(pidfd)
 
 
 def live_groups(pgids: set[int]) -> set[int]:

@@ -3,9 +3,13 @@
 The master starts it with a pipe on stdin and writes each instance's identity
 (an InstanceRef as one JSON line) to it as it starts. EOF on that pipe without a
 prior "done" means the master is gone (kill -9, a crash, OOM): the watchdog
-stops every instance it was told about, and every one the store knows, through
-the job's backend (`Backend.stop_all`: identity checked, SIGTERM, bounded wait,
-SIGKILL), and marks the job failed with reason "master lost".
+declares the master lost (cluster/lifecycle.py: the job recorded failed with
+reason "master lost", then every instance it was told about and every one the
+store knows stopped through the job's backend, identity checked).
+
+It also records, a little after it starts, the jobs of its home whose master and
+watchdog both died (lifecycle.sweep_lost): a reader (`pai status`, `pai list`)
+never writes, so someone who does must.
 """
 
 from __future__ import annotations
@@ -14,52 +18,37 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
+from paicli.cluster import lifecycle
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import InstanceRef
-from paicli.errors import PaiError
-from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
-STOP_TIMEOUT = 3.0
+# The sweep of jobs lost without a watchdog waits this long, so it never competes
+# with the instances starting at the moment this watchdog starts.
+SWEEP_AFTER = 2.0
 
 
-def stored_refs(store: Store, job_id: str) -> list[InstanceRef]:
-    """The identities the store holds for a job: every attempt's (an attempt may
-    have left processes in its group)."""
-    return [InstanceRef.from_dict(json.loads(row["ref"])) for row in store.attempts(job_id) if row["ref"]]
+def log_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
-def stop_job_instances(store: Store, job_id: str, refs: list[InstanceRef] | None = None,
-                       timeout: float = STOP_TIMEOUT) -> list[InstanceRef]:
-    """Stop what a job may have left running: the refs given and every attempt
-    the store knows, through the job's backend. Returns what was signalled."""
-    job = store.job(job_id)
-    backend = backend_for_job(Path(job["job_dir"]))
-    wanted = {ref: None for ref in [*(refs or ()), *stored_refs(store, job_id)]}
-    return backend.stop_all(list(wanted), timeout)
-
-
-def mark_master_lost(store: Store, job_id: str, refs: list[InstanceRef] | None = None,
-                     reason: str = "master lost") -> list[InstanceRef]:
-    """The job's master is gone: record it, then stop whatever it left running.
-    Returns what was stopped."""
-    # Write the verdict first, then act: anyone who looks sees why.
-    store.set_job(job_id, JobStatus.FAILED, reason)
+def sweep(start: threading.Event) -> None:
+    """Record the jobs of this home whose master and watchdog both died (see
+    lifecycle.sweep_lost): the next job's watchdog is who writes them. Runs
+    SWEEP_AFTER seconds in, or when `start` is set (this job's end), once."""
+    start.wait(SWEEP_AFTER)
     try:
-        stopped = stop_job_instances(store, job_id, refs)
-    except PaiError as err:
-        # The job's backend cannot be had (a Ray head that no longer answers): the
-        # nodes stop what they run themselves (the agents' heartbeat, Ray killing the
-        # dead driver's actors). The instances are still recorded as ended.
-        print(f"{time.ctime()}: cannot reach the job's backend to stop its instances: {err}", file=sys.stderr)
-        stopped = []
-    for inst in store.instances(job_id):
-        if not InstanceStatus(inst["status"]).is_terminal():
-            store.set_instance(job_id, inst["role"], inst["idx"], InstanceStatus.KILLED, reason)
-    return stopped
+        store = Store()  # this thread's own connection
+        try:
+            lifecycle.sweep_lost(store, report=log_line)
+        finally:
+            store.close()
+    except Exception as err:  # noqa: BLE001 - another job's trouble must not end this watchdog
+        log_line(f"{time.ctime()}: the sweep of lost jobs failed: {err}")
 
 
 def main(argv: list[str]) -> int:
@@ -68,6 +57,9 @@ def main(argv: list[str]) -> int:
     for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     print(f"{time.ctime()}: watchdog of {job_id}: pid {os.getpid()}", file=sys.stderr, flush=True)
+    job_ended = threading.Event()
+    sweeper = threading.Thread(target=sweep, args=(job_ended,), name="sweep", daemon=True)
+    sweeper.start()
     refs: list[InstanceRef] = []
     done = False
     for line in sys.stdin.buffer:
@@ -80,9 +72,11 @@ def main(argv: list[str]) -> int:
             except (ValueError, KeyError, TypeError):
                 print(f"{time.ctime()}: ignored a bad line from the master: {word[:200]!r}", file=sys.stderr)
     if done:
+        job_ended.set()
+        sweeper.join(lifecycle.STOP_TIMEOUT + lifecycle.STOP_DEADLINE)
         return 0
     store = Store()
-    stopped = mark_master_lost(store, job_id, refs)
+    stopped = lifecycle.declare_master_lost(store, job_id, refs, report=log_line)
     print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in stopped]} "
           f"(of {len(refs)} instance(s) it was told about)", file=sys.stderr)
     try:
@@ -91,6 +85,8 @@ def main(argv: list[str]) -> int:
         backend_for_job(job_dir).cleanup(str(job_dir))
     except Exception as err:  # noqa: BLE001 - a clean-up failure must not hide the verdict
         print(f"{time.ctime()}: clean-up after the lost master failed: {err}", file=sys.stderr)
+    job_ended.set()
+    sweeper.join(lifecycle.STOP_TIMEOUT + lifecycle.STOP_DEADLINE)
     return 0
 
 

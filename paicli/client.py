@@ -9,19 +9,18 @@ the log files (and asks the master to cancel).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from paicli.errors import PaiError, UsageError
+from paicli.jobstatus import MASTER_START_DEADLINE, job_over, master_alive  # noqa: F401 (the API's names)
 from paicli.plan import JobPlan
 from paicli.spec import CORE_PARAMS, JobSpec, build_spec
 from paicli.statement import Statement, dump_yaml
-from paicli.states import InstanceStatus, JobStatus
+from paicli.states import JobStatus
 from paicli.store import Store
 
 
@@ -116,47 +115,22 @@ def start_master(store: Store, job_id: str, job_dir: Path) -> None:
     store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
 
 
-# -- reading ----------------------------------------------------------------------
-
-# A job recorded this long ago with no master pid never got its master (the CLI
-# died between recording it and starting the master, or the start failed).
-MASTER_START_DEADLINE = 30.0
+# -- reading: never writes, never signals, never builds a backend ------------------
 
 
-def master_alive(job) -> bool:
-    from paicli.cluster.procinfo import is_alive
+def refresh(store: Store, job_id: str) -> dict[str, Any]:
+    """The job's row as the user should see it: a job whose master is gone
+    without recording its end is shown Failed ("master lost"), derived, not
+    written (paicli.jobstatus.read_job)."""
+    from paicli.jobstatus import read_job
 
-    if not job["master_pid"]:
-        # Not started yet: alive while it may still be starting, not forever.
-        return time.time() - (job["created"] or 0) < MASTER_START_DEADLINE
-    return is_alive(job["master_pid"], job["master_start"])
-
-
-def job_over(job) -> bool:
-    """The job has ended and its master is gone: its logs will not grow again."""
-    return JobStatus(job["status"]).is_terminal() and not master_alive(job)
-
-
-def refresh(store: Store, job_id: str):
-    """The job's row, after marking it failed ("master lost") if its master died
-    without recording an end."""
-    job = store.job(job_id)
-    if not JobStatus(job["status"]).is_terminal() and not master_alive(job):
-        time.sleep(0.2)  # the master may be writing its last transition right now
-        job = store.job(job_id)
-        if not JobStatus(job["status"]).is_terminal() and not master_alive(job):
-            from paicli.cluster.watchdog import mark_master_lost
-            mark_master_lost(store, job_id, reason="master lost" if job["master_pid"] else
-                             f"its master never started (none within {MASTER_START_DEADLINE:g}s)")
-            job = store.job(job_id)
-    return job
+    return read_job(store, job_id)
 
 
 def status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
-    refresh(store, job_id)
-    from paicli import jobview
+    from paicli.jobstatus import build_status
 
-    return jobview.build_status(store, job_id, with_series)
+    return build_status(store, job_id, with_series)
 
 
 def list_jobs(store: Store, limit: int = 50) -> list[dict[str, Any]]:
@@ -171,37 +145,17 @@ def list_jobs(store: Store, limit: int = 50) -> list[dict[str, Any]]:
     return out
 
 
-# -- cancelling -----------------------------------------------------------------------
+# -- cancelling: the lifecycle module writes ------------------------------------------
 
 
 def kill(store: Store, job_id: str, reason: str = "cancelled by user", wait: float = 5.0) -> bool:
-    """Cancel a job: record it, signal its master, and make sure every instance
-    group is gone within `wait` seconds (killing them here if the master could
-    not). False if the job had already ended."""
-    from paicli.cluster.watchdog import stop_job_instances
+    """Cancel a job (paicli.cluster.lifecycle.cancel): recorded, its master
+    stopped (killed if it does not end in time), every instance group the store
+    knows stopped through the identity-checked path. A job whose master is gone
+    is declared lost instead. False if the job had already ended."""
+    from paicli.cluster.lifecycle import cancel
 
-    job = refresh(store, job_id)
-    if JobStatus(job["status"]).is_terminal():
-        return False
-    store.set_job(job_id, JobStatus.CANCELLED, reason)
-    if master_alive(job) and job["master_pid"]:
-        try:
-            os.kill(job["master_pid"], signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + wait - 1.0
-    while time.monotonic() < deadline:
-        running = [i for i in store.instances(job_id) if i["status"] == InstanceStatus.RUNNING.value]
-        if not running and not master_alive(store.job(job_id)):
-            break
-        time.sleep(0.05)
-    # Whatever the master could not stop in time: the same one stop path,
-    # identity-checked, for every attempt the store knows.
-    stop_job_instances(store, job_id, timeout=0.5)
-    for inst in store.instances(job_id):
-        if not InstanceStatus(inst["status"]).is_terminal():
-            store.set_instance(job_id, inst["role"], inst["idx"], InstanceStatus.KILLED, reason)
-    return True
+    return cancel(store, job_id, reason, wait)
 
 
 def resolve_job(store: Store, job_id: str):

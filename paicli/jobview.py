@@ -1,167 +1,14 @@
-"""A job as the user sees it: the status record, the Fuxi summary table, the
-verdict line, and the plain log-view file. Reads the store only, so the CLI and
-the JobMaster (which writes the log view) share it.
+"""A job as the user reads it in text: the Fuxi summary table, the verdict line,
+the notices under `pai status`. The data comes from paicli.jobstatus (the
+JobMaster imports only that).
 """
 
 from __future__ import annotations
 
-import os
-import time
-from pathlib import Path
-from typing import Any
-
-from paicli import plutoview, steptime
-from paicli.private import write_private
-from paicli.states import InstanceStatus, JobStatus
-from paicli.store import Store
-
-
-def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
-    """Everything `pai status --json` shows, read from the store. The last value of
-    each metric comes from SQL; the whole series (which can be millions of rows)
-    only when asked for."""
-    job = store.job(job_id)
-    instances = store.instances(job_id)
-    tasks = []
-    for task in store.tasks(job_id):
-        mine = [i for i in instances if i["role"] == task["role"]]
-        tasks.append({
-            "name": task["role"], "total": task["count"], "retries": task["retries"],
-            "fatal": sum(i["status"] == InstanceStatus.FAILED.value for i in mine),
-            "finished": sum(i["status"] == InstanceStatus.TERMINATED.value for i in mine),
-            "running": sum(i["status"] == InstanceStatus.RUNNING.value for i in mine),
-            "must_finish": bool(task["must_finish"]),
-        })
-    job_dir = Path(job["job_dir"])
-    metrics: dict[str, dict[str, float]] = {}
-    for row in store.latest_metrics(job_id):
-        metrics.setdefault(f"{row['role']}:{row['idx']}", {})[row["key"]] = row["value"]
-    series: dict[str, dict[str, list]] = {}
-    if with_series:
-        for row in store.metrics(job_id):
-            name = f"{row['role']}:{row['idx']}"
-            series.setdefault(name, {}).setdefault(row["key"], []).append([row["step"], row["value"]])
-    out = {
-        "id": job["id"], "name": job["name"], "framework": job["framework"], "project": job["project"],
-        "task_name": job["task_name"], "status": job["status"], "reason": job["reason"],
-        "created": job["created"], "started": job["started"], "ended": job["ended"],
-        "job_dir": str(job_dir), "log_view": str(job_dir / "summary.txt"), "master_pid": job["master_pid"],
-        "job_attempt": job["job_attempt"], "tasks": tasks,
-        "instances": [{
-            "role": i["role"], "index": i["idx"], "status": i["status"], "exit_code": i["exit_code"],
-            "attempts": (i["attempt"] or 0) + 1, "pid": i["pid"], "pgid": i["pgid"],
-            "node": i["node"], "host": i["host"],
-            "port": i["port"], "log": instance_log_path(job_dir, i["role"], i["idx"], i["attempt"] or 0),
-        } for i in instances],
-        "step_seconds": steptime.job_step_seconds(store, job_id),
-        "pluto": plutoview.record(job_dir),
-        "metrics": metrics, **({"metric_series": series} if with_series else {}),
-    }
-    out["idle"] = idle_instances(out)
-    out["exposed"] = exposed_instances(out)
-    return out
-
-
-# -- signs of trouble while a job runs --------------------------------------------
-
-IDLE_AFTER = 300.0  # seconds without a line before a running instance counts as idle
-
-
-def idle_after() -> float:
-    """$PAI_IDLE_SECONDS, or IDLE_AFTER."""
-    try:
-        value = float(os.environ.get("PAI_IDLE_SECONDS", IDLE_AFTER))
-    except ValueError:
-        return IDLE_AFTER
-    return value if value > 0 else IDLE_AFTER
-
-
-def idle_instances(status: dict, now: float | None = None) -> list[dict[str, Any]]:
-    """Running workers that printed nothing for idle_after() seconds, judged by
-    their log file's modification time (the master writes every byte there at
-    once), so no master is asked. A finished job has none."""
-    if JobStatus(status["status"]).is_terminal():
-        return []
-    now = time.time() if now is None else now
-    limit = idle_after()
-    # Services (a ps) are quiet by nature: only the instances that must finish count.
-    services = {t["name"] for t in status["tasks"] if not t["must_finish"]}
-    idle = []
-    for inst in status["instances"]:
-        if inst["status"] != InstanceStatus.RUNNING.value or inst["role"] in services:
-            continue
-        try:
-            quiet = now - os.stat(inst["log"]).st_mtime
-        except OSError:
-            continue
-        if quiet >= limit:
-            idle.append({"instance": f"{inst['role']}:{inst['index']}", "seconds": round(quiet, 1)})
-    return idle
-
-
-def idle_now(store: Store, job_id: str) -> list[dict[str, Any]]:
-    """idle_instances() from the job's row, tasks and instances only: cheap enough
-    for the attached view to ask every few seconds (no metrics, no step times)."""
-    job = store.job(job_id)
-    job_dir = Path(job["job_dir"])
-    status = {"status": job["status"],
-              "tasks": [{"name": t["role"], "must_finish": bool(t["must_finish"])} for t in store.tasks(job_id)],
-              "instances": [{"role": i["role"], "index": i["idx"], "status": i["status"],
-                             "log": instance_log_path(job_dir, i["role"], i["idx"], i["attempt"] or 0)}
-                            for i in store.instances(job_id)]}
-    return idle_instances(status)
-
-
-def _listening(path: str) -> list[tuple[str, int]]:
-    """(address, port) of every listening TCP socket in /proc/net/tcp or tcp6."""
-    import ipaddress  # here, not at the top: `pai` imports this module on every submit
-
-    found = []
-    try:
-        with open(path) as f:
-            next(f, None)
-            for line in f:
-                fields = line.split()
-                if len(fields) < 4 or fields[3] != "0A":  # 0A: LISTEN
-                    continue
-                address, port = fields[1].split(":")
-                raw = bytes.fromhex(address)
-                # The kernel prints each 32-bit word in host (little-endian) order.
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                found.append((str(ipaddress.ip_address(raw)), int(port, 16)))
-    except (OSError, ValueError):
-        pass
-    return found
-
-
-def is_loopback(address: str) -> bool:
-    import ipaddress
-
-    ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
-
-
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "")
-
-
-def exposed_instances(status: dict) -> list[dict[str, Any]]:
-    """Running instances on this machine whose port is listened on at an address
-    other than loopback (TensorFlow's servers bind every interface): anyone who
-    can reach the machine can talk to them, and they check no credentials."""
-    if JobStatus(status["status"]).is_terminal():
-        return []
-    mine = {inst["port"]: f"{inst['role']}:{inst['index']}" for inst in status["instances"]
-            if inst["port"] and inst["status"] == InstanceStatus.RUNNING.value
-            and (inst["host"] or "") in LOCAL_HOSTS}
-    if not mine:
-        return []
-    exposed: dict[str, dict[str, Any]] = {}
-    for address, port in _listening("/proc/net/tcp") + _listening("/proc/net/tcp6"):
-        if port in mine and not is_loopback(address):
-            exposed.setdefault(mine[port], {"instance": mine[port], "port": port, "address": address})
-    return sorted(exposed.values(), key=lambda e: e["instance"])
+from paicli.jobstatus import aligned, summary_rows
+# Re-exported while callers move to paicli.jobstatus (logtail, web/data).
+from paicli.jobstatus import build_status, idle_after, idle_now, instance_log_path  # noqa: F401
+from paicli.states import JobStatus
 
 
 def notice_lines(status: dict) -> list[str]:
@@ -173,24 +20,15 @@ def notice_lines(status: dict) -> list[str]:
     if status.get("exposed"):
         names = ", ".join(f"{e['instance']} on {e['address']}:{e['port']}" for e in status["exposed"])
         lines.append(f"Warning: reachable from other machines, without authentication: {names}")
+    if status.get("unrecorded"):
+        lines.append(f"Its master is gone without recording the end; `pai kill {status['id']}` stops what it"
+                     " left and records it")
     return lines
-
-
-def instance_log_path(job_dir: Path, role: str, idx: int, attempt: int) -> str:
-    return str(job_dir / "logs" / f"{role}-{idx}.{attempt}.log")
 
 
 def summary_lines(status: dict) -> list[str]:
     """The Fuxi summary: one row per task (the job's own task first)."""
-    rows = [("TaskName", "Fatal/Finished/Total", "Retries")]
-    tasks = status["tasks"]
-    rows.append((status["task_name"] or "Task",
-                 f"{sum(t['fatal'] for t in tasks)}/{sum(t['finished'] for t in tasks)}/{sum(t['total'] for t in tasks)}",
-                 str(sum(t["retries"] for t in tasks))))
-    for task in tasks:
-        rows.append((task["name"], f"{task['fatal']}/{task['finished']}/{task['total']}", str(task["retries"])))
-    width = [max(len(r[c]) for r in rows) for c in range(3)]
-    return ["  ".join(cell.ljust(width[c]) for c, cell in enumerate(row)).rstrip() for row in rows]
+    return aligned(summary_rows(status))
 
 
 def verdict_line(status: dict) -> str:
@@ -199,19 +37,3 @@ def verdict_line(status: dict) -> str:
     if status["status"] == JobStatus.CANCELLED.value:
         return f"CANCELLED: {status['reason'] or 'cancelled'}"
     return f"FAILED: {status['reason'] or 'unknown reason'}"
-
-
-def write_summary_file(status: dict) -> None:
-    """The plain per-job log view (an HTML page comes later)."""
-    path = Path(status["log_view"])
-    lines = [f"Job {status['id']}  {status['name']}  ({status['framework']})",
-             f"Status: {status['status']}" + (f"  ({status['reason']})" if status["reason"] else ""), ""]
-    lines += summary_lines(status) + ["", "Instances:"]
-    for inst in status["instances"]:
-        lines.append(f"  {inst['role']}:{inst['index']:<3} {inst['status']:<10} exit={inst['exit_code']}"
-                     f"  attempts={inst['attempts']}  log={inst['log']}")
-    for name, values in status["metrics"].items():
-        lines.append(f"  {name} last metrics: " + ", ".join(f"{k}={v:g}" for k, v in values.items()))
-    write_private(path, "\n".join(lines) + "\n")
-
-

@@ -401,3 +401,10 @@ class Store:
         sets = ", ".join(f"{name} = ?" for name in values)
         where = " AND ".join(f"{name} = ?" for name in key)
         db.execute(f"UPDATE {table} SET {sets} WHERE {where}", (*values.values(), *key.values()))
+
+    # -- added by the LIFECYCLE helper (issue 16): the sweep of lost jobs --------
+
+    def unfinished_jobs(self) -> list[sqlite3.Row]:
+        """Every job not recorded as ended, oldest first."""
+        return self.db.execute("SELECT * FROM jobs WHERE status IN ('Waiting', 'Running')"
+                               " ORDER BY created").fetchall()

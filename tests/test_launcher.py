@@ -191,7 +191,8 @@ def test_kill_9_of_the_supervisor_leaves_no_orphan(pai_home, tmp_path):
 
 
 def test_supervisor_death_is_noticed_by_the_next_look_too(pai_home):
-    """With the watchdog gone as well, `pai status` marks the job and ends its groups."""
+    """With the watchdog gone as well, `pai status` shows the job lost (derived: a
+    reader writes nothing, issue 16) and `pai kill` records it and ends its groups."""
     result = pai("-name", "python", f"-Dscript={BEHAVE}", "--detach", env={"BEHAVE": "print:1,sleep:600"})
     job_id = result.stdout.strip()
     status = wait_until(lambda: (s := pai_json("status", job_id))["instances"][0]["pid"] and s, timeout=20)
@@ -202,6 +203,7 @@ def test_supervisor_death_is_noticed_by_the_next_look_too(pai_home):
     os.kill(master, signal.SIGKILL)
     after = pai_json("status", job_id)
     assert after["status"] == "Failed" and after["reason"] == "master lost"
+    assert pai("kill", job_id).returncode == 0
     assert wait_until(lambda: processes_in({status["instances"][0]["pgid"]}) == [], timeout=10)
 
 

@@ -117,11 +117,16 @@ def test_the_feed_ends_when_a_master_died_without_recording_the_end(web):
     with urllib.request.urlopen(f"{base}/api/jobs/{job_id}/stream?token={token}", timeout=20) as response:
         feed = response.read().decode()                # returns only because the feed ends
     end = json.loads(feed.rstrip().split("\n")[-1][len("data: "):])
-    assert end["status"] == "Running" and end["verdict"].startswith("its master is gone")
+    # The loss is derived for display, as `pai status` derives it (issue 16: readers write nothing).
+    assert end["status"] == "Failed" and end["verdict"] == "FAILED: master lost"
     assert "step=2" in feed
-    # The server changed nothing in the store; pai status records the loss.
-    assert json.loads(get(f"{base}/api/jobs/{job_id}.json?token={token}")[1])["status"] == "Running"
+    shown = json.loads(get(f"{base}/api/jobs/{job_id}.json?token={token}")[1])
+    assert (shown["status"], shown["unrecorded"]) == ("Failed", True)
     assert pai_json("status", job_id)["status"] == "Failed"
+    # Neither the server nor pai status changed the store.
+    db = sqlite3.connect(web / "pai.db")
+    assert db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()[0] == "Running"
+    db.close()
 
 
 def test_every_url_is_403_without_the_token(web):

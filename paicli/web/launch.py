@@ -193,25 +193,30 @@ def log_view_line(home: Path, job_id: str, fallback: str) -> tuple[str, str | No
 
 def stop_server(home: Path, timeout: float = 3.0) -> bool:
     """SIGTERM, a bounded wait, then SIGKILL, only to the process recorded as this
-    home's server (pid and start time both match). False if none was running."""
-    from paicli.cluster.procinfo import is_alive
+    home's server (pid and start time both match). False if none was running. A
+    record without a start time names no process for sure: one line, no signal."""
+    from paicli.cluster.procinfo import Unverified, is_alive, proc_stat, signal_verified
 
-    state = running_server(home)
-    if state is None:
+    state = read_state(home)
+    if not state or not state.get("pid"):
         return False
     pid, start = int(state["pid"]), state.get("start")
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not is_alive(pid, start):
-            break
-        time.sleep(0.05)
-    else:
-        if is_alive(pid, start):
-            os.kill(pid, signal.SIGKILL)
+    try:
+        running = signal_verified(pid, start, signal.SIGTERM)
+    except Unverified as err:
+        if proc_stat(pid) is None:
+            return False  # nothing there to mistake for it
+        raise PaiError(f"the logview server recorded in {home / 'logview' / 'server.json'}: {err}",
+                       "stop it by hand if it is yours, then remove that file") from None
+    if running:
+        deadline = time.monotonic() + timeout
+        while is_alive(pid, start) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        signal_verified(pid, start, signal.SIGKILL)  # False (nothing sent) once it is gone
     try:
         if (read_state(home) or {}).get("pid") == pid:
             (home / "logview" / "server.json").unlink()
     except OSError:
         pass
-    return True
+    return running
+

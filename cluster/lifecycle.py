@@ -1,0 +1,157 @@
+"""The only writers of a job's state outside its JobMaster.
+
+`cancel` is `pai kill`: record Cancelled, ask the master to stop (SIGTERM), and
+if it has not ended within its grace, SIGKILL it, whatever it is blocked in;
+then the one stop path for every instance the store knows. `declare_master_lost`
+is the watchdog's (and `pai kill`'s for a job whose master is gone): record the
+verdict, then stop what the master left. Reading a job never writes: see
+paicli.jobstatus.read_job, which derives "master gone" for display.
+
+Every signal goes to a verified identity (pid and start time; instances through
+their backend's identity check). An identity that cannot be verified is
+reported in one line and left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from paicli.cluster.backends import backend_for_job
+from paicli.cluster.backends.base import InstanceRef
+from paicli.cluster.procinfo import Unverified, is_alive, signal_verified
+from paicli.errors import PaiError
+from paicli.jobstatus import lost_reason
+from paicli.states import InstanceStatus, JobStatus
+from paicli.store import Store
+
+STOP_TIMEOUT = 3.0     # SIGTERM to SIGKILL for an instance group
+STOP_DEADLINE = 4.0    # the most a stop through the job's backend may take (SSH, Ray round trips)
+Report = Callable[[str], None]
+
+
+def to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def stored_refs(store: Store, job_id: str) -> list[InstanceRef]:
+    """The identities the store holds for a job: every attempt's (an attempt may
+    have left processes in its group)."""
+    return [InstanceRef.from_dict(json.loads(row["ref"])) for row in store.attempts(job_id) if row["ref"]]
+
+
+def stop_job_instances(store: Store, job_id: str, refs: list[InstanceRef] | None = None,
+                       timeout: float = STOP_TIMEOUT, report: Report = to_stderr) -> list[InstanceRef]:
+    """Stop what a job may have left running: the refs given and every attempt
+    the store knows, through the job's backend (identity checked, SIGTERM,
+    bounded wait, SIGKILL). Returns what was signalled. A backend that cannot be
+    reached within STOP_DEADLINE is reported, not waited for: the nodes end what
+    they run themselves (the agents' heartbeat, Ray killing a dead driver's actors)."""
+    job_dir = Path(store.job(job_id)["job_dir"])
+    wanted = list({ref: None for ref in [*(refs or ()), *stored_refs(store, job_id)]})
+    result: dict[str, object] = {}
+
+    def stop() -> None:  # no store in here: it stays in the calling thread
+        try:
+            result["stopped"] = backend_for_job(job_dir).stop_all(wanted, timeout)
+        except PaiError as err:
+            result["error"] = err
+        except Exception as err:  # noqa: BLE001 - a transport's own error: one line, not a thread's traceback
+            result["error"] = f"{type(err).__name__}: {err}"
+
+    worker = threading.Thread(target=stop, name=f"stop {job_id}", daemon=True)
+    worker.start()
+    worker.join(timeout + STOP_DEADLINE)
+    if "error" in result:
+        report(f"{time.ctime()}: cannot reach the job's backend to stop its instances: {result['error']}")
+    elif worker.is_alive():
+        report(f"{time.ctime()}: the job's backend did not answer within {timeout + STOP_DEADLINE:g}s;"
+               " its nodes stop what they run themselves")
+    return list(result.get("stopped") or [])
+
+
+def _mark_instances(store: Store, job_id: str, reason: str) -> None:
+    for inst in store.instances(job_id):
+        if not InstanceStatus(inst["status"]).is_terminal():
+            store.set_instance(job_id, inst["role"], inst["idx"], InstanceStatus.KILLED, reason)
+
+
+def declare_master_lost(store: Store, job_id: str, refs: list[InstanceRef] | None = None,
+                        reason: str = "master lost", report: Report = to_stderr) -> list[InstanceRef]:
+    """The job's master is gone: record it, then stop whatever it left running.
+    Returns what was stopped."""
+    # The verdict first, then the acts: anyone who looks meanwhile sees why.
+    store.set_job(job_id, JobStatus.FAILED, reason)
+    stopped = stop_job_instances(store, job_id, refs, report=report)
+    _mark_instances(store, job_id, reason)
+    return stopped
+
+
+def cancel(store: Store, job_id: str, reason: str = "cancelled by user", wait: float = 5.0,
+           report: Report = to_stderr) -> bool:
+    """Cancel a job and make sure every instance group is gone: within `wait`
+    seconds when the master and the backend answer, and its master ended for good
+    in any case. False if the job had already ended."""
+    job = store.job(job_id)
+    if JobStatus(job["status"]).is_terminal():
+        return False
+    lost = lost_reason(job)
+    if lost:
+        report(f"{job_id}: {lost}; recorded, and what it left is stopped")
+        declare_master_lost(store, job_id, reason=lost, report=report)
+        return True
+    store.set_job(job_id, JobStatus.CANCELLED, reason)
+    _end_master(store, job_id, time.monotonic() + max(wait - 1.0, 0.5), report)
+    # Whatever the master could not stop in time: the one stop path, identity
+    # checked, for every attempt the store knows.
+    stop_job_instances(store, job_id, timeout=0.5, report=report)
+    _mark_instances(store, job_id, reason)
+    return True
+
+
+def _end_master(store: Store, job_id: str, deadline: float, report: Report) -> None:
+    """SIGTERM the master (it stops its instances and records them), wait until it
+    is gone and nothing runs, or the deadline; then SIGKILL it, so a master blocked
+    in a call that never returns (a Ray call, a dead SSH peer) ends anyway. Its
+    watchdog then sees it gone and stops what it left."""
+    job = store.job(job_id)
+    pid, start = job["master_pid"], job["master_start"]
+    if not pid:
+        return  # not started yet: it finds the job Cancelled when it starts
+    try:
+        if not signal_verified(pid, start, signal.SIGTERM):
+            return
+    except Unverified as err:
+        report(f"the master of {job_id}: {err}")
+        return
+    while time.monotonic() < deadline:
+        running = any(i["status"] == InstanceStatus.RUNNING.value for i in store.instances(job_id))
+        if not running and not is_alive(pid, start):
+            return
+        time.sleep(0.05)
+    if signal_verified(pid, start, signal.SIGKILL):
+        report(f"the master of {job_id} did not end within its grace: killed")
+
+
+def sweep_lost(store: Store, report: Report = to_stderr) -> list[str]:
+    """Record every job of this store whose master is gone without recording its
+    end, and stop what it left: the next job's watchdog runs this, so a job whose
+    master and watchdog both died (a reboot, a kill of both) does not stay Running,
+    holding its claims and ports, for want of a reader writing it. A job whose own
+    watchdog is acting right now is harmless to meet: the store moves a job out
+    of Running once, and each stop is identity checked. Returns the jobs declared
+    lost."""
+    lost = []
+    for job in store.unfinished_jobs():
+        reason = lost_reason(job)
+        if reason:
+            lost.append(job["id"])
+            stopped = declare_master_lost(store, job["id"], reason=reason, report=report)
+            report(f"{time.ctime()}: job {job['id']}: {reason}; stopped {[f'{r.node}:{r.pid}' for r in stopped]}")
+    return lost
+

@@ -1,0 +1,256 @@
+"""A job's status as data: its row as the user should see it (with "master gone"
+derived, never written), the status record `pai status --json` shows, the signs
+of trouble, and the plain summary file the JobMaster keeps. Reads the store and
+/proc only; the text the CLI prints is in paicli.jobview.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from paicli.cluster.procinfo import is_alive
+from paicli.private import write_private
+from paicli.states import InstanceStatus, JobStatus
+from paicli.store import Store
+
+# A job recorded this long ago with no master pid never got its master (the CLI
+# died between recording it and starting the master, or the start failed).
+MASTER_START_DEADLINE = 30.0
+
+
+def master_alive(job) -> bool:
+    if not job["master_pid"]:
+        # Not started yet: alive while it may still be starting, not forever.
+        return time.time() - (job["created"] or 0) < MASTER_START_DEADLINE
+    return is_alive(job["master_pid"], job["master_start"])
+
+
+def job_over(job) -> bool:
+    """The job has ended and its master is gone: its logs will not grow again."""
+    return JobStatus(job["status"]).is_terminal() and not master_alive(job)
+
+
+def lost_reason(job) -> str | None:
+    """Why a job not recorded as ended will never end by itself (its master is
+    gone), or None."""
+    if JobStatus(job["status"]).is_terminal() or master_alive(job):
+        return None
+    return "master lost" if job["master_pid"] else \
+        f"its master never started (none within {MASTER_START_DEADLINE:g}s)"
+
+
+def read_job(store: Store, job_id: str) -> dict[str, Any]:
+    """The job's row as the user should see it. A job whose master is gone without
+    recording its end is shown Failed with the reason its record will get
+    (`unrecorded`: True); nothing is written, nothing signalled. The record is
+    the watchdog's to write, or `pai kill`'s (paicli.cluster.lifecycle)."""
+    job = store.job(job_id)
+    if lost_reason(job) is None:
+        return {**dict(job), "unrecorded": False}
+    # A dead master writes nothing more, but its last transition may have landed
+    # between the read above and the look at /proc: read once more.
+    job = store.job(job_id)
+    reason = lost_reason(job)
+    if reason is None:
+        return {**dict(job), "unrecorded": False}
+    return {**dict(job), "status": JobStatus.FAILED.value, "reason": reason, "unrecorded": True}
+
+
+def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
+    """Everything `pai status --json` shows, read from the store. The last value of
+    each metric comes from SQL; the whole series (which can be millions of rows)
+    only when asked for."""
+    from paicli import plutoview, steptime  # here: the CLI's start-up path imports this module
+
+    job = read_job(store, job_id)
+    instances = [_as_shown(i, job) for i in store.instances(job_id)]
+    tasks = []
+    for task in store.tasks(job_id):
+        mine = [i for i in instances if i["role"] == task["role"]]
+        tasks.append({
+            "name": task["role"], "total": task["count"], "retries": task["retries"],
+            "fatal": sum(i["status"] == InstanceStatus.FAILED.value for i in mine),
+            "finished": sum(i["status"] == InstanceStatus.TERMINATED.value for i in mine),
+            "running": sum(i["status"] == InstanceStatus.RUNNING.value for i in mine),
+            "must_finish": bool(task["must_finish"]),
+        })
+    job_dir = Path(job["job_dir"])
+    metrics: dict[str, dict[str, float]] = {}
+    for row in store.latest_metrics(job_id):
+        metrics.setdefault(f"{row['role']}:{row['idx']}", {})[row["key"]] = row["value"]
+    series: dict[str, dict[str, list]] = {}
+    if with_series:
+        for row in store.metrics(job_id):
+            name = f"{row['role']}:{row['idx']}"
+            series.setdefault(name, {}).setdefault(row["key"], []).append([row["step"], row["value"]])
+    out = {
+        "id": job["id"], "name": job["name"], "framework": job["framework"], "project": job["project"],
+        "task_name": job["task_name"], "status": job["status"], "reason": job["reason"],
+        "created": job["created"], "started": job["started"], "ended": job["ended"],
+        "job_dir": str(job_dir), "log_view": str(job_dir / "summary.txt"), "master_pid": job["master_pid"],
+        "job_attempt": job["job_attempt"], "tasks": tasks, "unrecorded": job["unrecorded"],
+        "instances": [{
+            "role": i["role"], "index": i["idx"], "status": i["status"], "exit_code": i["exit_code"],
+            "attempts": (i["attempt"] or 0) + 1, "pid": i["pid"], "pgid": i["pgid"],
+            "node": i["node"], "host": i["host"],
+            "port": i["port"], "log": instance_log_path(job_dir, i["role"], i["idx"], i["attempt"] or 0),
+        } for i in instances],
+        "step_seconds": steptime.job_step_seconds(store, job_id),
+        "pluto": plutoview.record(job_dir),
+        "metrics": metrics, **({"metric_series": series} if with_series else {}),
+    }
+    out["idle"] = idle_instances(out)
+    out["exposed"] = exposed_instances(out)
+    return out
+
+
+# -- signs of trouble while a job runs --------------------------------------------
+
+IDLE_AFTER = 300.0  # seconds without a line before a running instance counts as idle
+
+
+def idle_after() -> float:
+    """$PAI_IDLE_SECONDS, or IDLE_AFTER."""
+    try:
+        value = float(os.environ.get("PAI_IDLE_SECONDS", IDLE_AFTER))
+    except ValueError:
+        return IDLE_AFTER
+    return value if value > 0 else IDLE_AFTER
+
+
+def idle_instances(status: dict, now: float | None = None) -> list[dict[str, Any]]:
+    """Running workers that printed nothing for idle_after() seconds, judged by
+    their log file's modification time (the master writes every byte there at
+    once), so no master is asked. A finished job has none."""
+    if JobStatus(status["status"]).is_terminal():
+        return []
+    now = time.time() if now is None else now
+    limit = idle_after()
+    # Services (a ps) are quiet by nature: only the instances that must finish count.
+    services = {t["name"] for t in status["tasks"] if not t["must_finish"]}
+    idle = []
+    for inst in status["instances"]:
+        if inst["status"] != InstanceStatus.RUNNING.value or inst["role"] in services:
+            continue
+        try:
+            quiet = now - os.stat(inst["log"]).st_mtime
+        except OSError:
+            continue
+        if quiet >= limit:
+            idle.append({"instance": f"{inst['role']}:{inst['index']}", "seconds": round(quiet, 1)})
+    return idle
+
+
+def idle_now(store: Store, job_id: str) -> list[dict[str, Any]]:
+    """idle_instances() from the job's row, tasks and instances only: cheap enough
+    for the attached view to ask every few seconds (no metrics, no step times)."""
+    job = store.job(job_id)
+    job_dir = Path(job["job_dir"])
+    status = {"status": job["status"],
+              "tasks": [{"name": t["role"], "must_finish": bool(t["must_finish"])} for t in store.tasks(job_id)],
+              "instances": [{"role": i["role"], "index": i["idx"], "status": i["status"],
+                             "log": instance_log_path(job_dir, i["role"], i["idx"], i["attempt"] or 0)}
+                            for i in store.instances(job_id)]}
+    return idle_instances(status)
+
+
+def _listening(path: str) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket in /proc/net/tcp or tcp6."""
+    import ipaddress  # here, not at the top: `pai` imports this module on every submit
+
+    found = []
+    try:
+        with open(path) as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) < 4 or fields[3] != "0A":  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((str(ipaddress.ip_address(raw)), int(port, 16)))
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "")
+
+
+def exposed_instances(status: dict) -> list[dict[str, Any]]:
+    """Running instances on this machine whose port is listened on at an address
+    other than loopback (TensorFlow's servers bind every interface): anyone who
+    can reach the machine can talk to them, and they check no credentials."""
+    if JobStatus(status["status"]).is_terminal():
+        return []
+    mine = {inst["port"]: f"{inst['role']}:{inst['index']}" for inst in status["instances"]
+            if inst["port"] and inst["status"] == InstanceStatus.RUNNING.value
+            and (inst["host"] or "") in LOCAL_HOSTS}
+    if not mine:
+        return []
+    exposed: dict[str, dict[str, Any]] = {}
+    for address, port in _listening("/proc/net/tcp") + _listening("/proc/net/tcp6"):
+        if port in mine and not is_loopback(address):
+            exposed.setdefault(mine[port], {"instance": mine[port], "port": port, "address": address})
+    return sorted(exposed.values(), key=lambda e: e["instance"])
+
+
+def _as_shown(inst, job: dict) -> dict[str, Any]:
+    """An instance row; an unfinished one of a job whose master is gone is shown as
+    its record will be written (Killed): nothing supervises it any more."""
+    inst = dict(inst)
+    if job["unrecorded"] and not InstanceStatus(inst["status"]).is_terminal():
+        inst["status"] = InstanceStatus.KILLED.value
+    return inst
+
+
+def instance_log_path(job_dir: Path, role: str, idx: int, attempt: int) -> str:
+    return str(job_dir / "logs" / f"{role}-{idx}.{attempt}.log")
+
+
+def summary_rows(status: dict) -> list[tuple[str, str, str]]:
+    """The Fuxi summary as rows (TaskName, Fatal/Finished/Total, Retries): a
+    header, the job's own task, then one row per task."""
+    rows = [("TaskName", "Fatal/Finished/Total", "Retries")]
+    tasks = status["tasks"]
+    rows.append((status["task_name"] or "Task",
+                 f"{sum(t['fatal'] for t in tasks)}/{sum(t['finished'] for t in tasks)}/{sum(t['total'] for t in tasks)}",
+                 str(sum(t["retries"] for t in tasks))))
+    for task in tasks:
+        rows.append((task["name"], f"{task['fatal']}/{task['finished']}/{task['total']}", str(task["retries"])))
+    return rows
+
+
+def aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows of cells as lines, each column as wide as its widest cell."""
+    width = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width[c]) for c, cell in enumerate(row)).rstrip() for row in rows]
+
+
+def write_summary_file(status: dict) -> None:
+    """The plain per-job log view (summary.txt) the master keeps: the record a
+    reader without the logview server gets."""
+    path = Path(status["log_view"])
+    lines = [f"Job {status['id']}  {status['name']}  ({status['framework']})",
+             f"Status: {status['status']}" + (f"  ({status['reason']})" if status["reason"] else ""), ""]
+    lines += aligned(summary_rows(status)) + ["", "Instances:"]
+    for inst in status["instances"]:
+        lines.append(f"  {inst['role']}:{inst['index']:<3} {inst['status']:<10} exit={inst['exit_code']}"
+                     f"  attempts={inst['attempts']}  log={inst['log']}")
+    for name, values in status["metrics"].items():
+        lines.append(f"  {name} last metrics: " + ", ".join(f"{k}={v:g}" for k, v in values.items()))
+    write_private(path, "\n".join(lines) + "\n")

@@ -5,7 +5,8 @@
     pai status|wait|logs|kill|list ...
 
 Heavy modules (the launcher, rich, yaml) are imported inside the commands that
-need them, so `pai --help` starts fast.
+need them, so `pai --help` starts fast. A bare statement (`pai -name ...`) does
+not come here at all: paicli/pai.py submits it without click.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ import time
 
 import click
 
-from paicli import __version__
+from paicli import __version__, cli_logview, cli_nodes, cli_plan
+from paicli.cli_statement import StatementCommand
+from paicli.commands import (SUBMIT_OPTIONS, attach, echo_json, echo_log_view, finish, is_statement_token,
+                             open_store, print_table, run_guarded, runtime_progress, split_submit_options,
+                             statement_of, submit_and_follow, submit_tokens)
 from paicli.errors import PaiError, UsageError
-
-from paicli import cli_logview, cli_nodes, cli_plan
-from paicli.commands import (SUBMIT_OPTIONS, StatementCommand, attach, echo_json, echo_log_view,
-                             is_statement_token, open_store, print_table, runtime_progress, split_submit_options,
-                             statement_of, submit_and_follow)
 
 
 def _runtime(name: str):
@@ -80,11 +80,7 @@ def submit(statement):
     This is what `pai -name ...` runs. Options: --detach (print the job ID and
     return), --no-progress (no progress lines).
     """
-    from paicli.statement import parse_statement
-
-    tokens, options = split_submit_options(statement)
-    stmt = parse_statement(tokens)
-    sys.exit(submit_and_follow(stmt, options["detach"], not options["no_progress"]))
+    sys.exit(submit_tokens(list(statement)))
 
 
 @cli.command("run", cls=StatementCommand)
@@ -347,44 +343,17 @@ for _module in (cli_nodes, cli_plan, cli_logview):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`pai`: run the command, then leave at once (see exit_now)."""
-    try:
-        run(argv)
-        code: object = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    exit_now(code)
-
-
-def exit_now(code: object) -> None:
-    """Flush our output and end the process without the interpreter's clean-up:
-    freeing every module and object, and SQLite's checkpoint on close, cost
-    `pai` 30-40 ms on every command (at the end of every attached job, after
-    its verdict). Nothing is lost: our writes are flushed here, the store
-    commits as it goes. The normal exit is kept where something still wants
-    it: a command that left a thread running (none does today), a profiler or
-    tracer (cProfile, coverage), and PAI_DEBUG=1."""
-    import threading
-
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass  # a closed pipe (`pai ... | head`) or an already closed stream
-    if threading.active_count() > 1 or sys.getprofile() or sys.gettrace() or os.environ.get("PAI_DEBUG"):
-        sys.exit(code)
-    os._exit(code)
+    """`pai` through click (paicli.pai.main sends a bare statement past it)."""
+    finish(lambda: run(argv))
 
 
 def run(argv: list[str] | None = None) -> None:
-    """Known errors become one line on stderr and an exit code; tracebacks only
-    with PAI_DEBUG=1."""
-    debug = bool(os.environ.get("PAI_DEBUG"))
+    """Click's own errors become one line and exit code 2; ours go through the
+    shared boundary (commands.run_guarded)."""
+    run_guarded(lambda: _run_click(argv))
+
+
+def _run_click(argv: list[str] | None) -> None:
     try:
         cli.main(args=argv, prog_name="pai", standalone_mode=False)
     except click.exceptions.Exit as exit_:
@@ -395,19 +364,3 @@ def run(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
-    except PaiError as err:
-        if debug:
-            raise
-        click.echo(f"pai: error: {err}", err=True)  # one line: what, where, and the fix
-        sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except BrokenPipeError:
-        sys.stderr.close()
-        sys.exit(0)
-    except Exception as err:
-        if debug:
-            raise
-        click.echo(f"pai: internal error: {type(err).__name__}: {err} (run with PAI_DEBUG=1 for the traceback)",
-                   err=True)
-        sys.exit(1)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import click
 
-from paicli.commands import StatementCommand, print_table, statement_of
+from paicli.cli_statement import StatementCommand
+from paicli.commands import print_table, statement_of
 
 
 # -- rendering ------------------------------------------------------------------------

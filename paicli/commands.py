@@ -1,10 +1,12 @@
-"""What the `pai` commands and the console share: the table, JSON output, the
-statement command (PAI tokens passed through click as they are), and the submit
-of a statement followed to its verdict.
+"""What the `pai` commands, the console and the program share: output (the
+table, JSON), the submit of a statement followed to its verdict, and the error
+boundary with the quick exit.
 
 The console runs a statement with these functions, so a statement behaves as
-the `pai` command would; neither imports the other. Heavy modules (rich, the
-launcher, the logview launcher) are imported inside the functions that use them.
+the `pai` command would; neither imports the other. No click here: a bare
+statement (`pai -name ...`) is submitted through this module alone
+(paicli/pai.py), without loading click and the command tree. Heavy modules (rich,
+the launcher, the logview launcher) are imported inside the functions that use them.
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Callable
 
-import click
-
-from paicli.errors import Cancelled, UsageError
+from paicli.errors import Cancelled, PaiError, UsageError
 
 STATEMENT_FLAGS = ("-name", "-project", "-D")
 SUBMIT_OPTIONS = {"--detach": "detach", "-d": "detach", "--no-progress": "no_progress"}
@@ -31,8 +32,15 @@ def open_store():
 # -- rendering ------------------------------------------------------------------------
 
 
+def echo(text: str = "", err: bool = False) -> None:
+    """A line on stdout (stderr with err=True), flushed at once, as click.echo does."""
+    stream = sys.stderr if err else sys.stdout
+    stream.write(f"{text}\n")
+    stream.flush()
+
+
 def echo_json(data) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
 def print_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
@@ -51,7 +59,7 @@ def print_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
                       width=None if sys.stdout.isatty() else 10_000)
     with console.capture() as captured:
         console.print(table)
-    click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
+    echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
 
 
 def runtime_progress():
@@ -68,23 +76,11 @@ def runtime_progress():
     return lambda line: err.write(f"runtime: {line}\n")
 
 
-# -- the statement command ---------------------------------------------------------------
+# -- statements ----------------------------------------------------------------------------
 
 
 def is_statement_token(arg: str) -> bool:
     return arg.startswith(STATEMENT_FLAGS) and not arg.startswith("--")
-
-
-class StatementCommand(click.Command):
-    """Click would read `-Dscript=/x/h.py` as a bundle of short options (and find
-    -h in it); everything from the first PAI token on is passed through as is."""
-
-    def parse_args(self, ctx, args):
-        for i, arg in enumerate(args):
-            if is_statement_token(arg):
-                args = [*args[:i], "--", *args[i:]]
-                break
-        return super().parse_args(ctx, args)
 
 
 def split_submit_options(tokens: tuple[str, ...] | list[str]) -> tuple[list[str], dict[str, bool]]:
@@ -131,10 +127,10 @@ def submit_and_follow(stmt, detach: bool = False, progress: bool = True) -> int:
     store = open_store()
     job_id = submit_statement(stmt, store, runtime_progress())
     if detach:
-        click.echo(job_id)
+        echo(job_id)
         return 0
     job = store.job(job_id)
-    click.echo(f"ID = {job_id}")
+    echo(f"ID = {job_id}")
     echo_log_view(store, job_id, os.path.join(job['job_dir'], 'summary.txt'))
     return attach(store, job_id, from_end=False, progress=progress)
 
@@ -146,9 +142,9 @@ def echo_log_view(store, job_id: str, summary_file: str) -> None:
     from paicli.web.launch import log_view_line
 
     line, note = log_view_line(store.home, job_id, summary_file)
-    click.echo(f"Log view: {line}")
+    echo(f"Log view: {line}")
     if note:
-        click.echo(note, err=True)
+        echo(note, err=True)
 
 
 def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
@@ -166,15 +162,92 @@ def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
     status = logtail.follow_job(store, job_id, out, from_end=from_end, progress=progress, colour=colour,
                                 on_interrupt=cancel)
     for line in jobview.summary_lines(status):
-        click.echo(line)
+        echo(line)
     forecast = forecast_line(status)
     if forecast:
-        click.echo(forecast)
+        echo(forecast)
     if status["status"] == "Failed":
         for event in store.events(job_id):
             if event["kind"] == "last-lines":
-                click.echo(f"last lines of {event['role']}:{event['idx']}:")
+                echo(f"last lines of {event['role']}:{event['idx']}:")
                 for line in event["message"].splitlines():
-                    click.echo(f"  {line}")
-    click.echo(jobview.verdict_line(status))
+                    echo(f"  {line}")
+    echo(jobview.verdict_line(status))
     return {"Succeeded": 0, "Cancelled": Cancelled.exit_code}.get(status["status"], 1)
+
+
+def is_bare_statement(args: list[str]) -> bool:
+    """`pai [--detach] [--no-progress] -name ... -Dk=v ...`: a submit, as PaiGroup reads it."""
+    lead = 0
+    while lead < len(args) and args[lead] in SUBMIT_OPTIONS:
+        lead += 1
+    return lead < len(args) and is_statement_token(args[lead])
+
+
+def submit_tokens(args: list[str]) -> int:
+    """`pai submit TOKENS`: split the submit options off, parse, submit and follow."""
+    from paicli.statement import parse_statement
+
+    tokens, options = split_submit_options(args)
+    return submit_and_follow(parse_statement(tokens), options["detach"], not options["no_progress"])
+
+
+# -- the error boundary and the exit ---------------------------------------------------------
+
+
+def run_guarded(action: Callable[[], None]) -> None:
+    """Known errors become one line on stderr and an exit code; tracebacks only
+    with PAI_DEBUG=1."""
+    debug = bool(os.environ.get("PAI_DEBUG"))
+    try:
+        action()
+    except PaiError as err:
+        if debug:
+            raise
+        echo(f"pai: error: {err}", err=True)  # one line: what, where, and the fix
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.stderr.close()
+        sys.exit(0)
+    except Exception as err:
+        if debug:
+            raise
+        echo(f"pai: internal error: {type(err).__name__}: {err} (run with PAI_DEBUG=1 for the traceback)", err=True)
+        sys.exit(1)
+
+
+def finish(action: Callable[[], None]) -> None:
+    """`pai`: run the action inside the error boundary, then leave at once (exit_now)."""
+    try:
+        run_guarded(action)
+        code: object = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    exit_now(code)
+
+
+def exit_now(code: object) -> None:
+    """Flush our output and end the process without the interpreter's clean-up:
+    freeing every module and object, and SQLite's checkpoint on close, cost
+    `pai` 30-40 ms on every command (at the end of every attached job, after
+    its verdict). Nothing is lost: our writes are flushed here, the store
+    commits as it goes. The normal exit is kept where something still wants
+    it: a command that left a thread running (none does today), a profiler or
+    tracer (cProfile, coverage), and PAI_DEBUG=1."""
+    import threading
+
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed pipe (`pai ... | head`) or an already closed stream
+    if threading.active_count() > 1 or sys.getprofile() or sys.gettrace() or os.environ.get("PAI_DEBUG"):
+        sys.exit(code)
+    os._exit(code)

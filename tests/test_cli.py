@@ -221,3 +221,26 @@ def test_console_statements_span_lines_and_respect_quotes():
 
     lines = ["pai -name x\n", "  -Dk='a;\n", "b';\n", "show instances;\n", "quit"]
     assert list(statements(lines)) == ["pai -name x\n  -Dk='a;\nb'", "show instances", "quit"]
+
+
+def test_a_bare_statement_is_submitted_without_click(pai_home):
+    """`pai -name ...` needs neither click nor the command tree (~25 ms of a
+    submit): paicli/pai.py hands it to paicli.commands directly. The same
+    statement behaves as `pai submit` does: a bad one is one line, exit 2."""
+    import subprocess
+    import sys
+
+    probe = ("import atexit, sys\n"
+             "atexit.register(lambda: print('loaded:', sorted(m for m in sys.modules if m.split('.')[0] == 'click'"
+             " or m in ('paicli.cli', 'paicli.cli_plan', 'paicli.console')), file=sys.stderr))\n"
+             "from paicli.pai import main\n"
+             "main()\n")
+    env = {**os.environ, "PAI_DEBUG": "1"}  # the normal exit, so atexit runs
+    done = subprocess.run([sys.executable, "-c", probe, "--detach", "-name", "python", f"-Dscript={BEHAVE}"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "loaded: []" in done.stderr
+    bad = pai("-name", "python", "-Dscript=/nonexistent/x.py")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("pai: error: ") and len(bad.stderr.splitlines()) == 1
+    assert pai("submit", "-name", "python", "-Dscript=/nonexistent/x.py").stderr == bad.stderr

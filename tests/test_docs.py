@@ -121,7 +121,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "library": ("paicli.client", "paicli.planning", "paicli.statement", "paicli.staging", "paicli.logtail",
                 "paicli.logview", "paicli.docs"),
     "web": ("paicli.web.*",),                           # the logview launcher, the server, its pages
-    "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.__main__"),
+    "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__"),
 }
 MAY_IMPORT: dict[str, set[str]] = {
     "runners": {"runners"},

@@ -275,7 +275,7 @@ def tokens_for(framework: str, config: dict) -> list[str]:
 
 
 def bench_framework(framework: str, label: str) -> dict:
-    from paicli.cli_plan import make_plan
+    from paicli.planning import make_plan
     from paicli.cluster.pluto.model import forecast
     from paicli.cluster.pluto.planner import pluto_bound
     from paicli.statement import parse_statement

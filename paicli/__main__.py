@@ -1,5 +1,5 @@
 """`python -m paicli` is `pai`."""
 
-from paicli.cli import main
+from paicli.pai import main
 
 main()

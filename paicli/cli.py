@@ -5,23 +5,24 @@
     pai status|wait|logs|kill|list ...
 
 Heavy modules (the launcher, rich, yaml) are imported inside the commands that
-need them, so `pai --help` starts fast.
+need them, so `pai --help` starts fast. A bare statement (`pai -name ...`) does
+not come here at all: paicli/pai.py submits it without click.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
 import click
 
-from paicli import __version__
-from paicli.errors import Cancelled, PaiError, UsageError
-
-STATEMENT_FLAGS = ("-name", "-project", "-D")
-SUBMIT_OPTIONS = {"--detach": "detach", "-d": "detach", "--no-progress": "no_progress"}
+from paicli import __version__, cli_logview, cli_nodes, cli_plan
+from paicli.cli_statement import StatementCommand
+from paicli.commands import (SUBMIT_OPTIONS, attach, echo_json, echo_log_view, finish, is_statement_token,
+                             open_store, print_table, run_guarded, runtime_progress, split_submit_options,
+                             statement_of, submit_and_follow, submit_tokens)
+from paicli.errors import PaiError, UsageError
 
 
 def _runtime(name: str):
@@ -32,137 +33,7 @@ def _runtime(name: str):
     return get_runtime(name)
 
 
-def _store():
-    from paicli.store import Store
-    return Store()
-
-
-def _echo_json(data) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
-
-
-STATUS_STYLES = {"Succeeded": "green", "Terminated": "green", "Running": "cyan", "Waiting": "yellow",
-                 "Failed": "red", "Killed": "red", "Cancelled": "magenta"}
-
-
-def _print_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    """Columns never wrap (a pipe gets whole rows); statuses coloured on a TTY."""
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(box=None, pad_edge=False)
-    for header in headers:
-        table.add_column(header, no_wrap=True)
-    for row in rows:
-        table.add_row(*(Text(cell, style=STATUS_STYLES.get(cell, "")) for cell in row))
-    # In a pipe, rows stay whole however long (a script reads them), without trailing padding.
-    console = Console(no_color=bool(os.environ.get("NO_COLOR")),
-                      width=None if sys.stdout.isatty() else 10_000)
-    with console.capture() as captured:
-        console.print(table)
-    click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
-
-
-def _split_submit_options(tokens: tuple[str, ...]) -> tuple[list[str], dict[str, bool]]:
-    options = {"detach": False, "no_progress": False}
-    rest = []
-    for token in tokens:
-        if token in SUBMIT_OPTIONS:
-            options[SUBMIT_OPTIONS[token]] = True
-        elif token.startswith("--"):
-            raise UsageError(f"unknown option {token}", "options here: --detach, --no-progress")
-        else:
-            rest.append(token)
-    return rest, options
-
-
-def _runtime_progress():
-    """Install progress: one line rewritten in place on a TTY, plain lines in a pipe."""
-    err = sys.stderr
-    if err.isatty():
-        def show(line: str) -> None:
-            width = 100
-            err.write("\r\x1b[2K" + ("runtime: " + line)[:width])
-            err.flush()
-            if line.endswith("ready") or " ready in " in line:
-                err.write("\n")
-        return show
-    return lambda line: err.write(f"runtime: {line}\n")
-
-
-def submit_and_follow(stmt, detach: bool = False, progress: bool = True) -> int:
-    from paicli import client
-
-    prepared = client.prepare(stmt)
-    store = _store()
-    job_id = client.submit(prepared, store, progress=_runtime_progress())
-    if detach:
-        click.echo(job_id)
-        return 0
-    job = store.job(job_id)
-    click.echo(f"ID = {job_id}")
-    echo_log_view(store, job_id, os.path.join(job['job_dir'], 'summary.txt'))
-    return attach(store, job_id, from_end=False, progress=progress)
-
-
-def echo_log_view(store, job_id: str, summary_file: str) -> None:
-    """The `Log view:` line: the job page's URL (the logview server is started,
-    detached, if it is not running; nothing waits for it), or the summary file
-    with a one-line note when no server can be had."""
-    from paicli.web.launch import log_view_line
-
-    line, note = log_view_line(store.home, job_id, summary_file)
-    click.echo(f"Log view: {line}")
-    if note:
-        click.echo(note, err=True)
-
-
-def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
-    """Follow a job to its end and render the verdict; Ctrl-C cancels it."""
-    from paicli import client, jobview, logtail
-
-    out = logtail.binary_stdout()
-    colour = logtail.use_colour(sys.stdout)
-    def cancel() -> None:
-        sys.stderr.write(f"\ncancelling {job_id} (Ctrl-C; press it again to stop waiting)...\n")
-        client.kill(store, job_id, reason="cancelled (Ctrl-C)")
-
-    status = logtail.follow_job(store, job_id, out, from_end=from_end, progress=progress, colour=colour,
-                                on_interrupt=cancel)
-    for line in jobview.summary_lines(status):
-        click.echo(line)
-    from paicli.plutoview import forecast_line
-    forecast = forecast_line(status)
-    if forecast:
-        click.echo(forecast)
-    if status["status"] == "Failed":
-        for event in store.events(job_id):
-            if event["kind"] == "last-lines":
-                click.echo(f"last lines of {event['role']}:{event['idx']}:")
-                for line in event["message"].splitlines():
-                    click.echo(f"  {line}")
-    click.echo(jobview.verdict_line(status))
-    return {"Succeeded": 0, "Cancelled": Cancelled.exit_code}.get(status["status"], 1)
-
-
 # -- the command group ------------------------------------------------------------
-
-
-def _is_statement_token(arg: str) -> bool:
-    return arg.startswith(STATEMENT_FLAGS) and not arg.startswith("--")
-
-
-class StatementCommand(click.Command):
-    """Click would read `-Dscript=/x/h.py` as a bundle of short options (and find
-    -h in it); everything from the first PAI token on is passed through as is."""
-
-    def parse_args(self, ctx, args):
-        for i, arg in enumerate(args):
-            if _is_statement_token(arg):
-                args = [*args[:i], "--", *args[i:]]
-                break
-        return super().parse_args(ctx, args)
 
 
 class PaiGroup(click.Group):
@@ -173,7 +44,7 @@ class PaiGroup(click.Group):
         lead = 0
         while lead < len(args) and args[lead] in SUBMIT_OPTIONS:
             lead += 1
-        if lead < len(args) and _is_statement_token(args[lead]):
+        if lead < len(args) and is_statement_token(args[lead]):
             args = ["submit", *args]
         return super().parse_args(ctx, args)
 
@@ -209,19 +80,15 @@ def submit(statement):
     This is what `pai -name ...` runs. Options: --detach (print the job ID and
     return), --no-progress (no progress lines).
     """
-    from paicli.statement import parse_statement
-
-    tokens, options = _split_submit_options(statement)
-    stmt = parse_statement(tokens)
-    sys.exit(submit_and_follow(stmt, options["detach"], not options["no_progress"]))
+    sys.exit(submit_tokens(list(statement)))
 
 
-@cli.command(cls=StatementCommand)
+@cli.command("run", cls=StatementCommand)
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @click.option("--detach", "-d", is_flag=True, help="Print the job ID and return.")
 @click.option("--no-progress", is_flag=True, help="Do not print progress lines.")
-def run(job_file, overrides, detach, no_progress):
+def run_job_file(job_file, overrides, detach, no_progress):
     """Run the job described by JOB_FILE (YAML); -Dkey=value overrides its values.
 
     \b
@@ -233,7 +100,7 @@ def run(job_file, overrides, detach, no_progress):
     """
     from paicli.statement import load_job_file, merge_overrides, parse_statement
 
-    overrides, options = _split_submit_options(overrides)
+    overrides, options = split_submit_options(overrides)
     stmt = load_job_file(job_file)
     if overrides:
         stmt = merge_overrides(stmt, parse_statement(overrides, require_name=False))
@@ -249,14 +116,8 @@ def export(statement):
     runs the identical job. Paths are written absolute.
     """
     from paicli import client
-    from paicli.statement import load_job_file, parse_statement
 
-    tokens = list(statement)
-    if tokens and not tokens[0].startswith("-") and tokens[0].endswith((".yaml", ".yml")):
-        stmt = load_job_file(tokens[0])
-    else:
-        stmt = parse_statement(tokens)
-    click.echo(client.export_yaml(client.prepare(stmt)), nl=False)
+    click.echo(client.export_yaml(client.prepare(statement_of(list(statement)))), nl=False)
 
 
 @cli.command()
@@ -266,7 +127,7 @@ def status(job_id, as_json):
     """Show a job's state, its tasks (Fatal/Finished/Total) and instances."""
     from paicli import client, jobview
 
-    store = _store()
+    store = open_store()
     job_id = client.resolve_job(store, job_id)["id"]
     st = client.status(store, job_id, with_series=as_json)
     if as_json:  # log_view as the text form prints it (the page's URL); summary_file is always the file
@@ -276,7 +137,7 @@ def status(job_id, as_json):
         st["log_view"], note = log_view_line(store.home, job_id, st["summary_file"])
         if note:
             click.echo(note, err=True)
-        _echo_json(st)
+        echo_json(st)
         return
     click.echo(f"ID = {st['id']}  {st['name']}  ({st['framework']})")
     click.echo(f"Status: {st['status']}" + (f"  {st['reason']}" if st["reason"] else ""))
@@ -294,7 +155,7 @@ def status(job_id, as_json):
         rows.append((name, inst["status"], "" if inst["exit_code"] is None else str(inst["exit_code"]),
                      str(inst["attempts"]), inst.get("node") or "", inst.get("host") or "", str(inst["pid"] or ""),
                      str(inst["port"] or ""), metrics))
-    _print_table(("Instance", "Status", "Exit", "Attempts", "Node", "Host", "PID", "Port", "Last metrics"), rows)
+    print_table(("Instance", "Status", "Exit", "Attempts", "Node", "Host", "PID", "Port", "Last metrics"), rows)
     from paicli.plutoview import status_lines
     pluto = status_lines(st)
     if pluto:
@@ -313,7 +174,7 @@ def wait(job_id, no_progress):
     """
     from paicli import client
 
-    store = _store()
+    store = open_store()
     job = client.resolve_job(store, job_id)
     echo_log_view(store, job["id"], os.path.join(job["job_dir"], "summary.txt"))
     sys.exit(attach(store, job["id"], from_end=True, progress=not no_progress))
@@ -332,7 +193,7 @@ def logs(job_id, instance, follow, tail, attempt, as_json):
     from paicli import client, logtail
     from paicli.logview import log_path, print_log
 
-    store = _store()
+    store = open_store()
     job = client.resolve_job(store, job_id)
     path = log_path(store, job, instance, attempt)
     print_log(store, job["id"], path, logtail.binary_stdout(), tail=tail, follow=follow,
@@ -345,7 +206,7 @@ def kill(job_id):
     """Cancel a job: every instance is stopped (SIGTERM, then SIGKILL) within 5 s."""
     from paicli import client
 
-    store = _store()
+    store = open_store()
     job = client.resolve_job(store, job_id)
     if client.kill(store, job["id"]):
         click.echo(f"{job['id']} cancelled")
@@ -360,11 +221,11 @@ def list_(as_json, limit):
     """List recent jobs, newest first (like PAI's `show instances`)."""
     from paicli import client
 
-    jobs = client.list_jobs(_store(), limit)
+    jobs = client.list_jobs(open_store(), limit)
     if as_json:
-        _echo_json(jobs)
+        echo_json(jobs)
         return
-    _print_table(("StartTime", "RunTime", "Status", "InstanceID", "Name", "Framework"),
+    print_table(("StartTime", "RunTime", "Status", "InstanceID", "Name", "Framework"),
                  [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])),
                    f"{job['run_time']:.0f}s", job["status"], job["id"], job["name"] or "", job["framework"])
                   for job in jobs])
@@ -379,7 +240,7 @@ def params(framework, as_json):
 
     rows = param_rows(framework)
     if as_json:
-        _echo_json(rows)
+        echo_json(rows)
         return
     for row in rows:
         default = "" if row["default"] is None else f" (default {row['default']})"
@@ -403,11 +264,11 @@ def runtime_install(name, node):
     if node:
         from paicli.cli_nodes import install_on_node
 
-        path = install_on_node(name, node, _runtime_progress())
+        path = install_on_node(name, node, runtime_progress())
         click.echo(f"{name}: ready on {node} at {path} ({rt.version})")
         return
     try:
-        rt.ensure(_runtime_progress())
+        rt.ensure(runtime_progress())
     except RuntimeError_ as err:
         raise PaiError(str(err)) from None
     info = rt.info()
@@ -428,7 +289,7 @@ def runtime_list(as_json):
             infos.append({"name": name, "installed": False, "path": "", "version": "", "size": None,
                           "source": f"unavailable: {err}"})
     if as_json:
-        _echo_json(infos)
+        echo_json(infos)
         return
     for info in infos:
         size = f"{info['size'] / 1e6:.0f} MB" if info.get("size") else "-"
@@ -468,67 +329,31 @@ def console(project):
     """
     from paicli.console import run_console
 
-    sys.exit(run_console(project))
+    sys.exit(run_console(project, commands=cli))
 
 
 # Commands that live in rooms of their own (multi-host nodes, the Pluto planner,
-# the logview page and plots) register here; each module imports its heavy
-# dependencies inside its commands, so `pai --help` stays fast.
-COMMAND_MODULES = ("paicli.cli_nodes", "paicli.cli_plan", "paicli.cli_logview")
-
-
-def _register_command_modules() -> None:
-    import importlib
-
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(cli)
-
-
-_register_command_modules()
+# the logview page and plots); each module imports its heavy dependencies inside
+# its commands, so `pai --help` stays fast.
+for _module in (cli_nodes, cli_plan, cli_logview):
+    _module.register(cli)
 
 
 # -- the error boundary ---------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`pai`: run the command, then leave at once (see exit_now)."""
-    try:
-        run(argv)
-        code: object = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    exit_now(code)
-
-
-def exit_now(code: object) -> None:
-    """Flush our output and end the process without the interpreter's clean-up:
-    freeing every module and object, and SQLite's checkpoint on close, cost
-    `pai` 30-40 ms on every command (at the end of every attached job, after
-    its verdict). Nothing is lost: our writes are flushed here, the store
-    commits as it goes. The normal exit is kept where something still wants
-    it: a command that left a thread running (none does today), a profiler or
-    tracer (cProfile, coverage), and PAI_DEBUG=1."""
-    import threading
-
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass  # a closed pipe (`pai ... | head`) or an already closed stream
-    if threading.active_count() > 1 or sys.getprofile() or sys.gettrace() or os.environ.get("PAI_DEBUG"):
-        sys.exit(code)
-    os._exit(code)
+    """`pai` through click (paicli.pai.main sends a bare statement past it)."""
+    finish(lambda: run(argv))
 
 
 def run(argv: list[str] | None = None) -> None:
-    """Known errors become one line on stderr and an exit code; tracebacks only
-    with PAI_DEBUG=1."""
-    debug = bool(os.environ.get("PAI_DEBUG"))
+    """Click's own errors become one line and exit code 2; ours go through the
+    shared boundary (commands.run_guarded)."""
+    run_guarded(lambda: _run_click(argv))
+
+
+def _run_click(argv: list[str] | None) -> None:
     try:
         cli.main(args=argv, prog_name="pai", standalone_mode=False)
     except click.exceptions.Exit as exit_:
@@ -539,19 +364,3 @@ def run(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
-    except PaiError as err:
-        if debug:
-            raise
-        click.echo(f"pai: error: {err}", err=True)  # one line: what, where, and the fix
-        sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except BrokenPipeError:
-        sys.stderr.close()
-        sys.exit(0)
-    except Exception as err:
-        if debug:
-            raise
-        click.echo(f"pai: internal error: {type(err).__name__}: {err} (run with PAI_DEBUG=1 for the traceback)",
-                   err=True)
-        sys.exit(1)

@@ -1,6 +1,6 @@
 """`pai logview` and `pai plot` (the logview page, curves in the terminal).
 
-Registered by paicli.cli (COMMAND_MODULES); keep heavy imports inside the commands.
+Registered by paicli.cli; keep heavy imports inside the commands.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ def metric_series(store, job_id: str, metric: str | None, instances: tuple[str, 
     """(metric, {instance: [(step, value), ...]}) for a plot: the metric asked for
     (default: loss, else the first one that is not a step counter), of the instances
     asked for (default: every instance that has it)."""
-    rows = store.db.execute(
-        "SELECT role, idx, step, key, value FROM metrics WHERE job_id = ? AND step IS NOT NULL ORDER BY rowid",
-        (job_id,)).fetchall()
+    rows = store.step_metrics(job_id)
     keys = []
     for row in rows:
         if row["key"] not in keys and row["key"] not in STEP_KEYS:

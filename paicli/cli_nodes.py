@@ -1,6 +1,6 @@
 """`pai nodes` (multi-host: the nodes file, host keys, resources).
 
-Registered by paicli.cli (COMMAND_MODULES); keep heavy imports inside the commands.
+Registered by paicli.cli; keep heavy imports inside the commands.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from paicli.commands import print_table
 from paicli.errors import UsageError
 
 
@@ -42,9 +43,9 @@ def _list_nodes(as_json: bool) -> None:
 
     ray_config = _ray_config()
     if ray_config is not None:
-        from paicli.cluster.backends.ray import list_nodes   # helper F's module
+        from paicli.cluster import backends
 
-        rows = list_nodes(ray_config)
+        rows = backends.list_nodes(ray_config)
     else:
         from paicli.cluster.node_admin import probe_nodes
 
@@ -52,8 +53,6 @@ def _list_nodes(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
-    from paicli.cli import _print_table
-
     table = []
     for r in rows:
         up = r["state"] == "up"
@@ -66,7 +65,7 @@ def _list_nodes(as_json: bool) -> None:
             (",".join(sorted(r["runtimes"])) or "none") if up else "-",
             str(len(r["instances"])) if up else "-",
         ))
-    _print_table(("NODE", "ADDRESS", "STATE", "CORES", "MEMORY", "GPUS", "PYTHON", "RUNTIMES", "INSTANCES"),
+    print_table(("NODE", "ADDRESS", "STATE", "CORES", "MEMORY", "GPUS", "PYTHON", "RUNTIMES", "INSTANCES"),
                  table)
     for r in rows:
         if r["error"]:

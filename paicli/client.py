@@ -56,9 +56,6 @@ def submit(prepared: Prepared, store: Store | None = None,
     from paicli.store import new_job_id
 
     store = store or Store()
-    if prepared.spec.get("autoStrategy") == "true":
-        from paicli.cli_plan import auto_strategy  # Pluto: calibrate, plan, apply its recommendation
-        prepared = auto_strategy(prepared, store, progress)
     adapter, spec = prepared.adapter, prepared.spec
     policy.check_launcher_env()
     config = backends.submit_config(store.home)
@@ -71,6 +68,7 @@ def submit(prepared: Prepared, store: Store | None = None,
     try:
         code = stage_code(spec, job_dir)
         plan: JobPlan = adapter.plan(spec, code)
+        _check_planned(spec, plan)
         plan.runtime = adapter.runtime or None
         backend = backends.get_backend(config)
         # Placed now, so a job that cannot fit is refused before anything starts.
@@ -98,6 +96,15 @@ def submit(prepared: Prepared, store: Store | None = None,
                      roles=[{"name": r.name, "count": r.count, "must_finish": r.must_finish} for r in plan.roles])
     start_master(store, job_id, job_dir)
     return job_id
+
+
+def _check_planned(spec: JobSpec, plan: JobPlan) -> None:
+    """-DautoStrategy=true is applied before a submit (paicli.planning.auto_strategy,
+    which every statement submit calls); a library caller that skipped it is told,
+    rather than the job running without Pluto's plan."""
+    if spec.get("autoStrategy") == "true" and plan.pluto is None:
+        raise UsageError("-DautoStrategy=true: the job was not planned",
+                         "call paicli.planning.auto_strategy(prepared, store) before client.submit")
 
 
 def start_master(store: Store, job_id: str, job_dir: Path) -> None:

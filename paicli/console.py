@@ -174,7 +174,8 @@ def known_params() -> dict[str, str]:
 class Console:
     """One console session: its project, its -D defaults, and the statements."""
 
-    def __init__(self, project: str | None = None, out: Callable[[str], None] | None = None):
+    def __init__(self, commands, project: str | None = None, out: Callable[[str], None] | None = None):
+        self.commands = commands             # the `pai` click group, for statements that are its commands
         self.project = project
         self.defaults: dict[str, str] = {}   # PAI name -> raw value, as typed
         self.echo = out or (lambda text: print(text, flush=True))
@@ -242,10 +243,8 @@ class Console:
         """A statement that is a `pai` command: run it in this process."""
         import click
 
-        from paicli import cli
-
         try:
-            cli.cli.main(args=args, prog_name="pai", standalone_mode=False)
+            self.commands.main(args=args, prog_name="pai", standalone_mode=False)
         except SystemExit as exit_:
             return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
         except click.exceptions.Exit as exit_:
@@ -256,11 +255,11 @@ class Console:
         return 0
 
     def _submit(self, tokens: list[str]) -> int:
-        from paicli import cli
+        from paicli.commands import split_submit_options, submit_and_follow
         from paicli.spec import RawParam, snake_case
         from paicli.statement import parse_statement
 
-        rest, options = cli._split_submit_options(tuple(tokens))
+        rest, options = split_submit_options(tokens)
         stmt = parse_statement(rest)
         if stmt.project is None:
             stmt.project = self.project
@@ -273,7 +272,7 @@ class Console:
             for key, value in self.defaults.items():
                 if snake_case(key) in applies and snake_case(key) not in given:
                     stmt.params.append(RawParam(key, value, f"set {key}", Path(os.getcwd())))
-        return cli.submit_and_follow(stmt, options["detach"], not options["no_progress"])
+        return submit_and_follow(stmt, options["detach"], not options["no_progress"])
 
     def _set(self, assignment: str) -> int:
         if not assignment:
@@ -428,8 +427,9 @@ def run_interactive(console: Console) -> int:
     return 0  # leaving a terminal session is not a failure (from a pipe: the last statement's code)
 
 
-def run_console(project: str | None = None) -> int:
-    console = Console(project)
+def run_console(project: str | None = None, *, commands) -> int:
+    """`commands`: the `pai` click group (the console runs its commands in this process)."""
+    console = Console(commands, project)
     if sys.stdin.isatty() and sys.stdout.isatty():
         return run_interactive(console)
 

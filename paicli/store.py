@@ -408,3 +408,29 @@ class Store:
         """Every job not recorded as ended, oldest first."""
         return self.db.execute("SELECT * FROM jobs WHERE status IN ('Waiting', 'Running')"
                                " ORDER BY created").fetchall()
+
+    # -- LAYERING: reads the planner and the plot need (no SQL outside the store) --
+
+    def step_counts(self, job_id: str, roles: tuple[str, ...]) -> dict[tuple[str, int], int]:
+        """(role, index) -> how many distinct steps that instance has reported."""
+        marks = ",".join("?" * len(roles))
+        rows = self.db.execute(
+            f"SELECT role, idx, COUNT(DISTINCT step) FROM metrics WHERE job_id = ? AND role IN ({marks})"
+            " AND step IS NOT NULL GROUP BY role, idx", (job_id, *roles)).fetchall()
+        return {(row[0], row[1]): row[2] for row in rows}
+
+    def metric_values(self, job_id: str, keys: tuple[str, ...]) -> dict[str, dict[str, list[float]]]:
+        """role -> key -> every value reported, oldest first (all instances of a role together)."""
+        marks = ",".join("?" * len(keys))
+        out: dict[str, dict[str, list[float]]] = {}
+        for role, key, value in self.db.execute(
+                f"SELECT role, key, value FROM metrics WHERE job_id = ? AND key IN ({marks}) ORDER BY rowid",
+                (job_id, *keys)):
+            out.setdefault(role, {}).setdefault(key, []).append(value)
+        return out
+
+    def step_metrics(self, job_id: str) -> list[sqlite3.Row]:
+        """Every metric reported with a step (role, idx, step, key, value), oldest first."""
+        return self.db.execute(
+            "SELECT role, idx, step, key, value FROM metrics WHERE job_id = ? AND step IS NOT NULL ORDER BY rowid",
+            (job_id,)).fetchall()

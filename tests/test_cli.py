@@ -11,17 +11,63 @@ import pytest
 
 from conftest import BEHAVE, pai, pai_json
 
-COMMANDS = [[], ["submit"], ["run"], ["export"], ["status"], ["wait"], ["logs"], ["kill"], ["list"],
-            ["params"], ["runtime"], ["runtime", "install"], ["runtime", "list"], ["runtime", "remove"],
-            ["console"]]
+def _command_paths() -> list[list[str]]:
+    """Every command of `pai`, walked from click's own tree (groups and their subcommands)."""
+    import click
+
+    from paicli.cli import cli
+
+    paths = []
+
+    def walk(command, path):
+        paths.append(path)
+        if isinstance(command, click.Group):
+            for name in command.list_commands(click.Context(command)):
+                walk(command.get_command(click.Context(command), name), [*path, name])
+
+    walk(cli, [])
+    return paths
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "pai")
+def _command(path):
+    import click
+
+    from paicli.cli import cli
+
+    command = cli
+    for name in path:
+        command = command.get_command(click.Context(command), name)
+    return command
+
+
+def test_the_command_walk_finds_every_room():
+    paths = {" ".join(p) for p in _command_paths()}
+    assert {"", "submit", "run", "plan", "nodes", "nodes trust", "logview", "plot", "runtime install"} <= paths
+
+
+@pytest.mark.parametrize("command", _command_paths(), ids=lambda c: " ".join(c) or "pai")
 def test_every_command_has_help(command, pai_home):
+    first_line = (_command(command).help or "").strip().splitlines()[:1]
+    assert first_line and first_line[0].strip(), f"`pai {' '.join(command)}` has no help text (its docstring)"
     result = pai(*command, "--help")
     assert result.returncode == 0
     assert result.stdout.startswith("Usage: pai")
-    assert len(result.stdout.splitlines()) > 4
+    assert " ".join(first_line[0].split()) in " ".join(result.stdout.split())
+
+
+def test_no_module_defines_a_name_twice():
+    """A second `def run` below the click command `run` took its name: `paicli.cli.run`
+    was no longer the command. No top-level function or class is defined twice."""
+    import ast
+    from collections import Counter
+
+    from conftest import ROOT
+
+    for path in sorted((ROOT / "paicli").rglob("*.py")):
+        names = Counter(node.name for node in ast.parse(path.read_text()).body
+                        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+        twice = sorted(name for name, count in names.items() if count > 1)
+        assert not twice, f"{path.relative_to(ROOT)} defines {twice} more than once"
 
 
 def test_version(pai_home):
@@ -175,3 +221,26 @@ def test_console_statements_span_lines_and_respect_quotes():
 
     lines = ["pai -name x\n", "  -Dk='a;\n", "b';\n", "show instances;\n", "quit"]
     assert list(statements(lines)) == ["pai -name x\n  -Dk='a;\nb'", "show instances", "quit"]
+
+
+def test_a_bare_statement_is_submitted_without_click(pai_home):
+    """`pai -name ...` needs neither click nor the command tree (~25 ms of a
+    submit): paicli/pai.py hands it to paicli.commands directly. The same
+    statement behaves as `pai submit` does: a bad one is one line, exit 2."""
+    import subprocess
+    import sys
+
+    probe = ("import atexit, sys\n"
+             "atexit.register(lambda: print('loaded:', sorted(m for m in sys.modules if m.split('.')[0] == 'click'"
+             " or m in ('paicli.cli', 'paicli.cli_plan', 'paicli.console')), file=sys.stderr))\n"
+             "from paicli.pai import main\n"
+             "main()\n")
+    env = {**os.environ, "PAI_DEBUG": "1"}  # the normal exit, so atexit runs
+    done = subprocess.run([sys.executable, "-c", probe, "--detach", "-name", "python", f"-Dscript={BEHAVE}"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "loaded: []" in done.stderr
+    bad = pai("-name", "python", "-Dscript=/nonexistent/x.py")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("pai: error: ") and len(bad.stderr.splitlines()) == 1
+    assert pai("submit", "-name", "python", "-Dscript=/nonexistent/x.py").stderr == bad.stderr

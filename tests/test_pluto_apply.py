@@ -165,7 +165,7 @@ def test_the_helper_reads_what_the_plan_sets(monkeypatch):
 
 def test_script_knobs_read_the_scripts_flags_and_the_users_pins(tmp_path):
     from paicli import client
-    from paicli.cli_plan import script_inputs, script_knobs, tf_sync
+    from paicli.planning import script_inputs, script_knobs, tf_sync
     from paicli.statement import parse_statement
 
     mx_script = tmp_path / "mx.py"
@@ -199,7 +199,7 @@ def test_script_knobs_read_the_scripts_flags_and_the_users_pins(tmp_path):
 
 def test_a_caffe_users_batch_and_rate_are_the_plans_facts_and_pin_the_rate():
     from paicli import client
-    from paicli.cli_plan import script_inputs, script_knobs
+    from paicli.planning import script_inputs, script_knobs
     from paicli.statement import parse_statement
 
     solver = ROOT / "examples" / "caffe" / "mlp" / "mlp_solver.prototxt"
@@ -290,7 +290,7 @@ def test_auto_strategy_switches_an_mxnet_script_to_async_through_its_own_flag(pa
     import os
 
     from paicli import client
-    from paicli.cli_plan import script_inputs, script_knobs, user_strategy
+    from paicli.planning import script_inputs, script_knobs, user_strategy
     from paicli.statement import parse_statement
 
     script = tmp_path / "kv.py"
@@ -324,7 +324,7 @@ def test_auto_strategy_scales_a_caffe_jobs_rate_in_its_solver_copy(pai_home, mlp
     import os
 
     from paicli import client
-    from paicli.cli_plan import script_inputs
+    from paicli.planning import script_inputs
     from paicli.statement import parse_statement
 
     statement = ["-name", "caffe", f"-Dsolver={mlp / 'short_solver.prototxt'}",
@@ -350,7 +350,7 @@ def auto_strategy_with_calibration(statement, prepared, files, args, here, profi
     the test runs one job, not calibration's three); the job's output."""
     import os
 
-    from paicli.cli_plan import calibration_key
+    from paicli.planning import calibration_key
     from paicli.cluster.pluto import calibrate
 
     calibrate.cache_put(Path(os.environ["PAI_HOME"]), calibration_key(prepared, files, args, here),

@@ -44,16 +44,31 @@ def register(name: str, target: str) -> None:
 
 
 def get_backend(config: dict[str, Any]):
+    return _backend_attr(config, BACKENDS[_backend_name(config)].partition(":")[2])(config)
+
+
+def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """`pai nodes` rows for a cluster that lists its own nodes (Ray): the backend
+    module's `list_nodes(config)`."""
+    return _backend_attr(config, "list_nodes")(config)
+
+
+def _backend_name(config: dict[str, Any]) -> str:
     name = config.get("backend") or "local"
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r}", f"valid backends: {', '.join(sorted(BACKENDS))}")
-    module_name, _, class_name = BACKENDS[name].partition(":")
+    return name
+
+
+def _backend_attr(config: dict[str, Any], attr: str):
+    """`attr` of the config's backend module, imported now (paramiko and ray only when used)."""
+    name = _backend_name(config)
+    module_name = BACKENDS[name].partition(":")[0]
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise UsageError(f"the {name} backend is not available: {err}",
                          "pip install 'paicli[ray]' for Ray" if name == "ray" else "check the installation") from None
-    return cls(config)
 
 
 def nodes_file(home: Path) -> Path | None:

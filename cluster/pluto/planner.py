@@ -221,7 +221,7 @@ def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | N
     knobs = knobs or Knobs()
     if user.framework == "tensorflow":
         # The script fixes TF's mode (profile.sync), as every candidate has it; the
-        # statement alone (cli_plan.user_strategy) cannot tell, and a TF async job
+        # statement alone (planning.user_strategy) cannot tell, and a TF async job
         # forecast as sync made the default look twice as slow as it runs.
         user = user.with_(sync=profile.sync)
     default = Choice(user, forecast(profile, user, cluster))

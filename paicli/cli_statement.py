@@ -1,0 +1,20 @@
+"""The click command class of the commands that take a PAI statement (`pai
+submit`, `pai run`, `pai export`, `pai plan`)."""
+
+from __future__ import annotations
+
+import click
+
+from paicli.commands import is_statement_token
+
+
+class StatementCommand(click.Command):
+    """Click would read `-Dscript=/x/h.py` as a bundle of short options (and find
+    -h in it); everything from the first PAI token on is passed through as is."""
+
+    def parse_args(self, ctx, args):
+        for i, arg in enumerate(args):
+            if is_statement_token(arg):
+                args = [*args[:i], "--", *args[i:]]
+                break
+        return super().parse_args(ctx, args)

@@ -1,0 +1,253 @@
+"""What the `pai` commands, the console and the program share: output (the
+table, JSON), the submit of a statement followed to its verdict, and the error
+boundary with the quick exit.
+
+The console runs a statement with these functions, so a statement behaves as
+the `pai` command would; neither imports the other. No click here: a bare
+statement (`pai -name ...`) is submitted through this module alone
+(paicli/pai.py), without loading click and the command tree. Heavy modules (rich,
+the launcher, the logview launcher) are imported inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Callable
+
+from paicli.errors import Cancelled, PaiError, UsageError
+
+STATEMENT_FLAGS = ("-name", "-project", "-D")
+SUBMIT_OPTIONS = {"--detach": "detach", "-d": "detach", "--no-progress": "no_progress"}
+STATUS_STYLES = {"Succeeded": "green", "Terminated": "green", "Running": "cyan", "Waiting": "yellow",
+                 "Failed": "red", "Killed": "red", "Cancelled": "magenta"}
+
+
+def open_store():
+    from paicli.store import Store
+    return Store()
+
+
+# -- rendering ------------------------------------------------------------------------
+
+
+def echo(text: str = "", err: bool = False) -> None:
+    """A line on stdout (stderr with err=True), flushed at once, as click.echo does."""
+    stream = sys.stderr if err else sys.stdout
+    stream.write(f"{text}\n")
+    stream.flush()
+
+
+def echo_json(data) -> None:
+    echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def print_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """Columns never wrap (a pipe gets whole rows); statuses coloured on a TTY."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, pad_edge=False)
+    for header in headers:
+        table.add_column(header, no_wrap=True)
+    for row in rows:
+        table.add_row(*(Text(cell, style=STATUS_STYLES.get(cell, "")) for cell in row))
+    # In a pipe, rows stay whole however long (a script reads them), without trailing padding.
+    console = Console(no_color=bool(os.environ.get("NO_COLOR")),
+                      width=None if sys.stdout.isatty() else 10_000)
+    with console.capture() as captured:
+        console.print(table)
+    echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
+
+
+def runtime_progress():
+    """Install progress: one line rewritten in place on a TTY, plain lines in a pipe."""
+    err = sys.stderr
+    if err.isatty():
+        def show(line: str) -> None:
+            width = 100
+            err.write("\r\x1b[2K" + ("runtime: " + line)[:width])
+            err.flush()
+            if line.endswith("ready") or " ready in " in line:
+                err.write("\n")
+        return show
+    return lambda line: err.write(f"runtime: {line}\n")
+
+
+# -- statements ----------------------------------------------------------------------------
+
+
+def is_statement_token(arg: str) -> bool:
+    return arg.startswith(STATEMENT_FLAGS) and not arg.startswith("--")
+
+
+def split_submit_options(tokens: tuple[str, ...] | list[str]) -> tuple[list[str], dict[str, bool]]:
+    options = {"detach": False, "no_progress": False}
+    rest = []
+    for token in tokens:
+        if token in SUBMIT_OPTIONS:
+            options[SUBMIT_OPTIONS[token]] = True
+        elif token.startswith("--"):
+            raise UsageError(f"unknown option {token}", "options here: --detach, --no-progress")
+        else:
+            rest.append(token)
+    return rest, options
+
+
+def statement_of(tokens: list[str]):
+    """A statement from `job.yaml [-Dk=v ...]` (the file, overridden) or from PAI tokens."""
+    from paicli.statement import load_job_file, merge_overrides, parse_statement
+
+    if tokens and not tokens[0].startswith("-") and tokens[0].endswith((".yaml", ".yml")):
+        stmt = load_job_file(tokens[0])
+        if tokens[1:]:
+            stmt = merge_overrides(stmt, parse_statement(tokens[1:], require_name=False))
+        return stmt
+    return parse_statement(tokens)
+
+
+# -- submit and follow -------------------------------------------------------------------
+
+
+def submit_statement(stmt, store, progress) -> str:
+    """Prepare and submit; with -DautoStrategy=true, Pluto plans the job first."""
+    from paicli import client
+
+    prepared = client.prepare(stmt)
+    if prepared.spec.get("autoStrategy") == "true":
+        from paicli.planning import auto_strategy  # calibrate, plan, apply its recommendation
+
+        prepared = auto_strategy(prepared, store, progress)
+    return client.submit(prepared, store, progress=progress)
+
+
+def submit_and_follow(stmt, detach: bool = False, progress: bool = True) -> int:
+    store = open_store()
+    job_id = submit_statement(stmt, store, runtime_progress())
+    if detach:
+        echo(job_id)
+        return 0
+    job = store.job(job_id)
+    echo(f"ID = {job_id}")
+    echo_log_view(store, job_id, os.path.join(job['job_dir'], 'summary.txt'))
+    return attach(store, job_id, from_end=False, progress=progress)
+
+
+def echo_log_view(store, job_id: str, summary_file: str) -> None:
+    """The `Log view:` line: the job page's URL (the logview server is started,
+    detached, if it is not running; nothing waits for it), or the summary file
+    with a one-line note when no server can be had."""
+    from paicli.web.launch import log_view_line
+
+    line, note = log_view_line(store.home, job_id, summary_file)
+    echo(f"Log view: {line}")
+    if note:
+        echo(note, err=True)
+
+
+def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
+    """Follow a job to its end and render the verdict; Ctrl-C cancels it."""
+    from paicli import client, jobview, logtail
+    from paicli.plutoview import forecast_line
+
+    out = logtail.binary_stdout()
+    colour = logtail.use_colour(sys.stdout)
+
+    def cancel() -> None:
+        sys.stderr.write(f"\ncancelling {job_id} (Ctrl-C; press it again to stop waiting)...\n")
+        client.kill(store, job_id, reason="cancelled (Ctrl-C)")
+
+    status = logtail.follow_job(store, job_id, out, from_end=from_end, progress=progress, colour=colour,
+                                on_interrupt=cancel)
+    for line in jobview.summary_lines(status):
+        echo(line)
+    forecast = forecast_line(status)
+    if forecast:
+        echo(forecast)
+    if status["status"] == "Failed":
+        for event in store.events(job_id):
+            if event["kind"] == "last-lines":
+                echo(f"last lines of {event['role']}:{event['idx']}:")
+                for line in event["message"].splitlines():
+                    echo(f"  {line}")
+    echo(jobview.verdict_line(status))
+    return {"Succeeded": 0, "Cancelled": Cancelled.exit_code}.get(status["status"], 1)
+
+
+def is_bare_statement(args: list[str]) -> bool:
+    """`pai [--detach] [--no-progress] -name ... -Dk=v ...`: a submit, as PaiGroup reads it."""
+    lead = 0
+    while lead < len(args) and args[lead] in SUBMIT_OPTIONS:
+        lead += 1
+    return lead < len(args) and is_statement_token(args[lead])
+
+
+def submit_tokens(args: list[str]) -> int:
+    """`pai submit TOKENS`: split the submit options off, parse, submit and follow."""
+    from paicli.statement import parse_statement
+
+    tokens, options = split_submit_options(args)
+    return submit_and_follow(parse_statement(tokens), options["detach"], not options["no_progress"])
+
+
+# -- the error boundary and the exit ---------------------------------------------------------
+
+
+def run_guarded(action: Callable[[], None]) -> None:
+    """Known errors become one line on stderr and an exit code; tracebacks only
+    with PAI_DEBUG=1."""
+    debug = bool(os.environ.get("PAI_DEBUG"))
+    try:
+        action()
+    except PaiError as err:
+        if debug:
+            raise
+        echo(f"pai: error: {err}", err=True)  # one line: what, where, and the fix
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.stderr.close()
+        sys.exit(0)
+    except Exception as err:
+        if debug:
+            raise
+        echo(f"pai: internal error: {type(err).__name__}: {err} (run with PAI_DEBUG=1 for the traceback)", err=True)
+        sys.exit(1)
+
+
+def finish(action: Callable[[], None]) -> None:
+    """`pai`: run the action inside the error boundary, then leave at once (exit_now)."""
+    try:
+        run_guarded(action)
+        code: object = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    exit_now(code)
+
+
+def exit_now(code: object) -> None:
+    """Flush our output and end the process without the interpreter's clean-up:
+    freeing every module and object, and SQLite's checkpoint on close, cost
+    `pai` 30-40 ms on every command (at the end of every attached job, after
+    its verdict). Nothing is lost: our writes are flushed here, the store
+    commits as it goes. The normal exit is kept where something still wants
+    it: a command that left a thread running (none does today), a profiler or
+    tracer (cProfile, coverage), and PAI_DEBUG=1."""
+    import threading
+
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed pipe (`pai ... | head`) or an already closed stream
+    if threading.active_count() > 1 or sys.getprofile() or sys.gettrace() or os.environ.get("PAI_DEBUG"):
+        sys.exit(code)
+    os._exit(code)

@@ -1,0 +1,23 @@
+"""`pai`, the program: the console script and `python -m paicli`.
+
+A bare statement (`pai [--detach] -name X -Dk=v ...`, the most common run of
+`pai`) is submitted through paicli.commands alone: click and the command tree
+(~25 ms of imports) are not needed to parse it. Everything else goes to the
+click commands of paicli.cli.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    from paicli.commands import finish, is_bare_statement, submit_tokens
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not is_bare_statement(args):
+        from paicli.cli import main as commands_main
+
+        commands_main(args)
+        return
+    finish(lambda: sys.exit(submit_tokens(args)))

@@ -1,0 +1,552 @@
+"""Pluto's planning library: where a job would run, what its script leaves to
+set, calibration through pai itself, the plan, and `-DautoStrategy=true`.
+
+`make_plan` calibrates the script (short real runs on a small cluster, cached
+per script and cluster), describes where the job would run (the nodes file's
+nodes, else this machine) and hands both to the pure planner in
+paicli.cluster.pluto. `auto_strategy` applies its recommendation to a prepared
+job before it is submitted. A library: it never imports the CLI or click (the
+command is paicli/cli_plan.py); heavy imports stay inside the functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+PLAN_FRAMEWORKS = ("tensorflow", "mxnet", "caffe")
+CALIBRATION_LIMIT_S = 180.0     # a calibration run that shows no steps by then fails
+CALIBRATION_INTERVALS = 4       # step-line intervals per worker before a run is stopped
+CALIBRATION_MA_PERIOD = 5
+STRATEGY_KEYS = ("autoStrategy", "timeout", "gradientCompression", "gradientCompressionThreshold",
+                 "bigArrayBound", "psStrategy", "maPeriod", "lrScale", "warmupSteps", "learningRate",
+                 "warmupIterations")
+KVSTORE_FLAGS = ("kv-store", "kvstore", "kv_store")
+SYNC_FLAGS = ("sync_replicas", "sync-replicas")
+
+
+class PlanResult(NamedTuple):  # not a dataclass: `dataclasses` stays off the `pai --help` path
+    plan: Any                   # paicli.cluster.pluto.planner.Plan
+    profile: Any                # Profile
+    cluster: Any                # Cluster
+    cached: bool
+    calibration_jobs: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.plan.to_json()
+        out["profile"] = self.profile.to_dict()
+        out["where"] = {"source": self.cluster.source,
+                        "nodes": [{"name": n.name, "cores": n.cores, "bandwidth_Bps": n.bandwidth_Bps}
+                                  for n in self.cluster.nodes],
+                        "loopback_Bps": self.cluster.loopback_Bps}
+        out["calibration"] = {"cached": self.cached, "jobs": self.calibration_jobs}
+        return out
+
+
+# -- where the job would run -------------------------------------------------------
+
+
+def parse_rate(text: str) -> float:
+    """'100mbit', '1gbit', '12.5MB' (bytes) -> bytes/s."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(bit|b|B)?(?:/s|ps)?\s*", text, re.I)
+    if not match:
+        raise ValueError(f"expected a rate such as 100mbit or 1gbit, not {text!r}")
+    value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2).lower()]
+    unit = match.group(3) or "bit"
+    return value / 8 if unit.lower() == "bit" and unit != "B" else value
+
+
+def target_cluster(loopback_Bps: float, measured_Bps: float | None = None):
+    """The nodes of the nodes file (cores declared or 1; link bandwidth from
+    PAI_PLUTO_BANDWIDTH, else `measured_Bps` (the probe), else assumed 1 Gbit/s and
+    said so), else this machine."""
+    from paicli.cluster.pluto.strategy import Cluster, Node
+    from paicli.errors import UsageError
+
+    config = None
+    try:
+        from paicli.cluster.nodes import load_nodes
+        config = load_nodes()
+    except ImportError:
+        config = None
+    if config is None or not config.nodes:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return Cluster((Node("local", float(cores), loopback_Bps),), loopback_Bps=loopback_Bps,
+                       source=f"this machine ({cores} cores)")
+    raw = os.environ.get("PAI_PLUTO_BANDWIDTH")
+    try:
+        bandwidth = parse_rate(raw) if raw else (measured_Bps or 125e6)
+    except ValueError as err:
+        raise UsageError(f"PAI_PLUTO_BANDWIDTH: {err}", "e.g. PAI_PLUTO_BANDWIDTH=100mbit") from None
+    nodes = tuple(Node(n.name, (n.cpu or 100) / 100.0, bandwidth) for n in config.nodes)
+    said = (f"{raw} links" if raw else
+            f"links measured at {bandwidth * 8 / 1e6:.0f} Mbit/s" if measured_Bps else
+            "links assumed 1 Gbit/s (set PAI_PLUTO_BANDWIDTH)")
+    shared = os.environ.get("PAI_PLUTO_SHARED_CORES")
+    try:
+        machine_cores = float(shared) if shared else None
+    except ValueError:
+        raise UsageError(f"PAI_PLUTO_SHARED_CORES: expected a number of cores, not {shared!r}",
+                         "e.g. PAI_PLUTO_SHARED_CORES=2 when the nodes are virtual hosts of one machine") from None
+    return Cluster(nodes, loopback_Bps=loopback_Bps, machine_cores=machine_cores,
+                   source=f"{len(nodes)} nodes of {config.path}, {said}")
+
+
+def measure_links(store, say: Callable[[str], None]) -> float | None:
+    """Bytes/s between two nodes, measured through pai: a job of one ps (a sink) and
+    one worker (a source) running runners/pluto_helpers.py, which placement puts on
+    two nodes. None when both landed on one node or the probe failed."""
+    from paicli import client
+    from paicli.runners import pluto_helpers
+    from paicli.statement import parse_statement
+
+    stmt = parse_statement(["-name", "python", f"-Dscript={pluto_helpers.__file__}",
+                            '-Dcluster={"ps":{"count":1},"worker":{"count":1}}',
+                            "-DuserDefinedParameters=bandwidth 1.0", "-DmaxRetries=0",
+                            "-DjobName=pluto-bandwidth-probe"])
+    job_id = client.submit(client.prepare(stmt), store)
+    say(f"link bandwidth probe {job_id}")
+    if not wait_job(store, job_id, 120):
+        client.kill(store, job_id, reason="pluto bandwidth probe: too slow")
+        return None
+    hosts = {i["role"]: i["host"] for i in store.instances(job_id)}
+    rate = next((r["value"] for r in store.latest_metrics(job_id)
+                 if r["role"] == "worker" and r["key"] == "bytes_per_s"), None)
+    if rate is None or hosts.get("ps") == hosts.get("worker"):
+        return None
+    return float(rate)
+
+
+# -- the user's strategy and script ------------------------------------------------
+
+
+def user_strategy(framework: str, spec):
+    from paicli.cluster.pluto.model import default_strategy
+
+    cluster = spec.get("cluster") or {}
+    counts = {role: conf.get("count", 1) for role, conf in cluster.items()}
+    workers = counts.get("worker", 1)
+    if framework == "mxnet":
+        ps = counts.get("server", counts.get("ps", 1))
+    elif framework == "caffe":
+        ps = counts.get("ps", 1 if workers > 1 else 0)
+    else:
+        ps = counts.get("ps", 1)
+    strategy = default_strategy(framework, max(ps, 0), workers)
+    if framework == "mxnet":
+        strategy = strategy.with_(compression=spec.get("gradientCompression") or "none",
+                                  threshold=spec.get("gradientCompressionThreshold") or 0.5,
+                                  big_array_bound=spec.get("bigArrayBound"),
+                                  sync=spec.get("kvstore") != "dist_async")
+    if framework == "caffe" and workers > 1:
+        strategy = strategy.with_(ma_period=spec.get("maPeriod"))
+    if framework == "tensorflow" and spec.get("psStrategy") == "greedy":
+        strategy = strategy.with_(partition="greedy")
+    return strategy
+
+
+def _read(path: str | None) -> str:
+    if not path:
+        return ""
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def script_inputs(prepared):
+    """(facts, files the cache key covers, script arguments)."""
+    from paicli.adapters.base import script_args
+
+    spec = prepared.spec
+    args = script_args(spec)
+    facts, files = _script_inputs(spec, args)
+    # Caffe's -DbatchSize / -DlearningRate replace the net's and the solver's (the
+    # runner writes them into the job's copies; calibration runs with them too).
+    for attr, key in (("batch_size", "batchSize"), ("learning_rate", "learningRate")):
+        if prepared.adapter.name == "caffe" and spec.params.get(key) is not None:
+            setattr(facts, attr, spec.params[key])
+            facts.where[attr] = f"-D{key}"
+    return facts, files, args
+
+
+def _script_inputs(spec, args):
+    import re
+
+    from paicli.cluster.pluto.calibrate import script_facts
+
+    files = [Path(p) for p in (spec.get("script"), spec.get("solver"), spec.get("hyperParameters")) if p]
+    script = str(spec.get("script") or "")
+    if _is_archive(spec):
+        source, solver, net = _archive_texts(script, spec.get("entryFile"))
+        return script_facts(args, source=source, solver=solver, net=net), files
+    source, solver = _plain_texts(spec)
+    net = ""
+    if solver:
+        match = re.search(r'^\s*(?:train_)?net\s*:\s*"([^"]+)"', solver, re.M)
+        if match:
+            base = Path(spec.get("solver")).parent
+            for folder in (base, *base.parents):
+                if (folder / match.group(1)).is_file():
+                    net = _read(str(folder / match.group(1)))
+                    files.append(folder / match.group(1))
+                    break
+    return script_facts(args, source=source, solver=solver, net=net), files
+
+
+def _is_archive(spec) -> bool:
+    return str(spec.get("script") or "").endswith((".tar.gz", ".tgz", ".tar")) and bool(spec.get("entryFile"))
+
+
+def _plain_texts(spec) -> tuple[str, str]:
+    """(the .py script's source, the solver's text) of a job that is no archive."""
+    script = str(spec.get("script") or "")
+    return (_read(script) if script.endswith(".py") else ""), (_read(spec.get("solver")) if spec.get("solver") else "")
+
+
+def script_texts(prepared) -> tuple[str, str]:
+    """(script source, solver text) as script_inputs reads them."""
+    spec = prepared.spec
+    if _is_archive(spec):
+        source, solver, _net = _archive_texts(str(spec.get("script")), spec.get("entryFile"))
+        return source, solver
+    return _plain_texts(spec)
+
+
+def script_knobs(prepared, facts, args: list[str], texts: tuple[str, str] | None = None):
+    """What the user and the script leave Pluto to set (strategy.Knobs): the
+    script's learning-rate flag, where sync/async is chosen and whether the user
+    chose it, how sync workers' gradients combine. `texts`: script_texts(prepared),
+    when the caller has read them already."""
+    import re
+
+    from paicli.cluster.pluto.calibrate import _flag_value, bool_flag, choice_flag
+    from paicli.cluster.pluto.strategy import Knobs
+
+    spec = prepared.spec
+    framework = prepared.adapter.name
+    source, solver = texts or script_texts(prepared)
+    lr_pinned = facts.where.get("learning_rate") == "arguments" or "learningRate" in spec.params
+    knobs = dict(lr_flag=facts.flags.get("learning_rate") if not lr_pinned else None, lr_pinned=lr_pinned,
+                 user_args=spec.get("userDefinedParameters") or "")
+    if framework == "mxnet":
+        flag = choice_flag(source, KVSTORE_FLAGS)
+        given = _flag_value(args, (flag[0][2:],)) if flag else None
+        if "kvstore" in spec.params:
+            knobs["sync_pinned"] = f"-Dkvstore={spec.params['kvstore']}"
+        elif given is not None:
+            knobs["sync_pinned"] = f"{flag[0]} {given}"
+        elif flag:
+            knobs["sync_switch"] = flag[0]
+        elif "PAI_MXNET_KVSTORE" in source:
+            knobs["sync_switch"] = "-Dkvstore"
+        module = re.search(r"\bmod\.Module\(|\.fit\(", source) and not re.search(r"\bTrainer\(", source)
+        knobs["aggregation"] = "mean" if module else "sum"
+    elif framework == "tensorflow":
+        flag = bool_flag(source, SYNC_FLAGS)
+        if flag:
+            given = [a for a in args if a.split("=", 1)[0] in (flag[0], flag[2] or flag[0])]
+            if given:
+                knobs["sync_pinned"] = " ".join(given)
+            else:
+                knobs["sync_switch"], knobs["sync_flag_negation"] = flag[0], flag[2]
+    elif framework == "caffe":
+        match = re.search(r'^\s*(?:type|solver_type)\s*:\s*"?(\w+)', solver, re.M)
+        knobs["solver_type"] = match.group(1) if match else "SGD"
+    return Knobs(**knobs)
+
+
+def tf_sync(prepared, args: list[str], source: str | None = None) -> bool:
+    """Does a TF script train sync: its --sync_replicas flag (given, else its
+    default) when it has one, else whether it uses SyncReplicasOptimizer at all
+    (TF1 between-graph replication and ParameterServerStrategy steps are async)."""
+    from paicli.cluster.pluto.calibrate import bool_flag
+
+    if source is None:
+        source = script_texts(prepared)[0]
+    flag = bool_flag(source, SYNC_FLAGS)
+    if flag is None:
+        return "SyncReplicasOptimizer" in source
+    for arg in args:
+        name, _sep, value = arg.partition("=")
+        if name == flag[0]:
+            return value.lower() not in ("false", "0", "no") if value else True
+        if flag[2] and name == flag[2]:
+            return False
+    return flag[1]
+
+
+def _archive_texts(archive: str, entry: str) -> tuple[str, str, str]:
+    """(script source, solver, net) of an archive's entry file, read without extracting."""
+    import posixpath
+    import re
+    import tarfile
+
+    def member_text(tar, name: str) -> str:
+        try:
+            member = tar.getmember(name)
+        except KeyError:
+            return ""
+        if not member.isfile() or member.size > 2_000_000:
+            return ""
+        handle = tar.extractfile(member)
+        return handle.read().decode("utf-8", "replace") if handle else ""
+
+    try:
+        with tarfile.open(archive) as tar:
+            text = member_text(tar, entry)
+            if not entry.endswith((".prototxt", ".pbtxt", ".txt")):
+                return text, "", ""
+            net = ""
+            match = re.search(r'^\s*(?:train_)?net\s*:\s*"([^"]+)"', text, re.M)
+            if match:
+                folder = posixpath.dirname(entry)
+                while True:
+                    net = member_text(tar, posixpath.normpath(posixpath.join(folder, match.group(1))))
+                    if net or not folder:
+                        break
+                    folder = posixpath.dirname(folder)
+            return "", text, net
+    except (OSError, tarfile.TarError):
+        return "", "", ""
+
+
+# -- calibration through pai itself ---------------------------------------------------
+
+
+class CalibrationAdapter:
+    """The user's adapter, with every instance told to report its model's sizes
+    (PAI_PLUTO_REPORT=stderr: lines that reach the instance logs from any node)."""
+
+    def __init__(self, adapter):
+        self._adapter = adapter
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+    def plan(self, spec, code):
+        plan = self._adapter.plan(spec, code)
+        for role in plan.roles:
+            role.env["PAI_PLUTO_REPORT"] = "stderr"
+        plan.notes.append("Pluto calibration run: instances report their model's sizes")
+        return plan
+
+
+def _calibration_configs(framework: str):
+    """(cluster, extra params) of each calibration run."""
+    if framework == "mxnet":
+        return [({"server": {"count": 1}, "worker": {"count": 1}}, {}),
+                ({"server": {"count": 1}, "worker": {"count": 2}}, {}),
+                ({"server": {"count": 2}, "worker": {"count": 1}}, {})]
+    if framework == "caffe":
+        return [({"worker": {"count": 1}}, {}),
+                ({"ps": {"count": 1}, "worker": {"count": 2}}, {"maPeriod": CALIBRATION_MA_PERIOD})]
+    return [({"ps": {"count": 1}, "worker": {"count": 1}}, {}),
+            ({"ps": {"count": 1}, "worker": {"count": 2}}, {}),
+            ({"ps": {"count": 2}, "worker": {"count": 1}}, {})]
+
+
+def _enough_steps(store, job_id: str, workers: int) -> bool:
+    counts = store.step_counts(job_id, ("worker", "chief"))
+    return len(counts) >= workers and all(n >= CALIBRATION_INTERVALS + 2 for n in counts.values())
+
+
+def wait_job(store, job_id: str, limit_s: float, enough: Callable[[], bool] = lambda: False) -> bool:
+    """Refresh the job until it ends or `enough()`; False when `limit_s` passes first
+    (the job is left running: the caller stops it)."""
+    from paicli import client
+    from paicli.states import JobStatus
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        job = client.refresh(store, job_id)
+        if JobStatus(job["status"]).is_terminal() or enough():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.3)
+
+
+def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Callable[[str], None]):
+    """Submit the user's script on `cluster_value`, let it run a few steps, stop it,
+    and read what it measured. Raises PaiError when the script fails or shows no steps."""
+    import dataclasses
+
+    from paicli import client
+    from paicli.errors import PaiError
+    from paicli.states import JobStatus
+
+    # The script as the user gave it, minus what Pluto decides: the calibration's
+    # communication model assumes no compression, MXNet's own slicing, TF round-robin.
+    params = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
+    params.update({"cluster": cluster_value, **extra, "maxRetries": 0,
+                   "jobName": f"pluto-calibration-{Path(str(prepared.spec.get('script') or prepared.spec.get('solver') or 'job')).stem}"})
+    spec = dataclasses.replace(prepared.spec, params=params)
+    workers = cluster_value.get("worker", {}).get("count", 1)
+    job_id = client.submit(client.Prepared(CalibrationAdapter(prepared.adapter), spec), store)
+    say(f"calibration job {job_id}: {json.dumps(cluster_value)}")
+    if not wait_job(store, job_id, CALIBRATION_LIMIT_S, lambda: _enough_steps(store, job_id, workers)):
+        client.kill(store, job_id, reason="pluto calibration: no steps in time")
+        raise PaiError(f"calibration: the script printed fewer than {CALIBRATION_INTERVALS + 2} step "
+                       f"lines per worker in {CALIBRATION_LIMIT_S:.0f} s (job {job_id})",
+                       f"see `pai logs {job_id}`; a step line has step=N (or Caffe's Iteration N)")
+    job = store.job(job_id)
+    if not JobStatus(job["status"]).is_terminal():
+        client.kill(store, job_id, reason="pluto calibration done")
+    elif job["status"] == JobStatus.FAILED.value:
+        raise PaiError(f"calibration: the script failed on {json.dumps(cluster_value)}: {job['reason']}",
+                       f"see `pai logs {job_id}`")
+    return job_id, _measured_run(store, job, cluster_value, extra)
+
+
+def _measured_run(store, job, cluster_value: dict, extra: dict):
+    """What a calibration run measured: its step time, model size, iteration and
+    exchange times. Raises PaiError when its output had no step timing."""
+    from paicli import steptime
+    from paicli.cluster.pluto.calibrate import Run, read_report
+    from paicli.errors import PaiError
+    from paicli.steptime import median
+
+    job_id = job["id"]
+    step_s = steptime.job_step_seconds(store, job_id)
+    reported = store.metric_values(job_id, ("model_mb", "iter_per_s", "exchange_ms", "global_step"))
+    workers_m = reported.get("worker", {})
+    iter_rates = workers_m.get("iter_per_s") or []
+    exchange = workers_m.get("exchange_ms") or []
+    model_mb = (reported.get("ps", {}).get("model_mb") or [None])[-1]
+    if step_s is None and not iter_rates:
+        raise PaiError(f"calibration: no step timing in the script's output (job {job_id})",
+                       "print a line with step=N per step (or every few steps)")
+    return Run(ps=cluster_value.get("ps", cluster_value.get("server", {})).get("count", 0),
+               workers=cluster_value.get("worker", {}).get("count", 1), step_s=step_s, model_mb=model_mb,
+               var_bytes=read_report(sorted((Path(job["job_dir"]) / "logs").glob("*.log"))),
+               iter_s=(1.0 / median(iter_rates)) if iter_rates else None,
+               exchange_s=(median(exchange[1:] or exchange) / 1000.0) if exchange else None,
+               ma_period=extra.get("maPeriod"), global_step=bool(workers_m.get("global_step")))
+
+
+def make_plan(stmt, budget_s: float | None = None, store=None,
+              say: Callable[[str], None] = lambda line: None) -> PlanResult:
+    """Calibrate (or read the cache), describe the cluster, plan. Raises UsageError
+    for bad input and PaiError when calibration fails."""
+    from paicli import client
+
+    return plan_prepared(client.prepare(stmt), budget_s, store, say)
+
+
+def calibration_key(prepared, files, args, here) -> str:
+    """The calibration cache's key: the script's files and arguments, kvstore and
+    entry file, and where it calibrates (`here`: node names and cores)."""
+    from paicli.cluster.pluto import calibrate
+
+    return calibrate.cache_key(prepared.adapter.name, files, args, here,
+                               extra=json.dumps({k: prepared.spec.get(k) for k in ("kvstore", "entryFile")}))
+
+
+def plan_prepared(prepared, budget_s: float | None = None, store=None,
+                  say: Callable[[str], None] = lambda line: None) -> PlanResult:
+    from paicli.cluster.pluto import calibrate, planner
+    from paicli.cluster.pluto.strategy import Cluster, Node, Profile
+    from paicli.errors import UsageError
+    from paicli.store import Store, pai_home
+
+    framework = prepared.adapter.name
+    if framework not in PLAN_FRAMEWORKS:
+        raise UsageError(f"-name {framework}: pai plan plans {', '.join(PLAN_FRAMEWORKS)} jobs",
+                         "a plain Python job has no parameter server or model to plan")
+    store = store or Store()
+    facts, files, args = script_inputs(prepared)
+    user = user_strategy(framework, prepared.spec)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+    def clusters(loopback: float, links: float | None = None):
+        where = target_cluster(loopback, links)
+        # Calibration runs where `pai` runs jobs (this machine without a nodes file).
+        here = where if len(where.nodes) > 1 else Cluster((Node("local", float(cores), loopback),),
+                                                          loopback_Bps=loopback, source=where.source)
+        return where, here
+
+    unmeasured = clusters(0.0)   # the nodes file, read once before anything is measured
+    key = calibration_key(prepared, files, args, unmeasured[1])
+    home = pai_home()
+    cached = calibrate.cache_get(home, key)
+    # The loopback rate (and, on nodes, the links' rate) is measured with the calibration
+    # and kept with it, so a cached plan forecasts exactly what the first one did.
+    loopback = (cached or {}).get("loopback_Bps") or calibrate.measure_loopback()
+    links = (cached or {}).get("links_Bps")
+    if links is None and len(unmeasured[0].nodes) > 1 and not os.environ.get("PAI_PLUTO_BANDWIDTH"):
+        links = measure_links(store, say)
+    where, here = clusters(loopback, links)
+    texts = script_texts(prepared)   # read once for tf_sync and script_knobs
+    jobs: list[str] = []
+    if cached:
+        profile = Profile.from_dict(cached["profile"])
+        say("calibration: cached")
+    else:
+        runs = []
+        for cluster_value, extra in _calibration_configs(framework):
+            job_id, run = calibration_run(prepared, store, cluster_value, extra, say)
+            jobs.append(job_id)
+            runs.append(run)
+        sync = tf_sync(prepared, args, texts[0]) if framework == "tensorflow" else user.sync
+        profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
+        calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
+                                        "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links})
+    result = planner.plan(profile, where, user, budget_s=budget_s, knobs=script_knobs(prepared, facts, args, texts))
+    return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs)
+
+
+# -- -DautoStrategy=true ----------------------------------------------------------------
+
+
+class PlannedAdapter:
+    """The user's adapter, planning with Pluto's spec and recording the plan and
+    its forecast in plan.json (JobPlan.pluto)."""
+
+    def __init__(self, adapter, record: dict[str, Any]):
+        self._adapter = adapter
+        self._record = record
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+    def plan(self, spec, code):
+        plan = self._adapter.plan(spec, code)
+        plan.pluto = self._record
+        plan.notes.append(f"Pluto (-DautoStrategy=true): {self._record['label']}, forecast "
+                          f"{self._record['forecast_step_s']:.4f} s/step")
+        return plan
+
+
+def auto_strategy(prepared, store=None, progress: Callable[[str], None] = lambda line: None):
+    """The prepared job with Pluto's recommendation applied: -Dcluster and the
+    strategy's -D values replaced (what the user set for them is overridden, and
+    said in the reasons), the plan and forecast carried into plan.json."""
+    import dataclasses
+
+    from paicli import client
+
+    result = plan_prepared(prepared, store=store, say=lambda line: progress(f"pluto: {line}"))
+    rec = result.plan.recommended
+    chosen = rec.to_json()
+    reasons = list(result.plan.reasons)
+    overridden = [k for k in chosen["params"] if k in prepared.spec.params and k != "userDefinedParameters"
+                  and prepared.spec.params[k] != chosen["params"][k]]
+    if overridden:
+        reasons.append("overrode " + ", ".join(f"-D{k}" for k in overridden) + " (-DautoStrategy=true decides them)")
+    if rec.strategy.script_flags:
+        reasons.append("appended " + " ".join(rec.strategy.script_flags) + " to the script's arguments "
+                       "(-DuserDefinedParameters; your own arguments come first)")
+    params = {**prepared.spec.params, "cluster": chosen["cluster"], **chosen["params"]}
+    spec = dataclasses.replace(prepared.spec, params=params)
+    prepared.adapter.validate(spec)
+    record = {**chosen, "reasons": reasons, "default": result.plan.default.to_json(),
+              "param_bytes": result.profile.param_bytes, "ps_role": rec.strategy.ps_role(),
+              "where": result.cluster.source, "calibration_jobs": result.calibration_jobs,
+              "cached": result.cached}
+    return client.Prepared(PlannedAdapter(prepared.adapter, record), spec)

@@ -81,10 +81,10 @@ def pai_home() -> Path:
                        "set PAI_HOME to a folder, e.g. ~/.pai") from None
 
 
-def new_job_id() -> str:
+def new_job_id(now: float | None = None) -> str:
     """ODPS-style instance ID: local time to the millisecond plus 7 random characters,
-    e.g. 20161209110921342g1j2sa. Sorts by submit time."""
-    now = time.time()
+    e.g. 20161209110921342g1j2sa. Sorts by submit time (`now`, default the clock)."""
+    now = time.time() if now is None else now
     stamp = time.strftime("%Y%m%d%H%M%S", time.localtime(now)) + f"{int(now * 1000) % 1000:03d}"
     alphabet = string.ascii_lowercase + string.digits  # (`random` costs every pai an import)
     return stamp + "".join(alphabet[byte % len(alphabet)] for byte in os.urandom(7))

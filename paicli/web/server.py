@@ -227,7 +227,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
             over = over or gone >= 2
             # The status parts (some 20 ms of queries and rendering) are redone when an event
             # happened, every STATUS_EVERY seconds for the last metrics, and at the end.
-            event = store.db.execute("SELECT MAX(id) FROM events WHERE job_id = ?", (job_id,)).fetchone()[0] or 0
+            event = store.last_event_id(job_id)
             if page is None or over or event != seen_event or time.monotonic() - rendered_at >= STATUS_EVERY:
                 seen_event, rendered_at = event, time.monotonic()
                 page = data.job_page(store, job_id)

@@ -47,6 +47,7 @@ EXAMPLE = REPO / "examples" / "tensorflow" / "async_ps_worker.py"
 CLUSTER = {"ps": {"count": 1}, "worker": {"count": 2}}
 STEP_LINE = re.compile(rb"(?:^|\] )step=\d+, global_step=", re.M)
 PAI = [sys.executable, "-m", "paicli"]
+HAND_LIMIT_S = 600    # a hand-started job that hangs ends the bench, not the machine's afternoon
 
 
 def load() -> str:
@@ -73,6 +74,16 @@ def through_pai(nodes_file: Path, steps: int) -> dict:
     if code != 0 or first is None:
         raise SystemExit(f"the pai job failed (exit {code}):\n" + b"".join(tail).decode(errors="replace"))
     return {"first_step": first, "total": total}
+
+
+def step_lines(pending: bytes, data: bytes) -> tuple[list[bytes], bytes]:
+    """The complete lines of `pending + data` and what is left of a line not yet
+    ended; at end of stream (`data` empty) the rest is a line of its own."""
+    buffered = pending + data
+    if not data:
+        return ([buffered] if buffered else []), b""
+    *lines, rest = buffered.split(b"\n")
+    return lines, rest
 
 
 def by_hand(cluster: TestCluster, steps: int) -> dict:
@@ -110,16 +121,22 @@ def by_hand(cluster: TestCluster, steps: int) -> dict:
         os.set_blocking(proc.stdout.fileno(), False)
         selector.register(proc.stdout, selectors.EVENT_READ, role.name)
     first = None
+    pending: dict = {}   # stream -> the part of a line not yet ended by a newline
     try:
-        workers = [p for r, p in procs if r.must_finish]
-        while any(p.poll() is None for p in workers):
+        workers = {proc.stdout for role, proc in procs if role.must_finish}
+        # Until every worker's output has ended (they exit after the last step): what
+        # is still in a pipe when a process exits is read, not dropped.
+        deadline = time.monotonic() + HAND_LIMIT_S
+        while workers & set(key.fileobj for key in selector.get_map().values()) and time.monotonic() < deadline:
             for key, _ in selector.select(0.1):
                 data = key.fileobj.read()
-                if not data:
-                    if data == b"":
-                        selector.unregister(key.fileobj)
+                if data is None:
                     continue
-                if first is None and key.data == "worker" and STEP_LINE.search(data):
+                if data == b"":
+                    selector.unregister(key.fileobj)
+                # Whole lines only: a step line split across two reads is seen once it is complete.
+                lines, pending[key.fileobj] = step_lines(pending.get(key.fileobj, b""), data)
+                if first is None and key.data == "worker" and any(STEP_LINE.search(line) for line in lines):
                     first = time.monotonic() - started
     finally:
         for _role, proc in procs:

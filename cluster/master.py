@@ -364,61 +364,75 @@ class JobMaster:
             pass
 
     def _exited(self, inst: Instance, code: int) -> tuple[JobStatus, str | None] | None:
-        """Decide what an instance's exit means (cluster/policy.py) and act on it.
-        Returns the job's outcome when it ends the job."""
+        """Decide what an instance's exit means (policy.judge_exit) and act on the
+        verdict (one method each, ON_VERDICT). Returns the job's outcome when it
+        ends the job."""
+        self._end_attempt(inst, code)
+        tail = list(inst.log.tail) if inst.log else []
+        verdict = policy.judge_exit(code, tail, restart=self.plan.restart, max_retries=self.plan.max_retries,
+                                    instance_retries=inst.retries, job_retries=self.job_retries, name=inst.name,
+                                    node=inst.placed.node, moved_listens=inst.role.listens)
+        if verdict.node_lost and verdict.action != policy.FAIL:
+            verdict = self._place_elsewhere(inst, verdict)
+        return self.ON_VERDICT[verdict.action](self, inst, code, verdict)
+
+    def _end_attempt(self, inst: Instance, code: int) -> None:
         inst.exit_code = code
-        role = inst.role
         if inst.handle is not None:
             # Whatever the instance left running in its group goes with it.
             if code != NODE_LOST:
                 self.backend.stop_all([inst.handle.ref], 0)
             self._close_output(inst)
-        self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, ended=time.time(), exit_code=code)
-        tail = list(inst.log.tail) if inst.log else []
+        self.store.record_attempt(self.job_id, inst.role.name, inst.idx, inst.attempt, ended=time.time(),
+                                  exit_code=code)
         if code == NODE_LOST:
             self.avoid.add(inst.placed.node)
             self.store.event(self.job_id, "node-lost", f"{inst.name}: node {inst.placed.node} stopped answering",
-                             role.name, inst.idx)
-        verdict = policy.judge_exit(code, tail, restart=self.plan.restart, max_retries=self.plan.max_retries,
-                                    instance_retries=inst.retries, job_retries=self.job_retries, name=inst.name,
-                                    node=inst.placed.node, moved_listens=role.listens)
-        if verdict.action == policy.FINISHED:
-            self._set(inst, InstanceStatus.TERMINATED, "exit 0", exit_code=0, ended=time.time())
-            return None
-        if verdict.action in (policy.RESTART_JOB_, policy.RESTART_INSTANCE) and verdict.node_lost:
-            try:
-                self._move(inst)
-                if verdict.action == policy.RESTART_INSTANCE and inst.role.listens:
-                    self._assign_ports([inst])
-            except (UsageError, OSError) as err:  # no node has room
-                verdict = policy.Verdict(policy.FAIL, f"{verdict.reason}; no other node has room ({err})")
-        if verdict.action == policy.RESTART_JOB_:
-            self.job_retries += 1
-            self.store.add_retry(self.job_id, role.name)
-            if verdict.port_conflict:
-                self.store.event(self.job_id, "port-conflict", verdict.reason, role.name, inst.idx)
-                self.joblog.note(f"{verdict.reason}; restarting the job on fresh ports "
-                                 f"(retry {self.job_retries} of {self.plan.max_retries})")
-            else:
-                self.joblog.note(f"{verdict.reason}; restarting the whole job "
-                                 f"(retry {self.job_retries} of {self.plan.max_retries})")
-            self._restart_job(failed=inst, code=code)
-            return None
-        if verdict.action == policy.RESTART_INSTANCE:
-            inst.retries += 1
-            self.store.add_retry(self.job_id, role.name)
-            self.joblog.note(f"{verdict.reason}; restarting it (retry {inst.retries} of {self.plan.max_retries})")
-            if self._set(inst, InstanceStatus.WAITING, f"{policy.describe(code, inst.placed.node)}, restarting",
-                         exit_code=code, attempt=inst.attempt + 1):
-                inst.handle = None
-                inst.restart_at = time.monotonic() + RESTART_BACKOFF
-            return None
+                             inst.role.name, inst.idx)
+
+    def _place_elsewhere(self, inst: Instance, verdict: policy.Verdict) -> policy.Verdict:
+        """An instance lost with its node restarts on another one; none with room
+        turns the verdict into a failure."""
+        try:
+            self._move(inst)
+            if verdict.action == policy.RESTART_INSTANCE and inst.role.listens:
+                self._assign_ports([inst])
+        except (UsageError, OSError) as err:
+            return policy.Verdict(policy.FAIL, f"{verdict.reason}; no other node has room ({err})")
+        return verdict
+
+    def _on_finished(self, inst: Instance, code: int, verdict: policy.Verdict) -> None:
+        self._set(inst, InstanceStatus.TERMINATED, "exit 0", exit_code=0, ended=time.time())
+
+    def _on_restart_job(self, inst: Instance, code: int, verdict: policy.Verdict) -> None:
+        self.job_retries += 1
+        self.store.add_retry(self.job_id, inst.role.name)
+        if verdict.port_conflict:
+            self.store.event(self.job_id, "port-conflict", verdict.reason, inst.role.name, inst.idx)
+        how = "restarting the job on fresh ports" if verdict.port_conflict else "restarting the whole job"
+        self.joblog.note(f"{verdict.reason}; {how} (retry {self.job_retries} of {self.plan.max_retries})")
+        self._restart_job(failed=inst, code=code)
+
+    def _on_restart_instance(self, inst: Instance, code: int, verdict: policy.Verdict) -> None:
+        inst.retries += 1
+        self.store.add_retry(self.job_id, inst.role.name)
+        self.joblog.note(f"{verdict.reason}; restarting it (retry {inst.retries} of {self.plan.max_retries})")
+        if self._set(inst, InstanceStatus.WAITING, f"{policy.describe(code, inst.placed.node)}, restarting",
+                     exit_code=code, attempt=inst.attempt + 1):
+            inst.handle = None
+            inst.restart_at = time.monotonic() + RESTART_BACKOFF
+
+    def _on_fail(self, inst: Instance, code: int, verdict: policy.Verdict) -> tuple[JobStatus, str | None]:
         self._set(inst, InstanceStatus.FAILED, policy.describe(code, inst.placed.node), exit_code=code,
                   ended=time.time())
+        tail = list(inst.log.tail) if inst.log else []
         if tail:
-            self.store.event(self.job_id, "last-lines", "\n".join(tail[-10:]), role.name, inst.idx)
+            self.store.event(self.job_id, "last-lines", "\n".join(tail[-10:]), inst.role.name, inst.idx)
         last = " | ".join(line.strip() for line in tail[-3:])
         return JobStatus.FAILED, verdict.reason + (f"; last lines: {last}" if last else "")
+
+    ON_VERDICT = {policy.FINISHED: _on_finished, policy.RESTART_JOB_: _on_restart_job,
+                  policy.RESTART_INSTANCE: _on_restart_instance, policy.FAIL: _on_fail}
 
     def _move(self, inst: Instance) -> None:
         """Place `inst` again, away from the nodes this job lost, with what the

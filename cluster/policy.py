@@ -45,14 +45,35 @@ def describe(code: int, node: str | None = None) -> str:
     return describe_exit(code)
 
 
+# The verdict table: (exited 0, retryable, restarts the whole job, a retry left) ->
+# action; None matches either. Rows are tried in order; every combination of the
+# four facts meets exactly one row (tests/test_units.py walks them all).
+VERDICT_TABLE: tuple[tuple[tuple[bool | None, ...], str], ...] = (
+    ((True, None, None, None), FINISHED),
+    ((False, False, None, None), FAIL),             # a permanent exit
+    ((False, True, None, False), FAIL),             # retryable, but the retries are spent
+    ((False, True, True, True), RESTART_JOB_),
+    ((False, True, False, True), RESTART_INSTANCE),
+)
+
+
+def verdict_for(succeeded: bool, retryable: bool, whole_job: bool, retry_left: bool) -> str:
+    """The action of the first VERDICT_TABLE row the facts match."""
+    facts = (succeeded, retryable, whole_job, retry_left)
+    for pattern, action in VERDICT_TABLE:
+        if all(want is None or want == have for want, have in zip(pattern, facts)):
+            return action
+    raise AssertionError(f"no verdict for {facts}")  # the table is complete: a test checks it
+
+
 def judge_exit(code: int, tail: list[str], *, restart: str, max_retries: int, instance_retries: int,
                job_retries: int, name: str, node: str | None = None, moved_listens: bool = False) -> Verdict:
-    """What the master does when instance `name` ends with `code`.
+    """What the master does when instance `name` ends with `code`: the facts of
+    the exit, then the verdict table.
 
-    - exit 0: finished.
-    - NODE_LOST (its node stopped answering): retryable; the instance is placed again
-      on another node. Its address changes, so when it listens (peers dial it:
-      `moved_listens`) the whole job restarts for every peer to learn it.
+    - NODE_LOST (its node stopped answering) is retryable; the instance is placed
+      again on another node. Its address changes, so when it listens (peers dial
+      it: `moved_listens`) the whole job restarts for every peer to learn it.
     - A port conflict (its last lines say the address was in use) is retryable
       whatever the exit code (the cause is outside the program) and restarts the
       whole job on fresh ports, spending a retry like any other: maxRetries=0 means
@@ -60,20 +81,18 @@ def judge_exit(code: int, tail: list[str], *, restart: str, max_retries: int, in
     - Otherwise the exit-code policy (states.is_retryable) decides; retries are
       per instance (restart=instance) or per job (restart=job).
     """
-    if code == 0:
-        return Verdict(FINISHED)
-    conflict = code != NODE_LOST and port_conflict(tail)
     lost = code == NODE_LOST
-    what = f"{name} {describe(code, node)}"
-    if conflict:
-        what += " (its port was taken)"
-    if not (conflict or lost or is_retryable(code)):
-        return Verdict(FAIL, what)
+    conflict = code not in (0, NODE_LOST) and port_conflict(tail)
+    retryable = lost or conflict or is_retryable(code)
     whole_job = restart == RESTART_JOB or conflict or (lost and moved_listens)
     used = job_retries if whole_job else instance_retries
-    if used >= max_retries:
-        return Verdict(FAIL, f"{what} (no retries left of {max_retries})", conflict, lost)
-    return Verdict(RESTART_JOB_ if whole_job else RESTART_INSTANCE, what, conflict, lost)
+    action = verdict_for(code == 0, retryable, whole_job, used < max_retries)
+    if action == FINISHED:
+        return Verdict(FINISHED)
+    what = f"{name} {describe(code, node)}" + (" (its port was taken)" if conflict else "")
+    if action == FAIL and retryable:
+        what += f" (no retries left of {max_retries})"
+    return Verdict(action, what, conflict, lost)
 
 
 # -- settings from the environment ---------------------------------------------------

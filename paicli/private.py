@@ -26,10 +26,11 @@ def private_dir(path: Path, parents: bool = False) -> Path:
 
 def write_private(path: Path, text: str | bytes) -> None:
     """Write a whole file, 0600, through a temporary name: a reader (or a full
-    disk) never sees half of it."""
+    disk) never sees half of it. The temporary is a fresh random name created
+    with O_EXCL|O_NOFOLLOW: a file or symlink someone planted in the folder
+    (known_hosts may live wherever the user says) is never opened or followed."""
     data = text.encode() if isinstance(text, str) else text
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -40,6 +41,17 @@ def write_private(path: Path, text: str | bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def _create_temporary(path: Path) -> tuple[int, Path]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            return os.open(tmp, flags, FILE_MODE), tmp
+        except FileExistsError:
+            continue  # 48 random bits taken: someone is guessing; draw again
+    raise FileExistsError(f"no free temporary name next to {path}")
 
 
 def touch_private(path: Path) -> None:

@@ -194,90 +194,121 @@ def resolve_path(value: str, base: Path) -> Path:
     return Path(str(path.resolve()))
 
 
+def _to_text(param: Param, raw: Any, base: Path) -> str:
+    if isinstance(raw, (dict, list)):
+        raise ValueError("expected text, not a structure")
+    if isinstance(raw, bool) or raw is None:
+        raise ValueError("expected text")
+    text = str(raw)
+    if not text:
+        raise ValueError("expected a value, got nothing")
+    return text
+
+
+def _to_int(param: Param, raw: Any, base: Path) -> int:
+    if isinstance(raw, bool):
+        raise ValueError(f"expected a whole number, not {raw}")
+    try:
+        value = int(raw) if not isinstance(raw, float) or raw.is_integer() else None
+    except (TypeError, ValueError):
+        value = None
+    if value is None:
+        raise ValueError(f"expected a whole number, not {raw!r}")
+    return value
+
+
+def _to_float(param: Param, raw: Any, base: Path) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number, not {raw!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"expected a finite number, not {raw!r}")
+    return value
+
+
+def _to_duration(param: Param, raw: Any, base: Path) -> float:
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        value = float(raw)
+    else:
+        match = _DURATION.match(str(raw)) if isinstance(raw, str) else None
+        if not match:
+            raise ValueError(f"expected seconds or a duration such as 90s, 30m, 2h, not {raw!r}")
+        unit = (match.group(2) or "s")[0]
+        value = float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[unit]
+    if value <= 0 or value != value or value == float("inf"):
+        raise ValueError(f"expected a positive duration, not {raw!r}")
+    return value
+
+
+def _to_json(param: Param, raw: Any, base: Path) -> Any:
+    if not isinstance(raw, str):
+        return raw  # a YAML structure is already parsed
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(_json_error_line(raw, err)) from None
+
+
+def _to_path(param: Param, raw: Any, base: Path) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise ValueError("expected a file:// URI or a path")
+    if "\x00" in raw:
+        raise ValueError("a path cannot contain a NUL character")
+    path = resolve_path(raw, base)
+    try:
+        path.stat()
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):   # what Path.exists() calls missing
+            raise ValueError(f"{path} does not exist; check the path (file:// URIs take an absolute path)") from None
+        raise ValueError(f"cannot use {raw!r} as a path: {err.strerror}") from None   # too long, no permission
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file")
+    return str(path)
+
+
+def _to_choice(param: Param, raw: Any, base: Path) -> str:
+    value = str(raw)
+    if value not in param.choices:
+        close = close_matches(value, param.choices, 1)
+        tip = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"expected one of {', '.join(param.choices)}, not {value!r}{tip}")
+    return value
+
+
+def _to_args(param: Param, raw: Any, base: Path) -> str:
+    if isinstance(raw, list):
+        value = " ".join(shlex.quote(str(x)) for x in raw)
+    elif isinstance(raw, str):
+        value = raw
+    else:
+        raise ValueError("expected an argument string such as '--lr=0.1 --epochs 3'")
+    try:
+        shlex.split(value)
+    except ValueError as err:
+        raise ValueError(f"cannot split the arguments: {err}") from None
+    return value
+
+
+# kind -> converter(param, raw value, base folder): the typed value, or ValueError
+# saying what was expected. A new kind is one function and one row.
+CONVERTERS: dict[str, Callable[[Param, Any, Path], Any]] = {
+    "str": _to_text, "int": _to_int, "float": _to_float, "duration": _to_duration,
+    "json": _to_json, "path": _to_path, "choice": _to_choice, "args": _to_args,
+}
+
+
 def convert(param: Param, raw: Any, base: Path) -> Any:
     """Turn a raw value (a -D string or a YAML value) into the param's type.
     Raises ValueError with a message that says what was expected."""
-    kind = param.kind
+    converter = CONVERTERS.get(param.kind)
+    if converter is None:  # pragma: no cover - a programming error in a table row
+        raise AssertionError(f"unknown parameter kind {param.kind}")
     if isinstance(raw, str):
-        raw = _strip_quotes(raw.strip()) if kind != "args" else raw.strip()
-    if kind == "str":
-        if isinstance(raw, (dict, list)):
-            raise ValueError("expected text, not a structure")
-        if isinstance(raw, bool) or raw is None:
-            raise ValueError("expected text")
-        text = str(raw)
-        if not text:
-            raise ValueError("expected a value, got nothing")
-        return text
-    if kind == "int":
-        if isinstance(raw, bool):
-            raise ValueError(f"expected a whole number, not {raw}")
-        try:
-            value = int(raw) if not isinstance(raw, float) or raw.is_integer() else None
-        except (TypeError, ValueError):
-            value = None
-        if value is None:
-            raise ValueError(f"expected a whole number, not {raw!r}")
-    elif kind == "float":
-        try:
-            value = float(raw)
-        except (TypeError, ValueError):
-            raise ValueError(f"expected a number, not {raw!r}") from None
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"expected a finite number, not {raw!r}")
-    elif kind == "duration":
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            value = float(raw)
-        else:
-            match = _DURATION.match(str(raw)) if isinstance(raw, str) else None
-            if not match:
-                raise ValueError(f"expected seconds or a duration such as 90s, 30m, 2h, not {raw!r}")
-            unit = (match.group(2) or "s")[0]
-            value = float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[unit]
-        if value <= 0 or value != value or value == float("inf"):
-            raise ValueError(f"expected a positive duration, not {raw!r}")
-    elif kind == "json":
-        if isinstance(raw, str):
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError as err:
-                raise ValueError(_json_error_line(raw, err)) from None
-        else:
-            value = raw
-    elif kind == "path":
-        if not isinstance(raw, str) or not raw:
-            raise ValueError("expected a file:// URI or a path")
-        if "\x00" in raw:
-            raise ValueError("a path cannot contain a NUL character")
-        path = resolve_path(raw, base)
-        try:
-            path.stat()
-        except OSError as err:
-            if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):   # what Path.exists() calls missing
-                raise ValueError(f"{path} does not exist; check the path (file:// URIs take an absolute path)") from None
-            raise ValueError(f"cannot use {raw!r} as a path: {err.strerror}") from None   # too long, no permission
-        if not path.is_file():
-            raise ValueError(f"{path} is not a file")
-        return str(path)
-    elif kind == "choice":
-        value = str(raw)
-        if value not in param.choices:
-            close = close_matches(value, param.choices, 1)
-            tip = f" (did you mean {close[0]}?)" if close else ""
-            raise ValueError(f"expected one of {', '.join(param.choices)}, not {value!r}{tip}")
-    elif kind == "args":
-        if isinstance(raw, list):
-            value = " ".join(shlex.quote(str(x)) for x in raw)
-        elif isinstance(raw, str):
-            value = raw
-        else:
-            raise ValueError("expected an argument string such as '--lr=0.1 --epochs 3'")
-        try:
-            shlex.split(value)
-        except ValueError as err:
-            raise ValueError(f"cannot split the arguments: {err}") from None
-    else:  # pragma: no cover - a programming error in a table row
-        raise AssertionError(f"unknown parameter kind {kind}")
+        # Quotes around a -D value are the shell's, not the value's; an argument
+        # string keeps its own (they group its words).
+        raw = raw.strip() if param.kind == "args" else _strip_quotes(raw.strip())
+    value = converter(param, raw, base)
     if param.minimum is not None and value < param.minimum:
         raise ValueError(f"must be at least {param.minimum:g}, not {raw}")
     if param.check is not None:

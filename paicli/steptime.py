@@ -21,7 +21,8 @@ from typing import Iterable
 
 def median(values: list[float]) -> float:
     """statistics.median, without importing statistics (fractions, decimal,
-    random) on the path of every `pai`."""
+    random) on the path of every `pai`. The project's one median (Pluto's
+    calibration uses it too)."""
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
@@ -77,15 +78,10 @@ def step_seconds(points: dict[str, list[tuple[float, float]]],
 
 def job_step_seconds(store, job_id: str, roles: tuple[str, ...] = TRAINING_ROLES) -> float | None:
     """step_seconds of a job, read from its stored metrics (two small queries)."""
-    marks = ",".join("?" * len(roles))
     points: dict[str, list[tuple[float, float]]] = {}
-    for row in store.db.execute(
-            f"SELECT role, idx, step, MIN(ts) AS ts FROM metrics WHERE job_id = ? AND role IN ({marks}) "
-            f"AND step IS NOT NULL GROUP BY role, idx, step ORDER BY role, idx, MIN(ts)", (job_id, *roles)):
+    for row in store.step_points(job_id, roles):
         points.setdefault(f"{row[0]}:{row[1]}", []).append((row[2], row[3]))
     timing: dict[str, dict[str, list[float]]] = {}
-    for row in store.db.execute(
-            f"SELECT role, idx, key, value FROM metrics WHERE job_id = ? AND role IN ({marks}) "
-            f"AND key IN ('duration', 'iter_per_s') ORDER BY rowid", (job_id, *roles)):
+    for row in store.metric_values(job_id, ("duration", "iter_per_s"), roles):
         timing.setdefault(f"{row[0]}:{row[1]}", {}).setdefault(row[2], []).append(row[3])
     return step_seconds(points, timing)

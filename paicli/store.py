@@ -81,10 +81,10 @@ def pai_home() -> Path:
                        "set PAI_HOME to a folder, e.g. ~/.pai") from None
 
 
-def new_job_id() -> str:
+def new_job_id(now: float | None = None) -> str:
     """ODPS-style instance ID: local time to the millisecond plus 7 random characters,
-    e.g. 20161209110921342g1j2sa. Sorts by submit time."""
-    now = time.time()
+    e.g. 20161209110921342g1j2sa. Sorts by submit time (`now`, default the clock)."""
+    now = time.time() if now is None else now
     stamp = time.strftime("%Y%m%d%H%M%S", time.localtime(now)) + f"{int(now * 1000) % 1000:03d}"
     alphabet = string.ascii_lowercase + string.digits  # (`random` costs every pai an import)
     return stamp + "".join(alphabet[byte % len(alphabet)] for byte in os.urandom(7))
@@ -334,6 +334,10 @@ class Store:
         return self.db.execute("SELECT * FROM events WHERE job_id = ? AND id > ? ORDER BY id",
                                (job_id, after)).fetchall()
 
+    def last_event_id(self, job_id: str) -> int:
+        """The newest event's id (0 when none): a page redraws only when it moved."""
+        return self.db.execute("SELECT MAX(id) FROM events WHERE job_id = ?", (job_id,)).fetchone()[0] or 0
+
     def add_metrics(self, rows: list[tuple]) -> None:
         """rows: (job_id, role, idx, ts, step, key, value)."""
         if rows:
@@ -349,6 +353,33 @@ class Store:
 
     def metrics(self, job_id: str) -> list[sqlite3.Row]:
         return self.db.execute("SELECT * FROM metrics WHERE job_id = ? ORDER BY rowid", (job_id,)).fetchall()
+
+    def metrics_after(self, job_id: str, after: int = 0, limit: int = 200_000) -> list[sqlite3.Row]:
+        """Metric rows (with their rowid) newer than rowid `after`, oldest first: what
+        a live page has not seen yet."""
+        return self.db.execute(
+            "SELECT rowid, role, idx, step, key, value FROM metrics WHERE job_id = ? AND rowid > ?"
+            " ORDER BY rowid LIMIT ?", (job_id, after, limit)).fetchall()
+
+    def step_points(self, job_id: str, roles: tuple[str, ...]) -> list[sqlite3.Row]:
+        """(role, idx, step, ts): each step of each instance of `roles` with the time
+        it was first read, in the order read."""
+        marks = ",".join("?" * len(roles))
+        return self.db.execute(
+            f"SELECT role, idx, step, MIN(ts) AS ts FROM metrics WHERE job_id = ? AND role IN ({marks})"
+            f" AND step IS NOT NULL GROUP BY role, idx, step ORDER BY role, idx, MIN(ts)",
+            (job_id, *roles)).fetchall()
+
+    def metric_values(self, job_id: str, keys: tuple[str, ...],
+                      roles: tuple[str, ...] | None = None) -> list[sqlite3.Row]:
+        """(role, idx, key, value) of the metrics `keys` (of `roles`, default all), in
+        the order read."""
+        where, args = f"job_id = ? AND key IN ({','.join('?' * len(keys))})", [job_id, *keys]
+        if roles is not None:
+            where += f" AND role IN ({','.join('?' * len(roles))})"
+            args += roles
+        return self.db.execute(f"SELECT role, idx, key, value FROM metrics WHERE {where} ORDER BY rowid",
+                               args).fetchall()
 
     # -- ports -----------------------------------------------------------------
 

@@ -353,3 +353,55 @@ def test_a_token_file_left_readable_is_tightened_when_used(tmp_path):
     os.chmod(folder / "token", 0o644)
     assert launch.user_token(tmp_path) == "abc"
     assert oct((folder / "token").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_slow_store_read_does_not_hold_up_another_request(tmp_path, monkeypatch):
+    """The handlers read SQLite off the event loop: while one request's read is
+    stuck, a second request (another read of the store) is answered."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from paicli.store import Store
+    from paicli.web import data, server
+
+    Store(tmp_path).create_job("j1", name="n", framework="python", project=None, task_name="T", job_dir=tmp_path,
+                               roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    release, entered = threading.Event(), threading.Event()
+    real = data.job_list
+
+    def job_list(store, *args):
+        if not entered.is_set():      # the first read hangs until the second request is answered
+            entered.set()
+            release.wait(60)
+        return real(store, *args)
+
+    monkeypatch.setattr(data, "job_list", job_list)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(server.make_app(tmp_path, "tok"))
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    slow: list = []
+    first = threading.Thread(target=lambda: slow.append(get(f"http://127.0.0.1:{port}/api/jobs.json?token=tok")))
+    try:
+        first.start()
+        assert entered.wait(30), "the first request never reached the store"
+        # The loop is free: a second read is answered while the first one hangs.
+        code, body, _ = get(f"http://127.0.0.1:{port}/api/jobs/j1.json?token=tok")
+        assert code == 200 and json.loads(body)["id"] == "j1"
+        code, body, _ = get(f"http://127.0.0.1:{port}/api/jobs.json?token=tok")
+        assert code == 200 and [job["id"] for job in json.loads(body)] == ["j1"]
+        assert not slow   # still hanging: the answers above did not wait for it
+    finally:
+        release.set()
+        first.join(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+    assert slow and slow[0][0] == 200

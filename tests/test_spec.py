@@ -192,3 +192,17 @@ def test_the_usual_adapter_names_name_the_adapter_the_registry_has():
     adapters._registry = None
     with pytest.raises(UsageError, match="unknown framework"):
         adapters.get_adapter("tensorfow")
+
+
+def test_every_parameter_kind_has_a_converter():
+    """convert is a table: a row of an unknown kind would only fail when someone
+    gives that parameter."""
+    from paicli.adapters import adapter_names, get_adapter
+    from paicli.spec import CONVERTERS
+
+    kinds = {p.kind for p in CORE_PARAMS}
+    for name in adapter_names():
+        kinds |= {p.kind for p in get_adapter(name).params}
+    assert kinds <= set(CONVERTERS), kinds - set(CONVERTERS)
+    assert convert(Param("t", "duration"), "'2m'", Path("/")) == 120.0   # quotes are the shell's
+    assert convert(Param("a", "args"), " '--x 1' ", Path("/")) == "'--x 1'"   # an argument string keeps its own

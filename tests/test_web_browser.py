@@ -88,13 +88,54 @@ def text_of(driver, element_id: str) -> str:
     return driver.execute_script(f"return (document.getElementById('{element_id}') || {{}}).textContent || ''")
 
 
+# A ps/worker job whose workers pause at steps 20 and 150 until the test opens a
+# gate: what the test sees while the job runs does not depend on how fast a loaded
+# machine gets there (a job of fixed length could end before the page was checked).
+GATED_JOB = """\
+import os, sys, time
+from pathlib import Path
+
+gates = Path(sys.argv[sys.argv.index("--gates") + 1])
+if os.environ["PAI_ROLE"] == "ps":
+    print("ps serving", flush=True)
+    while True:
+        time.sleep(1)   # until the launcher stops it once the workers are done
+
+
+def hold(name):
+    deadline = time.monotonic() + 300   # a test that died never leaves this running
+    while not (gates / name).exists():
+        if time.monotonic() > deadline:
+            sys.exit(f"the gate {name} was never opened")
+        time.sleep(0.05)
+
+
+for step in range(160):
+    if step in (20, 150):
+        hold(f"step{step}")
+    print(f"step={step}, global_step={step}, loss={1 / (step + 1):.6f}, duration=0.050000s.", flush=True)
+    time.sleep(0.05)
+"""
+
+
 def test_running_job_page_grows_live_then_shows_ok(web, browser, tmp_path):
-    example = ROOT / "examples" / "python" / "ps_worker.py"
-    started = pai("--detach", "-name", "python", f"-Dscript={example}",
-                  '-Dcluster={"ps":{"count":1},"worker":{"count":2}}',
-                  "-DuserDefinedParameters=--steps 160 --sleep 0.08")
+    script, gates = tmp_path / "gated.py", tmp_path / "gates"
+    script.write_text(GATED_JOB)
+    gates.mkdir()
+    started = pai("--detach", "-name", "python", f"-Dscript={script}",
+                  '-Dcluster={"ps":{"count":1},"worker":{"count":2}}', f"-DuserDefinedParameters=--gates {gates}")
     assert started.returncode == 0, started.stderr
     job_id = started.stdout.strip()
+    try:
+        _watch_the_gated_job(browser, tmp_path, job_id, gates)
+    finally:
+        for name in ("step20", "step150"):
+            (gates / name).touch()
+        if pai("wait", job_id, timeout=120).returncode != 0:
+            pai("kill", job_id)
+
+
+def _watch_the_gated_job(browser, tmp_path, job_id: str, gates) -> None:
     url = pai("logview", job_id).stdout.strip()
     browser.get(url)
     browser.execute_script("window.__sameDocument = 'yes';")   # a reload would forget this
@@ -106,22 +147,26 @@ def test_running_job_page_grows_live_then_shows_ok(web, browser, tmp_path):
         return browser.execute_script(
             "return document.querySelector('#tails .tail[data-instance=\"worker:0\"] pre').textContent")
 
-    assert wait_until(lambda: points() >= 10, timeout=30), text_of(browser, "live")
+    # Held at step 20: the first points and lines are on the page.
+    assert wait_until(lambda: points() >= 10, timeout=90), text_of(browser, "live")
     first_points, first_log = points(), worker_log()
     assert "step=" in first_log
-    assert wait_until(lambda: points() > first_points + 10, timeout=20)
-    assert wait_until(lambda: len(worker_log()) > len(first_log), timeout=10)
+    (gates / "step20").touch()
+    # Running to step 150 and held there: the page grows without a reload.
+    assert wait_until(lambda: points() > first_points + 10, timeout=90)
+    assert wait_until(lambda: len(worker_log()) > len(first_log), timeout=90)
     new_lines = worker_log()[len(first_log.rstrip("\n")):]
     assert "step=" in new_lines
     # One curve per worker, against step; the metric picked is loss.
     curves = browser.find_elements("css selector", "#plot polyline.curve")
     assert sorted(c.get_attribute("data-instance") for c in curves) == ["worker:0", "worker:1"]
     assert browser.find_element("id", "plot").get_attribute("data-metric") == "loss"
-    assert "Running" in text_of(browser, "job-status")
+    assert "Running" in text_of(browser, "job-status")   # the workers wait at step 150
     screenshot(browser, tmp_path, "logview-running.png")
 
+    (gates / "step150").touch()
     assert pai("wait", job_id, timeout=120).returncode == 0
-    assert wait_until(lambda: "the job is over: OK" in text_of(browser, "live"), timeout=20)
+    assert wait_until(lambda: "the job is over: OK" in text_of(browser, "live"), timeout=60)
     assert text_of(browser, "verdict") == "OK"
     assert browser.execute_script("return window.__sameDocument") == "yes"
     summary = text_of(browser, "summary")

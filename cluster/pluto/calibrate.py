@@ -27,7 +27,6 @@ import json
 import os
 import re
 import socket
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -37,6 +36,7 @@ from typing import Any
 from paicli.cluster.pluto.model import comm_seconds, compute_seconds, overhead_terms
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 from paicli.private import write_private
+from paicli.steptime import median  # noqa: F401  (the project's one median; cli_plan takes it from here)
 
 CACHE_VERSION = 5   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1)
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
@@ -373,8 +373,3 @@ def measure_loopback(seconds: float = 0.3, chunk: int = 1 << 20) -> float:
     client.close()
     server.close()
     return received[0] / elapsed if elapsed > 0 else 0.0
-
-
-def median(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None

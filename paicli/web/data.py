@@ -159,9 +159,7 @@ def first_tab(instances: list[str]) -> str:
 def metric_points(store: Store, job_id: str, after: int = 0, limit: int = 200_000) -> tuple[list, int]:
     """New metric points since rowid `after`: ([instance, key, step, value], ...), last rowid.
     Step counters are left out (they are the x axis)."""
-    rows = store.db.execute(
-        "SELECT rowid, role, idx, step, key, value FROM metrics WHERE job_id = ? AND rowid > ?"
-        " ORDER BY rowid LIMIT ?", (job_id, after, limit)).fetchall()
+    rows = store.metrics_after(job_id, after, limit)
     last = rows[-1]["rowid"] if rows else after
     points = [[f"{r['role']}:{r['idx']}", r["key"], r["step"], r["value"]]
               for r in rows if r["key"] not in HIDDEN_METRICS and r["step"] is not None]

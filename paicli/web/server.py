@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -55,7 +56,7 @@ SECURITY_HEADERS = {
 }
 
 TOKEN = web.AppKey("token", str)
-STORE = web.AppKey("store", Store)
+HOME = web.AppKey("home", Path)
 ENV = web.AppKey("env", jinja2.Environment)
 USE = web.AppKey("use", dict)
 
@@ -63,7 +64,8 @@ USE = web.AppKey("use", dict)
 def make_app(home: Path, token: str) -> web.Application:
     app = web.Application(middlewares=[guard])
     app[TOKEN] = token
-    app[STORE] = Store(home)
+    app[HOME] = home
+    Store(home).close()  # a store that cannot be opened fails here, before the first page
     app[ENV] = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                                   autoescape=True, undefined=jinja2.StrictUndefined)
     app[USE] = {"last": time.monotonic(), "streams": 0}
@@ -96,6 +98,28 @@ async def guard(request: web.Request, handler):
     return response
 
 
+# -- reading the store off the event loop ----------------------------------------------
+
+_THREAD = threading.local()
+
+
+def _thread_store(home: Path) -> Store:
+    """This worker thread's own connection: one connection shared by threads would
+    run their queries one at a time."""
+    store = getattr(_THREAD, "store", None)
+    if store is None or store.home != home:
+        store = _THREAD.store = Store(home)
+    return store
+
+
+async def _read(request: web.Request, fn, *args):
+    """`fn(store, *args)` in a worker thread: a slow SQLite read (a long job's
+    metrics, a store busy with writers) never holds up the event loop, so one page
+    does not stall the others or the live feeds."""
+    home = request.app[HOME]
+    return await asyncio.to_thread(lambda: fn(_thread_store(home), *args))
+
+
 def _render(request: web.Request, template: str, **context) -> str:
     token = request.app[TOKEN]
     return request.app[ENV].get_template(template).render(token=token, **context)
@@ -106,44 +130,52 @@ def _html(request: web.Request, template: str, **context) -> web.Response:
 
 
 async def job_list_page(request: web.Request) -> web.Response:
-    return _html(request, "jobs.html", jobs=data.job_list(request.app[STORE]), every=LIST_EVERY)
+    return _html(request, "jobs.html", jobs=await _read(request, data.job_list), every=LIST_EVERY)
 
 
 async def jobs_rows(request: web.Request) -> web.Response:
     """The list's rows, rendered (and escaped) by the same template as the page."""
-    return _html(request, "_jobs.html", jobs=data.job_list(request.app[STORE]))
+    return _html(request, "_jobs.html", jobs=await _read(request, data.job_list))
+
+
+def _job_page(store: Store, prefix: str) -> tuple[dict, list[dict]]:
+    job = store.find_job(prefix)
+    page = data.job_page(store, job["id"])
+    logs = [{**log, "tail": data.tail_text(log["path"])[0]} for log in data.instance_logs(store, job["id"])]
+    return page, logs
 
 
 async def logview_page(request: web.Request) -> web.Response:
     job_id = request.query.get("i")
     if not job_id:
         return await job_list_page(request)
-    store = request.app[STORE]
-    job = store.find_job(job_id)
-    page = data.job_page(store, job["id"])
-    logs = [{**log, "tail": data.tail_text(log["path"])[0]} for log in data.instance_logs(store, job["id"])]
+    page, logs = await _read(request, _job_page, job_id)
     return _html(request, "job.html", page=page, logs=logs, first=data.first_tab([log["instance"] for log in logs]))
 
 
 async def jobs_json(request: web.Request) -> web.Response:
-    return web.json_response(data.job_list(request.app[STORE]))
+    return web.json_response(await _read(request, data.job_list))
 
 
 async def job_json(request: web.Request) -> web.Response:
-    store = request.app[STORE]
-    job = store.job(request.match_info["job_id"])
-    return web.json_response(data.summary_json(store, job["id"]), dumps=lambda d: json.dumps(d, default=str))
+    summary = await _read(request, lambda store, job_id: data.summary_json(store, store.job(job_id)["id"]),
+                          request.match_info["job_id"])
+    return web.json_response(summary, dumps=lambda d: json.dumps(d, default=str))
+
+
+def _log_file(store: Store, job_id: str, instance: str | None, attempt: int | None) -> tuple[dict, Path]:
+    from paicli.logview import log_path
+
+    job = store.job(job_id)
+    return job, log_path(store, job, instance, attempt)
 
 
 async def whole_log(request: web.Request) -> web.StreamResponse:
-    from paicli.logview import log_path
-
-    store = request.app[STORE]
-    job = store.job(request.match_info["job_id"])
     attempt = request.query.get("attempt")
     if attempt is not None and not attempt.isdigit():
         raise PaiError(f"attempt={attempt!r}: expected a number")
-    path = log_path(store, job, request.query.get("instance") or None, int(attempt) if attempt else None)
+    job, path = await _read(request, _log_file, request.match_info["job_id"],
+                            request.query.get("instance") or None, int(attempt) if attempt else None)
     if not path.is_file():
         return web.Response(status=404, text=f"404: no log yet for {request.query.get('instance') or 'the job'}\n")
     name = path.name if path.name != "job.log" else f"{job['id']}.log"
@@ -193,60 +225,75 @@ class LogFollower:
         return chunk.decode("utf-8", "replace"), False
 
 
+class Feed:
+    """What one open job page has been sent; `look` reads the store and the logs
+    (in a worker thread) and says what to send next."""
+
+    def __init__(self, job_id: str, render):
+        self.job_id = job_id
+        self.render = render          # (part, page) -> html
+        self.followers: dict[str, LogFollower] = {}
+        self.last_html = None
+        self.metric_after = 0
+        self.seen_event, self.rendered_at = -1, 0.0
+        self.page = None
+        self.gone = 0
+
+    def look(self, store: Store) -> tuple[list[tuple[str, dict]], bool]:
+        """The events to send, in order, and whether the feed is over."""
+        from paicli import client
+
+        out: list[tuple[str, dict]] = []
+        job = store.job(self.job_id)
+        over = client.job_over(job)  # read first: then every line before the end is seen
+        # A master (and its watchdog) gone without recording the end: the logs will not
+        # grow again. Seen twice, a poll apart (not a master writing its last transition),
+        # the feed ends; the store is left to `pai status`, which records it.
+        alive = over or JobStatus(job["status"]).is_terminal() or client.master_alive(job)
+        self.gone = 0 if alive else self.gone + 1
+        over = over or self.gone >= 2
+        # The status parts (some 20 ms of queries and rendering) are redone when an event
+        # happened, every STATUS_EVERY seconds for the last metrics, and at the end.
+        event = store.last_event_id(self.job_id)
+        if self.page is None or over or event != self.seen_event or time.monotonic() - self.rendered_at >= STATUS_EVERY:
+            self.seen_event, self.rendered_at = event, time.monotonic()
+            self.page = data.job_page(store, self.job_id)
+            html = {part: self.render(part, self.page) for part in ("head", "tail")}
+            if html != self.last_html:
+                self.last_html = html
+                out.append(("status", {**html, "status": self.page["status"]}))
+        for log in data.instance_logs(store, self.job_id):
+            got = self.followers.setdefault(log["instance"], LogFollower()).read(log["path"], over)
+            if got is not None:
+                out.append(("log", {"instance": log["instance"], "attempt": log["attempt"],
+                                    "text": got[0], "reset": got[1]}))
+        points, self.metric_after = data.metric_points(store, self.job_id, self.metric_after)
+        if points:
+            out.append(("metrics", {"points": points}))
+        if over:
+            verdict = self.page["verdict"] or (f"its master is gone without recording the end"
+                                               f" (pai status {self.job_id} records it)" if self.gone else "")
+            out.append(("end", {"status": self.page["status"], "verdict": verdict}))
+        return out, over
+
+
 async def stream(request: web.Request) -> web.StreamResponse:
     """The live feed of a job page: `status` (the rendered head and tail parts), `log`
     (new lines of an instance), `metrics` (new points), and `end` once the job is
     over and everything is sent. A reconnecting page gets everything again."""
-    from paicli import client
-
-    store = request.app[STORE]
-    job_id = store.job(request.match_info["job_id"])["id"]
+    job_id = (await _read(request, lambda store, given: store.job(given)["id"], request.match_info["job_id"]))
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
                                            **SECURITY_HEADERS})
     await response.prepare(request)
     use = request.app[USE]
     use["streams"] += 1
-
-    async def send(event: str, payload) -> None:
-        await response.write(f"event: {event}\ndata: {json.dumps(payload)}\n\n".encode())
-
-    followers: dict[str, LogFollower] = {}
-    last_html = None
-    metric_after = 0
-    seen_event, rendered_at = -1, 0.0
-    page = None
-    gone = 0
+    feed = Feed(job_id, lambda part, page: _render(request, f"_{part}.html", page=page))
     try:
         while True:
-            job = store.job(job_id)
-            over = client.job_over(job)  # read first: then every line before the end is seen
-            # A master (and its watchdog) gone without recording the end: the logs will not
-            # grow again. Seen twice, a poll apart (not a master writing its last transition),
-            # the feed ends; the store is left to `pai status`, which records it.
-            gone = 0 if over or JobStatus(job["status"]).is_terminal() or client.master_alive(job) else gone + 1
-            over = over or gone >= 2
-            # The status parts (some 20 ms of queries and rendering) are redone when an event
-            # happened, every STATUS_EVERY seconds for the last metrics, and at the end.
-            event = store.db.execute("SELECT MAX(id) FROM events WHERE job_id = ?", (job_id,)).fetchone()[0] or 0
-            if page is None or over or event != seen_event or time.monotonic() - rendered_at >= STATUS_EVERY:
-                seen_event, rendered_at = event, time.monotonic()
-                page = data.job_page(store, job_id)
-                html = {part: _render(request, f"_{part}.html", page=page) for part in ("head", "tail")}
-                if html != last_html:
-                    last_html = html
-                    await send("status", {**html, "status": page["status"]})
-            for log in data.instance_logs(store, job_id):
-                got = followers.setdefault(log["instance"], LogFollower()).read(log["path"], over)
-                if got is not None:
-                    await send("log", {"instance": log["instance"], "attempt": log["attempt"],
-                                       "text": got[0], "reset": got[1]})
-            points, metric_after = data.metric_points(store, job_id, metric_after)
-            if points:
-                await send("metrics", {"points": points})
+            events, over = await _read(request, feed.look)
+            for event, payload in events:
+                await response.write(f"event: {event}\ndata: {json.dumps(payload)}\n\n".encode())
             if over:
-                verdict = page["verdict"] or (f"its master is gone without recording the end"
-                                              f" (pai status {job_id} records it)" if gone else "")
-                await send("end", {"status": page["status"], "verdict": verdict})
                 break
             use["last"] = time.monotonic()
             await asyncio.sleep(POLL)

@@ -414,7 +414,7 @@ def _measured_run(store, job, cluster_value: dict, extra: dict):
 
     job_id = job["id"]
     step_s = steptime.job_step_seconds(store, job_id)
-    reported = store.metric_values(job_id, ("model_mb", "iter_per_s", "exchange_ms", "global_step"))
+    reported = store.metric_values_by_role(job_id, ("model_mb", "iter_per_s", "exchange_ms", "global_step"))
     workers_m = reported.get("worker", {})
     iter_rates = workers_m.get("iter_per_s") or []
     exchange = workers_m.get("exchange_ms") or []

@@ -450,14 +450,11 @@ class Store:
             " AND step IS NOT NULL GROUP BY role, idx", (job_id, *roles)).fetchall()
         return {(row[0], row[1]): row[2] for row in rows}
 
-    def metric_values(self, job_id: str, keys: tuple[str, ...]) -> dict[str, dict[str, list[float]]]:
+    def metric_values_by_role(self, job_id: str, keys: tuple[str, ...]) -> dict[str, dict[str, list[float]]]:
         """role -> key -> every value reported, oldest first (all instances of a role together)."""
-        marks = ",".join("?" * len(keys))
         out: dict[str, dict[str, list[float]]] = {}
-        for role, key, value in self.db.execute(
-                f"SELECT role, key, value FROM metrics WHERE job_id = ? AND key IN ({marks}) ORDER BY rowid",
-                (job_id, *keys)):
-            out.setdefault(role, {}).setdefault(key, []).append(value)
+        for row in self.metric_values(job_id, keys):
+            out.setdefault(row["role"], {}).setdefault(row["key"], []).append(row["value"])
         return out
 
     def step_metrics(self, job_id: str) -> list[sqlite3.Row]:

@@ -24,9 +24,10 @@ the instance with t/k bytes on the live link.
         the agent). Raises OSError for an E frame (the program could not be
         started); a transport failure gives a Handle whose poll() reports NODE_LOST.
 
-The Handle's `native` is a Link: `Link.poll()` is the exit status (None while it
-runs), `Link.signal(signum)` asks the agent to signal the group, `Link.wait()`
-blocks for the status, `Handle.read()` gives the instance's output bytes.
+The Handle's `output_fd` is a pipe of the instance's output; its `native` is a
+Link: `poll()` is the exit status (None while it runs), `wait()` blocks for it,
+`signal(signum)` asks the agent to signal the group. base.Backend keeps the
+links of the instances its process started and stops them through them.
 """
 
 from __future__ import annotations

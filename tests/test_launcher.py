@@ -73,6 +73,10 @@ def test_ps_and_two_workers_succeed_and_the_ps_is_stopped(pai_home):
     assert ps["status"] == "Terminated" and ps["exit_code"] == -signal.SIGTERM  # stopped by us, counted finished
     assert [t["fatal"] for t in status["tasks"]] == [0, 0]
     assert processes_in({i["pgid"] for i in status["instances"]}) == []
+    # The ps goes as soon as the workers are done: its SIGTERM exit is seen at once,
+    # not after the stop timeout (3 s) has run out.
+    ends = {(a["role"], a["idx"]): a["ended"] for a in Store().attempts(job_id)}
+    assert ends[("ps", 0)] - max(ends[("worker", 0)], ends[("worker", 1)]) < 2
     # Metrics parsed from the worker lines and stored.
     losses = status["metric_series"]["worker:0"]["loss"]
     assert len(losses) == 8 and losses[-1][0] == 7

@@ -276,7 +276,7 @@ class Backend:
         ours = [(ref, link) for ref, link in linked if link.signal(signal.SIGTERM)]
         deadline = time.monotonic() + max(0.0, timeout)
         while time.monotonic() < deadline:
-            running = [link for _, link in ours if link.status is None]
+            running = [link for _, link in ours if link.poll() is None]
             if not running:
                 break
             if waiting:
@@ -291,7 +291,7 @@ class Backend:
         """True while anything of the instance's group runs (identity checked)."""
         link = self._links.get((ref.node, ref.pid))
         if link is not None:
-            return link.status is None
+            return link.poll() is None
         return ref.pid > 0 and self._alive(ref)
 
     def _stop_on(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:

@@ -12,19 +12,22 @@ the instance with t/k bytes on the live link.
         recv(max_bytes, timeout)    b"" at EOF; raises TimeoutError (socket.timeout
                                     is one) when nothing came in `timeout` seconds
         close()
-        fileno()                    OPTIONAL: a transport whose byte stream can be
-                                    read with os.read() on this (non-blocking) fd,
-                                    a local pipe, is read by the master directly,
-                                    without a pump thread and a second pipe
+        OPTIONAL, a transport on this machine (the local backend's pipes):
+        fileno()                    the agent's frames, readable without blocking:
+                                    read by the link itself, no pump thread
+        output_fd, agent_output_fd  a pipe (read end here; write end as the agent
+                                    knows it) the agent hands to the instance as its
+                                    stdout and stderr: output crosses no extra hop
 
     start_instance(transport, spec, *, backend, node, host, start_timeout) -> Handle
-        spec = {"argv", "env", "cwd", "heartbeat"} (+ "inherit", "pipe": see the
-        agent). Raises OSError for an E frame (the program could not be started);
-        a transport failure gives a Handle whose poll() reports NODE_LOST.
+        spec = {"argv", "env", "cwd", "heartbeat"} (+ "inherit", "output_fd": see
+        the agent). Raises OSError for an E frame (the program could not be
+        started); a transport failure gives a Handle whose poll() reports NODE_LOST.
 
-The Handle's `native` is a Link: `Link.poll()` is the exit status (None while it
-runs), `Link.signal(signum)` asks the agent to signal the group, `Link.wait()`
-blocks for the status, `Handle.read()` gives the instance's output bytes.
+The Handle's `output_fd` is a pipe of the instance's output; its `native` is a
+Link: `poll()` is the exit status (None while it runs), `wait()` blocks for it,
+`signal(signum)` asks the agent to signal the group. base.Backend keeps the
+links of the instances its process started and stops them through them.
 """
 
 from __future__ import annotations
@@ -53,7 +56,12 @@ class Transport(Protocol):
 
 
 class Link:
-    """One live instance: its transport, the frames read so far, its status."""
+    """One live instance: its transport, the frames read so far, its status.
+
+    Pump mode (the transport carries the output too: SSH, Ray): a thread turns O
+    frames into a pipe the master select()s on. Local mode (`fileno()`): the
+    output is the instance's own pipe, and poll()/wait() read the few frames left
+    (H, X) from the transport's descriptor."""
 
     def __init__(self, transport: Transport, node: str, heartbeat: float = 0.0):
         self.transport = transport
@@ -62,16 +70,14 @@ class Link:
         self.status: int | None = None
         self.first: tuple[bytes, bytes] | None = None   # the I or E frame
         self._buf = bytearray()         # bytes of an incomplete frame
-        self._pending = bytearray()     # output decoded but not yet read by the master
+        self._pending = bytearray()     # output decoded before the pump started
         self._lock = threading.Lock()
         self._closed = False
-        self.fd = -1                    # the fd the master select()s on (and closes)
-        self._direct = False            # the master reads frames from the transport's own fd
-        self._rfd = -1                  # direct: that fd (the transport's; closed by it)
+        self.fd = -1                    # what the master select()s on, reads and closes
         self._write_fd = -1             # pump mode: our end of the master's pipe
         self.thread: threading.Thread | None = None
-
-    # -- frames -------------------------------------------------------------------
+        fileno = getattr(transport, "fileno", None)
+        self._control = fileno() if fileno is not None else -1   # local mode: the frames' fd
 
     def feed(self, data: bytes) -> bytes:
         """Decode `data` (any slice of the stream); the output bytes it completes."""
@@ -94,79 +100,64 @@ class Link:
         del buf[:pos]
         return b"".join(out)
 
-    def _read_first(self, deadline: float) -> None:
-        """Read until the I or E frame; what output follows it in the same read waits in _pending."""
-        while self.first is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("no answer from the node agent")
-            data = self.transport.recv(65536, min(left, 1.0)) if not self._direct else self._recv_fd(left)
-            if data == b"":
-                raise EOFError("the node agent ended before it started the instance")
-            self._pending += self.feed(data)
-
-    def _recv_fd(self, timeout: float) -> bytes | None:
-        ready, _, _ = select.select([self._rfd], [], [], timeout)
-        if not ready:
+    def _recv(self, timeout: float) -> bytes | None:
+        """The next bytes of the stream; None when none came within `timeout`."""
+        if self._control < 0:
+            try:
+                return self.transport.recv(65536, timeout)
+            except TimeoutError:
+                return None
+        if not select.select([self._control], [], [], timeout)[0]:
             return None
         try:
-            return os.read(self._rfd, 65536)
+            return os.read(self._control, 65536)
         except BlockingIOError:
             return None
         except OSError:
             return b""
 
-    # -- what the master calls ------------------------------------------------------
+    def _read_first(self, deadline: float) -> None:
+        """Read until the I or E frame (output after it, pump mode, waits in _pending)."""
+        while self.first is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no answer from the node agent")
+            data = self._recv(min(left, 1.0))
+            if data == b"":
+                raise EOFError("the node agent ended before it started the instance")
+            self._pending += self.feed(data or b"")
 
-    def read(self, size: int) -> bytes:
-        """The next output bytes (b"" at the end); BlockingIOError when none is there now."""
-        if self._pending:
-            data = bytes(self._pending)
-            del self._pending[:]
-            return data
-        if not self._direct:
-            return os.read(self.fd, size)
-        while not self._closed:
-            try:
-                raw = os.read(self._rfd, size)
-            except BlockingIOError:
-                raise
-            except OSError:
-                raw = b""
-            if not raw:
-                self._ended()
-                return b""
-            data = self.feed(raw)
-            if data:
-                return data
-        return b""   # X came and the agent is reaped: nothing follows X
+    def _take(self, timeout: float) -> None:
+        """Local mode: read the agent's frames (no output travels there)."""
+        data = self._recv(timeout) if not self._closed else b""
+        if data == b"":
+            self._ended()
+        elif data:
+            self.feed(data)
 
     def poll(self) -> int | None:
         if self.thread is not None and self.thread.is_alive():
             return None    # pump mode: the status counts once every byte before it is in the pipe
+        if self.status is None and self._control >= 0:
+            self._take(0)
         if self.status is not None:
             self._finish()
         return self.status
 
     def wait(self, timeout: float | None = None) -> int | None:
-        """Block up to `timeout` for the status; a direct link reads its frames here
-        (the output waits for the master's next read)."""
+        """Block up to `timeout` (None: for ever) for the status."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.status is None:
+        while self.poll() is None:
             left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
             if left <= 0:
                 break
-            if self._direct and not self._closed:
-                data = self._recv_fd(left)
-                if data == b"":
-                    self._ended()
-                elif data:
-                    self._pending += self.feed(data)
+            if self._control >= 0:
+                self._take(left)
             elif self.thread is not None:
                 self.thread.join(left)
             else:
                 time.sleep(left)
-        return self.poll()
+        return self.status if self._closed else None
 
     def signal(self, signum: int) -> bool:
         """SIGKILL or SIGTERM to the instance's group, by the agent; False once it has ended."""
@@ -214,9 +205,7 @@ class Link:
                 if not data:
                     break
                 data = self.feed(data)
-        except (TimeoutError, OSError, EOFError, ValueError, KeyError):
-            pass
-        except Exception:  # noqa: BLE001 - a transport's own error class (paramiko, ray)
+        except Exception:  # noqa: BLE001 - the link's end: OSError, TimeoutError, a transport's own
             pass
         finally:
             self._ended()
@@ -265,31 +254,26 @@ def start_instance(transport: Transport, spec: dict, *, backend: str, node: str,
                    start_timeout: float) -> Handle:
     heartbeat = float(spec.get("heartbeat") or 0)
     link = Link(transport, node, heartbeat)
-    fileno = getattr(transport, "fileno", None)
-    if fileno is not None:
-        # The master gets a duplicate to select() on and close; reads go through the
-        # link, on the transport's own descriptor, which the transport closes.
-        link._rfd, link._direct = fileno(), True
-        link.fd = os.dup(link._rfd)
+    output_fd = getattr(transport, "output_fd", -1)
+    if output_fd >= 0:
+        spec = dict(spec, output_fd=transport.agent_output_fd)
     try:
         transport.send(json.dumps(spec).encode() + b"\n")
         link._read_first(time.monotonic() + start_timeout)
     except Exception as err:  # noqa: BLE001 - OSError, EOFError, TimeoutError or a transport's own
-        link._finish()
-        if link._direct:
-            os.close(link.fd)
+        _give_up(link, output_fd)
         return lost_handle(backend, node, host, f"{err.__class__.__name__}: {err}")
     kind, payload = link.first
     if kind == b"E":
-        link._finish()
-        if link._direct:
-            os.close(link.fd)
+        _give_up(link, output_fd)
         data = json.loads(payload)
-        raise OSError(data.get("errno") or 0, data.get("strerror") or "cannot start")
+        raise OSError(data.get("errno") or 0, data.get("strerror") or "cannot start")   # ENOENT: FileNotFoundError
     ident = json.loads(payload)
     ref = InstanceRef(backend=backend, node=node, host=host, pid=int(ident["pid"]), pgid=int(ident["pgid"]),
                       start=ident.get("start") or None, boot_id=ident.get("boot") or None)
-    if not link._direct:
+    if output_fd >= 0:
+        link.fd = output_fd
+    else:
         link.fd, link._write_fd = os.pipe()
         os.set_blocking(link.fd, False)
         link.thread = threading.Thread(target=link.pump, name=f"agent-pump-{node}-{ref.pid}", daemon=True)
@@ -297,6 +281,12 @@ def start_instance(transport: Transport, spec: dict, *, backend: str, node: str,
     if heartbeat:
         _keep_beating(link)
     return Handle(ref=ref, output_fd=link.fd, native=link)
+
+
+def _give_up(link: Link, output_fd: int) -> None:
+    link._finish()
+    if output_fd >= 0:
+        os.close(output_fd)
 
 
 class _Gone:
@@ -316,8 +306,8 @@ def lost_handle(backend: str, node: str, host: str, why: str) -> Handle:
     """The node did not take the instance: a handle that says why and reports NODE_LOST."""
     link = Link(_Gone(), node)
     link.status = NODE_LOST
-    link._pending += f"paicli: node {node} did not start the instance: {why}\n".encode()[:4000]
     read_fd, write_fd = os.pipe()
+    os.write(write_fd, f"paicli: node {node} did not start the instance: {why}\n".encode()[:4000])
     os.close(write_fd)
     os.set_blocking(read_fd, False)
     link.fd = read_fd

@@ -306,8 +306,7 @@ class JobMaster:
     def _read(self, inst: Instance, fd: int, rounds: int) -> None:
         for _ in range(rounds):
             try:
-                # The handle decodes what its transport carries (the agent's frames).
-                data = inst.handle.read(65536) if inst.handle and inst.handle.output_fd == fd else os.read(fd, 65536)
+                data = os.read(fd, 65536)
             except BlockingIOError:
                 return
             except OSError:

@@ -11,13 +11,13 @@ REFS is a JSON list of [pid, pgid, start ticks, boot id].
 
 `run` reads one JSON line from stdin: {"argv": [...], "env": {...}, "cwd": "...",
 "heartbeat": seconds} and optionally "inherit": false (the environment is `env`
-alone, not the agent's own plus `env`) and "pipe": bytes (the size of the
-instance's output pipe). It starts the instance in a session (process group) of its
+alone, not the agent's own plus `env`) and "output_fd": N (an inherited pipe the
+instance writes its output to, read by the master itself: no O frames). It starts the instance in a session (process group) of its
 own with default signal dispositions, then writes frames to stdout, each
     1 byte type, 4 bytes big-endian length, payload:
     I  identity JSON {pid, pgid, start, boot}     (first)
     O  output bytes (stdout and stderr, merged)
-    H  heartbeat (empty)                           (every second)
+    H  heartbeat (empty)                           (every second, with "heartbeat")
     X  exit JSON {status}   status < 0: killed by that signal  (last)
     E  JSON {errno, strerror}: the program could not be started (instead of I)
 From stdin it takes single bytes: h heartbeat, t SIGTERM the group, k SIGKILL it.
@@ -30,7 +30,6 @@ in its group is stopped the same way.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import select
@@ -46,7 +45,6 @@ BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 # Output read from the instance while the master has not taken the last of it: more
 # would only sit here, behind other instances' lines (the display delay).
 MAX_BUFFERED = 64 * 1024
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 GRACE = 1.5
 
 
@@ -156,8 +154,6 @@ class Instance:
         self.stdin_fd = stdin_fd
         self.out = out
         self.heartbeat = float(spec.get("heartbeat") or 0)
-        # A small output pipe asks for a small backlog here too (the display delay).
-        self.max_buffered = min(MAX_BUFFERED, int(spec.get("pipe") or MAX_BUFFERED))
         self.proc: subprocess.Popen | None = None
         self.read_fd = -1
         self.output_open = True
@@ -169,26 +165,22 @@ class Instance:
     def start(self) -> bool:
         env = dict(os.environ) if self.spec.get("inherit", True) else {}
         env.update(self.spec.get("env") or {})
-        read_fd, write_fd = os.pipe()
-        if self.spec.get("pipe"):
-            try:
-                fcntl.fcntl(read_fd, F_SETPIPE_SZ, int(self.spec["pipe"]))
-            except OSError:
-                pass
+        if self.spec.get("output_fd") is not None:
+            write_fd, self.output_open = int(self.spec["output_fd"]), False   # the master reads it itself
+        else:
+            self.read_fd, write_fd = os.pipe()
+            os.set_blocking(self.read_fd, False)
         _default_signals()
         try:
             self.proc = subprocess.Popen(self.spec["argv"], cwd=self.spec.get("cwd") or None, env=env,
                                          stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
                                          start_new_session=True, close_fds=True, restore_signals=True)
         except OSError as err:
-            os.close(read_fd)
-            os.close(write_fd)
             self.out.frame(b"E", json.dumps({"errno": err.errno, "strerror": err.strerror or str(err)}).encode())
             self.out.drain(5)
             return False
-        os.close(write_fd)
-        os.set_blocking(read_fd, False)
-        self.read_fd = read_fd
+        finally:
+            os.close(write_fd)   # the instance's alone: its end is the output's end
         stat = proc_stat(self.proc.pid)
         self.out.frame(b"I", json.dumps({"pid": self.proc.pid, "pgid": self.proc.pid,
                                          "start": stat[2] if stat else "", "boot": boot_id()}).encode())
@@ -215,7 +207,7 @@ class Instance:
             if ended is not None:
                 return ended
             readers = [self.stdin_fd, self.wake_fd]
-            if self.output_open and len(self.out.buf) < self.max_buffered:
+            if self.output_open and len(self.out.buf) < MAX_BUFFERED:
                 readers.append(self.read_fd)
             writers = [self.out.fd] if self.out.buf else []
             try:
@@ -223,7 +215,7 @@ class Instance:
             except InterruptedError:
                 continue
             if self.wake_fd in ready:
-                _drain_fd(self.wake_fd)
+                os.read(self.wake_fd, 512)
             if self.stdin_fd in ready and not self.on_input():
                 return self.stop_all()     # the link closed: a dead master
             if self.read_fd in ready:
@@ -236,7 +228,7 @@ class Instance:
     def _check(self) -> int | None:
         """Beat, flush, and end on a signal, a closed channel or a silent master."""
         now = time.monotonic()
-        if now - self.last_beat >= 1.0:
+        if self.heartbeat and now - self.last_beat >= 1.0:
             self.out.frame(b"H")
             self.last_beat = now
         self.out.flush()
@@ -289,14 +281,6 @@ class Instance:
     def stop_all(self) -> int:
         stop_group(self.proc.pid, GRACE, self.proc.poll)
         return 1
-
-
-def _drain_fd(fd: int) -> None:
-    try:
-        while os.read(fd, 512):
-            pass
-    except OSError:
-        pass
 
 
 def cmd_run(label: str) -> int:

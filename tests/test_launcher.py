@@ -73,6 +73,10 @@ def test_ps_and_two_workers_succeed_and_the_ps_is_stopped(pai_home):
     assert ps["status"] == "Terminated" and ps["exit_code"] == -signal.SIGTERM  # stopped by us, counted finished
     assert [t["fatal"] for t in status["tasks"]] == [0, 0]
     assert processes_in({i["pgid"] for i in status["instances"]}) == []
+    # The ps goes as soon as the workers are done: its SIGTERM exit is seen at once,
+    # not after the stop timeout (3 s) has run out.
+    ends = {(a["role"], a["idx"]): a["ended"] for a in Store().attempts(job_id)}
+    assert ends[("ps", 0)] - max(ends[("worker", 0)], ends[("worker", 1)]) < 2
     # Metrics parsed from the worker lines and stored.
     losses = status["metric_series"]["worker:0"]["loss"]
     assert len(losses) == 8 and losses[-1][0] == 7
@@ -684,3 +688,150 @@ def test_the_backend_registry_names_the_valid_backends_and_rebuilds_a_jobs_backe
     assert rebuilt.name == "local" and [n.name for n in rebuilt.nodes()] == ["local"]
     monkeypatch.setenv("PAI_RAY_ADDRESS", "10.0.0.1:6379")
     assert backends.submit_config(tmp_path) == {"backend": "ray", "address": "10.0.0.1:6379"}
+
+
+# -- the one instance engine (cluster/agent_link.py, runners/node_agent.py) -----------------------
+
+
+def test_agent_frames_decode_the_same_however_the_stream_is_cut():
+    import struct
+
+    from paicli.cluster.agent_link import Link, _Gone
+
+    def frame(kind: bytes, payload: bytes = b"") -> bytes:
+        return kind + struct.pack(">I", len(payload)) + payload
+
+    stream = (frame(b"I", b'{"pid": 1, "pgid": 1, "start": "5", "boot": ""}') + frame(b"O", b"abc") + frame(b"H")
+              + frame(b"O", b"de\n") + frame(b"X", b'{"status": -15}'))
+    for cut in range(len(stream) + 1):
+        for second in range(cut, len(stream) + 1):
+            link = Link(_Gone(), "n")
+            out = link.feed(stream[:cut]) + link.feed(stream[cut:second]) + link.feed(stream[second:])
+            assert (out, link.status, link.first[0]) == (b"abcde\n", -15, b"I"), (cut, second)
+
+
+class _SocketTransport:
+    """The transport of a remote agent (one byte stream both ways, no fd the master
+    reads itself), over a socketpair to a real agent process."""
+
+    def __init__(self, sock):
+        self.sock = sock
+
+    def send(self, data):
+        self.sock.sendall(data)
+
+    def recv(self, max_bytes, timeout):
+        self.sock.settimeout(timeout)
+        return self.sock.recv(max_bytes)
+
+    def close(self):
+        self.sock.close()
+
+
+def _remote_style_agent():
+    import socket
+
+    from paicli.cluster.backends.local import AGENT
+
+    ours, theirs = socket.socketpair()
+    agent = subprocess.Popen([sys.executable, "-I", "-S", AGENT, "run", "job/worker:0"], stdin=theirs,
+                             stdout=theirs, start_new_session=True)
+    theirs.close()
+    return agent, _SocketTransport(ours)
+
+
+def _read_all(handle, timeout=30) -> bytes:
+    import select
+
+    out, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        select.select([handle.output_fd], [], [], 0.5)
+        try:
+            data = os.read(handle.output_fd, 65536)
+        except BlockingIOError:
+            continue
+        if not data:
+            return out
+        out += data
+    raise AssertionError(f"no end of output within {timeout}s: {out!r}")
+
+
+def test_a_remote_style_link_streams_output_reports_the_exit_and_stops_by_its_bytes():
+    """The pump mode of agent_link (what SSH and Ray use), against a real agent."""
+    from paicli.cluster import agent_link
+
+    agent, transport = _remote_style_agent()
+    code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(5)"
+    handle = agent_link.start_instance(transport, {"argv": [sys.executable, "-c", code], "env": {}, "heartbeat": 6},
+                                       backend="ssh", node="n1", host="h", start_timeout=30)
+    try:
+        assert handle.ref.start and handle.ref.pid > 0
+        assert sorted(_read_all(handle).splitlines()) == [b"err", b"out"]
+        assert handle.native.wait(30) == 5
+        assert agent.wait(timeout=10) == 0
+    finally:
+        os.close(handle.output_fd)
+    agent, transport = _remote_style_agent()
+    handle = agent_link.start_instance(transport, {"argv": ["sleep", "600"], "env": {}, "heartbeat": 6},
+                                       backend="ssh", node="n1", host="h", start_timeout=30)
+    try:
+        assert handle.native.signal(signal.SIGTERM)
+        assert handle.native.wait(30) == -signal.SIGTERM
+        assert processes_in({handle.ref.pgid}) == []
+    finally:
+        os.close(handle.output_fd)
+        agent.wait(timeout=10)
+
+
+def test_a_silent_agent_is_a_lost_node_and_a_silent_master_stops_the_instance():
+    """Heartbeats both ways: a frozen agent (no H frame for `heartbeat` s) makes the
+    master's side report NODE_LOST; the agent, thawed, hears nothing from the
+    master within `heartbeat` s either (its link was closed) and stops the group."""
+    from paicli.cluster import agent_link
+    from paicli.cluster.backends.base import NODE_LOST
+
+    agent, transport = _remote_style_agent()
+    handle = agent_link.start_instance(transport, {"argv": ["sleep", "600"], "env": {}, "heartbeat": 2},
+                                       backend="ssh", node="n1", host="h", start_timeout=30)
+    try:
+        os.kill(agent.pid, signal.SIGSTOP)
+        assert handle.native.wait(30) == NODE_LOST
+        assert processes_in({handle.ref.pgid}) != []
+        os.kill(agent.pid, signal.SIGCONT)
+        assert agent.wait(timeout=30) == 1
+        assert wait_until(lambda: processes_in({handle.ref.pgid}) == [], timeout=10)
+    finally:
+        os.close(handle.output_fd)
+        for kill, target, signum in ((os.kill, agent.pid, signal.SIGCONT), (os.killpg, handle.ref.pgid, signal.SIGKILL)):
+            try:
+                kill(target, signum)
+            except ProcessLookupError:
+                pass
+        agent.wait(timeout=10)
+
+
+def test_a_stop_on_a_node_that_does_not_answer_is_tried_again_then_reported(capfd):
+    """The retry of a transport call lives once, in base.Backend: a backend's
+    `_stop_refs` that fails once is called again; one that keeps failing is
+    given up with one line naming the node."""
+    class Flaky(LocalBackend):
+        failures = 1
+
+        def _stop_refs(self, node, refs, timeout):
+            if self.failures:
+                self.failures -= 1
+                raise OSError("connection reset")
+            return super()._stop_refs(node, refs, timeout)
+
+    proc = _sleeper()
+    try:
+        ref = _ref_of(proc.pid)
+        assert Flaky().stop_all([ref], 2) == [ref]
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+        down = Flaky()
+        down.failures = 2
+        assert down.stop_all([ref], 2) == []
+        assert "could not stop 1 instance(s) on node local: OSError: connection reset" in capfd.readouterr().err
+    finally:
+        proc.kill()
+        proc.wait()

@@ -22,10 +22,10 @@ InstanceRef   an instance's identity, stored per instance and per attempt
               start (process start time in clock ticks since boot, as a string,
               from /proc/PID/stat field 22 ON THAT NODE) and boot_id
               (/proc/sys/kernel/random/boot_id ON THAT NODE).
-Handle        what `start()` returns to the master: `ref`, `output_fd` (an fd the
-              master can select() on), `read()` (the instance's stdout+stderr
-              merged), `native` (an agent_link.Link for an instance run by the node
-              agent, which every backend uses: cluster/agent_link.py).
+Handle        what `start()` returns to the master: `ref`, `output_fd` (the
+              instance's stdout+stderr merged, an fd the master select()s on and
+              reads), `native` (an agent_link.Link: every backend runs its
+              instances under the node agent, see cluster/agent_link.py).
 
 Exit statuses
 -------------
@@ -48,13 +48,14 @@ instance this process started is stopped through its live agent link.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
+
+from paicli.errors import PaiError
 
 # poll()/wait() answer for an instance whose node stopped answering. Retryable.
 NODE_LOST = -1000
@@ -131,12 +132,6 @@ class Handle:
     @property
     def host(self) -> str:
         return self.ref.host
-
-    def read(self, size: int = 65536) -> bytes:
-        """The instance's next output bytes: b"" at its end, BlockingIOError when
-        nothing is there now (select() on `output_fd` first)."""
-        reader = getattr(self.native, "read", None)
-        return reader(size) if reader is not None else os.read(self.output_fd, size)
 
 
 class Backend:
@@ -264,7 +259,7 @@ class Backend:
             if (ref.node, ref.pid) not in self._links and verified(ref):
                 by_node.setdefault(ref.node, []).append(ref)
         stopped: list[InstanceRef] = []
-        threads = [threading.Thread(target=lambda n=node, g=group: stopped.extend(self._stop_refs(n, g, timeout)),
+        threads = [threading.Thread(target=lambda n=node, g=group: stopped.extend(self._stop_on(n, g, timeout)),
                                     daemon=True) for node, group in by_node.items()]
         for thread in threads:
             thread.start()
@@ -281,7 +276,7 @@ class Backend:
         ours = [(ref, link) for ref, link in linked if link.signal(signal.SIGTERM)]
         deadline = time.monotonic() + max(0.0, timeout)
         while time.monotonic() < deadline:
-            running = [link for _, link in ours if link.status is None]
+            running = [link for _, link in ours if link.poll() is None]
             if not running:
                 break
             if waiting:
@@ -296,13 +291,24 @@ class Backend:
         """True while anything of the instance's group runs (identity checked)."""
         link = self._links.get((ref.node, ref.pid))
         if link is not None:
-            return link.status is None
+            return link.poll() is None
         return ref.pid > 0 and self._alive(ref)
+
+    def _stop_on(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
+        """`_stop_refs` on `node`, tried twice (a dropped connection is opened
+        anew), then given up with one line on stderr: the refs that were stopped."""
+        for attempt in (1, 2):
+            try:
+                return self._stop_refs(node, refs, timeout)
+            except (PaiError, OSError, EOFError) as err:
+                why = f"{err.__class__.__name__}: {err}"
+        print(f"paicli: could not stop {len(refs)} instance(s) on node {node}: {why}", file=sys.stderr, flush=True)
+        return []
 
     def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
         """The identity-checked stop on `node` (the agent's stop_refs there): SIGTERM,
-        one bounded wait, SIGKILL. A backend with an agent command overrides this;
-        the default goes by `_signal`/`_alive`."""
+        one bounded wait, SIGKILL; raises when the node cannot be reached. A backend
+        with an agent command overrides this; the default goes by `_signal`/`_alive`."""
         ours = [ref for ref in refs if self._signal(ref, signal.SIGTERM)]
         deadline = time.monotonic() + max(0.0, timeout)
         while ours and time.monotonic() < deadline and self._any_alive(ours):

@@ -14,7 +14,6 @@ import fcntl
 import os
 import select
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,9 +27,10 @@ LOCAL_HOST = "127.0.0.1"
 AGENT = os.path.join(os.path.dirname(node_agent.__file__), "node_agent.py")
 START_TIMEOUT = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-# Small pipes keep a burst of output from sitting in the kernel behind other
-# instances' lines (the display delay), at the price of the writer waiting sooner.
+# The instances' output pipes: small, so that a burst of output does not sit in
+# the kernel behind other instances' lines (the display delay).
 PIPE_BYTES = 4096
+AGENT_OUTPUT_FD = 3        # where a forked agent finds the instance's output pipe
 
 
 def machine_cpu() -> int:
@@ -44,28 +44,24 @@ def local_node() -> NodeSpec:
 
 
 class AgentProcess:
-    """A node agent on this machine, waiting for its spec; its stdin and stdout are
-    the link. `fileno()`: the master reads the frames itself (agent_link).
-
-    A single-threaded master forks it (the agent's code is already imported: no
-    interpreter to start); a threaded one, where a fork is unsafe, starts
-    `python -I -S node_agent.py run LABEL`, as an SSH node does."""
+    """A node agent on this machine, waiting for its spec: its stdin and stdout
+    are the link (`fileno()`: agent_link reads the frames itself), and the
+    instance writes its output straight into `output_fd`, a small pipe the master
+    reads, as if it were the master's own child."""
 
     def __init__(self, label: str):
-        from paicli.cluster.spawn import _must_exec
-
-        self.proc: subprocess.Popen | None = None
-        if _must_exec():
-            self.proc = subprocess.Popen([sys.executable, "-I", "-S", AGENT, "run", label], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, bufsize=0, close_fds=True)
-            self.pid, self._in, self._out = self.proc.pid, self.proc.stdin.fileno(), self.proc.stdout.fileno()
-        else:
-            self.pid, self._in, self._out = _fork_agent(label)
-        os.set_blocking(self._out, False)
+        self.output_fd, out_w = os.pipe()
         try:
-            fcntl.fcntl(self._out, F_SETPIPE_SZ, PIPE_BYTES)
+            # A small pipe keeps a burst of output from sitting in the kernel behind
+            # other instances' lines (the display delay).
+            fcntl.fcntl(self.output_fd, F_SETPIPE_SZ, PIPE_BYTES)
         except OSError:
             pass
+        self.pid, self._in, self._out = _spawn_agent(label, out_w)
+        self.agent_output_fd = AGENT_OUTPUT_FD
+        os.close(out_w)
+        os.set_blocking(self.output_fd, False)
+        os.set_blocking(self._out, False)
 
     def fileno(self) -> int:
         return self._out
@@ -81,16 +77,8 @@ class AgentProcess:
         return os.read(self._out, max_bytes)
 
     def close(self) -> None:
-        """The agent reads EOF and exits (stopping the group if it still runs)."""
-        if self.proc is not None:
-            for stream in (self.proc.stdin, self.proc.stdout):
-                stream.close()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            return
+        """The agent reads EOF and exits (stopping the group if it still runs).
+        `output_fd` is the master's from the start on, not closed here."""
         for fd in (self._in, self._out):
             os.close(fd)
         deadline = time.monotonic() + 10
@@ -101,35 +89,61 @@ class AgentProcess:
                 return
             time.sleep(0.002)
 
+    def discard(self) -> None:
+        """An agent started ahead of time and never used."""
+        self.close()
+        os.close(self.output_fd)
 
-def _fork_agent(label: str) -> tuple[int, int, int]:
-    """Fork `node_agent.py run LABEL`'s code: (pid, its stdin, its stdout)."""
-    from paicli.cluster.spawn import _take_stdio
 
+def _spawn_agent(label: str, output_fd: int) -> tuple[int, int, int]:
+    """`node_agent.py run LABEL` with `output_fd` as AGENT_OUTPUT_FD: (pid, its
+    stdin, its stdout). A single-threaded master forks it (the agent's code is
+    imported already: no interpreter to start); a threaded one, where a fork is
+    unsafe, spawns `python -I -S node_agent.py`, as an SSH node runs it."""
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            signal.set_wakeup_fd(-1)   # the master's: closed below
-            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
-                signal.signal(signum, signal.SIG_DFL)
-            _take_stdio(in_r, out_w, 2)   # nothing of the master's stays open here
-            with open("/proc/self/comm", "w") as comm:
-                comm.write("pai-node-agent")   # what `ps` and `top` show for it
-            code = node_agent.cmd_run(label)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
+    moves = ((in_r, 0), (out_w, 1), (output_fd, AGENT_OUTPUT_FD))
+    if threading.active_count() > 1:
+        if output_fd == AGENT_OUTPUT_FD:
+            os.set_inheritable(output_fd, True)   # a dup2 onto itself keeps close-on-exec
+        pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", AGENT, "run", label], os.environ,
+                             file_actions=[(os.POSIX_SPAWN_DUP2, fd, to) for fd, to in moves])
+    else:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            _forked_agent(label, moves)
     os.close(in_r)
     os.close(out_w)
     return pid, in_w, out_r
+
+
+def _forked_agent(label: str, moves) -> None:
+    """In the forked child: nothing of the master's stays open; the agent runs."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)   # the master's: closed below
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(signum, signal.SIG_DFL)
+        for fd, target in moves:
+            os.dup2(fd, target)
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            if fd not in (0, 1, 2, AGENT_OUTPUT_FD):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass   # the listing's own descriptor
+        sys.stdin = open(0, "r", closefd=False)
+        with open("/proc/self/comm", "w") as comm:
+            comm.write("pai-node-agent")   # what `ps` and `top` show for it
+        code = node_agent.cmd_run(label)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 class LocalBackend(Backend):
@@ -150,13 +164,13 @@ class LocalBackend(Backend):
             with self._lock:
                 old, self._warm[(p.role, p.idx)] = self._warm.get((p.role, p.idx)), agent
             if old is not None:
-                old.close()
+                old.discard()
 
     def cleanup(self, job_dir):
         with self._lock:
             warm, self._warm = list(self._warm.values()), {}
         for agent in warm:
-            agent.close()
+            agent.discard()
 
     def pick_ports(self, node, count, taken=()):
         ports = node_agent.free_ports(LOCAL_HOST, count, set(taken))
@@ -169,8 +183,7 @@ class LocalBackend(Backend):
             agent = self._warm.pop((placed.role, placed.idx), None)
         if agent is None:
             agent = AgentProcess(f"{env.get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}")
-        spec = {"argv": list(argv), "env": dict(env), "inherit": False, "cwd": cwd, "heartbeat": 0,
-                "pipe": PIPE_BYTES}
+        spec = {"argv": list(argv), "env": dict(env), "inherit": False, "cwd": cwd, "heartbeat": 0}
         return agent_link.start_instance(agent, spec, backend=self.name, node=placed.node, host=placed.host,
                                          start_timeout=START_TIMEOUT)
 

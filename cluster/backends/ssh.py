@@ -397,10 +397,7 @@ class SSHBackend(Backend):
     # -- stopping: the agent's commands, for refs without a live channel here --------------
 
     def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
-        try:
-            done = self._agent(self.entry(node), "stop", str(float(timeout)), json.dumps([agent_ref(r) for r in refs]),
-                               timeout=timeout + 30)
-        except (PaiError, OSError, EOFError):
-            return []
+        done = self._agent(self.entry(node), "stop", str(float(timeout)), json.dumps([agent_ref(r) for r in refs]),
+                           timeout=timeout + 30)
         pids = {int(r[0]) for r in done}
         return [r for r in refs if r.pid in pids]

@@ -263,7 +263,7 @@ class SSHBackend(Backend):
         manifest = node_files.manifest(job_dir, plan)
         agent = [f for f in manifest.files if f.dst == AGENT_FILE]
         try:
-            sftp = ssh.Sftp(self.conns.session(node), node.name)
+            sftp = ssh.open_files(lambda: self.conns.session(node), node)
         except BaseException:
             looking.join()
             raise

@@ -114,7 +114,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "runners": ("paicli.runners.*",),
     # The shared vocabulary every layer above speaks.
     "core": ("paicli", "paicli.errors", "paicli.spec", "paicli.plan", "paicli.states", "paicli.store",
-             "paicli.private", "paicli.jobview", "paicli.steptime", "paicli.plutoview"),
+             "paicli.private", "paicli.jobstatus", "paicli.jobview", "paicli.steptime", "paicli.plutoview"),
     "adapters": ("paicli.adapters.*",),                 # frameworks, never processes
     "cluster": ("paicli.cluster.*",),                   # processes, never frameworks
     # The library the commands, the console and the web server call.

@@ -114,13 +114,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "runners": ("paicli.runners.*",),
     # The shared vocabulary every layer above speaks.
     "core": ("paicli", "paicli.errors", "paicli.spec", "paicli.plan", "paicli.states", "paicli.store",
-             "paicli.private", "paicli.jobview", "paicli.steptime", "paicli.plutoview"),
+             "paicli.private", "paicli.steptime", "paicli.plutoview"),
     "adapters": ("paicli.adapters.*",),                 # frameworks, never processes
     # processes, never frameworks; jobstatus derives a job's status from the store
     # and the process table (is its master alive?), for the master and the readers
     "cluster": ("paicli.cluster.*", "paicli.jobstatus"),
     # The library the commands, the console and the web server call.
-    "library": ("paicli.client", "paicli.planning", "paicli.statement", "paicli.staging", "paicli.logtail",
+    "library": ("paicli.client", "paicli.jobview", "paicli.planning", "paicli.statement", "paicli.staging", "paicli.logtail",
                 "paicli.logview", "paicli.docs"),
     "web": ("paicli.web.*",),                           # the logview launcher, the server, its pages
     "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__"),

@@ -8,9 +8,10 @@ reads, X into the exit status, keeps the heartbeat going both ways, and stops
 the instance with t/k bytes on the live link.
 
     class Transport(Protocol):
-        send(data)                  raises OSError/EOFError when the link is gone
+        send(data)                  raises (OSError, EOFError, ...) when the link is gone
         recv(max_bytes, timeout)    b"" at EOF; raises TimeoutError (socket.timeout
-                                    is one) when nothing came in `timeout` seconds
+                                    is one) when nothing came in `timeout` seconds,
+                                    anything else when the link is gone
         close()
         OPTIONAL, a transport on this machine (the local backend's pipes):
         fileno()                    the agent's frames, readable without blocking:
@@ -170,7 +171,7 @@ class Link:
             try:
                 self.transport.send(data)
                 return True
-            except (OSError, EOFError, ValueError):
+            except Exception:  # noqa: BLE001 - OSError, EOFError or a transport's own (paramiko's)
                 return False
 
     # -- ending ---------------------------------------------------------------------

@@ -217,7 +217,7 @@ class Instance:
             if self.wake_fd in ready:
                 os.read(self.wake_fd, 512)
             if self.stdin_fd in ready and not self.on_input():
-                return self.stop_all()     # the link closed: a dead master
+                return self.stop()     # the link closed: a dead master
             if self.read_fd in ready:
                 self.on_output()
             if self.status is None:
@@ -233,9 +233,7 @@ class Instance:
             self.last_beat = now
         self.out.flush()
         silent = self.heartbeat and now - self.last_in > self.heartbeat   # a dropped link
-        if self.stopping is not None or self.out.closed or silent:
-            return self.stop_all()
-        return None
+        return self.stop() if self.stopping is not None or self.out.closed or silent else None
 
     def on_input(self) -> bool:
         """A byte from the master: h heartbeat, t SIGTERM, k SIGKILL; False at EOF."""
@@ -278,7 +276,7 @@ class Instance:
         self.out.drain(10)
         return 0
 
-    def stop_all(self) -> int:
+    def stop(self) -> int:
         stop_group(self.proc.pid, GRACE, self.proc.poll)
         return 1
 

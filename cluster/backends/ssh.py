@@ -68,32 +68,14 @@ def _runtime_version(name: str) -> str | None:
 
 
 class ChannelTransport:
-    """One agent's SSH channel as an agent_link transport (paramiko's errors become OSError)."""
+    """One agent's SSH channel as an agent_link transport."""
 
     def __init__(self, chan):
-        self.chan = chan
-
-    def send(self, data: bytes) -> None:
-        try:
-            self.chan.sendall(data)
-        except _ssh_error() as err:
-            raise OSError(f"{err.__class__.__name__}: {err}") from None
+        self.chan, self.send, self.close = chan, chan.sendall, chan.close
 
     def recv(self, max_bytes: int, timeout: float) -> bytes:
         self.chan.settimeout(timeout)
-        try:
-            return self.chan.recv(max_bytes)
-        except _ssh_error() as err:
-            raise OSError(f"{err.__class__.__name__}: {err}") from None
-
-    def close(self) -> None:
-        self.chan.close()
-
-
-def _ssh_error() -> type:
-    import paramiko
-
-    return paramiko.SSHException
+        return self.chan.recv(max_bytes)
 
 
 class SSHBackend(Backend):
@@ -386,7 +368,11 @@ class SSHBackend(Backend):
         return agent_link.start_instance(ChannelTransport(chan), spec, backend=self.name, node=node.name,
                                          host=placed.host, start_timeout=START_TIMEOUT)
 
-    _ssh_errors = staticmethod(_ssh_error)
+    @staticmethod
+    def _ssh_errors() -> type:
+        import paramiko
+
+        return paramiko.SSHException
 
     def _node_lost(self, node: str) -> None:
         # Clean-up skips the node; its connection is left alone (other instances

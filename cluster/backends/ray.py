@@ -608,34 +608,20 @@ class RayBackend(Backend):
         every live node."""
         if self._unusable:
             return
-        job_id = Path(job_dir).name
         ray = self.connect()
-        if not self._instances:
-            refs = []
-            for node in self.nodes():
-                try:
-                    refs.append(self._pinned_ref(node.attrs["node_id"], ray_node.pinned_cleanup, job_id))
-                except Exception:  # noqa: BLE001 - a node going away takes its folder with it
-                    pass
-            ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT)
-            return
-        firsts = {inst.node_id: inst for inst in self._instances.values() if inst.node_id}
-        refs = []
-        for inst in firsts.values():
-            try:
-                refs.append(inst.actor.cleanup.remote())
-            except Exception:  # noqa: BLE001 - a lost node took its folder with it
-                pass
-        ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT)
+        if self._instances:
+            by_node = {inst.node_id: inst for inst in self._instances.values() if inst.node_id}
+            refs = [inst.actor.cleanup.remote() for inst in by_node.values()]
+        else:
+            refs = [self._pinned_ref(node.attrs["node_id"], ray_node.pinned_cleanup, Path(job_dir).name)
+                    for node in self.nodes()]
+        ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT)   # a lost node took its folder with it
         for inst in self._instances.values():
             self._forget(inst)   # its agent sees its stdin close and stops what is left
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
-            try:
-                remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001
-                pass
+            remove_placement_group(self._pg)
             self._pg = None
 
 

@@ -138,7 +138,7 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            chunk = handle.read(65536)
+            chunk = os.read(handle.output_fd, 65536)
         except BlockingIOError:
             time.sleep(0.01)
             continue
@@ -661,7 +661,7 @@ for placed in placements:
     out = b""
     while True:
         try:
-            chunk = handle.read(65536) if hasattr(handle, "read") else os.read(handle.output_fd, 65536)
+            chunk = os.read(handle.output_fd, 65536)
         except BlockingIOError:
             time.sleep(0.05)
             continue

@@ -60,6 +60,10 @@ CALL_TIMEOUT = 60.0            # one actor method or pinned task
 PROVISION_TIMEOUT = 3600.0     # a framework runtime provisioned on a node (a cancel ends it sooner)
 STOP_TIMEOUT = 10.0            # what stopping and cleaning up may wait for Ray, beyond the stop's own grace
 RECV_SLICE = 1.0               # one call for the agent's output waits this long for some
+# Seconds without a byte from the master (agent) or a frame from the agent (master)
+# that mean the link is gone. A backstop only: when the master dies Ray kills its
+# actors, and the agent stops the instance as its stdin closes.
+HEARTBEAT = 30.0
 MB = 1024 * 1024
 
 Progress = Callable[[str], None]
@@ -577,9 +581,7 @@ class RayBackend(Backend):
         if inst.info.get("gpus"):
             env_out["CUDA_VISIBLE_DEVICES"] = inst.info["gpus"]   # what Ray gave the bundle
         spec = {"argv": remote_paths.translate_argv(argv, mapping), "env": env_out,
-                "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": 0}
-        # No heartbeat: the actor holds the agent's stdin, and Ray kills the actor
-        # when the master (its owner) dies, however it dies.
+                "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": HEARTBEAT}
         self._get(inst.actor.open.remote(), f"starting {placed.role}:{placed.idx} on Ray node {inst.host}")
         return agent_link.start_instance(RayTransport(self, inst.actor), spec, backend=self.name,
                                          node=inst.host, host=inst.host, start_timeout=CALL_TIMEOUT)

@@ -49,7 +49,7 @@ class TwoLoopbackNodes(LocalBackend):
                 os.killpg(handle.ref.pgid, signal.SIGKILL)  # a dead host takes its processes with it
             except ProcessLookupError:
                 pass
-            handle.native.wait()
+            handle.native.wait(None)   # the agent reports the group gone
             return NODE_LOST
         return super().poll(handle)
 

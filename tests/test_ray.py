@@ -138,7 +138,7 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            chunk = handle.read(65536)
+            chunk = os.read(handle.output_fd, 65536)
         except BlockingIOError:
             time.sleep(0.01)
             continue
@@ -661,7 +661,7 @@ for placed in placements:
     out = b""
     while True:
         try:
-            chunk = handle.read(65536) if hasattr(handle, "read") else os.read(handle.output_fd, 65536)
+            chunk = os.read(handle.output_fd, 65536)
         except BlockingIOError:
             time.sleep(0.05)
             continue
@@ -735,3 +735,52 @@ def test_a_gcs_address_from_a_machine_that_is_not_a_ray_node_is_one_line(ray_clu
     lines = [line for line in (out + err).splitlines() if line.startswith("FAILED:")]
     assert len(lines) == 1 and "is not a node of the Ray cluster" in lines[0] and hint in lines[0], \
         out[-2000:] + err[-2000:]
+
+
+WAIT_DRIVER = r"""
+import signal, sys, time
+from paicli.cluster.backends.ray import RayBackend, RayWaitStopped
+from paicli.errors import PaiError
+
+backend = RayBackend({"backend": "ray", "address": sys.argv[1]})
+ray = backend.connect()
+never = ray.remote(num_cpus=0)(lambda: time.sleep(3600)).remote()
+began = time.monotonic()
+try:
+    backend._get(never, "a task that never ends", timeout=2)
+except PaiError as err:
+    print("deadline", round(time.monotonic() - began, 1), err, flush=True)
+reasons = []
+backend._interrupted = lambda: reasons[0] if reasons else None   # the master's cancel_reason
+signal.signal(signal.SIGTERM, lambda signum, frame: reasons.append("cancelled"))
+print("waiting", flush=True)
+try:
+    backend._get(never, "a task that never ends", timeout=None)
+except RayWaitStopped as err:
+    print("stopped", time.monotonic(), err.cancelled, err, flush=True)
+"""
+
+
+def test_a_ray_call_that_never_answers_ends_at_its_deadline_or_at_a_cancel(ray_cluster):
+    """Every wait on Ray goes through one bounded wait: a call that never answers
+    ends at its deadline with one line naming it, and a wait with no deadline of
+    its own ends within a second of the SIGTERM a cancel sends the master."""
+    proc = subprocess.Popen(ray_cluster.exec_argv([sys.executable, "-c", WAIT_DRIVER, ray_cluster.address]),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("deadline "), first + proc.stderr.read()[-2000:]
+        took = float(first.split()[1])
+        assert 2 <= took < 5 and "a task that never ends: no answer from Ray within 2s" in first
+        assert proc.stdout.readline() == "waiting\n"
+        time.sleep(1)
+        sent = time.monotonic()
+        proc.send_signal(15)   # `ip netns exec` runs the driver in its own process
+        out, err = proc.communicate(timeout=30)
+        assert out.startswith("stopped "), out + err[-2000:]
+        _, at, cancelled, reason = out.split(" ", 3)
+        assert float(at) - sent < 1.5 and cancelled == "True" and reason.strip() == "cancelled"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

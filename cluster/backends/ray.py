@@ -60,6 +60,10 @@ CALL_TIMEOUT = 60.0            # one actor method or pinned task
 PROVISION_TIMEOUT = 3600.0     # a framework runtime provisioned on a node (a cancel ends it sooner)
 STOP_TIMEOUT = 10.0            # what stopping and cleaning up may wait for Ray, beyond the stop's own grace
 RECV_SLICE = 1.0               # one call for the agent's output waits this long for some
+# Seconds without a byte from the master (agent) or a frame from the agent (master)
+# that mean the link is gone. A backstop only: when the master dies Ray kills its
+# actors, and the agent stops the instance as its stdin closes.
+HEARTBEAT = 30.0
 MB = 1024 * 1024
 
 Progress = Callable[[str], None]
@@ -577,9 +581,7 @@ class RayBackend(Backend):
         if inst.info.get("gpus"):
             env_out["CUDA_VISIBLE_DEVICES"] = inst.info["gpus"]   # what Ray gave the bundle
         spec = {"argv": remote_paths.translate_argv(argv, mapping), "env": env_out,
-                "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": 0}
-        # No heartbeat: the actor holds the agent's stdin, and Ray kills the actor
-        # when the master (its owner) dies, however it dies.
+                "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": HEARTBEAT}
         self._get(inst.actor.open.remote(), f"starting {placed.role}:{placed.idx} on Ray node {inst.host}")
         return agent_link.start_instance(RayTransport(self, inst.actor), spec, backend=self.name,
                                          node=inst.host, host=inst.host, start_timeout=CALL_TIMEOUT)
@@ -608,34 +610,20 @@ class RayBackend(Backend):
         every live node."""
         if self._unusable:
             return
-        job_id = Path(job_dir).name
         ray = self.connect()
-        if not self._instances:
-            refs = []
-            for node in self.nodes():
-                try:
-                    refs.append(self._pinned_ref(node.attrs["node_id"], ray_node.pinned_cleanup, job_id))
-                except Exception:  # noqa: BLE001 - a node going away takes its folder with it
-                    pass
-            ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT)
-            return
-        firsts = {inst.node_id: inst for inst in self._instances.values() if inst.node_id}
-        refs = []
-        for inst in firsts.values():
-            try:
-                refs.append(inst.actor.cleanup.remote())
-            except Exception:  # noqa: BLE001 - a lost node took its folder with it
-                pass
-        ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT)
+        if self._instances:
+            by_node = {inst.node_id: inst for inst in self._instances.values() if inst.node_id}
+            refs = [inst.actor.cleanup.remote() for inst in by_node.values()]
+        else:
+            refs = [self._pinned_ref(node.attrs["node_id"], ray_node.pinned_cleanup, Path(job_dir).name)
+                    for node in self.nodes()]
+        ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT)   # a lost node took its folder with it
         for inst in self._instances.values():
             self._forget(inst)   # its agent sees its stdin close and stops what is left
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
-            try:
-                remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001
-                pass
+            remove_placement_group(self._pg)
             self._pg = None
 
 

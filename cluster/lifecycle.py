@@ -54,6 +54,8 @@ def stop_job_instances(store: Store, job_id: str, refs: list[InstanceRef] | None
     they run themselves (the agents' heartbeat, Ray killing a dead driver's actors)."""
     job_dir = Path(store.job(job_id)["job_dir"])
     wanted = list({ref: None for ref in [*(refs or ()), *stored_refs(store, job_id)]})
+    if not wanted:
+        return []  # nothing ever started: no backend to build (a Ray connect may itself hang)
     result: dict[str, object] = {}
 
     def stop() -> None:  # no store in here: it stays in the calling thread

@@ -100,3 +100,23 @@ def boot_id() -> str | None:
         except OSError:
             return None
     return _BOOT_ID
+
+
+_BOOT_TIME: float | None = None
+
+
+def boot_time() -> float:
+    """When this machine booted (seconds since the epoch; 0 if unknown): a process
+    recorded before then is gone, whatever its pid and start time now name."""
+    global _BOOT_TIME
+    if _BOOT_TIME is None:
+        _BOOT_TIME = 0.0
+        try:
+            with open("/proc/stat") as f:
+                for line in f:
+                    if line.startswith("btime "):
+                        _BOOT_TIME = float(line.split()[1])
+                        break
+        except (OSError, ValueError):
+            pass
+    return _BOOT_TIME

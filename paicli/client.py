@@ -3,7 +3,8 @@
 Each function does one thing and raises paicli.errors on known failures; the
 callers render. The client never runs a framework: it writes the job, starts
 its JobMaster in a session of its own, and from then on only reads the store and
-the log files (and asks the master to cancel).
+the log files: reading a job never writes it nor signals anything. `kill` hands
+over to paicli.cluster.lifecycle, the one writer outside the master.
 """
 
 from __future__ import annotations

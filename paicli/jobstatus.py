@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paicli.cluster.procinfo import is_alive
+from paicli.cluster.procinfo import boot_time, is_alive
 from paicli.private import write_private
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
@@ -25,6 +25,8 @@ def master_alive(job) -> bool:
     if not job["master_pid"]:
         # Not started yet: alive while it may still be starting, not forever.
         return time.time() - (job["created"] or 0) < MASTER_START_DEADLINE
+    if (job["created"] or 0) < boot_time():
+        return False  # started before this boot: its pid and start time may name a new process
     return is_alive(job["master_pid"], job["master_start"])
 
 

@@ -151,6 +151,22 @@ def test_stop_server_when_the_server_ends_between_the_check_and_the_signal(pai_h
     assert not (pai_home / "logview" / "server.json").exists()
 
 
+def test_a_master_recorded_before_this_boot_is_gone_whatever_its_pid_names_now(pai_home):
+    """After a reboot a master's pid, and even its start time (ticks since boot),
+    can name a new process: a job recorded before the boot has no live master."""
+    stranger = sleeper()
+    try:
+        job_id = record_job(pai_home, master=(stranger.pid, start_time(stranger.pid)),
+                            created=procinfo.boot_time() - 60)
+        status = pai_json("status", job_id, env=QUIET)
+        assert (status["status"], status["reason"], status["unrecorded"]) == ("Failed", "master lost", True)
+        assert pai("kill", job_id, env=QUIET).returncode == 0
+        time.sleep(0.2)
+        assert stranger.poll() is None
+    finally:
+        end(stranger)
+
+
 # -- reading never writes -----------------------------------------------------------------
 
 

@@ -27,7 +27,6 @@ import json
 import os
 import re
 import socket
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -373,8 +372,3 @@ def measure_loopback(seconds: float = 0.3, chunk: int = 1 << 20) -> float:
     client.close()
     server.close()
     return received[0] / elapsed if elapsed > 0 else 0.0
-
-
-def median(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None

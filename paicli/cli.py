@@ -19,9 +19,9 @@ import click
 
 from paicli import __version__, cli_logview, cli_nodes, cli_plan
 from paicli.cli_statement import StatementCommand
-from paicli.commands import (SUBMIT_OPTIONS, attach, echo_json, echo_log_view, finish, is_statement_token,
-                             open_store, print_table, run_guarded, runtime_progress, split_submit_options,
-                             statement_of, submit_and_follow, submit_tokens)
+from paicli.commands import (attach, echo_json, echo_log_view, finish, is_bare_statement, open_store, print_table,
+                             run_guarded, runtime_progress, split_submit_options, statement_of, submit_and_follow,
+                             submit_tokens)
 from paicli.errors import PaiError, UsageError
 
 
@@ -40,11 +40,9 @@ class PaiGroup(click.Group):
     """A group that also accepts PAI statements: `pai -name X -Dk=v ...`."""
 
     def parse_args(self, ctx, args):
-        # `pai -name ...`, and `pai --detach -name ...` with submit options in front.
-        lead = 0
-        while lead < len(args) and args[lead] in SUBMIT_OPTIONS:
-            lead += 1
-        if lead < len(args) and is_statement_token(args[lead]):
+        # `pai -name ...`, and `pai --detach -name ...` with submit options in front
+        # (paicli.pai sends these past click; callers of cli.main still come here).
+        if is_bare_statement(args):
             args = ["submit", *args]
         return super().parse_args(ctx, args)
 

@@ -359,3 +359,20 @@ def auto_strategy_with_calibration(statement, prepared, files, args, here, profi
     result = pai(*statement, "-DautoStrategy=true", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
+
+
+def test_a_library_submit_of_an_unplanned_auto_strategy_job_is_refused(pai_home):
+    """-DautoStrategy=true is applied by the statement submit (pai, pai run, the
+    console) through paicli.planning, so client.submit no longer imports a command
+    module; a library caller that skips planning is told, and nothing is left."""
+    from paicli import client
+    from paicli.errors import UsageError
+    from paicli.statement import parse_statement
+    from paicli.store import Store
+
+    stmt = parse_statement(["-name", "tensorflow", f"-Dscript={ROOT / 'examples' / 'pluto' / 'tf_wide_mlp.py'}",
+                            "-DautoStrategy=true"])
+    store = Store()
+    with pytest.raises(UsageError, match="planning.auto_strategy"):
+        client.submit(client.prepare(stmt), store)
+    assert store.jobs(10) == [] and list(store.jobs_dir.iterdir()) == []

@@ -36,7 +36,6 @@ from typing import Any
 from paicli.cluster.pluto.model import comm_seconds, compute_seconds, overhead_terms
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 from paicli.private import write_private
-from paicli.steptime import median  # noqa: F401  (the project's one median; cli_plan takes it from here)
 
 CACHE_VERSION = 5   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1)
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")

@@ -3,10 +3,10 @@ under concurrent writers, archives, metrics and capped logs."""
 
 from __future__ import annotations
 
-import re
 import io
 import multiprocessing
 import os
+import re
 import socket
 import tarfile
 from pathlib import Path

@@ -835,3 +835,26 @@ def test_a_stop_on_a_node_that_does_not_answer_is_tried_again_then_reported(capf
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_dead_master_takes_its_instances_with_it_even_without_a_watchdog(pai_home, tmp_path):
+    """The node agent holds the master's end of a pipe: when the master dies (here
+    with its watchdog, so that nothing else is left to clean up), the agent reads
+    EOF and stops its instance's whole group, with no `pai` command looking."""
+    pidfile = tmp_path / "pids"
+    job_id = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}",
+                 env={"BEHAVE": f"pidfile:{pidfile},child,print:1,sleep:600"}).stdout.strip()
+    groups: set[int] = set()
+    try:
+        assert wait_until(lambda: pidfile.exists(), timeout=20)
+        groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
+        assert len(processes_in(groups)) >= 2   # the instance and its child
+        os.kill(watchdog_pid(pai_home, job_id), signal.SIGKILL)
+        os.kill(Store(pai_home).job(job_id)["master_pid"], signal.SIGKILL)
+        assert wait_until(lambda: processes_in(groups) == [], timeout=15), processes_in(groups)
+    finally:
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

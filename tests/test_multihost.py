@@ -101,6 +101,7 @@ def assert_nothing_left(cluster: TestCluster, job_id: str, within: float = GONE_
     since = time.monotonic() if since is None else since
     took = gone_after(cluster, since)
     assert took is not None, f"left after {time.monotonic() - since:.1f}s: {cluster.all_leftovers()}"
+    print(f"nothing left on the hosts {took:.2f}s after the stop")
     assert took <= within, f"the hosts emptied {took:.1f}s after the stop, not within {within:.0f}s"
     if not folders:
         return

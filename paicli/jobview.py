@@ -6,8 +6,6 @@ JobMaster imports only that).
 from __future__ import annotations
 
 from paicli.jobstatus import aligned, summary_rows
-# Re-exported while callers move to paicli.jobstatus (logtail, web/data).
-from paicli.jobstatus import build_status, idle_after, idle_now, instance_log_path  # noqa: F401
 from paicli.states import JobStatus
 
 

@@ -362,10 +362,10 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
                 state["counts"] = counts
                 _write(out, state, (line + "\n").encode())
         if now >= state["idle_check"] and not JobStatus(job["status"]).is_terminal():
-            from paicli import jobview
+            from paicli import jobstatus
 
-            state["idle_check"] = now + min(IDLE_CHECK, jobview.idle_after() / 2)
-            idle = jobview.idle_now(store, job_id)
+            state["idle_check"] = now + min(IDLE_CHECK, jobstatus.idle_after() / 2)
+            idle = jobstatus.idle_now(store, job_id)
             names = [i["instance"] for i in idle]
             # Said once when workers go quiet, again if the set of quiet ones changes.
             if idle and names != state["idle"]:

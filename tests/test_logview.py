@@ -122,6 +122,8 @@ def test_the_feed_ends_when_a_master_died_without_recording_the_end(web):
     assert "step=2" in feed
     shown = json.loads(get(f"{base}/api/jobs/{job_id}.json?token={token}")[1])
     assert (shown["status"], shown["unrecorded"]) == ("Failed", True)
+    listed = {job["id"]: job for job in json.loads(get(f"{base}/api/jobs.json?token={token}")[1])}
+    assert listed[job_id]["status"] == "Failed"      # the page's job list derives it too
     assert pai_json("status", job_id)["status"] == "Failed"
     # Neither the server nor pai status changed the store.
     db = sqlite3.connect(web / "pai.db")

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paicli import jobview, plutoview
+from paicli import jobstatus, jobview, plutoview
+from paicli.states import JobStatus
 from paicli.store import Store
 
 TAIL_BYTES = 10 * 1024          # "Only tail 10KB is shown here", as PAI's logview
@@ -56,7 +57,7 @@ def read_plan(job_dir: str, status: dict | None = None) -> dict[str, Any]:
 
 def job_page(store: Store, job_id: str) -> dict[str, Any]:
     """Everything the job page shows except the log tails and the curves."""
-    status = jobview.build_status(store, job_id)
+    status = jobstatus.build_status(store, job_id)
     job = store.job(job_id)
     events = []
     for ev in store.events(job_id):
@@ -98,7 +99,7 @@ def summary_rows(status: dict) -> list[dict[str, str]]:
 
 def summary_json(store: Store, job_id: str) -> dict[str, Any]:
     """The JSON summary at /api/jobs/ID.json: `pai status --json` plus events and plan."""
-    status = jobview.build_status(store, job_id, with_series=True)
+    status = jobstatus.build_status(store, job_id, with_series=True)
     status["events"] = [{"ts": ev["ts"], "kind": ev["kind"], "role": ev["role"], "index": ev["idx"],
                          "message": ev["message"]} for ev in store.events(job_id)]
     status["plan"] = read_plan(status["job_dir"], status)
@@ -109,6 +110,8 @@ def summary_json(store: Store, job_id: str) -> dict[str, Any]:
 def job_list(store: Store, limit: int = 100) -> list[dict[str, Any]]:
     out = []
     for job in store.jobs(limit):
+        if not JobStatus(job["status"]).is_terminal():
+            job = jobstatus.read_job(store, job["id"])   # a lost master shows as `pai list` shows it
         end = job["ended"] or time.time()
         out.append({"id": job["id"], "name": job["name"] or "", "framework": job["framework"],
                     "project": job["project"] or "", "status": job["status"],

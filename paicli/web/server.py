@@ -248,7 +248,7 @@ class Feed:
         over = client.job_over(job)  # read first: then every line before the end is seen
         # A master (and its watchdog) gone without recording the end: the logs will not
         # grow again. Seen twice, a poll apart (not a master writing its last transition),
-        # the feed ends; the store is left to `pai status`, which records it.
+        # the feed ends; the record is left to the watchdogs and `pai kill` (cluster/lifecycle.py).
         alive = over or JobStatus(job["status"]).is_terminal() or client.master_alive(job)
         self.gone = 0 if alive else self.gone + 1
         over = over or self.gone >= 2
@@ -272,7 +272,7 @@ class Feed:
             out.append(("metrics", {"points": points}))
         if over:
             verdict = self.page["verdict"] or (f"its master is gone without recording the end"
-                                               f" (pai status {self.job_id} records it)" if self.gone else "")
+                                               f" (pai kill {self.job_id} records it)" if self.gone else "")
             out.append(("end", {"status": self.page["status"], "verdict": verdict}))
         return out, over
 

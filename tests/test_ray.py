@@ -784,3 +784,32 @@ def test_a_ray_call_that_never_answers_ends_at_its_deadline_or_at_a_cancel(ray_c
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_a_port_that_is_not_rays_ends_ray_init_at_its_deadline(tmp_path):
+    """A GCS address whose port accepts connections but is not Ray's (the Ray Client
+    or the dashboard port given by mistake): ray.init alone would wait forever. The
+    backend's connect ends at its deadline on one line, and the process exits."""
+    pytest.importorskip("ray")
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)   # the kernel accepts; nobody ever answers
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    code = ("import sys, time; from paicli.cluster.backends import ray as rb; from paicli.errors import PaiError\n"
+            "rb.INIT_TIMEOUT = 3\n"
+            "began = time.monotonic()\n"
+            "try:\n"
+            "    rb.RayBackend({'backend': 'ray', 'address': sys.argv[1]}).connect()\n"
+            "except PaiError as err:\n"
+            "    print(round(time.monotonic() - began, 1), err, flush=True)\n")
+    try:
+        result = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=60,
+                                cwd=str(tmp_path))
+    finally:
+        listener.close()
+    took, _, line = result.stdout.strip().partition(" ")
+    assert took and 3 <= float(took) < 10, result.stdout + result.stderr[-2000:]
+    assert line == (f"cannot reach the Ray cluster at {address}: no answer as a Ray cluster within 3s; check "
+                    "PAI_RAY_ADDRESS / the nodes file's ray.address and that `ray status` answers there")

@@ -37,7 +37,6 @@ jobs never pay for it.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
@@ -57,6 +56,7 @@ ACTOR_CONCURRENCY = 4          # recv() blocks while send() may come in
 # Every Ray call that waits has a deadline (a driver that Ray cannot call back
 # would otherwise wait forever, with no line said).
 CALL_TIMEOUT = 60.0            # one actor method or pinned task
+INIT_TIMEOUT = 60.0            # ray.init (each of Ray Client's three tries)
 PROVISION_TIMEOUT = 3600.0     # a framework runtime provisioned on a node (a cancel ends it sooner)
 STOP_TIMEOUT = 10.0            # what stopping and cleaning up may wait for Ray, beyond the stop's own grace
 RECV_SLICE = 1.0               # one call for the agent's output waits this long for some
@@ -305,21 +305,13 @@ class RayBackend(Backend):
             raise PaiError(f"the Ray cluster at {self.address} cannot be used from here")
         ray = import_ray()
         if not ray.is_initialized():
-            # ray.init installs a SIGTERM handler of its own (sys.exit): the master's
-            # handlers (cancel on SIGTERM/SIGINT/SIGHUP) must stay in place.
-            saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
             try:
                 self._init(ray)
             except (ConnectionError, RuntimeError, ValueError) as err:
-                self._unusable = True
                 print(f"ray.init({self.address!r}) failed: {err}", file=sys.stderr, flush=True)  # the whole story
                 raise UsageError(f"cannot reach the Ray cluster at {self.address}: {str(err).splitlines()[0]}",
                                  "check PAI_RAY_ADDRESS / the nodes file's ray.address and that `ray status` "
                                  "answers there") from None
-            finally:
-                for signum, handler in saved.items():
-                    if handler is not None and threading.current_thread() is threading.main_thread():
-                        signal.signal(signum, handler)
         self._check_driver(ray)
         # The actor's code travels by value: a Ray node needs Ray, not paicli.
         ray_node.ship_by_value(ray.cloudpickle)
@@ -340,6 +332,36 @@ class RayBackend(Backend):
                          f"from outside the cluster use Ray Client: PAI_RAY_ADDRESS=ray://{host}:10001")
 
     def _init(self, ray) -> None:
+        """ray.init with a deadline, in a thread of its own: on a port that accepts
+        connections but is not Ray's, ray.init waits forever. A cancel ends the wait
+        too. (Ray sets its own SIGTERM handler only from the main thread: the
+        master's handlers stay in place.)"""
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                self._init_tries(ray)
+                outcome.append(None)
+            except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
+                outcome.append(err)
+
+        thread = threading.Thread(target=run, name="ray-init", daemon=True)
+        thread.start()
+        limit = INIT_TIMEOUT * (3 if "://" in self.address else 1)
+        deadline = time.monotonic() + limit
+        while thread.is_alive():
+            thread.join(0.5)
+            if thread.is_alive() and (self._interrupted() or time.monotonic() >= deadline):
+                self._unusable = True   # the thread may still connect: nothing is to use it
+                reason = self._interrupted()
+                if reason:
+                    raise RayWaitStopped(reason, cancelled=True)
+                raise ConnectionError(f"no answer as a Ray cluster within {limit:g}s")
+        if outcome[0] is not None:
+            self._unusable = True
+            raise outcome[0]
+
+    def _init_tries(self, ray) -> None:
         import logging
 
         # Ray Client's server starts a Python process of its own per client: on a busy
@@ -437,12 +459,11 @@ class RayBackend(Backend):
         until Ray placed them all (reporting the Waiting List through `progress`),
         then start one actor per instance in its bundle. Raises RayWaitStopped at
         `deadline` (time.monotonic()) or when `interrupted()` gives a reason."""
+        self._progress, self._deadline, self._interrupted = progress, deadline, interrupted
         self.connect()
         from ray.util.placement_group import placement_group
 
         self.job_id = job_id
-        self._progress = progress
-        self._deadline, self._interrupted = deadline, interrupted
         self._timeout = plan.timeout
         self._bundles = job_bundles(plan)
         self._pg = placement_group([b for _, _, b in self._bundles], strategy=strategy_for(plan),
@@ -493,8 +514,8 @@ class RayBackend(Backend):
         once Ray has declared the node dead it moves the placement group's bundles
         that were there to nodes with room (waiting, like a new job, while there
         is none)."""
-        ray = self.connect()
         self._progress, self._deadline, self._interrupted = progress, deadline, interrupted
+        ray = self.connect()
         old = self._instances.get((role, idx))
         lost = old.node_id if old is not None else ""
         if old is not None:

@@ -69,24 +69,6 @@ def signal_verified(pid: int, start: str | None, signum: int) -> bool:
         os.close(pidfd)
 
 
-def live_groups(pgids: set[int]) -> set[int]:
-    """Which of `pgids` still have a live member (zombies excluded), in one pass."""
-    found: set[int] = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            stat = proc_stat(name)
-            if stat and stat.pgid in pgids and stat.state != "Z":
-                found.add(stat.pgid)
-                if found == pgids:
-                    break
-    return found
-
-
-def live_members(pgid: int) -> bool:
-    """True while any process of the group is alive (zombies excluded)."""
-    return bool(live_groups({pgid}))
-
-
 _BOOT_ID: str | None = None
 
 

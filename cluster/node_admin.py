@@ -115,27 +115,26 @@ def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
         return _run_provisioning(session, node, runtime, progress, info, folder)
     finally:
         try:
-            sftp = ssh.Sftp(session(), node.name)
-            try:
-                sftp.rmtree(folder)
-            finally:
-                sftp.close()
+            ssh.exec_command(session(), ["rm", "-rf", "--", folder], timeout=60)
         except (PaiError, OSError, EOFError):
             pass   # an unreachable node keeps it (under /tmp, cleared at boot)
 
 
 def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable[[str], None],
                       info: dict, folder: str) -> str:
-    sftp = ssh.Sftp(session(), node.name)
+    from paicli.cluster.node_files import NodeFile
+
+    # The runtimes code as the package it imports itself as (runners/__init__.py is empty).
+    empty = str(ssh.RUNNERS_DIR / "__init__.py")
+    files = [NodeFile(empty, "paicli/__init__.py", 0o600), NodeFile(empty, "paicli/runners/__init__.py", 0o600)]
+    files += [NodeFile(str(ssh.RUNNERS_DIR / name), f"paicli/runners/{name}", 0o600)
+              for name in ("runtimes.py", "caffe_rootfs.py")]
+    writer = ssh.open_files(session, node)
     try:
-        sftp.private_root(node.job_root, node.name)
-        sftp.makedirs(f"{folder}/paicli/runners")
-        for rel in ("paicli/__init__.py", "paicli/runners/__init__.py"):
-            sftp.write(f"{folder}/{rel}", b"")
-        for name in ("runtimes.py", "caffe_rootfs.py"):
-            sftp.put(str(ssh.RUNNERS_DIR / name), f"{folder}/paicli/runners/{name}")
+        writer.private_root(node.job_root, node.name)
+        writer.put_files(files, folder, {node.job_root.rstrip("/")})
     finally:
-        sftp.close()
+        writer.close()
     # A failure on the node is one line too (its last line becomes the error).
     code = ("import sys\nsys.path.insert(0, sys.argv[1])\n"
             "from paicli.runners.runtimes import get_runtime\n"

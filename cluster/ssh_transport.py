@@ -7,8 +7,12 @@
 - Nothing secret is logged: key files are named, never read into a message.
 
 The node agent (runners/node_agent.py) does the work on the node: `run_agent`
-runs one of its subcommands by piping its source to the node's python3 (nothing
+runs one of its subcommands by passing its source to the node's python3 (nothing
 needs to be on the node first); instances run from the per-job copy.
+
+A job's files (cluster/node_files.py) are written by SFTP (`Sftp`), or, on a node
+whose sshd has no SFTP subsystem, as a tar stream over an exec channel into
+runners/stage_writer.py (`ExecFiles`): `open_files` picks.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import os
 import secrets
 import shlex
 import socket
-import stat
 import threading
 from pathlib import Path
 
@@ -261,6 +264,18 @@ class NoSftp(UsageError):
 
 NO_SFTP_HINT = ("add `Subsystem sftp internal-sftp` (or the path of its sftp-server) to the node's "
                 "/etc/ssh/sshd_config and reload sshd")
+ROOT_HINT = "remove it on the node, or set `work_dir:` for the node to a folder of your own"
+WRITER_SOURCE = RUNNERS_DIR / "stage_writer.py"
+
+
+def open_files(session, node: NodeEntry):
+    """Where a job's files are written on the node: SFTP, or, when its sshd has no
+    SFTP subsystem, a tar stream over an exec channel (ExecFiles). `session()` opens
+    a fresh session channel."""
+    try:
+        return Sftp(session(), node.name)
+    except NoSftp:
+        return ExecFiles(session, node)
 
 
 class Sftp:
@@ -316,8 +331,7 @@ class Sftp:
 
         what = root_fault(attrs.st_mode, attrs.st_uid, ours)
         if what is not None:
-            raise UsageError(f"node {node_name}: the per-job folder root {path} is {what}; refused",
-                             "remove it on the node, or set `work_dir:` for the node to a folder of your own")
+            raise UsageError(f"node {node_name}: the per-job folder root {path} is {what}; refused", ROOT_HINT)
 
     def write(self, remote: str, data: bytes) -> None:
         """A file of ours with `data`, 0600 before anything is written to it."""
@@ -325,10 +339,8 @@ class Sftp:
             f.chmod(0o600)
             f.write(data)
 
-    def put(self, local: str, remote: str, mode: int | None = None) -> None:
+    def put(self, local: str, remote: str, mode: int) -> None:
         self.sftp.put(local, remote)
-        if mode is None:
-            mode = 0o700 if os.stat(local).st_mode & stat.S_IXUSR else 0o600
         self.sftp.chmod(remote, mode)
 
     def put_files(self, files, folder: str, made: set[str]) -> None:
@@ -364,18 +376,64 @@ class Sftp:
             pass   # there already (in our private root: ours); a real fault fails the next write
         made.add(path)
 
-    def rmtree(self, remote: str) -> None:
-        try:
-            entries = self.sftp.listdir_attr(remote)
-        except FileNotFoundError:
+
+class ExecFiles:
+    """Sftp's staging calls for a node whose sshd has no SFTP: each put_files is one
+    tar stream into runners/stage_writer.py, run with the node's python (the root is
+    checked there, with the agent's own root_fault, before anything is written)."""
+
+    def __init__(self, session, node: NodeEntry):
+        self.session = session
+        self.node = node
+        self.root = node.job_root
+
+    def private_root(self, path: str, node_name: str) -> None:
+        self.root = path   # checked by the writer with every batch
+
+    def put_files(self, files, folder: str, made: set[str]) -> None:
+        import io
+        import tarfile
+
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for f in files:
+                if not f.dst:
+                    continue
+                info = tarfile.TarInfo(f.dst)
+                info.mode = f.mode
+                if f.kind == "dir":
+                    info.type = tarfile.DIRTYPE
+                    tar.addfile(info)
+                elif f.kind == "link":
+                    info.type, info.linkname = tarfile.SYMTYPE, f.target
+                    tar.addfile(info)
+                else:
+                    with open(f.src, "rb") as data:
+                        info.size = os.fstat(data.fileno()).st_size
+                        tar.addfile(info, data)
+        status, _out, err = exec_command(self.session(), writer_argv(self.node.python, self.root, folder),
+                                         stdin=buf.getvalue(), timeout=120)
+        if status == 0:
             return
-        for entry in entries:
-            path = f"{remote}/{entry.filename}"
-            if stat.S_ISDIR(entry.st_mode):
-                self.rmtree(path)
-            else:
-                self.sftp.remove(path)
-        self.sftp.rmdir(remote)
+        last = (err.decode(errors="replace").strip().splitlines() or [f"exit {status}"])[-1]
+        if last.startswith("refused: "):
+            raise UsageError(f"node {self.node.name}: {last[len('refused: '):]}", ROOT_HINT)
+        raise PaiError(f"node {self.node.name}: writing the job's files (no SFTP there) failed: {last}")
+
+    def close(self) -> None:
+        pass
+
+
+def writer_argv(python: str, root: str, folder: str) -> list[str]:
+    """stage_writer.main run from its source, handed the agent's root check: both
+    loaded as modules of their own (not __main__), nothing staged first."""
+    program = (
+        "import sys\n"
+        "agent, writer = {'__name__': 'paicli_node_agent'}, {'__name__': 'paicli_stage_writer'}\n"
+        f"exec(compile({AGENT_SOURCE.read_text()!r}, 'node_agent.py', 'exec'), agent)\n"
+        f"exec(compile({WRITER_SOURCE.read_text()!r}, 'stage_writer.py', 'exec'), writer)\n"
+        "sys.exit(writer['main'](sys.argv[1:], agent['root_fault']))\n")
+    return [python, "-c", program, root, folder]
 
 
 class Connections:

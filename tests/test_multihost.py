@@ -101,6 +101,7 @@ def assert_nothing_left(cluster: TestCluster, job_id: str, within: float = GONE_
     since = time.monotonic() if since is None else since
     took = gone_after(cluster, since)
     assert took is not None, f"left after {time.monotonic() - since:.1f}s: {cluster.all_leftovers()}"
+    print(f"nothing left on the hosts {took:.2f}s after the stop")
     assert took <= within, f"the hosts emptied {took:.1f}s after the stop, not within {within:.0f}s"
     if not folders:
         return
@@ -190,24 +191,35 @@ def test_an_absolute_path_that_is_no_input_reaches_the_script_unchanged(cluster,
     assert_nothing_left(cluster, info["id"])
 
 
-def test_a_node_without_sftp_is_one_line_naming_it_and_the_fix(tmp_path, monkeypatch, pai_home):
-    """An sshd with no `Subsystem sftp` line: the job fails with one line naming the
-    node and how to enable SFTP (it was `launcher error: SSHException: Channel closed.`)."""
-    script = tmp_path / "hello.py"
-    script.write_text("print('hello', flush=True)\n")
+def test_a_node_without_sftp_gets_the_job_over_its_exec_channel(tmp_path, monkeypatch, pai_home):
+    """An sshd with no `Subsystem sftp` line (every job failed there with `launcher
+    error: SSHException: Channel closed.`): the files go as a tar stream over an exec
+    channel, the job runs, the per-job folder goes; a root others could write to is
+    refused there too, before anything is copied."""
+    (tmp_path / "proj").mkdir()
+    script = tmp_path / "proj" / "hello.py"
+    script.write_text("import os\nprint('hello from', os.getcwd(), sorted(os.listdir('.')), flush=True)\n")
+    work, wide = tmp_path / "work", tmp_path / "wide"
+    wide.mkdir()
+    os.chmod(wide, 0o777)
     with LoopbackHost(Path("/var/tmp") / f"paicli-nosftp-{os.getpid()}", sftp=False) as lo:
-        path = tmp_path / "lo.yaml"
-        path.write_text(json.dumps({"known_hosts": str(lo.known_hosts),
-                                    "nodes": [lo.node(work_dir=str(tmp_path / "work"), cpu=100, memory=1000, gpu=0)]}))
-        monkeypatch.setenv("PAI_NODES", str(path))
-        result = pai("-name", "python", f"-Dscript={script}", "-DmaxRetries=0", timeout=120)
-    text = result.stdout + result.stderr
-    assert result.returncode != 0, text
-    assert "Channel closed" not in text and "launcher error" not in text, text
-    lines = [line for line in text.splitlines() if line.startswith("FAILED: ")]
-    assert len(lines) == 1 and lines[0].startswith("FAILED: node lo: its sshd has no SFTP subsystem"), text
-    assert "add `Subsystem sftp internal-sftp`" in lines[0] and "sshd_config" in lines[0], text
-    assert status(job_id_from(result.stdout))["status"] == "Failed"
+        results = []
+        for root in (work, wide):
+            path = tmp_path / "lo.yaml"
+            path.write_text(json.dumps({"known_hosts": str(lo.known_hosts),
+                                        "nodes": [lo.node(work_dir=str(root), cpu=100, memory=1000, gpu=0)]}))
+            monkeypatch.setenv("PAI_NODES", str(path))
+            results.append(pai("-name", "python", f"-Dscript={script}", "-DmaxRetries=0", cwd=str(tmp_path / "proj"),
+                               timeout=120))
+    ran, refused = results
+    info = assert_ok(ran)
+    assert f"[worker:0] hello from {work}/{info['id']}/code ['hello.py']" in ran.stdout, ran.stdout
+    assert "Channel closed" not in ran.stdout + ran.stderr
+    assert work.is_dir() and not any(work.iterdir())            # the per-job folder went
+    assert refused.returncode != 0
+    assert f"FAILED: node lo: the per-job folder root {wide} is writable by others (mode 777); refused" \
+        in refused.stdout, refused.stdout + refused.stderr
+    assert not any(wide.iterdir())                              # nothing copied into it
 
 
 # -- failures ------------------------------------------------------------------------

@@ -190,3 +190,64 @@ def test_every_adapter_names_a_plain_script_as_its_input(tmp_path, monkeypatch, 
     script.write_text("print(1)\n")
     _job_dir, plan = planned(tmp_path, monkeypatch, "-name", framework, f"-Dscript={script}", f"-Dcluster={cluster}")
     assert plan.inputs == [str(script)]
+
+
+# -- the writer for nodes without SFTP (runners/stage_writer.py), run here as on a node
+
+
+def run_writer(root: Path, folder: Path, members) -> tuple[int, str]:
+    import io
+    import subprocess
+    import sys
+
+    from paicli.cluster.ssh_transport import writer_argv
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, kind, extra in members:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                info.size, info.mode = len(extra), 0o755
+                tar.addfile(info, io.BytesIO(extra))
+            elif kind == "link":
+                info.type, info.linkname = tarfile.SYMTYPE, extra
+                tar.addfile(info)
+            else:
+                info.type = {"dir": tarfile.DIRTYPE, "fifo": tarfile.FIFOTYPE}[kind]
+                tar.addfile(info)
+    proc = subprocess.run(writer_argv(sys.executable, str(root), str(folder)), input=buf.getvalue(),
+                          capture_output=True, timeout=60)
+    return proc.returncode, proc.stderr.decode()
+
+
+def test_the_exec_writer_writes_private_files_and_inner_links(tmp_path):
+    root = tmp_path / "root"
+    status, err = run_writer(root, root / "job1", [("runners/a.py", "file", b"x"), ("code/d", "dir", None),
+                                                   ("code/d/l", "link", "../../runners/a.py")])
+    assert status == 0, err
+    assert oct(root.stat().st_mode & 0o777) == "0o700" and oct((root / "job1").stat().st_mode & 0o777) == "0o700"
+    assert oct((root / "job1" / "runners" / "a.py").stat().st_mode & 0o777) == "0o700"   # its x bit kept
+    assert (root / "job1" / "code" / "d" / "l").read_text() == "x"
+
+
+@pytest.mark.parametrize("members, words", [
+    ([("../escape", "file", b"x")], "not a plain relative path"),
+    ([("/etc/x", "file", b"x")], "not a plain relative path"),
+    ([("l", "link", "/etc/passwd")], "leaves the folder"),
+    ([("a/l", "link", "../../x")], "leaves the folder"),
+    ([("p", "fifo", None)], "neither a file"),
+])
+def test_the_exec_writer_refuses_what_would_leave_the_folder(tmp_path, members, words):
+    status, err = run_writer(tmp_path / "root", tmp_path / "root" / "job1", members)
+    assert status == 1 and words in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "escape").exists()
+
+
+def test_the_exec_writer_refuses_a_root_others_could_write_to(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    status, err = run_writer(root, root / "job1", [("a", "file", b"x")])
+    assert status == 1 and err.strip().splitlines()[-1].startswith(f"refused: the per-job folder root {root} is "
+                                                                     "writable by others")
+    assert list(root.iterdir()) == []

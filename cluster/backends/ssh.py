@@ -277,21 +277,9 @@ class SSHBackend(Backend):
         job_id = self._job_id(job_dir)
         folder = remote_paths.job_folder(node.job_root, job_id)
         manifest = node_files.manifest(job_dir, plan)
-        agent = [f for f in manifest.files if f.dst == AGENT_FILE]
         try:
-            sftp = ssh.Sftp(self.conns.session(node), node.name)
-        except BaseException:
-            looking.join()
-            raise
-        try:
-            sftp.private_root(node.job_root, node.name)
-            made = {node.job_root.rstrip("/")}
-            # The agent first: instances' agents start while the rest is copied.
-            sftp.put_files(agent, folder, made)
-            self._warm_up(node, client, folder, job_id, placed)
-            sftp.put_files([f for f in manifest.files if f.dst != AGENT_FILE], folder, made)
+            self._write(node, folder, manifest, lambda: self._warm_up(node, client, folder, job_id, placed))
         finally:
-            sftp.close()
             looking.join()
         if "error" in looked:
             raise looked["error"]
@@ -308,6 +296,20 @@ class SSHBackend(Backend):
             self._maps[node.name] = manifest.mapping(folder, info["runtime_dir"], info["python_path"])
             self._folders[node.name] = folder
             self._ports[node.name] = [int(p) for p in info.get("ports", [])]
+
+    def _write(self, node: NodeEntry, folder: str, manifest: node_files.Manifest, then: Callable[[], None]) -> None:
+        """The manifest into the node's per-job folder (SFTP, or an exec channel where
+        the node has no SFTP), the agent first: `then()` (starting the instances'
+        agents) runs while the rest is copied."""
+        writer = ssh.open_files(lambda: self.conns.session(node), node)
+        try:
+            writer.private_root(node.job_root, node.name)
+            made = {node.job_root.rstrip("/")}
+            writer.put_files([f for f in manifest.files if f.dst == AGENT_FILE], folder, made)
+            then()
+            writer.put_files([f for f in manifest.files if f.dst != AGENT_FILE], folder, made)
+        finally:
+            writer.close()
 
     def _warm_up(self, node: NodeEntry, client, folder: str, job_id: str, placed: list[Placement]) -> None:
         for p in placed:

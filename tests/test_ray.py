@@ -71,23 +71,44 @@ def test_only_what_the_master_set_goes_to_the_node():
     assert rb.node_env(env, master) == {"PAI_ROLE": "worker", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def test_node_folder_writes_stay_inside(tmp_path):
-    root = str(tmp_path / "job")
-    ray_node.write_files(root, [("runners/a.py", 0o700, "file", "", b"x"), ("code", 0o700, "dir", "", b""),
-                                ("code/t.py", 0o600, "file", "", b"y"), ("code/l.py", 0o700, "link", "t.py", b"")])
-    assert (tmp_path / "job" / "runners" / "a.py").stat().st_mode & 0o777 == 0o700
-    assert (tmp_path / "job" / "code" / "t.py").stat().st_mode & 0o777 == 0o600
-    assert (tmp_path / "job" / "code").stat().st_mode & 0o777 == 0o700
-    assert (tmp_path / "job" / "code" / "l.py").read_bytes() == b"y"
-    for bad in [("../escape", 0o600, "file", "", b"x"), ("code/out", 0o700, "link", "../../escape", b"")]:
-        with pytest.raises(ValueError):
-            ray_node.write_files(root, [bad])
-    assert not (tmp_path / "escape").exists() and not (tmp_path / "job" / "code" / "out").exists()
+def manifest_of(tmp_path: Path, *files):
+    """A Manifest of NodeFiles (dst, kind, target) whose sources are made here."""
+    from paicli.cluster import node_files
+
+    out = []
+    for dst, kind, target in files:
+        src = tmp_path / "src" / dst
+        if kind == "file":
+            src.parent.mkdir(parents=True, exist_ok=True)
+            src.write_text(f"content of {dst}")
+        out.append(node_files.NodeFile(str(src), dst, 0o700 if kind != "file" else 0o600, kind, target))
+    return node_files.Manifest(out)
+
+
+def test_the_actor_writes_the_staging_list_and_nothing_outside(tmp_path, monkeypatch):
+    """The actor writes what staging put into the object store with the node writer
+    of every backend: folders 0700, files 0600, links that stay inside; a member
+    or a link that would leave the job's folder is refused in one line."""
+    monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
+    actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
+    tar = rb.staging_tar(manifest_of(tmp_path, ("code", "dir", ""), ("code/t.py", "file", ""),
+                                     ("code/l.py", "link", "t.py")))
+    assert actor.stage(tar) == {"folder": actor.folder}
+    folder = Path(actor.folder)
+    assert (folder / "code").stat().st_mode & 0o777 == 0o700
+    assert (folder / "code" / "t.py").stat().st_mode & 0o777 == 0o600
+    assert (folder / "code" / "l.py").read_text() == "content of code/t.py"
+    escape = rb.staging_tar(manifest_of(tmp_path, ("code/out", "link", "../../escape")))
+    assert "leaves the folder" in actor.stage(escape)["error"]
+    assert not (folder / "code" / "out").exists()
 
 
 def test_what_staging_ships_is_the_one_list_and_no_secret(tmp_path):
     """Ray ships the staging list of cluster/node_files.py, whole and nothing else:
     not plan.json, which holds a Caffe job's averaging secret."""
+    import tarfile
+    from io import BytesIO
+
     from paicli.cluster import node_files
 
     job_dir = tmp_path / "job1"
@@ -98,11 +119,13 @@ def test_what_staging_ships_is_the_one_list_and_no_secret(tmp_path):
     (job_dir / "plan.json").write_text(plan.to_json())
     (job_dir / "spec.json").write_text("{}")
     manifest = node_files.manifest(job_dir, plan)
-    shipped = rb.shipped_files(manifest)
-    assert [s[0] for s in shipped] == [f.dst for f in manifest.files]
-    assert ("code/train.py", 0o600, "file", "", b"print(1)") in shipped
-    assert not any(dst in ("plan.json", "spec.json") for dst, *_ in shipped)
-    assert secret.encode() not in repr(shipped).encode()
+    shipped = rb.staging_tar(manifest)
+    with tarfile.open(fileobj=BytesIO(shipped)) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert list(members) == [f.dst for f in manifest.files]
+        assert tar.extractfile(members["code/train.py"]).read() == b"print(1)"
+    assert "plan.json" not in members and "spec.json" not in members
+    assert secret.encode() not in shipped
 
 
 def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
@@ -113,7 +136,7 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
     actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
-    assert actor.stage(rb.shipped_files(node_files.Manifest(node_files.runner_files()))) == {"folder": actor.folder}
+    assert actor.stage(rb.staging_tar(node_files.Manifest(node_files.runner_files()))) == {"folder": actor.folder}
 
     class Direct:   # the RayTransport's calls, made on the actor in this process
         def send(self, data):
@@ -616,17 +639,20 @@ def test_a_node_folder_root_someone_else_could_swap_is_refused(tmp_path, monkeyp
     makes it): one writable by others is refused in one line, nothing written."""
     monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
     actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
-    assert actor.stage([("runners/a.py", 0o600, "file", "", b"x")]) == {"folder": actor.folder}
+
+    def stage(name):
+        return actor.stage(rb.staging_tar(manifest_of(tmp_path, (f"runners/{name}", "file", ""))))
+
+    assert stage("a.py") == {"folder": actor.folder}
     root = Path(ray_node.user_root())
     assert root.stat().st_mode & 0o777 == 0o700
     os.chmod(root, 0o777)
-    answer = actor.stage([("runners/b.py", 0o600, "file", "", b"x")])
-    assert "writable by others (mode 777); refused" in answer["error"]
+    assert "writable by others (mode 777); refused" in stage("b.py")["error"]
     assert not (Path(actor.folder) / "runners" / "b.py").exists()
     os.chmod(root, 0o700)
     root.rename(tmp_path / "elsewhere")
     root.symlink_to(tmp_path / "elsewhere")      # a link in its place is refused too
-    assert "not a directory" in actor.stage([("runners/c.py", 0o600, "file", "", b"x")])["error"]
+    assert "not a directory" in stage("c.py")["error"]
 
 
 SECRET_DRIVER = r"""

@@ -131,7 +131,8 @@ def test_what_staging_ships_is_the_one_list_and_no_secret(tmp_path):
 def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
     """The actor's relay (open/send/recv/close) under agent_link, without Ray: the
     instance starts, its output and exit status come back through the relay, and
-    closing the relay stops a group that still runs."""
+    closing the relay stops a group that still runs (a late close of an earlier
+    relay on the same actor, a restart's, does not)."""
     from paicli.cluster import agent_link, node_files
 
     monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
@@ -152,10 +153,11 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
             actor.close()
 
     def run(argv):
-        actor.open()
+        agents.append(actor.open())
         return agent_link.start_instance(Direct(), {"argv": argv, "env": {}, "cwd": None, "heartbeat": 0},
                                          backend="ray", node="n", host="n", start_timeout=30)
 
+    agents = []
     handle = run([sys.executable, "-c", "print('x' * 300000); raise SystemExit(3)"])
     out = b""
     deadline = time.monotonic() + 30
@@ -173,6 +175,9 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
     handle = run([sys.executable, "-c", "import time; time.sleep(60)"])
     ref = rb.agent_ref(handle.ref)
     assert handle.ref.pid > 0 and ray_node.pinned_alive([ref]) == [True]
+    actor.close(agents[0])   # the first link's close, arriving late: this agent is not its
+    time.sleep(1)
+    assert ray_node.pinned_alive([ref]) == [True]
     actor.close()   # what Ray killing the actor does to the agent's stdin
     deadline = time.monotonic() + 10
     while ray_node.pinned_alive([ref]) != [False]:

@@ -241,7 +241,6 @@ class _Instance:
     """What the driver knows of one instance's actor."""
     role: str
     idx: int
-    bundle: int
     actor: Any
     node_id: str = ""
     host: str = ""
@@ -253,9 +252,10 @@ class RayTransport:
     to its stdin, bytes from its stdout. Every call has a deadline; a dead actor
     (its node is gone) is the end of the stream."""
 
-    def __init__(self, backend: "RayBackend", actor: Any):
+    def __init__(self, backend: "RayBackend", actor: Any, agent: int):
         self.backend = backend
         self.actor = actor
+        self.agent = agent   # the agent's pid on the node: calls of an older link spare a newer one
 
     def send(self, data: bytes) -> None:
         try:
@@ -280,7 +280,7 @@ class RayTransport:
 
     def close(self) -> None:
         try:
-            self.actor.close.remote()   # not waited for: the agent stops the group when its stdin closes
+            self.actor.close.remote(self.agent)   # not waited for: the agent stops the group when its stdin closes
         except Exception:  # noqa: BLE001 - the actor is gone already
             pass
 
@@ -515,7 +515,7 @@ class RayBackend(Backend):
             name=f"{self.job_id}/{role}:{idx}/{attempt}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle),
         ).remote(self.job_id, f"{self.job_id}/{role}:{idx}", "")   # "": the actor finds its node
-        return _Instance(role, idx, bundle, actor)
+        return _Instance(role, idx, actor)
 
     def _await_actor(self, inst: _Instance) -> Placement:
         inst.info = self._get(inst.actor.info.remote(), f"the actor of {inst.role}:{inst.idx} did not start", None,
@@ -619,8 +619,8 @@ class RayBackend(Backend):
             env_out["CUDA_VISIBLE_DEVICES"] = inst.info["gpus"]   # what Ray gave the bundle
         spec = {"argv": remote_paths.translate_argv(argv, mapping), "env": env_out,
                 "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": HEARTBEAT}
-        self._get(inst.actor.open.remote(), f"starting {placed.role}:{placed.idx} on Ray node {inst.host}")
-        return agent_link.start_instance(RayTransport(self, inst.actor), spec, backend=self.name,
+        agent = self._get(inst.actor.open.remote(), f"starting {placed.role}:{placed.idx} on Ray node {inst.host}")
+        return agent_link.start_instance(RayTransport(self, inst.actor, agent), spec, backend=self.name,
                                          node=inst.host, host=inst.host, start_timeout=CALL_TIMEOUT)
 
     # -- stopping what this process did not start (`pai kill`, the watchdog) ---------------

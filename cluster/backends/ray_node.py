@@ -150,9 +150,10 @@ class InstanceActor:
 
     # -- the relay to one node agent --------------------------------------------------
 
-    def open(self) -> None:
+    def open(self) -> int:
         """Start a node agent for the instance (a restart on this node: a new one;
-        the last one's stdin is closed, which stops whatever it left)."""
+        the last one's stdin is closed, which stops whatever it left). Its pid: what
+        close() is given, so that a late close of the last link spares this one."""
         self.close()
         with self.cond:
             self.buf.clear()
@@ -162,6 +163,7 @@ class InstanceActor:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
             env=_node_env(), start_new_session=True, close_fds=True)
         threading.Thread(target=self._pump, args=(self.agent,), daemon=True).start()
+        return self.agent.pid
 
     def _pump(self, agent: subprocess.Popen) -> None:
         fd = agent.stdout.fileno()
@@ -201,9 +203,10 @@ class InstanceActor:
                 return data
             return b"" if self.eof else None
 
-    def close(self) -> None:
-        """Close the agent's stdin: it stops whatever is left of the group."""
-        if self.agent is not None and self.agent.stdin:
+    def close(self, pid: int = 0) -> None:
+        """Close the agent's stdin (the agent `pid`'s, if given): it stops whatever
+        is left of the group."""
+        if self.agent is not None and self.agent.stdin and pid in (0, self.agent.pid):
             try:
                 self.agent.stdin.close()
             except OSError:

@@ -629,8 +629,10 @@ class RayBackend(Backend):
         try:
             stopped = self._pinned(node, ray_node.pinned_stop, [agent_ref(r) for r in refs], timeout,
                                    timeout=timeout + STOP_TIMEOUT)
-        except Exception:  # noqa: BLE001 - the node is gone: nothing of ours runs there
-            return []
+        except (PaiError, OSError):
+            raise
+        except Exception as err:  # noqa: BLE001 - Ray's own errors: base.Backend retries, then says so
+            raise PaiError(f"Ray node {node}: {type(err).__name__}: {str(err)[:200]}".splitlines()[0]) from None
         return [r for r in refs if agent_ref(r) in stopped]
 
     def _alive(self, ref: InstanceRef) -> bool:

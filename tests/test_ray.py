@@ -315,6 +315,11 @@ def node_folders(job_id: str) -> list[str]:
     return glob.glob(f"{tempfile.gettempdir()}/paicli-ray-{os.getuid()}/*/{job_id}")
 
 
+def staged_paths(folder: str) -> set[str]:
+    """Every file and link under a node's per-job folder, relative to it."""
+    return {os.path.relpath(os.path.join(top, name), folder) for top, _, files in os.walk(folder) for name in files}
+
+
 def assert_nothing_left(job_id: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     left = job_processes(job_id)
@@ -503,6 +508,16 @@ def test_pai_kill_stops_every_instance_on_every_node(ray_cluster, home, tmp_path
     assert result.returncode == 0, result.stderr
     job_id = job_id_of(result.stdout)
     wait_running(ray_cluster, home, job_id, 2)
+    # each node's per-job folder holds the one staging list (cluster/node_files.py), exactly
+    from paicli.cluster import node_files
+
+    job_dir = home / "jobs" / job_id
+    listed = node_files.manifest(job_dir, JobPlan.from_json((job_dir / "plan.json").read_text())).files
+    folders = node_folders(job_id)
+    assert len(folders) == 2
+    for folder in folders:
+        assert staged_paths(folder) == {f.dst for f in listed if f.kind != "dir"}, folder
+        assert all(os.path.isdir(f"{folder}/{f.dst}") for f in listed if f.kind == "dir")
     killed = pai_ray(ray_cluster, home, "kill", job_id, timeout=60)
     assert killed.returncode == 0, killed.stderr
     assert_nothing_left(job_id, timeout=5)

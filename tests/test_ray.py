@@ -71,23 +71,44 @@ def test_only_what_the_master_set_goes_to_the_node():
     assert rb.node_env(env, master) == {"PAI_ROLE": "worker", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def test_node_folder_writes_stay_inside(tmp_path):
-    root = str(tmp_path / "job")
-    ray_node.write_files(root, [("runners/a.py", 0o700, "file", "", b"x"), ("code", 0o700, "dir", "", b""),
-                                ("code/t.py", 0o600, "file", "", b"y"), ("code/l.py", 0o700, "link", "t.py", b"")])
-    assert (tmp_path / "job" / "runners" / "a.py").stat().st_mode & 0o777 == 0o700
-    assert (tmp_path / "job" / "code" / "t.py").stat().st_mode & 0o777 == 0o600
-    assert (tmp_path / "job" / "code").stat().st_mode & 0o777 == 0o700
-    assert (tmp_path / "job" / "code" / "l.py").read_bytes() == b"y"
-    for bad in [("../escape", 0o600, "file", "", b"x"), ("code/out", 0o700, "link", "../../escape", b"")]:
-        with pytest.raises(ValueError):
-            ray_node.write_files(root, [bad])
-    assert not (tmp_path / "escape").exists() and not (tmp_path / "job" / "code" / "out").exists()
+def manifest_of(tmp_path: Path, *files):
+    """A Manifest of NodeFiles (dst, kind, target) whose sources are made here."""
+    from paicli.cluster import node_files
+
+    out = []
+    for dst, kind, target in files:
+        src = tmp_path / "src" / dst
+        if kind == "file":
+            src.parent.mkdir(parents=True, exist_ok=True)
+            src.write_text(f"content of {dst}")
+        out.append(node_files.NodeFile(str(src), dst, 0o700 if kind != "file" else 0o600, kind, target))
+    return node_files.Manifest(out)
+
+
+def test_the_actor_writes_the_staging_list_and_nothing_outside(tmp_path, monkeypatch):
+    """The actor writes what staging put into the object store with the node writer
+    of every backend: folders 0700, files 0600, links that stay inside; a member
+    or a link that would leave the job's folder is refused in one line."""
+    monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
+    actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
+    tar = rb.staging_tar(manifest_of(tmp_path, ("code", "dir", ""), ("code/t.py", "file", ""),
+                                     ("code/l.py", "link", "t.py")))
+    assert actor.stage(tar) == {"folder": actor.folder}
+    folder = Path(actor.folder)
+    assert (folder / "code").stat().st_mode & 0o777 == 0o700
+    assert (folder / "code" / "t.py").stat().st_mode & 0o777 == 0o600
+    assert (folder / "code" / "l.py").read_text() == "content of code/t.py"
+    escape = rb.staging_tar(manifest_of(tmp_path, ("code/out", "link", "../../escape")))
+    assert "leaves the folder" in actor.stage(escape)["error"]
+    assert not (folder / "code" / "out").exists()
 
 
 def test_what_staging_ships_is_the_one_list_and_no_secret(tmp_path):
     """Ray ships the staging list of cluster/node_files.py, whole and nothing else:
     not plan.json, which holds a Caffe job's averaging secret."""
+    import tarfile
+    from io import BytesIO
+
     from paicli.cluster import node_files
 
     job_dir = tmp_path / "job1"
@@ -98,22 +119,25 @@ def test_what_staging_ships_is_the_one_list_and_no_secret(tmp_path):
     (job_dir / "plan.json").write_text(plan.to_json())
     (job_dir / "spec.json").write_text("{}")
     manifest = node_files.manifest(job_dir, plan)
-    shipped = rb.shipped_files(manifest)
-    assert [s[0] for s in shipped] == [f.dst for f in manifest.files]
-    assert ("code/train.py", 0o600, "file", "", b"print(1)") in shipped
-    assert not any(dst in ("plan.json", "spec.json") for dst, *_ in shipped)
-    assert secret.encode() not in repr(shipped).encode()
+    shipped = rb.staging_tar(manifest)
+    with tarfile.open(fileobj=BytesIO(shipped)) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert list(members) == [f.dst for f in manifest.files]
+        assert tar.extractfile(members["code/train.py"]).read() == b"print(1)"
+    assert "plan.json" not in members and "spec.json" not in members
+    assert secret.encode() not in shipped
 
 
 def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
     """The actor's relay (open/send/recv/close) under agent_link, without Ray: the
     instance starts, its output and exit status come back through the relay, and
-    closing the relay stops a group that still runs."""
+    closing the relay stops a group that still runs (a late close of an earlier
+    relay on the same actor, a restart's, does not)."""
     from paicli.cluster import agent_link, node_files
 
     monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
     actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
-    assert actor.stage(rb.shipped_files(node_files.Manifest(node_files.runner_files()))) == {"folder": actor.folder}
+    assert actor.stage(rb.staging_tar(node_files.Manifest(node_files.runner_files()))) == {"folder": actor.folder}
 
     class Direct:   # the RayTransport's calls, made on the actor in this process
         def send(self, data):
@@ -129,10 +153,11 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
             actor.close()
 
     def run(argv):
-        actor.open()
+        agents.append(actor.open())
         return agent_link.start_instance(Direct(), {"argv": argv, "env": {}, "cwd": None, "heartbeat": 0},
                                          backend="ray", node="n", host="n", start_timeout=30)
 
+    agents = []
     handle = run([sys.executable, "-c", "print('x' * 300000); raise SystemExit(3)"])
     out = b""
     deadline = time.monotonic() + 30
@@ -150,6 +175,9 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
     handle = run([sys.executable, "-c", "import time; time.sleep(60)"])
     ref = rb.agent_ref(handle.ref)
     assert handle.ref.pid > 0 and ray_node.pinned_alive([ref]) == [True]
+    actor.close(agents[0])   # the first link's close, arriving late: this agent is not its
+    time.sleep(1)
+    assert ray_node.pinned_alive([ref]) == [True]
     actor.close()   # what Ray killing the actor does to the agent's stdin
     deadline = time.monotonic() + 10
     while ray_node.pinned_alive([ref]) != [False]:
@@ -285,6 +313,11 @@ def node_folders(job_id: str) -> list[str]:
     import tempfile
 
     return glob.glob(f"{tempfile.gettempdir()}/paicli-ray-{os.getuid()}/*/{job_id}")
+
+
+def staged_paths(folder: str) -> set[str]:
+    """Every file and link under a node's per-job folder, relative to it."""
+    return {os.path.relpath(os.path.join(top, name), folder) for top, _, files in os.walk(folder) for name in files}
 
 
 def assert_nothing_left(job_id: str, timeout: float = 10.0) -> None:
@@ -475,6 +508,16 @@ def test_pai_kill_stops_every_instance_on_every_node(ray_cluster, home, tmp_path
     assert result.returncode == 0, result.stderr
     job_id = job_id_of(result.stdout)
     wait_running(ray_cluster, home, job_id, 2)
+    # each node's per-job folder holds the one staging list (cluster/node_files.py), exactly
+    from paicli.cluster import node_files
+
+    job_dir = home / "jobs" / job_id
+    listed = node_files.manifest(job_dir, JobPlan.from_json((job_dir / "plan.json").read_text())).files
+    folders = node_folders(job_id)
+    assert len(folders) == 2
+    for folder in folders:
+        assert staged_paths(folder) == {f.dst for f in listed if f.kind != "dir"}, folder
+        assert all(os.path.isdir(f"{folder}/{f.dst}") for f in listed if f.kind == "dir")
     killed = pai_ray(ray_cluster, home, "kill", job_id, timeout=60)
     assert killed.returncode == 0, killed.stderr
     assert_nothing_left(job_id, timeout=5)
@@ -616,17 +659,20 @@ def test_a_node_folder_root_someone_else_could_swap_is_refused(tmp_path, monkeyp
     makes it): one writable by others is refused in one line, nothing written."""
     monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
     actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
-    assert actor.stage([("runners/a.py", 0o600, "file", "", b"x")]) == {"folder": actor.folder}
+
+    def stage(name):
+        return actor.stage(rb.staging_tar(manifest_of(tmp_path, (f"runners/{name}", "file", ""))))
+
+    assert stage("a.py") == {"folder": actor.folder}
     root = Path(ray_node.user_root())
     assert root.stat().st_mode & 0o777 == 0o700
     os.chmod(root, 0o777)
-    answer = actor.stage([("runners/b.py", 0o600, "file", "", b"x")])
-    assert "writable by others (mode 777); refused" in answer["error"]
+    assert "writable by others (mode 777); refused" in stage("b.py")["error"]
     assert not (Path(actor.folder) / "runners" / "b.py").exists()
     os.chmod(root, 0o700)
     root.rename(tmp_path / "elsewhere")
     root.symlink_to(tmp_path / "elsewhere")      # a link in its place is refused too
-    assert "not a directory" in actor.stage([("runners/c.py", 0o600, "file", "", b"x")])["error"]
+    assert "not a directory" in stage("c.py")["error"]
 
 
 SECRET_DRIVER = r"""

@@ -160,13 +160,29 @@ def node_env(env: dict[str, str], master_env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if master_env.get(k) != v}
 
 
-def shipped_files(manifest) -> list[tuple[str, int, str, str, bytes]]:
-    """The staging list (cluster/node_files.py) as the actors write it: (dst, mode,
-    kind, link target, content). The one thing of the job that goes into Ray's
-    object store, which any client of the cluster can read: it holds no plan.json
-    and no env (a job's secrets reach an instance only in its own spec)."""
-    return [(f.dst, f.mode, f.kind, f.target, Path(f.src).read_bytes() if f.kind == "file" else b"")
-            for f in manifest.files]
+def staging_tar(manifest) -> bytes:
+    """The staging list (cluster/node_files.py) as the tar stream the node's
+    runners/stage_writer.py writes, as for an SSH node without SFTP. The one thing
+    of a job that goes into Ray's object store, which any client of the cluster can
+    read: it holds no plan.json and no env (a job's secrets reach an instance only
+    in its own spec)."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for f in manifest.files:
+            info = tarfile.TarInfo(f.dst)
+            info.mode = f.mode
+            if f.kind == "file":
+                info.size = os.path.getsize(f.src)
+                with open(f.src, "rb") as data:
+                    tar.addfile(info, data)
+                continue
+            info.type = tarfile.DIRTYPE if f.kind == "dir" else tarfile.SYMTYPE
+            info.linkname = f.target
+            tar.addfile(info)
+    return buf.getvalue()
 
 
 # -- Ray -------------------------------------------------------------------------
@@ -225,7 +241,6 @@ class _Instance:
     """What the driver knows of one instance's actor."""
     role: str
     idx: int
-    bundle: int
     actor: Any
     node_id: str = ""
     host: str = ""
@@ -237,9 +252,10 @@ class RayTransport:
     to its stdin, bytes from its stdout. Every call has a deadline; a dead actor
     (its node is gone) is the end of the stream."""
 
-    def __init__(self, backend: "RayBackend", actor: Any):
+    def __init__(self, backend: "RayBackend", actor: Any, agent: int):
         self.backend = backend
         self.actor = actor
+        self.agent = agent   # the agent's pid on the node: calls of an older link spare a newer one
 
     def send(self, data: bytes) -> None:
         try:
@@ -264,7 +280,7 @@ class RayTransport:
 
     def close(self) -> None:
         try:
-            self.actor.close.remote()   # not waited for: the agent stops the group when its stdin closes
+            self.actor.close.remote(self.agent)   # not waited for: the agent stops the group when its stdin closes
         except Exception:  # noqa: BLE001 - the actor is gone already
             pass
 
@@ -499,7 +515,7 @@ class RayBackend(Backend):
             name=f"{self.job_id}/{role}:{idx}/{attempt}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle),
         ).remote(self.job_id, f"{self.job_id}/{role}:{idx}", "")   # "": the actor finds its node
-        return _Instance(role, idx, bundle, actor)
+        return _Instance(role, idx, actor)
 
     def _await_actor(self, inst: _Instance) -> Placement:
         inst.info = self._get(inst.actor.info.remote(), f"the actor of {inst.role}:{inst.idx} did not start", None,
@@ -559,7 +575,7 @@ class RayBackend(Backend):
                 todo.setdefault(inst.node_id, inst)
         if not todo:
             return
-        shipped = ray.put(shipped_files(self._manifest))
+        shipped = ray.put(staging_tar(self._manifest))
         calls = {nid: inst.actor.stage.remote(shipped) for nid, inst in todo.items()}
         for nid, ref in calls.items():
             staged = self._get(ref, f"staging the job on Ray node {todo[nid].host}")
@@ -603,8 +619,8 @@ class RayBackend(Backend):
             env_out["CUDA_VISIBLE_DEVICES"] = inst.info["gpus"]   # what Ray gave the bundle
         spec = {"argv": remote_paths.translate_argv(argv, mapping), "env": env_out,
                 "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": HEARTBEAT}
-        self._get(inst.actor.open.remote(), f"starting {placed.role}:{placed.idx} on Ray node {inst.host}")
-        return agent_link.start_instance(RayTransport(self, inst.actor), spec, backend=self.name,
+        agent = self._get(inst.actor.open.remote(), f"starting {placed.role}:{placed.idx} on Ray node {inst.host}")
+        return agent_link.start_instance(RayTransport(self, inst.actor, agent), spec, backend=self.name,
                                          node=inst.host, host=inst.host, start_timeout=CALL_TIMEOUT)
 
     # -- stopping what this process did not start (`pai kill`, the watchdog) ---------------
@@ -613,8 +629,10 @@ class RayBackend(Backend):
         try:
             stopped = self._pinned(node, ray_node.pinned_stop, [agent_ref(r) for r in refs], timeout,
                                    timeout=timeout + STOP_TIMEOUT)
-        except Exception:  # noqa: BLE001 - the node is gone: nothing of ours runs there
-            return []
+        except (PaiError, OSError):
+            raise
+        except Exception as err:  # noqa: BLE001 - Ray's own errors: base.Backend retries, then says so
+            raise PaiError(f"Ray node {node}: {type(err).__name__}: {str(err)[:200]}".splitlines()[0]) from None
         return [r for r in refs if agent_ref(r) in stopped]
 
     def _alive(self, ref: InstanceRef) -> bool:

@@ -7,7 +7,8 @@ bundle:
 
 - `stage()` writes the job's staging list (cluster/node_files.py: runners, code,
   the inputs the plan names; never plan.json, which holds the job's secrets) into
-  a per-job folder on its node (0700 folders, files in their modes);
+  a per-job folder on its node, with the writer of every backend
+  (runners/stage_writer.py: 0700 folders, files 0600/0700, links only inside);
   `ensure_runtime()` provisions the framework runtime there on first use with the
   staged runners/runtimes.py (or finds the node's own); `pick_ports()` finds ports
   free on the node;
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import threading
 
-from paicli.runners import node_agent
+from paicli.runners import node_agent, stage_writer
 
 MAX_BUFFERED = 1 << 20   # agent output held in the actor before the agent is made to wait
 
@@ -42,8 +43,8 @@ MAX_BUFFERED = 1 << 20   # agent output held in the actor before the agent is ma
 def ship_by_value(cloudpickle) -> None:
     """Register what goes to Ray nodes by value: this module and the node agent's
     functions it uses (a Ray node needs Ray, not paicli)."""
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cloudpickle.register_pickle_by_value(node_agent)
+    for module in (sys.modules[__name__], node_agent, stage_writer):
+        cloudpickle.register_pickle_by_value(module)
 
 
 def free_ports(count: int, taken=()) -> list[int]:
@@ -63,61 +64,6 @@ def job_folder(job_id: str, node_id: str) -> str:
     """The per-job folder on a node: under the node's temporary directory, one per
     (user, node), so that nodes sharing a filesystem never share it."""
     return os.path.join(user_root(), node_id[:16], job_id)
-
-
-def own_root(path: str) -> None:
-    """`path` exists (made 0700 if missing) and is ours alone: a directory, not a
-    link, owned by us, not writable by others. In a shared /tmp anyone may create
-    it first; whoever could write there could swap a job's folder (and the node
-    agent in it) for theirs. PermissionError naming what is wrong."""
-    private_dirs(path)
-    st = os.lstat(path)
-    what = node_agent.root_fault(st.st_mode, st.st_uid, os.getuid())
-    if what is not None:
-        raise PermissionError(f"the per-job folder root {path} is {what}; refused (remove it on the node)")
-
-
-def private_dirs(path: str) -> None:
-    """Create `path` and its missing parents 0700, whatever the umask."""
-    missing = []
-    while path and not os.path.isdir(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            continue
-        os.chmod(folder, 0o700)
-
-
-def write_files(root: str, files: list) -> None:
-    """Write the staging list under `root`: (dst, mode, kind, target, data) each,
-    kind "file" (whole or absent: written aside, renamed), "dir" or "link" (a
-    relative link that must stay inside `root`). Nothing is written outside it."""
-    private_dirs(root)
-    real_root = os.path.realpath(root)
-    for dst, mode, kind, target, data in files:
-        path = os.path.join(root, dst)
-        real = os.path.realpath(path)
-        if real != real_root and not real.startswith(real_root + os.sep):
-            raise ValueError(f"refusing to write outside the job folder: {dst!r}")
-        if kind == "dir":
-            private_dirs(path)
-            continue
-        private_dirs(os.path.dirname(path))
-        if kind == "link":
-            if not os.path.realpath(os.path.join(os.path.dirname(real), target)).startswith(real_root + os.sep):
-                raise ValueError(f"refusing a link out of the job folder: {dst!r}")
-            if os.path.islink(path):
-                os.unlink(path)   # staged again (an instance moved to this node)
-            os.symlink(target, path)
-            continue
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
 
 
 def _node_env() -> dict[str, str]:
@@ -154,14 +100,22 @@ class InstanceActor:
                 "runtime_dir": os.path.expanduser(os.environ.get("PAI_RUNTIME_DIR") or
                                                   os.path.join(cache, "paicli", "runtimes"))}
 
-    def stage(self, files: list) -> dict:
-        """{"folder": ...}, or {"error": one line} when the node's folder is not safe
-        to use or cannot be written."""
+    def stage(self, tar: bytes) -> dict:
+        """Write the staging list (a tar stream) with the node writer every backend
+        uses (runners/stage_writer.py: a root of ours alone, files 0600/0700 created
+        anew, links only inside). {"folder": ...}, or {"error": one line}."""
+        import io
+        import tarfile
+
         try:
             if self.folder.startswith(user_root() + os.sep):
-                own_root(user_root())
-            write_files(self.folder, files)
-        except (OSError, ValueError) as err:
+                # In a shared /tmp anyone may create the root first, and whoever can
+                # write there could swap a job's folder (and its node agent) for theirs.
+                stage_writer.check_root(user_root(), node_agent.root_fault)
+            os.makedirs(self.folder, mode=0o700, exist_ok=True)
+            with tarfile.open(fileobj=io.BytesIO(tar), mode="r:") as archive:
+                stage_writer.write(archive, self.folder)
+        except (OSError, ValueError, tarfile.TarError, stage_writer.Refused) as err:
             return {"error": str(err)}
         return {"folder": self.folder}
 
@@ -173,7 +127,7 @@ class InstanceActor:
             return {"python": sys.executable, "lines": []}
         pkg = os.path.join(self.folder, "pkg", "paicli")
         if not os.path.isdir(pkg):
-            private_dirs(pkg)
+            os.makedirs(pkg, mode=0o700)
             open(os.path.join(pkg, "__init__.py"), "w").close()
             os.symlink(os.path.join(self.folder, "runners"), os.path.join(pkg, "runners"))
         code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
@@ -196,9 +150,10 @@ class InstanceActor:
 
     # -- the relay to one node agent --------------------------------------------------
 
-    def open(self) -> None:
+    def open(self) -> int:
         """Start a node agent for the instance (a restart on this node: a new one;
-        the last one's stdin is closed, which stops whatever it left)."""
+        the last one's stdin is closed, which stops whatever it left). Its pid: what
+        close() is given, so that a late close of the last link spares this one."""
         self.close()
         with self.cond:
             self.buf.clear()
@@ -208,6 +163,7 @@ class InstanceActor:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
             env=_node_env(), start_new_session=True, close_fds=True)
         threading.Thread(target=self._pump, args=(self.agent,), daemon=True).start()
+        return self.agent.pid
 
     def _pump(self, agent: subprocess.Popen) -> None:
         fd = agent.stdout.fileno()
@@ -247,9 +203,10 @@ class InstanceActor:
                 return data
             return b"" if self.eof else None
 
-    def close(self) -> None:
-        """Close the agent's stdin: it stops whatever is left of the group."""
-        if self.agent is not None and self.agent.stdin:
+    def close(self, pid: int = 0) -> None:
+        """Close the agent's stdin (the agent `pid`'s, if given): it stops whatever
+        is left of the group."""
+        if self.agent is not None and self.agent.stdin and pid in (0, self.agent.pid):
             try:
                 self.agent.stdin.close()
             except OSError:

@@ -151,3 +151,29 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
     files += [NodeFile(f"{job_dir}/{name}", name, 0o600) for name in INSTANCE_FILES
               if os.path.isfile(f"{job_dir}/{name}")]
     return Manifest(files=files, job_dir=job_dir, trees=trees, exact=exact)
+
+
+def tar_stream(files: list[NodeFile]) -> bytes:
+    """`files` as the tar stream runners/stage_writer.py writes on a node: how a node
+    without SFTP gets them over an exec channel, and what Ray puts in its object
+    store (so it must hold nothing secret: no plan.json, no env)."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for f in files:
+            if not f.dst:
+                continue
+            info = tarfile.TarInfo(f.dst)
+            info.mode = f.mode
+            if f.kind == "file":
+                with open(f.src, "rb") as data:
+                    info.size = os.fstat(data.fileno()).st_size
+                    tar.addfile(info, data)
+                continue
+            info.type = tarfile.DIRTYPE if f.kind == "dir" else tarfile.SYMTYPE
+            info.linkname = f.target
+            tar.addfile(info)
+    return buf.getvalue()
+

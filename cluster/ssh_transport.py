@@ -391,28 +391,10 @@ class ExecFiles:
         self.root = path   # checked by the writer with every batch
 
     def put_files(self, files, folder: str, made: set[str]) -> None:
-        import io
-        import tarfile
+        from paicli.cluster.node_files import tar_stream
 
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for f in files:
-                if not f.dst:
-                    continue
-                info = tarfile.TarInfo(f.dst)
-                info.mode = f.mode
-                if f.kind == "dir":
-                    info.type = tarfile.DIRTYPE
-                    tar.addfile(info)
-                elif f.kind == "link":
-                    info.type, info.linkname = tarfile.SYMTYPE, f.target
-                    tar.addfile(info)
-                else:
-                    with open(f.src, "rb") as data:
-                        info.size = os.fstat(data.fileno()).st_size
-                        tar.addfile(info, data)
         status, _out, err = exec_command(self.session(), writer_argv(self.node.python, self.root, folder),
-                                         stdin=buf.getvalue(), timeout=120)
+                                         stdin=tar_stream(files), timeout=120)
         if status == 0:
             return
         last = (err.decode(errors="replace").strip().splitlines() or [f"exit {status}"])[-1]

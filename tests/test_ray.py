@@ -71,6 +71,13 @@ def test_only_what_the_master_set_goes_to_the_node():
     assert rb.node_env(env, master) == {"PAI_ROLE": "worker", "CUDA_VISIBLE_DEVICES": ""}
 
 
+def tar_of(manifest) -> bytes:
+    """What the Ray backend puts in the object store for a job's staging list."""
+    from paicli.cluster import node_files
+
+    return node_files.tar_stream(manifest.files)
+
+
 def manifest_of(tmp_path: Path, *files):
     """A Manifest of NodeFiles (dst, kind, target) whose sources are made here."""
     from paicli.cluster import node_files
@@ -91,14 +98,14 @@ def test_the_actor_writes_the_staging_list_and_nothing_outside(tmp_path, monkeyp
     or a link that would leave the job's folder is refused in one line."""
     monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
     actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
-    tar = rb.staging_tar(manifest_of(tmp_path, ("code", "dir", ""), ("code/t.py", "file", ""),
+    tar = tar_of(manifest_of(tmp_path, ("code", "dir", ""), ("code/t.py", "file", ""),
                                      ("code/l.py", "link", "t.py")))
     assert actor.stage(tar) == {"folder": actor.folder}
     folder = Path(actor.folder)
     assert (folder / "code").stat().st_mode & 0o777 == 0o700
     assert (folder / "code" / "t.py").stat().st_mode & 0o777 == 0o600
     assert (folder / "code" / "l.py").read_text() == "content of code/t.py"
-    escape = rb.staging_tar(manifest_of(tmp_path, ("code/out", "link", "../../escape")))
+    escape = tar_of(manifest_of(tmp_path, ("code/out", "link", "../../escape")))
     assert "leaves the folder" in actor.stage(escape)["error"]
     assert not (folder / "code" / "out").exists()
 
@@ -119,7 +126,7 @@ def test_what_staging_ships_is_the_one_list_and_no_secret(tmp_path):
     (job_dir / "plan.json").write_text(plan.to_json())
     (job_dir / "spec.json").write_text("{}")
     manifest = node_files.manifest(job_dir, plan)
-    shipped = rb.staging_tar(manifest)
+    shipped = tar_of(manifest)
     with tarfile.open(fileobj=BytesIO(shipped)) as tar:
         members = {m.name: m for m in tar.getmembers()}
         assert list(members) == [f.dst for f in manifest.files]
@@ -137,7 +144,7 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
     actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
-    assert actor.stage(rb.staging_tar(node_files.Manifest(node_files.runner_files()))) == {"folder": actor.folder}
+    assert actor.stage(tar_of(node_files.Manifest(node_files.runner_files()))) == {"folder": actor.folder}
 
     class Direct:   # the RayTransport's calls, made on the actor in this process
         def send(self, data):
@@ -661,7 +668,7 @@ def test_a_node_folder_root_someone_else_could_swap_is_refused(tmp_path, monkeyp
     actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
 
     def stage(name):
-        return actor.stage(rb.staging_tar(manifest_of(tmp_path, (f"runners/{name}", "file", ""))))
+        return actor.stage(tar_of(manifest_of(tmp_path, (f"runners/{name}", "file", ""))))
 
     assert stage("a.py") == {"folder": actor.folder}
     root = Path(ray_node.user_root())

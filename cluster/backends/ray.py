@@ -160,31 +160,6 @@ def node_env(env: dict[str, str], master_env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if master_env.get(k) != v}
 
 
-def staging_tar(manifest) -> bytes:
-    """The staging list (cluster/node_files.py) as the tar stream the node's
-    runners/stage_writer.py writes, as for an SSH node without SFTP. The one thing
-    of a job that goes into Ray's object store, which any client of the cluster can
-    read: it holds no plan.json and no env (a job's secrets reach an instance only
-    in its own spec)."""
-    import io
-    import tarfile
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for f in manifest.files:
-            info = tarfile.TarInfo(f.dst)
-            info.mode = f.mode
-            if f.kind == "file":
-                info.size = os.path.getsize(f.src)
-                with open(f.src, "rb") as data:
-                    tar.addfile(info, data)
-                continue
-            info.type = tarfile.DIRTYPE if f.kind == "dir" else tarfile.SYMTYPE
-            info.linkname = f.target
-            tar.addfile(info)
-    return buf.getvalue()
-
-
 # -- Ray -------------------------------------------------------------------------
 
 
@@ -575,7 +550,7 @@ class RayBackend(Backend):
                 todo.setdefault(inst.node_id, inst)
         if not todo:
             return
-        shipped = ray.put(staging_tar(self._manifest))
+        shipped = ray.put(node_files.tar_stream(self._manifest.files))
         calls = {nid: inst.actor.stage.remote(shipped) for nid, inst in todo.items()}
         for nid, ref in calls.items():
             staged = self._get(ref, f"staging the job on Ray node {todo[nid].host}")

@@ -53,13 +53,15 @@ def run_ps(port: int) -> None:
 def connect(address: str, timeout: float = 30.0) -> socket.socket:
     host, port = address.rsplit(":", 1)
     deadline = time.time() + timeout
+    pause = 0.005   # the ps is usually a few ms from listening: look again soon, then back off
     while True:
         try:
             return socket.create_connection((host, int(port)))
         except OSError:
             if time.time() > deadline:
                 raise
-            time.sleep(0.1)
+            time.sleep(pause)
+            pause = min(0.1, pause * 2)
 
 
 def run_worker(index: int, ps_address: str, steps: int, lr: float, sleep: float) -> None:

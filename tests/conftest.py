@@ -117,6 +117,16 @@ def processes_in(groups: set[int]) -> list[tuple[int, int, str]]:
     return found
 
 
+def kill_groups(groups) -> None:
+    """A test's last resort: SIGKILL every group it saw, gone or not (what the code
+    under test should have stopped must not outlive a failing test)."""
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -18,7 +18,7 @@ from paicli.cluster.backends.local import LocalBackend
 from paicli.cluster.procinfo import boot_id, proc_stat
 from paicli.store import Store
 
-from conftest import BEHAVE, PAI, ROOT, default_signals, job_id_from, pai, pai_json, processes_in, run_on_pty, wait_until
+from conftest import BEHAVE, PAI, ROOT, default_signals, job_id_from, kill_groups, pai, pai_json, processes_in, run_on_pty, wait_until
 
 EXAMPLE = ROOT / "examples" / "python" / "ps_worker.py"
 PS_2W = '{"ps":{"count":1},"worker":{"count":2}}'
@@ -512,11 +512,7 @@ def test_master_lost_with_its_backend_out_of_reach_still_ends_the_instances_in_t
         log = (job_dir / "watchdog.log").read_text()
         assert "cannot reach the job's backend to stop its instances: " in log and "Traceback" not in log, log
     finally:
-        for pgid in groups:   # the pretend Ray backend could not stop them: this machine's processes
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_groups(groups)   # the pretend Ray backend could not stop them: this machine's processes
 
 
 def test_master_lost_clean_up_stops_through_the_identity_checked_path(pai_home, tmp_path):
@@ -853,8 +849,4 @@ def test_a_dead_master_takes_its_instances_with_it_even_without_a_watchdog(pai_h
         os.kill(Store(pai_home).job(job_id)["master_pid"], signal.SIGKILL)
         assert wait_until(lambda: processes_in(groups) == [], timeout=15), processes_in(groups)
     finally:
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_groups(groups)

@@ -20,7 +20,7 @@ from paicli.cluster import procinfo
 from paicli.cluster.procinfo import is_alive, proc_stat, start_time
 from paicli.store import Store, new_job_id
 
-from conftest import BEHAVE, PAI, ROOT, pai, pai_json, processes_in, wait_until
+from conftest import BEHAVE, PAI, ROOT, kill_groups, pai, pai_json, processes_in, wait_until
 
 QUIET = {"PAI_LOGVIEW": "file"}  # no logview server started by the commands under test
 
@@ -260,11 +260,7 @@ def test_pai_kill_records_a_job_whose_master_and_watchdog_died_and_stops_what_it
         assert (recorded["status"], recorded["reason"], recorded["unrecorded"]) == ("Failed", "master lost", False)
         assert [i["status"] for i in recorded["instances"]] == ["Killed"]
     finally:
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_groups(groups)
 
 
 def test_the_next_jobs_watchdog_records_a_job_lost_with_its_watchdog(pai_home):

@@ -188,11 +188,6 @@ def test_backends_only_through_the_registry():
     assert not bad, "import backends through paicli.cluster.backends (get_backend, list_nodes):\n" + "\n".join(bad)
 
 
-# The logview server imports the standby's idle rules and the standby hands its
-# process over to the server: a known edge, to go when the idle rules move below both.
-KNOWN_CYCLE_EDGES = {("paicli.web.standby", "paicli.web.server")}
-
-
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -237,8 +232,7 @@ def test_no_import_cycle_on_the_user_side():
     """The user side (paicli/ and paicli/web/: the library, the commands, the
     console, the web server) imports in one direction: client -> cli_plan ->
     client was such a cycle."""
-    graph = {module: {t for t in imported if not t.startswith(("paicli.cluster", "paicli.adapters", "paicli.runners"))
-                      and (module, t) not in KNOWN_CYCLE_EDGES}
+    graph = {module: {t for t in imported if not t.startswith(("paicli.cluster", "paicli.adapters", "paicli.runners"))}
              for module, imported in _import_graph(programs=False).items()
              if not module.startswith(("paicli.cluster", "paicli.adapters", "paicli.runners"))}
     assert _cycles(graph) == []

@@ -37,7 +37,7 @@ from aiohttp import web
 from paicli.errors import NotFound, PaiError
 from paicli.states import JobStatus
 from paicli.store import Store
-from paicli.web import data, standby
+from paicli.web import data, launch
 from paicli.web.launch import user_token
 
 HERE = Path(__file__).resolve().parent
@@ -317,22 +317,22 @@ async def serve(home: Path, sock: socket.socket) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    idle = standby.idle_limit()
+    idle = launch.idle_limit()
     use = app[USE]
     print(f"logview serving {home} on {sock.getsockname()} (idle limit {idle:g}s)", flush=True)
     born = time.monotonic()
     while not stop.is_set():
         try:
-            await asyncio.wait_for(stop.wait(), timeout=standby.check_every(idle))
+            await asyncio.wait_for(stop.wait(), timeout=launch.check_every(idle))
         except asyncio.TimeoutError:
             pass
         now = time.monotonic()
-        why = standby.reason_to_exit(home, os.getpid(), now - born, now - use["last"], use["streams"], idle)
+        why = launch.reason_to_exit(home, os.getpid(), now - born, now - use["last"], use["streams"], idle)
         if why:
             print(f"{why}: exiting", flush=True)
             break
     await runner.cleanup()
-    standby.forget_state(home, os.getpid())
+    launch.forget_state(home, os.getpid())
 
 
 def run(home: Path, sock: socket.socket) -> int:

@@ -22,46 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from paicli.web.launch import IDLE_SECONDS, read_state
-
-
-def idle_limit() -> float:
-    try:
-        return float(os.environ.get("PAI_LOGVIEW_IDLE") or IDLE_SECONDS)
-    except ValueError:
-        return IDLE_SECONDS
-
-
-def reason_to_exit(home: Path, pid: int, age: float, quiet_for: float, streams: int, idle: float) -> str | None:
-    """Why a server (or its standby) should leave now, or None to keep serving.
-    `age`: seconds since it started; `quiet_for`: since its last request."""
-    state = read_state(home)
-    if age < 5.0 and (not state or state.get("pid") != pid):
-        return None  # the pai that started us writes the state file just after starting us
-    if not state or state.get("pid") != pid:
-        return "another server took over (or the state is gone)"
-    try:
-        handed_out = time.time() - (home / "logview" / "server.json").stat().st_mtime  # a pai printed the URL
-    except OSError:
-        handed_out = idle + 1
-    quiet = min(quiet_for, handed_out)
-    if streams == 0 and quiet > idle:
-        return f"idle for {quiet:.0f}s"
-    return None
-
-
-def forget_state(home: Path, pid: int) -> None:
-    """Remove the state file on the way out, if it is still ours."""
-    state = read_state(home)
-    if state and state.get("pid") == pid:
-        try:
-            (home / "logview" / "server.json").unlink()
-        except OSError:
-            pass
-
-
-def check_every(idle: float) -> float:
-    return min(5.0, max(idle / 4, 0.2))
+from paicli.web.launch import check_every, forget_state, idle_limit, reason_to_exit
 
 
 def wait_for_first_visit(home: Path, sock: socket.socket) -> bool:

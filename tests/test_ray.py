@@ -192,6 +192,34 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
         time.sleep(0.1)
 
 
+def test_a_heartbeat_to_an_actor_that_does_not_answer_does_not_wait():
+    """One thread beats every link in turn: a send that waited on the actor of a node
+    that stopped answering (10 s each) starved the other links' agents, which then
+    stopped their healthy instances for want of a heartbeat."""
+
+    class NeverAnswers:
+        sent: list[bytes] = []
+
+        class send:
+            @staticmethod
+            def remote(data):
+                NeverAnswers.sent.append(data)
+                return object()   # an ObjectRef that never resolves
+
+    class Backend:
+        _ray = None
+
+        def _get(self, *args, **kwargs):
+            time.sleep(10)   # what waiting on that actor costs
+
+    link = rb.RayTransport(Backend(), NeverAnswers, agent=1)
+    began = time.monotonic()
+    for _ in range(5):
+        link.send(b"h")
+    assert time.monotonic() - began < 1.0
+    assert NeverAnswers.sent == [b"h"] * 5
+
+
 def test_node_stop_checks_identity():
     """The pinned stop refuses a ref whose pid now has another start time or whose
     boot id is another's, and stops a group that is ours."""

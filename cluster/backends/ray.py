@@ -233,9 +233,12 @@ class RayTransport:
         self.agent = agent   # the agent's pid on the node: calls of an older link spare a newer one
 
     def send(self, data: bytes) -> None:
+        # Not waited for: one heartbeat thread beats every link, and one stop signals
+        # every link, in turn; waiting on an actor whose node stopped answering would
+        # starve the others' agents of their heartbeat and they would stop their
+        # instances. A dead actor ends the stream, which recv() reports.
         try:
-            self.backend._get(self.actor.send.remote(data), "the node agent took no input", STOP_TIMEOUT,
-                              interruptible=False)
+            self.actor.send.remote(data)
         except Exception as err:  # noqa: BLE001 - a Ray error: the link is gone
             raise OSError(f"the instance's actor is gone: {type(err).__name__}") from None
 

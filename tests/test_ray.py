@@ -220,6 +220,24 @@ def test_a_heartbeat_to_an_actor_that_does_not_answer_does_not_wait():
     assert NeverAnswers.sent == [b"h"] * 5
 
 
+def test_a_control_store_call_that_never_answers_ends_at_its_deadline():
+    """ray.nodes(), ray.put() and removing a placement group wait as long as Ray keeps
+    trying to reach its GCS: each runs with a deadline of ours, and a cancel ends it."""
+    from paicli.errors import PaiError
+
+    backend = object.__new__(rb.RayBackend)
+    backend._interrupted, backend._deadline, backend._timeout = (lambda: None), None, None
+    began = time.monotonic()
+    with pytest.raises(PaiError, match="listing the nodes: no answer from Ray within 0.5s"):
+        backend._bounded(lambda: time.sleep(30), "listing the nodes", timeout=0.5)
+    assert time.monotonic() - began < 2.0
+    backend._interrupted = lambda: "cancelled by user"
+    with pytest.raises(rb.RayWaitStopped, match="cancelled by user"):
+        backend._bounded(lambda: time.sleep(30), "listing the nodes", timeout=30)
+    assert time.monotonic() - began < 4.0
+    assert backend._bounded(lambda: 42, "a quick call") == 42
+
+
 def test_node_stop_checks_identity():
     """The pinned stop refuses a ref whose pid now has another start time or whose
     boot id is another's, and stops a group that is ours."""

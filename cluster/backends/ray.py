@@ -376,6 +376,39 @@ class RayBackend(Backend):
                     pass
                 time.sleep(2 * (attempt + 1))
 
+    def _bounded(self, call: Callable[[], Any], what: str, timeout: float = CALL_TIMEOUT,
+                 interruptible: bool = True):
+        """`call()` (a Ray call that waits on the cluster's control store: ray.nodes,
+        ray.put, removing a placement group) with a deadline, in a thread of its own:
+        such calls wait as long as Ray keeps trying to reach its GCS. PaiError naming
+        `what` when it did not answer in `timeout` s; a cancel ends the wait."""
+        outcome: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, call()))
+            except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
+                outcome.append((False, err))
+
+        thread = threading.Thread(target=run, name="ray-call", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout
+        while thread.is_alive():
+            thread.join(0.5)
+            if thread.is_alive():
+                if interruptible:
+                    self._check_wait(what)
+                if time.monotonic() >= deadline:
+                    raise PaiError(f"{what}: no answer from Ray within {timeout:g}s")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    def _live_nodes(self, interruptible: bool = True) -> list[dict]:
+        ray = self.connect()
+        return self._bounded(ray.nodes, "listing the Ray cluster's nodes", interruptible=interruptible)
+
     def _get(self, ref, what: str | Callable[[], str], timeout: float | None = CALL_TIMEOUT,
              interruptible: bool = True, report: Callable[[], str] | None = None):
         """ray.get with a deadline (None: only the job's timeout), waiting in slices
@@ -398,9 +431,8 @@ class RayBackend(Backend):
     # -- nodes ---------------------------------------------------------------------
 
     def nodes(self) -> list[NodeSpec]:
-        ray = self.connect()
         out = []
-        for n in ray.nodes():
+        for n in self._live_nodes(interruptible=False):
             if not n.get("Alive"):
                 continue
             res = n.get("Resources") or {}
@@ -439,7 +471,7 @@ class RayBackend(Backend):
         ray = self.connect()
         try:
             per_node = {}
-            for n in ray.nodes():
+            for n in self._live_nodes(interruptible=False):
                 if n.get("Alive"):
                     per_node[n["NodeID"]] = n.get("NodeManagerAddress", "")
             avail = ray._private.state.state._available_resources_per_node()  # noqa: SLF001
@@ -517,7 +549,7 @@ class RayBackend(Backend):
         bundle = next(i for i, (r, x, _) in enumerate(self._bundles) if (r, x) == (role, idx))
         while True:
             # Until Ray has marked the node dead, its bundle is still "placed" there.
-            while lost and any(n["NodeID"] == lost and n.get("Alive") for n in ray.nodes()):
+            while lost and any(n["NodeID"] == lost and n.get("Alive") for n in self._live_nodes()):
                 self._check_wait(f"Ray has not declared node {old.host} dead yet")
                 time.sleep(0.5)
             self._wait_ready([self._bundles[bundle]])
@@ -553,7 +585,8 @@ class RayBackend(Backend):
                 todo.setdefault(inst.node_id, inst)
         if not todo:
             return
-        shipped = ray.put(node_files.tar_stream(self._manifest.files))
+        files = node_files.tar_stream(self._manifest.files)
+        shipped = self._bounded(lambda: ray.put(files), "putting the job's files in Ray's object store")
         calls = {nid: inst.actor.stage.remote(shipped) for nid, inst in todo.items()}
         for nid, ref in calls.items():
             staged = self._get(ref, f"staging the job on Ray node {todo[nid].host}")
@@ -640,8 +673,12 @@ class RayBackend(Backend):
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self._pg)
-            self._pg = None
+            pg, self._pg = self._pg, None
+            try:
+                self._bounded(lambda: remove_placement_group(pg), "removing the job's placement group",
+                              STOP_TIMEOUT, interruptible=False)
+            except PaiError as err:
+                print(f"{err} (Ray removes it with the job's driver)", file=sys.stderr, flush=True)
 
 
 # -- `pai nodes` for Ray --------------------------------------------------------
@@ -652,9 +689,8 @@ def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
     what the node agent's `info` says there (Python, runtimes, the paicli
     instances running on it), in the rows `pai nodes` prints for SSH nodes."""
     backend = RayBackend(config)
-    ray = backend.connect()
     rows = []
-    for n in ray.nodes():
+    for n in backend._live_nodes(interruptible=False):
         res = n.get("Resources") or {}
         host = n.get("NodeManagerAddress", "")
         cores = res.get("CPU", 0)

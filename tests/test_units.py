@@ -394,3 +394,23 @@ def test_sql_lives_only_in_the_store():
         if name != "paicli/store.py" and sql.search(path.read_text()):
             found.add(name)
     assert not found
+
+
+def test_the_multihost_bench_finds_a_step_line_split_across_reads():
+    """bench_multihost's by-hand baseline looked for the first step line in each read:
+    a line split across two reads was never seen ("the hand-started job printed no
+    step" on a fresh machine). It now reads whole lines."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_multihost.py"
+    spec = importlib.util.spec_from_file_location("bench_multihost", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    reads = [b"[tensorflow runner] worker ready\n[worker:0] st", b"ep=0, global_step=1, loss=2.5\n", b"tail", b""]
+    assert not any(bench.STEP_LINE.search(chunk) for chunk in reads)   # what the old per-read look saw
+    pending, found = b"", []
+    for data in reads:
+        lines, pending = bench.step_lines(pending, data)
+        found += [line for line in lines if bench.STEP_LINE.search(line)]
+    assert found == [b"[worker:0] step=0, global_step=1, loss=2.5"]
+    assert pending == b""

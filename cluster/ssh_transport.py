@@ -358,14 +358,6 @@ class Sftp:
             else:
                 self.put(f.src, target, f.mode)
 
-    def put_tree(self, local: str, remote: str) -> None:
-        """A copy of `local` (node_files.tree_files: inner relative links kept as links,
-        any other link left out)."""
-        from paicli.cluster.node_files import tree_files
-
-        self.makedirs(remote)
-        self.put_files(tree_files(local, ""), remote, {remote})
-
     def _ensure(self, path: str, made: set[str]) -> None:
         if path in made or "/" not in path.strip("/"):
             return   # known, or a top folder (/tmp): there

@@ -590,6 +590,7 @@ def _cmdline_has(pid: str, text: str) -> bool:
 
 def test_sftp_copy_keeps_inner_links_and_drops_links_that_leave(cluster, tmp_path):
     from paicli.cluster import ssh_transport as ssh
+    from paicli.cluster.node_files import tree_files
     from paicli.cluster.nodes import NodeEntry
 
     tree = tmp_path / "code"
@@ -604,7 +605,8 @@ def test_sftp_copy_keeps_inner_links_and_drops_links_that_leave(cluster, tmp_pat
                          str(cluster.known_hosts))
     try:
         sftp = ssh.Sftp(client)
-        sftp.put_tree(str(tree), "/tmp/sftp-test/code")
+        sftp.makedirs("/tmp/sftp-test/code")
+        sftp.put_files(tree_files(str(tree), ""), "/tmp/sftp-test/code", {"/tmp/sftp-test/code"})
         sftp.close()
     finally:
         client.close()

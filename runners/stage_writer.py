@@ -36,21 +36,25 @@ def _target(folder: str, name: str) -> str:
     return os.path.join(folder, name)
 
 
-def _link_stays_inside(name: str, target: str) -> bool:
-    if os.path.isabs(target):
-        return False
-    joined = os.path.normpath(os.path.join(os.path.dirname(name), target))
-    return joined != ".." and not joined.startswith("../")
+def _inside(path: str, real_folder: str) -> bool:
+    """`path`, with every link on the way resolved (earlier members' links
+    included), is FOLDER or below it."""
+    real = os.path.realpath(path)
+    return real == real_folder or real.startswith(real_folder + os.sep)
 
 
 def write(tar: tarfile.TarFile, folder: str) -> None:
+    real_folder = os.path.realpath(folder)
     for member in tar:
         path = _target(folder, member.name)
+        if not _inside(os.path.dirname(path), real_folder):
+            raise ValueError(f"member {member.name!r} would be written through a link out of the folder")
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         if member.isdir():
             os.makedirs(path, mode=0o700, exist_ok=True)
         elif member.issym():
-            if not _link_stays_inside(member.name, member.linkname):
+            if os.path.isabs(member.linkname) or \
+                    not _inside(os.path.join(os.path.dirname(path), member.linkname), real_folder):
                 raise ValueError(f"link {member.name!r} leaves the folder")
             os.symlink(member.linkname, path)
         elif member.isfile():

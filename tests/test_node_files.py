@@ -251,3 +251,13 @@ def test_the_exec_writer_refuses_a_root_others_could_write_to(tmp_path):
     assert status == 1 and err.strip().splitlines()[-1].startswith(f"refused: the per-job folder root {root} is "
                                                                      "writable by others")
     assert list(root.iterdir()) == []
+
+
+def test_the_exec_writer_resolves_a_chain_of_links_before_it_writes(tmp_path):
+    """Each link looks inside on its own (`sub/l2 -> ..`, `sub/l3 -> l2/..`), yet the
+    second resolves above the folder: the writer resolves what is on disk."""
+    root = tmp_path / "root"
+    status, err = run_writer(root, root / "job1", [("sub", "dir", None), ("sub/l2", "link", ".."),
+                                                   ("sub/l3", "link", "l2/.."), ("sub/l3/escape", "file", b"x")])
+    assert status == 1 and "leaves the folder" in err.strip().splitlines()[-1], err
+    assert not (root / "escape").exists()

@@ -67,12 +67,28 @@ def proc_stat(pid):
 
 
 def group_members(pgid: int) -> list[int]:
-    return [pid for pid, _ in _members({pgid})]
+    return [pid for pid, _ in _members({pgid})] if _group_exists(pgid) else []
 
 
 def live_groups(pgids: set) -> set:
     """Which of `pgids` still have a live member: one pass over /proc for all."""
-    return {pgid for _, pgid in _members(pgids)}
+    pgids = {pgid for pgid in pgids if _group_exists(pgid)}
+    return {pgid for _, pgid in _members(pgids)} if pgids else set()
+
+
+def _group_exists(pgid: int) -> bool:
+    """False only when no process at all (not even a zombie) is in group `pgid`:
+    one signal-0 instead of a pass over /proc (1.5 ms at 130 processes, paid by
+    every instance's exit before its status is reported)."""
+    if pgid <= 0:
+        return True    # not a group of ours to ask about: the pass over /proc decides
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass   # someone else's process is in it: the pass over /proc decides
+    return True
 
 
 def _members(pgids: set) -> list:

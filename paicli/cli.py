@@ -207,7 +207,9 @@ def kill(job_id):
     store = open_store()
     job = client.resolve_job(store, job_id)
     if client.kill(store, job["id"]):
-        click.echo(f"{job['id']} cancelled")
+        ended = store.job(job["id"])   # a job whose master was gone is recorded lost, not cancelled
+        click.echo(f"{job['id']} cancelled" if ended["status"] == "Cancelled" else
+                   f"{job['id']} recorded {ended['status']}: {ended['reason']}")
     else:
         click.echo(f"{job['id']} had already ended ({client.refresh(store, job['id'])['status']})")
 

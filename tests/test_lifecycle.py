@@ -255,6 +255,7 @@ def test_pai_kill_records_a_job_whose_master_and_watchdog_died_and_stops_what_it
         assert (after["status"], after["reason"]) == ("Failed", "master lost")
         result = pai("kill", job_id, env=QUIET, timeout=30)
         assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == f"{job_id} recorded Failed: master lost"   # not "cancelled"
         assert wait_until(lambda: processes_in(groups) == [], timeout=10), processes_in(groups)
         recorded = pai_json("status", job_id, env=QUIET)
         assert (recorded["status"], recorded["reason"], recorded["unrecorded"]) == ("Failed", "master lost", False)

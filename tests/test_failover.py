@@ -57,8 +57,8 @@ class TwoLoopbackNodes(LocalBackend):
         code = super().wait(handle, timeout)
         return NODE_LOST if code is not None and self._lost(handle.ref.node) else code
 
-    def _signal(self, ref, signum):
-        return not self._lost(ref.node) and super()._signal(ref, signum)
+    def _stop_refs(self, node, refs, timeout):
+        return [] if self._lost(node) else super()._stop_refs(node, refs, timeout)
 
 
 @pytest.fixture

@@ -306,28 +306,13 @@ class Backend:
         return []
 
     def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
-        """The identity-checked stop on `node` (the agent's stop_refs there): SIGTERM,
-        one bounded wait, SIGKILL; raises when the node cannot be reached. A backend
-        with an agent command overrides this; the default goes by `_signal`/`_alive`."""
-        ours = [ref for ref in refs if self._signal(ref, signal.SIGTERM)]
-        deadline = time.monotonic() + max(0.0, timeout)
-        while ours and time.monotonic() < deadline and self._any_alive(ours):
-            time.sleep(0.02)
-        for ref in ours:
-            self._signal(ref, signal.SIGKILL)
-        return ours
-
-    def _signal(self, ref: InstanceRef, signum: int) -> bool:
-        """Send `signum` to the group of `ref` if `ref` is still ours; False when it
-        is not (refused) or nothing of it is left."""
+        """The identity-checked stop on `node` (the node agent's stop_refs there, THE
+        stop loop): SIGTERM, one bounded wait, SIGKILL; the refs stopped. Raises when
+        the node cannot be reached."""
         raise NotImplementedError
 
     def _alive(self, ref: InstanceRef) -> bool:
         raise NotImplementedError
-
-    def _any_alive(self, refs: list[InstanceRef]) -> bool:
-        """Whether any of `refs` is alive; a backend may answer for all at once."""
-        return any(self._alive(ref) for ref in refs)
 
 
 def agent_ref(ref: InstanceRef) -> list:

@@ -13,13 +13,21 @@ ps-lite reads, before mxnet is imported. The adapter adds:
     PAI_MXNET_GRADIENT_COMPRESSION    "2bit" to compress every dist kvstore the
                                       script creates, "none" (default) to leave it
     PAI_MXNET_COMPRESSION_THRESHOLD   the 2-bit threshold (default 0.5)
+
+A script that takes its kvstore type from a flag of its own (MXNet's examples:
+`--kv-store`, Gluon's `--kvstore`, default `device`) gets PAI_MXNET_KVSTORE through
+that flag, unless the user passed it: the runner looks for the flag's definition in
+the script and in the modules of its own folder that it imports (train_imagenet.py
+-> common/fit.py), as -DclusterFlags=auto does for TensorFlow's classic flags.
 """
 
 from __future__ import annotations
 
+import ast
 import atexit
 import json
 import os
+import re
 import runpy
 import socket
 import sys
@@ -160,7 +168,116 @@ def compression_params(env: dict[str, str]) -> dict | None:
 
 
 # ---------------------------------------------------------------------------
+# The script's own kvstore flag
 
+
+# The spellings MXNet's examples use for "which kvstore": image-classification's
+# --kv-store, Gluon's --kvstore; absl/tf-style kv_store.
+KVSTORE_FLAGS = ("kv-store", "kvstore", "kv_store")
+# Where a flag is defined: argparse add_argument('--name' or '-x', '--name') or
+# absl/gflags DEFINE_*('name').
+_DEFINES_FLAG = re.compile(
+    r"""add_argument\(\s*(?:["']-\w["']\s*,\s*)?["']--(?P<argparse>[\w-]+)["']"""
+    r"""|DEFINE_[a-z_]+\(\s*(?:name\s*=\s*)?["'](?P<absl>\w+)["']""")
+_SCAN_FILES = 200          # modules read at most when following the script's imports
+_SCAN_BYTES = 4_000_000    # source bytes read at most
+
+
+def _module_file(top: str, dotted: str) -> str | None:
+    """The file `import dotted` loads from folder `top` (module.py or package/__init__.py)."""
+    base = os.path.join(top, *dotted.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def imported_files(path: str, source: str, top: str) -> list[str]:
+    """The files under `top` that `source` (the text of `path`) imports, found by
+    reading its import statements: `import a.b`, `from a import b` (b a module or a
+    name), `from . import c`. Modules outside `top` (mxnet, numpy) are not ours."""
+    try:
+        tree = ast.parse(source, filename=path)
+    except (SyntaxError, ValueError):
+        return []
+    here = os.path.relpath(os.path.dirname(path), top).replace(os.sep, ".")
+    package = [] if here in (".", "") else here.split(".")
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                names += [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = package[:len(package) - (node.level - 1)] if node.level - 1 <= len(package) else None
+                if anchor is None:
+                    continue
+                prefix = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            if prefix:
+                names.append(prefix)
+            names += [f"{prefix}.{a.name}" if prefix else a.name for a in node.names if a.name != "*"]
+        for name in names:
+            module = _module_file(top, name)
+            if module and module not in found:
+                found.append(module)
+    return found
+
+
+def defined_flags(script: str, wanted: tuple[str, ...], top: str | None = None) -> list[str]:
+    """Which of `wanted` (flag names without dashes) the script defines, in its own
+    source or in the modules of its folder (`top`, default the script's) that it
+    imports, followed import by import; in the order of `wanted`."""
+    top = os.path.abspath(top or os.path.dirname(script))
+    queue, seen, found = [os.path.abspath(script)], set(), set()
+    budget = _SCAN_BYTES
+    while queue and len(seen) < _SCAN_FILES and budget > 0:
+        path = queue.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read(budget)
+        except OSError:
+            continue
+        budget -= len(text)
+        for match in _DEFINES_FLAG.finditer(text):
+            found.add(match.group("argparse") or match.group("absl"))
+        queue += [p for p in imported_files(path, text, top) if p not in seen]
+    return [flag for flag in wanted if flag in found]
+
+
+def given_flag(args: list[str], names: tuple[str, ...]) -> str | None:
+    """The first of `names` the user passed (`--name value` or `--name=value`)."""
+    for arg in args:
+        if arg == "--":
+            break
+        for name in names:
+            if arg == f"--{name}" or arg.startswith(f"--{name}="):
+                return name
+    return None
+
+
+def kvstore_flag_args(script: str, args: list[str], kvstore: str | None) -> tuple[list[str], str | None]:
+    """The script's arguments with `--<its kvstore flag>=<kvstore>` added when the
+    script defines such a flag and the user did not pass it; and a line saying what
+    was done (None when nothing was)."""
+    if not kvstore:
+        return args, None
+    mine = given_flag(args, KVSTORE_FLAGS)
+    if mine:
+        return args, f"the script's --{mine} was given: -Dkvstore ({kvstore}) is not passed"
+    flags = defined_flags(script, KVSTORE_FLAGS)
+    if not flags:
+        return args, None
+    return [*args, f"--{flags[0]}={kvstore}"], f"passing --{flags[0]}={kvstore} (-Dkvstore) to the script, which defines --{flags[0]}"
+
+
+# ---------------------------------------------------------------------------
 
 
 def wait_for_engine(mx) -> None:
@@ -206,7 +323,10 @@ def main(argv: list[str]) -> None:
     # kvstore's array sizes when a calibration asks for them.
     import pluto_helpers
     pluto_helpers.install_mxnet(mx)
-    sys.argv = [script, *argv[1:]]
+    args, said = kvstore_flag_args(script, argv[1:], os.environ.get("PAI_MXNET_KVSTORE"))
+    if said:
+        print(f"mxnet_runner: {said}", file=sys.stderr, flush=True)
+    sys.argv = [script, *args]
     # As `python SCRIPT` would: the script's folder first, not the runner's.
     sys.path[0] = os.path.dirname(script)
     runpy.run_path(script, run_name="__main__")

@@ -132,3 +132,42 @@ def pluto_scaling_env(spec: JobSpec) -> dict[str, str]:
     if spec.get("warmupSteps") is not None:
         env["PAI_PLUTO_WARMUP_STEPS"] = str(int(spec.get("warmupSteps")))
     return env
+
+
+# ---------------------------------------------------------------------------
+# Parser tables (issue 20: "their log lines understood")
+#
+# A framework's metric patterns are a table of the progress lines it prints, each
+# row with a line captured from a real run and what the WHOLE table must read from
+# it: so a row that reads too much (TensorFlow's `jitter = 10.1` as a metric) or a
+# pattern that steals another row's line fails its test, not a user's curve.
+
+
+@dataclass(frozen=True)
+class LineRule:
+    what: str                   # the line, in words (where it comes from)
+    pattern: str                # the regex the master runs (see paicli.plan.JobPlan.metric_patterns)
+    sample: str                 # a line captured from a real run of the framework
+    reads: dict                 # what the whole table reads from `sample`: {metric: value}
+
+
+def table_patterns(table: tuple[LineRule, ...]) -> tuple[str, ...]:
+    """The patterns of a table, in its order, without repeats (rows that only
+    document a line the other rows read, or must not read, share a pattern)."""
+    seen: list[str] = []
+    for rule in table:
+        if rule.pattern and rule.pattern not in seen:
+            seen.append(rule.pattern)
+    return tuple(seen)
+
+
+def table_errors(table: tuple[LineRule, ...], parse) -> list[str]:
+    """Rows whose sample the whole table does not read as the row says. `parse` is
+    the master's line parser over table_patterns(table) (line -> (step, metrics));
+    the cluster layer owns it, so the caller passes it in."""
+    errors = []
+    for rule in table:
+        _step, found = parse(rule.sample)
+        if found != rule.reads:
+            errors.append(f"{rule.what}: {rule.sample!r} reads {found}, expected {rule.reads}")
+    return errors

@@ -16,10 +16,10 @@ for it forever), so a retryable failure restarts the whole job: restart="job".
 
 from __future__ import annotations
 
-from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, StagedCode, cluster_roles, code_inputs,
-                                  pluto_scaling_env, script_args)
+from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, LineRule, StagedCode, cluster_roles,
+                                  code_inputs, pluto_scaling_env, script_args, table_patterns)
 from paicli.errors import SpecError
-from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
+from paicli.plan import RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import get_runtime, runner_path
 from paicli.spec import JobSpec, Param
 
@@ -31,18 +31,70 @@ DEFAULT_THRESHOLD = 0.5
 # worker is done; ps-lite's shutdown handshake takes well under a second.
 SERVICE_STOP_GRACE = 5.0
 
+_N = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+
 # mx.callback.Speedometer: `Epoch[0] Batch [0-100]\tSpeed: 1234.56 samples/sec\taccuracy=0.91`
 # (older releases print `Batch [100]`); the name=value pairs after it are caught
 # by the key=value pattern.
 SPEEDOMETER_METRIC = (
     r"Epoch\[(?P<epoch>\d+)\]\s+Batch\s+\[(?:\d+-)?(?P<batch>\d+)\]\s+"
-    r"Speed:\s+(?P<speed>[-+]?\d+(?:\.\d+)?)\s+samples/sec"
+    rf"Speed:\s+(?P<speed>{_N})\s+samples/sec"
 )
-
 # Module.fit's `Epoch[0] Time cost=0.455`: the epoch's wall time.
-EPOCH_TIME_METRIC = r"Epoch\[(?P<epoch>\d+)\]\s+Time cost=(?P<epoch_seconds>\d+(?:\.\d+)?)"
-# key=value pairs, except the `cost` of `Time cost=` (that is a time, not a loss).
-KEY_VALUE_NOT_TIME_COST = r"(?<!Time )" + KEY_VALUE_METRIC
+EPOCH_TIME_METRIC = rf"Epoch\[(?P<epoch>\d+)\]\s+Time cost=(?P<epoch_seconds>{_N})"
+# Module.fit's end-of-epoch `Epoch[0] Train-accuracy=0.77` / `Validation-cross-entropy=0.3`:
+# the epoch here, the scores by the key=value pattern under MXNet's own names.
+EPOCH_SCORE_METRIC = r"Epoch\[(?P<epoch>\d+)\]\s+(?:Train|Validation)-[A-Za-z_]"
+# Gluon examples: `[Epoch 3] training: accuracy=0.91`, `[Epoch 3] time cost: 12.3`,
+# `[Epoch 3] validation: accuracy=0.88` (image_classification.py, mnist.py).
+GLUON_EPOCH_METRIC = r"\[Epoch (?P<epoch>\d+)\]\s+(?:[Tt]raining|[Vv]alidation|[Tt]ime cost):"
+GLUON_EPOCH_TIME_METRIC = rf"\[Epoch \d+\]\s+[Tt]ime cost:\s+(?P<epoch_seconds>{_N})"
+GLUON_VALIDATION_METRIC = rf"\[Epoch \d+\]\s+[Vv]alidation:\s+(?:acc|accuracy)=(?P<validation_accuracy>{_N})"
+# name=number pairs, MXNet's metric names included (`cross-entropy`, `top_k_accuracy_5`), except:
+# the `cost` of `Time cost=` (a time), a Gluon validation score (read above under its
+# own name), anything inside a flag (`--lr=0.1`), and the arguments of a printed
+# argparse Namespace (`start with arguments Namespace(batch_size=32, ...)`: pairs
+# `, k=v` up to a `)` that ends the line; at most 128 looked at, so a long line
+# costs linear time), which are settings, not metrics.
+MX_KEY_VALUE_METRIC = (
+    r"(?<![\w.\-])(?<!Time )(?<!alidation: )(?P<key>[A-Za-z_][\w.\-]*)\s*=\s*"
+    rf"(?P<value>{_N})s?(?![\w.])(?!(?:, [A-Za-z_]\w*=(?:'[^'\n]*'|[^,\n()]*)){{0,128}}+\)[ \t]*$)"
+)
+KEY_VALUE_NOT_TIME_COST = MX_KEY_VALUE_METRIC  # its earlier name
+
+# The MXNet parser table: lines captured from real runs (MXNet 1.9.1, the peer
+# image-classification examples and examples/mxnet/), and what pai reads from each.
+MXNET_LINES = (
+    LineRule("Speedometer (Module.fit, Gluon image_classification.py)", SPEEDOMETER_METRIC,
+             "INFO:root:Epoch[0] Batch [10-20]\tSpeed: 2169.50 samples/sec\taccuracy=0.789062",
+             {"epoch": 0, "batch": 20, "speed": 2169.5, "accuracy": 0.789062}),
+    LineRule("Speedometer with several metrics, older `Batch [N]`", SPEEDOMETER_METRIC,
+             "Epoch[2] Batch [100]\tSpeed: 512.33 samples/sec\taccuracy=0.5\tcross-entropy=1.25",
+             {"epoch": 2, "batch": 100, "speed": 512.33, "accuracy": 0.5, "cross-entropy": 1.25}),
+    LineRule("Module.fit epoch time", EPOCH_TIME_METRIC, "INFO:root:Epoch[0] Time cost=1.464",
+             {"epoch": 0, "epoch_seconds": 1.464}),
+    LineRule("Module.fit train score", EPOCH_SCORE_METRIC, "INFO:root:Epoch[0] Train-accuracy=0.777593",
+             {"epoch": 0, "Train-accuracy": 0.777593}),
+    LineRule("Module.fit validation score", EPOCH_SCORE_METRIC,
+             "INFO:root:Epoch[0] Validation-accuracy=0.996094",
+             {"epoch": 0, "Validation-accuracy": 0.996094}),
+    LineRule("Gluon epoch, training", GLUON_EPOCH_METRIC, "INFO:root:[Epoch 3] training: accuracy=0.912500",
+             {"epoch": 3, "accuracy": 0.9125}),
+    LineRule("Gluon epoch, time", GLUON_EPOCH_TIME_METRIC, "INFO:root:[Epoch 3] time cost: 12.345678",
+             {"epoch": 3, "epoch_seconds": 12.345678}),
+    LineRule("Gluon epoch, validation", GLUON_VALIDATION_METRIC, "[Epoch 3] Validation: accuracy=0.881000",
+             {"epoch": 3, "validation_accuracy": 0.881}),
+    LineRule("a script's own step line (examples/mxnet)", MX_KEY_VALUE_METRIC,
+             "step=12, loss=0.2630, duration=0.006s", {"step": 12, "loss": 0.263, "duration": 0.006}),
+    LineRule("argparse settings printed by fit.py: not metrics", "",
+             "INFO:root:start with arguments Namespace(network='lenet', num_layers=50, gpus=None, "
+             "kv_store='device', num_epochs=2, lr=0.1, lr_factor=0.1, batch_size=32, disp_batches=5, "
+             "image_shape='1,28,28', num_classes=10, num_examples=640, benchmark=1)", {}),
+    LineRule("MXNet's own notices: not metrics", "",
+             "[17:05:50] ../src/executor/graph_executor.cc:1991: Subgraph backend MKLDNN is activated.", {}),
+    LineRule("the runner's kvstore flag line: not metrics", "",
+             "mxnet_runner: passing --kv-store=dist_sync (-Dkvstore) to the script, which defines --kv-store", {}),
+)
 
 ROLE_ALIASES = {"ps": "server"}
 KNOWN_ROLES = ("server", "worker")
@@ -77,7 +129,7 @@ class MxnetAdapter(Adapter):
                    "whole to one server."),
         *PLUTO_SCALING_PARAMS,
     )
-    metric_patterns = (SPEEDOMETER_METRIC, EPOCH_TIME_METRIC, KEY_VALUE_NOT_TIME_COST)
+    metric_patterns = table_patterns(MXNET_LINES)
 
     def validate(self, spec: JobSpec) -> None:
         super().validate(spec)

@@ -78,3 +78,88 @@ def test_a_script_without_a_kvstore_flag_gets_no_flag(tmp_path):
     script = str(tmp_path / "job" / "train.py")
     assert mxnet_runner.defined_flags(script, mxnet_runner.KVSTORE_FLAGS) == []
     assert mxnet_runner.kvstore_flag_args(script, ["--lr", "0.1"], "dist_sync") == (["--lr", "0.1"], None)
+
+
+# ---------------------------------------------------------------------------
+# Parser tables: each row's captured line, through the master's parser with the whole table
+
+
+@pytest.mark.parametrize("framework", ["mxnet", "caffe"])
+def test_every_row_of_the_parser_table_reads_its_captured_line(framework):
+    from paicli.adapters.base import table_errors, table_patterns
+    from paicli.adapters.caffe import CAFFE_LINES
+    from paicli.adapters.mxnet import MXNET_LINES
+    from paicli.cluster.logsink import MetricParser
+
+    table = {"mxnet": MXNET_LINES, "caffe": CAFFE_LINES}[framework]
+    parser = MetricParser(list(table_patterns(table)))
+    assert table_errors(table, parser.parse) == []
+
+
+def test_a_table_row_that_reads_too_much_is_reported():
+    from paicli.adapters.base import LineRule, table_errors, table_patterns
+    from paicli.cluster.logsink import MetricParser
+    from paicli.plan import KEY_VALUE_METRIC
+
+    table = (LineRule("tf_cnn_benchmarks step", KEY_VALUE_METRIC,
+                      "20  images/sec: 104.5 +/- 2.0 (jitter = 10.1)  33.330", {}),)
+    errors = table_errors(table, MetricParser(list(table_patterns(table))).parse)
+    assert len(errors) == 1 and "jitter" in errors[0]
+
+
+def test_the_peer_examples_lines_are_read_in_a_whole_log():
+    """A captured stretch of train_mnist.py's log, as the master reads a chunk."""
+    from paicli.adapters.mxnet import MxnetAdapter
+    from paicli.cluster.logsink import MetricParser
+
+    log = ("INFO:root:start with arguments Namespace(batch_size=64, kv_store='dist_sync', lr=0.05)\n"
+           "INFO:root:Epoch[0] Batch [0-10]\tSpeed: 1717.36 samples/sec\taccuracy=0.272727\n"
+           "INFO:root:Epoch[0] Batch [10-20]\tSpeed: 2169.50 samples/sec\taccuracy=0.789062\n"
+           "INFO:root:Epoch[0] Train-accuracy=0.777593\n"
+           "INFO:root:Epoch[0] Time cost=1.464\n"
+           "INFO:root:Epoch[0] Validation-accuracy=0.996094\n")
+    found = MetricParser(list(MxnetAdapter.metric_patterns)).parse_text(log)
+    assert [step for step, _ in found] == [10, 20, None, None, None]
+    assert [values.get("accuracy") for values, in [(v,) for _, v in found]][:2] == [0.272727, 0.789062]
+    assert found[-1][1] == {"epoch": 0, "Validation-accuracy": 0.996094}
+
+
+def test_the_tables_and_the_import_scanner_take_any_text(tmp_path):
+    """Fuzz: any line gives finite numbers, a long line costs linear time; any
+    source file (binary, broken, huge) leaves the scanner with an answer."""
+    import time
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from paicli.adapters.caffe import CAFFE_LINES
+    from paicli.adapters.mxnet import MXNET_LINES
+    from paicli.adapters.base import table_patterns
+    from paicli.cluster.logsink import MetricParser
+
+    parsers = [MetricParser(list(table_patterns(t))) for t in (MXNET_LINES, CAFFE_LINES)]
+    pieces = st.sampled_from(["Epoch[", "] ", "Batch [", "-", "Speed: ", "=", "1.5", "e9", "\t", "(", ")",
+                              "Iteration ", ", loss = ", "nan", "[Epoch 2] validation: ", "acc", "x"])
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(pieces | st.text(max_size=5), max_size=30).map("".join))
+    def lines(text):
+        for parser in parsers:
+            for _step, values in parser.parse_text(text + "\n"):
+                assert all(v == v and abs(v) != float("inf") for v in values.values())
+
+    lines()
+    long_line = "a=1 " * 20000 + "a=1, " * 20000 + "(" + "Epoch[1] Batch [" * 5000
+    for parser in parsers:
+        start = time.monotonic()
+        parser.parse_text(long_line + "\n")
+        assert time.monotonic() - start < 2.0
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+    def sources(blob):
+        (tmp_path / "train.py").write_bytes(b"import helper\nfrom . import x\n" + blob)
+        (tmp_path / "helper.py").write_bytes(blob)
+        assert isinstance(mxnet_runner.defined_flags(str(tmp_path / "train.py"), mxnet_runner.KVSTORE_FLAGS), list)
+
+    sources()

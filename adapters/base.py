@@ -171,3 +171,20 @@ def table_errors(table: tuple[LineRule, ...], parse) -> list[str]:
         if found != rule.reads:
             errors.append(f"{rule.what}: {rule.sample!r} reads {found}, expected {rule.reads}")
     return errors
+
+
+# ---------------------------------------------------------------------------
+# "Not distributed" (issue 20): the runners report it (paicli/cluster/distribution.py);
+# -DrequireDistributed=true, through the roles' environment, turns it into a failure.
+
+REQUIRE_DISTRIBUTED = Param(
+    "requireDistributed", "choice", default="false", choices=("true", "false"),
+    help="true: a job whose workers never trained with their servers or ps (MXNet servers "
+         "that received no push, a Caffe ps that averaged nothing, a TensorFlow ps that served "
+         "no variable) fails, naming the cause. false: it succeeds, and the summary, `pai "
+         "status` and the attached view say it was not distributed.")
+
+
+def distribution_env(spec: JobSpec) -> dict[str, str]:
+    """PAI_REQUIRE_DISTRIBUTED=1 for every role when -DrequireDistributed=true."""
+    return {"PAI_REQUIRE_DISTRIBUTED": "1"} if spec.get("requireDistributed") == "true" else {}

@@ -30,8 +30,8 @@ import os
 import secrets
 from pathlib import Path
 
-from paicli.adapters.base import (Adapter, LineRule, StagedCode, cluster_roles, code_inputs, script_args,
-                                  table_patterns)
+from paicli.adapters.base import (REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode, cluster_roles, code_inputs,
+                                  distribution_env, script_args, table_patterns)
 from paicli.errors import PaiError, SpecError
 from paicli.plan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import RuntimeError_, get_runtime, runner_path
@@ -96,6 +96,9 @@ CAFFE_LINES = (
     LineRule("averaging round (runner, the ps)", PS_ROUND_METRIC,
              "averaging round 3 at iteration 60: 2 workers, 0.03 MB, waited 2 ms, averaged in 0.1 ms",
              {"model_mb": 0.03}),
+    LineRule("the ps's verdict when nothing was averaged: not a metric", "",
+             "not distributed: ps:0 averaged nothing: the workers ended without one averaging round "
+             "(no iterations left to run: max_iter reached, or a snapshot at it)", {}),
 )
 CAFFE_METRIC_PATTERNS = table_patterns(CAFFE_LINES)
 
@@ -119,6 +122,7 @@ CAFFE_PARAMS: tuple[Param, ...] = (
           help="With several SGD/Nesterov workers: ramp the learning rate linearly from base_lr / "
                "workers to base_lr over this many iterations (the runner scales the gradients; "
                "BVLC Caffe's lr_policy has no warm-up)."),
+    REQUIRE_DISTRIBUTED,
 )
 # -D values written into the job's copies of the solver and net: the runner's flag for each.
 SOLVER_ONLY = {"learningRate": "--base-lr", "batchSize": "--batch-size", "warmupIterations": "--warmup-iters"}
@@ -189,7 +193,7 @@ class CaffeAdapter(Adapter):
         for key, flag in SOLVER_ONLY.items():
             if spec.get(key) is not None:
                 solve += [flag, str(spec.get(key))]
-        env = {"GLOG_logtostderr": "1"}
+        env = {"GLOG_logtostderr": "1", **distribution_env(spec)}
         plan_roles = []
         restart = RESTART_INSTANCE
         if workers == 1:

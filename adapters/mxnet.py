@@ -16,8 +16,9 @@ for it forever), so a retryable failure restarts the whole job: restart="job".
 
 from __future__ import annotations
 
-from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, LineRule, StagedCode, cluster_roles,
-                                  code_inputs, pluto_scaling_env, script_args, table_patterns)
+from paicli.adapters.base import (PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode,
+                                  cluster_roles, code_inputs, distribution_env, pluto_scaling_env, script_args,
+                                  table_patterns)
 from paicli.errors import SpecError
 from paicli.plan import RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import get_runtime, runner_path
@@ -94,6 +95,9 @@ MXNET_LINES = (
              "[17:05:50] ../src/executor/graph_executor.cc:1991: Subgraph backend MKLDNN is activated.", {}),
     LineRule("the runner's kvstore flag line: not metrics", "",
              "mxnet_runner: passing --kv-store=dist_sync (-Dkvstore) to the script, which defines --kv-store", {}),
+    LineRule("the runner's verdict on a worker that trained alone: not metrics", "",
+             "mxnet_runner: not distributed: worker:1 trained alone: the script created kvstore 'device'; "
+             "pass --kv-store dist_sync, or leave --kv-store out so that -Dkvstore reaches the script", {}),
 )
 
 ROLE_ALIASES = {"ps": "server"}
@@ -128,6 +132,7 @@ class MxnetAdapter(Adapter):
                    "(MXNET_KVSTORE_BIGARRAY_BOUND; MXNet's default 1000000). Smaller arrays go "
                    "whole to one server."),
         *PLUTO_SCALING_PARAMS,
+        REQUIRE_DISTRIBUTED,
     )
     metric_patterns = table_patterns(MXNET_LINES)
 
@@ -179,6 +184,7 @@ class MxnetAdapter(Adapter):
         if spec.get("bigArrayBound"):
             env["MXNET_KVSTORE_BIGARRAY_BOUND"] = str(spec.get("bigArrayBound"))
         env.update(pluto_scaling_env(spec))
+        env.update(distribution_env(spec))
         # The scheduler and servers only route and sum; one OpenMP thread each
         # leaves the cores to the workers.
         service_env = {**env, "OMP_NUM_THREADS": "1"}

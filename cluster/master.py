@@ -22,6 +22,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from paicli.cluster import distribution
 from paicli.cluster import placement as placing
 from paicli.cluster import policy
 from paicli.cluster.backends import backend_for_job
@@ -516,6 +517,9 @@ class JobMaster:
         if status == JobStatus.SUCCEEDED:
             grace = max((i.role.stop_grace for i in running), default=0.0)
             self._stop(running, InstanceStatus.TERMINATED, grace)
+            # Issue 20: were the workers distributed? The runners' own last lines say.
+            status, reason = distribution.judge(self.plan, {i.name: list(i.log.tail) for i in self.instances
+                                                            if i.log}, status, reason)
             self.store.set_job(self.job_id, status, reason)
         else:
             # Record the verdict first, then act on it.

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from paicli.cluster import distribution
 from paicli.cluster.procinfo import boot_time, is_alive
 from paicli.private import write_private
 from paicli.states import InstanceStatus, JobStatus
@@ -104,6 +105,7 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
         "pluto": plutoview.record(job_dir),
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
+    out["not_distributed"] = distribution.cause_of(out["status"], out["reason"])  # issue 20
     out["idle"] = idle_instances(out)
     out["exposed"] = exposed_instances(out)
     return out

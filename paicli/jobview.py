@@ -31,7 +31,9 @@ def summary_lines(status: dict) -> list[str]:
 
 def verdict_line(status: dict) -> str:
     if status["status"] == JobStatus.SUCCEEDED.value:
-        return "OK"
+        # Issue 20: a distributed job whose workers trained alone is not OK.
+        return f"NOT DISTRIBUTED (the job succeeded): {status['not_distributed']}" \
+            if status.get("not_distributed") else "OK"
     if status["status"] == JobStatus.CANCELLED.value:
         return f"CANCELLED: {status['reason'] or 'cancelled'}"
     return f"FAILED: {status['reason'] or 'unknown reason'}"

@@ -398,6 +398,10 @@ def serve_average(workers: int) -> int:
         started = None
     if rounds:
         log(f"model averaging done: {rounds} rounds, {total_avg / rounds * 1000:.1f} ms per round at the ps")
+    else:
+        # The master reads this line (paicli/cluster/distribution.py): the workers trained alone.
+        log(f"not distributed: ps:{os.environ.get('PAI_INDEX', '0')} averaged nothing: the workers ended "
+            "without one averaging round (no iterations left to run: max_iter reached, or a snapshot at it)")
     return 0
 
 

@@ -278,6 +278,108 @@ def kvstore_flag_args(script: str, args: list[str], kvstore: str | None) -> tupl
 
 
 # ---------------------------------------------------------------------------
+# Was this worker distributed? (issue 20: a job whose workers never talk to their
+# servers is not OK.) The runner watches which kvstores the script asks for and
+# counts its pushes to a dist one; at the end a worker that trained alone says so
+# in one line the master looks for (NOT_DISTRIBUTED, paicli/cluster/distribution.py).
+
+NOT_DISTRIBUTED = "not distributed: "
+
+
+class KvstoreWatch:
+    def __init__(self):
+        self.asked: list[str] = []   # kvstore types the script asked for, in order
+        self.pushes = 0              # push/pushpull calls on a dist kvstore
+
+    def ask(self, name) -> None:
+        if isinstance(name, str) and name not in self.asked:
+            self.asked.append(name)
+
+    @property
+    def dist(self) -> bool:
+        return any(name.lower().startswith(DIST_PREFIX) for name in self.asked)
+
+
+def install_kvstore_watch(mx, watch: KvstoreWatch) -> None:
+    """Record every kvstore type the script asks for, by mx.kv.create or by a
+    string handed to Module.fit / gluon.Trainer (which create none for 'device' on
+    one device), and count the pushes to a dist kvstore."""
+    kvstore_pkg = mx.kvstore
+    inner_create = kvstore_pkg.create
+
+    def create(name="local"):
+        watch.ask(name)
+        return inner_create(name)
+
+    kvstore_pkg.create = create
+    kvstore_pkg.base.create = create
+
+    def wrap_create_kvstore(owner) -> None:
+        original = getattr(owner, "_create_kvstore", None)
+        if original is None:
+            return
+
+        def _create_kvstore(kvstore, *args, **kwargs):
+            watch.ask(kvstore if isinstance(kvstore, str) else getattr(kvstore, "type", None))
+            return original(kvstore, *args, **kwargs)
+
+        owner._create_kvstore = _create_kvstore
+
+    wrap_create_kvstore(mx.model)
+    try:
+        from mxnet.gluon import trainer as gluon_trainer  # binds model._create_kvstore at import
+        wrap_create_kvstore(gluon_trainer)
+    except ImportError:
+        pass
+
+    KVStore = kvstore_pkg.KVStore
+    for method in ("push", "pushpull"):
+        original = getattr(KVStore, method)
+
+        def counted(self, *args, _original=original, **kwargs):
+            if str(getattr(self, "type", "")).startswith(DIST_PREFIX):
+                watch.pushes += 1
+            return _original(self, *args, **kwargs)
+
+        setattr(KVStore, method, counted)
+
+
+def not_distributed_cause(name: str, asked: list[str], pushes: int, flag: str | None,
+                          flag_given: bool) -> str | None:
+    """Why worker `name` did not train with the servers, in plain words, or None
+    when it did (it created a dist kvstore and pushed to it).
+
+    flag: the script's own kvstore flag (--kv-store...), None if it has none;
+    flag_given: the user passed that flag (so -Dkvstore did not reach the script)."""
+    if not any(a.lower().startswith(DIST_PREFIX) for a in asked):
+        what = f"the script created kvstore '{asked[0]}'" if asked else "the script created no kvstore"
+        if flag and flag_given:
+            hint = f"pass --{flag} dist_sync, or leave --{flag} out so that -Dkvstore reaches the script"
+        elif flag:
+            hint = f"pass --{flag} dist_sync or -Dkvstore"
+        else:
+            hint = ("create it with mx.kv.create(os.environ['PAI_MXNET_KVSTORE']) "
+                    "(-Dkvstore) and pass it to Module.fit or gluon.Trainer")
+        return f"{name} trained alone: {what}; {hint}"
+    if pushes == 0:
+        dist = next(a for a in asked if a.lower().startswith(DIST_PREFIX))
+        return f"{name} pushed nothing to the servers: the script created kvstore '{dist}' but never trained with it"
+    return None
+
+
+def report_distribution(watch: KvstoreWatch, script: str, args: list[str]) -> None:
+    name = f"{os.environ.get('PAI_ROLE', 'worker')}:{os.environ.get('PAI_INDEX', '0')}"
+    flags = defined_flags(script, KVSTORE_FLAGS) if not watch.dist else []
+    cause = not_distributed_cause(name, watch.asked, watch.pushes, flags[0] if flags else None,
+                                  given_flag(args, KVSTORE_FLAGS) is not None)
+    if cause:
+        print(f"mxnet_runner: {NOT_DISTRIBUTED}{cause}", file=sys.stderr, flush=True)
+    else:
+        print(f"mxnet_runner: distributed: {name} made {watch.pushes} pushes to kvstore "
+              f"'{next(a for a in watch.asked if a.lower().startswith(DIST_PREFIX))}'", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
 
 
 def wait_for_engine(mx) -> None:
@@ -326,10 +428,18 @@ def main(argv: list[str]) -> None:
     args, said = kvstore_flag_args(script, argv[1:], os.environ.get("PAI_MXNET_KVSTORE"))
     if said:
         print(f"mxnet_runner: {said}", file=sys.stderr, flush=True)
+    watch = KvstoreWatch()
+    install_kvstore_watch(mx, watch)
     sys.argv = [script, *args]
     # As `python SCRIPT` would: the script's folder first, not the runner's.
     sys.path[0] = os.path.dirname(script)
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as end:
+        if end.code in (None, 0):
+            report_distribution(watch, script, args)
+        raise
+    report_distribution(watch, script, args)
 
 
 if __name__ == "__main__":

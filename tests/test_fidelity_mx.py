@@ -163,3 +163,64 @@ def test_the_tables_and_the_import_scanner_take_any_text(tmp_path):
         assert isinstance(mxnet_runner.defined_flags(str(tmp_path / "train.py"), mxnet_runner.KVSTORE_FLAGS), list)
 
     sources()
+
+
+# ---------------------------------------------------------------------------
+# "Not distributed": the runner's cause, the master's verdict
+
+
+@pytest.mark.parametrize("asked, pushes, flag, given, words", [
+    (["device"], 0, "kv-store", True,
+     "worker:0 trained alone: the script created kvstore 'device'; pass --kv-store dist_sync, or leave "
+     "--kv-store out so that -Dkvstore reaches the script"),
+    (["device"], 0, "kv-store", False,
+     "worker:0 trained alone: the script created kvstore 'device'; pass --kv-store dist_sync or -Dkvstore"),
+    ([], 0, None, False, "worker:0 trained alone: the script created no kvstore; create it with "
+                         "mx.kv.create(os.environ['PAI_MXNET_KVSTORE'])"),
+    (["local", "dist_sync"], 0, None, False,
+     "worker:0 pushed nothing to the servers: the script created kvstore 'dist_sync'"),
+    (["dist_async"], 12, "kvstore", False, None),
+])
+def test_the_runner_names_why_a_worker_was_not_distributed(asked, pushes, flag, given, words):
+    cause = mxnet_runner.not_distributed_cause("worker:0", asked, pushes, flag, given)
+    assert cause == words if words is None else cause.startswith(words)
+
+
+def test_the_master_keeps_success_but_says_why_or_fails_when_required():
+    from paicli.cluster import distribution
+    from paicli.plan import JobPlan, RolePlan
+    from paicli.states import JobStatus
+
+    tails = {"server:0": ["ps-lite: bye"],
+             "worker:1": ["INFO:root:Epoch[0] Time cost=1.2",
+                          "mxnet_runner: not distributed: worker:1 trained alone: the script created kvstore 'device'"],
+             "worker:0": ["mxnet_runner: not distributed: worker:0 trained alone: the script created kvstore 'device'"]}
+    plan = JobPlan("j", "mxnet", "MXNetTask", [RolePlan("worker", 2, ["x"])])
+    status, reason = distribution.judge(plan, tails, JobStatus.SUCCEEDED, None)
+    assert status == JobStatus.SUCCEEDED
+    assert reason == "not distributed: worker:0, worker:1 trained alone: the script created kvstore 'device'"
+    assert distribution.cause_of("Succeeded", reason).startswith("worker:0, worker:1 trained alone")
+    different = {"worker:0": ["not distributed: worker:0 pushed nothing"], "ps:0": ["not distributed: averaged nothing"]}
+    assert distribution.judge(plan, different, JobStatus.SUCCEEDED, None)[1] == \
+        "not distributed: worker:0 pushed nothing | averaged nothing"
+    # Nothing said, or a job that failed anyway: unchanged.
+    assert distribution.judge(plan, {"worker:0": ["step=1"]}, JobStatus.SUCCEEDED, None) == (JobStatus.SUCCEEDED, None)
+    assert distribution.judge(plan, tails, JobStatus.FAILED, "exit 1") == (JobStatus.FAILED, "exit 1")
+    required = JobPlan("j", "mxnet", "MXNetTask",
+                       [RolePlan("worker", 2, ["x"], env={"PAI_REQUIRE_DISTRIBUTED": "1"})])
+    status, reason = distribution.judge(required, tails, JobStatus.SUCCEEDED, None)
+    assert status == JobStatus.FAILED and reason.startswith("-DrequireDistributed=true: not distributed: worker:0, ")
+
+
+def test_require_distributed_reaches_every_role():
+    from paicli.adapters import get_adapter
+    from paicli.adapters.base import StagedCode
+    from paicli.spec import CORE_PARAMS, RawParam, build_spec
+
+    adapter = get_adapter("mxnet")
+    script = REPO / "examples" / "mxnet" / "gluon_dist_sync.py"
+    raw = [RawParam("script", str(script), "-Dscript", REPO),
+           RawParam("requireDistributed", "true", "-DrequireDistributed", REPO)]
+    spec = build_spec("mxnet", raw, params=(*CORE_PARAMS, *adapter.params))
+    plan = adapter.plan(spec, StagedCode(entry=script, root=None, cwd=REPO))
+    assert all(role.env.get("PAI_REQUIRE_DISTRIBUTED") == "1" for role in plan.roles)

@@ -196,11 +196,12 @@ class CaffeAdapter(Adapter):
         env = {"GLOG_logtostderr": "1", **distribution_env(spec)}
         plan_roles = []
         restart = RESTART_INSTANCE
+        # Both `caffe train` (one worker) and the GPU check (solver_mode, any count) need the binary.
+        try:
+            solve += ["--caffe", runtime.caffe()]
+        except RuntimeError_ as err:
+            raise PaiError(f"the caffe runtime: {err}") from None
         if workers == 1:
-            try:
-                solve += ["--caffe", runtime.caffe()]
-            except RuntimeError_ as err:
-                raise PaiError(f"the caffe runtime: {err}") from None
             if "ps" in roles:
                 notes.append("one worker: nothing to average, the ps is not started")
             notes.append("one worker: caffe train")

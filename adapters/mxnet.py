@@ -216,4 +216,14 @@ class MxnetAdapter(Adapter):
         return JobPlan(job_name=spec.get("jobName") or code.entry.stem, framework=self.name,
                        task_name=self.task_name, roles=plan_roles, restart=RESTART_JOB,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=code_inputs(code))
+                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=script_inputs(code))
+
+
+def script_inputs(code: StagedCode) -> list[str]:
+    """What a plain script needs on another node: itself and the modules of its
+    folder it imports (the peer train_mnist.py: common/*.py, and symbols/*.py it
+    loads by name). An archive travels whole."""
+    if not code_inputs(code):
+        return []
+    from paicli.runners.mxnet_runner import script_files
+    return script_files(str(code.entry))

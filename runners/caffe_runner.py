@@ -126,8 +126,60 @@ def copy_net(text: str, batch: int, workdir: str) -> str:
     return set_solver_field(text, field, copy)
 
 
-def prepare_solver(args, workdir: str) -> tuple[str, str]:
+# ---------------------------------------------------------------------------
+# solver_mode: the same answer for one worker (`caffe train`) and for many (pycaffe)
+
+NO_GPUS = ("", "-1", "none", "NoDevFiles")
+
+
+def solver_wants_gpu(text: str) -> bool:
+    """Caffe's default solver_mode is GPU: only an explicit CPU means CPU."""
+    return (solver_field(text, "solver_mode") or "GPU").upper() != "CPU"
+
+
+def gpus_placed(env: dict) -> bool:
+    """The launcher sets CUDA_VISIBLE_DEVICES to the cards placed for this instance
+    ("" for none, paicli/cluster/master.py)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    return visible is not None and visible.strip() not in NO_GPUS
+
+
+def caffe_can_use_gpu(caffe: str) -> bool:
+    """Whether this Caffe build runs on the placed card: `caffe device_query` (a
+    CPU-only build stops with "Cannot use GPU in CPU-only Caffe")."""
+    try:
+        done = subprocess.run([caffe, "device_query", "--gpu=0"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def choose_device(wants_gpu: bool, placed: bool, gpu_works) -> tuple[str, str | None]:
+    """("gpu" | "cpu", the one line that says a GPU solver runs on CPU, or None).
+    gpu_works: asked only when a GPU solver has cards placed."""
+    if not wants_gpu:
+        return "cpu", None
+    if not placed:
+        return "cpu", ("solver_mode: GPU, but no GPU is placed for this instance (a \"gpu\" in -Dcluster "
+                       "or -DgpuRequired places one): running on CPU")
+    if not gpu_works():
+        return "cpu", "solver_mode: GPU, but this Caffe cannot use the placed GPU (a CPU-only build?): running on CPU"
+    return "gpu", None
+
+
+def solver_device(args, text: str) -> str:
+    """The device this worker runs on; says so when a GPU solver runs on CPU."""
+    device, note = choose_device(solver_wants_gpu(text), gpus_placed(os.environ),
+                                 lambda: caffe_can_use_gpu(args.caffe))
+    if note:
+        log(note)
+    return device
+
+
+def prepare_solver(args, workdir: str, device: str = "cpu") -> tuple[str, str]:
     """The solver file to run and its text: the user's, or a copy in `workdir` whose
+    solver_mode is CPU when `device` is (a GPU solver on a machine without one), whose
     snapshot_prefix sits in --checkpoint-dir, whose base_lr is --base-lr and whose
     net is a copy with --batch-size (Pluto's scaling; the user's files are never
     written). Creates the snapshot directory, which Caffe would otherwise refuse to
@@ -137,6 +189,9 @@ def prepare_solver(args, workdir: str) -> tuple[str, str]:
     path = args.solver
     prefix = solver_field(text, "snapshot_prefix")
     copy = False
+    if device == "cpu" and solver_wants_gpu(text):
+        text = set_solver_field(text, "solver_mode", "CPU", quoted=False)
+        copy = True
     if args.checkpoint_dir:
         base = os.path.basename(prefix or "") or os.path.splitext(os.path.basename(args.solver))[0]
         prefix = os.path.join(os.path.abspath(args.checkpoint_dir), base)
@@ -539,11 +594,17 @@ def run_averaging_worker(args) -> int:
     # Data sharding: Caffe's HDF5Data and Data (LMDB/LevelDB) layers keep record k
     # when k % solver_count == solver_rank. Rank 0 is Caffe's "root solver": it alone
     # logs Caffe's display lines, tests and snapshots.
-    caffe.set_mode_cpu()
+    with open(args.solver, encoding="utf-8", errors="replace") as f:
+        device = solver_device(args, f.read())
+    if device == "gpu":
+        caffe.set_mode_gpu()
+        caffe.set_device(0)  # the first card placed for this instance (CUDA_VISIBLE_DEVICES)
+    else:
+        caffe.set_mode_cpu()
     caffe.set_solver_count(workers)
     caffe.set_solver_rank(index)
     with tempfile.TemporaryDirectory(prefix="paicli-caffe-") as workdir:
-        path, text = prepare_solver(args, workdir)
+        path, text = prepare_solver(args, workdir, device)
         snapshot_every = int(solver_field(text, "snapshot") or 0)
         snapshot_after = (solver_field(text, "snapshot_after_train") or "true").lower() != "false"
         # Snapshots are taken here, after averaging, not inside step() before it.
@@ -650,8 +711,10 @@ def main(argv: list[str]) -> int:
         return watch([args.python, "-u", os.path.abspath(__file__), *argv, "--child"])
     if args.warmup_iters:
         log("pluto: no learning-rate warm-up with one worker (`caffe train` runs the solver as it is)")
+    with open(args.solver, encoding="utf-8", errors="replace") as f:
+        device = solver_device(args, f.read())
     with tempfile.TemporaryDirectory(prefix="paicli-caffe-") as workdir:
-        path, _text = prepare_solver(args, workdir)
+        path, _text = prepare_solver(args, workdir, device)
         command = [args.caffe, "train", f"--solver={path}"]
         if args.weights:
             command.append(f"--weights={args.weights}")

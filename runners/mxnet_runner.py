@@ -251,6 +251,40 @@ def defined_flags(script: str, wanted: tuple[str, ...], top: str | None = None) 
     return [flag for flag in wanted if flag in found]
 
 
+# importlib.import_module('symbols.' + args.network): a package the script loads by
+# name at run time (MXNet's examples pick their network this way).
+_IMPORT_MODULE = re.compile(r"""import_module\(\s*["'](?P<name>[A-Za-z_][\w.]*)""")
+
+
+def script_files(script: str, top: str | None = None) -> list[str]:
+    """The script and every source file of its folder (`top`) it needs on another
+    node: the modules it imports, followed import by import, and the packages it
+    loads by name with importlib.import_module('pkg.' + ...), whole."""
+    top = os.path.abspath(top or os.path.dirname(script))
+    queue, seen = [os.path.abspath(script)], []
+    budget = _SCAN_BYTES
+    while queue and len(seen) < _SCAN_FILES and budget > 0:
+        path = queue.pop(0)
+        if path in seen:
+            continue
+        seen.append(path)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read(budget)
+        except OSError:
+            continue
+        budget -= len(text)
+        found = imported_files(path, text, top)
+        for match in _IMPORT_MODULE.finditer(text):
+            package = os.path.join(top, *match.group("name").strip(".").split("."))
+            if os.path.isdir(package):
+                found += sorted(os.path.join(package, n) for n in os.listdir(package) if n.endswith(".py"))
+            elif os.path.isfile(package + ".py"):
+                found.append(package + ".py")
+        queue += [f for f in found if f not in seen and f not in queue]
+    return seen
+
+
 def given_flag(args: list[str], names: tuple[str, ...]) -> str | None:
     """The first of `names` the user passed (`--name value` or `--name=value`)."""
     for arg in args:

@@ -224,3 +224,39 @@ def test_require_distributed_reaches_every_role():
     spec = build_spec("mxnet", raw, params=(*CORE_PARAMS, *adapter.params))
     plan = adapter.plan(spec, StagedCode(entry=script, root=None, cwd=REPO))
     assert all(role.env.get("PAI_REQUIRE_DISTRIBUTED") == "1" for role in plan.roles)
+
+
+# ---------------------------------------------------------------------------
+# solver_mode: GPU, the same for one worker and for many
+
+
+def test_a_gpu_solver_runs_on_cpu_without_a_placed_gpu_and_on_the_gpu_with_one(tmp_path):
+    from paicli.runners import caffe_runner as cr
+
+    asked = []
+
+    def works():
+        asked.append(1)
+        return True
+
+    assert cr.solver_wants_gpu('net: "n"\n') and cr.solver_wants_gpu("solver_mode: GPU\n")
+    assert not cr.solver_wants_gpu("solver_mode: CPU  # here\n")
+    # The launcher's CUDA_VISIBLE_DEVICES: "" when no card is placed.
+    assert not cr.gpus_placed({"CUDA_VISIBLE_DEVICES": ""}) and cr.gpus_placed({"CUDA_VISIBLE_DEVICES": "1"})
+    device, note = cr.choose_device(True, False, works)
+    assert device == "cpu" and note.startswith("solver_mode: GPU, but no GPU is placed") and not asked
+    device, note = cr.choose_device(True, True, lambda: False)
+    assert device == "cpu" and "cannot use the placed GPU" in note
+    assert cr.choose_device(True, True, works) == ("gpu", None) and asked
+    assert cr.choose_device(False, True, works) == ("cpu", None)
+
+    # On CPU the job's copy of the solver says CPU; the user's file is unchanged.
+    solver = tmp_path / "s.prototxt"
+    solver.write_text('net: "n.prototxt"\nsolver_mode: GPU\nmax_iter: 5\n')
+    args = cr.parse_args(["solve", "--solver", str(solver)])
+    work = tmp_path / "w"
+    work.mkdir()
+    path, text = cr.prepare_solver(args, str(work), "cpu")
+    assert path != str(solver) and cr.solver_field(text, "solver_mode") == "CPU"
+    assert "solver_mode: GPU" in solver.read_text()
+    assert cr.prepare_solver(args, str(work), "gpu")[0] == str(solver)

@@ -46,7 +46,7 @@ def sample(pattern: list[int], rng: random.Random) -> bytes:
         for col in range(SIDE):
             r, c = row - dy, col - dx
             on = 0 <= r < SIDE and 0 <= c < SIDE and pattern[r * SIDE + c]
-            value = (200 if on else 20) + rng.randint(-20, 60)
+            value = (220 if on else 0) + rng.randint(-40, 35)
             out[row * SIDE + col] = max(0, min(255, value))
     return bytes(out)
 

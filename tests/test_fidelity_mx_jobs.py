@@ -1,0 +1,119 @@
+"""Framework fidelity, real jobs (issue 20): MXNet's own published examples
+(../shared/peer/mxnet/image-classification, byte-identical to MXNet 1.9.1) run
+unmodified through `pai`, here and on the SSH test cluster; a BVLC-style GPU
+solver runs on this CPU-only Caffe for one worker as for two.
+
+Kept to one job per point (the comparison against MXNet's own launcher, dist_async
+and the other variants are in bench/bench_fidelity_mx.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, job_id_from, pai, pai_json
+
+PEER_MX = ROOT.parent / "shared" / "peer" / "mxnet" / "image-classification"
+SERVER_AND_TWO = '{"server":{"count":1},"worker":{"count":2}}'
+MNIST_ARGS = "--network lenet --num-examples 3200 --batch-size 64 --num-epochs 1 --disp-batches 5"
+IMAGENET_ARGS = ("--benchmark 1 --network lenet --image-shape 1,28,28 --num-classes 10 --num-examples 640 "
+                 "--batch-size 32 --num-epochs 1 --disp-batches 5")
+
+needs_peer = pytest.mark.skipif(not PEER_MX.is_dir(), reason="the peer examples are not on this machine")
+
+sys.path.insert(0, str(ROOT / "examples" / "mxnet"))
+import make_mnist  # noqa: E402  (our own MNIST-format data)
+
+
+@pytest.fixture(scope="module")
+def mx_runtime():
+    from paicli.runners.runtimes import get_runtime
+
+    rt = get_runtime("mxnet")
+    rt.ensure(lambda line: None)
+    return rt
+
+
+def last_line(result: subprocess.CompletedProcess) -> str:
+    lines = result.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+@needs_peer
+def test_plain_peer_script_takes_its_own_modules_to_other_nodes():
+    from paicli.adapters.base import StagedCode
+    from paicli.adapters.mxnet import script_inputs
+
+    script = PEER_MX / "train_mnist.py"
+    inputs = script_inputs(StagedCode(entry=script, root=None, cwd=ROOT))
+    assert inputs[0] == str(script)
+    assert {str(PEER_MX / "common" / "fit.py"), str(PEER_MX / "symbols" / "lenet.py")} <= set(inputs)
+    assert script_inputs(StagedCode(entry=script, root=PEER_MX, cwd=PEER_MX)) == []  # an archive travels whole
+
+
+@needs_peer
+@pytest.mark.mxnet
+def test_peer_train_mnist_runs_unmodified_and_a_lone_worker_is_named(mx_runtime, pai_home, tmp_path):
+    make_mnist.make(str(tmp_path / "data"), train=3200, test=256)
+    script = f"-Dscript=file://{PEER_MX / 'train_mnist.py'}"
+    # No --kv-store: -Dkvstore (dist_sync by default) reaches the script through its own flag.
+    result = pai("-name", "mxnet", script, f"-Dcluster={SERVER_AND_TWO}", f"-DuserDefinedParameters={MNIST_ARGS}",
+                 cwd=tmp_path, timeout=240)
+    assert result.returncode == 0 and last_line(result) == "OK", result.stdout[-3000:] + result.stderr[-2000:]
+    assert "passing --kv-store=dist_sync (-Dkvstore)" in result.stdout
+    assert re.search(r"\[worker:1\] mxnet_runner: distributed: worker:1 made \d+ pushes to kvstore 'dist_sync'",
+                     result.stdout)
+    info = pai_json("status", job_id_from(result.stdout))
+    assert info["not_distributed"] is None
+    for worker in ("worker:0", "worker:1"):
+        metrics = info["metrics"][worker]
+        assert {"epoch", "batch", "speed", "accuracy", "epoch_seconds", "Validation-accuracy"} <= set(metrics)
+        assert metrics["Validation-accuracy"] > 0.5, metrics   # it learned, from our own digits
+    assert info["step_seconds"] and info["step_seconds"] > 0
+    # Its settings line (Namespace(batch_size=64, ...)) gave no metric.
+    assert "batch_size" not in info["metrics"]["worker:0"] and "lr" not in info["metrics"]["worker:0"]
+
+    # The user's own --kv-store device wins: two lone trainings, which
+    # -DrequireDistributed=true turns into a failure that names the cause.
+    result = pai("-name", "mxnet", script, f"-Dcluster={SERVER_AND_TWO}", "-DrequireDistributed=true",
+                 f"-DuserDefinedParameters={MNIST_ARGS} --kv-store device", cwd=tmp_path, timeout=240)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert last_line(result) == (
+        "FAILED: -DrequireDistributed=true: not distributed: worker:0, worker:1 trained alone: the script "
+        "created kvstore 'device'; pass --kv-store dist_sync, or leave --kv-store out so that -Dkvstore "
+        "reaches the script")
+    info = pai_json("status", job_id_from(result.stdout))
+    assert info["status"] == "Failed" and info["not_distributed"].startswith("worker:0, worker:1 trained alone")
+
+
+@pytest.mark.caffe
+def test_a_gpu_solver_runs_on_cpu_for_one_worker_as_for_two(pai_home, tmp_path):
+    from paicli.runners.runtimes import get_runtime
+
+    runtime = get_runtime("caffe")
+    if not runtime.is_installed() and os.geteuid() != 0:
+        pytest.skip("the Caffe runtime is not built and building it needs root")
+    runtime.ensure(lambda line: None)
+    folder = tmp_path / "mlp"
+    shutil.copytree(ROOT / "examples" / "caffe" / "mlp", folder, ignore=shutil.ignore_patterns("data", "snapshots"))
+    subprocess.run([runtime.python(), str(folder / "make_data.py")], check=True, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    text = (folder / "mlp_solver.prototxt").read_text()
+    text = re.sub(r"^solver_mode:.*$", "solver_mode: GPU", text, flags=re.M)   # as BVLC's solvers say
+    text = re.sub(r"^max_iter:.*$", "max_iter: 60", text, flags=re.M)
+    (folder / "gpu_solver.prototxt").write_text(text)
+    said = "solver_mode: GPU, but no GPU is placed for this instance"
+    for cluster in ('{"worker":{"count":1}}', '{"ps":{"count":1},"worker":{"count":2}}'):
+        result = pai("-name", "caffe", f"-Dsolver={folder / 'gpu_solver.prototxt'}", f"-Dcluster={cluster}",
+                     "-DmaPeriod=20", timeout=240)
+        assert result.returncode == 0 and last_line(result) == "OK", result.stdout[-3000:]
+        workers = 1 if "ps" not in cluster else 2
+        assert sum(said in line for line in result.stdout.splitlines()) == workers, result.stdout[-3000:]
+        assert "Cannot use GPU" not in result.stdout

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"multi-host tests s
               pytest.mark.skipif(not PEER_MX.is_dir(), reason="the peer examples are not on this machine"),
               pytest.mark.mxnet]
 
-IMAGENET_ARGS = ("--benchmark 1 --network lenet --image-shape 1,28,28 --num-classes 10 --num-examples 640 "
+IMAGENET_ARGS = ("--benchmark 1 --network lenet --image-shape 1,28,28 --num-classes 10 --num-examples 1280 "
                  "--batch-size 32 --num-epochs 1 --disp-batches 5 --gc-type 2bit")
 
 

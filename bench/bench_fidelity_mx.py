@@ -61,6 +61,7 @@ CAFFE_CASES = ("caffe_mlp",)
 SPEED = re.compile(r"Epoch\[\d+\] Batch \[[\d-]+\]\tSpeed: ([\d.]+) samples/sec\taccuracy=([\d.]+)")
 VALIDATION = re.compile(r"Validation-accuracy=([\d.]+)")
 CAFFE_LOSS = re.compile(r"Iteration (\d+) \([^)]*\), loss = ([-\d.e+]+)|Iteration (\d+), loss = ([-\d.e+]+)")
+ERROR = re.compile(r"Check failed")
 CAFFE_TEST = re.compile(r"Test net output #\d+: accuracy = ([\d.]+)")
 
 
@@ -86,9 +87,10 @@ def worker_figures(logs: dict[str, str]) -> dict:
         points = [(float(s), float(a)) for s, a in SPEED.findall(text)]
         val = VALIDATION.findall(text)
         speeds = sorted(s for s, _ in points)
+        error = next((line.strip() for line in text.splitlines() if ERROR.search(line)), None)
         out[name] = {"first_acc": points[0][1] if points else None, "last_acc": points[-1][1] if points else None,
                      "speed": speeds[len(speeds) // 2] if speeds else None,
-                     "val_acc": float(val[-1]) if val else None, "lines": len(points)}
+                     "val_acc": float(val[-1]) if val else None, "lines": len(points), "error": error}
     return out
 
 
@@ -204,6 +206,9 @@ def main() -> int:
                 for worker, fig in figures.items():
                     rows.append({"case": case, "arm": arm, "worker": worker, "exit": code,
                                  "seconds": round(seconds, 1), **fig})
+                for worker, fig in figures.items():
+                    if code and fig["error"]:
+                        print(f"{case:15} {arm:4} {worker} failed: {fig['error'][:300]}", flush=True)
                 print(f"{case:15} {arm:4} exit={code} {seconds:5.1f}s " + "  ".join(
                     f"{w}: acc {fmt(f['first_acc'])}->{fmt(f['last_acc'])} val {fmt(f['val_acc'])} "
                     f"{fmt(f['speed'])} samples/s" for w, f in figures.items()), flush=True)

@@ -117,7 +117,9 @@ class MxnetAdapter(Adapter):
         Param("kvstore", "choice", default="dist_sync", choices=KVSTORES,
               help="The kvstore type the script should create; it reaches the script as the "
                    "environment variable PAI_MXNET_KVSTORE (mx.kv.create(os.environ"
-                   "['PAI_MXNET_KVSTORE'])). dist_sync: synchronous SGD over all workers; "
+                   "['PAI_MXNET_KVSTORE'])), and as --kv-store/--kvstore when the script (or a "
+                   "module of its folder it imports) defines that flag and it was not given. "
+                   "dist_sync: synchronous SGD over all workers; "
                    "dist_async: servers apply each worker's update as it comes; "
                    "dist_device_sync: dist_sync with aggregation on the device."),
         Param("gradientCompression", "choice", default="none", choices=COMPRESSIONS,
@@ -203,7 +205,8 @@ class MxnetAdapter(Adapter):
         ]
         notes = [
             "added one scheduler: ps-lite needs exactly one",
-            f"kvstore {spec.get('kvstore')} reaches the script as PAI_MXNET_KVSTORE",
+            f"kvstore {spec.get('kvstore')} reaches the script as PAI_MXNET_KVSTORE, and as its own "
+            "--kv-store/--kvstore when it defines one and it was not given (decided by the runner at start)",
             "restart=job: ps-lite cannot take a restarted worker back, so a retry "
             "restarts every instance",
         ]

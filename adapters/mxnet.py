@@ -49,6 +49,10 @@ EPOCH_SCORE_METRIC = r"Epoch\[(?P<epoch>\d+)\]\s+(?:Train|Validation)-[A-Za-z_]"
 # Gluon examples: `[Epoch 3] training: accuracy=0.91`, `[Epoch 3] time cost: 12.3`,
 # `[Epoch 3] validation: accuracy=0.88` (image_classification.py, mnist.py).
 GLUON_EPOCH_METRIC = r"\[Epoch (?P<epoch>\d+)\]\s+(?:[Tt]raining|[Vv]alidation|[Tt]ime cost):"
+# ...and per batch: `[Epoch 0 Batch 100] Training: accuracy=0.84, 1234.5 samples/s` (mnist.py, the
+# SageMaker-style examples)
+GLUON_BATCH_METRIC = r"\[Epoch (?P<epoch>\d+) Batch (?P<batch>\d+)\]\s+[Tt]raining:"
+GLUON_SPEED_METRIC = rf"\[Epoch \d+ Batch \d+\]\s+[Tt]raining:.*?,\s+(?P<speed>{_N}) samples/s\b"
 GLUON_EPOCH_TIME_METRIC = rf"\[Epoch \d+\]\s+[Tt]ime cost:\s+(?P<epoch_seconds>{_N})"
 GLUON_VALIDATION_METRIC = rf"\[Epoch \d+\]\s+[Vv]alidation:\s+(?:acc|accuracy)=(?P<validation_accuracy>{_N})"
 # name=number pairs, MXNet's metric names included (`cross-entropy`, `top_k_accuracy_5`), except:
@@ -64,7 +68,8 @@ MX_KEY_VALUE_METRIC = (
 KEY_VALUE_NOT_TIME_COST = MX_KEY_VALUE_METRIC  # its earlier name
 
 # The MXNet parser table: lines captured from real runs (MXNet 1.9.1, the peer
-# image-classification examples and examples/mxnet/), and what pai reads from each.
+# image-classification examples and examples/mxnet/; the Gluon rows are rendered from
+# the format strings of MXNet's example/gluon scripts), and what pai reads from each.
 MXNET_LINES = (
     LineRule("Speedometer (Module.fit, Gluon image_classification.py)", SPEEDOMETER_METRIC,
              "INFO:root:Epoch[0] Batch [10-20]\tSpeed: 2169.50 samples/sec\taccuracy=0.789062",
@@ -81,6 +86,11 @@ MXNET_LINES = (
              {"epoch": 0, "Validation-accuracy": 0.996094}),
     LineRule("Gluon epoch, training", GLUON_EPOCH_METRIC, "INFO:root:[Epoch 3] training: accuracy=0.912500",
              {"epoch": 3, "accuracy": 0.9125}),
+    LineRule("Gluon batch (example/gluon/mnist/mnist.py)", GLUON_BATCH_METRIC,
+             "[Epoch 0 Batch 100] Training: accuracy=0.843465", {"epoch": 0, "batch": 100, "accuracy": 0.843465}),
+    LineRule("Gluon batch with throughput", GLUON_SPEED_METRIC,
+             "[Epoch 2 Batch 50] Training: accuracy=0.912000, 4411.276315 samples/s",
+             {"epoch": 2, "batch": 50, "accuracy": 0.912, "speed": 4411.276315}),
     LineRule("Gluon epoch, time", GLUON_EPOCH_TIME_METRIC, "INFO:root:[Epoch 3] time cost: 12.345678",
              {"epoch": 3, "epoch_seconds": 12.345678}),
     LineRule("Gluon epoch, validation", GLUON_VALIDATION_METRIC, "[Epoch 3] Validation: accuracy=0.881000",

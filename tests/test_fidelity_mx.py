@@ -260,3 +260,12 @@ def test_a_gpu_solver_runs_on_cpu_without_a_placed_gpu_and_on_the_gpu_with_one(t
     assert path != str(solver) and cr.solver_field(text, "solver_mode") == "CPU"
     assert "solver_mode: GPU" in solver.read_text()
     assert cr.prepare_solver(args, str(work), "gpu")[0] == str(solver)
+
+
+def test_the_verdict_line_of_a_job_that_was_not_distributed_is_not_ok():
+    from paicli.jobview import verdict_line
+
+    cause = "worker:0, worker:1 trained alone: the script created kvstore 'device'"
+    assert verdict_line({"status": "Succeeded", "reason": None, "not_distributed": None}) == "OK"
+    assert verdict_line({"status": "Succeeded", "reason": f"not distributed: {cause}",
+                         "not_distributed": cause}) == f"NOT DISTRIBUTED (the job succeeded): {cause}"

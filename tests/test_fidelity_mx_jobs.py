@@ -91,6 +91,7 @@ def test_peer_train_mnist_runs_unmodified_and_a_lone_worker_is_named(mx_runtime,
         "reaches the script")
     info = pai_json("status", job_id_from(result.stdout))
     assert info["status"] == "Failed" and info["not_distributed"].startswith("worker:0, worker:1 trained alone")
+    assert "not distributed: worker:0, worker:1 trained alone" in Path(info["summary_file"]).read_text()
 
 
 @pytest.mark.caffe

@@ -144,12 +144,25 @@ def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable
             "    print(f'{err.__class__.__name__.rstrip(\"_\")}: {err}', flush=True); sys.exit(1)\n")
     argv = ["env", f"PAI_RUNTIME_DIR={info['runtime_dir']}", info["python_path"], "-u", "-c", code,
             folder, runtime]
+    status, tail = stream_command(session, node, argv, lambda line: progress(f"{node.name}: {line}"),
+                                  f"provisioning {runtime}")
+    if status != 0:
+        raise PaiError(f"node {node.name}: provisioning the {runtime} runtime failed (exit {status}): "
+                       + " | ".join(tail[-2:]), "see the lines above; fix the node or set runtime_dir")
+    return tail[-1] if tail else f"{info['runtime_dir']}/{runtime}"
+
+
+def stream_command(session, node: NodeEntry, argv: list[str], progress: Callable[[str], None],
+                   what: str) -> tuple[int, list[str]]:
+    """Run `argv` on the node in a fresh session, each output line to `progress`
+    as it comes; (exit status, every non-empty line). Silence for PROVISION_SILENCE
+    is a node that stopped answering."""
     chan = session()
     chan.settimeout(PROVISION_SILENCE)
     chan.set_combine_stderr(True)
     chan.exec_command(ssh.quote_argv(argv))
     chan.shutdown_write()
-    tail: list[str] = []
+    seen: list[str] = []
     buf = b""
     try:
         while True:
@@ -161,15 +174,13 @@ def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable
             for raw in lines:
                 line = raw.decode(errors="replace").rstrip()
                 if line:
-                    tail = (tail + [line])[-5:]
-                    progress(f"{node.name}: {line}")
+                    seen.append(line)
+                    progress(line)
+        if buf.strip():
+            seen.append(buf.decode(errors="replace").rstrip())
         status = chan.recv_exit_status()
     except socket.timeout:
-        raise ssh.NodeUnreachable(f"node {node.name}: provisioning {runtime} stopped answering") from None
+        raise ssh.NodeUnreachable(f"node {node.name}: {what} stopped answering") from None
     finally:
         chan.close()
-    if status != 0:
-        raise PaiError(f"node {node.name}: provisioning the {runtime} runtime failed (exit {status}): "
-                       + " | ".join(tail[-2:]), "see the lines above; fix the node or set runtime_dir")
-    return tail[-1] if tail else f"{info['runtime_dir']}/{runtime}"
-
+    return status, seen

@@ -1,0 +1,189 @@
+"""A job's own environment (issue 18): `-Denv` / YAML `env:` on every instance with
+secret-looking values masked, and `-Drequirements` as a layer on the runtime, built
+once and reused. Pure logic first, then real jobs on this machine (the SSH and Ray
+ones are in tests/test_envs_nodes.py).
+
+Hermetic: the package a job needs is a tiny wheel this file builds itself, found
+through `--no-index --find-links DIR`; nothing is fetched from an index.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import pai, pai_json
+
+from paicli.envvars import MASK, Masker, looks_secret, parse_env, secret_values
+from paicli.requirements import parse_requirements
+from paicli.runners.runtimes import pip_one_line
+
+SECRET = "s3cr3t-value-0123456789"
+
+
+def make_wheel(folder: Path, name: str, version: str, source: str) -> Path:
+    """A pure-Python wheel (py3-none-any) of one module package, written by hand."""
+    dist = f"{name}-{version}"
+    files = {f"{name}/__init__.py": source,
+             f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: paicli-tests\nRoot-Is-Purelib: true\n"
+                                        "Tag: py3-none-any\n"}
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    files[f"{dist}.dist-info/RECORD"] = "\n".join(record + [f"{dist}.dist-info/RECORD,,"]) + "\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(out, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+    return out
+
+
+def wheelhouse(tmp_path: Path) -> Path:
+    folder = tmp_path / "wheels"
+    make_wheel(folder, "paienvtiny", "1.0", "VALUE = 42\n")
+    return folder
+
+
+# -- pure logic -------------------------------------------------------------------
+
+
+def test_env_from_text_yaml_and_the_shell():
+    assert parse_env("A=1,B=x\\,y,C=", shell={}) == {"A": "1", "B": "x,y", "C": ""}
+    assert parse_env({"A": 1, "HF_TOKEN": None}, shell={"HF_TOKEN": "t"}) == {"A": "1", "HF_TOKEN": "t"}
+    assert parse_env("HF_TOKEN,A=b=c", shell={"HF_TOKEN": "t"}) == {"HF_TOKEN": "t", "A": "b=c"}
+    for bad, words in [("1A=2", "not a variable name"), ("PAI_ROLE=x", "set by paicli"),
+                       ("A=1,A=2", "given twice"), ("NOPE", "not set in your shell"), ("", "got nothing"),
+                       ({"A": [1]}, "expected a text value")]:
+        with pytest.raises(ValueError, match=words):
+            parse_env(bad, shell={})
+
+
+def test_what_looks_secret():
+    assert all(looks_secret(n) for n in ("HF_TOKEN", "aws_secret_access_key", "DB_PASSWORD", "API_KEY"))
+    assert not any(looks_secret(n) for n in ("FOO", "PATH", "TOKE"))
+
+
+def test_the_masker_hides_a_secret_split_across_reads():
+    masker = Masker([SECRET, "abc"])      # too short to mask: left alone
+    stream = f"x={SECRET}\nabc {SECRET[:5]}".encode()
+    out = b"".join(masker.feed(stream[i:i + 3]) for i in range(0, len(stream), 3))
+    out += masker.feed(SECRET[5:].encode() + b" end\n") + masker.flush()
+    assert out == f"x={MASK}\nabc {MASK} end\n".encode()
+    held = Masker([SECRET])
+    assert held.feed(SECRET[:4].encode()) == b"" and held.flush() == SECRET[:4].encode()   # not a secret after all
+
+
+def test_secret_values_come_from_every_role():
+    from paicli.plan import JobPlan, RolePlan
+
+    plan = JobPlan("j", "python", "T", [RolePlan("worker", 1, ["x"], env={"MY_TOKEN": SECRET, "FOO": "bar"})])
+    assert secret_values(plan) == [SECRET]
+
+
+def test_requirements_are_normalised_and_what_would_not_travel_is_refused(tmp_path):
+    links = wheelhouse(tmp_path)
+    req = tmp_path / "requirements.txt"
+    req.write_text(f"# ours\n--no-index\n-f {links.name}\npaienvtiny  ==1.0  # pinned\n\nrequests[socks]>=2\n")
+    assert parse_requirements(f"file://{req}", tmp_path) == [
+        "--no-index", f"--find-links {links}", "paienvtiny ==1.0", "requests[socks]>=2"]
+    assert parse_requirements(["pandas"], tmp_path) == ["pandas"]
+    for lines, words in [(["-r other.txt"], "only these pip options"), (["-e ."], "only these pip options"),
+                         (["./pkg"], "not a requirement"), (["--no-index"], "no package"),
+                         (["-f /nowhere/at/all", "x"], "not a folder"), ([3], "expected a requirement")]:
+        with pytest.raises(ValueError, match=words):
+            parse_requirements(lines, tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        parse_requirements("file:///no/such/requirements.txt", tmp_path)
+
+
+def test_pip_one_line_names_the_package_and_the_reason():
+    out = ("Looking in links: /w\nERROR: Could not find a version that satisfies the requirement nope==9 "
+           "(from versions: none)\nERROR: No matching distribution found for nope==9\n")
+    assert pip_one_line(out) == "Could not find a version that satisfies the requirement nope==9 (from versions: none)"
+    conflict = ("ERROR: Cannot install a==1 because these package versions have conflicting dependencies.\n\n"
+                "The conflict is caused by:\n    a 1 depends on numpy<1\n")
+    assert pip_one_line(conflict).endswith("conflicting dependencies. a 1 depends on numpy<1")
+
+
+# -- real jobs on this machine ----------------------------------------------------------
+
+SCRIPT = """\
+import os, sys
+import paienvtiny
+print("FOO=%s TOKEN=%s VALUE=%s" % (os.environ.get("FOO"), os.environ.get("MY_TOKEN"), paienvtiny.VALUE))
+print("the token again, split by nothing: " + os.environ["MY_TOKEN"], flush=True)
+"""
+
+
+def job_files(tmp_path: Path) -> tuple[Path, Path]:
+    script = tmp_path / "uses_tiny.py"
+    script.write_text(SCRIPT)
+    req = tmp_path / "requirements.txt"
+    req.write_text(f"--no-index\n--find-links {wheelhouse(tmp_path)}\npaienvtiny\n")
+    return script, req
+
+
+def test_env_and_requirements_locally_then_the_layer_is_reused(pai_home, tmp_path):
+    script, req = job_files(tmp_path)
+    env = {"PAI_RUNTIME_DIR": str(tmp_path / "runtimes"), "MY_TOKEN": SECRET}
+    first = pai("-name", "python", f"-Dscript={script}", f"-Drequirements=file://{req}",
+                "-Denv=FOO=bar,MY_TOKEN", '-Dcluster={"worker":{"count":2}}', env=env)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert first.stdout.count(f"FOO=bar TOKEN={MASK} VALUE=42") == 2
+    assert "installing 1 package(s): paienvtiny==1.0" in first.stderr
+    job_id = next(line[5:] for line in first.stdout.splitlines() if line.startswith("ID = "))
+    job_dir = pai_home / "jobs" / job_id
+    assert "paienvtiny" in (job_dir / "pip.log").read_text()   # pip's own output, kept with the job
+    status = pai("status", job_id, "--json", env=env).stdout
+    logs = pai("logs", job_id, env=env).stdout
+    assert SECRET not in status and SECRET not in logs and MASK in logs
+    for path in (job_dir / "logs").iterdir():
+        assert SECRET.encode() not in path.read_bytes(), path
+    assert SECRET.encode() not in (job_dir / "job.log").read_bytes()
+
+    layers = [r for r in pai_json("runtime", "list", env=env) if r.get("kind") == "layer"]
+    assert len(layers) == 1 and layers[0]["installed_packages"] == ["paienvtiny==1.0"]
+    second = pai("-name", "python", f"-Dscript={script}", f"-Drequirements=file://{req}",
+                 "-Denv=MY_TOKEN=other-secret-value", env=env)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "layer" not in second.stderr and "pip" not in second.stderr   # no pip run at all
+    assert "VALUE=42" in second.stdout and "other-secret-value" not in second.stdout
+
+
+def test_a_requirement_pip_cannot_satisfy_is_one_line_and_nothing_starts(pai_home, tmp_path):
+    script, _ = job_files(tmp_path)
+    req = tmp_path / "bad.txt"
+    req.write_text(f"--no-index\n--find-links {wheelhouse(tmp_path)}\npaienvtiny\nno-such-package-paicli==9\n")
+    result = pai("-name", "python", f"-Dscript={script}", f"-Drequirements={req}",
+                 env={"PAI_RUNTIME_DIR": str(tmp_path / "runtimes")})
+    assert result.returncode == 2
+    error = [line for line in result.stderr.splitlines() if line.startswith("pai: error:")]
+    assert len(error) == 1 and "no-such-package-paicli==9" in error[0] and "from versions: none" in error[0]
+    log = Path(error[0].rsplit("pip's full log: ", 1)[1])
+    assert "no-such-package-paicli" in log.read_text()
+    assert pai_json("list") == []   # nothing recorded, nothing started
+    assert not [p for p in (tmp_path / "runtimes" / "layers").iterdir() if p.is_dir()]   # no half-built layer
+
+
+def test_env_reaches_every_role_of_a_yaml_job(pai_home, tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import os; print('SEEN', os.environ['PAI_ROLE'], os.environ.get('GREETING'), "
+                      "os.environ.get('DB_PASSWORD'))\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: python\nscript: {script}\ncluster: {{ps: {{count: 1}}, worker: {{count: 1}}}}\n"
+                   "env:\n  GREETING: hello world\n  DB_PASSWORD: hunter2-long\n")
+    result = pai("run", str(job))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "SEEN worker hello world ***" in result.stdout
+    assert "hunter2-long" not in result.stdout
+    exported = pai("export", "-name", "python", f"-Dscript={script}", "-Denv=A=1")
+    assert "env: {A: '1'}" in exported.stdout   # a job file `pai run` reads back as it was

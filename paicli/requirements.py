@@ -28,6 +28,31 @@ CANONICAL = {"-f": "--find-links", "-i": "--index-url"}
 REQUIREMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._, -]*\])?\s*([<>=!~;@ (].*)?")
 
 
+def _path(text: str, base: Path) -> Path:
+    """A file:// URI or a path (relative to `base`), ~ expanded; ValueError if it cannot be."""
+    text = text[len("file://"):] if text.startswith("file://") else text
+    if "\x00" in text:
+        raise ValueError("a path cannot contain a NUL character")
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError:   # `~name` of a user this machine does not know
+        raise ValueError(f"{_shown(Path(text))}: no such user's home on this machine; give the full path") from None
+    return path if path.is_absolute() else base / path
+
+
+def _shown(path: Path) -> str:
+    """A path for a one-line message (a newline in a name is shown escaped)."""
+    text = str(path)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:   # a name too long, no permission
+        return False
+
+
 def _option(line: str, base: Path) -> str:
     match = re.match(r"(-[A-Za-z-]+)\s*=?\s*(.*)$", line)
     head, rest = (match.group(1), match.group(2).strip()) if match else (line, "")
@@ -44,10 +69,9 @@ def _option(line: str, base: Path) -> str:
         raise ValueError(f"{line!r}: {name} needs a value")
     local = rest.startswith("file://") or not re.match(r"^[a-z][a-z0-9+.-]*://", rest, re.I)
     if name == "--find-links" and local:
-        folder = Path(rest[len("file://"):] if rest.startswith("file://") else rest).expanduser()
-        folder = folder if folder.is_absolute() else base / folder
-        if not folder.is_dir():
-            raise ValueError(f"{line!r}: {folder} is not a folder (--find-links takes a folder of wheels or an URL)")
+        folder = _path(rest, base)
+        if not _is_dir(folder):
+            raise ValueError(f"{line!r}: {_shown(folder)} is not a folder (--find-links takes a folder of wheels or an URL)")
         rest = str(folder.resolve())
     return f"{name} {rest}"
 
@@ -85,14 +109,13 @@ def parse_requirements(raw: Any, base: Path) -> list[str]:
     if not isinstance(raw, str) or not raw.strip():
         raise ValueError("expected file:///path/requirements.txt (or a YAML list of requirements)")
     text = raw.strip()
-    path = Path(text[len("file://"):] if text.startswith("file://") else text).expanduser()
-    path = path if path.is_absolute() else base / path
+    path = _path(text, base)
     try:
         content = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ValueError(f"{path} does not exist; check the path (file:// URIs take an absolute path)") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+        raise ValueError(f"{_shown(path)} does not exist; check the path (file:// URIs take an absolute path)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"cannot read {_shown(path)}: {getattr(err, 'strerror', None) or err}") from None
     return normalise(content.splitlines(), path.parent)
 
 

@@ -187,3 +187,38 @@ def test_env_reaches_every_role_of_a_yaml_job(pai_home, tmp_path):
     assert "hunter2-long" not in result.stdout
     exported = pai("export", "-name", "python", f"-Dscript={script}", "-Denv=A=1")
     assert "env: {A: '1'}" in exported.stdout   # a job file `pai run` reads back as it was
+
+
+# -- fuzz: the new parsers never traceback ----------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from paicli import client  # noqa: E402
+from paicli.errors import UsageError  # noqa: E402
+from paicli.statement import parse_statement  # noqa: E402
+
+values = st.one_of(st.text(max_size=40), st.sampled_from(
+    ["A=1,B", "=x", "A=1\\", "PAI_ROLE=1", "A=\x00", "x" * 5, "-f", "--find-links", "-r x", "pandas==2 ;",
+     "file://", "file:///nonexistent", "~nosuchuser_fz/r.txt", "a[b", "--no-index,pandas"]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["env", "requirements"]), values)
+def test_env_and_requirements_never_traceback(key, value):
+    try:
+        client.prepare(parse_statement(["-name", "python", f"-Dscript={__file__}", f"-D{key}={value}"]))
+    except UsageError as err:
+        assert str(err) and "\n" not in str(err).strip()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.lists(st.one_of(st.text(max_size=20), st.integers(), st.none()), max_size=4),
+                 st.dictionaries(st.text(max_size=8), st.one_of(st.text(max_size=8), st.none(), st.integers(),
+                                                                 st.lists(st.integers(), max_size=2)), max_size=4)))
+def test_yaml_structures_never_traceback(value):
+    for parse in (lambda v: parse_env(v, shell={}), lambda v: parse_requirements(v, Path("/"))):
+        try:
+            parse(value)
+        except ValueError as err:
+            assert str(err) and "\n" not in str(err)

@@ -328,12 +328,28 @@ def _pip_command(python: str) -> list[str]:
                         "(e.g. apt-get install python3-pip) to build a requirements layer")
 
 
-def _run_logged(argv: list[str], log, what: str) -> str:
+# Debian's Python 3.9 (Caffe's) has no distutils.cmd, which pip reads its install
+# locations from before 3.10 unless sysconfig says otherwise: this says so, as a
+# sitecustomize on the PYTHONPATH of the pip that runs for it.
+SYSCONFIG_SITECUSTOMIZE = "import sysconfig\nsysconfig._PIP_USE_SYSCONFIG = True\n"
+
+
+def _pip_env(pip: list[str], staging: Path) -> dict:
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    if "--python" in pip:
+        helper = staging / "pip-helper"
+        helper.mkdir(exist_ok=True)
+        (helper / "sitecustomize.py").write_text(SYSCONFIG_SITECUSTOMIZE)
+        env["PYTHONPATH"] = str(helper)
+    return env
+
+
+def _run_logged(argv: list[str], log, what: str, env: dict | None = None) -> str:
     """Run a pip step with its whole output appended to `log`; PipError (one line) on failure."""
     log.write(f"$ {' '.join(argv)}\n")
     log.flush()
     proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                          text=True, errors="replace", env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
+                          text=True, errors="replace", env=env or dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
     log.write(proc.stdout)
     log.flush()
     if proc.returncode != 0:
@@ -341,9 +357,9 @@ def _run_logged(argv: list[str], log, what: str) -> str:
     return proc.stdout
 
 
-def _constraints(pip: list[str], log) -> str:
+def _constraints(pip: list[str], log, env: dict) -> str:
     """Every package the runtime has, pinned (name==version lines)."""
-    out = _run_logged([*pip, "freeze", "--all"], log, "pip freeze")
+    out = _run_logged([*pip, "freeze", "--all"], log, "pip freeze", env)
     return "\n".join(line for line in out.splitlines() if re.fullmatch(r"[A-Za-z0-9._-]+==[^ ;@]+", line)) + "\n"
 
 
@@ -412,24 +428,25 @@ class Layer:
         try:
             with open(log_file, "a", encoding="utf-8") as log:
                 pip = _pip_command(self.python)
+                env = _pip_env(pip, staging)
                 lines = self._lines_here(links)
                 options = [x for line in lines if line.startswith("-") for x in line.split(" ", 1)]
                 if pins is None:
                     wanted = [x for x in lines if not x.startswith("-")]
                     progress(f"layer {self.name}: resolving {len(wanted)} requirement(s) against the "
                              f"{self.base} runtime")
-                    (staging / "constraints.txt").write_text(_constraints(pip, log))
+                    (staging / "constraints.txt").write_text(_constraints(pip, log, env))
                     (staging / "requirements.txt").write_text("\n".join(lines) + "\n")
                     _run_logged([*pip, "install", "--dry-run", "--quiet", "--report", str(staging / "report.json"),
                                  "-c", str(staging / "constraints.txt"), "-r", str(staging / "requirements.txt")],
-                                log, "pip")
+                                log, "pip", env)
                     report = json.loads((staging / "report.json").read_text())
                     pins = [f"{name}=={version}" for name, version, _ in _report_pins(report)]
                 (staging / "site").mkdir()
                 if pins:
                     progress(f"layer {self.name}: installing {len(pins)} package(s): {' '.join(pins)[:200]}")
                     _run_logged([*pip, "install", "--no-deps", "--no-compile", "--target", str(staging / "site"),
-                                 *options, *pins], log, "pip")
+                                 *options, *pins], log, "pip", env)
                 else:
                     progress(f"layer {self.name}: the runtime already has every requirement")
             size = dir_size(staging / "site")

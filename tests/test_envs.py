@@ -222,3 +222,25 @@ def test_yaml_structures_never_traceback(value):
             parse(value)
         except ValueError as err:
             assert str(err) and "\n" not in str(err)
+
+
+@pytest.mark.caffe
+def test_a_caffe_script_imports_a_package_of_its_layer(pai_home, tmp_path):
+    """Caffe's Debian Python 3.9 has no pip: the layer is built for it by this
+    machine's pip (--python), and pycaffe and the package import side by side."""
+    script = tmp_path / "caffe_tiny.py"
+    script.write_text("import caffe, paienvtiny, sys\n"
+                      "print('CAFFE', sys.version_info[:2], paienvtiny.VALUE, flush=True)\n")
+    req = tmp_path / "requirements.txt"
+    req.write_text(f"--no-index\n--find-links {wheelhouse(tmp_path)}\npaienvtiny\n")
+    # The Caffe runtime is the shared one (3 minutes to build): so is the layer, removed after.
+    result = pai("-name", "caffe", f"-Dscript={script}", f"-Drequirements={req}", timeout=900)
+    try:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        assert "CAFFE (3, 9) 42" in result.stdout
+    finally:
+        for row in pai_json("runtime", "list"):
+            if row.get("kind") == "layer" and row["name"].startswith("caffe-") and \
+                    row["installed_packages"] == ["paienvtiny==1.0"]:
+                assert pai("runtime", "remove", row["name"]).returncode == 0
+                (Path(row["path"]).parent / f".{row['name']}.lock").unlink(missing_ok=True)

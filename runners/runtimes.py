@@ -301,17 +301,20 @@ class PipError(RuntimeError_):
 
 
 def pip_one_line(output: str) -> str:
-    """pip's reason in one line, naming the package: its first ERROR line (and, for a
-    conflict, the first cause it lists)."""
+    """pip's reason in one line, naming the package: its first ERROR line and, for a
+    conflict, the causes it lists (a pin of the runtime's own said as such)."""
     lines = [x.strip() for x in output.splitlines() if x.strip()]
     errors = [x[len("ERROR:"):].strip() for x in lines if x.startswith("ERROR:")]
     if not errors:
         return (lines or ["pip failed without saying why"])[-1]
-    first = errors[0]
+    causes = []
     for i, line in enumerate(lines):
-        if line.startswith("The conflict is caused by") and i + 1 < len(lines):
-            return f"{first} {lines[i + 1]}"
-    return first
+        if line.startswith("The conflict is caused by"):
+            for cause in lines[i + 1:i + 4]:
+                if cause.startswith(("To fix", "ERROR", "Additionally")):
+                    break
+                causes.append(re.sub(r"^The user requested \(constraint\) ", "the runtime has ", cause))
+    return errors[0].rstrip(".") + (f" ({'; '.join(causes)})" if causes else "")
 
 
 def _pip_command(python: str) -> list[str]:
@@ -437,7 +440,7 @@ class Layer:
                              f"{self.base} runtime")
                     (staging / "constraints.txt").write_text(_constraints(pip, log, env))
                     (staging / "requirements.txt").write_text("\n".join(lines) + "\n")
-                    _run_logged([*pip, "install", "--dry-run", "--quiet", "--report", str(staging / "report.json"),
+                    _run_logged([*pip, "install", "--dry-run", "--report", str(staging / "report.json"),
                                  "-c", str(staging / "constraints.txt"), "-r", str(staging / "requirements.txt")],
                                 log, "pip", env)
                     report = json.loads((staging / "report.json").read_text())

@@ -109,9 +109,11 @@ def test_pip_one_line_names_the_package_and_the_reason():
     out = ("Looking in links: /w\nERROR: Could not find a version that satisfies the requirement nope==9 "
            "(from versions: none)\nERROR: No matching distribution found for nope==9\n")
     assert pip_one_line(out) == "Could not find a version that satisfies the requirement nope==9 (from versions: none)"
-    conflict = ("ERROR: Cannot install a==1 because these package versions have conflicting dependencies.\n\n"
-                "The conflict is caused by:\n    a 1 depends on numpy<1\n")
-    assert pip_one_line(conflict).endswith("conflicting dependencies. a 1 depends on numpy<1")
+    conflict = ("ERROR: Cannot install numpy<2 because these package versions have conflicting dependencies.\n\n"
+                "The conflict is caused by:\n    The user requested numpy<2\n"
+                "    The user requested (constraint) numpy==2.4.0\n\nTo fix this you could try to:\n")
+    assert pip_one_line(conflict) == ("Cannot install numpy<2 because these package versions have conflicting "
+                                      "dependencies (The user requested numpy<2; the runtime has numpy==2.4.0)")
 
 
 # -- real jobs on this machine ----------------------------------------------------------

@@ -116,7 +116,8 @@ class Runtime:
             started = time.monotonic()
             progress(f"provisioning the {self.name} runtime ({self.description}) in {self.path}")
             try:
-                self._install(staging, progress)
+                with logged(progress, root / f".{self.name}.log") as both:
+                    self._install(staging, both)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
@@ -175,9 +176,15 @@ class Runtime:
         }
 
 
+# A tool's own output line (pip, debootstrap) reaches `progress` indented by this:
+# the log file gets it, a terminal counts it (paicli/progress.py), a pipe does not
+# show it. Lines without it are the provisioning's own phases.
+DETAIL = "  "
+
+
 def run_streaming(argv: list[str], progress: Progress, what: str, env: dict | None = None) -> None:
-    """Run an install step, feeding its output lines to `progress`; on failure
-    raise with the last lines of output in the message."""
+    """Run an install step, feeding its output lines to `progress` (as DETAIL lines);
+    on failure raise with the last lines of output in the message."""
     tail: list[str] = []
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, errors="replace", env=env)
@@ -186,9 +193,26 @@ def run_streaming(argv: list[str], progress: Progress, what: str, env: dict | No
         line = line.rstrip()
         if line:
             tail = (tail + [line])[-8:]
-            progress(line)
+            progress(DETAIL + line.lstrip())
     if proc.wait() != 0:
         raise RuntimeError_(f"{what} failed (exit {proc.returncode}): " + " | ".join(tail[-3:]))
+
+
+@contextlib.contextmanager
+def logged(progress: Progress, path: Path) -> Iterator[Progress]:
+    """`progress`, with every line also written to the log file `path` (0600, new
+    for each provisioning); an error raised inside names the file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w", encoding="utf-8", errors="replace") as log:
+        def both(line: str) -> None:
+            log.write(line.strip() + "\n")
+            log.flush()
+            progress(line)
+
+        try:
+            yield both
+        except RuntimeError_ as err:
+            raise RuntimeError_(f"{err}; full log: {path}") from None
 
 
 class VenvRuntime(Runtime):

@@ -246,3 +246,75 @@ def test_a_caffe_script_imports_a_package_of_its_layer(pai_home, tmp_path):
                     row["installed_packages"] == ["paienvtiny==1.0"]:
                 assert pai("runtime", "remove", row["name"]).returncode == 0
                 (Path(row["path"]).parent / f".{row['name']}.lock").unlink(missing_ok=True)
+
+
+# -- provisioning progress: a bar on a terminal, one line per phase in a pipe ------------
+
+PIP_RUN = ["provisioning the mxnet runtime (MXNet 1.9.1) in /rt/mxnet",
+           "  Collecting mxnet==1.9.1", "  Downloading mxnet-1.9.1-py3-none-manylinux2014_x86_64.whl (49.1 MB)",
+           "  Collecting numpy==1.23.5", "  Downloading numpy-1.23.5-cp311-cp311-manylinux_2_17_x86_64.whl (17.1 MB)",
+           "  Collecting requests<3", "  Downloading requests-2.32.3-py3-none-any.whl (64 kB)",
+           "  Installing collected packages: numpy, requests, mxnet", "  Successfully installed mxnet numpy requests",
+           "mxnet runtime ready in 19s"]
+
+
+def test_the_tracker_counts_packages_and_megabytes():
+    from paicli.progress import Tracker
+
+    tracker = Tracker(now=0.0)
+    changes = [tracker.feed(line) for line in PIP_RUN[:-1]]
+    assert changes == ["phase", "step", "step", None, None, None, None, "step", None]   # forward only
+    assert tracker.step == "installing" and len(tracker.packages) == 3 and round(tracker.mb, 1) == 66.3
+    assert tracker.summary(now=75.0) == "installing, 3 packages, 66 MB, 1:15"
+    tracker.feed(PIP_RUN[-1])
+    assert tracker.done and tracker.fraction() == 1.0
+
+
+def test_in_a_pipe_one_line_per_phase_and_no_pip_line():
+    import io
+
+    from paicli.progress import provisioning_progress
+
+    out = io.StringIO()
+    show = provisioning_progress(out, tty=False)
+    for line in PIP_RUN:
+        show(line)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "runtime: provisioning the mxnet runtime (MXNet 1.9.1) in /rt/mxnet"
+    assert lines[-1] == "runtime: mxnet runtime ready in 19s"
+    assert [line.split(",")[0] for line in lines[1:-1]] == [
+        "runtime:   collecting", "runtime:   downloading", "runtime:   installing"]
+    assert not any("Collecting" in line or ".whl" in line for line in lines)
+
+
+def test_on_a_terminal_one_line_redrawn_with_a_bar():
+    import io
+
+    from paicli.progress import provisioning_progress
+
+    out = io.StringIO()
+    show = provisioning_progress(out, tty=True)
+    for line in PIP_RUN:
+        show(line)
+    text = out.getvalue()
+    assert text.endswith("\n") and text.count("\n") == 1   # the finished line stays, nothing scrolls
+    frames = text.split("\r\x1b[2K")[1:]
+    assert "installing, 3 packages, 66 MB" in frames[-2] and frames[-2].startswith("runtime: [")
+    assert frames[-1].startswith("runtime: [############] mxnet runtime ready in 19s")
+
+
+def test_a_failed_runtime_install_names_its_full_log(tmp_path, monkeypatch):
+    from paicli.runners.runtimes import RuntimeError_, VenvRuntime
+
+    monkeypatch.setenv("PAI_RUNTIME_DIR", str(tmp_path / "rt"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")   # hermetic, and fast to fail
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    shown: list[str] = []
+    with pytest.raises(RuntimeError_) as caught:
+        VenvRuntime("bogus", ["no-such-package-paicli==9"]).ensure(shown.append)
+    message = str(caught.value)
+    assert "no-such-package-paicli==9" in message and "\n" not in message
+    log = Path(message.rsplit("full log: ", 1)[1])
+    assert "No matching distribution found for no-such-package-paicli==9" in log.read_text()
+    assert oct(log.stat().st_mode & 0o777) == "0o600"
+    assert not (tmp_path / "rt" / "bogus").exists() and not (tmp_path / "rt" / ".bogus.partial").exists()

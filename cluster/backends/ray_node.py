@@ -148,7 +148,9 @@ class InstanceActor:
         lines = result.stdout.splitlines()
         if result.returncode == 0 and lines:
             try:
-                return {"python": json.loads(lines[-1])["python"], "lines": lines[:-1]}
+                # The runtime's phases only: pip's own lines (indented) would flood job.log.
+                return {"python": json.loads(lines[-1])["python"],
+                        "lines": [x for x in lines[:-1] if not x.startswith("  ")]}
             except (ValueError, KeyError):
                 pass
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]

@@ -192,10 +192,12 @@ def declare_in_master(plan) -> None:
     """The backends send a node only the variables the master's own environment
     lacks or has otherwise (its PATH, HOME are this machine's). A variable the job
     declares must cross even when the submitting shell had the same value (as with
-    `-Denv=HF_TOKEN`), so the master, in its own process, forgets its own copy."""
+    `-Denv=HF_TOKEN`), so the master, in its own process, forgets its own copy of
+    exactly those (a local instance still gets them: they are in its role's env)."""
     for role in plan.roles:
-        for name in role.env:
-            os.environ.pop(name, None)
+        for name, value in role.env.items():
+            if os.environ.get(name) == value:
+                del os.environ[name]
 
 
 def instance_log(plan, path: Path, prefix: str, cap: int):

@@ -312,7 +312,8 @@ def runtime_remove(name):
     from paicli.cli_runtime import is_layer_name, remove_layer   # ENVS room
 
     if is_layer_name(name):
-        click.echo(f"{name}: removed" if remove_layer(name) else f"{name}: was not there")
+        removed = remove_layer(name)
+        click.echo(f"{removed}: removed" if removed else f"{name}: was not there")
         return
     try:
         removed = _runtime(name).remove()

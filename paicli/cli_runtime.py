@@ -63,8 +63,9 @@ def _jobs_using(name: str) -> list[str]:
     return using
 
 
-def remove_layer(name: str) -> bool:
-    """Delete a layer unless a job uses it (its store says so, or an instance holds it)."""
+def remove_layer(name: str) -> str | None:
+    """Delete a layer (its name, or a unique prefix) unless a job uses it (its store
+    says so, or an instance holds it). The full name, or None if it was gone already."""
     from paicli.runners.runtimes import RuntimeError_, list_layers, remove_layer as remove
 
     names = [layer["name"] for layer in list_layers()]
@@ -77,7 +78,7 @@ def remove_layer(name: str) -> bool:
         raise PaiError(f"cannot remove the layer {matches[0]}: job {users[0]} uses it",
                        "try again when its jobs have ended (`pai list`)")
     try:
-        return remove(matches[0])
+        return matches[0] if remove(matches[0]) else None
     except RuntimeError_ as err:
         raise PaiError(str(err)) from None
 

@@ -318,3 +318,24 @@ def test_a_failed_runtime_install_names_its_full_log(tmp_path, monkeypatch):
     assert "No matching distribution found for no-such-package-paicli==9" in log.read_text()
     assert oct(log.stat().st_mode & 0o777) == "0o600"
     assert not (tmp_path / "rt" / "bogus").exists() and not (tmp_path / "rt" / ".bogus.partial").exists()
+
+
+def test_a_layer_in_use_is_not_removed(pai_home, tmp_path):
+    import fcntl
+
+    layer = tmp_path / "rt" / "layers" / "python-0123456789abcdef"
+    (layer / "site").mkdir(parents=True)
+    marker = layer / "paicli-layer.json"
+    marker.write_text(json.dumps({"base": "python", "requirements": ["x"], "installed": ["x==1"]}))
+    env = {"PAI_RUNTIME_DIR": str(tmp_path / "rt")}
+    holder = os.open(marker, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)   # what a running instance's runner holds (runtime_lock.py)
+    try:
+        refused = pai("runtime", "remove", "python-0123", env=env)
+        assert refused.returncode == 1 and "a running job uses it" in refused.stderr and layer.exists()
+    finally:
+        os.close(holder)
+    assert pai("runtime", "remove", "python-0123", env=env).stdout.strip() == "python-0123456789abcdef: removed"
+    assert not layer.exists()
+    missing = pai("runtime", "remove", "python-0123", env=env)
+    assert missing.returncode == 2 and "no single layer named" in missing.stderr

@@ -153,7 +153,7 @@ def ensure_on_ssh_node(session, node, job_dir: str, folder: str, info: dict, pro
     from paicli.cluster import ssh_transport as ssh
     from paicli.cluster.node_admin import stream_command
     from paicli.cluster.node_files import NodeFile
-    from paicli.runners.runtimes import runtime_root
+    from paicli.runners.runtimes import DETAIL, runtime_root
 
     links = {}
     files = []
@@ -180,7 +180,8 @@ def ensure_on_ssh_node(session, node, job_dir: str, folder: str, info: dict, pro
         kept = save_node_log(job_dir, node.name, "\n".join(lines) + "\n")
         raise PaiError(f"-Drequirements on node {node.name}: {error}", f"pip's full log: {kept}")
     for line in lines[:-1]:
-        progress(f"{node.name}: {line}")
+        if not line.startswith(DETAIL):   # pip's own lines stay in the node's pip.log
+            progress(f"{node.name}: {line}")
     if json.loads(lines[-1]).get("built"):
         progress(f"{node.name}: layer {layer['name']} built in {time.monotonic() - started:.1f}s")
 

@@ -371,17 +371,28 @@ def _pip_env(pip: list[str], staging: Path) -> dict:
     return env
 
 
-def _run_logged(argv: list[str], log, what: str, env: dict | None = None) -> str:
-    """Run a pip step with its whole output appended to `log`; PipError (one line) on failure."""
+def _run_logged(argv: list[str], log, what: str, env: dict | None = None,
+                progress: Progress | None = None) -> str:
+    """Run a pip step with its whole output appended to `log` (and each line, as a
+    DETAIL line, to `progress`: a terminal counts packages and megabytes from them);
+    PipError (one line) on failure."""
     log.write(f"$ {' '.join(argv)}\n")
     log.flush()
-    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                          text=True, errors="replace", env=env or dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
-    log.write(proc.stdout)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, errors="replace",
+                            env=env or dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        log.write(line)
+        if progress is not None and line.strip():
+            progress(DETAIL + line.strip())
     log.flush()
-    if proc.returncode != 0:
-        raise PipError(f"{what}: {pip_one_line(proc.stdout)}", getattr(log, "name", None))
-    return proc.stdout
+    out = "".join(seen)
+    if proc.wait() != 0:
+        raise PipError(f"{what}: {pip_one_line(out)}", getattr(log, "name", None))
+    return out
 
 
 def _constraints(pip: list[str], log, env: dict) -> str:
@@ -466,14 +477,14 @@ class Layer:
                     (staging / "requirements.txt").write_text("\n".join(lines) + "\n")
                     _run_logged([*pip, "install", "--dry-run", "--report", str(staging / "report.json"),
                                  "-c", str(staging / "constraints.txt"), "-r", str(staging / "requirements.txt")],
-                                log, "pip", env)
+                                log, "pip", env, progress)
                     report = json.loads((staging / "report.json").read_text())
                     pins = [f"{name}=={version}" for name, version, _ in _report_pins(report)]
                 (staging / "site").mkdir()
                 if pins:
                     progress(f"layer {self.name}: installing {len(pins)} package(s): {' '.join(pins)[:200]}")
                     _run_logged([*pip, "install", "--no-deps", "--no-compile", "--target", str(staging / "site"),
-                                 *options, *pins], log, "pip", env)
+                                 *options, *pins], log, "pip", env, progress)
                 else:
                     progress(f"layer {self.name}: the runtime already has every requirement")
             size = dir_size(staging / "site")

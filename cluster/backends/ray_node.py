@@ -184,7 +184,7 @@ class InstanceActor:
                                 start_new_session=True)
         lines = result.stdout.splitlines()
         if result.returncode == 0 and lines and lines[-1].startswith("{"):
-            return {**got, "lines": got.get("lines", []) + lines[:-1]}
+            return {**got, "lines": got.get("lines", []) + [x for x in lines[:-1] if not x.startswith("  ")]}
         errors = [x for x in result.stderr.splitlines() if x.strip()]
         last = (errors or ["no output"])[-1]
         if ": " in last and last.split(": ", 1)[0].endswith(("Error", "Error_")):
@@ -194,7 +194,8 @@ class InstanceActor:
                 pip_log = fh.read()
         except OSError:
             pip_log = result.stderr
-        return {"error": last, "pip_log": pip_log, "lines": got.get("lines", []) + lines}
+        return {"error": last, "pip_log": pip_log,
+                "lines": got.get("lines", []) + [x for x in lines if not x.startswith("  ")]}
 
     def pick_ports(self, count: int, taken=()) -> list[int]:
         return free_ports(count, taken)

@@ -41,7 +41,9 @@ def _base(plan) -> tuple[str, str, str]:
 
     if plan.runtime:
         runtime = get_runtime(plan.runtime)
-        return plan.runtime, runtime.version, runtime.python()
+        # Your own interpreter (PAI_<NAME>_PYTHON) is another base than the provisioned one.
+        version = runtime.version + (f"|{runtime.override}" if runtime.override else "")
+        return plan.runtime, version, runtime.python()
     return "", f"python{sys.version_info[0]}.{sys.version_info[1]}", sys.executable
 
 

@@ -401,13 +401,10 @@ def _constraints(pip: list[str], log, env: dict) -> str:
     return "\n".join(line for line in out.splitlines() if re.fullmatch(r"[A-Za-z0-9._-]+==[^ ;@]+", line)) + "\n"
 
 
-def _report_pins(report: dict) -> list[tuple[str, str, int]]:
-    pins = []
-    for item in report.get("install", []):
-        meta = item.get("metadata", {})
-        size = 0
-        pins.append((meta.get("name", "?"), meta.get("version", "?"), size))
-    return pins
+def _report_pins(report: dict) -> list[str]:
+    """name==version of everything pip's --report would install."""
+    return [f"{item['metadata']['name']}=={item['metadata']['version']}" for item in report.get("install", [])
+            if item.get("metadata", {}).get("name")]
 
 
 class Layer:
@@ -479,7 +476,7 @@ class Layer:
                                  "-c", str(staging / "constraints.txt"), "-r", str(staging / "requirements.txt")],
                                 log, "pip", env, progress)
                     report = json.loads((staging / "report.json").read_text())
-                    pins = [f"{name}=={version}" for name, version, _ in _report_pins(report)]
+                    pins = _report_pins(report)
                 (staging / "site").mkdir()
                 if pins:
                     progress(f"layer {self.name}: installing {len(pins)} package(s): {' '.join(pins)[:200]}")

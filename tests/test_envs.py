@@ -339,3 +339,35 @@ def test_a_layer_in_use_is_not_removed(pai_home, tmp_path):
     assert not layer.exists()
     missing = pai("runtime", "remove", "python-0123", env=env)
     assert missing.returncode == 2 and "no single layer named" in missing.stderr
+
+
+def test_a_ray_node_builds_the_layer_once_and_a_failure_there_is_one_line(tmp_path, monkeypatch):
+    """The Ray actor's side (ray_node.InstanceActor.ensure_runtime with a layer spec),
+    run here without Ray as tests/test_ray.py runs the actor: the --find-links files
+    come with the call, the layer is built with the staged runtimes code, cached; a
+    pin pip cannot install is one line and pip's whole output."""
+    from paicli.cluster import node_files
+    from paicli.cluster.backends import ray_node
+    from paicli.runners.runtimes import layer_digest
+
+    monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("PAI_RUNTIME_DIR", str(tmp_path / "node-runtimes"))
+    actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
+    assert "error" not in actor.stage(node_files.tar_stream(node_files.runner_files()))
+    links = wheelhouse(tmp_path)
+    lines = ["--no-index", f"--find-links {links}", "paienvtiny"]
+    spec = {"base": "", "digest": layer_digest("", "test", lines), "lines": lines, "pins": ["paienvtiny==1.0"],
+            "files": {str(links): [(p.name, p.read_bytes()) for p in links.iterdir()]}, "name": "x"}
+    got = actor.ensure_runtime(None, spec)
+    assert "error" not in got, got
+    assert any("installing 1 package(s)" in line for line in got["lines"])
+    assert not any(line.startswith("  ") for line in got["lines"])   # pip's own lines stay out of job.log
+    site = next((tmp_path / "node-runtimes" / "layers").glob("python-*/site"))
+    assert (site / "paienvtiny" / "__init__.py").exists()
+    again = actor.ensure_runtime(None, spec)
+    assert "error" not in again and not any("installing" in line for line in again["lines"])
+
+    bad = dict(spec, digest=layer_digest("", "test", lines + ["x"]), pins=["paienvtiny==9.9"])
+    failed = actor.ensure_runtime(None, bad)
+    assert failed["error"].startswith("pip: ") and "paienvtiny==9.9" in failed["error"] and "\n" not in failed["error"]
+    assert "No matching distribution found for paienvtiny==9.9" in failed["pip_log"]

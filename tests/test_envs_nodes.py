@@ -146,3 +146,16 @@ def test_env_and_requirements_on_ray_nodes(ray_nodes, tmp_path):
     print(f"ray: first job {times[0]:.1f}s, second (layer reused) {times[1]:.1f}s")
     layers = list((node_runtimes / "layers").glob("python-*/paicli-layer.json"))
     assert len(layers) == 1 and json.loads(layers[0].read_text())["installed"] == ["paienvtiny==1.0"]
+
+
+def test_a_layer_a_node_cannot_build_fails_the_job_before_any_instance_starts(ssh_cluster, tmp_path, pai_home):
+    # /proc takes no new folder: building the layer on the nodes fails, after it was fine here.
+    path = ssh_cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir="/proc/paicli-no-layers")
+    result = pai(*job_args(tmp_path), env={"PAI_NODES": str(path), "MY_TOKEN": SECRET,
+                                           "PAI_RUNTIME_DIR": str(tmp_path / "local-runtimes")}, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:]
+    status = json.loads(pai("status", next(line[5:] for line in result.stdout.splitlines()
+                                           if line.startswith("ID = ")), "--json").stdout)
+    assert "-Drequirements on node" in status["reason"] and "\n" not in status["reason"], status["reason"]
+    assert all(i["pid"] is None for i in status["instances"]), status["instances"]   # none started
+    assert "ON " not in result.stdout

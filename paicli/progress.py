@@ -7,8 +7,7 @@ it runs (pip, debootstrap), which also go whole to a log file whose path an erro
 names. Here:
 
 - on a terminal, one line redrawn in place: a bar over the phases, the phase,
-  packages seen, megabytes downloaded, time elapsed (refreshed every second even
-  while pip is silent);
+  packages seen, megabytes downloaded, time elapsed (at each line pip prints);
 - in a pipe, one line per phase (a new step of pip or debootstrap is a phase),
   never the tools' own lines.
 
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import re
 import sys
-import threading
 import time
 from typing import Callable, TextIO
 
@@ -105,7 +103,8 @@ def bar(fraction: float, width: int = 12) -> str:
 
 
 class _Terminal:
-    """One line redrawn in place, refreshed every second by a daemon thread."""
+    """One line redrawn in place at each line of progress (no thread of its own: a
+    ticker would redraw over whatever the command prints after a failure)."""
 
     def __init__(self, stream: TextIO, width: int | None = None):
         import shutil
@@ -113,23 +112,17 @@ class _Terminal:
         self.stream = stream
         self.width = width or max(40, shutil.get_terminal_size((100, 24)).columns - 1)
         self.tracker = Tracker()
-        self.lock = threading.Lock()
         self.open = False
-        self.ticker: threading.Thread | None = None
 
     def __call__(self, line: str) -> None:
-        with self.lock:
-            if self.tracker.done and not line.startswith(DETAIL):
-                self.tracker = Tracker()   # a second provisioning (a layer after a runtime)
-            self.tracker.feed(line)
-            self._draw()
-            if self.tracker.done:
-                self.stream.write("\n")
-                self.stream.flush()
-                self.open = False
-        if not self.tracker.done and self.ticker is None:
-            self.ticker = threading.Thread(target=self._tick, daemon=True)
-            self.ticker.start()
+        if self.tracker.done and not line.startswith(DETAIL):
+            self.tracker = Tracker()   # a second provisioning (a layer after a runtime)
+        self.tracker.feed(line)
+        self._draw()
+        if self.tracker.done:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.open = False
 
     def _draw(self) -> None:
         t = self.tracker
@@ -137,14 +130,6 @@ class _Terminal:
         self.stream.write("\r\x1b[2K" + text[:self.width])
         self.stream.flush()
         self.open = not t.done
-
-    def _tick(self) -> None:
-        while True:
-            time.sleep(1.0)
-            with self.lock:
-                if self.open and not self.tracker.done:
-                    self._draw()
-
 
 def provisioning_progress(stream: TextIO | None = None, tty: bool | None = None) -> Callable[[str], None]:
     """The progress callback for provisioning: a redrawn bar on a terminal, one line

@@ -59,7 +59,8 @@ class Tracker:
         """Take one line; what changed: "phase", "step", or None (only counts)."""
         if not line.startswith(DETAIL):
             self.phase, self.step = line, ""
-            self.done = " ready" in line or line.endswith("ready")
+            # The last line of a provisioning: ready, or failed (its error is printed next).
+            self.done = " ready" in line or line.endswith(("ready", " failed"))
             if self.done:
                 self.step = "ready"
             return "phase"

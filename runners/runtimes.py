@@ -120,6 +120,7 @@ class Runtime:
                     self._install(staging, both)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
+                progress(f"{self.name} runtime failed")   # the end of its progress: the error follows
                 raise
             (staging / MARKER).write_text(json.dumps(
                 {"name": self.name, "version": self.version, "installed": time.time()}))
@@ -493,6 +494,7 @@ class Layer:
             os.rename(staging, self.path)   # whole or absent
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            progress(f"layer {self.name}: failed")   # the end of its progress: the error follows
             raise
         progress(f"layer {self.name}: ready ({len(pins)} package(s), {size / 1e6:.1f} MB) "
                  f"in {time.monotonic() - started:.1f}s")

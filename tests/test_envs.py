@@ -301,6 +301,10 @@ def test_on_a_terminal_one_line_redrawn_with_a_bar():
     frames = text.split("\r\x1b[2K")[1:]
     assert "installing, 3 packages, 66 MB" in frames[-2] and frames[-2].startswith("runtime: [")
     assert frames[-1].startswith("runtime: [############] mxnet runtime ready in 19s")
+    out.truncate(0)
+    show("layer python-0123: resolving 1 requirement(s)")
+    show("layer python-0123: failed")
+    assert out.getvalue().endswith("layer python-0123: failed\n")   # the error prints on a line of its own
 
 
 def test_a_failed_runtime_install_names_its_full_log(tmp_path, monkeypatch):

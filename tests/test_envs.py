@@ -161,6 +161,20 @@ def test_env_and_requirements_locally_then_the_layer_is_reused(pai_home, tmp_pat
     assert "VALUE=42" in second.stdout and "other-secret-value" not in second.stdout
 
 
+def test_on_a_terminal_the_layer_build_is_a_bar_and_pip_says_nothing(pai_home, tmp_path):
+    from conftest import PAI, run_on_pty
+
+    script, req = job_files(tmp_path)
+    env = dict(os.environ, PAI_RUNTIME_DIR=str(tmp_path / "runtimes"), MY_TOKEN=SECRET, PAI_LOGVIEW="file")
+    code, out = run_on_pty([*PAI, "-name", "python", f"-Dscript={script}", f"-Drequirements={req}",
+                            "-Denv=MY_TOKEN"], env)
+    text = out.decode(errors="replace")
+    assert code == 0, text[-2000:]
+    assert "\r\x1b[2Kruntime: [" in text and " ready (1 package(s)" in text
+    assert "Processing" not in text and "Successfully installed" not in text   # pip's own lines: in pip.log
+    assert SECRET not in text and "VALUE=42" in text
+
+
 def test_a_requirement_pip_cannot_satisfy_is_one_line_and_nothing_starts(pai_home, tmp_path):
     script, _ = job_files(tmp_path)
     req = tmp_path / "bad.txt"

@@ -260,6 +260,10 @@ def test_a_caffe_script_imports_a_package_of_its_layer(pai_home, tmp_path):
                     row["installed_packages"] == ["paienvtiny==1.0"]:
                 assert pai("runtime", "remove", row["name"]).returncode == 0
                 (Path(row["path"]).parent / f".{row['name']}.lock").unlink(missing_ok=True)
+                try:
+                    Path(row["path"]).parent.rmdir()   # the shared layers folder, if we made it and it is empty
+                except OSError:
+                    pass
 
 
 # -- provisioning progress: a bar on a terminal, one line per phase in a pipe ------------

@@ -25,6 +25,7 @@ from pathlib import Path
 from paicli.cluster import distribution
 from paicli.cluster import placement as placing
 from paicli.cluster import policy
+from paicli.cluster import layers as job_layers
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
@@ -73,6 +74,7 @@ class JobMaster:
         row = store.job(job_id)
         self.job_dir = Path(row["job_dir"])
         self.plan = JobPlan.from_json((self.job_dir / "plan.json").read_text())
+        job_layers.declare_in_master(self.plan)   # the job's declared env always crosses to nodes
         self.backend = backend or backend_for_job(self.job_dir)
         self.placements = read_placements(self.job_dir)
         self.instances = [Instance(role, idx, Placement(role.name, idx, "", ""))
@@ -215,7 +217,7 @@ class JobMaster:
         if inst.port is not None:
             env["PAI_PORT"] = str(inst.port)
         log_path = self.logs_dir / f"{role.name}-{inst.idx}.{inst.attempt}.log"
-        inst.log = InstanceLog(log_path, f"[{inst.name}] ", self.cap)
+        inst.log = job_layers.instance_log(self.plan, log_path, f"[{inst.name}] ", self.cap)   # secrets masked
         inst.restart_at = None
         self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, host=inst.placed.host,
                                   node=inst.placed.node, port=inst.port, log_path=str(log_path), started=time.time())

@@ -90,13 +90,14 @@ def provision_runtime(config: NodesConfig, node_name: str, runtime: str,
     node = config.node(node_name)
     client = ssh.connect(node, config.known_hosts)
     try:
-        return _provision(lambda: client.get_transport().open_session(timeout=30), node, runtime, progress)
+        return _provision(lambda: client.get_transport().open_session(timeout=30), node, runtime, progress,
+                          details=True)
     finally:
         client.close()
 
 
 def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
-               progress: Callable[[str], None]) -> str:
+               progress: Callable[[str], None], details: bool = False) -> str:
     """`session()` opens a fresh SSH session channel to the node (a job's shared
     connection may already carry as many as the node's sshd allows: use
     Connections.session there). The provisioning code goes to a folder of its own
@@ -112,7 +113,7 @@ def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
     # remove each other's copy.
     folder = f"{node.job_root}/provision-{secrets.token_hex(6)}"
     try:
-        return _run_provisioning(session, node, runtime, progress, info, folder)
+        return _run_provisioning(session, node, runtime, _node_lines(node, progress, details), info, folder)
     finally:
         try:
             ssh.exec_command(session(), ["rm", "-rf", "--", folder], timeout=60)
@@ -144,12 +145,40 @@ def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable
             "    print(f'{err.__class__.__name__.rstrip(\"_\")}: {err}', flush=True); sys.exit(1)\n")
     argv = ["env", f"PAI_RUNTIME_DIR={info['runtime_dir']}", info["python_path"], "-u", "-c", code,
             folder, runtime]
+    status, tail = stream_command(session, node, argv, progress, f"provisioning {runtime}")
+    if status != 0:
+        raise PaiError(f"node {node.name}: provisioning the {runtime} runtime failed (exit {status}): "
+                       + " | ".join(tail[-2:]), "see the lines above; fix the node or set runtime_dir")
+    return tail[-1] if tail else f"{info['runtime_dir']}/{runtime}"
+
+
+def _node_lines(node: NodeEntry, progress: Callable[[str], None], details: bool) -> Callable[[str], None]:
+    """A node's provisioning lines for `progress`: its phases named by the node; the
+    tools' own lines (runtimes.DETAIL) only when `details` (a terminal counts them;
+    a job's log keeps phases only: the node keeps nothing, the last lines of a
+    failure are in the error)."""
+    from paicli.runners.runtimes import DETAIL
+
+    def show(line: str) -> None:
+        if not line.startswith(DETAIL):
+            progress(f"{node.name}: {line}")
+        elif details:
+            progress(line)
+
+    return show
+
+
+def stream_command(session, node: NodeEntry, argv: list[str], progress: Callable[[str], None],
+                   what: str) -> tuple[int, list[str]]:
+    """Run `argv` on the node in a fresh session, each output line to `progress`
+    as it comes; (exit status, every non-empty line). Silence for PROVISION_SILENCE
+    is a node that stopped answering."""
     chan = session()
     chan.settimeout(PROVISION_SILENCE)
     chan.set_combine_stderr(True)
     chan.exec_command(ssh.quote_argv(argv))
     chan.shutdown_write()
-    tail: list[str] = []
+    seen: list[str] = []
     buf = b""
     try:
         while True:
@@ -161,15 +190,13 @@ def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable
             for raw in lines:
                 line = raw.decode(errors="replace").rstrip()
                 if line:
-                    tail = (tail + [line])[-5:]
-                    progress(f"{node.name}: {line}")
+                    seen.append(line)
+                    progress(line)
+        if buf.strip():
+            seen.append(buf.decode(errors="replace").rstrip())
         status = chan.recv_exit_status()
     except socket.timeout:
-        raise ssh.NodeUnreachable(f"node {node.name}: provisioning {runtime} stopped answering") from None
+        raise ssh.NodeUnreachable(f"node {node.name}: {what} stopped answering") from None
     finally:
         chan.close()
-    if status != 0:
-        raise PaiError(f"node {node.name}: provisioning the {runtime} runtime failed (exit {status}): "
-                       + " | ".join(tail[-2:]), "see the lines above; fix the node or set runtime_dir")
-    return tail[-1] if tail else f"{info['runtime_dir']}/{runtime}"
-
+    return status, seen

@@ -278,7 +278,8 @@ def runtime_install(name, node):
 @runtime.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 def runtime_list(as_json):
-    """Show each runtime: installed or not, path, version, size."""
+    """Show each runtime (installed or not, path, version, size) and each
+    requirements layer (its runtime, size, last use, the packages it adds)."""
     from paicli.runners.runtimes import RUNTIMES, get_runtime
 
     infos = []
@@ -288,21 +289,32 @@ def runtime_list(as_json):
         except Exception as err:  # one broken runtime must not hide the others
             infos.append({"name": name, "installed": False, "path": "", "version": "", "size": None,
                           "source": f"unavailable: {err}"})
+    from paicli.cli_runtime import layer_line, layer_rows   # ENVS room: the requirements layers
+
+    layers = layer_rows()
     if as_json:
-        echo_json(infos)
+        echo_json([{"kind": "runtime", **info} for info in infos] + layers)
         return
     for info in infos:
         size = f"{info['size'] / 1e6:.0f} MB" if info.get("size") else "-"
         state = "installed" if info["installed"] else "not installed"
         click.echo(f"{info['name']:<11} {state:<14} {size:>8}  {info['version']}  {info['path']}  [{info['source']}]")
+    for row in layers:
+        click.echo(layer_line(row))
 
 
 @runtime.command("remove")
 @click.argument("name")
 def runtime_remove(name):
-    """Delete a provisioned runtime (the next job that needs it provisions it again)."""
+    """Delete a provisioned runtime or a requirements layer (`pai runtime list` names
+    them); the next job that needs it builds it again. Refused while a job uses it."""
     from paicli.runners.runtimes import RuntimeError_
+    from paicli.cli_runtime import is_layer_name, remove_layer   # ENVS room
 
+    if is_layer_name(name):
+        removed = remove_layer(name)
+        click.echo(f"{removed}: removed" if removed else f"{name}: was not there")
+        return
     try:
         removed = _runtime(name).remove()
     except RuntimeError_ as err:  # in use by a running job

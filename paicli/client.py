@@ -81,6 +81,9 @@ def submit(prepared: Prepared, store: Store | None = None,
             except RuntimeError_ as err:
                 raise PaiError(f"the {adapter.runtime} runtime: {err}",
                                f"retry with `pai runtime install {adapter.runtime}`") from None
+        if spec.get("env") or spec.get("requirements"):   # ENVS room: into the roles; the layer built here first
+            from paicli.cluster.layers import prepare_job_env
+            prepare_job_env(spec, plan, job_dir, progress, store.home)
         # JSON, not YAML: importing yaml would cost every submit ~30 ms (`pai export` gives YAML).
         write_private(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))
         write_private(job_dir / "plan.json", plan.to_json())

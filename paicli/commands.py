@@ -63,17 +63,11 @@ def print_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
 
 
 def runtime_progress():
-    """Install progress: one line rewritten in place on a TTY, plain lines in a pipe."""
-    err = sys.stderr
-    if err.isatty():
-        def show(line: str) -> None:
-            width = 100
-            err.write("\r\x1b[2K" + ("runtime: " + line)[:width])
-            err.flush()
-            if line.endswith("ready") or " ready in " in line:
-                err.write("\n")
-        return show
-    return lambda line: err.write(f"runtime: {line}\n")
+    """Provisioning progress: a bar redrawn in place on a TTY, one line per phase in a
+    pipe (paicli/progress.py; ENVS room)."""
+    from paicli.progress import provisioning_progress
+
+    return provisioning_progress(sys.stderr)
 
 
 # -- statements ----------------------------------------------------------------------------

@@ -119,6 +119,16 @@ CORE_PARAMS: tuple[Param, ...] = (
           help="true: Pluto plans the job (ps and worker counts, partitioning, compression, "
                "averaging period) from a short calibration run, as `pai plan` would, and submits "
                "its recommendation; the plan and its forecast go into plan.json."),
+    # -- ENVS room (issue 18): a job's own environment variables and packages ------------
+    Param("env", "env",
+          help="Environment variables for every instance on every backend: K=V,K2=V2 (\\, for a comma "
+               "in a value; a bare NAME takes its value from your shell), YAML: a mapping. Instances see "
+               "their node's own environment plus these; values of names with TOKEN, SECRET, PASSWORD or "
+               "KEY in them are masked in logs, `pai status` and the logview."),
+    Param("requirements", "requirements",
+          help="Python packages the job needs on top of its framework runtime: "
+               "file:///path/requirements.txt (YAML: a file or a list). Installed once per node into a "
+               "layer cached beside the runtimes (`pai runtime list`); the framework stays the runtime's."),
 )
 
 
@@ -290,11 +300,24 @@ def _to_args(param: Param, raw: Any, base: Path) -> str:
     return value
 
 
+def _to_env(param: Param, raw: Any, base: Path) -> dict[str, str]:
+    from paicli.envvars import parse_env   # ENVS room
+
+    return parse_env(raw)
+
+
+def _to_requirements(param: Param, raw: Any, base: Path) -> list[str]:
+    from paicli.requirements import parse_requirements   # ENVS room
+
+    return parse_requirements(raw, base)
+
+
 # kind -> converter(param, raw value, base folder): the typed value, or ValueError
 # saying what was expected. A new kind is one function and one row.
 CONVERTERS: dict[str, Callable[[Param, Any, Path], Any]] = {
     "str": _to_text, "int": _to_int, "float": _to_float, "duration": _to_duration,
     "json": _to_json, "path": _to_path, "choice": _to_choice, "args": _to_args,
+    "env": _to_env, "requirements": _to_requirements,   # ENVS room
 }
 
 

@@ -19,6 +19,7 @@ def hold_runtime_lock() -> int | None:
     exclusively and refuse while any instance holds it. Our own interpreters
     (PAI_<NAME>_PYTHON) have no marker and no lock. The caller keeps the returned
     descriptor open until its process ends."""
+    _hold_layer()
     here = os.path.realpath(sys.prefix)
     for folder in (here, os.path.dirname(here)):
         marker = os.path.join(folder, "paicli-runtime.json")
@@ -30,3 +31,20 @@ def hold_runtime_lock() -> int | None:
                 return None  # being removed right now: the run fails on its own
             return fd
     return None
+
+
+_LAYER_FDS: list[int] = []
+
+
+def _hold_layer() -> None:
+    """The job's requirements layer ($PAI_LAYER, cluster/layers.py), held the same
+    way for this process's life: `pai runtime remove LAYER` refuses while it is."""
+    layer = os.environ.get("PAI_LAYER")
+    if not layer:
+        return
+    try:
+        fd = os.open(os.path.join(layer, "paicli-layer.json"), os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return
+    _LAYER_FDS.append(fd)

@@ -23,6 +23,7 @@ import fcntl
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,9 +116,11 @@ class Runtime:
             started = time.monotonic()
             progress(f"provisioning the {self.name} runtime ({self.description}) in {self.path}")
             try:
-                self._install(staging, progress)
+                with logged(progress, root / f".{self.name}.log") as both:
+                    self._install(staging, both)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
+                progress(f"{self.name} runtime failed")   # the end of its progress: the error follows
                 raise
             (staging / MARKER).write_text(json.dumps(
                 {"name": self.name, "version": self.version, "installed": time.time()}))
@@ -174,9 +177,15 @@ class Runtime:
         }
 
 
+# A tool's own output line (pip, debootstrap) reaches `progress` indented by this:
+# the log file gets it, a terminal counts it (paicli/progress.py), a pipe does not
+# show it. Lines without it are the provisioning's own phases.
+DETAIL = "  "
+
+
 def run_streaming(argv: list[str], progress: Progress, what: str, env: dict | None = None) -> None:
-    """Run an install step, feeding its output lines to `progress`; on failure
-    raise with the last lines of output in the message."""
+    """Run an install step, feeding its output lines to `progress` (as DETAIL lines);
+    on failure raise with the last lines of output in the message."""
     tail: list[str] = []
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, errors="replace", env=env)
@@ -185,9 +194,26 @@ def run_streaming(argv: list[str], progress: Progress, what: str, env: dict | No
         line = line.rstrip()
         if line:
             tail = (tail + [line])[-8:]
-            progress(line)
+            progress(DETAIL + line.lstrip())
     if proc.wait() != 0:
         raise RuntimeError_(f"{what} failed (exit {proc.returncode}): " + " | ".join(tail[-3:]))
+
+
+@contextlib.contextmanager
+def logged(progress: Progress, path: Path) -> Iterator[Progress]:
+    """`progress`, with every line also written to the log file `path` (0600, new
+    for each provisioning); an error raised inside names the file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w", encoding="utf-8", errors="replace") as log:
+        def both(line: str) -> None:
+            log.write(line.strip() + "\n")
+            log.flush()
+            progress(line)
+
+        try:
+            yield both
+        except RuntimeError_ as err:
+            raise RuntimeError_(f"{err}; full log: {path}") from None
 
 
 class VenvRuntime(Runtime):
@@ -237,3 +263,280 @@ def runner_path(filename: str) -> str:
     """Absolute path of a runner script shipped next to this module; runtimes run
     it by path, since they have no paicli installed."""
     return str(Path(__file__).resolve().parent / filename)
+
+
+# ---------------------------------------------------------------------------
+# Layers (ENVS room, issue 18): a job's own packages on top of a runtime.
+#
+#     RUNTIME_ROOT/layers/<runtime>-<digest>/
+#         site/                  what PYTHONPATH names for the job's instances
+#         paicli-layer.json      the marker: requirements, what was installed; its
+#                                mtime is the layer's last use; instances hold it
+#                                with a shared lock (runtime_lock.py)
+#
+# Built with the runtime's own interpreter, so pip resolves against what the
+# runtime has: `pip install --dry-run --report` with every package of the runtime
+# pinned as a constraint (the framework stays the runtime's: a requirement that
+# needs another numpy fails instead of replacing it), then exactly what the report
+# says is missing, `--no-deps --target site`. A node given `pins` (what the
+# submitting machine resolved) installs those and resolves nothing.
+
+LAYER_MARKER = "paicli-layer.json"
+PYTHON_LAYER_BASE = "python"   # layers of jobs without a framework runtime (-name python)
+
+
+def layers_root() -> Path:
+    return runtime_root() / "layers"
+
+
+def layer_name(base: str, digest: str) -> str:
+    return f"{base or PYTHON_LAYER_BASE}-{digest[:16]}"
+
+
+def layer_digest(base: str, base_version: str, lines: list[str], link_digest: str = "") -> str:
+    import hashlib
+
+    text = json.dumps({"base": base or PYTHON_LAYER_BASE, "version": base_version, "lines": lines,
+                       "links": link_digest}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def folder_digest(folders: list[str]) -> str:
+    """Content digest of the --find-links folders (their files, by name and bytes)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for folder in folders:
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                digest.update(name.encode() + b"\0")
+                with open(path, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 20), b""):
+                        digest.update(block)
+    return digest.hexdigest()
+
+
+class PipError(RuntimeError_):
+    """pip could not satisfy a requirement: `line` is the one line to show."""
+
+    def __init__(self, line: str, log: str | None):
+        super().__init__(line)
+        self.line, self.log = line, log
+
+
+def pip_one_line(output: str) -> str:
+    """pip's reason in one line, naming the package: its first ERROR line and, for a
+    conflict, the causes it lists (a pin of the runtime's own said as such)."""
+    lines = [x.strip() for x in output.splitlines() if x.strip()]
+    errors = [x[len("ERROR:"):].strip() for x in lines if x.startswith("ERROR:")]
+    if not errors:
+        return (lines or ["pip failed without saying why"])[-1]
+    causes = []
+    for i, line in enumerate(lines):
+        if line.startswith("The conflict is caused by"):
+            for cause in lines[i + 1:i + 4]:
+                if cause.startswith(("To fix", "ERROR", "Additionally")):
+                    break
+                causes.append(re.sub(r"^The user requested \(constraint\) ", "the runtime has ", cause))
+    return errors[0].rstrip(".") + (f" ({'; '.join(causes)})" if causes else "")
+
+
+def _pip_command(python: str) -> list[str]:
+    """pip for `python`: its own, else this interpreter's pip run for it (pip
+    --python: Caffe's Debian Python has no pip)."""
+    own = subprocess.run([python, "-m", "pip", "--version"], capture_output=True, stdin=subprocess.DEVNULL)
+    if own.returncode == 0:
+        return [python, "-m", "pip"]
+    here = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True,
+                          stdin=subprocess.DEVNULL)
+    if here.returncode == 0:
+        return [sys.executable, "-m", "pip", "--python", python]
+    raise RuntimeError_(f"no pip for {python} (nor for {sys.executable}): install pip "
+                        "(e.g. apt-get install python3-pip) to build a requirements layer")
+
+
+# Debian's Python 3.9 (Caffe's) has no distutils.cmd, which pip reads its install
+# locations from before 3.10 unless sysconfig says otherwise: this says so, as a
+# sitecustomize on the PYTHONPATH of the pip that runs for it.
+SYSCONFIG_SITECUSTOMIZE = "import sysconfig\nsysconfig._PIP_USE_SYSCONFIG = True\n"
+
+
+def _pip_env(pip: list[str], staging: Path) -> dict:
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    if "--python" in pip:
+        helper = staging / "pip-helper"
+        helper.mkdir(exist_ok=True)
+        (helper / "sitecustomize.py").write_text(SYSCONFIG_SITECUSTOMIZE)
+        env["PYTHONPATH"] = str(helper)
+    return env
+
+
+def _run_logged(argv: list[str], log, what: str, env: dict | None = None,
+                progress: Progress | None = None) -> str:
+    """Run a pip step with its whole output appended to `log` (and each line, as a
+    DETAIL line, to `progress`: a terminal counts packages and megabytes from them);
+    PipError (one line) on failure."""
+    log.write(f"$ {' '.join(argv)}\n")
+    log.flush()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, errors="replace",
+                            env=env or dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        log.write(line)
+        if progress is not None and line.strip():
+            progress(DETAIL + line.strip())
+    log.flush()
+    out = "".join(seen)
+    if proc.wait() != 0:
+        raise PipError(f"{what}: {pip_one_line(out)}", getattr(log, "name", None))
+    return out
+
+
+def _constraints(pip: list[str], log, env: dict) -> str:
+    """Every package the runtime has, pinned (name==version lines)."""
+    out = _run_logged([*pip, "freeze", "--all"], log, "pip freeze", env)
+    return "\n".join(line for line in out.splitlines() if re.fullmatch(r"[A-Za-z0-9._-]+==[^ ;@]+", line)) + "\n"
+
+
+def _report_pins(report: dict) -> list[str]:
+    """name==version of everything pip's --report would install."""
+    return [f"{item['metadata']['name']}=={item['metadata']['version']}" for item in report.get("install", [])
+            if item.get("metadata", {}).get("name")]
+
+
+class Layer:
+    """One requirements layer of one runtime (or of the interpreter running jobs
+    without one: `python`)."""
+
+    def __init__(self, base: str, python: str, digest: str, lines: list[str]):
+        self.base = base or PYTHON_LAYER_BASE
+        self.python = python
+        self.digest = digest
+        self.lines = list(lines)
+        self.name = layer_name(self.base, digest)
+
+    @property
+    def path(self) -> Path:
+        return layers_root() / self.name
+
+    @property
+    def site(self) -> Path:
+        return self.path / "site"
+
+    def installed(self) -> bool:
+        return (self.path / LAYER_MARKER).exists()
+
+    def ensure(self, progress: Progress = lambda line: None, log_path: str | None = None,
+               pins: list[str] | None = None, links: dict[str, str] | None = None) -> dict:
+        """Build the layer unless it is there; {"path", "site", "built", "pins"}.
+        `links` maps --find-links folders to where they are on this machine."""
+        root = layers_root()
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / f".{self.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            marker = self.path / LAYER_MARKER
+            if marker.exists():
+                os.utime(marker)   # the layer's last use
+                return {"path": str(self.path), "site": str(self.site), "built": False,
+                        "pins": json.loads(marker.read_text()).get("installed", [])}
+            return self._build(root, progress, log_path, pins, links or {})
+
+    def _lines_here(self, links: dict[str, str]) -> list[str]:
+        out = []
+        for line in self.lines:
+            if line.startswith("--find-links "):
+                folder = line.split(" ", 1)[1]
+                line = f"--find-links {links.get(folder, folder)}"
+            out.append(line)
+        return out
+
+    def _build(self, root: Path, progress: Progress, log_path: str | None, pins: list[str] | None,
+               links: dict[str, str]) -> dict:
+        started = time.monotonic()
+        staging = root / f".{self.name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(mode=0o700)
+        log_file = log_path or str(staging / "pip.log")
+        try:
+            with open(log_file, "a", encoding="utf-8") as log:
+                pip = _pip_command(self.python)
+                env = _pip_env(pip, staging)
+                lines = self._lines_here(links)
+                options = [x for line in lines if line.startswith("-") for x in line.split(" ", 1)]
+                if pins is None:
+                    wanted = [x for x in lines if not x.startswith("-")]
+                    progress(f"layer {self.name}: resolving {len(wanted)} requirement(s) against the "
+                             f"{self.base} runtime")
+                    (staging / "constraints.txt").write_text(_constraints(pip, log, env))
+                    (staging / "requirements.txt").write_text("\n".join(lines) + "\n")
+                    _run_logged([*pip, "install", "--dry-run", "--report", str(staging / "report.json"),
+                                 "-c", str(staging / "constraints.txt"), "-r", str(staging / "requirements.txt")],
+                                log, "pip", env, progress)
+                    report = json.loads((staging / "report.json").read_text())
+                    pins = _report_pins(report)
+                (staging / "site").mkdir()
+                if pins:
+                    progress(f"layer {self.name}: installing {len(pins)} package(s): {' '.join(pins)[:200]}")
+                    _run_logged([*pip, "install", "--no-deps", "--no-compile", "--target", str(staging / "site"),
+                                 *options, *pins], log, "pip", env, progress)
+                else:
+                    progress(f"layer {self.name}: the runtime already has every requirement")
+            size = dir_size(staging / "site")
+            (staging / LAYER_MARKER).write_text(json.dumps(
+                {"base": self.base, "digest": self.digest, "requirements": self.lines, "installed": pins,
+                 "created": time.time(), "size": size}))
+            if not log_path:
+                os.unlink(log_file)
+            os.rename(staging, self.path)   # whole or absent
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            progress(f"layer {self.name}: failed")   # the end of its progress: the error follows
+            raise
+        progress(f"layer {self.name}: ready ({len(pins)} package(s), {size / 1e6:.1f} MB) "
+                 f"in {time.monotonic() - started:.1f}s")
+        return {"path": str(self.path), "site": str(self.site), "built": True, "pins": pins}
+
+
+def list_layers() -> list[dict]:
+    """Every layer here: name, base, size, last use, the packages it installed."""
+    out = []
+    root = layers_root()
+    if not root.is_dir():
+        return out
+    for entry in sorted(root.iterdir()):
+        marker = entry / LAYER_MARKER
+        if entry.name.startswith(".") or not marker.exists():
+            continue
+        try:
+            data = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            data = {}
+        out.append({"name": entry.name, "base": data.get("base"), "path": str(entry),
+                    "size": dir_size(entry), "last_use": marker.stat().st_mtime,
+                    "requirements": data.get("requirements", []), "installed": data.get("installed", [])})
+    return out
+
+
+def remove_layer(name: str) -> bool:
+    """Delete a layer unless a running instance holds its marker (RuntimeError_)."""
+    if "/" in name or name.startswith("."):
+        raise RuntimeError_(f"{name!r} is not a layer name (`pai runtime list` shows them)")
+    path = layers_root() / name
+    marker = path / LAYER_MARKER
+    if not marker.exists():
+        return False
+    fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError_(f"cannot remove the layer {name}: a running job uses it; "
+                                "try again when its jobs have ended (`pai list`)") from None
+        shutil.rmtree(path)
+    finally:
+        os.close(fd)
+    return True

@@ -114,14 +114,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "runners": ("paicli.runners.*",),
     # The shared vocabulary every layer above speaks.
     "core": ("paicli", "paicli.errors", "paicli.spec", "paicli.plan", "paicli.states", "paicli.store",
-             "paicli.private", "paicli.steptime", "paicli.plutoview"),
+             "paicli.private", "paicli.steptime", "paicli.plutoview",
+             "paicli.envvars", "paicli.requirements"),   # ENVS room: a job's env and requirements
     "adapters": ("paicli.adapters.*",),                 # frameworks, never processes
     # processes, never frameworks; jobstatus derives a job's status from the store
     # and the process table (is its master alive?), for the master and the readers
     "cluster": ("paicli.cluster.*", "paicli.jobstatus"),
     # The library the commands, the console and the web server call.
     "library": ("paicli.client", "paicli.jobview", "paicli.planning", "paicli.statement", "paicli.staging", "paicli.logtail",
-                "paicli.logview", "paicli.docs"),
+                "paicli.logview", "paicli.docs", "paicli.progress"),
     "web": ("paicli.web.*",),                           # the logview launcher, the server, its pages
     "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__"),
 }

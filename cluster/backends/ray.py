@@ -593,11 +593,16 @@ class RayBackend(Backend):
             if "error" in staged:
                 raise PaiError(f"staging the job on Ray node {todo[nid].host}: {staged['error']}")
         runtime = plan.runtime
-        answers = {nid: todo[nid].actor.ensure_runtime.remote(runtime) for nid in todo}
+        from paicli.cluster.layers import layer_spec, save_node_log   # ENVS room: the requirements layer
+        layer = layer_spec(job_dir)
+        answers = {nid: todo[nid].actor.ensure_runtime.remote(runtime, layer) for nid in todo}
         for nid, ref in answers.items():
             got = self._get(ref, f"the {runtime} runtime on Ray node {todo[nid].host}", PROVISION_TIMEOUT)
             for line in got.get("lines", []):
                 self._progress(f"Ray node {todo[nid].host}: {line}")   # a runtime provisioned there
+            if "pip_log" in got:   # ENVS room: a layer pip could not build there
+                raise PaiError(f"-Drequirements on Ray node {todo[nid].host}: {got['error']}",
+                               f"pip's full log: {save_node_log(job_dir, todo[nid].host, got['pip_log'])}")
             if "error" in got:
                 raise PaiError(f"the {runtime} runtime on Ray node {todo[nid].host}: {got['error']}",
                                "provision it there (pai runtime install) or set PAI_<NAME>_PYTHON on the node")

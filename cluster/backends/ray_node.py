@@ -119,12 +119,21 @@ class InstanceActor:
             return {"error": str(err)}
         return {"folder": self.folder}
 
-    def ensure_runtime(self, name: str | None) -> dict:
+    def ensure_runtime(self, name: str | None, layer: dict | None = None) -> dict:
         """The interpreter of runtime `name` on this node, provisioned here on first
         use by the staged runtimes code (imported as the package it is, in a process
-        of its own); {"error": ...} when it cannot be."""
+        of its own); {"error": ...} when it cannot be. With `layer` (cluster/layers.py:
+        layer_spec), the job's requirements layer is built here too (cached by digest):
+        {"error": one line, "pip_log": ...} when pip cannot."""
         if not name:
-            return {"python": sys.executable, "lines": []}
+            got = {"python": sys.executable, "lines": []}
+        else:
+            got = self._provision_runtime(name)
+        if layer and "error" not in got:
+            got = self._ensure_layer(layer, got)
+        return got
+
+    def _provision_runtime(self, name: str) -> dict:
         pkg = os.path.join(self.folder, "pkg", "paicli")
         if not os.path.isdir(pkg):
             os.makedirs(pkg, mode=0o700)
@@ -139,11 +148,54 @@ class InstanceActor:
         lines = result.stdout.splitlines()
         if result.returncode == 0 and lines:
             try:
-                return {"python": json.loads(lines[-1])["python"], "lines": lines[:-1]}
+                # The runtime's phases only: pip's own lines (indented) would flood job.log.
+                return {"python": json.loads(lines[-1])["python"],
+                        "lines": [x for x in lines[:-1] if not x.startswith("  ")]}
             except (ValueError, KeyError):
                 pass
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         return {"error": last, "lines": lines}
+
+    def _ensure_layer(self, layer: dict, got: dict) -> dict:
+        """The job's requirements layer with the runtime's interpreter (ENVS room):
+        the --find-links files written under the job's folder, then the staged
+        runners/runtimes.py's Layer in a process of its own."""
+        links = {}
+        for i, (local, items) in enumerate(sorted(layer.get("files", {}).items())):
+            folder = os.path.join(self.folder, "layer-links", str(i))
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            for fname, data in items:
+                if "/" in fname or fname.startswith("."):
+                    continue
+                with open(os.open(os.path.join(folder, fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                          "wb") as fh:
+                    fh.write(data)
+            links[local] = folder
+        spec = {"base": layer["base"], "python": got["python"], "digest": layer["digest"],
+                "lines": layer["lines"], "pins": layer["pins"], "links": links}
+        log = os.path.join(self.folder, "pip.log")
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import runtimes; "
+                "s = json.loads(sys.argv[2]); "
+                "layer = runtimes.Layer(s['base'], s['python'], s['digest'], s['lines']); "
+                "got = layer.ensure(lambda line: print(line, flush=True), sys.argv[3], s['pins'], s['links']); "
+                "print(json.dumps(got))")
+        result = subprocess.run([sys.executable, "-c", code, os.path.join(self.folder, "runners"),
+                                 json.dumps(spec), log], capture_output=True, text=True, env=_node_env(),
+                                start_new_session=True)
+        lines = result.stdout.splitlines()
+        if result.returncode == 0 and lines and lines[-1].startswith("{"):
+            return {**got, "lines": got.get("lines", []) + [x for x in lines[:-1] if not x.startswith("  ")]}
+        errors = [x for x in result.stderr.splitlines() if x.strip()]
+        last = (errors or ["no output"])[-1]
+        if ": " in last and last.split(": ", 1)[0].endswith(("Error", "Error_")):
+            last = last.split(": ", 1)[1]   # the exception's one line, without its class
+        try:
+            with open(log, errors="replace") as fh:
+                pip_log = fh.read()
+        except OSError:
+            pip_log = result.stderr
+        return {"error": last, "pip_log": pip_log,
+                "lines": got.get("lines", []) + [x for x in lines if not x.startswith("  ")]}
 
     def pick_ports(self, count: int, taken=()) -> list[int]:
         return free_ports(count, taken)

@@ -258,6 +258,8 @@ class SSHBackend(Backend):
             _provision(lambda: self.conns.session(node), node, runtime, self.progress)
             self._infos.pop(node.name, None)
             info = self.info(node.name)
+        from paicli.cluster.layers import ensure_on_ssh_node   # ENVS room: the job's requirements layer
+        ensure_on_ssh_node(lambda: self.conns.session(node), node, job_dir, folder, info, self.progress)
         with self._lock:
             self._maps[node.name] = manifest.mapping(folder, info["runtime_dir"], info["python_path"])
             self._folders[node.name] = folder

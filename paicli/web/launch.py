@@ -120,7 +120,7 @@ def start_server(home: Path) -> dict:
 
     if importlib.util.find_spec("aiohttp") is None or importlib.util.find_spec("jinja2") is None:
         raise LogviewUnavailable("the logview server needs aiohttp and jinja2",
-                                 "install them with: pip install 'paicli[logview]'")
+                                 "they are paicli's own dependencies: reinstall paicli (bash .ci/setup)")
     folder = state_dir(home)
     host = bind_host()
     token = user_token(home)

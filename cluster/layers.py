@@ -1,0 +1,228 @@
+"""A job's environment on its nodes (ENVS room, issue 18): its declared variables
+(paicli/envvars.py) and its requirements layer (runners/runtimes.py: Layer).
+
+At submit (`prepare_job_env`, called by the client after the runtime is ready):
+the job's `env` goes into every role; the layer is resolved and built on this
+machine first (a requirement pip cannot satisfy is one line, before anything is
+recorded or started; the full pip log is kept and its path printed), its `site`
+folder goes on every instance's PYTHONPATH, and `layer.json` in the job folder
+says what every other node must build (the versions resolved here, pinned).
+
+On nodes, by the backends' prepare, before any instance starts: SSH runs the
+job's staged runners/runtimes.py with the node's python3 (`ensure_on_ssh_node`),
+Ray in the instance actor (ray_node.InstanceActor.ensure_runtime, given
+`layer_spec`). A layer is cached per node beside the runtimes, by digest: a second
+job with the same requirements installs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from paicli.envvars import apply_to_plan
+from paicli.errors import PaiError, UsageError
+from paicli.private import write_private
+from paicli.requirements import find_links
+
+LAYER_FILE = "layer.json"
+PIP_LOG = "pip.log"
+Progress = Callable[[str], None]
+
+
+def _base(plan) -> tuple[str, str, str]:
+    """(runtime name or "", its version, the interpreter the layer is built for)."""
+    from paicli.runners.runtimes import get_runtime
+
+    if plan.runtime:
+        runtime = get_runtime(plan.runtime)
+        # Your own interpreter (PAI_<NAME>_PYTHON) is another base than the provisioned one.
+        version = runtime.version + (f"|{runtime.override}" if runtime.override else "")
+        return plan.runtime, version, runtime.python()
+    return "", f"python{sys.version_info[0]}.{sys.version_info[1]}", sys.executable
+
+
+def prepare_job_env(spec, plan, job_dir: Path, progress: Progress, home: Path | None = None) -> None:
+    """The job's declared env into its plan, and its requirements layer built here."""
+    apply_to_plan(plan, spec.get("env") or {})
+    lines = spec.get("requirements")
+    if not lines:
+        return
+    from paicli.runners.runtimes import Layer, PipError, RuntimeError_, folder_digest, layer_digest
+
+    base, version, python = _base(plan)
+    links = find_links(lines)
+    digest = layer_digest(base, version, lines, folder_digest(links))
+    layer = Layer(base, python, digest, lines)
+    log = job_dir / PIP_LOG
+    try:
+        built = layer.ensure(progress, log_path=str(log) if not layer.installed() else None)
+    except PipError as err:
+        kept = _keep_log(log, home or job_dir.parent.parent, job_dir.name)
+        # pip's verdict on the requirements is bad input: exit 2, nothing submitted.
+        raise UsageError(f"-Drequirements: {err.line}", f"pip's full log: {kept}") from None
+    except RuntimeError_ as err:
+        raise PaiError(f"-Drequirements: {err}") from None
+    for role in plan.roles:
+        paths = [built["site"]] + ([role.env["PYTHONPATH"]] if role.env.get("PYTHONPATH") else [])
+        role.env["PYTHONPATH"] = ":".join(paths)
+        role.env["PAI_LAYER"] = built["path"]
+    plan.notes.append(f"requirements: layer {layer.name} ({', '.join(built['pins']) or 'nothing to add'})")
+    write_private(job_dir / LAYER_FILE, json.dumps(
+        {"name": layer.name, "base": base, "python": python, "digest": digest, "lines": lines,
+         "pins": built["pins"], "links": links, "path": built["path"]}, indent=2))
+
+
+def _keep_log(log: Path, home: Path, job_id: str) -> str:
+    """A submit that fails removes its job folder: the pip log moves out first."""
+    if not log.exists():
+        return "(no log)"
+    folder = home / "pip-logs"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    kept = folder / f"{job_id}.log"
+    shutil.move(str(log), kept)
+    return str(kept)
+
+
+def read_layer(job_dir: str | Path) -> dict | None:
+    path = Path(job_dir) / LAYER_FILE
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def layer_files(layer: dict) -> dict[str, list[tuple[str, str]]]:
+    """--find-links folder -> [(file name, local path)]: what travels to a node."""
+    out = {}
+    for folder in layer.get("links", []):
+        out[folder] = [(name, os.path.join(folder, name)) for name in sorted(os.listdir(folder))
+                       if os.path.isfile(os.path.join(folder, name))]
+    return out
+
+
+def layer_spec(job_dir: str | Path) -> dict | None:
+    """What a Ray node needs to build the job's layer: the layer.json and the
+    --find-links files' bytes (small wheelhouses; an index is better for big ones)."""
+    layer = read_layer(job_dir)
+    if layer is None:
+        return None
+    files = {folder: [(name, Path(path).read_bytes()) for name, path in items]
+             for folder, items in layer_files(layer).items()}
+    return {**layer, "files": files}
+
+
+def save_node_log(job_dir: str | Path, node: str, text: str) -> str:
+    """A node's pip output, kept in the job folder."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in node)
+    path = Path(job_dir) / f"pip-{safe}.log"
+    write_private(path, text)
+    return str(path)
+
+
+# Runs on an SSH node with its python3: the job's staged runners/runtimes.py,
+# imported as a module of its own. argv: runners folder, JSON spec. Prints progress
+# lines, then the result as JSON (or `ERROR one line`, then the pip log).
+NODE_CODE = """\
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import runtimes
+spec = json.loads(sys.argv[2])
+layer = runtimes.Layer(spec["base"], spec["python"], spec["digest"], spec["lines"])
+log = os.path.join(os.path.dirname(sys.argv[1]), "pip.log")
+try:
+    got = layer.ensure(lambda line: print(line, flush=True), log, spec["pins"], spec["links"])
+except runtimes.RuntimeError_ as err:
+    print("ERROR " + str(err).splitlines()[0], flush=True)
+    if os.path.exists(log):
+        sys.stdout.write(open(log, errors="replace").read())
+    sys.exit(1)
+print(json.dumps(got), flush=True)
+"""
+
+
+def ensure_on_ssh_node(session, node, job_dir: str, folder: str, info: dict, progress: Progress) -> None:
+    """Build the job's layer on an SSH node (cached there by digest), before any
+    instance starts; PaiError with pip's one line if it cannot be."""
+    layer = read_layer(job_dir)
+    if layer is None:
+        return
+    from paicli.cluster import remote_paths
+    from paicli.cluster import ssh_transport as ssh
+    from paicli.cluster.node_admin import stream_command
+    from paicli.cluster.node_files import NodeFile
+    from paicli.runners.runtimes import DETAIL, runtime_root
+
+    links = {}
+    files = []
+    for i, (local, items) in enumerate(layer_files(layer).items()):
+        links[local] = f"{folder}/layer-links/{i}"
+        files += [NodeFile(path, f"layer-links/{i}/{name}", 0o600) for name, path in items]
+    if files:
+        writer = ssh.open_files(session, node)
+        try:
+            writer.put_files(files, folder, {node.job_root.rstrip("/"), folder})
+        finally:
+            writer.close()
+    mapping = remote_paths.normalise([(str(runtime_root()), info["runtime_dir"]),
+                                      (sys.executable, info["python_path"])])
+    spec = {"base": layer["base"], "digest": layer["digest"], "lines": layer["lines"], "pins": layer["pins"],
+            "links": links, "python": remote_paths.translate(layer["python"], mapping)}
+    argv = ["env", f"PAI_RUNTIME_DIR={info['runtime_dir']}", info["python_path"], "-u", "-c", NODE_CODE,
+            f"{folder}/runners", json.dumps(spec)]
+    started = time.monotonic()
+    status, lines = stream_command(session, node, argv, lambda line: None, f"the layer {layer['name']}")
+    ok = status == 0 and lines and lines[-1].startswith("{")
+    if not ok:
+        error = next((x[len("ERROR "):] for x in lines if x.startswith("ERROR ")), (lines or ["no output"])[-1])
+        kept = save_node_log(job_dir, node.name, "\n".join(lines) + "\n")
+        raise PaiError(f"-Drequirements on node {node.name}: {error}", f"pip's full log: {kept}")
+    for line in lines[:-1]:
+        if not line.startswith(DETAIL):   # pip's own lines stay in the node's pip.log
+            progress(f"{node.name}: {line}")
+    if json.loads(lines[-1]).get("built"):
+        progress(f"{node.name}: layer {layer['name']} built in {time.monotonic() - started:.1f}s")
+
+
+# -- the master's side: declared variables cross to nodes, secrets stay out of logs --
+
+
+def declare_in_master(plan) -> None:
+    """The backends send a node only the variables the master's own environment
+    lacks or has otherwise (its PATH, HOME are this machine's). A variable the job
+    declares must cross even when the submitting shell had the same value (as with
+    `-Denv=HF_TOKEN`), so the master, in its own process, forgets its own copy of
+    exactly those (a local instance still gets them: they are in its role's env)."""
+    for role in plan.roles:
+        for name, value in role.env.items():
+            if os.environ.get(name) == value:
+                del os.environ[name]
+
+
+def instance_log(plan, path: Path, prefix: str, cap: int):
+    """The master's log of one instance attempt, with secret values masked in
+    everything it writes and shows (its file, job.log, the tail, live lines)."""
+    from paicli.cluster.logsink import InstanceLog
+    from paicli.envvars import Masker, secret_values
+
+    secrets = secret_values(plan)
+    if not secrets:
+        return InstanceLog(path, prefix, cap)
+
+    class MaskedInstanceLog(InstanceLog):
+        def __init__(self):
+            super().__init__(path, prefix, cap)
+            self.masker = Masker(secrets)
+
+        def feed(self, data: bytes) -> bytes:
+            return super().feed(self.masker.feed(data))
+
+        def flush(self) -> bytes:
+            held = self.masker.flush()
+            return (super().feed(held) if held else b"") + super().flush()
+
+    return MaskedInstanceLog()

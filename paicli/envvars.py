@@ -1,0 +1,172 @@
+"""A job's own environment variables: `-Denv=K=V,K2=V2` and YAML `env:` (a mapping).
+
+The one rule, on every backend: an instance's environment is its NODE's own
+environment, then the job's declared variables, then the launcher's PAI_* ones.
+Nothing of the submitting shell is copied to another machine unless declared: on
+this machine the node's environment is the one `pai` runs in (so a local instance
+sees your shell), on an SSH node it is the login's, on a Ray node the Ray
+worker's. A bare name (`-Denv=HF_TOKEN`, YAML `HF_TOKEN:` with no value) takes the
+variable's value from the submitting shell, so a token never has to be typed on a
+command line.
+
+Values of names that look like secrets (SECRET_MARKS) are masked wherever paicli
+shows them (plan notes, logs, `pai status`, the logview): the master replaces them
+with MASK in everything instances print (cluster/job_env.py).
+
+Pure functions and data (core layer): the spec's converter, the plan's env, the
+masking of byte streams.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Mapping
+
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SECRET_MARKS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL")
+MASK = "***"
+# Values shorter than this are not masked: blanking every "1" of a log hides
+# nothing and ruins the log.
+MIN_MASKED = 4
+MAX_VARS = 256
+MAX_VALUE = 64 * 1024
+# What the launcher sets on every instance (paicli/plan.py): a job cannot declare them.
+RESERVED = frozenset({"PAI_JOB_ID", "PAI_ROLE", "PAI_INDEX", "PAI_HOST", "PAI_NODE", "PAI_PORT",
+                      "PAI_CLUSTER", "PAI_ATTEMPT", "PAI_JOB_ATTEMPT", "PAI_JOB_DIR",
+                      "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED"})
+
+
+def looks_secret(name: str) -> bool:
+    upper = name.upper()
+    return any(mark in upper for mark in SECRET_MARKS)
+
+
+def _split_items(text: str) -> list[str]:
+    """K=V,K2=V2 with `\\,` for a comma inside a value."""
+    items, current, escaped = [], [], False
+    for char in text:
+        if escaped:
+            current.append(char if char in ",\\" else "\\" + char)
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == ",":
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if escaped:
+        current.append("\\")
+    items.append("".join(current))
+    return [item for item in items if item.strip()]
+
+
+def _from_shell(name: str, shell: Mapping[str, str]) -> str:
+    if name not in shell:
+        raise ValueError(f"{name} is named without a value but is not set in your shell; "
+                         f"give it as {name}=VALUE or export it before submitting")
+    return shell[name]
+
+
+def _check(name: Any, value: Any) -> tuple[str, str]:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a variable name (letters, digits and _, not starting with a digit)")
+    if name in RESERVED:
+        raise ValueError(f"{name} is set by paicli on every instance and cannot be declared")
+    if isinstance(value, (dict, list)) or isinstance(value, bool):
+        raise ValueError(f"{name}: expected a text value, not {type(value).__name__}")
+    text = str(value)
+    if "\x00" in text:
+        raise ValueError(f"{name}: a value cannot contain a NUL character")
+    if len(text) > MAX_VALUE:
+        raise ValueError(f"{name}: a value is at most {MAX_VALUE} characters")
+    return name, text
+
+
+def parse_env(raw: Any, shell: Mapping[str, str] | None = None) -> dict[str, str]:
+    """-Denv text or a YAML mapping -> {name: value}; ValueError saying what was expected."""
+    shell = os.environ if shell is None else shell
+    pairs: list[tuple[str, Any]] = []
+    if isinstance(raw, dict):
+        for name, value in raw.items():
+            pairs.append((name, _from_shell(name, shell) if value is None and isinstance(name, str)
+                          and NAME.fullmatch(name) else value))
+    elif isinstance(raw, str):
+        for item in _split_items(raw):
+            name, eq, value = item.partition("=")
+            name = name.strip()
+            if not eq and NAME.fullmatch(name):
+                value = _from_shell(name, shell)
+            pairs.append((name, value))
+    else:
+        raise ValueError("expected K=V,K2=V2 (or a YAML mapping under env:)")
+    if not pairs:
+        raise ValueError("expected K=V,K2=V2, got nothing")
+    out: dict[str, str] = {}
+    for name, value in pairs:
+        name, text = _check(name, value)
+        if name in out:
+            raise ValueError(f"{name} is given twice")
+        out[name] = text
+    if len(out) > MAX_VARS:
+        raise ValueError(f"at most {MAX_VARS} variables, not {len(out)}")
+    return out
+
+
+def shown(env: Mapping[str, str]) -> str:
+    """K=V, ... with secret-looking values masked: what paicli prints about them."""
+    return ", ".join(f"{k}={MASK if looks_secret(k) else v}" for k, v in sorted(env.items()))
+
+
+def apply_to_plan(plan, env: Mapping[str, str]) -> None:
+    """Every role of the plan gets the job's variables (over what the adapter set;
+    the launcher's PAI_* are set after both, at launch), and a note says which."""
+    if not env:
+        return
+    for role in plan.roles:
+        role.env.update(env)
+    plan.notes.append(f"env: {shown(env)} (set on every instance)")
+
+
+def secret_values(plan) -> list[str]:
+    """The values the master masks: those of secret-looking names in any role's env."""
+    values = {v for role in plan.roles for k, v in role.env.items() if looks_secret(k) and len(v) >= MIN_MASKED}
+    return sorted(values, key=len, reverse=True)
+
+
+class Masker:
+    """Replaces secret values in a byte stream with MASK, across chunk boundaries:
+    a chunk's end that could be the start of a secret is held back until the next
+    chunk (or `flush`) says whether it is one."""
+
+    def __init__(self, secrets: list[str]):
+        self.secrets = [s.encode() for s in secrets if len(s) >= MIN_MASKED]
+        self.secrets.sort(key=len, reverse=True)
+        self.held = b""
+
+    def _hold_from(self, data: bytes) -> int:
+        """Where the longest tail of `data` that is a proper prefix of a secret starts."""
+        longest = max(len(s) for s in self.secrets)
+        for start in range(max(0, len(data) - longest + 1), len(data)):
+            tail = data[start:]
+            if any(s.startswith(tail) for s in self.secrets):
+                return start
+        return len(data)
+
+    def _replace(self, data: bytes) -> bytes:
+        for secret in self.secrets:
+            data = data.replace(secret, MASK.encode())
+        return data
+
+    def feed(self, data: bytes) -> bytes:
+        if not self.secrets:
+            return data
+        data = self._replace(self.held + data)
+        cut = self._hold_from(data)
+        self.held = data[cut:]
+        return data[:cut]
+
+    def flush(self) -> bytes:
+        held, self.held = self.held, b""
+        return self._replace(held)

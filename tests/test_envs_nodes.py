@@ -1,0 +1,161 @@
+"""A job's env and requirements on real SSH hosts (network namespaces, tests/netns.py)
+and on the real Ray cluster (tests/ray_cluster.py): the declared variables reach
+every instance, an undeclared one of the submitting shell does not (the one rule),
+secret values never reach a log; the layer is built on each node before any
+instance starts, and a second job with the same requirements installs nothing.
+
+Each node keeps its layers somewhere this machine does not (SSH: the node's own
+/tmp; Ray: a runtime dir of the nodes' own), so what is reused is really the
+node's copy. The package is a tiny wheel built by tests/test_envs.py's helper and
+shipped from a local --find-links folder: nothing comes from an index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, pai
+from netns import build_cluster, can_build
+from test_envs import SECRET, wheelhouse
+
+MASK = "***"
+SCRIPT = """\
+import os, paienvtiny
+print("ON %s FOO=%s TOKEN=%s SHELL_ONLY=%s VALUE=%s" % (os.environ["PAI_NODE"], os.environ.get("FOO"),
+      os.environ.get("MY_TOKEN"), os.environ.get("ENVS_SHELL_ONLY"), paienvtiny.VALUE), flush=True)
+"""
+TWO_WORKERS = '{"worker":{"count":2,"cpu":100}}'
+
+
+def job_args(tmp_path: Path) -> list[str]:
+    script = tmp_path / "uses_tiny.py"
+    script.write_text(SCRIPT)
+    req = tmp_path / "requirements.txt"
+    req.write_text(f"--no-index\n--find-links {wheelhouse(tmp_path)}\npaienvtiny==1.0\n")
+    return ["-name", "python", f"-Dscript={script}", f"-Drequirements=file://{req}", "-Denv=FOO=bar,MY_TOKEN",
+            f"-Dcluster={TWO_WORKERS}"]
+
+
+def check_first_and_second(run, tmp_path: Path, nodes: set[str], builds: int) -> tuple[float, float]:
+    """Two jobs with the same requirements: the first builds the layer on every node,
+    the second installs nothing anywhere. Their wall times."""
+    args = job_args(tmp_path)
+    started = time.monotonic()
+    first = run(*args)
+    first_time = time.monotonic() - started
+    out = first.stdout
+    assert first.returncode == 0, out[-3000:] + first.stderr[-2000:]
+    seen = {line.split()[2] for line in out.splitlines() if " ON " in f" {line}" and "VALUE=42" in line}
+    assert seen == nodes, out[-3000:]
+    assert out.count(f"FOO=bar TOKEN={MASK} SHELL_ONLY=None VALUE=42") == 2, out[-3000:]
+    assert SECRET not in out and SECRET not in first.stderr
+    built = [line for line in out.splitlines() if "installing 1 package(s): paienvtiny==1.0" in line]
+    assert len(built) == builds, out[-3000:]   # on each node (its own layers folder), once
+    started = time.monotonic()
+    second = run(*args)
+    second_time = time.monotonic() - started
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-2000:]
+    assert second.stdout.count("VALUE=42") == 2
+    assert "installing" not in second.stdout + second.stderr and "resolving" not in second.stdout + second.stderr
+    return first_time, second_time
+
+
+# -- SSH ------------------------------------------------------------------------------
+
+REASON = can_build()
+
+
+@pytest.fixture(scope="module")
+def ssh_cluster():
+    if REASON is not None:
+        pytest.skip(f"multi-host tests skipped: {REASON}")
+    built = build_cluster(hosts=2, prefix="pce", first_subnet=150)
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+def test_env_and_requirements_on_ssh_nodes(ssh_cluster, tmp_path, monkeypatch, pai_home):
+    # /tmp is each host's own: the nodes' layers are theirs, not this machine's cache.
+    path = ssh_cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir="/tmp/paicli-envs-runtimes")
+    env = {"PAI_NODES": str(path), "PAI_RUNTIME_DIR": str(tmp_path / "local-runtimes"), "MY_TOKEN": SECRET,
+           "ENVS_SHELL_ONLY": "not declared"}
+    times = check_first_and_second(lambda *a: pai(*a, env=env, timeout=300), tmp_path,
+                                   {h.name for h in ssh_cluster.hosts}, builds=2)
+    print(f"ssh: first job {times[0]:.1f}s, second (layer reused) {times[1]:.1f}s")
+    for host in ssh_cluster.hosts:
+        listed = ssh_cluster.ssh(host.name, ["sh", "-c", "ls /tmp/paicli-envs-runtimes/layers"]).stdout
+        assert "python-" in listed, listed
+
+
+def test_a_bad_requirement_fails_at_submit_before_any_node_is_touched(ssh_cluster, tmp_path, pai_home):
+    path = ssh_cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir="/tmp/paicli-envs-runtimes")
+    req = tmp_path / "bad.txt"
+    req.write_text("--no-index\nno-such-package-paicli==9\n")
+    result = pai("-name", "python", f"-Dscript={ROOT}/tests/scripts/behave.py", f"-Drequirements={req}",
+                 env={"PAI_NODES": str(path), "PAI_RUNTIME_DIR": str(tmp_path / "local-runtimes")})
+    assert result.returncode == 2
+    assert [line for line in result.stderr.splitlines() if line.startswith("pai: error:")] == [
+        line for line in result.stderr.splitlines() if "no-such-package-paicli==9" in line]
+    assert not ssh_cluster.all_leftovers()
+
+
+# -- Ray ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_nodes(tmp_path_factory):
+    from ray_cluster import RayCluster, cannot_run
+
+    reason = cannot_run()
+    if reason:
+        pytest.skip(reason)
+    node_runtimes = tmp_path_factory.mktemp("ray-node-runtimes")
+    # The Ray nodes inherit this environment when they start: their runtime dir is theirs.
+    old = os.environ.get("PAI_RUNTIME_DIR")
+    os.environ["PAI_RUNTIME_DIR"] = str(node_runtimes)
+    try:
+        with RayCluster(prefix="eray", subnet="10.213.31", nodes=2) as cluster:
+            yield cluster, node_runtimes
+    finally:
+        if old is None:
+            os.environ.pop("PAI_RUNTIME_DIR", None)
+        else:
+            os.environ["PAI_RUNTIME_DIR"] = old
+
+
+def test_env_and_requirements_on_ray_nodes(ray_nodes, tmp_path):
+    cluster, node_runtimes = ray_nodes
+    home = tmp_path / "home"
+    env = {"PAI_HOME": str(home), "PAI_RAY_ADDRESS": cluster.address, "NO_COLOR": "1", "PAI_DEBUG": "",
+           "PAI_RUNTIME_DIR": str(tmp_path / "local-runtimes"), "MY_TOKEN": SECRET, "ENVS_SHELL_ONLY": "no"}
+
+    def run(*args):
+        return cluster.run([sys.executable, "-m", "paicli", *args], env=env, timeout=300, cwd=str(ROOT))
+
+    nodes = {h.addr for h in cluster.net.hosts}
+    # Both Ray nodes share this machine's filesystem, their runtime dir with it: one builds.
+    times = check_first_and_second(run, tmp_path, nodes, builds=1)
+    print(f"ray: first job {times[0]:.1f}s, second (layer reused) {times[1]:.1f}s")
+    layers = list((node_runtimes / "layers").glob("python-*/paicli-layer.json"))
+    assert len(layers) == 1 and json.loads(layers[0].read_text())["installed"] == ["paienvtiny==1.0"]
+
+
+def test_a_layer_a_node_cannot_build_fails_the_job_before_any_instance_starts(ssh_cluster, tmp_path, pai_home):
+    # /proc takes no new folder: building the layer on the nodes fails, after it was fine here.
+    path = ssh_cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir="/proc/paicli-no-layers")
+    result = pai(*job_args(tmp_path), env={"PAI_NODES": str(path), "MY_TOKEN": SECRET,
+                                           "PAI_RUNTIME_DIR": str(tmp_path / "local-runtimes")}, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:]
+    status = json.loads(pai("status", next(line[5:] for line in result.stdout.splitlines()
+                                           if line.startswith("ID = ")), "--json").stdout)
+    assert "-Drequirements on node" in status["reason"] and "\n" not in status["reason"], status["reason"]
+    assert all(i["pid"] is None for i in status["instances"]), status["instances"]   # none started
+    assert "ON " not in result.stdout

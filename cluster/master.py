@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paicli.cluster import placement as placing
-from paicli.cluster import policy
+from paicli.cluster import datasets, policy
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
@@ -522,6 +522,7 @@ class JobMaster:
             if not self.store.set_job(self.job_id, status, reason):
                 self.joblog.note("the job was ended from outside; stopping every instance")
             self._stop(running, InstanceStatus.KILLED)
+        datasets.finish(self.job_dir, self.backend, status == JobStatus.SUCCEEDED, self.joblog.note)   # DATA
         for inst in self.instances:
             if inst.status == InstanceStatus.WAITING:
                 self._set(inst, InstanceStatus.KILLED, "never restarted")

@@ -27,12 +27,15 @@ succeeded. A failed job leaves no table and says where its rows are.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
 
-from paicli.errors import SpecError
+from paicli.errors import PaiError, SpecError
+from paicli.private import write_private
 from paicli.runners import paitables
 
 DATA = "data"
@@ -208,8 +211,210 @@ class _Counter:
 
 
 def fetch_parts(job_dir: str | Path, backend: Any, index: dict, note: Callable[[str], None]) -> None:
-    """Remote backends: the part files from every node's job folder into this
-    machine's. Local: they are there already."""
-    fetch = getattr(backend, "name", "local")
-    if fetch == "local":
+    """Remote backends: every node's part files into this machine's job folder
+    (local: they are there already). A node that does not answer is named."""
+    transports = _transports(backend)
+    if transports is None:
         return
+    outs = {str(k): Path(out["parts"]) for k, out in enumerate(index.get("outputs", []))}
+    for node, transport in transports.items():
+        try:
+            got = transport.parts()
+        except Exception as err:  # noqa: BLE001 - one line in the job's log, the rest goes on
+            note(f"outputs: the rows written on {node} could not be fetched: {type(err).__name__}: {err}")
+            continue
+        for rel, data in got.items():
+            k, _, name = rel.partition("/")
+            if k in outs and re.fullmatch(r"part-[A-Za-z0-9_]+-\d+\.jsonl", name):
+                write_private(outs[k] / name, data)
+
+
+# -- SSH and Ray nodes: slices and buckets by content digest -----------------------------------
+
+
+def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: Callable[[str], None],
+          only: set | None = None) -> dict:
+    """After the backend staged the job on its nodes (`only` those, else every node
+    of `placements`): each node gets the slices of its own workers (and the job's
+    buckets), only the blobs it lacks, and an index naming them where they are on
+    the node. {node: bytes sent}; {} when local."""
+    index = load(job_dir)
+    trees = bucket_trees(job_dir)
+    transports = _transports(backend, only or {p.node for p in placements})
+    if transports is None or (index is None and not trees):
+        return {}
+    cutter = _Slices(index or {})
+    sent = {}
+    for node, transport in sorted(transports.items()):
+        sids = sorted({p.idx for p in placements if p.node == node and index
+                       and p.role == index.get("slice_role")})
+        node_index, blobs = cutter.for_node(sids, transport.folder)
+        tree_plans = [{"digest": t["digest"], "files": t["files"]} for t in trees]
+        for t in trees:
+            blobs.update({digest: (lambda path=path: _read(path)) for _rel, digest, path in t["sources"]})
+        plan_line = {"index": node_index, "trees": tree_plans}
+        lacking = transport.missing(sorted(blobs))
+        sent[node] = transport.put(plan_line, {d: blobs[d]() for d in lacking})
+        held = len(blobs) - len(lacking)
+        note(f"data: {node}: {len(lacking)} blob(s) sent ({sent[node]} bytes), {held} already there"
+             + (f"; slices {','.join(map(str, sids))} of {index['slice_count']}" if sids and index else ""))
+    record = Path(job_dir) / DATA / "sent.json"
+    old = json.loads(record.read_text()) if record.exists() else []
+    write_private(record, json.dumps(old + [sent]))
+    return sent
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class _Slices:
+    """The slice blobs of a job's tables, cut once for all nodes: a CSV slice is
+    its rows' bytes as they are in the file (each part ending with a newline), a
+    SQLite slice its rows as JSON lines."""
+
+    def __init__(self, index: dict):
+        self.index = index
+        self.cut: dict[tuple[int, str], tuple[str, int]] = {}   # (table, slice) -> (digest, size)
+        self.data: dict[str, bytes] = {}
+
+    def blob(self, t: int, sid: str) -> str:
+        if (t, sid) not in self.cut:
+            table = self.index["tables"][t]
+            data = _slice_bytes(table, sid)
+            digest = hashlib.sha256(data).hexdigest()
+            self.cut[(t, sid)] = (digest, len(data))
+            self.data[digest] = data
+        return self.cut[(t, sid)][0]
+
+    def for_node(self, sids: list[int], folder: str) -> tuple[dict | None, dict]:
+        if not self.index:
+            return None, {}
+        root = cache_root(folder)
+        node_index = dict(self.index, tables=[], outputs=[
+            dict(out, parts=f"{folder}/{DATA}/{OUT}/{k}") for k, out in enumerate(self.index.get("outputs", []))])
+        blobs = {}
+        for t, table in enumerate(self.index.get("tables", [])):
+            slices = {}
+            for sid in map(str, sids):
+                digest = self.blob(t, sid)
+                blobs[digest] = lambda digest=digest: self.data[digest]
+                rows = sum(p["rows"] for p in table["slices"][sid])
+                path = f"{root}/blobs/{digest}"
+                slices[sid] = [{"path": path, "format": "jsonl", "rows": rows} if table["kind"] == "sqlite"
+                               else {"path": path, "start": 0, "end": self.cut[(t, sid)][1], "rows": rows}]
+            node_index["tables"].append(dict(table, slices=slices))
+        return node_index, blobs
+
+
+def _slice_bytes(table: dict, sid: str) -> bytes:
+    out = bytearray()
+    for part in table["slices"][sid]:
+        if "table" in part:
+            rows = paitables.Table(table["key"], table["columns"], [part])
+            out += b"".join(json.dumps(list(r)).encode() + b"\n" for r in rows)
+            rows.close()
+            continue
+        with open(part["path"], "rb") as f:
+            f.seek(part["start"])
+            out += f.read(part["end"] - part["start"])
+        if out and not out.endswith(b"\n"):
+            out += b"\n"     # a file's last row without its newline: the next part's rows stay apart
+    return bytes(out)
+
+
+def cache_root(folder: str) -> str:
+    """The node's data cache: beside the node's job folders (SSH: the nodes file's
+    work_dir; Ray: the per-node root), so it outlives each job's folder."""
+    return f"{os.path.dirname(folder.rstrip('/'))}/.cache"
+
+
+def _transports(backend: Any, nodes: set | None = None) -> dict | None:
+    name = getattr(backend, "name", "local")
+    if name == "ssh":
+        folders = dict(getattr(backend, "_folders", {}))
+        return {n: _SSHNode(backend, n, f) for n, f in folders.items() if nodes is None or n in nodes}
+    if name == "ray":
+        found = {}
+        for inst in getattr(backend, "_instances", {}).values():
+            if inst.node_id and (nodes is None or inst.host in nodes) and inst.host not in found:
+                found[inst.host] = _RayNode(backend, inst)
+        return found
+    return None
+
+
+class _SSHNode:
+    """node_cache.py over the job's SSH connection to one node."""
+
+    def __init__(self, backend: Any, name: str, folder: str):
+        self.backend, self.entry, self.folder = backend, backend.entry(name), folder
+
+    def _run(self, args: list[str], stdin: bytes | None = None) -> bytes:
+        from paicli.cluster import ssh_transport as ssh
+
+        argv = [self.entry.python, f"{self.folder}/runners/node_cache.py", *args]
+        status, out, err = ssh.exec_command(self.backend.conns.session(self.entry), argv, stdin=stdin, timeout=600)
+        if status != 0:
+            why = out.decode(errors="replace").strip() or err.decode(errors="replace").strip()
+            raise PaiError(f"node {self.entry.name}: the data cache: {why[-300:]}")
+        return out
+
+    def missing(self, digests: list[str]) -> list[str]:
+        if not digests:
+            return []
+        return json.loads(self._run(["missing", cache_root(self.folder), *digests]))
+
+    def put(self, plan: dict, blobs: dict[str, bytes]) -> int:
+        stream = [json.dumps(plan).encode() + b"\n"]
+        for digest, data in blobs.items():
+            stream += [f"BLOB {digest} {len(data)}\n".encode(), data]
+        stream.append(b"END\n")
+        payload = b"".join(stream)
+        self._run(["put", cache_root(self.folder), self.folder], payload)
+        return len(payload)
+
+    def parts(self) -> dict[str, bytes]:
+        out, found = self._run(["parts", self.folder]), {}
+        pos = 0
+        while True:
+            end = out.index(b"\n", pos)
+            head = out[pos:end].decode()
+            if head == "END":
+                return found
+            _, rel, size = head.split(" ")
+            found[rel] = out[end + 1:end + 1 + int(size)]
+            pos = end + 1 + int(size)
+
+
+class _RayNode:
+    """node_cache's functions as zero-CPU tasks pinned to one Ray node (shipped by
+    value: the node needs Ray, not paicli)."""
+
+    def __init__(self, backend: Any, inst: Any):
+        from paicli.runners import node_cache
+
+        self.backend, self.inst, self.folder = backend, inst, inst.info["folder"]
+        backend.connect().cloudpickle.register_pickle_by_value(node_cache)
+        self.cache = node_cache
+
+    def _call(self, fn, *args):
+        return self.backend._get(self.backend._pinned_ref(self.inst.node_id, fn, *args),
+                                 f"the data cache on Ray node {self.inst.host}", 600)
+
+    def missing(self, digests: list[str]) -> list[str]:
+        return self._call(self.cache.missing, cache_root(self.folder), digests) if digests else []
+
+    def put(self, plan: dict, blobs: dict[str, bytes]) -> int:
+        self._call(self.cache.put, cache_root(self.folder), self.folder, plan, blobs)
+        return len(json.dumps(plan)) + sum(len(d) + 64 for d in blobs.values())
+
+    def parts(self) -> dict[str, bytes]:
+        return self._call(self.cache.parts, self.folder)
+
+
+# -- buckets --------------------------------------------------------------------------
+
+
+def bucket_trees(job_dir: str | Path) -> list[dict]:
+    return []

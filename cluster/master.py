@@ -128,6 +128,7 @@ class JobMaster:
             for inst in self.instances:
                 inst.placed = placed[(inst.role.name, inst.idx)]
             self.backend.prepare(str(self.job_dir), self.plan, self.placements)
+            datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note)   # DATA
             self._assign_ports(self.instances)
             for inst in self.instances:
                 self._launch(inst)
@@ -457,6 +458,7 @@ class JobMaster:
         self.placements = [new if (p.role, p.idx) == (new.role, new.idx) else p for p in self.placements or []]
         write_placements(self.job_dir, self.placements)
         self.backend.prepare(str(self.job_dir), self.plan, [new])
+        datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note, {new.node})   # DATA
 
     def _restart_job(self, failed: Instance, code: int) -> None:
         """Stop every instance, take fresh ports, start them all again (a job-level

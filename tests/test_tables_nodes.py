@@ -1,0 +1,85 @@
+"""PAI's tables and buckets on SSH nodes (network namespaces with their own sshd and
+/tmp, tests/netns.py) and on the real Ray cluster (tests/ray_cluster.py): each
+worker's own slice travels to its node only, by content digest (a node holding it
+gets nothing), output tables come home whole, a bucket goes once."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, job_id_from, pai, wait_until
+from netns import build_cluster, can_build
+from test_tables import TWO, WORKER, assert_disjoint_and_complete, make_tables
+
+sys.path.insert(0, str(ROOT / "runners"))
+import paitables  # noqa: E402
+
+REASON = can_build()
+
+
+def sent_records(home: Path, job_id: str) -> list[dict]:
+    """What the stage step reports it sent, per staging round: {node: bytes}."""
+    return json.loads((home / "jobs" / job_id / "data" / "sent.json").read_text())
+
+
+def ok(result) -> str:
+    assert result.returncode == 0 and result.stdout.rstrip().endswith("OK"), \
+        f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-2000:]}"
+    return job_id_from(result.stdout)
+
+
+# -- SSH -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if REASON:
+        pytest.skip(f"multi-host tests skipped: {REASON}")
+    built = build_cluster(hosts=2, prefix="pdt", first_subnet=160)
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+@pytest.fixture
+def nodes(cluster, tmp_path, monkeypatch, pai_home):
+    from paicli.runners.runtimes import runtime_root
+
+    path = cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
+    monkeypatch.setenv("PAI_NODES", str(path))
+    yield path
+    left = wait_until(lambda: not cluster.all_leftovers(), timeout=15)
+    assert left, f"processes left on the hosts: {cluster.all_leftovers()}"
+
+
+def test_ssh_workers_get_their_own_slices_and_write_one_table(cluster, nodes, tmp_path, pai_home):
+    csv_url, db_url = make_tables(tmp_path, 101)
+    args = ["-name", "python", f"-Dscript={WORKER}", TWO]
+    first = pai(*args, f"-Dtables={csv_url}", f"-Doutputs=file://{tmp_path}/pred.csv")
+    job = ok(first)
+    assert_disjoint_and_complete(first.stdout, csv_url, 101)
+    [sent] = sent_records(pai_home, job)
+    assert sorted(sent) == ["h1", "h2"]          # one worker, one slice per node
+    size = Path(tmp_path / "train.csv").stat().st_size
+    for node, nbytes in sent.items():
+        assert size / 2 * 0.9 < nbytes < size / 2 * 1.05 + 1024, (node, nbytes, size)
+    rows = list(csv.reader(open(tmp_path / "pred.csv")))
+    assert rows[1:] == [[str(i), str(2 * i)] for i in range(101)]
+    # The same slices again: the nodes hold them (by digest), nothing but the plan line goes.
+    again = pai(*args, f"-Dtables={csv_url}")
+    [sent] = sent_records(pai_home, ok(again))
+    assert all(nbytes < 1024 for nbytes in sent.values()), sent
+    assert "0 blob(s) sent" in again.stdout
+    # SQLite: the slices travel as rows; the output table comes home in one transaction.
+    db = pai(*args, f"-Dtables={db_url}", f"-Doutputs=sqlite://{tmp_path}/o.sqlite?table=pred")
+    ok(db)
+    assert_disjoint_and_complete(db.stdout, db_url, 101)
+    got = sqlite3.connect(tmp_path / "o.sqlite").execute("SELECT id, double FROM pred").fetchall()
+    assert got == [(i, 2 * i) for i in range(101)]

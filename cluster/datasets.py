@@ -39,6 +39,7 @@ from paicli.private import write_private
 from paicli.runners import paitables
 
 DATA = "data"
+BATCH = 64 << 20        # bytes of blobs per SSH round
 INDEX = "tables.json"
 OUT = "out"
 
@@ -114,9 +115,10 @@ def check_outputs(value: str, job_dir: Path, base: str) -> list[dict]:
 def prepare(spec: Any, plan: Any, job_dir: str | Path, base: str = "") -> dict | None:
     """Check -Dtables/-Doutputs, write the job's index, give the sliced role its
     environment. None when the job names no table."""
-    if not _urls(spec.get("tables")) and not _urls(spec.get("outputs")):
-        return None
     job_dir = Path(os.path.abspath(job_dir))
+    buckets = check_buckets(spec.get("buckets"), job_dir, base or os.getcwd())
+    if not _urls(spec.get("tables")) and not _urls(spec.get("outputs")):
+        return {"buckets": buckets} if buckets else None
     role = sliced_role(plan)
     base = base or os.getcwd()
     index = {"slice_role": role.name, "slice_count": role.count,
@@ -244,17 +246,20 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
     if transports is None or (index is None and not trees):
         return {}
     cutter = _Slices(index or {})
+    node_buckets_argv(plan, trees)
     sent = {}
     for node, transport in sorted(transports.items()):
         sids = sorted({p.idx for p in placements if p.node == node and index
                        and p.role == index.get("slice_role")})
         node_index, blobs = cutter.for_node(sids, transport.folder)
-        tree_plans = [{"digest": t["digest"], "files": t["files"]} for t in trees]
+        tree_plans = [{"digest": t["digest"], "files": t["files"], "link": t["link"]} for t in trees]
         for t in trees:
             blobs.update({digest: (lambda path=path: _read(path)) for _rel, digest, path in t["sources"]})
         plan_line = {"index": node_index, "trees": tree_plans}
+        sizes = {d: os.path.getsize(p) for t in trees for _r, d, p in t["sources"]}
         lacking = transport.missing(sorted(blobs))
-        sent[node] = transport.put(plan_line, {d: blobs[d]() for d in lacking})
+        transport.sizes = sizes
+        sent[node] = transport.put(plan_line, {d: blobs[d] for d in lacking})
         held = len(blobs) - len(lacking)
         note(f"data: {node}: {len(lacking)} blob(s) sent ({sent[node]} bytes), {held} already there"
              + (f"; slices {','.join(map(str, sids))} of {index['slice_count']}" if sids and index else ""))
@@ -363,16 +368,30 @@ class _SSHNode:
     def missing(self, digests: list[str]) -> list[str]:
         if not digests:
             return []
-        return json.loads(self._run(["missing", cache_root(self.folder), *digests]))
+        return json.loads(self._run(["missing", cache_root(self.folder)], json.dumps(digests).encode()))
 
-    def put(self, plan: dict, blobs: dict[str, bytes]) -> int:
-        stream = [json.dumps(plan).encode() + b"\n"]
-        for digest, data in blobs.items():
-            stream += [f"BLOB {digest} {len(data)}\n".encode(), data]
-        stream.append(b"END\n")
-        payload = b"".join(stream)
-        self._run(["put", cache_root(self.folder), self.folder], payload)
-        return len(payload)
+    def put(self, plan: dict, blobs: dict[str, Callable[[], bytes]]) -> int:
+        """The blobs in rounds of up to BATCH bytes (one in memory at a time), the
+        plan line with the last round."""
+        rounds: list[list[str]] = [[]]
+        size = 0
+        for digest in blobs:
+            if rounds[-1] and size >= BATCH:
+                rounds.append([])
+                size = 0
+            rounds[-1].append(digest)
+            size += self.sizes.get(digest, 0)
+        sent = 0
+        for n, digests in enumerate(rounds):
+            stream = [json.dumps(plan if n == len(rounds) - 1 else {}).encode() + b"\n"]
+            for digest in digests:
+                data = blobs[digest]()
+                stream += [f"BLOB {digest} {len(data)}\n".encode(), data]
+            stream.append(b"END\n")
+            payload = b"".join(stream)
+            self._run(["put", cache_root(self.folder), self.folder], payload)
+            sent += len(payload)
+        return sent
 
     def parts(self) -> dict[str, bytes]:
         out, found = self._run(["parts", self.folder]), {}
@@ -405,9 +424,10 @@ class _RayNode:
     def missing(self, digests: list[str]) -> list[str]:
         return self._call(self.cache.missing, cache_root(self.folder), digests) if digests else []
 
-    def put(self, plan: dict, blobs: dict[str, bytes]) -> int:
-        self._call(self.cache.put, cache_root(self.folder), self.folder, plan, blobs)
-        return len(json.dumps(plan)) + sum(len(d) + 64 for d in blobs.values())
+    def put(self, plan: dict, blobs: dict[str, Callable[[], bytes]]) -> int:
+        data = {digest: read() for digest, read in blobs.items()}
+        self._call(self.cache.put, cache_root(self.folder), self.folder, plan, data)
+        return len(json.dumps(plan)) + sum(len(d) + 64 for d in data.values())
 
     def parts(self) -> dict[str, bytes]:
         return self._call(self.cache.parts, self.folder)
@@ -416,5 +436,69 @@ class _RayNode:
 # -- buckets --------------------------------------------------------------------------
 
 
+BUCKETS = "buckets.json"
+
+
+def check_buckets(value: Any, job_dir: Path, base: str) -> list[str]:
+    """The folders of -Dbuckets on this machine (file:// or a path), recorded in
+    JOB/data/buckets.json for the nodes; storage URLs (s3://, oss://, ...) are the
+    script's alone. A folder that is not there is a SpecError."""
+    folders = []
+    for url in _urls(value):
+        path = url[len("file://"):] if url.startswith("file://") else url
+        path = os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+        if not os.path.isdir(path):
+            raise SpecError("-Dbuckets", f"{path}: no such folder",
+                            "give a folder on this machine (file:///data/bucket/) or a storage URL")
+        folders.append(path)
+    if folders:
+        (job_dir / DATA).mkdir(mode=0o700, exist_ok=True)
+        write_private(job_dir / DATA / BUCKETS, json.dumps(folders))
+    return folders
+
+
 def bucket_trees(job_dir: str | Path) -> list[dict]:
-    return []
+    """Each -Dbuckets folder (but those under a `shared:` path: cluster/node_files.py
+    data_trees) as a tree of files by content digest: {"digest" (of
+    the whole tree), "files": [[rel, sha256]], "sources": [(rel, sha256, path)]}.
+    Regular files only; links and special files stay behind."""
+    from paicli.cluster.node_files import data_trees
+
+    trees = []
+    for folder, dst in data_trees(str(job_dir)):
+        sources = []
+        for dirpath, dirnames, filenames in os.walk(folder):
+            dirnames.sort()
+            for name in sorted(filenames):
+                path = os.path.join(dirpath, name)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    sources.append((os.path.relpath(path, folder), _file_digest(path), path))
+        files = [[rel, digest] for rel, digest, _ in sources]
+        trees.append({"digest": hashlib.sha256(json.dumps(files).encode()).hexdigest(), "files": files,
+                      "sources": sources, "path": folder, "link": dst})
+    return trees
+
+
+def _file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def node_buckets_argv(plan: Any, trees: list[dict]) -> None:
+    """On a node a bucket is a staged folder: `--buckets=file:///x` becomes
+    `--buckets=/x` in the plan the master launches from, so the node's path
+    mapping (cluster/node_files.py) turns it into the node's path."""
+    for role in plan.roles:
+        role.argv = [_plain_bucket(a, trees) for a in role.argv]
+
+
+def _plain_bucket(arg: str, trees: list[dict]) -> str:
+    head, eq, tail = arg.partition("=")
+    if head == "--buckets" and eq and tail.startswith("file://"):
+        path = tail[len("file://"):]
+        if any(os.path.normpath(path) == t["path"] for t in trees):
+            return f"{head}={path}"
+    return arg

@@ -150,6 +150,7 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
             exact.append((path, dst))
     files += [NodeFile(f"{job_dir}/{name}", name, 0o600) for name in INSTANCE_FILES
               if os.path.isfile(f"{job_dir}/{name}")]
+    trees += data_trees(job_dir)
     return Manifest(files=files, job_dir=job_dir, trees=trees, exact=exact)
 
 
@@ -177,3 +178,30 @@ def tar_stream(files: list[NodeFile]) -> bytes:
             tar.addfile(info)
     return buf.getvalue()
 
+
+
+# -- DATA (issue 18): per-node data --------------------------------------------------
+# Table slices and -Dbuckets folders do not travel in the manifest: cluster/datasets.py
+# sends each node only what it lacks (by content digest, into the node's cache) after
+# the manifest is staged. What the manifest holds of them is the path mapping: a
+# bucket folder here -> `buckets/K` in the node's per-job folder (a link into the cache).
+
+
+def data_trees(job_dir: str) -> list[tuple[str, str]]:
+    """The -Dbuckets folders of the job (JOB/data/buckets.json) -> buckets/K, but
+    those under a `shared:` path of the nodes file (the snapshot in nodes.json):
+    the same on every node, they are passed through untouched."""
+    import json
+
+    def read(name: str, default):
+        try:
+            with open(os.path.join(job_dir, *name.split("/"))) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return default
+
+    folders = read("data/buckets.json", [])
+    config = read("nodes.json", {})
+    shared = [str(p).rstrip("/") for p in (config.get("shared") or []) if isinstance(config, dict)]
+    return [(str(folder), f"buckets/{k}") for k, folder in enumerate(folders)
+            if not any(folder == p or _inside(folder, p) for p in shared)]

@@ -4,7 +4,8 @@ Standard library only; runs on a node with the node's python3 (SSH: from the job
 staged runners folder) or inside a Ray worker (its functions shipped by value).
 Nothing here imports another module of ours.
 
-    python3 node_cache.py missing ROOT DIGEST...     the digests ROOT lacks (JSON list)
+    python3 node_cache.py missing ROOT               stdin: a JSON list of digests; those
+                                                     ROOT lacks (JSON list)
     python3 node_cache.py put ROOT FOLDER            stdin: one JSON line (the node's job
                                                      plan: index, trees), then frames
                                                      b"BLOB <sha256> <size>\\n" + bytes, b"END\\n"
@@ -107,7 +108,7 @@ def _read_exact(stream, size: int):
 
 def place(root: str, folder: str, plan: dict) -> None:
     """The job's side of the cache: FOLDER/data/tables.json (paths in it are the
-    node's) and each bucket tree, linked from FOLDER/buckets/K."""
+    node's) and each bucket tree, linked from FOLDER/buckets/K (its "link")."""
     folder = own_dir(folder)
     data = own_dir(os.path.join(folder, "data"))
     for out in (plan.get("index") or {}).get("outputs", []):
@@ -116,9 +117,12 @@ def place(root: str, folder: str, plan: dict) -> None:
         text = json.dumps(plan["index"]).encode()
         _, tmp = _write_aside(os.path.join(data, "tables.json"), [text], 0o600)
         os.replace(tmp, os.path.join(data, "tables.json"))
-    for k, tree in enumerate(plan.get("trees") or []):
+    for tree in plan.get("trees") or []:
+        name = str(tree.get("link", "")).split("/")
+        if len(name) != 2 or name[0] != "buckets" or not name[1].isdigit():
+            raise Refused(f"a bucket link that is not buckets/K: {tree.get('link')!r}"[:120])
         top = build_tree(root, tree)
-        link = os.path.join(own_dir(os.path.join(folder, "buckets")), str(k))
+        link = os.path.join(own_dir(os.path.join(folder, "buckets")), name[1])
         if os.path.lexists(link):
             os.unlink(link)
         os.symlink(top, link)
@@ -132,7 +136,9 @@ def build_tree(root: str, tree: dict) -> str:
     trees = own_dir(os.path.join(root, "trees"))
     top = os.path.join(trees, tree["digest"])
     if os.path.isdir(top):
-        return top
+        if _intact(root, top, tree["files"]):
+            return top
+        _remove_tree(top)     # someone (root ignores modes) changed it: made again
     tmp = f"{top}.tmp{os.getpid()}"
     os.mkdir(tmp, 0o700)
     for rel, digest in tree["files"]:
@@ -152,6 +158,23 @@ def build_tree(root: str, tree: dict) -> str:
     except OSError:     # another job made it meanwhile
         _remove_tree(tmp)
     return top
+
+
+def _intact(root: str, top: str, files: list) -> bool:
+    """The tree holds exactly its files, each still a link to its blob."""
+    want = {rel: digest for rel, digest in files}
+    seen = 0
+    for dirpath, _dirs, names in os.walk(top):
+        for name in names:
+            rel = os.path.relpath(os.path.join(dirpath, name), top)
+            try:
+                same = os.path.samefile(os.path.join(dirpath, name), blob_path(root, want[rel]))
+            except (KeyError, OSError):
+                return False
+            if not same:
+                return False
+            seen += 1
+    return seen == len(want)
 
 
 def _remove_tree(path: str) -> None:
@@ -203,8 +226,8 @@ def parts(folder: str) -> dict:
 
 def main(argv: list) -> int:
     try:
-        if argv[:1] == ["missing"] and len(argv) >= 2:
-            print(json.dumps(missing(argv[1], argv[2:])))
+        if argv[:1] == ["missing"] and len(argv) == 2:
+            print(json.dumps(missing(argv[1], json.loads(sys.stdin.read() or "[]"))))
         elif argv[:1] == ["put"] and len(argv) == 3:
             print(json.dumps(receive(argv[1], argv[2], sys.stdin.buffer)))
         elif argv[:1] == ["parts"] and len(argv) == 2:
@@ -213,7 +236,7 @@ def main(argv: list) -> int:
                 out.write(f"PART {rel} {len(data)}\n".encode() + data)
             out.write(b"END\n")
         else:
-            print("usage: node_cache.py missing ROOT DIGEST... | put ROOT FOLDER | parts FOLDER", file=sys.stderr)
+            print("usage: node_cache.py missing ROOT | put ROOT FOLDER | parts FOLDER", file=sys.stderr)
             return 2
     except (Refused, OSError, ValueError) as err:
         print(json.dumps({"error": str(err)[:300]}))

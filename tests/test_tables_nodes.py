@@ -83,3 +83,48 @@ def test_ssh_workers_get_their_own_slices_and_write_one_table(cluster, nodes, tm
     assert_disjoint_and_complete(db.stdout, db_url, 101)
     got = sqlite3.connect(tmp_path / "o.sqlite").execute("SELECT id, double FROM pred").fetchall()
     assert got == [(i, 2 * i) for i in range(101)]
+
+
+READER = ROOT / "tests" / "scripts" / "bucket_reader.py"
+
+
+def make_bucket(folder: Path) -> Path:
+    bucket = folder / "bucket"
+    (bucket / "sub").mkdir(parents=True)
+    (bucket / "a.bin").write_bytes(bytes(range(256)) * 400)        # 100 KB
+    (bucket / "sub" / "b.txt").write_text("label\n" * 5000)         # 30 KB
+    return bucket
+
+
+def bucket_reports(text: str) -> list[dict[str, str]]:
+    return [dict(item.split("=", 1) for item in line.split("] ", 1)[-1].split())
+            for line in text.splitlines() if "bucket=" in line]
+
+
+def assert_bucket_job(result, bucket: Path, folder_on_node: bool = True) -> None:
+    reports = bucket_reports(result.stdout)
+    assert len(reports) == 2, result.stdout
+    for report in reports:
+        assert report["files"] == "2" and report["readonly"] == "True", report
+        assert report["bucket"].startswith("/tmp/") and str(bucket) not in report["bucket"], report
+    assert len({r["sha"] for r in reports}) == 1
+
+
+def test_ssh_a_bucket_goes_once_and_a_changed_file_alone(cluster, nodes, tmp_path, pai_home):
+    bucket = make_bucket(tmp_path)
+    args = ["-name", "python", f"-Dscript={READER}", TWO, f"-Dbuckets=file://{bucket}/"]
+    first = pai(*args)
+    assert_bucket_job(first, bucket)
+    [sent] = sent_records(pai_home, ok(first))
+    total = sum(p.stat().st_size for p in bucket.rglob("*") if p.is_file())
+    assert sorted(sent) == ["h1", "h2"] and all(total <= n < total + 2048 for n in sent.values()), (sent, total)
+    second = pai(*args)
+    [sent] = sent_records(pai_home, ok(second))
+    assert all(n < 2048 for n in sent.values()), sent      # the plan line alone: nothing of the bucket
+    assert_bucket_job(second, bucket)
+    (bucket / "sub" / "b.txt").write_text("other\n" * 5000)
+    third = pai(*args)
+    [sent] = sent_records(pai_home, ok(third))
+    changed = (bucket / "sub" / "b.txt").stat().st_size
+    assert all(changed <= n < changed + 2048 for n in sent.values()), (sent, changed)
+    assert_bucket_job(third, bucket)

@@ -207,7 +207,10 @@ class CsvFile:
             if not header.strip():
                 raise self._fail(1, "no header line naming the columns")
             text = self._decode(header, 1)
-            self.columns = next(csv.reader([text], delimiter=self.delimiter), [])
+            try:
+                self.columns = next(csv.reader([text.rstrip("\r\n")], delimiter=self.delimiter), [])
+            except csv.Error as err:
+                raise self._fail(1, f"the header is not CSV: {err}") from None
             if not self.columns or any(not c.strip() for c in self.columns):
                 raise self._fail(1, f"the header {text.strip()[:80]!r} has an empty column name")
             self.data_start = f.tell()

@@ -128,3 +128,45 @@ def test_ssh_a_bucket_goes_once_and_a_changed_file_alone(cluster, nodes, tmp_pat
     changed = (bucket / "sub" / "b.txt").stat().st_size
     assert all(changed <= n < changed + 2048 for n in sent.values()), (sent, changed)
     assert_bucket_job(third, bucket)
+
+
+# -- Ray ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from ray_cluster import RayCluster, cannot_run
+
+    reason = cannot_run()
+    if reason:
+        pytest.skip(reason)
+    # Two nodes of one CPU each: a 2-worker job has one worker on each, every time.
+    with RayCluster(prefix="dray", subnet="10.213.29", nodes=2) as built:
+        yield built
+
+
+def pai_ray(cluster, home: Path, *args: str) -> object:
+    env = {"PAI_HOME": str(home), "PAI_RAY_ADDRESS": cluster.address, "NO_COLOR": "1", "PAI_DEBUG": "",
+           "PAI_NODES": ""}
+    return cluster.run([sys.executable, "-m", "paicli", *args], env=env, timeout=300, cwd=str(ROOT))
+
+
+def test_ray_slices_outputs_and_a_bucket_that_goes_once(ray_cluster, tmp_path):
+    home = tmp_path / "home"
+    csv_url, _ = make_tables(tmp_path, 101)
+    bucket = make_bucket(tmp_path)
+    first = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={WORKER}", TWO, f"-Dtables={csv_url}",
+                    f"-Doutputs=file://{tmp_path}/pred.csv", f"-Dbuckets=file://{bucket}")
+    job = ok(first)
+    assert_disjoint_and_complete(first.stdout, csv_url, 101)
+    rows = list(csv.reader(open(tmp_path / "pred.csv")))
+    assert rows[1:] == [[str(i), str(2 * i)] for i in range(101)]
+    [sent] = sent_records(home, job)
+    share = (tmp_path / "train.csv").stat().st_size / 2
+    files = sum(p.stat().st_size for p in bucket.rglob("*") if p.is_file())
+    assert len(sent) == 2 and all(share * 0.9 + files < n < share * 1.05 + files + 2048 for n in sent.values()), sent
+    second = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={READER}", TWO, f"-Dtables={csv_url}",
+                     f"-Dbuckets=file://{bucket}/")
+    [sent] = sent_records(home, ok(second))
+    assert len(sent) == 2 and all(n < 4096 for n in sent.values()), sent     # the index alone
+    assert_bucket_job(second, bucket)

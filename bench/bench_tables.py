@@ -1,6 +1,14 @@
-"""Reading a table slice through runners/paitables.py vs Python's own csv module.
+"""Tables: reading a slice through runners/paitables.py vs Python's own csv module,
+and the bytes each SSH node is sent for its workers' slices.
 
     .venv/bin/python bench/bench_tables.py [--mb 1024] [--slices 1] [--reps 3] [--keep PATH]
+    flock /tmp/paicli-heavy.lock .venv/bin/python bench/bench_tables.py nodes [--mb 100] [--workers 4]
+
+`nodes`: a cluster of --workers SSH hosts in network namespaces (tests/netns.py),
+one core each, a CSV of about --mb MB, a --workers-worker job
+(tests/scripts/table_worker.py) run twice; prints, per node, the bytes the stage
+step sent (JOB/data/sent.json) against the node's share (file size / workers),
+and what the second job sent (the nodes hold the slices). Goal: <= 1.05 x share.
 
 Writes a CSV of about --mb megabytes (8 columns: ids, floats, words; no quotes),
 then, alternating, reads slice 0 of --slices (the whole file with --slices 1):
@@ -75,7 +83,69 @@ def timed(fn) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+def nodes_main(argv: list[str]) -> int:
+    import subprocess
+
+    ap = argparse.ArgumentParser(description="bytes sent per node for a table's slices")
+    ap.add_argument("--mb", type=int, default=100)
+    ap.add_argument("--workers", type=int, default=4)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from netns import build_cluster, can_build
+
+    if can_build():
+        print(f"cannot build the cluster: {can_build()}")
+        return 1
+    work = Path(tempfile.mkdtemp(prefix="bench-tables-nodes-"))
+    table = work / "t.csv"
+    make_csv(table, args.mb)
+    size = table.stat().st_size
+    cluster = build_cluster(hosts=args.workers, prefix="pbt", first_subnet=170)
+    try:
+        from paicli.runners.runtimes import runtime_root
+
+        nodes = cluster.write_nodes_file(work / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
+        env = dict(os.environ, PAI_HOME=str(work / "home"), PAI_NODES=str(nodes), PAI_LOGVIEW="file", NO_COLOR="1")
+        out = {"mb": round(size / 2**20, 1), "workers": args.workers, "share": size // args.workers, "runs": []}
+        for run in (1, 2):
+            t0 = time.monotonic()
+            result = subprocess.run([sys.executable, "-m", "paicli", "-name", "python",
+                                     f"-Dscript={ROOT}/tests/scripts/table_worker.py", f"-Dtables=file://{table}",
+                                     '-Dcluster={"worker":{"count":%d}}' % args.workers],
+                                    capture_output=True, text=True, env=env, timeout=900)
+            secs = time.monotonic() - t0
+            if result.returncode != 0:
+                print(result.stdout[-3000:], result.stderr[-2000:])
+                return 1
+            job = next(line[5:].strip() for line in result.stdout.splitlines() if line.startswith("ID = "))
+            sent = json.loads((work / "home" / "jobs" / job / "data" / "sent.json").read_text())[0]
+            index = json.loads((work / "home" / "jobs" / job / "data" / "tables.json").read_text())
+            placed = json.loads((work / "home" / "jobs" / job / "placement.json").read_text())
+            own = {}   # the bytes of the slices of each node's workers
+            for p in placed:
+                parts = index["tables"][0]["slices"][str(p["idx"])]
+                own[p["node"]] = own.get(p["node"], 0) + sum(q["end"] - q["start"] for q in parts)
+            ratios = {node: n / (size / args.workers) for node, n in sorted(sent.items())}
+            print(f"run {run}: {secs:.1f} s, table {size} bytes, share {size // args.workers} bytes; load "
+                  f"{os.getloadavg()[0]:.2f}")
+            for node, n in sorted(sent.items()):
+                print(f"  {node}: {n} bytes sent = {ratios[node]:.4f} x share, "
+                      f"{n / own[node]:.5f} x its workers' slices ({own[node]} bytes)")
+            out["runs"].append({"seconds": round(secs, 1), "sent": sent, "own": own,
+                                "max_ratio": round(max(ratios.values()), 4),
+                                "max_own_ratio": round(max(sent[n] / own[n] for n in sent), 5)})
+        print(json.dumps(out))
+    finally:
+        cluster.close()
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["nodes"]:
+        return nodes_main(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--slices", type=int, default=1)

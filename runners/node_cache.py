@@ -140,8 +140,21 @@ def build_tree(root: str, tree: dict) -> str:
             return top
         _remove_tree(top)     # someone (root ignores modes) changed it: made again
     tmp = f"{top}.tmp{os.getpid()}"
+    if os.path.lexists(tmp):
+        _remove_tree(tmp)     # left by a build that failed
     os.mkdir(tmp, 0o700)
-    for rel, digest in tree["files"]:
+    try:
+        _fill_tree(root, tmp, tree["files"])
+        os.rename(tmp, top)
+    except BaseException:
+        _remove_tree(tmp)
+        if not os.path.isdir(top):   # else another job made it meanwhile (ENOTEMPTY): theirs is ours
+            raise
+    return top
+
+
+def _fill_tree(root: str, tmp: str, files: list) -> None:
+    for rel, digest in files:
         parts = rel.split("/")
         if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
             raise Refused(f"a bucket path that leaves its tree: {rel[:80]!r}")
@@ -153,11 +166,6 @@ def build_tree(root: str, tree: dict) -> str:
         os.link(blob_path(root, digest), os.path.join(here, parts[-1]))
     for dirpath, _dirs, _files in os.walk(tmp):
         os.chmod(dirpath, 0o500)     # read-only: a script cannot change the cached data
-    try:
-        os.rename(tmp, top)
-    except OSError:     # another job made it meanwhile
-        _remove_tree(tmp)
-    return top
 
 
 def _intact(root: str, top: str, files: list) -> bool:

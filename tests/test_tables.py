@@ -239,3 +239,35 @@ def test_storage_urls_pass_through_untouched(tmp_path, pai_home):
     from paicli.cluster import datasets
 
     assert datasets._urls("odps://proj/tables/t,s3://b/k,file:///x.csv,/y.csv") == ["file:///x.csv", "/y.csv"]
+
+
+# -- the node's cache (runners/node_cache.py), without a node --------------------------------
+
+
+def test_the_node_cache_checks_digests_and_keeps_trees_inside(tmp_path):
+    import hashlib as h
+
+    import node_cache
+
+    root, folder = str(tmp_path / "cache"), str(tmp_path / "job")
+    data = b"rows\n" * 10
+    digest = h.sha256(data).hexdigest()
+    assert node_cache.missing(root, [digest]) == [digest]
+    with pytest.raises(node_cache.Refused, match="hash to"):
+        node_cache.store_blob(root, digest, [b"other bytes"])
+    assert node_cache.missing(root, [digest]) == [digest] and not list((tmp_path / "cache" / "blobs").iterdir())
+    with pytest.raises(node_cache.Refused, match="not a digest"):
+        node_cache.missing(root, ["../../etc/passwd"])
+    tree = {"digest": "ab" * 32, "files": [["sub/f.txt", digest]], "link": "buckets/0"}
+    node_cache.put(root, folder, {"index": None, "trees": [tree]}, {digest: data})
+    linked = tmp_path / "job" / "buckets" / "0" / "sub" / "f.txt"
+    assert linked.read_bytes() == data and not linked.stat().st_mode & 0o222
+    (tmp_path / "job" / "buckets" / "0").resolve().chmod(0o700)
+    (linked.parent.parent / "planted").write_text("x")      # root ignores modes: the tree is made again
+    node_cache.put(root, folder, {"index": None, "trees": [tree]}, {})
+    assert sorted(p.name for p in (tmp_path / "job" / "buckets" / "0").iterdir()) == ["sub"]
+    for bad in (["../x", digest], ["/etc/x", digest], ["a//b", digest]):
+        with pytest.raises(node_cache.Refused, match="leaves its tree"):
+            node_cache.build_tree(root, {"digest": "cd" * 32, "files": [bad]})
+    with pytest.raises(node_cache.Refused, match="buckets/K"):
+        node_cache.place(root, folder, {"trees": [dict(tree, link="../../x")]})

@@ -314,7 +314,7 @@ def layout(url: TableURL, check: bool = False) -> dict:
     """What a job's index records of a table before slicing: columns, rows and
     per-file layouts (CSV) or the SQLite table's row count."""
     if url.kind == "sqlite":
-        columns, rows = _sqlite_shape(url)
+        columns, rows = sqlite_shape(url)
         return {"key": url.key, "kind": "sqlite", "path": url.path, "table": url.table,
                 "columns": columns, "rows": rows}
     files = [CsvFile(path, check) for path in table_files(url)]
@@ -355,7 +355,7 @@ def _quote_path(path: str) -> str:
     return quote(path, safe="/")
 
 
-def _sqlite_shape(url: TableURL) -> tuple:
+def sqlite_shape(url: TableURL) -> tuple:
     if not os.path.isfile(url.path):
         raise TableError(f"{url.path}: no such SQLite database")
     try:

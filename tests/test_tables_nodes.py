@@ -153,7 +153,7 @@ def pai_ray(cluster, home: Path, *args: str) -> object:
 
 def test_ray_slices_outputs_and_a_bucket_that_goes_once(ray_cluster, tmp_path):
     home = tmp_path / "home"
-    csv_url, _ = make_tables(tmp_path, 101)
+    csv_url, db_url = make_tables(tmp_path, 101)
     bucket = make_bucket(tmp_path)
     first = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={WORKER}", TWO, f"-Dtables={csv_url}",
                     f"-Doutputs=file://{tmp_path}/pred.csv", f"-Dbuckets=file://{bucket}")
@@ -170,3 +170,6 @@ def test_ray_slices_outputs_and_a_bucket_that_goes_once(ray_cluster, tmp_path):
     [sent] = sent_records(home, ok(second))
     assert len(sent) == 2 and all(n < 4096 for n in sent.values()), sent     # the index alone
     assert_bucket_job(second, bucket)
+    third = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={WORKER}", TWO, f"-Dtables={db_url}")
+    ok(third)
+    assert_disjoint_and_complete(third.stdout, db_url, 101)

@@ -235,10 +235,21 @@ def test_bad_tables_are_one_line_exit_2_before_anything_starts(tmp_path, pai_hom
     assert not (pai_home / "jobs").exists() or not any((pai_home / "jobs").iterdir())
 
 
-def test_storage_urls_pass_through_untouched(tmp_path, pai_home):
-    from paicli.cluster import datasets
+def test_storage_urls_pass_through_untouched_and_a_missing_bucket_is_exit_2(tmp_path):
+    from paicli.cluster import datasets, node_files
+    from paicli.errors import SpecError
 
     assert datasets._urls("odps://proj/tables/t,s3://b/k,file:///x.csv,/y.csv") == ["file:///x.csv", "/y.csv"]
+    assert datasets.check_buckets("s3://b/k,oss://b/", tmp_path, "/") == []
+    assert not (tmp_path / "data").exists()
+    with pytest.raises(SpecError, match=f"-Dbuckets: {tmp_path}/nope: no such folder"):
+        datasets.check_buckets(f"file://{tmp_path}/nope/", tmp_path, "/")
+    (tmp_path / "b1").mkdir()
+    (tmp_path / "nfs" / "b2").mkdir(parents=True)
+    assert datasets.check_buckets(f"file://{tmp_path}/b1/,{tmp_path}/nfs/b2", tmp_path, "/") == \
+        [f"{tmp_path}/b1", f"{tmp_path}/nfs/b2"]
+    (tmp_path / "nodes.json").write_text(json.dumps({"backend": "ssh", "shared": [f"{tmp_path}/nfs"]}))
+    assert node_files.data_trees(str(tmp_path)) == [(f"{tmp_path}/b1", "buckets/0")]   # shared: not shipped
 
 
 # -- the node's cache (runners/node_cache.py), without a node --------------------------------

@@ -249,12 +249,12 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
     for node, transport in sorted(transports.items()):
         sids = sorted({p.idx for p in placements if p.node == node and index
                        and p.role == index.get("slice_role")})
-        node_index, blobs = cutter.for_node(sids, transport.folder)
+        node_index, blobs, sizes = cutter.for_node(sids, transport.folder)
         tree_plans = [{"digest": t["digest"], "files": t["files"], "link": t["link"]} for t in trees]
         for t in trees:
             blobs.update({digest: (lambda path=path: _read(path)) for _rel, digest, path in t["sources"]})
         plan_line = {"index": node_index, "trees": tree_plans}
-        sizes = {d: os.path.getsize(p) for t in trees for _r, d, p in t["sources"]}
+        sizes.update({d: os.path.getsize(p) for t in trees for _r, d, p in t["sources"]})
         lacking = transport.missing(sorted(blobs))
         transport.sizes = sizes
         sent[node] = transport.put(plan_line, {d: blobs[d] for d in lacking})
@@ -273,58 +273,68 @@ def _read(path: str) -> bytes:
 
 
 class _Slices:
-    """The slice blobs of a job's tables, cut once for all nodes: a CSV slice is
-    its rows' bytes as they are in the file (each part ending with a newline), a
-    SQLite slice its rows as JSON lines."""
+    """The slice blobs of a job's tables, digested once for all nodes and read
+    again only for a node that lacks them (the master never holds a whole table):
+    a CSV slice is its rows' bytes as they are in the file (each part ending with
+    a newline), a SQLite slice its rows as JSON lines."""
 
     def __init__(self, index: dict):
         self.index = index
         self.cut: dict[tuple[int, str], tuple[str, int]] = {}   # (table, slice) -> (digest, size)
-        self.data: dict[str, bytes] = {}
 
     def blob(self, t: int, sid: str) -> str:
         if (t, sid) not in self.cut:
-            table = self.index["tables"][t]
-            data = _slice_bytes(table, sid)
-            digest = hashlib.sha256(data).hexdigest()
-            self.cut[(t, sid)] = (digest, len(data))
-            self.data[digest] = data
+            digest, size = hashlib.sha256(), 0
+            for chunk in _slice_chunks(self.index["tables"][t], sid):
+                digest.update(chunk)
+                size += len(chunk)
+            self.cut[(t, sid)] = (digest.hexdigest(), size)
         return self.cut[(t, sid)][0]
 
-    def for_node(self, sids: list[int], folder: str) -> tuple[dict | None, dict]:
+    def for_node(self, sids: list[int], folder: str) -> tuple[dict | None, dict, dict]:
+        """The node's index, {digest: read()} and {digest: size} of its slices."""
         if not self.index:
-            return None, {}
+            return None, {}, {}
         root = cache_root(folder)
         node_index = dict(self.index, tables=[], outputs=[
             dict(out, parts=f"{folder}/{DATA}/{OUT}/{k}") for k, out in enumerate(self.index.get("outputs", []))])
-        blobs = {}
+        blobs, sizes = {}, {}
         for t, table in enumerate(self.index.get("tables", [])):
             slices = {}
             for sid in map(str, sids):
                 digest = self.blob(t, sid)
-                blobs[digest] = lambda digest=digest: self.data[digest]
+                blobs[digest] = lambda table=table, sid=sid: b"".join(_slice_chunks(table, sid))
+                sizes[digest] = self.cut[(t, sid)][1]
                 rows = sum(p["rows"] for p in table["slices"][sid])
                 path = f"{root}/blobs/{digest}"
                 slices[sid] = [{"path": path, "format": "jsonl", "rows": rows} if table["kind"] == "sqlite"
-                               else {"path": path, "start": 0, "end": self.cut[(t, sid)][1], "rows": rows}]
+                               else {"path": path, "start": 0, "end": sizes[digest], "rows": rows}]
             node_index["tables"].append(dict(table, slices=slices))
-        return node_index, blobs
+        return node_index, blobs, sizes
 
 
-def _slice_bytes(table: dict, sid: str) -> bytes:
-    out = bytearray()
+def _slice_chunks(table: dict, sid: str):
+    """A slice's bytes, in chunks of up to 1 MB."""
     for part in table["slices"][sid]:
         if "table" in part:
             rows = paitables.Table(table["key"], table["columns"], [part])
-            out += b"".join(json.dumps(list(r)).encode() + b"\n" for r in rows)
+            for batch in rows.read(4096):
+                yield b"".join(json.dumps(list(r)).encode() + b"\n" for r in batch)
             rows.close()
             continue
+        last = b"\n"
         with open(part["path"], "rb") as f:
             f.seek(part["start"])
-            out += f.read(part["end"] - part["start"])
-        if out and not out.endswith(b"\n"):
-            out += b"\n"     # a file's last row without its newline: the next part's rows stay apart
-    return bytes(out)
+            left = part["end"] - part["start"]
+            while left > 0:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    break
+                left -= len(chunk)
+                last = chunk[-1:]
+                yield chunk
+        if last != b"\n":
+            yield b"\n"     # a file's last row without its newline: the next part's rows stay apart
 
 
 def cache_root(folder: str) -> str:

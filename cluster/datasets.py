@@ -243,7 +243,9 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
     transports = _transports(backend, only or {p.node for p in placements})
     if transports is None or (index is None and not trees):
         return {}
-    cutter = _Slices(index or {})
+    from paicli.cluster.node_files import shared_paths
+
+    cutter = _Slices(index or {}, shared_paths(str(job_dir)))
     node_buckets_argv(plan, trees)
     sent = {}
     for node, transport in sorted(transports.items()):
@@ -278,9 +280,17 @@ class _Slices:
     a CSV slice is its rows' bytes as they are in the file (each part ending with
     a newline), a SQLite slice its rows as JSON lines."""
 
-    def __init__(self, index: dict):
+    def __init__(self, index: dict, shared: list[str] = ()):
         self.index = index
         self.cut: dict[tuple[int, str], tuple[str, int]] = {}   # (table, slice) -> (digest, size)
+        self.shared = list(shared)
+
+    def in_place(self, table: dict) -> bool:
+        """Every file of the table is under a `shared:` path: nodes read it there."""
+        from paicli.cluster.node_files import under_shared
+
+        paths = {p["path"] for parts in table["slices"].values() for p in parts}
+        return bool(self.shared) and all(under_shared(p, self.shared) for p in paths)
 
     def blob(self, t: int, sid: str) -> str:
         if (t, sid) not in self.cut:
@@ -300,6 +310,9 @@ class _Slices:
             dict(out, parts=f"{folder}/{DATA}/{OUT}/{k}") for k, out in enumerate(self.index.get("outputs", []))])
         blobs, sizes = {}, {}
         for t, table in enumerate(self.index.get("tables", [])):
+            if self.in_place(table):
+                node_index["tables"].append(dict(table, slices={str(i): table["slices"][str(i)] for i in sids}))
+                continue
             slices = {}
             for sid in map(str, sids):
                 digest = self.blob(t, sid)

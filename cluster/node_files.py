@@ -187,21 +187,33 @@ def tar_stream(files: list[NodeFile]) -> bytes:
 # bucket folder here -> `buckets/K` in the node's per-job folder (a link into the cache).
 
 
-def data_trees(job_dir: str) -> list[tuple[str, str]]:
-    """The -Dbuckets folders of the job (JOB/data/buckets.json) -> buckets/K, but
-    those under a `shared:` path of the nodes file (the snapshot in nodes.json):
-    the same on every node, they are passed through untouched."""
+def shared_paths(job_dir: str) -> list[str]:
+    """The `shared:` paths of the job's nodes file (its snapshot, nodes.json): the
+    same on every node, so what lies below them is read in place there."""
     import json
 
-    def read(name: str, default):
-        try:
-            with open(os.path.join(job_dir, *name.split("/"))) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return default
+    try:
+        with open(os.path.join(job_dir, "nodes.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return []
+    shared = config.get("shared") if isinstance(config, dict) else None
+    return [str(p).rstrip("/") or "/" for p in shared or [] if isinstance(p, str)]
 
-    folders = read("data/buckets.json", [])
-    config = read("nodes.json", {})
-    shared = [str(p).rstrip("/") for p in (config.get("shared") or []) if isinstance(config, dict)]
-    return [(str(folder), f"buckets/{k}") for k, folder in enumerate(folders)
-            if not any(folder == p or _inside(folder, p) for p in shared)]
+
+def under_shared(path: str, shared: list[str]) -> bool:
+    return any(path == p or _inside(path, p) or p == "/" for p in shared)
+
+
+def data_trees(job_dir: str) -> list[tuple[str, str]]:
+    """The -Dbuckets folders of the job (JOB/data/buckets.json) -> buckets/K, but
+    those under a `shared:` path (passed through untouched)."""
+    import json
+
+    try:
+        with open(os.path.join(job_dir, "data", "buckets.json")) as f:
+            folders = json.load(f)
+    except (OSError, ValueError):
+        return []
+    shared = shared_paths(job_dir)
+    return [(str(folder), f"buckets/{k}") for k, folder in enumerate(folders) if not under_shared(folder, shared)]

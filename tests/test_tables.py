@@ -282,3 +282,16 @@ def test_the_node_cache_checks_digests_and_keeps_trees_inside(tmp_path):
             node_cache.build_tree(root, {"digest": "cd" * 32, "files": [bad]})
     with pytest.raises(node_cache.Refused, match="buckets/K"):
         node_cache.place(root, folder, {"trees": [dict(tree, link="../../x")]})
+
+
+def test_a_table_under_a_shared_path_is_read_in_place_on_the_nodes(tmp_path):
+    from paicli.cluster import datasets
+
+    csv_url, _ = make_tables(tmp_path, 10)
+    index = {"slice_role": "worker", "slice_count": 2, "outputs": [],
+             "tables": datasets.check_tables(csv_url, 2, "/")}
+    shipped, blobs, _sizes = datasets._Slices(index, ["/elsewhere"]).for_node([1], "/tmp/root/JOB")
+    assert list(blobs) and shipped["tables"][0]["slices"]["1"][0]["path"].startswith("/tmp/root/.cache/blobs/")
+    assert b"".join(blobs[next(iter(blobs))]().splitlines(keepends=True)[:1]) == b"5,n5\r\n"
+    in_place, blobs, _sizes = datasets._Slices(index, [str(tmp_path)]).for_node([1], "/tmp/root/JOB")
+    assert blobs == {} and in_place["tables"][0]["slices"] == {"1": index["tables"][0]["slices"]["1"]}

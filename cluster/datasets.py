@@ -360,7 +360,9 @@ def _transports(backend: Any, nodes: set | None = None) -> dict | None:
     name = getattr(backend, "name", "local")
     if name == "ssh":
         folders = dict(getattr(backend, "_folders", {}))
-        return {n: _SSHNode(backend, n, f) for n, f in folders.items() if nodes is None or n in nodes}
+        lost = set(getattr(backend, "_lost", ()))      # nodes that stopped answering: not asked again
+        return {n: _SSHNode(backend, n, f) for n, f in folders.items()
+                if (nodes is None or n in nodes) and n not in lost}
     if name == "ray":
         found = {}
         for inst in getattr(backend, "_instances", {}).values():
@@ -376,11 +378,12 @@ class _SSHNode:
     def __init__(self, backend: Any, name: str, folder: str):
         self.backend, self.entry, self.folder = backend, backend.entry(name), folder
 
-    def _run(self, args: list[str], stdin: bytes | None = None) -> bytes:
+    def _run(self, args: list[str], stdin: bytes | None = None, timeout: float = 60.0) -> bytes:
         from paicli.cluster import ssh_transport as ssh
 
         argv = [self.entry.python, f"{self.folder}/runners/node_cache.py", *args]
-        status, out, err = ssh.exec_command(self.backend.conns.session(self.entry), argv, stdin=stdin, timeout=600)
+        status, out, err = ssh.exec_command(self.backend.conns.session(self.entry), argv, stdin=stdin,
+                                            timeout=timeout)
         if status != 0:
             why = out.decode(errors="replace").strip() or err.decode(errors="replace").strip()
             raise PaiError(f"node {self.entry.name}: the data cache: {why[-300:]}")
@@ -410,7 +413,7 @@ class _SSHNode:
                 stream += [f"BLOB {digest} {len(data)}\n".encode(), data]
             stream.append(b"END\n")
             payload = b"".join(stream)
-            self._run(["put", cache_root(self.folder), self.folder], payload)
+            self._run(["put", cache_root(self.folder), self.folder], payload, timeout=600)
             sent += len(payload)
         return sent
 

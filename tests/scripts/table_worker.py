@@ -13,6 +13,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--tables", default="")
 parser.add_argument("--outputs", default="")
 parser.add_argument("--fail", action="store_true")
+parser.add_argument("--hold", type=float, default=0.0, help="slice 1's first attempt waits this long")
 args, _ = parser.parse_known_args()
 
 table = paitables.open_table(args.tables.split(",")[0])
@@ -24,6 +25,10 @@ for batch in table.read(100):
 print(f"slice={table.slice_id} of={table.slice_count} rows={table.row_count} seen={len(ids)} "
       f"checksum={digest.hexdigest()} lo={min(ids)} hi={max(ids)} cols={','.join(table.columns)} "
       f"role={os.environ.get('PAI_ROLE')}", flush=True)
+if args.hold and table.slice_id == 1 and os.environ.get("PAI_ATTEMPT") == "0":
+    import time
+
+    time.sleep(args.hold)
 if args.outputs:
     with paitables.open_writer(args.outputs, ["id", "double"]) as out:
         for i in ids:

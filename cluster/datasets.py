@@ -15,9 +15,10 @@ A part is a byte range of a CSV file ({"path", "start", "end", "rows"}) or rows
 of a SQLite table ({"path", "table", "offset", "rows"}). On this machine the
 parts name the tables themselves; a node gets an index of its own naming the
 slice files shipped there (`stage`). The sliced role's instances get
-PAI_TABLES_INDEX, PAI_SLICE_COUNT, PAI_TABLES / PAI_OUTPUTS and the runners
-folder on PYTHONPATH (so `import paitables` works in every runtime); their slice
-is their PAI_INDEX.
+PAI_TABLES_INDEX, PAI_SLICE_COUNT, PAI_TABLES / PAI_OUTPUTS, and JOB/data/py
+(paitables.py alone) on PYTHONPATH, so `import paitables` works in every
+runtime; every role gets PAI_TABLES / PAI_OUTPUTS and the PYTHONPATH. A worker's
+slice is its PAI_INDEX.
 
 At the end (`finish`, called by the master before clean-up) the workers' part
 files (fetched from the nodes first) become the output table: written aside and
@@ -42,6 +43,7 @@ DATA = "data"
 BATCH = 64 << 20        # bytes of blobs per SSH round
 INDEX = "tables.json"
 OUT = "out"
+PY = "py"
 
 
 def index_path(job_dir: str | Path) -> Path:
@@ -130,14 +132,13 @@ def prepare(spec: Any, plan: Any, job_dir: str | Path, base: str = "") -> dict |
         Path(out["parts"]).mkdir(mode=0o700, parents=True, exist_ok=True)
     path = index_path(job_dir)
     write_private(path, json.dumps(index))
+    _module_folder(job_dir)
     for r in plan.roles:
         r.env.update(_role_env(spec, r, path, role.name, role.count))
     return index
 
 
 def _role_env(spec: Any, role: Any, path: Path, sliced: str, count: int) -> dict[str, str]:
-    from paicli.cluster.node_files import RUNNERS_DIR
-
     env = {"PAI_TABLES_INDEX": str(path)} if role.name == sliced else {}
     if role.name == sliced:
         env["PAI_SLICE_COUNT"] = str(count)
@@ -146,8 +147,19 @@ def _role_env(spec: Any, role: Any, path: Path, sliced: str, count: int) -> dict
     if spec.get("outputs"):
         env["PAI_OUTPUTS"] = spec.get("outputs")
     extra = role.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or ""
-    env["PYTHONPATH"] = str(RUNNERS_DIR) + (f":{extra}" if extra else "")
+    env["PYTHONPATH"] = str(path.parent / PY) + (f":{extra}" if extra else "")
     return env
+
+
+def _module_folder(job_dir: Path) -> None:
+    """JOB/data/py holds paitables.py alone: `import paitables` works in every
+    runtime without putting the other runners (archive, runtimes, ...) in the way
+    of the script's own imports. A node's copy is made there from its runners."""
+    from paicli.cluster.node_files import RUNNERS_DIR
+
+    folder = job_dir / DATA / PY
+    folder.mkdir(mode=0o700, exist_ok=True)
+    write_private(folder / "paitables.py", (RUNNERS_DIR / "paitables.py").read_bytes())
 
 
 def load(job_dir: str | Path) -> dict | None:

@@ -114,6 +114,7 @@ def place(root: str, folder: str, plan: dict) -> None:
     for out in (plan.get("index") or {}).get("outputs", []):
         os.makedirs(out["parts"], mode=0o700, exist_ok=True)
     if plan.get("index") is not None:
+        _module(folder, data)
         text = json.dumps(plan["index"]).encode()
         _, tmp = _write_aside(os.path.join(data, "tables.json"), [text], 0o600)
         os.replace(tmp, os.path.join(data, "tables.json"))
@@ -126,6 +127,16 @@ def place(root: str, folder: str, plan: dict) -> None:
         if os.path.lexists(link):
             os.unlink(link)
         os.symlink(top, link)
+
+
+def _module(folder: str, data: str) -> None:
+    """FOLDER/data/py/paitables.py from the job's staged runners: the scripts'
+    PYTHONPATH names that folder alone (see cluster/datasets.py)."""
+    with open(os.path.join(folder, "runners", "paitables.py"), "rb") as f:
+        source = f.read()
+    py = own_dir(os.path.join(data, "py"))
+    _, tmp = _write_aside(os.path.join(py, "paitables.py"), [source], 0o600)
+    os.replace(tmp, os.path.join(py, "paitables.py"))
 
 
 def build_tree(root: str, tree: dict) -> str:

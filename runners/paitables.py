@@ -2,7 +2,7 @@
 
 Standard library only, Python 3.7 and later: it runs inside every framework's own
 Python (TensorFlow's, MXNet's, Caffe's Debian Python) with nothing installed. A job
-imports it as `paitables` (the runners folder is on its PYTHONPATH), a script run by
+imports it as `paitables` (a folder holding this file alone is on its PYTHONPATH), a script run by
 hand as `paicli.runners.paitables` or from a copy of this one file.
 
     import paitables

@@ -518,13 +518,15 @@ class JobMaster:
         if status == JobStatus.SUCCEEDED:
             grace = max((i.role.stop_grace for i in running), default=0.0)
             self._stop(running, InstanceStatus.TERMINATED, grace)
+            # DATA: the output tables are in place before anyone can read "Succeeded".
+            datasets.finish(self.job_dir, self.backend, True, self.joblog.note)
             self.store.set_job(self.job_id, status, reason)
         else:
             # Record the verdict first, then act on it.
             if not self.store.set_job(self.job_id, status, reason):
                 self.joblog.note("the job was ended from outside; stopping every instance")
             self._stop(running, InstanceStatus.KILLED)
-        datasets.finish(self.job_dir, self.backend, status == JobStatus.SUCCEEDED, self.joblog.note)   # DATA
+            datasets.finish(self.job_dir, self.backend, False, self.joblog.note)   # DATA: rows fetched, no table
         for inst in self.instances:
             if inst.status == InstanceStatus.WAITING:
                 self._set(inst, InstanceStatus.KILLED, "never restarted")

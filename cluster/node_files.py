@@ -179,7 +179,6 @@ def tar_stream(files: list[NodeFile]) -> bytes:
     return buf.getvalue()
 
 
-
 # -- DATA (issue 18): per-node data --------------------------------------------------
 # Table slices and -Dbuckets folders do not travel in the manifest: cluster/datasets.py
 # sends each node only what it lacks (by content digest, into the node's cache) after

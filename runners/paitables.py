@@ -95,7 +95,8 @@ def parse_url(url: str, base: str = "") -> TableURL:
             elif item:
                 raise TableError(f"{text}: unknown query {name!r}; only ?table=NAME is understood")
         if not path.startswith("/"):
-            raise TableError(f"{text}: a sqlite:// URL needs an absolute path, e.g. sqlite:///data/db.sqlite?table=NAME")
+            raise TableError(f"{text}: a sqlite:// URL needs an absolute path, "
+                             "e.g. sqlite:///data/db.sqlite?table=NAME")
         if not table:
             raise TableError(f"{text}: which table? add ?table=NAME")
         if not _NAME.match(table):

@@ -17,9 +17,6 @@ from conftest import ROOT, job_id_from, pai, wait_until
 from netns import build_cluster, can_build
 from test_tables import TWO, WORKER, assert_disjoint_and_complete, make_tables
 
-sys.path.insert(0, str(ROOT / "runners"))
-import paitables  # noqa: E402
-
 REASON = can_build()
 
 

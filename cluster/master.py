@@ -24,7 +24,7 @@ from pathlib import Path
 
 from paicli.cluster import distribution
 from paicli.cluster import placement as placing
-from paicli.cluster import policy
+from paicli.cluster import datasets, policy
 from paicli.cluster import layers as job_layers
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
@@ -131,6 +131,7 @@ class JobMaster:
             for inst in self.instances:
                 inst.placed = placed[(inst.role.name, inst.idx)]
             self.backend.prepare(str(self.job_dir), self.plan, self.placements)
+            datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note)   # DATA
             self._assign_ports(self.instances)
             for inst in self.instances:
                 self._launch(inst)
@@ -460,6 +461,7 @@ class JobMaster:
         self.placements = [new if (p.role, p.idx) == (new.role, new.idx) else p for p in self.placements or []]
         write_placements(self.job_dir, self.placements)
         self.backend.prepare(str(self.job_dir), self.plan, [new])
+        datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note, {new.node})   # DATA
 
     def _restart_job(self, failed: Instance, code: int) -> None:
         """Stop every instance, take fresh ports, start them all again (a job-level
@@ -522,12 +524,16 @@ class JobMaster:
             # Issue 20: were the workers distributed? The runners' own last lines say.
             status, reason = distribution.judge(self.plan, {i.name: list(i.log.tail) for i in self.instances
                                                             if i.log}, status, reason)
+            # DATA: the output tables are in place before anyone can read "Succeeded"
+            # (a job -DrequireDistributed turned into a failure leaves none).
+            datasets.finish(self.job_dir, self.backend, status == JobStatus.SUCCEEDED, self.joblog.note)
             self.store.set_job(self.job_id, status, reason)
         else:
             # Record the verdict first, then act on it.
             if not self.store.set_job(self.job_id, status, reason):
                 self.joblog.note("the job was ended from outside; stopping every instance")
             self._stop(running, InstanceStatus.KILLED)
+            datasets.finish(self.job_dir, self.backend, False, self.joblog.note)   # DATA: rows fetched, no table
         for inst in self.instances:
             if inst.status == InstanceStatus.WAITING:
                 self._set(inst, InstanceStatus.KILLED, "never restarted")

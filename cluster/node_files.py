@@ -150,6 +150,7 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
             exact.append((path, dst))
     files += [NodeFile(f"{job_dir}/{name}", name, 0o600) for name in INSTANCE_FILES
               if os.path.isfile(f"{job_dir}/{name}")]
+    trees += data_trees(job_dir)
     return Manifest(files=files, job_dir=job_dir, trees=trees, exact=exact)
 
 
@@ -177,3 +178,41 @@ def tar_stream(files: list[NodeFile]) -> bytes:
             tar.addfile(info)
     return buf.getvalue()
 
+
+# -- DATA (issue 18): per-node data --------------------------------------------------
+# Table slices and -Dbuckets folders do not travel in the manifest: cluster/datasets.py
+# sends each node only what it lacks (by content digest, into the node's cache) after
+# the manifest is staged. What the manifest holds of them is the path mapping: a
+# bucket folder here -> `buckets/K` in the node's per-job folder (a link into the cache).
+
+
+def shared_paths(job_dir: str) -> list[str]:
+    """The `shared:` paths of the job's nodes file (its snapshot, nodes.json): the
+    same on every node, so what lies below them is read in place there."""
+    import json
+
+    try:
+        with open(os.path.join(job_dir, "nodes.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return []
+    shared = config.get("shared") if isinstance(config, dict) else None
+    return [str(p).rstrip("/") or "/" for p in shared or [] if isinstance(p, str)]
+
+
+def under_shared(path: str, shared: list[str]) -> bool:
+    return any(path == p or _inside(path, p) or p == "/" for p in shared)
+
+
+def data_trees(job_dir: str) -> list[tuple[str, str]]:
+    """The -Dbuckets folders of the job (JOB/data/buckets.json) -> buckets/K, but
+    those under a `shared:` path (passed through untouched)."""
+    import json
+
+    try:
+        with open(os.path.join(job_dir, "data", "buckets.json")) as f:
+            folders = json.load(f)
+    except (OSError, ValueError):
+        return []
+    shared = shared_paths(job_dir)
+    return [(str(folder), f"buckets/{k}") for k, folder in enumerate(folders) if not under_shared(folder, shared)]

@@ -70,6 +70,9 @@ def submit(prepared: Prepared, store: Store | None = None,
         code = stage_code(spec, job_dir)
         plan: JobPlan = adapter.plan(spec, code)
         _check_planned(spec, plan)
+        # DATA (issue 18): -Dtables/-Doutputs checked (exit 2) and sliced; the job's index.
+        from paicli.cluster import datasets
+        datasets.prepare(spec, plan, job_dir)
         plan.runtime = adapter.runtime or None
         backend = backends.get_backend(config)
         # Placed now, so a job that cannot fit is refused before anything starts.

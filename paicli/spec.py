@@ -103,9 +103,16 @@ CORE_PARAMS: tuple[Param, ...] = (
     Param("hyperParameters", "path",
           help="A file of key=value lines; each line reaches the script as --key=value."),
     Param("checkpointDir", help="Where the script saves checkpoints; passed as --checkpointDir."),
-    Param("buckets", help="Input/output storage locations; passed as --buckets."),
-    Param("tables", help="Input tables; passed as --tables."),
-    Param("outputs", help="Output tables; passed as --outputs."),
+    # DATA (issue 18): what paicli does with these (docs/data.md, cluster/datasets.py).
+    Param("buckets", help="Input/output storage locations; passed as --buckets. A folder on this machine "
+          "(file:///data/b/) is shipped read-only to each SSH/Ray node, cached there by content digest, and "
+          "the script gets the node's path; storage URLs (s3://, oss://) pass through untouched."),
+    Param("tables", help="Input tables, comma-separated; passed as --tables: CSV/TSV files, folders of them, "
+          "or sqlite:///path/db?table=NAME. Each worker reads its own slice (paitables.open_table); "
+          "checked before the job starts. Other URLs (odps://) pass through untouched."),
+    Param("outputs", help="Output tables (file:///out/pred.csv or sqlite:///path/db?table=NAME); passed as "
+          "--outputs. Workers write rows with paitables.open_writer; the table appears whole here when "
+          "the job succeeds."),
     Param("gpuRequired", "int", default=0, minimum=0,
           help="GPUs per worker in PAI units (100 = one card). A job that asks for more GPUs "
                "than the machine has fails before it starts."),

@@ -1,0 +1,540 @@
+"""A job's data: -Dtables sliced per worker, -Doutputs assembled at the end.
+
+At submit (`prepare`, called by paicli/client.py once the plan exists) every
+table is opened and checked (exists, readable, not ragged, a SQLite table that is
+there, no more workers than rows: each a one-line SpecError, exit 2, before
+anything starts), cut into PAI's slices (runners/paitables.py: one per worker,
+contiguous, even), and the job's index is written to `JOB/data/tables.json`:
+
+    {"slice_role": "worker", "slice_count": N,
+     "tables":  [{"key", "kind", "columns", "rows", "delimiter",
+                  "slices": {"0": [part, ...], ...}}],
+     "outputs": [{"key", "kind", "path", "table", "parts": "JOB/data/out/K"}]}
+
+A part is a byte range of a CSV file ({"path", "start", "end", "rows"}) or rows
+of a SQLite table ({"path", "table", "offset", "rows"}). On this machine the
+parts name the tables themselves; a node gets an index of its own naming the
+slice files shipped there (`stage`). The sliced role's instances get
+PAI_TABLES_INDEX, PAI_SLICE_COUNT, PAI_TABLES / PAI_OUTPUTS, and JOB/data/py
+(paitables.py alone) on PYTHONPATH, so `import paitables` works in every
+runtime; every role gets PAI_TABLES / PAI_OUTPUTS and the PYTHONPATH. A worker's
+slice is its PAI_INDEX.
+
+At the end (`finish`, called by the master before clean-up) the workers' part
+files (fetched from the nodes first) become the output table: written aside and
+renamed (CSV) or created in one transaction (SQLite), only when the job
+succeeded. A failed job leaves no table and says where its rows are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from paicli.errors import PaiError, SpecError
+from paicli.private import write_private
+from paicli.runners import paitables
+
+DATA = "data"
+BATCH = 64 << 20        # bytes of blobs per SSH round
+INDEX = "tables.json"
+OUT = "out"
+PY = "py"
+
+
+def index_path(job_dir: str | Path) -> Path:
+    return Path(job_dir) / DATA / INDEX
+
+
+def sliced_role(plan: Any) -> Any:
+    """The role whose instances each read a slice: `worker`, else the first role
+    that must finish, else the first."""
+    roles = list(plan.roles)
+    named = [r for r in roles if r.name == "worker"]
+    finishing = [r for r in roles if r.must_finish]
+    return (named or finishing or roles)[0]
+
+
+def _urls(value: Any) -> list[str]:
+    """The tables of a -D value that are ours to read: files and SQLite. Other
+    URLs (PAI's odps://, s3://, ...) reach the script untouched, as before."""
+    urls = paitables.split_urls(value if isinstance(value, str) else "")
+    return [u for u in urls if u.startswith(("file://", "sqlite://")) or "://" not in u]
+
+
+def check_tables(value: str, slice_count: int, base: str) -> list[dict]:
+    """Every table of -Dtables laid out and sliced, or a SpecError naming it."""
+    tables = []
+    for url in _urls(value):
+        try:
+            parsed = paitables.parse_url(url, base)
+            if parsed.kind != "sqlite" and not os.path.exists(parsed.path):
+                raise paitables.TableError(f"{parsed.path}: no such file or folder")
+            shape = paitables.layout(parsed, check=True)
+        except paitables.TableError as err:
+            hint = "give a CSV file, a folder of them, or sqlite:///path/db.sqlite?table=NAME" \
+                if "no such" in str(err) else None
+            raise SpecError("-Dtables", str(err), hint) from None
+        if shape["rows"] < slice_count:
+            raise SpecError("-Dtables", f"{parsed.key} has {shape['rows']} rows for {slice_count} workers; "
+                            "every worker needs at least one row", f"use at most {shape['rows']} workers")
+        slices = {str(i): paitables.slice_parts(shape, i, slice_count) for i in range(slice_count)}
+        tables.append({"key": shape["key"], "kind": shape["kind"], "columns": shape["columns"],
+                       "rows": shape["rows"], "delimiter": shape.get("delimiter", ","), "slices": slices})
+    return tables
+
+
+def check_outputs(value: str, job_dir: Path, base: str) -> list[dict]:
+    """Every table of -Doutputs with the folder its workers' parts go to."""
+    outputs = []
+    for k, url in enumerate(_urls(value)):
+        try:
+            parsed = paitables.parse_url(url, base)
+        except paitables.TableError as err:
+            raise SpecError("-Doutputs", str(err), "e.g. -Doutputs=file:///out/pred.csv") from None
+        if parsed.kind == "dir":
+            raise SpecError("-Doutputs", f"{parsed.path} is a folder; an output table is a file",
+                            f"e.g. -Doutputs=file://{parsed.path.rstrip('/')}/pred.csv")
+        folder = os.path.dirname(parsed.path)
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+            raise SpecError("-Doutputs", f"{folder}: no such folder, or not writable",
+                            "create it first; the table is written there when the job succeeds")
+        if parsed.kind == "sqlite" and os.path.exists(parsed.path):
+            try:
+                paitables.sqlite_shape(parsed)
+            except paitables.TableError as err:
+                if "no table" not in str(err):
+                    raise SpecError("-Doutputs", str(err)) from None
+        outputs.append({"key": parsed.key, "kind": parsed.kind, "path": parsed.path, "table": parsed.table,
+                        "parts": str(job_dir / DATA / OUT / str(k))})
+    return outputs
+
+
+def prepare(spec: Any, plan: Any, job_dir: str | Path, base: str = "") -> dict | None:
+    """Check -Dtables/-Doutputs, write the job's index, give the sliced role its
+    environment. None when the job names no table."""
+    job_dir = Path(os.path.abspath(job_dir))
+    buckets = check_buckets(spec.get("buckets"), job_dir, base or os.getcwd())
+    if not _urls(spec.get("tables")) and not _urls(spec.get("outputs")):
+        return {"buckets": buckets} if buckets else None
+    role = sliced_role(plan)
+    base = base or os.getcwd()
+    index = {"slice_role": role.name, "slice_count": role.count,
+             "tables": check_tables(spec.get("tables") or "", role.count, base),
+             "outputs": check_outputs(spec.get("outputs") or "", job_dir, base)}
+    folder = job_dir / DATA
+    folder.mkdir(mode=0o700, exist_ok=True)
+    for out in index["outputs"]:
+        Path(out["parts"]).mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = index_path(job_dir)
+    write_private(path, json.dumps(index))
+    _module_folder(job_dir)
+    for r in plan.roles:
+        r.env.update(_role_env(spec, r, path, role.name, role.count))
+    return index
+
+
+def _role_env(spec: Any, role: Any, path: Path, sliced: str, count: int) -> dict[str, str]:
+    env = {"PAI_TABLES_INDEX": str(path)} if role.name == sliced else {}
+    if role.name == sliced:
+        env["PAI_SLICE_COUNT"] = str(count)
+    if spec.get("tables"):
+        env["PAI_TABLES"] = spec.get("tables")
+    if spec.get("outputs"):
+        env["PAI_OUTPUTS"] = spec.get("outputs")
+    extra = role.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or ""
+    env["PYTHONPATH"] = str(path.parent / PY) + (f":{extra}" if extra else "")
+    return env
+
+
+def _module_folder(job_dir: Path) -> None:
+    """JOB/data/py holds paitables.py alone: `import paitables` works in every
+    runtime without putting the other runners (archive, runtimes, ...) in the way
+    of the script's own imports. A node's copy is made there from its runners."""
+    from paicli.cluster.node_files import RUNNERS_DIR
+
+    folder = job_dir / DATA / PY
+    folder.mkdir(mode=0o700, exist_ok=True)
+    write_private(folder / "paitables.py", (RUNNERS_DIR / "paitables.py").read_bytes())
+
+
+def load(job_dir: str | Path) -> dict | None:
+    try:
+        return json.loads(index_path(job_dir).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# -- the end: the outputs --------------------------------------------------------------
+
+
+def finish(job_dir: str | Path, backend: Any, succeeded: bool, note: Callable[[str], None]) -> None:
+    """The master's last step for the data: the workers' parts brought home (from
+    the nodes), then each output table whole, only when the job succeeded."""
+    index = load(job_dir)
+    if not index or not index.get("outputs"):
+        return
+    fetch_parts(job_dir, backend, index, note)
+    for out in index["outputs"]:
+        if not succeeded:
+            note(f"outputs: no table {out['key']} (the job did not succeed); its workers' rows are in {out['parts']}")
+            continue
+        try:
+            rows = assemble(out)
+        except Exception as err:  # noqa: BLE001 - said in the job's log; the master's end goes on
+            note(f"outputs: {out['key']} not written: {err}; the workers' rows are in {out['parts']}")
+            continue
+        note(f"outputs: {out['key']}: {rows} rows")
+
+
+def assemble(out: dict) -> int:
+    """The parts in `out["parts"]` as the output table: a CSV written aside and
+    renamed into place, or a SQLite table created in one transaction."""
+    columns, rows = paitables.read_parts(out["parts"])
+    if columns is None:
+        raise paitables.TableError("no worker wrote a row (no part file)")
+    counted = _Counter(rows)
+    if out["kind"] == "sqlite":
+        paitables.write_sqlite(out["path"], out["table"], columns, counted)
+        return counted.n
+    writer = paitables.Writer(out["path"], columns, "csv")
+    try:
+        for row in counted:
+            writer.csv.writerow(row)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    return counted.n
+
+
+class _Counter:
+    def __init__(self, rows):
+        self.rows, self.n = rows, 0
+
+    def __iter__(self):
+        for row in self.rows:
+            self.n += 1
+            yield row
+
+
+def fetch_parts(job_dir: str | Path, backend: Any, index: dict, note: Callable[[str], None]) -> None:
+    """Remote backends: every node's part files into this machine's job folder
+    (local: they are there already). A node that does not answer is named."""
+    transports = _transports(backend)
+    if transports is None:
+        return
+    outs = {str(k): Path(out["parts"]) for k, out in enumerate(index.get("outputs", []))}
+    for node, transport in transports.items():
+        try:
+            got = transport.parts()
+        except Exception as err:  # noqa: BLE001 - one line in the job's log, the rest goes on
+            note(f"outputs: the rows written on {node} could not be fetched: {type(err).__name__}: {err}")
+            continue
+        for rel, data in got.items():
+            k, _, name = rel.partition("/")
+            if k in outs and re.fullmatch(r"part-[A-Za-z0-9_]+-\d+\.jsonl", name):
+                write_private(outs[k] / name, data)
+
+
+# -- SSH and Ray nodes: slices and buckets by content digest -----------------------------------
+
+
+def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: Callable[[str], None],
+          only: set | None = None) -> dict:
+    """After the backend staged the job on its nodes (`only` those, else every node
+    of `placements`): each node gets the slices of its own workers (and the job's
+    buckets), only the blobs it lacks, and an index naming them where they are on
+    the node. {node: bytes sent}; {} when local."""
+    index = load(job_dir)
+    trees = bucket_trees(job_dir)
+    transports = _transports(backend, only or {p.node for p in placements})
+    if transports is None or (index is None and not trees):
+        return {}
+    from paicli.cluster.node_files import shared_paths
+
+    cutter = _Slices(index or {}, shared_paths(str(job_dir)))
+    node_buckets_argv(plan, trees)
+    sent = {}
+    for node, transport in sorted(transports.items()):
+        sids = sorted({p.idx for p in placements if p.node == node and index
+                       and p.role == index.get("slice_role")})
+        node_index, blobs, sizes = cutter.for_node(sids, transport.folder)
+        tree_plans = [{"digest": t["digest"], "files": t["files"], "link": t["link"]} for t in trees]
+        for t in trees:
+            blobs.update({digest: (lambda path=path: _read(path)) for _rel, digest, path in t["sources"]})
+        plan_line = {"index": node_index, "trees": tree_plans}
+        sizes.update({d: os.path.getsize(p) for t in trees for _r, d, p in t["sources"]})
+        lacking = transport.missing(sorted(blobs))
+        transport.sizes = sizes
+        sent[node] = transport.put(plan_line, {d: blobs[d] for d in lacking})
+        held = len(blobs) - len(lacking)
+        note(f"data: {node}: {len(lacking)} blob(s) sent ({sent[node]} bytes), {held} already there"
+             + (f"; slices {','.join(map(str, sids))} of {index['slice_count']}" if sids and index else ""))
+    record = Path(job_dir) / DATA / "sent.json"
+    old = json.loads(record.read_text()) if record.exists() else []
+    write_private(record, json.dumps(old + [sent]))
+    return sent
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class _Slices:
+    """The slice blobs of a job's tables, digested once for all nodes and read
+    again only for a node that lacks them (the master never holds a whole table):
+    a CSV slice is its rows' bytes as they are in the file (each part ending with
+    a newline), a SQLite slice its rows as JSON lines."""
+
+    def __init__(self, index: dict, shared: list[str] = ()):
+        self.index = index
+        self.cut: dict[tuple[int, str], tuple[str, int]] = {}   # (table, slice) -> (digest, size)
+        self.shared = list(shared)
+
+    def in_place(self, table: dict) -> bool:
+        """Every file of the table is under a `shared:` path: nodes read it there."""
+        from paicli.cluster.node_files import under_shared
+
+        paths = {p["path"] for parts in table["slices"].values() for p in parts}
+        return bool(self.shared) and all(under_shared(p, self.shared) for p in paths)
+
+    def blob(self, t: int, sid: str) -> str:
+        if (t, sid) not in self.cut:
+            digest, size = hashlib.sha256(), 0
+            for chunk in _slice_chunks(self.index["tables"][t], sid):
+                digest.update(chunk)
+                size += len(chunk)
+            self.cut[(t, sid)] = (digest.hexdigest(), size)
+        return self.cut[(t, sid)][0]
+
+    def for_node(self, sids: list[int], folder: str) -> tuple[dict | None, dict, dict]:
+        """The node's index, {digest: read()} and {digest: size} of its slices."""
+        if not self.index:
+            return None, {}, {}
+        root = cache_root(folder)
+        node_index = dict(self.index, tables=[], outputs=[
+            dict(out, parts=f"{folder}/{DATA}/{OUT}/{k}") for k, out in enumerate(self.index.get("outputs", []))])
+        blobs, sizes = {}, {}
+        for t, table in enumerate(self.index.get("tables", [])):
+            if self.in_place(table):
+                node_index["tables"].append(dict(table, slices={str(i): table["slices"][str(i)] for i in sids}))
+                continue
+            slices = {}
+            for sid in map(str, sids):
+                digest = self.blob(t, sid)
+                blobs[digest] = lambda table=table, sid=sid: b"".join(_slice_chunks(table, sid))
+                sizes[digest] = self.cut[(t, sid)][1]
+                rows = sum(p["rows"] for p in table["slices"][sid])
+                path = f"{root}/blobs/{digest}"
+                slices[sid] = [{"path": path, "format": "jsonl", "rows": rows} if table["kind"] == "sqlite"
+                               else {"path": path, "start": 0, "end": sizes[digest], "rows": rows}]
+            node_index["tables"].append(dict(table, slices=slices))
+        return node_index, blobs, sizes
+
+
+def _slice_chunks(table: dict, sid: str):
+    """A slice's bytes, in chunks of up to 1 MB."""
+    for part in table["slices"][sid]:
+        if "table" in part:
+            rows = paitables.Table(table["key"], table["columns"], [part])
+            for batch in rows.read(4096):
+                yield b"".join(json.dumps(list(r)).encode() + b"\n" for r in batch)
+            rows.close()
+            continue
+        last = b"\n"
+        with open(part["path"], "rb") as f:
+            f.seek(part["start"])
+            left = part["end"] - part["start"]
+            while left > 0:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    break
+                left -= len(chunk)
+                last = chunk[-1:]
+                yield chunk
+        if last != b"\n":
+            yield b"\n"     # a file's last row without its newline: the next part's rows stay apart
+
+
+def cache_root(folder: str) -> str:
+    """The node's data cache: beside the node's job folders (SSH: the nodes file's
+    work_dir; Ray: the per-node root), so it outlives each job's folder."""
+    return f"{os.path.dirname(folder.rstrip('/'))}/.cache"
+
+
+def _transports(backend: Any, nodes: set | None = None) -> dict | None:
+    name = getattr(backend, "name", "local")
+    if name == "ssh":
+        folders = dict(getattr(backend, "_folders", {}))
+        lost = set(getattr(backend, "_lost", ()))      # nodes that stopped answering: not asked again
+        return {n: _SSHNode(backend, n, f) for n, f in folders.items()
+                if (nodes is None or n in nodes) and n not in lost}
+    if name == "ray":
+        found = {}
+        for inst in getattr(backend, "_instances", {}).values():
+            if inst.node_id and (nodes is None or inst.host in nodes) and inst.host not in found:
+                found[inst.host] = _RayNode(backend, inst)
+        return found
+    return None
+
+
+class _SSHNode:
+    """node_cache.py over the job's SSH connection to one node."""
+
+    def __init__(self, backend: Any, name: str, folder: str):
+        self.backend, self.entry, self.folder = backend, backend.entry(name), folder
+
+    def _run(self, args: list[str], stdin: bytes | None = None, timeout: float = 60.0) -> bytes:
+        from paicli.cluster import ssh_transport as ssh
+
+        argv = [self.entry.python, f"{self.folder}/runners/node_cache.py", *args]
+        status, out, err = ssh.exec_command(self.backend.conns.session(self.entry), argv, stdin=stdin,
+                                            timeout=timeout)
+        if status != 0:
+            why = out.decode(errors="replace").strip() or err.decode(errors="replace").strip()
+            raise PaiError(f"node {self.entry.name}: the data cache: {why[-300:]}")
+        return out
+
+    def missing(self, digests: list[str]) -> list[str]:
+        if not digests:
+            return []
+        return json.loads(self._run(["missing", cache_root(self.folder)], json.dumps(digests).encode()))
+
+    def put(self, plan: dict, blobs: dict[str, Callable[[], bytes]]) -> int:
+        """The blobs in rounds of up to BATCH bytes (one in memory at a time), the
+        plan line with the last round."""
+        rounds: list[list[str]] = [[]]
+        size = 0
+        for digest in blobs:
+            if rounds[-1] and size >= BATCH:
+                rounds.append([])
+                size = 0
+            rounds[-1].append(digest)
+            size += self.sizes.get(digest, 0)
+        sent = 0
+        for n, digests in enumerate(rounds):
+            stream = [json.dumps(plan if n == len(rounds) - 1 else {}).encode() + b"\n"]
+            for digest in digests:
+                data = blobs[digest]()
+                stream += [f"BLOB {digest} {len(data)}\n".encode(), data]
+            stream.append(b"END\n")
+            payload = b"".join(stream)
+            self._run(["put", cache_root(self.folder), self.folder], payload, timeout=600)
+            sent += len(payload)
+        return sent
+
+    def parts(self) -> dict[str, bytes]:
+        out, found = self._run(["parts", self.folder]), {}
+        pos = 0
+        while True:
+            end = out.index(b"\n", pos)
+            head = out[pos:end].decode()
+            if head == "END":
+                return found
+            _, rel, size = head.split(" ")
+            found[rel] = out[end + 1:end + 1 + int(size)]
+            pos = end + 1 + int(size)
+
+
+class _RayNode:
+    """node_cache's functions as zero-CPU tasks pinned to one Ray node (shipped by
+    value: the node needs Ray, not paicli)."""
+
+    def __init__(self, backend: Any, inst: Any):
+        from paicli.runners import node_cache
+
+        self.backend, self.inst, self.folder = backend, inst, inst.info["folder"]
+        backend.connect().cloudpickle.register_pickle_by_value(node_cache)
+        self.cache = node_cache
+
+    def _call(self, fn, *args):
+        return self.backend._get(self.backend._pinned_ref(self.inst.node_id, fn, *args),
+                                 f"the data cache on Ray node {self.inst.host}", 600)
+
+    def missing(self, digests: list[str]) -> list[str]:
+        return self._call(self.cache.missing, cache_root(self.folder), digests) if digests else []
+
+    def put(self, plan: dict, blobs: dict[str, Callable[[], bytes]]) -> int:
+        data = {digest: read() for digest, read in blobs.items()}
+        self._call(self.cache.put, cache_root(self.folder), self.folder, plan, data)
+        return len(json.dumps(plan)) + sum(len(d) + 64 for d in data.values())
+
+    def parts(self) -> dict[str, bytes]:
+        return self._call(self.cache.parts, self.folder)
+
+
+# -- buckets --------------------------------------------------------------------------
+
+
+BUCKETS = "buckets.json"
+
+
+def check_buckets(value: Any, job_dir: Path, base: str) -> list[str]:
+    """The folders of -Dbuckets on this machine (file:// or a path), recorded in
+    JOB/data/buckets.json for the nodes; storage URLs (s3://, oss://, ...) are the
+    script's alone. A folder that is not there is a SpecError."""
+    folders = []
+    for url in _urls(value):
+        path = url[len("file://"):] if url.startswith("file://") else url
+        path = os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+        if not os.path.isdir(path):
+            raise SpecError("-Dbuckets", f"{path}: no such folder",
+                            "give a folder on this machine (file:///data/bucket/) or a storage URL")
+        folders.append(path)
+    if folders:
+        (job_dir / DATA).mkdir(mode=0o700, exist_ok=True)
+        write_private(job_dir / DATA / BUCKETS, json.dumps(folders))
+    return folders
+
+
+def bucket_trees(job_dir: str | Path) -> list[dict]:
+    """Each -Dbuckets folder (but those under a `shared:` path: cluster/node_files.py
+    data_trees) as a tree of files by content digest: {"digest" (of
+    the whole tree), "files": [[rel, sha256]], "sources": [(rel, sha256, path)]}.
+    Regular files only; links and special files stay behind."""
+    from paicli.cluster.node_files import data_trees
+
+    trees = []
+    for folder, dst in data_trees(str(job_dir)):
+        sources = []
+        for dirpath, dirnames, filenames in os.walk(folder):
+            dirnames.sort()
+            for name in sorted(filenames):
+                path = os.path.join(dirpath, name)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    sources.append((os.path.relpath(path, folder), _file_digest(path), path))
+        files = [[rel, digest] for rel, digest, _ in sources]
+        trees.append({"digest": hashlib.sha256(json.dumps(files).encode()).hexdigest(), "files": files,
+                      "sources": sources, "path": folder, "link": dst})
+    return trees
+
+
+def _file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def node_buckets_argv(plan: Any, trees: list[dict]) -> None:
+    """On a node a bucket is a staged folder: `--buckets=file:///x` becomes
+    `--buckets=/x` in the plan the master launches from, so the node's path
+    mapping (cluster/node_files.py) turns it into the node's path."""
+    for role in plan.roles:
+        role.argv = [_plain_bucket(a, trees) for a in role.argv]
+
+
+def _plain_bucket(arg: str, trees: list[dict]) -> str:
+    head, eq, tail = arg.partition("=")
+    if head == "--buckets" and eq and tail.startswith("file://"):
+        path = tail[len("file://"):]
+        if any(os.path.normpath(path) == t["path"] for t in trees):
+            return f"{head}={path}"
+    return arg

@@ -1,0 +1,267 @@
+"""A node's data cache: table slices and bucket files by content digest.
+
+Standard library only; runs on a node with the node's python3 (SSH: from the job's
+staged runners folder) or inside a Ray worker (its functions shipped by value).
+Nothing here imports another module of ours.
+
+    python3 node_cache.py missing ROOT               stdin: a JSON list of digests; those
+                                                     ROOT lacks (JSON list)
+    python3 node_cache.py put ROOT FOLDER            stdin: one JSON line (the node's job
+                                                     plan: index, trees), then frames
+                                                     b"BLOB <sha256> <size>\\n" + bytes, b"END\\n"
+    python3 node_cache.py parts FOLDER               the job's output parts, as frames
+
+ROOT/blobs/<sha256> holds one slice or file, read-only (0400), written aside and
+renamed once its digest is checked: a blob that is there is whole. A bucket is a
+tree of hard links to blobs under ROOT/trees/<tree digest>/, read-only, that the
+job's folder links to. The job's table index goes to FOLDER/data/tables.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import sys
+
+HEX = set("0123456789abcdef")
+
+
+class Refused(Exception):
+    pass
+
+
+def _digest_ok(digest: str) -> bool:
+    return len(digest) == 64 and set(digest) <= HEX
+
+
+def own_dir(path: str) -> str:
+    """`path` as a folder of ours alone (made 0700 if missing); Refused if it is a
+    link, someone else's, or writable by others."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise Refused(f"{path}: not a folder of ours alone")
+    return path
+
+
+def blob_path(root: str, digest: str) -> str:
+    if not _digest_ok(digest):
+        raise Refused(f"not a digest: {digest[:80]!r}")
+    return os.path.join(root, "blobs", digest)
+
+
+def missing(root: str, digests) -> list:
+    own_dir(root)
+    return [d for d in digests if not os.path.isfile(blob_path(root, d))]
+
+
+def _write_aside(path: str, chunks, mode: int) -> str:
+    """Bytes from `chunks` into `path`, written aside and renamed; their sha256."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    digest = hashlib.sha256()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                digest.update(chunk)
+                f.write(chunk)
+        os.chmod(tmp, mode)
+    except BaseException:
+        _unlink(tmp)
+        raise
+    return digest.hexdigest(), tmp
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def store_blob(root: str, digest: str, chunks) -> int:
+    """One blob into the cache (checked against `digest`); its size."""
+    path = blob_path(root, digest)
+    own_dir(os.path.join(root, "blobs"))
+    got, tmp = _write_aside(path, chunks, 0o400)
+    if got != digest:
+        _unlink(tmp)
+        raise Refused(f"blob {digest[:12]}: its bytes hash to {got[:12]}")
+    os.replace(tmp, path)
+    return os.path.getsize(path)
+
+
+def _read_exact(stream, size: int):
+    left = size
+    while left:
+        chunk = stream.read(min(left, 1 << 20))
+        if not chunk:
+            raise Refused("the stream ended inside a blob")
+        left -= len(chunk)
+        yield chunk
+
+
+def place(root: str, folder: str, plan: dict) -> None:
+    """The job's side of the cache: FOLDER/data/tables.json (paths in it are the
+    node's) and each bucket tree, linked from FOLDER/buckets/K (its "link")."""
+    folder = own_dir(folder)
+    data = own_dir(os.path.join(folder, "data"))
+    for out in (plan.get("index") or {}).get("outputs", []):
+        os.makedirs(out["parts"], mode=0o700, exist_ok=True)
+    if plan.get("index") is not None:
+        _module(folder, data)
+        text = json.dumps(plan["index"]).encode()
+        _, tmp = _write_aside(os.path.join(data, "tables.json"), [text], 0o600)
+        os.replace(tmp, os.path.join(data, "tables.json"))
+    for tree in plan.get("trees") or []:
+        name = str(tree.get("link", "")).split("/")
+        if len(name) != 2 or name[0] != "buckets" or not name[1].isdigit():
+            raise Refused(f"a bucket link that is not buckets/K: {tree.get('link')!r}"[:120])
+        top = build_tree(root, tree)
+        link = os.path.join(own_dir(os.path.join(folder, "buckets")), name[1])
+        if os.path.lexists(link):
+            os.unlink(link)
+        os.symlink(top, link)
+
+
+def _module(folder: str, data: str) -> None:
+    """FOLDER/data/py/paitables.py from the job's staged runners: the scripts'
+    PYTHONPATH names that folder alone (see cluster/datasets.py)."""
+    with open(os.path.join(folder, "runners", "paitables.py"), "rb") as f:
+        source = f.read()
+    py = own_dir(os.path.join(data, "py"))
+    _, tmp = _write_aside(os.path.join(py, "paitables.py"), [source], 0o600)
+    os.replace(tmp, os.path.join(py, "paitables.py"))
+
+
+def build_tree(root: str, tree: dict) -> str:
+    """A bucket as read-only hard links to blobs under ROOT/trees/<digest>: made
+    once (aside, then renamed), reused by every job with the same tree."""
+    if not _digest_ok(tree["digest"]):
+        raise Refused("not a tree digest")
+    trees = own_dir(os.path.join(root, "trees"))
+    top = os.path.join(trees, tree["digest"])
+    if os.path.isdir(top):
+        if _intact(root, top, tree["files"]):
+            return top
+        _remove_tree(top)     # someone (root ignores modes) changed it: made again
+    tmp = f"{top}.tmp{os.getpid()}"
+    if os.path.lexists(tmp):
+        _remove_tree(tmp)     # left by a build that failed
+    os.mkdir(tmp, 0o700)
+    try:
+        _fill_tree(root, tmp, tree["files"])
+        os.rename(tmp, top)
+    except BaseException:
+        _remove_tree(tmp)
+        if not os.path.isdir(top):   # else another job made it meanwhile (ENOTEMPTY): theirs is ours
+            raise
+    return top
+
+
+def _fill_tree(root: str, tmp: str, files: list) -> None:
+    for rel, digest in files:
+        parts = rel.split("/")
+        if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise Refused(f"a bucket path that leaves its tree: {rel[:80]!r}")
+        here = tmp
+        for name in parts[:-1]:
+            here = os.path.join(here, name)
+            if not os.path.isdir(here):
+                os.mkdir(here, 0o700)
+        os.link(blob_path(root, digest), os.path.join(here, parts[-1]))
+    for dirpath, _dirs, _files in os.walk(tmp):
+        os.chmod(dirpath, 0o500)     # read-only: a script cannot change the cached data
+
+
+def _intact(root: str, top: str, files: list) -> bool:
+    """The tree holds exactly its files, each still a link to its blob."""
+    want = {rel: digest for rel, digest in files}
+    seen = 0
+    for dirpath, _dirs, names in os.walk(top):
+        for name in names:
+            rel = os.path.relpath(os.path.join(dirpath, name), top)
+            try:
+                same = os.path.samefile(os.path.join(dirpath, name), blob_path(root, want[rel]))
+            except (KeyError, OSError):
+                return False
+            if not same:
+                return False
+            seen += 1
+    return seen == len(want)
+
+
+def _remove_tree(path: str) -> None:
+    for dirpath, dirs, files in os.walk(path, topdown=True):
+        os.chmod(dirpath, 0o700)
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def receive(root: str, folder: str, stream) -> dict:
+    """`put`: the plan line, then blobs until END; the job's side placed last."""
+    own_dir(root)
+    plan = json.loads(stream.readline() or b"{}")
+    count = size = 0
+    while True:
+        head = stream.readline()
+        if head in (b"END\n", b""):
+            break
+        kind, digest, length = head.decode().split()
+        if kind != "BLOB":
+            raise Refused(f"unknown frame {kind[:20]!r}")
+        size += store_blob(root, digest, _read_exact(stream, int(length)))
+        count += 1
+    place(root, folder, plan)
+    return {"blobs": count, "bytes": size}
+
+
+def put(root: str, folder: str, plan: dict, blobs: dict) -> dict:
+    """`receive` for bytes already in memory (a Ray task's arguments)."""
+    own_dir(root)
+    size = sum(store_blob(root, digest, [data]) for digest, data in blobs.items())
+    place(root, folder, plan)
+    return {"blobs": len(blobs), "bytes": size}
+
+
+def parts(folder: str) -> dict:
+    """The job's output part files: {"K/part-...jsonl": bytes}."""
+    found = {}
+    out = os.path.join(folder, "data", "out")
+    for k in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        sub = os.path.join(out, k)
+        for name in sorted(os.listdir(sub)) if k.isdigit() and os.path.isdir(sub) else []:
+            if name.startswith("part-") and name.endswith(".jsonl"):
+                with open(os.path.join(sub, name), "rb") as f:
+                    found[f"{k}/{name}"] = f.read()
+    return found
+
+
+def main(argv: list) -> int:
+    try:
+        if argv[:1] == ["missing"] and len(argv) == 2:
+            print(json.dumps(missing(argv[1], json.loads(sys.stdin.read() or "[]"))))
+        elif argv[:1] == ["put"] and len(argv) == 3:
+            print(json.dumps(receive(argv[1], argv[2], sys.stdin.buffer)))
+        elif argv[:1] == ["parts"] and len(argv) == 2:
+            out = sys.stdout.buffer
+            for rel, data in parts(argv[1]).items():
+                out.write(f"PART {rel} {len(data)}\n".encode() + data)
+            out.write(b"END\n")
+        else:
+            print("usage: node_cache.py missing ROOT | put ROOT FOLDER | parts FOLDER", file=sys.stderr)
+            return 2
+    except (Refused, OSError, ValueError) as err:
+        print(json.dumps({"error": str(err)[:300]}))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

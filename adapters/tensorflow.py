@@ -30,7 +30,7 @@ from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, StagedCode, clu
                                   pluto_scaling_env, script_args)
 from paicli.errors import SpecError
 from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
-from paicli.runners.runtimes import get_runtime, runner_path
+from paicli.runners.runtimes import TF_LEGACY_RUNTIME, get_runtime, runner_path
 from paicli.spec import JobSpec, Param
 
 ROLES = ("ps", "worker", "chief", "evaluator")     # also the start order: services first
@@ -65,13 +65,25 @@ TF_PARAMS: tuple[Param, ...] = (
 )
 
 
+# PAI's versioned names (the TensorFlow each ran): every one of them shipped Keras 2 as
+# tf.keras and most scripts of their era use tf.compat.v1 / tf.layers, so they select
+# the legacy-Keras runtime; `tensorflow` and `tf` the current one.
+VERSIONED_NAMES = {
+    "tensorflow140": "1.4", "tensorflow180": "1.8", "tensorflow1100": "1.10", "tensorflow1120": "1.12",
+    "tensorflow1120_ext": "1.12", "tensorflow1150": "1.15", "tensorflow1150_ext": "1.15",
+    "tensorflow200": "2.0", "tensorflow210": "2.1", "tensorflow220": "2.2",
+}
+CURRENT_RUNTIME = "tensorflow"
+
+
+def runtime_for(framework: str) -> str:
+    """The runtime a -name selects: the legacy-Keras one for PAI's versioned names."""
+    return TF_LEGACY_RUNTIME if framework.strip().lower() in VERSIONED_NAMES else CURRENT_RUNTIME
+
+
 class TensorflowAdapter(Adapter):
     name = "tensorflow"
-    # PAI's versioned names. They all run the one runtime (TensorFlow 2.21 CPU, or the
-    # interpreter in $PAI_TENSORFLOW_PYTHON): the version in the name picks nothing.
-    aliases = ("tf", "tensorflow140", "tensorflow180", "tensorflow1100", "tensorflow1120",
-               "tensorflow1120_ext", "tensorflow1150", "tensorflow1150_ext", "tensorflow200",
-               "tensorflow210", "tensorflow220")
+    aliases = ("tf", *VERSIONED_NAMES)
     task_name = "TensorflowTask"
     runtime = "tensorflow"
     params = TF_PARAMS
@@ -98,11 +110,18 @@ class TensorflowAdapter(Adapter):
                             '"worker":{"count":1} or more')
         return roles
 
+    def spec_framework(self, requested: str) -> str:
+        """The -name a spec keeps: a versioned name selects a runtime, so it stays."""
+        name = requested.strip().lower()
+        return name if name in VERSIONED_NAMES else self.name
+
     def validate(self, spec: JobSpec) -> None:
         super().validate(spec)
+        self.runtime = runtime_for(spec.framework)  # read by the submit, which provisions it
         self.roles(spec)
 
     def plan(self, spec: JobSpec, code: StagedCode) -> JobPlan:
+        self.runtime = runtime_for(spec.framework)
         roles = self.roles(spec)
         has_chief = "chief" in roles
         serve_roles = {"ps", "worker"} if has_chief and spec.get("scriptRoles") == "auto" else set()
@@ -114,7 +133,9 @@ class TensorflowAdapter(Adapter):
                   *([f"--code-root={code.root}"] if code.root else []), "--",
                   str(code.entry), *script_args(spec)]
         finishing = "chief" if has_chief else "worker"
-        env = {"PAI_TF_PS_STRATEGY": spec.get("psStrategy")} if spec.get("psStrategy") != "roundRobin" else {}
+        env = dict(getattr(get_runtime(self.runtime), "env", {}))  # TF_USE_LEGACY_KERAS=1 for legacy Keras
+        if spec.get("psStrategy") != "roundRobin":
+            env["PAI_TF_PS_STRATEGY"] = spec.get("psStrategy")
         env.update(pluto_scaling_env(spec))
 
         plans = []
@@ -147,11 +168,12 @@ class TensorflowAdapter(Adapter):
             "a failure that a restart can cure restarts the whole job on fresh ports "
             "(TF's cluster spec is fixed at start)",
         ]
-        if env:
+        if "PAI_TF_PS_STRATEGY" in env:
             notes.append("variables placed on the ps by size, greedily (-DpsStrategy=greedy)")
-        if spec.framework.lower() not in ("tensorflow", "tf"):
-            notes.append(f"-name {spec.framework}: the version in the name picks nothing; "
-                         f"the runtime is {get_runtime(self.runtime).description}")
+        if self.runtime != CURRENT_RUNTIME:
+            era = VERSIONED_NAMES[spec.framework.strip().lower()]
+            notes.append(f"-name {spec.framework} (TensorFlow {era} era): the {self.runtime} runtime, "
+                         f"{get_runtime(self.runtime).description}")
         job_name = spec.get("jobName") or (code.entry.stem if code.entry else "tensorflow")
         return JobPlan(job_name=job_name, framework=self.name, task_name=self.task_name,
                        roles=plans, restart=RESTART_JOB,

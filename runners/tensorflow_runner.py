@@ -279,13 +279,35 @@ def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 RUNTIME_LOCK: int | None = None
+BASE_RUNTIME_LOCK: int | None = None
+
+
+def hold_base_runtime_lock() -> int | None:
+    """A layered runtime (the legacy-Keras one: its own venv on top of the TensorFlow
+    runtime's site-packages) names its base's marker in paicli-base.json; hold that
+    one too, so that the base is not removed under this instance either."""
+    import fcntl
+
+    try:
+        with open(os.path.join(sys.prefix, "paicli-base.json"), encoding="utf-8") as f:
+            marker = json.load(f).get("base_marker")
+        fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None   # not a layered runtime, or our own interpreter
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def main(argv: list[str]) -> None:
-    global RUNTIME_LOCK
+    global RUNTIME_LOCK, BASE_RUNTIME_LOCK
     from runtime_lock import hold_runtime_lock  # a sibling in runners/, staged with us on every node
 
     RUNTIME_LOCK = hold_runtime_lock()  # kept open until this process ends
+    BASE_RUNTIME_LOCK = hold_base_runtime_lock()
     options, rest = parse_argv(argv)
     role, index, cluster = read_cluster()
     config = tf_config(role, index, cluster)

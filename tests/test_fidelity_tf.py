@@ -1,0 +1,147 @@
+"""Issue 20, TensorFlow side: the frameworks' own published examples, unmodified.
+
+PAI's versioned names select the legacy-Keras runtime; the classic flags are found
+across the entry script's own imports; tf_cnn_benchmarks' step lines become step,
+throughput, loss and step_seconds; the peer tf_cnn_benchmarks (../shared/peer, never
+copied) runs through pai, 1 ps + 2 workers. The pure logic is tested first, without
+processes; the jobs at the end share the cached runtimes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from paicli.adapters.base import StagedCode
+from paicli.adapters.tensorflow import VERSIONED_NAMES, TensorflowAdapter, runtime_for
+from paicli.runners import runtimes
+from paicli.runners.runtimes import LayeredVenvRuntime, VenvRuntime, get_runtime
+from paicli.spec import CORE_PARAMS, JobSpec
+
+REPO = Path(__file__).resolve().parents[1]
+PEER_TF = REPO.parent / "shared" / "peer" / "tensorflow" / "tf_cnn_benchmarks"
+
+
+# ---------------------------------------------------------------------------
+# 1. Versioned names select a runtime
+
+
+def plan_named(tmp_path: Path, framework: str):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    table = {p.name: p for p in (*CORE_PARAMS, *TensorflowAdapter.params)}
+    spec = JobSpec(framework=framework, params={"script": str(script)}, table=table)
+    adapter = TensorflowAdapter()
+    adapter.validate(spec)
+    return adapter, adapter.plan(spec, StagedCode(script, None, tmp_path))
+
+
+def test_versioned_names_select_the_legacy_keras_runtime(tmp_path):
+    assert set(VERSIONED_NAMES) >= {"tensorflow140", "tensorflow1120", "tensorflow1150_ext", "tensorflow220"}
+    assert {runtime_for(n) for n in VERSIONED_NAMES} == {"tensorflow_v1"}
+    assert runtime_for("tensorflow") == runtime_for("tf") == runtime_for("TensorFlow") == "tensorflow"
+
+    adapter, plan = plan_named(tmp_path, "tensorflow1120")
+    assert adapter.runtime == "tensorflow_v1"
+    assert plan.roles[0].argv[0] == get_runtime("tensorflow_v1").python()
+    assert plan.roles[0].env["TF_USE_LEGACY_KERAS"] == "1"
+    assert any("TensorFlow 1.12 era" in note and "tf-keras" in note for note in plan.notes)
+
+    adapter, plan = plan_named(tmp_path, "tensorflow")
+    assert adapter.runtime == "tensorflow"
+    assert plan.roles[0].argv[0] == get_runtime("tensorflow").python()
+    assert "TF_USE_LEGACY_KERAS" not in plan.roles[0].env
+
+
+def test_the_spec_keeps_a_versioned_name(tmp_path):
+    """The name selects the runtime, so it must survive into spec.json and `pai export`
+    (before: every alias became `tensorflow` there and the runtime could not be chosen)."""
+    from paicli.client import prepare
+    from paicli.statement import parse_statement
+
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    for name, kept in (("TensorFlow1120", "tensorflow1120"), ("tf", "tensorflow"), ("tensorflow", "tensorflow")):
+        prepared = prepare(parse_statement(["-name", name, f"-Dscript=file://{script}"]))
+        assert prepared.spec.framework == kept and prepared.spec.to_dict()["name"] == kept
+        assert prepared.adapter.runtime == runtime_for(kept)
+
+
+def test_legacy_runtime_is_layered_on_the_tensorflow_runtime():
+    legacy = get_runtime("tensorflow_v1")
+    assert isinstance(legacy, LayeredVenvRuntime) and legacy.base == "tensorflow"
+    assert legacy.version == get_runtime("tensorflow").version + "+tf-keras==2.21.0"
+    assert legacy.env == {"TF_USE_LEGACY_KERAS": "1"}
+    assert legacy.override_var == "PAI_TENSORFLOW_V1_PYTHON"
+    info = legacy.info()
+    assert info["base"] == "tensorflow" and info["version"] == legacy.version
+
+
+def test_a_layered_runtime_is_stale_once_its_base_is_gone(tmp_path, monkeypatch):
+    """No pip: the records a provisioning leaves, written by hand."""
+    monkeypatch.setenv("PAI_RUNTIME_DIR", str(tmp_path))
+    base = VenvRuntime("fakebase", ["x==1"])
+    monkeypatch.setitem(runtimes.RUNTIMES, "fakebase", base)
+    layer = LayeredVenvRuntime("fakelayer", base="fakebase", requirements=["y==2"], description="",
+                               env={}, check="pass")
+    assert layer.version == "x==1+y==2"
+    for rt in (base, layer):
+        rt.path.mkdir()
+        (rt.path / runtimes.MARKER).write_text(json.dumps({"version": rt.version}))
+    (layer.path / runtimes.BASE_RECORD).write_text(json.dumps({"base_python": base.python()}))
+    assert layer.is_installed()
+    (layer.path / runtimes.BASE_RECORD).write_text(json.dumps({"base_python": "/elsewhere/python"}))
+    assert not layer.is_installed()          # made on another interpreter
+    (layer.path / runtimes.BASE_RECORD).write_text(json.dumps({"base_python": base.python()}))
+    (base.path / runtimes.MARKER).unlink()
+    assert not layer.is_installed()          # the base was removed
+
+
+def test_the_runner_holds_the_base_runtime_too(tmp_path, monkeypatch):
+    from paicli.runners import tensorflow_runner
+
+    marker = tmp_path / "base" / "paicli-runtime.json"
+    marker.parent.mkdir()
+    marker.write_text("{}")
+    (tmp_path / "paicli-base.json").write_text(json.dumps({"base_marker": str(marker)}))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    fd = tensorflow_runner.hold_base_runtime_lock()
+    assert fd is not None
+    other = os.open(marker, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):   # what `pai runtime remove tensorflow` tries
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(other)
+        os.close(fd)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "base"))   # a plain venv: nothing to hold
+    assert tensorflow_runner.hold_base_runtime_lock() is None
+
+
+@pytest.mark.tensorflow
+def test_provision_the_legacy_runtime_on_a_base_without_a_second_tensorflow(tmp_path, monkeypatch):
+    """The real thing: pip installs tf-keras alone into a small venv layered on the
+    TensorFlow runtime (here the cached one, as PAI_TENSORFLOW_PYTHON), and
+    tf_cnn_benchmarks' own modules import there."""
+    base = get_runtime("tensorflow")
+    base.ensure(lambda line: print(line, file=sys.stderr))
+    monkeypatch.setenv("PAI_TENSORFLOW_PYTHON", base.python())
+    monkeypatch.setenv("PAI_RUNTIME_DIR", str(tmp_path))
+    layer = get_runtime("tensorflow_v1")
+    lines: list[str] = []
+    layer.ensure(lines.append)
+    assert layer.is_installed() and (tmp_path / "tensorflow_v1" / "bin" / "python").exists()
+    assert runtimes.dir_size(tmp_path) < 100_000_000, "TensorFlow was installed a second time"
+    assert any("Successfully installed tf-keras-2.21.0" in line for line in lines), lines[-5:]
+    assert not (tmp_path / "tensorflow").exists()
+    import subprocess
+    probe = subprocess.run([layer.python(), "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                            "import benchmark_cnn, tensorflow as tf; print(tf.keras.__name__)", str(PEER_TF)],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, **layer.env, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert probe.returncode == 0 and probe.stdout.strip().startswith("tf_keras"), probe.stderr[-2000:]

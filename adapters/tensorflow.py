@@ -18,8 +18,8 @@ every instance (TF1 scripts that use a chief, or scripts that start their own se
 Classic flags (-DclusterFlags): a 2016-style script defines --ps_hosts --worker_hosts
 --job_name --task_index with tf.app.flags/absl or argparse and fails without them,
 while absl and argparse scripts reject flags they do not define. So `auto` passes each
-of those flags only when the script's source defines it (the runner looks, at start);
-`always`/`never` force it.
+of those flags only when the script, or a module of its own that it imports, defines
+it (the runner looks, at start); `always`/`never` force it.
 PAI's own pass-through flags (--checkpointDir, --buckets, --tables, --outputs) are
 passed when those parameters are given, then hyperParameters, then userDefinedParameters.
 """
@@ -31,6 +31,7 @@ from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, StagedCode, clu
 from paicli.errors import SpecError
 from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import TF_LEGACY_RUNTIME, get_runtime, runner_path
+from paicli.runners.tensorflow_runner import local_modules
 from paicli.spec import JobSpec, Param
 
 ROLES = ("ps", "worker", "chief", "evaluator")     # also the start order: services first
@@ -79,6 +80,16 @@ CURRENT_RUNTIME = "tensorflow"
 def runtime_for(framework: str) -> str:
     """The runtime a -name selects: the legacy-Keras one for PAI's versioned names."""
     return TF_LEGACY_RUNTIME if framework.strip().lower() in VERSIONED_NAMES else CURRENT_RUNTIME
+
+
+def script_inputs(code: StagedCode) -> list[str]:
+    """A plain script and the modules of its own it imports (its folder's files, found
+    as `import` would): every node needs them, e.g. tf_cnn_benchmarks.py's
+    benchmark_cnn.py. An archive travels whole."""
+    inputs = code_inputs(code)
+    if inputs and code.entry is not None:
+        inputs = local_modules(str(code.entry), [str(code.entry.parent)])
+    return inputs
 
 
 class TensorflowAdapter(Adapter):
@@ -178,4 +189,4 @@ class TensorflowAdapter(Adapter):
         return JobPlan(job_name=job_name, framework=self.name, task_name=self.task_name,
                        roles=plans, restart=RESTART_JOB,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=code_inputs(code))
+                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=script_inputs(code))

@@ -145,3 +145,69 @@ def test_provision_the_legacy_runtime_on_a_base_without_a_second_tensorflow(tmp_
                            capture_output=True, text=True, timeout=120,
                            env={**os.environ, **layer.env, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert probe.returncode == 0 and probe.stdout.strip().startswith("tf_keras"), probe.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------
+# 2. Classic flags across the entry script's own imports
+
+
+def test_peer_tf_cnn_benchmarks_plain_script_defines_the_classic_flags():
+    """tf_cnn_benchmarks.py defines none of them; benchmark_cnn.py, which it imports,
+    does. Before: [] for the plain script, and every instance trained alone."""
+    from paicli.runners.tensorflow_runner import defined_classic_flags, local_modules
+
+    script = str(PEER_TF / "tf_cnn_benchmarks.py")
+    assert defined_classic_flags(script) == ["ps_hosts", "worker_hosts", "job_name", "task_index"]
+    modules = {os.path.relpath(p, PEER_TF) for p in local_modules(script, [str(PEER_TF)])}
+    assert {"benchmark_cnn.py", "flags.py", "models/__init__.py", "models/trivial_model.py",
+            "platforms/default/util.py"} <= modules
+    assert not any("test" in m for m in modules)   # nothing it does not import
+
+
+IMPORTER = '''"""A docstring that says: import nowhere_module"""
+from __future__ import annotations
+import os, json as j
+import pkg.sub.deep as deep  # comment
+from pkg import (alpha,   # the first
+                 beta as b)
+from helper import *
+if True:
+    import lazy
+'''
+
+
+def test_local_modules_follow_imports_as_python_would(tmp_path):
+    from paicli.runners.tensorflow_runner import defined_classic_flags, local_modules
+
+    files = {
+        "main.py": IMPORTER,
+        "pkg/__init__.py": "",
+        "pkg/sub/deep.py": "from . import rel\nfrom ..alpha import thing\n",   # sub/ has no __init__
+        "pkg/sub/rel.py": "",
+        "pkg/alpha.py": "",
+        "pkg/beta.py": "",
+        "helper.py": "",
+        "lazy.py": "import argparse\np = argparse.ArgumentParser()\np.add_argument('--task_index')\n",
+        "unrelated.py": "flags.DEFINE_string('ps_hosts', '', '')\n",   # never imported
+        "json.py": "",   # shadows the standard library's, as it would for python main.py
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = {os.path.relpath(p, tmp_path) for p in local_modules(str(tmp_path / "main.py"), [str(tmp_path)])}
+    assert found == set(files) - {"unrelated.py"}
+    # an archive too: its root is searched as well, but only what is imported is read
+    assert defined_classic_flags(str(tmp_path / "main.py"), str(tmp_path)) == ["task_index"]
+
+
+def test_a_plain_script_takes_the_modules_it_imports_to_the_nodes(tmp_path):
+    (tmp_path / "train.py").write_text("import mylib\n")
+    (tmp_path / "mylib.py").write_text("x = 1\n")
+    (tmp_path / "other.py").write_text("")
+    _adapter, plan = plan_named(tmp_path, "tensorflow")   # rewrites train.py: import nothing
+    assert plan.inputs == [str(tmp_path / "train.py")]
+    (tmp_path / "train.py").write_text("import mylib\n")
+    table = {p.name: p for p in (*CORE_PARAMS, *TensorflowAdapter.params)}
+    spec = JobSpec(framework="tensorflow", params={"script": str(tmp_path / "train.py")}, table=table)
+    plan = TensorflowAdapter().plan(spec, StagedCode(tmp_path / "train.py", None, tmp_path))
+    assert plan.inputs == [str(tmp_path / "train.py"), str(tmp_path / "mylib.py")]

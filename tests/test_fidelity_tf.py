@@ -211,3 +211,68 @@ def test_a_plain_script_takes_the_modules_it_imports_to_the_nodes(tmp_path):
     spec = JobSpec(framework="tensorflow", params={"script": str(tmp_path / "train.py")}, table=table)
     plan = TensorflowAdapter().plan(spec, StagedCode(tmp_path / "train.py", None, tmp_path))
     assert plan.inputs == [str(tmp_path / "train.py"), str(tmp_path / "mylib.py")]
+
+
+# ---------------------------------------------------------------------------
+# 3. The TensorFlow parser table, on lines captured from real runs
+
+
+def test_every_row_of_the_parser_table_reads_its_captured_line():
+    """Through the master's own parser, with the whole table: a row that reads too much
+    (`jitter = 10.1` as a metric, before) or steals another row's line fails here."""
+    from paicli.adapters.tensorflow import TF_LINES
+    from paicli.cluster.logsink import MetricParser
+
+    parser = MetricParser(list(TensorflowAdapter.metric_patterns))
+    wrong = []
+    for rule in TF_LINES:
+        step, found = parser.parse(rule.sample)
+        if found != rule.reads or step != rule.reads.get("step"):
+            wrong.append(f"{rule.what}: {rule.sample!r} reads {found}, expected {rule.reads}")
+    assert not wrong, "\n".join(wrong)
+    assert len(TF_LINES) >= 10
+
+
+CAPTURED = Path(__file__).resolve().parent / "data" / "tf_cnn_benchmarks_worker.log"
+
+
+def test_a_whole_captured_tf_cnn_benchmarks_log_gives_a_curve():
+    """A worker's whole log from a real 1 ps + 2 workers run: every step line is a point
+    (step, images_per_sec, loss), nothing else in it is a metric but the total."""
+    from paicli.cluster.logsink import MetricParser
+
+    text = CAPTURED.read_text()
+    points = MetricParser(list(TensorflowAdapter.metric_patterns)).parse_text(text)
+    steps = [(step, m) for step, m in points if step is not None]
+    assert [s for s, _ in steps] == [1, 5, 10, 15, 20]
+    assert all(set(m) == {"step", "images_per_sec", "loss"} for _, m in steps)
+    assert [m for s, m in points if s is None] == [{"total_images_per_sec": 121.39}]
+    assert not any("jitter" in m for _, m in points)
+
+
+def test_the_parser_table_on_random_lines_is_fast_and_finite():
+    """Fuzz: lines made of the table's own pieces, shuffled and cut, never hang a
+    pattern (each is linear) and never give a value that is not a finite number."""
+    import math
+    import time
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from paicli.adapters.tensorflow import TF_LINES
+    from paicli.cluster.logsink import MetricParser
+
+    parser = MetricParser(list(TensorflowAdapter.metric_patterns))
+    pieces = sorted({p for rule in TF_LINES for p in rule.sample.replace("\t", " \t ").split(" ")})
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.sampled_from(pieces) | st.text(max_size=8), max_size=60),
+           st.sampled_from([" ", "\t", " - ", "\n", ""]))
+    def check(words, sep):
+        line = sep.join(words) * 20
+        started = time.perf_counter()
+        for _step, values in parser.parse_text(line):
+            assert all(math.isfinite(v) for v in values.values())
+        assert time.perf_counter() - started < 0.5
+
+    check()

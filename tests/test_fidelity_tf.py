@@ -276,3 +276,112 @@ def test_the_parser_table_on_random_lines_is_fast_and_finite():
         assert time.perf_counter() - started < 0.5
 
     check()
+
+
+# ---------------------------------------------------------------------------
+# 4. The peer tf_cnn_benchmarks, unmodified, through pai (1 ps + 2 workers)
+
+PS_2_WORKERS = '{"ps":{"count":1},"worker":{"count":2}}'
+
+
+def cnn_args(model: str, sync: bool) -> str:
+    """The command line PROVENANCE.txt gives, tiny (lenet without tf.layers, as it advises)."""
+    extra = " --use_tf_layers=False" if model == "lenet" else ""
+    return (f"--model={model} --device=cpu --data_format=NHWC --num_gpus=1 --batch_size=8 "
+            f"--num_warmup_batches=5 --num_batches=20 --display_every=5 --optimizer=sgd "
+            f"--variable_update=parameter_server --cross_replica_sync={sync}{extra}")
+
+
+def run_cnn_benchmarks(pai_fn, model: str, sync: bool, timeout: float = 300):
+    """`pai -name tensorflow1120` on the peer's plain tf_cnn_benchmarks.py: the classic
+    flags found in benchmark_cnn.py (auto), its modules staged with it on nodes."""
+    return pai_fn("-name", "tensorflow1120", f"-Dscript=file://{PEER_TF / 'tf_cnn_benchmarks.py'}",
+                  f"-Dcluster={PS_2_WORKERS}", f"-DuserDefinedParameters={cnn_args(model, sync)}",
+                  timeout=timeout)
+
+
+def assert_trained_together(info: dict, logs: dict[str, str], sync: bool) -> None:
+    """Both workers printed step lines with images/sec and loss at every point (sync:
+    up to step 20; async: from where the shared global step was when it joined, to where it stood when it ended), the
+    ps served (it ran as a ps: the classic flags reached it), step_seconds is known."""
+    assert info["status"] == "Succeeded", info.get("reason")
+    for worker in ("worker:0", "worker:1"):
+        series = info["metric_series"][worker]
+        steps = [s for s, _ in series["images_per_sec"]]
+        if sync:
+            assert steps == [1, 5, 10, 15, 20], series
+        else:   # the script counts an async worker's steps from the global step it joins at
+            assert len(steps) >= 3 and steps == sorted(set(steps)) and set(steps) <= {1, 5, 10, 15, 20}, series
+        assert len(series["loss"]) == len(steps) and "jitter" not in series
+        assert "passing --ps_hosts --worker_hosts --job_name --task_index" in logs[worker]
+        assert "total images/sec" in logs[worker]
+    assert "Running parameter server 0" in logs["ps:0"]
+    assert info["step_seconds"] and 0 < info["step_seconds"] < 5
+
+
+@pytest.fixture(scope="module")
+def legacy_runtime():
+    rt = get_runtime("tensorflow_v1")
+    rt.ensure(lambda line: print(line, file=sys.stderr))
+    return rt
+
+
+@pytest.mark.tensorflow
+def test_peer_tf_cnn_benchmarks_trivial_sync_runs_locally(legacy_runtime, pai_home):
+    from conftest import job_id_from, pai, pai_json
+
+    result = run_cnn_benchmarks(pai, "trivial", sync=True)
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert result.returncode == 0 and lines[-1] == "OK", result.stdout[-3000:] + result.stderr[-2000:]
+    job_id = job_id_from(result.stdout)
+    info = pai_json("status", job_id)
+    logs = {name: pai("logs", job_id, "--instance", name).stdout for name in ("ps:0", "worker:0", "worker:1")}
+    assert_trained_together(info, logs, sync=True)
+    plain = pai("status", job_id).stdout
+    assert "images_per_sec=" in plain and "loss=" in plain and "step=20" in plain
+    assert json.loads((pai_home / "jobs" / job_id / "spec.json").read_text())["name"] == "tensorflow1120"
+
+
+@pytest.fixture(scope="module")
+def ssh_cluster():
+    """Three SSH hosts in network namespaces (tests/netns.py), one per instance."""
+    from netns import build_cluster, can_build
+
+    reason = can_build()
+    if reason:
+        pytest.skip(f"multi-host test skipped: {reason}")
+    built = build_cluster(hosts=3, prefix="ptf", first_subnet=200)
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+@pytest.mark.tensorflow
+def test_peer_tf_cnn_benchmarks_lenet_async_runs_on_three_ssh_nodes(legacy_runtime, ssh_cluster, tmp_path,
+                                                                     monkeypatch, pai_home):
+    """The plain script on nodes that share nothing under /tmp: its own modules
+    (benchmark_cnn.py, models/, platforms/ ...) are staged with it."""
+    from conftest import job_id_from, pai, pai_json, wait_until
+    from paicli.runners.runtimes import runtime_root
+
+    nodes = ssh_cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
+    monkeypatch.setenv("PAI_NODES", str(nodes))
+    try:
+        result = run_cnn_benchmarks(pai, "lenet", sync=False)
+        lines = [line for line in result.stdout.splitlines() if line.strip()]
+        assert result.returncode == 0 and lines[-1] == "OK", result.stdout[-3000:] + result.stderr[-2000:]
+        job_id = job_id_from(result.stdout)
+        info = pai_json("status", job_id)
+        assert len({i["host"] for i in info["instances"]}) == 3
+        assert all(i["host"].startswith(ssh_cluster.subnet + ".") for i in info["instances"])
+        logs = {name: pai("logs", job_id, "--instance", name).stdout for name in ("ps:0", "worker:0", "worker:1")}
+        assert_trained_together(info, logs, sync=False)
+        losses = [v for _s, v in info["metric_series"]["worker:0"]["loss"]]
+        assert losses[-1] < losses[0], losses   # async lenet's loss goes down, as by hand
+    finally:
+        listed = json.loads(pai("list", "--json").stdout or "[]")
+        for job in listed:
+            if job["status"] not in ("Succeeded", "Failed", "Cancelled"):
+                pai("kill", job["id"], timeout=60)
+        assert wait_until(lambda: not ssh_cluster.all_leftovers(), timeout=15), ssh_cluster.all_leftovers()

@@ -29,6 +29,20 @@ from __future__ import annotations
 from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, StagedCode, cluster_roles, code_inputs,
                                   pluto_scaling_env, script_args)
 from paicli.errors import SpecError
+from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
+from paicli.runners.runtimes import TF_LEGACY_RUNTIME, get_runtime, runner_path
+from paicli.runners.tensorflow_runner import local_modules
+from paicli.spec import JobSpec, Param
+
+try:   # -DrequireDistributed of adapters/base.py (MXCAFFE's branch, issue 20): the runner
+    # prints the TF cause (tensorflow_runner.report_distribution), the master judges it
+    from paicli.adapters.base import REQUIRE_DISTRIBUTED, distribution_env
+    DISTRIBUTION_PARAMS: tuple[Param, ...] = (REQUIRE_DISTRIBUTED,)
+except ImportError:   # until that branch is merged: the runner's line is in the log only
+    DISTRIBUTION_PARAMS = ()
+
+    def distribution_env(spec: JobSpec) -> dict[str, str]:
+        return {}
 
 try:   # the parser-table rows of adapters/base.py (MXCAFFE's branch, issue 20)
     from paicli.adapters.base import LineRule, table_patterns
@@ -44,10 +58,6 @@ except ImportError:   # until that branch is merged: the same shape, to be dropp
 
     def table_patterns(table) -> tuple[str, ...]:   # type: ignore[no-redef]
         return tuple(dict.fromkeys(rule.pattern for rule in table if rule.pattern))
-from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
-from paicli.runners.runtimes import TF_LEGACY_RUNTIME, get_runtime, runner_path
-from paicli.runners.tensorflow_runner import local_modules
-from paicli.spec import JobSpec, Param
 
 ROLES = ("ps", "worker", "chief", "evaluator")     # also the start order: services first
 RUNNER = "tensorflow_runner.py"
@@ -132,6 +142,7 @@ TF_PARAMS: tuple[Param, ...] = (
                "default, variable i on ps i mod P. greedy: each variable on the ps holding the "
                "fewest bytes so far (Pluto's load balancing; the script needs no change)."),
     *PLUTO_SCALING_PARAMS,
+    *DISTRIBUTION_PARAMS,
 )
 
 
@@ -216,6 +227,7 @@ class TensorflowAdapter(Adapter):
         if spec.get("psStrategy") != "roundRobin":
             env["PAI_TF_PS_STRATEGY"] = spec.get("psStrategy")
         env.update(pluto_scaling_env(spec))
+        env.update(distribution_env(spec))
 
         plans = []
         for role in ROLES:

@@ -295,7 +295,142 @@ def serve(role: str, index: int, config: dict) -> None:
     wait_for_stop_then_exit(f"{role}:{index} server")
 
 
-def run_script(script: str, args: list[str], role: str) -> None:
+# ---------------------------------------------------------------------------
+# "Not distributed" (issue 20): did this instance train with the cluster? The master
+# reads the line report_distribution prints (paicli/cluster/distribution.py: a line
+# holding `not distributed: <instance> <cause>`), and -DrequireDistributed=true turns
+# it into a failure. TF has no counter of what a ps served, so the workers tell: the
+# servers, sessions and variables their script made, watched from inside TensorFlow.
+
+NOT_DISTRIBUTED = "not distributed: "
+# Variable ops (TF1 ref variables, resource variables): on the ps when their device says so.
+_VARIABLE_OPS = ("VariableV2", "Variable", "VarHandleOp")
+
+
+class ClusterWatch:
+    """What the script did with the cluster: tf.distribute.Server jobs it started,
+    the targets of its sessions and their graphs."""
+
+    def __init__(self):
+        self.servers: list[str] = []
+        self.targets: list[str] = []
+        self.graphs: list = []
+        self.eager_remote = False
+
+    def joined(self) -> bool:
+        return bool(self.servers or any(self.targets) or self.eager_remote)
+
+    def variables_on_ps(self) -> int:
+        count = 0
+        for graph in self.graphs:
+            try:
+                count += sum(1 for op in graph.get_operations()
+                             if op.type in _VARIABLE_OPS and "/job:ps" in (op.device or ""))
+            except Exception:  # noqa: BLE001 - a graph we cannot read says nothing
+                continue
+        return count
+
+
+def install_cluster_watch(watch: ClusterWatch) -> None:
+    """Once the script has imported TensorFlow: wrap Server and Session creation."""
+    if "tensorflow.python.client.session" in sys.modules:
+        _wrap_tensorflow(watch)
+        return
+    real_import = builtins.__import__
+    wrapped = []
+
+    def watching_import(name, globals=None, locals=None, fromlist=(), level=0):
+        module = real_import(name, globals, locals, fromlist, level)
+        if not wrapped and "tensorflow.python.client.session" in sys.modules:
+            wrapped.append(True)
+            if builtins.__import__ is watching_import:
+                builtins.__import__ = real_import
+            _wrap_tensorflow(watch)
+        return module
+
+    builtins.__import__ = watching_import
+
+
+def _wrap_tensorflow(watch: ClusterWatch) -> None:
+    try:
+        from tensorflow.python.client import session as session_lib
+        from tensorflow.python.training import server_lib
+    except Exception:  # noqa: BLE001 - a TensorFlow without them: nothing to watch
+        return
+    server_init, session_init = server_lib.Server.__init__, session_lib.BaseSession.__init__
+
+    def server(self, *args, **kwargs):
+        server_init(self, *args, **kwargs)
+        try:
+            watch.servers.append(self.server_def.job_name or "?")
+        except Exception:  # noqa: BLE001
+            watch.servers.append("?")
+
+    def session(self, target="", graph=None, config=None):
+        session_init(self, target, graph, config)
+        watch.targets.append(target if isinstance(target, str) else "?")
+        watch.graphs.append(self.graph)
+
+    server_lib.Server.__init__ = server
+    session_lib.BaseSession.__init__ = session
+
+
+def _eager_remote() -> bool:
+    """A TF2 script joined a cluster eagerly (MultiWorkerMirroredStrategy, a
+    ParameterServerStrategy coordinator, tf.config.experimental_connect_to_cluster)."""
+    context = sys.modules.get("tensorflow.python.eager.context")
+    if context is None:
+        return False
+    try:
+        ctx = context.context()
+        return bool(getattr(ctx, "_server_def", None) or getattr(ctx, "_collective_ops_server_def", None))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def not_distributed_cause(name: str, role: str, cluster: dict[str, list[str]], watch: ClusterWatch,
+                          flags_passed: list[str], flags_mode: str) -> str | None:
+    """Why instance `name` did not train with the cluster, in plain words, or None
+    when it did or when there is nothing to be distributed with."""
+    peers = sum(len(cluster.get(r, [])) for r in ("ps", "worker", "chief")) - 1
+    if peers < 1 or role not in ("ps", "worker", "chief"):
+        return None
+    if not watch.joined():
+        what = ("ran the training itself instead of serving (it started no tf.train.Server)"
+                if role == "ps" else
+                "trained alone: the script never joined the cluster (no tf.train.Server, no session "
+                "on a grpc:// target, no multi-worker strategy)")
+        if flags_passed:
+            hint = (f"it was given --{' --'.join(flags_passed)} and did not use them; check how the "
+                    "script reads them, or build the cluster from TF_CONFIG")
+        elif flags_mode == "never":
+            hint = "-DclusterFlags=never kept --ps_hosts --worker_hosts --job_name --task_index from it"
+        else:
+            hint = ("it defines none of --ps_hosts --worker_hosts --job_name --task_index in itself or "
+                    "the modules it imports: pass -DclusterFlags=always if it takes them, or build "
+                    "the cluster from TF_CONFIG")
+        return f"{name} {what}; {hint}"
+    if role != "ps" and cluster.get("ps") and watch.graphs and watch.variables_on_ps() == 0:
+        return (f"{name} placed no variable on the ps, so the ps served none: its graph keeps every "
+                "variable local; place them with tf.compat.v1.train.replica_device_setter(cluster=...)")
+    return None
+
+
+def report_distribution(watch: ClusterWatch, role: str, index: int, cluster: dict[str, list[str]],
+                        flags_passed: list[str], flags_mode: str) -> None:
+    """At the script's clean end: one line, `not distributed: ...` or `distributed: ...`."""
+    watch.eager_remote = watch.eager_remote or _eager_remote()
+    name = f"{role}:{index}"
+    cause = not_distributed_cause(name, role, cluster, watch, flags_passed, flags_mode)
+    if cause:
+        say(NOT_DISTRIBUTED + cause)
+    elif watch.joined() and role != "ps":
+        on_ps = watch.variables_on_ps()
+        say(f"distributed: {name} joined the cluster"
+            + (f", {on_ps} variables on the ps" if on_ps else ""))
+
+
+def run_script(script: str, args: list[str], role: str, report=lambda watch: None) -> None:
     if role == "ps":
         # A TF1-style ps ends in server.join(), which never returns: the launcher
         # stops it with SIGTERM once the workers are done. Turn that stop into a
@@ -314,9 +449,13 @@ def run_script(script: str, args: list[str], role: str) -> None:
         pluto_helpers.install_tensorflow(tf)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` would have it
+    watch = ClusterWatch()
+    install_cluster_watch(watch)
     try:
         runpy.run_path(script, run_name="__main__")
-    except SystemExit:
+    except SystemExit as done:
+        if done.code in (None, 0):
+            report(watch)
         raise
     except BaseException as err:
         if is_port_taken(err):
@@ -326,6 +465,7 @@ def run_script(script: str, args: list[str], role: str) -> None:
             sys.stderr.flush()
             os._exit(EXIT_RETRY)
         raise
+    report(watch)
 
 
 def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
@@ -409,7 +549,8 @@ def main(argv: list[str]) -> None:
     args = classic_flag_values(wanted, role, index, cluster) + args
     if QUIET:
         quiet_first_tensorflow_import()
-    run_script(script, args, role)
+    run_script(script, args, role, lambda watch: report_distribution(
+        watch, role, index, cluster, wanted, options["cluster_flags"]))
 
 
 if __name__ == "__main__":

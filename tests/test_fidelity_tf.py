@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -316,6 +317,9 @@ def assert_trained_together(info: dict, logs: dict[str, str], sync: bool) -> Non
         assert "passing --ps_hosts --worker_hosts --job_name --task_index" in logs[worker]
         assert "total images/sec" in logs[worker]
     assert "Running parameter server 0" in logs["ps:0"]
+    for worker in ("worker:0", "worker:1"):   # the runner watched it join, variables on the ps
+        assert re.search(rf"distributed: {worker} joined the cluster, [1-9]\d* variables on the ps", logs[worker])
+    assert "not distributed" not in "".join(logs.values())
     assert info["step_seconds"] and 0 < info["step_seconds"] < 5
 
 
@@ -385,3 +389,114 @@ def test_peer_tf_cnn_benchmarks_lenet_async_runs_on_three_ssh_nodes(legacy_runti
             if job["status"] not in ("Succeeded", "Failed", "Cancelled"):
                 pai("kill", job["id"], timeout=60)
         assert wait_until(lambda: not ssh_cluster.all_leftovers(), timeout=15), ssh_cluster.all_leftovers()
+
+
+# ---------------------------------------------------------------------------
+# 5. "Not distributed": the TensorFlow signal (a ps that served no variable, workers
+# that never talked to the ps), in the line paicli/cluster/distribution.py reads
+
+
+class FakeOp:
+    def __init__(self, type_: str, device: str):
+        self.type, self.device = type_, device
+
+
+class FakeGraph:
+    def __init__(self, *ops):
+        self.ops = list(ops)
+
+    def get_operations(self):
+        return self.ops
+
+
+PS_CLUSTER = {"ps": ["h1:1"], "worker": ["h2:2", "h3:3"]}
+
+
+def watch_of(servers=(), targets=(), graphs=(), eager=False):
+    from paicli.runners.tensorflow_runner import ClusterWatch
+
+    watch = ClusterWatch()
+    watch.servers, watch.targets, watch.graphs, watch.eager_remote = list(servers), list(targets), list(graphs), eager
+    return watch
+
+
+def test_not_distributed_causes():
+    from paicli.runners.tensorflow_runner import not_distributed_cause as cause
+
+    flags = ["ps_hosts", "worker_hosts", "job_name", "task_index"]
+    on_ps = FakeGraph(FakeOp("VariableV2", "/job:ps/task:0/device:CPU:0"), FakeOp("MatMul", "/job:worker/task:0"))
+    local = FakeGraph(FakeOp("VarHandleOp", ""), FakeOp("VariableV2", "/job:worker/task:0"))
+    # trained with the ps: nothing to say
+    assert cause("worker:0", "worker", PS_CLUSTER, watch_of(["worker"], ["grpc://h2:2"], [on_ps]), flags, "auto") is None
+    # TF2 strategies join eagerly, with no session
+    assert cause("chief:0", "chief", {"chief": ["a:1"], "worker": ["b:2"]}, watch_of(eager=True), [], "auto") is None
+    # alone in its job, or an evaluator: nothing to be distributed with
+    assert cause("worker:0", "worker", {"worker": ["a:1"]}, watch_of(), [], "auto") is None
+    assert cause("evaluator:0", "evaluator", {**PS_CLUSTER, "evaluator": ["e:9"]}, watch_of(), [], "auto") is None
+
+    alone = cause("worker:1", "worker", PS_CLUSTER, watch_of(targets=[""], graphs=[local]), [], "auto")
+    assert alone.startswith("worker:1 trained alone: the script never joined the cluster")
+    assert "defines none of --ps_hosts --worker_hosts --job_name --task_index" in alone
+    assert "-DclusterFlags=always" in alone
+    given = cause("worker:0", "worker", PS_CLUSTER, watch_of(), flags, "auto")
+    assert "it was given --ps_hosts --worker_hosts --job_name --task_index and did not use them" in given
+    never = cause("worker:0", "worker", PS_CLUSTER, watch_of(), [], "never")
+    assert "-DclusterFlags=never kept" in never
+    ps = cause("ps:0", "ps", PS_CLUSTER, watch_of(targets=[""], graphs=[local]), [], "auto")
+    assert ps.startswith("ps:0 ran the training itself instead of serving")
+    # joined, but every variable stayed on the worker: the ps served none
+    no_vars = cause("worker:0", "worker", PS_CLUSTER, watch_of(["worker"], ["grpc://h2:2"], [local]), flags, "auto")
+    assert no_vars.startswith("worker:0 placed no variable on the ps, so the ps served none")
+    assert "replica_device_setter" in no_vars
+
+
+def test_the_cause_is_one_line_the_master_reads():
+    """The exact shape paicli/cluster/distribution.py (MXCAFFE) looks for: `not
+    distributed: <instance> <cause>` anywhere in one line of the instance's output."""
+    import contextlib
+    import io
+
+    from paicli.runners.tensorflow_runner import NOT_DISTRIBUTED, report_distribution
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        report_distribution(watch_of(), "worker", 1, PS_CLUSTER, [], "auto")
+    line, = out.getvalue().splitlines()
+    assert line.startswith("[tensorflow runner] " + NOT_DISTRIBUTED + "worker:1 trained alone: ")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        report_distribution(watch_of(["worker"], ["grpc://h2:2"], [FakeGraph(FakeOp("VariableV2", "/job:ps/task:0"))]),
+                            "worker", 0, PS_CLUSTER, [], "auto")
+    assert out.getvalue() == "[tensorflow runner] distributed: worker:0 joined the cluster, 1 variables on the ps\n"
+
+
+LOCAL_ONLY = """
+import tensorflow as tf
+tf.compat.v1.disable_eager_execution()
+w = tf.compat.v1.Variable(5.0)
+train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(tf.square(w))
+with tf.compat.v1.Session() as sess:
+    sess.run(tf.compat.v1.global_variables_initializer())
+    for step in range(3):
+        print(f"step={step}, loss={sess.run([train, tf.square(w)])[1]:.4f}")
+"""
+
+
+@pytest.mark.tensorflow
+def test_a_tf1_script_that_never_joins_says_so(pai_home, tmp_path):
+    """A 2016-style script with a plain local Session, 1 ps + 1 worker: both exit 0,
+    each having trained alone; each instance says so in the line the master reads."""
+    from conftest import job_id_from, pai, pai_json
+
+    get_runtime("tensorflow").ensure(lambda line: None)
+    script = tmp_path / "local_only.py"
+    script.write_text(LOCAL_ONLY)
+    result = pai("-name", "tensorflow", f"-Dscript=file://{script}",
+                 '-Dcluster={"ps":{"count":1},"worker":{"count":1}}', timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert re.search(r"^\[worker:0\] \[tensorflow runner\] not distributed: worker:0 trained alone: the script "
+                     r"never joined the cluster .*-DclusterFlags=always", result.stdout, re.M), result.stdout[-3000:]
+    assert "[ps:0] [tensorflow runner] not distributed: ps:0 ran the training itself" in result.stdout
+    info = pai_json("status", job_id_from(result.stdout))
+    if "requireDistributed" in {p.name for p in TensorflowAdapter.params}:   # MXCAFFE's verdict merged
+        assert "worker:0 trained alone" in (info.get("reason") or ""), info

@@ -159,12 +159,12 @@ def main() -> None:
                 print(f"{model} {mode}: through pai ...", file=sys.stderr, flush=True)
                 rows += summarize(model, mode, "pai", through_pai(Path(tmp) / "pai-home", args))
 
-    print("| model | mode | arm | worker | ok | steps | first loss | last loss | change | images/sec | wall s |")
+    print("| model | mode | arm | worker | ok | steps | first loss | last loss | relative change | images/sec | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['model']} | {r['mode']} | {r['arm']} | {r['worker']} | {'OK' if r['ok'] else 'FAILED'} "
               f"| {','.join(map(str, r['steps']))} | {fmt(r['first_loss'], '.6g')} | {fmt(r['last_loss'], '.6g')} "
-              f"| {fmt(r['change'], '+.2%')} | {fmt(r['images_per_sec'], '.1f')} | {r['wall']} |")
+              f"| {fmt(r['change'], '+.3g')} | {fmt(r['images_per_sec'], '.1f')} | {r['wall']} |")
     print(json.dumps({"bench": "fidelity_tf", "rows": rows}))
 
 

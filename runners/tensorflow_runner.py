@@ -369,7 +369,8 @@ def _wrap_tensorflow(watch: ClusterWatch) -> None:
     def session(self, target="", graph=None, config=None):
         session_init(self, target, graph, config)
         watch.targets.append(target if isinstance(target, str) else "?")
-        watch.graphs.append(self.graph)
+        if not any(g is self.graph for g in watch.graphs):   # a graph's variables count once
+            watch.graphs.append(self.graph)
 
     server_lib.Server.__init__ = server
     session_lib.BaseSession.__init__ = session

@@ -205,13 +205,12 @@ def test_a_plain_script_takes_the_modules_it_imports_to_the_nodes(tmp_path):
     (tmp_path / "train.py").write_text("import mylib\n")
     (tmp_path / "mylib.py").write_text("x = 1\n")
     (tmp_path / "other.py").write_text("")
-    _adapter, plan = plan_named(tmp_path, "tensorflow")   # rewrites train.py: import nothing
-    assert plan.inputs == [str(tmp_path / "train.py")]
-    (tmp_path / "train.py").write_text("import mylib\n")
     table = {p.name: p for p in (*CORE_PARAMS, *TensorflowAdapter.params)}
     spec = JobSpec(framework="tensorflow", params={"script": str(tmp_path / "train.py")}, table=table)
     plan = TensorflowAdapter().plan(spec, StagedCode(tmp_path / "train.py", None, tmp_path))
     assert plan.inputs == [str(tmp_path / "train.py"), str(tmp_path / "mylib.py")]
+    archive = TensorflowAdapter().plan(spec, StagedCode(tmp_path / "train.py", tmp_path, tmp_path))
+    assert archive.inputs == []   # an archive travels whole
 
 
 # ---------------------------------------------------------------------------

@@ -18,8 +18,8 @@ every instance (TF1 scripts that use a chief, or scripts that start their own se
 Classic flags (-DclusterFlags): a 2016-style script defines --ps_hosts --worker_hosts
 --job_name --task_index with tf.app.flags/absl or argparse and fails without them,
 while absl and argparse scripts reject flags they do not define. So `auto` passes each
-of those flags only when the script's source defines it (the runner looks, at start);
-`always`/`never` force it.
+of those flags only when the script, or a module of its own that it imports, defines
+it (the runner looks, at start); `always`/`never` force it.
 PAI's own pass-through flags (--checkpointDir, --buckets, --tables, --outputs) are
 passed when those parameters are given, then hyperParameters, then userDefinedParameters.
 """
@@ -30,8 +30,34 @@ from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, StagedCode, clu
                                   pluto_scaling_env, script_args)
 from paicli.errors import SpecError
 from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
-from paicli.runners.runtimes import get_runtime, runner_path
+from paicli.runners.runtimes import TF_LEGACY_RUNTIME, get_runtime, runner_path
+from paicli.runners.tensorflow_runner import local_modules
 from paicli.spec import JobSpec, Param
+
+try:   # -DrequireDistributed of adapters/base.py (MXCAFFE's branch, issue 20): the runner
+    # prints the TF cause (tensorflow_runner.report_distribution), the master judges it
+    from paicli.adapters.base import REQUIRE_DISTRIBUTED, distribution_env
+    DISTRIBUTION_PARAMS: tuple[Param, ...] = (REQUIRE_DISTRIBUTED,)
+except ImportError:   # until that branch is merged: the runner's line is in the log only
+    DISTRIBUTION_PARAMS = ()
+
+    def distribution_env(spec: JobSpec) -> dict[str, str]:
+        return {}
+
+try:   # the parser-table rows of adapters/base.py (MXCAFFE's branch, issue 20)
+    from paicli.adapters.base import LineRule, table_patterns
+except ImportError:   # until that branch is merged: the same shape, to be dropped then
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class LineRule:   # type: ignore[no-redef]
+        what: str       # the line, in words
+        pattern: str    # the regex the master runs ("" for a line nothing may read)
+        sample: str     # a line captured from a real run
+        reads: dict     # what the whole table reads from `sample`
+
+    def table_patterns(table) -> tuple[str, ...]:   # type: ignore[no-redef]
+        return tuple(dict.fromkeys(rule.pattern for rule in table if rule.pattern))
 
 ROLES = ("ps", "worker", "chief", "evaluator")     # also the start order: services first
 RUNNER = "tensorflow_runner.py"
@@ -39,15 +65,69 @@ RUNNER = "tensorflow_runner.py"
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 # The seed's `step=3, global_step=3, loss=6.97, duration=3.6s`: paicli's key=value
 # pattern, except for ALL-CAPS keys, which are environment variables in TensorFlow's
-# own messages (`set the environment variable TF_ENABLE_ONEDNN_OPTS=0`), not metrics.
-TF_KEY_VALUE_METRIC = r"(?![A-Z][A-Z0-9_]*\s*=)" + KEY_VALUE_METRIC
+# own messages (`set the environment variable TF_ENABLE_ONEDNN_OPTS=0`), not metrics,
+# and tf_cnn_benchmarks' `(jitter = 10.1)`, the spread of its images/sec, not a metric.
+TF_KEY_VALUE_METRIC = r"(?![A-Z][A-Z0-9_]*\s*=)(?!jitter\s*=)" + KEY_VALUE_METRIC
 # tf.compat.v1.train.LoggingTensorHook / Estimator: `loss = 0.52, step = 100 (0.3 sec)`
 LOGGING_TENSOR_HOOK_METRIC = rf"\bloss = (?P<loss>{_NUMBER}), step = (?P<step>\d+)"
-# Keras progress lines: `32/32 - 0s - 2ms/step - accuracy: 0.9644 - loss: 0.0973`
+# tf_cnn_benchmarks (benchmark_cnn.py): `STEP\timages/sec: MEAN +/- UNCERTAINTY (jitter =
+# JITTER)\tLOSS[\tTOP1\tTOP5]`; the images/sec a worker reached, averaged over its steps.
+CNN_BENCHMARK_STEP_METRIC = (
+    rf"^[ \t]*(?P<step>\d+)\timages/sec: (?P<images_per_sec>{_NUMBER})"
+    rf"(?: \+/- {_NUMBER} \(jitter = {_NUMBER}\))?\t(?P<loss>{_NUMBER})"
+    rf"(?:\t(?P<top_1_accuracy>{_NUMBER})\t(?P<top_5_accuracy>{_NUMBER}))?[ \t]*$"
+)
+CNN_BENCHMARK_TOTAL_METRIC = rf"^total images/sec: (?P<total_images_per_sec>{_NUMBER})[ \t]*$"
+CNN_BENCHMARK_EVAL_METRIC = (rf"^Accuracy @ 1 = (?P<top_1_accuracy>{_NUMBER}) "
+                             rf"Accuracy @ 5 = (?P<top_5_accuracy>{_NUMBER})")
+# Keras progress lines, Keras 3 and legacy Keras 2 (verbose=2, and a verbose=1 bar's
+# last redraw): `6/6 - 0s - 12ms/step - accuracy: 0.5156 - loss: 0.6621`
 # ...and the loss on its own, in case a line yields only its first key/value match.
 KERAS_LOSS_METRIC = rf"\s-\sloss: (?P<loss>{_NUMBER})"
 KERAS_METRIC = rf"(?:^|\s-\s)(?P<key>[a-z][a-z0-9_]*): (?P<value>{_NUMBER})(?![\w.])"
 KERAS_EPOCH_METRIC = r"^Epoch (?P<epoch>\d+)/\d+\s*$"
+
+# The TensorFlow parser table: each row a line captured from a real run (TensorFlow
+# 2.21, Keras 3 and tf-keras 2.21, the peer tf_cnn_benchmarks, examples/tensorflow/)
+# and what the whole table reads from it (tests/test_fidelity_tf.py checks every row
+# through the master's parser). Rows with no pattern are lines nothing may read.
+TF_LINES = (
+    LineRule("the seed's step line (examples/tensorflow/async_ps_worker.py)", TF_KEY_VALUE_METRIC,
+             "step=25, global_step=41, loss=0.0099, duration=0.005s.",
+             {"step": 25, "global_step": 41, "loss": 0.0099, "duration": 0.005}),
+    LineRule("tf_cnn_benchmarks step (trivial, sync)", CNN_BENCHMARK_STEP_METRIC,
+             "20\timages/sec: 75.0 +/- 1.5 (jitter = 4.9)\t32.641",
+             {"step": 20, "images_per_sec": 75.0, "loss": 32.641}),
+    LineRule("tf_cnn_benchmarks step (lenet, async)", CNN_BENCHMARK_STEP_METRIC,
+             "10\timages/sec: 90.1 +/- 5.6 (jitter = 8.9)\t3122239787064721670144.000",
+             {"step": 10, "images_per_sec": 90.1, "loss": 3.122239787064721670144e21}),
+    LineRule("tf_cnn_benchmarks step with --print_training_accuracy", CNN_BENCHMARK_STEP_METRIC,
+             "100\timages/sec: 412.3 +/- 0.9 (jitter = 3.1)\t7.112\t0.001\t0.006",
+             {"step": 100, "images_per_sec": 412.3, "loss": 7.112, "top_1_accuracy": 0.001,
+              "top_5_accuracy": 0.006}),
+    LineRule("tf_cnn_benchmarks total", CNN_BENCHMARK_TOTAL_METRIC, "total images/sec: 148.43",
+             {"total_images_per_sec": 148.43}),
+    LineRule("tf_cnn_benchmarks eval", CNN_BENCHMARK_EVAL_METRIC,
+             "Accuracy @ 1 = 0.0010 Accuracy @ 5 = 0.0050 [50000 examples]",
+             {"top_1_accuracy": 0.001, "top_5_accuracy": 0.005}),
+    LineRule("tf_cnn_benchmarks header: not metrics", "", "Step\tImg/sec\ttotal_loss", {}),
+    LineRule("LoggingTensorHook, Estimator", LOGGING_TENSOR_HOOK_METRIC,
+             "INFO:tensorflow:loss = 0.52, step = 100 (0.311 sec)", {"loss": 0.52, "step": 100}),
+    LineRule("Keras 3, verbose=2", KERAS_METRIC,
+             "6/6 - 0s - 12ms/step - accuracy: 0.5156 - loss: 0.6621 - val_accuracy: 0.4688 - val_loss: 0.6742",
+             {"accuracy": 0.5156, "loss": 0.6621, "val_accuracy": 0.4688, "val_loss": 0.6742}),
+    LineRule("legacy Keras 2 (tf-keras), verbose=2", KERAS_LOSS_METRIC,
+             "6/6 - 1s - loss: 0.7619 - accuracy: 0.5104 - val_loss: 0.8089 - val_accuracy: 0.3750 "
+             "- 817ms/epoch - 136ms/step",
+             {"loss": 0.7619, "accuracy": 0.5104, "val_loss": 0.8089, "val_accuracy": 0.375}),
+    LineRule("legacy Keras 2, verbose=1 bar (its last redraw)", KERAS_METRIC,
+             "8/8 [==============================] - 0s 1ms/step - loss: 0.7575 - accuracy: 0.4688",
+             {"loss": 0.7575, "accuracy": 0.4688}),
+    LineRule("Keras epoch", KERAS_EPOCH_METRIC, "Epoch 2/2", {"epoch": 2}),
+    LineRule("TensorFlow's import notice: not a metric", "",
+             "I0000 00:00:1795453614.777263   15864 port.cc:153] oneDNN custom operations are on. "
+             "To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.", {}),
+)
 
 TF_PARAMS: tuple[Param, ...] = (
     Param("scriptRoles", "choice", default="auto", choices=("auto", "all"),
@@ -62,21 +142,43 @@ TF_PARAMS: tuple[Param, ...] = (
                "default, variable i on ps i mod P. greedy: each variable on the ps holding the "
                "fewest bytes so far (Pluto's load balancing; the script needs no change)."),
     *PLUTO_SCALING_PARAMS,
+    *DISTRIBUTION_PARAMS,
 )
+
+
+# PAI's versioned names (the TensorFlow each ran): every one of them shipped Keras 2 as
+# tf.keras and most scripts of their era use tf.compat.v1 / tf.layers, so they select
+# the legacy-Keras runtime; `tensorflow` and `tf` the current one.
+VERSIONED_NAMES = {
+    "tensorflow140": "1.4", "tensorflow180": "1.8", "tensorflow1100": "1.10", "tensorflow1120": "1.12",
+    "tensorflow1120_ext": "1.12", "tensorflow1150": "1.15", "tensorflow1150_ext": "1.15",
+    "tensorflow200": "2.0", "tensorflow210": "2.1", "tensorflow220": "2.2",
+}
+CURRENT_RUNTIME = "tensorflow"
+
+
+def runtime_for(framework: str) -> str:
+    """The runtime a -name selects: the legacy-Keras one for PAI's versioned names."""
+    return TF_LEGACY_RUNTIME if framework.strip().lower() in VERSIONED_NAMES else CURRENT_RUNTIME
+
+
+def script_inputs(code: StagedCode) -> list[str]:
+    """A plain script and the modules of its own it imports (its folder's files, found
+    as `import` would): every node needs them, e.g. tf_cnn_benchmarks.py's
+    benchmark_cnn.py. An archive travels whole."""
+    inputs = code_inputs(code)
+    if inputs and code.entry is not None:
+        inputs = local_modules(str(code.entry), [str(code.entry.parent)])
+    return inputs
 
 
 class TensorflowAdapter(Adapter):
     name = "tensorflow"
-    # PAI's versioned names. They all run the one runtime (TensorFlow 2.21 CPU, or the
-    # interpreter in $PAI_TENSORFLOW_PYTHON): the version in the name picks nothing.
-    aliases = ("tf", "tensorflow140", "tensorflow180", "tensorflow1100", "tensorflow1120",
-               "tensorflow1120_ext", "tensorflow1150", "tensorflow1150_ext", "tensorflow200",
-               "tensorflow210", "tensorflow220")
+    aliases = ("tf", *VERSIONED_NAMES)
     task_name = "TensorflowTask"
     runtime = "tensorflow"
     params = TF_PARAMS
-    metric_patterns = (TF_KEY_VALUE_METRIC, LOGGING_TENSOR_HOOK_METRIC,
-                       KERAS_LOSS_METRIC, KERAS_METRIC, KERAS_EPOCH_METRIC)
+    metric_patterns = table_patterns(TF_LINES)
 
     def roles(self, spec: JobSpec) -> dict[str, dict[str, int]]:
         roles = cluster_roles(spec, {"worker": {"count": 1}})
@@ -98,11 +200,18 @@ class TensorflowAdapter(Adapter):
                             '"worker":{"count":1} or more')
         return roles
 
+    def spec_framework(self, requested: str) -> str:
+        """The -name a spec keeps: a versioned name selects a runtime, so it stays."""
+        name = requested.strip().lower()
+        return name if name in VERSIONED_NAMES else self.name
+
     def validate(self, spec: JobSpec) -> None:
         super().validate(spec)
+        self.runtime = runtime_for(spec.framework)  # read by the submit, which provisions it
         self.roles(spec)
 
     def plan(self, spec: JobSpec, code: StagedCode) -> JobPlan:
+        self.runtime = runtime_for(spec.framework)
         roles = self.roles(spec)
         has_chief = "chief" in roles
         serve_roles = {"ps", "worker"} if has_chief and spec.get("scriptRoles") == "auto" else set()
@@ -114,8 +223,11 @@ class TensorflowAdapter(Adapter):
                   *([f"--code-root={code.root}"] if code.root else []), "--",
                   str(code.entry), *script_args(spec)]
         finishing = "chief" if has_chief else "worker"
-        env = {"PAI_TF_PS_STRATEGY": spec.get("psStrategy")} if spec.get("psStrategy") != "roundRobin" else {}
+        env = dict(getattr(get_runtime(self.runtime), "env", {}))  # TF_USE_LEGACY_KERAS=1 for legacy Keras
+        if spec.get("psStrategy") != "roundRobin":
+            env["PAI_TF_PS_STRATEGY"] = spec.get("psStrategy")
         env.update(pluto_scaling_env(spec))
+        env.update(distribution_env(spec))
 
         plans = []
         for role in ROLES:
@@ -147,13 +259,14 @@ class TensorflowAdapter(Adapter):
             "a failure that a restart can cure restarts the whole job on fresh ports "
             "(TF's cluster spec is fixed at start)",
         ]
-        if env:
+        if "PAI_TF_PS_STRATEGY" in env:
             notes.append("variables placed on the ps by size, greedily (-DpsStrategy=greedy)")
-        if spec.framework.lower() not in ("tensorflow", "tf"):
-            notes.append(f"-name {spec.framework}: the version in the name picks nothing; "
-                         f"the runtime is {get_runtime(self.runtime).description}")
+        if self.runtime != CURRENT_RUNTIME:
+            era = VERSIONED_NAMES[spec.framework.strip().lower()]
+            notes.append(f"-name {spec.framework} (TensorFlow {era} era): the {self.runtime} runtime, "
+                         f"{get_runtime(self.runtime).description}")
         job_name = spec.get("jobName") or (code.entry.stem if code.entry else "tensorflow")
         return JobPlan(job_name=job_name, framework=self.name, task_name=self.task_name,
                        roles=plans, restart=RESTART_JOB,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=code_inputs(code))
+                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=script_inputs(code))

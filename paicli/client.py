@@ -36,7 +36,9 @@ def prepare(stmt: Statement) -> Prepared:
     from paicli.adapters import get_adapter
 
     adapter = get_adapter(stmt.framework or "")
-    spec = build_spec(adapter.name, stmt.params, params=(*CORE_PARAMS, *adapter.params), project=stmt.project)
+    # TFCOMPAT: a name that selects a runtime (PAI's versioned TensorFlow names) stays in the spec.
+    framework = adapter.spec_framework(stmt.framework) if hasattr(adapter, "spec_framework") else adapter.name
+    spec = build_spec(framework, stmt.params, params=(*CORE_PARAMS, *adapter.params), project=stmt.project)
     adapter.validate(spec)
     return Prepared(adapter, spec)
 

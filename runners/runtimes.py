@@ -540,3 +540,93 @@ def remove_layer(name: str) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+# ---------------------------------------------------------------------------
+# TFCOMPAT (issue 20): the legacy-Keras TensorFlow runtime that PAI's TF1-era
+# names select. A small venv layered on the TensorFlow runtime, so TensorFlow
+# itself (600 MB) is not installed twice.
+
+
+class LayeredVenvRuntime(VenvRuntime):
+    """A venv layered on another runtime's Python: a .pth file adds the base's
+    site-packages (as a site dir, so the base's own .pth files count) after the
+    layer's own, and only `requirements` are installed into the layer, without
+    their dependencies (those are the base's; pip would otherwise fetch a second
+    TensorFlow to satisfy tf-keras' `tensorflow` requirement). `env` is what its
+    instances need set (the adapter puts it in the plan)."""
+
+    def __init__(self, name: str, base: str, requirements: list[str], description: str,
+                 env: dict[str, str], check: str):
+        super().__init__(name, requirements, description)
+        self.base, self.env, self.check = base, dict(env), check
+        base_version = _base_version(base)
+        self.version = f"{base_version}+{','.join(self.requirements)}"
+
+    def base_runtime(self) -> Runtime:
+        return get_runtime(self.base)
+
+    def is_installed(self) -> bool:
+        if self.override:
+            return super().is_installed()
+        # The base must still be there, and be the interpreter the layer was made on.
+        return (super().is_installed() and self.base_runtime().is_installed()
+                and self._base_record().get("base_python") == self.base_runtime().python())
+
+    def _base_record(self) -> dict:
+        try:
+            return json.loads((self.path / BASE_RECORD).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def ensure(self, progress: Progress = lambda line: None) -> None:
+        if not self.override:
+            self.base_runtime().ensure(progress)
+        super().ensure(progress)
+
+    def _install(self, target: Path, progress: Progress) -> None:
+        base_python = self.base_runtime().python()
+        # The venv is made by the base's interpreter: the same Python version as the
+        # site-packages it layers on.
+        run_streaming([base_python, "-m", "venv", str(target)], progress, "creating the venv")
+        python = str(target / "bin" / "python")
+        purelib = 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+        base_site = subprocess.run([base_python, "-c", purelib], capture_output=True, text=True,
+                                   check=True).stdout.strip()
+        own_site = subprocess.run([python, "-c", purelib], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        Path(own_site, "_paicli_base_runtime.pth").write_text(
+            f"import site; site.addsitedir({base_site!r})\n")
+        run_streaming([python, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
+                       "--progress-bar", "off", *self.requirements],
+                      progress, f"pip install {' '.join(self.requirements)}")
+        run_streaming([python, "-c", self.check], progress, f"checking the {self.name} runtime",
+                      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **self.env})
+        base = self.base_runtime()
+        # Read by tensorflow_runner, which holds the base's marker too while it runs.
+        (target / BASE_RECORD).write_text(json.dumps(
+            {"base": self.base, "base_python": base_python,
+             "base_marker": None if base.override else str(base.path / MARKER)}))
+
+    def info(self) -> dict:
+        return {**super().info(), "base": self.base, "env": self.env}
+
+
+BASE_RECORD = "paicli-base.json"
+
+
+def _base_version(name: str) -> str:
+    entry = RUNTIMES[name]
+    return entry.version if isinstance(entry, Runtime) else get_runtime(name).version
+
+
+# PAI's TF1-era names (tensorflow140 ... tensorflow220, see adapters/tensorflow.py):
+# TensorFlow 2.21 with Keras 2 (tf-keras) in place of Keras 3, so tf.compat.v1.layers,
+# tf.nn.rnn_cell and tf.keras behave as the scripts of that era expect.
+TF_LEGACY_RUNTIME = "tensorflow_v1"
+RUNTIMES[TF_LEGACY_RUNTIME] = LayeredVenvRuntime(
+    TF_LEGACY_RUNTIME, base="tensorflow", requirements=["tf-keras==2.21.0"],
+    description="TensorFlow 2.21 CPU with legacy Keras 2 (tf-keras, TF_USE_LEGACY_KERAS=1)",
+    env={"TF_USE_LEGACY_KERAS": "1"},
+    check="import tensorflow as tf; tf.compat.v1.layers.BatchNormalization; tf.compat.v1.nn.rnn_cell; "
+          "assert tf.keras.__name__.startswith('tf_keras'), tf.keras.__name__")

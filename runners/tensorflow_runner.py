@@ -13,10 +13,11 @@ paicli.plan). This runner turns them into what TensorFlow expects, then either
     SIGTERM, then exits 0.
 
 --cluster-flags says which classic 2016-style flags (--ps_hosts --worker_hosts
---job_name --task_index) go before ARGS: `auto` (the default) those that the script
-defines, found in SCRIPT's source or, for an archive, in any .py file under
---code-root; `always`; `never`; or a comma-separated list of names. It is decided
-here, at start, because only here is the code surely in place.
+--job_name --task_index) go before ARGS: `auto` (the default) those that the code
+defines, found in SCRIPT's source or in any module of its own that it imports,
+transitively (from SCRIPT's folder or --code-root, an archive's root); `always`;
+`never`; or a comma-separated list of names. It is decided here, at start, because
+only here is the code surely in place.
 
 This file runs inside the framework's own Python: it imports only the standard
 library and TensorFlow, never paicli.
@@ -100,17 +101,90 @@ def classic_flag_values(wanted: list[str], role: str, index: int,
     return [f"--{name}={values[name]}" for name in wanted if name in values]
 
 
+# `import a.b as c, d` and `from .a import (b, c)`, at the start of a line. A regex,
+# not ast: it reads Python 2 scripts too, and costs a few ms where ast costs 0.2 s.
+_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+(?P<base>\.*[\w.]*)[ \t]+import[ \t]+(?P<names>\([^)]*\)|[^#\n;]*)"
+                     r"|import[ \t]+(?P<modules>[^#\n;]*))", re.M)
+_MAX_MODULES = 400
+
+
+def _module_files(root: str, dotted: str) -> list[str]:
+    """The files `import dotted` runs when `root` is on sys.path: each package's
+    __init__.py on the way, then the module (or package); [] unless it is all there."""
+    files, path = [], root
+    parts = [p for p in dotted.split(".") if p]
+    for i, part in enumerate(parts):
+        path = os.path.join(path, part)
+        init = os.path.join(path, "__init__.py")
+        if os.path.isfile(init):
+            files.append(init)
+        elif i == len(parts) - 1 and os.path.isfile(path + ".py"):
+            files.append(path + ".py")
+        elif not (os.path.isdir(path) and i < len(parts) - 1):   # namespace packages on the way
+            return []
+    return files
+
+
+def _imported_names(path: str, text: str) -> list[tuple[str, str]]:
+    """(root directory, dotted name) for each module `text` may import; for
+    `from X import a, b` both X and X.a, X.b (a and b may be submodules)."""
+    found = []
+    for m in _IMPORT.finditer(text):
+        if m.group("modules") is not None:
+            found += [(None, n.split(" as ")[0].strip()) for n in m.group("modules").split(",")]
+            continue
+        base, names = m.group("base"), re.sub(r"#[^\n]*", "", m.group("names")).strip("()")
+        dots = len(base) - len(base.lstrip("."))
+        root = None
+        if dots:   # relative: from the file's own package, one folder up per extra dot
+            root = os.path.dirname(path)
+            for _ in range(dots - 1):
+                root = os.path.dirname(root)
+        module = base.lstrip(".")
+        found.append((root, module))
+        for name in names.replace("\\", " ").split(","):
+            name = name.split(" as ")[0].strip()
+            if name and name != "*":
+                found.append((root, f"{module}.{name}" if module else name))
+    return [(root, name) for root, name in found if re.fullmatch(r"[\w.]+", name or "")]
+
+
+def local_modules(script: str, roots: list[str]) -> list[str]:
+    """The script and the modules of its own that it imports, transitively: files found
+    under `roots` (its folder, which `python SCRIPT` puts first on sys.path, and an
+    archive's root), never the standard library's or site-packages'. The classic flags
+    are often defined in one of them (tf_cnn_benchmarks.py imports benchmark_cnn.py,
+    which defines them), and a plain script's node needs them too."""
+    seen, queue, budget = [script], [script], _SCAN_LIMIT
+    while queue and budget > 0 and len(seen) < _MAX_MODULES:
+        path = queue.pop(0)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read(budget)
+        except OSError:
+            continue
+        budget -= len(text)
+        for root, name in _imported_names(path, text):
+            for base in ([root] if root else roots):
+                files = _module_files(base, name)
+                for found in files:
+                    if found not in seen:
+                        seen.append(found)
+                        queue.append(found)
+                if files:
+                    break
+    return seen
+
+
 def defined_classic_flags(script: str, code_root: str | None = None) -> list[str]:
-    """The classic cluster flags that the code defines: the entry script, and for an
-    archive every .py file in it (flags often live in a shared module)."""
-    files = [script]
-    if code_root:
-        for dirpath, _dirs, names in sorted(os.walk(code_root)):
-            files += [os.path.join(dirpath, n) for n in sorted(names)
-                      if n.endswith(".py") and os.path.join(dirpath, n) != script]
+    """The classic cluster flags that the code defines: in the entry script or in any
+    module of its own that it imports (the script's folder, an archive's root)."""
+    roots = [os.path.dirname(os.path.abspath(script))]
+    if code_root and os.path.abspath(code_root) not in roots:
+        roots.append(os.path.abspath(code_root))
     found: set[str] = set()
     budget = _SCAN_LIMIT
-    for path in files:
+    for path in local_modules(os.path.abspath(script), roots):
         if budget <= 0:
             break
         try:
@@ -221,7 +295,143 @@ def serve(role: str, index: int, config: dict) -> None:
     wait_for_stop_then_exit(f"{role}:{index} server")
 
 
-def run_script(script: str, args: list[str], role: str) -> None:
+# ---------------------------------------------------------------------------
+# "Not distributed" (issue 20): did this instance train with the cluster? The master
+# reads the line report_distribution prints (paicli/cluster/distribution.py: a line
+# holding `not distributed: <instance> <cause>`), and -DrequireDistributed=true turns
+# it into a failure. TF has no counter of what a ps served, so the workers tell: the
+# servers, sessions and variables their script made, watched from inside TensorFlow.
+
+NOT_DISTRIBUTED = "not distributed: "
+# Variable ops (TF1 ref variables, resource variables): on the ps when their device says so.
+_VARIABLE_OPS = ("VariableV2", "Variable", "VarHandleOp")
+
+
+class ClusterWatch:
+    """What the script did with the cluster: tf.distribute.Server jobs it started,
+    the targets of its sessions and their graphs."""
+
+    def __init__(self):
+        self.servers: list[str] = []
+        self.targets: list[str] = []
+        self.graphs: list = []
+        self.eager_remote = False
+
+    def joined(self) -> bool:
+        return bool(self.servers or any(self.targets) or self.eager_remote)
+
+    def variables_on_ps(self) -> int:
+        count = 0
+        for graph in self.graphs:
+            try:
+                count += sum(1 for op in graph.get_operations()
+                             if op.type in _VARIABLE_OPS and "/job:ps" in (op.device or ""))
+            except Exception:  # noqa: BLE001 - a graph we cannot read says nothing
+                continue
+        return count
+
+
+def install_cluster_watch(watch: ClusterWatch) -> None:
+    """Once the script has imported TensorFlow: wrap Server and Session creation."""
+    if "tensorflow.python.client.session" in sys.modules:
+        _wrap_tensorflow(watch)
+        return
+    real_import = builtins.__import__
+    wrapped = []
+
+    def watching_import(name, globals=None, locals=None, fromlist=(), level=0):
+        module = real_import(name, globals, locals, fromlist, level)
+        if not wrapped and "tensorflow.python.client.session" in sys.modules:
+            wrapped.append(True)
+            if builtins.__import__ is watching_import:
+                builtins.__import__ = real_import
+            _wrap_tensorflow(watch)
+        return module
+
+    builtins.__import__ = watching_import
+
+
+def _wrap_tensorflow(watch: ClusterWatch) -> None:
+    try:
+        from tensorflow.python.client import session as session_lib
+        from tensorflow.python.training import server_lib
+    except Exception:  # noqa: BLE001 - a TensorFlow without them: nothing to watch
+        return
+    server_init, session_init = server_lib.Server.__init__, session_lib.BaseSession.__init__
+
+    def server(self, *args, **kwargs):
+        server_init(self, *args, **kwargs)
+        try:
+            watch.servers.append(self.server_def.job_name or "?")
+        except Exception:  # noqa: BLE001
+            watch.servers.append("?")
+
+    def session(self, target="", graph=None, config=None):
+        session_init(self, target, graph, config)
+        watch.targets.append(target if isinstance(target, str) else "?")
+        if not any(g is self.graph for g in watch.graphs):   # a graph's variables count once
+            watch.graphs.append(self.graph)
+
+    server_lib.Server.__init__ = server
+    session_lib.BaseSession.__init__ = session
+
+
+def _eager_remote() -> bool:
+    """A TF2 script joined a cluster eagerly (MultiWorkerMirroredStrategy, a
+    ParameterServerStrategy coordinator, tf.config.experimental_connect_to_cluster)."""
+    context = sys.modules.get("tensorflow.python.eager.context")
+    if context is None:
+        return False
+    try:
+        ctx = context.context()
+        return bool(getattr(ctx, "_server_def", None) or getattr(ctx, "_collective_ops_server_def", None))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def not_distributed_cause(name: str, role: str, cluster: dict[str, list[str]], watch: ClusterWatch,
+                          flags_passed: list[str], flags_mode: str) -> str | None:
+    """Why instance `name` did not train with the cluster, in plain words, or None
+    when it did or when there is nothing to be distributed with."""
+    peers = sum(len(cluster.get(r, [])) for r in ("ps", "worker", "chief")) - 1
+    if peers < 1 or role not in ("ps", "worker", "chief"):
+        return None
+    if not watch.joined():
+        what = ("ran the training itself instead of serving (it started no tf.train.Server)"
+                if role == "ps" else
+                "trained alone: the script never joined the cluster (no tf.train.Server, no session "
+                "on a grpc:// target, no multi-worker strategy)")
+        if flags_passed:
+            hint = (f"it was given --{' --'.join(flags_passed)} and did not use them; check how the "
+                    "script reads them, or build the cluster from TF_CONFIG")
+        elif flags_mode == "never":
+            hint = "-DclusterFlags=never kept --ps_hosts --worker_hosts --job_name --task_index from it"
+        else:
+            hint = ("it defines none of --ps_hosts --worker_hosts --job_name --task_index in itself or "
+                    "the modules it imports: pass -DclusterFlags=always if it takes them, or build "
+                    "the cluster from TF_CONFIG")
+        return f"{name} {what}; {hint}"
+    if role != "ps" and cluster.get("ps") and watch.graphs and watch.variables_on_ps() == 0:
+        return (f"{name} placed no variable on the ps, so the ps served none: its graph keeps every "
+                "variable local; place them with tf.compat.v1.train.replica_device_setter(cluster=...)")
+    return None
+
+
+def report_distribution(watch: ClusterWatch, role: str, index: int, cluster: dict[str, list[str]],
+                        flags_passed: list[str], flags_mode: str) -> None:
+    """At the script's clean end: one line, `not distributed: ...` or `distributed: ...`."""
+    watch.eager_remote = watch.eager_remote or _eager_remote()
+    name = f"{role}:{index}"
+    cause = not_distributed_cause(name, role, cluster, watch, flags_passed, flags_mode)
+    if cause:
+        say(NOT_DISTRIBUTED + cause)
+    elif watch.joined() and role != "ps":
+        on_ps = watch.variables_on_ps()
+        say(f"distributed: {name} joined the cluster"
+            + (f", {on_ps} variables on the ps" if on_ps else ""))
+
+
+def run_script(script: str, args: list[str], role: str, report=lambda watch: None) -> None:
     if role == "ps":
         # A TF1-style ps ends in server.join(), which never returns: the launcher
         # stops it with SIGTERM once the workers are done. Turn that stop into a
@@ -240,9 +450,13 @@ def run_script(script: str, args: list[str], role: str) -> None:
         pluto_helpers.install_tensorflow(tf)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` would have it
+    watch = ClusterWatch()
+    install_cluster_watch(watch)
     try:
         runpy.run_path(script, run_name="__main__")
-    except SystemExit:
+    except SystemExit as done:
+        if done.code in (None, 0):
+            report(watch)
         raise
     except BaseException as err:
         if is_port_taken(err):
@@ -252,6 +466,7 @@ def run_script(script: str, args: list[str], role: str) -> None:
             sys.stderr.flush()
             os._exit(EXIT_RETRY)
         raise
+    report(watch)
 
 
 def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
@@ -279,13 +494,35 @@ def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 RUNTIME_LOCK: int | None = None
+BASE_RUNTIME_LOCK: int | None = None
+
+
+def hold_base_runtime_lock() -> int | None:
+    """A layered runtime (the legacy-Keras one: its own venv on top of the TensorFlow
+    runtime's site-packages) names its base's marker in paicli-base.json; hold that
+    one too, so that the base is not removed under this instance either."""
+    import fcntl
+
+    try:
+        with open(os.path.join(sys.prefix, "paicli-base.json"), encoding="utf-8") as f:
+            marker = json.load(f).get("base_marker")
+        fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None   # not a layered runtime, or our own interpreter
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def main(argv: list[str]) -> None:
-    global RUNTIME_LOCK
+    global RUNTIME_LOCK, BASE_RUNTIME_LOCK
     from runtime_lock import hold_runtime_lock  # a sibling in runners/, staged with us on every node
 
     RUNTIME_LOCK = hold_runtime_lock()  # kept open until this process ends
+    BASE_RUNTIME_LOCK = hold_base_runtime_lock()
     options, rest = parse_argv(argv)
     role, index, cluster = read_cluster()
     config = tf_config(role, index, cluster)
@@ -313,7 +550,8 @@ def main(argv: list[str]) -> None:
     args = classic_flag_values(wanted, role, index, cluster) + args
     if QUIET:
         quiet_first_tensorflow_import()
-    run_script(script, args, role)
+    run_script(script, args, role, lambda watch: report_distribution(
+        watch, role, index, cluster, wanted, options["cluster_flags"]))
 
 
 if __name__ == "__main__":

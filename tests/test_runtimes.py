@@ -15,7 +15,7 @@ from conftest import pai
 def test_install_list_cache_and_remove_a_runtime(pai_home, tmp_path):
     env = {"PAI_RUNTIME_DIR": str(tmp_path / "runtimes")}
     before = {r["name"]: r for r in json.loads(pai("runtime", "list", "--json", env=env).stdout)}
-    assert set(before) == {"tensorflow", "mxnet", "caffe"} and before["mxnet"]["installed"] is False
+    assert set(before) == {"tensorflow", "mxnet", "caffe", "tensorflow_v1"} and before["mxnet"]["installed"] is False
 
     installed = pai("runtime", "install", "mxnet", env=env, timeout=600)
     assert installed.returncode == 0, installed.stderr[-2000:]
@@ -48,7 +48,7 @@ def test_unknown_runtime_is_a_usage_error(pai_home):
     for command in (["install", "pytorch"], ["remove", "pytorch"]):
         result = pai("runtime", *command)
         assert result.returncode == 2
-        assert result.stderr.strip() == "pai: error: no runtime named 'pytorch'; known: tensorflow, mxnet, caffe"
+        assert result.stderr.strip() == "pai: error: no runtime named 'pytorch'; known: tensorflow, mxnet, caffe, tensorflow_v1"
 
 
 def test_own_interpreter_is_listed_as_the_source(pai_home, tmp_path):

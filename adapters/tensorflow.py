@@ -26,38 +26,18 @@ passed when those parameters are given, then hyperParameters, then userDefinedPa
 
 from __future__ import annotations
 
-from paicli.adapters.base import (PLUTO_SCALING_PARAMS, Adapter, StagedCode, cluster_roles, code_inputs,
-                                  pluto_scaling_env, script_args)
+from paicli.adapters.base import (PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode,
+                                  cluster_roles, code_inputs, distribution_env, pluto_scaling_env, script_args,
+                                  table_patterns)
 from paicli.errors import SpecError
 from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import TF_LEGACY_RUNTIME, get_runtime, runner_path
 from paicli.runners.tensorflow_runner import local_modules
 from paicli.spec import JobSpec, Param
 
-try:   # -DrequireDistributed of adapters/base.py (MXCAFFE's branch, issue 20): the runner
-    # prints the TF cause (tensorflow_runner.report_distribution), the master judges it
-    from paicli.adapters.base import REQUIRE_DISTRIBUTED, distribution_env
-    DISTRIBUTION_PARAMS: tuple[Param, ...] = (REQUIRE_DISTRIBUTED,)
-except ImportError:   # until that branch is merged: the runner's line is in the log only
-    DISTRIBUTION_PARAMS = ()
-
-    def distribution_env(spec: JobSpec) -> dict[str, str]:
-        return {}
-
-try:   # the parser-table rows of adapters/base.py (MXCAFFE's branch, issue 20)
-    from paicli.adapters.base import LineRule, table_patterns
-except ImportError:   # until that branch is merged: the same shape, to be dropped then
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class LineRule:   # type: ignore[no-redef]
-        what: str       # the line, in words
-        pattern: str    # the regex the master runs ("" for a line nothing may read)
-        sample: str     # a line captured from a real run
-        reads: dict     # what the whole table reads from `sample`
-
-    def table_patterns(table) -> tuple[str, ...]:   # type: ignore[no-redef]
-        return tuple(dict.fromkeys(rule.pattern for rule in table if rule.pattern))
+# -DrequireDistributed: the runner prints the TF cause (tensorflow_runner.report_distribution),
+# the master judges it (cluster/distribution.py).
+DISTRIBUTION_PARAMS: tuple[Param, ...] = (REQUIRE_DISTRIBUTED,)
 
 ROLES = ("ps", "worker", "chief", "evaluator")     # also the start order: services first
 RUNNER = "tensorflow_runner.py"

@@ -1,0 +1,86 @@
+"""Pluto's model on fixed inputs: what co-located instances share (a node's link in
+each direction, its cores, the cores of every node of one machine), priced for the
+placement the job really gets (issue 21)."""
+
+from __future__ import annotations
+
+import pytest
+
+from paicli.cluster.backends.base import NodeSpec
+from paicli.cluster.placement import place
+from paicli.cluster.pluto import model
+from paicli.cluster.pluto.strategy import ROUND_ROBIN, SLICED, Cluster, Node, Profile, Strategy
+
+MB = 1e6
+LINK_100M = 12.5e6   # bytes/s
+
+
+def hosts(n: int, cores: float = 1.0, machine: str | None = None, machine_cores: float | None = None) -> Cluster:
+    return Cluster(tuple(Node(f"h{i}", cores, LINK_100M, machine, machine_cores) for i in range(n)),
+                   loopback_Bps=2e9, source=f"{n} nodes")
+
+
+def test_the_layout_is_the_placement_the_submit_gets():
+    """MXNet's scheduler takes the first service slot, so placement puts the servers
+    from the second node on; the model must see the same nodes."""
+    for strategy, n in ((Strategy("mxnet", 3, 2, partition=SLICED), 3), (Strategy("mxnet", 1, 2), 3),
+                        (Strategy("tensorflow", 2, 3), 4), (Strategy("tensorflow", 4, 1), 3)):
+        where = hosts(n)
+        ps_nodes, worker_nodes = model.layout(strategy, where)
+        specs = [NodeSpec(node.name, node.name, 100, 1 << 40) for node in where.nodes]
+        placed = place(model.role_demands(strategy), specs)
+        assert ps_nodes == [int(p.node[1:]) for p in placed if p.role == strategy.ps_role()]
+        assert worker_nodes == [int(p.node[1:]) for p in placed if p.role == "worker"]
+    # the scheduler is on h0: 3 servers on h1, h2, h0; the workers where a server's cpu is left
+    assert model.layout(Strategy("mxnet", 3, 2, partition=SLICED), hosts(3)) == ([1, 2, 0], [1, 2])
+
+
+def test_two_ps_on_one_node_take_twice_the_link_time_of_one():
+    """4 ps (a quarter of the model each) on 3 one-core nodes: placement puts two of
+    them on h0, whose link then receives two shares of every push; on 5 nodes each
+    ps has its own link."""
+    profile = Profile("tensorflow", param_bytes=8 * MB, var_bytes=(2 * MB,) * 4)
+    s = Strategy("tensorflow", 4, 1, partition=ROUND_ROBIN, sync=True)
+    crowded, spread = hosts(3), hosts(5)
+    ps_crowded, _ = model.layout(s, crowded)
+    assert sorted(ps_crowded).count(0) == 2
+    share = 2 * MB / LINK_100M      # one ps' share of a push (or a pull) over one link
+    assert model.comm_seconds(profile, s, spread) == pytest.approx(2 * 4 * share)   # the worker's link
+    # the worker shares h1 with a ps: its link carries 3 shares each way; h0 receives
+    # and sends 2 shares. Through a ps link alone: twice one share.
+    one = model._phase_seconds([(0, 2, 2 * MB)], crowded)
+    two = model._phase_seconds([(0, 2, 2 * MB), (0, 1, 2 * MB)], crowded)
+    assert one == pytest.approx(share) and two == pytest.approx(2 * share)
+
+
+def test_a_worker_and_a_server_on_one_node_share_its_uplink_for_pushes_and_pulls():
+    """The issue's case: 3 servers + 2 workers on 3 nodes, 19 MB in 19 arrays, all
+    sliced. Each worker shares a node with a server: its pushes to the two other
+    servers (2/3 of the model) and its server's pulls to the other worker (1/3)
+    leave by one uplink, so a step needs the whole model through that link. The
+    flow shop alone prices pushes and pulls as two separate machines and promised
+    2/3 of that."""
+    profile = Profile("mxnet", param_bytes=19 * MB, var_bytes=(1 * MB,) * 19)
+    s = Strategy("mxnet", 3, 2, partition=SLICED, big_array_bound=100_000)
+    where = hosts(3)
+    ps_nodes, worker_nodes = model.layout(s, where)
+    assert (ps_nodes, worker_nodes) == ([1, 2, 0], [1, 2])
+    shop = model._pipelined_seconds(profile, s, where, ps_nodes, worker_nodes)
+    assert shop == pytest.approx(20 * (2 / 3) * MB / LINK_100M)
+    assert model.comm_seconds(profile, s, where) == pytest.approx(19 * MB / LINK_100M)
+    # one node per instance: nothing is shared, the flow shop stands
+    alone = hosts(6)
+    assert model.comm_seconds(profile, s, alone) == pytest.approx(
+        model._pipelined_seconds(profile, s, alone, *model.layout(s, alone)))
+
+
+def test_nodes_of_one_boot_id_share_the_machines_cores():
+    profile = Profile("mxnet", param_bytes=0.0, compute_s_per_sample=0.001, batch_size=10)
+    s = Strategy("mxnet", 3, 2, partition=SLICED)
+    apart = model.compute_seconds(profile, s, hosts(3, cores=2.0))
+    assert apart == pytest.approx(0.01)   # each worker has a node of 2 cores, a server beside it
+    one_machine = hosts(3, cores=2.0, machine="boot-a", machine_cores=2.0)
+    # every instance of the job on the machine's 2 cores: 2 workers + 3 servers x PS_CPU
+    assert model.compute_seconds(profile, s, one_machine) == pytest.approx(0.01 * (2 + 3 * model.PS_CPU) / 2)
+    # and the forecast carries it
+    assert model.forecast(profile, s, one_machine).compute_s > model.forecast(profile, s, hosts(3, cores=2.0)).compute_s

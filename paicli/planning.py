@@ -61,10 +61,13 @@ def parse_rate(text: str) -> float:
     return value / 8 if unit.lower() == "bit" and unit != "B" else value
 
 
-def target_cluster(loopback_Bps: float, measured_Bps: float | None = None):
+def target_cluster(loopback_Bps: float, measured_Bps: float | None = None,
+                   machines: dict[str, list] | None = None):
     """The nodes of the nodes file (cores declared or 1; link bandwidth from
     PAI_PLUTO_BANDWIDTH, else `measured_Bps` (the probe), else assumed 1 Gbit/s and
-    said so), else this machine."""
+    said so), else this machine. `machines`: node name -> [boot id, cores] as the
+    nodes reported them (`probe_machines`): nodes of one boot id share its cores;
+    PAI_PLUTO_SHARED_CORES overrides that with one machine of that many cores."""
     from paicli.cluster.pluto.strategy import Cluster, Node
     from paicli.errors import UsageError
 
@@ -83,7 +86,8 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None):
         bandwidth = parse_rate(raw) if raw else (measured_Bps or 125e6)
     except ValueError as err:
         raise UsageError(f"PAI_PLUTO_BANDWIDTH: {err}", "e.g. PAI_PLUTO_BANDWIDTH=100mbit") from None
-    nodes = tuple(Node(n.name, (n.cpu or 100) / 100.0, bandwidth) for n in config.nodes)
+    nodes = tuple(Node(n.name, (n.cpu or 100) / 100.0, bandwidth, *shared_machine(n.name, machines or {}))
+                  for n in config.nodes)
     said = (f"{raw} links" if raw else
             f"links measured at {bandwidth * 8 / 1e6:.0f} Mbit/s" if measured_Bps else
             "links assumed 1 Gbit/s (set PAI_PLUTO_BANDWIDTH)")
@@ -93,8 +97,49 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None):
     except ValueError:
         raise UsageError(f"PAI_PLUTO_SHARED_CORES: expected a number of cores, not {shared!r}",
                          "e.g. PAI_PLUTO_SHARED_CORES=2 when the nodes are virtual hosts of one machine") from None
+    virtual = virtual_hosts(nodes)
+    if virtual and not machine_cores:
+        said += f", {virtual}"
     return Cluster(nodes, loopback_Bps=loopback_Bps, machine_cores=machine_cores,
                    source=f"{len(nodes)} nodes of {config.path}, {said}")
+
+
+def shared_machine(name: str, machines: dict[str, list]) -> tuple[str | None, float | None]:
+    """(boot id, cores) of a node that shares its boot id with another node, else
+    (None, None): only virtual hosts of one machine need the machine's picture."""
+    mine = machines.get(name)
+    if not mine or not mine[0]:
+        return None, None
+    if sum(1 for other in machines.values() if other and other[0] == mine[0]) < 2:
+        return None, None
+    return str(mine[0]), float(mine[1] or 1)
+
+
+def virtual_hosts(nodes) -> str:
+    """'3 nodes are virtual hosts of one 2-core machine (one boot id)', or ''."""
+    groups: dict[str, list] = {}
+    for node in nodes:
+        if node.machine:
+            groups.setdefault(node.machine, []).append(node)
+    return "; ".join(f"{len(g)} nodes are virtual hosts of one {g[0].machine_cores:g}-core machine (one boot id)"
+                     for g in groups.values())
+
+
+def probe_machines(say: Callable[[str], None]) -> dict[str, list]:
+    """Every node of the nodes file's [boot id, cores], as its node agent reports them
+    (`pai nodes`' probe); nodes that do not answer are left out."""
+    from paicli.cluster.node_admin import UP, probe_nodes
+    from paicli.cluster.nodes import load_nodes
+
+    config = load_nodes()
+    if config is None or len(config.nodes) < 2:
+        return {}
+    rows = probe_nodes(config)
+    out = {row["name"]: [row.get("boot"), row.get("cores")] for row in rows if row["state"] == UP}
+    missing = [row["name"] for row in rows if row["state"] != UP]
+    if missing:
+        say(f"boot ids: {', '.join(missing)} did not answer; they count as machines of their own")
+    return out
 
 
 def measure_links(store, say: Callable[[str], None]) -> float | None:
@@ -464,8 +509,8 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     user = user_strategy(framework, prepared.spec)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-    def clusters(loopback: float, links: float | None = None):
-        where = target_cluster(loopback, links)
+    def clusters(loopback: float, links: float | None = None, machines: dict | None = None):
+        where = target_cluster(loopback, links, machines)
         # Calibration runs where `pai` runs jobs (this machine without a nodes file).
         here = where if len(where.nodes) > 1 else Cluster((Node("local", float(cores), loopback),),
                                                           loopback_Bps=loopback, source=where.source)
@@ -481,7 +526,12 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     links = (cached or {}).get("links_Bps")
     if links is None and len(unmeasured[0].nodes) > 1 and not os.environ.get("PAI_PLUTO_BANDWIDTH"):
         links = measure_links(store, say)
-    where, here = clusters(loopback, links)
+    # Which nodes are one machine: their node agents' boot ids, probed once and kept
+    # with the calibration (PAI_PLUTO_SHARED_CORES, when set, overrides them).
+    machines = (cached or {}).get("machines")
+    if machines is None and len(unmeasured[0].nodes) > 1:
+        machines = probe_machines(say)
+    where, here = clusters(loopback, links, machines)
     texts = script_texts(prepared)   # read once for tf_sync and script_knobs
     jobs: list[str] = []
     if cached:
@@ -496,7 +546,8 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         sync = tf_sync(prepared, args, texts[0]) if framework == "tensorflow" else user.sync
         profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
-                                        "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links})
+                                        "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links,
+                                        "machines": machines})
     result = planner.plan(profile, where, user, budget_s=budget_s, knobs=script_knobs(prepared, facts, args, texts))
     return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs)
 

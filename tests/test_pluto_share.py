@@ -10,6 +10,7 @@ from paicli.cluster.backends.base import NodeSpec
 from paicli.cluster.placement import place
 from paicli.cluster.pluto import model
 from paicli.cluster.pluto.strategy import ROUND_ROBIN, SLICED, Cluster, Node, Profile, Strategy
+from paicli.planning import shared_machine, virtual_hosts
 
 MB = 1e6
 LINK_100M = 12.5e6   # bytes/s
@@ -84,3 +85,13 @@ def test_nodes_of_one_boot_id_share_the_machines_cores():
     assert model.compute_seconds(profile, s, one_machine) == pytest.approx(0.01 * (2 + 3 * model.PS_CPU) / 2)
     # and the forecast carries it
     assert model.forecast(profile, s, one_machine).compute_s > model.forecast(profile, s, hosts(3, cores=2.0)).compute_s
+
+
+def test_only_nodes_reporting_one_boot_id_are_one_machine():
+    reported = {"h0": ["b1", 2], "h1": ["b1", 2], "h2": ["b2", 4], "h3": [None, 8]}
+    assert shared_machine("h0", reported) == ("b1", 2.0)
+    assert shared_machine("h2", reported) == (None, None)   # alone on its machine
+    assert shared_machine("h3", reported) == (None, None)   # no boot id reported
+    assert shared_machine("h9", reported) == (None, None)   # did not answer
+    nodes = [Node(name, 1.0, LINK_100M, *shared_machine(name, reported)) for name in reported]
+    assert virtual_hosts(nodes) == "2 nodes are virtual hosts of one 2-core machine (one boot id)"

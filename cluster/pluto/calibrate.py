@@ -37,7 +37,7 @@ from paicli.cluster.pluto.model import comm_seconds, compute_seconds, overhead_t
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 from paicli.private import write_private
 
-CACHE_VERSION = 5   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1)
+CACHE_VERSION = 6   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")

@@ -34,9 +34,11 @@ class PlanResult(NamedTuple):  # not a dataclass: `dataclasses` stays off the `p
     cluster: Any                # Cluster
     cached: bool
     calibration_jobs: list[str]
+    verification: dict[str, Any] | None = None   # {"why", "jobs", "cached"} when plans were run to check
 
     def to_json(self) -> dict[str, Any]:
         out = self.plan.to_json()
+        out["verification"] = self.verification
         out["profile"] = self.profile.to_dict()
         out["where"] = {"source": self.cluster.source,
                         "nodes": [{"name": n.name, "cores": n.cores, "bandwidth_Bps": n.bandwidth_Bps}
@@ -476,12 +478,14 @@ def _measured_run(store, job, cluster_value: dict, extra: dict):
 
 
 def make_plan(stmt, budget_s: float | None = None, store=None,
-              say: Callable[[str], None] = lambda line: None) -> PlanResult:
-    """Calibrate (or read the cache), describe the cluster, plan. Raises UsageError
-    for bad input and PaiError when calibration fails."""
+              say: Callable[[str], None] = lambda line: None, verify: bool = False) -> PlanResult:
+    """Calibrate (or read the cache), describe the cluster, plan; verify=True: run
+    the plans too close to call (or outside the calibrated shapes) briefly and
+    recommend by what they measured (`verify_plan`). Raises UsageError for bad input
+    and PaiError when calibration fails."""
     from paicli import client
 
-    return plan_prepared(client.prepare(stmt), budget_s, store, say)
+    return plan_prepared(client.prepare(stmt), budget_s, store, say, verify=verify)
 
 
 def calibration_key(prepared, files, args, here) -> str:
@@ -494,7 +498,7 @@ def calibration_key(prepared, files, args, here) -> str:
 
 
 def plan_prepared(prepared, budget_s: float | None = None, store=None,
-                  say: Callable[[str], None] = lambda line: None) -> PlanResult:
+                  say: Callable[[str], None] = lambda line: None, verify: bool = False) -> PlanResult:
     from paicli.cluster.pluto import calibrate, planner
     from paicli.cluster.pluto.strategy import Cluster, Node, Profile
     from paicli.errors import UsageError
@@ -548,8 +552,109 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
                                         "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links,
                                         "machines": machines})
-    result = planner.plan(profile, where, user, budget_s=budget_s, knobs=script_knobs(prepared, facts, args, texts))
-    return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs)
+    knobs = script_knobs(prepared, facts, args, texts)
+    result = planner.plan(profile, where, user, budget_s=budget_s, knobs=knobs)
+    verification = None
+    if verify:
+        result, verification = verify_plan(prepared, store, key, profile, where, user, knobs, result, budget_s, say)
+    return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs,
+                      verification=verification)
+
+
+# -- checking before recommending ----------------------------------------------------------
+
+VERIFY_INTERVALS = 6       # step-line intervals per worker a verification run measures
+VERIFY_STARTUP_S = 15.0    # what a verification job is reckoned to take before its first step
+
+
+def calibrated_shapes(framework: str) -> tuple[tuple[int, int], ...]:
+    """The (ps, workers) shapes calibration runs."""
+    out = []
+    for cluster_value, _extra in _calibration_configs(framework):
+        ps = cluster_value.get("ps", cluster_value.get("server", {})).get("count", 0)
+        out.append((ps, cluster_value["worker"]["count"]))
+    return tuple(out)
+
+
+def verify_plan(prepared, store, key: str, profile, where, user, knobs, result, budget_s, say):
+    """Run the plans planner.to_verify picks (each cached per plan, with the
+    calibration) and recommend by their measured step times. With a budget, the
+    runs still to do are counted against it: the plan is made again for what is
+    left. Returns (plan, verification record or None)."""
+    from paicli.cluster.pluto import calibrate, planner
+    from paicli.store import pai_home
+
+    home = pai_home()
+    shapes = calibrated_shapes(prepared.adapter.name)
+    picks, why = planner.to_verify(result, shapes, profile.sync)
+    if not picks:
+        return result, None
+
+    def cached_run(choice):
+        return calibrate.cache_get(home, f"{key}:verify:{planner.plan_key(choice)}")
+
+    cost = sum(VERIFY_STARTUP_S + (VERIFY_INTERVALS + 2) * c.forecast.step_s for c in picks if not cached_run(c))
+    if budget_s is not None and cost > 0:
+        left = max(0.0, budget_s - cost)
+        result = planner.plan(profile, where, user, budget_s=left, knobs=knobs)
+        result.reasons.insert(0, f"budget {planner._dur(budget_s)}: the verification runs take about "
+                                 f"{planner._dur(cost)} of it; plans are judged against the "
+                                 f"{planner._dur(left)} left")
+        picks, why = planner.to_verify(result, shapes, profile.sync)
+        if not picks:
+            return result, None
+    measured: dict[str, tuple[float, str]] = {}
+    jobs, hits = [], 0
+    for choice in picks:
+        entry = cached_run(choice)
+        if entry and entry.get("step_s"):
+            hits += 1
+        else:
+            entry = verify_run(prepared, store, choice.to_json(), say)
+            if entry.get("step_s"):
+                calibrate.cache_put(home, f"{key}:verify:{planner.plan_key(choice)}", entry)
+        jobs.append(entry["job"])
+        if entry.get("step_s"):
+            measured[planner.plan_key(choice)] = (entry["step_s"], entry["job"])
+    before = result.recommended
+    planner.apply_measured(result, measured, why, profile.sync)
+    if result.recommended is not before:
+        planner.explain_again(result, profile, where, knobs)
+    return result, {"why": why, "jobs": jobs, "cached": hits, "plans": [c.strategy.label() for c in picks]}
+
+
+def verify_run(prepared, store, choice_json: dict, say: Callable[[str], None]) -> dict[str, Any]:
+    """Submit the job as the plan would (its -Dcluster and -D values), let every
+    worker print VERIFY_INTERVALS + 2 step lines, stop it; {"job", "step_s"} (step_s
+    None when the run failed or showed too few steps: the plan keeps its forecast)."""
+    import dataclasses
+
+    from paicli import client, steptime
+    from paicli.states import JobStatus
+
+    params = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
+    params.update({"cluster": choice_json["cluster"], **choice_json["params"], "maxRetries": 0,
+                   "jobName": f"pluto-verify-{Path(str(prepared.spec.get('script') or prepared.spec.get('solver') or 'job')).stem}"})
+    spec = dataclasses.replace(prepared.spec, params=params)
+    prepared.adapter.validate(spec)
+    workers = choice_json["cluster"].get("worker", {}).get("count", 1)
+    job_id = client.submit(client.Prepared(prepared.adapter, spec), store)
+    say(f"verification job {job_id}: {choice_json['label']}")
+
+    def enough() -> bool:
+        counts = store.step_counts(job_id, ("worker", "chief"))
+        return len(counts) >= workers and all(n >= VERIFY_INTERVALS + 2 for n in counts.values())
+
+    wait_job(store, job_id, CALIBRATION_LIMIT_S, enough)
+    job = store.job(job_id)
+    if not JobStatus(job["status"]).is_terminal():
+        client.kill(store, job_id, reason="pluto verification done")
+    step_s = steptime.job_step_seconds(store, job_id)
+    if job["status"] == JobStatus.FAILED.value or not step_s:
+        say(f"verification job {job_id} measured nothing ({job['status']}): its plan keeps the forecast; "
+            f"see `pai logs {job_id}`")
+        return {"job": job_id, "step_s": None}
+    return {"job": job_id, "step_s": step_s}
 
 
 # -- -DautoStrategy=true ----------------------------------------------------------------

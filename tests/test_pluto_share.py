@@ -95,3 +95,65 @@ def test_only_nodes_reporting_one_boot_id_are_one_machine():
     assert shared_machine("h9", reported) == (None, None)   # did not answer
     nodes = [Node(name, 1.0, LINK_100M, *shared_machine(name, reported)) for name in reported]
     assert virtual_hosts(nodes) == "2 nodes are virtual hosts of one 2-core machine (one boot id)"
+
+
+# -- checking before recommending ---------------------------------------------------------
+
+from paicli.cluster.pluto import planner  # noqa: E402
+
+SHAPES = ((1, 1), (1, 2), (2, 1))   # what MXNet calibration runs
+
+
+def comm_bound() -> Profile:
+    return Profile("mxnet", param_bytes=12 * MB, var_bytes=(4 * MB, 4 * MB, 4 * MB), compute_s_per_sample=1e-4,
+                   batch_size=32, step_target=50)
+
+
+def test_close_forecasts_or_an_uncalibrated_shape_are_run_before_recommending():
+    plan = planner.plan(comm_bound(), hosts(7), model.default_strategy("mxnet", 1, 2))
+    picks, why = planner.to_verify(plan, SHAPES, True)
+    assert picks[0] is plan.recommended and 2 <= len(picks) <= planner.VERIFY_MAX
+    assert len({planner.plan_key(c) for c in picks}) == len(picks)
+    best = plan.recommended.score()
+    assert all(c.score() <= best * (1 + planner.VERIFY_MARGIN) for c in picks) or "outside" in why
+    # a clear winner inside the calibrated shapes stands on its forecast
+    alone = planner.Plan(recommended=plan.default, alternatives=[], reasons=[], default=plan.default)
+    assert planner.to_verify(alone, SHAPES + ((plan.default.strategy.ps, plan.default.strategy.workers),), True) \
+        == ([], "")
+
+
+def test_a_verify_run_replaces_a_forecast_when_they_disagree():
+    plan = planner.plan(comm_bound(), hosts(7), model.default_strategy("mxnet", 1, 2))
+    picks, why = planner.to_verify(plan, SHAPES, True)
+    first, second = picks[0], picks[1]
+    # measured: the forecast's favourite runs at 3x its forecast, the next one as forecast
+    measured = {planner.plan_key(first): (first.forecast.step_s * 3, "job-a"),
+                planner.plan_key(second): (second.forecast.step_s, "job-b")}
+    rec = planner.apply_measured(plan, measured, why, True)
+    assert rec is second and plan.recommended is second and first in plan.alternatives
+    data = plan.to_json()
+    assert data["recommended"]["figure"] == "measured" and data["recommended"]["verify_job"] == "job-b"
+    loser = next(c for c in data["alternatives"] if c["verify_job"] == "job-a")
+    assert loser["step_s"] == pytest.approx(first.forecast.step_s * 3, rel=1e-5)
+    assert loser["forecast_step_s"] == pytest.approx(first.forecast.step_s, rel=1e-5)
+    assert all(c["figure"] == "forecast" for c in data["alternatives"] if c["verify_job"] is None)
+    assert plan.reasons[0].startswith("verified (") and "the fastest measured" in plan.reasons[0]
+    planner.explain_again(plan, comm_bound(), hosts(7))
+    assert plan.reasons[0].startswith("verified (") and second.strategy.label() in plan.reasons[1]
+    assert "measured" in plan.reasons[1]
+
+
+def test_a_verify_run_that_agrees_keeps_the_recommendation():
+    plan = planner.plan(comm_bound(), hosts(7), model.default_strategy("mxnet", 1, 2))
+    picks, why = planner.to_verify(plan, SHAPES, True)
+    rec = plan.recommended
+    measured = {planner.plan_key(c): (c.forecast.step_s * 1.02, f"job-{i}") for i, c in enumerate(picks)}
+    assert planner.apply_measured(plan, measured, why, True) is rec
+    assert "the forecast's choice holds" in plan.reasons[0]
+
+
+def test_the_plan_command_takes_no_verify():
+    from paicli.cli_plan import _split_plan_options
+
+    assert _split_plan_options(("-name", "mxnet", "--no-verify", "--json")) == (["-name", "mxnet"], True, None, False)
+    assert _split_plan_options(("--budget", "10m"))[3] is True

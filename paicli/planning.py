@@ -616,9 +616,8 @@ def verify_plan(prepared, store, key: str, profile, where, user, knobs, result, 
         jobs.append(entry["job"])
         if entry.get("step_s"):
             measured[planner.plan_key(choice)] = (entry["step_s"], entry["job"])
-    before = result.recommended
     planner.apply_measured(result, measured, why, profile.sync)
-    if result.recommended is not before:
+    if measured:   # the reasons speak of the figures the plan is now judged by
         planner.explain_again(result, profile, where, knobs)
     return result, {"why": why, "jobs": jobs, "cached": hits, "plans": [c.strategy.label() for c in picks]}
 

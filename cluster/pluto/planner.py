@@ -550,7 +550,7 @@ def apply_measured(plan: Plan, measured: dict[str, tuple[float, str]], why: str,
         verdict += f"; measured, it does not meet the budget {_dur(plan.budget_s)} " \
                    f"({_dur(rec.time_to_target_s())} to the target)"
     plan.reasons.insert(0, f"verified ({why}): ran {len(ran)} plan{'s' if len(ran) > 1 else ''} briefly through "
-                           f"pai: {figures}; {verdict}")
+                           f"pai: {figures}; {verdict} (the plans not run keep their forecast)")
     plan.recommended = rec
     plan.alternatives = sorted((c for c in choices if c is not rec), key=Choice.score)
     return rec

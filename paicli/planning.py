@@ -68,8 +68,10 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None,
     """The nodes of the nodes file (cores declared or 1; link bandwidth from
     PAI_PLUTO_BANDWIDTH, else `measured_Bps` (the probe), else assumed 1 Gbit/s and
     said so), else this machine. `machines`: node name -> [boot id, cores] as the
-    nodes reported them (`probe_machines`): nodes of one boot id share its cores;
-    PAI_PLUTO_SHARED_CORES overrides that with one machine of that many cores."""
+    nodes reported them (`probe_machines`): a node's cores when the nodes file does
+    not declare its cpu (as placement counts them), and nodes of one boot id share
+    the machine's cores; PAI_PLUTO_SHARED_CORES overrides that with one machine of
+    that many cores."""
     from paicli.cluster.pluto.strategy import Cluster, Node
     from paicli.errors import UsageError
 
@@ -88,8 +90,10 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None,
         bandwidth = parse_rate(raw) if raw else (measured_Bps or 125e6)
     except ValueError as err:
         raise UsageError(f"PAI_PLUTO_BANDWIDTH: {err}", "e.g. PAI_PLUTO_BANDWIDTH=100mbit") from None
-    nodes = tuple(Node(n.name, (n.cpu or 100) / 100.0, bandwidth, *shared_machine(n.name, machines or {}))
-                  for n in config.nodes)
+    machines = machines or {}
+    # cores as placement counts them: the nodes file's cpu, else what the node reported
+    nodes = tuple(Node(n.name, n.cpu / 100.0 if n.cpu else float((machines.get(n.name) or [None, 1])[1] or 1),
+                       bandwidth, *shared_machine(n.name, machines)) for n in config.nodes)
     said = (f"{raw} links" if raw else
             f"links measured at {bandwidth * 8 / 1e6:.0f} Mbit/s" if measured_Bps else
             "links assumed 1 Gbit/s (set PAI_PLUTO_BANDWIDTH)")

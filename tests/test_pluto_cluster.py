@@ -43,7 +43,8 @@ def home(cluster, tmp_path_factory):
     if not get_runtime("mxnet").is_installed():
         pytest.skip("the mxnet runtime is not provisioned")
     path = tmp_path_factory.mktemp("pluto-cluster")
-    nodes = cluster.write_nodes_file(path / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
+    # no cpu declared: each host reports this machine's cores, as placement counts them
+    nodes = cluster.write_nodes_file(path / "nodes.yaml", runtime_dir=str(runtime_root()))
     env = {"PAI_HOME": str(path / "home"), "PAI_NODES": str(nodes)}
     for key in ("PAI_PLUTO_BANDWIDTH", "PAI_PLUTO_SHARED_CORES"):
         assert key not in os.environ, f"{key} is set: Pluto must find it out here"

@@ -4,6 +4,8 @@ placement the job really gets (issue 21)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from paicli.cluster.backends.base import NodeSpec
@@ -157,3 +159,24 @@ def test_the_plan_command_takes_no_verify():
 
     assert _split_plan_options(("-name", "mxnet", "--no-verify", "--json")) == (["-name", "mxnet"], True, None, False)
     assert _split_plan_options(("--budget", "10m"))[3] is True
+
+
+def test_the_cluster_counts_reported_cores_and_one_boot_id_as_one_machine(tmp_path, monkeypatch):
+    from paicli.planning import target_cluster
+
+    nodes = [{"name": f"h{i}", "host": f"10.0.0.{i + 1}", "user": "u"} for i in range(3)]
+    nodes[2]["cpu"] = 100   # declared: placement counts 1 core whatever the node says
+    path = tmp_path / "nodes.yaml"
+    path.write_text(json.dumps({"nodes": nodes}))
+    monkeypatch.setenv("PAI_NODES", str(path))
+    monkeypatch.delenv("PAI_PLUTO_SHARED_CORES", raising=False)
+    monkeypatch.setenv("PAI_PLUTO_BANDWIDTH", "100mbit")
+    where = target_cluster(2e9, machines={"h0": ["b1", 2], "h1": ["b1", 2], "h2": ["b1", 2]})
+    assert [n.cores for n in where.nodes] == [2.0, 2.0, 1.0]
+    assert {n.machine for n in where.nodes} == {"b1"} and {n.machine_cores for n in where.nodes} == {2.0}
+    assert "3 nodes are virtual hosts of one 2-core machine" in where.source
+    apart = target_cluster(2e9, machines={"h0": ["b1", 2], "h1": ["b2", 2], "h2": ["b3", 2]})
+    assert {n.machine for n in apart.nodes} == {None} and "virtual" not in apart.source
+    # the override: one machine of that many cores, whatever the boot ids said
+    monkeypatch.setenv("PAI_PLUTO_SHARED_CORES", "4")
+    assert target_cluster(2e9, machines={}).machine_cores == 4.0

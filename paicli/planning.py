@@ -148,16 +148,19 @@ def probe_machines(say: Callable[[str], None]) -> dict[str, list]:
     return out
 
 
-def measure_links(store, say: Callable[[str], None]) -> float | None:
+def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> float | None:
     """Bytes/s between two nodes, measured through pai: a job of one ps (a sink) and
-    one worker (a source) running runners/pluto_helpers.py, which placement puts on
-    two nodes. None when both landed on one node or the probe failed."""
+    one worker (a source) running runners/pluto_helpers.py. The ps asks for the cpu of
+    the largest node (`node_cpu`), so that placement, which packs a worker beside a
+    service with room left, puts the worker on another node. None when both landed
+    on one node or the probe failed."""
     from paicli import client
     from paicli.runners import pluto_helpers
     from paicli.statement import parse_statement
 
+    cluster = {"ps": {"count": 1, "cpu": max(100, int(node_cpu))}, "worker": {"count": 1}}
     stmt = parse_statement(["-name", "python", f"-Dscript={pluto_helpers.__file__}",
-                            '-Dcluster={"ps":{"count":1},"worker":{"count":1}}',
+                            f"-Dcluster={json.dumps(cluster)}",
                             "-DuserDefinedParameters=bandwidth 1.0", "-DmaxRetries=0",
                             "-DjobName=pluto-bandwidth-probe"])
     job_id = client.submit(client.prepare(stmt), store)
@@ -532,13 +535,14 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     # and kept with it, so a cached plan forecasts exactly what the first one did.
     loopback = (cached or {}).get("loopback_Bps") or calibrate.measure_loopback()
     links = (cached or {}).get("links_Bps")
-    if links is None and len(unmeasured[0].nodes) > 1 and not os.environ.get("PAI_PLUTO_BANDWIDTH"):
-        links = measure_links(store, say)
     # Which nodes are one machine: their node agents' boot ids, probed once and kept
     # with the calibration (PAI_PLUTO_SHARED_CORES, when set, overrides them).
     machines = (cached or {}).get("machines")
     if machines is None and len(unmeasured[0].nodes) > 1:
         machines = probe_machines(say)
+    if links is None and len(unmeasured[0].nodes) > 1 and not os.environ.get("PAI_PLUTO_BANDWIDTH"):
+        biggest = max(node.cores for node in clusters(loopback, None, machines)[0].nodes)
+        links = measure_links(store, say, node_cpu=round(biggest * 100))
     where, here = clusters(loopback, links, machines)
     texts = script_texts(prepared)   # read once for tf_sync and script_knobs
     jobs: list[str] = []

@@ -2,14 +2,19 @@
 
     step = overhead + fan-in + compute + communication
 
+- where (`layout`): the placement the submit will get (cluster/placement.place), so
+  instances that share a node share its link and cores in the forecast too;
 - compute (Paleo): seconds per sample x samples per worker per step, slowed by the
-  share of a node's cores its busy instances want (several workers on one node);
+  share of a node's cores its busy instances want (several workers on one node), and
+  of a machine's cores for nodes of one machine (one boot id: virtual hosts);
 - communication (Paleo, with the ps in the picture): every worker pushes its
   gradients (2bit: 1/16 of them) to, and pulls the parameters from, every ps in
   proportion to the bytes that ps holds. The traffic each node's link carries is
   summed per direction; a phase lasts as long as the busiest link needs. Sync jobs
-  push then pull behind a barrier; async workers overlap each other, so a shared
-  link bounds the rate instead;
+  push then pull behind a barrier (MXNet pipelines them, but never faster than the
+  busiest link carrying every byte of the step: a worker and a server on one node
+  share its uplink); async workers overlap each other, so a shared link bounds the
+  rate instead;
 - overhead and fan-in (Optimus): theta1 x W/P + theta_p x P, fitted with the compute
   term by non-negative least squares to the calibration runs (calibrate.nnls),
   because round trips, a ps serving many workers, and a worker talking to many ps

@@ -494,7 +494,9 @@ def to_verify(plan: Plan, shapes: tuple[tuple[int, int], ...], default_sync: boo
     `shapes` is run beside the next best plan. With a budget only the recommended
     plan is checked, when it is outside the shapes or within `margin` of the budget."""
     rec = plan.recommended
-    outside = (rec.strategy.ps, rec.strategy.workers) not in shapes
+    # Calibration runs no compression: a 2bit plan's cost of quantising is a guess too.
+    compressed = rec.strategy.compression != "none"
+    outside = (rec.strategy.ps, rec.strategy.workers) not in shapes or compressed
     if plan.budget_s is not None:
         to_target = rec.time_to_target_s()
         near = to_target is not None and to_target >= plan.budget_s * (1 - margin)
@@ -509,13 +511,19 @@ def to_verify(plan: Plan, shapes: tuple[tuple[int, int], ...], default_sync: boo
         if plan_key(c) not in seen:
             seen.add(plan_key(c))
             others.append(c)
+    # a compressed recommendation is run beside the same plan uncompressed
+    plain = rec.strategy.with_(compression="none")
+    twin = next((c for c in others if compressed and c.strategy == plain), None)
     close = [c for c in others if c.score() <= rec.score() * (1 + margin)]
     if close:
         why = f"{len(close)} other plan{'s' if len(close) > 1 else ''} forecast within {margin:.0%} of it"
-        return [rec, *close][:most], why
+        picks = [rec, *([twin] if twin else []), *(c for c in close if c is not twin)]
+        return picks[:most], why
     if outside:
-        shape = f"{rec.strategy.ps} {rec.strategy.ps_role()} + {rec.strategy.workers} worker"
-        return [rec, *others[:1]][:most], f"{shape} is outside the shapes calibration ran"
+        shape = (f"{rec.strategy.compression} (calibration runs uncompressed)" if compressed else
+                 f"{rec.strategy.ps} {rec.strategy.ps_role()} + {rec.strategy.workers} worker")
+        return [rec, twin or others[0]][:most] if (twin or others) else [rec], \
+            f"{shape} is outside the shapes calibration ran"
     return [], ""
 
 

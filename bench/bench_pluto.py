@@ -13,6 +13,9 @@
     sudo .venv/bin/python bench/bench_pluto.py proof --rate 100mbit
     # Caffe communication-bound: the widened mlp at a per-worker batch of 16
     sudo .venv/bin/python bench/bench_pluto.py proof --rate 100mbit --frameworks caffe --caffe-batch 16
+    # held-out: scripts and shapes the model was not fitted on (examples/pluto/heldout_*.py,
+    # 3-4 nodes, 100 Mbit/s and 1 Gbit/s), each plan forecast then measured in one run
+    sudo .venv/bin/python bench/bench_pluto.py heldout --json /tmp/heldout.json
     # markdown rows of saved results (grid --json FILE)
     .venv/bin/python bench/bench_pluto.py table FILE...
 
@@ -369,16 +372,18 @@ def newest_calibration_runs() -> list[dict]:
         return []
 
 
-def with_cluster(rate: str | None, body):
-    """Run body() with PAI_NODES set to a fresh test cluster limited to `rate`
-    (or on this machine when rate is None), in a PAI_HOME of its own, removed
-    afterwards unless PAI_BENCH_KEEP=1 (to look at the jobs the lines name)."""
+def with_cluster(rate: str | None, body, hosts: int = HOSTS, tell: bool = True):
+    """Run body() with PAI_NODES set to a fresh test cluster of `hosts` hosts limited
+    to `rate` (or on this machine when rate is None), in a PAI_HOME of its own,
+    removed afterwards unless PAI_BENCH_KEEP=1 (to look at the jobs the lines name).
+    tell=False: Pluto is not told the rate or the shared cores (it measures the links
+    and reads the hosts' boot ids)."""
     import shutil
 
     home = Path(tempfile.mkdtemp(prefix="pai-bench-pluto-"))
     os.environ["PAI_HOME"] = str(home)
     try:
-        return _in_cluster(rate, body, home)
+        return _in_cluster(rate, body, home, hosts, tell)
     finally:
         store = _STORES.pop(str(home), None)
         if store is not None:
@@ -389,7 +394,7 @@ def with_cluster(rate: str | None, body):
             print(f"   jobs kept in PAI_HOME={home}", flush=True)
 
 
-def _in_cluster(rate: str | None, body, home: Path):
+def _in_cluster(rate: str | None, body, home: Path, hosts: int = HOSTS, tell: bool = True):
     os.environ.pop("PAI_NODES", None)
     if rate is None:
         return body("this machine (loopback, not shaped)")
@@ -398,14 +403,16 @@ def _in_cluster(rate: str | None, body, home: Path):
     reason = can_build()
     if reason:
         raise SystemExit(f"cannot build the test cluster: {reason}; use --local")
-    with TestCluster(prefix="eplu", hosts=HOSTS, subnet="10.213.44") as cluster:
+    with TestCluster(prefix="eplu", hosts=hosts, subnet="10.213.44") as cluster:
         cluster.rate_limit(rate)
-        nodes = cluster.write_nodes_file(home / "nodes.yaml", cpu=100)
+        # told: one core a host (cpu 100); not told: each host reports its cores, as placement counts them
+        nodes = cluster.write_nodes_file(home / "nodes.yaml", **({"cpu": 100} if tell else {}))
         os.environ["PAI_NODES"] = str(nodes)
-        os.environ["PAI_PLUTO_BANDWIDTH"] = rate
-        os.environ["PAI_PLUTO_SHARED_CORES"] = str(len(os.sched_getaffinity(0)))
+        if tell:
+            os.environ["PAI_PLUTO_BANDWIDTH"] = rate
+            os.environ["PAI_PLUTO_SHARED_CORES"] = str(len(os.sched_getaffinity(0)))
         try:
-            return body(f"{HOSTS} hosts at {rate}")
+            return body(f"{hosts} hosts at {rate}")
         finally:
             for key in ("PAI_NODES", "PAI_PLUTO_BANDWIDTH", "PAI_PLUTO_SHARED_CORES"):
                 os.environ.pop(key, None)
@@ -514,6 +521,183 @@ def cmd_table(args) -> None:
                       f"{'n/a' if row['error'] is None else format(row['error'], '+.0%')} |")
 
 
+# -- held-out: scripts and shapes the model was not fitted on ------------------------------
+
+HELD_MX = ROOT / "examples" / "pluto" / "heldout_mxnet.py"
+HELD_TF = ROOT / "examples" / "pluto" / "heldout_tf.py"
+HELDOUT_STEPS = 24      # per worker (TF: times the workers, its target counts global steps)
+# name, framework, script, its arguments, default servers/ps, workers, hosts, link rate
+HELDOUT = (
+    ("mxnet deep MLP (6 x 512)", "mxnet", HELD_MX, "--model=deep", 1, 2, 3, "100mbit"),
+    ("tf wide MLP (2 x 900)", "tensorflow", HELD_TF, "--model=wide", 1, 2, 3, "100mbit"),
+    ("mxnet embedding (20000 x 96)", "mxnet", HELD_MX, "--model=embed --vocab=20000", 1, 2, 4, "100mbit"),
+    ("mxnet embedding, 3 servers", "mxnet", HELD_MX, "--model=embed --vocab=20000", 3, 2, 3, "100mbit"),
+    ("mxnet conv net", "mxnet", HELD_MX, "--model=conv", 1, 3, 3, "1gbit"),
+    ("tf conv net", "tensorflow", HELD_TF, "--model=conv", 1, 3, 4, "1gbit"),
+    ("mxnet wider MLP (3 x 900), 4 workers", "mxnet", HELD_MX, "--model=deep --depth=3 --width=900", 2, 4, 4, "1gbit"),
+)
+
+
+def held_tokens(framework: str, script: Path, script_args: str, ps: int, workers: int, params: dict | None = None,
+                cluster: dict | None = None) -> list[str]:
+    role = "server" if framework == "mxnet" else "ps"
+    cluster = cluster or {role: {"count": ps}, "worker": {"count": workers}}
+    steps = HELDOUT_STEPS * (cluster["worker"]["count"] if framework == "tensorflow" else 1)
+    params = dict(params or {})
+    own = f"{script_args} --steps={steps}"
+    # a plan's own script flags come after the user's arguments (planner.apply_scaling)
+    extra = params.pop("userDefinedParameters", "")
+    if extra.startswith(script_args):
+        extra = extra[len(script_args):]
+    tokens = ["-name", framework, f"-Dscript={script}", f"-Dcluster={json.dumps(cluster, separators=(',', ':'))}",
+              f"-DuserDefinedParameters={own} {extra}".rstrip()]
+    return tokens + [f"-D{k}={v}" for k, v in params.items()]
+
+
+def heldout_case(case, label: str) -> dict:
+    """One held-out case: `pai plan` without verification (the model's own forecast),
+    then measured: the default plan, the recommended one, the runner-up, and the plan
+    the links favour (least forecast communication with the same workers: is any
+    plan 1.5x faster?); then `pai plan` with verification (calibration cached) and its
+    recommendation measured too when it is another plan."""
+    from paicli.planning import make_plan
+    from paicli.statement import parse_statement
+
+    name, framework, script, script_args, ps, workers, _hosts, _rate = case
+    print(f"\n== held-out: {name}, {ps} {'server' if framework == 'mxnet' else 'ps'} + {workers} workers "
+          f"by default, on {label}", flush=True)
+    t0 = time.monotonic()
+    statement = held_tokens(framework, script, script_args, ps, workers)
+    say = lambda line: print(f"   {line}", flush=True)   # noqa: E731
+    result = make_plan(parse_statement(statement), store=the_store(), say=say, **VERIFY_OFF)
+    profile = result.profile
+    print(f"   planned in {time.monotonic() - t0:.0f}s on {result.cluster.source}: model "
+          f"{profile.param_bytes / 1e6:.2f} MB ({len(profile.var_bytes)} arrays), "
+          f"{profile.compute_s_per_sample * 1e3:.3f} ms/sample, fan-in {profile.fanin_s * 1e3:.1f} ms, "
+          f"per ps {profile.per_ps_s * 1e3:.1f} ms; calibration runs: "
+          + ", ".join(f"{r.get('ps')}+{r.get('workers')}: {r.get('step_s') or float('nan'):.4f}s"
+                      for r in newest_calibration_runs()), flush=True)
+    plan = result.plan
+    rec, default = plan.recommended, plan.default
+    everything = [rec, *plan.alternatives]
+    same_work = [c for c in everything if profile.target_global or c.strategy.workers == default.strategy.workers]
+    links = min(same_work, key=lambda c: (c.forecast.comm_s, c.score()), default=None)
+    runner_up = next((c for c in plan.alternatives if _key(c) not in {_key(default), _key(rec)}), None)
+    picks = [("default", default), ("recommended", rec), ("runner-up", runner_up), ("links' best", links)]
+    rows: list[dict] = []
+    measured_by_key: dict[str, dict] = {}
+    for role, choice in picks:
+        if choice is None:
+            continue
+        if _key(choice) in measured_by_key:
+            print(f"   {role:12s} = {measured_by_key[_key(choice)]['role']}", flush=True)
+            if role == "recommended":
+                rows.append({**measured_by_key[_key(choice)], "role": f"recommended (= {measured_by_key[_key(choice)]['role']})"})
+            continue
+        row = measure_choice(framework, script, script_args, ps, workers, choice.to_json(), role, name, label,
+                             profile.target_global)
+        measured_by_key[_key(choice)] = row
+        rows.append(row)
+    verified = None
+    if VERIFY_OFF:   # the same plan as `pai plan` gives it by default: checked by short runs
+        t1 = time.monotonic()
+        checked = make_plan(parse_statement(statement), store=the_store(), say=say, verify=True)
+        verified = checked.plan.recommended
+        print(f"   verified plan in {time.monotonic() - t1:.0f}s: {verified.strategy.label()} "
+              f"({verified.figure()} {verified.step_s():.4f}s); verification {checked.verification}", flush=True)
+        if _key(verified) in measured_by_key:
+            rows.append({**measured_by_key[_key(verified)], "role": "verified recommendation (measured above)"})
+        else:
+            row = measure_choice(framework, script, script_args, ps, workers, verified.to_json(),
+                                 "verified recommendation", name, label, profile.target_global)
+            measured_by_key[_key(verified)] = row
+            rows.append(row)
+    base = rows[0]["per_target_s"]
+    by_role = {r["role"].split(" (")[0]: r for r in rows}
+    speed = lambda r: (base / r["per_target_s"]) if r and base and r["per_target_s"] else None  # noqa: E731
+    best = min((r["per_target_s"] for r in rows if r["per_target_s"]), default=None)
+    comm_bound = default.forecast.bottleneck == "network"
+    out = {"case": name, "where": label, "rows": rows, "comm_bound": comm_bound,
+           "speedup": speed(by_role.get("recommended")),
+           "verified_speedup": speed(by_role.get("verified recommendation")),
+           "best_speedup": (base / best) if best and base else None,
+           "profile": profile.to_dict(), "calibration_runs": newest_calibration_runs(),
+           "source": result.cluster.source, "loadavg": os.getloadavg()}
+    print(f"   measured vs default: recommended {out['speedup'] or float('nan'):.2f}x, verified recommendation "
+          f"{out['verified_speedup'] or float('nan'):.2f}x, best measured {out['best_speedup'] or float('nan'):.2f}x; "
+          f"communication-bound: {comm_bound}", flush=True)
+    return out
+
+
+def measure_choice(framework, script, script_args, ps, workers, data: dict, role: str, name: str, label: str,
+                   target_global: bool) -> dict:
+    tokens = held_tokens(framework, script, script_args, ps, workers, data["params"], data["cluster"])
+    job_id, measured, status, wall = run_job(tokens)
+    err = (data["forecast_step_s"] - measured) / measured if measured else None
+    per_target = measured / data["cluster"]["worker"]["count"] if measured and target_global else measured
+    print(f"   {role:12s} {data['label']:44s} forecast {data['forecast_step_s']:8.4f}s  measured "
+          f"{(measured or float('nan')):8.4f}s  error {(err if err is not None else float('nan')):+6.0%}  "
+          f"{status} {job_id} ({wall:.0f}s)", flush=True)
+    return {"case": name, "role": role, "plan": data["label"], "forecast_s": data["forecast_step_s"],
+            "measured_s": measured, "error": err, "per_target_s": per_target, "status": status,
+            "job": job_id, "wall_s": wall, "bottleneck": data["bottleneck"], "where": label}
+
+
+VERIFY_OFF: dict = {}   # make_plan's switch for the verification runs, when it has one
+
+
+def _key(choice) -> str:
+    data = choice.to_json()
+    params = {k: v for k, v in data["params"].items() if k not in NOT_SPEED and (k, v) != ("kvstore", "dist_sync")}
+    return json.dumps([data["cluster"], params], sort_keys=True)
+
+
+def cmd_heldout(args) -> None:
+    import inspect
+
+    from paicli.planning import make_plan
+
+    if "verify" in inspect.signature(make_plan).parameters:
+        VERIFY_OFF["verify"] = False   # the model's own forecast, not a measured plan
+    wanted = [c for c in HELDOUT if not args.only or any(word in c[0] for word in args.only.split(","))]
+    groups: dict[tuple[int, str], list] = {}
+    for case in wanted:
+        groups.setdefault((case[6], case[7]), []).append(case)
+    results = []
+    for (hosts, rate), cases in groups.items():
+        def body(label, cases=cases):
+            out = []
+            for case in cases:
+                try:
+                    out.append(heldout_case(case, label))
+                except Exception as err:   # report it and go on with the next case
+                    print(f"   {case[0]} failed: {err}", flush=True)
+                    out.append({"case": case[0], "where": label, "rows": [], "error": str(err)})
+            return out
+        results += with_cluster(rate, body, hosts=hosts, tell=False)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    heldout_summary(results)
+
+
+def heldout_summary(results: list[dict]) -> None:
+    rows = [r for res in results for r in res["rows"] if r.get("error") is not None and "(" not in r["role"]]
+    errors = [abs(r["error"]) for r in rows]
+    print("\n| case | where | plan | forecast s/step | measured s/step | error |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['case']} | {r['where']} | {r['role']}: {r['plan']} | {r['forecast_s']:.4f} | "
+              f"{r['measured_s']:.4f} | {r['error']:+.0%} |")
+    if errors:
+        print(f"\nmedian |error| {statistics.median(errors):.1%} (goal <= 10%), worst {max(errors):.1%} "
+              f"(goal <= 25%) over {len(errors)} measured plans")
+    for res in results:
+        if res.get("comm_bound"):
+            print(f"{res['case']}: communication-bound; recommended {res.get('speedup') or float('nan'):.2f}x the "
+                  f"default, verified recommendation {res.get('verified_speedup') or float('nan'):.2f}x, best "
+                  f"measured {res.get('best_speedup') or float('nan'):.2f}x (goal >= 1.5x where any plan is)")
+
+
 def main() -> None:
     import signal
 
@@ -536,10 +720,13 @@ def main() -> None:
                    "default per framework: " + ", ".join(f"{k} {v}" for k, v in PROOF_STEPS_FACTOR.items()))
     p.add_argument("--caffe-batch", type=int, help="Caffe: the training batch per worker (default: the net's 64)")
     p.add_argument("--json")
+    h = sub.add_parser("heldout")
+    h.add_argument("--only", help="comma-separated words: only the cases whose name has one")
+    h.add_argument("--json")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     args = parser.parse_args()
-    {"grid": cmd_grid, "proof": cmd_proof, "table": cmd_table}[args.cmd](args)
+    {"grid": cmd_grid, "proof": cmd_proof, "table": cmd_table, "heldout": cmd_heldout}[args.cmd](args)
 
 
 if __name__ == "__main__":

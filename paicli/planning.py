@@ -34,9 +34,11 @@ class PlanResult(NamedTuple):  # not a dataclass: `dataclasses` stays off the `p
     cluster: Any                # Cluster
     cached: bool
     calibration_jobs: list[str]
+    verification: dict[str, Any] | None = None   # {"why", "jobs", "cached"} when plans were run to check
 
     def to_json(self) -> dict[str, Any]:
         out = self.plan.to_json()
+        out["verification"] = self.verification
         out["profile"] = self.profile.to_dict()
         out["where"] = {"source": self.cluster.source,
                         "nodes": [{"name": n.name, "cores": n.cores, "bandwidth_Bps": n.bandwidth_Bps}
@@ -61,10 +63,15 @@ def parse_rate(text: str) -> float:
     return value / 8 if unit.lower() == "bit" and unit != "B" else value
 
 
-def target_cluster(loopback_Bps: float, measured_Bps: float | None = None):
+def target_cluster(loopback_Bps: float, measured_Bps: float | None = None,
+                   machines: dict[str, list] | None = None):
     """The nodes of the nodes file (cores declared or 1; link bandwidth from
     PAI_PLUTO_BANDWIDTH, else `measured_Bps` (the probe), else assumed 1 Gbit/s and
-    said so), else this machine."""
+    said so), else this machine. `machines`: node name -> [boot id, cores] as the
+    nodes reported them (`probe_machines`): a node's cores when the nodes file does
+    not declare its cpu (as placement counts them), and nodes of one boot id share
+    the machine's cores; PAI_PLUTO_SHARED_CORES overrides that with one machine of
+    that many cores."""
     from paicli.cluster.pluto.strategy import Cluster, Node
     from paicli.errors import UsageError
 
@@ -83,7 +90,10 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None):
         bandwidth = parse_rate(raw) if raw else (measured_Bps or 125e6)
     except ValueError as err:
         raise UsageError(f"PAI_PLUTO_BANDWIDTH: {err}", "e.g. PAI_PLUTO_BANDWIDTH=100mbit") from None
-    nodes = tuple(Node(n.name, (n.cpu or 100) / 100.0, bandwidth) for n in config.nodes)
+    machines = machines or {}
+    # cores as placement counts them: the nodes file's cpu, else what the node reported
+    nodes = tuple(Node(n.name, n.cpu / 100.0 if n.cpu else float((machines.get(n.name) or [None, 1])[1] or 1),
+                       bandwidth, *shared_machine(n.name, machines)) for n in config.nodes)
     said = (f"{raw} links" if raw else
             f"links measured at {bandwidth * 8 / 1e6:.0f} Mbit/s" if measured_Bps else
             "links assumed 1 Gbit/s (set PAI_PLUTO_BANDWIDTH)")
@@ -93,20 +103,64 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None):
     except ValueError:
         raise UsageError(f"PAI_PLUTO_SHARED_CORES: expected a number of cores, not {shared!r}",
                          "e.g. PAI_PLUTO_SHARED_CORES=2 when the nodes are virtual hosts of one machine") from None
+    virtual = virtual_hosts(nodes)
+    if virtual and not machine_cores:
+        said += f", {virtual}"
     return Cluster(nodes, loopback_Bps=loopback_Bps, machine_cores=machine_cores,
                    source=f"{len(nodes)} nodes of {config.path}, {said}")
 
 
-def measure_links(store, say: Callable[[str], None]) -> float | None:
+def shared_machine(name: str, machines: dict[str, list]) -> tuple[str | None, float | None]:
+    """(boot id, cores) of a node that shares its boot id with another node, else
+    (None, None): only virtual hosts of one machine need the machine's picture."""
+    mine = machines.get(name)
+    if not mine or not mine[0]:
+        return None, None
+    if sum(1 for other in machines.values() if other and other[0] == mine[0]) < 2:
+        return None, None
+    return str(mine[0]), float(mine[1] or 1)
+
+
+def virtual_hosts(nodes) -> str:
+    """'3 nodes are virtual hosts of one 2-core machine (one boot id)', or ''."""
+    groups: dict[str, list] = {}
+    for node in nodes:
+        if node.machine:
+            groups.setdefault(node.machine, []).append(node)
+    return "; ".join(f"{len(g)} nodes are virtual hosts of one {g[0].machine_cores:g}-core machine (one boot id)"
+                     for g in groups.values())
+
+
+def probe_machines(say: Callable[[str], None]) -> dict[str, list]:
+    """Every node of the nodes file's [boot id, cores], as its node agent reports them
+    (`pai nodes`' probe); nodes that do not answer are left out."""
+    from paicli.cluster.node_admin import UP, probe_nodes
+    from paicli.cluster.nodes import load_nodes
+
+    config = load_nodes()
+    if config is None or len(config.nodes) < 2:
+        return {}
+    rows = probe_nodes(config)
+    out = {row["name"]: [row.get("boot"), row.get("cores")] for row in rows if row["state"] == UP}
+    missing = [row["name"] for row in rows if row["state"] != UP]
+    if missing:
+        say(f"boot ids: {', '.join(missing)} did not answer; they count as machines of their own")
+    return out
+
+
+def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> float | None:
     """Bytes/s between two nodes, measured through pai: a job of one ps (a sink) and
-    one worker (a source) running runners/pluto_helpers.py, which placement puts on
-    two nodes. None when both landed on one node or the probe failed."""
+    one worker (a source) running runners/pluto_helpers.py. The ps asks for the cpu of
+    the largest node (`node_cpu`), so that placement, which packs a worker beside a
+    service with room left, puts the worker on another node. None when both landed
+    on one node or the probe failed."""
     from paicli import client
     from paicli.runners import pluto_helpers
     from paicli.statement import parse_statement
 
+    cluster = {"ps": {"count": 1, "cpu": max(100, int(node_cpu))}, "worker": {"count": 1}}
     stmt = parse_statement(["-name", "python", f"-Dscript={pluto_helpers.__file__}",
-                            '-Dcluster={"ps":{"count":1},"worker":{"count":1}}',
+                            f"-Dcluster={json.dumps(cluster)}",
                             "-DuserDefinedParameters=bandwidth 1.0", "-DmaxRetries=0",
                             "-DjobName=pluto-bandwidth-probe"])
     job_id = client.submit(client.prepare(stmt), store)
@@ -431,12 +485,14 @@ def _measured_run(store, job, cluster_value: dict, extra: dict):
 
 
 def make_plan(stmt, budget_s: float | None = None, store=None,
-              say: Callable[[str], None] = lambda line: None) -> PlanResult:
-    """Calibrate (or read the cache), describe the cluster, plan. Raises UsageError
-    for bad input and PaiError when calibration fails."""
+              say: Callable[[str], None] = lambda line: None, verify: bool = False) -> PlanResult:
+    """Calibrate (or read the cache), describe the cluster, plan; verify=True: run
+    the plans too close to call (or outside the calibrated shapes) briefly and
+    recommend by what they measured (`verify_plan`). Raises UsageError for bad input
+    and PaiError when calibration fails."""
     from paicli import client
 
-    return plan_prepared(client.prepare(stmt), budget_s, store, say)
+    return plan_prepared(client.prepare(stmt), budget_s, store, say, verify=verify)
 
 
 def calibration_key(prepared, files, args, here) -> str:
@@ -449,7 +505,7 @@ def calibration_key(prepared, files, args, here) -> str:
 
 
 def plan_prepared(prepared, budget_s: float | None = None, store=None,
-                  say: Callable[[str], None] = lambda line: None) -> PlanResult:
+                  say: Callable[[str], None] = lambda line: None, verify: bool = False) -> PlanResult:
     from paicli.cluster.pluto import calibrate, planner
     from paicli.cluster.pluto.strategy import Cluster, Node, Profile
     from paicli.errors import UsageError
@@ -464,8 +520,8 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     user = user_strategy(framework, prepared.spec)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-    def clusters(loopback: float, links: float | None = None):
-        where = target_cluster(loopback, links)
+    def clusters(loopback: float, links: float | None = None, machines: dict | None = None):
+        where = target_cluster(loopback, links, machines)
         # Calibration runs where `pai` runs jobs (this machine without a nodes file).
         here = where if len(where.nodes) > 1 else Cluster((Node("local", float(cores), loopback),),
                                                           loopback_Bps=loopback, source=where.source)
@@ -479,9 +535,15 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     # and kept with it, so a cached plan forecasts exactly what the first one did.
     loopback = (cached or {}).get("loopback_Bps") or calibrate.measure_loopback()
     links = (cached or {}).get("links_Bps")
+    # Which nodes are one machine: their node agents' boot ids, probed once and kept
+    # with the calibration (PAI_PLUTO_SHARED_CORES, when set, overrides them).
+    machines = (cached or {}).get("machines")
+    if machines is None and len(unmeasured[0].nodes) > 1:
+        machines = probe_machines(say)
     if links is None and len(unmeasured[0].nodes) > 1 and not os.environ.get("PAI_PLUTO_BANDWIDTH"):
-        links = measure_links(store, say)
-    where, here = clusters(loopback, links)
+        biggest = max(node.cores for node in clusters(loopback, None, machines)[0].nodes)
+        links = measure_links(store, say, node_cpu=round(biggest * 100))
+    where, here = clusters(loopback, links, machines)
     texts = script_texts(prepared)   # read once for tf_sync and script_knobs
     jobs: list[str] = []
     if cached:
@@ -496,9 +558,110 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         sync = tf_sync(prepared, args, texts[0]) if framework == "tensorflow" else user.sync
         profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
-                                        "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links})
-    result = planner.plan(profile, where, user, budget_s=budget_s, knobs=script_knobs(prepared, facts, args, texts))
-    return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs)
+                                        "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links,
+                                        "machines": machines})
+    knobs = script_knobs(prepared, facts, args, texts)
+    result = planner.plan(profile, where, user, budget_s=budget_s, knobs=knobs)
+    verification = None
+    if verify:
+        result, verification = verify_plan(prepared, store, key, profile, where, user, knobs, result, budget_s, say)
+    return PlanResult(plan=result, profile=profile, cluster=where, cached=bool(cached), calibration_jobs=jobs,
+                      verification=verification)
+
+
+# -- checking before recommending ----------------------------------------------------------
+
+VERIFY_INTERVALS = 6       # step-line intervals per worker a verification run measures
+VERIFY_STARTUP_S = 15.0    # what a verification job is reckoned to take before its first step
+
+
+def calibrated_shapes(framework: str) -> tuple[tuple[int, int], ...]:
+    """The (ps, workers) shapes calibration runs."""
+    out = []
+    for cluster_value, _extra in _calibration_configs(framework):
+        ps = cluster_value.get("ps", cluster_value.get("server", {})).get("count", 0)
+        out.append((ps, cluster_value["worker"]["count"]))
+    return tuple(out)
+
+
+def verify_plan(prepared, store, key: str, profile, where, user, knobs, result, budget_s, say):
+    """Run the plans planner.to_verify picks (each cached per plan, with the
+    calibration) and recommend by their measured step times. With a budget, the
+    runs still to do are counted against it: the plan is made again for what is
+    left. Returns (plan, verification record or None)."""
+    from paicli.cluster.pluto import calibrate, planner
+    from paicli.store import pai_home
+
+    home = pai_home()
+    shapes = calibrated_shapes(prepared.adapter.name)
+    picks, why = planner.to_verify(result, shapes, profile.sync)
+    if not picks:
+        return result, None
+
+    def cached_run(choice):
+        return calibrate.cache_get(home, f"{key}:verify:{planner.plan_key(choice)}")
+
+    cost = sum(VERIFY_STARTUP_S + (VERIFY_INTERVALS + 2) * c.forecast.step_s for c in picks if not cached_run(c))
+    if budget_s is not None and cost > 0:
+        left = max(0.0, budget_s - cost)
+        result = planner.plan(profile, where, user, budget_s=left, knobs=knobs)
+        result.reasons.insert(0, f"budget {planner._dur(budget_s)}: the verification runs take about "
+                                 f"{planner._dur(cost)} of it; plans are judged against the "
+                                 f"{planner._dur(left)} left")
+        picks, why = planner.to_verify(result, shapes, profile.sync)
+        if not picks:
+            return result, None
+    measured: dict[str, tuple[float, str]] = {}
+    jobs, hits = [], 0
+    for choice in picks:
+        entry = cached_run(choice)
+        if entry and entry.get("step_s"):
+            hits += 1
+        else:
+            entry = verify_run(prepared, store, choice.to_json(), say)
+            if entry.get("step_s"):
+                calibrate.cache_put(home, f"{key}:verify:{planner.plan_key(choice)}", entry)
+        jobs.append(entry["job"])
+        if entry.get("step_s"):
+            measured[planner.plan_key(choice)] = (entry["step_s"], entry["job"])
+    planner.apply_measured(result, measured, why, profile.sync)
+    if measured:   # the reasons speak of the figures the plan is now judged by
+        planner.explain_again(result, profile, where, knobs)
+    return result, {"why": why, "jobs": jobs, "cached": hits, "plans": [c.strategy.label() for c in picks]}
+
+
+def verify_run(prepared, store, choice_json: dict, say: Callable[[str], None]) -> dict[str, Any]:
+    """Submit the job as the plan would (its -Dcluster and -D values), let every
+    worker print VERIFY_INTERVALS + 2 step lines, stop it; {"job", "step_s"} (step_s
+    None when the run failed or showed too few steps: the plan keeps its forecast)."""
+    import dataclasses
+
+    from paicli import client, steptime
+    from paicli.states import JobStatus
+
+    params = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
+    params.update({"cluster": choice_json["cluster"], **choice_json["params"], "maxRetries": 0,
+                   "jobName": f"pluto-verify-{Path(str(prepared.spec.get('script') or prepared.spec.get('solver') or 'job')).stem}"})
+    spec = dataclasses.replace(prepared.spec, params=params)
+    prepared.adapter.validate(spec)
+    workers = choice_json["cluster"].get("worker", {}).get("count", 1)
+    job_id = client.submit(client.Prepared(prepared.adapter, spec), store)
+    say(f"verification job {job_id}: {choice_json['label']}")
+
+    def enough() -> bool:
+        counts = store.step_counts(job_id, ("worker", "chief"))
+        return len(counts) >= workers and all(n >= VERIFY_INTERVALS + 2 for n in counts.values())
+
+    wait_job(store, job_id, CALIBRATION_LIMIT_S, enough)
+    job = store.job(job_id)
+    if not JobStatus(job["status"]).is_terminal():
+        client.kill(store, job_id, reason="pluto verification done")
+    step_s = steptime.job_step_seconds(store, job_id)
+    if job["status"] == JobStatus.FAILED.value or not step_s:
+        say(f"verification job {job_id} measured nothing ({job['status']}): its plan keeps the forecast; "
+            f"see `pai logs {job_id}`")
+        return {"job": job_id, "step_s": None}
+    return {"job": job_id, "step_s": step_s}
 
 
 # -- -DautoStrategy=true ----------------------------------------------------------------

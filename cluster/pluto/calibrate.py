@@ -37,7 +37,7 @@ from paicli.cluster.pluto.model import comm_seconds, compute_seconds, overhead_t
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 from paicli.private import write_private
 
-CACHE_VERSION = 5   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1)
+CACHE_VERSION = 7   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")
@@ -225,8 +225,12 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
         if run.step_s is None:
             continue
         s = Strategy(framework, run.ps, run.workers, partition=partition, sync=sync)
-        rows.append([compute_seconds(unit, s, where), *overhead_terms(s)])
-        ys.append(run.step_s - comm_seconds(profile, s, where))
+        # Each run weighted by 1/its step: the fit minimises the relative error, the
+        # forecast's own measure, so a run of milliseconds on one node (where placement
+        # packs a small calibration) counts as much as one of a second over the links.
+        weight = 1.0 / run.step_s if run.step_s > 0 else 1.0
+        rows.append([weight * v for v in (compute_seconds(unit, s, where), *overhead_terms(s))])
+        ys.append(weight * (run.step_s - comm_seconds(profile, s, where)))
     per_sample, fanin, per_ps = nnls(rows, ys) if rows else (0.0, 0.0, 0.0)
     return replace(profile, compute_s_per_sample=per_sample, fanin_s=fanin, per_ps_s=per_ps)
 

@@ -2,14 +2,19 @@
 
     step = overhead + fan-in + compute + communication
 
+- where (`layout`): the placement the submit will get (cluster/placement.place), so
+  instances that share a node share its link and cores in the forecast too;
 - compute (Paleo): seconds per sample x samples per worker per step, slowed by the
-  share of a node's cores its busy instances want (several workers on one node);
+  share of a node's cores its busy instances want (several workers on one node), and
+  of a machine's cores for nodes of one machine (one boot id: virtual hosts);
 - communication (Paleo, with the ps in the picture): every worker pushes its
   gradients (2bit: 1/16 of them) to, and pulls the parameters from, every ps in
   proportion to the bytes that ps holds. The traffic each node's link carries is
   summed per direction; a phase lasts as long as the busiest link needs. Sync jobs
-  push then pull behind a barrier; async workers overlap each other, so a shared
-  link bounds the rate instead;
+  push then pull behind a barrier (MXNet pipelines them, but never faster than the
+  busiest link carrying every byte of the step: a worker and a server on one node
+  share its uplink); async workers overlap each other, so a shared link bounds the
+  rate instead;
 - overhead and fan-in (Optimus): theta1 x W/P + theta_p x P, fitted with the compute
   term by non-negative least squares to the calibration runs (calibrate.nnls),
   because round trips, a ps serving many workers, and a worker talking to many ps
@@ -25,6 +30,7 @@ Pure functions of their arguments; tests/test_pluto.py checks them on fixed inpu
 
 from __future__ import annotations
 
+import functools
 import math
 
 from paicli.cluster.pluto.strategy import (GREEDY, MA_FRAMEWORKS, MXNET_DEFAULT_BIGARRAY_BOUND, ROUND_ROBIN,
@@ -67,17 +73,58 @@ def ps_loads(var_bytes: tuple[float, ...] | list[float], ps: int, partition: str
     return loads
 
 
+SCHEDULER_CPU = 10      # PAI cpu units of MXNet's scheduler (adapters/mxnet.py)
+INSTANCE_CPU = 100      # what every other role asks for unless -Dcluster says otherwise
+
+
+def role_demands(strategy: Strategy) -> list:
+    """The instances a submit of `strategy` asks placement for, in the adapters' role
+    order: MXNet's scheduler first (a service: it takes a node's first service slot),
+    then the ps/servers (services), then the workers."""
+    from paicli.cluster.placement import Demand
+
+    out = []
+    if strategy.framework == "mxnet" and strategy.ps:
+        out.append(Demand("scheduler", 0, SCHEDULER_CPU, 0, 0, True))
+    out += [Demand(strategy.ps_role(), i, INSTANCE_CPU, 0, 0, True) for i in range(strategy.ps)]
+    out += [Demand("worker", i, INSTANCE_CPU, 0, 0, False) for i in range(strategy.workers)]
+    return out
+
+
 def layout(strategy: Strategy, cluster: Cluster) -> tuple[list[int], list[int]]:
-    """Node index of every ps and every worker, as the placement step puts them:
-    services spread one per node in turn, workers each on the node with the most
-    free cores left (ties: the first)."""
+    """Node index of every ps and every worker: the placement the job will really get
+    (cluster/placement.place on the nodes' cores, the roles' default cpu), so the
+    forecast prices the instances that share a node's link and cores. A cluster
+    placement refuses (a node under one core) falls back to one node per service in
+    turn and workers on the freest node."""
+    ps_nodes, worker_nodes = _placed(strategy, cluster)
+    return list(ps_nodes), list(worker_nodes)
+
+
+@functools.lru_cache(maxsize=8192)
+def _placed(strategy: Strategy, cluster: Cluster) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    from paicli.cluster.backends.base import NodeSpec
+    from paicli.cluster.placement import place
+    from paicli.errors import UsageError
+
+    specs = [NodeSpec(node.name, node.name, int(round(node.cores * 100)), 1 << 40) for node in cluster.nodes]
+    index = {node.name: i for i, node in enumerate(cluster.nodes)}
+    try:
+        placed = place(role_demands(strategy), specs)
+    except UsageError:
+        ps_nodes, worker_nodes = _spread_layout(strategy, cluster)
+        return tuple(ps_nodes), tuple(worker_nodes)
+    return (tuple(index[p.node] for p in placed if p.role == strategy.ps_role()),
+            tuple(index[p.node] for p in placed if p.role == "worker"))
+
+
+def _spread_layout(strategy: Strategy, cluster: Cluster) -> tuple[list[int], list[int]]:
     n = len(cluster.nodes)
     free = [node.cores for node in cluster.nodes]
     ps_nodes = []
     for j in range(strategy.ps):
-        node = j % n
-        ps_nodes.append(node)
-        free[node] -= PS_CPU
+        ps_nodes.append(j % n)
+        free[j % n] -= PS_CPU
     worker_nodes = []
     for _ in range(strategy.workers):
         node = max(range(n), key=lambda i: (free[i], -i))
@@ -128,7 +175,12 @@ def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
     push = [(w, ps_nodes[j], push_bytes * f) for w in worker_nodes for j, f in enumerate(fractions)]
     pull = [(ps_nodes[j], w, total * f) for w in worker_nodes for j, f in enumerate(fractions)]
     if strategy.sync and strategy.framework == "mxnet":
-        return _pipelined_seconds(profile, strategy, cluster, ps_nodes, worker_nodes)
+        # The flow shop treats pushes and pulls as two machines; where a worker and a
+        # server share a node they share its link too (the worker's pushes and the
+        # server's pulls leave by the same uplink), so no step is shorter than the
+        # busiest link carrying everything it carries in the step.
+        return max(_pipelined_seconds(profile, strategy, cluster, ps_nodes, worker_nodes),
+                   _phase_seconds(push + pull, cluster))
     if strategy.framework == "mxnet":
         return _mxnet_async_seconds(profile, strategy, cluster, ps_nodes, worker_nodes, push + pull)
     if strategy.sync:
@@ -201,19 +253,32 @@ def _mxnet_async_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
 
 
 def compute_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
-    """Compute of one step on the most crowded worker's node."""
+    """Compute of one step on the most crowded worker's node: every instance placed
+    on a node wants its cores (a worker one core, a ps PS_CPU), and nodes of one
+    machine (the same boot id: virtual hosts) share that machine's cores."""
     ps_nodes, worker_nodes = layout(strategy, cluster)
     busy = [0.0] * len(cluster.nodes)
     for node in ps_nodes:
         busy[node] += PS_CPU
     for node in worker_nodes:
         busy[node] += 1.0
-    slowdown = max((max(1.0, busy[node] / cluster.nodes[node].cores) for node in set(worker_nodes)),
-                   default=1.0)
+    slowdown = max((node_slowdown(busy, node, cluster) for node in set(worker_nodes)), default=1.0)
     if cluster.machine_cores:
         slowdown = max(slowdown, sum(busy) / cluster.machine_cores)
     batch = strategy.batch_per_worker or profile.batch_size
     return profile.compute_s_per_sample * batch * slowdown
+
+
+def node_slowdown(busy: list[float], i: int, cluster: Cluster) -> float:
+    """How much slower an instance on node i computes than alone on a core: its
+    node's busy cores over the node's cores, and over the machine's cores summed
+    over every node of that machine."""
+    node = cluster.nodes[i]
+    slow = max(1.0, busy[i] / node.cores) if node.cores > 0 else 1.0
+    if node.machine and node.machine_cores:
+        together = sum(b for b, other in zip(busy, cluster.nodes) if other.machine == node.machine)
+        slow = max(slow, together / node.machine_cores)
+    return slow
 
 
 def overhead_terms(strategy: Strategy) -> tuple[float, float]:

@@ -41,18 +41,41 @@ MA_PERIODS = (1, 2, 5, 10, 20, 50, 100)
 class Choice:
     strategy: Strategy
     forecast: Forecast
+    measured_step_s: float | None = None   # a verification run's step time, when one ran
+    verify_job: str | None = None
+
+    def step_s(self) -> float:
+        """The step time the plan is judged by: measured when a verification run
+        measured it, else the forecast."""
+        return self.measured_step_s if self.measured_step_s is not None else self.forecast.step_s
+
+    def samples_per_s(self) -> float:
+        f = self.forecast
+        return f.samples_per_s * f.step_s / self.step_s() if self.step_s() > 0 else f.samples_per_s
+
+    def time_to_target_s(self) -> float | None:
+        f = self.forecast
+        return None if f.steps_per_worker is None else f.steps_per_worker * self.step_s()
 
     def score(self) -> float:
-        f = self.forecast
-        return f.time_to_target_s if f.time_to_target_s is not None else 1.0 / max(f.samples_per_s, 1e-12)
+        to_target = self.time_to_target_s()
+        return to_target if to_target is not None else 1.0 / max(self.samples_per_s(), 1e-12)
+
+    def figure(self) -> str:
+        return "measured" if self.measured_step_s is not None else "forecast"
 
     def to_json(self) -> dict[str, Any]:
-        """A PLAN of `pai plan --json`: cluster, params, forecast_step_s (+ details)."""
+        """A PLAN of `pai plan --json`: cluster, params, forecast_step_s (+ details);
+        `step_s` is the figure the plan is judged by, `figure` says whether it was
+        measured (`measured_step_s`, `verify_job`) or forecast."""
         f = self.forecast
+        to_target = self.time_to_target_s()
         return {"cluster": self.strategy.cluster_value(), "params": self.strategy.params(),
                 "forecast_step_s": round(f.step_s, 6),
-                "samples_per_s": round(f.samples_per_s, 3),
-                "time_to_target_s": None if f.time_to_target_s is None else round(f.time_to_target_s, 3),
+                "measured_step_s": None if self.measured_step_s is None else round(self.measured_step_s, 6),
+                "step_s": round(self.step_s(), 6), "figure": self.figure(), "verify_job": self.verify_job,
+                "samples_per_s": round(self.samples_per_s(), 3),
+                "time_to_target_s": None if to_target is None else round(to_target, 3),
                 "bottleneck": f.bottleneck, "ps_bytes": [round(b) for b in f.ps_bytes],
                 "label": self.strategy.label()}
 
@@ -237,19 +260,19 @@ def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | N
                            "max_iter found), so no plan can be judged against it; recommending the fastest")
         else:
             fitting = [c for c in worth_it(worth_switching(choices, profile.sync))
-                       if c.forecast.time_to_target_s <= budget_s]
+                       if c.time_to_target_s() <= budget_s]
             if fitting:
                 rec = min(fitting, key=lambda c: (c.strategy.instances, c.strategy.compression != "none",
                                                   c.score()))
                 meets = True
                 reasons.append(f"budget {_dur(budget_s)}: the cheapest plan that meets it ({rec.strategy.instances} "
                                f"instances) reaches step {profile.step_target} in "
-                               f"{_dur(rec.forecast.time_to_target_s)}")
+                               f"{_dur(rec.time_to_target_s())}")
             else:
                 meets = False
                 fastest = min(choices, key=Choice.score)
                 reasons.append(f"budget {_dur(budget_s)}: no plan meets it; the fastest ({fastest.strategy.label()}) "
-                               f"needs {_dur(fastest.forecast.time_to_target_s)} to step {profile.step_target}, "
+                               f"needs {_dur(fastest.time_to_target_s())} to step {profile.step_target}, "
                                f"limited by {fastest.forecast.bottleneck}")
     # The batch/learning-rate rule applied to every plan (it changes no forecast).
     scaled = {id(c): apply_scaling(c.strategy, profile, knobs) for c in choices}
@@ -273,9 +296,9 @@ def explain(profile: Profile, cluster: Cluster, rec: Choice, default: Choice, kn
     lines = []
     speedup = default.score() / rec.score() if rec.score() else 1.0
     goal = "to the step target" if f.time_to_target_s is not None else "in samples/s"
-    lines.append(f"cluster: {s.label()} on {cluster.source}: forecast {f.step_s:.3f} s/step, "
-                 f"{f.samples_per_s:.1f} samples/s, {speedup:.2f}x faster {goal} than the default "
-                 f"{default.strategy.label()}; model {mb:.1f} MB, step {_share(f)}")
+    lines.append(f"cluster: {s.label()} on {cluster.source}: {rec.figure()} {rec.step_s():.3f} s/step, "
+                 f"{rec.samples_per_s():.1f} samples/s, {speedup:.2f}x faster {goal} than the default "
+                 f"{default.strategy.label()} ({default.figure()}); model {mb:.1f} MB, step {_share(f)}")
     if s.framework in ("tensorflow", "mxnet"):
         if profile.target_global:
             lines.append(f"workers: {s.workers}: the step target counts every worker's steps, "
@@ -442,3 +465,109 @@ def _dur(seconds: float | None) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f}m"
     return f"{seconds / 3600:.1f}h"
+
+
+# -- checking before recommending (issue 21) ------------------------------------------------
+#
+# A forecast is a guess until a run measures it: when the best forecast is within
+# VERIFY_MARGIN of the next plans, or the recommended plan lies outside the shapes
+# calibration ran, the caller (paicli/planning.py) runs the plans `to_verify` picks
+# briefly through pai, and `apply_measured` recommends by what they measured.
+
+VERIFY_MARGIN = 0.15   # forecasts this close to the best are too close to call
+VERIFY_MAX = 3         # plans one verification runs at most
+
+
+def plan_key(choice: Choice) -> str:
+    """What a run of the plan submits that changes its speed (cluster and -D values)."""
+    import json
+
+    return json.dumps([choice.strategy.cluster_value(), choice.strategy.params()], sort_keys=True)
+
+
+def to_verify(plan: Plan, shapes: tuple[tuple[int, int], ...], default_sync: bool | None = None,
+              margin: float = VERIFY_MARGIN, most: int = VERIFY_MAX) -> tuple[list[Choice], str]:
+    """The plans to run before recommending, and why ('' and [] when the forecast can
+    stand): the recommendation and every plan the rules would pick from (no
+    compression or mode switch that does not pay) whose forecast is within `margin`
+    of it, up to `most`; a recommendation outside the calibrated (ps, workers)
+    `shapes` is run beside the next best plan. With a budget only the recommended
+    plan is checked, when it is outside the shapes or within `margin` of the budget."""
+    rec = plan.recommended
+    # Calibration runs no compression: a 2bit plan's cost of quantising is a guess too.
+    compressed = rec.strategy.compression != "none"
+    outside = (rec.strategy.ps, rec.strategy.workers) not in shapes or compressed
+    if plan.budget_s is not None:
+        to_target = rec.time_to_target_s()
+        near = to_target is not None and to_target >= plan.budget_s * (1 - margin)
+        why = ("outside the calibrated shapes" if outside else
+               f"within {margin:.0%} of the budget" if near else "")
+        return ([rec] if why else []), why
+    pool = worth_it(worth_switching([rec, *plan.alternatives], default_sync) if default_sync is not None
+                    else [rec, *plan.alternatives]) or [rec]
+    seen = {plan_key(rec)}
+    others = []
+    for c in sorted((c for c in pool if c is not rec), key=Choice.score):
+        if plan_key(c) not in seen:
+            seen.add(plan_key(c))
+            others.append(c)
+    # a compressed recommendation is run beside the same plan uncompressed
+    plain = rec.strategy.with_(compression="none")
+    twin = next((c for c in others if compressed and c.strategy == plain), None)
+    close = [c for c in others if c.score() <= rec.score() * (1 + margin)]
+    if close:
+        why = f"{len(close)} other plan{'s' if len(close) > 1 else ''} forecast within {margin:.0%} of it"
+        picks = [rec, *([twin] if twin else []), *(c for c in close if c is not twin)]
+        return picks[:most], why
+    if outside:
+        shape = (f"{rec.strategy.compression} (calibration runs uncompressed)" if compressed else
+                 f"{rec.strategy.ps} {rec.strategy.ps_role()} + {rec.strategy.workers} worker")
+        return [rec, twin or others[0]][:most] if (twin or others) else [rec], \
+            f"{shape} is outside the shapes calibration ran"
+    return [], ""
+
+
+def apply_measured(plan: Plan, measured: dict[str, tuple[float, str]], why: str,
+                   default_sync: bool | None = None) -> Choice:
+    """Record what the verification runs measured (plan_key -> (step seconds, job))
+    on the plan's choices and recommend by it: among the plans that ran, the rules
+    of `recommend` on measured step times (the others keep their forecast). Returns
+    the recommendation (the plan is updated in place, reasons first)."""
+    choices = [plan.recommended, *plan.alternatives]
+    ran = []
+    for c in choices:
+        hit = measured.get(plan_key(c))
+        if hit is not None and hit[0]:
+            c.measured_step_s, c.verify_job = hit
+            ran.append(c)
+    hit = measured.get(plan_key(plan.default))
+    if hit is not None and hit[0]:   # the default ran too (it was one of the plans checked)
+        plan.default.measured_step_s, plan.default.verify_job = hit
+    if not ran:
+        return plan.recommended
+    old = plan.recommended
+    rec = recommend(ran, default_sync)
+    if plan.budget_s is not None and rec.time_to_target_s() is not None:
+        plan.meets_budget = rec.time_to_target_s() <= plan.budget_s
+    figures = "; ".join(f"{c.strategy.label()}: measured {c.measured_step_s:.3f} s/step, forecast "
+                        f"{c.forecast.step_s:.3f} ({(c.forecast.step_s - c.measured_step_s) / c.measured_step_s:+.0%})"
+                        for c in ran)
+    verdict = (f"recommending {rec.strategy.label()}, the fastest measured" if rec is not old else
+               f"the forecast's choice holds")
+    if plan.budget_s is not None and plan.meets_budget is False:
+        verdict += f"; measured, it does not meet the budget {_dur(plan.budget_s)} " \
+                   f"({_dur(rec.time_to_target_s())} to the target)"
+    plan.reasons.insert(0, f"verified ({why}): ran {len(ran)} plan{'s' if len(ran) > 1 else ''} briefly through "
+                           f"pai: {figures}; {verdict} (the plans not run keep their forecast)")
+    plan.recommended = rec
+    plan.alternatives = sorted((c for c in choices if c is not rec), key=Choice.score)
+    return rec
+
+
+def explain_again(plan: Plan, profile: Profile, cluster: Cluster, knobs: Knobs | None = None) -> None:
+    """The reasons for a recommendation a verification changed: its own lines, after
+    the verification's and the budget's."""
+    kept = [r for r in plan.reasons if r.startswith(("verified", "budget"))]
+    everything = [plan.recommended, *plan.alternatives]
+    plan.reasons = kept + explain(profile, cluster, plan.recommended, plan.default, knobs=knobs,
+                                  twin=mode_twin(plan.recommended, everything))

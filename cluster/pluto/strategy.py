@@ -170,6 +170,10 @@ class Node:
     name: str
     cores: float
     bandwidth_Bps: float               # the node's link to the others, bytes/s each way
+    # The machine the node is (its boot id) and that machine's cores: nodes that
+    # report one boot id are virtual hosts of one machine and share its cores.
+    machine: str | None = None
+    machine_cores: float | None = None
 
 
 LOOPBACK_BPS = 2.0e9                   # used only when nothing was measured

@@ -119,6 +119,10 @@ CORE_PARAMS: tuple[Param, ...] = (
           help="true: Pluto plans the job (ps and worker counts, partitioning, compression, "
                "averaging period) from a short calibration run, as `pai plan` would, and submits "
                "its recommendation; the plan and its forecast go into plan.json."),
+    # QUEUE room (issue 19): the job's place in the queue (docs/queue.md).
+    Param("priority", "int", default=0,
+          help="The job's place in the queue when the nodes are busy: higher first, then submit "
+               "time (default 0; negative is allowed). `pai queue` shows the queue."),
 )
 
 

@@ -159,12 +159,12 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
         store.set_waiter(job_id, f"{os.getpid()}:{start_time(os.getpid())}")
         dispatch(store, me=job_id)
         said = None
-        last_dispatch = time.monotonic()
+        seen = _fingerprint(store)
         while True:
-            taken = store.take_turn(job_id)
+            row = store.queue_entry(job_id)   # a read: 500 waiters must not queue for the write lock
+            taken = store.take_turn(job_id) if row is not None and row["state"] == "granted" else None
             if taken is not None:
                 return [Placement.from_dict(p) for p in json.loads(taken)], None
-            row = store.queue_entry(job_id)
             job = store.job(job_id)
             if row is None or JobStatus(job["status"]).is_terminal() or cancelled():
                 return None, (JobStatus.CANCELLED, cancelled() or job["reason"] or "cancelled while waiting")
@@ -180,11 +180,24 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
             got = signal.sigtimedwait(WAKE_SIGNALS, pause)
             if got is not None and got.si_signo != signal.SIGUSR1:
                 return None, (JobStatus.CANCELLED, "cancelled while waiting")
-            if got is None and head and time.monotonic() - last_dispatch >= HEAD_POLL:
-                last_dispatch = time.monotonic()
-                dispatch(store, me=job_id)
+            if got is None and head:
+                # Room freed by someone who did not run the policy (a job recorded lost by a
+                # watchdog or `pai kill`), or an edited quota file: the head runs it.
+                now_seen = _fingerprint(store)
+                if now_seen != seen:
+                    seen = now_seen
+                    dispatch(store, me=job_id)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _fingerprint(store: Store) -> tuple:
+    path = quota_path(store.home)
+    try:
+        mtime = path.stat().st_mtime_ns if path else None
+    except OSError:
+        mtime = None
+    return (*store.queue_fingerprint(), mtime)
 
 
 def job_ended(store: Store, job_id: str) -> None:

@@ -545,6 +545,14 @@ class Store:
         with self.tx() as db:
             db.execute("UPDATE queue SET waiter = ? WHERE job_id = ?", (waiter, job_id))
 
+    def queue_fingerprint(self) -> tuple:
+        """Changes whenever the queue's verdicts may: jobs queued, what live jobs hold."""
+        return tuple(self.db.execute(
+            "SELECT (SELECT COUNT(*) FROM queue),"
+            " (SELECT COUNT(*) FROM holds h JOIN jobs j ON j.id = h.job_id WHERE j.status IN ('Waiting', 'Running')),"
+            " (SELECT COUNT(*) FROM claims c JOIN jobs j ON j.id = c.job_id"
+            "  WHERE c.kind = 'gpu' AND j.status IN ('Waiting', 'Running'))").fetchone())
+
     def release_holds(self, job_id: str) -> None:
         with self.tx() as db:
             db.execute("DELETE FROM holds WHERE job_id = ?", (job_id,))

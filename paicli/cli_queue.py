@@ -7,7 +7,7 @@ import time
 
 import click
 
-from paicli.commands import echo_json, open_store, print_table
+from paicli.commands import echo_json, open_store
 
 
 def needs_text(needs: dict[str, int]) -> str:
@@ -29,10 +29,14 @@ def queue_command(as_json):
     if not rows:
         click.echo("no job is waiting")
         return
-    print_table(("Position", "InstanceID", "Name", "Priority", "Project", "Submitted", "Needs", "Waiting for"),
-                [(str(r["position"]), r["id"], r["name"] or "", str(r["priority"]), r["project"] or "",
-                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["submitted"] or 0)),
-                  needs_text(r["needs"]), r["waiting_for"]) for r in rows])
+    from paicli.jobstatus import aligned
+
+    # Plain aligned columns, not a rich table: 500 waiting jobs print in a few ms.
+    lines = aligned([("Position", "InstanceID", "Name", "Priority", "Project", "Submitted", "Needs", "Waiting for"),
+                     *((str(r["position"]), r["id"], r["name"] or "", str(r["priority"]), r["project"] or "",
+                        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["submitted"] or 0)),
+                        needs_text(r["needs"]), r["waiting_for"]) for r in rows)])
+    click.echo("\n".join(lines))
 
 
 def register(cli: click.Group) -> None:

@@ -101,9 +101,18 @@ def dispatch(store: Store, me: str | None = None) -> None:
     except UsageError as err:
         quotas, quota_error = {}, f"the quota file is broken ({err.message}); nothing starts until it is fixed"
 
-    def decide(rows, holds, gpus) -> list[dict[str, Any]]:
+    def decide(rows, holds, claims) -> list[dict[str, Any]]:
+        from paicli.jobstatus import master_alive
+
         entries = [_entry(row) for row in rows]
-        held = [policy.Hold(h["job_id"], h["project"], h["node"], h["cpu"], h["memory"], h["gpu"]) for h in holds]
+        # What a job whose master is gone held is free: its watchdog stopped its
+        # instances (and after a reboot nothing runs), even before it is recorded lost.
+        held = [policy.Hold(h["job_id"], h["project"], h["node"], h["cpu"], h["memory"], h["gpu"])
+                for h in holds if master_alive(h)]
+        gpus: dict[str, set[str]] = {}
+        for node, item, _, master in claims:
+            if master is None or master_alive(master):
+                gpus.setdefault(node, set()).add(item)
         if quota_error:
             return [_verdict(policy.Turn(e.job_id, n, reason=quota_error))
                     for n, e in enumerate(policy.ordered(entries), 1)]
@@ -166,7 +175,14 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
             if taken is not None:
                 return [Placement.from_dict(p) for p in json.loads(taken)], None
             job = store.job(job_id)
-            if row is None or JobStatus(job["status"]).is_terminal() or cancelled():
+            ended = JobStatus(job["status"]).is_terminal()
+            if job["master_pid"] not in (None, os.getpid()) or (row is None and not ended):
+                # Another supervisor took this job over (started by `revive` when this
+                # one looked gone): it holds nothing yet, so it just leaves.
+                print(f"{time.ctime()}: another supervisor (pid {job['master_pid']}) took this job over",
+                      flush=True)
+                os._exit(0)
+            if row is None or ended or cancelled():
                 return None, (JobStatus.CANCELLED, cancelled() or job["reason"] or "cancelled while waiting")
             if deadline is not None and time.monotonic() >= deadline:
                 return None, (JobStatus.CANCELLED, f"timeout while waiting in the queue ({job['reason'] or ''})")

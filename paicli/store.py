@@ -487,6 +487,8 @@ class Store:
 
     def queue_dispatch(self, decide: Callable[[list, list, dict], list[dict[str, Any]]]) -> list[sqlite3.Row]:
         """Run `decide(waiting rows, live holds, held cards)` in one transaction and
+        write its verdicts (holds and cards with their holder's master fields, None
+        for a claim whose job is not recorded yet)
         write its verdicts: each {"job_id", "start", "placement", "reason",
         "position", "holds": [(node, cpu, memory, gpu)], "gpus": {node: [ids]},
         "event"}. Returns the jobs rows of those granted a start (to wake them)."""
@@ -497,10 +499,12 @@ class Store:
             db.execute("DELETE FROM holds WHERE job_id NOT IN (SELECT id FROM jobs"
                        " WHERE status IN ('Waiting', 'Running'))")
             rows = db.execute("SELECT * FROM queue WHERE state = 'waiting'").fetchall()
-            holds = db.execute("SELECT * FROM holds").fetchall()
-            gpus: dict[str, set[str]] = {}
-            for node, item, _ in db.execute(LIVE_CLAIMS, ("gpu", now - CLAIM_GRACE)):
-                gpus.setdefault(node, set()).add(item)
+            # With the holder's master, so the policy can leave out what a dead one held.
+            holds = db.execute("SELECT h.*, j.master_pid, j.master_start, j.created, j.supervised FROM holds h"
+                               " JOIN jobs j ON j.id = h.job_id").fetchall()
+            masters = "SELECT master_pid, master_start, created, supervised FROM jobs WHERE id = ?"
+            gpus = [(node, item, holder, db.execute(masters, (holder,)).fetchone())
+                    for node, item, holder in db.execute(LIVE_CLAIMS, ("gpu", now - CLAIM_GRACE))]
             verdicts = decide(rows, holds, gpus)
             current = {row["job_id"]: row for row in rows}
             granted = []

@@ -5,6 +5,7 @@ priorities, backfill, quotas. The real jobs are in tests/test_queue_jobs.py."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -189,3 +190,17 @@ def test_a_broken_quota_file_holds_the_queue_and_says_so(tmp_path, monkeypatch):
     queue_turns.dispatch(store)
     assert store.take_turn("2026a") is None
     assert "the quota file is broken" in store.job("2026a")["reason"]
+
+
+def test_what_a_job_whose_master_is_gone_held_is_free(tmp_path, monkeypatch):
+    """After a reboot (or a master's kill -9) the jobs recorded Running hold
+    nothing: nobody may be left waiting for them to be recorded lost."""
+    monkeypatch.delenv("PAI_QUOTA", raising=False)
+    store = Store(tmp_path)
+    record(store, "2026a", TWO, worker=(1, 400, 0, 100))
+    record(store, "2026b", TWO, worker=(1, 400, 0, 100))
+    queue_turns.dispatch(store)
+    assert store.take_turn("2026a") and store.take_turn("2026b") is None
+    store.update_job("2026a", master_pid=os.getpid(), master_start="1")   # not this process's start: gone
+    queue_turns.dispatch(store)
+    assert json.loads(store.take_turn("2026b"))[0]["gpus"] == ["0"]

@@ -133,6 +133,8 @@ def test_quota_timeout_and_a_lost_supervisor_restarted(tmp_path, monkeypatch, pa
     info = wait_until(lambda: (lambda s: s if s["reason"] else None)(status(b)), 10)
     assert info["status"] == "Waiting"
     assert info["reason"] == "waiting: 1st in queue; project p over its quota: holds cpu 10 of 10, needs 10 more"
+    shown = pai("console", input="show queue;\n").stdout   # the console's verb for `pai queue`
+    assert re.search(rf"^1 +{b} +gate +0 +p .* cpu 10 +project p over its quota", shown, re.M), shown
     # bigger than its quota: never, exit 2, one line
     too_big = pai("-name", "python", f"-Dscript={GATE}", '-Dcluster={"worker":{"count":2,"cpu":10}}', "-project", "p")
     assert too_big.returncode == 2

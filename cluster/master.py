@@ -472,6 +472,7 @@ class JobMaster:
         inst.placed = new
         self.placements = [new if (p.role, p.idx) == (new.role, new.idx) else p for p in self.placements or []]
         write_placements(self.job_dir, self.placements)
+        queue_turns.placed_again(self.store, self.job_id, self.plan, self.placements)
         self.backend.prepare(str(self.job_dir), self.plan, [new])
 
     def _restart_job(self, failed: Instance, code: int) -> None:

@@ -557,6 +557,16 @@ class Store:
             " (SELECT COUNT(*) FROM claims c JOIN jobs j ON j.id = c.job_id"
             "  WHERE c.kind = 'gpu' AND j.status IN ('Waiting', 'Running'))").fetchone())
 
+    def queue_holds(self, job_id: str) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM holds WHERE job_id = ? ORDER BY node", (job_id,)).fetchall()
+
+    def set_holds(self, job_id: str, project: str | None, rows: list[tuple[str, int, int, int]]) -> None:
+        """What a job holds, per node: (node, cpu, memory, gpu), replacing what it held."""
+        with self.tx() as db:
+            db.execute("DELETE FROM holds WHERE job_id = ?", (job_id,))
+            db.executemany("INSERT INTO holds VALUES (?,?,?,?,?,?)",
+                           [(job_id, node, project, cpu, memory, gpu) for node, cpu, memory, gpu in rows])
+
     def release_holds(self, job_id: str) -> None:
         with self.tx() as db:
             db.execute("DELETE FROM holds WHERE job_id = ?", (job_id,))

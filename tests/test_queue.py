@@ -204,3 +204,16 @@ def test_what_a_job_whose_master_is_gone_held_is_free(tmp_path, monkeypatch):
     store.update_job("2026a", master_pid=os.getpid(), master_start="1")   # not this process's start: gone
     queue_turns.dispatch(store)
     assert json.loads(store.take_turn("2026b"))[0]["gpus"] == ["0"]
+
+
+def test_a_moved_instance_takes_its_hold_along(tmp_path, monkeypatch):
+    from paicli.cluster.backends.base import Placement
+
+    monkeypatch.delenv("PAI_QUOTA", raising=False)
+    store = Store(tmp_path)
+    record(store, "2026a", TWO, worker=(2, 100, 0, 0))
+    queue_turns.dispatch(store)
+    assert {p["node"] for p in json.loads(store.take_turn("2026a"))} == {"h1"}
+    plan = JobPlan("j", "python", "T", [RolePlan("worker", 2, ["true"], cpu=100)])
+    queue_turns.placed_again(store, "2026a", plan, [Placement("worker", 0, "h1", "a"), Placement("worker", 1, "h2", "b")])
+    assert [(h["node"], h["cpu"]) for h in store.queue_holds("2026a")] == [("h1", 100), ("h2", 100)]

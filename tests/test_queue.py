@@ -217,3 +217,18 @@ def test_a_moved_instance_takes_its_hold_along(tmp_path, monkeypatch):
     plan = JobPlan("j", "python", "T", [RolePlan("worker", 2, ["true"], cpu=100)])
     queue_turns.placed_again(store, "2026a", plan, [Placement("worker", 0, "h1", "a"), Placement("worker", 1, "h2", "b")])
     assert [(h["node"], h["cpu"]) for h in store.queue_holds("2026a")] == [("h1", 100), ("h2", 100)]
+
+
+def test_a_backfilled_job_says_so_in_its_event_log(tmp_path, monkeypatch):
+    monkeypatch.delenv("PAI_QUOTA", raising=False)
+    store = Store(tmp_path)
+    record(store, "2026a", TWO, worker=(1, 100, 0, 100))     # takes h2's card
+    queue_turns.dispatch(store)
+    assert store.take_turn("2026a")
+    record(store, "2026b", TWO, worker=(1, 400, 0, 100))     # waits for h2, all of it
+    record(store, "2026c", TWO, worker=(1, 100, 0, 0))       # h1 only: cannot delay b
+    queue_turns.dispatch(store)
+    assert store.take_turn("2026b") is None and store.take_turn("2026c")
+    assert [e["message"] for e in store.events("2026c") if e["kind"] == "queue"] == \
+        ["backfilled: starts ahead of 2026b, which it cannot delay (it uses only room that job will not need)"]
+    assert store.job("2026b")["reason"] == "waiting: 1st in queue; worker needs gpu 100, h2 has 0 free (held by 2026a)"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from paicli.cluster import distribution
 from paicli.cluster import placement as placing
-from paicli.cluster import datasets, policy
+from paicli.cluster import datasets, policy, queue_turns
 from paicli.cluster import layers as job_layers
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
@@ -114,6 +114,10 @@ class JobMaster:
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
         self.selector.register(wake_r, selectors.EVENT_READ, None)
         self.store.update_job(self.job_id, master_pid=os.getpid(), master_start=start_time(os.getpid()))
+        waited_out = self._wait_in_queue()
+        if waited_out:
+            self._finish(*waited_out)
+            return 0
         self._start_watchdog()
         if not self.store.set_job(self.job_id, JobStatus.RUNNING):
             self._tell_watchdog("done")
@@ -123,9 +127,6 @@ class JobMaster:
                 # Ray: waits while the cluster is busy (the job's timeout covers it).
                 self.placements = self.backend.place_job(self.plan, self.job_id, self.joblog.note,
                                                          self._deadline(), lambda: self.cancel_reason)
-                write_placements(self.job_dir, self.placements)
-            if self.placements is None:
-                self.placements = place_job(self.store, self.job_id, self.plan, self.backend)
                 write_placements(self.job_dir, self.placements)
             placed = {(p.role, p.idx): p for p in self.placements}
             for inst in self.instances:
@@ -149,6 +150,21 @@ class JobMaster:
         status, reason = outcome
         self._finish(status, reason)
         return 0
+
+    def _wait_in_queue(self) -> tuple[JobStatus, str | None] | None:
+        """The queue (paicli.cluster.queue_turns): the job stays Waiting, nothing of
+        it runs, until its turn; then its placement is the one the queue granted."""
+        if self.placements is not None or self.backend.places_jobs:
+            return None   # placed already, or Ray (its own scheduler and Waiting List)
+        try:
+            self.placements, outcome = queue_turns.wait_turn(
+                self.store, self.job_id, self.joblog.note, self._deadline(), lambda: self.cancel_reason,
+                lambda: place_job(self.store, self.job_id, self.plan, self.backend))
+        except BaseException as err:  # noqa: BLE001 - recorded as the job's failure, traceback in master.log
+            traceback.print_exc()
+            return JobStatus.FAILED, str(err) if isinstance(err, PaiError) else f"launcher error: {err!r}"
+        write_placements(self.job_dir, self.placements)
+        return outcome
 
     def _deadline(self) -> float | None:
         return self.started + self.plan.timeout if self.plan.timeout else None
@@ -460,6 +476,7 @@ class JobMaster:
         inst.placed = new
         self.placements = [new if (p.role, p.idx) == (new.role, new.idx) else p for p in self.placements or []]
         write_placements(self.job_dir, self.placements)
+        queue_turns.placed_again(self.store, self.job_id, self.plan, self.placements)
         self.backend.prepare(str(self.job_dir), self.plan, [new])
         datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note, {new.node})   # DATA
 
@@ -546,6 +563,7 @@ class JobMaster:
                 inst.log.close()
         self.store.release_claims(self.job_id)
         self.store.release_ports(self.job_id)
+        queue_turns.job_ended(self.store, self.job_id)
         try:
             self.backend.cleanup(str(self.job_dir))
         except Exception:

@@ -79,12 +79,16 @@ def reserve(free: dict[str, Free], placed: Placement, demand: Demand) -> None:
 
 
 def place(wanted: list[Demand], nodes: list[NodeSpec], free: dict[str, Free] | None = None,
-          avoid: Iterable[str] = ()) -> list[Placement]:
+          avoid: Iterable[str] = (), soft_cpu: Iterable[str] | None = None) -> list[Placement]:
     """One Placement per demand, in the order of `wanted`. `free` is updated in
     place (pass a fresh one from free_resources()); `avoid`: node names not to use
-    (nodes this job lost)."""
+    (nodes this job lost); `soft_cpu`: the nodes whose cores may be oversubscribed
+    (None: all of them; the queue passes the nodes no other job holds, so a job
+    alone on idle nodes runs more instances than cores, but never on cores that
+    another job holds)."""
     free = free_resources(nodes) if free is None else free
     avoid = set(avoid)
+    soft = None if soft_cpu is None else set(soft_cpu)
     usable = [n for n in nodes if n.name not in avoid and n.name in free]
     order = {n.name: i for i, n in enumerate(usable)}
     hosts = {n.name: n.host for n in usable}
@@ -122,7 +126,7 @@ def place(wanted: list[Demand], nodes: list[NodeSpec], free: dict[str, Free] | N
         left = [d for d in group if (d.role, d.idx) not in result]
         # CPU oversubscribed: the node with the most cpu left, while memory and GPUs allow.
         heap = [(-free[n.name].cpu, order[n.name], n.name) for n in usable
-                if n.cpu >= probe.cpu and hard_fit(n.name, probe)]
+                if n.cpu >= probe.cpu and hard_fit(n.name, probe) and (soft is None or n.name in soft)]
         heapq.heapify(heap)
         for d in left:
             if not heap:

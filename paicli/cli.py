@@ -18,6 +18,7 @@ import time
 import click
 
 from paicli import __version__, cli_logview, cli_nodes, cli_plan
+from paicli import cli_queue  # QUEUE room: `pai queue`
 from paicli.cli_statement import StatementCommand
 from paicli.commands import (attach, echo_json, echo_log_view, finish, is_bare_statement, open_store, print_table,
                              run_guarded, runtime_progress, split_submit_options, statement_of, submit_and_follow,
@@ -225,9 +226,12 @@ def list_(as_json, limit):
     if as_json:
         echo_json(jobs)
         return
-    print_table(("StartTime", "RunTime", "Status", "InstanceID", "Name", "Framework"),
+    # QUEUE room: a Waiting job's reason (its place in the queue) as a last column, when there is one.
+    waiting = any(job["status"] == "Waiting" and job["reason"] for job in jobs)
+    print_table(("StartTime", "RunTime", "Status", "InstanceID", "Name", "Framework", *(("Reason",) if waiting else ())),
                  [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])),
-                   f"{job['run_time']:.0f}s", job["status"], job["id"], job["name"] or "", job["framework"])
+                   f"{job['run_time']:.0f}s", job["status"], job["id"], job["name"] or "", job["framework"],
+                   *((job["reason"] or "" if job["status"] == "Waiting" else "",) if waiting else ()))
                   for job in jobs])
 
 
@@ -347,7 +351,7 @@ def console(project):
 # Commands that live in rooms of their own (multi-host nodes, the Pluto planner,
 # the logview page and plots); each module imports its heavy dependencies inside
 # its commands, so `pai --help` stays fast.
-for _module in (cli_nodes, cli_plan, cli_logview):
+for _module in (cli_nodes, cli_plan, cli_logview, cli_queue):
     _module.register(cli)
 
 

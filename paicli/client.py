@@ -53,7 +53,7 @@ def submit(prepared: Prepared, store: Store | None = None,
     master. Returns the job ID. Nothing is written to the store or the job
     folder unless every step before starting succeeded."""
     from paicli.cluster import backends, policy
-    from paicli.cluster.job_placement import check_fits, place_job, write_placements
+    from paicli.cluster import queue_turns
     from paicli.private import private_dir, write_private
     from paicli.staging import stage_code
     from paicli.store import new_job_id
@@ -77,8 +77,12 @@ def submit(prepared: Prepared, store: Store | None = None,
         datasets.prepare(spec, plan, job_dir)
         plan.runtime = adapter.runtime or None
         backend = backends.get_backend(config)
-        # Placed now, so a job that cannot fit is refused before anything starts.
-        nodes = check_fits(store, plan, backend)
+        # A job that could never start (bigger than the cluster or its quota) is
+        # refused now; one that only has to wait for room is queued (docs/queue.md).
+        # Ray places jobs itself and keeps its own Waiting List.
+        nodes = None if backend.places_jobs else backend.nodes()
+        entry = None if nodes is None else queue_turns.check_and_describe(
+            store, plan, nodes, spec.get("priority"), spec.project)
         if adapter.runtime:
             from paicli.runners.runtimes import RuntimeError_, get_runtime
             try:
@@ -93,16 +97,17 @@ def submit(prepared: Prepared, store: Store | None = None,
         write_private(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))
         write_private(job_dir / "plan.json", plan.to_json())
         backends.write_snapshot(job_dir, config)
-        # Claimed last, right before the job is recorded: a submit killed in between
-        # leaves claims that lapse (store.CLAIM_GRACE), not cards held for good.
-        write_placements(job_dir, place_job(store, job_id, plan, backend, nodes))
     except BaseException:
-        store.release_claims(job_id)
         shutil.rmtree(job_dir, ignore_errors=True)
         raise
+    queue_turns.revive(store)
     store.create_job(job_id, name=plan.job_name, framework=adapter.name, project=spec.project,
                      task_name=plan.task_name, job_dir=job_dir,
                      roles=[{"name": r.name, "count": r.count, "must_finish": r.must_finish} for r in plan.roles])
+    if entry is not None:
+        # Its master waits for its turn (paicli.cluster.queue_turns.wait_turn), and
+        # places it when the turn comes: the GPUs are claimed then, in the store.
+        store.enqueue(job_id, spec.get("priority"), spec.project, entry)
     start_master(store, job_id, job_dir)
     return job_id
 
@@ -134,6 +139,22 @@ def start_master(store: Store, job_id: str, job_dir: Path) -> None:
 # -- reading: never writes, never signals, never builds a backend ------------------
 
 
+def revive_queue(store: Store) -> None:
+    """Queued jobs whose supervisor is gone (a reboot) get a new one, whenever a
+    `pai` reads jobs: the queue survives without a daemon (docs/queue.md)."""
+    from paicli.cluster import queue_turns
+
+    queue_turns.revive(store)
+
+
+def queue(store: Store) -> list[dict[str, Any]]:
+    """The waiting jobs, in queue order (`pai queue`)."""
+    from paicli.cluster import queue_turns
+
+    revive_queue(store)
+    return queue_turns.listing(store)
+
+
 def refresh(store: Store, job_id: str) -> dict[str, Any]:
     """The job's row as the user should see it: a job whose master is gone
     without recording its end is shown Failed ("master lost"), derived, not
@@ -146,10 +167,12 @@ def refresh(store: Store, job_id: str) -> dict[str, Any]:
 def status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
     from paicli.jobstatus import build_status
 
+    revive_queue(store)
     return build_status(store, job_id, with_series)
 
 
 def list_jobs(store: Store, limit: int = 50) -> list[dict[str, Any]]:
+    revive_queue(store)
     out = []
     for job in store.jobs(limit):
         if not JobStatus(job["status"]).is_terminal():

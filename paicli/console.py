@@ -37,6 +37,7 @@ Statements end with ;  Type help; for the list, quit; or Ctrl-D to leave.
 HELP = """statements (each ends with ; and may span lines):
   pai -name <framework> -Dkey=value ... [--detach];   submit a job and follow it (Ctrl-C cancels it)
   show instances [N];            recent jobs
+  show queue;                    the jobs waiting for room, in the order they will start
   desc instance <ID>;            the job's ID, owner, start/end time, status and summary
   status <ID>;  wait <ID>;  kill <ID>;
   logs <ID> [--instance worker:0] [--tail N] [-f];
@@ -47,7 +48,7 @@ HELP = """statements (each ends with ; and may span lines):
   help;   quit;
 -D values may be typed as in PAI's console, unquoted: -Dcluster={"ps":{"count":1},"worker":{"count":2}}"""
 
-STATEMENTS = ("pai", "show instances", "desc instance", "status", "wait", "kill", "logs", "plot", "logview",
+STATEMENTS = ("pai", "show instances", "show queue", "desc instance", "status", "wait", "kill", "logs", "plot", "logview",
               "set", "use", "help", "quit")
 PASS_THROUGH = ("status", "wait", "kill", "logs", "plot", "logview", "list", "export", "run", "params")
 QUOTES = "'\""
@@ -228,6 +229,8 @@ class Console:
             if extra and not (len(extra) == 1 and extra[0].isdigit()):
                 raise UsageError(f"show instances {' '.join(extra)}: expected a number", "e.g. show instances 10;")
             return self._cli(["list", *(["-n", extra[0]] if extra else [])])
+        if head == "show" and tokens[1:2] == ["queue"]:   # QUEUE room
+            return self._cli(["queue", *tokens[2:]])
         if head == "desc" and tokens[1:2] == ["instance"]:
             if len(tokens) != 3:
                 raise UsageError("desc instance needs one job ID", "e.g. desc instance 20261122...;")

@@ -23,10 +23,12 @@ MASTER_START_DEADLINE = 30.0
 
 
 def master_alive(job) -> bool:
+    # QUEUE: a queued job's supervisor may be started again (after a reboot): since then.
+    since = max(job["created"] or 0, (job["supervised"] if "supervised" in job.keys() else None) or 0)
     if not job["master_pid"]:
         # Not started yet: alive while it may still be starting, not forever.
-        return time.time() - (job["created"] or 0) < MASTER_START_DEADLINE
-    if (job["created"] or 0) < boot_time():
+        return time.time() - since < MASTER_START_DEADLINE
+    if since < boot_time():
         return False  # started before this boot: its pid and start time may name a new process
     return is_alive(job["master_pid"], job["master_start"])
 

@@ -136,6 +136,10 @@ CORE_PARAMS: tuple[Param, ...] = (
           help="Python packages the job needs on top of its framework runtime: "
                "file:///path/requirements.txt (YAML: a file or a list). Installed once per node into a "
                "layer cached beside the runtimes (`pai runtime list`); the framework stays the runtime's."),
+    # QUEUE room (issue 19): the job's place in the queue (docs/queue.md).
+    Param("priority", "int", default=0,
+          help="The job's place in the queue when the nodes are busy: higher first, then submit "
+               "time (default 0; negative is allowed). `pai queue` shows the queue."),
 )
 
 

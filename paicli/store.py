@@ -60,10 +60,21 @@ CREATE TABLE IF NOT EXISTS claims (
     kind TEXT, node TEXT, item TEXT, job_id TEXT, ts REAL, PRIMARY KEY (kind, node, item)
 );
 CREATE INDEX IF NOT EXISTS claims_job ON claims (job_id);
+-- QUEUE room (issue 19): jobs waiting for room (state 'waiting', then 'granted'
+-- with their placement until their master takes it), and what started jobs hold.
+CREATE TABLE IF NOT EXISTS queue (
+    job_id TEXT PRIMARY KEY, priority INTEGER, project TEXT, submitted REAL, entry TEXT,
+    state TEXT, placement TEXT, reason TEXT, position INTEGER, revived REAL, waiter TEXT
+);
+CREATE TABLE IF NOT EXISTS holds (
+    job_id TEXT, node TEXT, project TEXT, cpu INTEGER, memory INTEGER, gpu INTEGER,
+    PRIMARY KEY (job_id, node)
+);
 """
 # Columns added after a store was first created: (table, column, type).
 ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("instances", "gpus", "TEXT"),
-                 ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"), ("claims", "ts", "REAL"))
+                 ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"), ("claims", "ts", "REAL"),
+                 ("jobs", "supervised", "REAL"))  # QUEUE: when a queued job's master was last (re)started
 # A claim holds while its job lives; a claim whose job was never recorded (a
 # submit killed between claiming and recording) holds only this many seconds.
 CLAIM_GRACE = 60.0
@@ -462,3 +473,122 @@ class Store:
         return self.db.execute(
             "SELECT role, idx, step, key, value FROM metrics WHERE job_id = ? AND step IS NOT NULL ORDER BY rowid",
             (job_id,)).fetchall()
+
+    # -- QUEUE room (issue 19): the queue and what started jobs hold ---------------
+    # The policy is paicli.cluster.queue (pure); paicli.cluster.queue_turns runs it
+    # through queue_dispatch, in one transaction, so two supervisors never take the
+    # same card or the same turn.
+
+    def enqueue(self, job_id: str, priority: int, project: str | None, entry: str) -> None:
+        with self.tx() as db:
+            submitted = db.execute("SELECT created FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
+            db.execute("INSERT OR REPLACE INTO queue (job_id, priority, project, submitted, entry, state)"
+                       " VALUES (?,?,?,?,?,'waiting')", (job_id, priority, project, submitted, entry))
+
+    def queue_dispatch(self, decide: Callable[[list, list, dict], list[dict[str, Any]]]) -> list[sqlite3.Row]:
+        """Run `decide(waiting rows, live holds, held cards)` in one transaction and
+        write its verdicts (holds and cards with their holder's master fields, None
+        for a claim whose job is not recorded yet)
+        write its verdicts: each {"job_id", "start", "placement", "reason",
+        "position", "holds": [(node, cpu, memory, gpu)], "gpus": {node: [ids]},
+        "event"}. Returns the jobs rows of those granted a start (to wake them)."""
+        now = time.time()
+        with self.tx() as db:
+            db.execute("DELETE FROM queue WHERE job_id IN (SELECT q.job_id FROM queue q LEFT JOIN jobs j"
+                       " ON j.id = q.job_id WHERE j.status IS NULL OR j.status != 'Waiting')")
+            db.execute("DELETE FROM holds WHERE job_id NOT IN (SELECT id FROM jobs"
+                       " WHERE status IN ('Waiting', 'Running'))")
+            rows = db.execute("SELECT * FROM queue WHERE state = 'waiting'").fetchall()
+            # With the holder's master, so the policy can leave out what a dead one held.
+            holds = db.execute("SELECT h.*, j.master_pid, j.master_start, j.created, j.supervised FROM holds h"
+                               " JOIN jobs j ON j.id = h.job_id").fetchall()
+            masters = "SELECT master_pid, master_start, created, supervised FROM jobs WHERE id = ?"
+            gpus = [(node, item, holder, db.execute(masters, (holder,)).fetchone())
+                    for node, item, holder in db.execute(LIVE_CLAIMS, ("gpu", now - CLAIM_GRACE))]
+            verdicts = decide(rows, holds, gpus)
+            current = {row["job_id"]: row for row in rows}
+            granted = []
+            for v in verdicts:
+                job_id, row = v["job_id"], current[v["job_id"]]
+                if v["start"]:
+                    db.execute("UPDATE queue SET state = 'granted', placement = ?, reason = NULL, position = 0"
+                               " WHERE job_id = ?", (v["placement"], job_id))
+                    db.executemany("INSERT OR REPLACE INTO holds VALUES (?,?,?,?,?,?)",
+                                   [(job_id, node, row["project"], cpu, memory, gpu)
+                                    for node, cpu, memory, gpu in v["holds"]])
+                    db.executemany("INSERT OR REPLACE INTO claims (kind, node, item, job_id, ts) VALUES (?,?,?,?,?)",
+                                   [("gpu", node, item, job_id, now) for node, ids in v["gpus"].items()
+                                    for item in ids])
+                    db.execute("UPDATE jobs SET reason = NULL WHERE id = ?", (job_id,))
+                    granted.append(job_id)
+                elif (row["reason"], row["position"]) != (v["reason"], v["position"]):
+                    db.execute("UPDATE queue SET reason = ?, position = ? WHERE job_id = ?",
+                               (v["reason"], v["position"], job_id))
+                    db.execute("UPDATE jobs SET reason = ? WHERE id = ?", (v["line"], job_id))
+                if v.get("event"):
+                    db.execute("INSERT INTO events (job_id, ts, kind, message) VALUES (?,?,?,?)",
+                               (job_id, now, "queue", v["event"]))
+            marks = ",".join("?" * len(granted))
+            return db.execute(f"SELECT * FROM jobs WHERE id IN ({marks})", granted).fetchall() if granted else []
+
+    def queue_entry(self, job_id: str) -> sqlite3.Row | None:
+        return self.db.execute("SELECT * FROM queue WHERE job_id = ?", (job_id,)).fetchone()
+
+    def take_turn(self, job_id: str) -> str | None:
+        """A granted job's placement (JSON), its queue row gone; None while it waits."""
+        with self.tx() as db:
+            row = db.execute("SELECT placement FROM queue WHERE job_id = ? AND state = 'granted'",
+                             (job_id,)).fetchone()
+            if row is None:
+                return None
+            db.execute("DELETE FROM queue WHERE job_id = ?", (job_id,))
+            return row[0]
+
+    def set_waiter(self, job_id: str, waiter: str) -> None:
+        """The supervisor that waits for this job's turn ("pid:start"): the one to wake."""
+        with self.tx() as db:
+            db.execute("UPDATE queue SET waiter = ? WHERE job_id = ?", (waiter, job_id))
+
+    def queue_fingerprint(self) -> tuple:
+        """Changes whenever the queue's verdicts may: jobs queued, what live jobs hold."""
+        return tuple(self.db.execute(
+            "SELECT (SELECT COUNT(*) FROM queue),"
+            " (SELECT COUNT(*) FROM holds h JOIN jobs j ON j.id = h.job_id WHERE j.status IN ('Waiting', 'Running')),"
+            " (SELECT COUNT(*) FROM claims c JOIN jobs j ON j.id = c.job_id"
+            "  WHERE c.kind = 'gpu' AND j.status IN ('Waiting', 'Running'))").fetchone())
+
+    def queue_holds(self, job_id: str) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM holds WHERE job_id = ? ORDER BY node", (job_id,)).fetchall()
+
+    def set_holds(self, job_id: str, project: str | None, rows: list[tuple[str, int, int, int]]) -> None:
+        """What a job holds, per node: (node, cpu, memory, gpu), replacing what it held."""
+        with self.tx() as db:
+            db.execute("DELETE FROM holds WHERE job_id = ?", (job_id,))
+            db.executemany("INSERT INTO holds VALUES (?,?,?,?,?,?)",
+                           [(job_id, node, project, cpu, memory, gpu) for node, cpu, memory, gpu in rows])
+
+    def release_holds(self, job_id: str) -> None:
+        with self.tx() as db:
+            db.execute("DELETE FROM holds WHERE job_id = ?", (job_id,))
+
+    def queued(self) -> list[sqlite3.Row]:
+        """Every job still in the queue (waiting or granted, not yet taken), with
+        its jobs row's fields, in no particular order."""
+        return self.db.execute(
+            "SELECT q.*, j.name, j.framework, j.created, j.master_pid, j.master_start, j.supervised"
+            " FROM queue q JOIN jobs j ON j.id = q.job_id WHERE j.status = 'Waiting'").fetchall()
+
+    def mark_revived(self, job_id: str, master_pid: int | None, older_than: float) -> bool:
+        """Take the restart of a queued job's supervisor (the one whose recorded
+        master is `master_pid`), unless another `pai` took it since `older_than`."""
+        with self.tx() as db:
+            row = db.execute("SELECT q.revived, j.master_pid FROM queue q JOIN jobs j ON j.id = q.job_id"
+                             " WHERE q.job_id = ? AND j.status = 'Waiting'", (job_id,)).fetchone()
+            if row is None or row[1] != master_pid or (row[0] or 0) > older_than:
+                return False
+            now = time.time()
+            db.execute("UPDATE queue SET revived = ? WHERE job_id = ?", (now, job_id))
+            db.execute("UPDATE jobs SET supervised = ?, master_pid = NULL, master_start = NULL WHERE id = ?",
+                       (now, job_id))
+            return True
+

@@ -465,7 +465,8 @@ def small_port_range():
 def test_ten_concurrent_jobs_in_a_narrow_port_range_never_share_a_port(pai_home, small_port_range):
     from concurrent.futures import ThreadPoolExecutor
 
-    cluster = '{"ps":{"count":1},"worker":{"count":2}}'
+    # cpu 0: jobs that hold no cores run together (the queue makes jobs that hold them take turns)
+    cluster = '{"ps":{"count":1,"cpu":0},"worker":{"count":2,"cpu":0}}'
     env = dict(os.environ, BEHAVE_PS="serve", BEHAVE_WORKER="print:2,sleep:4")
 
     def one(_):

@@ -1,0 +1,274 @@
+"""The queue at work: no daemon, the jobs' own supervisors and the store.
+
+- `check_and_describe` (the submit): exit 2 for a job that could never start
+  (bigger than the cluster, or than its project's quota); the queue entry.
+- `wait_turn` (the job's JobMaster, before anything starts): run the policy
+  (paicli.cluster.queue.turns) in one store transaction; if it is not the job's
+  turn, say why in job.log (PAI's Waiting List line) and sleep until a master
+  that frees room wakes it (SIGUSR1, to the recorded waiter only) or a second
+  passes (the head of the queue runs the policy again then, so a job recorded
+  ended by someone else, a watchdog or `pai kill`, frees its room too).
+- `job_ended` (every master's end): its holds go, the policy runs, the jobs that
+  may start now are woken.
+- `revive` (any `pai` that reads jobs): a queued job whose supervisor is gone
+  (the machine rebooted, it was killed) gets a new one; nothing was started, so
+  nothing is lost.
+
+Ray places jobs itself (its own Waiting List): its jobs never enter this queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from paicli.cluster import placement as placing
+from paicli.cluster import queue as policy
+from paicli.cluster.backends.base import NodeSpec, Placement
+from paicli.errors import UsageError
+from paicli.states import JobStatus
+from paicli.store import Store
+
+HEAD_POLL = 1.0        # the head of the queue runs the policy this often, woken or not
+WAITER_POLL = 3.0      # others look at their own row this often
+REVIVE_GRACE = 30.0    # a restarted supervisor has this long to record itself
+WAKE_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+# -- submit ---------------------------------------------------------------------------
+
+
+def quota_path(home: Path) -> Path | None:
+    given = os.environ.get("PAI_QUOTA")
+    if given:
+        return Path(given).expanduser()
+    path = Path(home) / "quota.yaml"
+    return path if path.is_file() else None
+
+
+def load_quotas(home: Path) -> dict[str, dict[str, int]]:
+    """The quota file ($PAI_QUOTA, else $PAI_HOME/quota.yaml; none: no quotas)."""
+    path = quota_path(home)
+    if path is None:
+        return {}
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"quota file {path}: cannot read it ({type(err).__name__})",
+                         "fix the file or unset PAI_QUOTA") from None
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError, RecursionError):
+        raise UsageError(f"quota file {path}: not valid YAML",
+                         "e.g. vision: {cpu: 800, memory: 32000, gpu: 200}") from None
+    return policy.parse_quota(data, f"quota file {path}")
+
+
+def entry_of(job_id: str, demands: list[placing.Demand], nodes: list[NodeSpec], priority: int,
+             project: str | None, submitted: float = 0.0) -> policy.Entry:
+    return policy.Entry(job_id, priority, project, submitted, tuple(demands), tuple(nodes))
+
+
+def check_and_describe(store: Store, plan, nodes: list[NodeSpec], priority: int, project: str | None) -> str:
+    """UsageError (exit 2) when the job could never start; else the queue entry
+    (JSON) to record with the job."""
+    demands = placing.demands(plan)
+    policy.check_submit(entry_of("", demands, nodes, priority, project), load_quotas(store.home))
+    return json.dumps({"demands": [list(d) for d in demands], "nodes": [n.to_dict() for n in nodes]})
+
+
+def _entry(row) -> policy.Entry:
+    data = json.loads(row["entry"])
+    return entry_of(row["job_id"], [placing.Demand(*d) for d in data["demands"]],
+                    [NodeSpec.from_dict(n) for n in data["nodes"]], row["priority"] or 0, row["project"],
+                    row["submitted"] or 0.0)
+
+
+# -- the policy in one transaction ------------------------------------------------------
+
+
+def dispatch(store: Store, me: str | None = None) -> None:
+    """Run the policy over the whole queue in one store transaction, record each
+    verdict, wake the supervisors of the jobs that may start (not `me`)."""
+    try:
+        quotas, quota_error = load_quotas(store.home), None
+    except UsageError as err:
+        quotas, quota_error = {}, f"the quota file is broken ({err.message}); nothing starts until it is fixed"
+
+    def decide(rows, holds, claims) -> list[dict[str, Any]]:
+        from paicli.jobstatus import master_alive
+
+        entries = [_entry(row) for row in rows]
+        # What a job whose master is gone held is free: its watchdog stopped its
+        # instances (and after a reboot nothing runs), even before it is recorded lost.
+        held = [policy.Hold(h["job_id"], h["project"], h["node"], h["cpu"], h["memory"], h["gpu"])
+                for h in holds if master_alive(h)]
+        gpus: dict[str, set[str]] = {}
+        for node, item, _, master in claims:
+            if master is None or master_alive(master):
+                gpus.setdefault(node, set()).add(item)
+        if quota_error:
+            return [_verdict(policy.Turn(e.job_id, n, reason=quota_error))
+                    for n, e in enumerate(policy.ordered(entries), 1)]
+        return [_verdict(turn) for turn in policy.turns(entries, held, gpus, quotas)]
+
+    for job in store.queue_dispatch(decide):
+        if job["id"] != me:
+            _wake(store, job["id"])
+
+
+def _verdict(turn: policy.Turn) -> dict[str, Any]:
+    gpus: dict[str, list[str]] = {}
+    for p in turn.placements or ():
+        gpus.setdefault(p.node, []).extend(p.gpus)
+    event = (f"backfilled: starts ahead of {turn.backfill}, which it cannot delay (it uses only room that job"
+             f" will not need)") if turn.backfill else None
+    return {"job_id": turn.job_id, "start": turn.start, "position": turn.position, "reason": turn.reason,
+            "line": policy.waiting_line(turn) if not turn.start else None,
+            "placement": json.dumps([p.to_dict() for p in turn.placements]) if turn.placements else None,
+            "holds": [(h.node, h.cpu, h.memory, h.gpu) for h in turn.holds], "gpus": gpus, "event": event}
+
+
+def _wake(store: Store, job_id: str) -> None:
+    from paicli.cluster.procinfo import Unverified, signal_verified
+
+    row = store.queue_entry(job_id)
+    waiter = (row["waiter"] or "") if row is not None else ""
+    pid, _, start = waiter.partition(":")
+    if pid:
+        try:
+            signal_verified(int(pid), start, signal.SIGUSR1)
+        except (Unverified, OSError):
+            pass   # it looks at its row within WAITER_POLL anyway
+
+
+# -- the job's supervisor ---------------------------------------------------------------
+
+
+def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: float | None,
+              cancelled: Callable[[], str | None], place_now: Callable[[], list[Placement]]
+              ) -> tuple[list[Placement] | None, tuple[JobStatus, str] | None]:
+    """The JobMaster's wait for its turn: (placements, None) when it may start, or
+    (None, outcome) when it was cancelled or timed out while waiting. A job with no
+    queue entry (recorded by a caller that bypassed the queue) is placed at once
+    (`place_now`)."""
+    if store.queue_entry(job_id) is None:
+        return place_now(), None
+    from paicli.cluster.procinfo import start_time
+
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAKE_SIGNALS)
+    try:
+        # Recorded only once the wake-up signal is blocked: it can no longer kill us.
+        store.set_waiter(job_id, f"{os.getpid()}:{start_time(os.getpid())}")
+        dispatch(store, me=job_id)
+        said = None
+        seen = _fingerprint(store)
+        while True:
+            row = store.queue_entry(job_id)   # a read: 500 waiters must not queue for the write lock
+            taken = store.take_turn(job_id) if row is not None and row["state"] == "granted" else None
+            if taken is not None:
+                return [Placement.from_dict(p) for p in json.loads(taken)], None
+            job = store.job(job_id)
+            ended = JobStatus(job["status"]).is_terminal()
+            if job["master_pid"] not in (None, os.getpid()) or (row is None and not ended):
+                # Another supervisor took this job over (started by `revive` when this
+                # one looked gone): it holds nothing yet, so it just leaves.
+                print(f"{time.ctime()}: another supervisor (pid {job['master_pid']}) took this job over",
+                      flush=True)
+                os._exit(0)
+            if row is None or ended or cancelled():
+                return None, (JobStatus.CANCELLED, cancelled() or job["reason"] or "cancelled while waiting")
+            if deadline is not None and time.monotonic() >= deadline:
+                return None, (JobStatus.CANCELLED, f"timeout while waiting in the queue ({job['reason'] or ''})")
+            if job["reason"] and job["reason"] != said:
+                said = job["reason"]
+                note(said)
+            head = row["position"] == 1
+            pause = HEAD_POLL if head else WAITER_POLL
+            if deadline is not None:
+                pause = max(0.0, min(pause, deadline - time.monotonic()))
+            got = signal.sigtimedwait(WAKE_SIGNALS, pause)
+            if got is not None and got.si_signo != signal.SIGUSR1:
+                return None, (JobStatus.CANCELLED, "cancelled while waiting")
+            if got is None and head:
+                # Room freed by someone who did not run the policy (a job recorded lost by a
+                # watchdog or `pai kill`), or an edited quota file: the head runs it.
+                now_seen = _fingerprint(store)
+                if now_seen != seen:
+                    seen = now_seen
+                    dispatch(store, me=job_id)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def placed_again(store: Store, job_id: str, plan, placements: list[Placement]) -> None:
+    """A started job moved an instance (failover): what it holds follows it."""
+    if store.queue_holds(job_id):
+        project = store.job(job_id)["project"]
+        holds = policy.holds_of(job_id, project, placing.demands(plan), placements)
+        store.set_holds(job_id, project, [(h.node, h.cpu, h.memory, h.gpu) for h in holds])
+
+
+def _fingerprint(store: Store) -> tuple:
+    path = quota_path(store.home)
+    try:
+        mtime = path.stat().st_mtime_ns if path else None
+    except OSError:
+        mtime = None
+    return (*store.queue_fingerprint(), mtime)
+
+
+def job_ended(store: Store, job_id: str) -> None:
+    """A job's end (its master's last act): what it held is free; who is next?"""
+    store.release_holds(job_id)
+    dispatch(store, me=job_id)
+
+
+# -- `pai` -----------------------------------------------------------------------------
+
+
+def revive(store: Store) -> list[str]:
+    """Start a new supervisor for every queued job whose supervisor is gone (a
+    reboot, a kill): queued jobs are not lost. Returns their IDs."""
+    from paicli.jobstatus import master_alive
+
+    revived = []
+    for row in store.queued():
+        if master_alive(row):
+            continue
+        if store.mark_revived(row["job_id"], row["master_pid"], time.time() - REVIVE_GRACE):
+            _start_supervisor(store, row["job_id"])
+            revived.append(row["job_id"])
+    return revived
+
+
+def _start_supervisor(store: Store, job_id: str) -> None:
+    from paicli.cluster.procinfo import start_time
+    from paicli.cluster.spawn import spawn_master
+
+    job_dir = Path(store.job(job_id)["job_dir"])
+    store.event(job_id, "queue", "its supervisor was gone; a new one takes its place in the queue")
+    with store.closed_for_fork():
+        pid = spawn_master(store.home, job_id, job_dir / "master.log")
+    store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
+
+
+def listing(store: Store) -> list[dict[str, Any]]:
+    """The queue as `pai queue` shows it, in queue order."""
+    rows = store.queued()
+    order = {e.job_id: n for n, e in enumerate(policy.ordered(_entry(r) for r in rows))}
+    out = []
+    for row in sorted(rows, key=lambda r: order[r["job_id"]]):
+        need = policy.totals(placing.Demand(*d) for d in json.loads(row["entry"])["demands"])
+        out.append({"position": row["position"] or order[row["job_id"]] + 1, "id": row["job_id"],
+                    "name": row["name"], "framework": row["framework"], "priority": row["priority"] or 0,
+                    "project": row["project"], "submitted": row["submitted"], "needs": need,
+                    "state": "starting" if row["state"] == "granted" else "waiting",
+                    "waiting_for": row["reason"] or ("starting" if row["state"] == "granted" else "")})
+    return out

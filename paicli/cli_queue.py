@@ -1,0 +1,43 @@
+"""`pai queue`: the jobs waiting for room, in the order they will start
+(docs/queue.md). Registered by paicli.cli; `show queue;` in the console."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from paicli.commands import echo_json, open_store
+
+
+def needs_text(needs: dict[str, int]) -> str:
+    return " ".join(f"{key} {needs[key]}" for key in ("cpu", "memory", "gpu") if needs.get(key))
+
+
+@click.command("queue")
+@click.option("--json", "as_json", is_flag=True, help="Print the queue as JSON.")
+def queue_command(as_json):
+    """List the jobs waiting for room: position, priority, project, what each needs
+    and what it waits for (PAI's Waiting List). Jobs start by themselves, in this
+    order, when room frees (`pai kill ID` takes one out)."""
+    from paicli import client
+
+    rows = client.queue(open_store())
+    if as_json:
+        echo_json(rows)
+        return
+    if not rows:
+        click.echo("no job is waiting")
+        return
+    from paicli.jobstatus import aligned
+
+    # Plain aligned columns, not a rich table: 500 waiting jobs print in a few ms.
+    lines = aligned([("Position", "InstanceID", "Name", "Priority", "Project", "Submitted", "Needs", "Waiting for"),
+                     *((str(r["position"]), r["id"], r["name"] or "", str(r["priority"]), r["project"] or "",
+                        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["submitted"] or 0)),
+                        needs_text(r["needs"]), r["waiting_for"]) for r in rows)])
+    click.echo("\n".join(lines))
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(queue_command)

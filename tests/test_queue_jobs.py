@@ -1,0 +1,164 @@
+"""The queue with real jobs, real masters, a real sshd: two jobs needing the same
+GPU run one after the other, priorities reorder, a queued job survives the
+CLI's death, `pai kill` takes a waiting job out; quotas, the timeout of a wait
+and a supervisor restarted after it was lost (as after a reboot). Tiny python
+jobs that wait for a file (tests/scripts/gate.py), so the order is the test's."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until
+from netns import SSHD
+
+GATE = ROOT / "tests" / "scripts" / "gate.py"
+
+
+def submit(gate: Path, *extra: str) -> str:
+    result = pai("--detach", "-name", "python", f"-Dscript={GATE}", f"-DuserDefinedParameters={gate}", *extra)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.split()[0]   # --detach: the ID alone
+
+
+def status(job_id: str) -> dict:
+    return pai_json("status", job_id)
+
+
+def state_is(job_id: str, wanted: str, timeout: float = 30) -> dict:
+    info = wait_until(lambda: (lambda s: s if s["status"] == wanted else None)(status(job_id)), timeout, 0.2)
+    assert info, f"{job_id} is {status(job_id)['status']}, not {wanted}"
+    return info
+
+
+def master_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def gates(tmp_path):
+    """Gate files; every one opened at the end, and every unfinished job killed."""
+    made: list[Path] = []
+
+    def gate(name: str) -> Path:
+        made.append(tmp_path / f"gate-{name}")
+        return made[-1]
+
+    yield gate
+    for path in made:
+        path.touch()
+    listed = pai("list", "--json", "-n", "50")
+    for job in json.loads(listed.stdout) if listed.returncode == 0 else []:
+        if job["status"] in ("Waiting", "Running"):
+            pai("kill", job["id"], timeout=60)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SSHD), reason="needs root and sshd (a loopback node)")
+def test_one_gpu_two_jobs_priorities_cli_death_and_kill_of_a_waiting_job(tmp_path, monkeypatch, pai_home, gates):
+    from netns import LoopbackHost
+
+    with LoopbackHost(Path("/var/tmp") / f"paicli-qlo-{os.getpid()}") as lo:
+        nodes = tmp_path / "nodes.yaml"
+        nodes.write_text(json.dumps({"known_hosts": str(lo.known_hosts), "nodes": [
+            lo.node(cpu=400, memory=4000, gpu=1, work_dir=str(tmp_path / "work"))]}))
+        monkeypatch.setenv("PAI_NODES", str(nodes))
+        gpu = "-DgpuRequired=100"
+        a = submit(gates("a"), gpu)
+        state_is(a, "Running")
+        # b in the foreground: its Waiting List line, then its CLI dies (kill -9)
+        b_cli = subprocess.Popen([*PAI, "-name", "python", f"-Dscript={GATE}",
+                                  f"-DuserDefinedParameters={gates('b')}", gpu],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen = []
+        for line in b_cli.stdout:
+            seen.append(line)
+            if "waiting:" in line:
+                break
+        b = job_id_from("".join(seen))
+        assert seen[-1].strip() == f"[pai] waiting: 1st in queue; worker needs gpu 100, lo has 0 free (held by {a})"
+        os.kill(b_cli.pid, signal.SIGKILL)
+        b_cli.wait()
+        b_cli.stdout.close()
+        c = submit(gates("c"), gpu, "-Dpriority=5")
+        d = submit(gates("d"), gpu)
+        queued = wait_until(lambda: [q["id"] for q in pai_json("queue")] == [c, b, d] and pai_json("queue"), 15)
+        assert queued, pai_json("queue")
+        assert [(q["position"], q["priority"]) for q in queued] == [(1, 5), (2, 0), (3, 0)]
+        assert status(b)["status"] == "Waiting" and status(b)["reason"].startswith("waiting: 2nd in queue; ")
+        listed = pai("list").stdout
+        assert re.search(rf"Waiting +{b} .*waiting: 2nd in queue", listed), listed
+        # pai kill of a waiting job: out of the queue, its supervisor gone, nothing started
+        d_master = status(d)["master_pid"]
+        killed = pai("kill", d)
+        assert killed.returncode == 0 and f"{d} cancelled" in killed.stdout, killed.stdout + killed.stderr
+        assert wait_until(lambda: not master_alive(d_master), 5), "the waiting job's master is still there"
+        d_info = status(d)
+        assert d_info["status"] == "Cancelled" and not any(i["pid"] for i in d_info["instances"])
+        assert [q["id"] for q in pai_json("queue")] == [c, b]
+        # a ends: c (priority 5) starts before b, though b was submitted first
+        gates("a").touch()
+        state_is(c, "Running")
+        assert status(b)["status"] == "Waiting"
+        gates("c").touch()
+        gates("b").touch()
+        b_info = state_is(b, "Succeeded", 60)
+        a_info, c_info = status(a), state_is(c, "Succeeded")
+        assert a_info["ended"] <= c_info["started"] + 0.5 and c_info["ended"] <= b_info["started"] + 0.5
+        assert all(i["node"] == "lo" for i in b_info["instances"])
+        assert "started" in pai("logs", b).stdout
+        assert pai_json("queue") == []
+
+
+def test_quota_timeout_and_a_lost_supervisor_restarted(tmp_path, monkeypatch, pai_home, gates):
+    quota = tmp_path / "quota.yaml"
+    quota.write_text("p: {cpu: 10}\n")
+    monkeypatch.setenv("PAI_QUOTA", str(quota))
+    small = '-Dcluster={"worker":{"count":1,"cpu":10}}'
+    a = submit(gates("a"), small, "-project", "p")
+    state_is(a, "Running")
+    b = submit(gates("b"), small, "-project", "p")
+    other = submit(gates("q"), small, "-project", "q")   # another project is not held up
+    state_is(other, "Running")
+    info = wait_until(lambda: (lambda s: s if s["reason"] else None)(status(b)), 10)
+    assert info["status"] == "Waiting"
+    assert info["reason"] == "waiting: 1st in queue; project p over its quota: holds cpu 10 of 10, needs 10 more"
+    shown = pai("console", input="show queue;\n").stdout   # the console's verb for `pai queue`
+    assert re.search(rf"^1 +{b} +gate +0 +p .* cpu 10 +project p over its quota", shown, re.M), shown
+    # bigger than its quota: never, exit 2, one line
+    too_big = pai("-name", "python", f"-Dscript={GATE}", '-Dcluster={"worker":{"count":2,"cpu":10}}', "-project", "p")
+    assert too_big.returncode == 2
+    assert too_big.stderr.startswith(
+        "pai: error: the job needs cpu 20, more than the quota of -project p (cpu 10); "), too_big.stderr
+    assert len(too_big.stderr.splitlines()) == 1
+    # -Dtimeout covers the wait
+    t = submit(gates("t"), small, "-project", "p", "-Dtimeout=2")
+    timed_out = state_is(t, "Cancelled", 20)
+    assert timed_out["reason"].startswith("timeout while waiting in the queue")
+    # b's supervisor dies (as in a reboot): the next `pai` that reads jobs starts another
+    old = status(b)["master_pid"]
+    os.kill(old, signal.SIGKILL)
+    assert wait_until(lambda: not master_alive(old), 5)
+    new = pai_json("list")   # revives
+    assert [j["status"] for j in new if j["id"] == b] == ["Waiting"]
+    pid = status(b)["master_pid"]
+    assert pid and pid != old and wait_until(lambda: master_alive(pid), 5)
+    events = subprocess.run([sys.executable, "-c", "import sys; from paicli.store import Store;"
+                             " print([e['message'] for e in Store().events(sys.argv[1])])", b],
+                            capture_output=True, text=True).stdout
+    assert "a new one takes its place in the queue" in events
+    gates("a").touch()
+    state_is(b, "Running")
+    gates("b").touch()
+    gates("q").touch()
+    state_is(b, "Succeeded")

@@ -72,6 +72,7 @@ def get_adapter(name: str):
         from paicli.spec import closest
         guess = closest(name, list(_load()))
         hint = f"did you mean -name {guess}? " if guess else ""
-        raise UsageError(f"-name {name}: unknown framework",
+        shown = name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
+        raise UsageError(f"-name {shown}: unknown framework",   # one line, whatever was typed
                          f"{hint}known: {', '.join(adapter_names())}")
     return cls()

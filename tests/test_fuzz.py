@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from paicli import client
@@ -34,6 +34,7 @@ def tokens():
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tokens())
+@example(["-name", "0\n0"])   # an unknown framework's name with a newline: once two lines
 def test_statements_never_traceback(args):
     try:
         client.prepare(parse_statement(["-name", "python", *args]))

@@ -243,3 +243,53 @@ def test_bad_input_is_one_line_and_exit_2(pai_home, tmp_path):
     result = pai("tune", "-name", "python", f"-Dscript={QUAD}", "--space", good.replace("space", "none"))
     assert result.returncode == 2 and "no such file" in result.stderr
     assert not (pai_home / "studies").exists() or not any((pai_home / "studies").iterdir())
+
+
+def test_detached_study_re_attached_and_its_budget(pai_home, tmp_path):
+    """--detach returns the study's name at once; `pai tune status` follows it to its
+    end; --budget stops starting trials once the next one would pass it (the forecast:
+    the mean of the trials run to completion)."""
+    space = _space(tmp_path, "lr: {type: loguniform, low: 1e-3, high: 1e-1}\n")
+    result = pai("tune", "-name", "python", f"-Dscript={QUAD}", "--space", space, "--trials", "6",
+                 "--pruner", "none", "--budget", "3s", "--study", "bud", "--detach")
+    assert result.returncode == 0 and result.stdout.strip() == "bud", result.stderr
+    followed = pai("tune", "status", "bud", timeout=120)
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    view = _study(pai_home, "bud")
+    assert view["status"] == "Succeeded" and 1 <= len(view["trials"]) < 6
+    assert view["note"].startswith(f"budget: {len(view['trials'])} trials started; another (forecast ")
+    assert view["note"] in followed.stdout and "rerun: pai -name python" in followed.stdout
+
+
+def test_a_stopped_study_cancels_its_trials_and_leaves_nothing(pai_home, tmp_path):
+    space = _space(tmp_path, "lr: {type: loguniform, low: 1e-3, high: 1e-1}\n")
+    result = pai("tune", "-name", "python", f"-Dscript={QUAD}", "-DuserDefinedParameters=--steps 600",
+                 "--space", space, "--trials", "4", "--parallel", "2", "--study", "stop", "--detach")
+    assert result.returncode == 0, result.stderr
+    assert wait_until(lambda: [t["state"] for t in _study(pai_home, "stop")["trials"]].count("Running") == 2, 30)
+    stopped = pai("tune", "stop", "stop")
+    assert stopped.returncode == 0 and stopped.stdout.strip() == "study stop: stopping"
+    followed = pai("tune", "status", "stop", timeout=60)
+    assert followed.returncode == 130, followed.stdout + followed.stderr
+    view = _study(pai_home, "stop")
+    assert view["status"] == "Cancelled" and [t["state"] for t in view["trials"]] == ["Cancelled", "Cancelled"]
+    groups = set()
+    for trial in view["trials"]:
+        status = json.loads(pai("status", trial["job_id"], "--json").stdout)
+        assert status["status"] == "Cancelled"
+        groups |= {i["pgid"] for i in status["instances"] if i["pgid"]}
+    assert groups and not processes_in(groups)
+
+
+def test_the_live_table_on_a_terminal(pai_home, tmp_path):
+    from conftest import run_on_pty
+
+    space = _space(tmp_path, "lr: {type: loguniform, low: 1e-3, high: 1e-1}\n")
+    code, out = run_on_pty([*PAI, "tune", "-name", "python", f"-Dscript={QUAD}", "-DuserDefinedParameters=--steps 4",
+                            "--space", space, "--trials", "2", "--parallel", "2", "--study", "tty"],
+                           {**os.environ, "PAI_HOME": str(pai_home)})
+    text = out.decode()
+    assert code == 0, text
+    assert "study tty: loss (min), 2/2 trials, 0 pruned" in text   # the table's title, redrawn in place
+    assert "Trial" in text and "Params" in text and "best so far: trial " in text
+    assert "\x1b[" in text and "rerun: pai -name python" in text

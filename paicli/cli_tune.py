@@ -218,6 +218,7 @@ def register(cli: click.Group) -> None:
             echo(name)
             return
         echo(f"study = {name}   (pai tune status {name} re-attaches)")
+        echo_study_url(store, name)
         sys.exit(follow(store, name))
 
     @tune_group.command("status")
@@ -232,6 +233,7 @@ def register(cli: click.Group) -> None:
             echo_json(tune.study_view(store, study))
             return
         store.study(study)
+        echo_study_url(store, study)
         sys.exit(follow(store, study))
 
     @tune_group.command("list")
@@ -261,6 +263,17 @@ def register(cli: click.Group) -> None:
             echo(f"study {study}: stopping")
         else:
             echo(f"study {study}: not running ({tune.study_view(store, study)['status']})")
+
+
+def echo_study_url(store, name: str) -> None:
+    """`Log view:` the study's page (nothing with PAI_LOGVIEW=file)."""
+    from paicli.web.study import study_url_line
+
+    url, note = study_url_line(store.home, name)
+    if url:
+        echo(f"Log view: {url}")
+    if note:
+        echo(note, err=True)
 
 
 def _need_optuna() -> None:

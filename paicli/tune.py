@@ -131,6 +131,12 @@ def _dimension(name: str, entry: Any, where: str) -> Dimension:
     return Dimension(name, kind, low, high, log=log)
 
 
+def _shown(name: Any) -> str:
+    """A name as an error shows it: escaped when it holds a newline or control character."""
+    text = str(name)[:60]
+    return text if text.isprintable() else repr(text)
+
+
 def parse_space(text: str, source: str = "space.yaml") -> list[Dimension]:
     """The space file's parameters, in file order. Bad input: UsageError, one line
     naming the file, its line and the parameter."""
@@ -153,11 +159,12 @@ def parse_space(text: str, source: str = "space.yaml") -> list[Dimension]:
     for key_node, _ in node.value:
         key = str(key_node.value)
         if key in lines:
-            raise UsageError(f"{source} line {key_node.start_mark.line + 1}: {key} is given twice", "keep one of them")
+            raise UsageError(f"{source} line {key_node.start_mark.line + 1}: {_shown(key)} is given twice",
+                             "keep one of them")
         lines[key] = key_node.start_mark.line + 1
     dims = []
     for name, entry in data.items():
-        where = f"{source} line {lines.get(str(name), '?')}: {name}"
+        where = f"{source} line {lines.get(str(name), '?')}: {_shown(name)}"
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise UsageError(f"{where}: a parameter name is a word (letters, digits, _ . -)"[:200],
                              "it reaches the script as --name=value")

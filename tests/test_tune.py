@@ -293,3 +293,53 @@ def test_the_live_table_on_a_terminal(pai_home, tmp_path):
     assert "study tty: loss (min), 2/2 trials, 0 pruned" in text   # the table's title, redrawn in place
     assert "Trial" in text and "Params" in text and "best so far: trial " in text
     assert "\x1b[" in text and "rerun: pai -name python" in text
+
+
+def test_the_study_page(pai_home, tmp_path, monkeypatch):
+    """The logview's study page: the trials, their parameters (escaped), every
+    trial's curve on one chart, behind the token like every other page."""
+    import re
+    import urllib.error
+    import urllib.request
+
+    from paicli.web import launch
+
+    monkeypatch.setenv("PAI_LOGVIEW", "web")
+
+    def get(url):
+        try:
+            with urllib.request.urlopen(url, timeout=20) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    space = _space(tmp_path, "lr: {type: loguniform, low: 1e-3, high: 1e-1}\n"
+                             "tag: {type: choice, values: ['<b>x</b>']}\n")
+    try:
+        result = pai("tune", "-name", "python", f"-Dscript={QUAD}", "-DuserDefinedParameters=--steps 5",
+                     "--space", space, "--trials", "3", "--parallel", "2", "--study", "web", timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        match = re.search(r"^Log view: (http://127\.0\.0\.1:\d+)/logview/study\?s=web&token=([\w-]+)$",
+                          result.stdout, re.M)
+        assert match, result.stdout
+        base, token = match.groups()
+        code, page = get(f"{base}/logview/study?s=web&token={token}")
+        assert code == 200 and 'id="plot"' in page and "/static/study.js" in page
+        assert "tag=&lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page
+        view = _study(pai_home, "web")
+        for trial in view["trials"]:
+            assert f'/logview/?i={trial["job_id"]}&amp;token={token}' in page
+        curves = json.loads(get(f"{base}/api/studies/web.json?token={token}")[1])
+        assert curves["metric"] == "loss" and curves["over"] and curves["best"] == view["best"]["number"]
+        assert [c["trial"] for c in curves["curves"]] == [t["number"] for t in view["trials"]]
+        assert all(c["points"] and c["points"][0][0] == 1 for c in curves["curves"])
+        assert get(f"{base}/api/studies/web.html?token={token}")[0] == 200
+        assert "web" in get(f"{base}/logview/studies?token={token}")[1]
+        for path in ("/logview/study?s=web", "/api/studies/web.json", "/api/studies/web.html", "/logview/studies",
+                     "/static/study.js"):
+            sep = "&" if "?" in path else "?"
+            assert get(f"{base}{path}")[0] == 403 and get(f"{base}{path}{sep}token={token[:-1]}x")[0] == 403
+        assert get(f"{base}/static/study.js?token={token}")[0] == 200
+        assert get(f"{base}/api/studies/nosuch.json?token={token}")[0] == 404
+    finally:
+        launch.stop_server(pai_home)

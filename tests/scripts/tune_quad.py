@@ -9,7 +9,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--lr", type=float, required=True)
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--sleep", type=float, default=0.1)
-args = parser.parse_args()
+args, _ = parser.parse_known_args()   # other parameters of a space are welcome
 floor = (math.log10(args.lr) + 2) ** 2
 for step in range(1, args.steps + 1):
     print(f"step={step}, loss={floor + 1.0 / step:.6f}", flush=True)

@@ -571,6 +571,16 @@ class Tuner:
                 out[dim.name] = d.FloatDistribution(dim.low, dim.high, log=dim.log)
         return out
 
+    def _tell(self, trial, value: float | None = None, state=None) -> None:
+        """study.tell; the grid sampler's stop request when its grid is used up is
+        for Optuna's own loop (it raises in ask-and-tell, after recording the trial):
+        the tuner counts its trials itself."""
+        try:
+            self.study.tell(trial, value, state=state)
+        except RuntimeError as err:
+            if "Study.stop" not in str(err):
+                raise
+
     # the loop
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
@@ -651,7 +661,7 @@ class Tuner:
         try:
             job_id = client.submit(prepared, self.store, progress=self.say)
         except PaiError as err:
-            self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+            self._tell(trial, state=self.optuna.trial.TrialState.FAIL)
             self.store.put_trial(self.name, number, state="Failed", reason=str(err), ended=time.time())
             raise
         self.running[number] = Running(number, trial, job_id)
@@ -707,7 +717,7 @@ class Tuner:
         step = run.last[0]
         client.kill(self.store, run.job_id, reason=f"pruned by pai tune (study {self.name}, trial {run.number}, "
                                                    f"step {step})", wait=5.0)
-        self.study.tell(run.trial, state=self.optuna.trial.TrialState.PRUNED)
+        self._tell(run.trial, state=self.optuna.trial.TrialState.PRUNED)
         self.store.put_trial(self.name, run.number, state="Pruned", reason=f"at step {step}", ended=time.time())
         del self.running[run.number]
         self.say(f"trial {run.number}: pruned at step {step}")
@@ -717,14 +727,14 @@ class Tuner:
         self._read_metric(run)   # what it printed last
         del self.running[run.number]
         if job["status"] == "Succeeded" and run.last is not None:
-            self.study.tell(run.trial, run.last[1])
+            self._tell(run.trial, run.last[1])
             self.store.put_trial(self.name, run.number, state="Complete", value=run.last[1], ended=time.time())
             return
         if job["status"] == "Succeeded" and missing_metric(len(run.steps), self.metric_seen, True):
-            self.study.tell(run.trial, state=TrialState.FAIL)
+            self._tell(run.trial, state=TrialState.FAIL)
             self.store.put_trial(self.name, run.number, state="Failed", reason="no metric", ended=time.time())
             self._missing(run)
-        self.study.tell(run.trial, state=TrialState.FAIL)
+        self._tell(run.trial, state=TrialState.FAIL)
         state = "Cancelled" if job["status"] == "Cancelled" else "Failed"
         reason = job["reason"] or (f"printed no {self.config['metric']}" if job["status"] == "Succeeded" else "")
         self.store.put_trial(self.name, run.number, state=state, reason=reason, ended=time.time())
@@ -735,7 +745,7 @@ class Tuner:
         for run in list(self.running.values()):
             try:
                 client.kill(self.store, run.job_id, reason=reason)
-                self.study.tell(run.trial, state=self.optuna.trial.TrialState.FAIL)
+                self._tell(run.trial, state=self.optuna.trial.TrialState.FAIL)
             except Exception as err:  # noqa: BLE001 - one trial's trouble must not keep the others running
                 self.say(f"trial {run.number}: {err}")
             self.store.put_trial(self.name, run.number, state="Cancelled", reason=reason, ended=time.time())
@@ -808,6 +818,9 @@ def main(argv: list[str]) -> int:
     from paicli.store import Store
 
     home, name = Path(argv[0]), argv[1]
+    # Each trial's master a fresh interpreter (cluster/spawn.py), not a fork of this
+    # process with Optuna, SQLAlchemy's connections and numpy in it (~80 MB).
+    os.environ["PAI_MASTER_EXEC"] = "1"
     store = Store(home)
     Tuner(store, name).run()
     return 0

@@ -343,3 +343,16 @@ def test_the_study_page(pai_home, tmp_path, monkeypatch):
         assert get(f"{base}/api/studies/nosuch.json?token={token}")[0] == 404
     finally:
         launch.stop_server(pai_home)
+
+
+def test_a_grid_runs_each_point_once_to_the_end(pai_home, tmp_path):
+    """The grid sampler asks Optuna's own loop to stop once its grid is used up
+    (a RuntimeError in ask-and-tell): the study still ends Succeeded."""
+    space = _space(tmp_path, "lr: {type: choice, values: [0.01, 0.1]}\n")
+    result = pai("tune", "-name", "python", f"-Dscript={QUAD}", "-DuserDefinedParameters=--steps 3 --sleep 0.02",
+                 "--space", space, "--sampler", "grid", "--trials", "5", "--pruner", "none", "--study", "grid",
+                 timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "--sampler grid: 2 points; running 2 trials" in result.stderr
+    view = _study(pai_home, "grid")
+    assert sorted(t["params"]["lr"] for t in view["trials"]) == [0.01, 0.1] and view["best"]["params"]["lr"] == 0.01

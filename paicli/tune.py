@@ -42,6 +42,7 @@ STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 POLL = 0.2                # seconds between two looks of the tuner at its trials
 MISSING_AFTER_STEPS = 5   # the first trial's steps without the metric before it is called missing
 GRID_MAX = 10_000
+GIVE_UP_AFTER = 3         # trials failed, none completed: the study fails
 TERMINAL_TRIAL = ("Complete", "Pruned", "Failed", "Cancelled")
 STEP_KEYS = ("step", "iteration", "iter", "global_step", "batch")
 
@@ -290,6 +291,11 @@ def budget_allows(elapsed: float, budget: float | None, forecast: float | None) 
 
 def better(a: float, b: float | None, mode: str) -> bool:
     return b is None or (a < b if mode == "min" else a > b)
+
+
+def give_up(failed: int, completed: int) -> bool:
+    """A statement whose first trials all fail fails every trial: stop after 3."""
+    return completed == 0 and failed >= GIVE_UP_AFTER
 
 
 def median_startup(trials: int) -> int:
@@ -541,6 +547,8 @@ class Tuner:
         self.metric_seen = False
         self.stopping = False
         self.budget_note: str | None = None
+        self.completed = 0
+        self.failures: list[tuple[int, str, str]] = []
         self.began = time.time()
 
     # Optuna's pieces from the options
@@ -727,6 +735,7 @@ class Tuner:
         self._read_metric(run)   # what it printed last
         del self.running[run.number]
         if job["status"] == "Succeeded" and run.last is not None:
+            self.completed += 1
             self._tell(run.trial, run.last[1])
             self.store.put_trial(self.name, run.number, state="Complete", value=run.last[1], ended=time.time())
             return
@@ -738,6 +747,11 @@ class Tuner:
         state = "Cancelled" if job["status"] == "Cancelled" else "Failed"
         reason = job["reason"] or (f"printed no {self.config['metric']}" if job["status"] == "Succeeded" else "")
         self.store.put_trial(self.name, run.number, state=state, reason=reason, ended=time.time())
+        self.failures.append((run.number, run.job_id, reason))
+        if give_up(len(self.failures), self.completed):
+            number, job_id, why = self.failures[0]
+            raise PaiError(f"the first {len(self.failures)} trials failed (trial {number}: {why})"[:300],
+                           f"see `pai logs {job_id}`")
 
     def cancel_all(self, reason: str) -> None:
         from paicli import client

@@ -356,3 +356,14 @@ def test_a_grid_runs_each_point_once_to_the_end(pai_home, tmp_path):
     assert "--sampler grid: 2 points; running 2 trials" in result.stderr
     view = _study(pai_home, "grid")
     assert sorted(t["params"]["lr"] for t in view["trials"]) == [0.01, 0.1] and view["best"]["params"]["lr"] == 0.01
+
+
+def test_a_study_whose_first_trials_all_fail_stops(pai_home, tmp_path):
+    space = _space(tmp_path, "lr: {type: loguniform, low: 1e-3, high: 1e-1}\n")
+    result = pai("tune", "-name", "python", f"-Dscript={QUAD}", "-DuserDefinedParameters=--steps=x",
+                 "--space", space, "--trials", "8", "--study", "bad", timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    view = _study(pai_home, "bad")
+    assert view["status"] == "Failed" and len(view["trials"]) == tune.GIVE_UP_AFTER
+    assert view["reason"].startswith(f"the first {tune.GIVE_UP_AFTER} trials failed (trial 0: worker:0 exited with code 2")
+    assert f"see `pai logs {view['trials'][0]['job_id']}`" in view["reason"]

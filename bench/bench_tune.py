@@ -7,8 +7,9 @@ the best metric within 2% of the full run's best, with <= 50% of its trial-secon
    (`--steps` steps of `--sleep` s each), `--parallel` trials at a time.
 2. The same 24 learning rates, every one run to completion (a grid over them, no pruner).
 
-Trial-seconds: the sum over trials of each trial job's run time (its start to its end,
-as the store records them; a pruned trial ends when its cancel has stopped it). Prints
+Trial-seconds: the sum over trials of each trial job's run time, from its start to the
+end of its last instance, as the store records them (a pruned trial's instances end when
+its cancel has stopped them). Prints
 both bests, their gap, both sums, their ratio, each sweep's wall time and the load.
 
     .venv/bin/python bench/bench_tune.py                  # 24 trials, 2 at a time, ~1.5 min
@@ -55,7 +56,9 @@ def trial_seconds(home: Path, view: dict) -> float:
         total = 0.0
         for trial in view["trials"]:
             job = store.job(trial["job_id"])
-            total += (job["ended"] or time.time()) - (job["started"] or job["created"])
+            # to the last instance's end: a cancel records the job's end first, then stops them
+            ended = max([job["ended"] or time.time(), *(i["ended"] or 0 for i in store.instances(job["id"]))])
+            total += ended - (job["started"] or job["created"])
         return total
     finally:
         store.close()

@@ -507,6 +507,12 @@ class Store:
                          {"status": status, "reason": reason, "code": code, "ended": time.time(), **fields})
         return True
 
+    def delete_study(self, name: str) -> None:
+        """A study that never started (its creation failed): nothing of it is kept."""
+        with self.tx() as db:
+            db.execute("DELETE FROM study_trials WHERE study = ?", (name,))
+            db.execute("DELETE FROM studies WHERE name = ?", (name,))
+
     def put_trial(self, study: str, number: int, **fields: Any) -> None:
         with self.tx() as db:
             db.execute("INSERT OR IGNORE INTO study_trials (study, number, state, created) VALUES (?,?,?,?)",

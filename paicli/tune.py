@@ -21,6 +21,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -461,8 +462,10 @@ def create(stmt, opts: TuneOptions, store, say: Callable[[str], None] = lambda l
         write_private(study_dir / "config.json", json.dumps(config, indent=2, default=str))
         _create_optuna(config)
         start_tuner(store, name, study_dir)
-    except BaseException as err:
-        store.end_study(name, "Failed", f"not started: {err}", 2)
+    except BaseException:
+        # Nothing half-written: the name is free again, the folder gone.
+        store.delete_study(name)
+        shutil.rmtree(study_dir, ignore_errors=True)
         raise
     return name
 
@@ -476,9 +479,9 @@ def _optuna():
 
 def _create_optuna(config: dict) -> None:
     optuna = _optuna()
-    if config["storage"].startswith("sqlite:///"):
-        Path(config["storage"][len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     try:
+        if config["storage"].startswith("sqlite:///"):
+            Path(config["storage"][len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         optuna.create_study(study_name=config["study"], storage=config["storage"],
                             direction="minimize" if config["mode"] == "min" else "maximize")
     except optuna.exceptions.DuplicatedStudyError:

@@ -367,3 +367,15 @@ def test_a_study_whose_first_trials_all_fail_stops(pai_home, tmp_path):
     assert view["status"] == "Failed" and len(view["trials"]) == tune.GIVE_UP_AFTER
     assert view["reason"].startswith(f"the first {tune.GIVE_UP_AFTER} trials failed (trial 0: worker:0 exited with code 2")
     assert f"see `pai logs {view['trials'][0]['job_id']}`" in view["reason"]
+
+
+def test_a_bad_storage_is_one_line_and_leaves_nothing(pai_home, tmp_path):
+    space = _space(tmp_path, "lr: {type: loguniform, low: 1e-3, high: 1e-1}\n")
+    (tmp_path / "file").write_text("")
+    for storage in ("nosuchdb://x", f"sqlite:///{tmp_path}/file/x.db"):
+        result = pai("tune", "-name", "python", f"-Dscript={QUAD}", "--space", space, "--storage", storage,
+                     "--study", "s1")
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"pai: error: --storage {storage}: ") and result.stderr.count("\n") == 1
+        assert pai("tune", "list", "--json").stdout.strip() == "[]"
+        assert not (pai_home / "studies" / "s1").exists()

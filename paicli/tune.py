@@ -685,22 +685,27 @@ class Tuner:
         for run in list(self.running.values()):
             job = client.refresh(self.store, run.job_id)
             over = job["status"] in ("Succeeded", "Failed", "Cancelled")
-            self._read_metric(run)
             if job["status"] == "Running" and run.last is None:
                 self.store.put_trial(self.name, run.number, state="Running")
-            if not over and run.last is not None and run.trial.should_prune():
+            if self._read_metric(run, judge=not over):
                 self.prune(run)
             elif over:
                 self.ended(run, job)
 
-    def _read_metric(self, run: Running) -> None:
+    def _read_metric(self, run: Running, judge: bool = False) -> bool:
+        """Report the metric's new steps; with `judge`, ask the pruner after each
+        one, as an objective's own loop would (a pruner that looks at the latest
+        step, successive halving, would otherwise judge trials at whatever step a
+        poll happened to read last). True: prune now (nothing after that step is
+        reported)."""
         rows = self.store.metrics_after(run.job_id, run.after)
         if not rows:
-            return
+            return False
         run.after = rows[-1]["rowid"]
         run.steps |= {r["step"] for r in rows if r["step"] is not None}
         run.source, points = pick_series([(r["role"], r["idx"], r["step"], r["key"], r["value"]) for r in rows],
                                          self.config["metric"], run.source)
+        prune = False
         for step, value in points:
             if step in run.reported:
                 continue   # Optuna keeps a step's first value
@@ -708,12 +713,16 @@ class Tuner:
             run.reported.add(step)
             run.last = (step, value)
             run.best = value if better(value, run.best, self.config["mode"]) else run.best
+            if judge and run.trial.should_prune():
+                prune = True
+                break
         if points:
             self.metric_seen = True
             self.store.put_trial(self.name, run.number, state="Running", step=run.last[0], value=run.last[1],
                                  best=run.best)
         elif missing_metric(len(run.steps), self.metric_seen, False):
             self._missing(run)
+        return prune
 
     def _missing(self, run: Running) -> None:
         keys = sorted({r["key"] for r in self.store.latest_metrics(run.job_id)} - set(STEP_KEYS))

@@ -379,3 +379,32 @@ def test_a_bad_storage_is_one_line_and_leaves_nothing(pai_home, tmp_path):
         assert result.stderr.startswith(f"pai: error: --storage {storage}: ") and result.stderr.count("\n") == 1
         assert pai("tune", "list", "--json").stdout.strip() == "[]"
         assert not (pai_home / "studies" / "s1").exists()
+
+
+def test_the_pruner_judges_after_each_step_a_poll_read(tmp_path):
+    """A poll reads several steps at once: each is reported and judged in turn, as in
+    an objective's loop (successive halving judges a trial at its latest step: judged
+    once per poll, trials were compared at whatever step each poll happened to reach)."""
+    from paicli.store import Store
+
+    store = Store(tmp_path / "home")
+    store.add_metrics([("j1", "worker", 0, 0.0, float(step), key, value) for step in range(1, 6)
+                       for key, value in (("step", float(step)), ("loss", 1.0 / step))])
+    calls = []
+
+    class Trial:
+        def report(self, value, step):
+            calls.append(("report", step, value))
+
+        def should_prune(self):
+            calls.append("judge")
+            return len(calls) == 6   # after the third step
+
+    tuner = tune.Tuner.__new__(tune.Tuner)
+    tuner.store, tuner.name, tuner.metric_seen = store, "s", False
+    tuner.config = {"metric": "loss", "mode": "min"}
+    run = tune.Running(0, Trial(), "j1")
+    assert tuner._read_metric(run, judge=True) is True
+    assert calls == [("report", 1, 1.0), "judge", ("report", 2, 0.5), "judge", ("report", 3, 1 / 3), "judge"]
+    assert run.last == (3, 1 / 3) and store.study_trials("s")[0]["step"] == 3
+    store.close()

@@ -205,6 +205,13 @@ def test_a_sweep_finds_the_optimum_and_prunes_and_leaves_nothing(pai_home, tmp_p
         groups |= {i["pgid"] for i in status["instances"] if i["pgid"]}
     assert groups and not processes_in(groups)
     assert wait_until(lambda: not _tuner_alive(pai_home, "quad"), 10)
+    from paicli.cluster.procinfo import is_alive
+    from paicli.store import Store
+
+    store = Store(pai_home)   # and every trial's master (the watchdog goes with it) is gone
+    masters = [store.job(t["job_id"]) for t in view["trials"]]
+    store.close()
+    assert not wait_until(lambda: [m["id"] for m in masters if is_alive(m["master_pid"], m["master_start"])], 10)
 
 
 def _tuner_alive(home: Path, name: str) -> bool:

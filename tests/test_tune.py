@@ -356,13 +356,17 @@ def test_a_grid_runs_each_point_once_to_the_end(pai_home, tmp_path):
     """The grid sampler asks Optuna's own loop to stop once its grid is used up
     (a RuntimeError in ask-and-tell): the study still ends Succeeded."""
     space = _space(tmp_path, "lr: {type: choice, values: [0.01, 0.1]}\n")
-    result = pai("tune", "-name", "python", f"-Dscript={QUAD}", "-DuserDefinedParameters=--steps 3 --sleep 0.02",
-                 "--space", space, "--sampler", "grid", "--trials", "5", "--pruner", "none", "--study", "grid",
-                 timeout=120)
+    (tmp_path / "model.py").write_text(QUAD.read_text())
+    (tmp_path / "job.yaml").write_text("name: python\nscript: model.py\nuser_defined_parameters: --steps 3\n")
+    result = pai("tune", str(tmp_path / "job.yaml"), "-DmaxRetries=0", "--space", space, "--sampler", "grid",
+                 "--trials", "5", "--pruner", "none", "--study", "grid", timeout=120, cwd="/")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "--sampler grid: 2 points; running 2 trials" in result.stderr
     view = _study(pai_home, "grid")
     assert sorted(t["params"]["lr"] for t in view["trials"]) == [0.01, 0.1] and view["best"]["params"]["lr"] == 0.01
+    # a job file's relative script is absolute in the statement that reruns the best trial
+    assert view["rerun"] == (f"pai -name python -Dscript={tmp_path / 'model.py'} "
+                             "-DuserDefinedParameters='--steps 3 --lr=0.01' -DmaxRetries=0")
 
 
 def test_a_study_whose_first_trials_all_fail_stops(pai_home, tmp_path):

@@ -19,6 +19,7 @@ import click
 
 from paicli import __version__, cli_logview, cli_nodes, cli_plan
 from paicli import cli_queue  # QUEUE room: `pai queue`
+from paicli import cli_tune  # TUNE (issue 19): pai tune
 from paicli.cli_statement import StatementCommand
 from paicli.commands import (attach, echo_json, echo_log_view, finish, is_bare_statement, open_store, print_table,
                              run_guarded, runtime_progress, split_submit_options, statement_of, submit_and_follow,
@@ -351,7 +352,7 @@ def console(project):
 # Commands that live in rooms of their own (multi-host nodes, the Pluto planner,
 # the logview page and plots); each module imports its heavy dependencies inside
 # its commands, so `pai --help` stays fast.
-for _module in (cli_nodes, cli_plan, cli_logview, cli_queue):
+for _module in (cli_nodes, cli_plan, cli_logview, cli_queue, cli_tune):
     _module.register(cli)
 
 

@@ -70,6 +70,17 @@ CREATE TABLE IF NOT EXISTS holds (
     job_id TEXT, node TEXT, project TEXT, cpu INTEGER, memory INTEGER, gpu INTEGER,
     PRIMARY KEY (job_id, node)
 );
+-- TUNE (issue 19): `pai tune` studies (written by the study's tuner process) and
+-- their trials, each an ordinary job (Optuna keeps its own record in its storage).
+CREATE TABLE IF NOT EXISTS studies (
+    name TEXT PRIMARY KEY, status TEXT NOT NULL, reason TEXT, code INTEGER, note TEXT,
+    created REAL, ended REAL, config TEXT, tuner_pid INTEGER, tuner_start TEXT,
+    best_trial INTEGER, rerun TEXT
+);
+CREATE TABLE IF NOT EXISTS study_trials (
+    study TEXT, number INTEGER, job_id TEXT, params TEXT, state TEXT NOT NULL, reason TEXT,
+    value REAL, best REAL, step REAL, created REAL, ended REAL, PRIMARY KEY (study, number)
+);
 """
 # Columns added after a store was first created: (table, column, type).
 ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("instances", "gpus", "TEXT"),
@@ -592,3 +603,59 @@ class Store:
                        (now, job_id))
             return True
 
+    # -- TUNE (issue 19): `pai tune` studies and their trials ------------------------
+
+    def create_study(self, name: str, config: str) -> None:
+        """A new study, Running; a name already used is bad input."""
+        with self.tx() as db:
+            if db.execute("SELECT 1 FROM studies WHERE name = ?", (name,)).fetchone():
+                raise UsageError(f"--study {name}: a study of that name exists",
+                                 "pick another name, or `pai tune status " + name + "` to see it")
+            db.execute("INSERT INTO studies (name, status, created, config) VALUES (?,?,?,?)",
+                       (name, "Running", time.time(), config))
+
+    def study(self, name: str) -> sqlite3.Row:
+        row = self.db.execute("SELECT * FROM studies WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise NotFound(f"no study {name} in {self.home}", "`pai tune list` shows the studies there")
+        return row
+
+    def studies(self, limit: int = 50) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM studies ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
+
+    def update_study(self, name: str, **fields: Any) -> None:
+        with self.tx() as db:
+            self._update(db, "studies", {"name": name}, fields)
+
+    def end_study(self, name: str, status: str, reason: str | None, code: int, **fields: Any) -> bool:
+        """Record a study's end once; False if it had already ended."""
+        with self.tx() as db:
+            if db.execute("SELECT status FROM studies WHERE name = ?", (name,)).fetchone()[0] != "Running":
+                return False
+            self._update(db, "studies", {"name": name},
+                         {"status": status, "reason": reason, "code": code, "ended": time.time(), **fields})
+        return True
+
+    def delete_study(self, name: str) -> None:
+        """A study that never started (its creation failed): nothing of it is kept."""
+        with self.tx() as db:
+            db.execute("DELETE FROM study_trials WHERE study = ?", (name,))
+            db.execute("DELETE FROM studies WHERE name = ?", (name,))
+
+    def put_trial(self, study: str, number: int, **fields: Any) -> None:
+        with self.tx() as db:
+            db.execute("INSERT OR IGNORE INTO study_trials (study, number, state, created) VALUES (?,?,?,?)",
+                       (study, number, "Waiting", time.time()))
+            self._update(db, "study_trials", {"study": study, "number": number}, fields)
+
+    def study_trials(self, study: str) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM study_trials WHERE study = ? ORDER BY number", (study,)).fetchall()
+
+    def metric_series(self, job_ids: list[str], key: str) -> list[sqlite3.Row]:
+        """(job_id, role, idx, step, value) of metric `key` with a step, of every job given, oldest first."""
+        if not job_ids:
+            return []
+        marks = ",".join("?" * len(job_ids))
+        return self.db.execute(
+            f"SELECT job_id, role, idx, step, value FROM metrics WHERE job_id IN ({marks}) AND key = ?"
+            " AND step IS NOT NULL ORDER BY rowid", (*job_ids, key)).fetchall()

@@ -77,6 +77,7 @@ def make_app(home: Path, token: str) -> web.Application:
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/log", whole_log)
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/stream", stream)
     app.router.add_get(r"/static/{name:[a-z0-9_.-]+}", static_file)
+    add_study_routes(app)   # TUNE (issue 19)
     return app
 
 
@@ -340,3 +341,44 @@ def run(home: Path, sock: socket.socket) -> int:
     sock.setblocking(False)
     asyncio.run(serve(home, sock))
     return 0
+
+
+# -- TUNE (issue 19): the study page of `pai tune` (data in paicli/web/study.py) ----------
+
+STUDY_NAME = r"{name:[A-Za-z0-9_.-]+}"
+
+
+def add_study_routes(app: web.Application) -> None:
+    """/logview/studies, /logview/study?s=NAME, and what the open page fetches:
+    /api/studies/NAME.json (the curves), /api/studies/NAME.html (status and trials)."""
+    app.router.add_get("/logview/studies", studies_page)
+    app.router.add_get("/logview/study", study_page)
+    app.router.add_get(f"/api/studies/{STUDY_NAME}.json", study_json)
+    app.router.add_get(f"/api/studies/{STUDY_NAME}.html", study_head)
+
+
+async def studies_page(request: web.Request) -> web.Response:
+    from paicli.web import study
+
+    return _html(request, "studies.html", studies=await _read(request, study.study_list))
+
+
+async def study_page(request: web.Request) -> web.Response:
+    from paicli.web import study
+
+    name = request.query.get("s")
+    if not name:
+        return await studies_page(request)
+    return _html(request, "study.html", study=await _read(request, study.study_page, name), every=study.EVERY)
+
+
+async def study_json(request: web.Request) -> web.Response:
+    from paicli.web import study
+
+    return web.json_response(await _read(request, study.curves, request.match_info["name"]))
+
+
+async def study_head(request: web.Request) -> web.Response:
+    from paicli.web import study
+
+    return _html(request, "_study_head.html", study=await _read(request, study.study_page, request.match_info["name"]))

@@ -316,6 +316,7 @@ class ClusterWatch:
         self.targets: list[str] = []
         self.graphs: list = []
         self.eager_remote = False
+        self.read_cluster = False   # it asked TF_CONFIG's resolver for the cluster itself
 
     def joined(self) -> bool:
         return bool(self.servers or any(self.targets) or self.eager_remote)
@@ -374,6 +375,17 @@ def _wrap_tensorflow(watch: ClusterWatch) -> None:
 
     server_lib.Server.__init__ = server
     session_lib.BaseSession.__init__ = session
+    try:
+        from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver as tfconfig
+    except Exception:  # noqa: BLE001 - a TensorFlow without it: nothing more to watch
+        return
+    cluster_spec = tfconfig.TFConfigClusterResolver.cluster_spec
+
+    def resolved(self, *args, **kwargs):
+        watch.read_cluster = True
+        return cluster_spec(self, *args, **kwargs)
+
+    tfconfig.TFConfigClusterResolver.cluster_spec = resolved
 
 
 def _eager_remote() -> bool:
@@ -396,6 +408,8 @@ def not_distributed_cause(name: str, role: str, cluster: dict[str, list[str]], w
     peers = sum(len(cluster.get(r, [])) for r in ("ps", "worker", "chief")) - 1
     if peers < 1 or role not in ("ps", "worker", "chief"):
         return None
+    if not watch.joined() and watch.read_cluster:
+        return None   # it built its own view of the cluster from TF_CONFIG: nothing we can judge
     if not watch.joined():
         what = ("ran the training itself instead of serving (it started no tf.train.Server)"
                 if role == "ps" else

@@ -432,6 +432,10 @@ def test_not_distributed_causes():
     # alone in its job, or an evaluator: nothing to be distributed with
     assert cause("worker:0", "worker", {"worker": ["a:1"]}, watch_of(), [], "auto") is None
     assert cause("evaluator:0", "evaluator", {**PS_CLUSTER, "evaluator": ["e:9"]}, watch_of(), [], "auto") is None
+    # it asked TF_CONFIG's resolver for the cluster: it builds its own, nothing to judge
+    resolved = watch_of()
+    resolved.read_cluster = True
+    assert cause("chief:0", "chief", {"chief": ["a:1"], "ps": ["b:2"]}, resolved, [], "auto") is None
 
     alone = cause("worker:1", "worker", PS_CLUSTER, watch_of(targets=[""], graphs=[local]), [], "auto")
     assert alone.startswith("worker:1 trained alone: the script never joined the cluster")

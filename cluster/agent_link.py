@@ -20,9 +20,10 @@ the instance with t/k bytes on the live link.
                                     knows it) the agent hands to the instance as its
                                     stdout and stderr: output crosses no extra hop
 
-    start_instance(transport, spec, *, backend, node, host, start_timeout) -> Handle
-        spec = {"argv", "env", "cwd", "heartbeat"} (+ "inherit", "output_fd": see
-        the agent). Raises OSError for an E frame (the program could not be
+    start_instance(transport, spec, *, backend, node, host, start_timeout, sink=None) -> Handle
+        spec = {"argv", "env", "cwd", "heartbeat"} (+ "inherit", "output_fd",
+        "watch": see the agent). `sink(kind, payload)` takes the file frames (F, D,
+        S, Z: cluster/outputs.py), in the pump thread or the master's. Raises OSError for an E frame (the program could not be
         started); a transport failure gives a Handle whose poll() reports NODE_LOST.
 
 The Handle's `output_fd` is a pipe of the instance's output; its `native` is a
@@ -45,6 +46,8 @@ from typing import Protocol
 from paicli.cluster.backends.base import NODE_LOST, Handle, InstanceRef
 
 HEAD = struct.Struct(">cI")   # 1 byte type, 4 bytes big-endian length
+FILE_FRAMES = (b"F", b"D", b"S", b"Z")
+TRANSFER_QUIET = 30.0         # seconds without a file frame after which a wait stops extending
 BEAT_EVERY = 1.0              # seconds between the master's heartbeat bytes
 
 
@@ -79,6 +82,8 @@ class Link:
         self.thread: threading.Thread | None = None
         fileno = getattr(transport, "fileno", None)
         self._control = fileno() if fileno is not None else -1   # local mode: the frames' fd
+        self.sink = None                # file frames go there (cluster/outputs.py)
+        self.last_file = 0.0            # when the last file frame came: a transfer under way
 
     def feed(self, data: bytes) -> bytes:
         """Decode `data` (any slice of the stream); the output bytes it completes."""
@@ -98,6 +103,9 @@ class Link:
                 self.status = int(json.loads(payload)["status"])
             elif kind in (b"I", b"E"):
                 self.first = (kind, payload)
+            elif kind in FILE_FRAMES and self.sink is not None:
+                self.last_file = time.monotonic()
+                self.sink(kind, payload)
         del buf[:pos]
         return b"".join(out)
 
@@ -149,6 +157,8 @@ class Link:
         """Block up to `timeout` (None: for ever) for the status."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
+            if deadline is not None and time.monotonic() - self.last_file < TRANSFER_QUIET:
+                deadline = max(deadline, time.monotonic() + 0.2)   # files are still coming back
             left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
             if left <= 0:
                 break
@@ -252,9 +262,10 @@ def _keep_beating(link: Link) -> None:
 # -- starting ----------------------------------------------------------------------------
 
 def start_instance(transport: Transport, spec: dict, *, backend: str, node: str, host: str,
-                   start_timeout: float) -> Handle:
+                   start_timeout: float, sink=None) -> Handle:
     heartbeat = float(spec.get("heartbeat") or 0)
     link = Link(transport, node, heartbeat)
+    link.sink = sink
     output_fd = getattr(transport, "output_fd", -1)
     if output_fd >= 0:
         spec = dict(spec, output_fd=transport.agent_output_fd)

@@ -17,7 +17,7 @@ import time
 
 import click
 
-from paicli import __version__, cli_logview, cli_nodes, cli_plan
+from paicli import __version__, cli_logview, cli_nodes, cli_outputs, cli_plan
 from paicli.cli_statement import StatementCommand
 from paicli.commands import (attach, echo_json, echo_log_view, finish, is_bare_statement, open_store, print_table,
                              run_guarded, runtime_progress, split_submit_options, statement_of, submit_and_follow,
@@ -335,7 +335,7 @@ def console(project):
 # Commands that live in rooms of their own (multi-host nodes, the Pluto planner,
 # the logview page and plots); each module imports its heavy dependencies inside
 # its commands, so `pai --help` stays fast.
-for _module in (cli_nodes, cli_plan, cli_logview):
+for _module in (cli_nodes, cli_plan, cli_logview, cli_outputs):
     _module.register(cli)
 
 

@@ -104,6 +104,7 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
         "pluto": plutoview.record(job_dir),
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
+    out["outputs"] = store.output_totals(job_id)   # FILES (issue 17): count, bytes, missing
     out["idle"] = idle_instances(out)
     out["exposed"] = exposed_instances(out)
     return out

@@ -1,0 +1,140 @@
+"""Files a job writes come back from SSH nodes (issue 17): real sshd hosts in network
+namespaces (tests/netns.py), each with its own /tmp, so a file reaches this machine
+only if paicli brings it. One cluster for the module; tiny jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PAI, job_id_from, pai, pai_json, wait_until
+from netns import build_cluster, can_build
+
+REASON = can_build()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host tests skipped: {REASON}")
+
+SCRIPT = r'''
+import argparse, os, sys, time
+p = argparse.ArgumentParser()
+p.add_argument("--checkpointDir")
+p.add_argument("--fail", action="store_true")
+p.add_argument("--hang", action="store_true")
+a, _ = p.parse_known_args()
+idx = int(os.environ["PAI_INDEX"])
+os.makedirs("models", exist_ok=True)
+with open(f"models/model-{idx}.txt", "w") as f:
+    f.write(f"model of worker {idx}\n")
+with open(os.path.join(os.environ["PAI_OUTPUT_DIR"], "out.txt"), "w") as f:
+    f.write(f"out of worker {idx}\n")
+with open(os.path.join(a.checkpointDir, f"ckpt-{idx}"), "w") as f:
+    f.write(f"ckpt of worker {idx}\n")
+time.sleep(0.3 + 1.5 * idx)        # worker 1 ends last: its same.txt is kept
+with open("same.txt", "w") as f:
+    f.write(f"written by worker {idx}\n")
+print(f"step=1 loss=0.5", flush=True)
+if a.hang:
+    time.sleep(600)
+sys.exit(1 if a.fail and idx == 0 else 0)
+'''
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    built = build_cluster(hosts=2, prefix="pco", first_subnet=160)
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+@pytest.fixture
+def nodes(cluster, tmp_path, monkeypatch, pai_home):
+    from paicli.runners.runtimes import runtime_root
+
+    path = cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
+    monkeypatch.setenv("PAI_NODES", str(path))
+    yield path
+    listed = pai("list", "--json", "-n", "50")
+    for job in json.loads(listed.stdout) if listed.returncode == 0 else []:
+        if job["status"] not in ("Succeeded", "Failed", "Cancelled"):
+            pai("kill", job["id"], timeout=60)
+    assert wait_until(lambda: not cluster.all_leftovers(), timeout=15), cluster.all_leftovers()
+
+
+def workdir(tmp_path: Path) -> Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(SCRIPT)
+    return work
+
+
+def submit(work: Path, *extra: str, detach: bool = False) -> subprocess.CompletedProcess | subprocess.Popen:
+    argv = [*PAI, "-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":2}}',
+            f"-DcheckpointDir={work.parent / 'ckpt'}", "-DmaxRetries=0", *extra]
+    if detach:
+        return subprocess.Popen(argv, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=180)
+
+
+def assert_files_back(work: Path, job_id: str, home: Path, workers=(0, 1)) -> None:
+    for idx in workers:
+        assert (work / "models" / f"model-{idx}.txt").read_text() == f"model of worker {idx}\n"
+        assert (work.parent / "ckpt" / f"ckpt-{idx}").read_text() == f"ckpt of worker {idx}\n"
+        out = home / "jobs" / job_id / "outputs" / f"worker-{idx}" / "out.txt"
+        assert out.read_text() == f"out of worker {idx}\n"
+    assert not [p for p in work.rglob("*") if p.name.startswith(".pai-part-")]
+
+
+def node_folders(cluster, job_id: str) -> list[str]:
+    return [h.name for h in cluster.hosts
+            if job_id in cluster.ssh(h.name, ["ls", f"/tmp/paicli-{cluster.user}"]).stdout]
+
+
+def test_files_come_back_with_a_conflict_named_and_outputs_listed(cluster, nodes, tmp_path, pai_home):
+    work = workdir(tmp_path)
+    result = submit(work)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    job_id = job_id_from(result.stdout)
+    assert_files_back(work, job_id, pai_home)
+    # the last to finish wins, and the job log names both
+    assert (work / "same.txt").read_text() == "written by worker 1\n"
+    assert "worker:0 and worker:1 both wrote" in result.stdout, result.stdout[-3000:]
+    assert not node_folders(cluster, job_id)
+    listed = pai_json("outputs", job_id)
+    paths = {(f["instance"], os.path.basename(f["path"])): f for f in listed["files"]}
+    assert paths[("worker:1", "same.txt")]["where"] == "here"
+    assert paths[("worker:0", "same.txt")]["where"] == "replaced"
+    assert paths[("worker:0", "model-0.txt")]["size"] == len("model of worker 0\n")
+    totals = pai_json("status", job_id)["outputs"]
+    assert totals["count"] >= 7 and totals["missing"] == 0
+
+
+def test_files_come_back_after_a_failure_and_after_kill_9_of_the_master(cluster, nodes, tmp_path, pai_home):
+    work = workdir(tmp_path)
+    failed = submit(work, "-DuserDefinedParameters=--fail")
+    assert failed.returncode != 0
+    job_id = job_id_from(failed.stdout)
+    assert pai_json("status", job_id)["status"] == "Failed"
+    assert (work / "models" / "model-0.txt").read_text() == "model of worker 0\n"
+    assert (work.parent / "ckpt" / "ckpt-0").read_text() == "ckpt of worker 0\n"
+
+    for path in [work / "models", work.parent / "ckpt", work / "same.txt"]:
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+    proc = submit(work, "-DuserDefinedParameters=--hang", detach=True)
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        assert wait_until(lambda: len(pai_json("status", job_id).get("metric_series", {})) >= 2,
+                          timeout=60, interval=0.3), pai_json("status", job_id)
+        os.kill(pai_json("status", job_id)["master_pid"], signal.SIGKILL)
+        assert wait_until(lambda: not node_folders(cluster, job_id), timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert_files_back(work, job_id, pai_home)
+    assert pai_json("status", job_id)["status"] == "Failed"

@@ -14,7 +14,7 @@ import time
 
 import click
 
-from paicli.commands import echo, echo_json, open_store, print_table
+from paicli.commands import echo, echo_json, open_store
 from paicli.errors import UsageError
 
 COLUMNS = ("instance", "path", "size", "mtime_ns", "digest", "where", "node", "node_path", "why")
@@ -101,6 +101,14 @@ def progress_bar(total: int):
     return show
 
 
+def plain_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """Aligned columns without rich: a job may have 10,000 files (rich takes seconds)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [headers, *rows]]
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
+
+
 def register(cli: click.Group) -> None:
     """Add this module's commands to the `pai` group."""
 
@@ -121,7 +129,7 @@ def register(cli: click.Group) -> None:
         if not rows:
             echo(f"{job['id']}: no files written (in its working folder, checkpointDir or PAI_OUTPUT_DIR)")
             return
-        print_table(("Instance", "Path", "Size", "Modified", "Where"),
+        plain_table(("Instance", "Path", "Size", "Modified", "Where"),
                     [(r["instance"], r["path"], human_size(r["size"] or 0),
                       time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((r["mtime_ns"] or 0) / 1e9)),
                       where_text(r)) for r in rows])

@@ -336,6 +336,8 @@ class SSHBackend(Backend):
         the frames streamed from its stdout."""
         from paicli.cluster.outputs import state_rel
 
+        if node in self._lost:
+            raise ssh.NodeUnreachable(f"node {node} stopped answering during the job")
         entry = self.entry(node)
         folder = remote_paths.job_folder(entry.job_root, self._job_id(job_dir))
         request = {"state": f"{folder}/{state_rel(role, idx)}", "have": have, "max_bytes": max_bytes}

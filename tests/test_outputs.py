@@ -1,0 +1,212 @@
+"""A job's files (issue 17): the pure rules, the agent's frames into the master's
+receiver (written aside, checked, renamed; a full disk), and local jobs end to end
+(`pai outputs`, `pai get`, `pai kill`). SSH and Ray: test_outputs_ssh.py / _ray.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PAI, job_id_from, pai, pai_json, wait_until
+from paicli.cluster import outputs
+from paicli.runners import node_agent
+from paicli.store import Store
+from test_outputs_ssh import SCRIPT
+
+
+# -- pure rules -------------------------------------------------------------------------
+
+
+def test_urls_and_shared_paths_are_never_watched(tmp_path):
+    for url in ("s3://b/ckpt", "oss://b/x", "hdfs://nn/x", "gs://b/x"):
+        assert outputs.checkpoint_dir(url, "/w") is None
+    assert outputs.checkpoint_dir("/nfs/me/ckpt", "/w", shared=("/nfs",)) is None
+    assert outputs.checkpoint_dir("/nfsx/ckpt", "/w", shared=("/nfs",)) == "/nfsx/ckpt"
+    assert outputs.checkpoint_dir("ckpt", "/w") == "/w/ckpt"
+    assert outputs.checkpoint_dir(None, "/w") is None
+    assert [k for k, _ in outputs.targets("/j", "/w", "/c", "worker", 1)] == ["out", "ckpt", "cwd"]
+    assert outputs.output_dir("/j", "worker", 1) == "/j/outputs/worker-1"
+
+
+def test_a_path_from_a_node_must_stay_inside_its_folder():
+    for bad in ("../x", "/etc/passwd", "a/../../x", "", "a//b", "a/./b"):
+        assert not outputs.safe_rel(bad), bad
+    assert outputs.safe_rel("models/model.h5")
+
+
+def test_the_agent_lists_only_what_changed_and_leaves_out_other_watched_folders(tmp_path):
+    work, ckpt = tmp_path / "work", tmp_path / "work" / "ckpt"
+    (work / ".git").mkdir(parents=True)
+    (work / ".git" / "HEAD").write_text("x")
+    (work / "staged.py").write_text("print(1)")
+    watch = {"dirs": [["ckpt", str(ckpt)], ["cwd", str(work)]], "state": str(tmp_path / "s" / "state.json")}
+    sent = node_agent.begin_watch(watch)
+    assert sent == {"ckpt": {}, "cwd": {"staged.py": sent["cwd"]["staged.py"]}}
+    (work / "model.h5").write_text("weights")
+    (ckpt / "step-1").write_text("ckpt")
+    frames = list(node_agent.file_frames(watch, sent, None))
+    heads = [json.loads(p) for k, p in frames if k == b"F"]
+    assert [(h["key"], h["rel"]) for h in heads] == [("ckpt", "step-1"), ("cwd", "model.h5")]
+    assert frames[-1] == (b"Z", json.dumps({"files": 2, "all": True}).encode())
+    # a second pass sends nothing; `collect` from the state file sends both again
+    assert [k for k, _ in node_agent.file_frames(watch, sent, None)] == [b"Z"]
+    again = [json.loads(p)["rel"] for k, p in node_agent.collect({"state": watch["state"]}) if k == b"F"]
+    assert again == ["step-1", "model.h5"]
+
+
+class Recorder:
+    def __init__(self):
+        self.rows, self.events = [], []
+
+    def add_outputs(self, rows):
+        self.rows += rows
+
+    def replace_outputs(self, *args):
+        pass
+
+    def event(self, *args):
+        self.events.append(args)
+
+
+def receiver(tmp_path: Path, dest: Path, lines: list) -> outputs.InstanceOutputs:
+    """The master's side of one instance of a job on SSH nodes."""
+    (tmp_path / "job").mkdir(exist_ok=True)
+    (tmp_path / "job" / "nodes.json").write_text('{"backend": "ssh"}')
+    job = outputs.JobOutputs(Recorder(), "j1", tmp_path / "job", lines.append)
+    return outputs.InstanceOutputs(job, "worker:0", "h2", {"cwd": str(dest)}, {"dirs": [["cwd", str(dest)]]})
+
+
+def frames_of(src: Path, rel: str) -> list[tuple[bytes, bytes]]:
+    watch = {"dirs": [["cwd", str(src)]]}
+    return [f for f in node_agent.file_frames(watch, {}, None) if f[0] != b"F" or json.loads(f[1])["rel"] == rel]
+
+
+def test_a_file_arrives_whole_or_not_at_all(tmp_path):
+    src, dest = tmp_path / "node", tmp_path / "here"
+    src.mkdir()
+    (src / "sub").mkdir()
+    (src / "sub" / "model.h5").write_bytes(os.urandom(700_000))
+    lines: list[str] = []
+    inst = receiver(tmp_path, dest, lines)
+    for kind, payload in frames_of(src, "sub/model.h5"):
+        inst.sink(kind, payload)
+    assert (dest / "sub" / "model.h5").read_bytes() == (src / "sub" / "model.h5").read_bytes()
+    assert os.stat(dest / "sub" / "model.h5").st_mtime_ns == os.stat(src / "sub" / "model.h5").st_mtime_ns
+    assert inst.complete and inst.job._rows[0][6] == "here"
+    # a copy whose bytes do not match the node's checksum is dropped, not renamed
+    (src / "sub" / "model.h5").write_bytes(b"new weights")
+    frames = frames_of(src, "sub/model.h5")
+    frames = [(k, b"tampered!!!" if k == b"D" else p) for k, p in frames]
+    for kind, payload in frames:
+        inst.sink(kind, payload)
+    assert (dest / "sub" / "model.h5").read_bytes() != b"tampered!!!"
+    assert inst.job._rows[-1][6] == "node" and "checksum" in inst.job._rows[-1][9]
+    assert not [p for p in dest.rglob("*") if p.name.startswith(".pai-part-")]
+    assert "not brought back" in inst.job._lines[-1] and "h2" in inst.job._lines[-1]
+
+
+def test_a_full_disk_here_is_one_line_and_nothing_half_written(tmp_path):
+    src, dest = tmp_path / "node", tmp_path / "small"
+    src.mkdir()
+    dest.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(dest)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        (src / "big.bin").write_bytes(os.urandom(1_000_000))
+        (src / "small.txt").write_text("fits")
+        inst = receiver(tmp_path, dest, [])
+        for kind, payload in node_agent.file_frames({"dirs": [["cwd", str(src)]]}, {}, None):
+            inst.sink(kind, payload)
+        assert sorted(p.name for p in dest.iterdir()) == ["small.txt"]   # no partial big.bin, no part file
+        rows = {os.path.basename(r[2]): r for r in inst.job._rows}
+        assert rows["big.bin"][6] == "node" and rows["big.bin"][9] == "disk full on this machine"
+        assert rows["small.txt"][6] == "here"
+        full = [line for line in inst.job._lines if "disk" in line]
+        assert len([line for line in full if "is full" in line]) == 1, inst.job._lines
+    finally:
+        subprocess.run(["umount", str(dest)], check=True)
+
+
+def test_two_instances_writing_one_path_name_both_and_the_last_wins(tmp_path):
+    lines: list[str] = []
+    job = outputs.JobOutputs(Recorder(), "j1", tmp_path / "job", lines.append)
+    for name, digest in (("worker:0", "aa"), ("worker:1", "aa"), ("worker:1", "bb")):
+        inst = outputs.InstanceOutputs(job, name, "h", {}, {"inplace": True})
+        job.arrived(inst, {"local": "/w/model.h5", "rel": "model.h5", "size": 1, "mtime": 1}, digest, None)
+    job.flush()
+    assert lines == ["outputs: worker:0 and worker:1 both wrote /w/model.h5 (different content); "
+                     "worker:1's copy, the last to finish, is kept"]
+    # the same content seen by both (a shared folder) is worker:0's alone: no second row
+    assert [r[1] for r in job.store.rows] == ["worker:0", "worker:1"]
+
+
+# -- local jobs, end to end ----------------------------------------------------------------
+
+
+def test_a_bad_size_limit_is_one_line_exit_2(pai_home, tmp_path):
+    (tmp_path / "t.py").write_text("print(1)")
+    result = pai("-name", "python", f"-Dscript={tmp_path / 't.py'}", "-DoutputMaxSize=lots")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "outputMaxSize" in result.stderr and "500M" in result.stderr
+    assert not (pai_home / "jobs").exists() or not any((pai_home / "jobs").iterdir())
+
+
+def test_local_files_are_listed_got_and_kept_after_pai_kill(pai_home, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(SCRIPT)
+    statement = ["-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":2}}',
+                 f"-DcheckpointDir={tmp_path / 'ckpt'}", "-DmaxRetries=0"]
+    result = subprocess.run([*PAI, *statement], cwd=work, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = job_id_from(result.stdout)
+    listed = pai_json("outputs", job_id)
+    where = {os.path.relpath(f["path"], tmp_path): f["where"] for f in listed["files"]}
+    assert where["ckpt/ckpt-0"] == where["ckpt/ckpt-1"] == where["work/models/model-1.txt"] == "here"
+    assert where[f"pai-home/jobs/{job_id}/outputs/worker-0/out.txt"] == "here"
+    assert listed["count"] == len([f for f in listed["files"] if f["where"] != "replaced"]) == 7
+    assert listed["missing"] == 0
+    same = {f["instance"]: f["where"] for f in listed["files"] if f["path"].endswith("same.txt")}
+    assert same == {"worker:0": "replaced", "worker:1": "here"}   # worker:1 wrote it last
+    assert pai_json("status", job_id)["outputs"]["count"] == listed["count"]
+    got = pai("get", job_id, "model-*.txt", "-o", str(tmp_path / "got"))
+    assert got.returncode == 0, got.stderr
+    assert sorted(p.name for p in (tmp_path / "got").rglob("*.txt")) == ["model-0.txt", "model-1.txt"]
+    got = pai("get", job_id, "out.txt", "-o", str(tmp_path / "one"), "--instance", "worker:1")
+    assert got.returncode == 0, got.stderr
+    assert (tmp_path / "one" / "out.txt").read_text() == "out of worker 1\n"
+    missing = pai("get", job_id, "nothing-*")
+    assert missing.returncode == 2 and "no output matches" in missing.stderr
+
+    proc = subprocess.Popen([*PAI, *statement, "-DuserDefinedParameters=--hang"], cwd=work,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        assert wait_until(lambda: len(pai_json("status", job_id).get("metric_series", {})) == 2, timeout=30)
+        assert pai("kill", job_id).returncode == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    listed = pai_json("outputs", job_id)
+    assert {os.path.basename(f["path"]) for f in listed["files"]} >= {"ckpt-0", "ckpt-1", "out.txt", "same.txt"}
+
+
+def test_pai_outputs_answers_fast_for_ten_thousand_files(pai_home):
+    store = Store()
+    store.create_job("j10k", name="big", framework="python", project=None, task_name="T",
+                     job_dir=pai_home / "jobs" / "j10k", roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    store.add_outputs([("j10k", "worker:0", f"/w/out/file-{i:05d}.bin", 1000 + i, 1_700_000_000_000_000_000,
+                        "ab" * 32, "here", "local", None, None) for i in range(10_000)])
+    for args in (("outputs", "j10k"), ("outputs", "j10k", "--json")):
+        started = time.monotonic()
+        result = pai(*args)
+        took = time.monotonic() - started
+        assert result.returncode == 0 and result.stdout.count("file-") == 10_000
+        print(f"pai {' '.join(args)}: {took:.3f}s")
+        assert took < 1.5   # the 0.3 s goal is bench/bench_outputs.py's; this catches a slow path

@@ -183,6 +183,8 @@ class InstanceOutputs:
             self._abandon(None)
         self._file = None
         self.received += 1
+        if end.get("transient"):
+            return   # rewritten or removed while it was read: the next pass (or none) says
         self.job.arrived(self, head, end.get("sha256"), why)
 
     def _finish_copy(self, head: dict, digest: str | None) -> str | None:

@@ -109,6 +109,31 @@ def plain_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     sys.stdout.flush()
 
 
+def resume_statement(store, job: dict, tokens: list[str]):
+    """The ended job's statement (its spec.json), overridden by `tokens` (-Dk=v ...),
+    and the folder it ran in (a plain script's working folder, where its files went)."""
+    import json
+    from pathlib import Path
+
+    from paicli.spec import RawParam
+    from paicli.statement import Statement, merge_overrides, parse_statement
+
+    job_dir = Path(job["job_dir"])
+    try:
+        spec = json.loads((job_dir / "spec.json").read_text())
+        plan = json.loads((job_dir / "plan.json").read_text())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{job['id']}: its statement cannot be read ({err})", "submit it again by hand") from None
+    cwd = next((r.get("cwd") for r in plan.get("roles", []) if r.get("cwd")), None)
+    if not cwd or cwd == str(job_dir / "code") or not os.path.isdir(cwd):
+        cwd = os.getcwd()
+    stmt = Statement(framework=spec.pop("name"), project=spec.pop("project", None))
+    stmt.params = [RawParam(key, value, f"job {job['id']}: {key}", Path(cwd)) for key, value in spec.items()]
+    if tokens:
+        stmt = merge_overrides(stmt, parse_statement(tokens, base=Path(cwd), require_name=False))
+    return stmt, cwd
+
+
 def register(cli: click.Group) -> None:
     """Add this module's commands to the `pai` group."""
 
@@ -163,3 +188,36 @@ def register(cli: click.Group) -> None:
         except OSError as err:
             raise UsageError(f"copying into {dest}: {err.strerror or err}", "check the folder and the free space")
         echo(f"{files} file(s), {human_size(size)} into {dest}")
+
+    @cli.command(context_settings={"ignore_unknown_options": True})
+    @click.argument("job_id")
+    @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+    @click.option("--detach", "-d", is_flag=True, help="Print the new job's ID and return.")
+    def resume(job_id, overrides, detach):
+        """Submit an ended job again, with its statement (-Dkey=value overrides it) and
+        what its checkpointDir holds (synced from the nodes), so a cancelled, failed or
+        timed-out job continues from its last checkpoint. Exits like the new job."""
+        from paicli import client
+        from paicli.commands import attach, echo_log_view, runtime_progress, submit_statement
+        from paicli.states import JobStatus
+
+        store = open_store()
+        job = client.resolve_job(store, job_id)
+        if not JobStatus(client.refresh(store, job["id"])["status"]).is_terminal():
+            raise UsageError(f"{job['id']} has not ended", f"`pai kill {job['id']}` first, or wait for it")
+        stmt, cwd = resume_statement(store, dict(job), list(overrides))
+        here = os.getcwd()
+        os.chdir(cwd)   # a plain script's files go where the first job's went
+        try:
+            new_id = submit_statement(stmt, store, runtime_progress())
+        finally:
+            os.chdir(here)
+        store.event(new_id, "resumed-from", job["id"])
+        store.event(job["id"], "resumed-by", new_id)
+        if detach:
+            echo(new_id)
+            return
+        echo(f"ID = {new_id}")
+        echo(f"Resumes {job['id']}")
+        echo_log_view(store, new_id, os.path.join(store.job(new_id)["job_dir"], "summary.txt"))
+        sys.exit(attach(store, new_id, from_end=False))

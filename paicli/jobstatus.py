@@ -105,6 +105,7 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
     out["outputs"] = store.output_totals(job_id)   # FILES (issue 17): count, bytes, missing
+    out.update(store.resume_links(job_id))          # FILES (issue 17): pai resume
     out["idle"] = idle_instances(out)
     out["exposed"] = exposed_instances(out)
     return out

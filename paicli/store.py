@@ -501,3 +501,11 @@ class Store:
         row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(location IN ('node', 'missing')), 0)"
                               " FROM outputs WHERE job_id = ? AND location != 'replaced'", (job_id,)).fetchone()
         return {"count": row[0], "bytes": row[1], "missing": row[2]}
+
+
+    def resume_links(self, job_id: str) -> dict:
+        """{"resumed_from": ID or None, "resumed_by": [IDs]} (`pai resume`, events of both jobs)."""
+        rows = self.db.execute("SELECT kind, message FROM events WHERE job_id = ? AND kind IN"
+                               " ('resumed-from', 'resumed-by') ORDER BY id", (job_id,)).fetchall()
+        return {"resumed_from": next((r[1] for r in rows if r[0] == "resumed-from"), None),
+                "resumed_by": [r[1] for r in rows if r[0] == "resumed-by"]}

@@ -672,6 +672,8 @@ def _file_data(path: str, stamp: list, inplace: bool):
     digest = hashlib.sha256()
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return {"error": "it was removed before it could be sent", "transient": True}
     except OSError as err:
         return {"error": f"cannot read it: {err.strerror}"}
     try:
@@ -688,7 +690,7 @@ def _file_data(path: str, stamp: list, inplace: bool):
     finally:
         os.close(fd)
     if [st.st_size, st.st_mtime_ns] != list(stamp):
-        return {"error": "it changed while it was being sent"}
+        return {"error": "it changed while it was being sent", "transient": True}   # the next pass takes it
     return {"sha256": digest.hexdigest()}
 
 

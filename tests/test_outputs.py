@@ -210,3 +210,33 @@ def test_pai_outputs_answers_fast_for_ten_thousand_files(pai_home):
         assert result.returncode == 0 and result.stdout.count("file-") == 10_000
         print(f"pai {' '.join(args)}: {took:.3f}s")
         assert took < 1.5   # the 0.3 s goal is bench/bench_outputs.py's; this catches a slow path
+
+
+def test_pai_resume_of_a_cancelled_job_continues_from_its_checkpoint(pai_home, tmp_path):
+    from test_outputs_ssh import RESUMING
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "resume.py").write_text(RESUMING)
+    ckpt = tmp_path / "ckpt" / "step"
+    proc = subprocess.Popen([*PAI, "-name", "python", "-Dscript=resume.py", f"-DcheckpointDir={tmp_path / 'ckpt'}"],
+                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        assert wait_until(lambda: ckpt.exists() and int(ckpt.read_text() or 0) >= 5, timeout=30)
+        assert pai("kill", job_id).returncode == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert pai("resume", "nosuchjob").returncode == 2
+    # from another folder: the resumed job runs where the first one did
+    resumed = pai("resume", job_id, "-DjobName=again", cwd=str(tmp_path))
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr
+    assert f"Resumes {job_id}" in resumed.stdout
+    first = int(resumed.stdout.split("first step ", 1)[1].split()[0])
+    assert first >= 5 and ckpt.read_text() == "60"
+    new_id = job_id_from(resumed.stdout)
+    assert pai_json("status", new_id)["resumed_from"] == job_id
+    assert pai_json("status", job_id)["resumed_by"] == [new_id]
+    assert f"Resumed by {new_id}" in pai("status", job_id).stdout
+    assert pai_json("list")[0]["name"] == "again"

@@ -25,6 +25,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--checkpointDir")
 p.add_argument("--fail", action="store_true")
 p.add_argument("--hang", action="store_true")
+p.add_argument("--big", action="store_true")
 a, _ = p.parse_known_args()
 idx = int(os.environ["PAI_INDEX"])
 os.makedirs("models", exist_ok=True)
@@ -34,6 +35,9 @@ with open(os.path.join(os.environ["PAI_OUTPUT_DIR"], "out.txt"), "w") as f:
     f.write(f"out of worker {idx}\n")
 with open(os.path.join(a.checkpointDir, f"ckpt-{idx}"), "w") as f:
     f.write(f"ckpt of worker {idx}\n")
+if a.big:
+    with open(f"big-{idx}.bin", "wb") as f:
+        f.write(os.urandom(4096))
 time.sleep(0.3 + 1.5 * idx)        # worker 1 ends last: its same.txt is kept
 with open("same.txt", "w") as f:
     f.write(f"written by worker {idx}\n")
@@ -98,21 +102,29 @@ def node_folders(cluster, job_id: str) -> list[str]:
 
 def test_files_come_back_with_a_conflict_named_and_outputs_listed(cluster, nodes, tmp_path, pai_home):
     work = workdir(tmp_path)
-    result = submit(work)
+    result = submit(work, "-DoutputMaxSize=1K", "-DuserDefinedParameters=--big")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     job_id = job_id_from(result.stdout)
     assert_files_back(work, job_id, pai_home)
     # the last to finish wins, and the job log names both
     assert (work / "same.txt").read_text() == "written by worker 1\n"
     assert "worker:0 and worker:1 both wrote" in result.stdout, result.stdout[-3000:]
-    assert not node_folders(cluster, job_id)
+    # a file over -DoutputMaxSize stays on its node, whose job folder is kept, and is said so
+    assert not list(work.glob("big-*.bin"))
+    assert "big-0.bin of worker:0 not brought back (over the size limit (1024 bytes))" in result.stdout
+    kept = node_folders(cluster, job_id)
+    assert len(kept) == 2
+    for host in kept:
+        cluster.ssh(host, ["rm", "-rf", f"/tmp/paicli-{cluster.user}/{job_id}"])
     listed = pai_json("outputs", job_id)
     paths = {(f["instance"], os.path.basename(f["path"])): f for f in listed["files"]}
     assert paths[("worker:1", "same.txt")]["where"] == "here"
     assert paths[("worker:0", "same.txt")]["where"] == "replaced"
     assert paths[("worker:0", "model-0.txt")]["size"] == len("model of worker 0\n")
+    assert paths[("worker:1", "big-1.bin")]["where"] == "node"
+    assert paths[("worker:1", "big-1.bin")]["node_path"].endswith(f"/{job_id}/code/big-1.bin")
     totals = pai_json("status", job_id)["outputs"]
-    assert totals["count"] >= 7 and totals["missing"] == 0
+    assert totals["count"] >= 9 and totals["missing"] == 2
 
 
 def test_files_come_back_after_a_failure_and_after_kill_9_of_the_master(cluster, nodes, tmp_path, pai_home):
@@ -138,3 +150,82 @@ def test_files_come_back_after_a_failure_and_after_kill_9_of_the_master(cluster,
         proc.wait()
     assert_files_back(work, job_id, pai_home)
     assert pai_json("status", job_id)["status"] == "Failed"
+
+
+def test_an_unreachable_nodes_files_are_reported_missing_and_its_folder_kept(cluster, nodes, tmp_path, pai_home):
+    work = workdir(tmp_path)
+    proc = subprocess.Popen([*PAI, "-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":1}}',
+                             f"-DcheckpointDir={tmp_path / 'ckpt'}", "-DmaxRetries=0",
+                             "-DuserDefinedParameters=--hang"], cwd=work, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lost = None
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        assert wait_until(lambda: pai_json("status", job_id).get("metric_series"), timeout=60, interval=0.3)
+        host = pai_json("status", job_id)["instances"][0]["host"]
+        lost = next(h.name for h in cluster.hosts if h.addr == host)
+        cluster.link_down(lost)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if lost:
+            cluster.link_up(lost)
+    assert proc.returncode == 1, out[-3000:]
+    assert f"could not be brought back from node {lost}" in out and "its job folder there is kept" in out, out[-3000:]
+    listed = pai_json("outputs", job_id)
+    assert listed["missing"] == 1 and listed["files"][0]["where"] == "node" and listed["files"][0]["node"] == lost
+    # the folder is still there, with the files
+    assert wait_until(lambda: node_folders(cluster, job_id) == [lost], timeout=20)
+    found = cluster.ssh(lost, ["cat", f"/tmp/paicli-{cluster.user}/{job_id}/code/models/model-0.txt"])
+    assert found.stdout == "model of worker 0\n"
+    cluster.ssh(lost, ["rm", "-rf", f"/tmp/paicli-{cluster.user}/{job_id}"])
+
+
+RESUMING = r'''
+import argparse, os, time
+p = argparse.ArgumentParser()
+p.add_argument("--checkpointDir")
+a, _ = p.parse_known_args()
+path = os.path.join(a.checkpointDir, "step")
+start = int(open(path).read()) if os.path.exists(path) else 0
+print(f"first step {start}", flush=True)
+for step in range(start, 60):
+    time.sleep(0.1)
+    with open(path + ".tmp", "w") as f:
+        f.write(str(step + 1))
+    os.replace(path + ".tmp", path)
+    print(f"step={step + 1} loss={1.0 / (step + 2):.4f}", flush=True)
+'''
+
+
+def test_an_instance_moved_off_a_lost_node_resumes_from_its_synced_checkpoint(cluster, nodes, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "resume.py").write_text(RESUMING)
+    proc = subprocess.Popen([*PAI, "-name", "python", "-Dscript=resume.py", '-Dcluster={"worker":{"count":1}}',
+                             f"-DcheckpointDir={tmp_path / 'ckpt'}", "-DcheckpointSyncSeconds=1", "-DmaxRetries=1"],
+                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lost = None
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        # a checkpoint past step 10 has come back by the periodic sync
+        assert wait_until(lambda: (tmp_path / "ckpt" / "step").exists()
+                          and int((tmp_path / "ckpt" / "step").read_text() or 0) >= 10, timeout=60, interval=0.2)
+        host = pai_json("status", job_id)["instances"][0]["host"]
+        lost = next(h.name for h in cluster.hosts if h.addr == host)
+        cluster.link_down(lost)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if lost:
+            cluster.link_up(lost)
+    assert proc.returncode == 0 and out.strip().endswith("OK"), out[-3000:]
+    firsts = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "first step" in line]
+    assert firsts[0] == 0 and firsts[1] >= 10, out[-3000:]
+    assert (tmp_path / "ckpt" / "step").read_text() == "60"
+    losses = [float(line.rsplit("=", 1)[1]) for line in out.splitlines() if "loss=" in line]
+    assert losses[-1] < losses[0]
+    if lost:
+        cluster.ssh(lost, ["rm", "-rf", f"/tmp/paicli-{cluster.user}/{job_id}"])

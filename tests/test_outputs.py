@@ -212,6 +212,22 @@ def test_pai_outputs_answers_fast_for_ten_thousand_files(pai_home):
         assert took < 1.5   # the 0.3 s goal is bench/bench_outputs.py's; this catches a slow path
 
 
+def test_the_console_has_outputs_and_get(pai_home, tmp_path, capsys):
+    from paicli.cli import cli
+    from paicli.console import Console
+
+    store = Store()
+    store.create_job("jcon", name="c", framework="python", project=None, task_name="T",
+                     job_dir=pai_home / "jobs" / "jcon", roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    (tmp_path / "model.h5").write_text("weights")
+    store.add_outputs([("jcon", "worker:0", str(tmp_path / "model.h5"), 7, 0, None, "here", "local", None, None)])
+    console = Console(cli)
+    assert console.execute("outputs jcon") == 0
+    assert str(tmp_path / "model.h5") in capsys.readouterr().out
+    assert console.execute(f"get jcon model.h5 -o {tmp_path / 'got'}") == 0
+    assert (tmp_path / "got" / "model.h5").read_text() == "weights"
+
+
 def test_pai_resume_of_a_cancelled_job_continues_from_its_checkpoint(pai_home, tmp_path):
     from test_outputs_ssh import RESUMING
 

@@ -5,6 +5,7 @@ receiver (written aside, checked, renamed; a full disk), and local jobs end to e
 from __future__ import annotations
 
 import json
+import urllib.parse
 import os
 import subprocess
 import time
@@ -256,3 +257,49 @@ def test_pai_resume_of_a_cancelled_job_continues_from_its_checkpoint(pai_home, t
     assert pai_json("status", job_id)["resumed_by"] == [new_id]
     assert f"Resumed by {new_id}" in pai("status", job_id).stdout
     assert pai_json("list")[0]["name"] == "again"
+
+
+def test_the_logview_lists_outputs_with_download_links_behind_the_token(tmp_path):
+    import asyncio
+    import threading
+    import urllib.error
+    import urllib.request
+
+    pytest.importorskip("aiohttp")
+    from aiohttp import web
+
+    from paicli.web import server
+
+    store = Store(tmp_path)
+    store.create_job("j1", name="n", framework="python", project=None, task_name="T", job_dir=tmp_path,
+                     roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    (tmp_path / "model.h5").write_bytes(b"weights")
+    (tmp_path / "secret").write_text("not an output")
+    store.add_outputs([("j1", "worker:0", str(tmp_path / "model.h5"), 7, 0, None, "here", "local", None, None),
+                       ("j1", "worker:1", "/far/<b>x</b>", 9, 0, None, "node", "h3", "/tmp/j1/x", "disk full")])
+
+    def get(path):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=20) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(server.make_app(tmp_path, "tok"))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    port = runner.addresses[0][1]
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        code, page = get("/api/jobs/j1/outputs?token=tok")
+        assert code == 200 and b"still on node h3 at /tmp/j1/x (disk full)" in page
+        assert b"&lt;b&gt;x&lt;/b&gt;" in page and b"<b>x</b>" not in page
+        link = f"/api/jobs/j1/file?instance=worker%3A0&path={urllib.parse.quote(str(tmp_path / 'model.h5'))}"
+        assert link.encode() in page.replace(b"&amp;", b"&")
+        assert get(link + "&token=tok") == (200, b"weights")
+        assert get(link)[0] == 403
+        other = f"/api/jobs/j1/file?instance=worker%3A0&path={urllib.parse.quote(str(tmp_path / 'secret'))}&token=tok"
+        assert get(other)[0] == 404
+    finally:
+        loop.call_soon_threadsafe(loop.stop)

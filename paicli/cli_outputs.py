@@ -7,6 +7,7 @@ copy files that are here: nothing is asked of a node.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import shutil
 import sys
@@ -14,7 +15,7 @@ import time
 
 import click
 
-from paicli.commands import echo, echo_json, open_store
+from paicli.commands import echo, open_store
 from paicli.errors import UsageError
 
 COLUMNS = ("instance", "path", "size", "mtime_ns", "digest", "where", "node", "node_path", "why")
@@ -149,7 +150,11 @@ def register(cli: click.Group) -> None:
         job = client.resolve_job(store, job_id)
         rows = rows_of(store, job["id"])
         if as_json:
-            echo_json({"job": job["id"], "files": rows, **store.output_totals(job["id"])})
+            # One file a line, each with the C encoder (indent= takes the pure-Python one:
+            # 0.5 s for 10,000 files).
+            head = json.dumps({"job": job["id"], **store.output_totals(job["id"])}, sort_keys=True)[:-1]
+            files = ",\n  ".join(json.dumps(row, sort_keys=True) for row in rows)
+            sys.stdout.write(f"{head}, \"files\": [\n  {files}\n]}}\n")
             return
         if not rows:
             echo(f"{job['id']}: no files written (in its working folder, checkpointDir or PAI_OUTPUT_DIR)")

@@ -229,3 +229,72 @@ def test_an_instance_moved_off_a_lost_node_resumes_from_its_synced_checkpoint(cl
     assert losses[-1] < losses[0]
     if lost:
         cluster.ssh(lost, ["rm", "-rf", f"/tmp/paicli-{cluster.user}/{job_id}"])
+
+
+TF_SAVING = r'''
+import argparse, json, os
+import numpy as np
+import tensorflow as tf
+p = argparse.ArgumentParser()
+p.add_argument("--checkpointDir")
+p.add_argument("--steps", type=int, default=60)
+a, _ = p.parse_known_args()
+tf.compat.v1.disable_eager_execution()
+config = json.loads(os.environ["TF_CONFIG"])
+kind, index = config["task"]["type"], int(config["task"]["index"])
+spec = tf.train.ClusterSpec(config["cluster"])
+server = tf.compat.v1.train.Server(spec, job_name=kind, task_index=index)
+if kind == "ps":
+    server.join()
+with tf.compat.v1.device(tf.compat.v1.train.replica_device_setter(worker_device=f"/job:worker/task:{index}",
+                                                                  cluster=spec)):
+    step = tf.compat.v1.train.get_or_create_global_step()
+    w = tf.compat.v1.get_variable("w", [4, 1], initializer=tf.compat.v1.zeros_initializer())
+    x = tf.compat.v1.placeholder(tf.float32, [None, 4])
+    y = tf.compat.v1.placeholder(tf.float32, [None, 1])
+    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+    train = tf.compat.v1.train.GradientDescentOptimizer(0.05).minimize(loss, global_step=step)
+    init, ready = tf.compat.v1.global_variables_initializer(), tf.compat.v1.report_uninitialized_variables()
+manager = tf.compat.v1.train.SessionManager(ready_op=ready, recovery_wait_secs=0.2)
+session_config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", f"/job:worker/task:{index}"])
+sess = (manager.prepare_session(server.target, init_op=init, config=session_config) if index == 0 else
+        manager.wait_for_session(server.target, config=session_config, max_wait_secs=300))
+rng = np.random.default_rng(index)
+true_w = np.arange(1, 5, dtype=np.float32).reshape(4, 1)
+while True:
+    bx = rng.normal(size=(16, 4)).astype(np.float32)
+    _, value, g = sess.run([train, loss, step], {x: bx, y: bx @ true_w})
+    print(f"step={g} loss={value:f}", flush=True)
+    if g >= a.steps:
+        break
+if index == 0:
+    tf.compat.v1.train.Saver([w, step]).save(sess, os.path.join(a.checkpointDir, "model.ckpt"))
+    print("saved", flush=True)
+'''
+
+
+@pytest.mark.tensorflow
+def test_a_tensorflow_ps_and_two_workers_job_brings_its_saved_model_back(cluster, tmp_path, monkeypatch, pai_home):
+    from paicli.runners.runtimes import get_runtime, runtime_root
+
+    runtime = get_runtime("tensorflow")
+    if not runtime.is_installed():
+        runtime.ensure(lambda line: None)
+    nodes_file = cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
+    monkeypatch.setenv("PAI_NODES", str(nodes_file))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "tf_save.py").write_text(TF_SAVING)
+    result = subprocess.run([*PAI, "-name", "tensorflow", "-Dscript=tf_save.py",
+                             '-Dcluster={"ps":{"count":1,"cpu":50},"worker":{"count":2,"cpu":50}}',
+                             f"-DcheckpointDir={tmp_path / 'model'}"], cwd=work, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert len({i["host"] for i in pai_json("status", job_id_from(result.stdout))["instances"]}) == 2
+    load = ("import sys, tensorflow as tf; r = tf.train.load_checkpoint(sys.argv[1]); "
+            "print(r.get_tensor('w').ravel().round(1).tolist(), r.get_tensor('global_step'))")
+    loaded = subprocess.run([str(runtime.python()), "-c", load, str(tmp_path / "model" / "model.ckpt")],
+                            capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    weights = json.loads(loaded.stdout.split("]")[0] + "]")
+    assert weights != [0.0, 0.0, 0.0, 0.0] and abs(weights[3] - 4.0) < 1.5, loaded.stdout

@@ -58,11 +58,7 @@ for i in range(SMALL):
 print(f"written {time.time():.6f}", flush=True)
 '''.replace("SMALL", str(SMALL))
 
-JOB_SCRIPT = r'''
-import os, runpy, sys
-sys.argv = ["make", os.environ["PAI_OUTPUT_DIR"], sys.argv[1]]
-exec(compile(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_files.py")).read(), "make", "exec"))
-'''
+JOB_SCRIPT = "import os, sys\nsys.argv = ['make', os.environ['PAI_OUTPUT_DIR'], sys.argv[1]]\n" + MAKE_FILES
 
 SYNC_SCRIPT = r'''
 import argparse, os, time
@@ -130,7 +126,6 @@ def by_scp(cluster, host, total: int) -> float:
 
 def outputs_vs_scp(cluster, nodes_file: Path, runs: int, total: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-work-"))
-    (work / "make_files.py").write_text(MAKE_FILES)
     (work / "job.py").write_text(JOB_SCRIPT)
     pai_s, scp_s = [], []
     try:

@@ -398,9 +398,33 @@ def collect_after_master(store, job_id: str, backend, note: Note) -> None:
         plan_cwd = _role_cwd(job_dir, row["role"])
         env: dict[str, str] = {}
         outputs.prepare(f"{row['role']}:{row['idx']}", row["role"], row["idx"], row["node"], plan_cwd, env)
+    for attempt in outputs.attempts:
+        for folder in attempt.dirs.values():
+            remove_parts(folder)   # copies the master was writing when it died
     outputs.collect(backend, outputs.attempts)
     outputs.flush()
     backend.keep_nodes |= outputs.keep_nodes
+
+
+def remove_parts(folder: str) -> int:
+    """Remove the partial copies (PART*) a dead master left below `folder` (the
+    folders the agent watches, walked as it walks them); how many."""
+    from paicli.runners.node_agent import SCAN_LIMIT
+
+    removed, seen = 0, 0
+    for top, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        seen += len(files)
+        for name in files:
+            if name.startswith(PART):
+                try:
+                    os.unlink(os.path.join(top, name))
+                    removed += 1
+                except OSError:
+                    pass
+        if seen > SCAN_LIMIT:
+            break
+    return removed
 
 
 def job_log_note(job_dir: str | Path) -> Note:

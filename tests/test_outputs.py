@@ -134,6 +134,15 @@ def test_a_full_disk_here_is_one_line_and_nothing_half_written(tmp_path):
         subprocess.run(["umount", str(dest)], check=True)
 
 
+def test_partial_copies_a_dead_master_left_are_removed(tmp_path):
+    (tmp_path / "a" / ".git").mkdir(parents=True)
+    (tmp_path / "a" / f"{outputs.PART}1234-model.h5").write_text("half")
+    (tmp_path / "a" / "model.h5").write_text("whole")
+    (tmp_path / "a" / ".git" / f"{outputs.PART}x").write_text("not ours to look at")
+    assert outputs.remove_parts(str(tmp_path)) == 1
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [".git", "model.h5"]
+
+
 def test_two_instances_writing_one_path_name_both_and_the_last_wins(tmp_path):
     lines: list[str] = []
     job = outputs.JobOutputs(Recorder(), "j1", tmp_path / "job", lines.append)

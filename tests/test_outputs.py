@@ -34,6 +34,36 @@ def test_urls_and_shared_paths_are_never_watched(tmp_path):
     assert outputs.output_dir("/j", "worker", 1) == "/j/outputs/worker-1"
 
 
+def test_size_and_shared_parsers_never_traceback():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from paicli.cluster.nodes import parse_nodes
+    from paicli.errors import UsageError
+    from paicli.spec import parse_size
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.one_of(st.text(max_size=12), st.integers(), st.floats(), st.none()))
+    def sizes(value):
+        size = parse_size(value)
+        assert size is None or (isinstance(size, int) and size >= 1)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.one_of(st.text(max_size=10), st.lists(st.one_of(st.text(max_size=8), st.integers()), max_size=3),
+                     st.integers(), st.none()))
+    def shared(value):
+        try:
+            config = parse_nodes(json.dumps({"shared": value, "nodes": [{"name": "h1", "host": "10.0.0.1"}]}))
+        except UsageError as err:
+            assert "shared" in str(err) and "\n" not in str(err)
+        else:
+            assert all(p.startswith("/") for p in config.shared)
+
+    sizes()
+    shared()
+    assert parse_size("2G") == 2 << 30 and parse_size("500M") == 500 << 20 and parse_size("lots") is None
+
+
 def test_a_path_from_a_node_must_stay_inside_its_folder():
     for bad in ("../x", "/etc/passwd", "a/../../x", "", "a//b", "a/./b"):
         assert not outputs.safe_rel(bad), bad

@@ -257,4 +257,9 @@ def write_summary_file(status: dict) -> None:
                      f"  attempts={inst['attempts']}  log={inst['log']}")
     for name, values in status["metrics"].items():
         lines.append(f"  {name} last metrics: " + ", ".join(f"{k}={v:g}" for k, v in values.items()))
+    files = status.get("outputs") or {}   # FILES (issue 17)
+    if files.get("count"):
+        lines.append(f"Outputs: {files['count']} file(s), {files['bytes']} bytes" +
+                     (f"; {files['missing']} not brought back (pai outputs {status['id']} says where)"
+                      if files["missing"] else ""))
     write_private(path, "\n".join(lines) + "\n")

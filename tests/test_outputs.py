@@ -342,3 +342,15 @@ def test_the_logview_lists_outputs_with_download_links_behind_the_token(tmp_path
         assert get(other)[0] == 404
     finally:
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_a_timed_out_job_still_records_its_files(pai_home, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(SCRIPT)
+    result = subprocess.run([*PAI, "-name", "python", "-Dscript=train.py", f"-DcheckpointDir={tmp_path / 'ckpt'}",
+                             "-Dtimeout=3", "-DuserDefinedParameters=--hang"], cwd=work, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0 and "timeout" in result.stdout
+    listed = pai_json("outputs", job_id_from(result.stdout))
+    assert {os.path.basename(f["path"]) for f in listed["files"]} == {"model-0.txt", "ckpt-0", "out.txt", "same.txt"}

@@ -173,6 +173,8 @@ def test_an_unreachable_nodes_files_are_reported_missing_and_its_folder_kept(clu
             cluster.link_up(lost)
     assert proc.returncode == 1, out[-3000:]
     assert f"could not be brought back from node {lost}" in out and "its job folder there is kept" in out, out[-3000:]
+    summary = (pai_home / "jobs" / job_id / "summary.txt").read_text()
+    assert f"1 not brought back (pai outputs {job_id} says where)" in summary, summary
     listed = pai_json("outputs", job_id)
     assert listed["missing"] == 1 and listed["files"][0]["where"] == "node" and listed["files"][0]["node"] == lost
     # the folder is still there, with the files

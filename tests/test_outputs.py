@@ -354,3 +354,27 @@ def test_a_timed_out_job_still_records_its_files(pai_home, tmp_path):
     assert result.returncode != 0 and "timeout" in result.stdout
     listed = pai_json("outputs", job_id_from(result.stdout))
     assert {os.path.basename(f["path"]) for f in listed["files"]} == {"model-0.txt", "ckpt-0", "out.txt", "same.txt"}
+
+
+def test_a_shared_checkpoint_folder_is_neither_staged_nor_watched_nor_translated(tmp_path):
+    from paicli.cluster import node_files, remote_paths
+    from paicli.plan import JobPlan, RolePlan
+
+    job_dir, shared, mine = tmp_path / "job", tmp_path / "nfs", tmp_path / "ckpt"
+    job_dir.mkdir()
+    for folder in (shared, mine):
+        folder.mkdir()
+        (folder / "step-1").write_text("ckpt")
+    plan = JobPlan(job_name="j", framework="python", task_name="T",
+                   roles=[RolePlan("worker", 1, ["python3", "t.py"], cwd=str(tmp_path / "work"))])
+    for ckpt, staged in ((shared, False), (mine, True)):
+        (job_dir / "spec.json").write_text(json.dumps({"name": "python", "checkpoint_dir": str(ckpt)}))
+        (job_dir / "nodes.json").write_text(json.dumps({"backend": "ssh", "shared": [str(shared)]}))
+        manifest = node_files.manifest(job_dir, plan)
+        dst = f"files{ckpt}/step-1"
+        assert (dst in [f.dst for f in manifest.files]) is staged
+        mapping = manifest.mapping("/tmp/paicli-u/j", "/rt", "/usr/bin/python3")
+        assert (remote_paths.translate(f"--checkpointDir={ckpt}", mapping) != f"--checkpointDir={ckpt}") is staged
+        watch = outputs.JobOutputs(Recorder(), "j", job_dir, print).prepare("worker:0", "worker", 0, "h1",
+                                                                             str(tmp_path / "work"), {})
+        assert ("ckpt" in dict(watch.watch["dirs"])) is staged

@@ -87,27 +87,38 @@ class Link:
         self.last_file = 0.0            # when the last file frame came: a transfer under way
 
     def feed(self, data: bytes) -> bytes:
-        """Decode `data` (any slice of the stream); the output bytes it completes."""
-        buf = self._buf
-        buf += data
+        """Decode `data` (any slice of the stream); the output bytes it completes.
+        A file's data goes to the sink as a view of what was read (no copy: a
+        gigabyte of outputs passes through here)."""
+        if self._buf:
+            self._buf += data
+            data = self._buf
         out = []
-        pos, end = 0, len(buf)
-        while end - pos >= 5:
-            kind, length = HEAD.unpack_from(buf, pos)
-            if end - pos - 5 < length:
-                break
-            payload = bytes(buf[pos + 5:pos + 5 + length])
-            pos += 5 + length
-            if kind == b"O":
-                out.append(payload)
-            elif kind == b"X":
-                self.status = int(json.loads(payload)["status"])
-            elif kind in (b"I", b"E"):
-                self.first = (kind, payload)
-            elif kind in FILE_FRAMES and self.sink is not None:
-                self.last_file = time.monotonic()
-                self.sink(kind, payload)
-        del buf[:pos]
+        pos, end = 0, len(data)
+        with memoryview(data) as view:
+            while end - pos >= 5:
+                kind, length = HEAD.unpack_from(view, pos)
+                if end - pos - 5 < length:
+                    break
+                payload = view[pos + 5:pos + 5 + length]
+                pos += 5 + length
+                if kind == b"D" and self.sink is not None:
+                    self.last_file = time.monotonic()
+                    self.sink(kind, payload)
+                elif kind == b"O":
+                    out.append(bytes(payload))
+                elif kind == b"X":
+                    self.status = int(json.loads(bytes(payload))["status"])
+                elif kind in (b"I", b"E"):
+                    self.first = (kind, bytes(payload))
+                elif kind in FILE_FRAMES and self.sink is not None:
+                    self.last_file = time.monotonic()
+                    self.sink(kind, bytes(payload))
+                payload.release()
+            kept = data is self._buf and pos == 0   # a frame still incomplete: nothing to copy
+            rest = b"" if kept or pos >= end else bytes(view[pos:])
+        if not kept:
+            self._buf = bytearray(rest)
         return b"".join(out)
 
     def _recv(self, timeout: float) -> bytes | None:

@@ -12,7 +12,8 @@ master: the watchdog). This module is the master's side, once for every backend:
   archive's the job's code/), -DcheckpointDir, and PAI_OUTPUT_DIR
   ($PAI_HOME/jobs/ID/outputs/ROLE-IDX, on this machine too);
 - each file is written aside (`.pai-part-*` next to where it belongs), its
-  SHA-256 checked against the node's, then renamed: nobody reads half a file;
+  checksum (node_agent.Checksum: CRC-32) checked against the node's, then
+  renamed: nobody reads half a file;
 - a file that cannot come back (node unreachable, disk full here, over
   -DoutputMaxSize) is recorded with the node and the path where it still is, and
   the node's job folder is kept (Backend.keep_nodes);
@@ -27,7 +28,6 @@ the agent sends only their digests ("inplace"), and they are recorded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from paicli.cluster.agent_link import HEAD
+from paicli.runners.node_agent import Checksum
 
 KEYS = ("cwd", "ckpt", "out")
 PART = ".pai-part-"
@@ -152,7 +153,7 @@ class InstanceOutputs:
         head["local"] = os.path.join(root, rel)
         if self.watch.get("inplace"):
             return
-        self._hash = hashlib.sha256()
+        self._hash = Checksum()
         folder = os.path.dirname(head["local"])
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -178,14 +179,14 @@ class InstanceOutputs:
             return
         why = self._error or end.get("error")
         if not why and not self.watch.get("inplace"):
-            why = self._finish_copy(head, end.get("sha256"))
+            why = self._finish_copy(head, end.get("digest"))
         else:
             self._abandon(None)
         self._file = None
         self.received += 1
         if end.get("transient"):
             return   # rewritten or removed while it was read: the next pass (or none) says
-        self.job.arrived(self, head, end.get("sha256"), why)
+        self.job.arrived(self, head, end.get("digest"), why)
 
     def _finish_copy(self, head: dict, digest: str | None) -> str | None:
         try:

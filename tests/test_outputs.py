@@ -378,3 +378,33 @@ def test_a_shared_checkpoint_folder_is_neither_staged_nor_watched_nor_translated
         watch = outputs.JobOutputs(Recorder(), "j", job_dir, print).prepare("worker:0", "worker", 0, "h1",
                                                                              str(tmp_path / "work"), {})
         assert ("ckpt" in dict(watch.watch["dirs"])) is staged
+
+
+def test_the_link_decodes_file_frames_split_anywhere(tmp_path):
+    """Output, file frames and the exit status in one stream, fed in slices of every
+    size (a byte at a time included): the same output, the same file, the status."""
+    import random
+
+    from paicli.cluster.agent_link import Link
+
+    src = tmp_path / "node"
+    src.mkdir()
+    (src / "model.bin").write_bytes(os.urandom(300_000))
+    frames = [(b"O", b"line one\n"), *node_agent.file_frames({"dirs": [["out", str(src)]]}, {}, None),
+              (b"O", b"line two\n"), (b"X", b'{"status": 0}')]
+    stream = b"".join(k + len(p).to_bytes(4, "big") + p for k, p in frames)
+    for sizes in ((1, 2, 4096), (5, 7, 3000), (65536, 1 << 20), (3, 300_000)):
+        dest = tmp_path / f"here-{sizes[0]}"
+        (tmp_path / "job").mkdir(exist_ok=True)
+        (tmp_path / "job" / "nodes.json").write_text('{"backend": "ssh"}')
+        job = outputs.JobOutputs(Recorder(), "j", tmp_path / "job", print)
+        inst = outputs.InstanceOutputs(job, "w:0", "h", {"out": str(dest)}, {"dirs": []})
+        link = Link(None, "h")
+        link.sink = inst.sink
+        out, pos, rng = b"", 0, random.Random(sizes[0])
+        while pos < len(stream):
+            step = rng.choice(sizes)
+            out += link.feed(stream[pos:pos + step])
+            pos += step
+        assert out == b"line one\nline two\n" and link.status == 0 and inst.complete
+        assert (dest / "model.bin").read_bytes() == (src / "model.bin").read_bytes()

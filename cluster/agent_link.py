@@ -20,9 +20,10 @@ the instance with t/k bytes on the live link.
                                     knows it) the agent hands to the instance as its
                                     stdout and stderr: output crosses no extra hop
 
-    start_instance(transport, spec, *, backend, node, host, start_timeout) -> Handle
-        spec = {"argv", "env", "cwd", "heartbeat"} (+ "inherit", "output_fd": see
-        the agent). Raises OSError for an E frame (the program could not be
+    start_instance(transport, spec, *, backend, node, host, start_timeout, sink=None) -> Handle
+        spec = {"argv", "env", "cwd", "heartbeat"} (+ "inherit", "output_fd",
+        "watch": see the agent). `sink(kind, payload)` takes the file frames (F, D,
+        S, Z: cluster/outputs.py), in the pump thread or the master's. Raises OSError for an E frame (the program could not be
         started); a transport failure gives a Handle whose poll() reports NODE_LOST.
 
 The Handle's `output_fd` is a pipe of the instance's output; its `native` is a
@@ -45,6 +46,9 @@ from typing import Protocol
 from paicli.cluster.backends.base import NODE_LOST, Handle, InstanceRef
 
 HEAD = struct.Struct(">cI")   # 1 byte type, 4 bytes big-endian length
+FILE_FRAMES = (b"F", b"D", b"S", b"Z")
+PUMP_READ = 1 << 20           # a read of the pump: files travel in 256 KB frames (output in small ones)
+TRANSFER_QUIET = 30.0         # seconds without a file frame after which a wait stops extending
 BEAT_EVERY = 1.0              # seconds between the master's heartbeat bytes
 
 
@@ -79,26 +83,42 @@ class Link:
         self.thread: threading.Thread | None = None
         fileno = getattr(transport, "fileno", None)
         self._control = fileno() if fileno is not None else -1   # local mode: the frames' fd
+        self.sink = None                # file frames go there (cluster/outputs.py)
+        self.last_file = 0.0            # when the last file frame came: a transfer under way
 
     def feed(self, data: bytes) -> bytes:
-        """Decode `data` (any slice of the stream); the output bytes it completes."""
-        buf = self._buf
-        buf += data
+        """Decode `data` (any slice of the stream); the output bytes it completes.
+        A file's data goes to the sink as a view of what was read (no copy: a
+        gigabyte of outputs passes through here)."""
+        if self._buf:
+            self._buf += data
+            data = self._buf
         out = []
-        pos, end = 0, len(buf)
-        while end - pos >= 5:
-            kind, length = HEAD.unpack_from(buf, pos)
-            if end - pos - 5 < length:
-                break
-            payload = bytes(buf[pos + 5:pos + 5 + length])
-            pos += 5 + length
-            if kind == b"O":
-                out.append(payload)
-            elif kind == b"X":
-                self.status = int(json.loads(payload)["status"])
-            elif kind in (b"I", b"E"):
-                self.first = (kind, payload)
-        del buf[:pos]
+        pos, end = 0, len(data)
+        with memoryview(data) as view:
+            while end - pos >= 5:
+                kind, length = HEAD.unpack_from(view, pos)
+                if end - pos - 5 < length:
+                    break
+                payload = view[pos + 5:pos + 5 + length]
+                pos += 5 + length
+                if kind == b"D" and self.sink is not None:
+                    self.last_file = time.monotonic()
+                    self.sink(kind, payload)
+                elif kind == b"O":
+                    out.append(bytes(payload))
+                elif kind == b"X":
+                    self.status = int(json.loads(bytes(payload))["status"])
+                elif kind in (b"I", b"E"):
+                    self.first = (kind, bytes(payload))
+                elif kind in FILE_FRAMES and self.sink is not None:
+                    self.last_file = time.monotonic()
+                    self.sink(kind, bytes(payload))
+                payload.release()
+            kept = data is self._buf and pos == 0   # a frame still incomplete: nothing to copy
+            rest = b"" if kept or pos >= end else bytes(view[pos:])
+        if not kept:
+            self._buf = bytearray(rest)
         return b"".join(out)
 
     def _recv(self, timeout: float) -> bytes | None:
@@ -149,6 +169,8 @@ class Link:
         """Block up to `timeout` (None: for ever) for the status."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
+            if deadline is not None and time.monotonic() - self.last_file < TRANSFER_QUIET:
+                deadline = max(deadline, time.monotonic() + 0.2)   # files are still coming back
             left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
             if left <= 0:
                 break
@@ -202,7 +224,7 @@ class Link:
                 _write_all(self._write_fd, data)
                 if self.status is not None:
                     break
-                data = self.transport.recv(65536, silence)
+                data = self.transport.recv(PUMP_READ, silence)
                 if not data:
                     break
                 data = self.feed(data)
@@ -252,9 +274,10 @@ def _keep_beating(link: Link) -> None:
 # -- starting ----------------------------------------------------------------------------
 
 def start_instance(transport: Transport, spec: dict, *, backend: str, node: str, host: str,
-                   start_timeout: float) -> Handle:
+                   start_timeout: float, sink=None) -> Handle:
     heartbeat = float(spec.get("heartbeat") or 0)
     link = Link(transport, node, heartbeat)
+    link.sink = sink
     output_fd = getattr(transport, "output_fd", -1)
     if output_fd >= 0:
         spec = dict(spec, output_fd=transport.agent_output_fd)

@@ -22,10 +22,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from paicli.cluster import distribution
-from paicli.cluster import placement as placing
-from paicli.cluster import datasets, policy, queue_turns
+from paicli.cluster import datasets, distribution, outputs, policy, queue_turns
 from paicli.cluster import layers as job_layers
+from paicli.cluster import placement as placing
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
@@ -85,6 +84,7 @@ class JobMaster:
         self.logs_dir.mkdir(exist_ok=True, mode=0o700)
         self.cap = log_cap()
         self.joblog = JobLog(self.job_dir / "job.log", MetricParser(self.plan.metric_patterns), self.cap)
+        self.outputs = outputs.JobOutputs(store, job_id, self.job_dir, self.joblog.note)
         self.stop_timeout, stop_note = policy.stop_timeout_or_default()
         if stop_note:
             self.joblog.note(stop_note)
@@ -238,8 +238,9 @@ class JobMaster:
         inst.restart_at = None
         self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, host=inst.placed.host,
                                   node=inst.placed.node, port=inst.port, log_path=str(log_path), started=time.time())
+        files = self.outputs.prepare(inst.name, role.name, inst.idx, inst.placed.node, role.cwd, env)
         try:
-            handle = self.backend.start(inst.placed, role.argv, env, role.cwd)
+            handle = self.backend.start(inst.placed, role.argv, env, role.cwd, watch=files.watch, sink=files.sink)
         except OSError as err:
             # Not executable / not found: the shell's verdicts for these are 126 / 127.
             self._lines(inst, inst.log.feed(f"cannot start {role.argv[0]}: {err.strerror or err}\n".encode()))
@@ -322,6 +323,7 @@ class JobMaster:
                 continue
             self._read(key.data, key.fd, rounds=1)
         self.store.add_metrics(self.joblog.take_metrics())
+        self.outputs.flush()
 
     def _read(self, inst: Instance, fd: int, rounds: int) -> None:
         for _ in range(rounds):
@@ -554,6 +556,7 @@ class JobMaster:
         for inst in self.instances:
             if inst.status == InstanceStatus.WAITING:
                 self._set(inst, InstanceStatus.KILLED, "never restarted")
+        self.outputs.finish(self.backend, [i.handle for i in self.instances if i.handle])
         row = self.store.job(self.job_id)
         self.joblog.note(f"job {row['status']}" + (f": {row['reason']}" if row["reason"] else ""))
         self.store.add_metrics(self.joblog.take_metrics())

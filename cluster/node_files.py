@@ -151,6 +151,12 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
     files += [NodeFile(f"{job_dir}/{name}", name, 0o600) for name in INSTANCE_FILES
               if os.path.isfile(f"{job_dir}/{name}")]
     trees += data_trees(job_dir)
+    # FILES (issue 17): -DcheckpointDir travels both ways (cluster/outputs.py).
+    from paicli.cluster.outputs import staged_checkpoint
+
+    ckpt_files, ckpt_trees = staged_checkpoint(job_dir, plan, cwds)
+    files += [f for f in ckpt_files if f.dst not in seen]
+    trees += ckpt_trees
     return Manifest(files=files, job_dir=job_dir, trees=trees, exact=exact)
 
 

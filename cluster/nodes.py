@@ -4,6 +4,8 @@
     machine alone (load_nodes() returns None: the local backend).
 
     known_hosts: /path/known_hosts      # optional; default ~/.ssh/known_hosts
+    shared: [/nfs, /data]               # optional: paths that are the same on every node
+                                        # (an NFS home, a mounted bucket): never copied
     nodes:
       - name: h1                        # shown in status, logs, errors
         host: 10.0.0.11                 # ssh to it; peers are told this address
@@ -43,7 +45,7 @@ PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]{1,255}$")
 
 NODE_KEYS = ("name", "host", "port", "user", "key", "cpu", "memory", "gpu", "python",
              "runtime_dir", "work_dir")
-TOP_KEYS = ("known_hosts", "nodes", "ray")
+TOP_KEYS = ("known_hosts", "nodes", "ray", "shared")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class NodesConfig:
     known_hosts: str
     ray: dict | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    shared: tuple[str, ...] = ()      # absolute paths the same on every node (FILES, issue 17)
 
     def node(self, name: str) -> NodeEntry:
         for node in self.nodes:
@@ -92,6 +95,8 @@ class NodesConfig:
                                "nodes": [n.to_dict() for n in self.nodes]}
         if self.ray is not None:
             out["ray"] = self.ray
+        if self.shared:
+            out["shared"] = list(self.shared)
         return out
 
 
@@ -246,14 +251,26 @@ def parse_nodes(text: str, path: str = "nodes.yaml") -> NodesConfig:
             if raw.get(key) is not None:
                 entry[key] = _remote_path(f"{where}: key {key!r}", raw[key])
         nodes.append(NodeEntry(**entry))
-    return NodesConfig(path=path, nodes=tuple(nodes), known_hosts=known_hosts, ray=ray, raw=data)
+    return NodesConfig(path=path, nodes=tuple(nodes), known_hosts=known_hosts, ray=ray, raw=data,
+                       shared=_shared(where_file, data.get("shared")))
+
+
+def _shared(where: str, value: Any) -> tuple[str, ...]:
+    """`shared:` (FILES, issue 17): a list of absolute paths, the same on every node."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise _fail(f"{where}: key 'shared'", f"expected a list of absolute paths, got {value!r}"[:200],
+                    "e.g. shared: [/nfs, /data]")
+    return tuple(_remote_path(f"{where}: key 'shared'", item).rstrip("/") or "/" for item in value)
 
 
 def config_from_dict(data: dict, path: str = "nodes snapshot") -> NodesConfig:
     """A resolved config back from its snapshot (`NodesConfig.to_dict()`)."""
     nodes = tuple(NodeEntry(**{k: v for k, v in n.items() if k in NODE_KEYS}) for n in data.get("nodes", []))
     return NodesConfig(path=path, nodes=nodes, known_hosts=data.get("known_hosts") or
-                       str(Path("~/.ssh/known_hosts").expanduser()), ray=data.get("ray"), raw=data)
+                       str(Path("~/.ssh/known_hosts").expanduser()), ray=data.get("ray"), raw=data,
+                       shared=tuple(data.get("shared") or ()))
 
 
 def _current_user() -> str:

@@ -75,3 +75,10 @@ def job_folder(job_root: str, job_id: str) -> str:
     if not job_id or not job_id.isalnum():
         raise ValueError(f"not a job ID: {job_id!r}")
     return f"{job_root.rstrip('/')}/{job_id}"
+
+
+def translate_watch(watch: dict, mapping: Mapping) -> dict:
+    """The node agent's "watch" (cluster/outputs.py): its folders and state file
+    are local paths, translated as cwd is."""
+    return dict(watch, dirs=[[key, translate(path, mapping)] for key, path in watch.get("dirs") or ()],
+                state=translate(watch["state"], mapping) if watch.get("state") else None)

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from paicli.cluster import lifecycle
+from paicli.cluster import lifecycle, outputs
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import InstanceRef
 from paicli.store import Store
@@ -80,9 +80,16 @@ def main(argv: list[str]) -> int:
     print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in stopped]} "
           f"(of {len(refs)} instance(s) it was told about)", file=sys.stderr)
     try:
-        # What the master would have removed at its end (SSH: the per-job folders on the nodes).
+        # What the master would have brought back and removed at its end (SSH: the
+        # files the instances wrote, then the per-job folders on the nodes).
         job_dir = Path(store.job(job_id)["job_dir"])
-        backend_for_job(job_dir).cleanup(str(job_dir))
+        backend = backend_for_job(job_dir)
+        try:
+            outputs.collect_after_master(store, job_id, backend, outputs.job_log_note(job_dir))
+        except Exception as err:  # noqa: BLE001 - the folders are kept then: nothing is lost
+            print(f"{time.ctime()}: bringing the job's files back failed: {err}", file=sys.stderr)
+            backend.keep_nodes.add("*")
+        backend.cleanup(str(job_dir))
     except Exception as err:  # noqa: BLE001 - a clean-up failure must not hide the verdict
         print(f"{time.ctime()}: clean-up after the lost master failed: {err}", file=sys.stderr)
     job_ended.set()

@@ -17,7 +17,7 @@ import time
 
 import click
 
-from paicli import __version__, cli_logview, cli_nodes, cli_plan
+from paicli import __version__, cli_logview, cli_nodes, cli_outputs, cli_plan
 from paicli import cli_queue  # QUEUE room: `pai queue`
 from paicli import cli_tune  # TUNE (issue 19): pai tune
 from paicli.cli_statement import StatementCommand
@@ -352,7 +352,7 @@ def console(project):
 # Commands that live in rooms of their own (multi-host nodes, the Pluto planner,
 # the logview page and plots); each module imports its heavy dependencies inside
 # its commands, so `pai --help` stays fast.
-for _module in (cli_nodes, cli_plan, cli_logview, cli_queue, cli_tune):
+for _module in (cli_nodes, cli_plan, cli_logview, cli_queue, cli_tune, cli_outputs):
     _module.register(cli)
 
 

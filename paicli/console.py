@@ -45,12 +45,16 @@ HELP = """statements (each ends with ; and may span lines):
   logview [<ID>];                the URL of the job's logview page
   set KEY=VALUE;                 a session default for -DKEY (set KEY=; removes it; set; lists them)
   use <PROJECT>;                 the project for this session's jobs (shown in the prompt)
+  outputs <ID>;  get <ID> [GLOB ...] [-o DIR];  resume <ID> [-Dkey=value ...];   a job's files
   help;   quit;
 -D values may be typed as in PAI's console, unquoted: -Dcluster={"ps":{"count":1},"worker":{"count":2}}"""
 
 STATEMENTS = ("pai", "show instances", "show queue", "desc instance", "status", "wait", "kill", "logs", "plot", "logview",
               "set", "use", "help", "quit")
 PASS_THROUGH = ("status", "wait", "kill", "logs", "plot", "logview", "list", "export", "run", "params")
+# FILES (issue 17): a job's files
+STATEMENTS += ("outputs", "get", "resume")
+PASS_THROUGH += ("outputs", "get", "resume")
 QUOTES = "'\""
 
 

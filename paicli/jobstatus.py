@@ -108,6 +108,8 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
     out["not_distributed"] = distribution.cause_of(out["status"], out["reason"])  # issue 20
+    out["outputs"] = store.output_totals(job_id)   # FILES (issue 17): count, bytes, missing
+    out.update(store.resume_links(job_id))          # FILES (issue 17): pai resume
     out["idle"] = idle_instances(out)
     out["exposed"] = exposed_instances(out)
     return out
@@ -259,4 +261,9 @@ def write_summary_file(status: dict) -> None:
                      f"  attempts={inst['attempts']}  log={inst['log']}")
     for name, values in status["metrics"].items():
         lines.append(f"  {name} last metrics: " + ", ".join(f"{k}={v:g}" for k, v in values.items()))
+    files = status.get("outputs") or {}   # FILES (issue 17)
+    if files.get("count"):
+        lines.append(f"Outputs: {files['count']} file(s), {files['bytes']} bytes" +
+                     (f"; {files['missing']} not brought back (pai outputs {status['id']} says where)"
+                      if files["missing"] else ""))
     write_private(path, "\n".join(lines) + "\n")

@@ -140,7 +140,25 @@ CORE_PARAMS: tuple[Param, ...] = (
     Param("priority", "int", default=0,
           help="The job's place in the queue when the nodes are busy: higher first, then submit "
                "time (default 0; negative is allowed). `pai queue` shows the queue."),
+    # -- FILES (issue 17): what a job writes comes back --------------------------------
+    Param("checkpointSyncSeconds", "int", default=60, minimum=0,
+          help="How often what instances write in checkpointDir is copied back while the job runs "
+               "(0: only when each instance ends); a restarted instance finds the latest copy in place."),
+    Param("outputMaxSize", check=lambda v: None if parse_size(v) is not None else
+          f"expected a size such as 500M, 2G or 1048576 (bytes), not {v!r}",
+          help="The largest file brought back from a node (e.g. 500M, 2G); a larger one stays on its "
+               "node, whose job folder is kept, and `pai outputs` says where."),
 )
+
+
+def parse_size(text: Any) -> int | None:
+    """'500M', '2G', '1.5g', '1048576' -> bytes (K/M/G/T are powers of 1024); None if not a size.
+    FILES (issue 17)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)[bB]?\s*", str(text))
+    if not match:
+        return None
+    value = float(match.group(1)) * 1024 ** " KMGT".index(match.group(2).upper() or " ")
+    return int(value) if value >= 1 else None
 
 
 # ---------------------------------------------------------------------------

@@ -169,7 +169,8 @@ STAGED = ("import os, sys\n"
           "print('argv', sys.argv[1:], flush=True)\n"
           "folder = os.environ['PAI_JOB_DIR']\n"
           "print('staged', sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder)\n"
-          "                       for f in fs if not d.startswith(folder + '/runners')), flush=True)\n")
+          "                       for f in fs if not d.startswith((folder + '/runners', folder + '/outputs'))),"
+          " flush=True)\n")   # outputs/: the node agent's listing of what was there (issue 17)
 
 
 def test_an_absolute_path_that_is_no_input_reaches_the_script_unchanged(cluster, nodes, tmp_path):

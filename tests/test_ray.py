@@ -369,8 +369,10 @@ def node_folders(job_id: str) -> list[str]:
 
 
 def staged_paths(folder: str) -> set[str]:
-    """Every file and link under a node's per-job folder, relative to it."""
-    return {os.path.relpath(os.path.join(top, name), folder) for top, _, files in os.walk(folder) for name in files}
+    """Every file and link under a node's per-job folder, relative to it (but outputs/,
+    where the node agent lists what was there before an instance started: issue 17)."""
+    return {os.path.relpath(os.path.join(top, name), folder) for top, _, files in os.walk(folder) for name in files
+            if not os.path.relpath(top, folder).startswith("outputs")}
 
 
 def assert_nothing_left(job_id: str, timeout: float = 10.0) -> None:

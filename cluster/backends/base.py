@@ -151,6 +151,9 @@ class Backend:
         self.config = dict(config or {})
         # The instances this process started, by (node, pid): their live agent links.
         self._links: dict[tuple[str, int], Any] = {}
+        # Nodes whose per-job folder cleanup() keeps: files of the job are still there
+        # (cluster/outputs.py: not brought back).
+        self.keep_nodes: set[str] = set()
 
     # -- nodes and staging ------------------------------------------------------
 
@@ -171,8 +174,15 @@ class Backend:
         first start, and again for a node an instance is moved to. Local: nothing."""
 
     def cleanup(self, job_dir: str) -> None:
-        """Remove the per-job folders on the nodes. Local: nothing (the job folder
-        is the user's to keep)."""
+        """Remove the per-job folders on the nodes (but those of `keep_nodes`).
+        Local: nothing (the job folder is the user's to keep)."""
+
+    def collect_outputs(self, job_dir: str, node: str, role: str, idx: int, have: dict,
+                        max_bytes: int | None) -> Iterable[bytes]:
+        """The node agent's `collect` for an instance whose link is gone: the frames of
+        the files it wrote that are not in `have` (cluster/outputs.py), as a byte
+        stream. Raises when the node cannot be reached."""
+        raise NotImplementedError
 
     def place_job(self, plan: Any, job_id: str, note: Callable[[str], None], deadline: float | None,
                   cancelled: Callable[[], Any]) -> list[Placement]:
@@ -194,19 +204,23 @@ class Backend:
 
     # -- running ------------------------------------------------------------------
 
-    def start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None) -> Handle:
+    def start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
+              watch: dict | None = None, sink: Callable[[bytes, bytes], None] | None = None) -> Handle:
         """Start one instance on `placed.node` in a session (process group) of its
         own with default signal dispositions, stdin from /dev/null, stdout+stderr
         into the Handle. Raises OSError (FileNotFoundError: 127,
-        PermissionError: 126) when the program cannot be started."""
+        PermissionError: 126) when the program cannot be started. `watch` (local
+        paths, translated for the node like cwd) and `sink` are the files that come
+        back (cluster/outputs.py)."""
         from paicli.cluster.agent_link import Link
 
-        handle = self._start(placed, argv, env, cwd)
+        handle = self._start(placed, argv, env, cwd, watch, sink)
         if isinstance(handle.native, Link) and handle.ref.pid > 0:
             self._links[(handle.ref.node, handle.ref.pid)] = handle.native
         return handle
 
-    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None) -> Handle:
+    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
+               watch: dict | None, sink: Callable[[bytes, bytes], None] | None) -> Handle:
         """A transport to a node agent for `placed`, handed to agent_link.start_instance."""
         raise NotImplementedError
 

@@ -178,14 +178,23 @@ class LocalBackend(Backend):
             raise OSError(f"could not find {count} free ports on {node}")
         return ports
 
-    def _start(self, placed, argv, env, cwd):
+    def _start(self, placed, argv, env, cwd, watch=None, sink=None):
         with self._lock:
             agent = self._warm.pop((placed.role, placed.idx), None)
         if agent is None:
             agent = AgentProcess(f"{env.get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}")
         spec = {"argv": list(argv), "env": dict(env), "inherit": False, "cwd": cwd, "heartbeat": 0}
+        if watch:
+            spec["watch"] = dict(watch, inplace=True)   # this machine: the files are where they belong
         return agent_link.start_instance(agent, spec, backend=self.name, node=placed.node, host=placed.host,
-                                         start_timeout=START_TIMEOUT)
+                                         start_timeout=START_TIMEOUT, sink=sink)
+
+    def collect_outputs(self, job_dir, node, role, idx, have, max_bytes):
+        from paicli.cluster.outputs import state_rel
+
+        request = {"state": os.path.join(str(job_dir), state_rel(role, idx)), "have": have, "inplace": True}
+        for kind, payload in node_agent.collect(request):
+            yield kind + len(payload).to_bytes(4, "big") + payload
 
     def _stop_refs(self, node, refs, timeout):
         stopped = {tuple(r) for r in node_agent.stop_refs([agent_ref(ref) for ref in refs], timeout)}

@@ -576,8 +576,8 @@ class RayBackend(Backend):
         each node) and provision the runtime there. The interpreter found on each
         node is what argv[0] becomes."""
         ray = self.connect()
-        if self._manifest is None:
-            self._manifest = node_files.manifest(job_dir, plan)
+        # Afresh each time: a node an instance moves to gets the checkpoints as they are now.
+        self._manifest = node_files.manifest(job_dir, plan)
         todo: dict[str, _Instance] = {}
         for placed in placements:
             inst = self._instances[(placed.role, placed.idx)]
@@ -626,7 +626,8 @@ class RayBackend(Backend):
                 return self._get(inst.actor.pick_ports.remote(count, list(taken)), f"ports on Ray node {node}")
         return self._pinned(node, ray_node.pinned_ports, count, list(taken))
 
-    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None) -> Handle:
+    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
+               watch: dict | None = None, sink=None) -> Handle:
         self.connect()
         inst = self._instances[(placed.role, placed.idx)]
         mapping = self._mapping(inst, argv[0])
@@ -635,9 +636,11 @@ class RayBackend(Backend):
             env_out["CUDA_VISIBLE_DEVICES"] = inst.info["gpus"]   # what Ray gave the bundle
         spec = {"argv": remote_paths.translate_argv(argv, mapping), "env": env_out,
                 "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": HEARTBEAT}
+        if watch:
+            spec["watch"] = remote_paths.translate_watch(watch, mapping)
         agent = self._get(inst.actor.open.remote(), f"starting {placed.role}:{placed.idx} on Ray node {inst.host}")
         return agent_link.start_instance(RayTransport(self, inst.actor, agent), spec, backend=self.name,
-                                         node=inst.host, host=inst.host, start_timeout=CALL_TIMEOUT)
+                                         node=inst.host, host=inst.host, start_timeout=CALL_TIMEOUT, sink=sink)
 
     # -- stopping what this process did not start (`pai kill`, the watchdog) ---------------
 
@@ -650,6 +653,16 @@ class RayBackend(Backend):
         except Exception as err:  # noqa: BLE001 - Ray's own errors: base.Backend retries, then says so
             raise PaiError(f"Ray node {node}: {type(err).__name__}: {str(err)[:200]}".splitlines()[0]) from None
         return [r for r in refs if agent_ref(r) in stopped]
+
+    def collect_outputs(self, job_dir: str, node: str, role: str, idx: int, have: dict,
+                        max_bytes: int | None):
+        """The node agent's collect, in a task pinned to the node: its frames, at once."""
+        from paicli.cluster.outputs import state_rel
+
+        self.connect()
+        data = self._pinned(node, ray_node.pinned_collect, Path(job_dir).name, state_rel(role, idx), have,
+                            max_bytes, timeout=CALL_TIMEOUT * 10)
+        yield data
 
     def _alive(self, ref: InstanceRef) -> bool:
         try:
@@ -666,12 +679,15 @@ class RayBackend(Backend):
         if self._unusable:
             return
         ray = self.connect()
+        if "*" in self.keep_nodes:
+            self.keep_nodes |= {inst.host for inst in self._instances.values()} | {n.name for n in self.nodes()}
         if self._instances:
-            by_node = {inst.node_id: inst for inst in self._instances.values() if inst.node_id}
+            by_node = {inst.node_id: inst for inst in self._instances.values()
+                       if inst.node_id and inst.host not in self.keep_nodes}
             refs = [inst.actor.cleanup.remote() for inst in by_node.values()]
         else:
             refs = [self._pinned_ref(node.attrs["node_id"], ray_node.pinned_cleanup, Path(job_dir).name)
-                    for node in self.nodes()]
+                    for node in self.nodes() if node.name not in self.keep_nodes]
         ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT)   # a lost node took its folder with it
         for inst in self._instances.values():
             self._forget(inst)   # its agent sees its stdin close and stops what is left

@@ -306,3 +306,13 @@ def pinned_cleanup(job_id: str) -> None:
     import ray
 
     remove_job_folder(job_folder(job_id, ray.get_runtime_context().get_node_id()))
+
+
+def pinned_collect(job_id: str, state_rel: str, have: dict, max_bytes) -> bytes:
+    """The node agent's `collect` of an instance's files on this node (cluster/outputs.py),
+    as one byte string of frames."""
+    import ray
+
+    folder = job_folder(job_id, ray.get_runtime_context().get_node_id())
+    request = {"state": os.path.join(folder, state_rel), "have": have, "max_bytes": max_bytes}
+    return b"".join(kind + len(payload).to_bytes(4, "big") + payload for kind, payload in node_agent.collect(request))

@@ -317,6 +317,9 @@ class SSHBackend(Backend):
                 pass
         job_id = self._job_id(job_dir)
         names -= self._lost   # unreachable: it keeps its folder (under /tmp, cleared at boot)
+        names -= self.keep_nodes   # files of the job are still there (cluster/outputs.py)
+        if "*" in self.keep_nodes:
+            names = set()
 
         def remove(name: str) -> None:
             try:
@@ -328,6 +331,31 @@ class SSHBackend(Backend):
 
         with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
             list(pool.map(remove, sorted(names)))
+
+    def collect_outputs(self, job_dir: str, node: str, role: str, idx: int, have: dict,
+                        max_bytes: int | None):
+        """`node_agent.py collect` over an exec channel: the request on its stdin,
+        the frames streamed from its stdout."""
+        from paicli.cluster.outputs import state_rel
+
+        if node in self._lost:
+            raise ssh.NodeUnreachable(f"node {node} stopped answering during the job")
+        entry = self.entry(node)
+        folder = remote_paths.job_folder(entry.job_root, self._job_id(job_dir))
+        request = {"state": f"{folder}/{state_rel(role, idx)}", "have": have, "max_bytes": max_bytes}
+        chan = self.conns.session(entry, timeout=START_TIMEOUT)
+        try:
+            chan.exec_command(ssh.quote_argv([entry.python, f"{folder}/{AGENT_FILE}", "collect"]))
+            chan.sendall(json.dumps(request).encode() + b"\n")
+            chan.shutdown_write()
+            chan.settimeout(HEARTBEAT * 10)
+            while True:
+                data = chan.recv(1 << 20)
+                if not data:
+                    break
+                yield data
+        finally:
+            chan.close()
 
     def pick_ports(self, node: str, count: int, taken: Iterable[int] = ()) -> list[int]:
         entry = self.entry(node)
@@ -342,7 +370,8 @@ class SSHBackend(Backend):
 
     # -- running --------------------------------------------------------------------
 
-    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None) -> Handle:
+    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
+               watch: dict | None = None, sink=None) -> Handle:
         node = self.entry(placed.node)
         mapping = self._maps.get(node.name) or []
         folder = self._folders.get(node.name)
@@ -355,6 +384,8 @@ class SSHBackend(Backend):
                 "env": remote_paths.translate_env(delta, mapping),
                 "cwd": remote_paths.translate(cwd, mapping) if cwd else f"{folder}/code",
                 "heartbeat": HEARTBEAT}
+        if watch:
+            spec["watch"] = remote_paths.translate_watch(watch, mapping)
         label = f"{env.get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}"
         with self._lock:
             warm = self._warm.pop((placed.role, placed.idx), None)
@@ -370,7 +401,7 @@ class SSHBackend(Backend):
             # Not conns.drop(): the node's other instances run over the same connection.
             return agent_link.lost_handle(self.name, node.name, placed.host, f"{err.__class__.__name__}: {err}")
         return agent_link.start_instance(ChannelTransport(chan), spec, backend=self.name, node=node.name,
-                                         host=placed.host, start_timeout=START_TIMEOUT)
+                                         host=placed.host, start_timeout=START_TIMEOUT, sink=sink)
 
     @staticmethod
     def _ssh_errors() -> type:

@@ -78,6 +78,7 @@ def make_app(home: Path, token: str) -> web.Application:
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/stream", stream)
     app.router.add_get(r"/static/{name:[a-z0-9_.-]+}", static_file)
     add_study_routes(app)   # TUNE (issue 19)
+    add_output_routes(app)
     return app
 
 
@@ -382,3 +383,38 @@ async def study_head(request: web.Request) -> web.Response:
     from paicli.web import study
 
     return _html(request, "_study_head.html", study=await _read(request, study.study_page, request.match_info["name"]))
+# -- FILES (issue 17): a job's outputs, listed with download links ------------------------
+
+
+def add_output_routes(app: web.Application) -> None:
+    app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/outputs", outputs_page)
+    app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/file", output_file)
+
+
+def _outputs(store: Store, prefix: str) -> tuple[dict, list[dict]]:
+    job = store.find_job(prefix)
+    rows = [dict(zip(store.OUTPUT_COLUMNS, row)) for row in store.outputs(job["id"])]
+    return {"id": job["id"], **store.resume_links(job["id"]), **store.output_totals(job["id"])}, rows
+
+
+async def outputs_page(request: web.Request) -> web.Response:
+    job, rows = await _read(request, _outputs, request.match_info["job_id"])
+    return _html(request, "outputs.html", job=job, rows=rows)
+
+
+def _output_path(store: Store, job_id: str, instance: str, path: str) -> Path:
+    """Only a file the store records as this job's, here: no other path is served."""
+    job = store.job(job_id)
+    for row in store.outputs(job["id"]):
+        if row[1] == instance and row[2] == path and row[6] == "here":
+            return Path(path)
+    raise NotFound(f"no output {path!r} of {instance} in job {job_id}")
+
+
+async def output_file(request: web.Request) -> web.StreamResponse:
+    path = await _read(request, _output_path, request.match_info["job_id"], request.query.get("instance", ""),
+                       request.query.get("path", ""))
+    if not path.is_file():
+        return web.Response(status=404, text=f"404: {path} is no longer there\n")
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream",
+                                           "Content-Disposition": f'attachment; filename="{path.name}"'})

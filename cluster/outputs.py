@@ -1,0 +1,475 @@
+"""A job's files come back to the submitting machine: where each lands, checked, recorded.
+
+The node agent (runners/node_agent.py) finds and packs them: before an instance
+starts it lists the folders it watches, and when the instance ends (and every
+-DcheckpointSyncSeconds for the checkpoint folder while it runs) it sends every
+file that is new or changed as frames on its link (cluster/agent_link.py), or on
+the stdout of its `collect` command for an instance whose link is gone (a dead
+master: the watchdog). This module is the master's side, once for every backend:
+
+- which folders an instance's files are watched in and where each lands here
+  (`targets`): its working folder (a plain script's is where `pai` ran, an
+  archive's the job's code/), -DcheckpointDir, and PAI_OUTPUT_DIR
+  ($PAI_HOME/jobs/ID/outputs/ROLE-IDX, on this machine too);
+- each file is written aside (`.pai-part-*` next to where it belongs), its
+  checksum (node_agent.Checksum: CRC-32) checked against the node's, then
+  renamed: nobody reads half a file;
+- a file that cannot come back (node unreachable, disk full here, over
+  -DoutputMaxSize) is recorded with the node and the path where it still is, and
+  the node's job folder is kept (Backend.keep_nodes);
+- two instances that wrote one path with different content: the last to finish
+  wins, as on this machine, and the job log names both;
+- `shared:` paths of the nodes file and storage URLs (s3://, oss://, hdfs://,
+  gs://) are the script's own: never watched, never copied.
+
+On this machine (the local backend) the files are where they belong already:
+the agent sends only their digests ("inplace"), and they are recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from paicli.cluster.agent_link import HEAD
+from paicli.runners.node_agent import Checksum
+
+KEYS = ("cwd", "ckpt", "out")
+PART = ".pai-part-"
+TRANSFER_WAIT = 600.0     # the most the end of a job waits for files still on their way
+Note = Callable[[str], None]
+
+
+# -- pure policy -------------------------------------------------------------------------
+
+def is_url(value: str) -> bool:
+    """A storage location the script reads and writes itself (s3://, oss://, hdfs://, gs://...)."""
+    head, sep, _ = value.partition("://")
+    return bool(sep) and head.replace("+", "").isalnum()
+
+
+def under(path: str, prefixes: Iterable[str]) -> bool:
+    """`path` is one of `prefixes` or below one."""
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)
+
+
+def output_dir(job_dir: str | Path, role: str, idx: int) -> str:
+    return os.path.join(str(job_dir), "outputs", f"{role}-{idx}")
+
+
+def state_rel(role: str, idx: int) -> str:
+    """Where the agent keeps what it listed before the instance started, relative to
+    the job's folder (on a node: the per-job folder)."""
+    return f"outputs/.{role}-{idx}.state.json"
+
+
+def checkpoint_dir(value: str | None, cwd: str | None, shared: Iterable[str] = ()) -> str | None:
+    """-DcheckpointDir as a local absolute path to watch and stage, or None (not
+    given, a storage URL, or under a `shared:` path)."""
+    if not value or is_url(value):
+        return None
+    path = os.path.abspath(os.path.join(cwd or os.getcwd(), os.path.expanduser(value)))
+    return None if under(path, shared) else path
+
+
+def targets(job_dir: str, cwd: str | None, ckpt: str | None, role: str, idx: int) -> list[list[str]]:
+    """[key, local folder] an instance's files are watched in and land in."""
+    pairs = [["out", output_dir(job_dir, role, idx)]]
+    if ckpt:
+        pairs.append(["ckpt", ckpt])
+    if cwd:
+        pairs.append(["cwd", cwd])
+    return pairs
+
+
+def safe_rel(rel: str) -> bool:
+    parts = rel.split("/")
+    return bool(rel) and not rel.startswith("/") and all(p not in ("", ".", "..") for p in parts) and "\0" not in rel
+
+
+def conflict_line(path: str, first: str, last: str) -> str:
+    return f"{first} and {last} both wrote {path} (different content); {last}'s copy, the last to finish, is kept"
+
+
+def job_settings(job_dir: str | Path) -> dict[str, Any]:
+    """What spec.json and nodes.json say about files: checkpointDir, the sync period,
+    the size limit, the shared paths."""
+    from paicli.spec import parse_size
+
+    try:
+        spec = json.loads((Path(job_dir) / "spec.json").read_text())
+    except (OSError, ValueError):
+        spec = {}
+    try:
+        nodes = json.loads((Path(job_dir) / "nodes.json").read_text())
+    except (OSError, ValueError):
+        nodes = {}
+    sync = spec.get("checkpoint_sync_seconds")
+    return {"checkpoint_dir": spec.get("checkpoint_dir"), "sync": 60 if sync is None else int(sync),
+            "max_bytes": parse_size(spec["output_max_size"]) if spec.get("output_max_size") else None,
+            "shared": tuple(nodes.get("shared") or ()), "backend": nodes.get("backend", "local")}
+
+
+# -- one instance's files arriving ----------------------------------------------------------
+
+@dataclass
+class InstanceOutputs:
+    """One attempt of one instance: what it watches (`watch`, for the agent) and the
+    sink its file frames go to (the link's pump thread, or the collect below)."""
+    job: "JobOutputs"
+    name: str
+    node: str
+    dirs: dict[str, str]
+    watch: dict
+    complete: bool = False         # the agent's last pass over every folder arrived
+    received: int = 0
+    _file: dict | None = None
+    _fd: int = -1
+    _tmp: str = ""
+    _hash: Any = None
+    _error: str | None = None
+    _buf: bytearray = field(default_factory=bytearray)
+
+    def sink(self, kind: bytes, payload: bytes) -> None:
+        try:
+            {b"F": self._begin, b"D": self._data, b"S": self._end, b"Z": self._pass}[kind](payload)
+        except Exception as err:  # noqa: BLE001 - a bad frame must not end the pump (it reads the exit)
+            self._abandon(f"{type(err).__name__}: {err}")
+
+    def _begin(self, payload: bytes) -> None:
+        self._abandon(None)
+        head = json.loads(payload)
+        self._file, self._error = head, None
+        root = self.dirs.get(head.get("key"))
+        rel = str(head.get("rel") or "")
+        if root is None or not safe_rel(rel):
+            self._error = f"refused: {rel!r} is not a path inside a watched folder"
+            return
+        head["local"] = os.path.join(root, rel)
+        if self.watch.get("inplace"):
+            return
+        self._hash = Checksum()
+        folder = os.path.dirname(head["local"])
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            self._tmp = os.path.join(folder, f"{PART}{os.urandom(6).hex()}-{os.path.basename(rel)}"[:250])
+            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as err:
+            self._error = self.job.local_error(err)
+
+    def _data(self, payload: bytes) -> None:
+        if self._fd < 0 or self._error:
+            return
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(self._fd, view):]
+            self._hash.update(payload)
+        except OSError as err:
+            self._abandon(self.job.local_error(err))
+
+    def _end(self, payload: bytes) -> None:
+        head, end = self._file, json.loads(payload)
+        if head is None:
+            return
+        why = self._error or end.get("error")
+        if not why and not self.watch.get("inplace"):
+            why = self._finish_copy(head, end.get("digest"))
+        else:
+            self._abandon(None)
+        self._file = None
+        self.received += 1
+        if end.get("transient"):
+            return   # rewritten or removed while it was read: the next pass (or none) says
+        self.job.arrived(self, head, end.get("digest"), why)
+
+    def _finish_copy(self, head: dict, digest: str | None) -> str | None:
+        try:
+            os.close(self._fd)
+            self._fd = -1
+            if self._hash.hexdigest() != digest:
+                raise ValueError("its checksum did not match the node's")
+            os.utime(self._tmp, ns=(head["mtime"], head["mtime"]))
+            os.replace(self._tmp, head["local"])
+            self._tmp = ""
+            return None
+        except (OSError, ValueError) as err:
+            self._abandon(None)
+            return self.job.local_error(err) if isinstance(err, OSError) else str(err)
+
+    def _pass(self, payload: bytes) -> None:
+        if json.loads(payload).get("all", True):
+            self.complete = True
+
+    def _abandon(self, why: str | None) -> None:
+        """Drop the partial copy under way (nobody ever sees half a file)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._tmp:
+            try:
+                os.unlink(self._tmp)
+            except OSError:
+                pass
+            self._tmp = ""
+        if why:
+            self._error = why
+
+
+class JobOutputs:
+    """The master's (or the watchdog's) side for one job: InstanceOutputs per attempt,
+    the rows for the store and the lines for the job log, taken by flush() in the
+    thread that owns the store."""
+
+    def __init__(self, store, job_id: str, job_dir: str | Path, note: Note):
+        self.store = store
+        self.job_id = job_id
+        self.job_dir = str(job_dir)
+        self.note = note
+        self.settings = job_settings(job_dir)
+        self.local = self.settings["backend"] == "local"
+        self._lock = threading.Lock()
+        self._rows: list[tuple] = []
+        self._lines: list[str] = []
+        self._replaced: list[tuple[str, str]] = []
+        self.owner: dict[str, tuple[str, str | None]] = {}   # local path -> (instance, digest) kept
+        self.attempts: list[InstanceOutputs] = []
+        self.keep_nodes: set[str] = set()
+        self._disk_full_said = False
+
+    # -- starting an instance -------------------------------------------------------
+
+    def prepare(self, name: str, role: str, idx: int, node: str, cwd: str | None,
+                env: dict[str, str]) -> InstanceOutputs:
+        """PAI_OUTPUT_DIR (and PAI_CHECKPOINT_DIR) into `env`, the output folder made
+        here, and what the agent watches for this attempt."""
+        ckpt = checkpoint_dir(self.settings["checkpoint_dir"], cwd, self.settings["shared"])
+        pairs = targets(self.job_dir, cwd, ckpt, role, idx)
+        out = pairs[0][1]
+        os.makedirs(out, mode=0o700, exist_ok=True)
+        env["PAI_OUTPUT_DIR"] = out
+        if ckpt:
+            env["PAI_CHECKPOINT_DIR"] = ckpt
+        watch = {"dirs": pairs, "state": os.path.join(self.job_dir, state_rel(role, idx)),
+                 "sync": self.settings["sync"] if ckpt and not self.local else 0,
+                 "max_bytes": self.settings["max_bytes"], "inplace": self.local,
+                 # paicli's own folder is nobody's output, even below a working folder
+                 "skip": [str(Path(self.job_dir).parent.parent)]}
+        attempt = InstanceOutputs(self, name, node, dict((k, v) for k, v in pairs), watch)
+        self.attempts.append(attempt)
+        return attempt
+
+    # -- files arriving (any thread) -------------------------------------------------
+
+    def local_error(self, err: OSError) -> str:
+        import errno
+
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            with self._lock:
+                if not self._disk_full_said:
+                    self._disk_full_said = True
+                    self._lines.append("outputs: the disk of this machine is full; the files that did not fit "
+                                       "stay on their nodes (see pai outputs)")
+            return "disk full on this machine"
+        return f"cannot write it here: {err.strerror or err}"
+
+    def arrived(self, inst: InstanceOutputs, head: dict, digest: str | None, why: str | None) -> None:
+        local = head.get("local") or head.get("rel", "")
+        where = "here" if not why else ("missing" if self.local else "node")
+        row = (self.job_id, inst.name, local, int(head.get("size") or 0), int(head.get("mtime") or 0),
+               digest, where, inst.node, head.get("at"), why)
+        with self._lock:
+            self._rows.append(row)
+            if why:
+                if not self.local:
+                    self.keep_nodes.add(inst.node)
+                self._lines.append(f"outputs: {head.get('rel')} of {inst.name} not brought back ({why}); "
+                                   f"it stays on node {inst.node} at {head.get('at')}")
+                return
+            first = self.owner.get(local)
+            if first and first[0] != inst.name and first[1] == digest:
+                self._rows.pop()   # the other instance's file, seen in a folder both share
+                return
+            self.owner[local] = (inst.name, digest)
+            if first and first[0] != inst.name:
+                self._lines.append("outputs: " + conflict_line(local, first[0], inst.name))
+                self._replaced.append((local, inst.name))
+
+    def flush(self) -> None:
+        """What arrived since the last call: rows into the store, lines into the job log."""
+        with self._lock:
+            rows, self._rows = self._rows, []
+            lines, self._lines = self._lines, []
+            replaced, self._replaced = self._replaced, []
+        if rows:
+            self.store.add_outputs(rows)
+        for path, keep in replaced:
+            self.store.replace_outputs(self.job_id, path, keep)
+            self.store.event(self.job_id, "output-conflict", conflict_line(path, "another instance", keep))
+        for line in lines:
+            self.note(line)
+
+    # -- the end of the job ----------------------------------------------------------------
+
+    def unreachable(self, inst: InstanceOutputs, why: str) -> None:
+        folder = f"the job's folder on {inst.node}"
+        with self._lock:
+            self.keep_nodes.add(inst.node)
+            self._rows.append((self.job_id, inst.name, "*", 0, 0, None, "node", inst.node, folder, why))
+            self._lines.append(f"outputs: the files of {inst.name} could not be brought back from node "
+                               f"{inst.node} ({why}); its job folder there is kept")
+
+    def collect(self, backend, attempts: list[InstanceOutputs]) -> None:
+        """For each attempt whose files did not all come on its link (a dropped link, a
+        dead master): the agent's `collect` on its node, through the backend."""
+        for inst in attempts:
+            if inst.complete:
+                continue
+            role, _, idx = inst.name.rpartition(":")
+            have = self.have(inst.name)
+            try:
+                stream = backend.collect_outputs(self.job_dir, inst.node, role, int(idx), have,
+                                                 self.settings["max_bytes"])
+                feed_frames(stream, inst.sink)
+            except Exception as err:  # noqa: BLE001 - an unreachable node, whatever its transport says
+                inst._abandon(None)
+                self.unreachable(inst, f"node unreachable: {type(err).__name__}: {str(err)[:200]}")
+                continue
+            if not inst.complete:
+                self.unreachable(inst, "the node's agent did not list the files")
+
+    def have(self, name: str) -> dict[str, dict[str, list]]:
+        """What the store holds of an instance already, in the agent's terms
+        (key -> rel -> [size, mtime_ns]), so that nothing travels twice."""
+        dirs = next((a.dirs for a in reversed(self.attempts) if a.name == name), {})
+        out: dict[str, dict[str, list]] = {}
+        for row in self.store.outputs(self.job_id):
+            if row[1] != name or row[6] != "here":
+                continue
+            for key, root in dirs.items():
+                if row[2].startswith(root.rstrip("/") + "/"):
+                    out.setdefault(key, {})[row[2][len(root.rstrip('/')) + 1:]] = [row[3], row[4]]
+                    break
+        return out
+
+    def finish(self, backend, handles: Iterable[Any]) -> None:
+        """The master's end: wait (bounded) for the files still on their way on live
+        links, collect what did not come, record it all, and keep the folders of the
+        nodes that still hold some of it."""
+        deadline = time.monotonic() + TRANSFER_WAIT
+        for handle in handles:
+            thread = getattr(getattr(handle, "native", None), "thread", None)
+            while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+                thread.join(0.5)
+        self.collect(backend, self.attempts)
+        self.flush()
+        backend.keep_nodes |= self.keep_nodes
+
+
+def feed_frames(chunks: Iterable[bytes], sink: Callable[[bytes, bytes], None]) -> None:
+    """Decode the agent's frames from a byte stream (any slicing) into `sink`."""
+    buf = bytearray()
+    for chunk in chunks:
+        buf += chunk
+        pos = 0
+        while len(buf) - pos >= HEAD.size:
+            kind, length = HEAD.unpack_from(buf, pos)
+            if len(buf) - pos - HEAD.size < length:
+                break
+            sink(kind, bytes(buf[pos + HEAD.size:pos + HEAD.size + length]))
+            pos += HEAD.size + length
+        del buf[:pos]
+
+
+# -- after the master died (the watchdog) ------------------------------------------------------
+
+def collect_after_master(store, job_id: str, backend, note: Note) -> None:
+    """What the instances of a job whose master died wrote, from every node still
+    reachable: the same collect, for the last attempt of every instance."""
+    job_dir = store.job(job_id)["job_dir"]
+    outputs = JobOutputs(store, job_id, job_dir, note)
+    for row in store.instances(job_id):
+        if not row["node"]:
+            continue
+        plan_cwd = _role_cwd(job_dir, row["role"])
+        env: dict[str, str] = {}
+        outputs.prepare(f"{row['role']}:{row['idx']}", row["role"], row["idx"], row["node"], plan_cwd, env)
+    for attempt in outputs.attempts:
+        for folder in attempt.dirs.values():
+            remove_parts(folder)   # copies the master was writing when it died
+    outputs.collect(backend, outputs.attempts)
+    outputs.flush()
+    backend.keep_nodes |= outputs.keep_nodes
+
+
+def remove_parts(folder: str) -> int:
+    """Remove the partial copies (PART*) a dead master left below `folder` (the
+    folders the agent watches, walked as it walks them); how many."""
+    from paicli.runners.node_agent import SCAN_LIMIT
+
+    removed, seen = 0, 0
+    for top, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        seen += len(files)
+        for name in files:
+            if name.startswith(PART):
+                try:
+                    os.unlink(os.path.join(top, name))
+                    removed += 1
+                except OSError:
+                    pass
+        if seen > SCAN_LIMIT:
+            break
+    return removed
+
+
+def job_log_note(job_dir: str | Path) -> Note:
+    """Whole `[pai] ...` lines appended to a job's job.log (from outside its master)."""
+    from paicli.cluster.logsink import open_append_fd
+
+    def note(line: str) -> None:
+        try:
+            fd = open_append_fd(Path(job_dir) / "job.log")
+        except OSError:
+            return
+        try:
+            os.write(fd, f"[pai] {line}\n".encode("utf-8", "replace"))
+        finally:
+            os.close(fd)
+
+    return note
+
+
+def _role_cwd(job_dir: str, role: str) -> str | None:
+    try:
+        plan = json.loads((Path(job_dir) / "plan.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return next((r.get("cwd") for r in plan.get("roles", []) if r.get("name") == role), None)
+
+
+# -- staging: the checkpoint folder travels to the nodes too ----------------------------------
+
+def staged_checkpoint(job_dir: str, plan: Any, cwds: list[str]) -> tuple[list, list[tuple[str, str]]]:
+    """For cluster/node_files.manifest: the checkpoint folder's contents as they are
+    here (an earlier run's, the latest sync of a restarted instance's, a resumed
+    job's) and the mapping of its path on the nodes. Nothing when there is none, or
+    it is a URL or a shared path."""
+    from paicli.cluster import node_files
+
+    settings = job_settings(job_dir)
+    cwd = next((r.cwd for r in plan.roles if r.cwd), None)
+    ckpt = checkpoint_dir(settings["checkpoint_dir"], cwd, settings["shared"])
+    if not ckpt or under(ckpt, [job_dir]):
+        return [], []
+    dst = node_files.input_dst(ckpt, cwds or ([cwd] if cwd else []))
+    if os.path.isdir(ckpt):
+        files = [f for f in node_files.tree_files(ckpt, dst) if PART not in os.path.basename(f.dst)]
+    else:
+        files = [node_files.NodeFile(ckpt, dst, 0o700, "dir")]
+    return files, [(ckpt, dst)]

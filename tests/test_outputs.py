@@ -1,0 +1,410 @@
+"""A job's files (issue 17): the pure rules, the agent's frames into the master's
+receiver (written aside, checked, renamed; a full disk), and local jobs end to end
+(`pai outputs`, `pai get`, `pai kill`). SSH and Ray: test_outputs_ssh.py / _ray.py."""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PAI, job_id_from, pai, pai_json, wait_until
+from paicli.cluster import outputs
+from paicli.runners import node_agent
+from paicli.store import Store
+from test_outputs_ssh import SCRIPT
+
+
+# -- pure rules -------------------------------------------------------------------------
+
+
+def test_urls_and_shared_paths_are_never_watched(tmp_path):
+    for url in ("s3://b/ckpt", "oss://b/x", "hdfs://nn/x", "gs://b/x"):
+        assert outputs.checkpoint_dir(url, "/w") is None
+    assert outputs.checkpoint_dir("/nfs/me/ckpt", "/w", shared=("/nfs",)) is None
+    assert outputs.checkpoint_dir("/nfsx/ckpt", "/w", shared=("/nfs",)) == "/nfsx/ckpt"
+    assert outputs.checkpoint_dir("ckpt", "/w") == "/w/ckpt"
+    assert outputs.checkpoint_dir(None, "/w") is None
+    assert [k for k, _ in outputs.targets("/j", "/w", "/c", "worker", 1)] == ["out", "ckpt", "cwd"]
+    assert outputs.output_dir("/j", "worker", 1) == "/j/outputs/worker-1"
+
+
+def test_size_and_shared_parsers_never_traceback():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from paicli.cluster.nodes import parse_nodes
+    from paicli.errors import UsageError
+    from paicli.spec import parse_size
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.one_of(st.text(max_size=12), st.integers(), st.floats(), st.none()))
+    def sizes(value):
+        size = parse_size(value)
+        assert size is None or (isinstance(size, int) and size >= 1)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.one_of(st.text(max_size=10), st.lists(st.one_of(st.text(max_size=8), st.integers()), max_size=3),
+                     st.integers(), st.none()))
+    def shared(value):
+        try:
+            config = parse_nodes(json.dumps({"shared": value, "nodes": [{"name": "h1", "host": "10.0.0.1"}]}))
+        except UsageError as err:
+            assert "shared" in str(err) and "\n" not in str(err)
+        else:
+            assert all(p.startswith("/") for p in config.shared)
+
+    sizes()
+    shared()
+    assert parse_size("2G") == 2 << 30 and parse_size("500M") == 500 << 20 and parse_size("lots") is None
+
+
+def test_a_path_from_a_node_must_stay_inside_its_folder():
+    for bad in ("../x", "/etc/passwd", "a/../../x", "", "a//b", "a/./b"):
+        assert not outputs.safe_rel(bad), bad
+    assert outputs.safe_rel("models/model.h5")
+
+
+def test_the_agent_lists_only_what_changed_and_leaves_out_other_watched_folders(tmp_path):
+    work, ckpt = tmp_path / "work", tmp_path / "work" / "ckpt"
+    (work / ".git").mkdir(parents=True)
+    (work / ".git" / "HEAD").write_text("x")
+    (work / "staged.py").write_text("print(1)")
+    watch = {"dirs": [["ckpt", str(ckpt)], ["cwd", str(work)]], "state": str(tmp_path / "s" / "state.json")}
+    sent = node_agent.begin_watch(watch)
+    assert sent == {"ckpt": {}, "cwd": {"staged.py": sent["cwd"]["staged.py"]}}
+    (work / "model.h5").write_text("weights")
+    (ckpt / "step-1").write_text("ckpt")
+    frames = list(node_agent.file_frames(watch, sent, None))
+    heads = [json.loads(p) for k, p in frames if k == b"F"]
+    assert [(h["key"], h["rel"]) for h in heads] == [("ckpt", "step-1"), ("cwd", "model.h5")]
+    assert frames[-1] == (b"Z", json.dumps({"files": 2, "all": True}).encode())
+    # a second pass sends nothing; `collect` from the state file sends both again
+    assert [k for k, _ in node_agent.file_frames(watch, sent, None)] == [b"Z"]
+    again = [json.loads(p)["rel"] for k, p in node_agent.collect({"state": watch["state"]}) if k == b"F"]
+    assert again == ["step-1", "model.h5"]
+
+
+class Recorder:
+    def __init__(self):
+        self.rows, self.events = [], []
+
+    def add_outputs(self, rows):
+        self.rows += rows
+
+    def replace_outputs(self, *args):
+        pass
+
+    def event(self, *args):
+        self.events.append(args)
+
+
+def receiver(tmp_path: Path, dest: Path, lines: list) -> outputs.InstanceOutputs:
+    """The master's side of one instance of a job on SSH nodes."""
+    (tmp_path / "job").mkdir(exist_ok=True)
+    (tmp_path / "job" / "nodes.json").write_text('{"backend": "ssh"}')
+    job = outputs.JobOutputs(Recorder(), "j1", tmp_path / "job", lines.append)
+    return outputs.InstanceOutputs(job, "worker:0", "h2", {"cwd": str(dest)}, {"dirs": [["cwd", str(dest)]]})
+
+
+def frames_of(src: Path, rel: str) -> list[tuple[bytes, bytes]]:
+    watch = {"dirs": [["cwd", str(src)]]}
+    return [f for f in node_agent.file_frames(watch, {}, None) if f[0] != b"F" or json.loads(f[1])["rel"] == rel]
+
+
+def test_a_file_arrives_whole_or_not_at_all(tmp_path):
+    src, dest = tmp_path / "node", tmp_path / "here"
+    src.mkdir()
+    (src / "sub").mkdir()
+    (src / "sub" / "model.h5").write_bytes(os.urandom(700_000))
+    lines: list[str] = []
+    inst = receiver(tmp_path, dest, lines)
+    for kind, payload in frames_of(src, "sub/model.h5"):
+        inst.sink(kind, payload)
+    assert (dest / "sub" / "model.h5").read_bytes() == (src / "sub" / "model.h5").read_bytes()
+    assert os.stat(dest / "sub" / "model.h5").st_mtime_ns == os.stat(src / "sub" / "model.h5").st_mtime_ns
+    assert inst.complete and inst.job._rows[0][6] == "here"
+    # a copy whose bytes do not match the node's checksum is dropped, not renamed
+    (src / "sub" / "model.h5").write_bytes(b"new weights")
+    frames = frames_of(src, "sub/model.h5")
+    frames = [(k, b"tampered!!!" if k == b"D" else p) for k, p in frames]
+    for kind, payload in frames:
+        inst.sink(kind, payload)
+    assert (dest / "sub" / "model.h5").read_bytes() != b"tampered!!!"
+    assert inst.job._rows[-1][6] == "node" and "checksum" in inst.job._rows[-1][9]
+    assert not [p for p in dest.rglob("*") if p.name.startswith(".pai-part-")]
+    assert "not brought back" in inst.job._lines[-1] and "h2" in inst.job._lines[-1]
+
+
+def test_a_full_disk_here_is_one_line_and_nothing_half_written(tmp_path):
+    src, dest = tmp_path / "node", tmp_path / "small"
+    src.mkdir()
+    dest.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(dest)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        (src / "big.bin").write_bytes(os.urandom(1_000_000))
+        (src / "small.txt").write_text("fits")
+        inst = receiver(tmp_path, dest, [])
+        for kind, payload in node_agent.file_frames({"dirs": [["cwd", str(src)]]}, {}, None):
+            inst.sink(kind, payload)
+        assert sorted(p.name for p in dest.iterdir()) == ["small.txt"]   # no partial big.bin, no part file
+        rows = {os.path.basename(r[2]): r for r in inst.job._rows}
+        assert rows["big.bin"][6] == "node" and rows["big.bin"][9] == "disk full on this machine"
+        assert rows["small.txt"][6] == "here"
+        full = [line for line in inst.job._lines if "disk" in line]
+        assert len([line for line in full if "is full" in line]) == 1, inst.job._lines
+    finally:
+        subprocess.run(["umount", str(dest)], check=True)
+
+
+def test_partial_copies_a_dead_master_left_are_removed(tmp_path):
+    (tmp_path / "a" / ".git").mkdir(parents=True)
+    (tmp_path / "a" / f"{outputs.PART}1234-model.h5").write_text("half")
+    (tmp_path / "a" / "model.h5").write_text("whole")
+    (tmp_path / "a" / ".git" / f"{outputs.PART}x").write_text("not ours to look at")
+    assert outputs.remove_parts(str(tmp_path)) == 1
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [".git", "model.h5"]
+
+
+def test_two_instances_writing_one_path_name_both_and_the_last_wins(tmp_path):
+    lines: list[str] = []
+    job = outputs.JobOutputs(Recorder(), "j1", tmp_path / "job", lines.append)
+    for name, digest in (("worker:0", "aa"), ("worker:1", "aa"), ("worker:1", "bb")):
+        inst = outputs.InstanceOutputs(job, name, "h", {}, {"inplace": True})
+        job.arrived(inst, {"local": "/w/model.h5", "rel": "model.h5", "size": 1, "mtime": 1}, digest, None)
+    job.flush()
+    assert lines == ["outputs: worker:0 and worker:1 both wrote /w/model.h5 (different content); "
+                     "worker:1's copy, the last to finish, is kept"]
+    # the same content seen by both (a shared folder) is worker:0's alone: no second row
+    assert [r[1] for r in job.store.rows] == ["worker:0", "worker:1"]
+
+
+# -- local jobs, end to end ----------------------------------------------------------------
+
+
+def test_a_bad_size_limit_is_one_line_exit_2(pai_home, tmp_path):
+    (tmp_path / "t.py").write_text("print(1)")
+    result = pai("-name", "python", f"-Dscript={tmp_path / 't.py'}", "-DoutputMaxSize=lots")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "outputMaxSize" in result.stderr and "500M" in result.stderr
+    assert not (pai_home / "jobs").exists() or not any((pai_home / "jobs").iterdir())
+
+
+def test_local_files_are_listed_got_and_kept_after_pai_kill(pai_home, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(SCRIPT)
+    statement = ["-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":2}}',
+                 f"-DcheckpointDir={tmp_path / 'ckpt'}", "-DmaxRetries=0"]
+    result = subprocess.run([*PAI, *statement], cwd=work, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = job_id_from(result.stdout)
+    listed = pai_json("outputs", job_id)
+    where = {os.path.relpath(f["path"], tmp_path): f["where"] for f in listed["files"]}
+    assert where["ckpt/ckpt-0"] == where["ckpt/ckpt-1"] == where["work/models/model-1.txt"] == "here"
+    assert where[f"pai-home/jobs/{job_id}/outputs/worker-0/out.txt"] == "here"
+    assert listed["count"] == len([f for f in listed["files"] if f["where"] != "replaced"]) == 7
+    assert listed["missing"] == 0
+    same = {f["instance"]: f["where"] for f in listed["files"] if f["path"].endswith("same.txt")}
+    assert same == {"worker:0": "replaced", "worker:1": "here"}   # worker:1 wrote it last
+    assert pai_json("status", job_id)["outputs"]["count"] == listed["count"]
+    got = pai("get", job_id, "model-*.txt", "-o", str(tmp_path / "got"))
+    assert got.returncode == 0, got.stderr
+    assert sorted(p.name for p in (tmp_path / "got").rglob("*.txt")) == ["model-0.txt", "model-1.txt"]
+    got = pai("get", job_id, "out.txt", "-o", str(tmp_path / "one"), "--instance", "worker:1")
+    assert got.returncode == 0, got.stderr
+    assert (tmp_path / "one" / "out.txt").read_text() == "out of worker 1\n"
+    missing = pai("get", job_id, "nothing-*")
+    assert missing.returncode == 2 and "no output matches" in missing.stderr
+
+    proc = subprocess.Popen([*PAI, *statement, "-DuserDefinedParameters=--hang"], cwd=work,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        assert wait_until(lambda: len(pai_json("status", job_id).get("metric_series", {})) == 2, timeout=30)
+        assert pai("kill", job_id).returncode == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    listed = pai_json("outputs", job_id)
+    assert {os.path.basename(f["path"]) for f in listed["files"]} >= {"ckpt-0", "ckpt-1", "out.txt", "same.txt"}
+
+
+def test_pai_outputs_answers_fast_for_ten_thousand_files(pai_home):
+    store = Store()
+    store.create_job("j10k", name="big", framework="python", project=None, task_name="T",
+                     job_dir=pai_home / "jobs" / "j10k", roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    store.add_outputs([("j10k", "worker:0", f"/w/out/file-{i:05d}.bin", 1000 + i, 1_700_000_000_000_000_000,
+                        "ab" * 32, "here", "local", None, None) for i in range(10_000)])
+    for args in (("outputs", "j10k"), ("outputs", "j10k", "--json")):
+        started = time.monotonic()
+        result = pai(*args)
+        took = time.monotonic() - started
+        assert result.returncode == 0 and result.stdout.count("file-") == 10_000
+        print(f"pai {' '.join(args)}: {took:.3f}s")
+        assert took < 1.5   # the 0.3 s goal is bench/bench_outputs.py's; this catches a slow path
+
+
+def test_the_console_has_outputs_and_get(pai_home, tmp_path, capsys):
+    from paicli.cli import cli
+    from paicli.console import Console
+
+    store = Store()
+    store.create_job("jcon", name="c", framework="python", project=None, task_name="T",
+                     job_dir=pai_home / "jobs" / "jcon", roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    (tmp_path / "model.h5").write_text("weights")
+    store.add_outputs([("jcon", "worker:0", str(tmp_path / "model.h5"), 7, 0, None, "here", "local", None, None)])
+    console = Console(cli)
+    assert console.execute("outputs jcon") == 0
+    assert str(tmp_path / "model.h5") in capsys.readouterr().out
+    assert console.execute(f"get jcon model.h5 -o {tmp_path / 'got'}") == 0
+    assert (tmp_path / "got" / "model.h5").read_text() == "weights"
+
+
+def test_pai_resume_of_a_cancelled_job_continues_from_its_checkpoint(pai_home, tmp_path):
+    from test_outputs_ssh import RESUMING
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "resume.py").write_text(RESUMING)
+    ckpt = tmp_path / "ckpt" / "step"
+    proc = subprocess.Popen([*PAI, "-name", "python", "-Dscript=resume.py", f"-DcheckpointDir={tmp_path / 'ckpt'}"],
+                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        assert wait_until(lambda: ckpt.exists() and int(ckpt.read_text() or 0) >= 5, timeout=30)
+        assert pai("kill", job_id).returncode == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert pai("resume", "nosuchjob").returncode == 2
+    # from another folder: the resumed job runs where the first one did
+    resumed = pai("resume", job_id, "-DjobName=again", cwd=str(tmp_path))
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr
+    assert f"Resumes {job_id}" in resumed.stdout
+    first = int(resumed.stdout.split("first step ", 1)[1].split()[0])
+    assert first >= 5 and ckpt.read_text() == "60"
+    new_id = job_id_from(resumed.stdout)
+    assert pai_json("status", new_id)["resumed_from"] == job_id
+    assert pai_json("status", job_id)["resumed_by"] == [new_id]
+    assert f"Resumed by {new_id}" in pai("status", job_id).stdout
+    assert pai_json("list")[0]["name"] == "again"
+
+
+def test_the_logview_lists_outputs_with_download_links_behind_the_token(tmp_path):
+    import asyncio
+    import threading
+    import urllib.error
+    import urllib.request
+
+    pytest.importorskip("aiohttp")
+    from aiohttp import web
+
+    from paicli.web import server
+
+    store = Store(tmp_path)
+    store.create_job("j1", name="n", framework="python", project=None, task_name="T", job_dir=tmp_path,
+                     roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    (tmp_path / "model.h5").write_bytes(b"weights")
+    (tmp_path / "secret").write_text("not an output")
+    store.add_outputs([("j1", "worker:0", str(tmp_path / "model.h5"), 7, 0, None, "here", "local", None, None),
+                       ("j1", "worker:1", "/far/<b>x</b>", 9, 0, None, "node", "h3", "/tmp/j1/x", "disk full")])
+
+    def get(path):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=20) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(server.make_app(tmp_path, "tok"))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    port = runner.addresses[0][1]
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        code, page = get("/api/jobs/j1/outputs?token=tok")
+        assert code == 200 and b"still on node h3 at /tmp/j1/x (disk full)" in page
+        assert b"&lt;b&gt;x&lt;/b&gt;" in page and b"<b>x</b>" not in page
+        link = f"/api/jobs/j1/file?instance=worker%3A0&path={urllib.parse.quote(str(tmp_path / 'model.h5'))}"
+        assert link.encode() in page.replace(b"&amp;", b"&")
+        assert get(link + "&token=tok") == (200, b"weights")
+        assert get(link)[0] == 403
+        other = f"/api/jobs/j1/file?instance=worker%3A0&path={urllib.parse.quote(str(tmp_path / 'secret'))}&token=tok"
+        assert get(other)[0] == 404
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_a_timed_out_job_still_records_its_files(pai_home, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(SCRIPT)
+    result = subprocess.run([*PAI, "-name", "python", "-Dscript=train.py", f"-DcheckpointDir={tmp_path / 'ckpt'}",
+                             "-Dtimeout=3", "-DuserDefinedParameters=--hang"], cwd=work, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0 and "timeout" in result.stdout
+    listed = pai_json("outputs", job_id_from(result.stdout))
+    assert {os.path.basename(f["path"]) for f in listed["files"]} == {"model-0.txt", "ckpt-0", "out.txt", "same.txt"}
+
+
+def test_a_shared_checkpoint_folder_is_neither_staged_nor_watched_nor_translated(tmp_path):
+    from paicli.cluster import node_files, remote_paths
+    from paicli.plan import JobPlan, RolePlan
+
+    job_dir, shared, mine = tmp_path / "job", tmp_path / "nfs", tmp_path / "ckpt"
+    job_dir.mkdir()
+    for folder in (shared, mine):
+        folder.mkdir()
+        (folder / "step-1").write_text("ckpt")
+    plan = JobPlan(job_name="j", framework="python", task_name="T",
+                   roles=[RolePlan("worker", 1, ["python3", "t.py"], cwd=str(tmp_path / "work"))])
+    for ckpt, staged in ((shared, False), (mine, True)):
+        (job_dir / "spec.json").write_text(json.dumps({"name": "python", "checkpoint_dir": str(ckpt)}))
+        (job_dir / "nodes.json").write_text(json.dumps({"backend": "ssh", "shared": [str(shared)]}))
+        manifest = node_files.manifest(job_dir, plan)
+        dst = f"files{ckpt}/step-1"
+        assert (dst in [f.dst for f in manifest.files]) is staged
+        mapping = manifest.mapping("/tmp/paicli-u/j", "/rt", "/usr/bin/python3")
+        assert (remote_paths.translate(f"--checkpointDir={ckpt}", mapping) != f"--checkpointDir={ckpt}") is staged
+        watch = outputs.JobOutputs(Recorder(), "j", job_dir, print).prepare("worker:0", "worker", 0, "h1",
+                                                                             str(tmp_path / "work"), {})
+        assert ("ckpt" in dict(watch.watch["dirs"])) is staged
+
+
+def test_the_link_decodes_file_frames_split_anywhere(tmp_path):
+    """Output, file frames and the exit status in one stream, fed in slices of every
+    size (a byte at a time included): the same output, the same file, the status."""
+    import random
+
+    from paicli.cluster.agent_link import Link
+
+    src = tmp_path / "node"
+    src.mkdir()
+    (src / "model.bin").write_bytes(os.urandom(300_000))
+    frames = [(b"O", b"line one\n"), *node_agent.file_frames({"dirs": [["out", str(src)]]}, {}, None),
+              (b"O", b"line two\n"), (b"X", b'{"status": 0}')]
+    stream = b"".join(k + len(p).to_bytes(4, "big") + p for k, p in frames)
+    for sizes in ((1, 2, 4096), (5, 7, 3000), (65536, 1 << 20), (3, 300_000)):
+        dest = tmp_path / f"here-{sizes[0]}"
+        (tmp_path / "job").mkdir(exist_ok=True)
+        (tmp_path / "job" / "nodes.json").write_text('{"backend": "ssh"}')
+        job = outputs.JobOutputs(Recorder(), "j", tmp_path / "job", print)
+        inst = outputs.InstanceOutputs(job, "w:0", "h", {"out": str(dest)}, {"dirs": []})
+        link = Link(None, "h")
+        link.sink = inst.sink
+        out, pos, rng = b"", 0, random.Random(sizes[0])
+        while pos < len(stream):
+            step = rng.choice(sizes)
+            out += link.feed(stream[pos:pos + step])
+            pos += step
+        assert out == b"line one\nline two\n" and link.status == 0 and inst.complete
+        assert (dest / "model.bin").read_bytes() == (src / "model.bin").read_bytes()

@@ -72,7 +72,6 @@ def get_adapter(name: str):
         from paicli.spec import closest
         guess = closest(name, list(_load()))
         hint = f"did you mean -name {guess}? " if guess else ""
-        shown = name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
-        raise UsageError(f"-name {shown}: unknown framework",   # one line, whatever was typed
+        raise UsageError(f"-name {name}: unknown framework",
                          f"{hint}known: {', '.join(adapter_names())}")
     return cls()

@@ -5,12 +5,22 @@ them, so the console and the Python API see the same exceptions.
 """
 
 
+def one_line(text: str) -> str:
+    """`text` with its control characters escaped (a newline as \\n): what a user
+    typed (a key, a path, a name) may hold them, and an error is one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class PaiError(Exception):
-    """A known failure with a message meant for the user."""
+    """A known failure with a message meant for the user: always one line."""
 
     exit_code = 1
 
     def __init__(self, message: str, hint: str | None = None):
+        message = one_line(message)
+        hint = one_line(hint) if hint else hint
         super().__init__(message)
         self.message = message
         self.hint = hint
@@ -30,10 +40,7 @@ class SpecError(UsageError):
     (`-Dcluster`, `job.yaml line 4: cluster`)."""
 
     def __init__(self, where: str, message: str, hint: str | None = None):
-        if where and not where.isprintable():
-            # A key as typed may hold a newline or a control character: shown
-            # escaped, so the error stays one line (found by tests/test_fuzz.py).
-            where = where.encode("unicode_escape").decode("ascii")
+        where = one_line(where)   # a key as typed may hold a newline (found by tests/test_fuzz.py)
         super().__init__(f"{where}: {message}" if where else message, hint)
         self.where = where
 

@@ -35,6 +35,8 @@ def tokens():
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tokens())
 @example(["-name", "0\n0"])   # an unknown framework's name with a newline: once two lines
+@example(["-D=\n"])            # a -D token with no key
+@example(["-Dscript=0\n0"])    # a path that does not exist, with a newline in it
 def test_statements_never_traceback(args):
     try:
         client.prepare(parse_statement(["-name", "python", *args]))

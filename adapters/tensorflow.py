@@ -32,7 +32,7 @@ from paicli.adapters.base import (PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Ada
 from paicli.errors import SpecError
 from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import TF_LEGACY_RUNTIME, get_runtime, runner_path
-from paicli.runners.tensorflow_runner import local_modules
+from paicli.runners.script_imports import local_modules
 from paicli.spec import JobSpec, Param
 
 # -DrequireDistributed: the runner prints the TF cause (tensorflow_runner.report_distribution),

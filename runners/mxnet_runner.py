@@ -23,14 +23,17 @@ the script and in the modules of its own folder that it imports (train_imagenet.
 
 from __future__ import annotations
 
-import ast
 import atexit
 import json
 import os
-import re
 import runpy
 import socket
 import sys
+
+try:   # as paicli.runners.<this> (the adapters, the tests)
+    from . import script_imports
+except ImportError:   # as a script in a framework's Python: its folder is on sys.path
+    import script_imports
 
 DIST_PREFIX = "dist"
 
@@ -174,115 +177,19 @@ def compression_params(env: dict[str, str]) -> dict | None:
 # The spellings MXNet's examples use for "which kvstore": image-classification's
 # --kv-store, Gluon's --kvstore; absl/tf-style kv_store.
 KVSTORE_FLAGS = ("kv-store", "kvstore", "kv_store")
-# Where a flag is defined: argparse add_argument('--name' or '-x', '--name') or
-# absl/gflags DEFINE_*('name').
-_DEFINES_FLAG = re.compile(
-    r"""add_argument\(\s*(?:["']-\w["']\s*,\s*)?["']--(?P<argparse>[\w-]+)["']"""
-    r"""|DEFINE_[a-z_]+\(\s*(?:name\s*=\s*)?["'](?P<absl>\w+)["']""")
-_SCAN_FILES = 200          # modules read at most when following the script's imports
-_SCAN_BYTES = 4_000_000    # source bytes read at most
-
-
-def _module_file(top: str, dotted: str) -> str | None:
-    """The file `import dotted` loads from folder `top` (module.py or package/__init__.py)."""
-    base = os.path.join(top, *dotted.split("."))
-    for path in (base + ".py", os.path.join(base, "__init__.py")):
-        if os.path.isfile(path):
-            return path
-    return None
-
-
-def imported_files(path: str, source: str, top: str) -> list[str]:
-    """The files under `top` that `source` (the text of `path`) imports, found by
-    reading its import statements: `import a.b`, `from a import b` (b a module or a
-    name), `from . import c`. Modules outside `top` (mxnet, numpy) are not ours."""
-    try:
-        tree = ast.parse(source, filename=path)
-    except (SyntaxError, ValueError):
-        return []
-    here = os.path.relpath(os.path.dirname(path), top).replace(os.sep, ".")
-    package = [] if here in (".", "") else here.split(".")
-    found = []
-    for node in ast.walk(tree):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
-                names += [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                anchor = package[:len(package) - (node.level - 1)] if node.level - 1 <= len(package) else None
-                if anchor is None:
-                    continue
-                prefix = ".".join(anchor + ([node.module] if node.module else []))
-            else:
-                prefix = node.module or ""
-            if prefix:
-                names.append(prefix)
-            names += [f"{prefix}.{a.name}" if prefix else a.name for a in node.names if a.name != "*"]
-        for name in names:
-            module = _module_file(top, name)
-            if module and module not in found:
-                found.append(module)
-    return found
 
 
 def defined_flags(script: str, wanted: tuple[str, ...], top: str | None = None) -> list[str]:
     """Which of `wanted` (flag names without dashes) the script defines, in its own
-    source or in the modules of its folder (`top`, default the script's) that it
-    imports, followed import by import; in the order of `wanted`."""
-    top = os.path.abspath(top or os.path.dirname(script))
-    queue, seen, found = [os.path.abspath(script)], set(), set()
-    budget = _SCAN_BYTES
-    while queue and len(seen) < _SCAN_FILES and budget > 0:
-        path = queue.pop(0)
-        if path in seen:
-            continue
-        seen.add(path)
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read(budget)
-        except OSError:
-            continue
-        budget -= len(text)
-        for match in _DEFINES_FLAG.finditer(text):
-            found.add(match.group("argparse") or match.group("absl"))
-        queue += [p for p in imported_files(path, text, top) if p not in seen]
-    return [flag for flag in wanted if flag in found]
-
-
-# importlib.import_module('symbols.' + args.network): a package the script loads by
-# name at run time (MXNet's examples pick their network this way).
-_IMPORT_MODULE = re.compile(r"""import_module\(\s*["'](?P<name>[A-Za-z_][\w.]*)""")
+    source or in the modules of its folder (`top`, default the script's) it imports."""
+    return script_imports.defined_flags(script_imports.local_modules(script, [top] if top else None), wanted)
 
 
 def script_files(script: str, top: str | None = None) -> list[str]:
     """The script and every source file of its folder (`top`) it needs on another
     node: the modules it imports, followed import by import, and the packages it
     loads by name with importlib.import_module('pkg.' + ...), whole."""
-    top = os.path.abspath(top or os.path.dirname(script))
-    queue, seen = [os.path.abspath(script)], []
-    budget = _SCAN_BYTES
-    while queue and len(seen) < _SCAN_FILES and budget > 0:
-        path = queue.pop(0)
-        if path in seen:
-            continue
-        seen.append(path)
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read(budget)
-        except OSError:
-            continue
-        budget -= len(text)
-        found = imported_files(path, text, top)
-        for match in _IMPORT_MODULE.finditer(text):
-            package = os.path.join(top, *match.group("name").strip(".").split("."))
-            if os.path.isdir(package):
-                found += sorted(os.path.join(package, n) for n in os.listdir(package) if n.endswith(".py"))
-            elif os.path.isfile(package + ".py"):
-                found.append(package + ".py")
-        queue += [f for f in found if f not in seen and f not in queue]
-    return seen
+    return script_imports.local_modules(script, [top] if top else None, by_name=True)
 
 
 def given_flag(args: list[str], names: tuple[str, ...]) -> str | None:

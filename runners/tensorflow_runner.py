@@ -35,6 +35,11 @@ import sys
 import tempfile
 import traceback
 
+try:   # as paicli.runners.<this> (the adapters, the tests)
+    from . import script_imports
+except ImportError:   # as a script in a framework's Python: its folder is on sys.path
+    import script_imports
+
 # A failure that a restart on a fresh port cures. The launcher retries exit codes
 # 130, 137, 138 and 143 (and deaths by signal); 138 is the one no shell or OOM
 # killer produces, so a reader of the summary can tell what happened.
@@ -44,12 +49,6 @@ EXIT_RETRY = 138
 _PORT_TAKEN = ("address already in use", "could not start grpc server", "failed to add port")
 
 CLASSIC_FLAGS = ("ps_hosts", "worker_hosts", "chief_hosts", "job_name", "task_index")
-
-# Where a script defines a classic flag: absl/tf.app.flags DEFINE_*(name) or argparse.
-_DEFINES_FLAG = re.compile(
-    r"""DEFINE_[a-z_]+\(\s*(?:name\s*=\s*)?["'](?P<absl>\w+)["']"""
-    r"""|add_argument\(\s*["']--(?P<argparse>\w+)["']""")
-_SCAN_LIMIT = 2_000_000  # bytes of source read when looking for flag definitions
 
 # What `import tensorflow` prints on every import, twice, before TF_CPP_MIN_LOG_LEVEL
 # is read: notices about oneDNN and CPU features, in every instance's log.
@@ -101,101 +100,13 @@ def classic_flag_values(wanted: list[str], role: str, index: int,
     return [f"--{name}={values[name]}" for name in wanted if name in values]
 
 
-# `import a.b as c, d` and `from .a import (b, c)`, at the start of a line. A regex,
-# not ast: it reads Python 2 scripts too, and costs a few ms where ast costs 0.2 s.
-_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+(?P<base>\.*[\w.]*)[ \t]+import[ \t]+(?P<names>\([^)]*\)|[^#\n;]*)"
-                     r"|import[ \t]+(?P<modules>[^#\n;]*))", re.M)
-_MAX_MODULES = 400
-
-
-def _module_files(root: str, dotted: str) -> list[str]:
-    """The files `import dotted` runs when `root` is on sys.path: each package's
-    __init__.py on the way, then the module (or package); [] unless it is all there."""
-    files, path = [], root
-    parts = [p for p in dotted.split(".") if p]
-    for i, part in enumerate(parts):
-        path = os.path.join(path, part)
-        init = os.path.join(path, "__init__.py")
-        if os.path.isfile(init):
-            files.append(init)
-        elif i == len(parts) - 1 and os.path.isfile(path + ".py"):
-            files.append(path + ".py")
-        elif not (os.path.isdir(path) and i < len(parts) - 1):   # namespace packages on the way
-            return []
-    return files
-
-
-def _imported_names(path: str, text: str) -> list[tuple[str, str]]:
-    """(root directory, dotted name) for each module `text` may import; for
-    `from X import a, b` both X and X.a, X.b (a and b may be submodules)."""
-    found = []
-    for m in _IMPORT.finditer(text):
-        if m.group("modules") is not None:
-            found += [(None, n.split(" as ")[0].strip()) for n in m.group("modules").split(",")]
-            continue
-        base, names = m.group("base"), re.sub(r"#[^\n]*", "", m.group("names")).strip("()")
-        dots = len(base) - len(base.lstrip("."))
-        root = None
-        if dots:   # relative: from the file's own package, one folder up per extra dot
-            root = os.path.dirname(path)
-            for _ in range(dots - 1):
-                root = os.path.dirname(root)
-        module = base.lstrip(".")
-        found.append((root, module))
-        for name in names.replace("\\", " ").split(","):
-            name = name.split(" as ")[0].strip()
-            if name and name != "*":
-                found.append((root, f"{module}.{name}" if module else name))
-    return [(root, name) for root, name in found if re.fullmatch(r"[\w.]+", name or "")]
-
-
-def local_modules(script: str, roots: list[str]) -> list[str]:
-    """The script and the modules of its own that it imports, transitively: files found
-    under `roots` (its folder, which `python SCRIPT` puts first on sys.path, and an
-    archive's root), never the standard library's or site-packages'. The classic flags
-    are often defined in one of them (tf_cnn_benchmarks.py imports benchmark_cnn.py,
-    which defines them), and a plain script's node needs them too."""
-    seen, queue, budget = [script], [script], _SCAN_LIMIT
-    while queue and budget > 0 and len(seen) < _MAX_MODULES:
-        path = queue.pop(0)
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read(budget)
-        except OSError:
-            continue
-        budget -= len(text)
-        for root, name in _imported_names(path, text):
-            for base in ([root] if root else roots):
-                files = _module_files(base, name)
-                for found in files:
-                    if found not in seen:
-                        seen.append(found)
-                        queue.append(found)
-                if files:
-                    break
-    return seen
-
-
 def defined_classic_flags(script: str, code_root: str | None = None) -> list[str]:
     """The classic cluster flags that the code defines: in the entry script or in any
     module of its own that it imports (the script's folder, an archive's root)."""
     roots = [os.path.dirname(os.path.abspath(script))]
     if code_root and os.path.abspath(code_root) not in roots:
         roots.append(os.path.abspath(code_root))
-    found: set[str] = set()
-    budget = _SCAN_LIMIT
-    for path in local_modules(os.path.abspath(script), roots):
-        if budget <= 0:
-            break
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read(budget)
-        except OSError:
-            continue
-        budget -= len(text)
-        for match in _DEFINES_FLAG.finditer(text):
-            found.add(match.group("absl") or match.group("argparse"))
-    return [flag for flag in CLASSIC_FLAGS if flag in found]
+    return script_imports.defined_flags(script_imports.local_modules(script, roots), CLASSIC_FLAGS)
 
 
 def choose_classic_flags(mode: str, script: str, code_root: str | None,

@@ -155,7 +155,8 @@ def test_provision_the_legacy_runtime_on_a_base_without_a_second_tensorflow(tmp_
 def test_peer_tf_cnn_benchmarks_plain_script_defines_the_classic_flags():
     """tf_cnn_benchmarks.py defines none of them; benchmark_cnn.py, which it imports,
     does. Before: [] for the plain script, and every instance trained alone."""
-    from paicli.runners.tensorflow_runner import defined_classic_flags, local_modules
+    from paicli.runners.script_imports import local_modules
+    from paicli.runners.tensorflow_runner import defined_classic_flags
 
     script = str(PEER_TF / "tf_cnn_benchmarks.py")
     assert defined_classic_flags(script) == ["ps_hosts", "worker_hosts", "job_name", "task_index"]
@@ -178,7 +179,8 @@ if True:
 
 
 def test_local_modules_follow_imports_as_python_would(tmp_path):
-    from paicli.runners.tensorflow_runner import defined_classic_flags, local_modules
+    from paicli.runners.script_imports import local_modules
+    from paicli.runners.tensorflow_runner import defined_classic_flags
 
     files = {
         "main.py": IMPORTER,

@@ -436,7 +436,7 @@ def test_caffe_model_averaging_across_nodes(cluster, nodes, tmp_path):
     shutil.copytree(ROOT / "examples" / "caffe" / "lenet", folder)
     subprocess.run([rt.python(), str(folder / "make_data.py")], check=True, timeout=300, cwd=folder)
     solver = (folder / "lenet_solver.prototxt").read_text()
-    for name, value in (("max_iter", 40), ("display", 10), ("snapshot", 0), ("test_interval", 1000)):
+    for name, value in (("max_iter", 40), ("display", 10), ("snapshot", 40), ("test_interval", 1000)):
         solver, n = re.subn(rf"^{name}:.*$", f"{name}: {value}", solver, flags=re.M)
         if not n:
             solver += f"{name}: {value}\n"
@@ -444,14 +444,25 @@ def test_caffe_model_averaging_across_nodes(cluster, nodes, tmp_path):
     archive = tmp_path / "lenet.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(folder, arcname="lenet")
+    ck = tmp_path / "ck"   # under /tmp, which the hosts do not share: the model must travel
     result = pai("-name", "caffe", f"-Dscript=file://{archive}", "-DentryFile=lenet/short_solver.prototxt",
-                 "-DmaPeriod=10", '-Dcluster={"ps":{"count":1},"worker":{"count":2}}', timeout=300)
+                 "-DmaPeriod=10", '-Dcluster={"ps":{"count":1},"worker":{"count":2}}', f"-DcheckpointDir={ck}",
+                 timeout=300)
     info = assert_ok(result)
     assert len(set(hosts_of(info).values())) == 3, hosts_of(info)
     worker0 = info["metrics"]["worker:0"]
     assert worker0["averaged_loss"] < worker0["starting_loss"] * 0.8, worker0
     assert sum("[ps:0] averaging round" in line for line in result.stdout.splitlines()) == 4
     assert_nothing_left(cluster, info["id"])
+    # Issue 17: the saved model came back from the SSH node, and it loads: a job here
+    # fine-tunes from it (Caffe refuses weights it cannot read) and starts far below scratch.
+    model = ck / "lenet_iter_40.caffemodel"
+    assert model.is_file() and model.stat().st_size > 1000, sorted(p.name for p in ck.glob("*"))
+    tuned = pai("-name", "caffe", f"-Dsolver={folder}/short_solver.prototxt", f"-Dweights={model}",
+                f"-DcheckpointDir={tmp_path / 'tuned'}", env={"PAI_NODES": ""}, timeout=300)
+    loaded = assert_ok(tuned)
+    first_loss = loaded["metric_series"]["worker:0"]["loss"][0][1]
+    assert first_loss < worker0["starting_loss"] * 0.8, (first_loss, worker0)
 
 
 def test_runtime_install_on_a_node_reports_what_is_there(cluster, nodes):

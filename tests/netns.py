@@ -504,3 +504,26 @@ class LoopbackHost:
                 self.proc.wait()
             self.proc = None
         shutil.rmtree(self.state, ignore_errors=True)
+
+
+def module_cluster(hosts: int, prefix: str, first_subnet: int, rate: str | None = None, name: str = "cluster"):
+    """A module-scoped pytest fixture named `name`: `hosts` SSH hosts built for the
+    module's tests (`rate`: every link shaped, e.g. "100mbit"), torn down after them
+    even when they fail; skipped with the reason where namespaces cannot be built.
+    Each module gives its own prefix and subnet, so two modules never share names."""
+    import pytest
+
+    @pytest.fixture(scope="module", name=name)
+    def cluster():
+        reason = can_build()
+        if reason:
+            pytest.skip(f"multi-host tests skipped: {reason}")
+        built = build_cluster(hosts=hosts, prefix=prefix, first_subnet=first_subnet)
+        try:
+            if rate:
+                built.rate_limit(rate)
+            yield built
+        finally:
+            built.close()
+
+    return cluster

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, pai
-from netns import build_cluster, can_build
+from netns import module_cluster
 from test_envs import SECRET, wheelhouse
 
 MASK = "***"
@@ -68,18 +68,9 @@ def check_first_and_second(run, tmp_path: Path, nodes: set[str], builds: int) ->
 
 # -- SSH ------------------------------------------------------------------------------
 
-REASON = can_build()
 
 
-@pytest.fixture(scope="module")
-def ssh_cluster():
-    if REASON is not None:
-        pytest.skip(f"multi-host tests skipped: {REASON}")
-    built = build_cluster(hosts=2, prefix="pce", first_subnet=150)
-    try:
-        yield built
-    finally:
-        built.close()
+ssh_cluster = module_cluster(2, "pce", 150, name="ssh_cluster")
 
 
 def test_env_and_requirements_on_ssh_nodes(ssh_cluster, tmp_path, monkeypatch, pai_home):

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from conftest import ROOT, job_id_from, pai, pai_json, wait_until
-from netns import build_cluster, can_build
+from netns import can_build, module_cluster
 
 REASON = can_build()
 PEER_MX = ROOT.parent / "shared" / "peer" / "mxnet" / "image-classification"
@@ -25,13 +25,7 @@ IMAGENET_ARGS = ("--benchmark 1 --network lenet --image-shape 1,28,28 --num-clas
                  "--batch-size 32 --num-epochs 1 --disp-batches 5 --gc-type 2bit")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    built = build_cluster(hosts=3, prefix="pmx", first_subnet=180)
-    try:
-        yield built
-    finally:
-        built.close()
+cluster = module_cluster(3, "pmx", 180)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from paicli.adapters.tensorflow import VERSIONED_NAMES, TensorflowAdapter, runti
 from paicli.runners import runtimes
 from paicli.runners.runtimes import LayeredVenvRuntime, VenvRuntime, get_runtime
 from paicli.spec import CORE_PARAMS, JobSpec
+from netns import module_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_TF = REPO.parent / "shared" / "peer" / "tensorflow" / "tf_cnn_benchmarks"
@@ -351,19 +352,8 @@ def test_peer_tf_cnn_benchmarks_trivial_sync_runs_locally(legacy_runtime, pai_ho
     assert json.loads((pai_home / "jobs" / job_id / "spec.json").read_text())["name"] == "tensorflow1120"
 
 
-@pytest.fixture(scope="module")
-def ssh_cluster():
-    """Three SSH hosts in network namespaces (tests/netns.py), one per instance."""
-    from netns import build_cluster, can_build
-
-    reason = can_build()
-    if reason:
-        pytest.skip(f"multi-host test skipped: {reason}")
-    built = build_cluster(hosts=3, prefix="ptf", first_subnet=200)
-    try:
-        yield built
-    finally:
-        built.close()
+# Three SSH hosts in network namespaces (tests/netns.py), one per instance.
+ssh_cluster = module_cluster(3, "ptf", 200, name="ssh_cluster")
 
 
 @pytest.mark.tensorflow

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until
-from netns import LoopbackHost, TestCluster, build_cluster, can_build
+from netns import LoopbackHost, TestCluster, can_build, module_cluster
 
 REASON = can_build()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host tests skipped: {REASON}")
@@ -29,13 +29,7 @@ PS_WORKER = '{"ps":{"count":1},"worker":{"count":2}}'
 GONE_WITHIN = 5.0
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    built = build_cluster(hosts=4, prefix="pcc", first_subnet=100)
-    try:
-        yield built
-    finally:
-        built.close()
+cluster = module_cluster(4, "pcc", 100)
 
 
 @pytest.fixture

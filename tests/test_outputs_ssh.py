@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PAI, job_id_from, pai, pai_json, wait_until
-from netns import build_cluster, can_build
+from netns import can_build, module_cluster
 
 REASON = can_build()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host tests skipped: {REASON}")
@@ -47,13 +47,7 @@ sys.exit(1 if a.fail and idx == 0 else 0)
 '''
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    built = build_cluster(hosts=2, prefix="pco", first_subnet=160)
-    try:
-        yield built
-    finally:
-        built.close()
+cluster = module_cluster(2, "pco", 160)
 
 
 @pytest.fixture

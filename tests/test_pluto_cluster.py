@@ -11,7 +11,7 @@ import json
 import pytest
 
 from conftest import ROOT, job_id_from, pai, wait_until
-from netns import build_cluster, can_build
+from netns import can_build, module_cluster
 
 REASON = can_build()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"multi-host tests skipped: {REASON}"),
@@ -23,14 +23,7 @@ BASE = ["-name", "mxnet", f"-Dscript={SCRIPT}", '-Dcluster={"server":{"count":1}
         f"-DuserDefinedParameters={ARGS}"]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    built = build_cluster(hosts=3, prefix="ppl", first_subnet=170)
-    try:
-        built.rate_limit("100mbit")
-        yield built
-    finally:
-        built.close()
+cluster = module_cluster(3, "ppl", 170, rate="100mbit")
 
 
 @pytest.fixture(scope="module")

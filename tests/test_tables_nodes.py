@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, job_id_from, pai, wait_until
-from netns import build_cluster, can_build
+from netns import module_cluster
 from test_tables import TWO, WORKER, assert_disjoint_and_complete, make_tables
 
-REASON = can_build()
 
 
 def sent_records(home: Path, job_id: str) -> list[dict]:
@@ -34,15 +33,7 @@ def ok(result) -> str:
 # -- SSH -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    if REASON:
-        pytest.skip(f"multi-host tests skipped: {REASON}")
-    built = build_cluster(hosts=3, prefix="pdt", first_subnet=160)
-    try:
-        yield built
-    finally:
-        built.close()
+cluster = module_cluster(3, "pdt", 160)
 
 
 @pytest.fixture

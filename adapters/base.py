@@ -143,6 +143,11 @@ def pluto_scaling_env(spec: JobSpec) -> dict[str, str]:
 # pattern that steals another row's line fails its test, not a user's curve.
 
 
+# A number as frameworks print it in their progress lines (1, -0.5, .25, 3e-05): the
+# parser tables' one spelling (Caffe adds nan/inf to it).
+NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+
+
 @dataclass(frozen=True)
 class LineRule:
     what: str                   # the line, in words (where it comes from)

@@ -30,8 +30,8 @@ import os
 import secrets
 from pathlib import Path
 
-from paicli.adapters.base import (REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode, cluster_roles, code_inputs,
-                                  distribution_env, script_args, table_patterns)
+from paicli.adapters.base import (NUMBER, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode, cluster_roles,
+                                  code_inputs, distribution_env, script_args, table_patterns)
 from paicli.errors import PaiError, SpecError
 from paicli.plan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import RuntimeError_, get_runtime, runner_path
@@ -42,7 +42,7 @@ DEFAULT_MA_PERIOD = 20  # keep in step with runners/caffe_runner.py
 SOLVER_SUFFIXES = (".prototxt", ".pbtxt", ".txt")
 ROLES = ("ps", "worker")
 
-_N = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)"
+_N = NUMBER + r"|[-+]?(?:nan|inf)"
 _GLOG = "I1123 17:06:48.164947 15674 solver.cpp:239] "  # the glog head of the captured lines
 # I1122 ... solver.cpp:239] Iteration 20 (58.8 iter/s, 0.34s/20 iters), loss = 1.23
 ITERATION_METRIC = (rf"\bIteration (?P<step>[1-9]\d*) \((?P<iter_per_s>{_N}) iter/s, "

@@ -16,7 +16,7 @@ for it forever), so a retryable failure restarts the whole job: restart="job".
 
 from __future__ import annotations
 
-from paicli.adapters.base import (PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode,
+from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode,
                                   cluster_roles, code_inputs, distribution_env, pluto_scaling_env, script_args,
                                   table_patterns)
 from paicli.errors import SpecError
@@ -32,7 +32,7 @@ DEFAULT_THRESHOLD = 0.5
 # worker is done; ps-lite's shutdown handshake takes well under a second.
 SERVICE_STOP_GRACE = 5.0
 
-_N = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_N = NUMBER
 
 # mx.callback.Speedometer: `Epoch[0] Batch [0-100]\tSpeed: 1234.56 samples/sec\taccuracy=0.91`
 # (older releases print `Batch [100]`); the name=value pairs after it are caught

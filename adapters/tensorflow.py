@@ -26,7 +26,7 @@ passed when those parameters are given, then hyperParameters, then userDefinedPa
 
 from __future__ import annotations
 
-from paicli.adapters.base import (PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode,
+from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode,
                                   cluster_roles, code_inputs, distribution_env, pluto_scaling_env, script_args,
                                   table_patterns)
 from paicli.errors import SpecError
@@ -42,7 +42,7 @@ DISTRIBUTION_PARAMS: tuple[Param, ...] = (REQUIRE_DISTRIBUTED,)
 ROLES = ("ps", "worker", "chief", "evaluator")     # also the start order: services first
 RUNNER = "tensorflow_runner.py"
 
-_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_NUMBER = NUMBER
 # The seed's `step=3, global_step=3, loss=6.97, duration=3.6s`: paicli's key=value
 # pattern, except for ALL-CAPS keys, which are environment variables in TensorFlow's
 # own messages (`set the environment variable TF_ENABLE_ONEDNN_OPTS=0`), not metrics,

@@ -162,6 +162,11 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
         return place_now(), None
     from paicli.cluster.procinfo import start_time
 
+    # A wake-up may come after we took our turn (a dispatch that read our row just
+    # before), or stay pending until the mask is restored: SIGUSR1's default action
+    # would end this master without a word. A no-op handler, not SIG_IGN, which
+    # would stay ignored in whatever the master execs.
+    signal.signal(signal.SIGUSR1, _late_wake)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAKE_SIGNALS)
     try:
         # Recorded only once the wake-up signal is blocked: it can no longer kill us.
@@ -205,6 +210,10 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
                     dispatch(store, me=job_id)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _late_wake(signum, frame) -> None:
+    """A wake-up for a turn already taken: nothing to do."""
 
 
 def placed_again(store: Store, job_id: str, plan, placements: list[Placement]) -> None:

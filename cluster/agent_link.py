@@ -208,6 +208,8 @@ class Link:
             if self._closed:
                 return
             self._closed = True
+        if self.heartbeat:
+            _beat_link_ended()
         try:
             self.transport.close()
         except Exception:  # noqa: BLE001 - a transport already gone
@@ -248,15 +250,22 @@ def _write_all(fd: int, data: bytes) -> None:
 # -- the heartbeat: one thread for every live link that asks for it ---------------------
 
 _beating: list[Link] = []
-_beat_lock = threading.Lock()
+_beat_changed = threading.Condition()   # a link ended: the thread looks at once
 _beat_thread: threading.Thread | None = None
 
 
 def _beat() -> None:
+    global _beat_thread
     while True:
-        time.sleep(BEAT_EVERY)
-        with _beat_lock:
+        with _beat_changed:
+            _beat_changed.wait(BEAT_EVERY)
             _beating[:] = [link for link in _beating if link.status is None and not link._closed]
+            if not _beating:
+                # The thread lives only while a link beats: a leftover thread would
+                # make every later master of this process start as a fresh
+                # interpreter (cluster/spawn.py forks only a single-threaded caller).
+                _beat_thread = None
+                return
             links = list(_beating)
         for link in links:
             link.send(b"h")
@@ -264,11 +273,16 @@ def _beat() -> None:
 
 def _keep_beating(link: Link) -> None:
     global _beat_thread
-    with _beat_lock:
+    with _beat_changed:
         _beating.append(link)
         if _beat_thread is None:
             _beat_thread = threading.Thread(target=_beat, name="agent-heartbeat", daemon=True)
             _beat_thread.start()
+
+
+def _beat_link_ended() -> None:
+    with _beat_changed:
+        _beat_changed.notify()
 
 
 # -- starting ----------------------------------------------------------------------------

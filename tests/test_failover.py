@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,10 @@ def two_nodes(pai_home, tmp_path, monkeypatch):
     # The master is forked from this process, so it builds the same backend.
     monkeypatch.setattr(backends, "get_backend", lambda config: TwoLoopbackNodes(config))
     monkeypatch.setenv("PAI_MASTER_EXEC", "")
+    # ... which it is only from a single-threaded process (cluster/spawn.py): a
+    # thread an earlier test left running would make it a fresh interpreter.
+    assert wait_until(lambda: threading.active_count() == 1, timeout=5), \
+        f"threads left in the test process: {[t.name for t in threading.enumerate()]}"
     return lost
 
 

@@ -777,6 +777,15 @@ def test_a_remote_style_link_streams_output_reports_the_exit_and_stops_by_its_by
     finally:
         os.close(handle.output_fd)
         agent.wait(timeout=10)
+    # Its links ended, the heartbeat thread goes: a thread left in this process
+    # would make every later master forked from it start as a fresh interpreter.
+    assert wait_until(lambda: "agent-heartbeat" not in _thread_names(), timeout=5), _thread_names()
+
+
+def _thread_names() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate()]
 
 
 def test_a_silent_agent_is_a_lost_node_and_a_silent_master_stops_the_instance():

@@ -1,6 +1,6 @@
 // The live job page: a server-sent event feed replaces the status part, appends
-// log lines (as text, never as HTML) and adds points to the curves (a small SVG
-// plot drawn here; no library, nothing from a CDN).
+// log lines (as text, never as HTML) and adds points to the curves (drawn by
+// chart.js, which the study page shares; no library, nothing from a CDN).
 "use strict";
 
 // The job list: its rows are fetched again every LIST_EVERY seconds (rendered and
@@ -41,7 +41,6 @@
   const token = root.dataset.token;
   const TAIL = 10 * 1024;
   const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
-  const SVG = "http://www.w3.org/2000/svg";
   const series = {};          // metric -> instance -> [[step, value], ...]
   const select = document.getElementById("metric");
   const plot = document.getElementById("plot");
@@ -121,75 +120,20 @@
     if (!logyTouched) logy.checked = spansDecades(series[select.value] || {});
     draw();
   }
-  function el(name, attrs, text) {
-    const node = document.createElementNS(SVG, name);
-    Object.keys(attrs).forEach(function (k) { node.setAttribute(k, attrs[k]); });
-    if (text !== undefined) node.textContent = text;
-    plot.appendChild(node);
-    return node;
-  }
-  function fmt(v) {
-    const a = Math.abs(v);
-    if (a !== 0 && (a >= 1e5 || a < 1e-3)) return v.toExponential(2);
-    return String(Math.round(v * 1000) / 1000);
-  }
   function draw() {
     const metric = select.value;
     const lines = series[metric] || {};
-    const names = Object.keys(lines).sort();
-    plot.textContent = "";
-    legend.textContent = "";
-    const W = 760, H = 320, L = 64, R = 16, T = 12, B = 34;
-    const log = logy.checked;
-    const ty = function (v) { return log ? Math.log10(Math.max(v, 1e-12)) : v; };
-    let x0 = Infinity, x1 = -Infinity, y0 = Infinity, y1 = -Infinity, count = 0;
-    names.forEach(function (n) {
-      lines[n].forEach(function (p) {
-        x0 = Math.min(x0, p[0]); x1 = Math.max(x1, p[0]);
-        y0 = Math.min(y0, ty(p[1])); y1 = Math.max(y1, ty(p[1]));
-        count++;
-      });
-    });
-    plot.dataset.points = String(count);
     plot.dataset.metric = metric || "";
-    if (!count) { el("text", {x: W / 2, y: H / 2, "class": "empty"}, "no metrics yet"); return; }
-    if (x1 === x0) { x1 = x0 + 1; }
-    if (y1 === y0) { y1 = y0 + 1; y0 = y0 - 1; }
-    const sx = function (x) { return L + (x - x0) / (x1 - x0) * (W - L - R); };
-    const sy = function (y) { return H - B - (y - y0) / (y1 - y0) * (H - T - B); };
-    el("line", {x1: L, y1: H - B, x2: W - R, y2: H - B, "class": "axis"});
-    el("line", {x1: L, y1: T, x2: L, y2: H - B, "class": "axis"});
-    for (let i = 0; i <= 4; i++) {
-      const yv = y0 + (y1 - y0) * i / 4, xv = x0 + (x1 - x0) * i / 4;
-      el("line", {x1: L, y1: sy(yv), x2: W - R, y2: sy(yv), "class": "grid"});
-      el("text", {x: L - 6, y: sy(yv) + 4, "class": "tick", "text-anchor": "end"}, fmt(log ? Math.pow(10, yv) : yv));
-      el("text", {x: sx(xv), y: H - B + 16, "class": "tick", "text-anchor": "middle"},
-         fmt(x1 - x0 >= 8 ? Math.round(xv) : xv));
-    }
-    el("text", {x: W - R, y: H - 4, "class": "label", "text-anchor": "end"}, "step");
-    names.forEach(function (n, i) {
-      const colour = COLOURS[i % COLOURS.length];
-      const pts = lines[n].slice().sort(function (a, b) { return a[0] - b[0]; });
-      el("polyline", {points: pts.map(function (p) { return sx(p[0]).toFixed(1) + "," + sy(ty(p[1])).toFixed(1); }).join(" "),
-                      stroke: colour, "class": "curve", "data-instance": n, "data-count": pts.length});
-      const item = document.createElement("span");
-      item.className = "key";
-      const swatch = document.createElement("i");
-      swatch.style.background = colour;
-      item.appendChild(swatch);
-      item.appendChild(document.createTextNode(n + " " + metric + " " + fmt(lines[n][lines[n].length - 1][1])));
-      legend.appendChild(item);
-    });
+    paiChart.draw(plot, legend, Object.keys(lines).sort().map(function (n, i) {
+      const pts = lines[n];
+      return {points: pts, colour: COLOURS[i % COLOURS.length], attrs: {"data-instance": n},
+              label: n + " " + metric + " " + paiChart.fmt(pts[pts.length - 1][1])};
+    }), logy.checked);
   }
-  // A curve over several decades (a loss that converges) reads better on a log
-  // scale: chosen until the user ticks or unticks the box.
+  // The log scale is chosen (chart.js) until the user ticks or unticks the box.
   let logyTouched = false;
   function spansDecades(lines) {
-    let lo = Infinity, hi = -Infinity;
-    Object.keys(lines).forEach(function (n) {
-      lines[n].forEach(function (p) { lo = Math.min(lo, p[1]); hi = Math.max(hi, p[1]); });
-    });
-    return lo > 0 && hi / lo >= 100;
+    return paiChart.spansDecades(Object.keys(lines).map(function (n) { return lines[n]; }));
   }
   select.addEventListener("change", function () {
     if (!logyTouched) logy.checked = spansDecades(series[select.value] || {});

@@ -527,3 +527,44 @@ def module_cluster(hosts: int, prefix: str, first_subnet: int, rate: str | None 
             built.close()
 
     return cluster
+
+
+def module_nodes(cpu: int = 100, runtime: str | None = None, cluster: str = "cluster", name: str = "nodes"):
+    """A pytest fixture named `name`: a nodes file for the module's SSH hosts (the
+    fixture `cluster`), each node `cpu` units for paicli, the runtimes the shared
+    cache (`runtime` provisioned first), set as PAI_NODES. After each test, every
+    job of its PAI_HOME that has not ended is killed (a test that failed half-way
+    may have left one: its master runs on this machine), then nothing may be left
+    on any host."""
+    import pytest
+
+    @pytest.fixture(name=name)
+    def nodes(request, tmp_path, monkeypatch, pai_home):
+        from conftest import wait_until
+        from paicli.runners.runtimes import get_runtime, runtime_root
+
+        built = request.getfixturevalue(cluster)
+        if runtime:
+            get_runtime(runtime).ensure(lambda line: None)
+        path = built.write_nodes_file(tmp_path / "nodes.yaml", cpu=cpu, runtime_dir=str(runtime_root()))
+        monkeypatch.setenv("PAI_NODES", str(path))
+        yield path
+        kill_unfinished_jobs()
+        assert wait_until(lambda: not built.all_leftovers(), timeout=15), \
+            f"processes left on the hosts: {built.all_leftovers()}"
+
+    return nodes
+
+
+def kill_unfinished_jobs() -> list[str]:
+    """`pai kill` every job of this PAI_HOME that has not ended; their IDs."""
+    import json
+
+    from conftest import pai
+
+    listed = pai("list", "--json", "-n", "200")
+    jobs = json.loads(listed.stdout) if listed.returncode == 0 else []
+    unfinished = [j["id"] for j in jobs if j["status"] not in ("Succeeded", "Failed", "Cancelled")]
+    for job_id in unfinished:
+        pai("kill", job_id, timeout=60)
+    return unfinished

@@ -7,13 +7,12 @@ pushpull work-around. Skipped where namespaces cannot be built."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
-from conftest import ROOT, job_id_from, pai, pai_json, wait_until
-from netns import can_build, module_cluster
+from conftest import ROOT, job_id_from, pai, pai_json
+from netns import can_build, module_cluster, module_nodes
 
 REASON = can_build()
 PEER_MX = ROOT.parent / "shared" / "peer" / "mxnet" / "image-classification"
@@ -28,20 +27,8 @@ IMAGENET_ARGS = ("--benchmark 1 --network lenet --image-shape 1,28,28 --num-clas
 cluster = module_cluster(3, "pmx", 180)
 
 
-@pytest.fixture
-def nodes(cluster, tmp_path, monkeypatch, pai_home):
-    """150 cpu units a node: the scheduler and the server share one, each worker has its own."""
-    from paicli.runners.runtimes import get_runtime, runtime_root
-
-    get_runtime("mxnet").ensure(lambda line: None)
-    path = cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=150, runtime_dir=str(runtime_root()))
-    monkeypatch.setenv("PAI_NODES", str(path))
-    yield path
-    listed = pai("list", "--json", "-n", "50")
-    for job in json.loads(listed.stdout) if listed.returncode == 0 else []:
-        if job["status"] not in ("Succeeded", "Failed", "Cancelled"):
-            pai("kill", job["id"], timeout=60)
-    assert wait_until(lambda: not cluster.all_leftovers(), timeout=15), cluster.all_leftovers()
+# 150 cpu units a node: the scheduler and the server share one, each worker has its own.
+nodes = module_nodes(cpu=150, runtime="mxnet")
 
 
 def test_peer_train_imagenet_with_its_own_2bit_flag_across_nodes(cluster, nodes, tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until
-from netns import LoopbackHost, TestCluster, can_build, module_cluster
+from netns import LoopbackHost, TestCluster, can_build, module_cluster, module_nodes
 
 REASON = can_build()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host tests skipped: {REASON}")
@@ -30,33 +30,8 @@ GONE_WITHIN = 5.0
 
 
 cluster = module_cluster(4, "pcc", 100)
-
-
-@pytest.fixture
-def nodes(cluster, tmp_path, monkeypatch, pai_home):
-    """A nodes file for the cluster; each node has one core for paicli (cpu 100),
-    so a 3-instance job lands on 3 nodes. Runtimes are the shared cache (the hosts
-    share the filesystem except /tmp)."""
-    from paicli.runners.runtimes import runtime_root
-
-    path = cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
-    monkeypatch.setenv("PAI_NODES", str(path))
-    yield path
-    # A test that failed half-way may have left a job running (its master is on this
-    # machine, outside the sandbox): cancel it, then check nothing is on any host.
-    kill_unfinished_jobs()
-    left = wait_until(lambda: not cluster.all_leftovers(), timeout=15)
-    assert left, f"processes left on the hosts: {cluster.all_leftovers()}"
-
-
-def kill_unfinished_jobs() -> list[str]:
-    """`pai kill` every job of this PAI_HOME that has not ended; their IDs."""
-    listed = pai("list", "--json", "-n", "200")
-    jobs = json.loads(listed.stdout) if listed.returncode == 0 else []
-    unfinished = [j["id"] for j in jobs if j["status"] not in ("Succeeded", "Failed", "Cancelled")]
-    for job_id in unfinished:
-        pai("kill", job_id, timeout=60)
-    return unfinished
+# Each node has one core for paicli (cpu 100), so a 3-instance job lands on 3 nodes.
+nodes = module_nodes(cpu=100)
 
 
 def status(job_id: str) -> dict:

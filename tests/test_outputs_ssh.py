@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PAI, job_id_from, pai, pai_json, wait_until
-from netns import can_build, module_cluster
+from netns import can_build, module_cluster, module_nodes
 
 REASON = can_build()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host tests skipped: {REASON}")
@@ -48,20 +48,7 @@ sys.exit(1 if a.fail and idx == 0 else 0)
 
 
 cluster = module_cluster(2, "pco", 160)
-
-
-@pytest.fixture
-def nodes(cluster, tmp_path, monkeypatch, pai_home):
-    from paicli.runners.runtimes import runtime_root
-
-    path = cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
-    monkeypatch.setenv("PAI_NODES", str(path))
-    yield path
-    listed = pai("list", "--json", "-n", "50")
-    for job in json.loads(listed.stdout) if listed.returncode == 0 else []:
-        if job["status"] not in ("Succeeded", "Failed", "Cancelled"):
-            pai("kill", job["id"], timeout=60)
-    assert wait_until(lambda: not cluster.all_leftovers(), timeout=15), cluster.all_leftovers()
+nodes = module_nodes(cpu=100)
 
 
 def workdir(tmp_path: Path) -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, job_id_from, pai, wait_until
-from netns import module_cluster
+from netns import module_cluster, module_nodes
 from test_tables import TWO, WORKER, assert_disjoint_and_complete, make_tables
 
 
@@ -34,17 +34,7 @@ def ok(result) -> str:
 
 
 cluster = module_cluster(3, "pdt", 160)
-
-
-@pytest.fixture
-def nodes(cluster, tmp_path, monkeypatch, pai_home):
-    from paicli.runners.runtimes import runtime_root
-
-    path = cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
-    monkeypatch.setenv("PAI_NODES", str(path))
-    yield path
-    left = wait_until(lambda: not cluster.all_leftovers(), timeout=15)
-    assert left, f"processes left on the hosts: {cluster.all_leftovers()}"
+nodes = module_nodes(cpu=100)
 
 
 def test_ssh_workers_get_their_own_slices_and_write_one_table(cluster, nodes, tmp_path, pai_home):

@@ -109,6 +109,15 @@ def plain_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     sys.stdout.flush()
 
 
+def archive_checkpoint_dir(value: str, code_dir: str) -> str:
+    """An archive's job ran in its own code/ folder, which a resumed job does not share:
+    a relative -DcheckpointDir becomes the first job's folder, absolute, so the
+    resumed job starts from (and goes on writing) those checkpoints. A URL stays."""
+    if "://" in value:
+        return value
+    return os.path.normpath(os.path.join(code_dir, os.path.expanduser(value)))
+
+
 def resume_statement(store, job: dict, tokens: list[str]):
     """The ended job's statement (its spec.json), overridden by `tokens` (-Dk=v ...),
     and the folder it ran in (a plain script's working folder, where its files went)."""
@@ -125,6 +134,8 @@ def resume_statement(store, job: dict, tokens: list[str]):
     except (OSError, ValueError) as err:
         raise UsageError(f"{job['id']}: its statement cannot be read ({err})", "submit it again by hand") from None
     cwd = next((r.get("cwd") for r in plan.get("roles", []) if r.get("cwd")), None)
+    if cwd == str(job_dir / "code") and spec.get("checkpoint_dir"):
+        spec["checkpoint_dir"] = archive_checkpoint_dir(spec["checkpoint_dir"], cwd)
     if not cwd or cwd == str(job_dir / "code") or not os.path.isdir(cwd):
         cwd = os.getcwd()
     stmt = Statement(framework=spec.pop("name"), project=spec.pop("project", None))

@@ -298,6 +298,38 @@ def test_pai_resume_of_a_cancelled_job_continues_from_its_checkpoint(pai_home, t
     assert pai_json("list")[0]["name"] == "again"
 
 
+def test_pai_resume_of_an_archive_job_continues_from_the_checkpoints_in_its_code_folder(pai_home, tmp_path):
+    """An archive runs in the job's own code/ folder: -DcheckpointDir=ckpt is there,
+    and the resumed job (a new code/ folder) must still start from it."""
+    import tarfile
+
+    from test_outputs_ssh import RESUMING
+
+    (tmp_path / "resume.py").write_text(RESUMING.replace("range(start, 60)", "range(start, 25)"))
+    with tarfile.open(tmp_path / "code.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "resume.py", arcname="resume.py")
+    proc = subprocess.Popen([*PAI, "-name", "python", f"-Dscript={tmp_path / 'code.tar.gz'}", "-DentryFile=resume.py",
+                             "-DcheckpointDir=ckpt"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        ckpt = pai_home / "jobs" / job_id / "code" / "ckpt" / "step"
+        assert wait_until(lambda: ckpt.exists() and int(ckpt.read_text() or 0) >= 5, timeout=30)
+        assert pai("kill", job_id).returncode == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    stopped_at = int(ckpt.read_text())
+    resumed = pai("resume", job_id, cwd=str(tmp_path))
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr
+    assert f"Resumes {job_id}" in resumed.stdout
+    assert int(resumed.stdout.split("first step ", 1)[1].split()[0]) == stopped_at
+    assert ckpt.read_text() == "25"
+    new_id = job_id_from(resumed.stdout)
+    assert pai_json("status", new_id)["resumed_from"] == job_id
+    assert pai_json("status", job_id)["resumed_by"] == [new_id]
+
+
 def test_the_logview_lists_outputs_with_download_links_behind_the_token(tmp_path):
     import asyncio
     import threading

@@ -90,6 +90,32 @@ def test_the_agent_lists_only_what_changed_and_leaves_out_other_watched_folders(
     assert again == ["step-1", "model.h5"]
 
 
+def test_pai_get_asks_a_node_for_the_chosen_files_alone(tmp_path):
+    rows = [("j", "worker:0", "/w/big.bin", 9, 0, None, "node", "h1", "/n/code/big.bin", "over the size limit"),
+            ("j", "worker:0", "/w/ckpt/other.bin", 9, 0, None, "node", "h1", "/n/c/other.bin", "over the size limit"),
+            ("j", "worker:0", "/w/model.h5", 9, 0, "ab", "here", "h1", None, None),
+            ("j", "worker:1", "*", 0, 0, None, "node", "h2", "the job's folder on h2", "node unreachable")]
+    chosen = [(r[1], r[2]) for r in rows]
+    assert outputs.left_on_nodes(rows, chosen) == {("worker:0", "h1"): ["/w/big.bin", "/w/ckpt/other.bin"],
+                                                   ("worker:1", "h2"): None}
+    assert outputs.left_on_nodes(rows, chosen[:1]) == {("worker:0", "h1"): ["/w/big.bin"]}
+    # a checkpoint folder inside the working folder: its files are the checkpoint key's
+    assert outputs.rels_of(["/w/big.bin", "/w/ckpt/other.bin"], {"cwd": "/w", "ckpt": "/w/ckpt"}) == \
+        {"cwd": ["big.bin"], "ckpt": ["other.bin"]}
+    # the agent's collect sends those and nothing else, whatever the size limit said
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "big.bin").write_bytes(b"x" * 2000)
+    (work / "small.txt").write_text("s")
+    state = tmp_path / "state.json"   # as the agent wrote it when the folder was empty
+    state.write_text(json.dumps({"watch": {"dirs": [["cwd", str(work)]], "max_bytes": 1000}, "base": {"cwd": {}}}))
+    request = {"state": str(state), "only": {"cwd": ["big.bin"]}, "max_bytes": outputs.UNLIMITED}
+    sent = [json.loads(p)["rel"] for k, p in node_agent.collect(request) if k == b"F"]
+    assert sent == ["big.bin"]
+    assert [json.loads(p)["rel"] for k, p in node_agent.collect(dict(request, only=None)) if k == b"F"] == \
+        ["big.bin", "small.txt"]
+
+
 class Recorder:
     def __init__(self):
         self.rows, self.events = [], []
@@ -296,6 +322,11 @@ def test_pai_resume_of_a_cancelled_job_continues_from_its_checkpoint(pai_home, t
     assert pai_json("status", job_id)["resumed_by"] == [new_id]
     assert f"Resumed by {new_id}" in pai("status", job_id).stdout
     assert pai_json("list")[0]["name"] == "again"
+    # and each logview job page says it
+    from paicli.web import data
+
+    assert f"Resumes {job_id}." in data.job_page(Store(), new_id)["notices"]
+    assert f"Resumed by {new_id}." in data.job_page(Store(), job_id)["notices"]
 
 
 def test_pai_resume_of_an_archive_job_continues_from_the_checkpoints_in_its_code_folder(pai_home, tmp_path):

@@ -127,6 +127,7 @@ class InstanceOutputs:
     dirs: dict[str, str]
     watch: dict
     complete: bool = False         # the agent's last pass over every folder arrived
+    gone: str | None = None        # why the agent had nothing to list (its folder is gone)
     received: int = 0
     _file: dict | None = None
     _fd: int = -1
@@ -203,8 +204,10 @@ class InstanceOutputs:
             return self.job.local_error(err) if isinstance(err, OSError) else str(err)
 
     def _pass(self, payload: bytes) -> None:
-        if json.loads(payload).get("all", True):
+        end = json.loads(payload)
+        if end.get("all", True):
             self.complete = True
+        self.gone = end.get("error")   # no state file: the node no longer holds the job's folder
 
     def _abandon(self, why: str | None) -> None:
         """Drop the partial copy under way (nobody ever sees half a file)."""
@@ -471,7 +474,12 @@ def fetch_from_nodes(store, job_id: str, backend, wanted: dict[tuple[str, str], 
         outputs._rows = [r for r in outputs._rows if r[2] != "*" or only.get((r[1], r[7])) is None]
     outputs.flush()
     for inst in outputs.attempts:
-        if inst.complete and only.get((inst.name, inst.node)) is None:
+        if inst.gone:   # removed by hand, a reboot: what it held is nowhere now
+            lost = [(*r[:6], "missing", r[7], r[8], f"gone from node {inst.node} ({inst.gone})")
+                    for r in store.outputs(job_id) if r[1] == inst.name and r[7] == inst.node and r[6] == "node"]
+            store.add_outputs(lost)
+            note(f"outputs: the files of {inst.name} are no longer on node {inst.node} ({inst.gone})")
+        elif inst.complete and only.get((inst.name, inst.node)) is None:
             store.remove_outputs(job_id, inst.name, ["*"])
     still = {row[7] for row in store.outputs(job_id) if row[6] == "node"}
     done = {a.node for a in outputs.attempts if a.complete} - still

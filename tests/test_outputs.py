@@ -116,6 +116,51 @@ def test_pai_get_asks_a_node_for_the_chosen_files_alone(tmp_path):
         ["big.bin", "small.txt"]
 
 
+class NodeFolders:
+    """A backend's collect over folders of this machine standing for the nodes' job
+    folders (the transport is test_outputs_ssh's business: here, what is done with it)."""
+
+    def __init__(self, folders: dict):
+        self.folders, self.removed = folders, []
+
+    def collect_outputs(self, job_dir, node, role, idx, have, max_bytes, only=None):
+        request = {"state": f"{self.folders[node]}/{outputs.state_rel(role, idx)}", "have": have,
+                   "max_bytes": max_bytes, "only": only}
+        yield b"".join(k + len(p).to_bytes(4, "big") + p for k, p in node_agent.collect(request))
+
+    def remove_job_folders(self, job_dir, names):
+        self.removed += names
+
+
+def test_pai_get_brings_what_a_node_held_marks_it_here_and_removes_the_folder(tmp_path):
+    store = Store(tmp_path / "home")
+    job_dir, work, node = tmp_path / "home" / "jobs" / "j1", tmp_path / "work", tmp_path / "h1"
+    job_dir.mkdir(parents=True)
+    work.mkdir()
+    (job_dir / "nodes.json").write_text('{"backend": "ssh"}')
+    (job_dir / "spec.json").write_text('{"name": "python"}')
+    (job_dir / "plan.json").write_text(json.dumps({"roles": [{"name": "worker", "cwd": str(work)}]}))
+    store.create_job("j1", name="n", framework="python", project=None, task_name="T", job_dir=job_dir,
+                     roles=[{"name": "worker", "count": 2, "must_finish": True}])
+    node_agent.begin_watch({"dirs": [["cwd", str(node / "code")]], "state": str(node / outputs.state_rel("worker", 0))})
+    (node / "code" / "models").mkdir(parents=True)
+    (node / "code" / "models" / "model.h5").write_bytes(b"weights" * 1000)
+    unreachable = ("node unreachable", "the job's folder on h1")
+    store.add_outputs([("j1", "worker:0", "*", 0, 0, None, "node", "h1", unreachable[1], unreachable[0]),
+                       ("j1", "worker:1", "*", 0, 0, None, "node", "h2", "the job's folder on h2", unreachable[0])])
+    backend, lines = NodeFolders({"h1": str(node), "h2": str(tmp_path / "h2")}), []
+    wanted = outputs.left_on_nodes(store.outputs("j1"), [("worker:0", "*"), ("worker:1", "*")])
+    assert outputs.fetch_from_nodes(store, "j1", backend, wanted, lines.append) == set()
+    assert (work / "models" / "model.h5").read_bytes() == b"weights" * 1000
+    rows = {(r[1], r[2]): r for r in store.outputs("j1")}
+    assert set(rows) == {("worker:0", str(work / "models" / "model.h5")), ("worker:1", "*")}
+    assert rows[("worker:0", str(work / "models" / "model.h5"))][6] == "here"
+    # h2's folder is gone (a reboot): what it held is nowhere, and said so
+    assert rows[("worker:1", "*")][6] == "missing" and "gone from node h2" in rows[("worker:1", "*")][9]
+    assert any("no longer on node h2" in line for line in lines), lines
+    assert backend.removed == ["h1", "h2"] and store.output_totals("j1")["missing"] == 1
+
+
 class Recorder:
     def __init__(self):
         self.rows, self.events = [], []

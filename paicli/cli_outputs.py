@@ -137,9 +137,8 @@ def fetch_left(store, job: dict, chosen: list[dict]) -> None:
         log(line)
         echo(line, err=True)
 
-    silent = outputs.fetch_from_nodes(store, job["id"], backend_for_job(job["job_dir"]), wanted, note)
-    for node in sorted(silent):
-        echo(f"node {node} does not answer: its files stay there", err=True)
+    # a node that does not answer is said by a note line; its files stay listed as on it
+    outputs.fetch_from_nodes(store, job["id"], backend_for_job(job["job_dir"]), wanted, note)
 
 
 def resume_statement(store, job: dict, tokens: list[str]):

@@ -99,11 +99,17 @@ def test_files_come_back_from_ray_nodes_however_the_job_ends(ray_cluster, tmp_pa
     # a failure, then `pai kill`: one instance each, its files back, its folder gone
     one = [arg.replace('"count":2', '"count":1') for arg in statement]
     clear(tmp_path)
-    failed = pai_ray(ray_cluster, home, work, *one, "-DuserDefinedParameters=--fail")
+    failed = pai_ray(ray_cluster, home, work, *one, "-DuserDefinedParameters=--fail --big", "-DoutputMaxSize=1K")
     assert failed.returncode != 0, failed.stdout[-3000:]
     job_id = failed.stdout.split("ID = ", 1)[1].split()[0]
     assert status(ray_cluster, home, work, job_id)["status"] == "Failed"
     assert_worker_0_back(tmp_path, home, job_id)
+    # the file over the size limit kept the node's folder; `pai get` brings it and the folder goes
+    assert not (work / "big-0.bin").exists() and len(node_folders(job_id)) == 1
+    got = pai_ray(ray_cluster, home, work, "get", job_id, "big-*", "-o", str(tmp_path / "got"), timeout=120)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert (work / "big-0.bin").stat().st_size == 4096 and (tmp_path / "got" / "big-0.bin").stat().st_size == 4096
+    assert status(ray_cluster, home, work, job_id)["outputs"]["missing"] == 0
     assert wait_for(lambda: not node_folders(job_id)), node_folders(job_id)
 
     clear(tmp_path)

@@ -127,6 +127,7 @@ class InstanceOutputs:
     dirs: dict[str, str]
     watch: dict
     complete: bool = False         # the agent's last pass over every folder arrived
+    gone: str | None = None        # why the agent had nothing to list (its folder is gone)
     received: int = 0
     _file: dict | None = None
     _fd: int = -1
@@ -203,8 +204,10 @@ class InstanceOutputs:
             return self.job.local_error(err) if isinstance(err, OSError) else str(err)
 
     def _pass(self, payload: bytes) -> None:
-        if json.loads(payload).get("all", True):
+        end = json.loads(payload)
+        if end.get("all", True):
             self.complete = True
+        self.gone = end.get("error")   # no state file: the node no longer holds the job's folder
 
     def _abandon(self, why: str | None) -> None:
         """Drop the partial copy under way (nobody ever sees half a file)."""
@@ -241,6 +244,7 @@ class JobOutputs:
         self.attempts: list[InstanceOutputs] = []
         self.keep_nodes: set[str] = set()
         self._disk_full_said = False
+        self.fetching = False   # `pai get` of files left on nodes (fetch_from_nodes)
 
     # -- starting an instance -------------------------------------------------------
 
@@ -292,7 +296,7 @@ class JobOutputs:
                                    f"it stays on node {inst.node} at {head.get('at')}")
                 return
             first = self.owner.get(local)
-            if first and first[0] != inst.name and first[1] == digest:
+            if first and first[0] != inst.name and first[1] == digest and not self.fetching:
                 self._rows.pop()   # the other instance's file, seen in a folder both share
                 return
             self.owner[local] = (inst.name, digest)
@@ -324,7 +328,8 @@ class JobOutputs:
             self._lines.append(f"outputs: the files of {inst.name} could not be brought back from node "
                                f"{inst.node} ({why}); its job folder there is kept")
 
-    def collect(self, backend, attempts: list[InstanceOutputs]) -> None:
+    def collect(self, backend, attempts: list[InstanceOutputs], max_bytes: int | None = None,
+                only: dict[tuple[str, str], dict | None] | None = None) -> None:
         """For each attempt whose files did not all come on its link (a dropped link, a
         dead master): the agent's `collect` on its node, through the backend."""
         for inst in attempts:
@@ -332,9 +337,11 @@ class JobOutputs:
                 continue
             role, _, idx = inst.name.rpartition(":")
             have = self.have(inst.name)
+            wanted = (only or {}).get((inst.name, inst.node))   # `pai get`: these files alone
             try:
                 stream = backend.collect_outputs(self.job_dir, inst.node, role, int(idx), have,
-                                                 self.settings["max_bytes"])
+                                                 max_bytes or self.settings["max_bytes"],
+                                                 **({"only": wanted} if wanted is not None else {}))
                 feed_frames(stream, inst.sink)
             except Exception as err:  # noqa: BLE001 - an unreachable node, whatever its transport says
                 inst._abandon(None)
@@ -405,6 +412,80 @@ def collect_after_master(store, job_id: str, backend, note: Note) -> None:
     outputs.collect(backend, outputs.attempts)
     outputs.flush()
     backend.keep_nodes |= outputs.keep_nodes
+
+
+# -- `pai get` of files still on a node -----------------------------------------------------------
+
+UNLIMITED = 1 << 62    # `pai get` asks for a file the size limit held back: no limit then
+
+
+def left_on_nodes(rows: Iterable[tuple], chosen: Iterable[tuple[str, str]]) -> dict[tuple[str, str], list[str] | None]:
+    """(instance, node) -> the paths (here) to bring from that node, None for every
+    file the instance left there (a `*` row: its node did not answer at the job's
+    end), from the store's rows and the (instance, path) pairs the user chose."""
+    chosen = set(chosen)
+    wanted: dict[tuple[str, str], list[str] | None] = {}
+    for row in rows:
+        name, path, where, node = row[1], row[2], row[6], row[7]
+        if where != "node" or (name, path) not in chosen:
+            continue
+        key = (name, node)
+        if path == "*":
+            wanted[key] = None
+        elif wanted.get(key, []) is not None:
+            wanted.setdefault(key, []).append(path)
+    return wanted
+
+
+def rels_of(paths: Iterable[str], dirs: dict[str, str]) -> dict[str, list[str]]:
+    """Paths here, in the agent's terms: key -> [rel below that watched folder]. The
+    folders are tried deepest first (a checkpoint folder inside the working folder)."""
+    out: dict[str, list[str]] = {}
+    ordered = sorted(dirs.items(), key=lambda kv: -len(kv[1]))
+    for path in paths:
+        for key, root in ordered:
+            prefix = root.rstrip("/") + "/"
+            if path.startswith(prefix):
+                out.setdefault(key, []).append(path[len(prefix):])
+                break
+    return out
+
+
+def fetch_from_nodes(store, job_id: str, backend, wanted: dict[tuple[str, str], list[str] | None],
+                     note: Note) -> set[str]:
+    """`pai get` of files an ended job left on its nodes (a node that did not answer
+    at the job's end, a file over -DoutputMaxSize): the agent's `collect` on each
+    node, written aside, checked and renamed where the file belongs, as at the job's
+    end; the store says "here" then. The job folder of a node that holds nothing of
+    the job any more is removed. Returns the nodes that did not answer."""
+    job_dir = store.job(job_id)["job_dir"]
+    outputs = JobOutputs(store, job_id, job_dir, note)
+    outputs.fetching = True
+    for row in store.outputs(job_id):
+        if row[6] == "here":
+            outputs.owner[row[2]] = (row[1], row[5])   # a copy that differs is named as a conflict
+    only: dict[tuple[str, str], dict | None] = {}
+    for (name, node), paths in wanted.items():
+        role, _, idx = name.rpartition(":")
+        inst = outputs.prepare(name, role, int(idx), node, _role_cwd(job_dir, role), {})
+        only[(name, node)] = None if paths is None else rels_of(paths, inst.dirs)
+    outputs.collect(backend, outputs.attempts, UNLIMITED, only)
+    with outputs._lock:   # a node that still does not answer: the file rows it had stay as they are
+        outputs._rows = [r for r in outputs._rows if r[2] != "*" or only.get((r[1], r[7])) is None]
+    outputs.flush()
+    for inst in outputs.attempts:
+        if inst.gone:   # removed by hand, a reboot: what it held is nowhere now
+            lost = [(*r[:6], "missing", r[7], r[8], f"gone from node {inst.node} ({inst.gone})")
+                    for r in store.outputs(job_id) if r[1] == inst.name and r[7] == inst.node and r[6] == "node"]
+            store.add_outputs(lost)
+            note(f"outputs: the files of {inst.name} are no longer on node {inst.node} ({inst.gone})")
+        elif inst.complete and only.get((inst.name, inst.node)) is None:
+            store.remove_outputs(job_id, inst.name, ["*"])
+    still = {row[7] for row in store.outputs(job_id) if row[6] == "node"}
+    done = {a.node for a in outputs.attempts if a.complete} - still
+    if done:
+        backend.remove_job_folders(job_dir, sorted(done))
+    return {a.node for a in outputs.attempts if not a.complete}
 
 
 def remove_parts(folder: str) -> int:

@@ -1,7 +1,7 @@
 """`pai outputs` and `pai get`: the files a job wrote (issue 17, cluster/outputs.py).
 
 Registered by paicli.cli; the console has the same verbs. They read the store and
-copy files that are here: nothing is asked of a node.
+copy files that are here; `pai get` first brings what an ended job left on a node.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def matches(row: dict, globs: tuple[str, ...], instance: str | None) -> bool:
     if instance and row["instance"] != instance:
         return False
     path = row["path"]
+    if path == "*":
+        return True   # what a node that did not answer holds is not known: it may match
     return not globs or any(fnmatch.fnmatch(path, g) or fnmatch.fnmatch(os.path.basename(path), g)
                             or fnmatch.fnmatch(path, f"*/{g}") for g in globs)
 
@@ -109,6 +111,36 @@ def plain_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     sys.stdout.flush()
 
 
+def archive_checkpoint_dir(value: str, code_dir: str) -> str:
+    """An archive's job ran in its own code/ folder, which a resumed job does not share:
+    a relative -DcheckpointDir becomes the first job's folder, absolute, so the
+    resumed job starts from (and goes on writing) those checkpoints. A URL stays."""
+    if "://" in value:
+        return value
+    return os.path.normpath(os.path.join(code_dir, os.path.expanduser(value)))
+
+
+def fetch_left(store, job: dict, chosen: list[dict]) -> None:
+    """Bring the chosen files still on a node of an ended job here (where they
+    belong, as at the job's end: cluster/outputs.fetch_from_nodes)."""
+    from paicli.cluster import outputs
+    from paicli.cluster.backends import backend_for_job
+
+    wanted = outputs.left_on_nodes(store.outputs(job["id"]), [(r["instance"], r["path"]) for r in chosen])
+    if not wanted:
+        return
+    nodes = sorted({node for _, node in wanted})
+    echo(f"bringing files of {job['id']} from node(s) {', '.join(nodes)}", err=True)
+    log = outputs.job_log_note(job["job_dir"])
+
+    def note(line: str) -> None:
+        log(line)
+        echo(line, err=True)
+
+    # a node that does not answer is said by a note line; its files stay listed as on it
+    outputs.fetch_from_nodes(store, job["id"], backend_for_job(job["job_dir"]), wanted, note)
+
+
 def resume_statement(store, job: dict, tokens: list[str]):
     """The ended job's statement (its spec.json), overridden by `tokens` (-Dk=v ...),
     and the folder it ran in (a plain script's working folder, where its files went)."""
@@ -125,6 +157,8 @@ def resume_statement(store, job: dict, tokens: list[str]):
     except (OSError, ValueError) as err:
         raise UsageError(f"{job['id']}: its statement cannot be read ({err})", "submit it again by hand") from None
     cwd = next((r.get("cwd") for r in plan.get("roles", []) if r.get("cwd")), None)
+    if cwd == str(job_dir / "code") and spec.get("checkpoint_dir"):
+        spec["checkpoint_dir"] = archive_checkpoint_dir(spec["checkpoint_dir"], cwd)
     if not cwd or cwd == str(job_dir / "code") or not os.path.isdir(cwd):
         cwd = os.getcwd()
     stmt = Statement(framework=spec.pop("name"), project=spec.pop("project", None))
@@ -169,14 +203,23 @@ def register(cli: click.Group) -> None:
     @click.option("-o", "--output", "dest", default=".", show_default=True, type=click.Path(file_okay=False),
                   help="The folder to copy the files into.")
     @click.option("--instance", "-i", help="Only this instance's files, e.g. worker:0.")
-    def get(job_id, globs, dest, instance):
+    @click.option("--no-fetch", is_flag=True, help="Copy only what is here; files still on a node are named.")
+    def get(job_id, globs, dest, instance, no_fetch):
         """Copy a job's files (those matching PATH_OR_GLOB..., default all) into a folder,
-        keeping their layout. Files still on a node are named, not copied."""
+        keeping their layout. Files an ended job left on a node (it did not answer at
+        the job's end, or the file was over -DoutputMaxSize) are brought here first,
+        where they belong, and the node's job folder removed once nothing is left."""
         from paicli import client
+        from paicli.states import JobStatus
 
         store = open_store()
         job = client.resolve_job(store, job_id)
         chosen = [r for r in rows_of(store, job["id"]) if matches(r, globs, instance)]
+        if not no_fetch and any(r["where"] == "node" for r in chosen) and \
+                JobStatus(client.refresh(store, job["id"])["status"]).is_terminal():
+            fetch_left(store, dict(job), chosen)
+            chosen = [r for r in rows_of(store, job["id"]) if matches(r, globs, instance)]
+        chosen = [r for r in chosen if r["path"] != "*" or r["where"] == "node"]
         here = [r for r in chosen if r["where"] == "here" and r["path"] != "*"]
         if not chosen:
             raise UsageError(f"{job['id']}: no output matches {' '.join(globs) or '(all)'}"

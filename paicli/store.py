@@ -706,3 +706,12 @@ class Store:
                                " ('resumed-from', 'resumed-by') ORDER BY id", (job_id,)).fetchall()
         return {"resumed_from": next((r[1] for r in rows if r[0] == "resumed-from"), None),
                 "resumed_by": [r[1] for r in rows if r[0] == "resumed-by"]}
+
+    # -- FILES room (issue 17): `pai get` of files left on a node ---------------------------
+
+    def remove_outputs(self, job_id: str, instance: str, paths: list[str]) -> None:
+        """Drop these rows of an instance (the `*` row of a node that did not answer,
+        once `pai get` has brought what it held)."""
+        with self.tx() as db:
+            db.executemany("DELETE FROM outputs WHERE job_id = ? AND instance = ? AND path = ?",
+                           [(job_id, instance, p) for p in paths])

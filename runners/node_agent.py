@@ -724,6 +724,13 @@ def collect(request: dict):
     watch = dict(state.get("watch") or {}, inplace=bool(request.get("inplace")))
     if request.get("max_bytes") is not None:
         watch["max_bytes"] = request["max_bytes"]
+    only = request.get("only")
+    if only is not None:   # `pai get` of some files (key -> [rel]): the others count as sent
+        for key, path in watch.get("dirs") or ():
+            keep = set(only.get(key) or ())
+            for rel, stamp in scan(path, _skips(watch, key)).items():
+                if rel not in keep:
+                    sent.setdefault(key, {})[rel] = stamp
     yield from file_frames(watch, sent, None)
 
 

@@ -90,6 +90,77 @@ def test_the_agent_lists_only_what_changed_and_leaves_out_other_watched_folders(
     assert again == ["step-1", "model.h5"]
 
 
+def test_pai_get_asks_a_node_for_the_chosen_files_alone(tmp_path):
+    rows = [("j", "worker:0", "/w/big.bin", 9, 0, None, "node", "h1", "/n/code/big.bin", "over the size limit"),
+            ("j", "worker:0", "/w/ckpt/other.bin", 9, 0, None, "node", "h1", "/n/c/other.bin", "over the size limit"),
+            ("j", "worker:0", "/w/model.h5", 9, 0, "ab", "here", "h1", None, None),
+            ("j", "worker:1", "*", 0, 0, None, "node", "h2", "the job's folder on h2", "node unreachable")]
+    chosen = [(r[1], r[2]) for r in rows]
+    assert outputs.left_on_nodes(rows, chosen) == {("worker:0", "h1"): ["/w/big.bin", "/w/ckpt/other.bin"],
+                                                   ("worker:1", "h2"): None}
+    assert outputs.left_on_nodes(rows, chosen[:1]) == {("worker:0", "h1"): ["/w/big.bin"]}
+    # a checkpoint folder inside the working folder: its files are the checkpoint key's
+    assert outputs.rels_of(["/w/big.bin", "/w/ckpt/other.bin"], {"cwd": "/w", "ckpt": "/w/ckpt"}) == \
+        {"cwd": ["big.bin"], "ckpt": ["other.bin"]}
+    # the agent's collect sends those and nothing else, whatever the size limit said
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "big.bin").write_bytes(b"x" * 2000)
+    (work / "small.txt").write_text("s")
+    state = tmp_path / "state.json"   # as the agent wrote it when the folder was empty
+    state.write_text(json.dumps({"watch": {"dirs": [["cwd", str(work)]], "max_bytes": 1000}, "base": {"cwd": {}}}))
+    request = {"state": str(state), "only": {"cwd": ["big.bin"]}, "max_bytes": outputs.UNLIMITED}
+    sent = [json.loads(p)["rel"] for k, p in node_agent.collect(request) if k == b"F"]
+    assert sent == ["big.bin"]
+    assert [json.loads(p)["rel"] for k, p in node_agent.collect(dict(request, only=None)) if k == b"F"] == \
+        ["big.bin", "small.txt"]
+
+
+class NodeFolders:
+    """A backend's collect over folders of this machine standing for the nodes' job
+    folders (the transport is test_outputs_ssh's business: here, what is done with it)."""
+
+    def __init__(self, folders: dict):
+        self.folders, self.removed = folders, []
+
+    def collect_outputs(self, job_dir, node, role, idx, have, max_bytes, only=None):
+        request = {"state": f"{self.folders[node]}/{outputs.state_rel(role, idx)}", "have": have,
+                   "max_bytes": max_bytes, "only": only}
+        yield b"".join(k + len(p).to_bytes(4, "big") + p for k, p in node_agent.collect(request))
+
+    def remove_job_folders(self, job_dir, names):
+        self.removed += names
+
+
+def test_pai_get_brings_what_a_node_held_marks_it_here_and_removes_the_folder(tmp_path):
+    store = Store(tmp_path / "home")
+    job_dir, work, node = tmp_path / "home" / "jobs" / "j1", tmp_path / "work", tmp_path / "h1"
+    job_dir.mkdir(parents=True)
+    work.mkdir()
+    (job_dir / "nodes.json").write_text('{"backend": "ssh"}')
+    (job_dir / "spec.json").write_text('{"name": "python"}')
+    (job_dir / "plan.json").write_text(json.dumps({"roles": [{"name": "worker", "cwd": str(work)}]}))
+    store.create_job("j1", name="n", framework="python", project=None, task_name="T", job_dir=job_dir,
+                     roles=[{"name": "worker", "count": 2, "must_finish": True}])
+    node_agent.begin_watch({"dirs": [["cwd", str(node / "code")]], "state": str(node / outputs.state_rel("worker", 0))})
+    (node / "code" / "models").mkdir(parents=True)
+    (node / "code" / "models" / "model.h5").write_bytes(b"weights" * 1000)
+    unreachable = ("node unreachable", "the job's folder on h1")
+    store.add_outputs([("j1", "worker:0", "*", 0, 0, None, "node", "h1", unreachable[1], unreachable[0]),
+                       ("j1", "worker:1", "*", 0, 0, None, "node", "h2", "the job's folder on h2", unreachable[0])])
+    backend, lines = NodeFolders({"h1": str(node), "h2": str(tmp_path / "h2")}), []
+    wanted = outputs.left_on_nodes(store.outputs("j1"), [("worker:0", "*"), ("worker:1", "*")])
+    assert outputs.fetch_from_nodes(store, "j1", backend, wanted, lines.append) == set()
+    assert (work / "models" / "model.h5").read_bytes() == b"weights" * 1000
+    rows = {(r[1], r[2]): r for r in store.outputs("j1")}
+    assert set(rows) == {("worker:0", str(work / "models" / "model.h5")), ("worker:1", "*")}
+    assert rows[("worker:0", str(work / "models" / "model.h5"))][6] == "here"
+    # h2's folder is gone (a reboot): what it held is nowhere, and said so
+    assert rows[("worker:1", "*")][6] == "missing" and "gone from node h2" in rows[("worker:1", "*")][9]
+    assert any("no longer on node h2" in line for line in lines), lines
+    assert backend.removed == ["h1", "h2"] and store.output_totals("j1")["missing"] == 1
+
+
 class Recorder:
     def __init__(self):
         self.rows, self.events = [], []
@@ -296,6 +367,43 @@ def test_pai_resume_of_a_cancelled_job_continues_from_its_checkpoint(pai_home, t
     assert pai_json("status", job_id)["resumed_by"] == [new_id]
     assert f"Resumed by {new_id}" in pai("status", job_id).stdout
     assert pai_json("list")[0]["name"] == "again"
+    # and each logview job page says it
+    from paicli.web import data
+
+    assert f"Resumes {job_id}." in data.job_page(Store(), new_id)["notices"]
+    assert f"Resumed by {new_id}." in data.job_page(Store(), job_id)["notices"]
+
+
+def test_pai_resume_of_an_archive_job_continues_from_the_checkpoints_in_its_code_folder(pai_home, tmp_path):
+    """An archive runs in the job's own code/ folder: -DcheckpointDir=ckpt is there,
+    and the resumed job (a new code/ folder) must still start from it."""
+    import tarfile
+
+    from test_outputs_ssh import RESUMING
+
+    (tmp_path / "resume.py").write_text(RESUMING.replace("range(start, 60)", "range(start, 25)"))
+    with tarfile.open(tmp_path / "code.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "resume.py", arcname="resume.py")
+    proc = subprocess.Popen([*PAI, "-name", "python", f"-Dscript={tmp_path / 'code.tar.gz'}", "-DentryFile=resume.py",
+                             "-DcheckpointDir=ckpt"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        ckpt = pai_home / "jobs" / job_id / "code" / "ckpt" / "step"
+        assert wait_until(lambda: ckpt.exists() and int(ckpt.read_text() or 0) >= 5, timeout=30)
+        assert pai("kill", job_id).returncode == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    stopped_at = int(ckpt.read_text())
+    resumed = pai("resume", job_id, cwd=str(tmp_path))
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr
+    assert f"Resumes {job_id}" in resumed.stdout
+    assert int(resumed.stdout.split("first step ", 1)[1].split()[0]) == stopped_at
+    assert ckpt.read_text() == "25"
+    new_id = job_id_from(resumed.stdout)
+    assert pai_json("status", new_id)["resumed_from"] == job_id
+    assert pai_json("status", job_id)["resumed_by"] == [new_id]
 
 
 def test_the_logview_lists_outputs_with_download_links_behind_the_token(tmp_path):

@@ -47,7 +47,37 @@ def status(cluster, home: Path, work: Path, job_id: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_files_come_back_from_ray_nodes_at_the_end_and_after_kill_9_of_the_master(ray_cluster, tmp_path):
+def node_folders(job_id: str) -> list[str]:
+    """The job's per-job folders on the nodes (which share this machine's /tmp)."""
+    import glob
+    import tempfile
+
+    return glob.glob(f"{tempfile.gettempdir()}/paicli-ray-{os.getuid()}/*/{job_id}")
+
+
+def wait_for(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.3)
+    return True
+
+
+def clear(tmp_path: Path) -> None:
+    """Remove what an earlier job of the test brought back."""
+    for path in (tmp_path / "work" / "models", tmp_path / "ckpt", tmp_path / "work" / "same.txt"):
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+
+
+def assert_worker_0_back(tmp_path: Path, home: Path, job_id: str) -> None:
+    assert (tmp_path / "work" / "models" / "model-0.txt").read_text() == "model of worker 0\n"
+    assert (tmp_path / "ckpt" / "ckpt-0").read_text() == "ckpt of worker 0\n"
+    assert (home / "jobs" / job_id / "outputs" / "worker-0" / "out.txt").read_text() == "out of worker 0\n"
+    assert not [p for p in (tmp_path / "work").rglob("*") if p.name.startswith(".pai-part-")]
+
+
+def test_files_come_back_from_ray_nodes_however_the_job_ends(ray_cluster, tmp_path):
     home, work = tmp_path / "home", tmp_path / "work"
     work.mkdir()
     (work / "train.py").write_text(SCRIPT)
@@ -64,10 +94,41 @@ def test_files_come_back_from_ray_nodes_at_the_end_and_after_kill_9_of_the_maste
     assert (work / "same.txt").read_text() == "written by worker 1\n"
     assert "worker:0 and worker:1 both wrote" in result.stdout
     assert status(ray_cluster, home, work, job_id)["outputs"]["missing"] == 0
+    assert wait_for(lambda: not node_folders(job_id)), node_folders(job_id)
 
-    for path in (work / "models", tmp_path / "ckpt", work / "same.txt"):
-        subprocess.run(["rm", "-rf", str(path)], check=True)
+    # a failure, then `pai kill`: one instance each, its files back, its folder gone
     one = [arg.replace('"count":2', '"count":1') for arg in statement]
+    clear(tmp_path)
+    failed = pai_ray(ray_cluster, home, work, *one, "-DuserDefinedParameters=--fail --big", "-DoutputMaxSize=1K")
+    assert failed.returncode != 0, failed.stdout[-3000:]
+    job_id = failed.stdout.split("ID = ", 1)[1].split()[0]
+    assert status(ray_cluster, home, work, job_id)["status"] == "Failed"
+    assert_worker_0_back(tmp_path, home, job_id)
+    # the file over the size limit kept the node's folder; `pai get` brings it and the folder goes
+    assert not (work / "big-0.bin").exists() and len(node_folders(job_id)) == 1
+    got = pai_ray(ray_cluster, home, work, "get", job_id, "big-*", "-o", str(tmp_path / "got"), timeout=120)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert (work / "big-0.bin").stat().st_size == 4096 and (tmp_path / "got" / "big-0.bin").stat().st_size == 4096
+    assert status(ray_cluster, home, work, job_id)["outputs"]["missing"] == 0
+    assert wait_for(lambda: not node_folders(job_id)), node_folders(job_id)
+
+    clear(tmp_path)
+    proc = pai_ray(ray_cluster, home, work, *one, "-DuserDefinedParameters=--hang", popen=True)
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        assert wait_for(lambda: status(ray_cluster, home, work, job_id).get("metric_series"), 120)
+        killed = pai_ray(ray_cluster, home, work, "kill", job_id, timeout=120)
+        assert killed.returncode == 0, killed.stdout + killed.stderr
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert status(ray_cluster, home, work, job_id)["status"] == "Cancelled"
+    assert_worker_0_back(tmp_path, home, job_id)
+    assert status(ray_cluster, home, work, job_id)["outputs"]["missing"] == 0
+    assert wait_for(lambda: not node_folders(job_id)), node_folders(job_id)
+
+    clear(tmp_path)
     proc = pai_ray(ray_cluster, home, work, *one, "-DuserDefinedParameters=--hang", popen=True)
     try:
         job_id = proc.stdout.readline()[5:].strip()
@@ -91,6 +152,6 @@ def test_files_come_back_from_ray_nodes_at_the_end_and_after_kill_9_of_the_maste
     finally:
         proc.kill()
         proc.wait()
-    assert (work / "models" / "model-0.txt").read_text() == "model of worker 0\n"
-    assert (tmp_path / "ckpt" / "ckpt-0").read_text() == "ckpt of worker 0\n"
+    assert_worker_0_back(tmp_path, home, job_id)
     assert status(ray_cluster, home, work, job_id)["status"] == "Failed"
+    assert wait_for(lambda: not node_folders(job_id)), node_folders(job_id)

@@ -75,6 +75,12 @@ def assert_files_back(work: Path, job_id: str, home: Path, workers=(0, 1)) -> No
     assert not [p for p in work.rglob("*") if p.name.startswith(".pai-part-")]
 
 
+def clear(work: Path) -> None:
+    """Remove what an earlier job of the test brought back."""
+    for path in [work / "models", work.parent / "ckpt", work / "same.txt"]:
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+
+
 def node_folders(cluster, job_id: str) -> list[str]:
     return [h.name for h in cluster.hosts
             if job_id in cluster.ssh(h.name, ["ls", f"/tmp/paicli-{cluster.user}"]).stdout]
@@ -92,10 +98,7 @@ def test_files_come_back_with_a_conflict_named_and_outputs_listed(cluster, nodes
     # a file over -DoutputMaxSize stays on its node, whose job folder is kept, and is said so
     assert not list(work.glob("big-*.bin"))
     assert "big-0.bin of worker:0 not brought back (over the size limit (1024 bytes))" in result.stdout
-    kept = node_folders(cluster, job_id)
-    assert len(kept) == 2
-    for host in kept:
-        cluster.ssh(host, ["rm", "-rf", f"/tmp/paicli-{cluster.user}/{job_id}"])
+    assert len(node_folders(cluster, job_id)) == 2
     listed = pai_json("outputs", job_id)
     paths = {(f["instance"], os.path.basename(f["path"])): f for f in listed["files"]}
     assert paths[("worker:1", "same.txt")]["where"] == "here"
@@ -105,9 +108,18 @@ def test_files_come_back_with_a_conflict_named_and_outputs_listed(cluster, nodes
     assert paths[("worker:1", "big-1.bin")]["node_path"].endswith(f"/{job_id}/code/big-1.bin")
     totals = pai_json("status", job_id)["outputs"]
     assert totals["count"] >= 9 and totals["missing"] == 2
+    # asked for, they come: where they belong, then copied; nothing is left on the nodes
+    got = pai("get", job_id, "big-*.bin", "-o", str(tmp_path / "got"))
+    assert got.returncode == 0, got.stdout + got.stderr
+    for idx in (0, 1):
+        assert (work / f"big-{idx}.bin").stat().st_size == 4096
+        assert (tmp_path / "got" / f"big-{idx}.bin").read_bytes() == (work / f"big-{idx}.bin").read_bytes()
+    listed = pai_json("outputs", job_id)
+    assert listed["missing"] == 0 and {f["where"] for f in listed["files"]} == {"here", "replaced"}
+    assert wait_until(lambda: not node_folders(cluster, job_id), timeout=20), node_folders(cluster, job_id)
 
 
-def test_files_come_back_after_a_failure_and_after_kill_9_of_the_master(cluster, nodes, tmp_path, pai_home):
+def test_files_come_back_after_a_failure_pai_kill_and_kill_9_of_the_master(cluster, nodes, tmp_path, pai_home):
     work = workdir(tmp_path)
     failed = submit(work, "-DuserDefinedParameters=--fail")
     assert failed.returncode != 0
@@ -115,9 +127,26 @@ def test_files_come_back_after_a_failure_and_after_kill_9_of_the_master(cluster,
     assert pai_json("status", job_id)["status"] == "Failed"
     assert (work / "models" / "model-0.txt").read_text() == "model of worker 0\n"
     assert (work.parent / "ckpt" / "ckpt-0").read_text() == "ckpt of worker 0\n"
+    assert wait_until(lambda: not node_folders(cluster, job_id), timeout=20), node_folders(cluster, job_id)
 
-    for path in [work / "models", work.parent / "ckpt", work / "same.txt"]:
-        subprocess.run(["rm", "-rf", str(path)], check=True)
+    # `pai kill`: the master stops the instances through their agents, which send first
+    clear(work)
+    proc = submit(work, "-DuserDefinedParameters=--hang", detach=True)
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        assert wait_until(lambda: len(pai_json("status", job_id).get("metric_series", {})) >= 2,
+                          timeout=60, interval=0.3), pai_json("status", job_id)
+        assert pai("kill", job_id, timeout=60).returncode == 0
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert pai_json("status", job_id)["status"] == "Cancelled"
+    assert_files_back(work, job_id, pai_home)
+    assert pai_json("outputs", job_id)["missing"] == 0
+    assert wait_until(lambda: not node_folders(cluster, job_id), timeout=20), node_folders(cluster, job_id)
+
+    clear(work)
     proc = submit(work, "-DuserDefinedParameters=--hang", detach=True)
     try:
         job_id = proc.stdout.readline()[5:].strip()
@@ -161,7 +190,16 @@ def test_an_unreachable_nodes_files_are_reported_missing_and_its_folder_kept(clu
     assert wait_until(lambda: node_folders(cluster, job_id) == [lost], timeout=20)
     found = cluster.ssh(lost, ["cat", f"/tmp/paicli-{cluster.user}/{job_id}/code/models/model-0.txt"])
     assert found.stdout == "model of worker 0\n"
-    cluster.ssh(lost, ["rm", "-rf", f"/tmp/paicli-{cluster.user}/{job_id}"])
+    assert not (work / "models").exists()
+    # the node answers again: `pai get` brings them where they belong, and removes its folder
+    got = pai("get", job_id, "-o", str(tmp_path / "got"))
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert_files_back(work, job_id, pai_home, workers=(0,))
+    assert (tmp_path / "got" / "work" / "models" / "model-0.txt").read_text() == "model of worker 0\n"
+    listed = pai_json("outputs", job_id)
+    assert listed["missing"] == 0 and {f["where"] for f in listed["files"]} == {"here"}, listed
+    assert "*" not in {f["path"] for f in listed["files"]}
+    assert wait_until(lambda: not node_folders(cluster, job_id), timeout=20), node_folders(cluster, job_id)
 
 
 RESUMING = r'''

@@ -655,14 +655,24 @@ class RayBackend(Backend):
         return [r for r in refs if agent_ref(r) in stopped]
 
     def collect_outputs(self, job_dir: str, node: str, role: str, idx: int, have: dict,
-                        max_bytes: int | None):
+                        max_bytes: int | None, only: dict | None = None):
         """The node agent's collect, in a task pinned to the node: its frames, at once."""
         from paicli.cluster.outputs import state_rel
 
         self.connect()
         data = self._pinned(node, ray_node.pinned_collect, Path(job_dir).name, state_rel(role, idx), have,
-                            max_bytes, timeout=CALL_TIMEOUT * 10)
+                            max_bytes, only, timeout=CALL_TIMEOUT * 10)
         yield data
+
+    def remove_job_folders(self, job_dir: str, names: list[str]) -> None:
+        """The job's folder on each of these nodes (`pai get` once a node holds
+        nothing of the job any more); a node that is gone took its folder along."""
+        self.connect()
+        for name in names:
+            try:
+                self._pinned(name, ray_node.pinned_cleanup, Path(job_dir).name, timeout=STOP_TIMEOUT)
+            except Exception:  # noqa: BLE001 - Ray's own errors: the folder stays, as for a lost node
+                pass
 
     def _alive(self, ref: InstanceRef) -> bool:
         try:

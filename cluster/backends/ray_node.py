@@ -308,11 +308,11 @@ def pinned_cleanup(job_id: str) -> None:
     remove_job_folder(job_folder(job_id, ray.get_runtime_context().get_node_id()))
 
 
-def pinned_collect(job_id: str, state_rel: str, have: dict, max_bytes) -> bytes:
+def pinned_collect(job_id: str, state_rel: str, have: dict, max_bytes, only=None) -> bytes:
     """The node agent's `collect` of an instance's files on this node (cluster/outputs.py),
     as one byte string of frames."""
     import ray
 
     folder = job_folder(job_id, ray.get_runtime_context().get_node_id())
-    request = {"state": os.path.join(folder, state_rel), "have": have, "max_bytes": max_bytes}
+    request = {"state": os.path.join(folder, state_rel), "have": have, "max_bytes": max_bytes, "only": only}
     return b"".join(kind + len(payload).to_bytes(4, "big") + payload for kind, payload in node_agent.collect(request))

@@ -321,6 +321,13 @@ class SSHBackend(Backend):
         if "*" in self.keep_nodes:
             names = set()
 
+        self.remove_job_folders(job_dir, sorted(names))
+
+    def remove_job_folders(self, job_dir: str, names: list[str]) -> None:
+        """The job's folder on each of these nodes (cleanup; `pai get` once a node
+        holds nothing of the job any more)."""
+        job_id = self._job_id(job_dir)
+
         def remove(name: str) -> None:
             try:
                 node = self.entry(name)
@@ -330,10 +337,10 @@ class SSHBackend(Backend):
                 pass  # an unreachable node keeps its folder; /tmp is cleared at boot
 
         with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
-            list(pool.map(remove, sorted(names)))
+            list(pool.map(remove, names))
 
     def collect_outputs(self, job_dir: str, node: str, role: str, idx: int, have: dict,
-                        max_bytes: int | None):
+                        max_bytes: int | None, only: dict | None = None):
         """`node_agent.py collect` over an exec channel: the request on its stdin,
         the frames streamed from its stdout."""
         from paicli.cluster.outputs import state_rel
@@ -342,7 +349,7 @@ class SSHBackend(Backend):
             raise ssh.NodeUnreachable(f"node {node} stopped answering during the job")
         entry = self.entry(node)
         folder = remote_paths.job_folder(entry.job_root, self._job_id(job_dir))
-        request = {"state": f"{folder}/{state_rel(role, idx)}", "have": have, "max_bytes": max_bytes}
+        request = {"state": f"{folder}/{state_rel(role, idx)}", "have": have, "max_bytes": max_bytes, "only": only}
         chan = self.conns.session(entry, timeout=START_TIMEOUT)
         try:
             chan.exec_command(ssh.quote_argv([entry.python, f"{folder}/{AGENT_FILE}", "collect"]))

@@ -16,6 +16,8 @@
     # held-out: scripts and shapes the model was not fitted on (examples/pluto/heldout_*.py,
     # 3-4 nodes, 100 Mbit/s and 1 Gbit/s), each plan forecast then measured in one run
     sudo .venv/bin/python bench/bench_pluto.py heldout --json /tmp/heldout.json
+    # ...measuring every candidate where no measured plan is 1.5x the default
+    sudo .venv/bin/python bench/bench_pluto.py heldout --all-plans --json /tmp/heldout.json
     # markdown rows of saved results (grid --json FILE)
     .venv/bin/python bench/bench_pluto.py table FILE...
 
@@ -405,6 +407,9 @@ def _in_cluster(rate: str | None, body, home: Path, hosts: int = HOSTS, tell: bo
         raise SystemExit(f"cannot build the test cluster: {reason}; use --local")
     with TestCluster(prefix="eplu", hosts=hosts, subnet="10.213.44") as cluster:
         cluster.rate_limit(rate)
+        # netns' tbf bucket (256 KB) lets a small step through unshaped: re-shape honestly
+        from test_pluto_shaping import shape_links
+        shape_links(cluster, rate)
         # told: one core a host (cpu 100); not told: each host reports its cores, as placement counts them
         nodes = cluster.write_nodes_file(home / "nodes.yaml", **({"cpu": 100} if tell else {}))
         os.environ["PAI_NODES"] = str(nodes)
@@ -613,6 +618,17 @@ def heldout_case(case, label: str) -> dict:
             measured_by_key[_key(verified)] = row
             rows.append(row)
     base = rows[0]["per_target_s"]
+    if ALL_PLANS and default.forecast.bottleneck == "network" and base and \
+            not any(r["per_target_s"] and base / r["per_target_s"] >= 1.5 for r in rows):
+        # No plan measured so far is 1.5x the default: does ANY plan reach it? The bench
+        # is the ground truth: measure every other candidate (the goal applies only if one does).
+        others = [c for c in everything if _key(c) not in measured_by_key][:ALL_PLANS_CAP]
+        print(f"   no measured plan reaches 1.5x: measuring the {len(others)} other candidates", flush=True)
+        for choice in others:
+            row = measure_choice(framework, script, script_args, ps, workers, choice.to_json(), "candidate",
+                                 name, label, profile.target_global)
+            measured_by_key[_key(choice)] = row
+            rows.append(row)
     by_role = {r["role"].split(" (")[0]: r for r in rows}
     speed = lambda r: (base / r["per_target_s"]) if r and base and r["per_target_s"] else None  # noqa: E731
     best = min((r["per_target_s"] for r in rows if r["per_target_s"]), default=None)
@@ -640,10 +656,13 @@ def measure_choice(framework, script, script_args, ps, workers, data: dict, role
           f"{status} {job_id} ({wall:.0f}s)", flush=True)
     return {"case": name, "role": role, "plan": data["label"], "forecast_s": data["forecast_step_s"],
             "measured_s": measured, "error": err, "per_target_s": per_target, "status": status,
-            "job": job_id, "wall_s": wall, "bottleneck": data["bottleneck"], "where": label}
+            "job": job_id, "wall_s": wall, "bottleneck": data["bottleneck"], "where": label,
+            "loadavg": os.getloadavg()[0]}
 
 
 VERIFY_OFF: dict = {}   # make_plan's switch for the verification runs, when it has one
+ALL_PLANS = False       # heldout --all-plans: measure every candidate where no pick reaches 1.5x
+ALL_PLANS_CAP = 24
 
 
 def _key(choice) -> str:
@@ -659,6 +678,8 @@ def cmd_heldout(args) -> None:
 
     if "verify" in inspect.signature(make_plan).parameters:
         VERIFY_OFF["verify"] = False   # the model's own forecast, not a measured plan
+    global ALL_PLANS
+    ALL_PLANS = args.all_plans
     wanted = [c for c in HELDOUT if not args.only or any(word in c[0] for word in args.only.split(","))]
     groups: dict[tuple[int, str], list] = {}
     for case in wanted:
@@ -683,11 +704,13 @@ def cmd_heldout(args) -> None:
 def heldout_summary(results: list[dict]) -> None:
     rows = [r for res in results for r in res["rows"] if r.get("error") is not None and "(" not in r["role"]]
     errors = [abs(r["error"]) for r in rows]
-    print("\n| case | where | plan | forecast s/step | measured s/step | error |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| case | where | plan | forecast s/step | measured s/step | error | bound by (forecast) | load |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        miss = " **miss**" if abs(r["error"]) > 0.25 else ""
         print(f"| {r['case']} | {r['where']} | {r['role']}: {r['plan']} | {r['forecast_s']:.4f} | "
-              f"{r['measured_s']:.4f} | {r['error']:+.0%} |")
+              f"{r['measured_s']:.4f} | {r['error']:+.0%}{miss} | {r.get('bottleneck')} | "
+              f"{r.get('loadavg') or float('nan'):.1f} |")
     if errors:
         print(f"\nmedian |error| {statistics.median(errors):.1%} (goal <= 10%), worst {max(errors):.1%} "
               f"(goal <= 25%) over {len(errors)} measured plans")
@@ -723,6 +746,9 @@ def main() -> None:
     h = sub.add_parser("heldout")
     h.add_argument("--only", help="comma-separated words: only the cases whose name has one")
     h.add_argument("--json")
+    h.add_argument("--all-plans", action="store_true",
+                   help="where the default is communication-bound and no measured plan is 1.5x faster, "
+                        "measure every other candidate too (does any plan reach 1.5x?)")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     args = parser.parse_args()

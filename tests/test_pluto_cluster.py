@@ -35,6 +35,9 @@ def home(cluster, tmp_path_factory):
 
     if not get_runtime("mxnet").is_installed():
         pytest.skip("the mxnet runtime is not provisioned")
+    # netns' tbf bucket (256 KB) lets a small step through unshaped: re-shape honestly
+    from test_pluto_shaping import shape_links
+    shape_links(cluster, "100mbit")
     path = tmp_path_factory.mktemp("pluto-cluster")
     # no cpu declared: each host reports this machine's cores, as placement counts them
     nodes = cluster.write_nodes_file(path / "nodes.yaml", runtime_dir=str(runtime_root()))

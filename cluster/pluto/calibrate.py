@@ -37,7 +37,7 @@ from paicli.cluster.pluto.model import comm_seconds, compute_seconds, overhead_t
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 from paicli.private import write_private
 
-CACHE_VERSION = 7   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step
+CACHE_VERSION = 8   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step; 8: overheads counted from 1 worker, 1 ps (compute pinned by the 1 + 1 run)
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")
@@ -215,10 +215,12 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
                       target_global=any(r.global_step for r in runs) and framework == "tensorflow",
                       sync=sync, learning_rate=facts.learning_rate, notes=tuple(notes))
     partition = SLICED if framework == "mxnet" else "round_robin"
-    # step - communication = c x batch x slowdown + theta1 x W/P + theta_p x P, for every
-    # run, fitted with c, theta1, theta_p >= 0 (Optimus' fan-in and per-ps terms, TF
-    # async: theta1 x (W - 1), model.overhead_terms; the
-    # fixed per-step cost is in c, since the batch size is not varied).
+    # step - communication = c x batch x slowdown + theta1 x (W-1)/P + theta_p x (P-1), for
+    # every run, fitted with c, theta1, theta_p >= 0 (Optimus' fan-in and per-ps terms
+    # counted from one worker and one ps, TF async: theta1 x (W - 1), model.overhead_terms).
+    # Both terms vanish on the 1 + 1 run, so what it spends outside communication is c
+    # (with the fixed per-step cost, since the batch size is not varied): the fit cannot
+    # trade compute for a constant and leave c at ~0.
     unit = replace(profile, compute_s_per_sample=1.0)
     rows, ys = [], []
     for run in runs:
@@ -229,10 +231,18 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
         # forecast's own measure, so a run of milliseconds on one node (where placement
         # packs a small calibration) counts as much as one of a second over the links.
         weight = 1.0 / run.step_s if run.step_s > 0 else 1.0
+        comm = comm_seconds(profile, s, where)
+        if run.step_s < comm:
+            # Faster than its own modelled bytes: the byte model is wrong for that shape,
+            # and the run says nothing about compute. Fitted anyway, no coefficient >= 0
+            # can bring the run down to its step, so the fit zeroes compute to get closer.
+            notes.append(f"the {run.ps} + {run.workers} calibration run ({run.step_s:.4f} s/step) was faster "
+                         f"than its modelled communication ({comm:.4f} s): left out of the fit")
+            continue
         rows.append([weight * v for v in (compute_seconds(unit, s, where), *overhead_terms(s))])
-        ys.append(weight * (run.step_s - comm_seconds(profile, s, where)))
+        ys.append(weight * (run.step_s - comm))
     per_sample, fanin, per_ps = nnls(rows, ys) if rows else (0.0, 0.0, 0.0)
-    return replace(profile, compute_s_per_sample=per_sample, fanin_s=fanin, per_ps_s=per_ps)
+    return replace(profile, compute_s_per_sample=per_sample, fanin_s=fanin, per_ps_s=per_ps, notes=tuple(notes))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

@@ -15,7 +15,10 @@
   busiest link carrying every byte of the step: a worker and a server on one node
   share its uplink); async workers overlap each other, so a shared link bounds the
   rate instead;
-- overhead and fan-in (Optimus): theta1 x W/P + theta_p x P, fitted with the compute
+- processor sharing (`cpu_floor`): the CPU work of every instance on a set of shared
+  cores (a worker's compute, every instance's bytes sent and received, a ps's too)
+  divided by those cores bounds the step from below;
+- overhead and fan-in (Optimus): theta1 x (W-1)/P + theta_p x (P-1), fitted with the compute
   term by non-negative least squares to the calibration runs (calibrate.nnls),
   because round trips, a ps serving many workers, and a worker talking to many ps
   cost time that no byte count shows. TensorFlow async: theta1 x (W - 1) instead
@@ -284,19 +287,85 @@ def node_slowdown(busy: list[float], i: int, cluster: Cluster) -> float:
 def overhead_terms(strategy: Strategy) -> tuple[float, float]:
     """What the two fitted overheads multiply: step += fanin_s x a + per_ps_s x b.
 
-    Sync (Optimus): a = W/P, a ps serving W workers; b = P, a worker talking to P ps.
-    TensorFlow async: a = W - 1, the other workers. Measured at 100 Mbit/s and 1 Gbit/s
-    (docs/pluto.md), async TF steps grow by about the same seconds for every worker
-    added whether there are 1, 2, 3 or 4 ps, beyond what the bytes on the busiest link
-    explain: the workers' pushes and pulls collide part of the time on links and in
-    the one kernel that carries every link here, and a ps more does not spread that
-    (W/P said it would). Calibration's 2-worker run gives theta1 (calibrate.build_profile
-    fits with these same terms)."""
+    Sync (Optimus): a = (W - 1)/P, the workers a ps serves beyond one; b = P - 1, the
+    ps a worker talks to beyond one. TensorFlow async: a = W - 1, the other workers.
+    Measured at 100 Mbit/s and 1 Gbit/s (docs/pluto.md), async TF steps grow by about
+    the same seconds for every worker added whether there are 1, 2, 3 or 4 ps, beyond
+    what the bytes on the busiest link explain: the workers' pushes and pulls collide
+    part of the time on links and in the one kernel that carries every link here, and
+    a ps more does not spread that.
+
+    Both terms are 0 for one worker and one ps: what that shape spends outside its
+    communication is compute (calibration's 1 + 1 run measures it), and the terms
+    price only what more workers or more ps add. Counted from 0 (Optimus' W/P and P),
+    a constant was in the terms and in compute alike, and the fit could put every
+    second of compute into the constant: compute per sample ~0, and plans of many
+    processes on few cores forecast as if the cores were free (issue 21)."""
     if not strategy.ps:
         return 0.0, 0.0
     if strategy.framework == "tensorflow" and not strategy.sync:
-        return float(max(0, strategy.workers - 1)), float(strategy.ps)
-    return strategy.workers / strategy.ps, float(strategy.ps)
+        return float(max(0, strategy.workers - 1)), float(strategy.ps - 1)
+    return max(0, strategy.workers - 1) / strategy.ps, float(strategy.ps - 1)
+
+
+def cpu_groups(cluster: Cluster) -> list[tuple[list[int], float]]:
+    """The sets of nodes that share cores, with those cores: a machine of virtual
+    hosts (one boot id) is one set, PAI_PLUTO_SHARED_CORES makes every node one set,
+    any other node is a set of its own."""
+    n = len(cluster.nodes)
+    if cluster.machine_cores:
+        return [(list(range(n)), cluster.machine_cores)]
+    groups: dict[str, tuple[list[int], float]] = {}
+    out = []
+    for i, node in enumerate(cluster.nodes):
+        if node.machine and node.machine_cores:
+            groups.setdefault(node.machine, ([], node.machine_cores))[0].append(i)
+        else:
+            out.append(([i], node.cores))
+    return out + list(groups.values())
+
+
+def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[float]:
+    """CPU seconds every node's instances ask for in one step: each worker its
+    compute alone on a core, and every instance (worker or ps) the bytes it sends
+    and receives at the loopback probe's cost: a TCP connection inside one machine
+    moves a byte out of one process and into another in 1/loopback_Bps of CPU at
+    least (both copies on one core; on two, each end pays that much), so each end is
+    charged half of it (serialising, the kernel's copies, a ps summing what it
+    receives): a floor, never more than the CPU really spent. Work is per value: a
+    2bit push is quantised on the worker and dequantised on the ps from and to every
+    32-bit value, so it is charged as uncompressed."""
+    ps_nodes, worker_nodes = layout(strategy, cluster)
+    demand = [0.0] * len(cluster.nodes)
+    batch = strategy.batch_per_worker or profile.batch_size
+    compute = profile.compute_s_per_sample * batch
+    per_byte = 0.5 / cluster.loopback_Bps if cluster.loopback_Bps > 0 else 0.0
+    total = profile.param_bytes if strategy.ps else 0.0
+    if strategy.framework in MA_FRAMEWORKS:
+        period = strategy.ma_period or 1
+        moved = 2.0 * total / period if strategy.workers > 1 else 0.0
+        for node in worker_nodes:
+            demand[node] += compute + per_byte * moved
+        if ps_nodes and strategy.workers > 1:
+            demand[ps_nodes[0]] += per_byte * moved * strategy.workers
+        return demand
+    loads = ps_loads(profile.var_bytes or (total,), strategy.ps, strategy.partition,
+                     strategy.big_array_bound) if strategy.ps else []
+    held = sum(loads) or total or 1.0
+    for node in worker_nodes:
+        demand[node] += compute + per_byte * 2.0 * total     # push every gradient, pull every value
+    for j, node in enumerate(ps_nodes):
+        demand[node] += per_byte * 2.0 * total * (loads[j] / held) * strategy.workers
+    return demand
+
+
+def cpu_floor(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
+    """Processor sharing: no step is shorter than the busiest set of shared cores
+    needs for the CPU work every instance placed on it asks for in a step (a
+    machine of 2 cores running 3 workers and 3 ps does all their work on 2 cores)."""
+    demand = cpu_demand(profile, strategy, cluster)
+    return max((sum(demand[i] for i in nodes) / cores for nodes, cores in cpu_groups(cluster) if cores > 0),
+               default=0.0)
 
 
 def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast:
@@ -319,6 +388,11 @@ def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast
         comm = comm / period if strategy.workers > 1 else 0.0
         fanin = fanin / period if strategy.workers > 1 else 0.0
     step = overhead + fanin + compute + comm
+    floor = cpu_floor(profile, strategy, cluster)
+    if floor > step:
+        # the shared cores, not one worker's own path, set the pace: the step is CPU
+        compute += floor - step
+        step = floor
     batch = strategy.batch_per_worker or profile.batch_size
     samples = strategy.workers * batch / step if step > 0 else math.inf
     steps_per_worker = None

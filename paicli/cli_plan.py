@@ -45,6 +45,8 @@ def render_text(result) -> list[str]:
               if p.step_target else "no step target found")
     lines.append(f"calibration: {'cached' if result.cached else 'measured by ' + ', '.join(result.calibration_jobs)}; "
                  f"{model}, {p.compute_s_per_sample * 1000:.3f} ms compute per sample, batch {p.batch_size}, {target}")
+    # a calibration run the fit could not use is said, with why (calibrate.build_profile)
+    lines += [f"  note: {note}" for note in p.notes if "left out of the fit" in note]
     lines.append(f"recommended: {rec['label']} on {result.cluster.source}")
     lines.append(f"  {_d_args(rec)}")
     lines.append(f"  {_figure(rec)}, {rec['samples_per_s']:.1f} samples/s"

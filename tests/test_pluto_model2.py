@@ -160,3 +160,21 @@ def test_calibration_pins_compute_on_the_one_worker_run_when_another_run_beats_i
     assert got.compute_s_per_sample == pytest.approx(0.0128 / 32)
     assert got.fanin_s == pytest.approx(0.02) and got.per_ps_s == 0.0
     assert any("2 + 1 calibration run" in note and "left out of the fit" in note for note in got.notes)
+
+
+def test_pai_plan_says_which_calibration_run_the_fit_left_out():
+    from paicli.cli_plan import render_text
+    from paicli.cluster.pluto import planner
+    from paicli.planning import PlanResult
+
+    where = one_machine(3)
+    var = (1 * MB, 1 * MB)
+    base = Profile("mxnet", param_bytes=2 * MB, var_bytes=var, batch_size=32)
+    runs = [calibrate.Run(1, 1, 0.02, var_bytes=var), calibrate.Run(1, 2, 0.5, var_bytes=var),
+            calibrate.Run(2, 1, 0.001, var_bytes=var)]
+    profile = calibrate.build_profile("mxnet", runs, calibrate.ScriptFacts(batch_size=32), where)
+    assert model.comm_seconds(base, Strategy("mxnet", 2, 1, partition=SLICED), where) > 0.001
+    result = PlanResult(plan=planner.plan(profile, where, model.default_strategy("mxnet", 1, 2)), profile=profile,
+                        cluster=where, cached=True, calibration_jobs=[])
+    notes = [line for line in render_text(result) if line.startswith("  note: ")]
+    assert len(notes) == 1 and "the 2 + 1 calibration run (0.0010 s/step)" in notes[0], notes

@@ -377,7 +377,7 @@ def _transports(backend: Any, nodes: set | None = None) -> dict | None:
     """node_cache.py on each staged node of the job that still answers, through the
     backend's public calls (base.Backend staged_folders / run_runner); None when
     local (the instances read this machine's files in place)."""
-    folders = backend.staged_folders(nodes) if hasattr(backend, "staged_folders") else None
+    folders = backend.staged_folders(nodes)
     if folders is None:
         return None
     return {node: _NodeCache(backend, node, folder) for node, folder in folders.items()}

@@ -24,7 +24,10 @@ from conftest import ROOT, pai
 from netns import module_cluster
 from test_envs import SECRET, wheelhouse
 
+from paicli.runners.runtimes import runtime_root
+
 MASK = "***"
+SHARED_RUNTIMES = runtime_root()   # at import: before any fixture changes PAI_RUNTIME_DIR
 SCRIPT = """\
 import os, paienvtiny
 print("ON %s FOO=%s TOKEN=%s SHELL_ONLY=%s VALUE=%s" % (os.environ["PAI_NODE"], os.environ.get("FOO"),
@@ -90,15 +93,24 @@ def test_env_and_requirements_on_ssh_nodes(ssh_cluster, tmp_path, monkeypatch, p
 
 
 def caffe_runtime() -> Path:
-    """The shared Caffe runtime (built once: root and 3 minutes), or a skip."""
+    """The shared Caffe runtime (built once: root and 3 minutes), or a skip. Shared:
+    SHARED_RUNTIMES, as this process found it before a fixture pointed
+    PAI_RUNTIME_DIR at a node's own folder."""
     from paicli.runners.runtimes import RuntimeError_, get_runtime
 
-    runtime = get_runtime("caffe")
+    saved = os.environ.get("PAI_RUNTIME_DIR")
+    os.environ["PAI_RUNTIME_DIR"] = str(SHARED_RUNTIMES)
     try:
+        runtime = get_runtime("caffe")
         runtime.ensure()
+        return runtime.path.resolve()
     except RuntimeError_ as err:
         pytest.skip(f"the Caffe runtime: {err}")
-    return runtime.path.resolve()
+    finally:
+        if saved is None:
+            os.environ.pop("PAI_RUNTIME_DIR", None)
+        else:
+            os.environ["PAI_RUNTIME_DIR"] = saved
 
 
 def runtime_dir_with_caffe(folder: Path, caffe: Path) -> Path:

@@ -356,3 +356,24 @@ def test_every_job_stages_paitables_alone_first_on_every_role_path(tmp_path, mon
     mapping = manifest.mapping("/node/job1", "/node/rt", "/usr/bin/python3")
     assert all(remote_paths.translate(f.src, mapping) == f"/node/job1/{f.dst}" for f in staged)
     assert remote_paths.translate(plan.roles[0].env["PYTHONPATH"], mapping).startswith("/node/job1/data/py:")
+
+
+def test_a_node_runs_only_staged_runners_and_local_reaches_no_node(tmp_path):
+    """base.Backend's public data calls: the local backend has no node to reach;
+    node_cache.run_staged (Ray's task body) runs a runner of the job's folder only."""
+    import node_cache
+
+    from paicli.cluster.backends.base import runner_words
+    from paicli.cluster.backends.local import LocalBackend
+
+    assert LocalBackend().staged_folders() is None
+    with pytest.raises(NotImplementedError):
+        LocalBackend().run_runner("here", "node_cache.py", ["parts", str(tmp_path)])
+    (tmp_path / "runners").mkdir()
+    (tmp_path / "runners" / "echo.py").write_text("import sys; sys.stdout.write(sys.stdin.read()[::-1])\n")
+    assert node_cache.run_staged(str(tmp_path), "echo.py", [], b"abc") == (0, b"cba", b"")
+    for bad in ("../echo.py", "echo.sh", "/bin/sh"):
+        with pytest.raises(node_cache.Refused, match="not a runner"):
+            node_cache.run_staged(str(tmp_path), bad, [], b"")
+    assert runner_words(b'{"error": "no room"}\n', b"", 1) == '{"error": "no room"}'
+    assert runner_words(b"", b"", 3) == "exit 3"

@@ -328,7 +328,6 @@ class Backend:
     def _alive(self, ref: InstanceRef) -> bool:
         raise NotImplementedError
 
-
     # -- DATA (issue 18): the job's staged nodes, for cluster/datasets.py -----------------
     # Public calls over what each remote backend fills in (the underscore methods);
     # the local backend reaches no node: its instances read this machine's files.
@@ -351,6 +350,7 @@ class Backend:
 
     def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes, timeout: float) -> bytes:
         raise NotImplementedError(f"the {self.name} backend runs nothing on a node")
+
 
 def agent_ref(ref: InstanceRef) -> list:
     """`ref` as the node agent's commands take it: [pid, pgid, start, boot]."""

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable
 
 from paicli.cluster import agent_link, node_files, remote_paths
 from paicli.cluster.backends import ray_node
-from paicli.cluster.backends.base import Backend, Handle, InstanceRef, NodeSpec, Placement, agent_ref, runner_words
+from paicli.cluster.backends.base import Backend, Handle, InstanceRef, NodeSpec, Placement, agent_ref
 from paicli.errors import PaiError, UsageError
 
 NAMESPACE = "paicli"
@@ -701,7 +701,6 @@ class RayBackend(Backend):
             except PaiError as err:
                 print(f"{err} (Ray removes it with the job's driver)", file=sys.stderr, flush=True)
 
-
     # -- DATA (issue 18): base.Backend's staged_folders / run_runner ------------------------
 
     def _staged_folders(self, nodes: set[str] | None) -> dict[str, str] | None:
@@ -715,6 +714,7 @@ class RayBackend(Backend):
         """A zero-CPU task pinned to the node runs the runner from the job's staged
         folder there (node_cache.run_staged, shipped by value); `stdin` crosses as
         one object of Ray's store, put here and fetched by the node."""
+        from paicli.cluster.backends.base import runner_words
         from paicli.runners import node_cache
 
         inst = next((i for i in self._instances.values() if i.host == node and i.node_id), None)
@@ -727,6 +727,7 @@ class RayBackend(Backend):
         if status != 0:
             raise PaiError(f"Ray node {node}: runners/{runner}: {runner_words(out, err, status)}")
         return out
+
 
 # -- `pai nodes` for Ray --------------------------------------------------------
 

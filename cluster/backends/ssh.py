@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 
 from paicli.cluster import agent_link, node_files, remote_paths
 from paicli.cluster import ssh_transport as ssh
-from paicli.cluster.backends.base import Backend, Handle, InstanceRef, NodeSpec, Placement, agent_ref, runner_words
+from paicli.cluster.backends.base import Backend, Handle, InstanceRef, NodeSpec, Placement, agent_ref
 from paicli.cluster.logsink import open_append_fd
 from paicli.cluster.nodes import NodeEntry, config_from_dict
 from paicli.errors import PaiError, UsageError
@@ -430,6 +430,8 @@ class SSHBackend(Backend):
         return {n: f for n, f in self._folders.items() if n not in self._lost and (nodes is None or n in nodes)}
 
     def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes, timeout: float) -> bytes:
+        from paicli.cluster.backends.base import runner_words
+
         entry, folder = self.entry(node), self._folders[node]
         status, out, err = ssh.exec_command(self.conns.session(entry), [entry.python, f"{folder}/runners/{runner}",
                                                                          *args], stdin=stdin, timeout=timeout)

@@ -2,13 +2,16 @@
 and the bytes each SSH node is sent for its workers' slices.
 
     .venv/bin/python bench/bench_tables.py [--mb 1024] [--slices 1] [--reps 3] [--keep PATH]
-    flock /tmp/paicli-heavy.lock .venv/bin/python bench/bench_tables.py nodes [--mb 100] [--workers 4]
+    flock /tmp/paicli-heavy.lock .venv/bin/python bench/bench_tables.py nodes [--mb 100] [--workers 4] [--ray]
 
 `nodes`: a cluster of --workers SSH hosts in network namespaces (tests/netns.py),
 one core each, a CSV of about --mb MB, a --workers-worker job
 (tests/scripts/table_worker.py) run twice; prints, per node, the bytes the stage
 step sent (JOB/data/sent.json) against the node's share (file size / workers),
 and what the second job sent (the nodes hold the slices). Goal: <= 1.05 x share.
+The bytes are those each node acknowledges having read (node_cache.py's
+"received", docs/data.md). `--ray`: the same on a Ray cluster of --workers nodes
+(tests/ray_cluster.py), one CPU each.
 
 Writes a CSV of about --mb megabytes (8 columns: ids, floats, words; no quotes),
 then, alternating, reads slice 0 of --slices (the whole file with --slices 1):
@@ -90,6 +93,7 @@ def nodes_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description="bytes sent per node for a table's slices")
     ap.add_argument("--mb", type=int, default=100)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--ray", action="store_true", help="a Ray cluster of --workers nodes instead of SSH hosts")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
     from netns import build_cluster, can_build
@@ -101,19 +105,33 @@ def nodes_main(argv: list[str]) -> int:
     table = work / "t.csv"
     make_csv(table, args.mb)
     size = table.stat().st_size
-    cluster = build_cluster(hosts=args.workers, prefix="pbt", first_subnet=170)
+    env = dict(os.environ, PAI_HOME=str(work / "home"), PAI_LOGVIEW="file", NO_COLOR="1")
+    if args.ray:
+        from ray_cluster import RayCluster
+
+        cluster = RayCluster(prefix="pbtr", subnet="10.213.178", nodes=args.workers).__enter__()
+        env.update(PAI_RAY_ADDRESS=cluster.address, PAI_NODES="")
+        run_pai = cluster.run
+    else:
+        cluster = build_cluster(hosts=args.workers, prefix="pbt", first_subnet=170)
+        run_pai = None
     try:
         from paicli.runners.runtimes import runtime_root
 
-        nodes = cluster.write_nodes_file(work / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
-        env = dict(os.environ, PAI_HOME=str(work / "home"), PAI_NODES=str(nodes), PAI_LOGVIEW="file", NO_COLOR="1")
-        out = {"mb": round(size / 2**20, 1), "workers": args.workers, "share": size // args.workers, "runs": []}
+        if not args.ray:
+            env["PAI_NODES"] = str(cluster.write_nodes_file(work / "nodes.yaml", cpu=100,
+                                                            runtime_dir=str(runtime_root())))
+        out = {"mb": round(size / 2**20, 1), "workers": args.workers, "share": size // args.workers,
+               "backend": "ray" if args.ray else "ssh", "runs": []}
         for run in (1, 2):
             t0 = time.monotonic()
-            result = subprocess.run([sys.executable, "-m", "paicli", "-name", "python",
-                                     f"-Dscript={ROOT}/tests/scripts/table_worker.py", f"-Dtables=file://{table}",
-                                     '-Dcluster={"worker":{"count":%d}}' % args.workers],
-                                    capture_output=True, text=True, env=env, timeout=900)
+            argv = [sys.executable, "-m", "paicli", "-name", "python",
+                    f"-Dscript={ROOT}/tests/scripts/table_worker.py", f"-Dtables=file://{table}",
+                    '-Dcluster={"worker":{"count":%d}}' % args.workers]
+            if run_pai:
+                result = run_pai(argv, env=env, timeout=900, cwd=str(ROOT))
+            else:
+                result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
             secs = time.monotonic() - t0
             if result.returncode != 0:
                 print(result.stdout[-3000:], result.stderr[-2000:])
@@ -127,7 +145,7 @@ def nodes_main(argv: list[str]) -> int:
                 parts = index["tables"][0]["slices"][str(p["idx"])]
                 own[p["node"]] = own.get(p["node"], 0) + sum(q["end"] - q["start"] for q in parts)
             ratios = {node: n / (size / args.workers) for node, n in sorted(sent.items())}
-            print(f"run {run}: {secs:.1f} s, table {size} bytes, share {size // args.workers} bytes; load "
+            print(f"run {run} ({out['backend']}): {secs:.1f} s, table {size} bytes, share {size // args.workers} bytes; load "
                   f"{os.getloadavg()[0]:.2f}")
             for node, n in sorted(sent.items()):
                 print(f"  {node}: {n} bytes sent = {ratios[node]:.4f} x share, "

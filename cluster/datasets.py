@@ -17,8 +17,9 @@ parts name the tables themselves; a node gets an index of its own naming the
 slice files shipped there (`stage`). The sliced role's instances get
 PAI_TABLES_INDEX, PAI_SLICE_COUNT, PAI_TABLES / PAI_OUTPUTS, and JOB/data/py
 (paitables.py alone) on PYTHONPATH, so `import paitables` works in every
-runtime; every role gets PAI_TABLES / PAI_OUTPUTS and the PYTHONPATH. A worker's
-slice is its PAI_INDEX.
+runtime; every role gets PAI_TABLES / PAI_OUTPUTS. Every job's every role gets
+JOB/data/py on PYTHONPATH, tables or not (`module_path`). A worker's slice is its
+PAI_INDEX.
 
 At the end (`finish`, called by the master before clean-up) the workers' part
 files (fetched from the nodes first) become the output table: written aside and
@@ -119,6 +120,7 @@ def prepare(spec: Any, plan: Any, job_dir: str | Path, base: str = "") -> dict |
     environment. None when the job names no table."""
     job_dir = Path(os.path.abspath(job_dir))
     buckets = check_buckets(spec.get("buckets"), job_dir, base or os.getcwd())
+    module_path(plan, job_dir)
     if not _urls(spec.get("tables")) and not _urls(spec.get("outputs")):
         return {"buckets": buckets} if buckets else None
     role = sliced_role(plan)
@@ -132,7 +134,6 @@ def prepare(spec: Any, plan: Any, job_dir: str | Path, base: str = "") -> dict |
         Path(out["parts"]).mkdir(mode=0o700, parents=True, exist_ok=True)
     path = index_path(job_dir)
     write_private(path, json.dumps(index))
-    _module_folder(job_dir)
     for r in plan.roles:
         r.env.update(_role_env(spec, r, path, role.name, role.count))
     return index
@@ -146,20 +147,24 @@ def _role_env(spec: Any, role: Any, path: Path, sliced: str, count: int) -> dict
         env["PAI_TABLES"] = spec.get("tables")
     if spec.get("outputs"):
         env["PAI_OUTPUTS"] = spec.get("outputs")
-    extra = role.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or ""
-    env["PYTHONPATH"] = str(path.parent / PY) + (f":{extra}" if extra else "")
     return env
 
 
-def _module_folder(job_dir: Path) -> None:
-    """JOB/data/py holds paitables.py alone: `import paitables` works in every
-    runtime without putting the other runners (archive, runtimes, ...) in the way
-    of the script's own imports. A node's copy is made there from its runners."""
+def module_path(plan: Any, job_dir: Path) -> None:
+    """Every job, tables or not: JOB/data/py holds paitables.py alone and comes
+    first on every role's PYTHONPATH, so `import paitables` works in every runtime
+    (TensorFlow's, MXNet's, Caffe's root filesystem Python, -name python) without
+    putting the other runners (archive, runtimes, ...) in the way of the script's
+    own imports. Nodes get the same file at the same place in their per-job folder
+    (cluster/node_files.py module_files), so the path maps like any job path."""
     from paicli.cluster.node_files import RUNNERS_DIR
 
     folder = job_dir / DATA / PY
-    folder.mkdir(mode=0o700, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_private(folder / "paitables.py", (RUNNERS_DIR / "paitables.py").read_bytes())
+    for role in plan.roles:
+        extra = role.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or ""
+        role.env["PYTHONPATH"] = str(folder) + (f":{extra}" if extra else "")
 
 
 def load(job_dir: str | Path) -> dict | None:
@@ -369,37 +374,27 @@ def cache_root(folder: str) -> str:
 
 
 def _transports(backend: Any, nodes: set | None = None) -> dict | None:
-    name = getattr(backend, "name", "local")
-    if name == "ssh":
-        folders = dict(getattr(backend, "_folders", {}))
-        lost = set(getattr(backend, "_lost", ()))      # nodes that stopped answering: not asked again
-        return {n: _SSHNode(backend, n, f) for n, f in folders.items()
-                if (nodes is None or n in nodes) and n not in lost}
-    if name == "ray":
-        found = {}
-        for inst in getattr(backend, "_instances", {}).values():
-            if inst.node_id and (nodes is None or inst.host in nodes) and inst.host not in found:
-                found[inst.host] = _RayNode(backend, inst)
-        return found
-    return None
+    """node_cache.py on each staged node of the job that still answers, through the
+    backend's public calls (base.Backend staged_folders / run_runner); None when
+    local (the instances read this machine's files in place)."""
+    folders = backend.staged_folders(nodes)
+    if folders is None:
+        return None
+    return {node: _NodeCache(backend, node, folder) for node, folder in folders.items()}
 
 
-class _SSHNode:
-    """node_cache.py over the job's SSH connection to one node."""
+class _NodeCache:
+    """runners/node_cache.py on one node, the same frames over SSH and Ray. The
+    bytes a node is sent are what it acknowledges having read (`put`'s "received")."""
 
-    def __init__(self, backend: Any, name: str, folder: str):
-        self.backend, self.entry, self.folder = backend, backend.entry(name), folder
+    RUNNER = "node_cache.py"
 
-    def _run(self, args: list[str], stdin: bytes | None = None, timeout: float = 60.0) -> bytes:
-        from paicli.cluster import ssh_transport as ssh
+    def __init__(self, backend: Any, node: str, folder: str):
+        self.backend, self.node, self.folder = backend, node, folder
+        self.sizes: dict[str, int] = {}
 
-        argv = [self.entry.python, f"{self.folder}/runners/node_cache.py", *args]
-        status, out, err = ssh.exec_command(self.backend.conns.session(self.entry), argv, stdin=stdin,
-                                            timeout=timeout)
-        if status != 0:
-            why = out.decode(errors="replace").strip() or err.decode(errors="replace").strip()
-            raise PaiError(f"node {self.entry.name}: the data cache: {why[-300:]}")
-        return out
+    def _run(self, args: list[str], stdin: bytes = b"", timeout: float = 60.0) -> bytes:
+        return self.backend.run_runner(self.node, self.RUNNER, args, stdin, timeout)
 
     def missing(self, digests: list[str]) -> list[str]:
         if not digests:
@@ -407,26 +402,14 @@ class _SSHNode:
         return json.loads(self._run(["missing", cache_root(self.folder)], json.dumps(digests).encode()))
 
     def put(self, plan: dict, blobs: dict[str, Callable[[], bytes]]) -> int:
-        """The blobs in rounds of up to BATCH bytes (one in memory at a time), the
-        plan line with the last round."""
-        rounds: list[list[str]] = [[]]
-        size = 0
-        for digest in blobs:
-            if rounds[-1] and size >= BATCH:
-                rounds.append([])
-                size = 0
-            rounds[-1].append(digest)
-            size += self.sizes.get(digest, 0)
+        """The blobs in rounds of up to BATCH bytes (one round in memory at a time),
+        the plan line with the last round; the bytes the node acknowledges."""
         sent = 0
-        for n, digests in enumerate(rounds):
-            stream = [json.dumps(plan if n == len(rounds) - 1 else {}).encode() + b"\n"]
-            for digest in digests:
-                data = blobs[digest]()
-                stream += [f"BLOB {digest} {len(data)}\n".encode(), data]
-            stream.append(b"END\n")
-            payload = b"".join(stream)
-            self._run(["put", cache_root(self.folder), self.folder], payload, timeout=600)
-            sent += len(payload)
+        for payload in _rounds(plan, blobs, self.sizes):
+            said = json.loads(self._run(["put", cache_root(self.folder), self.folder], payload, timeout=600))
+            if said.get("received") != len(payload):
+                raise PaiError(f"node {self.node}: the data cache read {said.get('received')} of {len(payload)} bytes")
+            sent += said["received"]
         return sent
 
     def parts(self) -> dict[str, bytes]:
@@ -442,31 +425,24 @@ class _SSHNode:
             pos = end + 1 + int(size)
 
 
-class _RayNode:
-    """node_cache's functions as zero-CPU tasks pinned to one Ray node (shipped by
-    value: the node needs Ray, not paicli)."""
-
-    def __init__(self, backend: Any, inst: Any):
-        from paicli.runners import node_cache
-
-        self.backend, self.inst, self.folder = backend, inst, inst.info["folder"]
-        backend.connect().cloudpickle.register_pickle_by_value(node_cache)
-        self.cache = node_cache
-
-    def _call(self, fn, *args):
-        return self.backend._get(self.backend._pinned_ref(self.inst.node_id, fn, *args),
-                                 f"the data cache on Ray node {self.inst.host}", 600)
-
-    def missing(self, digests: list[str]) -> list[str]:
-        return self._call(self.cache.missing, cache_root(self.folder), digests) if digests else []
-
-    def put(self, plan: dict, blobs: dict[str, Callable[[], bytes]]) -> int:
-        data = {digest: read() for digest, read in blobs.items()}
-        self._call(self.cache.put, cache_root(self.folder), self.folder, plan, data)
-        return len(json.dumps(plan)) + sum(len(d) + 64 for d in data.values())
-
-    def parts(self) -> dict[str, bytes]:
-        return self._call(self.cache.parts, self.folder)
+def _rounds(plan: dict, blobs: dict[str, Callable[[], bytes]], sizes: dict[str, int]):
+    """node_cache's `put` streams: blobs grouped up to BATCH bytes, each round
+    `{}` or (the last) the plan line, `BLOB <digest> <size>` frames, `END`."""
+    rounds: list[list[str]] = [[]]
+    size = 0
+    for digest in blobs:
+        if rounds[-1] and size >= BATCH:
+            rounds.append([])
+            size = 0
+        rounds[-1].append(digest)
+        size += sizes.get(digest, 0)
+    for n, digests in enumerate(rounds):
+        stream = [json.dumps(plan if n == len(rounds) - 1 else {}).encode() + b"\n"]
+        for digest in digests:
+            data = blobs[digest]()
+            stream += [f"BLOB {digest} {len(data)}\n".encode(), data]
+        stream.append(b"END\n")
+        yield b"".join(stream)
 
 
 # -- buckets --------------------------------------------------------------------------

@@ -151,6 +151,7 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
     files += [NodeFile(f"{job_dir}/{name}", name, 0o600) for name in INSTANCE_FILES
               if os.path.isfile(f"{job_dir}/{name}")]
     trees += data_trees(job_dir)
+    files += module_files(job_dir)   # DATA: paitables for every job's scripts
     # FILES (issue 17): -DcheckpointDir travels both ways (cluster/outputs.py).
     from paicli.cluster.outputs import staged_checkpoint
 
@@ -193,21 +194,30 @@ def tar_stream(files: list[NodeFile]) -> bytes:
 
 
 def shared_paths(job_dir: str) -> list[str]:
-    """The `shared:` paths of the job's nodes file (its snapshot, nodes.json): the
-    same on every node, so what lies below them is read in place there."""
+    """The `shared:` paths of the job's nodes file, from its snapshot (nodes.json)
+    through cluster/nodes.py, the one reader of that key: the same on every node,
+    so what lies below them is read in place there."""
     import json
+
+    from paicli.cluster.nodes import config_from_dict
 
     try:
         with open(os.path.join(job_dir, "nodes.json")) as f:
-            config = json.load(f)
+            snapshot = json.load(f)
     except (OSError, ValueError):
         return []
-    shared = config.get("shared") if isinstance(config, dict) else None
-    return [str(p).rstrip("/") or "/" for p in shared or [] if isinstance(p, str)]
+    try:
+        return list(config_from_dict(snapshot).shared)
+    except (AttributeError, TypeError):   # not a snapshot paicli wrote
+        return []
 
 
 def under_shared(path: str, shared: list[str]) -> bool:
-    return any(path == p or _inside(path, p) or p == "/" for p in shared)
+    """`path` is a `shared:` path or below one (cluster/outputs.py's test, for
+    checkpoints, is the same one)."""
+    from paicli.cluster.outputs import under
+
+    return under(path, shared)
 
 
 def data_trees(job_dir: str) -> list[tuple[str, str]]:
@@ -222,3 +232,14 @@ def data_trees(job_dir: str) -> list[tuple[str, str]]:
         return []
     shared = shared_paths(job_dir)
     return [(str(folder), f"buckets/{k}") for k, folder in enumerate(folders) if not under_shared(folder, shared)]
+
+
+def module_files(job_dir: str) -> list[NodeFile]:
+    """JOB/data/py/paitables.py (written at submit by cluster/datasets.py module_path,
+    which puts that folder first on every role's PYTHONPATH) at the same place in
+    the node's per-job folder, so the path maps like any other path of the job."""
+    src = os.path.join(job_dir, "data", "py", "paitables.py")
+    if not os.path.isfile(src):
+        return []
+    return [NodeFile(os.path.dirname(os.path.dirname(src)), "data", 0o700, "dir"),
+            NodeFile(os.path.dirname(src), "data/py", 0o700, "dir"), NodeFile(src, "data/py/paitables.py", 0o600)]

@@ -125,8 +125,17 @@ def apply_to_plan(plan, env: Mapping[str, str]) -> None:
     if not env:
         return
     for role in plan.roles:
+        ours = _launcher_path(role.env.get("PYTHONPATH", ""))
         role.env.update(env)
+        if "PYTHONPATH" in env and ours:    # paitables' folder stays first (cluster/datasets.py)
+            role.env["PYTHONPATH"] = ":".join(p for p in (ours, env["PYTHONPATH"]) if p)
     plan.notes.append(f"env: {shown(env)} (set on every instance)")
+
+
+def _launcher_path(value: str) -> str:
+    """The job folder's data/py entry that heads every role's PYTHONPATH, or ''."""
+    first = value.split(":", 1)[0]
+    return first if first.endswith("/data/py") else ""
 
 
 def secret_values(plan) -> list[str]:

@@ -1,14 +1,16 @@
 """A node's data cache: table slices and bucket files by content digest.
 
-Standard library only; runs on a node with the node's python3 (SSH: from the job's
-staged runners folder) or inside a Ray worker (its functions shipped by value).
-Nothing here imports another module of ours.
+Standard library only; runs on a node with the node's Python from the job's staged
+runners folder: over SSH as a command, on Ray by a zero-CPU task pinned to the node
+(`run_staged`, shipped by value). Nothing here imports another module of ours.
 
     python3 node_cache.py missing ROOT               stdin: a JSON list of digests; those
                                                      ROOT lacks (JSON list)
     python3 node_cache.py put ROOT FOLDER            stdin: one JSON line (the node's job
                                                      plan: index, trees), then frames
-                                                     b"BLOB <sha256> <size>\\n" + bytes, b"END\\n"
+                                                     b"BLOB <sha256> <size>\\n" + bytes, b"END\\n";
+                                                     {"blobs", "bytes", "received": every
+                                                     byte read from stdin}
     python3 node_cache.py parts FOLDER               the job's output parts, as frames
 
 ROOT/blobs/<sha256> holds one slice or file, read-only (0400), written aside and
@@ -114,7 +116,6 @@ def place(root: str, folder: str, plan: dict) -> None:
     for out in (plan.get("index") or {}).get("outputs", []):
         os.makedirs(out["parts"], mode=0o700, exist_ok=True)
     if plan.get("index") is not None:
-        _module(folder, data)
         text = json.dumps(plan["index"]).encode()
         _, tmp = _write_aside(os.path.join(data, "tables.json"), [text], 0o600)
         os.replace(tmp, os.path.join(data, "tables.json"))
@@ -127,16 +128,6 @@ def place(root: str, folder: str, plan: dict) -> None:
         if os.path.lexists(link):
             os.unlink(link)
         os.symlink(top, link)
-
-
-def _module(folder: str, data: str) -> None:
-    """FOLDER/data/py/paitables.py from the job's staged runners: the scripts'
-    PYTHONPATH names that folder alone (see cluster/datasets.py)."""
-    with open(os.path.join(folder, "runners", "paitables.py"), "rb") as f:
-        source = f.read()
-    py = own_dir(os.path.join(data, "py"))
-    _, tmp = _write_aside(os.path.join(py, "paitables.py"), [source], 0o600)
-    os.replace(tmp, os.path.join(py, "paitables.py"))
 
 
 def build_tree(root: str, tree: dict) -> str:
@@ -204,9 +195,29 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+class _Counted:
+    """A stream that counts the bytes read from it: what `put` acknowledges as
+    received is what really arrived here."""
+
+    def __init__(self, stream):
+        self.stream, self.count = stream, 0
+
+    def readline(self) -> bytes:
+        line = self.stream.readline()
+        self.count += len(line)
+        return line
+
+    def read(self, size: int) -> bytes:
+        data = self.stream.read(size)
+        self.count += len(data)
+        return data
+
+
 def receive(root: str, folder: str, stream) -> dict:
-    """`put`: the plan line, then blobs until END; the job's side placed last."""
+    """`put`: the plan line, then blobs until END; the job's side placed last.
+    "received" is every byte read from the stream, frames and all."""
     own_dir(root)
+    stream = _Counted(stream)
     plan = json.loads(stream.readline() or b"{}")
     count = size = 0
     while True:
@@ -219,15 +230,20 @@ def receive(root: str, folder: str, stream) -> dict:
         size += store_blob(root, digest, _read_exact(stream, int(length)))
         count += 1
     place(root, folder, plan)
-    return {"blobs": count, "bytes": size}
+    return {"blobs": count, "bytes": size, "received": stream.count}
 
 
-def put(root: str, folder: str, plan: dict, blobs: dict) -> dict:
-    """`receive` for bytes already in memory (a Ray task's arguments)."""
-    own_dir(root)
-    size = sum(store_blob(root, digest, [data]) for digest, data in blobs.items())
-    place(root, folder, plan)
-    return {"blobs": len(blobs), "bytes": size}
+def run_staged(folder: str, runner: str, args: list, stdin: bytes) -> tuple:
+    """A Ray task's body (this function is shipped by value): `runners/RUNNER ARGS`
+    of the job's staged folder on this node, run by this Python with `stdin`, as
+    sshd runs it on an SSH node. (exit status, stdout, stderr)."""
+    import subprocess
+
+    if "/" in runner or not runner.endswith(".py"):
+        raise Refused(f"not a runner: {runner[:80]!r}")
+    done = subprocess.run([sys.executable, os.path.join(folder, "runners", runner), *args], input=stdin,
+                          capture_output=True, timeout=3600)
+    return done.returncode, done.stdout, done.stderr
 
 
 def parts(folder: str) -> dict:

@@ -24,7 +24,10 @@ from conftest import ROOT, pai
 from netns import module_cluster
 from test_envs import SECRET, wheelhouse
 
+from paicli.runners.runtimes import runtime_root
+
 MASK = "***"
+SHARED_RUNTIMES = runtime_root()   # at import: before any fixture changes PAI_RUNTIME_DIR
 SCRIPT = """\
 import os, paienvtiny
 print("ON %s FOO=%s TOKEN=%s SHELL_ONLY=%s VALUE=%s" % (os.environ["PAI_NODE"], os.environ.get("FOO"),
@@ -86,6 +89,93 @@ def test_env_and_requirements_on_ssh_nodes(ssh_cluster, tmp_path, monkeypatch, p
         assert "python-" in listed, listed
 
 
+# -- Caffe: its root filesystem's Python 3.9, a layer built for it on each node ------------
+
+
+def caffe_runtime() -> Path:
+    """The shared Caffe runtime (built once: root and 3 minutes), or a skip. Shared:
+    SHARED_RUNTIMES, as this process found it before a fixture pointed
+    PAI_RUNTIME_DIR at a node's own folder."""
+    from paicli.runners.runtimes import RuntimeError_, get_runtime
+
+    saved = os.environ.get("PAI_RUNTIME_DIR")
+    os.environ["PAI_RUNTIME_DIR"] = str(SHARED_RUNTIMES)
+    try:
+        runtime = get_runtime("caffe")
+        runtime.ensure()
+        return runtime.path.resolve()
+    except RuntimeError_ as err:
+        pytest.skip(f"the Caffe runtime: {err}")
+    finally:
+        if saved is None:
+            os.environ.pop("PAI_RUNTIME_DIR", None)
+        else:
+            os.environ["PAI_RUNTIME_DIR"] = saved
+
+
+def runtime_dir_with_caffe(folder: Path, caffe: Path) -> Path:
+    """A runtime dir of its own (its layers are its own) whose caffe is the shared one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "caffe").symlink_to(caffe)
+    return folder
+
+
+def caffe_job(tmp_path: Path) -> list[str]:
+    """A pycaffe script (2 workers) that imports caffe, the layer's package and
+    paitables in Caffe's own Python, then reads its slice (tests/scripts/table_worker.py)."""
+    from test_tables import WORKER, make_tables
+
+    script = tmp_path / "caffe_tables.py"
+    script.write_text("import os, sys\nimport caffe, paienvtiny\n"
+                      "print('CAFFE py=%d.%d VALUE=%s' % (sys.version_info[0], sys.version_info[1], paienvtiny.VALUE), "
+                      "flush=True)\n" + WORKER.read_text())
+    req = tmp_path / "requirements.txt"
+    req.write_text(f"--no-index\n--find-links {wheelhouse(tmp_path)}\npaienvtiny==1.0\n")
+    return ["-name", "caffe", f"-Dscript={script}", f"-Drequirements=file://{req}", f"-Dcluster={TWO_WORKERS}",
+            f"-Dtables={make_tables(tmp_path, 11)[0]}"]
+
+
+def check_caffe_jobs(run, tmp_path: Path, builds: int) -> tuple[float, float]:
+    """The first job builds the Caffe layer (`builds` times) and each worker reads
+    its slice through paitables; the second, without tables, installs nothing and
+    imports paitables all the same. Their wall times."""
+    from test_tables import assert_disjoint_and_complete
+
+    args = caffe_job(tmp_path)
+    started = time.monotonic()
+    first = run(*args)
+    first_time = time.monotonic() - started
+    out = first.stdout
+    assert first.returncode == 0, out[-3000:] + first.stderr[-2000:]
+    assert out.count("CAFFE py=3.9 VALUE=42") == 2, out[-3000:]
+    assert_disjoint_and_complete(out, args[-1][len("-Dtables="):], 11)
+    assert len([x for x in out.splitlines() if "installing 1 package(s): paienvtiny==1.0" in x]) == builds, out[-3000:]
+    started = time.monotonic()
+    second = run(*args[:-1])     # the same requirements (and wheels), no -Dtables
+    second_time = time.monotonic() - started
+    both = second.stdout + second.stderr
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-2000:]
+    assert second.stdout.count("CAFFE py=3.9 VALUE=42") == 2 and "installing" not in both and "resolving" not in both
+    assert second.stdout.count("imported=data/py/paitables.py role=worker") == 2, second.stdout[-3000:]
+    return first_time, second_time
+
+
+@pytest.mark.caffe
+def test_a_caffe_layer_and_paitables_on_ssh_nodes(ssh_cluster, tmp_path, pai_home):
+    caffe = caffe_runtime()
+    node_dir = f"/tmp/paicli-envs-caffe-{os.getpid()}"     # each host's own /tmp: its own layers
+    for host in ssh_cluster.hosts:
+        made = ssh_cluster.ssh(host.name, ["sh", "-c", f"mkdir -p {node_dir} && ln -sfn {caffe} {node_dir}/caffe"])
+        assert made.returncode == 0, made.stderr
+    path = ssh_cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir=node_dir)
+    env = {"PAI_NODES": str(path), "PAI_RUNTIME_DIR": str(runtime_dir_with_caffe(tmp_path / "local-rt", caffe))}
+    times = check_caffe_jobs(lambda *a: pai(*a, env=env, timeout=300), tmp_path, builds=2)
+    print(f"ssh caffe: first job {times[0]:.1f}s, second (layer reused) {times[1]:.1f}s")
+    for host in ssh_cluster.hosts:
+        listed = ssh_cluster.ssh(host.name, ["sh", "-c", f"ls {node_dir}/layers; rm -rf {node_dir}"]).stdout
+        assert "caffe-" in listed, listed
+
+
 def test_a_bad_requirement_fails_at_submit_before_any_node_is_touched(ssh_cluster, tmp_path, pai_home):
     path = ssh_cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir="/tmp/paicli-envs-runtimes")
     req = tmp_path / "bad.txt"
@@ -137,6 +227,24 @@ def test_env_and_requirements_on_ray_nodes(ray_nodes, tmp_path):
     print(f"ray: first job {times[0]:.1f}s, second (layer reused) {times[1]:.1f}s")
     layers = list((node_runtimes / "layers").glob("python-*/paicli-layer.json"))
     assert len(layers) == 1 and json.loads(layers[0].read_text())["installed"] == ["paienvtiny==1.0"]
+
+
+@pytest.mark.caffe
+def test_a_caffe_layer_and_paitables_on_ray_nodes(ray_nodes, tmp_path):
+    cluster, node_runtimes = ray_nodes
+    caffe = caffe_runtime()
+    if not (node_runtimes / "caffe").exists():
+        runtime_dir_with_caffe(node_runtimes, caffe)
+    home = tmp_path / "home"
+    env = {"PAI_HOME": str(home), "PAI_RAY_ADDRESS": cluster.address, "NO_COLOR": "1", "PAI_DEBUG": "",
+           "PAI_RUNTIME_DIR": str(runtime_dir_with_caffe(tmp_path / "local-rt", caffe))}
+
+    def run(*args):
+        return cluster.run([sys.executable, "-m", "paicli", *args], env=env, timeout=300, cwd=str(ROOT))
+
+    times = check_caffe_jobs(run, tmp_path, builds=1)   # both Ray nodes share the runtime dir: one builds
+    print(f"ray caffe: first job {times[0]:.1f}s, second (layer reused) {times[1]:.1f}s")
+    assert len(list((node_runtimes / "layers").glob("caffe-*/paicli-layer.json"))) == 1
 
 
 def test_a_layer_a_node_cannot_build_fails_the_job_before_any_instance_starts(ssh_cluster, tmp_path, pai_home):

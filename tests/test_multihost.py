@@ -156,8 +156,9 @@ def test_an_absolute_path_that_is_no_input_reaches_the_script_unchanged(cluster,
                  f"-DuserDefinedParameters=--out {out} --other {proj / 'other.txt'}", cwd=str(proj), timeout=60)
     info = assert_ok(result)
     assert f"[worker:0] argv ['--out', '{out}', '--other', '{proj / 'other.txt'}']" in result.stdout, result.stdout
-    # the node got the script (beside the working folder's place), nothing else of ours
-    assert "[worker:0] staged ['code/args.py']" in result.stdout, result.stdout
+    # the node got the script (beside the working folder's place) and paitables (every job's, issue 18),
+    # nothing else of ours
+    assert "[worker:0] staged ['code/args.py', 'data/py/paitables.py']" in result.stdout, result.stdout
     assert_nothing_left(cluster, info["id"])
 
 

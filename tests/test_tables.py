@@ -205,6 +205,22 @@ def test_two_workers_read_disjoint_complete_slices_and_write_one_table(tmp_path,
         assert got == [(i, 2 * i) for i in range(101)]
 
 
+@pytest.mark.parametrize("framework", [
+    "python", pytest.param("tensorflow", marks=pytest.mark.tensorflow),
+    pytest.param("mxnet", marks=pytest.mark.mxnet), pytest.param("caffe", marks=pytest.mark.caffe)])
+def test_every_runtime_imports_paitables_in_a_job_with_tables_or_without(tmp_path, pai_home, framework):
+    """TensorFlow's and MXNet's Pythons, Caffe's root filesystem Python 3.9 and
+    -name python: the job's own JOB/data/py is first on every instance's path."""
+    csv_url, _ = make_tables(tmp_path, 11)
+    with_tables = pai("-name", framework, f"-Dscript={WORKER}", f"-Dtables={csv_url}", TWO)
+    assert with_tables.returncode == 0, with_tables.stdout[-3000:] + with_tables.stderr[-2000:]
+    assert_disjoint_and_complete(with_tables.stdout, csv_url, 11)
+    if framework in ("python", "caffe"):
+        bare = pai("-name", framework, f"-Dscript={WORKER}", TWO)
+        assert bare.returncode == 0, bare.stdout[-3000:] + bare.stderr[-2000:]
+        assert bare.stdout.count("imported=data/py/paitables.py role=worker") == 2, bare.stdout
+
+
 def test_a_failed_job_leaves_no_table_and_says_where_its_rows_are(tmp_path, pai_home):
     csv_url, _ = make_tables(tmp_path, 20)
     result = pai("-name", "python", f"-Dscript={WORKER}", f"-Dtables={csv_url}",
@@ -255,6 +271,20 @@ def test_storage_urls_pass_through_untouched_and_a_missing_bucket_is_exit_2(tmp_
 # -- the node's cache (runners/node_cache.py), without a node --------------------------------
 
 
+def cache_put(root: str, folder: str, plan: dict, blobs: dict[str, bytes]) -> dict:
+    """node_cache's `put` fed the very stream datasets sends a node; what it says."""
+    import io
+
+    import node_cache
+
+    from paicli.cluster.datasets import _rounds
+
+    [payload] = list(_rounds(plan, {d: (lambda b=b: b) for d, b in blobs.items()}, {}))
+    said = node_cache.receive(root, folder, io.BytesIO(payload))
+    assert said["received"] == len(payload) and said["blobs"] == len(blobs)
+    return said
+
+
 def test_the_node_cache_checks_digests_and_keeps_trees_inside(tmp_path):
     import hashlib as h
 
@@ -270,12 +300,12 @@ def test_the_node_cache_checks_digests_and_keeps_trees_inside(tmp_path):
     with pytest.raises(node_cache.Refused, match="not a digest"):
         node_cache.missing(root, ["../../etc/passwd"])
     tree = {"digest": "ab" * 32, "files": [["sub/f.txt", digest]], "link": "buckets/0"}
-    node_cache.put(root, folder, {"index": None, "trees": [tree]}, {digest: data})
+    cache_put(root, folder, {"index": None, "trees": [tree]}, {digest: data})
     linked = tmp_path / "job" / "buckets" / "0" / "sub" / "f.txt"
     assert linked.read_bytes() == data and not linked.stat().st_mode & 0o222
     (tmp_path / "job" / "buckets" / "0").resolve().chmod(0o700)
     (linked.parent.parent / "planted").write_text("x")      # root ignores modes: the tree is made again
-    node_cache.put(root, folder, {"index": None, "trees": [tree]}, {})
+    cache_put(root, folder, {"index": None, "trees": [tree]}, {})
     assert sorted(p.name for p in (tmp_path / "job" / "buckets" / "0").iterdir()) == ["sub"]
     for bad in (["../x", digest], ["/etc/x", digest], ["a//b", digest]):
         with pytest.raises(node_cache.Refused, match="leaves its tree"):
@@ -295,3 +325,55 @@ def test_a_table_under_a_shared_path_is_read_in_place_on_the_nodes(tmp_path):
     assert b"".join(blobs[next(iter(blobs))]().splitlines(keepends=True)[:1]) == b"5,n5\r\n"
     in_place, blobs, _sizes = datasets._Slices(index, [str(tmp_path)]).for_node([1], "/tmp/root/JOB")
     assert blobs == {} and in_place["tables"][0]["slices"] == {"1": index["tables"][0]["slices"]["1"]}
+
+
+def test_every_job_stages_paitables_alone_first_on_every_role_path(tmp_path, monkeypatch):
+    """No tables needed: JOB/data/py (paitables.py alone) heads every role's
+    PYTHONPATH, also past a declared PYTHONPATH, and is staged at the same place
+    in the node's folder, so the path maps there."""
+    from paicli.client import prepare
+    from paicli.cluster import datasets, node_files, remote_paths
+    from paicli.envvars import apply_to_plan
+    from paicli.staging import stage_code
+    from paicli.statement import parse_statement
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "/shell/lib")
+    prepared = prepare(parse_statement(["-name", "python", f"-Dscript={WORKER}",
+                                        '-Dcluster={"ps":{"count":1},"worker":{"count":2}}']))
+    job_dir = tmp_path / "jobs" / "job1"
+    job_dir.mkdir(parents=True)
+    plan = prepared.adapter.plan(prepared.spec, stage_code(prepared.spec, job_dir))
+    assert datasets.prepare(prepared.spec, plan, job_dir) is None          # no tables: no index
+    py = job_dir / "data" / "py"
+    assert [p.name for p in py.iterdir()] == ["paitables.py"] and (py.stat().st_mode & 0o777) == 0o700
+    assert {r.name: r.env["PYTHONPATH"] for r in plan.roles} == {"ps": f"{py}:/shell/lib", "worker": f"{py}:/shell/lib"}
+    apply_to_plan(plan, {"PYTHONPATH": "/mine"})
+    assert all(r.env["PYTHONPATH"] == f"{py}:/mine" for r in plan.roles)
+    manifest = node_files.manifest(job_dir, plan)
+    staged = [f for f in manifest.files if f.dst.startswith("data")]
+    assert [f.dst for f in staged] == ["data", "data/py", "data/py/paitables.py"]
+    mapping = manifest.mapping("/node/job1", "/node/rt", "/usr/bin/python3")
+    assert all(remote_paths.translate(f.src, mapping) == f"/node/job1/{f.dst}" for f in staged)
+    assert remote_paths.translate(plan.roles[0].env["PYTHONPATH"], mapping).startswith("/node/job1/data/py:")
+
+
+def test_a_node_runs_only_staged_runners_and_local_reaches_no_node(tmp_path):
+    """base.Backend's public data calls: the local backend has no node to reach;
+    node_cache.run_staged (Ray's task body) runs a runner of the job's folder only."""
+    import node_cache
+
+    from paicli.cluster.backends.base import runner_words
+    from paicli.cluster.backends.local import LocalBackend
+
+    assert LocalBackend().staged_folders() is None
+    with pytest.raises(NotImplementedError):
+        LocalBackend().run_runner("here", "node_cache.py", ["parts", str(tmp_path)])
+    (tmp_path / "runners").mkdir()
+    (tmp_path / "runners" / "echo.py").write_text("import sys; sys.stdout.write(sys.stdin.read()[::-1])\n")
+    assert node_cache.run_staged(str(tmp_path), "echo.py", [], b"abc") == (0, b"cba", b"")
+    for bad in ("../echo.py", "echo.sh", "/bin/sh"):
+        with pytest.raises(node_cache.Refused, match="not a runner"):
+            node_cache.run_staged(str(tmp_path), bad, [], b"")
+    assert runner_words(b'{"error": "no room"}\n', b"", 1) == '{"error": "no room"}'
+    assert runner_words(b"", b"", 3) == "exit 3"

@@ -328,6 +328,29 @@ class Backend:
     def _alive(self, ref: InstanceRef) -> bool:
         raise NotImplementedError
 
+    # -- DATA (issue 18): the job's staged nodes, for cluster/datasets.py -----------------
+    # Public calls over what each remote backend fills in (the underscore methods);
+    # the local backend reaches no node: its instances read this machine's files.
+
+    def staged_folders(self, nodes: Iterable[str] | None = None) -> dict[str, str] | None:
+        """{node: the job's per-job folder there} for the nodes this process staged
+        the job on that still answer (only those of `nodes` when given); None when
+        the instances read this machine's files in place (local)."""
+        return self._staged_folders(None if nodes is None else set(nodes))
+
+    def run_runner(self, node: str, runner: str, args: list[str], stdin: bytes = b"",
+                   timeout: float = 60.0) -> bytes:
+        """`runners/RUNNER ARGS` of the job's staged runners run on `node` by a Python
+        of the node (stdlib only, as every runner), `stdin` fed to it: its stdout.
+        PaiError naming the node and the runner's own last words when it fails."""
+        return self._run_runner(node, runner, list(args), stdin, timeout)
+
+    def _staged_folders(self, nodes: set[str] | None) -> dict[str, str] | None:
+        return None
+
+    def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes, timeout: float) -> bytes:
+        raise NotImplementedError(f"the {self.name} backend runs nothing on a node")
+
 
 def agent_ref(ref: InstanceRef) -> list:
     """`ref` as the node agent's commands take it: [pid, pgid, start, boot]."""
@@ -342,3 +365,13 @@ def verified(ref: InstanceRef) -> bool:
     print(f"paicli: not stopping {ref.node}:{ref.pid}: no start time was recorded for it, so it cannot be "
           f"told from another process that got its number", file=sys.stderr, flush=True)
     return False
+
+
+# -- DATA (issue 18) ----------------------------------------------------------------
+
+
+def runner_words(out: bytes, err: bytes, status: int) -> str:
+    """A failed runner's last words (Backend.run_runner): its stdout's (node_cache
+    prints its error there), else its stderr's, else its exit status."""
+    why = out.decode(errors="replace").strip() or err.decode(errors="replace").strip()
+    return why[-300:] or f"exit {status}"

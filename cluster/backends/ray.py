@@ -711,6 +711,33 @@ class RayBackend(Backend):
             except PaiError as err:
                 print(f"{err} (Ray removes it with the job's driver)", file=sys.stderr, flush=True)
 
+    # -- DATA (issue 18): base.Backend's staged_folders / run_runner ------------------------
+
+    def _staged_folders(self, nodes: set[str] | None) -> dict[str, str] | None:
+        found: dict[str, str] = {}
+        for inst in self._instances.values():
+            if inst.node_id and (nodes is None or inst.host in nodes):
+                found.setdefault(inst.host, inst.info["folder"])
+        return found
+
+    def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes, timeout: float) -> bytes:
+        """A zero-CPU task pinned to the node runs the runner from the job's staged
+        folder there (node_cache.run_staged, shipped by value); `stdin` crosses as
+        one object of Ray's store, put here and fetched by the node."""
+        from paicli.cluster.backends.base import runner_words
+        from paicli.runners import node_cache
+
+        inst = next((i for i in self._instances.values() if i.host == node and i.node_id), None)
+        if inst is None:
+            raise PaiError(f"Ray node {node}: the job is not staged there")
+        ray = self.connect()
+        ray.cloudpickle.register_pickle_by_value(node_cache)
+        ref = self._pinned_ref(inst.node_id, node_cache.run_staged, inst.info["folder"], runner, args, ray.put(stdin))
+        status, out, err = self._get(ref, f"runners/{runner} on Ray node {node}", timeout)
+        if status != 0:
+            raise PaiError(f"Ray node {node}: runners/{runner}: {runner_words(out, err, status)}")
+        return out
+
 
 # -- `pai nodes` for Ray --------------------------------------------------------
 

@@ -429,3 +429,19 @@ class SSHBackend(Backend):
                            timeout=timeout + 30)
         pids = {int(r[0]) for r in done}
         return [r for r in refs if r.pid in pids]
+
+    # -- DATA (issue 18): base.Backend's staged_folders / run_runner ------------------------
+
+    def _staged_folders(self, nodes: set[str] | None) -> dict[str, str] | None:
+        # A node that stopped answering is not asked again.
+        return {n: f for n, f in self._folders.items() if n not in self._lost and (nodes is None or n in nodes)}
+
+    def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes, timeout: float) -> bytes:
+        from paicli.cluster.backends.base import runner_words
+
+        entry, folder = self.entry(node), self._folders[node]
+        status, out, err = ssh.exec_command(self.conns.session(entry), [entry.python, f"{folder}/runners/{runner}",
+                                                                         *args], stdin=stdin, timeout=timeout)
+        if status != 0:
+            raise PaiError(f"node {node}: runners/{runner}: {runner_words(out, err, status)}")
+        return out

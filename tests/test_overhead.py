@@ -113,3 +113,24 @@ def test_local_agents_start_their_instances_before_any_identity_is_read():
         backend.cleanup("")
     assert all(backend.poll(h) < 0 for h in handles)   # stopped by signal, not left running
     assert wait_until(lambda: not _sleepers(marker), timeout=30)
+
+
+def test_a_released_watch_closes_in_the_background_and_close_joins_it(tmp_path):
+    """After a verdict the attached view stops watching at once, the kernel's slow
+    close in a thread; `close()` joins it, so `pai` still leaves by the fast exit
+    (exit_now takes the slow one while a thread lives)."""
+    import threading
+
+    from paicli.logtail import DirectoryWatch
+
+    watch = DirectoryWatch(tmp_path)
+    fd = watch.fd
+    assert fd >= 0
+    threads = threading.active_count()
+    watch.release()
+    assert watch.fd == -1
+    watch.wait(0.01)   # no descriptor: a short sleep, not a select on a closed fd
+    watch.close()
+    assert threading.active_count() == threads and watch._closing is None
+    with pytest.raises(OSError):
+        os.fstat(fd)   # closed for real

@@ -25,6 +25,9 @@ the instance with t/k bytes on the live link.
         "watch": see the agent). `sink(kind, payload)` takes the file frames (F, D,
         S, Z: cluster/outputs.py), in the pump thread or the master's. Raises OSError for an E frame (the program could not be
         started); a transport failure gives a Handle whose poll() reports NODE_LOST.
+    send_spec(transport, spec, sink=None) -> Starting; .started(backend=, node=, host=, start_timeout=)
+        the same in two halves: the spec goes now, the identity is read later
+        (the master sends every instance's spec before it reads any identity).
 
 The Handle's `output_fd` is a pipe of the instance's output; its `native` is a
 Link: `poll()` is the exit status (None while it runs), `wait()` blocks for it,
@@ -289,36 +292,61 @@ def _beat_link_ended() -> None:
 
 def start_instance(transport: Transport, spec: dict, *, backend: str, node: str, host: str,
                    start_timeout: float, sink=None) -> Handle:
-    heartbeat = float(spec.get("heartbeat") or 0)
-    link = Link(transport, node, heartbeat)
+    return send_spec(transport, spec, sink).started(backend=backend, node=node, host=host,
+                                                    start_timeout=start_timeout)
+
+
+class Starting:
+    """An instance whose spec is on its way to the agent: `started()` reads its
+    identity. A master starting several instances sends every spec first, so the
+    agents start them together instead of one round trip after another."""
+
+    def __init__(self, link: Link, output_fd: int, error: Exception | None):
+        self.link, self.output_fd, self.error = link, output_fd, error
+
+    def started(self, *, backend: str, node: str, host: str, start_timeout: float) -> Handle:
+        link, output_fd = self.link, self.output_fd
+        link.node = node
+        try:
+            if self.error is not None:
+                raise self.error
+            link._read_first(time.monotonic() + start_timeout)
+        except Exception as err:  # noqa: BLE001 - OSError, EOFError, TimeoutError or a transport's own
+            _give_up(link, output_fd)
+            return lost_handle(backend, node, host, f"{err.__class__.__name__}: {err}")
+        kind, payload = link.first
+        if kind == b"E":
+            _give_up(link, output_fd)
+            data = json.loads(payload)
+            raise OSError(data.get("errno") or 0, data.get("strerror") or "cannot start")   # ENOENT: FileNotFoundError
+        ident = json.loads(payload)
+        ref = InstanceRef(backend=backend, node=node, host=host, pid=int(ident["pid"]), pgid=int(ident["pgid"]),
+                          start=ident.get("start") or None, boot_id=ident.get("boot") or None)
+        if output_fd >= 0:
+            link.fd = output_fd
+        else:
+            link.fd, link._write_fd = os.pipe()
+            os.set_blocking(link.fd, False)
+            link.thread = threading.Thread(target=link.pump, name=f"agent-pump-{node}-{ref.pid}", daemon=True)
+            link.thread.start()
+        if link.heartbeat:
+            _keep_beating(link)
+        return Handle(ref=ref, output_fd=link.fd, native=link)
+
+
+def send_spec(transport: Transport, spec: dict, sink=None) -> Starting:
+    """The first half of start_instance: the spec goes to the agent, nothing is
+    waited for (a failure to send is reported by `started()`)."""
+    link = Link(transport, "", float(spec.get("heartbeat") or 0))
     link.sink = sink
     output_fd = getattr(transport, "output_fd", -1)
     if output_fd >= 0:
         spec = dict(spec, output_fd=transport.agent_output_fd)
     try:
         transport.send(json.dumps(spec).encode() + b"\n")
-        link._read_first(time.monotonic() + start_timeout)
-    except Exception as err:  # noqa: BLE001 - OSError, EOFError, TimeoutError or a transport's own
-        _give_up(link, output_fd)
-        return lost_handle(backend, node, host, f"{err.__class__.__name__}: {err}")
-    kind, payload = link.first
-    if kind == b"E":
-        _give_up(link, output_fd)
-        data = json.loads(payload)
-        raise OSError(data.get("errno") or 0, data.get("strerror") or "cannot start")   # ENOENT: FileNotFoundError
-    ident = json.loads(payload)
-    ref = InstanceRef(backend=backend, node=node, host=host, pid=int(ident["pid"]), pgid=int(ident["pgid"]),
-                      start=ident.get("start") or None, boot_id=ident.get("boot") or None)
-    if output_fd >= 0:
-        link.fd = output_fd
-    else:
-        link.fd, link._write_fd = os.pipe()
-        os.set_blocking(link.fd, False)
-        link.thread = threading.Thread(target=link.pump, name=f"agent-pump-{node}-{ref.pid}", daemon=True)
-        link.thread.start()
-    if heartbeat:
-        _keep_beating(link)
-    return Handle(ref=ref, output_fd=link.fd, native=link)
+    except Exception as err:  # noqa: BLE001 - OSError, EOFError or a transport's own
+        return Starting(link, output_fd, err)
+    return Starting(link, output_fd, None)
 
 
 def _give_up(link: Link, output_fd: int) -> None:

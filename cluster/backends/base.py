@@ -351,6 +351,25 @@ class Backend:
     def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes, timeout: float) -> bytes:
         raise NotImplementedError(f"the {self.name} backend runs nothing on a node")
 
+    # -- OVERHEAD (issue 16): starting several instances together ---------------------
+
+    def begin_start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
+                    watch: dict | None = None,
+                    sink: Callable[[bytes, bytes], None] | None = None) -> Callable[[], Handle]:
+        """`start()` in two halves: the instance is asked for now, the returned
+        call gives its Handle (and raises what start() raises). The master asks for
+        every instance before it waits for any. Here: the whole start at once; a
+        backend whose start is a round trip (local) overrides it."""
+        handle = self.start(placed, argv, env, cwd, watch, sink)
+        return lambda: handle
+
+    def _keep_link(self, handle: Handle) -> Handle:
+        from paicli.cluster.agent_link import Link
+
+        if isinstance(handle.native, Link) and handle.ref.pid > 0:
+            self._links[(handle.ref.node, handle.ref.pid)] = handle.native
+        return handle
+
 
 def agent_ref(ref: InstanceRef) -> list:
     """`ref` as the node agent's commands take it: [pid, pgid, start, boot]."""

@@ -134,7 +134,11 @@ def _forked_agent(label: str, moves) -> None:
                     os.close(fd)
                 except OSError:
                     pass   # the listing's own descriptor
+        # The frames go to fd 1 (the link), whatever object the forking process had
+        # as sys.stdout (a library user's or a test runner's capture).
         sys.stdin = open(0, "r", closefd=False)
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
         with open("/proc/self/comm", "w") as comm:
             comm.write("pai-node-agent")   # what `ps` and `top` show for it
         code = node_agent.cmd_run(label)
@@ -179,6 +183,15 @@ class LocalBackend(Backend):
         return ports
 
     def _start(self, placed, argv, env, cwd, watch=None, sink=None):
+        return self._send(placed, argv, env, cwd, watch, sink)()
+
+    def begin_start(self, placed, argv, env, cwd, watch=None, sink=None):
+        # The spec goes down the agent's pipe now; its identity is read when asked
+        # for: the agents start their instances while the master sends the next spec.
+        finish = self._send(placed, argv, env, cwd, watch, sink)
+        return lambda: self._keep_link(finish())
+
+    def _send(self, placed, argv, env, cwd, watch, sink):
         with self._lock:
             agent = self._warm.pop((placed.role, placed.idx), None)
         if agent is None:
@@ -186,8 +199,9 @@ class LocalBackend(Backend):
         spec = {"argv": list(argv), "env": dict(env), "inherit": False, "cwd": cwd, "heartbeat": 0}
         if watch:
             spec["watch"] = dict(watch, inplace=True)   # this machine: the files are where they belong
-        return agent_link.start_instance(agent, spec, backend=self.name, node=placed.node, host=placed.host,
-                                         start_timeout=START_TIMEOUT, sink=sink)
+        starting = agent_link.send_spec(agent, spec, sink)
+        return lambda: starting.started(backend=self.name, node=placed.node, host=placed.host,
+                                        start_timeout=START_TIMEOUT)
 
     def collect_outputs(self, job_dir, node, role, idx, have, max_bytes):
         from paicli.cluster.outputs import state_rel

@@ -1,0 +1,136 @@
+"""What keeps a submit's overhead low, pinned without timing (speed itself lives
+in bench/bench_hardening.py overhead): the node agent's start-up imports, the
+master's, and local instances started together rather than one round trip after
+another."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from paicli.cluster.backends.base import Placement
+from paicli.cluster.backends.local import AGENT, LocalBackend
+
+from conftest import ROOT, wait_until
+
+# Everything `python -I -S node_agent.py run LABEL` imports before it has its spec
+# (an SSH node and a threaded master start it so): stdlib modules, the few that
+# starting and watching one process needs. A new import here is paid by every
+# instance on every node: add it only with a reason.
+AGENT_ALLOWED = {
+    "__future__", "_abc", "_codecs", "_collections", "_collections_abc", "_frozen_importlib_external",
+    "_functools", "_io", "_json", "_locale", "_operator", "_posixsubprocess", "_signal", "_socket", "_sre",
+    "_stat", "_struct", "_weakrefset", "abc", "array", "codecs", "collections", "collections.abc",
+    "contextlib", "copyreg", "encodings", "encodings.aliases", "encodings.utf_8", "enum", "errno", "fcntl",
+    "functools", "genericpath", "io", "itertools", "json", "json.decoder", "json.encoder", "json.scanner",
+    "keyword", "locale", "marshal", "math", "msvcrt", "operator", "os", "posix", "posixpath", "re",
+    "re._casefix", "re._compiler", "re._constants", "re._parser", "reprlib", "select", "selectors", "signal",
+    "socket", "stat", "struct", "subprocess", "threading", "time", "types", "warnings", "zipimport", "zlib",
+    # other Python versions' spellings of the same imports
+    "_typing", "typing", "_thread", "sre_compile", "sre_parse", "sre_constants", "_weakref", "weakref",
+    "_tokenize", "_string", "_warnings", "_locale", "_opcode", "_contextvars", "_strptime",
+}
+
+# Never on the master's start-up path: web, SSH, Ray, YAML, plotting, the CLI's
+# own command tree, the framework adapters (the plan is read from plan.json).
+MASTER_HEAVY = ("yaml", "aiohttp", "jinja2", "ray", "paramiko", "numpy", "optuna", "click", "rich",
+                "prompt_toolkit", "plotext", "paicli.web", "paicli.cli", "paicli.console", "paicli.adapters",
+                "paicli.tune", "paicli.planning", "paicli.cluster.backends.ssh", "paicli.cluster.backends.ray")
+
+
+def imported_by(argv: list[str], stdin: bytes = b"") -> set[str]:
+    """The modules a Python command imports (-X importtime lists each one)."""
+    out = subprocess.run([argv[0], "-X", "importtime", *argv[1:]], input=stdin, capture_output=True,
+                         check=True, cwd=ROOT, timeout=60).stderr.decode()
+    return {line.split("|")[-1].strip() for line in out.splitlines()
+            if line.startswith("import time:") and "[us]" not in line}
+
+
+def test_the_node_agent_starts_on_an_allow_list_of_stdlib_modules():
+    mods = imported_by([sys.executable, "-I", "-S", AGENT, "run", "probe"])
+    assert "subprocess" in mods and "json" in mods   # the probe saw the agent's own imports
+    assert not {m for m in mods if m.split(".")[0] == "paicli"}
+    assert mods <= AGENT_ALLOWED, f"the node agent now imports {sorted(mods - AGENT_ALLOWED)} at start-up"
+
+
+def test_the_master_imports_nothing_heavy():
+    code = "import sys, paicli.cluster.master; print('\\n'.join(sorted(sys.modules)))"
+    mods = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              cwd=ROOT, timeout=60).stdout.split())
+    assert "paicli.cluster.master" in mods
+    heavy = sorted(m for m in mods if any(m == h or m.startswith(h + ".") for h in MASTER_HEAVY))
+    assert heavy == [], f"the master's start-up imports {heavy}"
+
+
+def _sleepers(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+def test_local_agents_start_their_instances_before_any_identity_is_read():
+    """The master sends every instance's spec before it waits for any identity
+    (LocalBackend.begin_start): all three instances run while no identity has been
+    read yet, and a program that cannot start is still reported as such."""
+    backend = LocalBackend()
+    marker = f"pai-overhead-{uuid.uuid4().hex}"
+    argv = [sys.executable, "-c", "import time; time.sleep(60)", marker]
+    env = {"PATH": os.environ.get("PATH", "")}
+    finishes, handles, missing = [], [], None
+    try:
+        for idx in range(3):
+            finishes.append(backend.begin_start(Placement("worker", idx, "local", "127.0.0.1"), argv, env, None))
+        missing = backend.begin_start(Placement("worker", 3, "local", "127.0.0.1"),
+                                      ["/nonexistent/pai-overhead"], env, None)
+        assert wait_until(lambda: len(_sleepers(marker)) == 3, timeout=30), _sleepers(marker)
+        assert not backend._links   # running, and no identity read yet (base.Backend.start would have)
+        handles = [finish() for finish in finishes]
+        assert sorted(h.pid for h in handles) == sorted(_sleepers(marker))
+        with pytest.raises(FileNotFoundError):
+            missing()
+        missing = None
+        assert all(backend.poll(h) is None for h in handles)
+    finally:
+        for finish in finishes[len(handles):]:
+            handles.append(finish())
+        if missing is not None:
+            with pytest.raises(OSError):
+                missing()
+        backend.stop_all([h.ref for h in handles], 0)
+        for h in handles:
+            backend.wait(h, 10)
+        backend.cleanup("")
+    assert all(backend.poll(h) < 0 for h in handles)   # stopped by signal, not left running
+    assert wait_until(lambda: not _sleepers(marker), timeout=30)
+
+
+def test_a_released_watch_closes_in_the_background_and_close_joins_it(tmp_path):
+    """After a verdict the attached view stops watching at once, the kernel's slow
+    close in a thread; `close()` joins it, so `pai` still leaves by the fast exit
+    (exit_now takes the slow one while a thread lives)."""
+    import threading
+
+    from paicli.logtail import DirectoryWatch
+
+    watch = DirectoryWatch(tmp_path)
+    fd = watch.fd
+    assert fd >= 0
+    threads = threading.active_count()
+    watch.release()
+    assert watch.fd == -1
+    watch.wait(0.01)   # no descriptor: a short sleep, not a select on a closed fd
+    watch.close()
+    assert threading.active_count() == threads and watch._closing is None
+    with pytest.raises(OSError):
+        os.fstat(fd)   # closed for real

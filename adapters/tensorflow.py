@@ -142,6 +142,19 @@ def runtime_for(framework: str) -> str:
     return TF_LEGACY_RUNTIME if framework.strip().lower() in VERSIONED_NAMES else CURRENT_RUNTIME
 
 
+def names_by_runtime() -> dict[str, list[str]]:
+    """runtime -> the `-name`s that select it, every adapter's (for `pai runtime list`):
+    PAI's versioned TensorFlow names select the legacy-Keras runtime."""
+    from paicli.adapters import _load
+
+    out: dict[str, list[str]] = {}
+    for name, cls in _load().items():
+        runtime = runtime_for(name) if cls is TensorflowAdapter else cls.runtime
+        if runtime:
+            out.setdefault(runtime, []).append(name)
+    return out
+
+
 def script_inputs(code: StagedCode) -> list[str]:
     """A plain script and the modules of its own it imports (its folder's files, found
     as `import` would): every node needs them, e.g. tf_cnn_benchmarks.py's

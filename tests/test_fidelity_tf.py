@@ -74,6 +74,21 @@ def test_the_spec_keeps_a_versioned_name(tmp_path):
         assert prepared.adapter.runtime == runtime_for(kept)
 
 
+def test_runtime_list_names_the_names_that_select_each_runtime(tmp_path):
+    """`pai runtime list` shows each runtime with its versions AND the -names that
+    select it: before, nothing said that tensorflow1120 meant the tf-keras runtime."""
+    from conftest import pai
+
+    env = {"PAI_RUNTIME_DIR": str(tmp_path)}
+    listed = {r["name"]: r for r in json.loads(pai("runtime", "list", "--json", env=env).stdout)
+              if r.get("kind") == "runtime"}
+    assert listed["tensorflow_v1"]["names"] == list(VERSIONED_NAMES)
+    assert "+tf-keras==" in listed["tensorflow_v1"]["version"]
+    assert {"tensorflow", "tf"} <= set(listed["tensorflow"]["names"]) and "mxnet" in listed["mxnet"]["names"]
+    plain = pai("runtime", "list", env=env).stdout
+    assert "-name tensorflow140 tensorflow180" in plain
+
+
 def test_legacy_runtime_is_layered_on_the_tensorflow_runtime():
     legacy = get_runtime("tensorflow_v1")
     assert isinstance(legacy, LayeredVenvRuntime) and legacy.base == "tensorflow"

@@ -96,6 +96,10 @@ TF_LINES = (
     LineRule("Keras 3, verbose=2", KERAS_METRIC,
              "6/6 - 0s - 12ms/step - accuracy: 0.5156 - loss: 0.6621 - val_accuracy: 0.4688 - val_loss: 0.6742",
              {"accuracy": 0.5156, "loss": 0.6621, "val_accuracy": 0.4688, "val_loss": 0.6742}),
+    LineRule("Keras 3, verbose=1 bar into a pipe (its last redraw: ANSI colours, no \\r)", KERAS_METRIC,
+             "\x1b[1m6/6\x1b[0m \x1b[32m━━━━━━━━━━━━━━━━━━━━\x1b[0m\x1b[37m\x1b[0m \x1b[1m1s\x1b[0m 79ms/step - "
+             "accuracy: 0.4792 - loss: 0.7134 - val_accuracy: 0.6250 - val_loss: 0.6671",
+             {"accuracy": 0.4792, "loss": 0.7134, "val_accuracy": 0.625, "val_loss": 0.6671}),
     LineRule("legacy Keras 2 (tf-keras), verbose=2", KERAS_LOSS_METRIC,
              "6/6 - 1s - loss: 0.7619 - accuracy: 0.5104 - val_loss: 0.8089 - val_accuracy: 0.3750 "
              "- 817ms/epoch - 136ms/step",

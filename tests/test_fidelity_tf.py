@@ -536,7 +536,12 @@ def test_a_tf1_script_that_never_joins_says_so(pai_home, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert re.search(r"^\[worker:0\] \[tensorflow runner\] not distributed: worker:0 trained alone: the script "
                      r"never joined the cluster .*-DclusterFlags=always", result.stdout, re.M), result.stdout[-3000:]
-    assert "[ps:0] [tensorflow runner] not distributed: ps:0 ran the training itself" in result.stdout
-    info = pai_json("status", job_id_from(result.stdout))
-    if "requireDistributed" in {p.name for p in TensorflowAdapter.params}:   # MXCAFFE's verdict merged
-        assert "worker:0 trained alone" in (info.get("reason") or ""), info
+    # the ps is stopped once the worker succeeds: it says so when it ended its own training first
+    # (about 4 runs in 5 here; the line was required before, a flake)
+    ps_lines = [line for line in result.stdout.splitlines() if line.startswith("[ps:0] [tensorflow runner] not ")]
+    assert all(" not distributed: ps:0 ran the training itself" in line for line in ps_lines), ps_lines
+    info = pai_json("status", job_id_from(result.stdout))   # the attached view, status, summary say so
+    assert info["status"] == "Succeeded" and "worker:0 trained alone" in (info["not_distributed"] or ""), info
+    assert result.stdout.strip().splitlines()[-1].startswith("NOT DISTRIBUTED (the job succeeded): "), result.stdout[-500:]
+    assert "Status: Succeeded  not distributed: worker:0 trained alone" in pai("status", job_id_from(result.stdout)).stdout
+    assert "not distributed: " in (Path(info["job_dir"]) / "summary.txt").read_text()

@@ -96,6 +96,10 @@ TF_LINES = (
     LineRule("Keras 3, verbose=2", KERAS_METRIC,
              "6/6 - 0s - 12ms/step - accuracy: 0.5156 - loss: 0.6621 - val_accuracy: 0.4688 - val_loss: 0.6742",
              {"accuracy": 0.5156, "loss": 0.6621, "val_accuracy": 0.4688, "val_loss": 0.6742}),
+    LineRule("Keras 3, verbose=1 bar into a pipe (its last redraw: ANSI colours, no \\r)", KERAS_METRIC,
+             "\x1b[1m6/6\x1b[0m \x1b[32m━━━━━━━━━━━━━━━━━━━━\x1b[0m\x1b[37m\x1b[0m \x1b[1m1s\x1b[0m 79ms/step - "
+             "accuracy: 0.4792 - loss: 0.7134 - val_accuracy: 0.6250 - val_loss: 0.6671",
+             {"accuracy": 0.4792, "loss": 0.7134, "val_accuracy": 0.625, "val_loss": 0.6671}),
     LineRule("legacy Keras 2 (tf-keras), verbose=2", KERAS_LOSS_METRIC,
              "6/6 - 1s - loss: 0.7619 - accuracy: 0.5104 - val_loss: 0.8089 - val_accuracy: 0.3750 "
              "- 817ms/epoch - 136ms/step",
@@ -140,6 +144,19 @@ CURRENT_RUNTIME = "tensorflow"
 def runtime_for(framework: str) -> str:
     """The runtime a -name selects: the legacy-Keras one for PAI's versioned names."""
     return TF_LEGACY_RUNTIME if framework.strip().lower() in VERSIONED_NAMES else CURRENT_RUNTIME
+
+
+def names_by_runtime() -> dict[str, list[str]]:
+    """runtime -> the `-name`s that select it, every adapter's (for `pai runtime list`):
+    PAI's versioned TensorFlow names select the legacy-Keras runtime."""
+    from paicli.adapters import _load
+
+    out: dict[str, list[str]] = {}
+    for name, cls in _load().items():
+        runtime = runtime_for(name) if cls is TensorflowAdapter else cls.runtime
+        if runtime:
+            out.setdefault(runtime, []).append(name)
+    return out
 
 
 def script_inputs(code: StagedCode) -> list[str]:

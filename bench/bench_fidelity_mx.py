@@ -5,6 +5,7 @@ them; does training move the same way?
 
     .venv/bin/python bench/bench_fidelity_mx.py                  # every case, once
     .venv/bin/python bench/bench_fidelity_mx.py --cases mnist_sync,caffe_mlp --json out.json
+    .venv/bin/python bench/bench_fidelity_mx.py --ssh --cases mnist_sync,mnist_async,mnist_2bit
 
 MXNet (../shared/peer/mxnet/image-classification, MXNet 1.9.1's own example folder,
 unmodified): 1 server + 2 workers.
@@ -16,6 +17,12 @@ unmodified): 1 server + 2 workers.
         --kv-store the launcher's user would write.
   Read from both: each worker's first Speedometer accuracy, its last, the epoch's
   Validation-accuracy (train_mnist) and the samples/sec.
+  --ssh: both arms on the SSH test cluster the tests build (tests/netns.py, root needed):
+        by hand, scheduler and server in h1's network namespace, a worker in h2's and h3's,
+        DMLC_PS_ROOT_URI = h1's address; pai gets the hosts as its nodes (PAI_NODES). The
+        nodes' /tmp is private, so train_mnist goes to pai as the archive its PROVENANCE
+        names (the peer folder plus the generated data/, packed in the bench's temporary
+        folder), -DentryFile=train_mnist.py.
 Caffe (examples/caffe/mlp, BVLC Caffe 1.0's `caffe train`): one worker.
   pai   `pai -name caffe -Dsolver=...`   hand   `caffe train --solver=...` in the solver's folder.
   Read: the loss at iteration 0 and at the end, the last test accuracy.
@@ -27,6 +34,7 @@ Runs take a few seconds each; nothing is timed against a goal here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -94,18 +102,23 @@ def worker_figures(logs: dict[str, str]) -> dict:
     return out
 
 
-def by_hand(python: str, script: str, args: str, kv: str, cwd: Path, timeout: float) -> tuple[int, dict, float]:
-    """Scheduler, one server, two workers, as dmlc_tracker's local launcher starts them."""
+ROLES = (("scheduler", "scheduler"), ("server", "server:0"), ("worker", "worker:0"), ("worker", "worker:1"))
+
+
+def by_hand(python: str, script: str, args: str, kv: str, cwd: Path, timeout: float,
+            places: dict | None = None) -> tuple[int, dict, float]:
+    """Scheduler, one server, two workers, as dmlc_tracker's local launcher starts them
+    (places: instance -> (address, argv wrapper), for the SSH cluster's namespaces)."""
+    places = places or {name: ("127.0.0.1", lambda argv: argv) for _role, name in ROLES}
     port = free_port()
-    base = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+    base = {**os.environ, "DMLC_PS_ROOT_URI": places["scheduler"][0], "DMLC_PS_ROOT_PORT": str(port),
             "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "2", "PYTHONUNBUFFERED": "1"}
     command = [python, str(PEER / script), *args.split(), *kv.split()]
     started = time.monotonic()
     procs = {}
-    for role, name in (("scheduler", "scheduler"), ("server", "server:0"), ("worker", "worker:0"),
-                       ("worker", "worker:1")):
+    for role, name in ROLES:
         log = open(cwd / f"hand-{name.replace(':', '-')}.log", "w+")
-        procs[name] = (subprocess.Popen(command, env={**base, "DMLC_ROLE": role}, cwd=cwd, stdout=log,
+        procs[name] = (subprocess.Popen(places[name][1](command), env={**base, "DMLC_ROLE": role}, cwd=cwd, stdout=log,
                                         stderr=subprocess.STDOUT), log)
     code = 0
     try:
@@ -130,9 +143,27 @@ def by_hand(python: str, script: str, args: str, kv: str, cwd: Path, timeout: fl
     return code, worker_figures(logs), seconds
 
 
-def through_pai(script: str, args: str, dparams: str, cwd: Path, home: Path, timeout: float) -> tuple[int, dict, float]:
-    env = {**os.environ, "PAI_HOME": str(home), "PAI_LOGVIEW": "file"}
-    command = [str(PAI), "-name", "mxnet", f"-Dscript=file://{PEER / script}",
+def archive_with_data(work: Path) -> Path:
+    """The peer folder and the generated data/ as one archive (in the bench's own
+    temporary folder): train_mnist reads ./data, which nodes with a private /tmp lack."""
+    import tarfile
+
+    path = work / "image-classification.tar.gz"
+    if not path.exists():
+        with tarfile.open(path, "w:gz") as tar:
+            for item in sorted(PEER.iterdir()):
+                tar.add(item, arcname=item.name)
+            tar.add(work / "data", arcname="data")
+    return path
+
+
+def through_pai(script: str, args: str, dparams: str, cwd: Path, home: Path, timeout: float,
+                extra_env: dict | None = None) -> tuple[int, dict, float]:
+    env = {**os.environ, "PAI_HOME": str(home), "PAI_LOGVIEW": "file", **(extra_env or {})}
+    code = [f"-Dscript=file://{PEER / script}"]
+    if extra_env and script == "train_mnist.py":
+        code = [f"-Dscript=file://{archive_with_data(cwd)}", f"-DentryFile={script}"]
+    command = [str(PAI), "-name", "mxnet", *code,
                '-Dcluster={"server":{"count":1},"worker":{"count":2}}', f"-DuserDefinedParameters={args}",
                *dparams.split()]
     started = time.monotonic()
@@ -181,16 +212,42 @@ def fmt(value) -> str:
     return "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
 
 
+@contextlib.contextmanager
+def ssh_cluster(folder: Path):
+    """The tests' SSH cluster (three namespaced hosts): by-hand places and pai's nodes."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from netns import build_cluster, can_build
+
+    from paicli.runners.runtimes import runtime_root
+
+    reason = can_build()
+    if reason:
+        sys.exit(f"--ssh: {reason}")
+    cluster = build_cluster(hosts=3, prefix="bfidm", first_subnet=245)
+    try:
+        h1, h2, h3 = cluster.hosts
+        places = {"scheduler": (h1.addr, h1.exec_argv), "server:0": (h1.addr, h1.exec_argv),
+                  "worker:0": (h2.addr, h2.exec_argv), "worker:1": (h3.addr, h3.exec_argv)}
+        nodes = cluster.write_nodes_file(folder / "nodes.yaml", cpu=150, runtime_dir=str(runtime_root()))
+        yield places, {"PAI_NODES": str(nodes)}
+    finally:
+        cluster.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join([*CASES, *CAFFE_CASES]))
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--ssh", action="store_true", help="both arms on the tests' SSH cluster (network namespaces)")
     parser.add_argument("--json")
     args = parser.parse_args()
     wanted = [c for c in args.cases.split(",") if c]
+    if args.ssh and set(wanted) & set(CAFFE_CASES):
+        sys.exit("--ssh: the Caffe case runs locally only (one worker, `caffe train`)")
     python = runtime_python("mxnet")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-fidelity-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-fidelity-") as tmp, \
+            (ssh_cluster(Path(tmp)) if args.ssh else contextlib.nullcontext((None, {}))) as (places, pai_env):
         work, home = Path(tmp), Path(tmp) / "home"
         make_mnist.make(str(work / "data"), train=2560, test=512)
         for case in wanted:
@@ -200,9 +257,10 @@ def main() -> int:
             script, script_args, kv, dparams = CASES[case]
             for arm in ("hand", "pai"):
                 if arm == "hand":
-                    code, figures, seconds = by_hand(python, script, script_args, kv, work, args.timeout)
+                    code, figures, seconds = by_hand(python, script, script_args, kv, work, args.timeout, places)
                 else:
-                    code, figures, seconds = through_pai(script, script_args, dparams, work, home, args.timeout)
+                    code, figures, seconds = through_pai(script, script_args, dparams, work, home, args.timeout,
+                                                         pai_env)
                 for worker, fig in figures.items():
                     rows.append({"case": case, "arm": arm, "worker": worker, "exit": code,
                                  "seconds": round(seconds, 1), **fig})

@@ -1,6 +1,6 @@
 """The peer tf_cnn_benchmarks through pai versus the same script started by hand.
 
-    .venv/bin/python bench/bench_fidelity_tf.py [--models trivial,lenet] [--modes sync,async]
+    .venv/bin/python bench/bench_fidelity_tf.py [--models trivial,lenet] [--modes sync,async] [--ssh]
 
 For each model and mode, 1 ps + 2 workers, the script run UNMODIFIED from
 ../shared/peer/tensorflow/tf_cnn_benchmarks (never copied):
@@ -13,6 +13,11 @@ For each model and mode, 1 ps + 2 workers, the script run UNMODIFIED from
            -Dcluster=1 ps + 2 workers` with the same arguments: pai finds the classic
            flags in benchmark_cnn.py and passes them.
 
+--ssh: both arms on the SSH test cluster the tests build (tests/netns.py: three hosts in
+network namespaces, each with its own sshd and /tmp; root needed). By hand, each process
+runs in its host's namespace (ps on h1, workers on h2, h3) with the hosts' addresses in
+the classic flags; pai gets the hosts as its nodes (PAI_NODES), one instance each.
+
 The two arms run one after the other for each combination, in the same run. Each
 worker's loss series is read from its step lines with pai's own parser table (the by
 hand logs) or from `pai status --json` (pai's), and the table shows how the loss moved:
@@ -23,6 +28,7 @@ Prints a Markdown table and one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -75,17 +81,27 @@ def series_from_log(text: str) -> dict[str, list[tuple[float, float]]]:
     return out
 
 
-def by_hand(python: str, env: dict, args: list[str], folder: Path) -> dict:
+INSTANCES = (("ps:0", "ps", 0), ("worker:0", "worker", 0), ("worker:1", "worker", 1))
+
+
+def local_places() -> dict:
+    """Where each process of the by-hand arm runs: (address, argv wrapper)."""
+    return {name: ("127.0.0.1", lambda argv: argv) for name, _job, _index in INSTANCES}
+
+
+def by_hand(python: str, env: dict, args: list[str], folder: Path, places: dict | None = None) -> dict:
+    places = places or local_places()
     ports = free_ports(3)
-    hosts = [f"--ps_hosts=127.0.0.1:{ports[0]}",
-             f"--worker_hosts=127.0.0.1:{ports[1]},127.0.0.1:{ports[2]}"]
+    addr = {name: f"{places[name][0]}:{port}" for (name, _j, _i), port in zip(INSTANCES, ports)}
+    hosts = [f"--ps_hosts={addr['ps:0']}", f"--worker_hosts={addr['worker:0']},{addr['worker:1']}"]
     procs, logs = {}, {}
     started = time.monotonic()
-    for name, job, index in (("ps:0", "ps", 0), ("worker:0", "worker", 0), ("worker:1", "worker", 1)):
+    for name, job, index in INSTANCES:
         logs[name] = folder / f"{name.replace(':', '')}.log"
         with open(logs[name], "wb") as out:
             procs[name] = subprocess.Popen(
-                [python, "-u", str(SCRIPT), *hosts, f"--job_name={job}", f"--task_index={index}", *args],
+                places[name][1]([python, "-u", str(SCRIPT), *hosts, f"--job_name={job}", f"--task_index={index}",
+                                 *args]),
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 cwd=folder, start_new_session=True)
     codes = {w: procs[w].wait(timeout=600) for w in WORKERS}
@@ -96,8 +112,8 @@ def by_hand(python: str, env: dict, args: list[str], folder: Path) -> dict:
             "series": {w: series_from_log(logs[w].read_text(errors="replace")) for w in WORKERS}}
 
 
-def through_pai(home: Path, args: list[str]) -> dict:
-    env = {**os.environ, "PAI_HOME": str(home), "NO_COLOR": "1"}
+def through_pai(home: Path, args: list[str], extra_env: dict | None = None) -> dict:
+    env = {**os.environ, "PAI_HOME": str(home), "NO_COLOR": "1", **(extra_env or {})}
     started = time.monotonic()
     done = subprocess.run([pai_command(), "-name", "tensorflow1120", f"-Dscript=file://{SCRIPT}",
                            '-Dcluster={"ps":{"count":1},"worker":{"count":2}}',
@@ -110,7 +126,8 @@ def through_pai(home: Path, args: list[str]) -> dict:
         return {"ok": False, "wall": wall, "series": {}, "error": done.stderr[-500:]}
     info = json.loads(subprocess.run([pai_command(), "status", job_id, "--json"], capture_output=True,
                                      text=True, env=env).stdout)
-    return {"ok": ok, "wall": wall, "step_seconds": info.get("step_seconds"),
+    return {"ok": ok, "wall": wall, "step_seconds": info.get("step_seconds"), "job": job_id,
+            "hosts": sorted({i["host"] for i in info["instances"]}),
             "series": {w: {k: [tuple(p) for p in v] for k, v in info["metric_series"].get(w, {}).items()}
                        for w in WORKERS}}
 
@@ -136,10 +153,31 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+@contextlib.contextmanager
+def ssh_cluster(folder: Path):
+    """The tests' SSH cluster (three namespaced hosts): by-hand places and pai's nodes."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from netns import build_cluster, can_build
+
+    from paicli.runners.runtimes import runtime_root
+
+    reason = can_build()
+    if reason:
+        sys.exit(f"--ssh: {reason}")
+    cluster = build_cluster(hosts=3, prefix="bfid", first_subnet=240)
+    try:
+        places = {name: (host.addr, host.exec_argv) for (name, _j, _i), host in zip(INSTANCES, cluster.hosts)}
+        nodes = cluster.write_nodes_file(folder / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
+        yield places, {"PAI_NODES": str(nodes)}
+    finally:
+        cluster.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="trivial,lenet")
     parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--ssh", action="store_true", help="both arms on the tests' SSH cluster (network namespaces)")
     opts = parser.parse_args()
 
     from paicli.runners.runtimes import get_runtime
@@ -148,16 +186,17 @@ def main() -> None:
     runtime.ensure(lambda line: print(line, file=sys.stderr))
     env = {**os.environ, **runtime.env, "TF_CPP_MIN_LOG_LEVEL": "1"}
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-fidelity-tf-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-fidelity-tf-", dir="/var/tmp" if opts.ssh else None) as tmp, \
+            (ssh_cluster(Path(tmp)) if opts.ssh else contextlib.nullcontext((None, {}))) as (places, pai_env):
         for model in opts.models.split(","):
             for mode in opts.modes.split(","):
                 args = cnn_args(model, mode == "sync")
                 folder = Path(tmp) / f"{model}-{mode}"
                 folder.mkdir()
                 print(f"{model} {mode}: by hand ...", file=sys.stderr, flush=True)
-                rows += summarize(model, mode, "by hand", by_hand(runtime.python(), env, args, folder))
+                rows += summarize(model, mode, "by hand", by_hand(runtime.python(), env, args, folder, places))
                 print(f"{model} {mode}: through pai ...", file=sys.stderr, flush=True)
-                rows += summarize(model, mode, "pai", through_pai(Path(tmp) / "pai-home", args))
+                rows += summarize(model, mode, "pai", through_pai(Path(tmp) / "pai-home", args, pai_env))
 
     print("| model | mode | arm | worker | ok | steps | first loss | last loss | relative change | images/sec | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -165,7 +204,7 @@ def main() -> None:
         print(f"| {r['model']} | {r['mode']} | {r['arm']} | {r['worker']} | {'OK' if r['ok'] else 'FAILED'} "
               f"| {','.join(map(str, r['steps']))} | {fmt(r['first_loss'], '.6g')} | {fmt(r['last_loss'], '.6g')} "
               f"| {fmt(r['change'], '+.3g')} | {fmt(r['images_per_sec'], '.1f')} | {r['wall']} |")
-    print(json.dumps({"bench": "fidelity_tf", "rows": rows}))
+    print(json.dumps({"bench": "fidelity_tf", "ssh": opts.ssh, "rows": rows}))
 
 
 if __name__ == "__main__":

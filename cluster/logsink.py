@@ -21,10 +21,17 @@ from pathlib import Path
 from paicli.private import write_private
 
 DEFAULT_CAP = 64 * 1024 * 1024
-# At most this many lines of one read (a few KB of one instance's output) are
-# searched for metrics. A training loop prints a metric line per step, far fewer
-# than this between two reads; only a flood is sampled.
+# At most this many metric-carrying lines of one read (a few KB of one instance's
+# output) are stored. A training loop prints a metric line per step, far fewer than
+# this between two reads; only a flood of metric lines is sampled. The sample is
+# taken among the lines that carry metrics, never among all lines: a burst of a
+# framework's warnings around a few step lines (tf_cnn_benchmarks on a loaded
+# machine, read in one piece) kept its last line and lost every step line before.
 METRIC_LINES_PER_READ = 16
+# ...and at most this many lines of one read are searched for them (an even sample
+# of a longer read, with its last line): a burst of a whole run's output is read
+# whole, while the search costs a flood of any kind a bounded amount.
+SCANNED_LINES_PER_READ = 1024
 
 
 def log_cap() -> int:
@@ -213,6 +220,15 @@ class InstanceLog:
         self.file.close()
 
 
+def sample_points(points: list, most: int) -> list:
+    """At most `most` of `points` (a read's lines, or its metric lines), an even
+    sample that always keeps the newest, so a flood costs a bounded amount."""
+    if len(points) <= most:
+        return points
+    stride = -(-len(points) // most)
+    return points[len(points) - 1::-stride][::-1]
+
+
 class JobLog:
     """The combined, prefixed log and the metrics found in it."""
 
@@ -242,15 +258,9 @@ class JobLog:
                 log.tail.append(line)
         if self.parser.patterns:
             now = time.time()
-            lines = text.count("\n")
-            if lines > METRIC_LINES_PER_READ:
-                # A flood: parse an even sample of the chunk's lines, always with
-                # its last one, so metrics cost the log path a bounded amount.
-                every = text.split("\n")[:-1]
-                stride = -(-len(every) // METRIC_LINES_PER_READ)
-                sample = every[len(every) - 1::-stride][::-1]
-                text = "\n".join(sample) + "\n"
-            for step, values in self.parser.parse_text(text):
+            if text.count("\n") > SCANNED_LINES_PER_READ:
+                text = "\n".join(sample_points(text.split("\n")[:-1], SCANNED_LINES_PER_READ)) + "\n"
+            for step, values in sample_points(self.parser.parse_text(text), METRIC_LINES_PER_READ):
                 for key, value in values.items():
                     self.pending_metrics.append((job_id, role, idx, now, step, key, value))
 

@@ -297,6 +297,11 @@ def runtime_list(as_json):
     from paicli.cli_runtime import layer_line, layer_rows   # ENVS room: the requirements layers
 
     layers = layer_rows()
+    from paicli.adapters.tensorflow import names_by_runtime   # FIDELITY room: the -names of each runtime
+
+    selected_by = names_by_runtime()
+    for info in infos:
+        info["names"] = selected_by.get(info["name"], [])
     if as_json:
         echo_json([{"kind": "runtime", **info} for info in infos] + layers)
         return
@@ -304,6 +309,8 @@ def runtime_list(as_json):
         size = f"{info['size'] / 1e6:.0f} MB" if info.get("size") else "-"
         state = "installed" if info["installed"] else "not installed"
         click.echo(f"{info['name']:<11} {state:<14} {size:>8}  {info['version']}  {info['path']}  [{info['source']}]")
+        if info["names"]:   # FIDELITY room
+            click.echo(f"{'':<11} -name {' '.join(info['names'])}")
     for row in layers:
         click.echo(layer_line(row))
 

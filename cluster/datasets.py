@@ -150,6 +150,9 @@ def _role_env(spec: Any, role: Any, path: Path, sliced: str, count: int) -> dict
     return env
 
 
+INHERIT_PYTHONPATH = "PAI_INHERIT_PYTHONPATH"   # runners/node_agent.py reads it
+
+
 def module_path(plan: Any, job_dir: Path) -> None:
     """Every job, tables or not: JOB/data/py holds paitables.py alone and comes
     first on every role's PYTHONPATH, so `import paitables` works in every runtime
@@ -163,8 +166,13 @@ def module_path(plan: Any, job_dir: Path) -> None:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_private(folder / "paitables.py", (RUNNERS_DIR / "paitables.py").read_bytes())
     for role in plan.roles:
-        extra = role.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or ""
+        extra = role.env.get("PYTHONPATH") or ""
         role.env["PYTHONPATH"] = str(folder) + (f":{extra}" if extra else "")
+        if not extra:
+            # The instance's own PYTHONPATH follows ours where the instance starts (the
+            # node agent adds it): this shell's locally, the node's own on a node. Taken
+            # here, this shell's value would cross to every SSH and Ray node undeclared.
+            role.env[INHERIT_PYTHONPATH] = "1"
 
 
 def load(job_dir: str | Path) -> dict | None:

@@ -127,8 +127,10 @@ def apply_to_plan(plan, env: Mapping[str, str]) -> None:
     for role in plan.roles:
         ours = _launcher_path(role.env.get("PYTHONPATH", ""))
         role.env.update(env)
-        if "PYTHONPATH" in env and ours:    # paitables' folder stays first (cluster/datasets.py)
-            role.env["PYTHONPATH"] = ":".join(p for p in (ours, env["PYTHONPATH"]) if p)
+        if "PYTHONPATH" in env:
+            role.env.pop("PAI_INHERIT_PYTHONPATH", None)   # declared: it replaces the instance's own
+            if ours:    # paitables' folder stays first (cluster/datasets.py)
+                role.env["PYTHONPATH"] = ":".join(p for p in (ours, env["PYTHONPATH"]) if p)
     plan.notes.append(f"env: {shown(env)} (set on every instance)")
 
 

@@ -122,6 +122,20 @@ def stop_group(pgid: int, grace: float, reap=None) -> bool:
     return True
 
 
+def instance_env(spec: dict) -> dict:
+    """The instance's environment: ours (unless the spec says not to inherit) under
+    the spec's. PAI_INHERIT_PYTHONPATH=1 (cluster/datasets.py) adds this process's
+    own PYTHONPATH after the spec's: the submitting shell's locally, the node's own
+    on a node, never the submitting shell's on another machine."""
+    inherit = spec.get("inherit", True)
+    env = dict(os.environ) if inherit else {}
+    env.update(spec.get("env") or {})
+    own = os.environ.get("PYTHONPATH") if inherit else None
+    if env.pop("PAI_INHERIT_PYTHONPATH", None) == "1" and own:
+        env["PYTHONPATH"] = ":".join(p for p in (env.get("PYTHONPATH"), own) if p)
+    return env
+
+
 def _default_signals() -> None:
     """The agent's own dispositions back to the defaults, so that the instance
     execs with them whatever the agent inherited (nohup, a shell's background
@@ -186,8 +200,7 @@ class Instance:
         self.next_sync = 0.0
 
     def start(self) -> bool:
-        env = dict(os.environ) if self.spec.get("inherit", True) else {}
-        env.update(self.spec.get("env") or {})
+        env = instance_env(self.spec)
         if self.spec.get("output_fd") is not None:
             write_fd, self.output_open = int(self.spec["output_fd"]), False   # the master reads it itself
         else:

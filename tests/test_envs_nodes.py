@@ -30,8 +30,9 @@ MASK = "***"
 SHARED_RUNTIMES = runtime_root()   # at import: before any fixture changes PAI_RUNTIME_DIR
 SCRIPT = """\
 import os, paienvtiny
-print("ON %s FOO=%s TOKEN=%s SHELL_ONLY=%s VALUE=%s" % (os.environ["PAI_NODE"], os.environ.get("FOO"),
-      os.environ.get("MY_TOKEN"), os.environ.get("ENVS_SHELL_ONLY"), paienvtiny.VALUE), flush=True)
+print("ON %s FOO=%s TOKEN=%s SHELL_ONLY=%s SHELL_PATH=%s VALUE=%s" % (os.environ["PAI_NODE"], os.environ.get("FOO"),
+      os.environ.get("MY_TOKEN"), os.environ.get("ENVS_SHELL_ONLY"),
+      "/envs-shell-only-path" in os.environ.get("PYTHONPATH", ""), paienvtiny.VALUE), flush=True)
 """
 TWO_WORKERS = '{"worker":{"count":2,"cpu":100}}'
 
@@ -56,7 +57,8 @@ def check_first_and_second(run, tmp_path: Path, nodes: set[str], builds: int) ->
     assert first.returncode == 0, out[-3000:] + first.stderr[-2000:]
     seen = {line.split()[2] for line in out.splitlines() if " ON " in f" {line}" and "VALUE=42" in line}
     assert seen == nodes, out[-3000:]
-    assert out.count(f"FOO=bar TOKEN={MASK} SHELL_ONLY=None VALUE=42") == 2, out[-3000:]
+    # Neither an undeclared variable nor this shell's PYTHONPATH reaches a node.
+    assert out.count(f"FOO=bar TOKEN={MASK} SHELL_ONLY=None SHELL_PATH=False VALUE=42") == 2, out[-3000:]
     assert SECRET not in out and SECRET not in first.stderr
     built = [line for line in out.splitlines() if "installing 1 package(s): paienvtiny==1.0" in line]
     assert len(built) == builds, out[-3000:]   # on each node (its own layers folder), once
@@ -80,7 +82,7 @@ def test_env_and_requirements_on_ssh_nodes(ssh_cluster, tmp_path, monkeypatch, p
     # /tmp is each host's own: the nodes' layers are theirs, not this machine's cache.
     path = ssh_cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir="/tmp/paicli-envs-runtimes")
     env = {"PAI_NODES": str(path), "PAI_RUNTIME_DIR": str(tmp_path / "local-runtimes"), "MY_TOKEN": SECRET,
-           "ENVS_SHELL_ONLY": "not declared"}
+           "ENVS_SHELL_ONLY": "not declared", "PYTHONPATH": "/envs-shell-only-path"}
     times = check_first_and_second(lambda *a: pai(*a, env=env, timeout=300), tmp_path,
                                    {h.name for h in ssh_cluster.hosts}, builds=2)
     print(f"ssh: first job {times[0]:.1f}s, second (layer reused) {times[1]:.1f}s")
@@ -216,7 +218,8 @@ def test_env_and_requirements_on_ray_nodes(ray_nodes, tmp_path):
     cluster, node_runtimes = ray_nodes
     home = tmp_path / "home"
     env = {"PAI_HOME": str(home), "PAI_RAY_ADDRESS": cluster.address, "NO_COLOR": "1", "PAI_DEBUG": "",
-           "PAI_RUNTIME_DIR": str(tmp_path / "local-runtimes"), "MY_TOKEN": SECRET, "ENVS_SHELL_ONLY": "no"}
+           "PAI_RUNTIME_DIR": str(tmp_path / "local-runtimes"), "MY_TOKEN": SECRET, "ENVS_SHELL_ONLY": "no",
+           "PYTHONPATH": "/envs-shell-only-path"}
 
     def run(*args):
         return cluster.run([sys.executable, "-m", "paicli", *args], env=env, timeout=300, cwd=str(ROOT))

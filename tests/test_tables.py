@@ -331,6 +331,8 @@ def test_every_job_stages_paitables_alone_first_on_every_role_path(tmp_path, mon
     """No tables needed: JOB/data/py (paitables.py alone) heads every role's
     PYTHONPATH, also past a declared PYTHONPATH, and is staged at the same place
     in the node's folder, so the path maps there."""
+    import node_agent
+
     from paicli.client import prepare
     from paicli.cluster import datasets, node_files, remote_paths
     from paicli.envvars import apply_to_plan
@@ -347,9 +349,16 @@ def test_every_job_stages_paitables_alone_first_on_every_role_path(tmp_path, mon
     assert datasets.prepare(prepared.spec, plan, job_dir) is None          # no tables: no index
     py = job_dir / "data" / "py"
     assert [p.name for p in py.iterdir()] == ["paitables.py"] and (py.stat().st_mode & 0o777) == 0o700
-    assert {r.name: r.env["PYTHONPATH"] for r in plan.roles} == {"ps": f"{py}:/shell/lib", "worker": f"{py}:/shell/lib"}
-    apply_to_plan(plan, {"PYTHONPATH": "/mine"})
-    assert all(r.env["PYTHONPATH"] == f"{py}:/mine" for r in plan.roles)
+    # The shell's PYTHONPATH is not in the plan (it would cross to every node): the
+    # node agent adds the instance's own where it starts (this shell's, locally).
+    assert {r.name: r.env["PYTHONPATH"] for r in plan.roles} == {"ps": str(py), "worker": str(py)}
+    assert all(r.env["PAI_INHERIT_PYTHONPATH"] == "1" for r in plan.roles)
+    assert node_agent.instance_env({"env": plan.roles[0].env})["PYTHONPATH"] == f"{py}:/shell/lib"
+    monkeypatch.delenv("PYTHONPATH")                           # a node with none of its own
+    assert node_agent.instance_env({"env": plan.roles[0].env})["PYTHONPATH"] == str(py)
+    assert "PAI_INHERIT_PYTHONPATH" not in node_agent.instance_env({"env": plan.roles[0].env})
+    apply_to_plan(plan, {"PYTHONPATH": "/mine"})               # declared: replaces the instance's own
+    assert all(r.env["PYTHONPATH"] == f"{py}:/mine" and "PAI_INHERIT_PYTHONPATH" not in r.env for r in plan.roles)
     manifest = node_files.manifest(job_dir, plan)
     staged = [f for f in manifest.files if f.dst.startswith("data")]
     assert [f.dst for f in staged] == ["data", "data/py", "data/py/paitables.py"]

@@ -50,6 +50,8 @@ _NUMBER = NUMBER
 TF_KEY_VALUE_METRIC = r"(?![A-Z][A-Z0-9_]*\s*=)(?!jitter\s*=)" + KEY_VALUE_METRIC
 # tf.compat.v1.train.LoggingTensorHook / Estimator: `loss = 0.52, step = 100 (0.3 sec)`
 LOGGING_TENSOR_HOOK_METRIC = rf"\bloss = (?P<loss>{_NUMBER}), step = (?P<step>\d+)"
+# ...and the StepCounterHook of MonitoredTrainingSession / Estimator: `global_step/sec: 41.2`
+STEP_COUNTER_METRIC = rf"\bglobal_step/sec: (?P<global_steps_per_sec>{_NUMBER})"
 # tf_cnn_benchmarks (benchmark_cnn.py): `STEP\timages/sec: MEAN +/- UNCERTAINTY (jitter =
 # JITTER)\tLOSS[\tTOP1\tTOP5]`; the images/sec a worker reached, averaged over its steps. A
 # diverged loss prints as nan/inf: the line still gives its step and images/sec (the parser
@@ -98,6 +100,12 @@ TF_LINES = (
     LineRule("tf_cnn_benchmarks header: not metrics", "", "Step\tImg/sec\ttotal_loss", {}),
     LineRule("LoggingTensorHook, Estimator", LOGGING_TENSOR_HOOK_METRIC,
              "INFO:tensorflow:loss = 0.52, step = 100 (0.311 sec)", {"loss": 0.52, "step": 100}),
+    LineRule("StepCounterHook (MonitoredTrainingSession, log_step_count_steps)", STEP_COUNTER_METRIC,
+             "INFO:tensorflow:global_step/sec: 5193.86", {"global_steps_per_sec": 5193.86}),
+    LineRule("MonitoredTrainingSession's global-step warning: not a metric", "",
+             "WARNING:tensorflow:It seems that global step (tf.train.get_global_step) has not been increased. "
+             "Current value (could be stable): 17 vs previous value: 17. You could increase the global step by "
+             "passing tf.train.get_global_step() to Optimizer.apply_gradients or Optimizer.minimize.", {}),
     LineRule("Keras 3, verbose=2", KERAS_METRIC,
              "6/6 - 0s - 12ms/step - accuracy: 0.5156 - loss: 0.6621 - val_accuracy: 0.4688 - val_loss: 0.6742",
              {"accuracy": 0.5156, "loss": 0.6621, "val_accuracy": 0.4688, "val_loss": 0.6742}),

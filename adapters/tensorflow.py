@@ -50,11 +50,15 @@ _NUMBER = NUMBER
 TF_KEY_VALUE_METRIC = r"(?![A-Z][A-Z0-9_]*\s*=)(?!jitter\s*=)" + KEY_VALUE_METRIC
 # tf.compat.v1.train.LoggingTensorHook / Estimator: `loss = 0.52, step = 100 (0.3 sec)`
 LOGGING_TENSOR_HOOK_METRIC = rf"\bloss = (?P<loss>{_NUMBER}), step = (?P<step>\d+)"
+# ...and the StepCounterHook of MonitoredTrainingSession / Estimator: `global_step/sec: 41.2`
+STEP_COUNTER_METRIC = rf"\bglobal_step/sec: (?P<global_steps_per_sec>{_NUMBER})"
 # tf_cnn_benchmarks (benchmark_cnn.py): `STEP\timages/sec: MEAN +/- UNCERTAINTY (jitter =
-# JITTER)\tLOSS[\tTOP1\tTOP5]`; the images/sec a worker reached, averaged over its steps.
+# JITTER)\tLOSS[\tTOP1\tTOP5]`; the images/sec a worker reached, averaged over its steps. A
+# diverged loss prints as nan/inf: the line still gives its step and images/sec (the parser
+# keeps finite values only), where before it gave nothing.
 CNN_BENCHMARK_STEP_METRIC = (
     rf"^[ \t]*(?P<step>\d+)\timages/sec: (?P<images_per_sec>{_NUMBER})"
-    rf"(?: \+/- {_NUMBER} \(jitter = {_NUMBER}\))?\t(?P<loss>{_NUMBER})"
+    rf"(?: \+/- {_NUMBER} \(jitter = {_NUMBER}\))?\t(?P<loss>{_NUMBER}|[-+]?(?:nan|inf))"
     rf"(?:\t(?P<top_1_accuracy>{_NUMBER})\t(?P<top_5_accuracy>{_NUMBER}))?[ \t]*$"
 )
 CNN_BENCHMARK_TOTAL_METRIC = rf"^total images/sec: (?P<total_images_per_sec>{_NUMBER})[ \t]*$"
@@ -81,6 +85,9 @@ TF_LINES = (
     LineRule("tf_cnn_benchmarks step (lenet, async)", CNN_BENCHMARK_STEP_METRIC,
              "10\timages/sec: 90.1 +/- 5.6 (jitter = 8.9)\t3122239787064721670144.000",
              {"step": 10, "images_per_sec": 90.1, "loss": 3.122239787064721670144e21}),
+    LineRule("tf_cnn_benchmarks step, a diverged loss (its '%.*f' of NaN)", CNN_BENCHMARK_STEP_METRIC,
+             "15\timages/sec: 88.2 +/- 4.1 (jitter = 9.0)\tnan",
+             {"step": 15, "images_per_sec": 88.2}),
     LineRule("tf_cnn_benchmarks step with --print_training_accuracy", CNN_BENCHMARK_STEP_METRIC,
              "100\timages/sec: 412.3 +/- 0.9 (jitter = 3.1)\t7.112\t0.001\t0.006",
              {"step": 100, "images_per_sec": 412.3, "loss": 7.112, "top_1_accuracy": 0.001,
@@ -93,6 +100,12 @@ TF_LINES = (
     LineRule("tf_cnn_benchmarks header: not metrics", "", "Step\tImg/sec\ttotal_loss", {}),
     LineRule("LoggingTensorHook, Estimator", LOGGING_TENSOR_HOOK_METRIC,
              "INFO:tensorflow:loss = 0.52, step = 100 (0.311 sec)", {"loss": 0.52, "step": 100}),
+    LineRule("StepCounterHook (MonitoredTrainingSession, log_step_count_steps)", STEP_COUNTER_METRIC,
+             "INFO:tensorflow:global_step/sec: 5193.86", {"global_steps_per_sec": 5193.86}),
+    LineRule("MonitoredTrainingSession's global-step warning: not a metric", "",
+             "WARNING:tensorflow:It seems that global step (tf.train.get_global_step) has not been increased. "
+             "Current value (could be stable): 17 vs previous value: 17. You could increase the global step by "
+             "passing tf.train.get_global_step() to Optimizer.apply_gradients or Optimizer.minimize.", {}),
     LineRule("Keras 3, verbose=2", KERAS_METRIC,
              "6/6 - 0s - 12ms/step - accuracy: 0.5156 - loss: 0.6621 - val_accuracy: 0.4688 - val_loss: 0.6742",
              {"accuracy": 0.5156, "loss": 0.6621, "val_accuracy": 0.4688, "val_loss": 0.6742}),

@@ -174,6 +174,12 @@ def through_pai(script: str, args: str, dparams: str, cwd: Path, home: Path, tim
         prefix = f"[{name}] "
         logs[name] = "\n".join(line[len(prefix):] for line in done.stdout.splitlines() if line.startswith(prefix))
     last = done.stdout.strip().splitlines()[-1:] or [""]
+    job_id = next((line[5:].strip() for line in done.stdout.splitlines() if line.startswith("ID = ")), None)
+    if job_id:   # where the instances ran: the SSH cluster's addresses with --ssh
+        status = subprocess.run([str(PAI), "status", job_id, "--json"], env=env, capture_output=True, text=True)
+        if status.returncode == 0:
+            hosts = sorted({i["host"] for i in json.loads(status.stdout)["instances"]})
+            print(f"  pai job {job_id} ran on {', '.join(hosts)}", flush=True)
     return (done.returncode if last[0] == "OK" else done.returncode or 1), worker_figures(logs), seconds
 
 

@@ -196,7 +196,9 @@ def main() -> None:
                 print(f"{model} {mode}: by hand ...", file=sys.stderr, flush=True)
                 rows += summarize(model, mode, "by hand", by_hand(runtime.python(), env, args, folder, places))
                 print(f"{model} {mode}: through pai ...", file=sys.stderr, flush=True)
-                rows += summarize(model, mode, "pai", through_pai(Path(tmp) / "pai-home", args, pai_env))
+                result = through_pai(Path(tmp) / "pai-home", args, pai_env)
+                print(f"  pai job {result.get('job')} ran on {', '.join(result.get('hosts', []))}", file=sys.stderr)
+                rows += summarize(model, mode, "pai", result)
 
     print("| model | mode | arm | worker | ok | steps | first loss | last loss | relative change | images/sec | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

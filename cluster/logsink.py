@@ -31,7 +31,7 @@ METRIC_LINES_PER_READ = 16
 # ...and at most this many lines of one read are searched for them (an even sample
 # of a longer read, with its last line): a burst of a whole run's output is read
 # whole, while the search costs a flood of any kind a bounded amount.
-SCANNED_LINES_PER_READ = 1024
+SCANNED_LINES_PER_READ = 256
 
 
 def log_cap() -> int:

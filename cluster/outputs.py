@@ -99,6 +99,7 @@ def conflict_line(path: str, first: str, last: str) -> str:
 def job_settings(job_dir: str | Path) -> dict[str, Any]:
     """What spec.json and nodes.json say about files: checkpointDir, the sync period,
     the size limit, the shared paths."""
+    from paicli.cluster.node_files import shared_paths   # the one reader of `shared:`
     from paicli.spec import parse_size
 
     try:
@@ -112,7 +113,7 @@ def job_settings(job_dir: str | Path) -> dict[str, Any]:
     sync = spec.get("checkpoint_sync_seconds")
     return {"checkpoint_dir": spec.get("checkpoint_dir"), "sync": 60 if sync is None else int(sync),
             "max_bytes": parse_size(spec["output_max_size"]) if spec.get("output_max_size") else None,
-            "shared": tuple(nodes.get("shared") or ()), "backend": nodes.get("backend", "local")}
+            "shared": tuple(shared_paths(str(job_dir))), "backend": nodes.get("backend", "local")}
 
 
 # -- one instance's files arriving ----------------------------------------------------------

@@ -42,15 +42,19 @@ def cli_markdown(group) -> str:
     lines = ["# Command reference", "",
              "Generated from `--help` (`python -m paicli.docs cli > docs/cli.md`); a test checks it is current.", ""]
 
-    def walk(command: click.Command, path: list[str]) -> None:
-        with click.Context(command, info_name=" ".join(path), terminal_width=100, max_content_width=100) as ctx:
+    def walk(command: click.Command, path: list[str], parent: click.Context | None) -> None:
+        # The command's own context settings under its parent's, as `pai ... --help` has
+        # them (-h beside --help): click caches a command's help option, so a context
+        # without them here would print another help line than the real command does.
+        settings = {"terminal_width": 100, "max_content_width": 100, **command.context_settings}
+        with click.Context(command, parent=parent, info_name=path[-1], **settings) as ctx:
             text = command.get_help(ctx)
-        lines.extend([f"## {' '.join(path)}", "", "```", text.rstrip(), "```", ""])
-        if isinstance(command, click.Group):
-            for name in command.list_commands(ctx):
-                walk(command.get_command(ctx, name), [*path, name])
+            lines.extend([f"## {' '.join(path)}", "", "```", text.rstrip(), "```", ""])
+            if isinstance(command, click.Group):
+                for name in command.list_commands(ctx):
+                    walk(command.get_command(ctx, name), [*path, name], ctx)
 
-    walk(group, ["pai"])
+    walk(group, ["pai"], None)
     return "\n".join(lines)
 
 

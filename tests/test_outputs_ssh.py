@@ -318,3 +318,39 @@ def test_a_tensorflow_ps_and_two_workers_job_brings_its_saved_model_back(cluster
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     weights = json.loads(loaded.stdout.split("]")[0] + "]")
     assert weights != [0.0, 0.0, 0.0, 0.0] and abs(weights[3] - 4.0) < 1.5, loaded.stdout
+
+
+@pytest.mark.mxnet
+def test_an_mxnet_worker_moved_off_a_lost_node_resumes_from_its_own_checkpoint(cluster, nodes, tmp_path):
+    """The MXNet worker restores its latest synced `save_parameters` file on another node."""
+    script = Path(__file__).parent / "scripts" / "mx_resume.py"
+    proc = subprocess.Popen([*PAI, "-name", "mxnet", f"-Dscript=file://{script}",
+                             '-Dcluster={"server":{"count":1,"cpu":50},"worker":{"count":1,"cpu":50}}',
+                             f"-DcheckpointDir={tmp_path / 'ckpt'}", "-DcheckpointSyncSeconds=1", "-DmaxRetries=1"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    saved = lambda: sorted((tmp_path / "ckpt").glob("linear-*.params")) if (tmp_path / "ckpt").exists() else []
+    lost = None
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        # a checkpoint past step 10 has come back by the periodic sync
+        assert wait_until(lambda: saved() and int(saved()[-1].stem[7:]) >= 10, timeout=90, interval=0.2)
+        worker = next(i for i in pai_json("status", job_id)["instances"] if i["role"] == "worker")
+        lost = next(h.name for h in cluster.hosts if h.addr == worker["host"])
+        cluster.link_down(lost)
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if lost:
+            cluster.link_up(lost)
+    assert proc.returncode == 0 and out.strip().endswith("OK"), out[-3000:]
+    moved = [i for i in pai_json("status", job_id)["instances"] if i["role"] == "worker"][-1]
+    assert moved["host"] != worker["host"], moved
+    firsts = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "first step" in line]
+    assert firsts[0] == 0 and firsts[-1] >= 10, out[-3000:]
+    losses = [float(line.rsplit("=", 1)[1]) for line in out.splitlines() if "loss=" in line]
+    after_move = out[out.rindex("first step"):]
+    assert losses[-1] < losses[0] and "step=120," in after_move, out[-3000:]
+    assert f"step={firsts[-1] + 1}," in after_move and f"step=1," not in after_move
+    if lost:
+        cluster.ssh(lost, ["rm", "-rf", f"/tmp/paicli-{cluster.user}/{job_id}"])

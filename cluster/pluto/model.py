@@ -334,7 +334,8 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
     charged half of it (serialising, the kernel's copies, a ps summing what it
     receives): a floor, never more than the CPU really spent. Work is per value: a
     2bit push is quantised on the worker and dequantised on the ps from and to every
-    32-bit value, so it is charged as uncompressed."""
+    32-bit value, so it is charged as uncompressed, plus that quantising
+    (`quantize_seconds`), half on each end."""
     ps_nodes, worker_nodes = layout(strategy, cluster)
     demand = [0.0] * len(cluster.nodes)
     batch = strategy.batch_per_worker or profile.batch_size
@@ -352,11 +353,22 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
     loads = ps_loads(profile.var_bytes or (total,), strategy.ps, strategy.partition,
                      strategy.big_array_bound) if strategy.ps else []
     held = sum(loads) or total or 1.0
+    half_quantize = 0.5 * quantize_seconds(profile, strategy, cluster)   # quantise here, dequantise there
     for node in worker_nodes:
-        demand[node] += compute + per_byte * 2.0 * total     # push every gradient, pull every value
+        demand[node] += compute + per_byte * 2.0 * total + half_quantize  # push every gradient, pull every value
     for j, node in enumerate(ps_nodes):
-        demand[node] += per_byte * 2.0 * total * (loads[j] / held) * strategy.workers
+        demand[node] += (per_byte * 2.0 * total + half_quantize) * (loads[j] / held) * strategy.workers
     return demand
+
+
+def quantize_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
+    """CPU seconds one worker's 2bit push costs, quantising every 32-bit gradient
+    value on the worker and dequantising it on the ps, at the probed cost per value
+    (calibration runs uncompressed, so its compute has none of it). The push waits
+    for both ends, so a step pays it whole; each end's cores carry half."""
+    if strategy.compression != "2bit" or not strategy.ps or strategy.framework in MA_FRAMEWORKS:
+        return 0.0
+    return cluster.quantize_s_per_value * profile.param_bytes / 4.0
 
 
 def cpu_floor(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
@@ -387,6 +399,7 @@ def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast
             fanin = 0.0
         comm = comm / period if strategy.workers > 1 else 0.0
         fanin = fanin / period if strategy.workers > 1 else 0.0
+    compute += quantize_seconds(profile, strategy, cluster)
     step = overhead + fanin + compute + comm
     floor = cpu_floor(profile, strategy, cluster)
     if floor > step:

@@ -240,7 +240,7 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
             notes.append(f"the {run.ps} + {run.workers} calibration run ({run.step_s:.4f} s/step) was faster "
                          f"than its modelled communication ({comm:.4f} s): left out of the fit")
             continue
-        rows.append([weight * v for v in (compute_seconds(unit, s, where), *overhead_terms(s))])
+        rows.append([weight * v for v in (compute_seconds(unit, s, where), *overhead_terms(s, where))])
         ys.append(weight * (run.step_s - comm))
     per_sample, fanin, per_ps = nnls(rows, ys) if rows else (0.0, 0.0, 0.0)
     return replace(profile, compute_s_per_sample=per_sample, fanin_s=fanin, per_ps_s=per_ps, notes=tuple(notes))

@@ -148,6 +148,18 @@ def probe_machines(say: Callable[[str], None]) -> dict[str, list]:
     return out
 
 
+def probe_quantize() -> float:
+    """calibrate.measure_quantize in the MXNet runtime (0.0 when it is not there)."""
+    from paicli.cluster.pluto import calibrate
+    from paicli.runners import pluto_helpers
+    from paicli.runners.runtimes import get_runtime
+
+    runtime = get_runtime("mxnet")
+    if not runtime.is_installed():
+        return 0.0
+    return calibrate.measure_quantize(runtime.python(), pluto_helpers.__file__)
+
+
 def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> float | None:
     """Bytes/s between two nodes, measured through pai: a job of one ps (a sink) and
     one worker (a source) running runners/pluto_helpers.py. The ps asks for the cpu of
@@ -544,6 +556,15 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         biggest = max(node.cores for node in clusters(loopback, None, machines)[0].nodes)
         links = measure_links(store, say, node_cpu=round(biggest * 100))
     where, here = clusters(loopback, links, machines)
+    # 2bit's CPU cost, probed once on this machine with MXNet's kernels (the planner
+    # weighs 2bit for every MXNet plan) and kept with the calibration like the rates.
+    quantize = (cached or {}).get("quantize_s_per_value")
+    if quantize is None and framework == "mxnet":
+        quantize = probe_quantize()
+    if quantize:
+        from dataclasses import replace
+        where, here = (replace(where, quantize_s_per_value=quantize),
+                       replace(here, quantize_s_per_value=quantize))
     texts = script_texts(prepared)   # read once for tf_sync and script_knobs
     jobs: list[str] = []
     if cached:
@@ -559,7 +580,7 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
                                         "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links,
-                                        "machines": machines})
+                                        "machines": machines, "quantize_s_per_value": quantize})
     knobs = script_knobs(prepared, facts, args, texts)
     result = planner.plan(profile, where, user, budget_s=budget_s, knobs=knobs)
     verification = None

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -239,7 +240,7 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
             notes.append(f"the {run.ps} + {run.workers} calibration run ({run.step_s:.4f} s/step) was faster "
                          f"than its modelled communication ({comm:.4f} s): left out of the fit")
             continue
-        rows.append([weight * v for v in (compute_seconds(unit, s, where), *overhead_terms(s))])
+        rows.append([weight * v for v in (compute_seconds(unit, s, where), *overhead_terms(s, where))])
         ys.append(weight * (run.step_s - comm))
     per_sample, fanin, per_ps = nnls(rows, ys) if rows else (0.0, 0.0, 0.0)
     return replace(profile, compute_s_per_sample=per_sample, fanin_s=fanin, per_ps_s=per_ps, notes=tuple(notes))
@@ -386,3 +387,24 @@ def measure_loopback(seconds: float = 0.3, chunk: int = 1 << 20) -> float:
     client.close()
     server.close()
     return received[0] / elapsed if elapsed > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------
+# 2bit compression's CPU cost (calibration runs uncompressed)
+
+
+def measure_quantize(python: str, helpers: str, timeout: float = 120.0) -> float:
+    """Seconds of CPU 2bit compression adds per gradient value, probed with MXNet's
+    own kernels (runners/pluto_helpers.py quantize, in the MXNet runtime's Python):
+    about a second. 0.0 when the probe cannot run: the forecast then charges what
+    it charged before, nothing."""
+    try:
+        done = subprocess.run([python, helpers, "quantize"], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return 0.0
+    lines = done.stdout.split()
+    try:
+        return max(0.0, float(lines[-1])) if done.returncode == 0 and lines else 0.0
+    except ValueError:
+        return 0.0

@@ -23,7 +23,9 @@
   because round trips, a ps serving many workers, and a worker talking to many ps
   cost time that no byte count shows. TensorFlow async: theta1 x (W - 1) instead
   (`overhead_terms`): every other worker's traffic collides with this one's part of
-  the time, whichever ps it goes to, and more ps do not take that away.
+  the time, whichever ps it goes to, and more ps do not take that away. On a
+  cluster of several nodes the per-ps term counts only servers across a link
+  (`servers_beyond_one`); 2bit adds its quantising CPU (`quantize_seconds`).
 
 Caffe's model averaging: an iteration is compute plus one averaging round (every
 worker sends its model to the ps and receives the average) divided by the period.
@@ -284,7 +286,7 @@ def node_slowdown(busy: list[float], i: int, cluster: Cluster) -> float:
     return slow
 
 
-def overhead_terms(strategy: Strategy) -> tuple[float, float]:
+def overhead_terms(strategy: Strategy, cluster: Cluster | None = None) -> tuple[float, float]:
     """What the two fitted overheads multiply: step += fanin_s x a + per_ps_s x b.
 
     Sync (Optimus): a = (W - 1)/P, the workers a ps serves beyond one; b = P - 1, the
@@ -300,12 +302,38 @@ def overhead_terms(strategy: Strategy) -> tuple[float, float]:
     price only what more workers or more ps add. Counted from 0 (Optimus' W/P and P),
     a constant was in the terms and in compute alike, and the fit could put every
     second of compute into the constant: compute per sample ~0, and plans of many
-    processes on few cores forecast as if the cores were free (issue 21)."""
+    processes on few cores forecast as if the cores were free (issue 21).
+
+    On a cluster of several nodes (`cluster` given), b counts only servers across a
+    link (`servers_beyond_one`)."""
     if not strategy.ps:
         return 0.0, 0.0
+    per_ps = servers_beyond_one(strategy, cluster)
     if strategy.framework == "tensorflow" and not strategy.sync:
-        return float(max(0, strategy.workers - 1)), float(strategy.ps - 1)
-    return max(0, strategy.workers - 1) / strategy.ps, float(strategy.ps - 1)
+        return float(max(0, strategy.workers - 1)), per_ps
+    return max(0, strategy.workers - 1) / strategy.ps, per_ps
+
+
+def servers_beyond_one(strategy: Strategy, cluster: Cluster | None) -> float:
+    """The per-server term's count: the servers beyond the first that the
+    worst-placed worker reaches across a link, on a cluster of several nodes.
+
+    What a server beyond the first adds and no byte count shows is a round trip a
+    worker waits on. Over a link that costs the link's latency and queueing (what a
+    calibration run with servers across a link measures; the first one's is in the
+    1 + 1 run's step, so in compute); to a server on the worker's own node it is a
+    loopback hop whose cost is CPU, which the CPU floor already charges. Charging the
+    over-the-link price to co-located servers priced TF 3 ps + 1 worker, its ps on
+    the worker's node, 38-104% too slow (issue 21). On one node (nothing crosses a
+    link) every server beyond the first counts: calibration there measured the
+    loopback round trips, and the plans are for that node."""
+    if strategy.ps <= 1:
+        return 0.0
+    if cluster is None or len(cluster.nodes) <= 1:
+        return float(strategy.ps - 1)
+    ps_nodes, worker_nodes = layout(strategy, cluster)
+    remote = max((sum(1 for p in ps_nodes if p != w) for w in worker_nodes), default=len(ps_nodes))
+    return float(max(0, remote - 1))
 
 
 def cpu_groups(cluster: Cluster) -> list[tuple[list[int], float]]:
@@ -334,7 +362,8 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
     charged half of it (serialising, the kernel's copies, a ps summing what it
     receives): a floor, never more than the CPU really spent. Work is per value: a
     2bit push is quantised on the worker and dequantised on the ps from and to every
-    32-bit value, so it is charged as uncompressed."""
+    32-bit value, so it is charged as uncompressed, plus that quantising
+    (`quantize_seconds`), half on each end."""
     ps_nodes, worker_nodes = layout(strategy, cluster)
     demand = [0.0] * len(cluster.nodes)
     batch = strategy.batch_per_worker or profile.batch_size
@@ -352,11 +381,22 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
     loads = ps_loads(profile.var_bytes or (total,), strategy.ps, strategy.partition,
                      strategy.big_array_bound) if strategy.ps else []
     held = sum(loads) or total or 1.0
+    half_quantize = 0.5 * quantize_seconds(profile, strategy, cluster)   # quantise here, dequantise there
     for node in worker_nodes:
-        demand[node] += compute + per_byte * 2.0 * total     # push every gradient, pull every value
+        demand[node] += compute + per_byte * 2.0 * total + half_quantize  # push every gradient, pull every value
     for j, node in enumerate(ps_nodes):
-        demand[node] += per_byte * 2.0 * total * (loads[j] / held) * strategy.workers
+        demand[node] += (per_byte * 2.0 * total + half_quantize) * (loads[j] / held) * strategy.workers
     return demand
+
+
+def quantize_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
+    """CPU seconds one worker's 2bit push costs, quantising every 32-bit gradient
+    value on the worker and dequantising it on the ps, at the probed cost per value
+    (calibration runs uncompressed, so its compute has none of it). The push waits
+    for both ends, so a step pays it whole; each end's cores carry half."""
+    if strategy.compression != "2bit" or not strategy.ps or strategy.framework in MA_FRAMEWORKS:
+        return 0.0
+    return cluster.quantize_s_per_value * profile.param_bytes / 4.0
 
 
 def cpu_floor(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
@@ -373,7 +413,7 @@ def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast
                      strategy.big_array_bound) if strategy.ps else []
     compute = compute_seconds(profile, strategy, cluster)
     comm = comm_seconds(profile, strategy, cluster, loads)
-    per_fanin, per_ps = overhead_terms(strategy)
+    per_fanin, per_ps = overhead_terms(strategy, cluster)
     fanin = profile.fanin_s * per_fanin + profile.per_ps_s * per_ps
     overhead = profile.overhead_s
     if strategy.framework in MA_FRAMEWORKS:
@@ -387,6 +427,7 @@ def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast
             fanin = 0.0
         comm = comm / period if strategy.workers > 1 else 0.0
         fanin = fanin / period if strategy.workers > 1 else 0.0
+    compute += quantize_seconds(profile, strategy, cluster)
     step = overhead + fanin + compute + comm
     floor = cpu_floor(profile, strategy, cluster)
     if floor > step:

@@ -187,6 +187,9 @@ class Cluster:
     # When the nodes are virtual hosts of one machine (a test cluster), the cores
     # they all share: compute contends machine-wide, not only per node.
     machine_cores: float | None = None
+    # CPU seconds 2bit compression adds per gradient value pushed (quantising on the
+    # worker, dequantising on the ps), probed with MXNet's kernels (calibrate.measure_quantize).
+    quantize_s_per_value: float = 0.0
 
     @property
     def total_cores(self) -> float:

@@ -172,6 +172,8 @@ class InstanceOutputs:
             while view:
                 view = view[os.write(self._fd, view):]
             self._hash.update(payload)
+            if self.job.on_bytes is not None:
+                self.job.on_bytes(len(payload))
         except OSError as err:
             self._abandon(self.job.local_error(err))
 
@@ -246,6 +248,7 @@ class JobOutputs:
         self.keep_nodes: set[str] = set()
         self._disk_full_said = False
         self.fetching = False   # `pai get` of files left on nodes (fetch_from_nodes)
+        self.on_bytes: Callable[[int], None] | None = None   # `pai get`'s progress bar
 
     # -- starting an instance -------------------------------------------------------
 
@@ -453,7 +456,7 @@ def rels_of(paths: Iterable[str], dirs: dict[str, str]) -> dict[str, list[str]]:
 
 
 def fetch_from_nodes(store, job_id: str, backend, wanted: dict[tuple[str, str], list[str] | None],
-                     note: Note) -> set[str]:
+                     note: Note, on_bytes: Callable[[int], None] | None = None) -> set[str]:
     """`pai get` of files an ended job left on its nodes (a node that did not answer
     at the job's end, a file over -DoutputMaxSize): the agent's `collect` on each
     node, written aside, checked and renamed where the file belongs, as at the job's
@@ -462,6 +465,7 @@ def fetch_from_nodes(store, job_id: str, backend, wanted: dict[tuple[str, str], 
     job_dir = store.job(job_id)["job_dir"]
     outputs = JobOutputs(store, job_id, job_dir, note)
     outputs.fetching = True
+    outputs.on_bytes = on_bytes      # each file's bytes as they arrive (several nodes at once)
     for row in store.outputs(job_id):
         if row[6] == "here":
             outputs.owner[row[2]] = (row[1], row[5])   # a copy that differs is named as a conflict

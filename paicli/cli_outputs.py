@@ -10,6 +10,7 @@ import fnmatch
 import json
 import os
 import sys
+import threading
 import time
 
 import click
@@ -137,8 +138,20 @@ def fetch_left(store, job: dict, chosen: list[dict]) -> None:
         log(line)
         echo(line, err=True)
 
+    # Files over the size limit are listed with their size: a large fetch shows a bar on
+    # a terminal, as a large copy does (an unreachable node's files were never listed).
+    total = sum(int(r.get("size") or 0) for r in chosen if r.get("where") == "node")
+    bar, lock, got = progress_bar(total), threading.Lock(), [0]
+
+    def arrived(size: int) -> None:   # the nodes' pump threads, several at once
+        with lock:
+            got[0] += size
+            bar(min(got[0], total))
+
     # a node that does not answer is said by a note line; its files stay listed as on it
-    outputs.fetch_from_nodes(store, job["id"], backend_for_job(job["job_dir"]), wanted, note)
+    outputs.fetch_from_nodes(store, job["id"], backend_for_job(job["job_dir"]), wanted, note, arrived)
+    if 0 < got[0] < total and total >= PROGRESS_FROM and sys.stderr.isatty():
+        sys.stderr.write("\n")   # the bar stopped short (a node did not answer): end its line
 
 
 def resume_statement(store, job: dict, tokens: list[str]):

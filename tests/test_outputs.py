@@ -150,8 +150,10 @@ def test_pai_get_brings_what_a_node_held_marks_it_here_and_removes_the_folder(tm
                        ("j1", "worker:1", "*", 0, 0, None, "node", "h2", "the job's folder on h2", unreachable[0])])
     backend, lines = NodeFolders({"h1": str(node), "h2": str(tmp_path / "h2")}), []
     wanted = outputs.left_on_nodes(store.outputs("j1"), [("worker:0", "*"), ("worker:1", "*")])
-    assert outputs.fetch_from_nodes(store, "j1", backend, wanted, lines.append) == set()
+    arrived: list[int] = []   # pai get's progress bar is fed every byte that came
+    assert outputs.fetch_from_nodes(store, "j1", backend, wanted, lines.append, arrived.append) == set()
     assert (work / "models" / "model.h5").read_bytes() == b"weights" * 1000
+    assert sum(arrived) == len(b"weights" * 1000)
     rows = {(r[1], r[2]): r for r in store.outputs("j1")}
     assert set(rows) == {("worker:0", str(work / "models" / "model.h5")), ("worker:1", "*")}
     assert rows[("worker:0", str(work / "models" / "model.h5"))][6] == "here"

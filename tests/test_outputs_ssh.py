@@ -75,6 +75,21 @@ def assert_files_back(work: Path, job_id: str, home: Path, workers=(0, 1)) -> No
     assert not [p for p in work.rglob("*") if p.name.startswith(".pai-part-")]
 
 
+def running_hang_job(work: Path) -> tuple[subprocess.Popen, str]:
+    """A job whose workers hang after writing their files, once both report metrics:
+    the attached pai and the job's id (the caller ends it, then reaps the pai)."""
+    proc = submit(work, "-DuserDefinedParameters=--hang", detach=True)
+    job_id = proc.stdout.readline()[5:].strip()
+    try:
+        assert wait_until(lambda: len(pai_json("status", job_id).get("metric_series", {})) >= 2,
+                          timeout=60, interval=0.3), pai_json("status", job_id)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, job_id
+
+
 def clear(work: Path) -> None:
     """Remove what an earlier job of the test brought back."""
     for path in [work / "models", work.parent / "ckpt", work / "same.txt"]:
@@ -131,11 +146,8 @@ def test_files_come_back_after_a_failure_pai_kill_and_kill_9_of_the_master(clust
 
     # `pai kill`: the master stops the instances through their agents, which send first
     clear(work)
-    proc = submit(work, "-DuserDefinedParameters=--hang", detach=True)
+    proc, job_id = running_hang_job(work)
     try:
-        job_id = proc.stdout.readline()[5:].strip()
-        assert wait_until(lambda: len(pai_json("status", job_id).get("metric_series", {})) >= 2,
-                          timeout=60, interval=0.3), pai_json("status", job_id)
         assert pai("kill", job_id, timeout=60).returncode == 0
         proc.communicate(timeout=60)
     finally:
@@ -147,11 +159,8 @@ def test_files_come_back_after_a_failure_pai_kill_and_kill_9_of_the_master(clust
     assert wait_until(lambda: not node_folders(cluster, job_id), timeout=20), node_folders(cluster, job_id)
 
     clear(work)
-    proc = submit(work, "-DuserDefinedParameters=--hang", detach=True)
+    proc, job_id = running_hang_job(work)
     try:
-        job_id = proc.stdout.readline()[5:].strip()
-        assert wait_until(lambda: len(pai_json("status", job_id).get("metric_series", {})) >= 2,
-                          timeout=60, interval=0.3), pai_json("status", job_id)
         os.kill(pai_json("status", job_id)["master_pid"], signal.SIGKILL)
         assert wait_until(lambda: not node_folders(cluster, job_id), timeout=30)
     finally:

@@ -192,6 +192,43 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
         time.sleep(0.1)
 
 
+def test_a_restarts_relay_is_not_ended_by_the_last_agents_late_eof(tmp_path, monkeypatch):
+    """A restart opens a new relay on the same actor while the last node agent is
+    still ending: its EOF, however late, must not read as the new agent's end (it
+    did once in CI: the restart came back as a lost node). The last
+    agent's EOF is made to land while the new one is being started, the widest
+    window there is."""
+    monkeypatch.setattr(ray_node.tempfile, "gettempdir", lambda: str(tmp_path))
+    actor = ray_node.InstanceActor("job1", "job1/worker:0", "n" * 20)
+    real_popen = subprocess.Popen
+    started = []
+
+    def popen(argv, **kw):   # an "agent" that ends, EOF on its stdout, once its stdin closes
+        if started:
+            started[-1].wait(10)
+            deadline = time.monotonic() + 10
+            while not actor.eof and time.monotonic() < deadline:
+                time.sleep(0.01)     # the last agent's pump has taken its EOF
+            assert actor.eof
+        proc = real_popen([sys.executable, "-c", "import sys; sys.stdin.buffer.read()"], **kw)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(ray_node.subprocess, "Popen", popen)
+    try:
+        actor.open()
+        actor.open()
+        assert actor.recv(100, 0.3) is None    # nothing yet; b"" would mean "the agent ended"
+        actor.send(b"")
+        actor.close()
+        assert actor.recv(100, 10) == b""      # now it has
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
 def test_a_heartbeat_to_an_actor_that_does_not_answer_does_not_wait():
     """One thread beats every link in turn: a send that waited on the actor of a node
     that stopped answering (10 s each) starved the other links' agents, which then

@@ -207,15 +207,18 @@ class InstanceActor:
         the last one's stdin is closed, which stops whatever it left). Its pid: what
         close() is given, so that a late close of the last link spares this one."""
         self.close()
-        with self.cond:
-            self.buf.clear()
-            self.eof = False
-        self.agent = subprocess.Popen(
+        agent = subprocess.Popen(
             [sys.executable, os.path.join(self.folder, "runners", "node_agent.py"), "run", self.label],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
             env=_node_env(), start_new_session=True, close_fds=True)
-        threading.Thread(target=self._pump, args=(self.agent,), daemon=True).start()
-        return self.agent.pid
+        with self.cond:
+            # One step under the lock: the last agent's pump, which may still hold
+            # its EOF, sees it is no longer the owner before the buffer is reset.
+            self.agent = agent
+            self.buf.clear()
+            self.eof = False
+        threading.Thread(target=self._pump, args=(agent,), daemon=True).start()
+        return agent.pid
 
     def _pump(self, agent: subprocess.Popen) -> None:
         fd = agent.stdout.fileno()
@@ -225,13 +228,12 @@ class InstanceActor:
             except OSError:
                 data = b""
             with self.cond:
-                if agent is not self.agent:
-                    return          # a newer agent owns the buffer
-                while data and len(self.buf) > MAX_BUFFERED:
+                while agent is self.agent and data and len(self.buf) > MAX_BUFFERED:
                     self.cond.wait(0.5)
-                self.buf += data
-                self.eof = not data
-                self.cond.notify_all()
+                if agent is self.agent:     # else a newer agent owns the buffer: drop, drain
+                    self.buf += data
+                    self.eof = not data
+                    self.cond.notify_all()
             if not data:
                 agent.wait()
                 return

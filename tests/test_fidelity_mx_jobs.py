@@ -30,6 +30,7 @@ needs_peer = pytest.mark.skipif(not PEER_MX.is_dir(), reason="the peer examples 
 
 sys.path.insert(0, str(ROOT / "examples" / "mxnet"))
 import make_mnist  # noqa: E402  (our own MNIST-format data)
+import mx_cells  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +119,15 @@ def test_a_gpu_solver_runs_on_cpu_for_one_worker_as_for_two(pai_home, tmp_path):
         workers = 1 if "ps" not in cluster else 2
         assert sum(said in line for line in result.stdout.splitlines()) == workers, result.stdout[-3000:]
         assert "Cannot use GPU" not in result.stdout
+
+
+# ---------------------------------------------------------------------------
+# The matrix: every cell of MXNet's own example here (tests/mx_cells.py; the same
+# cells run on the SSH cluster in test_fidelity_mx_ssh.py). The sync mnist cell is
+# also compared with the script started as MXNet's own launcher starts it.
+
+@needs_peer
+@pytest.mark.mxnet
+@pytest.mark.parametrize("cell", mx_cells.CELLS)
+def test_every_cell_of_the_peer_example_runs_here(cell, mx_runtime, pai_home, tmp_path):
+    mx_cells.check_cell(cell, mx_cells.run_cell(cell, tmp_path))

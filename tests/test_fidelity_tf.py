@@ -23,7 +23,7 @@ from paicli.adapters.tensorflow import VERSIONED_NAMES, TensorflowAdapter, runti
 from paicli.runners import runtimes
 from paicli.runners.runtimes import LayeredVenvRuntime, VenvRuntime, get_runtime
 from paicli.spec import CORE_PARAMS, JobSpec
-from netns import module_cluster
+from netns import module_cluster, module_nodes
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_TF = REPO.parent / "shared" / "peer" / "tensorflow" / "tf_cnn_benchmarks"
@@ -376,55 +376,63 @@ def legacy_runtime():
     return rt
 
 
-@pytest.mark.tensorflow
-def test_peer_tf_cnn_benchmarks_trivial_sync_runs_locally(legacy_runtime, pai_home):
+# The matrix the issue names, every cell here and on the SSH cluster: each model in
+# each mode. Loss on tf_cnn_benchmarks' synthetic images barely moves by hand
+# (docs/tensorflow.md): lenet's goes down a little, trivial's stays within a hair.
+TF_CELLS = [("trivial", True), ("trivial", False), ("lenet", True), ("lenet", False)]
+
+
+def cell_id(cell) -> str:
+    return f"{cell[0]}-{'sync' if cell[1] else 'async'}"
+
+
+def check_cnn_job(result, model: str, sync: bool) -> dict:
+    """The job ended OK and trained together (assert_trained_together); `pai status`
+    shows step, throughput and loss; loss moved as by hand. The job's status."""
     from conftest import job_id_from, pai, pai_json
 
-    result = run_cnn_benchmarks(pai, "trivial", sync=True)
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert result.returncode == 0 and lines[-1] == "OK", result.stdout[-3000:] + result.stderr[-2000:]
     job_id = job_id_from(result.stdout)
     info = pai_json("status", job_id)
     logs = {name: pai("logs", job_id, "--instance", name).stdout for name in ("ps:0", "worker:0", "worker:1")}
-    assert_trained_together(info, logs, sync=True)
+    assert_trained_together(info, logs, sync=sync)
     plain = pai("status", job_id).stdout
-    assert "images_per_sec=" in plain and "loss=" in plain and "step=20" in plain
-    assert json.loads((pai_home / "jobs" / job_id / "spec.json").read_text())["name"] == "tensorflow1120"
+    assert "images_per_sec=" in plain and "loss=" in plain and re.search(r"\bstep=\d+", plain), plain
+    if sync:
+        assert "step=20" in plain, plain
+    for worker in ("worker:0", "worker:1"):
+        losses = [v for _s, v in info["metric_series"][worker]["loss"]]
+        assert losses[-1] < losses[0] if model == "lenet" else losses[-1] <= losses[0] * 1.001, (worker, losses)
+    return info
+
+
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("model, sync", TF_CELLS, ids=map(cell_id, TF_CELLS))
+def test_peer_tf_cnn_benchmarks_runs_locally(model, sync, legacy_runtime, pai_home):
+    from conftest import job_id_from, pai
+
+    result = run_cnn_benchmarks(pai, model, sync=sync)
+    check_cnn_job(result, model, sync)
+    assert json.loads((pai_home / "jobs" / job_id_from(result.stdout) / "spec.json").read_text())["name"] \
+        == "tensorflow1120"
 
 
 # Three SSH hosts in network namespaces (tests/netns.py), one per instance.
 ssh_cluster = module_cluster(3, "ptf", 200, name="ssh_cluster")
+ssh_nodes = module_nodes(cpu=100, runtime="tensorflow_v1", cluster="ssh_cluster", name="ssh_nodes")
 
 
 @pytest.mark.tensorflow
-def test_peer_tf_cnn_benchmarks_lenet_async_runs_on_three_ssh_nodes(legacy_runtime, ssh_cluster, tmp_path,
-                                                                     monkeypatch, pai_home):
+@pytest.mark.parametrize("model, sync", TF_CELLS, ids=map(cell_id, TF_CELLS))
+def test_peer_tf_cnn_benchmarks_runs_on_three_ssh_nodes(model, sync, legacy_runtime, ssh_cluster, ssh_nodes):
     """The plain script on nodes that share nothing under /tmp: its own modules
     (benchmark_cnn.py, models/, platforms/ ...) are staged with it."""
-    from conftest import job_id_from, pai, pai_json, wait_until
-    from paicli.runners.runtimes import runtime_root
+    from conftest import pai
 
-    nodes = ssh_cluster.write_nodes_file(tmp_path / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
-    monkeypatch.setenv("PAI_NODES", str(nodes))
-    try:
-        result = run_cnn_benchmarks(pai, "lenet", sync=False)
-        lines = [line for line in result.stdout.splitlines() if line.strip()]
-        assert result.returncode == 0 and lines[-1] == "OK", result.stdout[-3000:] + result.stderr[-2000:]
-        job_id = job_id_from(result.stdout)
-        info = pai_json("status", job_id)
-        assert len({i["host"] for i in info["instances"]}) == 3
-        assert all(i["host"].startswith(ssh_cluster.subnet + ".") for i in info["instances"])
-        logs = {name: pai("logs", job_id, "--instance", name).stdout for name in ("ps:0", "worker:0", "worker:1")}
-        assert_trained_together(info, logs, sync=False)
-        for worker in ("worker:0", "worker:1"):   # async lenet's loss goes down, as by hand
-            losses = [v for _s, v in info["metric_series"].get(worker, {}).get("loss", [])]
-            assert len(losses) < 2 or losses[-1] < losses[0], (worker, losses)
-    finally:
-        listed = json.loads(pai("list", "--json").stdout or "[]")
-        for job in listed:
-            if job["status"] not in ("Succeeded", "Failed", "Cancelled"):
-                pai("kill", job["id"], timeout=60)
-        assert wait_until(lambda: not ssh_cluster.all_leftovers(), timeout=15), ssh_cluster.all_leftovers()
+    info = check_cnn_job(run_cnn_benchmarks(pai, model, sync=sync), model, sync)
+    assert len({i["host"] for i in info["instances"]}) == 3
+    assert all(i["host"].startswith(ssh_cluster.subnet + ".") for i in info["instances"])
 
 
 # ---------------------------------------------------------------------------

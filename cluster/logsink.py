@@ -77,11 +77,18 @@ class CappedFile:
         self.file.close()
 
 
+# A `name=number` pair inside a `<prefix>_pairs` group (MetricParser).
+PAIR = re.compile(r"(?<![\w.\-])([A-Za-z_][\w.\-]*)\s*=\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])")
+
+
 class MetricParser:
     """Applies the plan's regexes to log text. A pattern with named groups gives a
     metric per group (`(?P<loss>…)`); a pattern with groups `key` and `value`
-    gives a metric named by the key's text. A line's step is its `step`,
-    `iteration` or `global_step` value.
+    gives a metric named by the key's text. A group named `<prefix>_pairs` gives
+    each `name=number` pair of its text as `<prefix>_<name>`, and claims its line:
+    no key/value pattern reads that line (Gluon's `[Epoch 3] validation:
+    accuracy=0.88, top_k_accuracy_5=0.97` is two validation scores, not the
+    training ones). A line's step is its `step`, `iteration` or `global_step` value.
 
     Each pattern runs once over a whole chunk of lines (in C), and Python only
     touches the matches: a log without metrics costs almost nothing per line.
@@ -93,6 +100,16 @@ class MetricParser:
 
     def __init__(self, patterns: list[str]):
         self.patterns = [re.compile(p, re.MULTILINE) for p in patterns]
+        self.pairs_patterns = [p for p in self.patterns if any(g.endswith("_pairs") for g in p.groupindex)]
+
+    @staticmethod
+    def _matches(pattern: re.Pattern, text: str):
+        """(the line's start, match) for each match that stays within its line."""
+        for match in pattern.finditer(text):
+            newline = text.find("\n", match.start(), match.end())
+            if newline != -1 and any(end > newline for _, end in match.regs[1:]):
+                continue  # what it captured runs into the next line
+            yield text.rfind("\n", 0, match.start()) + 1, match
 
     def parse(self, line: str) -> tuple[float | None, dict[str, float]]:
         found = self.parse_text(line)
@@ -101,20 +118,22 @@ class MetricParser:
     def parse_text(self, text: str) -> list[tuple[float | None, dict[str, float]]]:
         """(step, metrics) for every line of `text` that has any, in line order."""
         per_line: dict[int, dict[str, float]] = {}
+        claimed = {start for pattern in self.pairs_patterns for start, _ in self._matches(pattern, text)}
         for pattern in self.patterns:
-            for match in pattern.finditer(text):
-                newline = text.find("\n", match.start(), match.end())
-                if newline != -1 and any(end > newline for _, end in match.regs[1:]):
-                    continue  # what it captured runs into the next line
-                start = text.rfind("\n", 0, match.start()) + 1
+            for start, match in self._matches(pattern, text):
                 values = per_line.setdefault(start, {})
                 groups = match.groupdict()
                 if "key" in groups and "value" in groups:
-                    if groups["key"] is not None and groups["value"] is not None:
+                    if groups["key"] is not None and groups["value"] is not None and start not in claimed:
                         self._put(values, groups["key"], groups["value"])
                     continue
                 for key, found in groups.items():
-                    if found is not None:
+                    if found is None:
+                        continue
+                    if key.endswith("_pairs"):
+                        for name, number in PAIR.findall(found):
+                            self._put(values, f"{key[:-len('_pairs')]}_{name}", number)
+                    else:
                         self._put(values, key, found)
         out = []
         for start in sorted(per_line):

@@ -124,6 +124,40 @@ def test_the_peer_examples_lines_are_read_in_a_whole_log():
     assert found[-1][1] == {"epoch": 0, "Validation-accuracy": 0.996094}
 
 
+def captured(name: str) -> str:
+    """A log captured from a real run (tests/data; its header, `# ` lines, says how)."""
+    path = Path(__file__).resolve().parent / "data" / name
+    return "".join(line for line in path.read_text().splitlines(keepends=True) if not line.startswith("# "))
+
+
+def test_mxnets_own_gluon_examples_give_curves_from_their_captured_logs():
+    """MXNet 1.9.1's example/gluon mnist.py and image_classification.py, as they printed
+    in a real run: batch lines are steps with their scores and speed; an epoch's
+    validation scores are validation_<name>, never the training scores' names."""
+    from paicli.adapters.mxnet import MxnetAdapter
+    from paicli.cluster.logsink import MetricParser
+
+    parser = MetricParser(list(MxnetAdapter.metric_patterns))
+    found = parser.parse_text(captured("gluon_mnist_1.9.1.log"))
+    assert [step for step, _ in found if step is not None] == [10, 20, 30, 10, 20, 30]
+    assert found[2][1] == {"epoch": 0, "batch": 30, "accuracy": 0.566028}
+    assert [v for _s, v in found if "validation_accuracy" in v] == [
+        {"epoch": 0, "validation_accuracy": 0.914062}, {"epoch": 1, "validation_accuracy": 1.0}]
+    assert [v["accuracy"] for s, v in found if s is None and "accuracy" in v] == [0.627344, 0.990234]
+
+    found = parser.parse_text(captured("gluon_image_classification_1.9.1.log"))
+    steps = [(s, v) for s, v in found if s is not None]
+    assert [s for s, _ in steps] == [24, 49, 74, 99] * 2
+    assert all(set(v) == {"epoch", "batch", "speed", "accuracy", "top_k_accuracy_5"} and v["speed"] > 80
+               for _, v in steps), steps
+    epochs = [v for s, v in found if s is None]
+    assert [v.get("epoch_seconds") for v in epochs if "epoch_seconds" in v] == [4.479419, 4.575507]
+    validation = [v for v in epochs if any(k.startswith("validation_") for k in v)]
+    assert validation == [{"epoch": e, "validation_accuracy": 1.0, "validation_top_k_accuracy_5": 1.0} for e in (0, 1)]
+    assert [v["top_k_accuracy_5"] for v in epochs if "top_k_accuracy_5" in v] == [0.99, 1.0]   # training's
+    assert len(found) == 8 + 6    # the settings line, the checkpoint notice, the average: nothing
+
+
 def test_the_tables_and_the_import_scanner_take_any_text(tmp_path):
     """Fuzz: any line gives finite numbers, a long line costs linear time; any
     source file (binary, broken, huge) leaves the scanner with an answer."""

@@ -29,7 +29,6 @@ succeeded. A failed job leaves no table and says where its rows are.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -319,6 +318,8 @@ class _Slices:
 
     def blob(self, t: int, sid: str) -> str:
         if (t, sid) not in self.cut:
+            import hashlib   # here, not at the top: hashlib loads OpenSSL, ~3 ms of every submit
+
             digest, size = hashlib.sha256(), 0
             for chunk in _slice_chunks(self.index["tables"][t], sid):
                 digest.update(chunk)
@@ -484,6 +485,8 @@ def bucket_trees(job_dir: str | Path) -> list[dict]:
     Regular files only; links and special files stay behind."""
     from paicli.cluster.node_files import data_trees
 
+    import hashlib
+
     trees = []
     for folder, dst in data_trees(str(job_dir)):
         sources = []
@@ -500,6 +503,8 @@ def bucket_trees(job_dir: str | Path) -> list[dict]:
 
 
 def _file_digest(path: str) -> str:
+    import hashlib
+
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

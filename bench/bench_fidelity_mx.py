@@ -218,26 +218,12 @@ def fmt(value) -> str:
     return "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
 
 
-@contextlib.contextmanager
 def ssh_cluster(folder: Path):
-    """The tests' SSH cluster (three namespaced hosts): by-hand places and pai's nodes."""
+    """The tests' SSH cluster (tests/netns.py): scheduler and server on h1, a worker on h2 and h3."""
     sys.path.insert(0, str(REPO / "tests"))
-    from netns import build_cluster, can_build
+    from netns import bench_cluster
 
-    from paicli.runners.runtimes import runtime_root
-
-    reason = can_build()
-    if reason:
-        sys.exit(f"--ssh: {reason}")
-    cluster = build_cluster(hosts=3, prefix="bfidm", first_subnet=245)
-    try:
-        h1, h2, h3 = cluster.hosts
-        places = {"scheduler": (h1.addr, h1.exec_argv), "server:0": (h1.addr, h1.exec_argv),
-                  "worker:0": (h2.addr, h2.exec_argv), "worker:1": (h3.addr, h3.exec_argv)}
-        nodes = cluster.write_nodes_file(folder / "nodes.yaml", cpu=150, runtime_dir=str(runtime_root()))
-        yield places, {"PAI_NODES": str(nodes)}
-    finally:
-        cluster.close()
+    return bench_cluster(folder, "bfidm", 245, {"scheduler": 0, "server:0": 0, "worker:0": 1, "worker:1": 2}, cpu=150)
 
 
 def main() -> int:

@@ -153,24 +153,12 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-@contextlib.contextmanager
 def ssh_cluster(folder: Path):
-    """The tests' SSH cluster (three namespaced hosts): by-hand places and pai's nodes."""
+    """The tests' SSH cluster (tests/netns.py): one host per instance."""
     sys.path.insert(0, str(REPO / "tests"))
-    from netns import build_cluster, can_build
+    from netns import bench_cluster
 
-    from paicli.runners.runtimes import runtime_root
-
-    reason = can_build()
-    if reason:
-        sys.exit(f"--ssh: {reason}")
-    cluster = build_cluster(hosts=3, prefix="bfid", first_subnet=240)
-    try:
-        places = {name: (host.addr, host.exec_argv) for (name, _j, _i), host in zip(INSTANCES, cluster.hosts)}
-        nodes = cluster.write_nodes_file(folder / "nodes.yaml", cpu=100, runtime_dir=str(runtime_root()))
-        yield places, {"PAI_NODES": str(nodes)}
-    finally:
-        cluster.close()
+    return bench_cluster(folder, "bfid", 240, {name: i for i, (name, _j, _x) in enumerate(INSTANCES)}, cpu=100)
 
 
 def main() -> None:

@@ -568,3 +568,31 @@ def kill_unfinished_jobs() -> list[str]:
     for job_id in unfinished:
         pai("kill", job_id, timeout=60)
     return unfinished
+
+
+def bench_cluster(folder: Path, prefix: str, first_subnet: int, host_of: dict[str, int], cpu: int):
+    """For the benches that compare pai with a launch by hand on the tests' SSH
+    cluster (three namespaced hosts): a context manager yielding the by-hand places
+    (instance name -> (address, argv wrapper that runs in the host's namespace), per
+    `host_of`: name -> host index) and pai's environment (PAI_NODES: every host,
+    `cpu` units). Exits with the reason where namespaces cannot be built; the
+    cluster is torn down at the end, whatever happened."""
+    import contextlib
+    import sys
+
+    from paicli.runners.runtimes import runtime_root
+
+    @contextlib.contextmanager
+    def built():
+        reason = can_build()
+        if reason:
+            sys.exit(f"--ssh: {reason}")
+        cluster = build_cluster(hosts=3, prefix=prefix, first_subnet=first_subnet)
+        try:
+            places = {name: (cluster.hosts[i].addr, cluster.hosts[i].exec_argv) for name, i in host_of.items()}
+            nodes = cluster.write_nodes_file(folder / "nodes.yaml", cpu=cpu, runtime_dir=str(runtime_root()))
+            yield places, {"PAI_NODES": str(nodes)}
+        finally:
+            cluster.close()
+
+    return built()

@@ -490,7 +490,19 @@ def fetch_from_nodes(store, job_id: str, backend, wanted: dict[tuple[str, str], 
     done = {a.node for a in outputs.attempts if a.complete} - still
     if done:
         backend.remove_job_folders(job_dir, sorted(done))
+    _rewrite_summary(store, job_id)
     return {a.node for a in outputs.attempts if not a.complete}
+
+
+def _rewrite_summary(store, job_id: str) -> None:
+    """summary.txt, which the master wrote at the job's end ("1 not brought back"),
+    as the store says now."""
+    from paicli import jobstatus
+
+    try:
+        jobstatus.write_summary_file(jobstatus.build_status(store, job_id))
+    except OSError:
+        pass   # a job folder removed meanwhile: nothing to keep true
 
 
 def remove_parts(folder: str) -> int:

@@ -208,6 +208,8 @@ def test_an_unreachable_nodes_files_are_reported_missing_and_its_folder_kept(clu
     listed = pai_json("outputs", job_id)
     assert listed["missing"] == 0 and {f["where"] for f in listed["files"]} == {"here"}, listed
     assert "*" not in {f["path"] for f in listed["files"]}
+    summary = (pai_home / "jobs" / job_id / "summary.txt").read_text()   # says so too, now
+    assert "Outputs: " in summary and "not brought back" not in summary, summary
     assert wait_until(lambda: not node_folders(cluster, job_id), timeout=20), node_folders(cluster, job_id)
 
 

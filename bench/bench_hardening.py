@@ -14,6 +14,7 @@
             peak RSS (VmHWM) ........................... ratio <= 1.2, master <= 60 MB
   overhead  bench_core.py's paired runs (pai vs the same three processes started by
             hand), reported as seconds added per pair, median ....... <= 0.2 s
+            (issue 12), <= 0.10 s (issue 16)
   chaos     1 ps + 4 workers of bench/chaos_job.py (a worker resumes from its own
             checkpoint and reconnects to a restarted ps, as real training does),
             ~2.5 min without faults; a driver SIGKILLs a random running instance at
@@ -227,11 +228,12 @@ def bench_overhead(args) -> dict:
     added = statistics.median(e["added_s"] for e in extras)
     res = {"figure": "submit overhead", "steps": args.steps, "sleep": args.sleep, "pairs": extras,
            "median_added_s": added, "median_ratio": round(statistics.median(e["pai_s"] / e["plain_s"] for e in extras), 3),
-           "load_before": before, "load_after": bench_core.load(), "met": added <= 0.2}
+           "load_before": before, "load_after": bench_core.load(), "met": added <= 0.2, "met_issue16": added <= 0.10}
     res["median_phases_s"] = {k: statistics.median(e["phases_s"][k] for e in extras) for k in extras[0]["phases_s"]}
     print(f"[overhead] pai's phases (medians): {res['median_phases_s']}", flush=True)
     print(f"[overhead] 1 ps + 2 workers, {args.steps} x {args.sleep} s: pai adds {added:+.3f} s (median of "
-          f"{len(extras)} pairs; ratio {res['median_ratio']}); goal <= 0.2 s: {'MET' if res['met'] else 'NOT MET'}; "
+          f"{len(extras)} pairs; ratio {res['median_ratio']}); goal <= 0.2 s (issue 12): {'MET' if res['met'] else 'NOT MET'}, "
+          f"<= 0.10 s (issue 16): {'MET' if res['met_issue16'] else 'NOT MET'}; "
           f"load {before} -> {res['load_after']}", flush=True)
     return res
 

@@ -43,6 +43,29 @@ SUMMARY_DELAY = 1.0  # seconds after the launch before the first summary file is
 METRICS_EVERY = 0.25  # seconds between the master's commits of the metrics it parsed (they are in job.log at once)
 
 
+# Output that wakes the master is read COALESCE_S later, with whatever else came
+# meanwhile: the workers of a step print at about the same moment, and a master that
+# woke for each line took a core from them just then, on a machine they share
+# (bench_hardening.py overhead, docs/benchmarks.md). A child's exit is not delayed.
+COALESCE_S = 0.004
+
+
+def ready_together(selector, timeout: float, window: float = COALESCE_S, sleep=time.sleep) -> list:
+    """What `selector` finds ready within `timeout`; when that is output alone, what
+    is ready `window` seconds later instead (that output and what came since)."""
+    try:
+        ready = selector.select(timeout)
+    except InterruptedError:
+        return []
+    if ready and window > 0 and all(key.data is not None for key, _ in ready):
+        sleep(window)
+        try:
+            ready = selector.select(0)
+        except InterruptedError:
+            pass
+    return ready
+
+
 @dataclass
 class Instance:
     role: RolePlan
@@ -347,10 +370,7 @@ class JobMaster:
         """Wait up to `timeout` for output or a child's exit; take one read from
         every instance that has output, so 64 chatty instances share the loop
         fairly and no line waits behind another instance's backlog."""
-        try:
-            ready = self.selector.select(timeout)
-        except InterruptedError:
-            ready = []
+        ready = ready_together(self.selector, timeout)
         for key, _ in ready:
             if key.data is None:  # SIGCHLD woke us: _reap will look
                 try:

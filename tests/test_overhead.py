@@ -134,3 +134,37 @@ def test_a_released_watch_closes_in_the_background_and_close_joins_it(tmp_path):
     assert threading.active_count() == threads and watch._closing is None
     with pytest.raises(OSError):
         os.fstat(fd)   # closed for real
+
+
+def test_the_master_reads_what_a_step_printed_in_one_round_and_an_exit_at_once():
+    """A worker's line wakes the master; the other worker's line of the same step,
+    printed within the window, is read in the same round (one wake-up per step, not
+    one per line, taken from the workers' cores). A child's exit waits for nothing."""
+    import selectors
+
+    from paicli.cluster.master import COALESCE_S, ready_together
+
+    selector = selectors.DefaultSelector()
+    pipes = [os.pipe() for _ in range(3)]
+    try:
+        for (read_fd, _w), data in zip(pipes, ("worker:0", "worker:1", None)):
+            selector.register(read_fd, selectors.EVENT_READ, data)
+        slept = []
+
+        def meanwhile(seconds):   # the window passes; worker:1 prints during it
+            slept.append(seconds)
+            os.write(pipes[1][1], b"step=1\n")
+
+        os.write(pipes[0][1], b"step=1\n")
+        ready = ready_together(selector, 1.0, sleep=meanwhile)
+        assert sorted(key.data for key, _ in ready) == ["worker:0", "worker:1"] and slept == [COALESCE_S]
+        assert 0 < COALESCE_S <= 0.01   # well inside the tail's latency goal (p99 <= 100 ms)
+        os.write(pipes[2][1], b"x")      # SIGCHLD's wake-up byte
+        slept.clear()
+        ready = ready_together(selector, 1.0, sleep=meanwhile)
+        assert None in [key.data for key, _ in ready] and slept == []
+    finally:
+        selector.close()
+        for read_fd, write_fd in pipes:
+            os.close(read_fd)
+            os.close(write_fd)

@@ -51,9 +51,14 @@ COALESCE_S = 0.004
 
 
 def ready_together(selector, timeout: float, window: float = COALESCE_S, sleep=time.sleep) -> list:
-    """What `selector` finds ready within `timeout`; when that is output alone, what
-    is ready `window` seconds later instead (that output and what came since)."""
+    """What `selector` finds ready within `timeout`; when the master had to wait
+    for it and it is output alone, what is ready `window` seconds later instead
+    (that output and what came since). A backlog is read at once: a flood of
+    output never waits."""
     try:
+        ready = selector.select(0)
+        if ready:
+            return ready
         ready = selector.select(timeout)
     except InterruptedError:
         return []

@@ -155,14 +155,24 @@ def test_the_master_reads_what_a_step_printed_in_one_round_and_an_exit_at_once()
             slept.append(seconds)
             os.write(pipes[1][1], b"step=1\n")
 
-        os.write(pipes[0][1], b"step=1\n")
-        ready = ready_together(selector, 1.0, sleep=meanwhile)
+        import threading
+
+        later = threading.Timer(0.05, os.write, (pipes[0][1], b"step=1\n"))   # while the master waits
+        later.start()
+        ready = ready_together(selector, 30.0, sleep=meanwhile)
+        later.join()
         assert sorted(key.data for key, _ in ready) == ["worker:0", "worker:1"] and slept == [COALESCE_S]
         assert 0 < COALESCE_S <= 0.01   # well inside the tail's latency goal (p99 <= 100 ms)
-        os.write(pipes[2][1], b"x")      # SIGCHLD's wake-up byte
+        # Output already waiting (a flood, a backlog) is read at once.
         slept.clear()
-        ready = ready_together(selector, 1.0, sleep=meanwhile)
-        assert None in [key.data for key, _ in ready] and slept == []
+        assert len(ready_together(selector, 30.0, sleep=meanwhile)) == 2 and slept == []
+        for read_fd, _w in pipes[:2]:
+            os.read(read_fd, 100)
+        later = threading.Timer(0.05, os.write, (pipes[2][1], b"x"))   # SIGCHLD's wake-up byte
+        later.start()
+        ready = ready_together(selector, 30.0, sleep=meanwhile)
+        later.join()
+        assert [key.data for key, _ in ready] == [None] and slept == []
     finally:
         selector.close()
         for read_fd, write_fd in pipes:

@@ -20,17 +20,14 @@ import pytest
 
 from conftest import ROOT, job_id_from, pai, pai_json
 
-PEER_MX = ROOT.parent / "shared" / "peer" / "mxnet" / "image-classification"
-SERVER_AND_TWO = '{"server":{"count":1},"worker":{"count":2}}'
 MNIST_ARGS = "--network lenet --num-examples 3200 --batch-size 64 --num-epochs 1 --disp-batches 5"
-IMAGENET_ARGS = ("--benchmark 1 --network lenet --image-shape 1,28,28 --num-classes 10 --num-examples 640 "
-                 "--batch-size 32 --num-epochs 1 --disp-batches 5")
-
-needs_peer = pytest.mark.skipif(not PEER_MX.is_dir(), reason="the peer examples are not on this machine")
 
 sys.path.insert(0, str(ROOT / "examples" / "mxnet"))
 import make_mnist  # noqa: E402  (our own MNIST-format data)
 import mx_cells  # noqa: E402
+
+PEER_MX, SERVER_AND_TWO = mx_cells.PEER_MX, mx_cells.SERVER_AND_TWO
+needs_peer = pytest.mark.skipif(not PEER_MX.is_dir(), reason="the peer examples are not on this machine")
 
 
 @pytest.fixture(scope="module")

@@ -192,6 +192,151 @@ def test_reading_a_job_whose_master_is_gone_derives_the_end_and_writes_nothing(p
         end(stranger)
 
 
+# Every command of `pai`, as a reader (given: the argv lists to run for a job ID, or
+# for none) or as a writer. A new command must be placed here: the walk below fails
+# until it is, so no read path escapes the test that follows.
+READERS = {
+    "status": lambda job: [["status", job], ["status", job, "--json"]],
+    "logs": lambda job: [["logs", job], ["logs", job, "--json"]],
+    "outputs": lambda job: [["outputs", job, "--json"]],
+    "plot": lambda job: [["plot", job]],
+    "logview": lambda job: [["logview", job]],
+    "wait": None,   # run below for the jobs shown ended: it follows the others until they end
+    "list": [["list"], ["list", "--json"]],
+    "queue": [["queue"], ["queue", "--json"]],
+    "tune list": [["tune", "list", "--json"]],
+    "console": None,  # run below with read statements only
+}
+WRITERS = {"submit", "run", "resume", "kill", "export", "params", "plan", "get", "nodes trust",
+           "runtime install", "runtime list", "runtime remove", "tune start", "tune status", "tune stop"}
+
+
+def _leaf_commands() -> set[str]:
+    import click
+
+    from paicli.cli import cli
+
+    found = set()
+
+    def walk(command, path):
+        if isinstance(command, click.Group):
+            for name in command.list_commands(click.Context(command)):
+                walk(command.get_command(click.Context(command), name), [*path, name])
+        else:
+            found.add(" ".join(path))
+
+    walk(cli, [])
+    return found
+
+
+def _queued_job(home: Path, master: tuple[int, str] | None) -> str:
+    """A job waiting in the queue as its supervisor left it (its turn not come)."""
+    from paicli.cluster import queue_turns
+    from paicli.cluster.backends.base import NodeSpec
+    from paicli.plan import JobPlan, RolePlan
+
+    job_id = record_job(home, master=None)
+    store = Store(home)
+    try:
+        plan = JobPlan("j", "python", "T", [RolePlan("worker", 1, ["true"], cpu=100)])
+        store.enqueue(job_id, 0, None, queue_turns.check_and_describe(
+            store, plan, [NodeSpec("local", "127.0.0.1", 100, 1000)], 0, None))
+        if master is not None:
+            store.update_job(job_id, master_pid=master[0], master_start=master[1],
+                             reason="waiting: 1st in queue; worker needs cpu 100, local has 0 free")
+    finally:
+        store.close()
+    return job_id
+
+
+def _processes_of(home: Path, but: set[int]) -> list[int]:
+    """Processes started with this PAI_HOME (a master, a watchdog) other than `but`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in but:
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"PAI_HOME={home}".encode() in environ:
+                found.append(int(entry))
+    return found
+
+
+def _files(home: Path) -> dict[str, int]:
+    """Every file under PAI_HOME but the store's own, with its size (a master
+    started even for a moment leaves its master.log)."""
+    return {str(p.relative_to(home)): p.stat().st_size for p in home.rglob("*")
+            if p.is_file() and not p.name.startswith("pai.db")}
+
+
+def test_the_read_commands_are_walked_from_the_command_tree():
+    commands = _leaf_commands()
+    assert not set(READERS) & WRITERS
+    assert commands == set(READERS) | WRITERS, \
+        f"place each command in READERS or WRITERS: {sorted(commands ^ (set(READERS) | WRITERS))}"
+
+
+def test_every_read_command_over_every_kind_of_job_writes_nothing_and_starts_nothing(pai_home, monkeypatch):
+    """A store holding a job of each kind (queued with its supervisor gone, queued
+    and supervised, running with its master gone, running, never started, ended):
+    every read command over every job leaves the store row for row as it was, and
+    starts no process (a queued job's supervisor is restarted by writers only:
+    docs/decisions.md, "the CLI only reads")."""
+    from paicli.states import JobStatus
+
+    monkeypatch.delenv("PAI_QUOTA", raising=False)
+    stranger, alive = sleeper(), sleeper()
+    mine = {stranger.pid, alive.pid}
+    spawned: list[int] = []
+    try:
+        ref = {"backend": "local", "node": "local", "host": "127.0.0.1", "pid": stranger.pid,
+               "pgid": stranger.pid, "start": start_time(stranger.pid), "boot_id": None}
+        live = (alive.pid, start_time(alive.pid))
+        jobs = {
+            "queued, supervisor gone": _queued_job(pai_home, dead_identity()),
+            "queued": _queued_job(pai_home, live),
+            "running, master gone": record_job(pai_home, master=dead_identity(), refs=[ref]),
+            "running": record_job(pai_home, master=live, refs=[ref]),
+            "never started": record_job(pai_home, master=None, created=time.time() - 600),
+            "ended": record_job(pai_home, master=dead_identity()),
+        }
+        store = Store(pai_home)
+        store.set_job(jobs["ended"], JobStatus.SUCCEEDED)
+        store.close()
+        env = {**QUIET, "PAI_QUOTA": ""}
+        before, files = dump(pai_home), _files(pai_home)
+        runs = [argv for reader in READERS.values() if isinstance(reader, list) for argv in reader]
+        runs += [argv for job in jobs.values() for reader in READERS.values() if callable(reader)
+                 for argv in reader(job)]
+        for argv in runs:
+            result = pai(*argv, env=env, timeout=60)
+            assert result.returncode in (0, 1), f"pai {' '.join(argv)}: {result.stderr}"
+            spawned = _processes_of(pai_home, mine)
+            assert not spawned, f"`pai {' '.join(argv)}` started processes {spawned}"
+            assert dump(pai_home) == before, f"`pai {' '.join(argv)}` wrote the store"
+            assert _files(pai_home) == files, f"`pai {' '.join(argv)}` wrote in PAI_HOME"
+        shown = {j["id"]: j["status"] for j in pai_json("list", env=env)}
+        for job in jobs.values():
+            if JobStatus(shown[job]).is_terminal():
+                assert pai("wait", job, env=env, timeout=60).returncode == \
+                    (0 if shown[job] == "Succeeded" else 1)
+        console = pai("console", env=env, input="show instances;\nshow queue;\n" +
+                      "".join(f"status {job};\nlogs {job};\n" for job in jobs.values()))
+        assert console.returncode == 0, console.stderr
+        assert dump(pai_home) == before and _files(pai_home) == files
+        assert _processes_of(pai_home, mine) == []
+        assert stranger.poll() is None and alive.poll() is None, "a reader signalled a process"
+    finally:
+        for pid in spawned or _processes_of(pai_home, mine):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        end(stranger)
+        end(alive)
+
+
 def tarpit() -> socket.socket:
     """An address where a TCP connect succeeds and then nothing ever answers (an
     SSH node behind a dead link): any SSH round trip there waits for its timeout."""

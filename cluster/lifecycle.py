@@ -4,8 +4,14 @@
 if it has not ended within its grace, SIGKILL it, whatever it is blocked in;
 then the one stop path for every instance the store knows. `declare_master_lost`
 is the watchdog's (and `pai kill`'s for a job whose master is gone): record the
-verdict, then stop what the master left. Reading a job never writes: see
-paicli.jobstatus.read_job, which derives "master gone" for display.
+verdict, then stop what the master left. `revive_queued` gives a queued job whose
+supervisor is gone (a reboot, a kill) a new one; `hand_over_queue` (revive, then
+run the queue's policy) is what every writer that frees room does: a master's end
+(queue_turns.job_ended), `pai kill`, the watchdog, the next watchdog's sweep.
+A submit revives too, and `pai queue --revive` on request (after a reboot, when
+nothing of paicli runs). Reading a job never writes: see
+paicli.jobstatus.read_job, which derives "master gone" and "supervisor gone" for
+display.
 
 Every signal goes to a verified identity (pid and start time; instances through
 their backend's identity check). An identity that cannot be verified is
@@ -22,16 +28,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from paicli.cluster import queue_turns
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import InstanceRef
 from paicli.cluster.procinfo import Unverified, is_alive, signal_verified
 from paicli.errors import PaiError
-from paicli.jobstatus import lost_reason
+from paicli.jobstatus import lost_reason, master_alive
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
 STOP_TIMEOUT = 3.0     # SIGTERM to SIGKILL for an instance group
 STOP_DEADLINE = 4.0    # the most a stop through the job's backend may take (SSH, Ray round trips)
+REVIVE_GRACE = 30.0    # a restarted supervisor has this long to record itself
 Report = Callable[[str], None]
 
 
@@ -91,6 +99,7 @@ def declare_master_lost(store: Store, job_id: str, refs: list[InstanceRef] | Non
     store.set_job(job_id, JobStatus.FAILED, reason)
     stopped = stop_job_instances(store, job_id, refs, report=report)
     _mark_instances(store, job_id, reason)
+    hand_over_queue(store, report=report)   # what it held is free: the queue moves, as at a master's end
     return stopped
 
 
@@ -103,6 +112,11 @@ def cancel(store: Store, job_id: str, reason: str = "cancelled by user", wait: f
     if JobStatus(job["status"]).is_terminal():
         return False
     lost = lost_reason(job)
+    if lost and store.queue_entry(job_id) is not None:
+        # Waiting in the queue, its supervisor gone: nothing of it ever ran.
+        store.set_job(job_id, JobStatus.CANCELLED, reason)
+        hand_over_queue(store, report=report)
+        return True
     if lost:
         report(f"{job_id}: {lost}; recorded, and what it left is stopped")
         declare_master_lost(store, job_id, reason=lost, report=report)
@@ -151,9 +165,52 @@ def sweep_lost(store: Store, report: Report = to_stderr) -> list[str]:
     lost = []
     for job in store.unfinished_jobs():
         reason = lost_reason(job)
-        if reason:
+        if reason and store.queue_entry(job["id"]) is None:   # a queued one is revived below
             lost.append(job["id"])
             stopped = declare_master_lost(store, job["id"], reason=reason, report=report)
             report(f"{time.ctime()}: job {job['id']}: {reason}; stopped {[f'{r.node}:{r.pid}' for r in stopped]}")
+    for job_id in revive_queued(store, report):
+        report(f"{time.ctime()}: job {job_id}: waiting in the queue, its supervisor gone: a new one started")
     return lost
+
+
+# -- the queue: no daemon, so whoever writes keeps it going ------------------------------
+
+
+def hand_over_queue(store: Store, me: str | None = None, report: Report = to_stderr) -> None:
+    """Room may be free (a job ended, was cancelled or recorded lost): the queued
+    jobs whose supervisor is gone get a new one first (so the policy counts them
+    as live), then the policy runs and wakes the jobs whose turn came."""
+    revive_queued(store, report)
+    queue_turns.dispatch(store, me=me)
+
+
+def revive_queued(store: Store, report: Report = to_stderr) -> list[str]:
+    """Start a new supervisor for every queued job whose supervisor is gone (a
+    reboot, a kill): queued jobs are not lost, nothing of them ever ran. One
+    writer takes each (store.mark_revived, in a transaction). Returns their IDs."""
+    revived = []
+    for row in store.queued():
+        if master_alive(row):
+            continue
+        if store.mark_revived(row["job_id"], row["master_pid"], time.time() - REVIVE_GRACE):
+            try:
+                _start_supervisor(store, row["job_id"])
+            except OSError as err:
+                # Recorded as taken: the next writer after REVIVE_GRACE tries again.
+                report(f"{time.ctime()}: job {row['job_id']}: its new supervisor did not start: {err}")
+                continue
+            revived.append(row["job_id"])
+    return revived
+
+
+def _start_supervisor(store: Store, job_id: str) -> None:
+    from paicli.cluster.procinfo import start_time
+    from paicli.cluster.spawn import spawn_master
+
+    job_dir = Path(store.job(job_id)["job_dir"])
+    store.event(job_id, "queue", "its supervisor was gone; a new one takes its place in the queue")
+    with store.closed_for_fork():
+        pid = spawn_master(store.home, job_id, job_dir / "master.log")
+    store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
 

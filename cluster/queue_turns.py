@@ -8,11 +8,11 @@
   that frees room wakes it (SIGUSR1, to the recorded waiter only) or a second
   passes (the head of the queue runs the policy again then, so a job recorded
   ended by someone else, a watchdog or `pai kill`, frees its room too).
-- `job_ended` (every master's end): its holds go, the policy runs, the jobs that
-  may start now are woken.
-- `revive` (any `pai` that reads jobs): a queued job whose supervisor is gone
-  (the machine rebooted, it was killed) gets a new one; nothing was started, so
-  nothing is lost.
+- `job_ended` (every master's end): its holds go, the queued jobs whose
+  supervisor is gone get a new one, the policy runs, the jobs that may start now
+  are woken (paicli.cluster.lifecycle.hand_over_queue, the writers' hand-over).
+  Reading the queue (`listing`) writes nothing: a job whose supervisor is gone is
+  shown so (paicli.jobstatus.supervisor_gone).
 
 Ray places jobs itself (its own Waiting List): its jobs never enter this queue.
 """
@@ -35,7 +35,6 @@ from paicli.store import Store
 
 HEAD_POLL = 1.0        # the head of the queue runs the policy this often, woken or not
 WAITER_POLL = 3.0      # others look at their own row this often
-REVIVE_GRACE = 30.0    # a restarted supervisor has this long to record itself
 WAKE_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -182,7 +181,7 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
             job = store.job(job_id)
             ended = JobStatus(job["status"]).is_terminal()
             if job["master_pid"] not in (None, os.getpid()) or (row is None and not ended):
-                # Another supervisor took this job over (started by `revive` when this
+                # Another supervisor took this job over (started by lifecycle.revive_queued when this
                 # one looked gone): it holds nothing yet, so it just leaves.
                 print(f"{time.ctime()}: another supervisor (pid {job['master_pid']}) took this job over",
                       flush=True)
@@ -235,41 +234,20 @@ def _fingerprint(store: Store) -> tuple:
 
 def job_ended(store: Store, job_id: str) -> None:
     """A job's end (its master's last act): what it held is free; who is next?"""
+    from paicli.cluster.lifecycle import hand_over_queue   # here: lifecycle runs this module's policy
+
     store.release_holds(job_id)
-    dispatch(store, me=job_id)
+    hand_over_queue(store, me=job_id, report=lambda line: print(line, flush=True))
 
 
-# -- `pai` -----------------------------------------------------------------------------
-
-
-def revive(store: Store) -> list[str]:
-    """Start a new supervisor for every queued job whose supervisor is gone (a
-    reboot, a kill): queued jobs are not lost. Returns their IDs."""
-    from paicli.jobstatus import master_alive
-
-    revived = []
-    for row in store.queued():
-        if master_alive(row):
-            continue
-        if store.mark_revived(row["job_id"], row["master_pid"], time.time() - REVIVE_GRACE):
-            _start_supervisor(store, row["job_id"])
-            revived.append(row["job_id"])
-    return revived
-
-
-def _start_supervisor(store: Store, job_id: str) -> None:
-    from paicli.cluster.procinfo import start_time
-    from paicli.cluster.spawn import spawn_master
-
-    job_dir = Path(store.job(job_id)["job_dir"])
-    store.event(job_id, "queue", "its supervisor was gone; a new one takes its place in the queue")
-    with store.closed_for_fork():
-        pid = spawn_master(store.home, job_id, job_dir / "master.log")
-    store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
+# -- `pai queue` -------------------------------------------------------------------------
 
 
 def listing(store: Store) -> list[dict[str, Any]]:
-    """The queue as `pai queue` shows it, in queue order."""
+    """The queue as `pai queue` shows it, in queue order. A job whose supervisor
+    is gone is shown waiting for a new one (nothing is written here)."""
+    from paicli.jobstatus import master_alive, supervisor_gone
+
     rows = store.queued()
     order = {e.job_id: n for n, e in enumerate(policy.ordered(_entry(r) for r in rows))}
     out = []
@@ -279,5 +257,7 @@ def listing(store: Store) -> list[dict[str, Any]]:
                     "name": row["name"], "framework": row["framework"], "priority": row["priority"] or 0,
                     "project": row["project"], "submitted": row["submitted"], "needs": need,
                     "state": "starting" if row["state"] == "granted" else "waiting",
-                    "waiting_for": row["reason"] or ("starting" if row["state"] == "granted" else "")})
+                    "waiting_for": (lambda shown: shown if master_alive(row) else supervisor_gone(shown))(
+                                    row["reason"] or ("starting" if row["state"] == "granted" else ""))})
     return out
+

@@ -16,13 +16,21 @@ def needs_text(needs: dict[str, int]) -> str:
 
 @click.command("queue")
 @click.option("--json", "as_json", is_flag=True, help="Print the queue as JSON.")
-def queue_command(as_json):
+@click.option("--revive", is_flag=True,
+              help="First give each waiting job whose supervisor is gone (after a reboot) a new one.")
+def queue_command(as_json, revive):
     """List the jobs waiting for room: position, priority, project, what each needs
     and what it waits for (PAI's Waiting List). Jobs start by themselves, in this
-    order, when room frees (`pai kill ID` takes one out)."""
+    order, when room frees (`pai kill ID` takes one out). Listing writes nothing;
+    after a reboot, `--revive` restarts the waiting jobs' supervisors (so does the
+    next submit)."""
     from paicli import client
 
-    rows = client.queue(open_store())
+    store = open_store()
+    if revive:
+        for job_id in client.revive_queued(store):
+            click.echo(f"{job_id}: a new supervisor takes its place in the queue", err=True)
+    rows = client.queue(store)
     if as_json:
         echo_json(rows)
         return

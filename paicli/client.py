@@ -3,8 +3,9 @@
 Each function does one thing and raises paicli.errors on known failures; the
 callers render. The client never runs a framework: it writes the job, starts
 its JobMaster in a session of its own, and from then on only reads the store and
-the log files: reading a job never writes it nor signals anything. `kill` hands
-over to paicli.cluster.lifecycle, the one writer outside the master.
+the log files: reading a job never writes it, signals or starts anything. `kill`
+and `revive_queued` hand over to paicli.cluster.lifecycle, the one writer outside
+the master.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def submit(prepared: Prepared, store: Store | None = None,
     master. Returns the job ID. Nothing is written to the store or the job
     folder unless every step before starting succeeded."""
     from paicli.cluster import backends, policy
-    from paicli.cluster import queue_turns
+    from paicli.cluster import lifecycle, queue_turns
     from paicli.private import private_dir, write_private
     from paicli.staging import stage_code
     from paicli.store import new_job_id
@@ -100,7 +101,7 @@ def submit(prepared: Prepared, store: Store | None = None,
     except BaseException:
         shutil.rmtree(job_dir, ignore_errors=True)
         raise
-    queue_turns.revive(store)
+    lifecycle.revive_queued(store)   # a writer keeps the queue going (docs/queue.md)
     store.create_job(job_id, name=plan.job_name, framework=adapter.name, project=spec.project,
                      task_name=plan.task_name, job_dir=job_dir,
                      roles=[{"name": r.name, "count": r.count, "must_finish": r.must_finish} for r in plan.roles])
@@ -139,19 +140,11 @@ def start_master(store: Store, job_id: str, job_dir: Path) -> None:
 # -- reading: never writes, never signals, never builds a backend ------------------
 
 
-def revive_queue(store: Store) -> None:
-    """Queued jobs whose supervisor is gone (a reboot) get a new one, whenever a
-    `pai` reads jobs: the queue survives without a daemon (docs/queue.md)."""
-    from paicli.cluster import queue_turns
-
-    queue_turns.revive(store)
-
-
 def queue(store: Store) -> list[dict[str, Any]]:
-    """The waiting jobs, in queue order (`pai queue`)."""
+    """The waiting jobs, in queue order (`pai queue`); one whose supervisor is gone
+    is shown so, not revived (see revive_queued)."""
     from paicli.cluster import queue_turns
 
-    revive_queue(store)
     return queue_turns.listing(store)
 
 
@@ -167,12 +160,10 @@ def refresh(store: Store, job_id: str) -> dict[str, Any]:
 def status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
     from paicli.jobstatus import build_status
 
-    revive_queue(store)
     return build_status(store, job_id, with_series)
 
 
 def list_jobs(store: Store, limit: int = 50) -> list[dict[str, Any]]:
-    revive_queue(store)
     out = []
     for job in store.jobs(limit):
         if not JobStatus(job["status"]).is_terminal():
@@ -184,7 +175,7 @@ def list_jobs(store: Store, limit: int = 50) -> list[dict[str, Any]]:
     return out
 
 
-# -- cancelling: the lifecycle module writes ------------------------------------------
+# -- writing: the lifecycle module writes ----------------------------------------------
 
 
 def kill(store: Store, job_id: str, reason: str = "cancelled by user", wait: float = 5.0) -> bool:
@@ -195,6 +186,15 @@ def kill(store: Store, job_id: str, reason: str = "cancelled by user", wait: flo
     from paicli.cluster.lifecycle import cancel
 
     return cancel(store, job_id, reason, wait)
+
+
+def revive_queued(store: Store) -> list[str]:
+    """`pai queue --revive`: a new supervisor for every queued job whose supervisor
+    is gone (after a reboot, when nothing of paicli runs to do it); their IDs.
+    Every writer that frees room does this anyway (paicli.cluster.lifecycle)."""
+    from paicli.cluster.lifecycle import revive_queued
+
+    return revive_queued(store)
 
 
 def resolve_job(store: Store, job_id: str):

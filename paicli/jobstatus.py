@@ -1,5 +1,5 @@
 """A job's status as data: its row as the user should see it (with "master gone"
-derived, never written), the status record `pai status --json` shows, the signs
+and a queued job's "supervisor gone" derived, never written), the status record `pai status --json` shows, the signs
 of trouble, and the plain summary file the JobMaster keeps. Reads the store and
 /proc only; the text the CLI prints is in paicli.jobview.
 """
@@ -20,6 +20,10 @@ from paicli.store import Store
 # A job recorded this long ago with no master pid never got its master (the CLI
 # died between recording it and starting the master, or the start failed).
 MASTER_START_DEADLINE = 30.0
+# What a reader shows of a queued job whose supervisor is gone (a reboot, a kill):
+# nothing of it ran, nothing is lost; a writer starts a new one (cluster/lifecycle.py).
+SUPERVISOR_GONE = ("its supervisor is gone: a new one starts at the queue's next move"
+                   " (a job's end, a submit, `pai kill`) or with `pai queue --revive`")
 
 
 def master_alive(job) -> bool:
@@ -47,11 +51,18 @@ def lost_reason(job) -> str | None:
         f"its master never started (none within {MASTER_START_DEADLINE:g}s)"
 
 
+def supervisor_gone(reason: str | None) -> str:
+    """A queued job's waiting reason, as shown once its supervisor is gone."""
+    return f"{reason}; {SUPERVISOR_GONE}" if reason else SUPERVISOR_GONE
+
+
 def read_job(store: Store, job_id: str) -> dict[str, Any]:
     """The job's row as the user should see it. A job whose master is gone without
     recording its end is shown Failed with the reason its record will get
-    (`unrecorded`: True); nothing is written, nothing signalled. The record is
-    the watchdog's to write, or `pai kill`'s (paicli.cluster.lifecycle)."""
+    (`unrecorded`: True); one waiting in the queue is shown Waiting for a new
+    supervisor (nothing of it ran). Nothing is written, nothing signalled: the
+    record is the watchdog's to write, or `pai kill`'s, and a new supervisor is a
+    writer's to start (paicli.cluster.lifecycle)."""
     job = store.job(job_id)
     if lost_reason(job) is None:
         return {**dict(job), "unrecorded": False}
@@ -61,6 +72,8 @@ def read_job(store: Store, job_id: str) -> dict[str, Any]:
     reason = lost_reason(job)
     if reason is None:
         return {**dict(job), "unrecorded": False}
+    if store.queue_entry(job_id) is not None:
+        return {**dict(job), "reason": supervisor_gone(job["reason"]), "unrecorded": False}
     return {**dict(job), "status": JobStatus.FAILED.value, "reason": reason, "unrecorded": True}
 
 

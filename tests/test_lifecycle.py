@@ -200,14 +200,15 @@ READERS = {
     "logs": lambda job: [["logs", job], ["logs", job, "--json"]],
     "outputs": lambda job: [["outputs", job, "--json"]],
     "plot": lambda job: [["plot", job]],
-    "logview": lambda job: [["logview", job]],
     "wait": None,   # run below for the jobs shown ended: it follows the others until they end
     "list": [["list"], ["list", "--json"]],
     "queue": [["queue"], ["queue", "--json"]],
     "tune list": [["tune", "list", "--json"]],
     "console": None,  # run below with read statements only
 }
-WRITERS = {"submit", "run", "resume", "kill", "export", "params", "plan", "get", "nodes trust",
+# Not readers of jobs: they submit, cancel, copy files out, start the logview
+# server (`logview`), or read no job at all.
+WRITERS = {"submit", "run", "resume", "kill", "export", "params", "plan", "get", "logview", "nodes trust",
            "runtime install", "runtime list", "runtime remove", "tune start", "tune status", "tune stop"}
 
 
@@ -303,6 +304,11 @@ def test_every_read_command_over_every_kind_of_job_writes_nothing_and_starts_not
         }
         store = Store(pai_home)
         store.set_job(jobs["ended"], JobStatus.SUCCEEDED)
+        for job in jobs.values():   # what its master would have written
+            (pai_home / "jobs" / job / "job.log").write_text(f"{job}: started\n")
+            (pai_home / "jobs" / job / "logs").mkdir()
+            (pai_home / "jobs" / job / "logs" / "worker-0.0.log").write_text("step=1, loss=0.5\n")
+            store.add_metrics([(job, "worker", 0, time.time(), step, "loss", 1 / step) for step in (1, 2)])
         store.close()
         env = {**QUIET, "PAI_QUOTA": ""}
         before, files = dump(pai_home), _files(pai_home)

@@ -232,3 +232,38 @@ def test_a_backfilled_job_says_so_in_its_event_log(tmp_path, monkeypatch):
     assert [e["message"] for e in store.events("2026c") if e["kind"] == "queue"] == \
         ["backfilled: starts ahead of 2026b, which it cannot delay (it uses only room that job will not need)"]
     assert store.job("2026b")["reason"] == "waiting: 1st in queue; worker needs gpu 100, h2 has 0 free (held by 2026a)"
+
+
+def test_the_sweep_gives_a_queued_job_a_new_supervisor_instead_of_declaring_it_lost(tmp_path, monkeypatch):
+    """The next job's watchdog (lifecycle.sweep_lost) records jobs whose master is
+    gone; a queued one, of which nothing ran, it revives instead (issue 16: no
+    reader does any more)."""
+    import subprocess
+
+    from paicli.cluster import lifecycle, procinfo, spawn
+
+    monkeypatch.delenv("PAI_QUOTA", raising=False)
+    store = Store(tmp_path)
+    record(store, "2026a", TWO, worker=(1, 100, 0, 0))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    store.update_job("2026a", master_pid=gone.pid, master_start="1")
+    started = []
+
+    def spawn_master(home, job_id, log_path):   # the new supervisor: a process that is not a master
+        started.append(subprocess.Popen(["sleep", "60"]))
+        return started[-1].pid
+
+    monkeypatch.setattr(spawn, "spawn_master", spawn_master)
+    try:
+        assert lifecycle.sweep_lost(store, report=lambda line: None) == []
+        job = store.job("2026a")
+        assert (job["status"], job["master_pid"]) == ("Waiting", started[0].pid)
+        assert job["master_start"] == procinfo.start_time(started[0].pid)
+        assert [e["message"] for e in store.events("2026a") if e["kind"] == "queue"] == \
+            ["its supervisor was gone; a new one takes its place in the queue"]
+        assert lifecycle.sweep_lost(store, report=lambda line: None) == [] and len(started) == 1   # alive now
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until
+from paicli.jobstatus import SUPERVISOR_GONE
 from netns import SSHD
 
 GATE = ROOT / "tests" / "scripts" / "gate.py"
@@ -145,20 +146,68 @@ def test_quota_timeout_and_a_lost_supervisor_restarted(tmp_path, monkeypatch, pa
     t = submit(gates("t"), small, "-project", "p", "-Dtimeout=2")
     timed_out = state_is(t, "Cancelled", 20)
     assert timed_out["reason"].startswith("timeout while waiting in the queue")
-    # b's supervisor dies (as in a reboot): the next `pai` that reads jobs starts another
+    # b's supervisor dies (as in a reboot): a reader shows it so and starts nothing (issue 16) ...
     old = status(b)["master_pid"]
     os.kill(old, signal.SIGKILL)
     assert wait_until(lambda: not master_alive(old), 5)
-    new = pai_json("list")   # revives
-    assert [j["status"] for j in new if j["id"] == b] == ["Waiting"]
-    pid = status(b)["master_pid"]
+    new = pai_json("list")
+    assert [(j["status"], j["reason"]) for j in new if j["id"] == b] == \
+        [("Waiting", f"waiting: 1st in queue; project p over its quota: holds cpu 10 of 10, needs 10 more;"
+                     f" {SUPERVISOR_GONE}")]
+    assert status(b)["master_pid"] == old
+    # ... and the queue's next move, a's end, starts another, which takes b's turn
+    gates("a").touch()
+    pid = wait_until(lambda: (lambda p: p if p not in (None, old) else None)(status(b)["master_pid"]), 60, 0.2)
     assert pid and pid != old and wait_until(lambda: master_alive(pid), 5)
     events = subprocess.run([sys.executable, "-c", "import sys; from paicli.store import Store;"
                              " print([e['message'] for e in Store().events(sys.argv[1])])", b],
                             capture_output=True, text=True).stdout
     assert "a new one takes its place in the queue" in events
-    gates("a").touch()
     state_is(b, "Running")
     gates("b").touch()
     gates("q").touch()
+    state_is(b, "Succeeded")
+
+
+def test_a_queued_job_whose_supervisor_is_gone_is_revived_by_a_writer_never_by_a_reader(tmp_path, monkeypatch,
+                                                                                        pai_home, gates):
+    """Issue 16: `pai queue`, `list` and `status` only show that a waiting job's
+    supervisor is gone; `pai queue --revive` (what to run after a reboot) gives it
+    a new one; `pai kill` of such a job cancels it (nothing of it ran), not "master lost"."""
+    quota = tmp_path / "quota.yaml"
+    quota.write_text("p: {cpu: 10}\n")
+    monkeypatch.setenv("PAI_QUOTA", str(quota))
+    small = '-Dcluster={"worker":{"count":1,"cpu":10}}'
+    a = submit(gates("a"), small, "-project", "p")
+    state_is(a, "Running")
+    b = submit(gates("b"), small, "-project", "p")
+    c = submit(gates("c"), small, "-project", "p")
+    assert wait_until(lambda: [q["id"] for q in pai_json("queue")] == [b, c] and status(c)["reason"], 20)
+    old = {job: status(job)["master_pid"] for job in (b, c)}
+    for pid in old.values():
+        os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not any(master_alive(pid) for pid in old.values()), 5)
+    shown = pai_json("queue")
+    assert [(q["id"], q["waiting_for"].endswith(f"; {SUPERVISOR_GONE}")) for q in shown] == [(b, True), (c, True)]
+    assert pai("queue").stdout.count("its supervisor is gone") == 2
+    assert status(c)["reason"].endswith(f"; {SUPERVISOR_GONE}")
+    assert {job: status(job)["master_pid"] for job in (b, c)} == old     # nothing started by reading
+    revived = pai("queue", "--revive")
+    assert revived.returncode == 0, revived.stderr
+    assert sorted(revived.stderr.splitlines()) == sorted(f"{job}: a new supervisor takes its place in the queue"
+                                                         for job in (b, c))
+    new = {job: status(job)["master_pid"] for job in (b, c)}
+    assert all(new[job] not in (None, old[job]) and wait_until(lambda: master_alive(new[job]), 5) for job in new)
+    assert not any(SUPERVISOR_GONE in q["waiting_for"] for q in pai_json("queue"))
+    # c's new supervisor dies too: `pai kill c` takes it out of the queue, Cancelled
+    os.kill(new[c], signal.SIGKILL)
+    assert wait_until(lambda: not master_alive(new[c]), 5)
+    killed = pai("kill", c)
+    assert killed.returncode == 0 and f"{c} cancelled" in killed.stdout, killed.stdout + killed.stderr
+    c_info = status(c)
+    assert (c_info["status"], c_info["reason"], c_info["unrecorded"]) == ("Cancelled", "cancelled by user", False)
+    assert [q["id"] for q in pai_json("queue")] == [b]
+    gates("a").touch()
+    state_is(b, "Running")
+    gates("b").touch()
     state_is(b, "Succeeded")

@@ -183,6 +183,44 @@ def test_each_layer_imports_only_what_it_may():
     assert not bad, "layering broken:\n" + "\n".join(bad)
 
 
+def _doc_layer_table() -> list[tuple[str, list[str], set[str]]]:
+    """docs/architecture.md's layer table: (layer, file patterns, layers it may
+    import). A module column lists `paths` (a bare name is under paicli/, `{a,b}`
+    spells several, `*` any name); a may-import column lists layer names; what is
+    in parentheses in either is a comment."""
+    text = (ROOT / "docs" / "architecture.md").read_text().split("## Layers", 1)[1]
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if len(cells) != 3 or cells[0] in ("layer", "") or set(cells[0]) <= set("- "):
+            continue
+        patterns = []
+        for path in re.findall(r"`([^`]+)`", re.sub(r"\([^)]*\)", "", cells[1])):
+            path = path if "/" in path else f"paicli/{path}"
+            head, braces, tail = re.match(r"([^{]*)(?:\{([^}]*)\})?(.*)", path).groups()
+            patterns += [f"{head}{name}{tail}" for name in braces.split(",")] if braces else [path]
+        allowed = {w.strip() for w in re.sub(r"\([^)]*\)", "", cells[2]).split(",") if w.strip()}
+        rows.append((cells[0], patterns, allowed))
+    return rows
+
+
+def test_the_architecture_docs_layer_table_is_the_allow_list():
+    """The table a reader sees is the one enforced: the same layers in the same
+    order, each module of the project in the same layer, the same may-import sets."""
+    import fnmatch
+
+    table = _doc_layer_table()
+    assert [layer for layer, _, _ in table] == list(LAYERS)
+    assert {layer: allowed for layer, _, allowed in table} == MAY_IMPORT
+    wrong = []
+    for module, path in sorted(_project_modules().items()):
+        where = path.relative_to(ROOT).as_posix()
+        doc = [layer for layer, patterns, _ in table if any(fnmatch.fnmatch(where, p) for p in patterns)]
+        if doc != [_layer_of(module)]:
+            wrong.append(f"{where}: the table says {doc or 'no layer'}, LAYERS says {_layer_of(module)}")
+    assert not wrong, "docs/architecture.md's layer table differs from LAYERS:\n" + "\n".join(wrong)
+
+
 def test_backends_only_through_the_registry():
     bad = [f"{module} imports {target}" for module, imported in sorted(_import_graph().items())
            if not module.startswith("paicli.cluster.backends")

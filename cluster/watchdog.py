@@ -8,8 +8,9 @@ reason "master lost", then every instance it was told about and every one the
 store knows stopped through the job's backend, identity checked).
 
 It also records, a little after it starts, the jobs of its home whose master and
-watchdog both died (lifecycle.sweep_lost): a reader (`pai status`, `pai list`)
-never writes, so someone who does must.
+watchdog both died, and gives the queued jobs whose supervisor is gone a new one
+(lifecycle.sweep_lost): a reader (`pai status`, `pai list`, `pai queue`) never
+writes, so someone who does must.
 """
 
 from __future__ import annotations

@@ -497,7 +497,8 @@ def test_the_cli_side_has_no_writer_left():
     submit: the reading modules name no writer."""
     for name in ("client.py", "jobview.py", "jobstatus.py"):
         text = (ROOT / "paicli" / name).read_text()
-        for writer in ("set_job(", "set_instance(", "os.kill(", "stop_all(", "mark_master_lost"):
+        for writer in ("set_job(", "set_instance(", "os.kill(", "stop_all(", "mark_master_lost", "mark_revived(",
+                       "queue_turns.revive", "revive_queue("):
             if name == "client.py" and writer == "set_job(":
                 continue  # submit records a master that did not start (its own job)
             assert writer not in text, f"{name} calls {writer}"

@@ -210,7 +210,8 @@ def _start_supervisor(store: Store, job_id: str) -> None:
 
     job_dir = Path(store.job(job_id)["job_dir"])
     store.event(job_id, "queue", "its supervisor was gone; a new one takes its place in the queue")
-    with store.closed_for_fork():
-        pid = spawn_master(store.home, job_id, job_dir / "master.log")
+    # A fresh interpreter, never a fork: the caller may be a master at its end or a
+    # watchdog, whose wake-up fd and signal handlers a forked child would inherit.
+    pid = spawn_master(store.home, job_id, job_dir / "master.log", fresh=True)
     store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
 

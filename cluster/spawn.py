@@ -15,7 +15,7 @@ from paicli.cluster.logsink import open_append_fd
 from paicli.store import Store
 
 
-def spawn_master(home: Path, job_id: str, log_path: Path) -> int:
+def spawn_master(home: Path, job_id: str, log_path: Path, fresh: bool = False) -> int:
     """Start the job's master in a session of its own and return its pid.
 
     From a single-threaded caller (the `pai` CLI) the master is forked: it starts
@@ -25,7 +25,7 @@ def spawn_master(home: Path, job_id: str, log_path: Path) -> int:
     a fresh interpreter instead, since forking a threaded process is unsafe.
     """
     env_home = {"PAI_HOME": str(home)}
-    if _must_exec():
+    if fresh or _must_exec():   # fresh: a caller whose signal set-up a fork would carry (a master)
         log = open_private(log_path)
         try:
             proc = subprocess.Popen([sys.executable, "-m", "paicli.cluster.master", job_id],

@@ -250,7 +250,8 @@ def test_the_sweep_gives_a_queued_job_a_new_supervisor_instead_of_declaring_it_l
     store.update_job("2026a", master_pid=gone.pid, master_start="1")
     started = []
 
-    def spawn_master(home, job_id, log_path):   # the new supervisor: a process that is not a master
+    def spawn_master(home, job_id, log_path, fresh=False):   # the new supervisor: a process that is not a master
+        assert fresh, "a supervisor started from a master or a watchdog must not be forked from it"
         started.append(subprocess.Popen(["sleep", "60"]))
         return started[-1].pid
 

@@ -121,15 +121,24 @@ def test_one_gpu_two_jobs_priorities_cli_death_and_kill_of_a_waiting_job(tmp_pat
         assert pai_json("queue") == []
 
 
-def test_quota_timeout_and_a_lost_supervisor_restarted(tmp_path, monkeypatch, pai_home, gates):
+SMALL = '-Dcluster={"worker":{"count":1,"cpu":10}}'
+
+
+def project_p_full(tmp_path: Path, monkeypatch, gates) -> str:
+    """A quota of cpu 10 for project p, and a job of p holding all of it (open
+    gate "a" to end it): the next jobs of p wait. Returns its ID."""
     quota = tmp_path / "quota.yaml"
     quota.write_text("p: {cpu: 10}\n")
     monkeypatch.setenv("PAI_QUOTA", str(quota))
-    small = '-Dcluster={"worker":{"count":1,"cpu":10}}'
-    a = submit(gates("a"), small, "-project", "p")
+    a = submit(gates("a"), SMALL, "-project", "p")
     state_is(a, "Running")
-    b = submit(gates("b"), small, "-project", "p")
-    other = submit(gates("q"), small, "-project", "q")   # another project is not held up
+    return a
+
+
+def test_quota_timeout_and_a_lost_supervisor_restarted(tmp_path, monkeypatch, pai_home, gates):
+    project_p_full(tmp_path, monkeypatch, gates)
+    b = submit(gates("b"), SMALL, "-project", "p")
+    other = submit(gates("q"), SMALL, "-project", "q")   # another project is not held up
     state_is(other, "Running")
     info = wait_until(lambda: (lambda s: s if s["reason"] else None)(status(b)), 10)
     assert info["status"] == "Waiting"
@@ -143,7 +152,7 @@ def test_quota_timeout_and_a_lost_supervisor_restarted(tmp_path, monkeypatch, pa
         "pai: error: the job needs cpu 20, more than the quota of -project p (cpu 10); "), too_big.stderr
     assert len(too_big.stderr.splitlines()) == 1
     # -Dtimeout covers the wait
-    t = submit(gates("t"), small, "-project", "p", "-Dtimeout=2")
+    t = submit(gates("t"), SMALL, "-project", "p", "-Dtimeout=2")
     timed_out = state_is(t, "Cancelled", 20)
     assert timed_out["reason"].startswith("timeout while waiting in the queue")
     # b's supervisor dies (as in a reboot): a reader shows it so and starts nothing (issue 16) ...
@@ -174,14 +183,9 @@ def test_a_queued_job_whose_supervisor_is_gone_is_revived_by_a_writer_never_by_a
     """Issue 16: `pai queue`, `list` and `status` only show that a waiting job's
     supervisor is gone; `pai queue --revive` (what to run after a reboot) gives it
     a new one; `pai kill` of such a job cancels it (nothing of it ran), not "master lost"."""
-    quota = tmp_path / "quota.yaml"
-    quota.write_text("p: {cpu: 10}\n")
-    monkeypatch.setenv("PAI_QUOTA", str(quota))
-    small = '-Dcluster={"worker":{"count":1,"cpu":10}}'
-    a = submit(gates("a"), small, "-project", "p")
-    state_is(a, "Running")
-    b = submit(gates("b"), small, "-project", "p")
-    c = submit(gates("c"), small, "-project", "p")
+    project_p_full(tmp_path, monkeypatch, gates)
+    b = submit(gates("b"), SMALL, "-project", "p")
+    c = submit(gates("c"), SMALL, "-project", "p")
     assert wait_until(lambda: [q["id"] for q in pai_json("queue")] == [b, c] and status(c)["reason"], 20)
     old = {job: status(job)["master_pid"] for job in (b, c)}
     for pid in old.values():

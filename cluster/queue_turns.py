@@ -253,11 +253,10 @@ def listing(store: Store) -> list[dict[str, Any]]:
     out = []
     for row in sorted(rows, key=lambda r: order[r["job_id"]]):
         need = policy.totals(placing.Demand(*d) for d in json.loads(row["entry"])["demands"])
+        waiting_for = row["reason"] or ("starting" if row["state"] == "granted" else "")
         out.append({"position": row["position"] or order[row["job_id"]] + 1, "id": row["job_id"],
                     "name": row["name"], "framework": row["framework"], "priority": row["priority"] or 0,
                     "project": row["project"], "submitted": row["submitted"], "needs": need,
                     "state": "starting" if row["state"] == "granted" else "waiting",
-                    "waiting_for": (lambda shown: shown if master_alive(row) else supervisor_gone(shown))(
-                                    row["reason"] or ("starting" if row["state"] == "granted" else ""))})
+                    "waiting_for": waiting_for if master_alive(row) else supervisor_gone(waiting_for)})
     return out
-

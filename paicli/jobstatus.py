@@ -1,7 +1,8 @@
 """A job's status as data: its row as the user should see it (with "master gone"
-and a queued job's "supervisor gone" derived, never written), the status record `pai status --json` shows, the signs
-of trouble, and the plain summary file the JobMaster keeps. Reads the store and
-/proc only; the text the CLI prints is in paicli.jobview.
+and a queued job's "supervisor gone" derived, never written), the status record
+`pai status --json` shows, the signs of trouble, and the plain summary file the
+JobMaster keeps. Reads the store and /proc only; the text the CLI prints is in
+paicli.jobview.
 """
 
 from __future__ import annotations

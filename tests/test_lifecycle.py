@@ -271,13 +271,6 @@ def _files(home: Path) -> dict[str, int]:
             if p.is_file() and not p.name.startswith("pai.db")}
 
 
-def test_the_read_commands_are_walked_from_the_command_tree():
-    commands = _leaf_commands()
-    assert not set(READERS) & WRITERS
-    assert commands == set(READERS) | WRITERS, \
-        f"place each command in READERS or WRITERS: {sorted(commands ^ (set(READERS) | WRITERS))}"
-
-
 def test_every_read_command_over_every_kind_of_job_writes_nothing_and_starts_nothing(pai_home, monkeypatch):
     """A store holding a job of each kind (queued with its supervisor gone, queued
     and supervised, running with its master gone, running, never started, ended):
@@ -286,6 +279,10 @@ def test_every_read_command_over_every_kind_of_job_writes_nothing_and_starts_not
     docs/decisions.md, "the CLI only reads")."""
     from paicli.states import JobStatus
 
+    commands = _leaf_commands()
+    assert not set(READERS) & WRITERS
+    assert commands == set(READERS) | WRITERS, \
+        f"place each command in READERS or WRITERS: {sorted(commands ^ (set(READERS) | WRITERS))}"
     monkeypatch.delenv("PAI_QUOTA", raising=False)
     stranger, alive = sleeper(), sleeper()
     mine = {stranger.pid, alive.pid}

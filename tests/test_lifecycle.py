@@ -327,6 +327,21 @@ def test_every_read_command_over_every_kind_of_job_writes_nothing_and_starts_not
         console = pai("console", env=env, input="show instances;\nshow queue;\n" +
                       "".join(f"status {job};\nlogs {job};\n" for job in jobs.values()))
         assert console.returncode == 0, console.stderr
+        # The logview server's pages read through the same functions (paicli/web/data.py).
+        from paicli.jobstatus import SUPERVISOR_GONE
+        from paicli.web import data
+
+        store = Store(pai_home)
+        try:
+            pages = {row["id"]: row for row in data.job_list(store)}
+            for job in jobs.values():
+                data.job_page(store, job), data.summary_json(store, job), data.instance_logs(store, job)
+        finally:
+            store.close()
+        gone = jobs["queued, supervisor gone"]
+        assert (pages[gone]["status"], pages[gone]["reason"]) == \
+            ("Waiting", f"waiting: 1st in queue; worker needs cpu 100, local has 0 free; {SUPERVISOR_GONE}")
+        assert (shown[gone], pages[jobs["running, master gone"]]["status"]) == ("Waiting", "Failed")
         assert dump(pai_home) == before and _files(pai_home) == files
         assert _processes_of(pai_home, mine) == []
         assert stranger.poll() is None and alive.poll() is None, "a reader signalled a process"

@@ -47,8 +47,18 @@ SCRIPT = PEER / "tf_cnn_benchmarks.py"
 WORKERS = ("worker:0", "worker:1")
 
 
+# lenet's own learning rate (models/lenet_model.py: 0.005, benchmark_cnn.py takes it when
+# --init_learning_rate is not given) on tf_cnn_benchmarks' synthetic images (pixels 0-255, never
+# normalized) sends its loss to 1e13-1e21 in the warm-up steps and, now and then, to nan: a worker
+# then prints its steps with no loss (docs/decisions.md, fourth pass). At 0.0001 it did not in
+# any run, and its loss falls by about two thirds in 20 steps.
+LENET_LEARNING_RATE = "0.0001"
+
+
 def cnn_args(model: str, sync: bool) -> list[str]:
-    extra = ["--use_tf_layers=False"] if model == "lenet" else []
+    """The command line of a cell, for both arms here and for the tests' cells
+    (tests/test_fidelity_tf.py), so the two stay comparable."""
+    extra = ["--use_tf_layers=False", f"--init_learning_rate={LENET_LEARNING_RATE}"] if model == "lenet" else []
     return [f"--model={model}", "--device=cpu", "--data_format=NHWC", "--num_gpus=1", "--batch_size=8",
             "--num_warmup_batches=5", "--num_batches=20", "--display_every=5", "--optimizer=sgd",
             "--variable_update=parameter_server", f"--cross_replica_sync={sync}", *extra]

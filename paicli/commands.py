@@ -105,8 +105,9 @@ def statement_of(tokens: list[str]):
 # -- submit and follow -------------------------------------------------------------------
 
 
-def submit_statement(stmt, store, progress) -> str:
-    """Prepare and submit; with -DautoStrategy=true, Pluto plans the job first."""
+def submit_statement(stmt, store, progress, waiting=None) -> str:
+    """Prepare and submit; with -DautoStrategy=true, Pluto plans the job first.
+    `waiting`: the job's master, forked already (cluster.spawn.fork_waiting_master)."""
     from paicli import client
 
     prepared = client.prepare(stmt)
@@ -114,12 +115,21 @@ def submit_statement(stmt, store, progress) -> str:
         from paicli.planning import auto_strategy  # calibrate, plan, apply its recommendation
 
         prepared = auto_strategy(prepared, store, progress)
-    return client.submit(prepared, store, progress=progress)
+    return client.submit(prepared, store, progress=progress, waiting=waiting)
 
 
 def submit_and_follow(stmt, detach: bool = False, progress: bool = True) -> int:
-    store = open_store()
-    job_id = submit_statement(stmt, store, runtime_progress())
+    from paicli.cluster.spawn import fork_waiting_master
+
+    # Forked before the store is opened: it imports the master's modules while this
+    # process stages the job, and no SQLite connection has to be closed around a fork.
+    waiting = fork_waiting_master()
+    try:
+        store = open_store()
+        job_id = submit_statement(stmt, store, runtime_progress(), waiting)
+    finally:
+        if waiting is not None:
+            waiting.close()
     if detach:
         echo(job_id)
         return 0

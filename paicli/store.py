@@ -124,6 +124,11 @@ def new_job_id(now: float | None = None) -> str:
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
 
 
+def any_open() -> bool:
+    """Whether this process holds an open connection to any store (a fork would carry it)."""
+    return bool(_OPEN_STORES)
+
+
 class Store:
     def __init__(self, home: Path | None = None):
         self.home = home or pai_home()

@@ -144,8 +144,12 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
         signal.signal(signum, signal.SIG_DFL)
     try:
+        import importlib
+
         import paicli.cluster.master  # noqa: F401  (while the CLI stages the job)
-        import paicli.cluster.backends.local  # noqa: F401  (the backend most jobs run on)
+        from paicli.cluster.backends import BACKENDS
+
+        importlib.import_module(BACKENDS["local"].partition(":")[0])   # the backend most jobs run on
     except Exception:
         pass   # said where it matters: when the master runs, in master.log
     line = b""

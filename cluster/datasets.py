@@ -37,7 +37,6 @@ from typing import Any, Callable
 
 from paicli.errors import PaiError, SpecError
 from paicli.private import write_private
-from paicli.runners import paitables
 
 DATA = "data"
 BATCH = 64 << 20        # bytes of blobs per SSH round
@@ -62,12 +61,18 @@ def sliced_role(plan: Any) -> Any:
 def _urls(value: Any) -> list[str]:
     """The tables of a -D value that are ours to read: files and SQLite. Other
     URLs (PAI's odps://, s3://, ...) reach the script untouched, as before."""
-    urls = paitables.split_urls(value if isinstance(value, str) else "")
+    if not value or not isinstance(value, str):
+        return []   # most jobs: no table, and paitables (tempfile, random: ~4 ms) stays unimported
+    from paicli.runners import paitables
+
+    urls = paitables.split_urls(value)
     return [u for u in urls if u.startswith(("file://", "sqlite://")) or "://" not in u]
 
 
 def check_tables(value: str, slice_count: int, base: str) -> list[dict]:
     """Every table of -Dtables laid out and sliced, or a SpecError naming it."""
+    from paicli.runners import paitables
+
     tables = []
     for url in _urls(value):
         try:
@@ -90,6 +95,8 @@ def check_tables(value: str, slice_count: int, base: str) -> list[dict]:
 
 def check_outputs(value: str, job_dir: Path, base: str) -> list[dict]:
     """Every table of -Doutputs with the folder its workers' parts go to."""
+    from paicli.runners import paitables
+
     outputs = []
     for k, url in enumerate(_urls(value)):
         try:
@@ -206,6 +213,8 @@ def finish(job_dir: str | Path, backend: Any, succeeded: bool, note: Callable[[s
 def assemble(out: dict) -> int:
     """The parts in `out["parts"]` as the output table: a CSV written aside and
     renamed into place, or a SQLite table created in one transaction."""
+    from paicli.runners import paitables
+
     columns, rows = paitables.read_parts(out["parts"])
     if columns is None:
         raise paitables.TableError("no worker wrote a row (no part file)")
@@ -354,6 +363,8 @@ class _Slices:
 
 def _slice_chunks(table: dict, sid: str):
     """A slice's bytes, in chunks of up to 1 MB."""
+    from paicli.runners import paitables
+
     for part in table["slices"][sid]:
         if "table" in part:
             rows = paitables.Table(table["key"], table["columns"], [part])

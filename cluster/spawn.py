@@ -60,21 +60,124 @@ def spawn_master(home: Path, job_id: str, log_path: Path, fresh: bool = False) -
     return int(pid)
 
 
+class WaitingMaster:
+    """A job's master forked before the job exists: `pai` forks it as it starts a
+    submit, and it imports the master's modules on the other core while the CLI
+    checks, stages and records the job; `start` then hands it the job, and it
+    supervises at once. The fork happens before the CLI opens the store, so no
+    SQLite connection is carried into it and none has to be closed (and
+    checkpointed) and opened again around a fork, as spawn_master must. If the
+    job is never handed over (bad input, Ctrl-C, any error, the CLI's death),
+    the pipe reaches EOF and the waiting master leaves without a trace."""
+
+    def __init__(self, command_fd: int, pid_fd: int, child: int):
+        self._command_fd, self._pid_fd, self._child = command_fd, pid_fd, child
+
+    def start(self, home: Path, job_id: str, log_path: Path) -> int:
+        """Hand the recorded job over; the master's pid."""
+        import json
+
+        try:
+            os.write(self._command_fd, (json.dumps([str(home), job_id, str(log_path)]) + "\n").encode())
+            os.close(self._command_fd)
+            self._command_fd = -1
+            pid = b""
+            while chunk := os.read(self._pid_fd, 32):
+                pid += chunk
+        finally:
+            self.close()
+        if not pid:
+            raise OSError("the job's master did not start")
+        return int(pid)
+
+    def close(self) -> None:
+        """No job for it (or handed over already): the waiting master leaves at EOF."""
+        if self._command_fd >= 0:
+            os.close(self._command_fd)
+            self._command_fd = -1
+        if self._child:
+            os.waitpid(self._child, 0)   # the intermediate child, gone as soon as it forked
+            self._child = 0
+        if self._pid_fd >= 0:
+            os.close(self._pid_fd)
+            self._pid_fd = -1
+
+
+def fork_waiting_master() -> WaitingMaster | None:
+    """A WaitingMaster, or None where forking is not safe: a threaded process, an
+    open store in this process (a library caller's, the console's), or
+    PAI_MASTER_EXEC set; the caller then starts the master with spawn_master."""
+    from paicli.store import any_open
+
+    if _must_exec() or any_open():
+        return None
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    command_r, command_w = os.pipe()
+    pid_r, pid_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the intermediate child: new session, fork the master, leave
+        code = 1
+        try:
+            os.close(command_w)
+            os.close(pid_r)
+            os.setsid()
+            if os.fork() == 0:
+                code = _wait_for_job(command_r, pid_w)
+            else:
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(command_r)
+    os.close(pid_w)
+    return WaitingMaster(command_w, pid_r, child)
+
+
+def _wait_for_job(command_fd: int, pid_fd: int) -> int:
+    """The waiting master: nothing of the CLI's kept (its terminal, its pipes), the
+    master's modules imported, then one line, [home, job_id, log], or EOF."""
+    import json
+
+    devnull = os.open(os.devnull, os.O_RDWR)
+    _take_stdio(devnull, devnull, devnull, keep=(command_fd, pid_fd))
+    os.chdir("/")
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
+        signal.signal(signum, signal.SIG_DFL)
+    try:
+        import importlib
+
+        import paicli.cluster.master  # noqa: F401  (while the CLI stages the job)
+        from paicli.cluster.backends import BACKENDS
+
+        importlib.import_module(BACKENDS["local"].partition(":")[0])   # the backend most jobs run on
+    except Exception:
+        pass   # said where it matters: when the master runs, in master.log
+    line = b""
+    with os.fdopen(command_fd, "rb") as command:
+        line = command.readline()
+    if not line.endswith(b"\n"):
+        return 0   # no job for it
+    home, job_id, log_path = json.loads(line)
+    os.write(pid_fd, str(os.getpid()).encode())
+    os.close(pid_fd)
+    return _run_forked_master(Path(home), job_id, Path(log_path), "started by fork as the submit began")
+
+
 def _must_exec() -> bool:
     import threading
 
     return threading.active_count() > 1 or bool(os.environ.get("PAI_MASTER_EXEC"))
 
 
-def _take_stdio(stdin_fd: int, stdout_fd: int, stderr_fd: int) -> None:
+def _take_stdio(stdin_fd: int, stdout_fd: int, stderr_fd: int, keep: tuple[int, ...] = ()) -> None:
     """In a forked child: these three descriptors become 0, 1 and 2, every other
-    inherited one is closed (the parent's store, pipes, sockets, a terminal), and
-    sys.stdin/stdout/stderr are opened anew over them (the parent's may be its own
-    objects, a library user's or a test runner's capture)."""
+    inherited one but `keep` is closed (the parent's store, pipes, sockets, a
+    terminal), and sys.stdin/stdout/stderr are opened anew over them (the parent's
+    may be its own objects, a library user's or a test runner's capture)."""
     for target, fd in enumerate((stdin_fd, stdout_fd, stderr_fd)):
         os.dup2(fd, target)
     for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
-        if fd > 2:
+        if fd > 2 and fd not in keep:
             try:
                 os.close(fd)
             except OSError:
@@ -139,7 +242,7 @@ def open_private(path: Path) -> int:
     return fd
 
 
-def _run_forked_master(home: Path, job_id: str, log_path: Path) -> int:
+def _run_forked_master(home: Path, job_id: str, log_path: Path, how: str = "started by fork") -> int:
     log = open_private(log_path)
     # Nothing of the CLI's: not its descriptors (a terminal, a pipe someone waits
     # to see closed, the SQLite file), not its working directory (an unmount of it
@@ -150,7 +253,7 @@ def _run_forked_master(home: Path, job_id: str, log_path: Path) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
         signal.signal(signum, signal.SIG_DFL)
     try:
-        print(f"JobMaster for {job_id}: pid {os.getpid()}, started by fork", flush=True)
+        print(f"JobMaster for {job_id}: pid {os.getpid()}, {how}", flush=True)
         from paicli.cluster.master import JobMaster
 
         return JobMaster(Store(home), job_id).run()

@@ -49,10 +49,11 @@ def export_yaml(prepared: Prepared) -> str:
 
 
 def submit(prepared: Prepared, store: Store | None = None,
-           progress: Callable[[str], None] = lambda line: None) -> str:
+           progress: Callable[[str], None] = lambda line: None, waiting=None) -> str:
     """Stage the code, plan, provision the runtime, record the job and start its
-    master. Returns the job ID. Nothing is written to the store or the job
-    folder unless every step before starting succeeded."""
+    master (`waiting`, a cluster.spawn.WaitingMaster forked earlier, if given).
+    Returns the job ID. Nothing is written to the store or the job folder unless
+    every step before starting succeeded."""
     from paicli.cluster import backends, policy
     from paicli.cluster import lifecycle, queue_turns
     from paicli.private import private_dir, write_private
@@ -109,7 +110,7 @@ def submit(prepared: Prepared, store: Store | None = None,
         # Its master waits for its turn (paicli.cluster.queue_turns.wait_turn), and
         # places it when the turn comes: the GPUs are claimed then, in the store.
         store.enqueue(job_id, spec.get("priority"), spec.project, entry)
-    start_master(store, job_id, job_dir)
+    start_master(store, job_id, job_dir, waiting)
     return job_id
 
 
@@ -122,13 +123,16 @@ def _check_planned(spec: JobSpec, plan: JobPlan) -> None:
                          "call paicli.planning.auto_strategy(prepared, store) before client.submit")
 
 
-def start_master(store: Store, job_id: str, job_dir: Path) -> None:
+def start_master(store: Store, job_id: str, job_dir: Path, waiting=None) -> None:
     from paicli.cluster.spawn import spawn_master
     from paicli.cluster.procinfo import start_time
 
     try:
-        with store.closed_for_fork():
-            pid = spawn_master(store.home, job_id, job_dir / "master.log")
+        if waiting is not None:
+            pid = waiting.start(store.home, job_id, job_dir / "master.log")
+        else:
+            with store.closed_for_fork():
+                pid = spawn_master(store.home, job_id, job_dir / "master.log")
     except OSError as err:
         # Recorded but never supervised: say so rather than leave it Waiting.
         store.set_job(job_id, JobStatus.FAILED, f"its master did not start: {err}")

@@ -105,8 +105,9 @@ def statement_of(tokens: list[str]):
 # -- submit and follow -------------------------------------------------------------------
 
 
-def submit_statement(stmt, store, progress) -> str:
-    """Prepare and submit; with -DautoStrategy=true, Pluto plans the job first."""
+def submit_statement(stmt, store, progress, waiting=None) -> str:
+    """Prepare and submit; with -DautoStrategy=true, Pluto plans the job first.
+    `waiting`: the job's master, forked already (cluster.spawn.fork_waiting_master)."""
     from paicli import client
 
     prepared = client.prepare(stmt)
@@ -114,35 +115,55 @@ def submit_statement(stmt, store, progress) -> str:
         from paicli.planning import auto_strategy  # calibrate, plan, apply its recommendation
 
         prepared = auto_strategy(prepared, store, progress)
-    return client.submit(prepared, store, progress=progress)
+    return client.submit(prepared, store, progress=progress, waiting=waiting)
 
 
 def submit_and_follow(stmt, detach: bool = False, progress: bool = True) -> int:
-    store = open_store()
-    job_id = submit_statement(stmt, store, runtime_progress())
+    from paicli.cluster.spawn import fork_waiting_master
+
+    # Forked before the store is opened: it imports the master's modules while this
+    # process stages the job, and no SQLite connection has to be closed around a fork.
+    waiting = fork_waiting_master()
+    try:
+        store = open_store()
+        job_id = submit_statement(stmt, store, runtime_progress(), waiting)
+    finally:
+        if waiting is not None:
+            waiting.close()
     if detach:
         echo(job_id)
         return 0
     job = store.job(job_id)
     echo(f"ID = {job_id}")
-    echo_log_view(store, job_id, os.path.join(job['job_dir'], 'summary.txt'))
-    return attach(store, job_id, from_end=False, progress=progress)
+    server = echo_log_view(store, job_id, os.path.join(job['job_dir'], 'summary.txt'), start_server=False)
+    try:
+        return attach(store, job_id, from_end=False, progress=progress, under_way=server.start if server else None)
+    finally:
+        if server is not None:
+            server.start()   # at the latest (a job that never got under way, an error, Ctrl-C)
 
 
-def echo_log_view(store, job_id: str, summary_file: str) -> None:
-    """The `Log view:` line: the job page's URL (the logview server is started,
-    detached, if it is not running; nothing waits for it), or the summary file
-    with a one-line note when no server can be had."""
-    from paicli.web.launch import log_view_line
+def echo_log_view(store, job_id: str, summary_file: str, start_server: bool = True):
+    """The `Log view:` line: the job page's URL (good at once: the logview server's
+    socket is bound here; its process is started, detached, if none is running;
+    nothing waits for it), or the summary file with a one-line note when no server
+    can be had. start_server=False: the caller starts it (the PendingServer
+    returned, None when there is nothing to start)."""
+    from paicli.web.launch import reserve_log_view
 
-    line, note = log_view_line(store.home, job_id, summary_file)
+    line, note, server = reserve_log_view(store.home, job_id, summary_file)
     echo(f"Log view: {line}")
     if note:
         echo(note, err=True)
+    if server is not None and start_server:
+        server.start()
+        return None
+    return server
 
 
-def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
-    """Follow a job to its end and render the verdict; Ctrl-C cancels it."""
+def attach(store, job_id: str, from_end: bool, progress: bool = True, under_way=None) -> int:
+    """Follow a job to its end and render the verdict; Ctrl-C cancels it.
+    `under_way` is called once the job's instances are under way (logtail.follow_job)."""
     from paicli import client, jobview, logtail
     from paicli.plutoview import forecast_line
 
@@ -154,7 +175,7 @@ def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
         client.kill(store, job_id, reason="cancelled (Ctrl-C)")
 
     status = logtail.follow_job(store, job_id, out, from_end=from_end, progress=progress, colour=colour,
-                                on_interrupt=cancel)
+                                on_interrupt=cancel, under_way=under_way)
     for line in jobview.summary_lines(status):
         echo(line)
     forecast = forecast_line(status)

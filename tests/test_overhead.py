@@ -178,3 +178,90 @@ def test_the_master_reads_what_a_step_printed_in_one_round_and_an_exit_at_once()
         for read_fd, write_fd in pipes:
             os.close(read_fd)
             os.close(write_fd)
+
+
+# -- the master forked as a submit begins (cluster/spawn.py WaitingMaster) --------------
+
+WAITING_PROBE = r"""
+import os, sys, time
+from paicli.cluster.spawn import fork_waiting_master
+waiting = fork_waiting_master()
+print("forked" if waiting else "none", flush=True)
+sys.stdin.readline()          # the test has looked for the waiting master
+waiting.close()
+"""
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(name))
+            except OSError:
+                pass   # gone meanwhile
+    return found
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def test_a_waiting_master_waits_in_a_session_of_its_own_and_leaves_at_eof():
+    marker = f"waiting-{uuid.uuid4().hex}"
+    probe = subprocess.Popen([sys.executable, "-c", WAITING_PROBE, marker], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert probe.stdout.readline().strip() == "forked"
+        def waiting_master() -> list[int]:   # not the probe, nor the intermediate child it forked
+            return [p for p in _processes_with(marker) if p != probe.pid and _ppid(p) not in (probe.pid, None)]
+
+        found = wait_until(waiting_master, timeout=30)
+        assert len(found) == 1, f"no waiting master was forked: {found}"
+        pid = found[0]
+        assert os.getsid(pid) != os.getsid(probe.pid)   # a session of its own: a Ctrl-C at the CLI misses it
+        probe.stdin.write("\n")
+        probe.stdin.flush()
+        assert probe.wait(timeout=30) == 0
+        assert wait_until(lambda: not _processes_with(marker), timeout=30), "the waiting master stayed after EOF"
+    finally:
+        probe.kill()
+        probe.wait()
+        for pid in _processes_with(marker):
+            os.kill(pid, 9)
+
+
+def test_no_waiting_master_while_a_store_is_open(tmp_path):
+    """A fork would carry the open SQLite connection: the submit takes spawn_master's path."""
+    from paicli.cluster.spawn import fork_waiting_master
+    from paicli.store import Store
+
+    store = Store(tmp_path)
+    try:
+        assert fork_waiting_master() is None
+    finally:
+        store.close()
+
+
+def test_a_submit_hands_its_job_to_the_master_it_forked_first(pai_home):
+    from conftest import job_id_from, pai
+
+    result = pai("-name", "python", f"-Dscript={ROOT / 'tests' / 'scripts' / 'behave.py'}", env={"BEHAVE": "print:1"})
+    assert result.returncode == 0, result.stderr
+    log = (pai_home / "jobs" / job_id_from(result.stdout) / "master.log").read_text()
+    assert "started by fork as the submit began" in log
+
+
+def test_a_submit_refused_leaves_no_waiting_master(pai_home):
+    from conftest import pai
+
+    marker = f"refused-{uuid.uuid4().hex}"
+    result = pai("-name", "python", f"-Dscript=/nonexistent/{marker}.py")
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    assert wait_until(lambda: not _processes_with(marker), timeout=30), "a waiting master outlived the refused submit"

@@ -97,3 +97,47 @@ def test_a_fork_closes_the_connection_of_a_dropped_store_too(tmp_path):
             gc.enable()
     assert open_here == [], "a connection stayed open across the fork"
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child's Store holds no lock on the database"
+
+
+# Many processes creating the same new store at once, each recording a job as soon as it is open.
+RACER = ("import sys, time; from pathlib import Path; from paicli.store import Store;"
+         "home, me, start = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]);"
+         "time.sleep(max(0.0, start - time.time()));"
+         "store = Store(home); store.create_job(me, name='x', framework='python', project=None, task_name='t',"
+         "job_dir=home, roles=[{'name': 'worker', 'count': 1, 'must_finish': True}]); store.close()")
+
+
+def test_a_new_store_created_by_many_processes_at_once_is_one_store_with_every_job(tmp_path):
+    import sqlite3
+    import time
+
+    home = tmp_path / "home"
+    start = time.time() + 1.0
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(home), f"job{k}", str(start)]) for k in range(6)]
+    assert [p.wait(timeout=120) for p in racers] == [0] * 6
+    assert sorted(os.listdir(home)) == ["jobs", "pai.db"]   # no copy built aside is left
+    assert os.stat(home / "pai.db").st_mode & 0o777 == 0o600
+    db = sqlite3.connect(home / "pai.db")
+    try:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert {row[0] for row in db.execute("SELECT id FROM jobs")} == {f"job{k}" for k in range(6)}
+    finally:
+        db.close()
+
+
+def test_a_store_made_meanwhile_by_another_process_is_kept_not_replaced(tmp_path):
+    """The loser of the creation race (it saw no store, built its copy aside, and
+    another process linked theirs first) leaves the winner's store as it is."""
+    from paicli.store import _create_store
+
+    home = tmp_path / "home"
+    store = Store(home)
+    try:
+        _record(store, "winner", home)
+        _create_store(store.path)
+        assert [row["id"] for row in store.jobs()] == ["winner"]
+        assert _ids_seen_elsewhere(home) == {"winner"}
+        assert sorted(os.listdir(home)) == ["jobs", "pai.db", "pai.db-shm", "pai.db-wal"]
+    finally:
+        store.close()

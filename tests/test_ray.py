@@ -275,6 +275,34 @@ def test_a_control_store_call_that_never_answers_ends_at_its_deadline():
     assert backend._bounded(lambda: 42, "a quick call") == 42
 
 
+def test_a_runners_input_that_the_object_store_never_takes_ends_at_the_calls_deadline():
+    """run_runner puts its stdin in Ray's object store before the pinned task runs:
+    that put waits on the control store like ray.nodes, so it has a deadline too
+    (the call's own), and one line names what did not answer."""
+    import threading
+    import types
+
+    from paicli.errors import PaiError
+
+    released = threading.Event()
+    fake_ray = types.SimpleNamespace(
+        cloudpickle=types.SimpleNamespace(register_pickle_by_value=lambda module: None),
+        put=lambda data: released.wait(20))   # a control store that never answers
+    backend = object.__new__(rb.RayBackend)
+    backend._interrupted, backend._deadline, backend._timeout = (lambda: None), None, None
+    backend._ray, backend._unusable = fake_ray, False
+    backend._instances = {("worker", 0): rb._Instance("worker", 0, object(), node_id="n1", host="10.0.0.1",
+                                                      info={"folder": "/tmp/job"})}
+    began = time.monotonic()
+    try:
+        with pytest.raises(PaiError, match="node_cache.py's input in Ray's object store: no answer from Ray "
+                                           "within 0.5s"):
+            backend.run_runner("10.0.0.1", "node_cache.py", ["parts", "/tmp/job"], b"data", timeout=0.5)
+        assert time.monotonic() - began < 3.0
+    finally:
+        released.set()
+
+
 def test_node_stop_checks_identity():
     """The pinned stop refuses a ref whose pid now has another start time or whose
     boot id is another's, and stops a group that is ours."""

@@ -732,7 +732,10 @@ class RayBackend(Backend):
             raise PaiError(f"Ray node {node}: the job is not staged there")
         ray = self.connect()
         ray.cloudpickle.register_pickle_by_value(node_cache)
-        ref = self._pinned_ref(inst.node_id, node_cache.run_staged, inst.info["folder"], runner, args, ray.put(stdin))
+        # ray.put waits on the control store like ray.nodes: a deadline of ours (the call's own).
+        shipped = self._bounded(lambda: ray.put(stdin), f"putting runners/{runner}'s input in Ray's object store",
+                                timeout)
+        ref = self._pinned_ref(inst.node_id, node_cache.run_staged, inst.info["folder"], runner, args, shipped)
         status, out, err = self._get(ref, f"runners/{runner} on Ray node {node}", timeout)
         if status != 0:
             raise PaiError(f"Ray node {node}: runners/{runner}: {runner_words(out, err, status)}")

@@ -20,7 +20,7 @@ import time
 
 from paicli.cluster import agent_link
 from paicli.cluster.backends.base import Backend, NodeSpec, agent_ref
-from paicli.runners import node_agent
+from paicli.runners import node_agent, node_outputs
 
 LOCAL_NODE = "local"
 LOCAL_HOST = "127.0.0.1"
@@ -207,8 +207,8 @@ class LocalBackend(Backend):
         from paicli.cluster.outputs import state_rel
 
         request = {"state": os.path.join(str(job_dir), state_rel(role, idx)), "have": have, "inplace": True}
-        for kind, payload in node_agent.collect(request):
-            yield kind + len(payload).to_bytes(4, "big") + payload
+        for frame in node_outputs.collect(request):
+            yield node_outputs.frame_bytes([frame])
 
     def _stop_refs(self, node, refs, timeout):
         stopped = {tuple(r) for r in node_agent.stop_refs([agent_ref(ref) for ref in refs], timeout)}

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 
-from paicli.runners import node_agent, stage_writer
+from paicli.runners import node_agent, node_outputs, stage_writer
 
 MAX_BUFFERED = 1 << 20   # agent output held in the actor before the agent is made to wait
 
@@ -43,7 +43,7 @@ MAX_BUFFERED = 1 << 20   # agent output held in the actor before the agent is ma
 def ship_by_value(cloudpickle) -> None:
     """Register what goes to Ray nodes by value: this module and the node agent's
     functions it uses (a Ray node needs Ray, not paicli)."""
-    for module in (sys.modules[__name__], node_agent, stage_writer):
+    for module in (sys.modules[__name__], node_agent, node_outputs, stage_writer):
         cloudpickle.register_pickle_by_value(module)
 
 
@@ -311,10 +311,10 @@ def pinned_cleanup(job_id: str) -> None:
 
 
 def pinned_collect(job_id: str, state_rel: str, have: dict, max_bytes, only=None) -> bytes:
-    """The node agent's `collect` of an instance's files on this node (cluster/outputs.py),
+    """node_outputs' `collect` of an instance's files on this node (cluster/outputs.py),
     as one byte string of frames."""
     import ray
 
     folder = job_folder(job_id, ray.get_runtime_context().get_node_id())
     request = {"state": os.path.join(folder, state_rel), "have": have, "max_bytes": max_bytes, "only": only}
-    return b"".join(kind + len(payload).to_bytes(4, "big") + payload for kind, payload in node_agent.collect(request))
+    return node_outputs.frame_bytes(node_outputs.collect(request))

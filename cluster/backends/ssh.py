@@ -341,7 +341,7 @@ class SSHBackend(Backend):
 
     def collect_outputs(self, job_dir: str, node: str, role: str, idx: int, have: dict,
                         max_bytes: int | None, only: dict | None = None):
-        """`node_agent.py collect` over an exec channel: the request on its stdin,
+        """`node_outputs.py collect` over an exec channel: the request on its stdin,
         the frames streamed from its stdout."""
         from paicli.cluster.outputs import state_rel
 
@@ -352,7 +352,7 @@ class SSHBackend(Backend):
         request = {"state": f"{folder}/{state_rel(role, idx)}", "have": have, "max_bytes": max_bytes, "only": only}
         chan = self.conns.session(entry, timeout=START_TIMEOUT)
         try:
-            chan.exec_command(ssh.quote_argv([entry.python, f"{folder}/{AGENT_FILE}", "collect"]))
+            chan.exec_command(ssh.quote_argv([entry.python, f"{folder}/runners/node_outputs.py", "collect"]))
             chan.sendall(json.dumps(request).encode() + b"\n")
             chan.shutdown_write()
             chan.settimeout(HEARTBEAT * 10)

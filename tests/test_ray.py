@@ -65,10 +65,21 @@ def test_waiting_list_names_what_cannot_be_placed():
     assert "no node is up" in rb.waiting_list(wanted, {})
 
 
-def test_only_what_the_master_set_goes_to_the_node():
-    master = {"PATH": "/usr/bin", "HOME": "/root", "PAI_DEBUG": "1"}
-    env = dict(master, PAI_ROLE="worker", PATH="/usr/bin", CUDA_VISIBLE_DEVICES="", HOME="/root")
-    assert rb.node_env(env, master) == {"PAI_ROLE": "worker", "CUDA_VISIBLE_DEVICES": ""}
+def test_only_what_the_master_set_goes_to_the_node(monkeypatch):
+    """base.Backend builds every remote backend's agent spec: the node gets the
+    entries the master set or changed, not the master's own PATH, HOME, ..."""
+    from paicli.cluster.backends.base import Backend, Placement
+
+    class Remote(Backend):
+        def _mapping(self, placed, argv0):
+            return []
+
+    monkeypatch.setenv("PAI_DEBUG", "1")
+    for name in ("PAI_ROLE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    env = dict(os.environ, PAI_ROLE="worker", CUDA_VISIBLE_DEVICES="")
+    spec = Remote()._agent_spec(Placement("worker", 0, "n1", "10.0.0.1"), ["python3"], env, None, None)
+    assert spec["env"] == {"PAI_ROLE": "worker", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def tar_of(manifest) -> bytes:
@@ -328,13 +339,13 @@ def test_the_actor_code_needs_no_paicli_on_the_node():
     import ray.cloudpickle as cloudpickle
 
     ray_node.ship_by_value(cloudpickle)
-    data = cloudpickle.dumps((ray_node.InstanceActor, ray_node.pinned_info, ray_node.free_ports,
+    data = cloudpickle.dumps((ray_node.InstanceActor, ray_node.pinned_info, ray_node.pinned_ports,
                               ray_node.pinned_alive))
     code = ("import os, sys, pickle; sys.modules['paicli'] = None; "
             "cls, info, ports, alive = pickle.loads(sys.stdin.buffer.read()); "
             "start = open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19]; "
             "me = [os.getpid(), os.getpgid(0), start, '']; "
-            "print(cls.__name__, len(ports(2)), alive([me])[0], "
+            "print(cls.__name__, len(ports(2, ())), alive([me])[0], "
             "'paicli' in sys.modules and sys.modules['paicli'] is not None)")
     result = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=60)
     assert result.returncode == 0, result.stderr.decode()[-2000:]

@@ -414,3 +414,24 @@ def test_the_multihost_bench_finds_a_step_line_split_across_reads():
         found += [line for line in lines if bench.STEP_LINE.search(line)]
     assert found == [b"[worker:0] step=0, global_step=1, loss=2.5"]
     assert pending == b""
+
+
+def test_backends_fill_in_underscore_methods_and_override_no_public_one():
+    """SkyPilot's pattern, held: the shared work (staging progress and timing, the
+    agent's spec, which nodes keep their folder, a transport call tried twice) lives
+    in base.Backend's public methods; a registered backend defines none of them, only
+    the `_underscore` methods they call."""
+    import importlib
+
+    from paicli.cluster.backends import BACKENDS
+    from paicli.cluster.backends.base import Backend
+
+    public = {n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")}
+    assert {"nodes", "prepare", "cleanup", "collect_outputs", "pick_ports", "remove_job_folders", "start",
+            "begin_start", "stop_all", "alive", "run_runner", "place_job"} <= public
+    allowed: dict[str, set[str]] = {}   # none: a justified exception would be named here
+    for name, target in BACKENDS.items():
+        module, _, cls_name = target.partition(":")
+        cls = getattr(importlib.import_module(module), cls_name)
+        own = public & set(vars(cls))
+        assert own <= allowed.get(name, set()), f"the {name} backend overrides {sorted(own)} of base.Backend"

@@ -158,10 +158,10 @@ class LocalBackend(Backend):
         self._warm: dict[tuple[str, int], AgentProcess] = {}
         self._lock = threading.Lock()
 
-    def nodes(self):
+    def _nodes(self):
         return [local_node()]
 
-    def prepare(self, job_dir, plan, placements):
+    def _prepare(self, job_dir, plan, placements):
         job_id = os.path.basename(str(job_dir).rstrip("/"))
         for p in placements:
             agent = AgentProcess(f"{job_id}/{p.role}:{p.idx}")
@@ -170,43 +170,28 @@ class LocalBackend(Backend):
             if old is not None:
                 old.discard()
 
-    def cleanup(self, job_dir):
+    def _cleanup(self, job_dir):
         with self._lock:
             warm, self._warm = list(self._warm.values()), {}
         for agent in warm:
             agent.discard()
 
-    def pick_ports(self, node, count, taken=()):
-        ports = node_agent.free_ports(LOCAL_HOST, count, set(taken))
-        if len(ports) != count:
-            raise OSError(f"could not find {count} free ports on {node}")
-        return ports
+    def _pick_ports(self, node, count, taken):
+        return node_agent.free_ports(LOCAL_HOST, count, taken)
 
-    def _start(self, placed, argv, env, cwd, watch=None, sink=None):
-        return self._send(placed, argv, env, cwd, watch, sink)()
-
-    def begin_start(self, placed, argv, env, cwd, watch=None, sink=None):
+    def _begin_start(self, placed, spec, sink):
         # The spec goes down the agent's pipe now; its identity is read when asked
         # for: the agents start their instances while the master sends the next spec.
-        finish = self._send(placed, argv, env, cwd, watch, sink)
-        return lambda: self._keep_link(finish())
-
-    def _send(self, placed, argv, env, cwd, watch, sink):
         with self._lock:
             agent = self._warm.pop((placed.role, placed.idx), None)
         if agent is None:
-            agent = AgentProcess(f"{env.get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}")
-        spec = {"argv": list(argv), "env": dict(env), "inherit": False, "cwd": cwd, "heartbeat": 0}
-        if watch:
-            spec["watch"] = dict(watch, inplace=True)   # this machine: the files are where they belong
+            agent = AgentProcess(f"{spec['env'].get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}")
         starting = agent_link.send_spec(agent, spec, sink)
         return lambda: starting.started(backend=self.name, node=placed.node, host=placed.host,
                                         start_timeout=START_TIMEOUT)
 
-    def collect_outputs(self, job_dir, node, role, idx, have, max_bytes):
-        from paicli.cluster.outputs import state_rel
-
-        request = {"state": os.path.join(str(job_dir), state_rel(role, idx)), "have": have, "inplace": True}
+    def _collect_outputs(self, job_dir, node, state_rel, request):
+        request = dict(request, state=os.path.join(str(job_dir), state_rel), inplace=True)
         for frame in node_outputs.collect(request):
             yield node_outputs.frame_bytes([frame])
 

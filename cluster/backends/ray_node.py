@@ -47,14 +47,6 @@ def ship_by_value(cloudpickle) -> None:
         cloudpickle.register_pickle_by_value(module)
 
 
-def free_ports(count: int, taken=()) -> list[int]:
-    """`count` distinct ports this node can bind now (on every address), none in `taken`."""
-    ports = node_agent.free_ports("0.0.0.0", count, {int(p) for p in taken})
-    if len(ports) != count:
-        raise OSError(f"could not find {count} free ports")
-    return ports
-
-
 def user_root() -> str:
     """Where this user's per-job folders go on a node (see job_folder)."""
     return os.path.join(tempfile.gettempdir(), f"paicli-ray-{os.getuid()}")
@@ -198,7 +190,8 @@ class InstanceActor:
                 "lines": got.get("lines", []) + [x for x in lines if not x.startswith("  ")]}
 
     def pick_ports(self, count: int, taken=()) -> list[int]:
-        return free_ports(count, taken)
+        """Ports this node can bind now (on every address), none in `taken`."""
+        return node_agent.free_ports("0.0.0.0", count, set(taken))
 
     # -- the relay to one node agent --------------------------------------------------
 
@@ -282,7 +275,7 @@ def pinned_alive(refs: list) -> list:
 
 
 def pinned_ports(count: int, taken) -> list[int]:
-    return free_ports(count, taken)
+    return node_agent.free_ports("0.0.0.0", count, set(taken))
 
 
 def pinned_info() -> dict:
@@ -310,11 +303,10 @@ def pinned_cleanup(job_id: str) -> None:
     remove_job_folder(job_folder(job_id, ray.get_runtime_context().get_node_id()))
 
 
-def pinned_collect(job_id: str, state_rel: str, have: dict, max_bytes, only=None) -> bytes:
+def pinned_collect(job_id: str, state_rel: str, request: dict) -> bytes:
     """node_outputs' `collect` of an instance's files on this node (cluster/outputs.py),
     as one byte string of frames."""
     import ray
 
     folder = job_folder(job_id, ray.get_runtime_context().get_node_id())
-    request = {"state": os.path.join(folder, state_rel), "have": have, "max_bytes": max_bytes, "only": only}
-    return node_outputs.frame_bytes(node_outputs.collect(request))
+    return node_outputs.frame_bytes(node_outputs.collect(dict(request, state=os.path.join(folder, state_rel))))

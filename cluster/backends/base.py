@@ -200,6 +200,8 @@ class Backend:
         first start, and again for a node an instance is moved to. Its lines go to
         `progress`, with the time it took when that was long enough to notice."""
         if self.progress is None:
+            from paicli.cluster.logsink import job_log_note
+
             self.progress = job_log_note(job_dir)
         began = time.monotonic()
         self._prepare(job_dir, plan, placements)
@@ -532,25 +534,3 @@ def runner_words(out: bytes, err: bytes, status: int) -> str:
     why = out.decode(errors="replace").strip() or err.decode(errors="replace").strip()
     return why[-300:] or f"exit {status}"
 
-
-def job_log_note(job_dir: str) -> Callable[[str], None]:
-    """Whole `[pai] ...` lines appended to the job's job.log. The master opens it
-    O_APPEND and writes whole lines too, so lines never interleave."""
-    from paicli.cluster.logsink import open_append_fd
-
-    path = Path(job_dir) / "job.log"
-    lock = threading.Lock()
-
-    def note(line: str) -> None:
-        data = f"[pai] {line}\n".encode("utf-8", "replace")
-        with lock:
-            try:
-                fd = open_append_fd(path)
-            except OSError:
-                return
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-
-    return note

@@ -3,8 +3,6 @@
 Standard library only; imports nothing of paicli (the node has no paicli).
 
     python3 node_agent.py run LABEL        start one instance; the spec comes on stdin
-    python3 node_agent.py info [RUNTIME_DIR [HOST COUNT]]   cores, memory, GPUs, Python,
-                                               runtimes, instances (and COUNT free ports)
     python3 node_agent.py stop TIMEOUT REFS       identity-checked stop of groups
     python3 node_agent.py ports HOST COUNT [TAKEN,...]   free ports on this node
 REFS is a JSON list of [pid, pgid, start ticks, boot id].
@@ -419,103 +417,6 @@ def root_fault(mode: int, uid: int, ours: int) -> str | None:
     return None
 
 
-def runtimes_in(root: str) -> dict:
-    found = {}
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return found
-    for name in names:
-        marker = os.path.join(root, name, "paicli-runtime.json")
-        try:
-            with open(marker) as f:
-                found[name] = json.load(f).get("version", "")
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def gpus() -> list[str]:
-    for path in ("/usr/bin/nvidia-smi", "/usr/local/bin/nvidia-smi"):
-        if os.path.exists(path):
-            try:
-                out = subprocess.run([path, "--query-gpu=index", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=10).stdout
-                return [line.strip() for line in out.splitlines() if line.strip()]
-            except (OSError, subprocess.SubprocessError):
-                return []
-    return sorted(name[len("nvidia"):] for name in _listdir("/dev") if name[6:].isdigit() and name.startswith("nvidia"))
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def instances() -> list[str]:
-    """Labels (JOB/role:index) of the paicli instances this agent runs here."""
-    found = []
-    me = os.path.basename(__file__) if "__file__" in globals() else "node_agent.py"
-    try:
-        # Hosts that share a kernel (containers, network namespaces) share /proc:
-        # only agents in this host's network namespace are this host's.
-        own_net = os.readlink("/proc/self/ns/net")
-    except OSError:
-        own_net = None
-    for name in _listdir("/proc"):
-        if not name.isdigit():
-            continue
-        if own_net is not None:
-            try:
-                if os.readlink(f"/proc/{name}/ns/net") != own_net:
-                    continue
-            except OSError:
-                continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) >= 4 and argv[1].endswith(me.encode()) and argv[2] == b"run":
-            found.append(argv[3].decode(errors="replace"))
-    return sorted(found)
-
-
-def info(runtime_dir: str = "", host: str = "", count: int = 0) -> dict:
-    """This node: cores, memory, GPUs, Python, runtimes, the paicli instances here;
-    also `count` free ports on `host` when asked (one call while staging a job)."""
-    mem_total = mem_avail = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem_total = int(line.split()[1]) // 1024
-                elif line.startswith("MemAvailable:"):
-                    mem_avail = int(line.split()[1]) // 1024
-    except OSError:
-        pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    root = os.path.expanduser(runtime_dir or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "paicli", "runtimes"))
-    return {
-        "cores": cores, "memory": mem_total, "memory_available": mem_avail, "gpus": gpus(),
-        "python": "%d.%d.%d" % sys.version_info[:3], "python_path": sys.executable,
-        "runtime_dir": root, "runtimes": runtimes_in(root), "instances": instances(),
-        "boot": boot_id(), "hostname": socket.gethostname(),
-        "ports": free_ports(host, count, set()) if host and count > 0 else [],
-    }
-
-
-def cmd_info(runtime_dir: str = "", host: str = "", count: str = "0") -> int:
-    print(json.dumps(info(runtime_dir, host, int(count))))
-    return 0
-
-
 def cmd_ports(host: str, count: str, taken: str = "") -> int:
     print(json.dumps(free_ports(host, int(count), {int(p) for p in taken.split(",") if p.strip().isdigit()})))
     return 0
@@ -551,7 +452,7 @@ def free_ports(host: str, count: int, avoid: set, candidates=None) -> list:
     return ports
 
 
-COMMANDS = {"run": cmd_run, "stop": cmd_stop, "info": cmd_info, "ports": cmd_ports}
+COMMANDS = {"run": cmd_run, "stop": cmd_stop, "ports": cmd_ports}
 
 
 def main(argv: list[str]) -> int:

@@ -22,6 +22,7 @@ import pytest
 
 from paicli.cluster.backends import ray as rb
 from paicli.cluster.backends import ray_node
+from paicli.cluster.backends.base import agent_ref
 from paicli.errors import UsageError
 from paicli.plan import JobPlan, RolePlan
 
@@ -191,14 +192,14 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
     assert out == b"x" * 300000 + b"\n"
     assert handle.native.wait(30) == 3
     handle = run([sys.executable, "-c", "import time; time.sleep(60)"])
-    ref = rb.agent_ref(handle.ref)
-    assert handle.ref.pid > 0 and ray_node.pinned_alive([ref]) == [True]
+    ref = agent_ref(handle.ref)
+    assert handle.ref.pid > 0 and ray_node.node_agent.alive(ref)
     actor.close(agents[0])   # the first link's close, arriving late: this agent is not its
     time.sleep(1)
-    assert ray_node.pinned_alive([ref]) == [True]
+    assert ray_node.node_agent.alive(ref)
     actor.close()   # what Ray killing the actor does to the agent's stdin
     deadline = time.monotonic() + 10
-    while ray_node.pinned_alive([ref]) != [False]:
+    while ray_node.node_agent.alive(ref):
         assert time.monotonic() < deadline, "the group outlived its relay"
         time.sleep(0.1)
 
@@ -321,12 +322,12 @@ def test_node_stop_checks_identity():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
         ref = [proc.pid, proc.pid, node_agent.proc_stat(proc.pid)[2], node_agent.boot_id()]
-        assert not ray_node.pinned_stop([[*ref[:2], str(int(ref[2]) + 1), ref[3]]], 1)
-        assert not ray_node.pinned_stop([[*ref[:3], "another-boot"]], 1)
+        assert not node_agent.stop_refs([[*ref[:2], str(int(ref[2]) + 1), ref[3]]], 1)
+        assert not node_agent.stop_refs([[*ref[:3], "another-boot"]], 1)
         assert proc.poll() is None
-        assert ray_node.pinned_stop([ref], 2) == [ref]
+        assert node_agent.stop_refs([ref], 2) == [ref]
         assert proc.wait(5) == -15
-        assert ray_node.pinned_alive([ref]) == [False]
+        assert not node_agent.alive(ref)
     finally:
         proc.kill()
         proc.wait()
@@ -339,17 +340,17 @@ def test_the_actor_code_needs_no_paicli_on_the_node():
     import ray.cloudpickle as cloudpickle
 
     ray_node.ship_by_value(cloudpickle)
-    data = cloudpickle.dumps((ray_node.InstanceActor, ray_node.pinned_info, ray_node.pinned_ports,
-                              ray_node.pinned_alive))
+    agent = ray_node.node_agent   # its functions run pinned to a node as they are
+    data = cloudpickle.dumps((ray_node.InstanceActor, ray_node.node_info.info, agent.free_ports, agent.alive))
     code = ("import os, sys, pickle; sys.modules['paicli'] = None; "
             "cls, info, ports, alive = pickle.loads(sys.stdin.buffer.read()); "
             "start = open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19]; "
             "me = [os.getpid(), os.getpgid(0), start, '']; "
-            "print(cls.__name__, len(ports(2, ())), alive([me])[0], "
+            "print(cls.__name__, len(ports('0.0.0.0', 2, set())), alive(me), info()['boot'] != '', "
             "'paicli' in sys.modules and sys.modules['paicli'] is not None)")
     result = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=60)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
-    assert result.stdout.decode().split() == ["InstanceActor", "2", "True", "False"]
+    assert result.stdout.decode().split() == ["InstanceActor", "2", "True", "True", "False"]
 
 
 def test_address_errors_are_one_line():

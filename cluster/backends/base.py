@@ -135,7 +135,7 @@ class InstanceRef:
 class Handle:
     ref: InstanceRef
     output_fd: int                # the instance's stdout+stderr, read by the master; -1 once closed
-    native: Any = field(default=None, repr=False)   # the backend's own object (a Popen, a channel)
+    native: Any = field(default=None, repr=False)   # its agent_link.Link (every backend's)
 
     @property
     def pid(self) -> int:
@@ -186,12 +186,6 @@ class Backend:
         """Every node with its declared or detected resources, but those lost
         during this job."""
         return [node for node in self._nodes() if node.name not in self.lost]
-
-    def node(self, name: str) -> NodeSpec:
-        for node in self.nodes():
-            if node.name == name:
-                return node
-        raise KeyError(name)
 
     def prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
         """Stage what the instances need on the nodes they were placed on (a
@@ -372,8 +366,7 @@ class Backend:
     def poll(self, handle: Handle) -> int | None:
         """The exit status once the instance's main process has ended (negative:
         killed by that signal; NODE_LOST: its node stopped answering), else None."""
-        poll = getattr(handle.native, "poll", None)
-        code = poll() if poll is not None else None
+        code = handle.native.poll()
         if code == NODE_LOST:
             self._node_lost(handle.ref.node)
         return code
@@ -381,16 +374,8 @@ class Backend:
     def wait(self, handle: Handle, timeout: float | None = None) -> int | None:
         """Block up to `timeout` (None: forever) for the main process; None if it
         is still running then."""
-        wait = getattr(handle.native, "wait", None)
-        if wait is not None:
-            wait(timeout)
-            return self.poll(handle)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            code = self.poll(handle)
-            if code is not None or (deadline is not None and time.monotonic() >= deadline):
-                return code
-            time.sleep(0.02)
+        handle.native.wait(timeout)
+        return self.poll(handle)
 
     def _node_lost(self, node: str) -> None:
         """An instance's node stopped answering: not asked again during this job."""
@@ -452,25 +437,28 @@ class Backend:
         link = self._links.get((ref.node, ref.pid))
         if link is not None:
             return link.poll() is None
-        return ref.pid > 0 and self._alive(ref)
+        return ref.pid > 0 and self._alive(ref.node, agent_ref(ref))
 
     def _stop_on(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
         """`_stop_refs` on `node` through `_on_node`; given up, that is one line on
         stderr: the refs that were stopped."""
         try:
-            return self._on_node(node, "stopping", lambda: self._stop_refs(node, refs, timeout))
+            asked = [agent_ref(ref) for ref in refs]
+            stopped = self._on_node(node, "stopping", lambda: self._stop_refs(node, asked, timeout))
+            return [ref for ref in refs if ref.pid in {int(r[0]) for r in stopped}]
         except NodeCallFailed as err:
             print(f"paicli: could not stop {len(refs)} instance(s) on node {node}: {err.why}", file=sys.stderr,
                   flush=True)
             return []
 
-    def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
-        """The identity-checked stop on `node` (the node agent's stop_refs there, THE
-        stop loop): SIGTERM, one bounded wait, SIGKILL; the refs stopped. Raises when
-        the node cannot be reached."""
+    def _stop_refs(self, node: str, refs: list[list], timeout: float) -> list[list]:
+        """The identity-checked stop on `node` of `refs` (agent_ref's form): the node
+        agent's stop_refs there, THE stop loop (SIGTERM, one bounded wait, SIGKILL);
+        its answer, the refs stopped. Raises when the node cannot be reached."""
         raise NotImplementedError
 
-    def _alive(self, ref: InstanceRef) -> bool:
+    def _alive(self, node: str, ref: list) -> bool:
+        """The node agent's alive(ref) on `node` (`ref` in agent_ref's form)."""
         raise NotImplementedError
 
     # -- DATA (issue 18): the job's staged nodes, for cluster/datasets.py -----------------

@@ -19,7 +19,7 @@ import threading
 import time
 
 from paicli.cluster import agent_link
-from paicli.cluster.backends.base import Backend, NodeSpec, agent_ref
+from paicli.cluster.backends.base import Backend, NodeSpec
 from paicli.runners import node_agent, node_outputs
 
 LOCAL_NODE = "local"
@@ -33,12 +33,8 @@ PIPE_BYTES = 4096
 AGENT_OUTPUT_FD = 3        # where a forked agent finds the instance's output pipe
 
 
-def machine_cpu() -> int:
-    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) * 100
-
-
 def local_node() -> NodeSpec:
-    from paicli.cluster.scheduler import machine_gpus, machine_memory_mb
+    from paicli.cluster.scheduler import machine_cpu, machine_gpus, machine_memory_mb
 
     return NodeSpec(LOCAL_NODE, LOCAL_HOST, machine_cpu(), machine_memory_mb(), tuple(machine_gpus()))
 
@@ -196,8 +192,7 @@ class LocalBackend(Backend):
             yield node_outputs.frame_bytes([frame])
 
     def _stop_refs(self, node, refs, timeout):
-        stopped = {tuple(r) for r in node_agent.stop_refs([agent_ref(ref) for ref in refs], timeout)}
-        return [ref for ref in refs if tuple(agent_ref(ref)) in stopped]
+        return node_agent.stop_refs(refs, timeout)
 
-    def _alive(self, ref):
-        return node_agent.alive(agent_ref(ref))
+    def _alive(self, node, ref):
+        return node_agent.alive(ref)

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from paicli.cluster import agent_link, node_files, remote_paths
 from paicli.cluster.backends import ray_node
-from paicli.cluster.backends.base import Backend, Handle, InstanceRef, NodeSpec, Placement, agent_ref
+from paicli.cluster.backends.base import Backend, Handle, NodeSpec, Placement
 from paicli.errors import PaiError, UsageError
 
 NAMESPACE = "paicli"
@@ -315,34 +315,19 @@ class RayBackend(Backend):
                          f"from outside the cluster use Ray Client: PAI_RAY_ADDRESS=ray://{host}:10001")
 
     def _init(self, ray) -> None:
-        """ray.init with a deadline, in a thread of its own: on a port that accepts
-        connections but is not Ray's, ray.init waits forever. A cancel ends the wait
-        too. (Ray sets its own SIGTERM handler only from the main thread: the
-        master's handlers stay in place.)"""
-        outcome: list[BaseException | None] = []
-
-        def run() -> None:
-            try:
-                self._init_tries(ray)
-                outcome.append(None)
-            except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
-                outcome.append(err)
-
-        thread = threading.Thread(target=run, name="ray-init", daemon=True)
-        thread.start()
+        """ray.init with a deadline (`_bounded`): on a port that accepts connections
+        but is not Ray's, ray.init waits forever. A cancel ends the wait too. (Ray
+        sets its own SIGTERM handler only from the main thread: the master's
+        handlers stay in place.) Whatever ends it, the thread may still connect:
+        nothing is to use it."""
         limit = INIT_TIMEOUT * (3 if "://" in self.address else 1)
-        deadline = time.monotonic() + limit
-        while thread.is_alive():
-            thread.join(0.5)
-            if thread.is_alive() and (self._interrupted() or time.monotonic() >= deadline):
-                self._unusable = True   # the thread may still connect: nothing is to use it
-                reason = self._interrupted()
-                if reason:
-                    raise RayWaitStopped(reason, cancelled=True)
-                raise ConnectionError(f"no answer as a Ray cluster within {limit:g}s")
-        if outcome[0] is not None:
+        try:
+            self._bounded(lambda: self._init_tries(ray), "ray.init", limit)
+        except BaseException as err:
             self._unusable = True
-            raise outcome[0]
+            if isinstance(err, PaiError) and not isinstance(err, RayWaitStopped):
+                raise ConnectionError(f"no answer as a Ray cluster within {limit:g}s") from None
+            raise
 
     def _init_tries(self, ray) -> None:
         import logging
@@ -612,7 +597,7 @@ class RayBackend(Backend):
         for inst in self._instances.values():
             if inst.host == node:
                 return self._get(inst.actor.pick_ports.remote(count, list(taken)), f"ports on Ray node {node}")
-        return self._pinned(node, ray_node.pinned_ports, count, list(taken))
+        return self._pinned(node, ray_node.node_agent.free_ports, "0.0.0.0", count, taken)
 
     def _start(self, placed: Placement, spec: dict, sink=None) -> Handle:
         self.connect()
@@ -625,15 +610,13 @@ class RayBackend(Backend):
 
     # -- stopping what this process did not start (`pai kill`, the watchdog) ---------------
 
-    def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
+    def _stop_refs(self, node: str, refs: list[list], timeout: float) -> list[list]:
         try:
-            stopped = self._pinned(node, ray_node.pinned_stop, [agent_ref(r) for r in refs], timeout,
-                                   timeout=timeout + STOP_TIMEOUT)
+            return self._pinned(node, ray_node.node_agent.stop_refs, refs, timeout, timeout=timeout + STOP_TIMEOUT)
         except (PaiError, OSError):
             raise
         except Exception as err:  # noqa: BLE001 - Ray's own errors: base.Backend retries, then says so
             raise PaiError(f"Ray node {node}: {type(err).__name__}: {str(err)[:200]}".splitlines()[0]) from None
-        return [r for r in refs if agent_ref(r) in stopped]
 
     def _collect_outputs(self, job_dir: str, node: str, state_rel: str, request: dict):
         """node_outputs' collect, in a task pinned to the node: its frames, at once."""
@@ -646,9 +629,9 @@ class RayBackend(Backend):
         self.connect()
         self._pinned(name, ray_node.pinned_cleanup, job_id, timeout=STOP_TIMEOUT)
 
-    def _alive(self, ref: InstanceRef) -> bool:
+    def _alive(self, node: str, ref: list) -> bool:
         try:
-            return bool(self._pinned(ref.node, ray_node.pinned_alive, [agent_ref(ref)], timeout=STOP_TIMEOUT)[0])
+            return bool(self._pinned(node, ray_node.node_agent.alive, ref, timeout=STOP_TIMEOUT))
         except Exception:  # noqa: BLE001 - the node is gone
             return False
 
@@ -729,7 +712,7 @@ def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
                "python": None, "runtime_dir": None, "runtimes": {}, "instances": []}
         if n.get("Alive"):
             try:
-                info = backend._pinned(host, ray_node.pinned_info, timeout=60)
+                info = backend._pinned(host, ray_node.node_info.info, timeout=60)
                 row.update({"python": info["python"], "python_path": info["python_path"],
                             "runtime_dir": info["runtime_dir"], "runtimes": info["runtimes"],
                             "instances": info["instances"], "boot": info["boot"]})

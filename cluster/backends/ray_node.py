@@ -22,7 +22,8 @@ bundle:
   worker's process group, so it always lives to do that.
 
 A process that holds no link (`pai kill`, the watchdog) stops instances with the
-node agent's identity-checked stop, run on the node by a task pinned to it.
+node agent's identity-checked stop (node_agent.stop_refs, shipped by value like
+its alive and free_ports, and node_info's info), run on the node by a task pinned to it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import threading
 
-from paicli.runners import node_agent, node_outputs, stage_writer
+from paicli.runners import node_agent, node_info, node_outputs, stage_writer
 
 MAX_BUFFERED = 1 << 20   # agent output held in the actor before the agent is made to wait
 
@@ -43,7 +44,7 @@ MAX_BUFFERED = 1 << 20   # agent output held in the actor before the agent is ma
 def ship_by_value(cloudpickle) -> None:
     """Register what goes to Ray nodes by value: this module and the node agent's
     functions it uses (a Ray node needs Ray, not paicli)."""
-    for module in (sys.modules[__name__], node_agent, node_outputs, stage_writer):
+    for module in (sys.modules[__name__], node_agent, node_info, node_outputs, stage_writer):
         cloudpickle.register_pickle_by_value(module)
 
 
@@ -144,7 +145,8 @@ class InstanceActor:
         lines = result.stdout.splitlines()
         failed = next((i for i, line in enumerate(lines) if line.startswith("ERROR ")), None)
         if failed is not None:
-            got = {"error": lines[failed][len("ERROR "):], "lines": [x for x in lines[:failed] if not x.startswith("  ")]}
+            got = {"error": lines[failed][len("ERROR "):],
+                   "lines": [x for x in lines[:failed] if not x.startswith("  ")]}
             if command == "layer":   # what follows is pip's log (ray.py names it, kept in the job folder)
                 got["pip_log"] = "\n".join(lines[failed + 1:]) + "\n"
             return got
@@ -226,26 +228,6 @@ class InstanceActor:
     def cleanup(self) -> None:
         """Remove this job's folder on the node."""
         remove_job_folder(self.folder)
-
-
-def pinned_stop(refs: list, timeout: float) -> list:
-    """The node agent's identity-checked stop, run on the refs' node by a pinned task
-    (`pai kill`, the watchdog: processes that hold no link)."""
-    return node_agent.stop_refs(refs, timeout)
-
-
-def pinned_alive(refs: list) -> list:
-    return [node_agent.alive(ref) for ref in refs]
-
-
-def pinned_ports(count: int, taken) -> list[int]:
-    return node_agent.free_ports("0.0.0.0", count, set(taken))
-
-
-def pinned_info() -> dict:
-    """The node agent's `info` (cores, memory, GPUs, Python, runtimes, the paicli
-    instances agents run here), run on this node (the agent travels by value)."""
-    return node_agent.info()
 
 
 def remove_job_folder(folder: str) -> None:

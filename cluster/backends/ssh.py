@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from paicli.cluster import agent_link, node_files, remote_paths
 from paicli.cluster import ssh_transport as ssh
-from paicli.cluster.backends.base import Backend, Handle, InstanceRef, NodeSpec, Placement, agent_ref
+from paicli.cluster.backends.base import Backend, Handle, NodeSpec, Placement
 from paicli.cluster.nodes import NodeEntry, config_from_dict
 from paicli.errors import PaiError, UsageError
 
@@ -102,9 +102,6 @@ class SSHBackend(Backend):
                 return node
         raise UsageError(f"no node named {name!r} in {self.nodes_config.path}")
 
-    def _client(self, node: NodeEntry):
-        return self.conns.get(node)
-
     def _agent(self, node: NodeEntry, command: str, *args: str, timeout: float = 30.0):
         try:
             return ssh.run_agent(self.conns.session(node, timeout=timeout), node, command, *args, timeout=timeout)
@@ -160,7 +157,7 @@ class SSHBackend(Backend):
         """What placement needs: cores, memory, GPUs. Declared values are used as
         they are (only the login is checked); the rest comes from a shell one-liner,
         far cheaper than starting Python on a busy node."""
-        client = self._client(node)
+        client = self.conns.get(node)
         if node.cpu is not None and node.memory is not None and node.gpu is not None:
             return {"cores": node.cpu // 100, "memory": node.memory, "gpus": []}
         try:
@@ -197,7 +194,7 @@ class SSHBackend(Backend):
         runtime = getattr(plan, "runtime", None)
         listens = {r.name for r in plan.roles if r.listens}
         wanted = sum(1 for p in placed if p.role in listens)
-        client = self._client(node)
+        self.conns.get(node)   # connected once here, before the threads below share it
         looked: dict[str, Any] = {}
 
         def look() -> None:
@@ -213,7 +210,7 @@ class SSHBackend(Backend):
         folder = remote_paths.job_folder(node.job_root, job_id)
         manifest = node_files.manifest(job_dir, plan)
         try:
-            self._write(node, folder, manifest, lambda: self._warm_up(node, client, folder, job_id, placed))
+            self._write(node, folder, manifest, lambda: self._warm_up(node, folder, job_id, placed))
         finally:
             looking.join()
         if "error" in looked:
@@ -248,7 +245,7 @@ class SSHBackend(Backend):
         finally:
             writer.close()
 
-    def _warm_up(self, node: NodeEntry, client, folder: str, job_id: str, placed: list[Placement]) -> None:
+    def _warm_up(self, node: NodeEntry, folder: str, job_id: str, placed: list[Placement]) -> None:
         for p in placed:
             label = f"{job_id}/{p.role}:{p.idx}"
             try:
@@ -362,11 +359,8 @@ class SSHBackend(Backend):
 
     # -- stopping: the agent's commands, for refs without a live channel here --------------
 
-    def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
-        done = self._agent(self.entry(node), "stop", str(float(timeout)), json.dumps([agent_ref(r) for r in refs]),
-                           timeout=timeout + 30)
-        pids = {int(r[0]) for r in done}
-        return [r for r in refs if r.pid in pids]
+    def _stop_refs(self, node: str, refs: list[list], timeout: float) -> list[list]:
+        return self._agent(self.entry(node), "stop", str(float(timeout)), json.dumps(refs), timeout=timeout + 30)
 
     # -- DATA (issue 18): base.Backend's staged_folders / run_runner ------------------------
 

@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
 from paicli.cluster import remote_paths
-from paicli.errors import PaiError
+from paicli.errors import PaiError, UsageError
 
 # poll()/wait() answer for an instance whose node stopped answering. Retryable.
 NODE_LOST = -1000
@@ -179,6 +179,10 @@ class Backend:
         # Where staging and waiting say what they do: the master's job log (a note
         # place_job was given, else whole lines appended to job.log by prepare()).
         self.progress: Callable[[str], None] | None = None
+        # Agents started ahead of their instances by _prepare (a start is then one round
+        # trip, not a new process): (role, idx) -> (node, agent waiting for its spec).
+        self._warm: dict[tuple[str, int], tuple[str, Any]] = {}
+        self._warm_lock = threading.Lock()
 
     # -- nodes and staging ------------------------------------------------------
 
@@ -207,6 +211,10 @@ class Backend:
     def cleanup(self, job_dir: str) -> None:
         """Remove the per-job folders on the nodes (but those `keeps`), and what
         this process holds for the job on them (waiting agents, actors)."""
+        with self._warm_lock:
+            warm, self._warm = list(self._warm.values()), {}
+        for _node, agent in warm:
+            self._discard(agent)
         self._cleanup(job_dir)
 
     def keeps(self, node: str) -> bool:
@@ -267,13 +275,40 @@ class Backend:
 
     def _on_node(self, node: str, what: str, call: Callable[[], Any]) -> Any:
         """`call()`, a transport call to `node`: tried twice (a dropped connection is
-        opened anew), then given up with one line naming the node (a PaiError)."""
+        opened anew), then given up with one line naming the node (a PaiError). A
+        usage error (the user's to fix) or a verdict (a cancel: `outcome`) is no
+        transport's failure: raised as it is, at once."""
         for attempt in (1, 2):
             try:
                 return call()
             except (PaiError, OSError, EOFError) as err:
+                if isinstance(err, UsageError) or hasattr(err, "outcome"):
+                    raise
                 why = f"{err.__class__.__name__}: {err}"
         raise NodeCallFailed(f"{what} on node {node} failed twice: {why}", why)
+
+    def _keep_warm(self, placed: Placement, agent: Any) -> None:
+        """`agent`, started ahead on `placed.node`, waits for `placed`'s spec; one that
+        waited for it before is discarded."""
+        with self._warm_lock:
+            old = self._warm.pop((placed.role, placed.idx), None)
+            self._warm[(placed.role, placed.idx)] = (placed.node, agent)
+        if old is not None:
+            self._discard(old[1])
+
+    def _take_warm(self, placed: Placement) -> Any:
+        """The agent waiting for `placed`'s spec on its node, if one is (one left on
+        another node, or closed meanwhile, is discarded)."""
+        with self._warm_lock:
+            node, agent = self._warm.pop((placed.role, placed.idx), (None, None))
+        if agent is not None and (node != placed.node or getattr(agent, "closed", False)):
+            self._discard(agent)
+            return None
+        return agent
+
+    def _discard(self, agent: Any) -> None:
+        """An agent started ahead and never used: it reads EOF and exits."""
+        agent.close()
 
     # -- what a backend fills in --------------------------------------------------------
 
@@ -446,9 +481,9 @@ class Backend:
             asked = [agent_ref(ref) for ref in refs]
             stopped = self._on_node(node, "stopping", lambda: self._stop_refs(node, asked, timeout))
             return [ref for ref in refs if ref.pid in {int(r[0]) for r in stopped}]
-        except NodeCallFailed as err:
-            print(f"paicli: could not stop {len(refs)} instance(s) on node {node}: {err.why}", file=sys.stderr,
-                  flush=True)
+        except PaiError as err:
+            why = getattr(err, "why", f"{err.__class__.__name__}: {err}")
+            print(f"paicli: could not stop {len(refs)} instance(s) on node {node}: {why}", file=sys.stderr, flush=True)
             return []
 
     def _stop_refs(self, node: str, refs: list[list], timeout: float) -> list[list]:

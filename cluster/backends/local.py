@@ -149,28 +149,16 @@ def _forked_agent(label: str, moves) -> None:
 class LocalBackend(Backend):
     name = "local"
 
-    def __init__(self, config=None):
-        super().__init__(config)
-        self._warm: dict[tuple[str, int], AgentProcess] = {}
-        self._lock = threading.Lock()
-
     def _nodes(self):
         return [local_node()]
 
     def _prepare(self, job_dir, plan, placements):
         job_id = os.path.basename(str(job_dir).rstrip("/"))
         for p in placements:
-            agent = AgentProcess(f"{job_id}/{p.role}:{p.idx}")
-            with self._lock:
-                old, self._warm[(p.role, p.idx)] = self._warm.get((p.role, p.idx)), agent
-            if old is not None:
-                old.discard()
+            self._keep_warm(p, AgentProcess(f"{job_id}/{p.role}:{p.idx}"))
 
-    def _cleanup(self, job_dir):
-        with self._lock:
-            warm, self._warm = list(self._warm.values()), {}
-        for agent in warm:
-            agent.discard()
+    def _discard(self, agent):
+        agent.discard()
 
     def _pick_ports(self, node, count, taken):
         return node_agent.free_ports(LOCAL_HOST, count, taken)
@@ -178,10 +166,8 @@ class LocalBackend(Backend):
     def _begin_start(self, placed, spec, sink):
         # The spec goes down the agent's pipe now; its identity is read when asked
         # for: the agents start their instances while the master sends the next spec.
-        with self._lock:
-            agent = self._warm.pop((placed.role, placed.idx), None)
-        if agent is None:
-            agent = AgentProcess(f"{spec['env'].get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}")
+        agent = self._take_warm(placed) or AgentProcess(f"{spec['env'].get('PAI_JOB_ID', 'job')}/"
+                                                        f"{placed.role}:{placed.idx}")
         starting = agent_link.send_spec(agent, spec, sink)
         return lambda: starting.started(backend=self.name, node=placed.node, host=placed.host,
                                         start_timeout=START_TIMEOUT)

@@ -405,17 +405,7 @@ class RayBackend(Backend):
     # -- nodes ---------------------------------------------------------------------
 
     def _nodes(self) -> list[NodeSpec]:
-        out = []
-        for n in self._live_nodes(interruptible=False):
-            if not n.get("Alive"):
-                continue
-            res = n.get("Resources") or {}
-            host = n.get("NodeManagerAddress", "")
-            out.append(NodeSpec(name=host, host=host, cpu=round(res.get("CPU", 0) * 100),
-                                memory=round(res.get("memory", 0) / MB),
-                                gpus=tuple(str(i) for i in range(int(res.get("GPU", 0)))),
-                                attrs={"node_id": n["NodeID"], "hostname": n.get("NodeManagerHostname", "")}))
-        return out
+        return [node_spec(n) for n in self._live_nodes(interruptible=False) if n.get("Alive")]
 
     def _node_id(self, name: str) -> str | None:
         for inst in self._instances.values():
@@ -444,10 +434,7 @@ class RayBackend(Backend):
     def _available(self) -> dict[str, dict[str, float]]:
         ray = self.connect()
         try:
-            per_node = {}
-            for n in self._live_nodes(interruptible=False):
-                if n.get("Alive"):
-                    per_node[n["NodeID"]] = n.get("NodeManagerAddress", "")
+            per_node = {node.attrs["node_id"]: node.name for node in self._nodes()}
             avail = ray._private.state.state._available_resources_per_node()  # noqa: SLF001
             return {per_node.get(nid, nid): dict(res) for nid, res in avail.items() if nid in per_node}
         except Exception:  # noqa: BLE001 - a report only
@@ -695,6 +682,15 @@ class RayBackend(Backend):
 # -- `pai nodes` for Ray --------------------------------------------------------
 
 
+def node_spec(n: dict) -> NodeSpec:
+    """One node of ray.nodes() in PAI units (`nodes()` and `pai nodes` alike)."""
+    res = n.get("Resources") or {}
+    host = n.get("NodeManagerAddress", "")
+    return NodeSpec(name=host, host=host, cpu=round(res.get("CPU", 0) * 100), memory=round(res.get("memory", 0) / MB),
+                    gpus=tuple(str(i) for i in range(int(res.get("GPU", 0)))),
+                    attrs={"node_id": n["NodeID"], "hostname": n.get("NodeManagerHostname", "")})
+
+
 def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
     """`pai nodes` for a Ray cluster: every node Ray knows with its resources and
     what the node agent's `info` says there (Python, runtimes, the paicli
@@ -702,17 +698,16 @@ def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
     backend = RayBackend(config)
     rows = []
     for n in backend._live_nodes(interruptible=False):
-        res = n.get("Resources") or {}
-        host = n.get("NodeManagerAddress", "")
-        cores = res.get("CPU", 0)
-        row = {"name": host, "host": host, "port": n.get("NodeManagerPort"), "user": "",
+        spec = node_spec(n)
+        cores = (n.get("Resources") or {}).get("CPU", 0)
+        row = {"name": spec.name, "host": spec.host, "port": n.get("NodeManagerPort"), "user": "",
                "state": "up" if n.get("Alive") else "dead", "error": None, "node_id": n["NodeID"],
-               "cores": int(cores) if float(cores).is_integer() else cores, "cpu": round(res.get("CPU", 0) * 100),
-               "memory": round(res.get("memory", 0) / MB), "gpus": [str(i) for i in range(int(res.get("GPU", 0)))],
+               "cores": int(cores) if float(cores).is_integer() else cores, "cpu": spec.cpu,
+               "memory": spec.memory, "gpus": list(spec.gpus),
                "python": None, "runtime_dir": None, "runtimes": {}, "instances": []}
         if n.get("Alive"):
             try:
-                info = backend._pinned(host, ray_node.node_info.info, timeout=60)
+                info = backend._pinned(spec.host, ray_node.node_info.info, timeout=60)
                 row.update({"python": info["python"], "python_path": info["python_path"],
                             "runtime_dir": info["runtime_dir"], "runtimes": info["runtimes"],
                             "instances": info["instances"], "boot": info["boot"]})

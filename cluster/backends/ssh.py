@@ -89,9 +89,6 @@ class SSHBackend(Backend):
         self._maps: dict[str, remote_paths.Mapping] = {}
         self._folders: dict[str, str] = {}
         self._lock = threading.Lock()
-        # Started ahead of time by prepare(), one per placed instance: an agent
-        # waiting for its spec, so that start() is one round trip, not a new process.
-        self._warm: dict[tuple[str, int], tuple[str, Any]] = {}
         self._ports: dict[str, list[int]] = {}   # free ports found on each node by prepare()
 
     # -- nodes --------------------------------------------------------------------
@@ -252,11 +249,7 @@ class SSHBackend(Backend):
                 chan = self._run_agent_channel(node, folder, label)
             except (PaiError, OSError, EOFError, self._ssh_errors()):
                 continue   # start() opens its own
-            with self._lock:
-                old = self._warm.pop((p.role, p.idx), None)
-                self._warm[(p.role, p.idx)] = (node.name, chan)
-            if old is not None:
-                old[1].close()
+            self._keep_warm(p, chan)
 
     def _run_agent_channel(self, node: NodeEntry, folder: str, label: str):
         """A channel running `node_agent.py run LABEL` from the job's folder on the
@@ -270,10 +263,6 @@ class SSHBackend(Backend):
         return chan
 
     def _cleanup(self, job_dir: str) -> None:
-        with self._lock:
-            warm, self._warm = list(self._warm.values()), {}
-        for _node, chan in warm:
-            chan.close()   # the waiting agent reads EOF and exits
         names = set(self._folders)
         placements = Path(job_dir) / "placement.json"
         if placements.exists():
@@ -329,11 +318,7 @@ class SSHBackend(Backend):
         folder = self._folders[node.name]
         spec["cwd"] = spec["cwd"] or f"{folder}/code"
         label = f"{spec['env'].get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}"
-        with self._lock:
-            warm = self._warm.pop((placed.role, placed.idx), None)
-        chan = warm[1] if warm is not None and warm[0] == node.name and not warm[1].closed else None
-        if warm is not None and chan is None:
-            warm[1].close()
+        chan = self._take_warm(placed)
         try:
             if chan is None:
                 chan = self._run_agent_channel(node, folder, label)

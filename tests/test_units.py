@@ -435,3 +435,35 @@ def test_backends_fill_in_underscore_methods_and_override_no_public_one():
         cls = getattr(importlib.import_module(module), cls_name)
         own = public & set(vars(cls))
         assert own <= allowed.get(name, set()), f"the {name} backend overrides {sorted(own)} of base.Backend"
+
+
+def test_a_transport_call_is_tried_twice_then_one_line_names_the_node():
+    """base.Backend retries every transport call the same way (not only a stop): a
+    call that fails once is made again; twice is one PaiError naming the node and the
+    call; a verdict (a cancel: `outcome`) or a usage error is raised at once."""
+    from paicli.cluster.backends.local import LocalBackend
+    from paicli.errors import PaiError, UsageError
+
+    class Cancelled(PaiError):
+        outcome = ("Cancelled", "cancelled by user")
+
+    class Flaky(LocalBackend):
+        def __init__(self, errors):
+            super().__init__()
+            self.errors, self.calls = list(errors), 0
+
+        def _pick_ports(self, node, count, taken):
+            self.calls += 1
+            if self.errors:
+                raise self.errors.pop(0)
+            return super()._pick_ports(node, count, taken)
+
+    once = Flaky([OSError("connection reset")])
+    assert len(once.pick_ports("local", 2)) == 2 and once.calls == 2
+    with pytest.raises(PaiError, match="finding free ports on node local failed twice: OSError: connection reset"):
+        Flaky([OSError("connection reset")] * 2).pick_ports("local", 1)
+    for verdict in (Cancelled("cancelled by user"), UsageError("no node named 'x'")):
+        flaky = Flaky([verdict])
+        with pytest.raises(type(verdict)):
+            flaky.pick_ports("local", 1)
+        assert flaky.calls == 1

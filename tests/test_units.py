@@ -467,3 +467,35 @@ def test_a_transport_call_is_tried_twice_then_one_line_names_the_node():
         with pytest.raises(type(verdict)):
             flaky.pick_ports("local", 1)
         assert flaky.calls == 1
+
+
+def test_staging_says_in_the_job_log_how_long_it_took_once_that_is_noticeable(tmp_path, monkeypatch):
+    """base.Backend.prepare owns the staging progress for every backend: lines go to
+    the job's job.log unless the master gave a note, and a staging that took a
+    second or more says how long (a backend that stages nothing, local, does not)."""
+    import time as clock
+
+    from paicli.cluster.backends import base
+
+    class Remote(base.Backend):
+        def _prepare(self, job_dir, plan, placements):
+            self.progress("n1: copying")
+            clock.sleep(0.3)
+
+        def _staged_folders(self, nodes):
+            return {"n1": "/tmp/job"}
+
+    class Local(Remote):
+        def _staged_folders(self, nodes):
+            return None
+
+    monkeypatch.setattr(base, "STAGING_NOTED", 0.2)
+    placed = [base.Placement("worker", 0, "n1", "10.0.0.1")]
+    for backend in (Remote(), Local()):
+        job = tmp_path / backend.__class__.__name__
+        job.mkdir()
+        backend.prepare(str(job), None, placed)
+        lines = (job / "job.log").read_text().splitlines()
+        assert lines[0] == "[pai] n1: copying"
+        staged = [line for line in lines if line.startswith("[pai] staged the job on n1 in 0.")]
+        assert len(staged) == (1 if isinstance(backend, Remote) and not isinstance(backend, Local) else 0), lines

@@ -204,7 +204,7 @@ class Backend:
         began = time.monotonic()
         self._prepare(job_dir, plan, placements)
         took = time.monotonic() - began
-        if took >= STAGING_NOTED:
+        if took >= STAGING_NOTED and self.staged_folders() is not None:   # local stages nothing
             nodes = sorted({p.node for p in placements})
             self.progress(f"staged the job on {', '.join(nodes)} in {took:.1f}s")
 

@@ -56,7 +56,7 @@ def main() -> int:
     os.environ.pop("PAI_NODES", None)
     os.environ.pop("PAI_QUOTA", None)
     from paicli import client
-    from paicli.cluster.backends.local import machine_cpu
+    from paicli.cluster.scheduler import machine_cpu
     from paicli.statement import parse_statement
     from paicli.store import Store
 

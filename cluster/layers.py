@@ -124,27 +124,6 @@ def save_node_log(job_dir: str | Path, node: str, text: str) -> str:
     return str(path)
 
 
-# Runs on an SSH node with its python3: the job's staged runners/runtimes.py,
-# imported as a module of its own. argv: runners folder, JSON spec. Prints progress
-# lines, then the result as JSON (or `ERROR one line`, then the pip log).
-NODE_CODE = """\
-import json, os, sys
-sys.path.insert(0, sys.argv[1])
-import runtimes
-spec = json.loads(sys.argv[2])
-layer = runtimes.Layer(spec["base"], spec["python"], spec["digest"], spec["lines"])
-log = os.path.join(os.path.dirname(sys.argv[1]), "pip.log")
-try:
-    got = layer.ensure(lambda line: print(line, flush=True), log, spec["pins"], spec["links"])
-except runtimes.RuntimeError_ as err:
-    print("ERROR " + str(err).splitlines()[0], flush=True)
-    if os.path.exists(log):
-        sys.stdout.write(open(log, errors="replace").read())
-    sys.exit(1)
-print(json.dumps(got), flush=True)
-"""
-
-
 def ensure_on_ssh_node(session, node, job_dir: str, folder: str, info: dict, progress: Progress) -> None:
     """Build the job's layer on an SSH node (cached there by digest), before any
     instance starts; PaiError with pip's one line if it cannot be."""
@@ -172,8 +151,10 @@ def ensure_on_ssh_node(session, node, job_dir: str, folder: str, info: dict, pro
                                       (sys.executable, info["python_path"])])
     spec = {"base": layer["base"], "digest": layer["digest"], "lines": layer["lines"], "pins": layer["pins"],
             "links": links, "python": remote_paths.translate(layer["python"], mapping)}
-    argv = ["env", f"PAI_RUNTIME_DIR={info['runtime_dir']}", info["python_path"], "-u", "-c", NODE_CODE,
-            f"{folder}/runners", json.dumps(spec)]
+    # The node program Ray's actor runs too: progress lines, then the result as JSON
+    # (or `ERROR one line`, then the pip log).
+    argv = ["env", f"PAI_RUNTIME_DIR={info['runtime_dir']}", info["python_path"], "-u",
+            f"{folder}/runners/node_runtime.py", "layer", json.dumps(spec)]
     started = time.monotonic()
     status, lines = stream_command(session, node, argv, lambda line: None, f"the layer {layer['name']}")
     ok = status == 0 and lines and lines[-1].startswith("{")

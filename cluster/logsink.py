@@ -15,8 +15,10 @@ from __future__ import annotations
 import collections
 import os
 import re
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from paicli.private import write_private
 
@@ -46,6 +48,27 @@ def open_append_fd(path: Path | str) -> int:
     hold argv and whatever the script prints)."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
+
+def job_log_note(job_dir: str) -> Callable[[str], None]:
+    """Whole `[pai] ...` lines appended to the job's job.log. The master opens it
+    O_APPEND and writes whole lines too, so lines never interleave (a backend's
+    staging and provisioning lines, from a process or thread that holds no JobLog)."""
+    path = Path(job_dir) / "job.log"
+    lock = threading.Lock()
+
+    def note(line: str) -> None:
+        data = f"[pai] {line}\n".encode("utf-8", "replace")
+        with lock:
+            try:
+                fd = open_append_fd(path)
+            except OSError:
+                return
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+
+    return note
 
 def open_private(path: Path):
     """Open a log for appending, readable by its owner only."""

@@ -1,18 +1,18 @@
 """A job's files come back to the submitting machine: where each lands, checked, recorded.
 
-The node agent (runners/node_agent.py) finds and packs them: before an instance
-starts it lists the folders it watches, and when the instance ends (and every
--DcheckpointSyncSeconds for the checkpoint folder while it runs) it sends every
-file that is new or changed as frames on its link (cluster/agent_link.py), or on
-the stdout of its `collect` command for an instance whose link is gone (a dead
-master: the watchdog). This module is the master's side, once for every backend:
+The node agent (runners/node_agent.py, through runners/node_outputs.py) finds and
+packs them: before an instance starts it lists the folders it watches, and when
+the instance ends (and every -DcheckpointSyncSeconds for the checkpoint folder
+while it runs) it sends every file that is new or changed as frames on its link
+(cluster/agent_link.py), or node_outputs.py's `collect` sends them on its stdout
+for an instance whose link is gone (a dead master: the watchdog). This module is the master's side, once for every backend:
 
 - which folders an instance's files are watched in and where each lands here
   (`targets`): its working folder (a plain script's is where `pai` ran, an
   archive's the job's code/), -DcheckpointDir, and PAI_OUTPUT_DIR
   ($PAI_HOME/jobs/ID/outputs/ROLE-IDX, on this machine too);
 - each file is written aside (`.pai-part-*` next to where it belongs), its
-  checksum (node_agent.Checksum: CRC-32) checked against the node's, then
+  checksum (node_outputs.Checksum: CRC-32) checked against the node's, then
   renamed: nobody reads half a file;
 - a file that cannot come back (node unreachable, disk full here, over
   -DoutputMaxSize) is recorded with the node and the path where it still is, and
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from paicli.cluster.agent_link import HEAD
-from paicli.runners.node_agent import Checksum
+from paicli.runners.node_outputs import Checksum
 
 KEYS = ("cwd", "ckpt", "out")
 PART = ".pai-part-"
@@ -335,7 +335,7 @@ class JobOutputs:
     def collect(self, backend, attempts: list[InstanceOutputs], max_bytes: int | None = None,
                 only: dict[tuple[str, str], dict | None] | None = None) -> None:
         """For each attempt whose files did not all come on its link (a dropped link, a
-        dead master): the agent's `collect` on its node, through the backend."""
+        dead master): node_outputs.py's `collect` on its node, through the backend."""
         for inst in attempts:
             if inst.complete:
                 continue
@@ -458,7 +458,7 @@ def rels_of(paths: Iterable[str], dirs: dict[str, str]) -> dict[str, list[str]]:
 def fetch_from_nodes(store, job_id: str, backend, wanted: dict[tuple[str, str], list[str] | None],
                      note: Note, on_bytes: Callable[[int], None] | None = None) -> set[str]:
     """`pai get` of files an ended job left on its nodes (a node that did not answer
-    at the job's end, a file over -DoutputMaxSize): the agent's `collect` on each
+    at the job's end, a file over -DoutputMaxSize): node_outputs.py's `collect` on each
     node, written aside, checked and renamed where the file belongs, as at the job's
     end; the store says "here" then. The job folder of a node that holds nothing of
     the job any more is removed. Returns the nodes that did not answer."""
@@ -508,7 +508,7 @@ def _rewrite_summary(store, job_id: str) -> None:
 def remove_parts(folder: str) -> int:
     """Remove the partial copies (PART*) a dead master left below `folder` (the
     folders the agent watches, walked as it walks them); how many."""
-    from paicli.runners.node_agent import SCAN_LIMIT
+    from paicli.runners.node_outputs import SCAN_LIMIT
 
     removed, seen = 0, 0
     for top, dirs, files in os.walk(folder):

@@ -9,6 +9,10 @@ import os
 from pathlib import Path
 
 
+def machine_cpu() -> int:
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) * 100
+
+
 def machine_gpus() -> list[str]:
     """GPU indices visible on this machine (NVIDIA's driver lists one directory per card)."""
     cards = Path("/proc/driver/nvidia/gpus")

@@ -35,6 +35,7 @@ from paicli.private import write_private
 CONNECT_TIMEOUT = 8.0
 RUNNERS_DIR = node_files.RUNNERS_DIR
 AGENT_SOURCE = RUNNERS_DIR / "node_agent.py"
+INFO_SOURCE = RUNNERS_DIR / "node_info.py"
 
 
 class NodeUnreachable(PaiError):
@@ -242,8 +243,19 @@ def _transport_active(obj) -> bool:
 
 
 def agent_argv(python: str, command: str, *args: str) -> list[str]:
-    """The agent run from its source, passed with -c (nothing staged first)."""
-    return [python, "-c", AGENT_SOURCE.read_text(), command, *args]
+    """The agent run from its source, passed with -c (nothing staged first); `info`
+    is runners/node_info.py's, run from its source too, handed the agent loaded
+    from its own (as writer_argv hands the stage writer the agent's root check)."""
+    if command != "info":
+        return [python, "-c", AGENT_SOURCE.read_text(), command, *args]
+    program = (
+        "import sys, types\n"
+        "agent = types.ModuleType('paicli_node_agent')\n"
+        f"exec(compile({AGENT_SOURCE.read_text()!r}, 'node_agent.py', 'exec'), agent.__dict__)\n"
+        "info = {'__name__': 'paicli_node_info', 'node_agent': agent}\n"
+        f"exec(compile({INFO_SOURCE.read_text()!r}, 'node_info.py', 'exec'), info)\n"
+        "sys.exit(info['main'](['info', *sys.argv[1:]]))\n")
+    return [python, "-c", program, *args]
 
 
 def run_agent(client, node: NodeEntry, command: str, *args: str, timeout: float = 60.0):

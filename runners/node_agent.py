@@ -3,11 +3,8 @@
 Standard library only; imports nothing of paicli (the node has no paicli).
 
     python3 node_agent.py run LABEL        start one instance; the spec comes on stdin
-    python3 node_agent.py info [RUNTIME_DIR [HOST COUNT]]   cores, memory, GPUs, Python,
-                                               runtimes, instances (and COUNT free ports)
     python3 node_agent.py stop TIMEOUT REFS       identity-checked stop of groups
     python3 node_agent.py ports HOST COUNT [TAKEN,...]   free ports on this node
-    python3 node_agent.py collect              an ended instance's new files (request on stdin)
 REFS is a JSON list of [pid, pgid, start ticks, boot id].
 
 `run` reads one JSON line from stdin: {"argv": [...], "env": {...}, "cwd": "...",
@@ -20,7 +17,7 @@ own with default signal dispositions, then writes frames to stdout, each
     O  output bytes (stdout and stderr, merged)
     H  heartbeat (empty)                           (every second, with "heartbeat")
     X  exit JSON {status}   status < 0: killed by that signal  (last)
-    F, D, S, Z  files the instance wrote (spec "watch", see the outputs section below)
+    F, D, S, Z  files the instance wrote (spec "watch", see runners/node_outputs.py)
     E  JSON {errno, strerror}: the program could not be started (instead of I)
 From stdin it takes single bytes: h heartbeat, t SIGTERM the group, k SIGKILL it.
 When stdin ends (the SSH channel closed: a dead master, a killed `pai`, a dropped
@@ -41,7 +38,6 @@ import struct
 import subprocess
 import sys
 import time
-import zlib
 from stat import S_ISDIR
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
@@ -194,10 +190,7 @@ class Instance:
         self.stopping: int | None = None
         self.last_in = self.last_beat = time.monotonic()
         self.wake_fd = -1
-        self.watch = spec.get("watch") or None
-        self.sent: dict = {}            # what went back already: key -> rel -> [size, mtime]
-        self.sender = None              # a file_frames generator under way
-        self.next_sync = 0.0
+        self.files = None               # node_outputs.Watch: the folders whose files go back
 
     def start(self) -> bool:
         env = instance_env(self.spec)
@@ -207,10 +200,8 @@ class Instance:
             self.read_fd, write_fd = os.pipe()
             os.set_blocking(self.read_fd, False)
         _default_signals()
-        if self.watch:
-            self.sent = begin_watch(self.watch)
-            sync = float(self.watch.get("sync") or 0)
-            self.next_sync = time.monotonic() + sync if sync > 0 else 0.0
+        if self.spec.get("watch"):
+            self.files = _outputs_room().Watch(self.spec["watch"])
         try:
             self.proc = subprocess.Popen(self.spec["argv"], cwd=self.spec.get("cwd") or None, env=env,
                                          stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
@@ -251,7 +242,7 @@ class Instance:
                 readers.append(self.read_fd)
             writers = [self.out.fd] if self.out.buf else []
             try:
-                ready, _, _ = select.select(readers, writers, [], 0.05 if self.sender else 0.5)
+                ready, _, _ = select.select(readers, writers, [], 0.05 if self.files and self.files.sender else 0.5)
             except InterruptedError:
                 continue
             if self.wake_fd in ready:
@@ -260,7 +251,8 @@ class Instance:
                 return self.stop()     # the link closed: a dead master
             if self.read_fd in ready:
                 self.on_output()
-            self._sync()
+            if self.files:
+                self.files.sync(self.out, MAX_BUFFERED)
             if self.status is None:
                 self.status = self.proc.poll()
             if self.status is not None:
@@ -313,45 +305,32 @@ class Instance:
             self.on_output()
             if len(self.out.buf) == before:
                 break
-        self._send_outputs()
+        if self.files:
+            self.files.send_all(self.out, MAX_BUFFERED)
         self.out.frame(b"X", json.dumps({"status": self.status}).encode())
         self.out.drain(10)
         return 0
 
-    def _sync(self) -> None:
-        """The checkpoint folder kept in step while the instance runs: every `sync`
-        seconds what changed there goes back, a chunk at a time, between output."""
-        if self.next_sync and self.sender is None and time.monotonic() >= self.next_sync:
-            keys = {"ckpt"}
-            self.sender = file_frames(self.watch, self.sent, keys)
-            self.next_sync = time.monotonic() + float(self.watch["sync"])
-        while self.sender is not None and len(self.out.buf) < MAX_BUFFERED:
-            frame = next(self.sender, None)
-            if frame is None:
-                self.sender = None
-            else:
-                self.out.frame(*frame)
-
-    def _send_outputs(self) -> None:
-        """At the instance's end, before its exit status: a sync under way is
-        finished, then every watched file that is new or changed goes back."""
-        if not self.watch:
-            return
-        for sender in (self.sender, file_frames(self.watch, self.sent, None)):
-            for frame in sender or ():
-                self.out.frame(*frame)
-                if len(self.out.buf) >= MAX_BUFFERED:
-                    left = len(self.out.buf)
-                    self.out.drain(STALL)
-                    if len(self.out.buf) == left:
-                        self.out.closed = True   # nothing taken for STALL seconds: the master is gone
-                if self.out.closed:
-                    return
-        self.sender = None
-
     def stop(self) -> int:
         stop_group(self.proc.pid, GRACE, self.proc.poll)
         return 1
+
+
+def _outputs_room():
+    """runners/node_outputs.py, the room of a job's files, next to this file: imported
+    only for an instance that watches folders (every other instance starts without
+    it). As the package it is in (a local agent forked from the master) or from the
+    folder this file is in (a node's staged runners, run as a script, also with -I)."""
+    if __package__:
+        import importlib
+
+        return importlib.import_module(f"{__package__}.node_outputs")
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import node_outputs
+
+    return node_outputs
 
 
 def cmd_run(label: str) -> int:
@@ -438,103 +417,6 @@ def root_fault(mode: int, uid: int, ours: int) -> str | None:
     return None
 
 
-def runtimes_in(root: str) -> dict:
-    found = {}
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return found
-    for name in names:
-        marker = os.path.join(root, name, "paicli-runtime.json")
-        try:
-            with open(marker) as f:
-                found[name] = json.load(f).get("version", "")
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def gpus() -> list[str]:
-    for path in ("/usr/bin/nvidia-smi", "/usr/local/bin/nvidia-smi"):
-        if os.path.exists(path):
-            try:
-                out = subprocess.run([path, "--query-gpu=index", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=10).stdout
-                return [line.strip() for line in out.splitlines() if line.strip()]
-            except (OSError, subprocess.SubprocessError):
-                return []
-    return sorted(name[len("nvidia"):] for name in _listdir("/dev") if name[6:].isdigit() and name.startswith("nvidia"))
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def instances() -> list[str]:
-    """Labels (JOB/role:index) of the paicli instances this agent runs here."""
-    found = []
-    me = os.path.basename(__file__) if "__file__" in globals() else "node_agent.py"
-    try:
-        # Hosts that share a kernel (containers, network namespaces) share /proc:
-        # only agents in this host's network namespace are this host's.
-        own_net = os.readlink("/proc/self/ns/net")
-    except OSError:
-        own_net = None
-    for name in _listdir("/proc"):
-        if not name.isdigit():
-            continue
-        if own_net is not None:
-            try:
-                if os.readlink(f"/proc/{name}/ns/net") != own_net:
-                    continue
-            except OSError:
-                continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) >= 4 and argv[1].endswith(me.encode()) and argv[2] == b"run":
-            found.append(argv[3].decode(errors="replace"))
-    return sorted(found)
-
-
-def info(runtime_dir: str = "", host: str = "", count: int = 0) -> dict:
-    """This node: cores, memory, GPUs, Python, runtimes, the paicli instances here;
-    also `count` free ports on `host` when asked (one call while staging a job)."""
-    mem_total = mem_avail = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem_total = int(line.split()[1]) // 1024
-                elif line.startswith("MemAvailable:"):
-                    mem_avail = int(line.split()[1]) // 1024
-    except OSError:
-        pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    root = os.path.expanduser(runtime_dir or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "paicli", "runtimes"))
-    return {
-        "cores": cores, "memory": mem_total, "memory_available": mem_avail, "gpus": gpus(),
-        "python": "%d.%d.%d" % sys.version_info[:3], "python_path": sys.executable,
-        "runtime_dir": root, "runtimes": runtimes_in(root), "instances": instances(),
-        "boot": boot_id(), "hostname": socket.gethostname(),
-        "ports": free_ports(host, count, set()) if host and count > 0 else [],
-    }
-
-
-def cmd_info(runtime_dir: str = "", host: str = "", count: str = "0") -> int:
-    print(json.dumps(info(runtime_dir, host, int(count))))
-    return 0
-
-
 def cmd_ports(host: str, count: str, taken: str = "") -> int:
     print(json.dumps(free_ports(host, int(count), {int(p) for p in taken.split(",") if p.strip().isdigit()})))
     return 0
@@ -570,193 +452,7 @@ def free_ports(host: str, count: int, avoid: set, candidates=None) -> list:
     return ports
 
 
-# -- outputs: what an instance wrote goes back (the master's side: cluster/outputs.py) --
-#
-# The spec's "watch": {"dirs": [[KEY, PATH], ...], "state": PATH, "sync": SECONDS,
-# "inplace": BOOL, "max_bytes": N}. KEY is "cwd", "ckpt" or "out". Before the
-# instance starts, the agent lists each folder (size, mtime of every file) into
-# the state file: what was there (staged, or an earlier attempt's) is not "new".
-# When the instance ends, and every `sync` seconds for "ckpt" while it runs, every
-# file that is new or changed since goes back as frames, before the X frame:
-#     F  JSON {key, rel, size, mtime, mode}   a file begins
-#     D  bytes of it, CHUNK at a time          (none when "inplace": the master reads
-#                                               the folders themselves: this machine)
-#     S  JSON {digest} or {error}              it ends: its checksum (Checksum), or why it did not go
-#     Z  JSON {files}                          a pass over the folders ended
-# `collect` does the same for an instance whose link is gone (its master died):
-# stdin {"state": PATH, "have": {KEY: {REL: [size, mtime]}}}, frames on stdout.
-
-CHUNK = 256 * 1024
-STALL = 60.0              # seconds the master may take nothing before files stop going
-SCAN_LIMIT = 100_000      # entries in one watched folder beyond which it is not tracked
-
-
-def scan(root: str, skip=()) -> dict:
-    """REL -> [size, mtime_ns] of the regular files below `root`, links not
-    followed; hidden folders, __pycache__, the folders in `skip` (absolute) and our
-    own partial files left out (a working folder may hold a .venv or .git that is
-    nobody's output, or another watched folder)."""
-    found: dict = {}
-    skip = {os.path.normpath(p) for p in skip}
-    stack = [""]
-    while stack and len(found) < SCAN_LIMIT:
-        rel_dir = stack.pop()
-        try:
-            entries = list(os.scandir(os.path.join(root, rel_dir) if rel_dir else root))
-        except OSError:
-            continue
-        for entry in entries:
-            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    if not entry.name.startswith(".") and entry.name != "__pycache__" \
-                            and os.path.join(root, rel) not in skip:
-                        stack.append(rel)
-                elif entry.is_file(follow_symlinks=False) and not entry.name.startswith(".pai-part-"):
-                    st = entry.stat(follow_symlinks=False)
-                    found[rel] = [st.st_size, st.st_mtime_ns]
-            except OSError:
-                continue
-    return found
-
-
-def begin_watch(watch: dict) -> dict:
-    """Create the watched folders that are ours to create (the output folder, the
-    checkpoint folder), list what is there into the state file; that listing."""
-    base = {}
-    for key, path in watch.get("dirs") or ():
-        if key != "cwd":
-            try:
-                os.makedirs(path, mode=0o700, exist_ok=True)
-            except OSError:
-                pass   # the script will say what is wrong with the path
-        base[key] = scan(path, _skips(watch, key))
-    state = watch.get("state")
-    if state:
-        try:
-            os.makedirs(os.path.dirname(state), mode=0o700, exist_ok=True)
-            tmp = f"{state}.{os.getpid()}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"watch": watch, "base": base}, f)
-            os.replace(tmp, state)
-        except OSError:
-            pass   # then only the live link brings files back
-    return base
-
-
-def _skips(watch: dict, key: str) -> list:
-    """What a scan of `key`'s folder leaves out: the other watched folders (each has
-    its own key) and the watch's "skip" list."""
-    return [p for k, p in watch.get("dirs") or () if k != key] + list(watch.get("skip") or ())
-
-
-def file_frames(watch: dict, sent: dict, keys):
-    """(kind, payload) frames of every file under the watched folders (of `keys`,
-    None: all) that differs from `sent`, which is updated as each one goes."""
-    inplace = bool(watch.get("inplace"))
-    limit = int(watch.get("max_bytes") or 0)    # the largest file that goes back; 0: any
-    count = 0
-    for key, path in watch.get("dirs") or ():
-        if keys is not None and key not in keys:
-            continue
-        had = sent.setdefault(key, {})
-        for rel, stamp in sorted(scan(path, _skips(watch, key)).items()):
-            if had.get(rel) == stamp:
-                continue
-            count += 1
-            yield b"F", json.dumps({"key": key, "rel": rel, "size": stamp[0], "mtime": stamp[1],
-                                    "at": os.path.join(path, rel)}).encode()
-            if limit and not inplace and stamp[0] > limit:
-                had[rel] = stamp   # said once; it stays on the node
-                yield b"S", json.dumps({"error": f"over the size limit ({limit} bytes)"}).encode()
-                continue
-            result = yield from _file_data(os.path.join(path, rel), stamp, inplace)
-            if "digest" in result:
-                had[rel] = stamp
-            yield b"S", json.dumps(result).encode()
-    yield b"Z", json.dumps({"files": count, "all": keys is None}).encode()
-
-
-def _file_data(path: str, stamp: list, inplace: bool):
-    """D frames of one file (none when in place) and its end: {digest} or {error}.
-    A file that changes while it is read is not sent (the next pass takes it)."""
-    digest = Checksum()
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        return {"error": "it was removed before it could be sent", "transient": True}
-    except OSError as err:
-        return {"error": f"cannot read it: {err.strerror}"}
-    try:
-        while True:
-            chunk = os.read(fd, CHUNK)
-            if not chunk:
-                break
-            digest.update(chunk)
-            if not inplace:
-                yield b"D", chunk
-        st = os.fstat(fd)
-    except OSError as err:
-        return {"error": f"cannot read it: {err.strerror}"}
-    finally:
-        os.close(fd)
-    if [st.st_size, st.st_mtime_ns] != list(stamp):
-        return {"error": "it changed while it was being sent", "transient": True}   # the next pass takes it
-    return {"digest": digest.hexdigest()}
-
-
-class Checksum:
-    """What a copy is checked against: CRC-32 of the file's bytes with its size (the
-    stream itself is authenticated by SSH; this catches a torn or truncated copy and
-    tells two instances' versions of a path apart). zlib's CRC-32 runs at over
-    1 GB/s; SHA-256, computed on the node and again on the submitting machine, was a
-    third of a transfer's CPU on a 2-core machine."""
-
-    def __init__(self):
-        self.value = 0
-
-    def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"crc32:{self.value:08x}"
-
-
-def collect(request: dict):
-    """Frames of what an ended instance left (see the section's comment)."""
-    try:
-        with open(request["state"]) as f:
-            state = json.load(f)
-    except (OSError, ValueError, KeyError) as err:
-        yield b"Z", json.dumps({"files": 0, "error": f"no state: {err}"}).encode()
-        return
-    sent = {key: dict(files) for key, files in (state.get("base") or {}).items()}
-    for key, files in (request.get("have") or {}).items():
-        sent.setdefault(key, {}).update(files)
-    watch = dict(state.get("watch") or {}, inplace=bool(request.get("inplace")))
-    if request.get("max_bytes") is not None:
-        watch["max_bytes"] = request["max_bytes"]
-    only = request.get("only")
-    if only is not None:   # `pai get` of some files (key -> [rel]): the others count as sent
-        for key, path in watch.get("dirs") or ():
-            keep = set(only.get(key) or ())
-            for rel, stamp in scan(path, _skips(watch, key)).items():
-                if rel not in keep:
-                    sent.setdefault(key, {})[rel] = stamp
-    yield from file_frames(watch, sent, None)
-
-
-def cmd_collect() -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    out = sys.stdout.buffer
-    for kind, payload in collect(json.loads(sys.stdin.buffer.readline() or b"{}")):
-        out.write(kind + struct.pack(">I", len(payload)) + payload)
-    out.flush()
-    return 0
-
-
-COMMANDS = {"run": cmd_run, "stop": cmd_stop, "info": cmd_info, "ports": cmd_ports, "collect": cmd_collect}
+COMMANDS = {"run": cmd_run, "stop": cmd_stop, "ports": cmd_ports}
 
 
 def main(argv: list[str]) -> int:

@@ -285,6 +285,9 @@ def test_code_run_in_a_runtime_imports_nothing_of_paicli():
         bad = {m for m in _imports(path) if m.split(".")[0] == "paicli"}
         if path.name == "caffe_rootfs.py":  # host side: builds the Caffe runtime with runtimes.py
             bad = {m for m in bad if not m.startswith("paicli.runners")}
+        if path.name == "node_runtime.py":  # the staged runners folder itself, made the package
+            # paicli.runners under the job's folder (runtimes.py names Caffe's runtime so)
+            bad = {m for m in bad if not m.startswith("paicli.runners.runtimes")}
         # A sibling runner imported relatively, with the plain `import NAME` beside it for
         # when the runner runs as a script: every runner is staged with the others.
         text = path.read_text()

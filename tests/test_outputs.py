@@ -15,7 +15,7 @@ import pytest
 
 from conftest import PAI, job_id_from, pai, pai_json, wait_until
 from paicli.cluster import outputs
-from paicli.runners import node_agent
+from paicli.runners import node_outputs
 from paicli.store import Store
 from test_outputs_ssh import SCRIPT
 
@@ -76,17 +76,17 @@ def test_the_agent_lists_only_what_changed_and_leaves_out_other_watched_folders(
     (work / ".git" / "HEAD").write_text("x")
     (work / "staged.py").write_text("print(1)")
     watch = {"dirs": [["ckpt", str(ckpt)], ["cwd", str(work)]], "state": str(tmp_path / "s" / "state.json")}
-    sent = node_agent.begin_watch(watch)
+    sent = node_outputs.begin_watch(watch)
     assert sent == {"ckpt": {}, "cwd": {"staged.py": sent["cwd"]["staged.py"]}}
     (work / "model.h5").write_text("weights")
     (ckpt / "step-1").write_text("ckpt")
-    frames = list(node_agent.file_frames(watch, sent, None))
+    frames = list(node_outputs.file_frames(watch, sent, None))
     heads = [json.loads(p) for k, p in frames if k == b"F"]
     assert [(h["key"], h["rel"]) for h in heads] == [("ckpt", "step-1"), ("cwd", "model.h5")]
     assert frames[-1] == (b"Z", json.dumps({"files": 2, "all": True}).encode())
     # a second pass sends nothing; `collect` from the state file sends both again
-    assert [k for k, _ in node_agent.file_frames(watch, sent, None)] == [b"Z"]
-    again = [json.loads(p)["rel"] for k, p in node_agent.collect({"state": watch["state"]}) if k == b"F"]
+    assert [k for k, _ in node_outputs.file_frames(watch, sent, None)] == [b"Z"]
+    again = [json.loads(p)["rel"] for k, p in node_outputs.collect({"state": watch["state"]}) if k == b"F"]
     assert again == ["step-1", "model.h5"]
 
 
@@ -110,9 +110,9 @@ def test_pai_get_asks_a_node_for_the_chosen_files_alone(tmp_path):
     state = tmp_path / "state.json"   # as the agent wrote it when the folder was empty
     state.write_text(json.dumps({"watch": {"dirs": [["cwd", str(work)]], "max_bytes": 1000}, "base": {"cwd": {}}}))
     request = {"state": str(state), "only": {"cwd": ["big.bin"]}, "max_bytes": outputs.UNLIMITED}
-    sent = [json.loads(p)["rel"] for k, p in node_agent.collect(request) if k == b"F"]
+    sent = [json.loads(p)["rel"] for k, p in node_outputs.collect(request) if k == b"F"]
     assert sent == ["big.bin"]
-    assert [json.loads(p)["rel"] for k, p in node_agent.collect(dict(request, only=None)) if k == b"F"] == \
+    assert [json.loads(p)["rel"] for k, p in node_outputs.collect(dict(request, only=None)) if k == b"F"] == \
         ["big.bin", "small.txt"]
 
 
@@ -126,7 +126,7 @@ class NodeFolders:
     def collect_outputs(self, job_dir, node, role, idx, have, max_bytes, only=None):
         request = {"state": f"{self.folders[node]}/{outputs.state_rel(role, idx)}", "have": have,
                    "max_bytes": max_bytes, "only": only}
-        yield b"".join(k + len(p).to_bytes(4, "big") + p for k, p in node_agent.collect(request))
+        yield b"".join(k + len(p).to_bytes(4, "big") + p for k, p in node_outputs.collect(request))
 
     def remove_job_folders(self, job_dir, names):
         self.removed += names
@@ -142,7 +142,7 @@ def test_pai_get_brings_what_a_node_held_marks_it_here_and_removes_the_folder(tm
     (job_dir / "plan.json").write_text(json.dumps({"roles": [{"name": "worker", "cwd": str(work)}]}))
     store.create_job("j1", name="n", framework="python", project=None, task_name="T", job_dir=job_dir,
                      roles=[{"name": "worker", "count": 2, "must_finish": True}])
-    node_agent.begin_watch({"dirs": [["cwd", str(node / "code")]], "state": str(node / outputs.state_rel("worker", 0))})
+    node_outputs.begin_watch({"dirs": [["cwd", str(node / "code")]], "state": str(node / outputs.state_rel("worker", 0))})
     (node / "code" / "models").mkdir(parents=True)
     (node / "code" / "models" / "model.h5").write_bytes(b"weights" * 1000)
     unreachable = ("node unreachable", "the job's folder on h1")
@@ -187,7 +187,7 @@ def receiver(tmp_path: Path, dest: Path, lines: list) -> outputs.InstanceOutputs
 
 def frames_of(src: Path, rel: str) -> list[tuple[bytes, bytes]]:
     watch = {"dirs": [["cwd", str(src)]]}
-    return [f for f in node_agent.file_frames(watch, {}, None) if f[0] != b"F" or json.loads(f[1])["rel"] == rel]
+    return [f for f in node_outputs.file_frames(watch, {}, None) if f[0] != b"F" or json.loads(f[1])["rel"] == rel]
 
 
 def test_a_file_arrives_whole_or_not_at_all(tmp_path):
@@ -225,7 +225,7 @@ def test_a_full_disk_here_is_one_line_and_nothing_half_written(tmp_path):
         (src / "big.bin").write_bytes(os.urandom(1_000_000))
         (src / "small.txt").write_text("fits")
         inst = receiver(tmp_path, dest, [])
-        for kind, payload in node_agent.file_frames({"dirs": [["cwd", str(src)]]}, {}, None):
+        for kind, payload in node_outputs.file_frames({"dirs": [["cwd", str(src)]]}, {}, None):
             inst.sink(kind, payload)
         assert sorted(p.name for p in dest.iterdir()) == ["small.txt"]   # no partial big.bin, no part file
         rows = {os.path.basename(r[2]): r for r in inst.job._rows}
@@ -500,7 +500,7 @@ def test_the_link_decodes_file_frames_split_anywhere(tmp_path):
     src = tmp_path / "node"
     src.mkdir()
     (src / "model.bin").write_bytes(os.urandom(300_000))
-    frames = [(b"O", b"line one\n"), *node_agent.file_frames({"dirs": [["out", str(src)]]}, {}, None),
+    frames = [(b"O", b"line one\n"), *node_outputs.file_frames({"dirs": [["out", str(src)]]}, {}, None),
               (b"O", b"line two\n"), (b"X", b'{"status": 0}')]
     stream = b"".join(k + len(p).to_bytes(4, "big") + p for k, p in frames)
     for sizes in ((1, 2, 4096), (5, 7, 3000), (65536, 1 << 20), (3, 300_000)):

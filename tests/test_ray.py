@@ -22,6 +22,7 @@ import pytest
 
 from paicli.cluster.backends import ray as rb
 from paicli.cluster.backends import ray_node
+from paicli.cluster.backends.base import agent_ref
 from paicli.errors import UsageError
 from paicli.plan import JobPlan, RolePlan
 
@@ -65,10 +66,21 @@ def test_waiting_list_names_what_cannot_be_placed():
     assert "no node is up" in rb.waiting_list(wanted, {})
 
 
-def test_only_what_the_master_set_goes_to_the_node():
-    master = {"PATH": "/usr/bin", "HOME": "/root", "PAI_DEBUG": "1"}
-    env = dict(master, PAI_ROLE="worker", PATH="/usr/bin", CUDA_VISIBLE_DEVICES="", HOME="/root")
-    assert rb.node_env(env, master) == {"PAI_ROLE": "worker", "CUDA_VISIBLE_DEVICES": ""}
+def test_only_what_the_master_set_goes_to_the_node(monkeypatch):
+    """base.Backend builds every remote backend's agent spec: the node gets the
+    entries the master set or changed, not the master's own PATH, HOME, ..."""
+    from paicli.cluster.backends.base import Backend, Placement
+
+    class Remote(Backend):
+        def _mapping(self, placed, argv0):
+            return []
+
+    monkeypatch.setenv("PAI_DEBUG", "1")
+    for name in ("PAI_ROLE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    env = dict(os.environ, PAI_ROLE="worker", CUDA_VISIBLE_DEVICES="")
+    spec = Remote()._agent_spec(Placement("worker", 0, "n1", "10.0.0.1"), ["python3"], env, None, None)
+    assert spec["env"] == {"PAI_ROLE": "worker", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def tar_of(manifest) -> bytes:
@@ -180,14 +192,14 @@ def test_the_actor_relays_bytes_to_a_real_node_agent(tmp_path, monkeypatch):
     assert out == b"x" * 300000 + b"\n"
     assert handle.native.wait(30) == 3
     handle = run([sys.executable, "-c", "import time; time.sleep(60)"])
-    ref = rb.agent_ref(handle.ref)
-    assert handle.ref.pid > 0 and ray_node.pinned_alive([ref]) == [True]
+    ref = agent_ref(handle.ref)
+    assert handle.ref.pid > 0 and ray_node.node_agent.alive(ref)
     actor.close(agents[0])   # the first link's close, arriving late: this agent is not its
     time.sleep(1)
-    assert ray_node.pinned_alive([ref]) == [True]
+    assert ray_node.node_agent.alive(ref)
     actor.close()   # what Ray killing the actor does to the agent's stdin
     deadline = time.monotonic() + 10
-    while ray_node.pinned_alive([ref]) != [False]:
+    while ray_node.node_agent.alive(ref):
         assert time.monotonic() < deadline, "the group outlived its relay"
         time.sleep(0.1)
 
@@ -275,6 +287,34 @@ def test_a_control_store_call_that_never_answers_ends_at_its_deadline():
     assert backend._bounded(lambda: 42, "a quick call") == 42
 
 
+def test_a_runners_input_that_the_object_store_never_takes_ends_at_the_calls_deadline():
+    """run_runner puts its stdin in Ray's object store before the pinned task runs:
+    that put waits on the control store like ray.nodes, so it has a deadline too
+    (the call's own), and one line names what did not answer."""
+    import threading
+    import types
+
+    from paicli.errors import PaiError
+
+    released = threading.Event()
+    fake_ray = types.SimpleNamespace(
+        cloudpickle=types.SimpleNamespace(register_pickle_by_value=lambda module: None),
+        put=lambda data: released.wait(20))   # a control store that never answers
+    backend = object.__new__(rb.RayBackend)
+    backend._interrupted, backend._deadline, backend._timeout = (lambda: None), None, None
+    backend._ray, backend._unusable = fake_ray, False
+    backend._instances = {("worker", 0): rb._Instance("worker", 0, object(), node_id="n1", host="10.0.0.1",
+                                                      info={"folder": "/tmp/job"})}
+    began = time.monotonic()
+    try:
+        with pytest.raises(PaiError, match="node_cache.py's input in Ray's object store: no answer from Ray "
+                                           "within 0.5s"):
+            backend.run_runner("10.0.0.1", "node_cache.py", ["parts", "/tmp/job"], b"data", timeout=0.5)
+        assert time.monotonic() - began < 3.0
+    finally:
+        released.set()
+
+
 def test_node_stop_checks_identity():
     """The pinned stop refuses a ref whose pid now has another start time or whose
     boot id is another's, and stops a group that is ours."""
@@ -282,12 +322,12 @@ def test_node_stop_checks_identity():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
         ref = [proc.pid, proc.pid, node_agent.proc_stat(proc.pid)[2], node_agent.boot_id()]
-        assert not ray_node.pinned_stop([[*ref[:2], str(int(ref[2]) + 1), ref[3]]], 1)
-        assert not ray_node.pinned_stop([[*ref[:3], "another-boot"]], 1)
+        assert not node_agent.stop_refs([[*ref[:2], str(int(ref[2]) + 1), ref[3]]], 1)
+        assert not node_agent.stop_refs([[*ref[:3], "another-boot"]], 1)
         assert proc.poll() is None
-        assert ray_node.pinned_stop([ref], 2) == [ref]
+        assert node_agent.stop_refs([ref], 2) == [ref]
         assert proc.wait(5) == -15
-        assert ray_node.pinned_alive([ref]) == [False]
+        assert not node_agent.alive(ref)
     finally:
         proc.kill()
         proc.wait()
@@ -300,17 +340,17 @@ def test_the_actor_code_needs_no_paicli_on_the_node():
     import ray.cloudpickle as cloudpickle
 
     ray_node.ship_by_value(cloudpickle)
-    data = cloudpickle.dumps((ray_node.InstanceActor, ray_node.pinned_info, ray_node.free_ports,
-                              ray_node.pinned_alive))
+    agent = ray_node.node_agent   # its functions run pinned to a node as they are
+    data = cloudpickle.dumps((ray_node.InstanceActor, ray_node.node_info.info, agent.free_ports, agent.alive))
     code = ("import os, sys, pickle; sys.modules['paicli'] = None; "
             "cls, info, ports, alive = pickle.loads(sys.stdin.buffer.read()); "
             "start = open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19]; "
             "me = [os.getpid(), os.getpgid(0), start, '']; "
-            "print(cls.__name__, len(ports(2)), alive([me])[0], "
+            "print(cls.__name__, len(ports('0.0.0.0', 2, set())), alive(me), info()['boot'] != '', "
             "'paicli' in sys.modules and sys.modules['paicli'] is not None)")
     result = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=60)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
-    assert result.stdout.decode().split() == ["InstanceActor", "2", "True", "False"]
+    assert result.stdout.decode().split() == ["InstanceActor", "2", "True", "True", "False"]
 
 
 def test_address_errors_are_one_line():

@@ -414,3 +414,88 @@ def test_the_multihost_bench_finds_a_step_line_split_across_reads():
         found += [line for line in lines if bench.STEP_LINE.search(line)]
     assert found == [b"[worker:0] step=0, global_step=1, loss=2.5"]
     assert pending == b""
+
+
+def test_backends_fill_in_underscore_methods_and_override_no_public_one():
+    """SkyPilot's pattern, held: the shared work (staging progress and timing, the
+    agent's spec, which nodes keep their folder, a transport call tried twice) lives
+    in base.Backend's public methods; a registered backend defines none of them, only
+    the `_underscore` methods they call."""
+    import importlib
+
+    from paicli.cluster.backends import BACKENDS
+    from paicli.cluster.backends.base import Backend
+
+    public = {n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")}
+    assert {"nodes", "prepare", "cleanup", "collect_outputs", "pick_ports", "remove_job_folders", "start",
+            "begin_start", "stop_all", "alive", "run_runner", "place_job"} <= public
+    allowed: dict[str, set[str]] = {}   # none: a justified exception would be named here
+    for name, target in BACKENDS.items():
+        module, _, cls_name = target.partition(":")
+        cls = getattr(importlib.import_module(module), cls_name)
+        own = public & set(vars(cls))
+        assert own <= allowed.get(name, set()), f"the {name} backend overrides {sorted(own)} of base.Backend"
+
+
+def test_a_transport_call_is_tried_twice_then_one_line_names_the_node():
+    """base.Backend retries every transport call the same way (not only a stop): a
+    call that fails once is made again; twice is one PaiError naming the node and the
+    call; a verdict (a cancel: `outcome`) or a usage error is raised at once."""
+    from paicli.cluster.backends.local import LocalBackend
+    from paicli.errors import PaiError, UsageError
+
+    class Cancelled(PaiError):
+        outcome = ("Cancelled", "cancelled by user")
+
+    class Flaky(LocalBackend):
+        def __init__(self, errors):
+            super().__init__()
+            self.errors, self.calls = list(errors), 0
+
+        def _pick_ports(self, node, count, taken):
+            self.calls += 1
+            if self.errors:
+                raise self.errors.pop(0)
+            return super()._pick_ports(node, count, taken)
+
+    once = Flaky([OSError("connection reset")])
+    assert len(once.pick_ports("local", 2)) == 2 and once.calls == 2
+    with pytest.raises(PaiError, match="finding free ports on node local failed twice: OSError: connection reset"):
+        Flaky([OSError("connection reset")] * 2).pick_ports("local", 1)
+    for verdict in (Cancelled("cancelled by user"), UsageError("no node named 'x'")):
+        flaky = Flaky([verdict])
+        with pytest.raises(type(verdict)):
+            flaky.pick_ports("local", 1)
+        assert flaky.calls == 1
+
+
+def test_staging_says_in_the_job_log_how_long_it_took_once_that_is_noticeable(tmp_path, monkeypatch):
+    """base.Backend.prepare owns the staging progress for every backend: lines go to
+    the job's job.log unless the master gave a note, and a staging that took a
+    second or more says how long (a backend that stages nothing, local, does not)."""
+    import time as clock
+
+    from paicli.cluster.backends import base
+
+    class Remote(base.Backend):
+        def _prepare(self, job_dir, plan, placements):
+            self.progress("n1: copying")
+            clock.sleep(0.3)
+
+        def _staged_folders(self, nodes):
+            return {"n1": "/tmp/job"}
+
+    class Local(Remote):
+        def _staged_folders(self, nodes):
+            return None
+
+    monkeypatch.setattr(base, "STAGING_NOTED", 0.2)
+    placed = [base.Placement("worker", 0, "n1", "10.0.0.1")]
+    for backend in (Remote(), Local()):
+        job = tmp_path / backend.__class__.__name__
+        job.mkdir()
+        backend.prepare(str(job), None, placed)
+        lines = (job / "job.log").read_text().splitlines()
+        assert lines[0] == "[pai] n1: copying"
+        staged = [line for line in lines if line.startswith("[pai] staged the job on n1 in 0.")]
+        assert len(staged) == (1 if isinstance(backend, Remote) and not isinstance(backend, Local) else 0), lines

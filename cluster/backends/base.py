@@ -6,8 +6,11 @@ is one module in this package that fills them in, registered by name in
 `paicli.cluster.backends` (the registry; `backend_for_job(job_dir)` rebuilds a
 job's backend from the nodes config snapshotted into its folder).
 
-Public methods wrap `_underscore` ones where there is shared logic (SkyPilot's
-pattern): a backend fills in the underscore methods and inherits the rest.
+Public methods wrap `_underscore` ones (SkyPilot's pattern): the shared work
+lives here (progress and timing of staging, the agent's spec and its translation
+for the node, identity checks, which nodes keep their folder, a transport call
+tried twice then given up with one line naming the node); a backend fills in
+only the underscore methods and overrides no public one (a test holds that).
 
 Vocabulary
 ----------
@@ -48,17 +51,30 @@ instance this process started is stopped through its live agent link.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
-from paicli.errors import PaiError
+from paicli.cluster import remote_paths
+from paicli.errors import PaiError, UsageError
 
 # poll()/wait() answer for an instance whose node stopped answering. Retryable.
 NODE_LOST = -1000
+STAGING_NOTED = 1.0   # seconds of staging after which the job log says how long it took
+
+
+class NodeCallFailed(PaiError):
+    """A transport call to a node failed twice (Backend._on_node); `why`: the last error."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
 
 
 @dataclass(frozen=True)
@@ -119,7 +135,7 @@ class InstanceRef:
 class Handle:
     ref: InstanceRef
     output_fd: int                # the instance's stdout+stderr, read by the master; -1 once closed
-    native: Any = field(default=None, repr=False)   # the backend's own object (a Popen, a channel)
+    native: Any = field(default=None, repr=False)   # its agent_link.Link (every backend's)
 
     @property
     def pid(self) -> int:
@@ -146,6 +162,9 @@ class Backend:
     # job that may fit later); the master calls place_job()/place_instance() instead
     # of paicli.cluster.placement when it starts and when an instance's node is lost.
     places_jobs = False
+    # Seconds without a frame (master) / a byte (agent) that mean an instance's link
+    # is gone; 0: none asked for (this machine: a dead master closes the agent's stdin).
+    heartbeat = 0.0
 
     def __init__(self, config: dict[str, Any] | None = None):
         self.config = dict(config or {})
@@ -154,52 +173,170 @@ class Backend:
         # Nodes whose per-job folder cleanup() keeps: files of the job are still there
         # (cluster/outputs.py: not brought back).
         self.keep_nodes: set[str] = set()
+        # Nodes that stopped answering during this job: not asked again, and they keep
+        # their folder (under /tmp, cleared at boot).
+        self.lost: set[str] = set()
+        # Where staging and waiting say what they do: the master's job log (a note
+        # place_job was given, else whole lines appended to job.log by prepare()).
+        self.progress: Callable[[str], None] | None = None
+        # Agents started ahead of their instances by _prepare (a start is then one round
+        # trip, not a new process): (role, idx) -> (node, agent waiting for its spec).
+        self._warm: dict[tuple[str, int], tuple[str, Any]] = {}
+        self._warm_lock = threading.Lock()
 
     # -- nodes and staging ------------------------------------------------------
 
     def nodes(self) -> list[NodeSpec]:
-        """Every node with its declared or detected resources."""
-        raise NotImplementedError
-
-    def node(self, name: str) -> NodeSpec:
-        for node in self.nodes():
-            if node.name == name:
-                return node
-        raise KeyError(name)
+        """Every node with its declared or detected resources, but those lost
+        during this job."""
+        return [node for node in self._nodes() if node.name not in self.lost]
 
     def prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
         """Stage what the instances need on the nodes they were placed on (a
         remote backend copies runners, the script/archive and plan files into a
         per-job folder and provisions the runtime). Called by the master before the
-        first start, and again for a node an instance is moved to. Local: nothing."""
+        first start, and again for a node an instance is moved to. Its lines go to
+        `progress`, with the time it took when that was long enough to notice."""
+        if self.progress is None:
+            from paicli.cluster.logsink import job_log_note
+
+            self.progress = job_log_note(job_dir)
+        began = time.monotonic()
+        self._prepare(job_dir, plan, placements)
+        took = time.monotonic() - began
+        if took >= STAGING_NOTED and self.staged_folders() is not None:   # local stages nothing
+            nodes = sorted({p.node for p in placements})
+            self.progress(f"staged the job on {', '.join(nodes)} in {took:.1f}s")
 
     def cleanup(self, job_dir: str) -> None:
-        """Remove the per-job folders on the nodes (but those of `keep_nodes`).
-        Local: nothing (the job folder is the user's to keep)."""
+        """Remove the per-job folders on the nodes (but those `keeps`), and what
+        this process holds for the job on them (waiting agents, actors)."""
+        with self._warm_lock:
+            warm, self._warm = list(self._warm.values()), {}
+        for _node, agent in warm:
+            self._discard(agent)
+        self._cleanup(job_dir)
+
+    def keeps(self, node: str) -> bool:
+        """Whether `node` keeps the job's folder: files of the job are still there
+        (`keep_nodes`, "*": every node), or it stopped answering during the job."""
+        return "*" in self.keep_nodes or node in self.keep_nodes or node in self.lost
+
+    def remove_job_folders(self, job_dir: str, names: list[str]) -> None:
+        """The job's folder on each of these nodes, all at once (cleanup; `pai get`
+        once a node holds nothing of the job any more). A node that does not answer
+        keeps its folder (under /tmp, cleared at boot)."""
+        job_id = Path(job_dir).name
+
+        def remove(name: str) -> None:
+            try:
+                self._remove_job_folder(job_id, name)
+            except Exception:  # noqa: BLE001 - the transport's own errors: the folder stays
+                pass
+
+        with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
+            list(pool.map(remove, names))
 
     def collect_outputs(self, job_dir: str, node: str, role: str, idx: int, have: dict,
-                        max_bytes: int | None) -> Iterable[bytes]:
-        """The node agent's `collect` for an instance whose link is gone: the frames of
-        the files it wrote that are not in `have` (cluster/outputs.py), as a byte
+                        max_bytes: int | None, only: dict | None = None) -> Iterable[bytes]:
+        """node_outputs.py's `collect` for an instance whose link is gone: the frames
+        of the files it wrote that are not in `have` (cluster/outputs.py), as a byte
         stream. Raises when the node cannot be reached."""
-        raise NotImplementedError
+        from paicli.cluster.outputs import state_rel
+
+        if node in self.lost:
+            raise PaiError(f"node {node} stopped answering during the job")
+        request = {"have": have, "max_bytes": max_bytes, "only": only}
+        return self._collect_outputs(job_dir, node, state_rel(role, idx), request)
 
     def place_job(self, plan: Any, job_id: str, note: Callable[[str], None], deadline: float | None,
-                  cancelled: Callable[[], Any]) -> list[Placement]:
+                  cancelled: Callable[[], Any] = lambda: None) -> list[Placement]:
         """Only when `places_jobs`: one Placement per instance of `plan`, waiting for
         room until `deadline` (time.monotonic()) or `cancelled()`, saying what it waits
         for through `note`. An exception with an `outcome` attribute ((JobStatus,
         reason)) is the job's verdict as it stands."""
-        raise NotImplementedError
+        self.progress = note
+        return self._place_job(plan, job_id, deadline, cancelled)
 
     def place_instance(self, role: str, idx: int, attempt: int, note: Callable[[str], None],
-                       deadline: float | None, cancelled: Callable[[], Any]) -> Placement:
+                       deadline: float | None, cancelled: Callable[[], Any] = lambda: None) -> Placement:
         """Only when `places_jobs`: a new place for one instance whose node was lost."""
-        raise NotImplementedError
+        self.progress = note
+        return self._place_instance(role, idx, attempt, deadline, cancelled)
 
     def pick_ports(self, node: str, count: int, taken: Iterable[int] = ()) -> list[int]:
-        """`count` distinct ports free ON `node` now, none of them in `taken`.
-        The caller claims them in the store (concurrent jobs) and may ask again."""
+        """Up to `count` distinct ports free ON `node` now, none of them in `taken`.
+        The caller claims them in the store (concurrent jobs) and asks again for
+        what it lacks (cluster/ports.py)."""
+        if count <= 0:
+            return []
+        taken = {int(p) for p in taken}
+        return self._on_node(node, "finding free ports", lambda: self._pick_ports(node, count, taken))
+
+    def _on_node(self, node: str, what: str, call: Callable[[], Any]) -> Any:
+        """`call()`, a transport call to `node`: tried twice (a dropped connection is
+        opened anew), then given up with one line naming the node (a PaiError). A
+        usage error (the user's to fix) or a verdict (a cancel: `outcome`) is no
+        transport's failure: raised as it is, at once."""
+        for attempt in (1, 2):
+            try:
+                return call()
+            except (PaiError, OSError, EOFError) as err:
+                if isinstance(err, UsageError) or hasattr(err, "outcome"):
+                    raise
+                why = f"{err.__class__.__name__}: {err}"
+        raise NodeCallFailed(f"{what} on node {node} failed twice: {why}", why)
+
+    def _keep_warm(self, placed: Placement, agent: Any) -> None:
+        """`agent`, started ahead on `placed.node`, waits for `placed`'s spec; one that
+        waited for it before is discarded."""
+        with self._warm_lock:
+            old = self._warm.pop((placed.role, placed.idx), None)
+            self._warm[(placed.role, placed.idx)] = (placed.node, agent)
+        if old is not None:
+            self._discard(old[1])
+
+    def _take_warm(self, placed: Placement) -> Any:
+        """The agent waiting for `placed`'s spec on its node, if one is (one left on
+        another node, or closed meanwhile, is discarded)."""
+        with self._warm_lock:
+            node, agent = self._warm.pop((placed.role, placed.idx), (None, None))
+        if agent is not None and (node != placed.node or getattr(agent, "closed", False)):
+            self._discard(agent)
+            return None
+        return agent
+
+    def _discard(self, agent: Any) -> None:
+        """An agent started ahead and never used: it reads EOF and exits."""
+        agent.close()
+
+    # -- what a backend fills in --------------------------------------------------------
+
+    def _nodes(self) -> list[NodeSpec]:
+        raise NotImplementedError
+
+    def _prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
+        """Local: nothing."""
+
+    def _cleanup(self, job_dir: str) -> None:
+        """Local: nothing (the job folder is the user's to keep)."""
+
+    def _remove_job_folder(self, job_id: str, node: str) -> None:
+        """Local: nothing (no per-job folder but the job's own)."""
+
+    def _collect_outputs(self, job_dir: str, node: str, state_rel: str, request: dict) -> Iterable[bytes]:
+        """`request` with "state" (the instance's state file under the job's folder on
+        `node`: `state_rel` there) to node_outputs.collect there: its frames."""
+        raise NotImplementedError
+
+    def _place_job(self, plan: Any, job_id: str, deadline: float | None, cancelled: Callable[[], Any]):
+        raise NotImplementedError
+
+    def _place_instance(self, role: str, idx: int, attempt: int, deadline: float | None,
+                        cancelled: Callable[[], Any]) -> Placement:
+        raise NotImplementedError
+
+    def _pick_ports(self, node: str, count: int, taken: set[int]) -> list[int]:
         raise NotImplementedError
 
     # -- running ------------------------------------------------------------------
@@ -212,23 +349,59 @@ class Backend:
         PermissionError: 126) when the program cannot be started. `watch` (local
         paths, translated for the node like cwd) and `sink` are the files that come
         back (cluster/outputs.py)."""
-        from paicli.cluster.agent_link import Link
+        return self.begin_start(placed, argv, env, cwd, watch, sink)()
 
-        handle = self._start(placed, argv, env, cwd, watch, sink)
-        if isinstance(handle.native, Link) and handle.ref.pid > 0:
-            self._links[(handle.ref.node, handle.ref.pid)] = handle.native
-        return handle
+    def begin_start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
+                    watch: dict | None = None,
+                    sink: Callable[[bytes, bytes], None] | None = None) -> Callable[[], Handle]:
+        """`start()` in two halves: the instance is asked for now, the returned
+        call gives its Handle (and raises what start() raises). The master asks for
+        every instance before it waits for any."""
+        finish = self._begin_start(placed, self._agent_spec(placed, argv, env, cwd, watch), sink)
+        return lambda: self._keep_link(finish())
 
-    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
-               watch: dict | None, sink: Callable[[bytes, bytes], None] | None) -> Handle:
+    def _agent_spec(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
+                    watch: dict | None) -> dict:
+        """The node agent's spec (runners/node_agent.py) for one instance, translated
+        for its node by the backend's `_mapping`; None there means this machine:
+        nothing to translate, the environment whole, the files already in place."""
+        mapping = self._mapping(placed, argv[0])
+        if mapping is None:
+            spec = {"argv": list(argv), "env": dict(env), "inherit": False, "cwd": cwd, "heartbeat": 0}
+            if watch:
+                spec["watch"] = dict(watch, inplace=True)
+            return spec
+        # Only what the job adds to the master's environment crosses: the node has its
+        # own PATH, HOME, ... (and this machine's secrets stay here).
+        delta = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        spec = {"argv": remote_paths.translate_argv(list(argv), mapping),
+                "env": remote_paths.translate_env(delta, mapping),
+                "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": self.heartbeat}
+        if watch:
+            spec["watch"] = remote_paths.translate_watch(watch, mapping)
+        return spec
+
+    def _mapping(self, placed: Placement, argv0: str) -> Any:
+        """How this machine's paths map on `placed.node` (remote_paths), None on this
+        machine. Raises OSError when the node was not prepared for the job."""
+        return None
+
+    def _begin_start(self, placed: Placement, spec: dict,
+                     sink: Callable[[bytes, bytes], None] | None) -> Callable[[], Handle]:
+        """Hand `spec` to a node agent for `placed` (agent_link); the call that gives
+        its Handle. Here: the whole start at once, `_start`; a backend whose start
+        is a round trip (local) sends now and reads the identity when asked."""
+        handle = self._start(placed, spec, sink)
+        return lambda: handle
+
+    def _start(self, placed: Placement, spec: dict, sink: Callable[[bytes, bytes], None] | None) -> Handle:
         """A transport to a node agent for `placed`, handed to agent_link.start_instance."""
         raise NotImplementedError
 
     def poll(self, handle: Handle) -> int | None:
         """The exit status once the instance's main process has ended (negative:
         killed by that signal; NODE_LOST: its node stopped answering), else None."""
-        poll = getattr(handle.native, "poll", None)
-        code = poll() if poll is not None else None
+        code = handle.native.poll()
         if code == NODE_LOST:
             self._node_lost(handle.ref.node)
         return code
@@ -236,19 +409,12 @@ class Backend:
     def wait(self, handle: Handle, timeout: float | None = None) -> int | None:
         """Block up to `timeout` (None: forever) for the main process; None if it
         is still running then."""
-        wait = getattr(handle.native, "wait", None)
-        if wait is not None:
-            wait(timeout)
-            return self.poll(handle)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            code = self.poll(handle)
-            if code is not None or (deadline is not None and time.monotonic() >= deadline):
-                return code
-            time.sleep(0.02)
+        handle.native.wait(timeout)
+        return self.poll(handle)
 
     def _node_lost(self, node: str) -> None:
-        """An instance's node stopped answering (a backend forgets what it knew of it)."""
+        """An instance's node stopped answering: not asked again during this job."""
+        self.lost.add(node)
 
     # -- stopping: THE one path ------------------------------------------------------
 
@@ -306,26 +472,28 @@ class Backend:
         link = self._links.get((ref.node, ref.pid))
         if link is not None:
             return link.poll() is None
-        return ref.pid > 0 and self._alive(ref)
+        return ref.pid > 0 and self._alive(ref.node, agent_ref(ref))
 
     def _stop_on(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
-        """`_stop_refs` on `node`, tried twice (a dropped connection is opened
-        anew), then given up with one line on stderr: the refs that were stopped."""
-        for attempt in (1, 2):
-            try:
-                return self._stop_refs(node, refs, timeout)
-            except (PaiError, OSError, EOFError) as err:
-                why = f"{err.__class__.__name__}: {err}"
-        print(f"paicli: could not stop {len(refs)} instance(s) on node {node}: {why}", file=sys.stderr, flush=True)
-        return []
+        """`_stop_refs` on `node` through `_on_node`; given up, that is one line on
+        stderr: the refs that were stopped."""
+        try:
+            asked = [agent_ref(ref) for ref in refs]
+            stopped = self._on_node(node, "stopping", lambda: self._stop_refs(node, asked, timeout))
+            return [ref for ref in refs if ref.pid in {int(r[0]) for r in stopped}]
+        except PaiError as err:
+            why = getattr(err, "why", f"{err.__class__.__name__}: {err}")
+            print(f"paicli: could not stop {len(refs)} instance(s) on node {node}: {why}", file=sys.stderr, flush=True)
+            return []
 
-    def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
-        """The identity-checked stop on `node` (the node agent's stop_refs there, THE
-        stop loop): SIGTERM, one bounded wait, SIGKILL; the refs stopped. Raises when
-        the node cannot be reached."""
+    def _stop_refs(self, node: str, refs: list[list], timeout: float) -> list[list]:
+        """The identity-checked stop on `node` of `refs` (agent_ref's form): the node
+        agent's stop_refs there, THE stop loop (SIGTERM, one bounded wait, SIGKILL);
+        its answer, the refs stopped. Raises when the node cannot be reached."""
         raise NotImplementedError
 
-    def _alive(self, ref: InstanceRef) -> bool:
+    def _alive(self, node: str, ref: list) -> bool:
+        """The node agent's alive(ref) on `node` (`ref` in agent_ref's form)."""
         raise NotImplementedError
 
     # -- DATA (issue 18): the job's staged nodes, for cluster/datasets.py -----------------
@@ -343,25 +511,19 @@ class Backend:
         """`runners/RUNNER ARGS` of the job's staged runners run on `node` by a Python
         of the node (stdlib only, as every runner), `stdin` fed to it: its stdout.
         PaiError naming the node and the runner's own last words when it fails."""
-        return self._run_runner(node, runner, list(args), stdin, timeout)
+        status, out, err = self._on_node(node, f"runners/{runner}",
+                                         lambda: self._run_runner(node, runner, list(args), stdin, timeout))
+        if status != 0:
+            raise PaiError(f"node {node}: runners/{runner}: {runner_words(out, err, status)}")
+        return out
 
     def _staged_folders(self, nodes: set[str] | None) -> dict[str, str] | None:
         return None
 
-    def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes, timeout: float) -> bytes:
+    def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes,
+                    timeout: float) -> tuple[int, bytes, bytes]:
+        """The runner run on `node`: (exit status, stdout, stderr)."""
         raise NotImplementedError(f"the {self.name} backend runs nothing on a node")
-
-    # -- OVERHEAD (issue 16): starting several instances together ---------------------
-
-    def begin_start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
-                    watch: dict | None = None,
-                    sink: Callable[[bytes, bytes], None] | None = None) -> Callable[[], Handle]:
-        """`start()` in two halves: the instance is asked for now, the returned
-        call gives its Handle (and raises what start() raises). The master asks for
-        every instance before it waits for any. Here: the whole start at once; a
-        backend whose start is a round trip (local) overrides it."""
-        handle = self.start(placed, argv, env, cwd, watch, sink)
-        return lambda: handle
 
     def _keep_link(self, handle: Handle) -> Handle:
         from paicli.cluster.agent_link import Link
@@ -394,3 +556,4 @@ def runner_words(out: bytes, err: bytes, status: int) -> str:
     prints its error there), else its stderr's, else its exit status."""
     why = out.decode(errors="replace").strip() or err.decode(errors="replace").strip()
     return why[-300:] or f"exit {status}"
+

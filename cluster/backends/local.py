@@ -19,8 +19,8 @@ import threading
 import time
 
 from paicli.cluster import agent_link
-from paicli.cluster.backends.base import Backend, NodeSpec, agent_ref
-from paicli.runners import node_agent
+from paicli.cluster.backends.base import Backend, NodeSpec
+from paicli.runners import node_agent, node_outputs
 
 LOCAL_NODE = "local"
 LOCAL_HOST = "127.0.0.1"
@@ -33,12 +33,8 @@ PIPE_BYTES = 4096
 AGENT_OUTPUT_FD = 3        # where a forked agent finds the instance's output pipe
 
 
-def machine_cpu() -> int:
-    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) * 100
-
-
 def local_node() -> NodeSpec:
-    from paicli.cluster.scheduler import machine_gpus, machine_memory_mb
+    from paicli.cluster.scheduler import machine_cpu, machine_gpus, machine_memory_mb
 
     return NodeSpec(LOCAL_NODE, LOCAL_HOST, machine_cpu(), machine_memory_mb(), tuple(machine_gpus()))
 
@@ -153,66 +149,36 @@ def _forked_agent(label: str, moves) -> None:
 class LocalBackend(Backend):
     name = "local"
 
-    def __init__(self, config=None):
-        super().__init__(config)
-        self._warm: dict[tuple[str, int], AgentProcess] = {}
-        self._lock = threading.Lock()
-
-    def nodes(self):
+    def _nodes(self):
         return [local_node()]
 
-    def prepare(self, job_dir, plan, placements):
+    def _prepare(self, job_dir, plan, placements):
         job_id = os.path.basename(str(job_dir).rstrip("/"))
         for p in placements:
-            agent = AgentProcess(f"{job_id}/{p.role}:{p.idx}")
-            with self._lock:
-                old, self._warm[(p.role, p.idx)] = self._warm.get((p.role, p.idx)), agent
-            if old is not None:
-                old.discard()
+            self._keep_warm(p, AgentProcess(f"{job_id}/{p.role}:{p.idx}"))
 
-    def cleanup(self, job_dir):
-        with self._lock:
-            warm, self._warm = list(self._warm.values()), {}
-        for agent in warm:
-            agent.discard()
+    def _discard(self, agent):
+        agent.discard()
 
-    def pick_ports(self, node, count, taken=()):
-        ports = node_agent.free_ports(LOCAL_HOST, count, set(taken))
-        if len(ports) != count:
-            raise OSError(f"could not find {count} free ports on {node}")
-        return ports
+    def _pick_ports(self, node, count, taken):
+        return node_agent.free_ports(LOCAL_HOST, count, taken)
 
-    def _start(self, placed, argv, env, cwd, watch=None, sink=None):
-        return self._send(placed, argv, env, cwd, watch, sink)()
-
-    def begin_start(self, placed, argv, env, cwd, watch=None, sink=None):
+    def _begin_start(self, placed, spec, sink):
         # The spec goes down the agent's pipe now; its identity is read when asked
         # for: the agents start their instances while the master sends the next spec.
-        finish = self._send(placed, argv, env, cwd, watch, sink)
-        return lambda: self._keep_link(finish())
-
-    def _send(self, placed, argv, env, cwd, watch, sink):
-        with self._lock:
-            agent = self._warm.pop((placed.role, placed.idx), None)
-        if agent is None:
-            agent = AgentProcess(f"{env.get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}")
-        spec = {"argv": list(argv), "env": dict(env), "inherit": False, "cwd": cwd, "heartbeat": 0}
-        if watch:
-            spec["watch"] = dict(watch, inplace=True)   # this machine: the files are where they belong
+        agent = self._take_warm(placed) or AgentProcess(f"{spec['env'].get('PAI_JOB_ID', 'job')}/"
+                                                        f"{placed.role}:{placed.idx}")
         starting = agent_link.send_spec(agent, spec, sink)
         return lambda: starting.started(backend=self.name, node=placed.node, host=placed.host,
                                         start_timeout=START_TIMEOUT)
 
-    def collect_outputs(self, job_dir, node, role, idx, have, max_bytes):
-        from paicli.cluster.outputs import state_rel
-
-        request = {"state": os.path.join(str(job_dir), state_rel(role, idx)), "have": have, "inplace": True}
-        for kind, payload in node_agent.collect(request):
-            yield kind + len(payload).to_bytes(4, "big") + payload
+    def _collect_outputs(self, job_dir, node, state_rel, request):
+        request = dict(request, state=os.path.join(str(job_dir), state_rel), inplace=True)
+        for frame in node_outputs.collect(request):
+            yield node_outputs.frame_bytes([frame])
 
     def _stop_refs(self, node, refs, timeout):
-        stopped = {tuple(r) for r in node_agent.stop_refs([agent_ref(ref) for ref in refs], timeout)}
-        return [ref for ref in refs if tuple(agent_ref(ref)) in stopped]
+        return node_agent.stop_refs(refs, timeout)
 
-    def _alive(self, ref):
-        return node_agent.alive(agent_ref(ref))
+    def _alive(self, node, ref):
+        return node_agent.alive(ref)

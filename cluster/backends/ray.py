@@ -36,17 +36,16 @@ jobs never pay for it.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from paicli.cluster import agent_link, node_files, remote_paths
 from paicli.cluster.backends import ray_node
-from paicli.cluster.backends.base import Backend, Handle, InstanceRef, NodeSpec, Placement, agent_ref
+from paicli.cluster.backends.base import Backend, Handle, NodeSpec, Placement
 from paicli.errors import PaiError, UsageError
 
 NAMESPACE = "paicli"
@@ -65,9 +64,6 @@ RECV_SLICE = 1.0               # one call for the agent's output waits this long
 # actors, and the agent stops the instance as its stdin closes.
 HEARTBEAT = 30.0
 MB = 1024 * 1024
-
-Progress = Callable[[str], None]
-
 
 class RayWaitStopped(PaiError):
     """Waiting for Ray to place the job ended: its timeout ran out (the message
@@ -151,13 +147,6 @@ def waiting_list(wanted: list[tuple[str, int, dict[str, float]]], available: dic
         have += f", {gpus:g} GPU(s) free in all"
     return f"waiting for resources: {len(short)} instance(s) cannot be placed now: {', '.join(short[:6])}" + \
         (" ..." if len(short) > 6 else "") + f"; {have}"
-
-
-def node_env(env: dict[str, str], master_env: dict[str, str]) -> dict[str, str]:
-    """What the instance needs from the master's env: the entries the master set
-    or changed (PAI_*, the role's env), not the master's own environment
-    (PATH, HOME of another machine)."""
-    return {k: v for k, v in env.items() if master_env.get(k) != v}
 
 
 # -- Ray -------------------------------------------------------------------------
@@ -268,6 +257,7 @@ class RayBackend(Backend):
     # Ray places the job itself (placement group), waits while the cluster is
     # busy, and moves lost bundles: the master asks place_job()/place_instance().
     places_jobs = True
+    heartbeat = HEARTBEAT
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)
@@ -288,7 +278,6 @@ class RayBackend(Backend):
         self._timeout: float | None = None
         self._deadline: float | None = None
         self._interrupted: Callable[[], str | None] = lambda: None
-        self._progress: Progress = lambda line: None
 
     # -- connecting ----------------------------------------------------------------
 
@@ -326,34 +315,19 @@ class RayBackend(Backend):
                          f"from outside the cluster use Ray Client: PAI_RAY_ADDRESS=ray://{host}:10001")
 
     def _init(self, ray) -> None:
-        """ray.init with a deadline, in a thread of its own: on a port that accepts
-        connections but is not Ray's, ray.init waits forever. A cancel ends the wait
-        too. (Ray sets its own SIGTERM handler only from the main thread: the
-        master's handlers stay in place.)"""
-        outcome: list[BaseException | None] = []
-
-        def run() -> None:
-            try:
-                self._init_tries(ray)
-                outcome.append(None)
-            except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
-                outcome.append(err)
-
-        thread = threading.Thread(target=run, name="ray-init", daemon=True)
-        thread.start()
+        """ray.init with a deadline (`_bounded`): on a port that accepts connections
+        but is not Ray's, ray.init waits forever. A cancel ends the wait too. (Ray
+        sets its own SIGTERM handler only from the main thread: the master's
+        handlers stay in place.) Whatever ends it, the thread may still connect:
+        nothing is to use it."""
         limit = INIT_TIMEOUT * (3 if "://" in self.address else 1)
-        deadline = time.monotonic() + limit
-        while thread.is_alive():
-            thread.join(0.5)
-            if thread.is_alive() and (self._interrupted() or time.monotonic() >= deadline):
-                self._unusable = True   # the thread may still connect: nothing is to use it
-                reason = self._interrupted()
-                if reason:
-                    raise RayWaitStopped(reason, cancelled=True)
-                raise ConnectionError(f"no answer as a Ray cluster within {limit:g}s")
-        if outcome[0] is not None:
+        try:
+            self._bounded(lambda: self._init_tries(ray), "ray.init", limit)
+        except BaseException as err:
             self._unusable = True
-            raise outcome[0]
+            if isinstance(err, PaiError) and not isinstance(err, RayWaitStopped):
+                raise ConnectionError(f"no answer as a Ray cluster within {limit:g}s") from None
+            raise
 
     def _init_tries(self, ray) -> None:
         import logging
@@ -425,23 +399,13 @@ class RayBackend(Backend):
                 raise PaiError(f"{what() if callable(what) else what}: no answer from Ray within {timeout:g}s")
             if report and time.monotonic() - last >= WAIT_REPORT_SECONDS:
                 last = time.monotonic()
-                self._progress(report())
+                self.progress(report())
         return ray.get(ref, timeout=CALL_TIMEOUT)
 
     # -- nodes ---------------------------------------------------------------------
 
-    def nodes(self) -> list[NodeSpec]:
-        out = []
-        for n in self._live_nodes(interruptible=False):
-            if not n.get("Alive"):
-                continue
-            res = n.get("Resources") or {}
-            host = n.get("NodeManagerAddress", "")
-            out.append(NodeSpec(name=host, host=host, cpu=round(res.get("CPU", 0) * 100),
-                                memory=round(res.get("memory", 0) / MB),
-                                gpus=tuple(str(i) for i in range(int(res.get("GPU", 0)))),
-                                attrs={"node_id": n["NodeID"], "hostname": n.get("NodeManagerHostname", "")}))
-        return out
+    def _nodes(self) -> list[NodeSpec]:
+        return [node_spec(n) for n in self._live_nodes(interruptible=False) if n.get("Alive")]
 
     def _node_id(self, name: str) -> str | None:
         for inst in self._instances.values():
@@ -470,22 +434,19 @@ class RayBackend(Backend):
     def _available(self) -> dict[str, dict[str, float]]:
         ray = self.connect()
         try:
-            per_node = {}
-            for n in self._live_nodes(interruptible=False):
-                if n.get("Alive"):
-                    per_node[n["NodeID"]] = n.get("NodeManagerAddress", "")
+            per_node = {node.attrs["node_id"]: node.name for node in self._nodes()}
             avail = ray._private.state.state._available_resources_per_node()  # noqa: SLF001
             return {per_node.get(nid, nid): dict(res) for nid, res in avail.items() if nid in per_node}
         except Exception:  # noqa: BLE001 - a report only
             return {"cluster": dict(ray.available_resources())}
 
-    def place_job(self, plan, job_id: str, progress: Progress, deadline: float | None,
-                  interrupted: Callable[[], str | None] = lambda: None) -> list[Placement]:
+    def _place_job(self, plan, job_id: str, deadline: float | None,
+                   interrupted: Callable[[], str | None]) -> list[Placement]:
         """Reserve every instance's bundle at once (one placement group), wait
         until Ray placed them all (reporting the Waiting List through `progress`),
         then start one actor per instance in its bundle. Raises RayWaitStopped at
         `deadline` (time.monotonic()) or when `interrupted()` gives a reason."""
-        self._progress, self._deadline, self._interrupted = progress, deadline, interrupted
+        self._deadline, self._interrupted = deadline, interrupted
         self.connect()
         from ray.util.placement_group import placement_group
 
@@ -534,13 +495,13 @@ class RayBackend(Backend):
         gpus = tuple(g for g in str(inst.info.get("gpus") or "").split(",") if g.strip())
         return Placement(inst.role, inst.idx, inst.host, inst.host, gpus)
 
-    def place_instance(self, role: str, idx: int, attempt: int, progress: Progress,
-                       deadline: float | None, interrupted: Callable[[], str | None] = lambda: None) -> Placement:
+    def _place_instance(self, role: str, idx: int, attempt: int, deadline: float | None,
+                        interrupted: Callable[[], str | None]) -> Placement:
         """A new actor for an instance whose node was lost, in the same bundle:
         once Ray has declared the node dead it moves the placement group's bundles
         that were there to nodes with room (waiting, like a new job, while there
         is none)."""
-        self._progress, self._deadline, self._interrupted = progress, deadline, interrupted
+        self._deadline, self._interrupted = deadline, interrupted
         ray = self.connect()
         old = self._instances.get((role, idx))
         lost = old.node_id if old is not None else ""
@@ -570,7 +531,7 @@ class RayBackend(Backend):
 
     # -- staging ---------------------------------------------------------------------
 
-    def prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
+    def _prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
         """Stage the job's staging list (cluster/node_files.py) on every node the
         placements use (once per node: one object in the object store, fetched by
         each node) and provision the runtime there. The interpreter found on each
@@ -599,7 +560,7 @@ class RayBackend(Backend):
         for nid, ref in answers.items():
             got = self._get(ref, f"the {runtime} runtime on Ray node {todo[nid].host}", PROVISION_TIMEOUT)
             for line in got.get("lines", []):
-                self._progress(f"Ray node {todo[nid].host}: {line}")   # a runtime provisioned there
+                self.progress(f"Ray node {todo[nid].host}: {line}")   # a runtime provisioned there
             if "pip_log" in got:   # ENVS room: a layer pip could not build there
                 raise PaiError(f"-Drequirements on Ray node {todo[nid].host}: {got['error']}",
                                f"pip's full log: {save_node_log(job_dir, todo[nid].host, got['pip_log'])}")
@@ -608,7 +569,8 @@ class RayBackend(Backend):
                                "provision it there (pai runtime install) or set PAI_<NAME>_PYTHON on the node")
             self._staged[nid] = got["python"]
 
-    def _mapping(self, inst: _Instance, argv0: str) -> remote_paths.Mapping:
+    def _mapping(self, placed: Placement, argv0: str) -> remote_paths.Mapping:
+        inst = self._instances[(placed.role, placed.idx)]
         info = inst.info
         pairs = self._manifest.mapping(info["folder"], info["runtime_dir"], info["python"])
         if argv0 != sys.executable:   # the runtime's interpreter -> the one found on the node
@@ -617,70 +579,50 @@ class RayBackend(Backend):
 
     # -- ports and running ---------------------------------------------------------------
 
-    def pick_ports(self, node: str, count: int, taken: Iterable[int] = ()) -> list[int]:
-        if count <= 0:
-            return []
+    def _pick_ports(self, node: str, count: int, taken: set[int]) -> list[int]:
         self.connect()
         for inst in self._instances.values():
             if inst.host == node:
                 return self._get(inst.actor.pick_ports.remote(count, list(taken)), f"ports on Ray node {node}")
-        return self._pinned(node, ray_node.pinned_ports, count, list(taken))
+        return self._pinned(node, ray_node.node_agent.free_ports, "0.0.0.0", count, taken)
 
-    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
-               watch: dict | None = None, sink=None) -> Handle:
+    def _start(self, placed: Placement, spec: dict, sink=None) -> Handle:
         self.connect()
         inst = self._instances[(placed.role, placed.idx)]
-        mapping = self._mapping(inst, argv[0])
-        env_out = remote_paths.translate_env(node_env(env, dict(os.environ)), mapping)
         if inst.info.get("gpus"):
-            env_out["CUDA_VISIBLE_DEVICES"] = inst.info["gpus"]   # what Ray gave the bundle
-        spec = {"argv": remote_paths.translate_argv(argv, mapping), "env": env_out,
-                "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": HEARTBEAT}
-        if watch:
-            spec["watch"] = remote_paths.translate_watch(watch, mapping)
+            spec["env"]["CUDA_VISIBLE_DEVICES"] = inst.info["gpus"]   # what Ray gave the bundle
         agent = self._get(inst.actor.open.remote(), f"starting {placed.role}:{placed.idx} on Ray node {inst.host}")
         return agent_link.start_instance(RayTransport(self, inst.actor, agent), spec, backend=self.name,
                                          node=inst.host, host=inst.host, start_timeout=CALL_TIMEOUT, sink=sink)
 
     # -- stopping what this process did not start (`pai kill`, the watchdog) ---------------
 
-    def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
+    def _stop_refs(self, node: str, refs: list[list], timeout: float) -> list[list]:
         try:
-            stopped = self._pinned(node, ray_node.pinned_stop, [agent_ref(r) for r in refs], timeout,
-                                   timeout=timeout + STOP_TIMEOUT)
+            return self._pinned(node, ray_node.node_agent.stop_refs, refs, timeout, timeout=timeout + STOP_TIMEOUT)
         except (PaiError, OSError):
             raise
         except Exception as err:  # noqa: BLE001 - Ray's own errors: base.Backend retries, then says so
             raise PaiError(f"Ray node {node}: {type(err).__name__}: {str(err)[:200]}".splitlines()[0]) from None
-        return [r for r in refs if agent_ref(r) in stopped]
 
-    def collect_outputs(self, job_dir: str, node: str, role: str, idx: int, have: dict,
-                        max_bytes: int | None, only: dict | None = None):
-        """The node agent's collect, in a task pinned to the node: its frames, at once."""
-        from paicli.cluster.outputs import state_rel
-
+    def _collect_outputs(self, job_dir: str, node: str, state_rel: str, request: dict):
+        """node_outputs' collect, in a task pinned to the node: its frames, at once."""
         self.connect()
-        data = self._pinned(node, ray_node.pinned_collect, Path(job_dir).name, state_rel(role, idx), have,
-                            max_bytes, only, timeout=CALL_TIMEOUT * 10)
-        yield data
+        yield self._pinned(node, ray_node.pinned_collect, Path(job_dir).name, state_rel, request,
+                           timeout=CALL_TIMEOUT * 10)
 
-    def remove_job_folders(self, job_dir: str, names: list[str]) -> None:
-        """The job's folder on each of these nodes (`pai get` once a node holds
-        nothing of the job any more); a node that is gone took its folder along."""
+    def _remove_job_folder(self, job_id: str, name: str) -> None:
+        """A node that is gone took its folder along."""
         self.connect()
-        for name in names:
-            try:
-                self._pinned(name, ray_node.pinned_cleanup, Path(job_dir).name, timeout=STOP_TIMEOUT)
-            except Exception:  # noqa: BLE001 - Ray's own errors: the folder stays, as for a lost node
-                pass
+        self._pinned(name, ray_node.pinned_cleanup, job_id, timeout=STOP_TIMEOUT)
 
-    def _alive(self, ref: InstanceRef) -> bool:
+    def _alive(self, node: str, ref: list) -> bool:
         try:
-            return bool(self._pinned(ref.node, ray_node.pinned_alive, [agent_ref(ref)], timeout=STOP_TIMEOUT)[0])
+            return bool(self._pinned(node, ray_node.node_agent.alive, ref, timeout=STOP_TIMEOUT))
         except Exception:  # noqa: BLE001 - the node is gone
             return False
 
-    def cleanup(self, job_dir: str) -> None:
+    def _cleanup(self, job_dir: str) -> None:
         """Remove the per-job folders, release the actors (their agents stop
         anything left) and the placement group, within STOP_TIMEOUT in all. A
         backend built afresh (the watchdog, after the master died: Ray has already
@@ -689,15 +631,13 @@ class RayBackend(Backend):
         if self._unusable:
             return
         ray = self.connect()
-        if "*" in self.keep_nodes:
-            self.keep_nodes |= {inst.host for inst in self._instances.values()} | {n.name for n in self.nodes()}
         if self._instances:
             by_node = {inst.node_id: inst for inst in self._instances.values()
-                       if inst.node_id and inst.host not in self.keep_nodes}
+                       if inst.node_id and not self.keeps(inst.host)}
             refs = [inst.actor.cleanup.remote() for inst in by_node.values()]
         else:
             refs = [self._pinned_ref(node.attrs["node_id"], ray_node.pinned_cleanup, Path(job_dir).name)
-                    for node in self.nodes() if node.name not in self.keep_nodes]
+                    for node in self.nodes() if not self.keeps(node.name)]
         ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT)   # a lost node took its folder with it
         for inst in self._instances.values():
             self._forget(inst)   # its agent sees its stdin close and stops what is left
@@ -720,11 +660,11 @@ class RayBackend(Backend):
                 found.setdefault(inst.host, inst.info["folder"])
         return found
 
-    def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes, timeout: float) -> bytes:
+    def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes,
+                    timeout: float) -> tuple[int, bytes, bytes]:
         """A zero-CPU task pinned to the node runs the runner from the job's staged
         folder there (node_cache.run_staged, shipped by value); `stdin` crosses as
         one object of Ray's store, put here and fetched by the node."""
-        from paicli.cluster.backends.base import runner_words
         from paicli.runners import node_cache
 
         inst = next((i for i in self._instances.values() if i.host == node and i.node_id), None)
@@ -732,14 +672,23 @@ class RayBackend(Backend):
             raise PaiError(f"Ray node {node}: the job is not staged there")
         ray = self.connect()
         ray.cloudpickle.register_pickle_by_value(node_cache)
-        ref = self._pinned_ref(inst.node_id, node_cache.run_staged, inst.info["folder"], runner, args, ray.put(stdin))
-        status, out, err = self._get(ref, f"runners/{runner} on Ray node {node}", timeout)
-        if status != 0:
-            raise PaiError(f"Ray node {node}: runners/{runner}: {runner_words(out, err, status)}")
-        return out
+        # ray.put waits on the control store like ray.nodes: a deadline of ours (the call's own).
+        shipped = self._bounded(lambda: ray.put(stdin), f"putting runners/{runner}'s input in Ray's object store",
+                                timeout)
+        ref = self._pinned_ref(inst.node_id, node_cache.run_staged, inst.info["folder"], runner, args, shipped)
+        return self._get(ref, f"runners/{runner} on Ray node {node}", timeout)
 
 
 # -- `pai nodes` for Ray --------------------------------------------------------
+
+
+def node_spec(n: dict) -> NodeSpec:
+    """One node of ray.nodes() in PAI units (`nodes()` and `pai nodes` alike)."""
+    res = n.get("Resources") or {}
+    host = n.get("NodeManagerAddress", "")
+    return NodeSpec(name=host, host=host, cpu=round(res.get("CPU", 0) * 100), memory=round(res.get("memory", 0) / MB),
+                    gpus=tuple(str(i) for i in range(int(res.get("GPU", 0)))),
+                    attrs={"node_id": n["NodeID"], "hostname": n.get("NodeManagerHostname", "")})
 
 
 def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -749,17 +698,16 @@ def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
     backend = RayBackend(config)
     rows = []
     for n in backend._live_nodes(interruptible=False):
-        res = n.get("Resources") or {}
-        host = n.get("NodeManagerAddress", "")
-        cores = res.get("CPU", 0)
-        row = {"name": host, "host": host, "port": n.get("NodeManagerPort"), "user": "",
+        spec = node_spec(n)
+        cores = (n.get("Resources") or {}).get("CPU", 0)
+        row = {"name": spec.name, "host": spec.host, "port": n.get("NodeManagerPort"), "user": "",
                "state": "up" if n.get("Alive") else "dead", "error": None, "node_id": n["NodeID"],
-               "cores": int(cores) if float(cores).is_integer() else cores, "cpu": round(res.get("CPU", 0) * 100),
-               "memory": round(res.get("memory", 0) / MB), "gpus": [str(i) for i in range(int(res.get("GPU", 0)))],
+               "cores": int(cores) if float(cores).is_integer() else cores, "cpu": spec.cpu,
+               "memory": spec.memory, "gpus": list(spec.gpus),
                "python": None, "runtime_dir": None, "runtimes": {}, "instances": []}
         if n.get("Alive"):
             try:
-                info = backend._pinned(host, ray_node.pinned_info, timeout=60)
+                info = backend._pinned(spec.host, ray_node.node_info.info, timeout=60)
                 row.update({"python": info["python"], "python_path": info["python_path"],
                             "runtime_dir": info["runtime_dir"], "runtimes": info["runtimes"],
                             "instances": info["instances"], "boot": info["boot"]})

@@ -10,7 +10,7 @@ bundle:
   a per-job folder on its node, with the writer of every backend
   (runners/stage_writer.py: 0700 folders, files 0600/0700, links only inside);
   `ensure_runtime()` provisions the framework runtime there on first use with the
-  staged runners/runtimes.py (or finds the node's own); `pick_ports()` finds ports
+  staged runners/node_runtime.py, as an SSH node does (or finds the node's own); `pick_ports()` finds ports
   free on the node;
 - `open()` starts the paicli node agent (runners/node_agent.py, the one agent of
   every backend) and the actor becomes a byte relay: `send()` writes to the
@@ -22,7 +22,8 @@ bundle:
   worker's process group, so it always lives to do that.
 
 A process that holds no link (`pai kill`, the watchdog) stops instances with the
-node agent's identity-checked stop, run on the node by a task pinned to it.
+node agent's identity-checked stop (node_agent.stop_refs, shipped by value like
+its alive and free_ports, and node_info's info), run on the node by a task pinned to it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import threading
 
-from paicli.runners import node_agent, stage_writer
+from paicli.runners import node_agent, node_info, node_outputs, stage_writer
 
 MAX_BUFFERED = 1 << 20   # agent output held in the actor before the agent is made to wait
 
@@ -43,16 +44,8 @@ MAX_BUFFERED = 1 << 20   # agent output held in the actor before the agent is ma
 def ship_by_value(cloudpickle) -> None:
     """Register what goes to Ray nodes by value: this module and the node agent's
     functions it uses (a Ray node needs Ray, not paicli)."""
-    for module in (sys.modules[__name__], node_agent, stage_writer):
+    for module in (sys.modules[__name__], node_agent, node_info, node_outputs, stage_writer):
         cloudpickle.register_pickle_by_value(module)
-
-
-def free_ports(count: int, taken=()) -> list[int]:
-    """`count` distinct ports this node can bind now (on every address), none in `taken`."""
-    ports = node_agent.free_ports("0.0.0.0", count, {int(p) for p in taken})
-    if len(ports) != count:
-        raise OSError(f"could not find {count} free ports")
-    return ports
 
 
 def user_root() -> str:
@@ -121,45 +114,13 @@ class InstanceActor:
 
     def ensure_runtime(self, name: str | None, layer: dict | None = None) -> dict:
         """The interpreter of runtime `name` on this node, provisioned here on first
-        use by the staged runtimes code (imported as the package it is, in a process
-        of its own); {"error": ...} when it cannot be. With `layer` (cluster/layers.py:
-        layer_spec), the job's requirements layer is built here too (cached by digest):
-        {"error": one line, "pip_log": ...} when pip cannot."""
-        if not name:
-            got = {"python": sys.executable, "lines": []}
-        else:
-            got = self._provision_runtime(name)
-        if layer and "error" not in got:
-            got = self._ensure_layer(layer, got)
-        return got
-
-    def _provision_runtime(self, name: str) -> dict:
-        pkg = os.path.join(self.folder, "pkg", "paicli")
-        if not os.path.isdir(pkg):
-            os.makedirs(pkg, mode=0o700)
-            open(os.path.join(pkg, "__init__.py"), "w").close()
-            os.symlink(os.path.join(self.folder, "runners"), os.path.join(pkg, "runners"))
-        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
-                "from paicli.runners.runtimes import get_runtime; "
-                "rt = get_runtime(sys.argv[2]); rt.ensure(lambda line: print(line, flush=True)); "
-                "print(json.dumps({'python': rt.python()}))")
-        result = subprocess.run([sys.executable, "-c", code, os.path.dirname(pkg), name],
-                                capture_output=True, text=True, env=_node_env(), start_new_session=True)
-        lines = result.stdout.splitlines()
-        if result.returncode == 0 and lines:
-            try:
-                # The runtime's phases only: pip's own lines (indented) would flood job.log.
-                return {"python": json.loads(lines[-1])["python"],
-                        "lines": [x for x in lines[:-1] if not x.startswith("  ")]}
-            except (ValueError, KeyError):
-                pass
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": last, "lines": lines}
-
-    def _ensure_layer(self, layer: dict, got: dict) -> dict:
-        """The job's requirements layer with the runtime's interpreter (ENVS room):
-        the --find-links files written under the job's folder, then the staged
-        runners/runtimes.py's Layer in a process of its own."""
+        use by the staged runners/node_runtime.py (as on an SSH node); {"error": ...}
+        when it cannot be. With `layer` (cluster/layers.py: layer_spec), the job's
+        requirements layer is built here too (cached by digest): {"error": one line,
+        "pip_log": ...} when pip cannot. "lines": the phases (not the tools' lines)."""
+        got = self._node_runtime("runtime", name) if name else {"python": sys.executable, "lines": []}
+        if not layer or "error" in got:
+            return got
         links = {}
         for i, (local, items) in enumerate(sorted(layer.get("files", {}).items())):
             folder = os.path.join(self.folder, "layer-links", str(i))
@@ -173,32 +134,30 @@ class InstanceActor:
             links[local] = folder
         spec = {"base": layer["base"], "python": got["python"], "digest": layer["digest"],
                 "lines": layer["lines"], "pins": layer["pins"], "links": links}
-        log = os.path.join(self.folder, "pip.log")
-        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import runtimes; "
-                "s = json.loads(sys.argv[2]); "
-                "layer = runtimes.Layer(s['base'], s['python'], s['digest'], s['lines']); "
-                "got = layer.ensure(lambda line: print(line, flush=True), sys.argv[3], s['pins'], s['links']); "
-                "print(json.dumps(got))")
-        result = subprocess.run([sys.executable, "-c", code, os.path.join(self.folder, "runners"),
-                                 json.dumps(spec), log], capture_output=True, text=True, env=_node_env(),
-                                start_new_session=True)
+        built = self._node_runtime("layer", json.dumps(spec))
+        return {**built, "python": got["python"], "lines": got["lines"] + built["lines"]}
+
+    def _node_runtime(self, command: str, arg: str) -> dict:
+        """`runners/node_runtime.py COMMAND ARG` of the staged folder: its result, its
+        phase lines, or {"error": its one line, "pip_log": what follows}."""
+        result = subprocess.run([sys.executable, os.path.join(self.folder, "runners", "node_runtime.py"), command, arg],
+                                capture_output=True, text=True, env=_node_env(), start_new_session=True)
         lines = result.stdout.splitlines()
-        if result.returncode == 0 and lines and lines[-1].startswith("{"):
-            return {**got, "lines": got.get("lines", []) + [x for x in lines[:-1] if not x.startswith("  ")]}
-        errors = [x for x in result.stderr.splitlines() if x.strip()]
-        last = (errors or ["no output"])[-1]
-        if ": " in last and last.split(": ", 1)[0].endswith(("Error", "Error_")):
-            last = last.split(": ", 1)[1]   # the exception's one line, without its class
+        failed = next((i for i, line in enumerate(lines) if line.startswith("ERROR ")), None)
+        if failed is not None:
+            got = {"error": lines[failed][len("ERROR "):],
+                   "lines": [x for x in lines[:failed] if not x.startswith("  ")]}
+            if command == "layer":   # what follows is pip's log (ray.py names it, kept in the job folder)
+                got["pip_log"] = "\n".join(lines[failed + 1:]) + "\n"
+            return got
         try:
-            with open(log, errors="replace") as fh:
-                pip_log = fh.read()
-        except OSError:
-            pip_log = result.stderr
-        return {"error": last, "pip_log": pip_log,
-                "lines": got.get("lines", []) + [x for x in lines if not x.startswith("  ")]}
+            return {**json.loads(lines[-1]), "lines": [x for x in lines[:-1] if not x.startswith("  ")]}
+        except (IndexError, ValueError):
+            return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1], "lines": lines}
 
     def pick_ports(self, count: int, taken=()) -> list[int]:
-        return free_ports(count, taken)
+        """Ports this node can bind now (on every address), none in `taken`."""
+        return node_agent.free_ports("0.0.0.0", count, set(taken))
 
     # -- the relay to one node agent --------------------------------------------------
 
@@ -271,26 +230,6 @@ class InstanceActor:
         remove_job_folder(self.folder)
 
 
-def pinned_stop(refs: list, timeout: float) -> list:
-    """The node agent's identity-checked stop, run on the refs' node by a pinned task
-    (`pai kill`, the watchdog: processes that hold no link)."""
-    return node_agent.stop_refs(refs, timeout)
-
-
-def pinned_alive(refs: list) -> list:
-    return [node_agent.alive(ref) for ref in refs]
-
-
-def pinned_ports(count: int, taken) -> list[int]:
-    return free_ports(count, taken)
-
-
-def pinned_info() -> dict:
-    """The node agent's `info` (cores, memory, GPUs, Python, runtimes, the paicli
-    instances agents run here), run on this node (the agent travels by value)."""
-    return node_agent.info()
-
-
 def remove_job_folder(folder: str) -> None:
     """The job's folder, and its node's folder once no job is left in it."""
     import shutil
@@ -310,11 +249,10 @@ def pinned_cleanup(job_id: str) -> None:
     remove_job_folder(job_folder(job_id, ray.get_runtime_context().get_node_id()))
 
 
-def pinned_collect(job_id: str, state_rel: str, have: dict, max_bytes, only=None) -> bytes:
-    """The node agent's `collect` of an instance's files on this node (cluster/outputs.py),
+def pinned_collect(job_id: str, state_rel: str, request: dict) -> bytes:
+    """node_outputs' `collect` of an instance's files on this node (cluster/outputs.py),
     as one byte string of frames."""
     import ray
 
     folder = job_folder(job_id, ray.get_runtime_context().get_node_id())
-    request = {"state": os.path.join(folder, state_rel), "have": have, "max_bytes": max_bytes, "only": only}
-    return b"".join(kind + len(payload).to_bytes(4, "big") + payload for kind, payload in node_agent.collect(request))
+    return node_outputs.frame_bytes(node_outputs.collect(dict(request, state=os.path.join(folder, state_rel))))

@@ -23,21 +23,19 @@ boot id).
 from __future__ import annotations
 
 import json
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from paicli.cluster import agent_link, node_files, remote_paths
 from paicli.cluster import ssh_transport as ssh
-from paicli.cluster.backends.base import Backend, Handle, InstanceRef, NodeSpec, Placement, agent_ref
-from paicli.cluster.logsink import open_append_fd
+from paicli.cluster.backends.base import Backend, Handle, NodeSpec, Placement
 from paicli.cluster.nodes import NodeEntry, config_from_dict
 from paicli.errors import PaiError, UsageError
 
 AGENT_FILE = "runners/node_agent.py"
-HEARTBEAT = 6.0           # seconds without a frame (agent) / a byte (master) = the link is gone
+HEARTBEAT = 6.0           # base.Backend.heartbeat: seconds without a frame / a byte = the link is gone
 START_TIMEOUT = 30.0      # for the agent's identity frame
 
 
@@ -80,6 +78,7 @@ class ChannelTransport:
 
 class SSHBackend(Backend):
     name = "ssh"
+    heartbeat = HEARTBEAT
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)
@@ -90,14 +89,7 @@ class SSHBackend(Backend):
         self._maps: dict[str, remote_paths.Mapping] = {}
         self._folders: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._lost: set[str] = set()      # nodes that stopped answering during this job
-        # Started ahead of time by prepare(), one per placed instance: an agent
-        # waiting for its spec, so that start() is one round trip, not a new process.
-        self._warm: dict[tuple[str, int], tuple[str, Any]] = {}
         self._ports: dict[str, list[int]] = {}   # free ports found on each node by prepare()
-        # Where provisioning on a node reports its progress; by default the job's own
-        # log (see _job_log_progress), so the attached view shows it.
-        self.progress: Callable[[str], None] | None = None
 
     # -- nodes --------------------------------------------------------------------
 
@@ -106,9 +98,6 @@ class SSHBackend(Backend):
             if node.name == name:
                 return node
         raise UsageError(f"no node named {name!r} in {self.nodes_config.path}")
-
-    def _client(self, node: NodeEntry):
-        return self.conns.get(node)
 
     def _agent(self, node: NodeEntry, command: str, *args: str, timeout: float = 30.0):
         try:
@@ -122,7 +111,7 @@ class SSHBackend(Backend):
             self._infos[name] = self._agent(node, "info", node.runtime_dir or "")
         return self._infos[name]
 
-    def nodes(self) -> list[NodeSpec]:
+    def _nodes(self) -> list[NodeSpec]:
         """Every node that answers, with declared or detected resources. A host key
         or login problem is the user's to fix (UsageError); unreachable nodes are
         left out, and if none answers that is an error naming them."""
@@ -138,7 +127,7 @@ class SSHBackend(Backend):
                 return node, None, err
 
         # A node this job lost is not asked again (its connection may hang until TCP gives up).
-        asked = [n for n in self.nodes_config.nodes if n.name not in self._lost]
+        asked = [n for n in self.nodes_config.nodes if n.name not in self.lost]
         with ThreadPoolExecutor(max_workers=min(16, len(asked) or 1)) as pool:
             results = list(pool.map(probe, asked))
         specs, down = [], []
@@ -165,7 +154,7 @@ class SSHBackend(Backend):
         """What placement needs: cores, memory, GPUs. Declared values are used as
         they are (only the login is checked); the rest comes from a shell one-liner,
         far cheaper than starting Python on a busy node."""
-        client = self._client(node)
+        client = self.conns.get(node)
         if node.cpu is not None and node.memory is not None and node.gpu is not None:
             return {"cores": node.cpu // 100, "memory": node.memory, "gpus": []}
         try:
@@ -177,33 +166,7 @@ class SSHBackend(Backend):
 
     # -- staging ------------------------------------------------------------------
 
-    def _job_id(self, job_dir: str) -> str:
-        return Path(job_dir).name
-
-    @staticmethod
-    def _job_log_progress(job_dir: str) -> Callable[[str], None]:
-        """Whole `[pai] ...` lines appended to the job's job.log. The master opens it
-        O_APPEND and writes whole lines too, so lines never interleave."""
-        path = Path(job_dir) / "job.log"
-        lock = threading.Lock()
-
-        def note(line: str) -> None:
-            data = f"[pai] {line}\n".encode("utf-8", "replace")
-            with lock:
-                try:
-                    fd = open_append_fd(path)
-                except OSError:
-                    return
-                try:
-                    os.write(fd, data)
-                finally:
-                    os.close(fd)
-
-        return note
-
-    def prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
-        if self.progress is None:
-            self.progress = self._job_log_progress(job_dir)
+    def _prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
         names = sorted({p.node for p in placements})
         errors: list[str] = []
 
@@ -228,7 +191,7 @@ class SSHBackend(Backend):
         runtime = getattr(plan, "runtime", None)
         listens = {r.name for r in plan.roles if r.listens}
         wanted = sum(1 for p in placed if p.role in listens)
-        client = self._client(node)
+        self.conns.get(node)   # connected once here, before the threads below share it
         looked: dict[str, Any] = {}
 
         def look() -> None:
@@ -240,11 +203,11 @@ class SSHBackend(Backend):
 
         looking = threading.Thread(target=look, daemon=True)
         looking.start()
-        job_id = self._job_id(job_dir)
+        job_id = Path(job_dir).name
         folder = remote_paths.job_folder(node.job_root, job_id)
         manifest = node_files.manifest(job_dir, plan)
         try:
-            self._write(node, folder, manifest, lambda: self._warm_up(node, client, folder, job_id, placed))
+            self._write(node, folder, manifest, lambda: self._warm_up(node, folder, job_id, placed))
         finally:
             looking.join()
         if "error" in looked:
@@ -279,18 +242,14 @@ class SSHBackend(Backend):
         finally:
             writer.close()
 
-    def _warm_up(self, node: NodeEntry, client, folder: str, job_id: str, placed: list[Placement]) -> None:
+    def _warm_up(self, node: NodeEntry, folder: str, job_id: str, placed: list[Placement]) -> None:
         for p in placed:
             label = f"{job_id}/{p.role}:{p.idx}"
             try:
                 chan = self._run_agent_channel(node, folder, label)
             except (PaiError, OSError, EOFError, self._ssh_errors()):
                 continue   # start() opens its own
-            with self._lock:
-                old = self._warm.pop((p.role, p.idx), None)
-                self._warm[(p.role, p.idx)] = (node.name, chan)
-            if old is not None:
-                old[1].close()
+            self._keep_warm(p, chan)
 
     def _run_agent_channel(self, node: NodeEntry, folder: str, label: str):
         """A channel running `node_agent.py run LABEL` from the job's folder on the
@@ -303,11 +262,7 @@ class SSHBackend(Backend):
             raise
         return chan
 
-    def cleanup(self, job_dir: str) -> None:
-        with self._lock:
-            warm, self._warm = list(self._warm.values()), {}
-        for _node, chan in warm:
-            chan.close()   # the waiting agent reads EOF and exits
+    def _cleanup(self, job_dir: str) -> None:
         names = set(self._folders)
         placements = Path(job_dir) / "placement.json"
         if placements.exists():
@@ -315,45 +270,22 @@ class SSHBackend(Backend):
                 names |= {p["node"] for p in json.loads(placements.read_text())}
             except (ValueError, KeyError, TypeError):
                 pass
-        job_id = self._job_id(job_dir)
-        names -= self._lost   # unreachable: it keeps its folder (under /tmp, cleared at boot)
-        names -= self.keep_nodes   # files of the job are still there (cluster/outputs.py)
-        if "*" in self.keep_nodes:
-            names = set()
+        self.remove_job_folders(job_dir, sorted(n for n in names if not self.keeps(n)))
 
-        self.remove_job_folders(job_dir, sorted(names))
+    def _remove_job_folder(self, job_id: str, name: str) -> None:
+        node = self.entry(name)
+        ssh.exec_command(self.conns.session(node), ["rm", "-rf", "--", remote_paths.job_folder(node.job_root, job_id)],
+                         timeout=30)
 
-    def remove_job_folders(self, job_dir: str, names: list[str]) -> None:
-        """The job's folder on each of these nodes (cleanup; `pai get` once a node
-        holds nothing of the job any more)."""
-        job_id = self._job_id(job_dir)
-
-        def remove(name: str) -> None:
-            try:
-                node = self.entry(name)
-                folder = remote_paths.job_folder(node.job_root, job_id)
-                ssh.exec_command(self.conns.session(node), ["rm", "-rf", "--", folder], timeout=30)
-            except (PaiError, OSError, EOFError, ValueError):
-                pass  # an unreachable node keeps its folder; /tmp is cleared at boot
-
-        with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
-            list(pool.map(remove, names))
-
-    def collect_outputs(self, job_dir: str, node: str, role: str, idx: int, have: dict,
-                        max_bytes: int | None, only: dict | None = None):
-        """`node_agent.py collect` over an exec channel: the request on its stdin,
+    def _collect_outputs(self, job_dir: str, node: str, state_rel: str, request: dict):
+        """`node_outputs.py collect` over an exec channel: the request on its stdin,
         the frames streamed from its stdout."""
-        from paicli.cluster.outputs import state_rel
-
-        if node in self._lost:
-            raise ssh.NodeUnreachable(f"node {node} stopped answering during the job")
         entry = self.entry(node)
-        folder = remote_paths.job_folder(entry.job_root, self._job_id(job_dir))
-        request = {"state": f"{folder}/{state_rel(role, idx)}", "have": have, "max_bytes": max_bytes, "only": only}
+        folder = remote_paths.job_folder(entry.job_root, Path(job_dir).name)
         chan = self.conns.session(entry, timeout=START_TIMEOUT)
         try:
-            chan.exec_command(ssh.quote_argv([entry.python, f"{folder}/{AGENT_FILE}", "collect"]))
-            chan.sendall(json.dumps(request).encode() + b"\n")
+            chan.exec_command(ssh.quote_argv([entry.python, f"{folder}/runners/node_outputs.py", "collect"]))
+            chan.sendall(json.dumps(dict(request, state=f"{folder}/{state_rel}")).encode() + b"\n")
             chan.shutdown_write()
             chan.settimeout(HEARTBEAT * 10)
             while True:
@@ -364,9 +296,8 @@ class SSHBackend(Backend):
         finally:
             chan.close()
 
-    def pick_ports(self, node: str, count: int, taken: Iterable[int] = ()) -> list[int]:
+    def _pick_ports(self, node: str, count: int, taken: set[int]) -> list[int]:
         entry = self.entry(node)
-        taken = {int(p) for p in taken}
         with self._lock:
             cached = [p for p in self._ports.get(node, []) if p not in taken]
             if len(cached) >= count:
@@ -377,28 +308,17 @@ class SSHBackend(Backend):
 
     # -- running --------------------------------------------------------------------
 
-    def _start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
-               watch: dict | None = None, sink=None) -> Handle:
+    def _mapping(self, placed: Placement, argv0: str) -> remote_paths.Mapping:
+        if placed.node not in self._folders:
+            raise OSError(f"node {placed.node} was not prepared for this job")
+        return self._maps.get(placed.node) or []
+
+    def _start(self, placed: Placement, spec: dict, sink=None) -> Handle:
         node = self.entry(placed.node)
-        mapping = self._maps.get(node.name) or []
-        folder = self._folders.get(node.name)
-        if folder is None:
-            raise OSError(f"node {node.name} was not prepared for this job")
-        # Only what the job adds to our own environment crosses: the node has its own
-        # PATH, HOME, ... (and this machine's secrets stay here).
-        delta = {k: v for k, v in env.items() if os.environ.get(k) != v}
-        spec = {"argv": remote_paths.translate_argv(list(argv), mapping),
-                "env": remote_paths.translate_env(delta, mapping),
-                "cwd": remote_paths.translate(cwd, mapping) if cwd else f"{folder}/code",
-                "heartbeat": HEARTBEAT}
-        if watch:
-            spec["watch"] = remote_paths.translate_watch(watch, mapping)
-        label = f"{env.get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}"
-        with self._lock:
-            warm = self._warm.pop((placed.role, placed.idx), None)
-        chan = warm[1] if warm is not None and warm[0] == node.name and not warm[1].closed else None
-        if warm is not None and chan is None:
-            warm[1].close()
+        folder = self._folders[node.name]
+        spec["cwd"] = spec["cwd"] or f"{folder}/code"
+        label = f"{spec['env'].get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}"
+        chan = self._take_warm(placed)
         try:
             if chan is None:
                 chan = self._run_agent_channel(node, folder, label)
@@ -419,29 +339,22 @@ class SSHBackend(Backend):
     def _node_lost(self, node: str) -> None:
         # Clean-up skips the node; its connection is left alone (other instances
         # may still run over it; a dead one is replaced when next used).
-        self._lost.add(node)
+        super()._node_lost(node)
         self._infos.pop(node, None)
 
     # -- stopping: the agent's commands, for refs without a live channel here --------------
 
-    def _stop_refs(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
-        done = self._agent(self.entry(node), "stop", str(float(timeout)), json.dumps([agent_ref(r) for r in refs]),
-                           timeout=timeout + 30)
-        pids = {int(r[0]) for r in done}
-        return [r for r in refs if r.pid in pids]
+    def _stop_refs(self, node: str, refs: list[list], timeout: float) -> list[list]:
+        return self._agent(self.entry(node), "stop", str(float(timeout)), json.dumps(refs), timeout=timeout + 30)
 
     # -- DATA (issue 18): base.Backend's staged_folders / run_runner ------------------------
 
     def _staged_folders(self, nodes: set[str] | None) -> dict[str, str] | None:
         # A node that stopped answering is not asked again.
-        return {n: f for n, f in self._folders.items() if n not in self._lost and (nodes is None or n in nodes)}
+        return {n: f for n, f in self._folders.items() if n not in self.lost and (nodes is None or n in nodes)}
 
-    def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes, timeout: float) -> bytes:
-        from paicli.cluster.backends.base import runner_words
-
+    def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes,
+                    timeout: float) -> tuple[int, bytes, bytes]:
         entry, folder = self.entry(node), self._folders[node]
-        status, out, err = ssh.exec_command(self.conns.session(entry), [entry.python, f"{folder}/runners/{runner}",
-                                                                         *args], stdin=stdin, timeout=timeout)
-        if status != 0:
-            raise PaiError(f"node {node}: runners/{runner}: {runner_words(out, err, status)}")
-        return out
+        return ssh.exec_command(self.conns.session(entry), [entry.python, f"{folder}/runners/{runner}", *args],
+                                stdin=stdin, timeout=timeout)

@@ -1,0 +1,253 @@
+"""A job's files on a node: what an instance wrote goes back (the master's side:
+cluster/outputs.py). Standard library only, next to the node agent in the job's
+runners folder; the agent imports it only for an instance that watches folders.
+
+    python3 node_outputs.py collect     an ended instance's new files (request on stdin)
+
+The agent spec's "watch": {"dirs": [[KEY, PATH], ...], "state": PATH, "sync":
+SECONDS, "inplace": BOOL, "max_bytes": N}. KEY is "cwd", "ckpt" or "out". Before
+the instance starts, the agent lists each folder (size, mtime of every file) into
+the state file: what was there (staged, or an earlier attempt's) is not "new".
+When the instance ends, and every `sync` seconds for "ckpt" while it runs, every
+file that is new or changed since goes back as frames, before the X frame:
+    F  JSON {key, rel, size, mtime, mode}   a file begins
+    D  bytes of it, CHUNK at a time          (none when "inplace": the master reads
+                                              the folders themselves: this machine)
+    S  JSON {digest} or {error}              it ends: its checksum (Checksum), or why it did not go
+    Z  JSON {files}                          a pass over the folders ended
+`collect` does the same for an instance whose link is gone (its master died):
+stdin {"state": PATH, "have": {KEY: {REL: [size, mtime]}}}, frames on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import sys
+import time
+import zlib
+
+CHUNK = 256 * 1024
+STALL = 60.0              # seconds the master may take nothing before files stop going
+SCAN_LIMIT = 100_000      # entries in one watched folder beyond which it is not tracked
+
+
+class Watch:
+    """One instance's watched folders, for its node agent: listed before it starts,
+    kept in step while it runs, sent whole when it ends. `out` is the agent's
+    Channel (frame(), buf, drain(), closed); `room` the most it may hold."""
+
+    def __init__(self, watch: dict):
+        self.watch = watch
+        self.sent = begin_watch(watch)   # what went back already: key -> rel -> [size, mtime]
+        self.sender = None               # a file_frames generator under way
+        sync = float(watch.get("sync") or 0)
+        self.next_sync = time.monotonic() + sync if sync > 0 else 0.0
+
+    def sync(self, out, room: int) -> None:
+        """The checkpoint folder kept in step while the instance runs: every `sync`
+        seconds what changed there goes back, a chunk at a time, between output."""
+        if self.next_sync and self.sender is None and time.monotonic() >= self.next_sync:
+            keys = {"ckpt"}
+            self.sender = file_frames(self.watch, self.sent, keys)
+            self.next_sync = time.monotonic() + float(self.watch["sync"])
+        while self.sender is not None and len(out.buf) < room:
+            frame = next(self.sender, None)
+            if frame is None:
+                self.sender = None
+            else:
+                out.frame(*frame)
+
+    def send_all(self, out, room: int) -> None:
+        """At the instance's end, before its exit status: a sync under way is
+        finished, then every watched file that is new or changed goes back."""
+        for sender in (self.sender, file_frames(self.watch, self.sent, None)):
+            for frame in sender or ():
+                out.frame(*frame)
+                if len(out.buf) >= room:
+                    left = len(out.buf)
+                    out.drain(STALL)
+                    if len(out.buf) == left:
+                        out.closed = True   # nothing taken for STALL seconds: the master is gone
+                if out.closed:
+                    return
+        self.sender = None
+
+
+def scan(root: str, skip=()) -> dict:
+    """REL -> [size, mtime_ns] of the regular files below `root`, links not
+    followed; hidden folders, __pycache__, the folders in `skip` (absolute) and our
+    own partial files left out (a working folder may hold a .venv or .git that is
+    nobody's output, or another watched folder)."""
+    found: dict = {}
+    skip = {os.path.normpath(p) for p in skip}
+    stack = [""]
+    while stack and len(found) < SCAN_LIMIT:
+        rel_dir = stack.pop()
+        try:
+            entries = list(os.scandir(os.path.join(root, rel_dir) if rel_dir else root))
+        except OSError:
+            continue
+        for entry in entries:
+            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    if not entry.name.startswith(".") and entry.name != "__pycache__" \
+                            and os.path.join(root, rel) not in skip:
+                        stack.append(rel)
+                elif entry.is_file(follow_symlinks=False) and not entry.name.startswith(".pai-part-"):
+                    st = entry.stat(follow_symlinks=False)
+                    found[rel] = [st.st_size, st.st_mtime_ns]
+            except OSError:
+                continue
+    return found
+
+
+def begin_watch(watch: dict) -> dict:
+    """Create the watched folders that are ours to create (the output folder, the
+    checkpoint folder), list what is there into the state file; that listing."""
+    base = {}
+    for key, path in watch.get("dirs") or ():
+        if key != "cwd":
+            try:
+                os.makedirs(path, mode=0o700, exist_ok=True)
+            except OSError:
+                pass   # the script will say what is wrong with the path
+        base[key] = scan(path, _skips(watch, key))
+    state = watch.get("state")
+    if state:
+        try:
+            os.makedirs(os.path.dirname(state), mode=0o700, exist_ok=True)
+            tmp = f"{state}.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"watch": watch, "base": base}, f)
+            os.replace(tmp, state)
+        except OSError:
+            pass   # then only the live link brings files back
+    return base
+
+
+def _skips(watch: dict, key: str) -> list:
+    """What a scan of `key`'s folder leaves out: the other watched folders (each has
+    its own key) and the watch's "skip" list."""
+    return [p for k, p in watch.get("dirs") or () if k != key] + list(watch.get("skip") or ())
+
+
+def file_frames(watch: dict, sent: dict, keys):
+    """(kind, payload) frames of every file under the watched folders (of `keys`,
+    None: all) that differs from `sent`, which is updated as each one goes."""
+    inplace = bool(watch.get("inplace"))
+    limit = int(watch.get("max_bytes") or 0)    # the largest file that goes back; 0: any
+    count = 0
+    for key, path in watch.get("dirs") or ():
+        if keys is not None and key not in keys:
+            continue
+        had = sent.setdefault(key, {})
+        for rel, stamp in sorted(scan(path, _skips(watch, key)).items()):
+            if had.get(rel) == stamp:
+                continue
+            count += 1
+            yield b"F", json.dumps({"key": key, "rel": rel, "size": stamp[0], "mtime": stamp[1],
+                                    "at": os.path.join(path, rel)}).encode()
+            if limit and not inplace and stamp[0] > limit:
+                had[rel] = stamp   # said once; it stays on the node
+                yield b"S", json.dumps({"error": f"over the size limit ({limit} bytes)"}).encode()
+                continue
+            result = yield from _file_data(os.path.join(path, rel), stamp, inplace)
+            if "digest" in result:
+                had[rel] = stamp
+            yield b"S", json.dumps(result).encode()
+    yield b"Z", json.dumps({"files": count, "all": keys is None}).encode()
+
+
+def _file_data(path: str, stamp: list, inplace: bool):
+    """D frames of one file (none when in place) and its end: {digest} or {error}.
+    A file that changes while it is read is not sent (the next pass takes it)."""
+    digest = Checksum()
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return {"error": "it was removed before it could be sent", "transient": True}
+    except OSError as err:
+        return {"error": f"cannot read it: {err.strerror}"}
+    try:
+        while True:
+            chunk = os.read(fd, CHUNK)
+            if not chunk:
+                break
+            digest.update(chunk)
+            if not inplace:
+                yield b"D", chunk
+        st = os.fstat(fd)
+    except OSError as err:
+        return {"error": f"cannot read it: {err.strerror}"}
+    finally:
+        os.close(fd)
+    if [st.st_size, st.st_mtime_ns] != list(stamp):
+        return {"error": "it changed while it was being sent", "transient": True}   # the next pass takes it
+    return {"digest": digest.hexdigest()}
+
+
+class Checksum:
+    """What a copy is checked against: CRC-32 of the file's bytes with its size (the
+    stream itself is authenticated by SSH; this catches a torn or truncated copy and
+    tells two instances' versions of a path apart). zlib's CRC-32 runs at over
+    1 GB/s; SHA-256, computed on the node and again on the submitting machine, was a
+    third of a transfer's CPU on a 2-core machine."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"crc32:{self.value:08x}"
+
+
+def collect(request: dict):
+    """Frames of what an ended instance left (see the section's comment)."""
+    try:
+        with open(request["state"]) as f:
+            state = json.load(f)
+    except (OSError, ValueError, KeyError) as err:
+        yield b"Z", json.dumps({"files": 0, "error": f"no state: {err}"}).encode()
+        return
+    sent = {key: dict(files) for key, files in (state.get("base") or {}).items()}
+    for key, files in (request.get("have") or {}).items():
+        sent.setdefault(key, {}).update(files)
+    watch = dict(state.get("watch") or {}, inplace=bool(request.get("inplace")))
+    if request.get("max_bytes") is not None:
+        watch["max_bytes"] = request["max_bytes"]
+    only = request.get("only")
+    if only is not None:   # `pai get` of some files (key -> [rel]): the others count as sent
+        for key, path in watch.get("dirs") or ():
+            keep = set(only.get(key) or ())
+            for rel, stamp in scan(path, _skips(watch, key)).items():
+                if rel not in keep:
+                    sent.setdefault(key, {})[rel] = stamp
+    yield from file_frames(watch, sent, None)
+
+
+def frame_bytes(frames) -> bytes:
+    """(kind, payload) frames as the bytes of a stream (the agent's framing)."""
+    return b"".join(kind + struct.pack(">I", len(payload)) + payload for kind, payload in frames)
+
+
+def main(argv: list) -> int:
+    if argv != ["collect"]:
+        print("usage: node_outputs.py collect", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    out = sys.stdout.buffer
+    for frame in collect(json.loads(sys.stdin.buffer.readline() or b"{}")):
+        out.write(frame_bytes([frame]))   # one at a time: a file's data is never held whole
+    out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

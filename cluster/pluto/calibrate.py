@@ -38,7 +38,7 @@ from paicli.cluster.pluto.model import comm_seconds, compute_seconds, overhead_t
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 from paicli.private import write_private
 
-CACHE_VERSION = 8   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step; 8: overheads counted from 1 worker, 1 ps (compute pinned by the 1 + 1 run)
+CACHE_VERSION = 9   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step; 8: overheads counted from 1 worker, 1 ps (compute pinned by the 1 + 1 run); 9: the links' CPU per byte and the servers' update per value, probed
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")
@@ -398,8 +398,44 @@ def measure_quantize(python: str, helpers: str, timeout: float = 120.0) -> float
     own kernels (runners/pluto_helpers.py quantize, in the MXNet runtime's Python):
     about a second. 0.0 when the probe cannot run: the forecast then charges what
     it charged before, nothing."""
+    return _helper_probe(python, helpers, "quantize", timeout)
+
+
+def measure_update(python: str, helpers: str, timeout: float = 120.0) -> float:
+    """Seconds of CPU a kvstore server spends applying one push's update to one
+    value (runners/pluto_helpers.py update: MXNet's SGD updater on one OpenMP
+    thread, as the adapter runs a server). 0.0 when the probe cannot run."""
+    return _helper_probe(python, helpers, "update", timeout)
+
+
+def measure_kvstore(python: str, helpers: str, timeout: float = 240.0) -> dict[str, float]:
+    """CPU seconds per value of one push and pull through MXNet's dist kvstore on
+    this machine's loopback (runners/pluto_helpers.py kvstore: a scheduler, a server
+    and a worker, about 10 s), on the server and on the worker, uncompressed and
+    2bit: the Cluster fields kv_*_s_per_value. {} when the probe cannot run."""
     try:
-        done = subprocess.run([python, helpers, "quantize"], capture_output=True, text=True,
+        done = subprocess.run([python, helpers, "kvstore"], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    out: dict[str, float] = {}
+    for line in done.stdout.splitlines() if done.returncode == 0 else ():
+        parts = line.split()
+        if len(parts) != 3 or parts[0] not in ("none", "2bit"):
+            continue
+        try:
+            server, worker = max(0.0, float(parts[1])), max(0.0, float(parts[2]))
+        except ValueError:
+            continue
+        suffix = "_2bit" if parts[0] == "2bit" else ""
+        out[f"kv_server{suffix}_s_per_value"] = server
+        out[f"kv_worker{suffix}_s_per_value"] = worker
+    return out
+
+
+def _helper_probe(python: str, helpers: str, what: str, timeout: float) -> float:
+    try:
+        done = subprocess.run([python, helpers, what], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError):
         return 0.0

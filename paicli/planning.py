@@ -19,7 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 PLAN_FRAMEWORKS = ("tensorflow", "mxnet", "caffe")
 CALIBRATION_LIMIT_S = 180.0     # a calibration run that shows no steps by then fails
-CALIBRATION_INTERVALS = 4       # step-line intervals per worker before a run is stopped
+CALIBRATION_INTERVALS = 8       # step-line intervals per worker before a run is stopped
 CALIBRATION_MA_PERIOD = 5
 STRATEGY_KEYS = ("autoStrategy", "timeout", "gradientCompression", "gradientCompressionThreshold",
                  "bigArrayBound", "psStrategy", "maPeriod", "lrScale", "warmupSteps", "learningRate",

@@ -504,12 +504,15 @@ def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast
         comm = comm / period if strategy.workers > 1 else 0.0
         fanin = fanin / period if strategy.workers > 1 else 0.0
     compute += quantize_seconds(profile, strategy, cluster)
-    step = overhead + fanin + compute + comm
     floor = cpu_floor(profile, strategy, cluster)
-    if floor > step:
+    if floor > compute + comm:
         # the shared cores, not one worker's own path, set the pace: the step is CPU
-        compute += floor - step
-        step = floor
+        compute += floor - (compute + comm)
+    # The fitted overheads (round trips, a ps serving many workers) are waits on top of
+    # whichever bound holds: calibration fits them as what a run spent beyond both
+    # (calibrate.build_profile), so a CPU-bound calibration run does not turn its CPU
+    # into a fan-in every bigger plan pays twice, in the floor and in the term.
+    step = overhead + fanin + compute + comm
     batch = strategy.batch_per_worker or profile.batch_size
     samples = strategy.workers * batch / step if step > 0 else math.inf
     steps_per_worker = None

@@ -419,8 +419,12 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float]
                 for role in ("scheduler", "server")]
     worker = subprocess.Popen([sys.executable, me, "kvstore-worker"], env={**env, "DMLC_ROLE": "worker"},
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    import threading
+
+    # a worker that hangs is killed, which ends its output and the loop below
+    watchdog = threading.Timer(timeout, worker.kill)
+    watchdog.start()
     try:
-        deadline = time.monotonic() + timeout
         server_cpu = []
         for line in worker.stdout:
             if line.startswith(("timing", "timed")):
@@ -428,14 +432,16 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float]
             if line.startswith("timed"):
                 worker_s = float(line.split()[1])
                 break
-            if time.monotonic() > deadline:
-                raise TimeoutError("kvstore probe: too slow")
         else:
-            raise RuntimeError("kvstore probe: the worker ended early")
-        worker.wait(timeout)
+            raise RuntimeError("kvstore probe: the worker ended early or was too slow")
+        try:
+            worker.wait(10)   # its kvstore closes with the scheduler's leave; killed below if not
+        except subprocess.TimeoutExpired:
+            pass
         values = KV_VALUES * KV_ROUNDS
         return (server_cpu[1] - server_cpu[0]) / values, worker_s / values
     finally:
+        watchdog.cancel()
         for proc in (worker, *services):
             if proc.poll() is None:
                 proc.kill()

@@ -19,7 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 PLAN_FRAMEWORKS = ("tensorflow", "mxnet", "caffe")
 CALIBRATION_LIMIT_S = 180.0     # a calibration run that shows no steps by then fails
-CALIBRATION_INTERVALS = 4       # step-line intervals per worker before a run is stopped
+CALIBRATION_INTERVALS = 8       # step-line intervals per worker before a run is stopped
 CALIBRATION_MA_PERIOD = 5
 STRATEGY_KEYS = ("autoStrategy", "timeout", "gradientCompression", "gradientCompressionThreshold",
                  "bigArrayBound", "psStrategy", "maPeriod", "lrScale", "warmupSteps", "learningRate",
@@ -150,22 +150,39 @@ def probe_machines(say: Callable[[str], None]) -> dict[str, list]:
 
 def probe_quantize() -> float:
     """calibrate.measure_quantize in the MXNet runtime (0.0 when it is not there)."""
+    return _mxnet_probe("quantize")
+
+
+def probe_update() -> float:
+    """calibrate.measure_update in the MXNet runtime (0.0 when it is not there)."""
+    return _mxnet_probe("update")
+
+
+def _mxnet_probe(what: str):
     from paicli.cluster.pluto import calibrate
     from paicli.runners import pluto_helpers
     from paicli.runners.runtimes import get_runtime
 
     runtime = get_runtime("mxnet")
     if not runtime.is_installed():
-        return 0.0
-    return calibrate.measure_quantize(runtime.python(), pluto_helpers.__file__)
+        return {} if what == "kvstore" else 0.0
+    probe = {"quantize": calibrate.measure_quantize, "update": calibrate.measure_update,
+             "kvstore": calibrate.measure_kvstore}[what]
+    return probe(runtime.python(), pluto_helpers.__file__)
 
 
-def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> float | None:
-    """Bytes/s between two nodes, measured through pai: a job of one ps (a sink) and
-    one worker (a source) running runners/pluto_helpers.py. The ps asks for the cpu of
-    the largest node (`node_cpu`), so that placement, which packs a worker beside a
-    service with room left, puts the worker on another node. None when both landed
-    on one node or the probe failed."""
+def probe_kvstore() -> dict[str, float]:
+    """calibrate.measure_kvstore in the MXNet runtime ({} when it is not there)."""
+    return _mxnet_probe("kvstore") or {}
+
+
+def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> tuple[float | None, float]:
+    """(bytes/s, CPU seconds per byte) between two nodes, measured through pai: a job
+    of one ps (a sink) and one worker (a source) running runners/pluto_helpers.py.
+    The ps asks for the cpu of the largest node (`node_cpu`), so that placement,
+    which packs a worker beside a service with room left, puts the worker on another
+    node. The rate is None when both landed on one node or the probe failed; the CPU
+    per byte is what the source's machine spent moving them (0.0 when unknown)."""
     from paicli import client
     from paicli.runners import pluto_helpers
     from paicli.statement import parse_statement
@@ -179,13 +196,13 @@ def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> flo
     say(f"link bandwidth probe {job_id}")
     if not wait_job(store, job_id, 120):
         client.kill(store, job_id, reason="pluto bandwidth probe: too slow")
-        return None
+        return None, 0.0
     hosts = {i["role"]: i["host"] for i in store.instances(job_id)}
-    rate = next((r["value"] for r in store.latest_metrics(job_id)
-                 if r["role"] == "worker" and r["key"] == "bytes_per_s"), None)
+    said = {r["key"]: r["value"] for r in store.latest_metrics(job_id) if r["role"] == "worker"}
+    rate = said.get("bytes_per_s")
     if rate is None or hosts.get("ps") == hosts.get("worker"):
-        return None
-    return float(rate)
+        return None, 0.0
+    return float(rate), float(said.get("cpu_ns_per_byte") or 0.0) * 1e-9
 
 
 # -- the user's strategy and script ------------------------------------------------
@@ -547,6 +564,7 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     # and kept with it, so a cached plan forecasts exactly what the first one did.
     loopback = (cached or {}).get("loopback_Bps") or calibrate.measure_loopback()
     links = (cached or {}).get("links_Bps")
+    link_cpu = (cached or {}).get("link_cpu_s_per_byte") or 0.0
     # Which nodes are one machine: their node agents' boot ids, probed once and kept
     # with the calibration (PAI_PLUTO_SHARED_CORES, when set, overrides them).
     machines = (cached or {}).get("machines")
@@ -554,17 +572,24 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         machines = probe_machines(say)
     if links is None and len(unmeasured[0].nodes) > 1 and not os.environ.get("PAI_PLUTO_BANDWIDTH"):
         biggest = max(node.cores for node in clusters(loopback, None, machines)[0].nodes)
-        links = measure_links(store, say, node_cpu=round(biggest * 100))
+        links, link_cpu = measure_links(store, say, node_cpu=round(biggest * 100))
     where, here = clusters(loopback, links, machines)
-    # 2bit's CPU cost, probed once on this machine with MXNet's kernels (the planner
-    # weighs 2bit for every MXNet plan) and kept with the calibration like the rates.
+    # 2bit's CPU cost and a server's update per value, probed once on this machine with
+    # MXNet's kernels (the planner weighs 2bit and async for every MXNet plan) and kept
+    # with the calibration like the rates.
     quantize = (cached or {}).get("quantize_s_per_value")
     if quantize is None and framework == "mxnet":
         quantize = probe_quantize()
-    if quantize:
-        from dataclasses import replace
-        where, here = (replace(where, quantize_s_per_value=quantize),
-                       replace(here, quantize_s_per_value=quantize))
+    update = (cached or {}).get("update_s_per_value")
+    if update is None and framework == "mxnet":
+        update = probe_update()
+    kvstore = (cached or {}).get("kvstore_s_per_value")
+    if kvstore is None and framework == "mxnet":
+        kvstore = probe_kvstore()
+    from dataclasses import replace
+    costs = {"quantize_s_per_value": quantize or 0.0, "update_s_per_value": update or 0.0,
+             "link_cpu_s_per_byte": link_cpu, **(kvstore or {})}
+    where, here = replace(where, **costs), replace(here, **costs)
     texts = script_texts(prepared)   # read once for tf_sync and script_knobs
     jobs: list[str] = []
     if cached:
@@ -580,7 +605,9 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
                                         "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links,
-                                        "machines": machines, "quantize_s_per_value": quantize})
+                                        "machines": machines, "quantize_s_per_value": quantize,
+                                        "update_s_per_value": update, "link_cpu_s_per_byte": link_cpu,
+                                        "kvstore_s_per_value": kvstore})
     knobs = script_knobs(prepared, facts, args, texts)
     result = planner.plan(profile, where, user, budget_s=budget_s, knobs=knobs)
     verification = None

@@ -247,13 +247,48 @@ def _probe_sink() -> int:
         conn, _ = server.accept()
         with conn:
             received = 0
+            spent = 0.0
             while True:
                 data = conn.recv(1 << 20)
                 if not data:
                     break
+                if not received:
+                    cpu_from = process_seconds()   # from the first bytes: startup left out
                 received += len(data)
-            conn.sendall(str(received).encode() + b"\n")
+            if received:
+                spent = process_seconds() - cpu_from
+            # the bytes, and the CPU receiving them cost this process (the kernel's
+            # receive work done in its context included)
+            conn.sendall(f"{received} {spent:.6f}\n".encode())
     return 0
+
+
+def softirq_thread_seconds() -> float:
+    """CPU seconds the kernel's ksoftirqd threads (one per core) have used: deferred
+    softirq work, most of it network receive and transmit. 0.0 off Linux."""
+    total = 0.0
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                text = fh.read()
+        except OSError:
+            continue
+        name = text[text.find("(") + 1:text.rfind(")")]
+        if name.startswith("ksoftirqd/"):
+            fields = text.rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def process_seconds() -> float:
+    """CPU seconds (user + system) this process has used: os.times, whose system
+    time holds the kernel's network work done in this process's context."""
+    times = os.times()
+    return times.user + times.system
 
 
 def _probe_source(seconds: float) -> int:
@@ -276,14 +311,25 @@ def _probe_source(seconds: float) -> int:
             time.sleep(0.2)
     payload = b"\0" * (1 << 18)
     with sock:
+        cpu_from, softirq_from = process_seconds(), softirq_thread_seconds()
         started = time.perf_counter()
         while time.perf_counter() - started < seconds:
             sock.sendall(payload)
         sock.shutdown(socket.SHUT_WR)
-        received = int(sock.makefile().readline() or 0)
+        spent = process_seconds() - cpu_from
+        # the network work the kernel deferred to its softirq threads meanwhile (on a
+        # busy machine much of it: ~3-4 of ~12 ns a byte at 1 Gbit/s here)
+        spent += max(0.0, softirq_thread_seconds() - softirq_from)
+        reply = (sock.makefile().readline() or "0").split()
         elapsed = time.perf_counter() - started
-    print(f"pluto bandwidth probe: bytes_per_s={received / elapsed:.0f} from={os.environ.get('PAI_HOST')} "
-          f"to={host}", flush=True)
+    received = int(reply[0])
+    line = f"pluto bandwidth probe: bytes_per_s={received / elapsed:.0f}"
+    if received and len(reply) > 1:
+        # CPU per byte moved: both ends' processes, with the kernel's work done in their
+        # context, and the softirq threads' (on virtual hosts of one machine: the veth,
+        # bridge and shaping work); what other processes do meanwhile is not in it.
+        line += f" cpu_ns_per_byte={(spent + float(reply[1])) / received * 1e9:.3f}"
+    print(f"{line} from={os.environ.get('PAI_HOST')} to={host}", flush=True)
     return 0
 
 
@@ -310,12 +356,144 @@ def quantize_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
     return max(0.0, per_value(True) - per_value(False))
 
 
+def update_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
+    """CPU seconds a kvstore server spends applying one push to one value: the
+    optimizer update it runs for every push it applies (kv.set_optimizer, as Gluon's
+    Trainer does with update_on_kvstore), through MXNet's own updater, with the
+    servers' one OpenMP thread. dist_sync applies one update a step (of the summed
+    pushes); dist_async one for every worker's push, W a step. SGD, the cheapest
+    update: a script with momentum or Adam costs more than this."""
+    opt = mx.optimizer.create("sgd", learning_rate=0.01, rescale_grad=1.0 / 32)
+    updater = mx.optimizer.get_updater(opt)
+    weight, grad = mx.nd.ones((values,)), mx.nd.ones((values,)) * 0.1
+    updater(0, grad, weight)
+    mx.nd.waitall()
+    best = float("inf")
+    for _ in range(rounds):   # the fastest round: least disturbed by other processes
+        started = time.process_time()
+        updater(0, grad, weight)
+        mx.nd.waitall()
+        best = min(best, time.process_time() - started)
+    return best / values
+
+
+# ---------------------------------------------------------------------------
+# The kvstore's own CPU per value: `python pluto_helpers.py kvstore`, a scheduler, a
+# server and a worker of MXNet's dist kvstore on 127.0.0.1, pushing and pulling one
+# array, uncompressed then 2bit.
+
+KV_VALUES = 1 << 20
+KV_ROUNDS = 40   # ~0.25 s of server CPU a kind: /proc counts it in 10 ms ticks
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float]:
+    """(server, worker) CPU seconds per value of one push and pull through MXNet's
+    dist_sync kvstore with one worker (so the server applies one SGD update a push,
+    as Gluon's Trainer has it do), on loopback: ps-lite's messages, its copies, the
+    server's sum and update, and for 2bit the quantising and dequantising. The
+    server's CPU is read from /proc over the timed rounds only."""
+    import subprocess
+
+    port = _free_port()
+    env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", "DMLC_NODE_HOST": "127.0.0.1",
+           "OMP_NUM_THREADS": "1", "PAI_PLUTO_KV_COMPRESSION": compression}
+    me = os.path.abspath(__file__)
+    services = [subprocess.Popen([sys.executable, "-c", "import mxnet"], env={**env, "DMLC_ROLE": role},
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                for role in ("scheduler", "server")]
+    worker = subprocess.Popen([sys.executable, me, "kvstore-worker"], env={**env, "DMLC_ROLE": "worker"},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    import threading
+
+    # a worker that hangs is killed, which ends its output and the loop below
+    watchdog = threading.Timer(timeout, worker.kill)
+    watchdog.start()
+    try:
+        server_cpu = []
+        for line in worker.stdout:
+            if line.startswith(("timing", "timed")):
+                server_cpu.append(_process_cpu(services[1].pid))
+            if line.startswith("timed"):
+                worker_s = float(line.split()[1])
+                break
+        else:
+            raise RuntimeError("kvstore probe: the worker ended early or was too slow")
+        try:
+            worker.wait(10)   # its kvstore closes with the scheduler's leave; killed below if not
+        except subprocess.TimeoutExpired:
+            pass
+        values = KV_VALUES * KV_ROUNDS
+        return (server_cpu[1] - server_cpu[0]) / values, worker_s / values
+    finally:
+        watchdog.cancel()
+        for proc in (worker, *services):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def _kvstore_worker() -> int:
+    import mxnet as mx
+
+    kv = mx.kv.create("dist_sync")
+    if os.environ.get("PAI_PLUTO_KV_COMPRESSION") == "2bit":
+        kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    kv.set_optimizer(mx.optimizer.create("sgd", learning_rate=0.01))
+    weight = mx.nd.zeros((KV_VALUES,))
+    grad = mx.nd.ones((KV_VALUES,)) * 0.7
+    kv.init(0, weight)
+    for _ in range(3):   # warm up: connections, buffers
+        kv.push(0, grad)
+        kv.pull(0, out=weight)
+    mx.nd.waitall()
+    print("timing", flush=True)
+    time.sleep(0.2)   # the probe reads the server's CPU now
+    started = time.process_time()
+    for _ in range(KV_ROUNDS):
+        kv.push(0, grad)
+        kv.pull(0, out=weight)
+        weight.wait_to_read()
+    spent = time.process_time() - started
+    time.sleep(0.2)   # the server's last reply is sent; its CPU read next
+    print(f"timed {spent:.6f}", flush=True)
+    time.sleep(0.2)
+    return 0
+
+
 if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "kvstore":
+        for kind in ("none", "2bit"):
+            server, worker = kvstore_cost(kind)
+            print(f"{kind} {server:.6e} {worker:.6e}", flush=True)
+        sys.exit(0)
+    if len(sys.argv) >= 2 and sys.argv[1] == "kvstore-worker":
+        sys.exit(_kvstore_worker())
     if len(sys.argv) >= 2 and sys.argv[1] == "quantize":
         import mxnet
         print(f"{quantize_cost(mxnet):.6e}", flush=True)
         sys.exit(0)
+    if len(sys.argv) >= 2 and sys.argv[1] == "update":
+        os.environ.setdefault("OMP_NUM_THREADS", "1")   # as the adapter runs a server (before mxnet loads)
+        import mxnet
+        print(f"{update_cost(mxnet):.6e}", flush=True)
+        sys.exit(0)
     if len(sys.argv) >= 2 and sys.argv[1] == "bandwidth":
         seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
         sys.exit(_probe_sink() if os.environ.get("PAI_ROLE") == "ps" else _probe_source(seconds))
-    sys.exit("usage: pluto_helpers.py bandwidth [SECONDS] | quantize  (run by pai plan)")
+    sys.exit("usage: pluto_helpers.py bandwidth [SECONDS] | quantize | update  (run by pai plan)")

@@ -437,6 +437,9 @@ def test_bandwidth_probe_measures_a_real_transfer(tmp_path):
         assert source.returncode == 0, source.stderr
         rate = float(source.stdout.split("bytes_per_s=")[1].split()[0])
         assert rate > 10e6   # loopback moves far more than 10 MB/s
+        # and what moving them cost both ends' CPU: copies at least, far from a microsecond
+        cpu_ns = float(source.stdout.split("cpu_ns_per_byte=")[1].split()[0])
+        assert 0.01 < cpu_ns < 1000
         assert sink.wait(timeout=30) == 0
     finally:
         if sink.poll() is None:

@@ -353,9 +353,11 @@ def auto_strategy_with_calibration(statement, prepared, files, args, here, profi
     from paicli.planning import calibration_key
     from paicli.cluster.pluto import calibrate
 
+    # the probed CPU costs seeded as none, so the plan is the one the test computed on `here`
     calibrate.cache_put(Path(os.environ["PAI_HOME"]), calibration_key(prepared, files, args, here),
                         {"profile": profile.to_dict(), "runs": [], "jobs": [], "loopback_Bps": 2e9,
-                         "links_Bps": None})
+                         "links_Bps": None, "quantize_s_per_value": 0.0, "update_s_per_value": 0.0,
+                         "kvstore_s_per_value": {}})
     result = pai(*statement, "-DautoStrategy=true", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout

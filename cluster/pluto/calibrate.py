@@ -34,11 +34,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from paicli.cluster.pluto.model import comm_seconds, compute_seconds, overhead_terms
+from paicli.cluster.pluto.model import comm_seconds, compute_seconds, cpu_floor, overhead_terms
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 from paicli.private import write_private
 
-CACHE_VERSION = 8   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step; 8: overheads counted from 1 worker, 1 ps (compute pinned by the 1 + 1 run)
+CACHE_VERSION = 9   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step; 8: overheads counted from 1 worker, 1 ps (compute pinned by the 1 + 1 run); 9: the links' CPU per byte and the servers' update per value, probed
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")
@@ -223,27 +223,64 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
     # (with the fixed per-step cost, since the batch size is not varied): the fit cannot
     # trade compute for a constant and leave c at ~0.
     unit = replace(profile, compute_s_per_sample=1.0)
+    fitted = profile
+    cpu_bound: set[int] = set()
+    for _ in range(3):
+        rows, ys = [], []
+        for i, run in enumerate(runs):
+            if run.step_s is None or i in cpu_bound:
+                continue
+            s = Strategy(framework, run.ps, run.workers, partition=partition, sync=sync)
+            # Each run weighted by 1/its step: the fit minimises the relative error, the
+            # forecast's own measure, so a run of milliseconds on one node (where placement
+            # packs a small calibration) counts as much as one of a second over the links.
+            weight = 1.0 / run.step_s if run.step_s > 0 else 1.0
+            comm = comm_seconds(profile, s, where)
+            if run.step_s < comm:
+                # Faster than its own modelled bytes: the byte model is wrong for that shape,
+                # and the run says nothing about compute. Fitted anyway, no coefficient >= 0
+                # can bring the run down to its step, so the fit zeroes compute to get closer.
+                note = (f"the {run.ps} + {run.workers} calibration run ({run.step_s:.4f} s/step) was faster "
+                        f"than its modelled communication ({comm:.4f} s): left out of the fit")
+                if note not in notes:
+                    notes.append(note)
+                continue
+            rows.append([weight * v for v in (compute_seconds(unit, s, where), *overhead_terms(s, where))])
+            ys.append(weight * (run.step_s - comm))
+        per_sample, fanin, per_ps = nnls(rows, ys) if rows else (0.0, 0.0, 0.0)
+        fitted = replace(profile, compute_s_per_sample=per_sample, fanin_s=fanin, per_ps_s=per_ps)
+        # A run the CPU floor binds (with this compute) spent its step waiting for the
+        # shared cores, not computing on one: it says nothing about compute per sample
+        # through the compute term, so it leaves that fit (the 1 + 1 run, which the
+        # floor binds last, pins it) and is fitted below, beyond the floor, for the
+        # overheads.
+        bound = {i for i, run in enumerate(runs) if run.step_s is not None and cpu_floor(
+            fitted, st := Strategy(framework, run.ps, run.workers, partition=partition, sync=sync), where)
+            > compute_seconds(fitted, st, where) + comm_seconds(fitted, st, where)}
+        if len(bound) == sum(1 for run in runs if run.step_s is not None):
+            bound = set()   # every run CPU-bound: they are all there is to fit compute on
+        if bound == cpu_bound:
+            break
+        cpu_bound = bound
+    # The overheads again, as what each run spent beyond both bounds the forecast takes
+    # (its compute plus communication, and the CPU floor of every process on the shared
+    # cores): a calibration run of 4 processes on 2 cores is CPU-bound, and fitting its
+    # CPU wait as fan-in charged every bigger plan that wait twice (issue 21). The 1 + 1
+    # run, whose terms are 0, pinned compute above.
     rows, ys = [], []
     for run in runs:
-        if run.step_s is None:
+        if run.step_s is None or not run.step_s > 0:
             continue
         s = Strategy(framework, run.ps, run.workers, partition=partition, sync=sync)
-        # Each run weighted by 1/its step: the fit minimises the relative error, the
-        # forecast's own measure, so a run of milliseconds on one node (where placement
-        # packs a small calibration) counts as much as one of a second over the links.
-        weight = 1.0 / run.step_s if run.step_s > 0 else 1.0
-        comm = comm_seconds(profile, s, where)
-        if run.step_s < comm:
-            # Faster than its own modelled bytes: the byte model is wrong for that shape,
-            # and the run says nothing about compute. Fitted anyway, no coefficient >= 0
-            # can bring the run down to its step, so the fit zeroes compute to get closer.
-            notes.append(f"the {run.ps} + {run.workers} calibration run ({run.step_s:.4f} s/step) was faster "
-                         f"than its modelled communication ({comm:.4f} s): left out of the fit")
+        terms = overhead_terms(s, where)
+        comm = comm_seconds(fitted, s, where)
+        if not any(terms) or run.step_s < comm:
             continue
-        rows.append([weight * v for v in (compute_seconds(unit, s, where), *overhead_terms(s, where))])
-        ys.append(weight * (run.step_s - comm))
-    per_sample, fanin, per_ps = nnls(rows, ys) if rows else (0.0, 0.0, 0.0)
-    return replace(profile, compute_s_per_sample=per_sample, fanin_s=fanin, per_ps_s=per_ps, notes=tuple(notes))
+        bound = max(compute_seconds(fitted, s, where) + comm, cpu_floor(fitted, s, where))
+        rows.append([t / run.step_s for t in terms])
+        ys.append((run.step_s - bound) / run.step_s)
+    fanin, per_ps = nnls(rows, ys) if rows else (0.0, 0.0)
+    return replace(fitted, fanin_s=fanin, per_ps_s=per_ps, notes=tuple(notes))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -398,8 +435,44 @@ def measure_quantize(python: str, helpers: str, timeout: float = 120.0) -> float
     own kernels (runners/pluto_helpers.py quantize, in the MXNet runtime's Python):
     about a second. 0.0 when the probe cannot run: the forecast then charges what
     it charged before, nothing."""
+    return _helper_probe(python, helpers, "quantize", timeout)
+
+
+def measure_update(python: str, helpers: str, timeout: float = 120.0) -> float:
+    """Seconds of CPU a kvstore server spends applying one push's update to one
+    value (runners/pluto_helpers.py update: MXNet's SGD updater on one OpenMP
+    thread, as the adapter runs a server). 0.0 when the probe cannot run."""
+    return _helper_probe(python, helpers, "update", timeout)
+
+
+def measure_kvstore(python: str, helpers: str, timeout: float = 240.0) -> dict[str, float]:
+    """CPU seconds per value of one push and pull through MXNet's dist kvstore on
+    this machine's loopback (runners/pluto_helpers.py kvstore: a scheduler, a server
+    and a worker, about 10 s), on the server and on the worker, uncompressed and
+    2bit: the Cluster fields kv_*_s_per_value. {} when the probe cannot run."""
     try:
-        done = subprocess.run([python, helpers, "quantize"], capture_output=True, text=True,
+        done = subprocess.run([python, helpers, "kvstore"], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    out: dict[str, float] = {}
+    for line in done.stdout.splitlines() if done.returncode == 0 else ():
+        parts = line.split()
+        if len(parts) != 3 or parts[0] not in ("none", "2bit"):
+            continue
+        try:
+            server, worker = max(0.0, float(parts[1])), max(0.0, float(parts[2]))
+        except ValueError:
+            continue
+        suffix = "_2bit" if parts[0] == "2bit" else ""
+        out[f"kv_server{suffix}_s_per_value"] = server
+        out[f"kv_worker{suffix}_s_per_value"] = worker
+    return out
+
+
+def _helper_probe(python: str, helpers: str, what: str, timeout: float) -> float:
+    try:
+        done = subprocess.run([python, helpers, what], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError):
         return 0.0

@@ -377,16 +377,92 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
             demand[node] += compute + per_byte * moved
         if ps_nodes and strategy.workers > 1:
             demand[ps_nodes[0]] += per_byte * moved * strategy.workers
+            share = total / period
+            _charge_links([(w, ps_nodes[0], share) for w in worker_nodes]
+                          + [(ps_nodes[0], w, share) for w in worker_nodes], cluster, demand)
         return demand
     loads = ps_loads(profile.var_bytes or (total,), strategy.ps, strategy.partition,
                      strategy.big_array_bound) if strategy.ps else []
     held = sum(loads) or total or 1.0
-    half_quantize = 0.5 * quantize_seconds(profile, strategy, cluster)   # quantise here, dequantise there
-    for node in worker_nodes:
-        demand[node] += compute + per_byte * 2.0 * total + half_quantize  # push every gradient, pull every value
-    for j, node in enumerate(ps_nodes):
-        demand[node] += (per_byte * 2.0 * total + half_quantize) * (loads[j] / held) * strategy.workers
+    kv = kvstore_seconds(profile, strategy, cluster)
+    if kv is not None:
+        # MXNet with its kvstore probed: what one push and pull costs each end, per value
+        worker_s, server_s = kv
+        for node in worker_nodes:
+            demand[node] += compute + worker_s
+        for j, node in enumerate(ps_nodes):
+            demand[node] += server_s * loads[j] / held
+    else:
+        half_quantize = 0.5 * quantize_seconds(profile, strategy, cluster)   # quantise here, dequantise there
+        for node in worker_nodes:
+            demand[node] += compute + per_byte * 2.0 * total + half_quantize  # push every gradient, pull every value
+        for j, node in enumerate(ps_nodes):
+            demand[node] += (per_byte * 2.0 * total + half_quantize) * (loads[j] / held) * strategy.workers
+            demand[node] += update_seconds(profile, strategy, cluster) * loads[j] / held
+    fractions = [load / held for load in loads]
+    push_bytes = total * (TWO_BIT if strategy.compression == "2bit" else 1.0)
+    _charge_links([(w, ps_nodes[j], push_bytes * f) for w in worker_nodes for j, f in enumerate(fractions)]
+                  + [(ps_nodes[j], w, total * f) for w in worker_nodes for j, f in enumerate(fractions)],
+                  cluster, demand)
     return demand
+
+
+def kvstore_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> tuple[float, float] | None:
+    """(one worker's, all servers') CPU seconds a step of MXNet's kvstore costs, from
+    the probe of a push and pull per value on this machine (None when not probed, or
+    not MXNet). A worker pays one push and pull of every value. The servers, one
+    push of every value per worker: the probe's round, which holds one update, less
+    that update (`update_s_per_value`), plus the updates the mode applies: one a step
+    for dist_sync (the sum of the pushes), one per push for dist_async."""
+    if strategy.framework != "mxnet" or not strategy.ps:
+        return None
+    two_bit = strategy.compression == "2bit"
+    server = cluster.kv_server_2bit_s_per_value if two_bit else cluster.kv_server_s_per_value
+    worker = cluster.kv_worker_2bit_s_per_value if two_bit else cluster.kv_worker_s_per_value
+    if server <= 0 or worker <= 0:
+        return None
+    values = profile.param_bytes / 4.0
+    update = min(cluster.update_s_per_value, server)
+    servers = (server - update) * values * strategy.workers + update_seconds(profile, strategy, cluster)
+    return worker * values, servers
+
+
+def update_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
+    """CPU seconds the servers spend in one step applying optimizer updates, all
+    servers together (MXNet: the kvstore runs the optimizer on the servers). dist_sync
+    sums the workers' pushes and applies one update a step; dist_async applies every
+    push as it comes, one update per worker a step: W times the work. Priced at the
+    probed cost per value (calibrate.measure_update)."""
+    if strategy.framework != "mxnet" or not strategy.ps or cluster.update_s_per_value <= 0:
+        return 0.0
+    updates = 1 if strategy.sync else strategy.workers
+    return cluster.update_s_per_value * profile.param_bytes / 4.0 * updates
+
+
+def same_machine(cluster: Cluster, a: int, b: int) -> bool:
+    """Nodes a and b are virtual hosts of one machine (or PAI_PLUTO_SHARED_CORES says
+    every node shares one machine's cores)."""
+    if cluster.machine_cores:
+        return True
+    na, nb = cluster.nodes[a], cluster.nodes[b]
+    return bool(na.machine) and na.machine == nb.machine
+
+
+def _charge_links(flows: list[tuple[int, int, float]], cluster: Cluster, demand: list[float]) -> None:
+    """The machine's CPU for bytes that cross a link between two of its virtual hosts:
+    the link probe's CPU per byte (both ends and the kernel's veth, bridge and shaping
+    work, measured machine-wide), less the loopback copy each end is already charged
+    for (`cpu_demand`), half on each end's node. At 1 Gbit/s on a 2-core machine this
+    is most of a step's CPU (issue 21: the step of 7-8 processes ran with the cores
+    fully busy, a fifth of it in softirq); between separate machines each kernel
+    works on its own cores, which the probe cannot see from one end: not charged."""
+    extra = cluster.link_cpu_s_per_byte - (1.0 / cluster.loopback_Bps if cluster.loopback_Bps > 0 else 0.0)
+    if extra <= 0:
+        return
+    for src, dst, size in flows:
+        if src != dst and same_machine(cluster, src, dst):
+            demand[src] += 0.5 * extra * size
+            demand[dst] += 0.5 * extra * size
 
 
 def quantize_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
@@ -428,12 +504,15 @@ def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast
         comm = comm / period if strategy.workers > 1 else 0.0
         fanin = fanin / period if strategy.workers > 1 else 0.0
     compute += quantize_seconds(profile, strategy, cluster)
-    step = overhead + fanin + compute + comm
     floor = cpu_floor(profile, strategy, cluster)
-    if floor > step:
+    if floor > compute + comm:
         # the shared cores, not one worker's own path, set the pace: the step is CPU
-        compute += floor - step
-        step = floor
+        compute += floor - (compute + comm)
+    # The fitted overheads (round trips, a ps serving many workers) are waits on top of
+    # whichever bound holds: calibration fits them as what a run spent beyond both
+    # (calibrate.build_profile), so a CPU-bound calibration run does not turn its CPU
+    # into a fan-in every bigger plan pays twice, in the floor and in the term.
+    step = overhead + fanin + compute + comm
     batch = strategy.batch_per_worker or profile.batch_size
     samples = strategy.workers * batch / step if step > 0 else math.inf
     steps_per_worker = None

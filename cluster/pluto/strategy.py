@@ -190,6 +190,20 @@ class Cluster:
     # CPU seconds 2bit compression adds per gradient value pushed (quantising on the
     # worker, dequantising on the ps), probed with MXNet's kernels (calibrate.measure_quantize).
     quantize_s_per_value: float = 0.0
+    # CPU seconds the machine spends per byte crossing a link between two of its
+    # virtual hosts (both ends' copies and the kernel's veth, bridge and shaping work),
+    # measured machine-wide by the link probe (planning.measure_links).
+    link_cpu_s_per_byte: float = 0.0
+    # CPU seconds a kvstore server spends applying one push's optimizer update to one
+    # value (calibrate.measure_update, MXNet's updater): dist_async applies W a step.
+    update_s_per_value: float = 0.0
+    # CPU seconds per value of one push and pull through MXNet's dist kvstore on this
+    # machine's loopback, on the server (with its one update) and on the worker,
+    # uncompressed and 2bit (calibrate.measure_kvstore); 0.0: not probed.
+    kv_server_s_per_value: float = 0.0
+    kv_worker_s_per_value: float = 0.0
+    kv_server_2bit_s_per_value: float = 0.0
+    kv_worker_2bit_s_per_value: float = 0.0
 
     @property
     def total_cores(self) -> float:

@@ -34,23 +34,14 @@ def spawn_master(home: Path, job_id: str, log_path: Path, fresh: bool = False) -
         finally:
             os.close(log)
         return proc.pid
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
     read_fd, write_fd = os.pipe()
-    child = os.fork()
-    if child == 0:  # the intermediate child: new session, fork the master, leave
-        code = 1
-        try:
-            os.close(read_fd)
-            os.setsid()
-            if os.fork() == 0:
-                os.write(write_fd, str(os.getpid()).encode())
-                os.close(write_fd)
-                code = _run_forked_master(home, job_id, log_path)
-            else:
-                code = 0
-        finally:
-            os._exit(code)
+
+    def master() -> int:
+        os.write(write_fd, str(os.getpid()).encode())
+        os.close(write_fd)
+        return _run_forked_master(home, job_id, log_path)
+
+    child = _double_fork((read_fd,), master)
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as pipe:
         pid = pipe.read()
@@ -111,23 +102,9 @@ def fork_waiting_master() -> WaitingMaster | None:
 
     if _must_exec() or any_open():
         return None
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
     command_r, command_w = os.pipe()
     pid_r, pid_w = os.pipe()
-    child = os.fork()
-    if child == 0:  # the intermediate child: new session, fork the master, leave
-        code = 1
-        try:
-            os.close(command_w)
-            os.close(pid_r)
-            os.setsid()
-            if os.fork() == 0:
-                code = _wait_for_job(command_r, pid_w)
-            else:
-                code = 0
-        finally:
-            os._exit(code)
+    child = _double_fork((command_w, pid_r), lambda: _wait_for_job(command_r, pid_w))
     os.close(command_r)
     os.close(pid_w)
     return WaitingMaster(command_w, pid_r, child)
@@ -161,6 +138,25 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
     os.write(pid_fd, str(os.getpid()).encode())
     os.close(pid_fd)
     return _run_forked_master(Path(home), job_id, Path(log_path), "started by fork as the submit began")
+
+
+def _double_fork(close: tuple[int, ...], run) -> int:
+    """`run()` in a grandchild in a session of its own (never the caller's child,
+    never a session leader that could take a terminal); `close`d there first. The
+    intermediate child's pid, for the caller's waitpid: it leaves at once."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            for fd in close:
+                os.close(fd)
+            os.setsid()
+            code = run() if os.fork() == 0 else 0
+        finally:
+            os._exit(code)
+    return child
 
 
 def _must_exec() -> bool:

@@ -135,35 +135,24 @@ def submit_and_follow(stmt, detach: bool = False, progress: bool = True) -> int:
         return 0
     job = store.job(job_id)
     echo(f"ID = {job_id}")
-    server = echo_log_view(store, job_id, os.path.join(job['job_dir'], 'summary.txt'), start_server=False)
-    try:
-        return attach(store, job_id, from_end=False, progress=progress, under_way=server.start if server else None)
-    finally:
-        if server is not None:
-            server.start()   # at the latest (a job that never got under way, an error, Ctrl-C)
+    echo_log_view(store, job_id, os.path.join(job['job_dir'], 'summary.txt'))
+    return attach(store, job_id, from_end=False, progress=progress)
 
 
-def echo_log_view(store, job_id: str, summary_file: str, start_server: bool = True):
-    """The `Log view:` line: the job page's URL (good at once: the logview server's
-    socket is bound here; its process is started, detached, if none is running;
-    nothing waits for it), or the summary file with a one-line note when no server
-    can be had. start_server=False: the caller starts it (the PendingServer
-    returned, None when there is nothing to start)."""
-    from paicli.web.launch import reserve_log_view
+def echo_log_view(store, job_id: str, summary_file: str) -> None:
+    """The `Log view:` line: the job page's URL (the logview server is started,
+    detached, if it is not running; nothing waits for it), or the summary file
+    with a one-line note when no server can be had."""
+    from paicli.web.launch import log_view_line
 
-    line, note, server = reserve_log_view(store.home, job_id, summary_file)
+    line, note = log_view_line(store.home, job_id, summary_file)
     echo(f"Log view: {line}")
     if note:
         echo(note, err=True)
-    if server is not None and start_server:
-        server.start()
-        return None
-    return server
 
 
-def attach(store, job_id: str, from_end: bool, progress: bool = True, under_way=None) -> int:
-    """Follow a job to its end and render the verdict; Ctrl-C cancels it.
-    `under_way` is called once the job's instances are under way (logtail.follow_job)."""
+def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
+    """Follow a job to its end and render the verdict; Ctrl-C cancels it."""
     from paicli import client, jobview, logtail
     from paicli.plutoview import forecast_line
 
@@ -175,7 +164,7 @@ def attach(store, job_id: str, from_end: bool, progress: bool = True, under_way=
         client.kill(store, job_id, reason="cancelled (Ctrl-C)")
 
     status = logtail.follow_job(store, job_id, out, from_end=from_end, progress=progress, colour=colour,
-                                on_interrupt=cancel, under_way=under_way)
+                                on_interrupt=cancel)
     for line in jobview.summary_lines(status):
         echo(line)
     forecast = forecast_line(status)

@@ -26,9 +26,6 @@ NOTE = re.compile(rb"^\[pai\] .*$", re.M)
 STATUS_POLL = 0.25
 EARLY_POLL, EARLY_SECONDS = 0.05, 2.0  # the pace of status looks in a job's first seconds
 IDLE_SLEEP = 0.005  # where inotify is missing: how soon a new line is seen
-# A job is "under way" (follow_job's under_way hook: the logview server's start) once
-# every instance started UNDER_WAY_S ago or more, it ended, or UNDER_WAY_LATEST passed.
-UNDER_WAY_S, UNDER_WAY_LATEST = 0.25, 2.0
 IDLE_CHECK = 5.0  # how often the attached view looks for workers gone quiet
 
 
@@ -300,13 +297,11 @@ class InterruptCatcher:
 
 def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = False,
                progress: bool = True, colour: bool = False,
-               on_interrupt: Callable[[], None] | None = None,
-               under_way: Callable[[], None] | None = None) -> dict:
+               on_interrupt: Callable[[], None] | None = None) -> dict:
     """Tail the job's combined log to `out` until the job ends; print progress lines
     when running/terminated counts change. The first Ctrl-C calls `on_interrupt`
     (which cancels the job) and following goes on, so the lines written while the
-    job stops are shown too. `under_way` is called once, when the job is under way
-    (see UNDER_WAY_S). Returns the final status dict."""
+    job stops are shown too. Returns the final status dict."""
     from paicli import client
 
     job = store.job(job_id)
@@ -314,7 +309,7 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
     follower = FileFollower(job_dir / "job.log", "end" if from_end else 0)
     live = LiveLine(job_dir / "job.live", out, colour) if hasattr(out, "isatty") and out.isatty() else None
     state = {"counts": None, "next_check": 0.0, "partial": b"", "watch": DirectoryWatch(job_dir),
-             "live": live, "idle_check": time.monotonic(), "idle": [], "under_way": under_way}
+             "live": live, "idle_check": time.monotonic(), "idle": []}
     catcher = InterruptCatcher() if on_interrupt is not None else None
     try:
         if catcher:
@@ -379,9 +374,6 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
         early = now - state.setdefault("since", now) < EARLY_SECONDS
         state["next_check"] = now + (EARLY_POLL if early else STATUS_POLL)
         job = client.refresh(store, job_id)
-        if state["under_way"] is not None and _under_way(store, job_id, job, now - state["since"]):
-            hook, state["under_way"] = state["under_way"], None
-            hook()
         if progress:
             counts, line = progress_line(job["task_name"] or "Task", store.instances(job_id))
             if counts != state["counts"]:
@@ -419,17 +411,6 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
             out.flush()
     state["watch"].wait(state["next_check"] - time.monotonic(), state.get("wake_fd", -1))
     return False
-
-
-def _under_way(store: Store, job_id: str, job, age: float) -> bool:
-    """Every instance started (its process exists) at least UNDER_WAY_S ago, the
-    job ended, or UNDER_WAY_LATEST seconds passed since following began (a queued job)."""
-    if age >= UNDER_WAY_LATEST or JobStatus(job["status"]).is_terminal():
-        return True
-    instances = store.instances(job_id)
-    if not instances or any(i["status"] == InstanceStatus.WAITING.value or not i["started"] for i in instances):
-        return False
-    return time.time() - max(i["started"] for i in instances) >= UNDER_WAY_S
 
 
 def binary_stdout() -> IO[bytes]:

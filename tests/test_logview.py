@@ -85,28 +85,6 @@ def test_submit_prints_the_page_url_and_the_page_shows_the_job(web):
     assert (folder / "token").read_text().strip() == token
 
 
-def test_a_submit_starts_the_server_once_its_instances_are_under_way(web):
-    """The URL is printed first (the socket is bound: it works at once); the
-    server's interpreter starts only after every instance started, so it takes
-    no core from their start-up."""
-    import sqlite3
-
-    from paicli.logtail import UNDER_WAY_S
-    from paicli.web import launch
-
-    job_id, base, token = submit(f"-Dscript={BEHAVE}", '-Dcluster={"ps":{"count":1},"worker":{"count":2}}',
-                                 env={"BEHAVE": "print:20", "BEHAVE_PS": "serve"})
-    state = launch.read_state(web)
-    assert state and state["port"] == int(base.rsplit(":", 1)[1]) and state["token"] == token
-    db = sqlite3.connect(web / "pai.db")
-    try:
-        last_start = max(row[0] for row in db.execute("SELECT started FROM attempts WHERE job_id = ?", (job_id,)))
-    finally:
-        db.close()
-    assert state["started"] >= last_start + UNDER_WAY_S * 0.9, (state["started"], last_start)
-    assert get(f"{base}/logview/?i={job_id}&token={token}")[0] == 200
-
-
 def test_a_retried_instance_shows_its_events_attempts_and_both_logs(web):
     job_id, base, token = submit(f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":1}}',
                                  env={"BEHAVE": "print:2,selfkill:SIGKILL,print:3"})

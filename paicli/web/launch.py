@@ -114,47 +114,8 @@ def _listen(host: str, folder: Path) -> socket.socket:
                              "set PAI_LOGVIEW_HOST to an address of this machine (PAI_LOGVIEW_PORT to a free port)")
 
 
-class PendingServer:
-    """A server whose socket is bound (its URL is good: connections wait in the
-    backlog) and whose process is not started yet. It holds the state folder's
-    lock until `start()`, so no other pai starts a second server meanwhile."""
-
-    def __init__(self, home: Path, sock: socket.socket | None, state: dict, lock=None):
-        self.home, self.sock, self.state, self._lock = home, sock, state, lock
-
-    def start(self) -> None:
-        """Start the server process (once; nothing when one was running already)."""
-        sock, self.sock = self.sock, None
-        try:
-            if sock is not None:
-                self._spawn(sock)
-        finally:
-            if self._lock is not None:
-                self._lock.close()   # the flock goes with it
-                self._lock = None
-
-    def _spawn(self, sock: socket.socket) -> None:
-        from paicli.cluster.logsink import open_append_fd
-
-        folder = state_dir(self.home)
-        log = open_append_fd(folder / "server.log")
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "paicli.web.standby", "--home", str(self.home), "--fd", str(sock.fileno())],
-                pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                start_new_session=True, close_fds=True, cwd="/",
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        finally:
-            os.close(log)
-            sock.close()
-        from paicli.cluster.procinfo import start_time
-
-        self.state.update(pid=proc.pid, start=start_time(proc.pid), started=time.time())
-        write_private(folder / "server.json", json.dumps(self.state))
-        proc.returncode = 0  # never reaped here: it outlives this pai (Popen must not wait on it)
-
-
-def _bind_server(home: Path, lock=None) -> PendingServer:
+def start_server(home: Path) -> dict:
+    """Start a server (detached, own session) on a socket bound here; returns its state."""
     import importlib.util
 
     if importlib.util.find_spec("aiohttp") is None or importlib.util.find_spec("jinja2") is None:
@@ -164,40 +125,46 @@ def _bind_server(home: Path, lock=None) -> PendingServer:
     host = bind_host()
     token = user_token(home)
     sock = _listen(host, folder)
-    return PendingServer(home, sock, {"host": host, "port": sock.getsockname()[1], "token": token}, lock)
+    from paicli.cluster.logsink import open_append_fd
+
+    log = open_append_fd(folder / "server.log")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "paicli.web.standby", "--home", str(home), "--fd", str(sock.fileno())],
+            pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True, close_fds=True, cwd="/",
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        os.close(log)
+        port = sock.getsockname()[1]
+        sock.close()
+    from paicli.cluster.procinfo import start_time
+
+    state = {"pid": proc.pid, "start": start_time(proc.pid), "host": host, "port": port,
+             "token": token, "started": time.time()}
+    write_private(folder / "server.json", json.dumps(state))
+    proc.returncode = 0  # never reaped here: it outlives this pai (Popen must not wait on it)
+    return state
 
 
 def ensure_server(home: Path) -> dict:
     """The live server's state, starting one if there is none. A lock keeps two
     pai commands from starting two servers; nothing here waits for the server."""
-    pending = reserve_server(home)
-    pending.start()
-    return pending.state
-
-
-def reserve_server(home: Path) -> PendingServer:
-    """The live server's state, or a bound socket whose server `start()` starts
-    (a submit starts it once its instances are under way: an interpreter's start
-    is ~40 ms of a core they need just then). The lock is held until `start()`."""
     import fcntl
 
     folder = state_dir(home)
-    lock = open(folder / "lock", "a+")
-    try:
+    with open(folder / "lock", "a+") as lock:
         os.chmod(folder / "lock", 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
         state = running_server(home)
         if state is None:
-            return _bind_server(home, lock)
-        try:  # a CLI handing out the URL counts as use: the server's idle clock restarts
-            os.utime(folder / "server.json")
-        except OSError:
-            pass
-    except BaseException:
-        lock.close()
-        raise
-    lock.close()
-    return PendingServer(home, None, state)
+            state = start_server(home)
+        else:
+            try:  # a CLI handing out the URL counts as use: the server's idle clock restarts
+                os.utime(folder / "server.json")
+            except OSError:
+                pass
+    return state
 
 
 def url_for(state: dict, job_id: str | None = None) -> str:
@@ -214,24 +181,14 @@ def url_for(state: dict, job_id: str | None = None) -> str:
 def log_view_line(home: Path, job_id: str, fallback: str) -> tuple[str, str | None]:
     """What a `Log view:` line shows: the page's URL, or `fallback` (the summary
     file) and a one-line note saying why, when the server cannot be had."""
-    line, note, pending = reserve_log_view(home, job_id, fallback)
-    if pending is not None:
-        pending.start()
-    return line, note
-
-
-def reserve_log_view(home: Path, job_id: str, fallback: str) -> tuple[str, str | None, PendingServer | None]:
-    """log_view_line whose server, if one must be started, is started by the
-    caller (PendingServer.start): the URL is good from now on."""
     if mode() == "file":
-        return fallback, None, None
+        return fallback, None
     try:
-        pending = reserve_server(home)
-        return url_for(pending.state, job_id), None, pending
+        return url_for(ensure_server(home), job_id), None
     except PaiError as err:
-        return fallback, f"note: no logview page ({err}); showing the summary file", None
+        return fallback, f"note: no logview page ({err}); showing the summary file"
     except OSError as err:
-        return fallback, f"note: no logview page ({err.strerror or err}); showing the summary file", None
+        return fallback, f"note: no logview page ({err.strerror or err}); showing the summary file"
 
 
 def stop_server(home: Path, timeout: float = 3.0) -> bool:

@@ -102,9 +102,17 @@ def fork_waiting_master() -> WaitingMaster | None:
 
     if _must_exec() or any_open():
         return None
-    command_r, command_w = os.pipe()
-    pid_r, pid_w = os.pipe()
-    child = _double_fork((command_w, pid_r), lambda: _wait_for_job(command_r, pid_w))
+    fds: list[int] = []
+    try:
+        command_r, command_w = os.pipe()
+        fds += [command_r, command_w]
+        pid_r, pid_w = os.pipe()
+        fds += [pid_r, pid_w]
+        child = _double_fork((command_w, pid_r), lambda: _wait_for_job(command_r, pid_w))
+    except OSError:
+        for fd in fds:   # no fork (EAGAIN) or no pipe (EMFILE): the submit starts its master as before
+            os.close(fd)
+        return None
     os.close(command_r)
     os.close(pid_w)
     return WaitingMaster(command_w, pid_r, child)
@@ -115,6 +123,11 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
     master's modules imported, then one line, [home, job_id, log], or EOF."""
     import json
 
+    import fcntl
+
+    # Above 0-2 first: a CLI started with stdin (or another of them) closed got one of
+    # these pipes there, and taking the standard descriptors would close it.
+    command_fd, pid_fd = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3) for fd in (command_fd, pid_fd))
     devnull = os.open(os.devnull, os.O_RDWR)
     _take_stdio(devnull, devnull, devnull, keep=(command_fd, pid_fd))
     os.chdir("/")
@@ -135,7 +148,10 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
     if not line.endswith(b"\n"):
         return 0   # no job for it
     home, job_id, log_path = json.loads(line)
-    os.write(pid_fd, str(os.getpid()).encode())
+    try:
+        os.write(pid_fd, str(os.getpid()).encode())
+    except OSError:
+        pass   # the CLI is gone after handing the job over: the job is recorded, supervise it
     os.close(pid_fd)
     return _run_forked_master(Path(home), job_id, Path(log_path), "started by fork as the submit began")
 
@@ -145,7 +161,8 @@ def _double_fork(close: tuple[int, ...], run) -> int:
     never a session leader that could take a terminal); `close`d there first. The
     intermediate child's pid, for the caller's waitpid: it leaves at once."""
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+        if stream is not None:   # None: started with that descriptor closed
+            stream.flush()
     child = os.fork()
     if child == 0:
         code = 1

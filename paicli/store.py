@@ -129,7 +129,9 @@ def _create_store(path: Path) -> None:
     no journal and no sync, WAL set, one fsync of the file and one of its folder
     (SQLite creating it in place, a rollback journal then WAL, synced ~6 times:
     18-60 ms of a first submit here, seconds when the disk is busy). Two processes
-    creating one store at once: the first link wins, the other's copy is dropped."""
+    creating one store at once: the first link wins, the other's copy is dropped.
+    Where that cannot be done (a filesystem without hard links, SQLite failing on
+    the copy), nothing is linked and the store is created in place as before."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.new")
     touch_private(tmp)
     try:
@@ -146,17 +148,21 @@ def _create_store(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return   # another process made it first: theirs is the store
+        os.link(tmp, path)
         folder = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(folder)
         finally:
             os.close(folder)
+    except FileExistsError:
+        pass   # another process made it first: theirs is the store
+    except (OSError, sqlite3.Error):
+        pass   # no hard links here, or a full disk: created in place, its error said there
     finally:
-        os.unlink(tmp)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def any_open() -> bool:

@@ -265,3 +265,17 @@ def test_a_submit_refused_leaves_no_waiting_master(pai_home):
     result = pai("-name", "python", f"-Dscript=/nonexistent/{marker}.py")
     assert result.returncode == 2 and "does not exist" in result.stderr
     assert wait_until(lambda: not _processes_with(marker), timeout=30), "a waiting master outlived the refused submit"
+
+
+def test_a_submit_with_stdin_closed_hands_its_job_to_the_waiting_master(pai_home):
+    """A pipe of the waiting master's that landed on fd 0 (a pai started with <&-, as
+    cron or a daemon may) must survive its taking of the standard descriptors."""
+    script = ROOT / "tests" / "scripts" / "behave.py"
+    result = subprocess.run(["bash", "-c", 'exec "$0" "$@" <&-', sys.executable, "-m", "paicli", "-name", "python",
+                             f"-Dscript={script}"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "BEHAVE": "print:1"})
+    assert result.returncode == 0 and result.stdout.splitlines()[-1] == "OK", result.stdout + result.stderr
+    from conftest import job_id_from
+
+    log = (pai_home / "jobs" / job_id_from(result.stdout) / "master.log").read_text()
+    assert "started by fork as the submit began" in log

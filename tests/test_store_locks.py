@@ -141,3 +141,21 @@ def test_a_store_made_meanwhile_by_another_process_is_kept_not_replaced(tmp_path
         assert sorted(os.listdir(home)) == ["jobs", "pai.db", "pai.db-shm", "pai.db-wal"]
     finally:
         store.close()
+
+
+def test_a_store_on_a_filesystem_without_hard_links_is_created_in_place(tmp_path, monkeypatch):
+    import errno
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    home = tmp_path / "home"
+    store = Store(home)
+    try:
+        _record(store, "only", home)
+        assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert [row["id"] for row in store.jobs()] == ["only"]
+        assert not [name for name in os.listdir(home) if name.endswith(".new")]
+    finally:
+        store.close()

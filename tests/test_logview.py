@@ -85,6 +85,29 @@ def test_submit_prints_the_page_url_and_the_page_shows_the_job(web):
     assert (folder / "token").read_text().strip() == token
 
 
+def test_the_servers_interpreter_starts_a_moment_after_its_process(web):
+    """ensure_server records a live process at once (stoppable, its pid and start
+    time in server.json); that process becomes the standby STANDBY_DELAY later, so
+    a submit's instances start without an interpreter's start beside them."""
+    import time
+
+    from paicli.web import launch
+
+    begun = time.monotonic()
+    state = launch.ensure_server(web)
+    with open(f"/proc/{state['pid']}/cmdline", "rb") as f:
+        early = f.read()
+    assert b"paicli.web.standby" not in early   # not yet the standby
+    def standby() -> bool:
+        with open(f"/proc/{state['pid']}/cmdline", "rb") as f:
+            return b"paicli.web.standby" in f.read()
+    assert wait_until(standby, timeout=30)
+    assert time.monotonic() - begun >= launch.STANDBY_DELAY * 0.9
+    fds = sorted(int(fd) for fd in os.listdir(f"/proc/{state['pid']}/fd"))
+    assert len(fds) <= 4, fds   # stdin, the log twice, the socket: nothing else of the caller's
+    assert get(f"http://127.0.0.1:{state['port']}/logview/?token={state['token']}")[0] == 200
+
+
 def test_a_retried_instance_shows_its_events_attempts_and_both_logs(web):
     job_id, base, token = submit(f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":1}}',
                                  env={"BEHAVE": "print:2,selfkill:SIGKILL,print:3"})

@@ -129,22 +129,61 @@ def start_server(home: Path) -> dict:
 
     log = open_append_fd(folder / "server.log")
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "paicli.web.standby", "--home", str(home), "--fd", str(sock.fileno())],
-            pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            start_new_session=True, close_fds=True, cwd="/",
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        pid = _spawn_standby([sys.executable, "-m", "paicli.web.standby", "--home", str(home),
+                              "--fd", str(sock.fileno())], {**os.environ, "PYTHONUNBUFFERED": "1"}, log, sock.fileno())
     finally:
         os.close(log)
         port = sock.getsockname()[1]
         sock.close()
     from paicli.cluster.procinfo import start_time
 
-    state = {"pid": proc.pid, "start": start_time(proc.pid), "host": host, "port": port,
+    state = {"pid": pid, "start": start_time(pid), "host": host, "port": port,
              "token": token, "started": time.time()}
     write_private(folder / "server.json", json.dumps(state))
-    proc.returncode = 0  # never reaped here: it outlives this pai (Popen must not wait on it)
     return state
+
+
+STANDBY_DELAY = 0.5   # seconds between the standby's process and its interpreter's start
+
+
+def _spawn_standby(argv: list[str], env: dict[str, str], log: int, sock_fd: int) -> int:
+    """The standby's process, in a session of its own, now: its pid and start time
+    are what server.json records, and stopping it works at once. Its interpreter
+    starts STANDBY_DELAY later (a fork that waits, then execs): a submit prints the
+    URL as the job's instances start, and an interpreter's start (~40 ms of a core
+    here) is what they need just then; a visit meanwhile waits in the backlog. A
+    threaded caller, where a fork is unsafe, starts it at once."""
+    import threading
+
+    if threading.active_count() > 1:
+        proc = subprocess.Popen(argv, pass_fds=(sock_fd,), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, close_fds=True, cwd="/", env=env)
+        proc.returncode = 0  # never reaped here: it outlives this pai (Popen must not wait on it)
+        return proc.pid
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setsid()
+                for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
+                    signal.signal(signum, signal.SIG_DFL)
+                for target, fd in enumerate((devnull, log, log)):
+                    os.dup2(fd, target)
+                os.set_inheritable(sock_fd, True)
+                os.closerange(3, sock_fd)   # nothing else of this pai's (what it inherited too)
+                os.closerange(sock_fd + 1, os.sysconf("SC_OPEN_MAX"))
+                os.chdir("/")
+                time.sleep(STANDBY_DELAY)
+                os.execve(argv[0], argv, env)
+            finally:
+                os._exit(127)
+    finally:
+        os.close(devnull)
+    return pid
 
 
 def ensure_server(home: Path) -> dict:

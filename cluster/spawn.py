@@ -121,9 +121,8 @@ def fork_waiting_master() -> WaitingMaster | None:
 def _wait_for_job(command_fd: int, pid_fd: int) -> int:
     """The waiting master: nothing of the CLI's kept (its terminal, its pipes), the
     master's modules imported, then one line, [home, job_id, log], or EOF."""
-    import json
-
     import fcntl
+    import json
 
     # Above 0-2 first: a CLI started with stdin (or another of them) closed got one of
     # these pipes there, and taking the standard descriptors would close it.
@@ -142,7 +141,6 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
         importlib.import_module(BACKENDS["local"].partition(":")[0])   # the backend most jobs run on
     except Exception:
         pass   # said where it matters: when the master runs, in master.log
-    line = b""
     with os.fdopen(command_fd, "rb") as command:
         line = command.readline()
     if not line.endswith(b"\n"):

@@ -135,10 +135,11 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
     try:
         import importlib
 
-        import paicli.cluster.master  # noqa: F401  (while the CLI stages the job)
         from paicli.cluster.backends import BACKENDS
+        from paicli.cluster.master import RUN_MODULES   # while the CLI stages the job
 
-        importlib.import_module(BACKENDS["local"].partition(":")[0])   # the backend most jobs run on
+        for name in (BACKENDS["local"].partition(":")[0], *RUN_MODULES):   # local: the backend most jobs run on
+            importlib.import_module(name)
     except Exception:
         pass   # said where it matters: when the master runs, in master.log
     with os.fdopen(command_fd, "rb") as command:

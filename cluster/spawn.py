@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
@@ -26,6 +25,8 @@ def spawn_master(home: Path, job_id: str, log_path: Path, fresh: bool = False) -
     """
     env_home = {"PAI_HOME": str(home)}
     if fresh or _must_exec():   # fresh: a caller whose signal set-up a fork would carry (a master)
+        import subprocess   # here only: the CLI's fork needs none of it (~4 ms of imports)
+
         log = open_private(log_path)
         try:
             proc = subprocess.Popen([sys.executable, "-m", "paicli.cluster.master", job_id],
@@ -212,6 +213,8 @@ def spawn_watchdog(job_id: str, log_path: Path, store: Store) -> Watchdog:
     log = open_private(log_path)
     try:
         if _must_exec():
+            import subprocess
+
             proc = subprocess.Popen([sys.executable, "-m", "paicli.cluster.watchdog", job_id],
                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
                                     start_new_session=True, close_fds=True)

@@ -56,7 +56,6 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
@@ -233,6 +232,8 @@ class Backend:
                 self._remove_job_folder(job_id, name)
             except Exception:  # noqa: BLE001 - the transport's own errors: the folder stays
                 pass
+
+        from concurrent.futures import ThreadPoolExecutor   # not on a submit's path (logging, ~4 ms)
 
         with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
             list(pool.map(remove, names))

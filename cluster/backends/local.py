@@ -18,13 +18,17 @@ import sys
 import threading
 import time
 
-from paicli.cluster import agent_link
 from paicli.cluster.backends.base import Backend, NodeSpec
-from paicli.runners import node_agent, node_outputs
+
+# The agent's code (runners/, beside cluster/ in the source tree and in the installed
+# package alike) is imported where it is used, not here: a submit builds this backend
+# for its nodes only, and agent_link/node_agent (subprocess, socket, ~6 ms of imports)
+# are the master's, which imports them before it has the job (master.RUN_MODULES).
 
 LOCAL_NODE = "local"
 LOCAL_HOST = "127.0.0.1"
-AGENT = os.path.join(os.path.dirname(node_agent.__file__), "node_agent.py")
+AGENT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))),
+                     "runners", "node_agent.py")
 START_TIMEOUT = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 # The instances' output pipes: small, so that a burst of output does not sit in
@@ -137,6 +141,8 @@ def _forked_agent(label: str, moves) -> None:
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         with open("/proc/self/comm", "w") as comm:
             comm.write("pai-node-agent")   # what `ps` and `top` show for it
+        from paicli.runners import node_agent
+
         code = node_agent.cmd_run(label)
     except BaseException:
         import traceback
@@ -161,6 +167,8 @@ class LocalBackend(Backend):
         agent.discard()
 
     def _pick_ports(self, node, count, taken):
+        from paicli.runners import node_agent
+
         return node_agent.free_ports(LOCAL_HOST, count, taken)
 
     def _begin_start(self, placed, spec, sink):
@@ -168,17 +176,25 @@ class LocalBackend(Backend):
         # for: the agents start their instances while the master sends the next spec.
         agent = self._take_warm(placed) or AgentProcess(f"{spec['env'].get('PAI_JOB_ID', 'job')}/"
                                                         f"{placed.role}:{placed.idx}")
+        from paicli.cluster import agent_link
+
         starting = agent_link.send_spec(agent, spec, sink)
         return lambda: starting.started(backend=self.name, node=placed.node, host=placed.host,
                                         start_timeout=START_TIMEOUT)
 
     def _collect_outputs(self, job_dir, node, state_rel, request):
+        from paicli.runners import node_outputs
+
         request = dict(request, state=os.path.join(str(job_dir), state_rel), inplace=True)
         for frame in node_outputs.collect(request):
             yield node_outputs.frame_bytes([frame])
 
     def _stop_refs(self, node, refs, timeout):
+        from paicli.runners import node_agent
+
         return node_agent.stop_refs(refs, timeout)
 
     def _alive(self, node, ref):
+        from paicli.runners import node_agent
+
         return node_agent.alive(ref)

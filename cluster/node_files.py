@@ -44,11 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paicli.cluster import remote_paths
-
-# Source tree (cluster/ next to runners/) and installed package (paicli/cluster next to
-# paicli/runners) alike.
-RUNNERS_DIR = Path(__file__).resolve().parent.parent / "runners"
+from paicli.cluster import RUNNERS_DIR, remote_paths
 INSTANCE_FILES: tuple[str, ...] = ()   # job-folder files (by name) instances read
 CODE = "code"
 FILES = "files"

@@ -8,10 +8,13 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
-from paicli.cluster.logsink import open_append_fd
-from paicli.store import Store
+if TYPE_CHECKING:
+    from paicli.store import Store
+
+# Nothing else of paicli at the top: `pai` forks the waiting master (fork_waiting_master)
+# before it imports the rest of itself, and what this module imports is paid before it.
 
 
 def spawn_master(home: Path, job_id: str, log_path: Path, fresh: bool = False) -> int:
@@ -99,9 +102,9 @@ def fork_waiting_master() -> WaitingMaster | None:
     """A WaitingMaster, or None where forking is not safe: a threaded process, an
     open store in this process (a library caller's, the console's), or
     PAI_MASTER_EXEC set; the caller then starts the master with spawn_master."""
-    from paicli.store import any_open
+    store = sys.modules.get("paicli.store")   # not imported: no store can be open
 
-    if _must_exec() or any_open():
+    if _must_exec() or (store is not None and store.any_open()):
         return None
     fds: list[int] = []
     try:
@@ -252,6 +255,8 @@ def spawn_watchdog(job_id: str, log_path: Path, store: Store) -> Watchdog:
 
 def open_private(path: Path) -> int:
     """An append-only log file only its owner can read (it holds argv and log tails)."""
+    from paicli.cluster.logsink import open_append_fd
+
     fd = open_append_fd(path)
     os.fchmod(fd, 0o600)
     return fd
@@ -270,6 +275,8 @@ def _run_forked_master(home: Path, job_id: str, log_path: Path, how: str = "star
     try:
         print(f"JobMaster for {job_id}: pid {os.getpid()}, {how}", flush=True)
         from paicli.cluster.master import JobMaster
+
+        from paicli.store import Store
 
         return JobMaster(Store(home), job_id).run()
     except BaseException:

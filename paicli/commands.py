@@ -118,12 +118,14 @@ def submit_statement(stmt, store, progress, waiting=None) -> str:
     return client.submit(prepared, store, progress=progress, waiting=waiting)
 
 
-def submit_and_follow(stmt, detach: bool = False, progress: bool = True) -> int:
-    from paicli.cluster.spawn import fork_waiting_master
+def submit_and_follow(stmt, detach: bool = False, progress: bool = True, waiting=None) -> int:
+    """`waiting`: a master `pai` forked as it started (paicli.pai); else one is forked now."""
+    if waiting is None:
+        from paicli.cluster.spawn import fork_waiting_master
 
-    # Forked before the store is opened: it imports the master's modules while this
-    # process stages the job, and no SQLite connection has to be closed around a fork.
-    waiting = fork_waiting_master()
+        # Forked before the store is opened: it imports the master's modules while this
+        # process stages the job, and no SQLite connection has to be closed around a fork.
+        waiting = fork_waiting_master()
     try:
         store = open_store()
         job_id = submit_statement(stmt, store, runtime_progress(), waiting)
@@ -188,12 +190,18 @@ def is_bare_statement(args: list[str]) -> bool:
     return lead < len(args) and is_statement_token(args[lead])
 
 
-def submit_tokens(args: list[str]) -> int:
+def submit_tokens(args: list[str], waiting=None) -> int:
     """`pai submit TOKENS`: split the submit options off, parse, submit and follow."""
-    from paicli.statement import parse_statement
+    try:
+        from paicli.statement import parse_statement
 
-    tokens, options = split_submit_options(args)
-    return submit_and_follow(parse_statement(tokens), options["detach"], not options["no_progress"])
+        tokens, options = split_submit_options(args)
+        stmt = parse_statement(tokens)
+    except BaseException:
+        if waiting is not None:
+            waiting.close()   # bad input: the waiting master leaves at EOF
+        raise
+    return submit_and_follow(stmt, options["detach"], not options["no_progress"], waiting)
 
 
 # -- the error boundary and the exit ---------------------------------------------------------

@@ -41,7 +41,7 @@ from paicli.store import Store
 # master forked as the submit began imports these while the CLI stages the job
 # (cluster.spawn), so none is imported between the handover and the instances'
 # start (tests/test_overhead.py checks master.log of a job run under -X importtime).
-RUN_MODULES = ("paicli.cluster.agent_link", "paicli.runners.node_agent", "paicli.runners.node_outputs", "hashlib", "paicli.cluster.node_files", "paicli.cluster.nodes", "paicli.jobstatus",
+RUN_MODULES = ("paicli.spec", "paicli.cluster.agent_link", "paicli.runners.node_agent", "paicli.runners.node_outputs", "hashlib", "paicli.cluster.node_files", "paicli.cluster.nodes", "paicli.jobstatus",
                "paicli.cluster.lifecycle", "paicli.plutoview", "paicli.steptime")
 
 POLL_SECONDS = 0.1  # a child's exit and its output wake the loop sooner

@@ -24,9 +24,20 @@ STATUS_STYLES = {"Succeeded": "green", "Terminated": "green", "Running": "cyan",
                  "Failed": "red", "Killed": "red", "Cancelled": "magenta"}
 
 
+# The store a command opened last, kept until the process ends: dropping it closes
+# its connection, and the last connection's close checkpoints the WAL into the
+# database (2-18 ms here, measured after an attached job's verdict, when the master
+# has just closed its own); exit_now leaves without that. One is kept: a console
+# that opens one per statement closes the one before.
+_KEPT_STORE = None
+
+
 def open_store():
+    global _KEPT_STORE
     from paicli.store import Store
-    return Store()
+
+    _KEPT_STORE = Store()
+    return _KEPT_STORE
 
 
 # -- rendering ------------------------------------------------------------------------

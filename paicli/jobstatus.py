@@ -38,6 +38,21 @@ def master_alive(job) -> bool:
     return is_alive(job["master_pid"], job["master_start"])
 
 
+def master_exit_fd(job) -> int:
+    """A pidfd of the job's live master, readable once it exits (a follower
+    waits on it instead of polling), or -1: no pidfd here, or no live master."""
+    if not job["master_pid"]:
+        return -1
+    try:
+        fd = os.pidfd_open(job["master_pid"])
+    except (AttributeError, OSError):
+        return -1
+    if not master_alive(job):   # checked after the open: the fd is the master's, not a reused pid's
+        os.close(fd)
+        return -1
+    return fd
+
+
 def job_over(job) -> bool:
     """The job has ended and its master is gone: its logs will not grow again."""
     return JobStatus(job["status"]).is_terminal() and not master_alive(job)

@@ -103,7 +103,7 @@ class DirectoryWatch:
     def __init__(self, folder: Path):
         self.fd = self.wd = -1
         self.libc = None
-        self._closing = None   # the thread closing a released descriptor
+        self._released = -1   # a descriptor whose watch is removed, closed by close()
         try:
             import ctypes
 
@@ -118,50 +118,46 @@ class DirectoryWatch:
         except (OSError, AttributeError):
             self.fd = -1
 
-    def wait(self, timeout: float, also: int = -1) -> None:
-        """Sleep until a file in the folder changes, `timeout` passes, or the
-        optional fd `also` (a signal wake-up pipe) becomes readable."""
+    def wait(self, timeout: float, also: int = -1, exited: int = -1) -> bool:
+        """Sleep until a file in the folder changes, `timeout` passes, the
+        optional fd `also` (a signal wake-up pipe) becomes readable, or the process
+        of the pidfd `exited` ends (then nothing short-polls: its exit wakes us).
+        True when that process has ended."""
         import select
 
-        fds = [fd for fd in (self.fd, also) if fd >= 0]
+        fds = [fd for fd in (self.fd, also, exited) if fd >= 0]
         if not fds:
             time.sleep(min(timeout, IDLE_SLEEP))
-            return
-        if self.fd < 0:
+            return False
+        if self.fd < 0 and exited < 0:
             timeout = min(timeout, IDLE_SLEEP)
+        ended = False
         for fd in select.select(fds, [], [], max(timeout, 0))[0]:
+            if fd == exited:
+                ended = True   # a pidfd: readable once the process is gone, nothing to read
+                continue
             try:
                 while os.read(fd, 65536):
                     pass
             except BlockingIOError:
                 pass
+        return ended
 
     def close(self) -> None:
-        if self._closing is not None:
-            self._closing.join()
-            self._closing = None
-        if self.fd >= 0:
-            self._close(self.fd, self.wd)
-            self.fd = self.wd = -1
-
-    def _close(self, fd: int, wd: int) -> None:
-        # Closing an inotify descriptor that still watches something waits for
-        # the kernel to reap the watch (10-16 ms here, paid by every `pai` that
-        # follows a job, and by its exit if left open); removing the watch first
-        # hands most of that to the kernel's background work.
-        self.libc.inotify_rm_watch(fd, wd)
-        os.close(fd)
+        self.release()
+        if self._released >= 0:
+            os.close(self._released)
+            self._released = -1
 
     def release(self) -> None:
-        """Stop watching, the close in a thread (`close()` joins it): what is left of
-        the kernel's wait (0-12 ms here) then overlaps the master's last steps after
-        a verdict, instead of following its exit. `wait` sleeps IDLE_SLEEP meanwhile."""
+        """Stop watching now; the descriptor is closed by close(). Closing an
+        inotify descriptor right after its watch is removed (or with the watch in
+        place, as the process's exit does) waits for the kernel to reap the watch,
+        0-24 ms here; a millisecond or more after the removal, the close is free.
+        A follower releases at the verdict and closes as it leaves."""
         if self.fd >= 0:
-            import threading
-
-            self._closing = threading.Thread(target=self._close, args=(self.fd, self.wd), daemon=True)
-            self.fd = self.wd = -1
-            self._closing.start()
+            self.libc.inotify_rm_watch(self.fd, self.wd)
+            self._released, self.fd, self.wd = self.fd, -1, -1
 
 
 class LiveLine:
@@ -331,6 +327,8 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
             out.flush()
         follower.close()
         state["watch"].close()
+        if state.get("master_exit", -1) >= 0:
+            os.close(state["master_exit"])
     return client.status(store, job_id)
 
 
@@ -403,13 +401,21 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
             out.flush()
             return True
         if JobStatus(job["status"]).is_terminal():
-            state["next_check"] = now + IDLE_SLEEP  # the master is writing its last lines; look again soon
+            # The master is writing its last lines: look again as it exits (its pidfd
+            # wakes the wait), or soon where there is no pidfd.
+            from paicli import jobstatus
+
             state["watch"].release()
+            if "master_exit" not in state:
+                state["master_exit"] = jobstatus.master_exit_fd(job)
+            state["next_check"] = now + (STATUS_POLL if state["master_exit"] >= 0 else IDLE_SLEEP)
     if state["live"] is not None:
         state["live"].poll()
         if state["live"].shown:
             out.flush()
-    state["watch"].wait(state["next_check"] - time.monotonic(), state.get("wake_fd", -1))
+    if state["watch"].wait(state["next_check"] - time.monotonic(), state.get("wake_fd", -1),
+                           state.get("master_exit", -1)):
+        state["next_check"] = 0.0   # the master is gone: look at the job now
     return False
 
 

@@ -115,10 +115,12 @@ def test_local_agents_start_their_instances_before_any_identity_is_read():
     assert wait_until(lambda: not _sleepers(marker), timeout=30)
 
 
-def test_a_released_watch_closes_in_the_background_and_close_joins_it(tmp_path):
-    """After a verdict the attached view stops watching at once, the kernel's slow
-    close in a thread; `close()` joins it, so `pai` still leaves by the fast exit
-    (exit_now takes the slow one while a thread lives)."""
+def test_a_released_watch_stops_watching_at_once_and_closes_without_a_thread(tmp_path):
+    """At a verdict the attached view removes its inotify watch (the kernel reaps
+    it in the background) and closes the descriptor only as it leaves: closed at
+    once, or left to the process's exit, the descriptor waited 0-24 ms for that
+    reaping. No thread: `pai` leaves by the fast exit (exit_now takes the slow one
+    while a thread lives)."""
     import threading
 
     from paicli.logtail import DirectoryWatch
@@ -126,14 +128,47 @@ def test_a_released_watch_closes_in_the_background_and_close_joins_it(tmp_path):
     watch = DirectoryWatch(tmp_path)
     fd = watch.fd
     assert fd >= 0
+    with open(f"/proc/self/fdinfo/{fd}") as info:
+        assert "inotify wd:" in info.read()   # the probe sees a live watch
     threads = threading.active_count()
     watch.release()
-    assert watch.fd == -1
-    watch.wait(0.01)   # no descriptor: a short sleep, not a select on a closed fd
+    assert watch.fd == -1 and threading.active_count() == threads
+    with open(f"/proc/self/fdinfo/{fd}") as info:
+        assert "inotify wd:" not in info.read()   # removed now, the descriptor still open
+    (tmp_path / "job.log").write_text("x\n")
+    watch.wait(0.01)   # no descriptor watched: a short sleep, not a select on the released one
     watch.close()
-    assert threading.active_count() == threads and watch._closing is None
     with pytest.raises(OSError):
         os.fstat(fd)   # closed for real
+    watch.close()      # twice: nothing left to close
+
+
+def test_a_follower_waits_on_the_master_exit_through_its_pidfd(tmp_path):
+    """After a verdict the attached view sleeps until the master exits (its pidfd),
+    not in 5 ms polls; the pidfd is of the recorded master only."""
+    import time
+
+    from paicli import jobstatus
+    from paicli.cluster.procinfo import start_time
+    from paicli.logtail import DirectoryWatch
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    try:
+        job = {"master_pid": proc.pid, "master_start": start_time(proc.pid), "created": time.time(),
+               "supervised": None}
+        fd = jobstatus.master_exit_fd(job)
+        assert fd >= 0
+        assert jobstatus.master_exit_fd({**job, "master_start": "1"}) == -1   # another process's pid: none
+        watch = DirectoryWatch(tmp_path)
+        watch.release()
+        t0 = time.monotonic()
+        assert watch.wait(30, exited=fd)   # woken by the exit, long before the timeout
+        assert time.monotonic() - t0 < 20
+        os.close(fd)
+        watch.close()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_the_master_reads_what_a_step_printed_in_one_round_and_an_exit_at_once():

@@ -271,10 +271,12 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
     of `placements`): each node gets the slices of its own workers (and the job's
     buckets), only the blobs it lacks, and an index naming them where they are on
     the node. {node: bytes sent}; {} when local."""
+    transports = _transports(backend, only or {p.node for p in placements})
+    if transports is None:
+        return {}   # local: read in place (and no bucket hashed while the instances wait to start)
     index = load(job_dir)
     trees = bucket_trees(job_dir)
-    transports = _transports(backend, only or {p.node for p in placements})
-    if transports is None or (index is None and not trees):
+    if index is None and not trees:
         return {}
     from paicli.cluster.node_files import shared_paths
 

@@ -37,12 +37,14 @@ from paicli.plan import JobPlan, RolePlan
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
-# What a run imports lazily (node files, outputs' hashes, the summary at the end): a
-# master forked as the submit began imports these while the CLI stages the job
-# (cluster.spawn), so none is imported between the handover and the instances'
-# start (tests/test_overhead.py checks master.log of a job run under -X importtime).
-RUN_MODULES = ("paicli.spec", "paicli.cluster.agent_link", "paicli.runners.node_agent", "paicli.runners.node_outputs", "hashlib", "paicli.cluster.node_files", "paicli.cluster.nodes", "paicli.jobstatus",
-               "paicli.cluster.lifecycle", "paicli.plutoview", "paicli.steptime")
+# What a local run imports lazily: a master forked as `pai` starts imports these
+# while the CLI stages the job (cluster.spawn), so none is imported between the
+# handover and the instances' start, nor at the end (tests/test_overhead.py checks
+# master.log of a job run under -X importtime). Those of other backends' runs
+# (nodes files, bucket digests) stay lazy: a local job's master has no use for them.
+RUN_MODULES = ("paicli.spec", "paicli.cluster.agent_link", "paicli.runners.node_agent",
+               "paicli.runners.node_outputs", "paicli.cluster.node_files",
+               "paicli.jobstatus", "paicli.cluster.lifecycle", "paicli.plutoview", "paicli.steptime")
 
 POLL_SECONDS = 0.1  # a child's exit and its output wake the loop sooner
 RESTART_BACKOFF = 0.5

@@ -195,13 +195,15 @@ def shared_paths(job_dir: str) -> list[str]:
     so what lies below them is read in place there."""
     import json
 
-    from paicli.cluster.nodes import config_from_dict
-
     try:
         with open(os.path.join(job_dir, "nodes.json")) as f:
             snapshot = json.load(f)
     except (OSError, ValueError):
         return []
+    if not isinstance(snapshot, dict) or not snapshot.get("shared"):
+        return []   # none (every local and Ray job): cluster.nodes is not imported to say so
+    from paicli.cluster.nodes import config_from_dict
+
     try:
         return list(config_from_dict(snapshot).shared)
     except (AttributeError, TypeError):   # not a snapshot paicli wrote

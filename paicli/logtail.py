@@ -127,7 +127,9 @@ class DirectoryWatch:
 
         fds = [fd for fd in (self.fd, also, exited) if fd >= 0]
         if not fds:
-            time.sleep(min(timeout, IDLE_SLEEP))
+            # A look that came due while the last step ran asks for a negative wait:
+            # time.sleep raised on it (`pai` ended an attached job with an internal error).
+            time.sleep(min(max(timeout, 0), IDLE_SLEEP))
             return False
         if self.fd < 0 and exited < 0:
             timeout = min(timeout, IDLE_SLEEP)

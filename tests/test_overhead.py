@@ -143,6 +143,19 @@ def test_a_released_watch_stops_watching_at_once_and_closes_without_a_thread(tmp
     watch.close()      # twice: nothing left to close
 
 
+def test_a_watch_with_nothing_to_watch_takes_an_overdue_wait_as_none(tmp_path):
+    """After the verdict the follower has released its watch; where no pidfd and no
+    wake-up pipe are at hand either, a look already due asks for a negative wait.
+    It must return, not raise (time.sleep refused it: `pai` ended an attached job
+    that had succeeded with "internal error: ValueError", seen in the overhead bench)."""
+    from paicli.logtail import DirectoryWatch
+
+    watch = DirectoryWatch(tmp_path)
+    watch.release()
+    assert watch.wait(-0.003) is False
+    watch.close()
+
+
 def test_a_follower_waits_on_the_master_exit_through_its_pidfd(tmp_path):
     """After a verdict the attached view sleeps until the master exits (its pidfd),
     not in 5 ms polls; the pidfd is of the recorded master only."""

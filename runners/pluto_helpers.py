@@ -384,6 +384,8 @@ def update_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
 
 KV_VALUES = 1 << 20
 KV_ROUNDS = 40   # ~0.25 s of server CPU a kind: /proc counts it in 10 ms ticks
+KV_KEYS = 32         # one-value arrays for the cost of a message apart from its values
+KV_KEY_ROUNDS = 20   # ~0.2 s of server CPU: 640 pushes and pulls of a key
 
 
 def _free_port() -> int:
@@ -401,11 +403,14 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float]:
+def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float, float, float]:
     """(server, worker) CPU seconds per value of one push and pull through MXNet's
     dist_sync kvstore with one worker (so the server applies one SGD update a push,
     as Gluon's Trainer has it do), on loopback: ps-lite's messages, its copies, the
-    server's sum and update, and for 2bit the quantising and dequantising. The
+    server's sum and update, and for 2bit the quantising and dequantising; then
+    (server, worker) CPU seconds per key of one push and pull of a one-value array:
+    what a message costs apart from its values (ps-lite's threads handing it on, the
+    engine's scheduling, ~0.1-0.3 ms here), which a 1 M-value array hides. The
     server's CPU is read from /proc over the timed rounds only."""
     import subprocess
 
@@ -425,12 +430,13 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float]
     watchdog = threading.Timer(timeout, worker.kill)
     watchdog.start()
     try:
-        server_cpu = []
+        server_cpu, worker_s = [], []
         for line in worker.stdout:
             if line.startswith(("timing", "timed")):
                 server_cpu.append(_process_cpu(services[1].pid))
             if line.startswith("timed"):
-                worker_s = float(line.split()[1])
+                worker_s.append(float(line.split()[1]))
+            if len(worker_s) == 2:
                 break
         else:
             raise RuntimeError("kvstore probe: the worker ended early or was too slow")
@@ -438,8 +444,9 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float]
             worker.wait(10)   # its kvstore closes with the scheduler's leave; killed below if not
         except subprocess.TimeoutExpired:
             pass
-        values = KV_VALUES * KV_ROUNDS
-        return (server_cpu[1] - server_cpu[0]) / values, worker_s / values
+        values, keys = KV_VALUES * KV_ROUNDS, KV_KEYS * KV_KEY_ROUNDS
+        return ((server_cpu[1] - server_cpu[0]) / values, worker_s[0] / values,
+                (server_cpu[3] - server_cpu[2]) / keys, worker_s[1] / keys)
     finally:
         watchdog.cancel()
         for proc in (worker, *services):
@@ -473,14 +480,39 @@ def _kvstore_worker() -> int:
     time.sleep(0.2)   # the server's last reply is sent; its CPU read next
     print(f"timed {spent:.6f}", flush=True)
     time.sleep(0.2)
+    # the same for KV_KEYS one-value arrays: the cost of a message, not of its values
+    small = [mx.nd.zeros((1,)) for _ in range(KV_KEYS)]
+    for key, array in enumerate(small, start=1):
+        kv.init(key, array)
+    tiny = mx.nd.ones((1,)) * 0.7
+
+    def round_of_keys():
+        for key in range(1, KV_KEYS + 1):
+            kv.push(key, tiny)
+        for key, array in enumerate(small, start=1):
+            kv.pull(key, out=array)
+        mx.nd.waitall()
+
+    for _ in range(3):
+        round_of_keys()
+    print("timing keys", flush=True)
+    time.sleep(0.2)
+    started = time.process_time()
+    for _ in range(KV_KEY_ROUNDS):
+        round_of_keys()
+    spent = time.process_time() - started
+    time.sleep(0.2)
+    print(f"timed {spent:.6f}", flush=True)
+    time.sleep(0.2)
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "kvstore":
         for kind in ("none", "2bit"):
-            server, worker = kvstore_cost(kind)
+            server, worker, server_key, worker_key = kvstore_cost(kind)
             print(f"{kind} {server:.6e} {worker:.6e}", flush=True)
+            print(f"{kind}-key {server_key:.6e} {worker_key:.6e}", flush=True)
         sys.exit(0)
     if len(sys.argv) >= 2 and sys.argv[1] == "kvstore-worker":
         sys.exit(_kvstore_worker())

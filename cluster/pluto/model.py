@@ -388,10 +388,11 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
     if kv is not None:
         # MXNet with its kvstore probed: what one push and pull costs each end, per value
         worker_s, server_s = kv
+        worker_keys, server_keys = kvstore_key_seconds(profile, strategy, cluster)
         for node in worker_nodes:
-            demand[node] += compute + worker_s
+            demand[node] += compute + worker_s + worker_keys
         for j, node in enumerate(ps_nodes):
-            demand[node] += server_s * loads[j] / held
+            demand[node] += server_s * loads[j] / held + server_keys[j]
     else:
         half_quantize = 0.5 * quantize_seconds(profile, strategy, cluster)   # quantise here, dequantise there
         for node in worker_nodes:
@@ -425,6 +426,27 @@ def kvstore_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> t
     update = min(cluster.update_s_per_value, server)
     servers = (server - update) * values * strategy.workers + update_seconds(profile, strategy, cluster)
     return worker * values, servers
+
+
+def kvstore_key_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> tuple[float, list[float]]:
+    """(one worker's, each server's) CPU seconds a step's kvstore messages cost apart
+    from their values, from the probe of a one-value array's push and pull on this
+    machine (0 when not probed). A worker pushes and pulls every array once a step,
+    one message per server holding a piece of it (an array sliced across P servers
+    is P messages); each server answers every worker's. The per-value probe's 1 M
+    values hide this; a model of 8 arrays pays it 16 times a worker a step (~0.1 ms
+    on a worker, ~0.3 ms on a server a key here: on 2 cores, 3 workers and 3 servers
+    of a 2 MB conv net spent ~10 ms of CPU a step on it, a fifth of its forecast
+    floor, issue 21)."""
+    if strategy.framework != "mxnet" or not strategy.ps:
+        return 0.0, []
+    two_bit = strategy.compression == "2bit"
+    server = cluster.kv_server_2bit_s_per_key if two_bit else cluster.kv_server_s_per_key
+    worker = cluster.kv_worker_2bit_s_per_key if two_bit else cluster.kv_worker_s_per_key
+    homes = array_homes(profile.var_bytes or (profile.param_bytes,), strategy.ps, strategy.partition,
+                        strategy.big_array_bound)
+    messages = [sum(1 for share in homes if share[j] > 0) for j in range(strategy.ps)]
+    return worker * sum(messages), [server * n * strategy.workers for n in messages]
 
 
 def update_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:

@@ -182,6 +182,18 @@ def probe_kvstore() -> dict[str, float]:
     return _mxnet_probe("kvstore") or {}
 
 
+def probe_rpc() -> dict[str, float]:
+    """calibrate.measure_rpc in the TensorFlow runtime ({} when it is not there)."""
+    from paicli.cluster.pluto import calibrate
+    from paicli.runners import pluto_helpers
+    from paicli.runners.runtimes import get_runtime
+
+    runtime = get_runtime("tensorflow")
+    if not runtime.is_installed():
+        return {}
+    return calibrate.measure_rpc(runtime.python(), pluto_helpers.__file__)
+
+
 def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> tuple[float | None, float]:
     """(bytes/s, CPU seconds per byte) between two nodes, measured through pai: a job
     of one ps (a sink) and one worker (a source) running runners/pluto_helpers.py.
@@ -603,9 +615,13 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     kvstore = (cached or {}).get("kvstore_s_per_value")
     if kvstore is None and framework == "mxnet":
         kvstore = probe_kvstore()
+    # TensorFlow's gRPC runtime's CPU per byte and per variable, likewise
+    rpc = (cached or {}).get("rpc")
+    if rpc is None and framework == "tensorflow":
+        rpc = probe_rpc()
     from dataclasses import replace
     costs = {"quantize_s_per_value": quantize or 0.0, "update_s_per_value": update or 0.0,
-             "link_cpu_s_per_byte": link_cpu, **(kvstore or {})}
+             "link_cpu_s_per_byte": link_cpu, **(kvstore or {}), **(rpc or {})}
     where, here = replace(where, **costs), replace(here, **costs)
     texts = script_texts(prepared)   # read once for tf_sync and script_knobs
     jobs: list[str] = []
@@ -624,7 +640,7 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
                                         "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links,
                                         "machines": machines, "quantize_s_per_value": quantize,
                                         "update_s_per_value": update, "link_cpu_s_per_byte": link_cpu,
-                                        "kvstore_s_per_value": kvstore})
+                                        "kvstore_s_per_value": kvstore, "rpc": rpc})
     knobs = script_knobs(prepared, facts, args, texts)
     result = planner.plan(profile, where, user, budget_s=budget_s, knobs=knobs)
     verification = None

@@ -395,11 +395,21 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
             demand[node] += server_s * loads[j] / held + server_keys[j]
     else:
         half_quantize = 0.5 * quantize_seconds(profile, strategy, cluster)   # quantise here, dequantise there
+        worker_vars, ps_vars = 0.0, [0.0] * len(ps_nodes)
+        if strategy.framework == "tensorflow" and cluster.rpc_cpu_s_per_byte > 0:
+            # TF's gRPC runtime, probed: its cost per byte (both ends), and per variable
+            # pulled and pushed, half on each end
+            per_byte = 0.5 * cluster.rpc_cpu_s_per_byte
+            homes = array_homes(profile.var_bytes or (total,), strategy.ps, strategy.partition,
+                                strategy.big_array_bound)
+            on_ps = [sum(1 for share in homes if share[j] > 0) for j in range(strategy.ps)]
+            worker_vars = 0.5 * cluster.rpc_cpu_s_per_var * sum(on_ps)
+            ps_vars = [0.5 * cluster.rpc_cpu_s_per_var * n * strategy.workers for n in on_ps]
         for node in worker_nodes:
-            demand[node] += compute + per_byte * 2.0 * total + half_quantize  # push every gradient, pull every value
+            demand[node] += compute + per_byte * 2.0 * total + half_quantize + worker_vars  # push every gradient, pull every value
         for j, node in enumerate(ps_nodes):
             demand[node] += (per_byte * 2.0 * total + half_quantize) * (loads[j] / held) * strategy.workers
-            demand[node] += update_seconds(profile, strategy, cluster) * loads[j] / held
+            demand[node] += update_seconds(profile, strategy, cluster) * loads[j] / held + ps_vars[j]
     fractions = [load / held for load in loads]
     push_bytes = total * (TWO_BIT if strategy.compression == "2bit" else 1.0)
     _charge_links([(w, ps_nodes[j], push_bytes * f) for w in worker_nodes for j, f in enumerate(fractions)]

@@ -268,7 +268,8 @@ def exit_now(code: object) -> None:
         code = 1
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:   # None: started with that descriptor closed
+                stream.flush()
         except (OSError, ValueError):
             pass  # a closed pipe (`pai ... | head`) or an already closed stream
     if threading.active_count() > 1 or sys.getprofile() or sys.gettrace() or os.environ.get("PAI_DEBUG"):

@@ -12,6 +12,13 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
+    if sys.stdout is None:
+        # Started with fd 1 closed (`pai ... >&-`): every command writes there. Said in
+        # one line and nothing run, rather than a job submitted and a traceback.
+        if sys.stderr is not None:
+            sys.stderr.write("pai: error: standard output is closed; run pai with it open "
+                             "(`> /dev/null` to discard it)\n")
+        sys.exit(2)
     from paicli.commands import finish, is_bare_statement, submit_tokens
 
     args = sys.argv[1:] if argv is None else list(argv)

@@ -244,3 +244,17 @@ def test_a_bare_statement_is_submitted_without_click(pai_home):
     assert bad.returncode == 2
     assert bad.stderr.startswith("pai: error: ") and len(bad.stderr.splitlines()) == 1
     assert pai("submit", "-name", "python", "-Dscript=/nonexistent/x.py").stderr == bad.stderr
+
+
+@pytest.mark.parametrize("args", [["list"], ["--version"], ["-name", "python", f"-Dscript={BEHAVE}"]])
+def test_standard_output_closed_is_one_line_and_runs_nothing(args, pai_home):
+    """`pai ... >&-`: one line on stderr, exit 2, no traceback, and no job submitted."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(["bash", "-c", 'exec "$0" "$@" >&-', sys.executable, "-m", "paicli", *args],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "BEHAVE": "print:1"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "pai: error: standard output is closed; run pai with it open (`> /dev/null` to discard it)"]
+    assert not (pai_home / "jobs").exists() or not any((pai_home / "jobs").iterdir())

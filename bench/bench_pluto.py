@@ -18,6 +18,7 @@
     sudo .venv/bin/python bench/bench_pluto.py heldout --json /tmp/heldout.json
     # ...measuring every candidate where no measured plan is 1.5x the default
     sudo .venv/bin/python bench/bench_pluto.py heldout --all-plans --json /tmp/heldout.json
+    .venv/bin/python bench/bench_pluto.py heldout-table A.json B.json   # one table over runs made in chunks
     # markdown rows of saved results (grid --json FILE)
     .venv/bin/python bench/bench_pluto.py table FILE...
 
@@ -751,8 +752,17 @@ def main() -> None:
                         "measure every other candidate too (does any plan reach 1.5x?)")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
+    ht = sub.add_parser("heldout-table", help="the held-out table and figures over saved --json files "
+                        "(a run made in chunks with --only)")
+    ht.add_argument("files", nargs="+")
     args = parser.parse_args()
-    {"grid": cmd_grid, "proof": cmd_proof, "table": cmd_table, "heldout": cmd_heldout}[args.cmd](args)
+    {"grid": cmd_grid, "proof": cmd_proof, "table": cmd_table, "heldout": cmd_heldout,
+     "heldout-table": cmd_heldout_table}[args.cmd](args)
+
+
+def cmd_heldout_table(args) -> None:
+    """heldout_summary over the cases of several held-out --json files, in the order given."""
+    heldout_summary([case for path in args.files for case in json.loads(Path(path).read_text())])
 
 
 if __name__ == "__main__":

@@ -20,6 +20,12 @@ from typing import Any, Callable, NamedTuple
 PLAN_FRAMEWORKS = ("tensorflow", "mxnet", "caffe")
 CALIBRATION_LIMIT_S = 180.0     # a calibration run that shows no steps by then fails
 CALIBRATION_INTERVALS = 8       # step-line intervals per worker before a run is stopped
+# ... and the seconds those intervals must span at least (or the script ends): a 15-20 ms
+# step's 8 intervals are 0.15 s, where one burst of other load on shared cores sets the
+# median (TF's conv net calibrated its 1 + 1 shape at 0.0222 s/step and measured the
+# same plan at 0.0157 minutes later, +41%, issue 21); 2 s of intervals is ~100 of them
+# and costs a fast script under 2 s a run. A step of 0.25 s or more spans it already.
+MEASURE_SPAN_S = 2.0
 CALIBRATION_MA_PERIOD = 5
 STRATEGY_KEYS = ("autoStrategy", "timeout", "gradientCompression", "gradientCompressionThreshold",
                  "bigArrayBound", "psStrategy", "maPeriod", "lrScale", "warmupSteps", "learningRate",
@@ -174,6 +180,18 @@ def _mxnet_probe(what: str):
 def probe_kvstore() -> dict[str, float]:
     """calibrate.measure_kvstore in the MXNet runtime ({} when it is not there)."""
     return _mxnet_probe("kvstore") or {}
+
+
+def probe_rpc() -> dict[str, float]:
+    """calibrate.measure_rpc in the TensorFlow runtime ({} when it is not there)."""
+    from paicli.cluster.pluto import calibrate
+    from paicli.runners import pluto_helpers
+    from paicli.runners.runtimes import get_runtime
+
+    runtime = get_runtime("tensorflow")
+    if not runtime.is_installed():
+        return {}
+    return calibrate.measure_rpc(runtime.python(), pluto_helpers.__file__)
 
 
 def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> tuple[float | None, float]:
@@ -434,9 +452,20 @@ def _calibration_configs(framework: str):
             ({"ps": {"count": 2}, "worker": {"count": 1}}, {})]
 
 
-def _enough_steps(store, job_id: str, workers: int) -> bool:
+def _enough_steps(store, job_id: str, workers: int, intervals: int = CALIBRATION_INTERVALS,
+                  span_s: float = MEASURE_SPAN_S) -> bool:
+    """Every worker printed `intervals` + 2 step lines (the first interval is dropped)
+    and its intervals after the first span `span_s` seconds."""
     counts = store.step_counts(job_id, ("worker", "chief"))
-    return len(counts) >= workers and all(n >= CALIBRATION_INTERVALS + 2 for n in counts.values())
+    if len(counts) < workers or any(n < intervals + 2 for n in counts.values()):
+        return False
+    if span_s <= 0:
+        return True
+    times: dict[tuple[str, int], list[float]] = {}
+    for row in store.step_points(job_id, ("worker", "chief")):
+        times.setdefault((row[0], row[1]), []).append(row[3])
+    return len(times) >= workers and all(len(ts) >= 2 and max(ts) - sorted(ts)[1] >= span_s
+                                         for ts in times.values())
 
 
 def wait_job(store, job_id: str, limit_s: float, enough: Callable[[], bool] = lambda: False) -> bool:
@@ -586,9 +615,13 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     kvstore = (cached or {}).get("kvstore_s_per_value")
     if kvstore is None and framework == "mxnet":
         kvstore = probe_kvstore()
+    # TensorFlow's gRPC runtime's CPU per byte and per variable, likewise
+    rpc = (cached or {}).get("rpc")
+    if rpc is None and framework == "tensorflow":
+        rpc = probe_rpc()
     from dataclasses import replace
     costs = {"quantize_s_per_value": quantize or 0.0, "update_s_per_value": update or 0.0,
-             "link_cpu_s_per_byte": link_cpu, **(kvstore or {})}
+             "link_cpu_s_per_byte": link_cpu, **(kvstore or {}), **(rpc or {})}
     where, here = replace(where, **costs), replace(here, **costs)
     texts = script_texts(prepared)   # read once for tf_sync and script_knobs
     jobs: list[str] = []
@@ -607,7 +640,7 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
                                         "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links,
                                         "machines": machines, "quantize_s_per_value": quantize,
                                         "update_s_per_value": update, "link_cpu_s_per_byte": link_cpu,
-                                        "kvstore_s_per_value": kvstore})
+                                        "kvstore_s_per_value": kvstore, "rpc": rpc})
     knobs = script_knobs(prepared, facts, args, texts)
     result = planner.plan(profile, where, user, budget_s=budget_s, knobs=knobs)
     verification = None
@@ -649,7 +682,9 @@ def verify_plan(prepared, store, key: str, profile, where, user, knobs, result, 
     def cached_run(choice):
         return calibrate.cache_get(home, f"{key}:verify:{planner.plan_key(choice)}")
 
-    cost = sum(VERIFY_STARTUP_S + (VERIFY_INTERVALS + 2) * c.forecast.step_s for c in picks if not cached_run(c))
+    cost = sum(VERIFY_STARTUP_S + max((VERIFY_INTERVALS + 2) * c.forecast.step_s,
+                                      MEASURE_SPAN_S + 2 * c.forecast.step_s)
+               for c in picks if not cached_run(c))
     if budget_s is not None and cost > 0:
         left = max(0.0, budget_s - cost)
         result = planner.plan(profile, where, user, budget_s=left, knobs=knobs)
@@ -680,7 +715,7 @@ def verify_plan(prepared, store, key: str, profile, where, user, knobs, result, 
 
 def verify_run(prepared, store, choice_json: dict, say: Callable[[str], None]) -> dict[str, Any]:
     """Submit the job as the plan would (its -Dcluster and -D values), let every
-    worker print VERIFY_INTERVALS + 2 step lines, stop it; {"job", "step_s"} (step_s
+    worker print VERIFY_INTERVALS + 2 step lines spanning MEASURE_SPAN_S, stop it; {"job", "step_s"} (step_s
     None when the run failed or showed too few steps: the plan keeps its forecast)."""
     import dataclasses
 
@@ -696,9 +731,8 @@ def verify_run(prepared, store, choice_json: dict, say: Callable[[str], None]) -
     job_id = client.submit(client.Prepared(prepared.adapter, spec), store)
     say(f"verification job {job_id}: {choice_json['label']}")
 
-    def enough() -> bool:
-        counts = store.step_counts(job_id, ("worker", "chief"))
-        return len(counts) >= workers and all(n >= VERIFY_INTERVALS + 2 for n in counts.values())
+    def enough() -> bool:   # the plans it compares are within 15%: the same window as calibration's
+        return _enough_steps(store, job_id, workers, VERIFY_INTERVALS, MEASURE_SPAN_S)
 
     wait_job(store, job_id, CALIBRATION_LIMIT_S, enough)
     job = store.job(job_id)

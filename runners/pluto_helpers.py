@@ -384,6 +384,8 @@ def update_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
 
 KV_VALUES = 1 << 20
 KV_ROUNDS = 40   # ~0.25 s of server CPU a kind: /proc counts it in 10 ms ticks
+KV_KEYS = 32         # one-value arrays for the cost of a message apart from its values
+KV_KEY_ROUNDS = 20   # ~0.2 s of server CPU: 640 pushes and pulls of a key
 
 
 def _free_port() -> int:
@@ -401,11 +403,14 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float]:
+def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float, float, float]:
     """(server, worker) CPU seconds per value of one push and pull through MXNet's
     dist_sync kvstore with one worker (so the server applies one SGD update a push,
     as Gluon's Trainer has it do), on loopback: ps-lite's messages, its copies, the
-    server's sum and update, and for 2bit the quantising and dequantising. The
+    server's sum and update, and for 2bit the quantising and dequantising; then
+    (server, worker) CPU seconds per key of one push and pull of a one-value array:
+    what a message costs apart from its values (ps-lite's threads handing it on, the
+    engine's scheduling, ~0.1-0.3 ms here), which a 1 M-value array hides. The
     server's CPU is read from /proc over the timed rounds only."""
     import subprocess
 
@@ -425,12 +430,13 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float]
     watchdog = threading.Timer(timeout, worker.kill)
     watchdog.start()
     try:
-        server_cpu = []
+        server_cpu, worker_s = [], []
         for line in worker.stdout:
             if line.startswith(("timing", "timed")):
                 server_cpu.append(_process_cpu(services[1].pid))
             if line.startswith("timed"):
-                worker_s = float(line.split()[1])
+                worker_s.append(float(line.split()[1]))
+            if len(worker_s) == 2:
                 break
         else:
             raise RuntimeError("kvstore probe: the worker ended early or was too slow")
@@ -438,8 +444,9 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float]
             worker.wait(10)   # its kvstore closes with the scheduler's leave; killed below if not
         except subprocess.TimeoutExpired:
             pass
-        values = KV_VALUES * KV_ROUNDS
-        return (server_cpu[1] - server_cpu[0]) / values, worker_s / values
+        values, keys = KV_VALUES * KV_ROUNDS, KV_KEYS * KV_KEY_ROUNDS
+        return ((server_cpu[1] - server_cpu[0]) / values, worker_s[0] / values,
+                (server_cpu[3] - server_cpu[2]) / keys, worker_s[1] / keys)
     finally:
         watchdog.cancel()
         for proc in (worker, *services):
@@ -473,15 +480,160 @@ def _kvstore_worker() -> int:
     time.sleep(0.2)   # the server's last reply is sent; its CPU read next
     print(f"timed {spent:.6f}", flush=True)
     time.sleep(0.2)
+    # the same for KV_KEYS one-value arrays: the cost of a message, not of its values
+    small = [mx.nd.zeros((1,)) for _ in range(KV_KEYS)]
+    for key, array in enumerate(small, start=1):
+        kv.init(key, array)
+    tiny = mx.nd.ones((1,)) * 0.7
+
+    def round_of_keys():
+        for key in range(1, KV_KEYS + 1):
+            kv.push(key, tiny)
+        for key, array in enumerate(small, start=1):
+            kv.pull(key, out=array)
+        mx.nd.waitall()
+
+    for _ in range(3):
+        round_of_keys()
+    print("timing keys", flush=True)
+    time.sleep(0.2)
+    started = time.process_time()
+    for _ in range(KV_KEY_ROUNDS):
+        round_of_keys()
+    spent = time.process_time() - started
+    time.sleep(0.2)
+    print(f"timed {spent:.6f}", flush=True)
+    time.sleep(0.2)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# TensorFlow's RPC CPU per byte: `python pluto_helpers.py rpc`, a ps and a worker of
+# TF1's distributed runtime on 127.0.0.1, the worker pulling and pushing one variable.
+
+RPC_VALUES = 1 << 20   # 4 MB a transfer
+RPC_ROUNDS = 24        # ~200 MB moved: ~0.3-1 s of CPU, /proc's 10 ms ticks are ~2% of it
+RPC_VARS = 32          # one-value variables: what a variable's transfer costs apart from its bytes
+RPC_VAR_ROUNDS = 20
+
+
+def _rpc_cluster(ps_port: int, worker_port: int) -> dict:
+    return {"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{worker_port}"]}
+
+
+def rpc_cost(timeout: float = 120.0) -> tuple[float, float]:
+    """(CPU seconds per byte, per variable) a TensorFlow ps and worker spend together
+    moving variables between them through TF's gRPC runtime on loopback: per byte
+    of a 1 M-value variable pulled and pushed (the tensor's serialising, gRPC's
+    copies and threads, the kernel's loopback: several times a raw TCP copy), and
+    per one-value variable pulled and pushed (a transfer's own RPC, whatever its
+    size). Both ends together. The ps's CPU is read from /proc, the worker's from its
+    own clock, over the timed rounds only."""
+    import json
+    import subprocess
+    import threading
+
+    ports = (_free_port(), _free_port())
+    env = {**os.environ, "PAI_PLUTO_RPC_PORTS": json.dumps(ports), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    me = os.path.abspath(__file__)
+    ps = subprocess.Popen([sys.executable, me, "rpc-ps"], env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen([sys.executable, me, "rpc-worker"], env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    watchdog = threading.Timer(timeout, worker.kill)
+    watchdog.start()
+    try:
+        ps_cpu, worker_s = [], []
+        for line in worker.stdout:
+            if line.startswith(("timing", "timed")):
+                ps_cpu.append(_process_cpu(ps.pid))
+            if line.startswith("timed"):
+                worker_s.append(float(line.split()[1]))
+            if len(worker_s) == 2:
+                break
+        else:
+            raise RuntimeError("rpc probe: the worker ended early or was too slow")
+        moved = 2.0 * 4.0 * RPC_VALUES * RPC_ROUNDS   # a pull and a push of every value a round
+        return ((ps_cpu[1] - ps_cpu[0] + worker_s[0]) / moved,
+                (ps_cpu[3] - ps_cpu[2] + worker_s[1]) / (RPC_VARS * RPC_VAR_ROUNDS))
+    finally:
+        watchdog.cancel()
+        for proc in (worker, ps):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def _rpc_role(role: str) -> int:
+    import json
+
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    spec = tf.train.ClusterSpec(_rpc_cluster(*json.loads(os.environ["PAI_PLUTO_RPC_PORTS"])))
+    server = tf.compat.v1.train.Server(spec, job_name=role, task_index=0)
+    if role == "ps":
+        server.join()
+        return 0
+    with tf.compat.v1.device("/job:ps/task:0"):
+        var = tf.compat.v1.get_variable("v", [RPC_VALUES], initializer=tf.compat.v1.zeros_initializer())
+    with tf.compat.v1.device("/job:worker/task:0"):
+        grad = tf.compat.v1.get_variable("g", [RPC_VALUES], initializer=tf.compat.v1.constant_initializer(1e-6))
+        pulled = tf.reduce_sum(tf.identity(var))      # the parameters come to the worker
+        gradient = grad * 1.0                          # computed on the worker, then sent to the ps
+    with tf.compat.v1.device("/job:ps/task:0"):
+        push = tf.compat.v1.assign_add(var, gradient)
+        small = [tf.compat.v1.get_variable(f"s{i}", [1], initializer=tf.compat.v1.zeros_initializer())
+                 for i in range(RPC_VARS)]
+    with tf.compat.v1.device("/job:worker/task:0"):
+        small_pulled = tf.add_n([tf.identity(v) for v in small])
+        local = [tf.compat.v1.get_variable(f"l{i}", [1], initializer=tf.compat.v1.constant_initializer(1e-6))
+                 for i in range(RPC_VARS)]
+        small_grads = [v * 1.0 for v in local]   # computed on the worker, one per variable
+    with tf.compat.v1.device("/job:ps/task:0"):
+        small_push = tf.group(*[tf.compat.v1.assign_add(v, g) for v, g in zip(small, small_grads)])
+    config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", "/job:worker/task:0"])
+    with tf.compat.v1.Session(server.target, config=config) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for _ in range(3):
+            sess.run(pulled)
+            sess.run(push.op)
+        print("timing", flush=True)
+        time.sleep(0.2)
+        started = time.process_time()
+        for _ in range(RPC_ROUNDS):
+            sess.run(pulled)
+            sess.run(push.op)
+        spent = time.process_time() - started
+        time.sleep(0.2)
+        print(f"timed {spent:.6f}", flush=True)
+        for _ in range(3):
+            sess.run([small_pulled, small_push])
+        print("timing vars", flush=True)
+        time.sleep(0.2)
+        started = time.process_time()
+        for _ in range(RPC_VAR_ROUNDS):
+            sess.run(small_pulled)
+            sess.run(small_push)
+        spent = time.process_time() - started
+        time.sleep(0.2)
+        print(f"timed {spent:.6f}", flush=True)
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "kvstore":
         for kind in ("none", "2bit"):
-            server, worker = kvstore_cost(kind)
+            server, worker, server_key, worker_key = kvstore_cost(kind)
             print(f"{kind} {server:.6e} {worker:.6e}", flush=True)
+            print(f"{kind}-key {server_key:.6e} {worker_key:.6e}", flush=True)
         sys.exit(0)
+    if len(sys.argv) >= 2 and sys.argv[1] == "rpc":
+        per_byte, per_var = rpc_cost()
+        print(f"{per_byte:.6e} {per_var:.6e}", flush=True)
+        sys.exit(0)
+    if len(sys.argv) >= 2 and sys.argv[1] in ("rpc-ps", "rpc-worker"):
+        sys.exit(_rpc_role(sys.argv[1][4:]))
     if len(sys.argv) >= 2 and sys.argv[1] == "kvstore-worker":
         sys.exit(_kvstore_worker())
     if len(sys.argv) >= 2 and sys.argv[1] == "quantize":

@@ -357,7 +357,7 @@ def auto_strategy_with_calibration(statement, prepared, files, args, here, profi
     calibrate.cache_put(Path(os.environ["PAI_HOME"]), calibration_key(prepared, files, args, here),
                         {"profile": profile.to_dict(), "runs": [], "jobs": [], "loopback_Bps": 2e9,
                          "links_Bps": None, "quantize_s_per_value": 0.0, "update_s_per_value": 0.0,
-                         "kvstore_s_per_value": {}})
+                         "kvstore_s_per_value": {}, "rpc": {}})
     result = pai(*statement, "-DautoStrategy=true", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout

@@ -165,6 +165,40 @@ def test_async_servers_apply_one_update_per_push_sync_servers_one_per_step():
                                  Strategy("tensorflow", 2, 4), where) is None
 
 
+def test_every_kvstore_message_costs_cpu_on_both_ends_apart_from_its_values():
+    """The MXNet conv net's miss (issue 21, fifth pass): its 8 arrays cost 16 messages a
+    worker a step, ~0.1-0.3 ms of CPU each end here, which the per-value probe (one
+    1 M-value array) cannot see. With the per-key probe, each worker pays its pushes
+    and pulls of every key, one per server holding a piece of it (a sliced array is
+    one message per server), and each server every worker's; the same bytes in more
+    arrays cost more CPU, and the floor of a CPU-bound plan rises by exactly that."""
+    conv = (128.0, 3456.0, 256.0, 73728.0, 2048.0, 2097152.0, 8.0, 4096.0)   # the held-out conv net
+    profile = Profile("mxnet", param_bytes=sum(conv), var_bytes=conv, compute_s_per_sample=0.33e-3,
+                      batch_size=32)
+    plan = Strategy("mxnet", 2, 3, partition=SLICED, big_array_bound=136304, compression="2bit")
+    values = replace(kv_probed(one_machine(3)), link_cpu_s_per_byte=8.5e-9, loopback_Bps=1.6e9)
+    keys = replace(values, kv_server_2bit_s_per_key=3e-4, kv_worker_2bit_s_per_key=2e-4,
+                   kv_server_s_per_key=1e-3, kv_worker_s_per_key=1e-3)   # the uncompressed pair: not this plan's
+    # 8 arrays, the 2 MB one sliced over both servers: 9 messages a worker
+    worker_s, per_server = model.kvstore_key_seconds(profile, plan, keys)
+    assert worker_s == pytest.approx(9 * 2e-4)
+    assert sum(per_server) == pytest.approx(3 * 9 * 3e-4)
+    assert len(per_server) == 2 and min(per_server) > 0
+    extra = sum(model.cpu_demand(profile, plan, keys)) - sum(model.cpu_demand(profile, plan, values))
+    assert extra == pytest.approx(3 * 9 * 2e-4 + 3 * 9 * 3e-4)
+    # the plan is bound by the 2 cores, and the floor rises by the messages' CPU over them
+    before, after = model.forecast(profile, plan, values), model.forecast(profile, plan, keys)
+    assert before.bottleneck == after.bottleneck == "compute"
+    assert after.step_s - before.step_s == pytest.approx(extra / 2.0)
+    # unsliced (MXNet's own bound), the big array is one message: 8 a worker
+    whole = plan.with_(big_array_bound=None)
+    assert model.kvstore_key_seconds(profile, whole, keys)[0] == pytest.approx(8 * 2e-4)
+    # not probed, or not MXNet: nothing
+    assert model.kvstore_key_seconds(profile, plan, values) == (0.0, [0.0, 0.0])
+    assert model.kvstore_key_seconds(replace(profile, framework="tensorflow"),
+                                     Strategy("tensorflow", 2, 3), keys) == (0.0, [])
+
+
 def test_a_many_process_1gbit_plan_on_two_cores_is_forecast_at_its_cpu():
     """The held-out miss, on fixed inputs: a 3 + 4 2bit async plan of a 6.6 MB model on
     4 virtual hosts of a 2-core machine. With the probed costs (about what this machine
@@ -198,8 +232,13 @@ def test_the_update_and_kvstore_probes_run_mxnet_and_say_nothing_when_they_canno
     assert 1e-11 < update < 1e-7              # an SGD step per value: nanoseconds
     kv = calibrate.measure_kvstore(runtime.python(), pluto_helpers.__file__)
     assert set(kv) == {"kv_server_s_per_value", "kv_worker_s_per_value",
-                       "kv_server_2bit_s_per_value", "kv_worker_2bit_s_per_value"}
-    assert all(1e-11 < v < 1e-6 for v in kv.values()), kv
+                       "kv_server_2bit_s_per_value", "kv_worker_2bit_s_per_value",
+                       "kv_server_s_per_key", "kv_worker_s_per_key",
+                       "kv_server_2bit_s_per_key", "kv_worker_2bit_s_per_key"}
+    assert all(1e-11 < v < 1e-6 for k, v in kv.items() if k.endswith("value")), kv
+    # a message costs microseconds to a millisecond whatever its size: far more than a value
+    assert all(1e-6 < v < 1e-2 for k, v in kv.items() if k.endswith("key")), kv
+    assert kv["kv_worker_s_per_key"] > 100 * kv["kv_worker_s_per_value"], kv
     # a server's round holds an update and the messages around it; /proc's clock ticks
     # are 10 ms in ~100 ms of rounds, so "more than half an update" is what it can say
     assert kv["kv_server_s_per_value"] > 0.5 * update, (kv, update)
@@ -240,3 +279,41 @@ def test_fitted_overheads_add_to_whichever_bound_holds():
     got = model.forecast(profile, plan, here)
     assert floor > model.compute_seconds(profile, plan, here) + model.comm_seconds(profile, plan, here)
     assert got.step_s == pytest.approx(floor + 0.010 * 2)   # (W - 1) / P = 2
+
+
+def test_tensorflow_bytes_and_variables_cost_the_probed_rpc_cpu():
+    """TF's gRPC runtime moves a byte between a ps and a worker for several times a raw
+    TCP copy's CPU (the tensor serialised, gRPC's copies and threads), and every
+    variable pulled and pushed costs an RPC of its own (~0.4 ms both ends here). The
+    held-out TF conv net's default (1 ps + 3 async workers, 3.8 MB on 4 virtual hosts of
+    2 cores) measured 20-39% slower than forecast in 3 runs of 4: its floor charged the
+    loopback copy. With the probe, each end pays half of both figures."""
+    conv = (3456.0, 128.0, 73728.0, 256.0, 3670016.0, 3584.0, 3584.0)
+    profile = Profile("tensorflow", param_bytes=sum(conv), var_bytes=conv, compute_s_per_sample=0.45e-3,
+                      batch_size=32, sync=False)
+    plan = Strategy("tensorflow", 1, 3, sync=False)
+    bare = replace(one_machine(4), loopback_Bps=3e9, link_cpu_s_per_byte=8e-9)
+    probed = replace(bare, rpc_cpu_s_per_byte=1.8e-9, rpc_cpu_s_per_var=4e-4)
+    extra = sum(model.cpu_demand(profile, plan, probed)) - sum(model.cpu_demand(profile, plan, bare))
+    per_byte = 1.8e-9 - 1 / 3e9                     # beyond the loopback copy charged before
+    assert extra == pytest.approx(3 * 2 * sum(conv) * per_byte + 3 * 7 * 4e-4)
+    before, after = model.forecast(profile, plan, bare), model.forecast(profile, plan, probed)
+    assert after.step_s >= before.step_s
+    # MXNet (its kvstore probed apart) and an unprobed TF cluster are as before
+    mx = Strategy("mxnet", 1, 3)
+    assert model.cpu_demand(replace(profile, framework="mxnet"), mx, probed) == \
+        model.cpu_demand(replace(profile, framework="mxnet"), mx, bare)
+
+
+def test_the_rpc_probe_runs_tensorflow_and_says_nothing_when_it_cannot(tmp_path):
+    from paicli.runners import pluto_helpers
+    from paicli.runners.runtimes import get_runtime
+
+    assert calibrate.measure_rpc(str(tmp_path / "no-python"), pluto_helpers.__file__) == {}
+    runtime = get_runtime("tensorflow")
+    if not runtime.is_installed():
+        pytest.skip("the tensorflow runtime is not provisioned")
+    rpc = calibrate.measure_rpc(runtime.python(), pluto_helpers.__file__)
+    assert set(rpc) == {"rpc_cpu_s_per_byte", "rpc_cpu_s_per_var"}
+    assert 1e-11 < rpc["rpc_cpu_s_per_byte"] < 1e-7, rpc
+    assert 1e-6 < rpc["rpc_cpu_s_per_var"] < 1e-1, rpc

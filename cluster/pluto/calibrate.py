@@ -38,7 +38,7 @@ from paicli.cluster.pluto.model import comm_seconds, compute_seconds, cpu_floor,
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 from paicli.private import write_private
 
-CACHE_VERSION = 9   # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step; 8: overheads counted from 1 worker, 1 ps (compute pinned by the 1 + 1 run); 9: the links' CPU per byte and the servers' update per value, probed
+CACHE_VERSION = 11  # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step; 8: overheads counted from 1 worker, 1 ps (compute pinned by the 1 + 1 run); 9: the links' CPU per byte and the servers' update per value, probed; 10: the kvstore's CPU per key (message); 11: TF's RPC CPU per byte and per variable
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")
@@ -449,7 +449,9 @@ def measure_kvstore(python: str, helpers: str, timeout: float = 240.0) -> dict[s
     """CPU seconds per value of one push and pull through MXNet's dist kvstore on
     this machine's loopback (runners/pluto_helpers.py kvstore: a scheduler, a server
     and a worker, about 10 s), on the server and on the worker, uncompressed and
-    2bit: the Cluster fields kv_*_s_per_value. {} when the probe cannot run."""
+    2bit: the Cluster fields kv_*_s_per_value; and per key (a one-value array's push
+    and pull: the cost of a message apart from its values), kv_*_s_per_key. {} when
+    the probe cannot run."""
     try:
         done = subprocess.run([python, helpers, "kvstore"], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
@@ -458,16 +460,36 @@ def measure_kvstore(python: str, helpers: str, timeout: float = 240.0) -> dict[s
     out: dict[str, float] = {}
     for line in done.stdout.splitlines() if done.returncode == 0 else ():
         parts = line.split()
-        if len(parts) != 3 or parts[0] not in ("none", "2bit"):
+        if len(parts) != 3 or parts[0] not in ("none", "2bit", "none-key", "2bit-key"):
             continue
         try:
             server, worker = max(0.0, float(parts[1])), max(0.0, float(parts[2]))
         except ValueError:
             continue
-        suffix = "_2bit" if parts[0] == "2bit" else ""
-        out[f"kv_server{suffix}_s_per_value"] = server
-        out[f"kv_worker{suffix}_s_per_value"] = worker
+        suffix = "_2bit" if parts[0].startswith("2bit") else ""
+        unit = "key" if parts[0].endswith("-key") else "value"
+        out[f"kv_server{suffix}_s_per_{unit}"] = server
+        out[f"kv_worker{suffix}_s_per_{unit}"] = worker
     return out
+
+
+def measure_rpc(python: str, helpers: str, timeout: float = 180.0) -> dict[str, float]:
+    """CPU seconds both ends of TensorFlow's gRPC runtime spend per byte and per
+    variable pulled and pushed between a ps and a worker on this machine's loopback
+    (runners/pluto_helpers.py rpc, in the TensorFlow runtime's Python, ~5 s): the
+    Cluster fields rpc_cpu_s_per_byte and rpc_cpu_s_per_var. {} when the probe
+    cannot run."""
+    try:
+        done = subprocess.run([python, helpers, "rpc"], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    parts = done.stdout.split()[-2:] if done.returncode == 0 else []
+    try:
+        per_byte, per_var = (max(0.0, float(v)) for v in parts)
+    except ValueError:
+        return {}
+    return {"rpc_cpu_s_per_byte": per_byte, "rpc_cpu_s_per_var": per_var}
 
 
 def _helper_probe(python: str, helpers: str, what: str, timeout: float) -> float:

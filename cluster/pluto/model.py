@@ -190,9 +190,25 @@ def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
         return _mxnet_async_seconds(profile, strategy, cluster, ps_nodes, worker_nodes, push + pull)
     if strategy.sync:
         return _phase_seconds(push, cluster) + _phase_seconds(pull, cluster)
-    # Async: one worker's own push then pull, unless the shared links are the limit,
+    # Async: a worker's own push then pull, unless the shared links are the limit,
     # where every worker's pushes and pulls overlap (so W steps need the whole lot).
-    own = (_phase_seconds(push[:len(fractions)], cluster) + _phase_seconds(pull[:len(fractions)], cluster))
+    # Workers placed on one node share its link in each direction, and they do not
+    # interleave there: started together and slowed alike, they pull together and push
+    # together (the held-out TF conv net's two workers on one node measured 0.142-0.158
+    # s/step where interleaved transfers would take 0.114; both phases carrying both
+    # workers' bytes, 0.149). So a worker's own phases carry every worker of its node.
+    # Async workers each keep their own pace, and a step is measured as the median over
+    # workers of their own (paicli.steptime), so the forecast is that median too: a
+    # worker beside the ps (loopback) and one across a link measure the mean of the two.
+    from paicli.steptime import median
+
+    per = len(fractions)
+    cycles = []
+    for node in worker_nodes:
+        beside = [i for i, w in enumerate(worker_nodes) if w == node]
+        cycles.append(_phase_seconds([f for i in beside for f in push[i * per:(i + 1) * per]], cluster)
+                      + _phase_seconds([f for i in beside for f in pull[i * per:(i + 1) * per]], cluster))
+    own = median(cycles)
     shared = _phase_seconds(push + pull, cluster) if strategy.workers > 1 else 0.0
     return max(own, shared)
 
@@ -388,17 +404,28 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
     if kv is not None:
         # MXNet with its kvstore probed: what one push and pull costs each end, per value
         worker_s, server_s = kv
+        worker_keys, server_keys = kvstore_key_seconds(profile, strategy, cluster)
         for node in worker_nodes:
-            demand[node] += compute + worker_s
+            demand[node] += compute + worker_s + worker_keys
         for j, node in enumerate(ps_nodes):
-            demand[node] += server_s * loads[j] / held
+            demand[node] += server_s * loads[j] / held + server_keys[j]
     else:
         half_quantize = 0.5 * quantize_seconds(profile, strategy, cluster)   # quantise here, dequantise there
+        worker_vars, ps_vars = 0.0, [0.0] * len(ps_nodes)
+        if strategy.framework == "tensorflow" and cluster.rpc_cpu_s_per_byte > 0:
+            # TF's gRPC runtime, probed: its cost per byte (both ends), and per variable
+            # pulled and pushed, half on each end
+            per_byte = 0.5 * cluster.rpc_cpu_s_per_byte
+            homes = array_homes(profile.var_bytes or (total,), strategy.ps, strategy.partition,
+                                strategy.big_array_bound)
+            on_ps = [sum(1 for share in homes if share[j] > 0) for j in range(strategy.ps)]
+            worker_vars = 0.5 * cluster.rpc_cpu_s_per_var * sum(on_ps)
+            ps_vars = [0.5 * cluster.rpc_cpu_s_per_var * n * strategy.workers for n in on_ps]
         for node in worker_nodes:
-            demand[node] += compute + per_byte * 2.0 * total + half_quantize  # push every gradient, pull every value
+            demand[node] += compute + per_byte * 2.0 * total + half_quantize + worker_vars  # push every gradient, pull every value
         for j, node in enumerate(ps_nodes):
             demand[node] += (per_byte * 2.0 * total + half_quantize) * (loads[j] / held) * strategy.workers
-            demand[node] += update_seconds(profile, strategy, cluster) * loads[j] / held
+            demand[node] += update_seconds(profile, strategy, cluster) * loads[j] / held + ps_vars[j]
     fractions = [load / held for load in loads]
     push_bytes = total * (TWO_BIT if strategy.compression == "2bit" else 1.0)
     _charge_links([(w, ps_nodes[j], push_bytes * f) for w in worker_nodes for j, f in enumerate(fractions)]
@@ -425,6 +452,27 @@ def kvstore_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> t
     update = min(cluster.update_s_per_value, server)
     servers = (server - update) * values * strategy.workers + update_seconds(profile, strategy, cluster)
     return worker * values, servers
+
+
+def kvstore_key_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> tuple[float, list[float]]:
+    """(one worker's, each server's) CPU seconds a step's kvstore messages cost apart
+    from their values, from the probe of a one-value array's push and pull on this
+    machine (0 when not probed). A worker pushes and pulls every array once a step,
+    one message per server holding a piece of it (an array sliced across P servers
+    is P messages); each server answers every worker's. The per-value probe's 1 M
+    values hide this; a model of 8 arrays pays it 16 times a worker a step (~0.1 ms
+    on a worker, ~0.3 ms on a server a key here: on 2 cores, 3 workers and 3 servers
+    of a 2 MB conv net spent ~10 ms of CPU a step on it, a fifth of its forecast
+    floor, issue 21)."""
+    if strategy.framework != "mxnet" or not strategy.ps:
+        return 0.0, []
+    two_bit = strategy.compression == "2bit"
+    server = cluster.kv_server_2bit_s_per_key if two_bit else cluster.kv_server_s_per_key
+    worker = cluster.kv_worker_2bit_s_per_key if two_bit else cluster.kv_worker_s_per_key
+    homes = array_homes(profile.var_bytes or (profile.param_bytes,), strategy.ps, strategy.partition,
+                        strategy.big_array_bound)
+    messages = [sum(1 for share in homes if share[j] > 0) for j in range(strategy.ps)]
+    return worker * sum(messages), [server * n * strategy.workers for n in messages]
 
 
 def update_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:

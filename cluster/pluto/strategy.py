@@ -204,6 +204,18 @@ class Cluster:
     kv_worker_s_per_value: float = 0.0
     kv_server_2bit_s_per_value: float = 0.0
     kv_worker_2bit_s_per_value: float = 0.0
+    # CPU seconds of one push and pull of one key (a message to one server, whatever
+    # its size: ps-lite's threads, the engine), on the server and on the worker,
+    # uncompressed and 2bit (calibrate.measure_kvstore's one-value arrays); 0.0: not probed.
+    kv_server_s_per_key: float = 0.0
+    kv_worker_s_per_key: float = 0.0
+    kv_server_2bit_s_per_key: float = 0.0
+    kv_worker_2bit_s_per_key: float = 0.0
+    # CPU seconds TensorFlow's gRPC runtime spends, both ends together, per byte and per
+    # variable pulled and pushed between a ps and a worker (calibrate.measure_rpc); 0.0:
+    # not probed (the loopback copy's cost per byte, as before).
+    rpc_cpu_s_per_byte: float = 0.0
+    rpc_cpu_s_per_var: float = 0.0
 
     @property
     def total_cores(self) -> float:

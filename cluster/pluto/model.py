@@ -379,7 +379,9 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
     receives): a floor, never more than the CPU really spent. Work is per value: a
     2bit push is quantised on the worker and dequantised on the ps from and to every
     32-bit value, so it is charged as uncompressed, plus that quantising
-    (`quantize_seconds`), half on each end."""
+    (`quantize_seconds`), half on each end. A worker's own share of its transfers is
+    in its fitted compute already (the 1 + 1 calibration run's wall step): only what
+    a plan adds beyond that shape is charged on top (`worker_beyond_calibration`)."""
     ps_nodes, worker_nodes = layout(strategy, cluster)
     demand = [0.0] * len(cluster.nodes)
     batch = strategy.batch_per_worker or profile.batch_size
@@ -403,26 +405,22 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
     kv = kvstore_seconds(profile, strategy, cluster)
     if kv is not None:
         # MXNet with its kvstore probed: what one push and pull costs each end, per value
-        worker_s, server_s = kv
-        worker_keys, server_keys = kvstore_key_seconds(profile, strategy, cluster)
+        server_s, server_keys = kv[1], kvstore_key_seconds(profile, strategy, cluster)[1]
         for node in worker_nodes:
-            demand[node] += compute + worker_s + worker_keys
+            demand[node] += compute + worker_beyond_calibration(profile, strategy, cluster)
         for j, node in enumerate(ps_nodes):
             demand[node] += server_s * loads[j] / held + server_keys[j]
     else:
         half_quantize = 0.5 * quantize_seconds(profile, strategy, cluster)   # quantise here, dequantise there
-        worker_vars, ps_vars = 0.0, [0.0] * len(ps_nodes)
+        ps_vars = [0.0] * len(ps_nodes)
         if strategy.framework == "tensorflow" and cluster.rpc_cpu_s_per_byte > 0:
             # TF's gRPC runtime, probed: its cost per byte (both ends), and per variable
             # pulled and pushed, half on each end
             per_byte = 0.5 * cluster.rpc_cpu_s_per_byte
-            homes = array_homes(profile.var_bytes or (total,), strategy.ps, strategy.partition,
-                                strategy.big_array_bound)
-            on_ps = [sum(1 for share in homes if share[j] > 0) for j in range(strategy.ps)]
-            worker_vars = 0.5 * cluster.rpc_cpu_s_per_var * sum(on_ps)
+            on_ps = _arrays_per_ps(profile, strategy)
             ps_vars = [0.5 * cluster.rpc_cpu_s_per_var * n * strategy.workers for n in on_ps]
-        for node in worker_nodes:
-            demand[node] += compute + per_byte * 2.0 * total + half_quantize + worker_vars  # push every gradient, pull every value
+        for node in worker_nodes:   # push every gradient, pull every value: beyond what compute holds
+            demand[node] += compute + worker_beyond_calibration(profile, strategy, cluster)
         for j, node in enumerate(ps_nodes):
             demand[node] += (per_byte * 2.0 * total + half_quantize) * (loads[j] / held) * strategy.workers
             demand[node] += update_seconds(profile, strategy, cluster) * loads[j] / held + ps_vars[j]
@@ -432,6 +430,54 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
                   + [(ps_nodes[j], w, total * f) for w in worker_nodes for j, f in enumerate(fractions)],
                   cluster, demand)
     return demand
+
+
+def _arrays_per_ps(profile: Profile, strategy: Strategy) -> list[int]:
+    """How many arrays (or pieces of a sliced one) each ps holds: one message each
+    way per worker a step."""
+    homes = array_homes(profile.var_bytes or (profile.param_bytes,), strategy.ps, strategy.partition,
+                        strategy.big_array_bound)
+    return [sum(1 for share in homes if share[j] > 0) for j in range(strategy.ps)]
+
+
+def worker_transfer_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
+    """CPU seconds one worker spends a step on its own pushes and pulls: MXNet's kvstore
+    at the probed cost per value and per key, TF's gRPC runtime at its probed cost
+    per byte and per variable (half of each: the other half is the ps's), otherwise
+    half the loopback copy of every byte each way; plus half of 2bit's quantising."""
+    if not strategy.ps or strategy.framework in MA_FRAMEWORKS:
+        return 0.0
+    kv = kvstore_seconds(profile, strategy, cluster)
+    if kv is not None:
+        return kv[0] + kvstore_key_seconds(profile, strategy, cluster)[0]
+    half_quantize = 0.5 * quantize_seconds(profile, strategy, cluster)
+    if strategy.framework == "tensorflow" and cluster.rpc_cpu_s_per_byte > 0:
+        return (0.5 * cluster.rpc_cpu_s_per_byte * 2.0 * profile.param_bytes + half_quantize
+                + 0.5 * cluster.rpc_cpu_s_per_var * sum(_arrays_per_ps(profile, strategy)))
+    per_byte = 0.5 / cluster.loopback_Bps if cluster.loopback_Bps > 0 else 0.0
+    return per_byte * 2.0 * profile.param_bytes + half_quantize
+
+
+def calibration_shape(strategy: Strategy) -> Strategy:
+    """The 1 + 1 calibration run's strategy, which the fitted compute comes from
+    (calibrate.build_profile: its step less its communication is compute)."""
+    return Strategy(strategy.framework, 1, 1, partition=SLICED if strategy.framework == "mxnet" else ROUND_ROBIN,
+                    sync=strategy.sync)
+
+
+def worker_beyond_calibration(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
+    """The CPU a worker's own pushes and pulls cost in `strategy` beyond what its fitted
+    compute already holds. That compute is the 1 + 1 calibration run's step less its
+    modelled transfer time: wall time in which the worker did its own kvstore (or
+    gRPC) work for every array, so charging that work again on top counts it twice.
+    Only what the plan adds is charged: more messages when arrays are sliced over
+    more servers, 2bit's quantising. Counted twice, the floor of the wide MLP's local
+    1 server + 2 worker plan was 10.2 ms where it measured 7-8 ms, each worker
+    charged 6.5 ms of CPU a step where /proc showed 2.8-3.9 (issue 21, sixth pass)."""
+    if not strategy.ps or strategy.framework in MA_FRAMEWORKS:
+        return 0.0
+    return max(0.0, worker_transfer_seconds(profile, strategy, cluster)
+               - worker_transfer_seconds(profile, calibration_shape(strategy), cluster))
 
 
 def kvstore_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> tuple[float, float] | None:
@@ -469,9 +515,7 @@ def kvstore_key_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) 
     two_bit = strategy.compression == "2bit"
     server = cluster.kv_server_2bit_s_per_key if two_bit else cluster.kv_server_s_per_key
     worker = cluster.kv_worker_2bit_s_per_key if two_bit else cluster.kv_worker_s_per_key
-    homes = array_homes(profile.var_bytes or (profile.param_bytes,), strategy.ps, strategy.partition,
-                        strategy.big_array_bound)
-    messages = [sum(1 for share in homes if share[j] > 0) for j in range(strategy.ps)]
+    messages = _arrays_per_ps(profile, strategy)
     return worker * sum(messages), [server * n * strategy.workers for n in messages]
 
 

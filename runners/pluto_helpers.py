@@ -234,32 +234,37 @@ def install_mxnet(mx) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Link bandwidth probe: `python pluto_helpers.py bandwidth [SECONDS]`, run by pai as a
-# job of one ps (the sink) and one worker (the source) on two nodes.
+# Link bandwidth probe: `python pluto_helpers.py bandwidth [SECONDS [ROUNDS]]`, run by pai
+# as a job of one ps (the sink) and one worker (the source) on two nodes.
 
 
-def _probe_sink() -> int:
+def _probe_sink(rounds: int = 1) -> int:
     import socket
 
     host = os.environ.get("PAI_HOST") or "127.0.0.1"
     port = int(os.environ["PAI_PORT"])
     with socket.create_server((host, port)) as server:
-        conn, _ = server.accept()
-        with conn:
-            received = 0
-            spent = 0.0
-            while True:
-                data = conn.recv(1 << 20)
-                if not data:
-                    break
-                if not received:
-                    cpu_from = process_seconds()   # from the first bytes: startup left out
-                received += len(data)
-            if received:
-                spent = process_seconds() - cpu_from
-            # the bytes, and the CPU receiving them cost this process (the kernel's
-            # receive work done in its context included)
-            conn.sendall(f"{received} {spent:.6f}\n".encode())
+        for done in range(rounds):   # one connection a round, one after the other
+            server.settimeout(None if done == 0 else 60.0)   # a source that died ends the job
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                return 1
+            with conn:
+                received = 0
+                spent = 0.0
+                while True:
+                    data = conn.recv(1 << 20)
+                    if not data:
+                        break
+                    if not received:
+                        cpu_from = process_seconds()   # from the first bytes: startup left out
+                    received += len(data)
+                if received:
+                    spent = process_seconds() - cpu_from
+                # the bytes, and the CPU receiving them cost this process (the kernel's
+                # receive work done in its context included)
+                conn.sendall(f"{received} {spent:.6f}\n".encode())
     return 0
 
 
@@ -291,7 +296,10 @@ def process_seconds() -> float:
     return times.user + times.system
 
 
-def _probe_source(seconds: float) -> int:
+def _probe_source(seconds: float, rounds: int = 1) -> int:
+    """`rounds` transfers of `seconds` each, one connection a round; a line per round
+    (bytes_per_s, cpu_ns_per_byte): pai plan takes the best rate and the median CPU
+    (planning.link_figures)."""
     import socket
     import time
 
@@ -300,36 +308,37 @@ def _probe_source(seconds: float) -> int:
         sys.stderr.write("pluto bandwidth probe: no ps to send to\n")
         return 2
     host, port = peers[0].rsplit(":", 1)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=10)
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
     payload = b"\0" * (1 << 18)
-    with sock:
-        cpu_from, softirq_from = process_seconds(), softirq_thread_seconds()
-        started = time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            sock.sendall(payload)
-        sock.shutdown(socket.SHUT_WR)
-        spent = process_seconds() - cpu_from
-        # the network work the kernel deferred to its softirq threads meanwhile (on a
-        # busy machine much of it: ~3-4 of ~12 ns a byte at 1 Gbit/s here)
-        spent += max(0.0, softirq_thread_seconds() - softirq_from)
-        reply = (sock.makefile().readline() or "0").split()
-        elapsed = time.perf_counter() - started
-    received = int(reply[0])
-    line = f"pluto bandwidth probe: bytes_per_s={received / elapsed:.0f}"
-    if received and len(reply) > 1:
-        # CPU per byte moved: both ends' processes, with the kernel's work done in their
-        # context, and the softirq threads' (on virtual hosts of one machine: the veth,
-        # bridge and shaping work); what other processes do meanwhile is not in it.
-        line += f" cpu_ns_per_byte={(spent + float(reply[1])) / received * 1e9:.3f}"
-    print(f"{line} from={os.environ.get('PAI_HOST')} to={host}", flush=True)
+    for number in range(1, rounds + 1):
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=10)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        with sock:
+            cpu_from, softirq_from = process_seconds(), softirq_thread_seconds()
+            started = time.perf_counter()
+            while time.perf_counter() - started < seconds:
+                sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+            spent = process_seconds() - cpu_from
+            # the network work the kernel deferred to its softirq threads meanwhile (on a
+            # busy machine much of it: ~3-4 of ~12 ns a byte at 1 Gbit/s here)
+            spent += max(0.0, softirq_thread_seconds() - softirq_from)
+            reply = (sock.makefile().readline() or "0").split()
+            elapsed = time.perf_counter() - started
+        received = int(reply[0])
+        line = f"pluto bandwidth probe: round={number} bytes_per_s={received / elapsed:.0f}"
+        if received and len(reply) > 1:
+            # CPU per byte moved: both ends' processes, with the kernel's work done in their
+            # context, and the softirq threads' (on virtual hosts of one machine: the veth,
+            # bridge and shaping work); what other processes do meanwhile is not in it.
+            line += f" cpu_ns_per_byte={(spent + float(reply[1])) / received * 1e9:.3f}"
+        print(f"{line} from={os.environ.get('PAI_HOST')} to={host}", flush=True)
     return 0
 
 
@@ -647,5 +656,6 @@ if __name__ == "__main__":
         sys.exit(0)
     if len(sys.argv) >= 2 and sys.argv[1] == "bandwidth":
         seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
-        sys.exit(_probe_sink() if os.environ.get("PAI_ROLE") == "ps" else _probe_source(seconds))
-    sys.exit("usage: pluto_helpers.py bandwidth [SECONDS] | quantize | update  (run by pai plan)")
+        rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+        sys.exit(_probe_sink(rounds) if os.environ.get("PAI_ROLE") == "ps" else _probe_source(seconds, rounds))
+    sys.exit("usage: pluto_helpers.py bandwidth [SECONDS [ROUNDS]] | quantize | update  (run by pai plan)")

@@ -38,7 +38,7 @@ from paicli.cluster.pluto.model import comm_seconds, compute_seconds, cpu_floor,
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
 from paicli.private import write_private
 
-CACHE_VERSION = 12  # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step; 8: overheads counted from 1 worker, 1 ps (compute pinned by the 1 + 1 run); 9: the links' CPU per byte and the servers' update per value, probed; 10: the kvstore's CPU per key (message); 11: TF's RPC CPU per byte and per variable; 12: a worker's own transfers charged once (in its fitted compute)
+CACHE_VERSION = 13  # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step; 8: overheads counted from 1 worker, 1 ps (compute pinned by the 1 + 1 run); 9: the links' CPU per byte and the servers' update per value, probed; 10: the kvstore's CPU per key (message); 11: TF's RPC CPU per byte and per variable; 12: a worker's own transfers charged once (in its fitted compute); 13: the link's rate the best of 5 probe rounds
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")

@@ -8,9 +8,11 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
+TYPE_CHECKING = False   # typing is not imported: `pai` forks its master before it imports more
 if TYPE_CHECKING:
+    from typing import BinaryIO
+
     from paicli.store import Store
 
 # Nothing else of paicli at the top: `pai` forks the waiting master (fork_waiting_master)
@@ -68,14 +70,18 @@ class WaitingMaster:
     def __init__(self, command_fd: int, pid_fd: int, child: int):
         self._command_fd, self._pid_fd, self._child = command_fd, pid_fd, child
 
-    def start(self, home: Path, job_id: str, log_path: Path) -> int:
-        """Hand the recorded job over; the master's pid."""
+    def start(self, home: Path, job_id: str, log_path: Path, meanwhile=None) -> int:
+        """Hand the recorded job over; the master's pid. `meanwhile()` runs between
+        the two: the CLI's own work after a submit (its first lines, the log view)
+        while the master may still be importing, not after it."""
         import json
 
         try:
             os.write(self._command_fd, (json.dumps([str(home), job_id, str(log_path)]) + "\n").encode())
             os.close(self._command_fd)
             self._command_fd = -1
+            if meanwhile is not None:
+                meanwhile()
             pid = b""
             while chunk := os.read(self._pid_fd, 32):
                 pid += chunk
@@ -203,9 +209,12 @@ def _take_stdio(stdin_fd: int, stdout_fd: int, stderr_fd: int, keep: tuple[int, 
     sys.stderr = open(2, "w", buffering=1, closefd=False)
 
 
-class Watchdog(NamedTuple):
-    pid: int
-    stdin: BinaryIO   # the master writes each instance's identity here; EOF without "done" = master lost
+class Watchdog:
+    __slots__ = ("pid", "stdin")
+
+    def __init__(self, pid: int, stdin: BinaryIO):
+        self.pid = pid
+        self.stdin = stdin   # the master writes each instance's identity here; EOF without "done" = master lost
 
 
 def spawn_watchdog(job_id: str, log_path: Path, store: Store) -> Watchdog:

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from paicli.envvars import apply_to_plan
 from paicli.errors import PaiError, UsageError

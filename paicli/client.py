@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
 
 from paicli.errors import PaiError, UsageError
 from paicli.jobstatus import MASTER_START_DEADLINE, job_over, master_alive  # noqa: F401 (the API's names)
@@ -23,6 +23,11 @@ from paicli.spec import CORE_PARAMS, JobSpec, build_spec
 from paicli.statement import Statement, dump_yaml
 from paicli.states import JobStatus
 from paicli.store import Store
+
+TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
+if TYPE_CHECKING:
+    from typing import Any
+
 
 
 @dataclass

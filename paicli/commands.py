@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from paicli.cli_tokens import SUBMIT_OPTIONS, is_bare_statement, is_statement_token  # noqa: F401 (shared names)
 from paicli.errors import Cancelled, PaiError, UsageError

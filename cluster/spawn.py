@@ -143,13 +143,7 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
         signal.signal(signum, signal.SIG_DFL)
     try:
-        import importlib
-
-        from paicli.cluster.backends import BACKENDS
-        from paicli.cluster.master import RUN_MODULES   # while the CLI stages the job
-
-        for name in (BACKENDS["local"].partition(":")[0], *RUN_MODULES):   # local: the backend most jobs run on
-            importlib.import_module(name)
+        import_run_modules()   # while the CLI stages the job
     except Exception:
         pass   # said where it matters: when the master runs, in master.log
     with os.fdopen(command_fd, "rb") as command:
@@ -163,6 +157,18 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
         pass   # the CLI is gone after handing the job over: the job is recorded, supervise it
     os.close(pid_fd)
     return _run_forked_master(Path(home), job_id, Path(log_path), "started by fork as the submit began")
+
+
+def import_run_modules() -> None:
+    """What a waiting master imports before it has its job: the master, the local
+    backend (the one most jobs run on) and what a run imports lazily."""
+    import importlib
+
+    from paicli.cluster.backends import BACKENDS
+    from paicli.cluster.master import RUN_MODULES
+
+    for name in (BACKENDS["local"].partition(":")[0], *RUN_MODULES):
+        importlib.import_module(name)
 
 
 def _double_fork(close: tuple[int, ...], run) -> int:

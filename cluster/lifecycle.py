@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from paicli.cluster import queue_turns
 from paicli.cluster.backends import backend_for_job

@@ -18,7 +18,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from paicli.private import write_private
 

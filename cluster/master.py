@@ -18,7 +18,6 @@ import selectors
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +44,14 @@ from paicli.store import Store
 RUN_MODULES = ("paicli.spec", "paicli.cluster.agent_link", "paicli.runners.node_agent",
                "paicli.runners.node_outputs", "paicli.cluster.node_files",
                "paicli.jobstatus", "paicli.cluster.lifecycle", "paicli.plutoview", "paicli.steptime")
+
+def print_exc() -> None:
+    """The traceback being handled, into master.log (traceback is imported only then:
+    ~2 ms of every master's start otherwise)."""
+    import traceback
+
+    traceback.print_exc()
+
 
 POLL_SECONDS = 0.1  # a child's exit and its output wake the loop sooner
 RESTART_BACKOFF = 0.5
@@ -135,6 +142,7 @@ class JobMaster:
         self.metrics_due = 0.0
         self.summary_due: float | None = None
         self.watchdog: Watchdog | None = None
+        self.untold: list[str] = []   # what the watchdog is told once it runs
         self.failure: tuple[JobStatus, str | None] | None = None
 
     # -- entry ------------------------------------------------------------------
@@ -157,9 +165,7 @@ class JobMaster:
         if waited_out:
             self._finish(*waited_out)
             return 0
-        self._start_watchdog()
         if not self.store.set_job(self.job_id, JobStatus.RUNNING):
-            self._tell_watchdog("done")
             return 0  # cancelled before we got going
         try:
             if self.placements is None and self.backend.places_jobs:
@@ -174,12 +180,17 @@ class JobMaster:
             datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note)   # DATA
             self._assign_ports(self.instances)
             self._launch_all(self.instances)
+            # The watchdog once the instances are under way: its fork is not in their
+            # start's path. A master dead before it closes the agents' links, and they
+            # stop the instances; the job's record is then a later watchdog's to write
+            # (lifecycle.sweep_lost), and readers show it lost meanwhile.
+            self._start_watchdog()
             # The summary file (the log view without a server) is written once the
             # instances are under way, not while they start (it is a few ms of CPU).
             self.summary_due = time.monotonic() + SUMMARY_DELAY
             outcome = self._supervise()
         except BaseException as err:  # a bug or an OS failure must not leave processes behind
-            traceback.print_exc()  # into master.log
+            print_exc()  # into master.log
             # A backend's own verdict (Ray: timed out or cancelled while waiting for room).
             # A known error (PaiError: a node refused, staging failed) is its own one
             # line; anything else names its class (the traceback is in master.log).
@@ -199,7 +210,7 @@ class JobMaster:
                 self.store, self.job_id, self.joblog.note, self._deadline(), lambda: self.cancel_reason,
                 lambda: place_job(self.store, self.job_id, self.plan, self.backend))
         except BaseException as err:  # noqa: BLE001 - recorded as the job's failure, traceback in master.log
-            traceback.print_exc()
+            print_exc()
             return JobStatus.FAILED, str(err) if isinstance(err, PaiError) else f"launcher error: {err!r}"
         write_placements(self.job_dir, self.placements)
         return outcome
@@ -214,9 +225,15 @@ class JobMaster:
         # The watchdog holds the read end of a pipe only we write to: when we die,
         # however we die, it reads EOF and ends the instances.
         self.watchdog = spawn_watchdog(self.job_id, self.job_dir / "watchdog.log", self.store)
+        for line in self.untold:
+            self._tell_watchdog(line)
+        self.untold = []
 
     def _tell_watchdog(self, line: str) -> None:
-        if self.watchdog and self.watchdog.stdin:
+        if self.watchdog is None:
+            self.untold.append(line)   # an identity before the watchdog runs: told when it starts
+            return
+        if self.watchdog.stdin:
             try:
                 self.watchdog.stdin.write(f"{line}\n".encode())
                 self.watchdog.stdin.flush()
@@ -652,7 +669,7 @@ class JobMaster:
         try:
             self.backend.cleanup(str(self.job_dir))
         except Exception:
-            traceback.print_exc()
+            print_exc()
         self._write_log_view()
         self._tell_watchdog("done")
         if self.watchdog and self.watchdog.stdin:

@@ -34,10 +34,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from paicli.cluster.agent_link import HEAD
 from paicli.runners.node_outputs import Checksum
+
+TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
+if TYPE_CHECKING:
+    from typing import Any
+
 
 KEYS = ("cwd", "ckpt", "out")
 PART = ".pai-part-"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 from paicli.cluster.backends.base import NODE_LOST
 from paicli.errors import UsageError

@@ -8,9 +8,11 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
+TYPE_CHECKING = False   # typing is not imported: `pai` forks its master before it imports more
 if TYPE_CHECKING:
+    from typing import BinaryIO
+
     from paicli.store import Store
 
 # Nothing else of paicli at the top: `pai` forks the waiting master (fork_waiting_master)
@@ -68,14 +70,18 @@ class WaitingMaster:
     def __init__(self, command_fd: int, pid_fd: int, child: int):
         self._command_fd, self._pid_fd, self._child = command_fd, pid_fd, child
 
-    def start(self, home: Path, job_id: str, log_path: Path) -> int:
-        """Hand the recorded job over; the master's pid."""
+    def start(self, home: Path, job_id: str, log_path: Path, meanwhile=None) -> int:
+        """Hand the recorded job over; the master's pid. `meanwhile()` runs between
+        the two: the CLI's own work after a submit (its first lines, the log view)
+        while the master may still be importing, not after it."""
         import json
 
         try:
             os.write(self._command_fd, (json.dumps([str(home), job_id, str(log_path)]) + "\n").encode())
             os.close(self._command_fd)
             self._command_fd = -1
+            if meanwhile is not None:
+                meanwhile()
             pid = b""
             while chunk := os.read(self._pid_fd, 32):
                 pid += chunk
@@ -137,13 +143,7 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
         signal.signal(signum, signal.SIG_DFL)
     try:
-        import importlib
-
-        from paicli.cluster.backends import BACKENDS
-        from paicli.cluster.master import RUN_MODULES   # while the CLI stages the job
-
-        for name in (BACKENDS["local"].partition(":")[0], *RUN_MODULES):   # local: the backend most jobs run on
-            importlib.import_module(name)
+        import_run_modules()   # while the CLI stages the job
     except Exception:
         pass   # said where it matters: when the master runs, in master.log
     with os.fdopen(command_fd, "rb") as command:
@@ -157,6 +157,18 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
         pass   # the CLI is gone after handing the job over: the job is recorded, supervise it
     os.close(pid_fd)
     return _run_forked_master(Path(home), job_id, Path(log_path), "started by fork as the submit began")
+
+
+def import_run_modules() -> None:
+    """What a waiting master imports before it has its job: the master, the local
+    backend (the one most jobs run on) and what a run imports lazily."""
+    import importlib
+
+    from paicli.cluster.backends import BACKENDS
+    from paicli.cluster.master import RUN_MODULES
+
+    for name in (BACKENDS["local"].partition(":")[0], *RUN_MODULES):
+        importlib.import_module(name)
 
 
 def _double_fork(close: tuple[int, ...], run) -> int:
@@ -203,9 +215,12 @@ def _take_stdio(stdin_fd: int, stdout_fd: int, stderr_fd: int, keep: tuple[int, 
     sys.stderr = open(2, "w", buffering=1, closefd=False)
 
 
-class Watchdog(NamedTuple):
-    pid: int
-    stdin: BinaryIO   # the master writes each instance's identity here; EOF without "done" = master lost
+class Watchdog:
+    __slots__ = ("pid", "stdin")
+
+    def __init__(self, pid: int, stdin: BinaryIO):
+        self.pid = pid
+        self.stdin = stdin   # the master writes each instance's identity here; EOF without "done" = master lost
 
 
 def spawn_watchdog(job_id: str, log_path: Path, store: Store) -> Watchdog:

@@ -14,12 +14,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
+from paicli.cli_tokens import SUBMIT_OPTIONS, is_bare_statement, is_statement_token  # noqa: F401 (shared names)
 from paicli.errors import Cancelled, PaiError, UsageError
-
-STATEMENT_FLAGS = ("-name", "-project", "-D")
-SUBMIT_OPTIONS = {"--detach": "detach", "-d": "detach", "--no-progress": "no_progress"}
 STATUS_STYLES = {"Succeeded": "green", "Terminated": "green", "Running": "cyan", "Waiting": "yellow",
                  "Failed": "red", "Killed": "red", "Cancelled": "magenta"}
 
@@ -84,10 +82,6 @@ def runtime_progress():
 # -- statements ----------------------------------------------------------------------------
 
 
-def is_statement_token(arg: str) -> bool:
-    return arg.startswith(STATEMENT_FLAGS) and not arg.startswith("--")
-
-
 def split_submit_options(tokens: tuple[str, ...] | list[str]) -> tuple[list[str], dict[str, bool]]:
     options = {"detach": False, "no_progress": False}
     rest = []
@@ -116,9 +110,10 @@ def statement_of(tokens: list[str]):
 # -- submit and follow -------------------------------------------------------------------
 
 
-def submit_statement(stmt, store, progress, waiting=None) -> str:
+def submit_statement(stmt, store, progress, waiting=None, meanwhile=None) -> str:
     """Prepare and submit; with -DautoStrategy=true, Pluto plans the job first.
-    `waiting`: the job's master, forked already (cluster.spawn.fork_waiting_master)."""
+    `waiting`: the job's master, forked already (cluster.spawn.fork_waiting_master);
+    `meanwhile(job_id)`: what to do while it takes the job over (client.submit)."""
     from paicli import client
 
     prepared = client.prepare(stmt)
@@ -126,7 +121,7 @@ def submit_statement(stmt, store, progress, waiting=None) -> str:
         from paicli.planning import auto_strategy  # calibrate, plan, apply its recommendation
 
         prepared = auto_strategy(prepared, store, progress)
-    return client.submit(prepared, store, progress=progress, waiting=waiting)
+    return client.submit(prepared, store, progress=progress, waiting=waiting, meanwhile=meanwhile)
 
 
 def submit_and_follow(stmt, detach: bool = False, progress: bool = True, waiting=None) -> int:
@@ -137,18 +132,23 @@ def submit_and_follow(stmt, detach: bool = False, progress: bool = True, waiting
         # Forked before the store is opened: it imports the master's modules while this
         # process stages the job, and no SQLite connection has to be closed around a fork.
         waiting = fork_waiting_master()
+
+    def first_lines(job_id: str) -> None:
+        # While the master takes the job over (it may still be importing): the ID, the
+        # log view (a server started if none runs), and what following needs imported.
+        echo(f"ID = {job_id}")
+        echo_log_view(store, job_id, str(store.jobs_dir / job_id / "summary.txt"))
+        from paicli import jobview, logtail, plutoview  # noqa: F401 (imported now, used by attach)
+
     try:
         store = open_store()
-        job_id = submit_statement(stmt, store, runtime_progress(), waiting)
+        job_id = submit_statement(stmt, store, runtime_progress(), waiting, None if detach else first_lines)
     finally:
         if waiting is not None:
             waiting.close()
     if detach:
         echo(job_id)
         return 0
-    job = store.job(job_id)
-    echo(f"ID = {job_id}")
-    echo_log_view(store, job_id, os.path.join(job['job_dir'], 'summary.txt'))
     return attach(store, job_id, from_end=False, progress=progress)
 
 
@@ -191,14 +191,6 @@ def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
                     echo(f"  {line}")
     echo(jobview.verdict_line(status))
     return {"Succeeded": 0, "Cancelled": Cancelled.exit_code}.get(status["status"], 1)
-
-
-def is_bare_statement(args: list[str]) -> bool:
-    """`pai [--detach] [--no-progress] -name ... -Dk=v ...`: a submit, as PaiGroup reads it."""
-    lead = 0
-    while lead < len(args) and args[lead] in SUBMIT_OPTIONS:
-        lead += 1
-    return lead < len(args) and is_statement_token(args[lead])
 
 
 def submit_tokens(args: list[str], waiting=None) -> int:

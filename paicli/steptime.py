@@ -16,7 +16,7 @@ Shared vocabulary: reads the store, imports nothing above it.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def median(values: list[float]) -> float:

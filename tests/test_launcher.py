@@ -200,6 +200,11 @@ def test_kill_9_of_the_supervisor_leaves_no_orphan(pai_home, tmp_path):
     assert wait_until(lambda: processes_in(groups) == [], timeout=EVENT_DEADLINE), processes_in(groups)
     after = pai_json("status", job_id)
     assert after["status"] == "Failed" and after["reason"] == "master lost"
+    # The watchdog starts once the instances are launched: it was told of each one
+    # the master started before it (cluster/master.py _tell_watchdog).
+    log = pai_home / "jobs" / job_id / "watchdog.log"
+    assert wait_until(lambda: "lost; stopped" in log.read_text(), timeout=EVENT_DEADLINE)
+    assert "(of 3 instance(s) it was told about)" in log.read_text(), log.read_text()
 
 
 def test_supervisor_death_is_noticed_by_the_next_look_too(pai_home):

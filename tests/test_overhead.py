@@ -347,3 +347,91 @@ def test_a_forked_master_imports_nothing_once_it_has_the_job(pai_home):
     assert "started by fork as the submit began" in log
     late = [line.split("|")[-1].strip() for line in log.splitlines() if line.startswith("import time:")]
     assert late == [], f"the master imported {late} after the handover: add them to cluster.master.RUN_MODULES"
+
+
+def test_pai_forks_the_waiting_master_before_it_imports_the_rest_of_itself():
+    """The master imports its modules on the other core while the CLI imports the
+    statement's: forked after paicli.commands (json, the error boundary) it started
+    ~6 ms later and was what the job's handover waited for."""
+    code = ("import sys\n"
+            "import paicli.cluster.spawn as spawn\n"
+            "def probe():\n"
+            "    print(sorted(m for m in ('paicli.commands', 'paicli.statement', 'paicli.store', 'json',\n"
+            "                             'dataclasses', 'typing') if m in sys.modules), flush=True)\n"
+            "spawn.fork_waiting_master = probe\n"
+            "from paicli.pai import main\n"
+            "main(['-name', 'python', '-Dscript=/nonexistent/script.py'])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 2 and "does not exist" in result.stderr, result.stdout + result.stderr
+    assert result.stdout.splitlines()[0] == "[]", result.stdout
+
+
+def test_neither_the_submit_nor_a_waiting_master_imports_typing(pai_home):
+    """typing is ~3 ms of every interpreter that imports it, on both sides of the
+    handover: annotations name it under TYPE_CHECKING only."""
+    code = ("import sys\n"
+            "import paicli.cli_tokens, paicli.cluster.spawn as spawn\n"
+            "before = set(sys.modules)\n"
+            "spawn.import_run_modules()\n"
+            "new = set(sys.modules) - before\n"
+            "print('paicli.cluster.master' in new, 'paicli.runners.node_agent' in new, 'typing' in sys.modules)\n")
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert probe.stdout.split() == ["True", "True", "False"], probe.stdout + probe.stderr
+    script = ROOT / "examples" / "python" / "ps_worker.py"
+    cli = imported_by([sys.executable, "-m", "paicli", "--detach", "-name", "python", f"-Dscript={script}",
+                       '-Dcluster={"ps":{"count":1},"worker":{"count":1}}', "-DuserDefinedParameters=--steps=1 --sleep=0"])
+    assert "paicli.client" in cli and "sqlite3" in cli   # the probe saw a whole submit
+    assert "typing" not in cli
+
+
+def test_the_cli_says_its_first_lines_between_the_handover_and_the_masters_pid(tmp_path):
+    """WaitingMaster.start: the job's line written, `meanwhile` run (the CLI prints the
+    ID and the log view while the master may still import), then the pid read."""
+    from paicli.cluster.spawn import WaitingMaster
+
+    command_r, command_w = os.pipe()
+    pid_r, pid_w = os.pipe()
+    seen = []
+
+    def meanwhile():
+        seen.append(os.read(command_r, 4096))
+        os.write(pid_w, b"4242")
+        os.close(pid_w)
+
+    try:
+        assert WaitingMaster(command_w, pid_r, 0).start(tmp_path, "job1", tmp_path / "master.log", meanwhile) == 4242
+        assert seen and seen[0].endswith(b"\n") and b'"job1"' in seen[0]
+    finally:
+        os.close(command_r)
+
+
+def test_an_error_in_the_first_lines_is_raised_once_the_master_is_recorded(tmp_path):
+    """A closed stdout while the ID is printed: the job is handed over already, so its
+    master's pid is recorded (the job is not called unstarted) before the error goes up."""
+    from paicli.client import start_master
+    from paicli.store import Store
+
+    store = Store(tmp_path)
+    try:
+        store.create_job("job1", name="n", framework="python", project=None, task_name="PythonTask",
+                         job_dir=tmp_path / "jobs" / "job1", roles=[{"name": "worker", "count": 1, "must_finish": True}])
+        order = []
+
+        class Waiting:
+            def start(self, home, job_id, log_path, meanwhile=None):
+                order.append("handed over")
+                meanwhile()
+                order.append("pid read")
+                return os.getpid()
+
+        def first_lines(job_id):
+            order.append(f"ID = {job_id}")
+            raise BrokenPipeError("stdout closed")
+
+        with pytest.raises(BrokenPipeError):
+            start_master(store, "job1", tmp_path / "jobs" / "job1", Waiting(), first_lines)
+        assert order == ["handed over", "ID = job1", "pid read"]
+        job = store.job("job1")
+        assert job["master_pid"] == os.getpid() and job["status"] == "Waiting"
+    finally:
+        store.close()

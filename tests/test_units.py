@@ -499,3 +499,17 @@ def test_staging_says_in_the_job_log_how_long_it_took_once_that_is_noticeable(tm
         assert lines[0] == "[pai] n1: copying"
         staged = [line for line in lines if line.startswith("[pai] staged the job on n1 in 0.")]
         assert len(staged) == (1 if isinstance(backend, Remote) and not isinstance(backend, Local) else 0), lines
+
+
+def test_step_seconds_of_fast_steps_read_in_pairs_is_their_rate():
+    """Steps of 5 ms whose lines the master read two at a time (stored 0 and 10 ms
+    apart): each single interval says 0 or 10 ms, and their median said either; rates
+    over at least MIN_SPAN_S say 5 ms. Slow steps keep one rate per interval."""
+    from paicli import steptime
+
+    fast = [(0, 0.0)] + [(step, 0.5 + 0.01 * ((step + 1) // 2)) for step in range(1, 200)]
+    assert steptime.instance_step_seconds(fast) == pytest.approx(0.005, rel=0.05)
+    odd = fast[:-1]   # an odd number of intervals: the old median was 0 or 10 ms, never 5
+    assert steptime.instance_step_seconds(odd) == pytest.approx(0.005, rel=0.05)
+    slow = [(0, 0.0), (1, 5.0), (2, 5.2), (3, 5.4), (4, 6.4), (5, 6.6)]
+    assert steptime.instance_step_seconds(slow) == pytest.approx(0.2)   # the 1 s pause is an outlier

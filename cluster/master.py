@@ -18,7 +18,6 @@ import selectors
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from paicli.cluster import datasets, distribution, outputs, policy, queue_turns
@@ -33,6 +32,7 @@ from paicli.cluster.procinfo import start_time
 from paicli.cluster.spawn import Watchdog, spawn_watchdog
 from paicli.errors import PaiError, UsageError
 from paicli.plan import JobPlan, RolePlan
+from paicli.records import record
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
@@ -87,7 +87,7 @@ def ready_together(selector, timeout: float, window: float = COALESCE_S, sleep=t
     return ready
 
 
-@dataclass
+@record
 class Instance:
     role: RolePlan
     idx: int

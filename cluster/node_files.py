@@ -40,10 +40,10 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from paicli.cluster import RUNNERS_DIR, remote_paths
+from paicli.records import field, record
 
 TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ CODE = "code"
 FILES = "files"
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class NodeFile:
     src: str
     dst: str
@@ -63,7 +63,7 @@ class NodeFile:
     target: str = ""
 
 
-@dataclass
+@record
 class Manifest:
     files: list[NodeFile]
     job_dir: str = ""

@@ -32,11 +32,11 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable, Iterable
 
 from paicli.cluster.agent_link import HEAD
+from paicli.records import field, record
 from paicli.runners.node_outputs import Checksum
 
 TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
@@ -123,7 +123,7 @@ def job_settings(job_dir: str | Path) -> dict[str, Any]:
 
 # -- one instance's files arriving ----------------------------------------------------------
 
-@dataclass
+@record
 class InstanceOutputs:
     """One attempt of one instance: what it watches (`watch`, for the agent) and the
     sink its file frames go to (the link's pump thread, or the collect below)."""

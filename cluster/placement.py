@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
 from collections import namedtuple
 from collections.abc import Iterable
 
 from paicli.cluster.backends.base import NodeSpec, Placement
 from paicli.errors import UsageError
 from paicli.plan import JobPlan
+from paicli.records import field, record
 
 
 # One instance's needs: cpu (millicores), memory (MB), cards (GPUs), service (a ps).
@@ -36,7 +36,7 @@ from paicli.plan import JobPlan
 Demand = namedtuple("Demand", "role idx cpu memory cards service")
 
 
-@dataclass
+@record
 class Free:
     """What is left on one node."""
     cpu: int

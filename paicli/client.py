@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 
 from paicli.errors import PaiError, UsageError
 from paicli.jobstatus import MASTER_START_DEADLINE, job_over, master_alive  # noqa: F401 (the API's names)
 from paicli.plan import JobPlan
+from paicli.records import record
 from paicli.spec import CORE_PARAMS, JobSpec, build_spec
 from paicli.statement import Statement, dump_yaml
 from paicli.states import JobStatus
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 
-@dataclass
+@record
 class Prepared:
     adapter: Any
     spec: JobSpec

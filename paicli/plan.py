@@ -25,7 +25,8 @@ or classic flags inside the framework's runtime.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+
+from paicli.records import asdict, field, record
 
 TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ RESTART_INSTANCE = "instance"  # restart only the failed instance
 RESTART_JOB = "job"            # restart every instance (ps-lite cannot take one back)
 
 
-@dataclass
+@record
 class RolePlan:
     name: str
     count: int
@@ -53,7 +54,7 @@ class RolePlan:
     stop_grace: float = 0.0
 
 
-@dataclass
+@record
 class JobPlan:
     job_name: str
     framework: str

@@ -15,10 +15,10 @@ A job file is the same in YAML, with PAI's names or snake_case ones:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from paicli.errors import SpecError, UsageError
+from paicli.records import field, record
 from paicli.spec import RawParam
 
 TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 EXAMPLE = "e.g. pai -name python -Dscript=train.py -Dcluster='{\"worker\":{\"count\":2}}'"
 
 
-@dataclass
+@record
 class Statement:
     framework: str | None = None
     project: str | None = None

@@ -57,11 +57,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable, Iterable
 
 from paicli.cluster import remote_paths
 from paicli.errors import PaiError, UsageError
+from paicli.records import asdict, field, record
 
 TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
 if TYPE_CHECKING:
@@ -81,14 +81,14 @@ class NodeCallFailed(PaiError):
         self.why = why
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class NodeSpec:
     name: str
     host: str
     cpu: int                      # PAI units: 100 = one core
     memory: int                   # MB
     gpus: tuple[str, ...] = ()    # card ids
-    attrs: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    attrs: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "host": self.host, "cpu": self.cpu, "memory": self.memory,
@@ -100,7 +100,7 @@ class NodeSpec:
                    gpus=tuple(str(g) for g in data.get("gpus", ())), attrs=dict(data.get("attrs") or {}))
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Placement:
     role: str
     idx: int
@@ -116,7 +116,7 @@ class Placement:
         return cls(data["role"], int(data["idx"]), data["node"], data["host"], tuple(data.get("gpus", ())))
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class InstanceRef:
     backend: str
     node: str
@@ -135,7 +135,7 @@ class InstanceRef:
                    pgid=int(data["pgid"]), start=data.get("start"), boot_id=data.get("boot_id"))
 
 
-@dataclass
+@record
 class Handle:
     ref: InstanceRef
     output_fd: int                # the instance's stdout+stderr, read by the master; -1 once closed

@@ -21,9 +21,9 @@ from paicli import __version__, cli_logview, cli_nodes, cli_outputs, cli_plan
 from paicli import cli_queue  # QUEUE room: `pai queue`
 from paicli import cli_tune  # TUNE (issue 19): pai tune
 from paicli.cli_statement import StatementCommand
-from paicli.commands import (attach, echo_json, echo_log_view, finish, is_bare_statement, open_store, print_table,
-                             run_guarded, runtime_progress, split_submit_options, statement_of, submit_and_follow,
-                             submit_tokens)
+from paicli.cli_tokens import is_bare_statement
+from paicli.commands import (attach, echo_json, echo_log_view, finish, open_store, print_table, run_guarded,
+                             runtime_progress, split_submit_options, statement_of, submit_and_follow, submit_tokens)
 from paicli.errors import PaiError, UsageError
 
 

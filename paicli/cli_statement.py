@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from paicli.commands import is_statement_token
+from paicli.cli_tokens import is_statement_token
 
 
 class StatementCommand(click.Command):

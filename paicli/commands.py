@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from paicli.cli_tokens import SUBMIT_OPTIONS, is_bare_statement, is_statement_token  # noqa: F401 (shared names)
+from paicli.cli_tokens import SUBMIT_OPTIONS
 from paicli.errors import Cancelled, PaiError, UsageError
 STATUS_STYLES = {"Succeeded": "green", "Terminated": "green", "Running": "cyan", "Waiting": "yellow",
                  "Failed": "red", "Killed": "red", "Cancelled": "magenta"}

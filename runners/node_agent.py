@@ -45,6 +45,9 @@ BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 # would only sit here, behind other instances' lines (the display delay).
 MAX_BUFFERED = 64 * 1024
 GRACE = 1.5
+# A file's times come from the kernel's coarse clock, up to a tick (1-10 ms) behind
+# time.time_ns(): a file the instance changed at once may read a little earlier.
+CLOCK_SLACK_NS = 10_000_000
 
 
 def boot_id() -> str:
@@ -200,8 +203,13 @@ class Instance:
             self.read_fd, write_fd = os.pipe()
             os.set_blocking(self.read_fd, False)
         _default_signals()
-        if self.spec.get("watch"):
-            self.files = _outputs_room().Watch(self.spec["watch"])
+        watch = self.spec.get("watch")
+        late = bool(watch and watch.get("inplace"))
+        if late:
+            _outputs_room().make_folders(watch)
+        elif watch:
+            self.files = _outputs_room().Watch(watch)
+        began = time.time_ns()
         try:
             self.proc = subprocess.Popen(self.spec["argv"], cwd=self.spec.get("cwd") or None, env=env,
                                          stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
@@ -216,6 +224,14 @@ class Instance:
         self.out.frame(b"I", json.dumps({"pid": self.proc.pid, "pgid": self.proc.pid,
                                          "start": stat[2] if stat else "", "boot": boot_id()}).encode())
         self._catch_signals()
+        if late:
+            # This machine's folders (the user's working folder: thousands of files
+            # took ~0.15 s per instance to list) are listed once the instance runs and
+            # the master knows it; what changed from its start on is left out of the
+            # listing, so it is the instance's. A node's folders, which staging has just
+            # written, are listed before the start, as the staged files are not its.
+            self.out.flush()
+            self.files = _outputs_room().Watch(watch, since_ns=began - CLOCK_SLACK_NS)
         return True
 
     def _catch_signals(self) -> None:

@@ -35,13 +35,14 @@ SCAN_LIMIT = 100_000      # entries in one watched folder beyond which it is not
 
 
 class Watch:
-    """One instance's watched folders, for its node agent: listed before it starts,
+    """One instance's watched folders, for its node agent: listed as it starts,
     kept in step while it runs, sent whole when it ends. `out` is the agent's
-    Channel (frame(), buf, drain(), closed); `room` the most it may hold."""
+    Channel (frame(), buf, drain(), closed); `room` the most it may hold.
+    `since_ns`: listed after the instance started (see begin_watch)."""
 
-    def __init__(self, watch: dict):
+    def __init__(self, watch: dict, since_ns: int | None = None):
         self.watch = watch
-        self.sent = begin_watch(watch)   # what went back already: key -> rel -> [size, mtime]
+        self.sent = begin_watch(watch, since_ns)   # what went back already: key -> rel -> [size, mtime]
         self.sender = None               # a file_frames generator under way
         sync = float(watch.get("sync") or 0)
         self.next_sync = time.monotonic() + sync if sync > 0 else 0.0
@@ -76,11 +77,12 @@ class Watch:
         self.sender = None
 
 
-def scan(root: str, skip=()) -> dict:
+def scan(root: str, skip=(), since_ns: int | None = None) -> dict:
     """REL -> [size, mtime_ns] of the regular files below `root`, links not
     followed; hidden folders, __pycache__, the folders in `skip` (absolute) and our
     own partial files left out (a working folder may hold a .venv or .git that is
-    nobody's output, or another watched folder)."""
+    nobody's output, or another watched folder). `since_ns`: files changed at or
+    after that time (their ctime, which no one can set back) are left out too."""
     found: dict = {}
     skip = {os.path.normpath(p) for p in skip}
     stack = [""]
@@ -99,23 +101,32 @@ def scan(root: str, skip=()) -> dict:
                         stack.append(rel)
                 elif entry.is_file(follow_symlinks=False) and not entry.name.startswith(".pai-part-"):
                     st = entry.stat(follow_symlinks=False)
-                    found[rel] = [st.st_size, st.st_mtime_ns]
+                    if since_ns is None or st.st_ctime_ns < since_ns:
+                        found[rel] = [st.st_size, st.st_mtime_ns]
             except OSError:
                 continue
     return found
 
 
-def begin_watch(watch: dict) -> dict:
-    """Create the watched folders that are ours to create (the output folder, the
-    checkpoint folder), list what is there into the state file; that listing."""
-    base = {}
+def make_folders(watch: dict) -> None:
+    """The watched folders that are ours to create (the output folder, the
+    checkpoint folder): there before the instance starts."""
     for key, path in watch.get("dirs") or ():
         if key != "cwd":
             try:
                 os.makedirs(path, mode=0o700, exist_ok=True)
             except OSError:
                 pass   # the script will say what is wrong with the path
-        base[key] = scan(path, _skips(watch, key))
+
+
+def begin_watch(watch: dict, since_ns: int | None = None) -> dict:
+    """Create the folders (make_folders), list what is there into the state file;
+    that listing. With `since_ns` (the instance's start, when the listing is made
+    after it) what changed since is left out of it: it is the instance's."""
+    make_folders(watch)
+    base = {}
+    for key, path in watch.get("dirs") or ():
+        base[key] = scan(path, _skips(watch, key), since_ns)
     state = watch.get("state")
     if state:
         try:

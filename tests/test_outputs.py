@@ -90,6 +90,58 @@ def test_the_agent_lists_only_what_changed_and_leaves_out_other_watched_folders(
     assert again == ["step-1", "model.h5"]
 
 
+def test_a_listing_made_after_the_start_leaves_the_instances_changes_to_it(tmp_path):
+    """On this machine the agent lists the working folder once the instance runs:
+    what changed from the instance's start on (its ctime, which utime cannot set
+    back) is the instance's, even a file it wrote with an old mtime."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("kept.txt", "appended.log"):
+        (work / name).write_text("before")
+    os.utime(work / "kept.txt", ns=(1, 1))
+    from paicli.runners.node_agent import CLOCK_SLACK_NS
+
+    began = time.time_ns()
+    while time.time_ns() < began + 3 * CLOCK_SLACK_NS:   # the files above well before the start
+        time.sleep(0.005)
+    since = time.time_ns() - CLOCK_SLACK_NS   # as the agent lists: its start less the file clock's lag
+    with open(work / "appended.log", "a") as f:
+        f.write("after")
+    (work / "restored.bin").write_text("old")
+    os.utime(work / "restored.bin", ns=(1, 1))   # `cp -p`, tar: an mtime from the past
+    watch = {"dirs": [["cwd", str(work)]], "state": str(tmp_path / "s" / "state.json"), "inplace": True}
+    sent = node_outputs.Watch(watch, since_ns=since).sent
+    assert list(sent["cwd"]) == ["kept.txt"]
+    frames = list(node_outputs.file_frames(watch, sent, None))
+    assert sorted(json.loads(p)["rel"] for k, p in frames if k == b"F") == ["appended.log", "restored.bin"]
+
+
+@pytest.mark.parametrize("inplace, order", [(True, ["start", "list"]), (False, ["list", "start"])])
+def test_the_agent_starts_a_local_instance_before_it_lists_its_folders(tmp_path, monkeypatch, inplace, order):
+    """A working folder of thousands of files took ~0.15 s per instance to list
+    before it started (the ps first, the workers after it). A node's folders, just
+    staged, are still listed before the start: the staged files are not its."""
+    from paicli.runners import node_agent
+
+    seen = []
+    real_scan = node_outputs.scan
+    monkeypatch.setattr(node_outputs, "scan", lambda *a: seen.append("list") or real_scan(*a))
+    real_popen = node_agent.subprocess.Popen
+    monkeypatch.setattr(node_agent.subprocess, "Popen", lambda *a, **k: seen.append("start") or real_popen(*a, **k))
+    monkeypatch.setattr(node_agent.Instance, "_catch_signals", lambda self: None)
+    out_r, out_w = os.pipe()
+    try:
+        watch = {"dirs": [["cwd", str(tmp_path)]], "state": str(tmp_path / "s.json"), "inplace": inplace}
+        inst = node_agent.Instance({"argv": ["true"], "watch": watch}, -1, node_agent.Channel(out_w))
+        assert inst.start()
+        inst.proc.wait()
+    finally:
+        os.close(out_r)
+        os.close(out_w)
+    assert seen == order
+    assert inst.files is not None and inst.files.sent == {"cwd": {}}
+
+
 def test_pai_get_asks_a_node_for_the_chosen_files_alone(tmp_path):
     rows = [("j", "worker:0", "/w/big.bin", 9, 0, None, "node", "h1", "/n/code/big.bin", "over the size limit"),
             ("j", "worker:0", "/w/ckpt/other.bin", 9, 0, None, "node", "h1", "/n/c/other.bin", "over the size limit"),

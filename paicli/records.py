@@ -79,6 +79,29 @@ def _plain(value):
 
 
 def _build(cls, frozen: bool):
+    inherited = [f for base in reversed(cls.__mro__[1:]) for f in getattr(base, "__record_fields__", ())]
+    by_name = {f.name: f for f in (*inherited, *_own_fields(cls))}   # a redefined field keeps its place
+    all_fields = tuple(by_name.values())
+    _check_order(cls, all_fields)
+    compared = tuple(f.name for f in all_fields if f.compare)
+    cls.__record_fields__ = all_fields
+    # What the class defines itself is kept, as dataclasses keeps it.
+    for name, method in (("__init__", _init(cls, all_fields)), ("__repr__", _repr(all_fields)),
+                         ("__eq__", _eq(compared))):
+        if name not in cls.__dict__:
+            setattr(cls, name, method)
+    if frozen:
+        cls.__hash__ = _hash(compared)
+        cls.__setattr__ = _refuse
+        cls.__delattr__ = _refuse
+    elif cls.__dict__.get("__hash__") is None:
+        cls.__hash__ = None   # mutable and compared by value: not hashable (as dataclasses does)
+    return cls
+
+
+def _own_fields(cls) -> list[Field]:
+    """The fields the class body annotates, in order; their defaults stay class
+    attributes (a factory's does not)."""
     own = []
     for name, annotation in cls.__dict__.get("__annotations__", {}).items():
         if "ClassVar" in str(annotation):
@@ -94,27 +117,16 @@ def _build(cls, frozen: bool):
             else:
                 setattr(cls, name, spec.default)
         own.append(spec)
-    inherited = [f for base in reversed(cls.__mro__[1:]) for f in getattr(base, "__record_fields__", ())]
-    by_name = {f.name: f for f in (*inherited, *own)}
-    all_fields = tuple(by_name.values())
+    return own
+
+
+def _check_order(cls, all_fields: tuple[Field, ...]) -> None:
     seen_default = False
     for f in all_fields:
         if f.default is not MISSING or f.default_factory is not MISSING:
             seen_default = True
         elif seen_default:
             raise TypeError(f"{cls.__name__}: field {f.name!r} without a default follows one with a default")
-    cls.__record_fields__ = all_fields
-    cls.__init__ = _init(cls, all_fields)
-    cls.__repr__ = _repr(all_fields)
-    compared = tuple(f.name for f in all_fields if f.compare)
-    cls.__eq__ = _eq(compared)
-    if frozen:
-        cls.__hash__ = _hash(compared)
-        cls.__setattr__ = _refuse
-        cls.__delattr__ = _refuse
-    elif "__hash__" not in cls.__dict__ or cls.__dict__["__hash__"] is None:
-        cls.__hash__ = None   # mutable and compared by value: not hashable (as dataclasses does)
-    return cls
 
 
 def _init(cls, all_fields: tuple[Field, ...]):

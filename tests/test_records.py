@@ -152,3 +152,14 @@ def test_the_job_plan_round_trips_through_its_json():
     plan = JobPlan("j", "python", "t", [RolePlan("ps", 1, ["a"], must_finish=False), RolePlan("worker", 2, ["b"])],
                    notes=["n"], inputs=["/x"])
     assert JobPlan.from_json(plan.to_json()) == plan
+
+
+def test_a_method_the_class_defines_is_kept():
+    @record
+    class Named:
+        name: str
+
+        def __repr__(self) -> str:
+            return f"<{self.name}>"
+
+    assert repr(Named("x")) == "<x>" and Named("x") == Named("x")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import selectors
 import signal
 import sys
@@ -66,11 +67,14 @@ METRICS_EVERY = 0.25  # seconds between the master's commits of the metrics it p
 COALESCE_S = 0.004
 
 
-def ready_together(selector, timeout: float, window: float = COALESCE_S, sleep=time.sleep) -> list:
+def ready_together(selector, timeout: float, window: float = COALESCE_S, sleep=time.sleep,
+                   wake_fd: int | None = None) -> list:
     """What `selector` finds ready within `timeout`; when the master had to wait
     for it and it is output alone, what is ready `window` seconds later instead
     (that output and what came since). A backlog is read at once: a flood of
-    output never waits."""
+    output never waits. With `wake_fd` (the SIGCHLD self-pipe) the window ends
+    as soon as a child exits: an instance's last output is followed by its
+    agent's exit, which the job's verdict waits for."""
     try:
         ready = selector.select(0)
         if ready:
@@ -79,7 +83,13 @@ def ready_together(selector, timeout: float, window: float = COALESCE_S, sleep=t
     except InterruptedError:
         return []
     if ready and window > 0 and all(key.data is not None for key, _ in ready):
-        sleep(window)
+        if wake_fd is None:
+            sleep(window)
+        else:
+            try:
+                select.select([wake_fd], [], [], window)
+            except InterruptedError:
+                pass
         try:
             ready = selector.select(0)
         except InterruptedError:
@@ -125,6 +135,7 @@ class JobMaster:
                           for role in self.plan.roles for idx in range(role.count)]
         self.must_finish = [i for i in self.instances if i.role.must_finish] or self.instances
         self.selector = selectors.DefaultSelector()
+        self.wake_fd: int | None = None   # SIGCHLD's self-pipe, once run() sets it up
         self.logs_dir = self.job_dir / "logs"
         self.logs_dir.mkdir(exist_ok=True, mode=0o700)
         self.cap = log_cap()
@@ -160,6 +171,7 @@ class JobMaster:
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
         self.selector.register(wake_r, selectors.EVENT_READ, None)
+        self.wake_fd = wake_r
         self.store.update_job(self.job_id, master_pid=os.getpid(), master_start=start_time(os.getpid()))
         waited_out = self._wait_in_queue()
         if waited_out:
@@ -397,11 +409,13 @@ class JobMaster:
             if self.cancel_reason:
                 return JobStatus.CANCELLED, self.cancel_reason
 
-    def _pump(self, timeout: float) -> None:
+    def _pump(self, timeout: float, window: float = COALESCE_S) -> None:
         """Wait up to `timeout` for output or a child's exit; take one read from
         every instance that has output, so 64 chatty instances share the loop
-        fairly and no line waits behind another instance's backlog."""
-        ready = ready_together(self.selector, timeout)
+        fairly and no line waits behind another instance's backlog. `window`:
+        how long output that woke us waits for more (0 while stopping: the
+        instances' exits are awaited then, not a step's lines)."""
+        ready = ready_together(self.selector, timeout, window, wake_fd=self.wake_fd)
         for key, _ in ready:
             if key.data is None:  # SIGCHLD woke us: _reap will look
                 try:
@@ -621,7 +635,7 @@ class JobMaster:
         for inst in live:
             self.store.event(self.job_id, "stop", f"SIGTERM to {inst.name}", inst.role.name, inst.idx)
         self.backend.stop_all([i.handle.ref for i in insts], self.stop_timeout,
-                              waiting=lambda: self._pump(POLL_SECONDS / 2))
+                              waiting=lambda: self._pump(POLL_SECONDS / 2, window=0))
         for inst in insts:
             code = self.backend.wait(inst.handle, self.stop_timeout + 5)
             code = NODE_LOST if code is None else code

@@ -191,6 +191,13 @@ def status(store: Store, job_id: str, with_series: bool = False) -> dict[str, An
     return build_status(store, job_id, with_series)
 
 
+def final_status(store: Store, job_id: str) -> dict[str, Any]:
+    """status() of a job whose master has exited (paicli.jobstatus.final_status)."""
+    from paicli.jobstatus import final_status as final
+
+    return final(store, job_id)
+
+
 def list_jobs(store: Store, limit: int = 50) -> list[dict[str, Any]]:
     out = []
     for job in store.jobs(limit):

@@ -336,7 +336,7 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
         state["watch"].close()
         if state.get("master_exit", -1) >= 0:
             os.close(state["master_exit"])
-    return client.status(store, job_id)
+    return client.final_status(store, job_id)
 
 
 def _write(out: IO[bytes], state: dict, data: bytes) -> None:

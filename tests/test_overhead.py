@@ -228,6 +228,100 @@ def test_the_master_reads_what_a_step_printed_in_one_round_and_an_exit_at_once()
             os.close(write_fd)
 
 
+
+def test_the_coalescing_window_ends_when_a_child_exits():
+    """An instance's last output is followed by its agent's exit: with the SIGCHLD
+    self-pipe given, the window ends at that exit instead of running out (the job's
+    verdict waits on it), and what came meanwhile is read in the same round."""
+    import selectors
+    import threading
+    import time
+
+    from paicli.cluster.master import ready_together
+
+    selector = selectors.DefaultSelector()
+    output, wake = os.pipe(), os.pipe()
+    timers = []
+    try:
+        selector.register(output[0], selectors.EVENT_READ, "worker:0")
+        selector.register(wake[0], selectors.EVENT_READ, None)
+        timers = [threading.Timer(0.05, os.write, (output[1], b"last line\n")),
+                  threading.Timer(0.3, os.write, (wake[1], b"x"))]   # the agent exits during the window
+        for timer in timers:
+            timer.start()
+        began = time.monotonic()
+        ready = ready_together(selector, 30.0, window=60.0, wake_fd=wake[0])
+        assert time.monotonic() - began < 30.0   # not the 60 s window: the exit ended it
+        assert sorted(str(key.data) for key, _ in ready) == ["None", "worker:0"]
+    finally:
+        for timer in timers:
+            timer.cancel()
+            timer.join()
+        selector.close()
+        for fd in (*output, *wake):
+            os.close(fd)
+
+
+def test_the_master_stops_instances_without_a_coalescing_window(monkeypatch):
+    """While instances are being stopped the master waits for their exits, not for
+    a step's lines: its pump then reads what wakes it at once."""
+    from paicli.cluster import master as master_mod
+
+    windows = []
+    monkeypatch.setattr(master_mod, "ready_together",
+                        lambda selector, timeout, window, wake_fd=None: windows.append(window) or [])
+
+    class Backend:
+        def stop_all(self, refs, timeout, waiting):
+            waiting()
+            return []
+
+        def poll(self, handle):
+            return None
+
+    jm = object.__new__(master_mod.JobMaster)
+    jm.selector, jm.wake_fd, jm.backend, jm.stop_timeout = None, None, Backend(), 1.0
+    jm.joblog = type("Log", (), {"refresh_live": lambda self, now: None, "take_metrics": lambda self: []})()
+    jm.outputs = type("Outputs", (), {"flush": lambda self: None})()
+    jm.metrics_due = float("inf")
+    jm._stop([], master_mod.InstanceStatus.TERMINATED)
+    jm._pump(0.1)
+    assert windows == [0, master_mod.COALESCE_S]
+
+
+def test_an_attached_job_ends_with_the_status_its_master_wrote(pai_home):
+    """The master writes the ended job's status beside summary.txt (0600); the CLI
+    that followed the job prints it rather than building it again, but only while
+    the store still agrees with it."""
+    import json
+
+    from conftest import job_id_from, pai
+    from paicli import jobstatus
+    from paicli.store import Store
+
+    result = pai("-name", "python", f"-Dscript={ROOT / 'tests' / 'scripts' / 'behave.py'}", env={"BEHAVE": "print:1"})
+    assert result.returncode == 0, result.stderr
+    job_id = job_id_from(result.stdout)
+    kept = pai_home / "jobs" / job_id / jobstatus.FINAL_STATUS
+    assert oct(kept.stat().st_mode & 0o777) == "0o600"
+    store = Store(pai_home)
+    try:
+        built = jobstatus.build_status(store, job_id)
+        assert json.loads(kept.read_text()) == built and built["status"] == "Succeeded"
+        # What the file says is what the CLI gets ...
+        kept.write_text(json.dumps(dict(built, name="from the master's file")))
+        assert jobstatus.final_status(store, job_id)["name"] == "from the master's file"
+        # ... unless the store says otherwise (a later writer, another attempt).
+        kept.write_text(json.dumps(dict(built, name="stale", job_attempt=built["job_attempt"] + 1)))
+        assert jobstatus.final_status(store, job_id)["name"] == built["name"]
+        kept.write_text("{not json")
+        assert jobstatus.final_status(store, job_id) == built
+        kept.unlink()
+        assert jobstatus.final_status(store, job_id) == built
+    finally:
+        store.close()
+
+
 # -- the master forked as a submit begins (cluster/spawn.py WaitingMaster) --------------
 
 WAITING_PROBE = r"""

@@ -266,16 +266,17 @@ def run_pai_job(args, home: Path) -> dict:
             "master_pid": sampler.master_pid, "status_master_pid": master_pid, "samples": sampler.samples}
 
 
-def run_plain_job(args) -> dict:
+def run_plain_job(args, python: str | None = None) -> dict:
     """What a shell script would do: start the ps, the two workers, wait for the
-    workers, SIGTERM the ps, wait for it."""
+    workers, SIGTERM the ps, wait for it. `python`: the interpreter the three run
+    with (this one's by default; a checkout's own when another is measured)."""
     t0 = time.perf_counter()
     port = free_port()
     cluster = json.dumps({"ps": [f"127.0.0.1:{port}"]})
     read_fd, write_fd = os.pipe()
     reader_file = os.fdopen(read_fd, "rb", buffering=0)
     chunks: list[bytes] = []
-    argv = [sys.executable, "-u", str(PS_WORKER), f"--steps={args.steps}", f"--sleep={args.sleep}"]
+    argv = [python or sys.executable, "-u", str(PS_WORKER), f"--steps={args.steps}", f"--sleep={args.sleep}"]
     procs = []
     for role, idx in (("ps", 0), ("worker", 0), ("worker", 1)):
         env = dict(os.environ, PAI_ROLE=role, PAI_INDEX=str(idx), PAI_CLUSTER=cluster, PYTHONUNBUFFERED="1")

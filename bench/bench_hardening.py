@@ -14,7 +14,8 @@
             peak RSS (VmHWM) ........................... ratio <= 1.2, master <= 60 MB
   overhead  bench_core.py's paired runs (pai vs the same three processes started by
             hand), reported as seconds added per pair, median ....... <= 0.2 s
-            (issue 12), <= 0.10 s (issue 16)
+            (issue 12), <= 0.10 s (issue 16). `--against OTHER/.venv/bin/pai`: both
+            checkouts rep by rep, alternating, and the paired difference
   chaos     1 ps + 4 workers of bench/chaos_job.py (a worker resumes from its own
             checkpoint and reconnects to a restarted ps, as real training does),
             ~2.5 min without faults; a driver SIGKILLs a random running instance at
@@ -204,6 +205,8 @@ def job_phases(home: Path, t_submit: float, t_exit: float) -> dict:
 
 
 def bench_overhead(args) -> dict:
+    if args.against:
+        return bench_overhead_against(args)
     core = argparse.Namespace(pai=args.pai, steps=args.steps, sleep=args.sleep, reps=args.reps)
     before = bench_core.load()
     extras = []
@@ -235,6 +238,38 @@ def bench_overhead(args) -> dict:
           f"{len(extras)} pairs; ratio {res['median_ratio']}); goal <= 0.2 s (issue 12): {'MET' if res['met'] else 'NOT MET'}, "
           f"<= 0.10 s (issue 16): {'MET' if res['met_issue16'] else 'NOT MET'}; "
           f"load {before} -> {res['load_after']}", flush=True)
+    return res
+
+
+def bench_overhead_against(args) -> dict:
+    """`overhead --against OTHER`: this pai and OTHER's in the same window, rep by
+    rep in alternating order, each run right after a by-hand run with its own
+    checkout's interpreter; the median of each side's added time and of the
+    paired differences (a change of a few ms is lost between two separate runs
+    of 15 pairs, whose medians move by 20 ms with the machine's pace)."""
+    sides = {"this": args.pai, "other": args.against}
+    added: dict[str, list[float]] = {side: [] for side in sides}
+    for rep in range(args.reps):
+        for side in (("this", "other") if rep % 2 == 0 else ("other", "this")):
+            pai = sides[side]
+            python = str(Path(shlex.split(pai)[0]).parent / "python")
+            core = argparse.Namespace(pai=pai, steps=args.steps, sleep=args.sleep, reps=1)
+            plain = bench_core.run_plain_job(core, python=python if os.path.exists(python) else None)
+            home = Path(tempfile.mkdtemp(prefix="A-bench-overhead-"))
+            try:
+                added[side].append(bench_core.run_pai_job(core, home)["wall_s"] - plain["wall_s"])
+            finally:
+                shutil.rmtree(home, ignore_errors=True)
+        print(f"    rep {rep + 1}: this {added['this'][-1]:+.3f} s, other {added['other'][-1]:+.3f} s; "
+              f"load {bench_core.load()}", flush=True)
+    res = {"figure": "submit overhead, paired", "steps": args.steps, "sleep": args.sleep, "reps": args.reps,
+           "this": args.pai, "other": args.against,
+           "median_added_s": {side: round(statistics.median(v), 4) for side, v in added.items()},
+           "median_paired_this_minus_other_s": round(statistics.median(
+               a - b for a, b in zip(added["this"], added["other"])), 4)}
+    print(f"[overhead] {args.steps} x {args.sleep} s, {args.reps} reps: this adds "
+          f"{res['median_added_s']['this']:+.3f} s, other {res['median_added_s']['other']:+.3f} s; "
+          f"paired (this - other) {res['median_paired_this_minus_other_s']:+.4f} s", flush=True)
     return res
 
 
@@ -546,6 +581,7 @@ def main() -> int:
     parser.add_argument("--store-jobs", type=int, default=10_000, help="load: jobs in the store for list/status")
     parser.add_argument("--tmpfs-kb", type=int, default=1024, help="diskfull: size of the tmpfs")
     parser.add_argument("--flood-mb", type=int, default=8, help="diskfull: output of the job")
+    parser.add_argument("--against", help="overhead: another checkout's pai, measured rep by rep beside this one")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     if args.steps is None:

@@ -57,6 +57,10 @@ def print_exc() -> None:
 POLL_SECONDS = 0.1  # a child's exit and its output wake the loop sooner
 RESTART_BACKOFF = 0.5
 SUMMARY_DELAY = 1.0  # seconds after the launch before the first summary file is written
+# Seconds after the launch before the watchdog is forked. At the launch, its fork and
+# start took the master ~10 ms and a core from the three interpreters starting beside
+# it: a 1 ps + 2 worker job ended ~7 ms later (paired runs, docs/benchmarks.md).
+WATCHDOG_DELAY = 0.5
 METRICS_EVERY = 0.25  # seconds between the master's commits of the metrics it parsed (they are in job.log at once)
 
 
@@ -152,6 +156,7 @@ class JobMaster:
         self.last_store_check = 0.0
         self.metrics_due = 0.0
         self.summary_due: float | None = None
+        self.watchdog_due: float | None = None
         self.watchdog: Watchdog | None = None
         self.untold: list[str] = []   # what the watchdog is told once it runs
         self.failure: tuple[JobStatus, str | None] | None = None
@@ -192,11 +197,12 @@ class JobMaster:
             datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note)   # DATA
             self._assign_ports(self.instances)
             self._launch_all(self.instances)
-            # The watchdog once the instances are under way: its fork is not in their
-            # start's path. A master dead before it closes the agents' links, and they
-            # stop the instances; the job's record is then a later watchdog's to write
+            # The watchdog once the instances have started up (WATCHDOG_DELAY): its fork
+            # and its own start are CPU the instances' interpreters need just then. A
+            # master dead before it closes the agents' links, and they stop the
+            # instances; the job's record is then a later watchdog's to write
             # (lifecycle.sweep_lost), and readers show it lost meanwhile.
-            self._start_watchdog()
+            self.watchdog_due = time.monotonic() + WATCHDOG_DELAY
             # The summary file (the log view without a server) is written once the
             # instances are under way, not while they start (it is a few ms of CPU).
             self.summary_due = time.monotonic() + SUMMARY_DELAY
@@ -398,6 +404,9 @@ class JobMaster:
                         return self.failure
             if self.plan.timeout and now - self.started > self.plan.timeout:
                 return JobStatus.CANCELLED, f"timeout after {self.plan.timeout:g}s"
+            if self.watchdog_due is not None and now >= self.watchdog_due:
+                self.watchdog_due = None
+                self._start_watchdog()
             if self.summary_due is not None and now >= self.summary_due:
                 self.summary_due = None
                 self._write_log_view()

@@ -127,6 +127,19 @@ def kill_groups(groups) -> None:
             pass
 
 
+def watchdog_of(job_dir, job_id: str, timeout: float = 60.0) -> int:
+    """The pid of the job's watchdog, as it names itself at the top of its log, once
+    it runs (the master forks it WATCHDOG_DELAY after the launch). A test that
+    kills a master to see what its watchdog does waits for it first."""
+    import re
+
+    log = Path(job_dir) / "watchdog.log"
+    assert wait_until(lambda: log.exists() and f"watchdog of {job_id}: pid" in log.read_text(), timeout=timeout)
+    pids = [int(pid) for pid in re.findall(rf"watchdog of {job_id}: pid (\d+)", log.read_text())]
+    assert len(pids) == 1, log.read_text()
+    return pids[0]
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

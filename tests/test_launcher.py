@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from paicli.cluster.backends.local import LocalBackend
 from paicli.cluster.procinfo import boot_id, proc_stat
 from paicli.store import Store
 
-from conftest import BEHAVE, PAI, ROOT, default_signals, job_id_from, kill_groups, pai, pai_json, processes_in, run_on_pty, wait_until
+from conftest import BEHAVE, PAI, ROOT, default_signals, job_id_from, kill_groups, pai, pai_json, processes_in, run_on_pty, wait_until, watchdog_of
 
 EXAMPLE = ROOT / "examples" / "python" / "ps_worker.py"
 # How long a test waits for an event (a file written, processes gone, a status
@@ -196,11 +195,12 @@ def test_kill_9_of_the_supervisor_leaves_no_orphan(pai_home, tmp_path):
     status = pai_json("status", job_id)
     groups = {i["pgid"] for i in status["instances"]}
     assert len(processes_in(groups)) >= 6  # each instance and its grandchild
+    watchdog_pid(pai_home, job_id)   # forked a little after the launch (WATCHDOG_DELAY)
     os.kill(status["master_pid"], signal.SIGKILL)
     assert wait_until(lambda: processes_in(groups) == [], timeout=EVENT_DEADLINE), processes_in(groups)
     after = pai_json("status", job_id)
     assert after["status"] == "Failed" and after["reason"] == "master lost"
-    # The watchdog starts once the instances are launched: it was told of each one
+    # The watchdog starts a little after the launch: it was told of each instance
     # the master started before it (cluster/master.py _tell_watchdog).
     log = pai_home / "jobs" / job_id / "watchdog.log"
     assert wait_until(lambda: "lost; stopped" in log.read_text(), timeout=EVENT_DEADLINE)
@@ -234,11 +234,7 @@ def _last_instance_end(pai_home: Path, job_id: str) -> float:
 
 def watchdog_pid(pai_home: Path, job_id: str) -> int:
     """The job's watchdog, as it names itself at the top of its log."""
-    log = pai_home / "jobs" / job_id / "watchdog.log"
-    assert wait_until(lambda: log.exists() and f"watchdog of {job_id}: pid" in log.read_text(), timeout=EVENT_DEADLINE)
-    pids = [int(pid) for pid in re.findall(rf"watchdog of {job_id}: pid (\d+)", log.read_text())]
-    assert len(pids) == 1, log.read_text()
-    return pids[0]
+    return watchdog_of(pai_home / "jobs" / job_id, job_id, timeout=EVENT_DEADLINE)
 
 
 def _holds(pid: str, target: str) -> bool:
@@ -519,6 +515,7 @@ def test_master_lost_with_its_backend_out_of_reach_still_ends_the_instances_in_t
         groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
         job_dir = pai_home / "jobs" / job_id
         (job_dir / "nodes.json").write_text(json.dumps({"backend": "ray", "address": "127.0.0.1:1"}))
+        watchdog_pid(pai_home, job_id)
         os.kill(pai_json("status", job_id)["master_pid"], signal.SIGKILL)
         assert wait_until(lambda: all(i["status"] == "Killed" for i in pai_json("status", job_id)["instances"]),
                           timeout=EVENT_DEADLINE, interval=0.5), pai_json("status", job_id)
@@ -540,6 +537,7 @@ def test_master_lost_clean_up_stops_through_the_identity_checked_path(pai_home, 
         row = next(line for line in text if line.startswith("worker:0"))
         node_at, host_at = header.index("Node"), header.index("Host")
         assert (row[node_at:host_at].strip(), row[host_at:].split()[0]) == ("local", "127.0.0.1")
+        watchdog_pid(pai_home, job_id)
         os.kill(status["master_pid"], signal.SIGKILL)  # the watchdog cleans up
         groups = {pgid for _, pgid, _ in pids_from(pidfile).values()}
         assert wait_until(lambda: processes_in(groups) == [], timeout=EVENT_DEADLINE)

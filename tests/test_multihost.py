@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until
+from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until, watchdog_of
 from netns import LoopbackHost, TestCluster, can_build, module_cluster, module_nodes
 
 REASON = can_build()
@@ -296,6 +296,7 @@ def test_kill_9_of_the_master_leaves_nothing_on_any_node(cluster, nodes):
             expected = [placed[host.addr]] if host.addr in placed else []
             assert rows[host.name]["instances"] == expected, (host.name, rows[host.name]["instances"])
         master = status(job_id)["master_pid"]
+        watchdog_of(status(job_id)["job_dir"], job_id)   # what removes the folders below
         killed = time.monotonic()
         os.kill(master, signal.SIGKILL)
         assert_nothing_left(cluster, job_id, within=GONE_WITHIN, folders=False, since=killed)

@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ray_cluster import RayCluster, cannot_run, job_processes  # noqa: E402
+from conftest import watchdog_of  # noqa: E402
 from test_outputs_ssh import SCRIPT  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,6 +137,7 @@ def test_files_come_back_from_ray_nodes_however_the_job_ends(ray_cluster, tmp_pa
         while not status(ray_cluster, home, work, job_id).get("metric_series"):
             assert time.monotonic() < deadline, status(ray_cluster, home, work, job_id)
             time.sleep(0.5)
+        watchdog_of(status(ray_cluster, home, work, job_id)["job_dir"], job_id)   # what cleans up below
         os.kill(status(ray_cluster, home, work, job_id)["master_pid"], signal.SIGKILL)
         deadline = time.monotonic() + 120   # Ray under load: the watchdog's connect can be slow
         while not (tmp_path / "ckpt" / "ckpt-0").exists():

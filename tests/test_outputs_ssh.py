@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PAI, job_id_from, pai, pai_json, wait_until
+from conftest import PAI, job_id_from, pai, pai_json, wait_until, watchdog_of
 from netns import can_build, module_cluster, module_nodes
 
 REASON = can_build()
@@ -161,6 +161,7 @@ def test_files_come_back_after_a_failure_pai_kill_and_kill_9_of_the_master(clust
     clear(work)
     proc, job_id = running_hang_job(work)
     try:
+        watchdog_of(pai_json("status", job_id)["job_dir"], job_id)   # what removes the node folders
         os.kill(pai_json("status", job_id)["master_pid"], signal.SIGKILL)
         assert wait_until(lambda: not node_folders(cluster, job_id), timeout=30)
     finally:

@@ -322,6 +322,32 @@ def test_an_attached_job_ends_with_the_status_its_master_wrote(pai_home):
         store.close()
 
 
+
+def test_the_watchdog_is_forked_once_the_instances_have_started_up(pai_home):
+    """Not at the launch, where its fork and start took a core from the instances'
+    interpreters: WATCHDOG_DELAY later (a master dead before then is covered by its
+    agents, test_launcher's test_a_dead_master_takes_its_instances_with_it_even_without_a_watchdog)."""
+    import time
+
+    from conftest import BEHAVE, pai, wait_until
+    from paicli.cluster.master import WATCHDOG_DELAY
+    from paicli.store import Store
+
+    result = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1,sleep:30"})
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.strip()
+    log = pai_home / "jobs" / job_id / "watchdog.log"
+    try:
+        assert wait_until(log.exists, timeout=60, interval=0.01)
+        seen = time.time()   # no sooner than its creation
+        store = Store(pai_home)
+        started = store.instances(job_id)[0]["started"]
+        store.close()
+        assert seen - started >= WATCHDOG_DELAY > 0.2, (seen - started, WATCHDOG_DELAY)
+    finally:
+        assert pai("kill", job_id).returncode == 0
+
+
 # -- the master forked as a submit begins (cluster/spawn.py WaitingMaster) --------------
 
 WAITING_PROBE = r"""

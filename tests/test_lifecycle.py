@@ -429,14 +429,15 @@ def test_pai_kill_records_a_job_whose_master_and_watchdog_died_and_stops_what_it
 
 def test_the_next_jobs_watchdog_records_a_job_lost_with_its_watchdog(pai_home):
     """Decision: nobody reading a job writes it, so a job whose master and watchdog
-    both died (a reboot) is recorded by the next job's watchdog."""
+    both died (a reboot) is recorded by the next job's watchdog (of a job that runs
+    past WATCHDOG_DELAY: a shorter one has no watchdog)."""
     stranger = sleeper()
     try:
         ref = {"backend": "local", "node": "local", "host": "127.0.0.1", "pid": stranger.pid,
                "pgid": stranger.pid, "start": str(int(start_time(stranger.pid)) - 7), "boot_id": None}
         lost = record_job(pai_home, master=dead_identity(), refs=[ref])
         never = record_job(pai_home, master=None, created=time.time() - 600)
-        result = pai("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1"})
+        result = pai("-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "print:1,sleep:1"})
         assert result.returncode == 0, result.stdout + result.stderr
 
         def recorded(job_id: str):

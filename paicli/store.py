@@ -97,6 +97,12 @@ CREATE TABLE IF NOT EXISTS outputs (
 ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("instances", "gpus", "TEXT"),
                  ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"), ("claims", "ts", "REAL"),
                  ("jobs", "supervised", "REAL"))  # QUEUE: when a queued job's master was last (re)started
+# The schema's version, kept in the file's user_version: an open of a store that
+# carries it runs none of the statements above (~30 with ADDED_COLUMNS' table_info,
+# ~0.6 ms of every open: the master's on a submit's path, the CLI's, every command's).
+# Bump it with any change to SCHEMA or ADDED_COLUMNS (tests/test_store_locks.py keeps
+# a fingerprint of both and says so).
+SCHEMA_VERSION = 1
 # A claim holds while its job lives; a claim whose job was never recorded (a
 # submit killed between claiming and recording) holds only this many seconds.
 CLAIM_GRACE = 60.0
@@ -148,6 +154,7 @@ def _create_store(path: Path) -> None:
             db.execute("PRAGMA journal_mode = OFF")
             db.execute("PRAGMA synchronous = OFF")
             db.executescript(SCHEMA)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.execute("PRAGMA journal_mode = WAL")   # kept in the file's header
         finally:
             db.close()   # the last connection: its WAL is checkpointed and removed
@@ -197,6 +204,12 @@ class Store:
             raise PaiError(f"cannot create the job store in {self.home}: {err.strerror}",
                            "set PAI_HOME to a writable directory") from None
         self.connect()
+        if self.db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+            self._migrate()
+
+    def _migrate(self) -> None:
+        """A store of another version (an older one, created in place, or by another
+        release): every table and column made sure of, then the version stamped."""
         with self.tx():
             for statement in SCHEMA.strip().split(";"):
                 if statement.strip():
@@ -205,6 +218,7 @@ class Store:
                 have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
                 if column not in have:
                     self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def connect(self) -> None:
         self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)

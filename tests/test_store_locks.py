@@ -159,3 +159,68 @@ def test_a_store_on_a_filesystem_without_hard_links_is_created_in_place(tmp_path
         assert not [name for name in os.listdir(home) if name.endswith(".new")]
     finally:
         store.close()
+
+
+# -- the schema's version ----------------------------------------------------------------
+
+SCHEMA_FINGERPRINT = 2815312880   # crc32 of SCHEMA and ADDED_COLUMNS at SCHEMA_VERSION
+
+
+def test_a_schema_change_comes_with_a_new_version():
+    """Stores carrying SCHEMA_VERSION skip the schema on open: a change to it that
+    kept the version would never reach them."""
+    import zlib
+
+    from paicli import store
+
+    fingerprint = zlib.crc32(repr((store.SCHEMA, store.ADDED_COLUMNS)).encode())
+    assert (store.SCHEMA_VERSION, fingerprint) == (1, SCHEMA_FINGERPRINT), \
+        "SCHEMA or ADDED_COLUMNS changed: bump SCHEMA_VERSION, then set both numbers here"
+
+
+def test_an_open_of_a_current_store_runs_no_schema_statement(tmp_path, monkeypatch):
+    import sqlite3
+
+    from paicli import store
+
+    Store(tmp_path).close()   # created: stamped with the version
+    statements = []
+    real_connect = sqlite3.connect
+
+    def traced(*args, **kwargs):
+        db = real_connect(*args, **kwargs)
+        db.set_trace_callback(statements.append)
+        return db
+
+    monkeypatch.setattr(store.sqlite3, "connect", traced)
+    s = Store(tmp_path)
+    try:
+        assert s.db.execute("PRAGMA user_version").fetchone()[0] == store.SCHEMA_VERSION
+        assert not [q for q in statements if "CREATE" in q or "table_info" in q or "ALTER" in q], statements
+    finally:
+        s.close()
+
+
+def test_a_store_of_an_older_version_gets_its_tables_and_columns(tmp_path):
+    """A store from before a column existed (user_version 0, as every store before
+    versions were kept): its open adds what is missing and stamps the version."""
+    import sqlite3
+
+    from paicli import store
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    old = sqlite3.connect(home / "pai.db")
+    old.execute("CREATE TABLE instances (job_id TEXT, role TEXT, idx INTEGER, status TEXT NOT NULL,"
+                " attempt INTEGER DEFAULT 0, host TEXT, port INTEGER, pid INTEGER, pgid INTEGER, started REAL,"
+                " ended REAL, exit_code INTEGER, PRIMARY KEY (job_id, role, idx))")
+    old.commit()
+    old.close()
+    s = Store(home)
+    try:
+        columns = {row[1] for row in s.db.execute("PRAGMA table_info(instances)")}
+        assert {"node", "ref", "gpus"} <= columns
+        assert s.db.execute("SELECT count(*) FROM sqlite_master WHERE name = 'outputs'").fetchone()[0] == 1
+        assert s.db.execute("PRAGMA user_version").fetchone()[0] == store.SCHEMA_VERSION
+    finally:
+        s.close()

@@ -138,6 +138,18 @@ def new_job_id(now: float | None = None) -> str:
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
 
 
+def _apply_schema(db: sqlite3.Connection) -> None:
+    """Every table, index and added column made sure of, then SCHEMA_VERSION stamped."""
+    for statement in SCHEMA.strip().split(";"):
+        if statement.strip():
+            db.execute(statement)
+    for table, column, kind in ADDED_COLUMNS:
+        have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
 def _create_store(path: Path) -> None:
     """A new store, built aside and linked into place whole: the schema written with
     no journal and no sync, WAL set, one fsync of the file and one of its folder
@@ -153,8 +165,7 @@ def _create_store(path: Path) -> None:
         try:
             db.execute("PRAGMA journal_mode = OFF")
             db.execute("PRAGMA synchronous = OFF")
-            db.executescript(SCHEMA)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            _apply_schema(db)
             db.execute("PRAGMA journal_mode = WAL")   # kept in the file's header
         finally:
             db.close()   # the last connection: its WAL is checkpointed and removed
@@ -211,14 +222,7 @@ class Store:
         """A store of another version (an older one, created in place, or by another
         release): every table and column made sure of, then the version stamped."""
         with self.tx():
-            for statement in SCHEMA.strip().split(";"):
-                if statement.strip():
-                    self.db.execute(statement)
-            for table, column, kind in ADDED_COLUMNS:
-                have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
-                if column not in have:
-                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-            self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            _apply_schema(self.db)
 
     def connect(self) -> None:
         self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)

@@ -178,6 +178,23 @@ def test_a_schema_change_comes_with_a_new_version():
         "SCHEMA or ADDED_COLUMNS changed: bump SCHEMA_VERSION, then set both numbers here"
 
 
+def test_a_new_store_has_every_table_and_added_column(tmp_path):
+    """A new store is stamped as it is built, so it must be built whole: the added
+    columns too, which no later open will add."""
+    import sqlite3
+
+    from paicli import store
+
+    Store(tmp_path).close()
+    db = sqlite3.connect(tmp_path / "pai.db")
+    try:
+        for table, column, _kind in store.ADDED_COLUMNS:
+            assert column in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}, (table, column)
+        assert db.execute("PRAGMA user_version").fetchone()[0] == store.SCHEMA_VERSION
+    finally:
+        db.close()
+
+
 def test_an_open_of_a_current_store_runs_no_schema_statement(tmp_path, monkeypatch):
     import sqlite3
 

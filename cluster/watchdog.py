@@ -45,9 +45,10 @@ def sweep(start: threading.Event) -> None:
     try:
         store = Store()  # this thread's own connection
         try:
-            lifecycle.sweep_lost(store, report=log_line)
+            recorded = lifecycle.sweep_lost(store, report=log_line)
         finally:
             store.close()
+        log_line(f"{time.ctime()}: swept the home's lost jobs ({len(recorded)} recorded)")
     except Exception as err:  # noqa: BLE001 - another job's trouble must not end this watchdog
         log_line(f"{time.ctime()}: the sweep of lost jobs failed: {err}")
 

@@ -135,8 +135,15 @@ def project_p_full(tmp_path: Path, monkeypatch, gates) -> str:
     return a
 
 
+def swept(pai_home: Path, job_id: str) -> None:
+    """Wait for the running job's watchdog to have made its one sweep of the home's
+    lost jobs (cluster/watchdog.py, SWEEP_AFTER after it starts)."""
+    log = pai_home / "jobs" / job_id / "watchdog.log"
+    assert wait_until(lambda: log.exists() and "swept the home's lost jobs" in log.read_text(), 30), job_id
+
+
 def test_quota_timeout_and_a_lost_supervisor_restarted(tmp_path, monkeypatch, pai_home, gates):
-    project_p_full(tmp_path, monkeypatch, gates)
+    a = project_p_full(tmp_path, monkeypatch, gates)
     b = submit(gates("b"), SMALL, "-project", "p")
     other = submit(gates("q"), SMALL, "-project", "q")   # another project is not held up
     state_is(other, "Running")
@@ -155,6 +162,10 @@ def test_quota_timeout_and_a_lost_supervisor_restarted(tmp_path, monkeypatch, pa
     t = submit(gates("t"), SMALL, "-project", "p", "-Dtimeout=2")
     timed_out = state_is(t, "Cancelled", 20)
     assert timed_out["reason"].startswith("timeout while waiting in the queue")
+    # The running jobs' watchdogs have made their sweep of lost jobs (once each, a
+    # little after they start): none comes between b's supervisor's death and the reader.
+    for running in (a, other):
+        swept(pai_home, running)
     # b's supervisor dies (as in a reboot): a reader shows it so and starts nothing (issue 16) ...
     old = status(b)["master_pid"]
     os.kill(old, signal.SIGKILL)
@@ -183,10 +194,11 @@ def test_a_queued_job_whose_supervisor_is_gone_is_revived_by_a_writer_never_by_a
     """Issue 16: `pai queue`, `list` and `status` only show that a waiting job's
     supervisor is gone; `pai queue --revive` (what to run after a reboot) gives it
     a new one; `pai kill` of such a job cancels it (nothing of it ran), not "master lost"."""
-    project_p_full(tmp_path, monkeypatch, gates)
+    a = project_p_full(tmp_path, monkeypatch, gates)
     b = submit(gates("b"), SMALL, "-project", "p")
     c = submit(gates("c"), SMALL, "-project", "p")
     assert wait_until(lambda: [q["id"] for q in pai_json("queue")] == [b, c] and status(c)["reason"], 20)
+    swept(pai_home, a)   # a's watchdog's one sweep is not what gives b and c their new supervisors
     old = {job: status(job)["master_pid"] for job in (b, c)}
     for pid in old.values():
         os.kill(pid, signal.SIGKILL)

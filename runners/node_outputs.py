@@ -122,8 +122,10 @@ def make_folders(watch: dict) -> None:
 def begin_watch(watch: dict, since_ns: int | None = None) -> dict:
     """Create the folders (make_folders), list what is there into the state file;
     that listing. With `since_ns` (the instance's start, when the listing is made
-    after it) what changed since is left out of it: it is the instance's."""
-    make_folders(watch)
+    after it) what changed since is left out of it: it is the instance's, and the
+    folders were made before that start (the agent's make_folders), not again here."""
+    if since_ns is None:
+        make_folders(watch)
     base = {}
     for key, path in watch.get("dirs") or ():
         base[key] = scan(path, _skips(watch, key), since_ns)

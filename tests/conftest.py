@@ -127,16 +127,22 @@ def kill_groups(groups) -> None:
             pass
 
 
+def watchdog_says(job_dir, text: str, timeout: float = 60.0) -> str:
+    """The job's watchdog.log once it holds `text` (the master forks the watchdog
+    WATCHDOG_DELAY after the launch, and it logs as it goes)."""
+    log = Path(job_dir) / "watchdog.log"
+    assert wait_until(lambda: log.exists() and text in log.read_text(), timeout=timeout), (job_dir, text)
+    return log.read_text()
+
+
 def watchdog_of(job_dir, job_id: str, timeout: float = 60.0) -> int:
     """The pid of the job's watchdog, as it names itself at the top of its log, once
-    it runs (the master forks it WATCHDOG_DELAY after the launch). A test that
-    kills a master to see what its watchdog does waits for it first."""
+    it runs. A test that kills a master to see what its watchdog does waits for it first."""
     import re
 
-    log = Path(job_dir) / "watchdog.log"
-    assert wait_until(lambda: log.exists() and f"watchdog of {job_id}: pid" in log.read_text(), timeout=timeout)
-    pids = [int(pid) for pid in re.findall(rf"watchdog of {job_id}: pid (\d+)", log.read_text())]
-    assert len(pids) == 1, log.read_text()
+    text = watchdog_says(job_dir, f"watchdog of {job_id}: pid", timeout)
+    pids = [int(pid) for pid in re.findall(rf"watchdog of {job_id}: pid (\d+)", text)]
+    assert len(pids) == 1, text
     return pids[0]
 
 

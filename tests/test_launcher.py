@@ -635,11 +635,13 @@ def test_the_forked_master_keeps_nothing_of_the_cli(pai_home, tmp_path):
         for name in ("master.log", "watchdog.log"):
             assert wait_until(lambda: (job_dir / name).exists(), timeout=EVENT_DEADLINE)
             assert (job_dir / name).stat().st_mode & 0o777 == 0o600, name
+        # The watchdog running (WATCHDOG_DELAY after the launch): the master opens its log
+        # just before the fork and closes it just after, so it is looked for after that.
+        watchdog = watchdog_pid(pai_home, job_id)
         fds = [os.readlink(f"/proc/{master}/fd/{fd}") for fd in os.listdir(f"/proc/{master}/fd")]
         assert sum("watchdog.log" in target for target in fds) == 0, "watchdog.log left open in the master"
         # The watchdog (forked from the master) holds its pipe, /dev/null and its log:
         # not the store, not the write end of its own pipe (EOF must mean "master gone").
-        watchdog = watchdog_pid(pai_home, job_id)
         held = {int(fd): os.readlink(f"/proc/{watchdog}/fd/{fd}") for fd in os.listdir(f"/proc/{watchdog}/fd")}
         assert sorted(held) == [0, 1, 2], held
         assert held[0].startswith("pipe:") and held[1] == "/dev/null" and held[2].endswith("watchdog.log"), held

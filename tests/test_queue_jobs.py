@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until
+from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until, watchdog_says
 from paicli.jobstatus import SUPERVISOR_GONE
 from netns import SSHD
 
@@ -138,8 +138,7 @@ def project_p_full(tmp_path: Path, monkeypatch, gates) -> str:
 def swept(pai_home: Path, job_id: str) -> None:
     """Wait for the running job's watchdog to have made its one sweep of the home's
     lost jobs (cluster/watchdog.py, SWEEP_AFTER after it starts)."""
-    log = pai_home / "jobs" / job_id / "watchdog.log"
-    assert wait_until(lambda: log.exists() and "swept the home's lost jobs" in log.read_text(), 30), job_id
+    watchdog_says(pai_home / "jobs" / job_id, "swept the home's lost jobs", 30)
 
 
 def test_quota_timeout_and_a_lost_supervisor_restarted(tmp_path, monkeypatch, pai_home, gates):

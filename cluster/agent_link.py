@@ -19,6 +19,8 @@ the instance with t/k bytes on the live link.
         output_fd, agent_output_fd  a pipe (read end here; write end as the agent
                                     knows it) the agent hands to the instance as its
                                     stdout and stderr: output crosses no extra hop
+        ending()                    once closed, how the agent ended ("" unknown):
+                                    said in the line of a start it never answered
 
     start_instance(transport, spec, *, backend, node, host, start_timeout, sink=None) -> Handle
         spec = {"argv", "env", "cwd", "heartbeat"} (+ "inherit", "output_fd",
@@ -316,7 +318,9 @@ class Starting:
             link._read_first(time.monotonic() + start_timeout)
         except Exception as err:  # noqa: BLE001 - OSError, EOFError, TimeoutError or a transport's own
             _give_up(link, output_fd)
-            return lost_handle(backend, node, host, f"{err.__class__.__name__}: {err}")
+            ending = getattr(link.transport, "ending", None)   # a local agent: how it ended
+            how = ending() if ending is not None else ""
+            return lost_handle(backend, node, host, f"{err.__class__.__name__}: {err}" + (f" ({how})" if how else ""))
         kind, payload = link.first
         if kind == b"E":
             _give_up(link, output_fd)

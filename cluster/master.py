@@ -556,19 +556,19 @@ class JobMaster:
             self.store.event(self.job_id, "port-conflict", verdict.reason, inst.role.name, inst.idx)
         how = "restarting the job on fresh ports" if verdict.port_conflict else "restarting the whole job"
         self.joblog.note(f"{verdict.reason}; {how} (retry {self.job_retries} of {self.plan.max_retries})")
-        self._restart_job(failed=inst, code=code)
+        self._restart_job(failed=inst, code=code, ended_on=verdict.node)
 
     def _on_restart_instance(self, inst: Instance, code: int, verdict: policy.Verdict) -> None:
         inst.retries += 1
         self.store.add_retry(self.job_id, inst.role.name)
         self.joblog.note(f"{verdict.reason}; restarting it (retry {inst.retries} of {self.plan.max_retries})")
-        if self._set(inst, InstanceStatus.WAITING, f"{policy.describe(code, inst.placed.node)}, restarting",
+        if self._set(inst, InstanceStatus.WAITING, f"{policy.describe(code, verdict.node)}, restarting",
                      exit_code=code, attempt=inst.attempt + 1):
             inst.handle = None
             inst.restart_at = time.monotonic() + RESTART_BACKOFF
 
     def _on_fail(self, inst: Instance, code: int, verdict: policy.Verdict) -> tuple[JobStatus, str | None]:
-        self._set(inst, InstanceStatus.FAILED, policy.describe(code, inst.placed.node), exit_code=code,
+        self._set(inst, InstanceStatus.FAILED, policy.describe(code, verdict.node), exit_code=code,
                   ended=time.time())
         tail = list(inst.log.tail) if inst.log else []
         if tail:
@@ -606,10 +606,11 @@ class JobMaster:
         self.backend.prepare(str(self.job_dir), self.plan, [new])
         datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note, {new.node})   # DATA
 
-    def _restart_job(self, failed: Instance, code: int) -> None:
+    def _restart_job(self, failed: Instance, code: int, ended_on: str | None) -> None:
         """Stop every instance, take fresh ports, start them all again (a job-level
         attempt, for frameworks that cannot take one restarted instance back). Each
-        instance begins a new attempt: Waiting, whatever its last one ended as."""
+        instance begins a new attempt: Waiting, whatever its last one ended as.
+        `ended_on`: the node `failed` ended on (one lost with its node was moved already)."""
         running = [i for i in self.instances if i.status == InstanceStatus.RUNNING and i is not failed]
         self._stop(running, InstanceStatus.WAITING)
         self.store.release_ports(self.job_id)
@@ -623,7 +624,7 @@ class JobMaster:
                     self.failure = (JobStatus.FAILED, f"{inst.name} was on lost node {inst.placed.node} "
                                                       f"and no other node has room ({err})")
                     return
-            message = (f"{policy.describe(code, failed.placed.node)}, job restart {self.job_attempt}"
+            message = (f"{policy.describe(code, ended_on)}, job restart {self.job_attempt}"
                        if inst is failed else f"job restart {self.job_attempt}")
             self._set(inst, InstanceStatus.WAITING, message, attempt=inst.attempt + 1)
             inst.handle = None

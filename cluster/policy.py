@@ -33,6 +33,7 @@ class Verdict:
     reason: str = ""          # for the log line / the job's reason
     port_conflict: bool = False
     node_lost: bool = False
+    node: str | None = None   # where it ended (a lost instance is moved before the verdict acts)
 
 
 def port_conflict(tail: list[str]) -> bool:
@@ -88,11 +89,11 @@ def judge_exit(code: int, tail: list[str], *, restart: str, max_retries: int, in
     used = job_retries if whole_job else instance_retries
     action = verdict_for(code == 0, retryable, whole_job, used < max_retries)
     if action == FINISHED:
-        return Verdict(FINISHED)
+        return Verdict(FINISHED, node=node)
     what = f"{name} {describe(code, node)}" + (" (its port was taken)" if conflict else "")
     if action == FAIL and retryable:
         what += f" (no retries left of {max_retries})"
-    return Verdict(action, what, conflict, lost)
+    return Verdict(action, what, conflict, lost, node)
 
 
 # -- settings from the environment ---------------------------------------------------

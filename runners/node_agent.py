@@ -203,6 +203,10 @@ class Instance:
             self.read_fd, write_fd = os.pipe()
             os.set_blocking(self.read_fd, False)
         _default_signals()
+        # Caught from here on, not at their default: a SIGTERM between the start and
+        # the identity would end the agent and leave the instance running unwatched
+        # (exec gives the instance the defaults back: a caught signal is reset).
+        self._catch_signals()
         watch = self.spec.get("watch")
         late = bool(watch and watch.get("inplace"))
         if late:
@@ -223,7 +227,6 @@ class Instance:
         stat = proc_stat(self.proc.pid)
         self.out.frame(b"I", json.dumps({"pid": self.proc.pid, "pgid": self.proc.pid,
                                          "start": stat[2] if stat else "", "boot": boot_id()}).encode())
-        self._catch_signals()
         if late:
             # This machine's folders (the user's working folder: thousands of files
             # took ~0.15 s per instance to list) are listed once the instance runs and

@@ -107,6 +107,8 @@ def test_instances_of_a_lost_node_run_again_on_the_other_node(two_nodes, tmp_pat
         events = [(e["kind"], e["message"]) for e in store.events(job_id)]
         assert ("node-lost", "worker:0: node n1 stopped answering") in events
         assert ("moved", "worker:1: n1 -> n2") in events
+        # the lost attempt names the node it was lost with, not the one it moved to
+        assert ("instance", "Waiting: lost with its node n1, job restart 1") in events, events
         log = (Path(status["job_dir"]) / "job.log").read_text()
         assert "worker:0 lost with its node n1; restarting the whole job (retry 1 of 3)" in log
         placements = json.loads((Path(status["job_dir"]) / "placement.json").read_text())

@@ -830,6 +830,62 @@ def test_a_silent_agent_is_a_lost_node_and_a_silent_master_stops_the_instance():
         agent.wait(timeout=10)
 
 
+def test_a_local_agent_that_ends_before_it_answers_says_how_it_ended():
+    """A local agent that dies before it gives the instance's identity: the
+    instance's line says how the agent ended (one CI run saw a bare "ended before
+    it started the instance"), and the handle reports the node lost."""
+    from paicli.cluster import agent_link
+    from paicli.cluster.backends.base import NODE_LOST
+    from paicli.cluster.backends.local import AgentProcess
+
+    agent = AgentProcess("job/worker:0")
+    os.kill(agent.pid, signal.SIGSTOP)   # the spec waits in its pipe, unread
+    starting = agent_link.send_spec(agent, {"argv": ["true"], "env": {}, "heartbeat": 0})
+    os.kill(agent.pid, signal.SIGKILL)
+    handle = starting.started(backend="local", node="local", host="127.0.0.1", start_timeout=30)
+    try:
+        assert handle.native.poll() == NODE_LOST
+        line = _read_all(handle).decode()
+        assert "the node agent ended before it started the instance" in line, line
+        assert f"(the agent (pid {agent.pid}) was killed by SIGKILL)" in line, line
+    finally:
+        os.close(handle.output_fd)   # (the agent's own output pipe went with the start given up)
+
+
+def test_an_agent_signalled_as_it_starts_the_instance_still_stops_it(tmp_path):
+    """A SIGTERM that reaches the agent just after it started the instance (before
+    the identity is out) used to end it at the default disposition, leaving the
+    instance running with nobody to stop it. The agent catches it from before
+    the start: the identity goes out, and the instance's group is stopped."""
+    pidfile = tmp_path / "instance.pid"
+    agent_code = ("import os, signal, subprocess, sys\n"
+                  "from paicli.runners import node_agent\n"
+                  "real = subprocess.Popen\n"
+                  "def popen(*args, **kwargs):\n"
+                  "    proc = real(*args, **kwargs)\n"
+                  f"    open({str(pidfile)!r}, 'w').write(str(proc.pid))\n"
+                  "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                  "    return proc\n"
+                  "node_agent.subprocess.Popen = popen\n"
+                  "sys.exit(node_agent.cmd_run('job/worker:0'))\n")
+    agent = subprocess.Popen([sys.executable, "-c", agent_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             start_new_session=True, restore_signals=True, preexec_fn=default_signals)
+    spec = {"argv": [sys.executable, "-c", "import time; time.sleep(600)"], "env": {}, "heartbeat": 0}
+    instance = 0
+    try:
+        frames, _ = agent.communicate(json.dumps(spec).encode() + b"\n", timeout=EVENT_DEADLINE)
+        instance = int(pidfile.read_text())
+        assert frames[:1] == b"I", frames          # the identity went out
+        assert json.loads(frames[5:5 + int.from_bytes(frames[1:5], "big")])["pid"] == instance
+        assert agent.returncode == 1               # it stopped the instance and left
+        assert wait_until(lambda: processes_in({instance}) == [], timeout=EVENT_DEADLINE), processes_in({instance})
+    finally:
+        agent.kill()
+        agent.wait()
+        if instance:
+            kill_groups({instance})
+
+
 def test_a_stop_on_a_node_that_does_not_answer_is_tried_again_then_reported(capfd):
     """The retry of a transport call lives once, in base.Backend: a backend's
     `_stop_refs` that fails once is called again; one that keeps failing is

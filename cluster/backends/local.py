@@ -58,6 +58,7 @@ class AgentProcess:
         except OSError:
             pass
         self.pid, self._in, self._out = _spawn_agent(label, out_w)
+        self.exit_code: int | None = None   # once closed (negative: the signal that ended it)
         self.agent_output_fd = AGENT_OUTPUT_FD
         os.close(out_w)
         os.set_blocking(self.output_fd, False)
@@ -82,12 +83,25 @@ class AgentProcess:
         for fd in (self._in, self._out):
             os.close(fd)
         deadline = time.monotonic() + 10
-        while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+        while (ended := os.waitpid(self.pid, os.WNOHANG)) == (0, 0):
             if time.monotonic() > deadline:
                 os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
-                return
+                ended = os.waitpid(self.pid, 0)
+                break
             time.sleep(0.002)
+        self.exit_code = os.waitstatus_to_exitcode(ended[1])
+
+    def ending(self) -> str:
+        """How the agent ended, once closed: for the line of a start it never answered."""
+        code = self.exit_code
+        if code is None:
+            return ""
+        if code < 0:
+            try:
+                return f"the agent (pid {self.pid}) was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"the agent (pid {self.pid}) was killed by signal {-code}"
+        return f"the agent (pid {self.pid}) exited with status {code}"
 
     def discard(self) -> None:
         """An agent started ahead of time and never used."""

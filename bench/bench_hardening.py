@@ -15,7 +15,9 @@
   overhead  bench_core.py's paired runs (pai vs the same three processes started by
             hand), reported as seconds added per pair, median ....... <= 0.2 s
             (issue 12), <= 0.10 s (issue 16). `--against OTHER/.venv/bin/pai`: both
-            checkouts rep by rep, alternating, and the paired difference
+            checkouts rep by rep, alternating, and the paired difference. `--busy 0.5`:
+            measured beside a process that keeps a core busy half the time (a load
+            of ~0.5, the condition issue 16 was filed under)
   chaos     1 ps + 4 workers of bench/chaos_job.py (a worker resumes from its own
             checkpoint and reconnects to a restarted ps, as real training does),
             ~2.5 min without faults; a driver SIGKILLs a random running instance at
@@ -38,6 +40,7 @@ with os.getloadavg(): the machine is shared, read figures with their load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -202,6 +205,34 @@ def job_phases(home: Path, t_submit: float, t_exit: float) -> dict:
     return {"to_recorded": round(created - t_submit, 3), "to_master_running": round(started - created, 3),
             "to_instances_started": round(max(starts) - started, 3),
             "last_worker_to_verdict": round(ended - max(worker_ends), 3), "verdict_to_cli_exit": round(t_exit - ended, 3)}
+
+
+BUSY_CODE = """
+import sys, time
+busy = float(sys.argv[1])
+while True:
+    until = time.monotonic() + 0.01 * busy
+    while time.monotonic() < until:
+        pass
+    time.sleep(0.01 * (1 - busy))
+"""
+
+
+@contextlib.contextmanager
+def busy_core(fraction: float):
+    """A background load: one process busy `fraction` of each 10 ms (none for 0),
+    given 30 s to show in the load average before the figure starts."""
+    if fraction <= 0:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_CODE, str(min(fraction, 1.0))])
+    try:
+        time.sleep(30)
+        print(f"[overhead] a core kept {fraction:.0%} busy in the background; load {bench_core.load()}", flush=True)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def bench_overhead(args) -> dict:
@@ -582,6 +613,9 @@ def main() -> int:
     parser.add_argument("--tmpfs-kb", type=int, default=1024, help="diskfull: size of the tmpfs")
     parser.add_argument("--flood-mb", type=int, default=8, help="diskfull: output of the job")
     parser.add_argument("--against", help="overhead: another checkout's pai, measured rep by rep beside this one")
+    parser.add_argument("--busy", type=float, default=0.0,
+                        help="overhead: a background process keeps one core busy this fraction of the time "
+                             "(10 ms slices) while it runs, e.g. 0.5 for issue 16's 'load 0.4-0.7'")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     if args.steps is None:
@@ -593,8 +627,9 @@ def main() -> int:
         print(f"bytecode of {compiled} compiled first (as pip does at install; an editable checkout under "
               f"PYTHONDONTWRITEBYTECODE=1 would recompile every module on every pai)", flush=True)
     print(f"bench_hardening {args.figure} with {args.pai}; load {bench_core.load()}", flush=True)
-    res = {"bars": bench_bars, "overhead": bench_overhead, "chaos": bench_chaos, "load": bench_load,
-           "diskfull": bench_diskfull}[args.figure](args)
+    with busy_core(args.busy if args.figure == "overhead" else 0.0):
+        res = {"bars": bench_bars, "overhead": bench_overhead, "chaos": bench_chaos, "load": bench_load,
+               "diskfull": bench_diskfull}[args.figure](args)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str))
     return 0

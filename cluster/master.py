@@ -543,7 +543,7 @@ class JobMaster:
             if verdict.action == policy.RESTART_INSTANCE and inst.role.listens:
                 self._assign_ports([inst])
         except (UsageError, OSError) as err:
-            return policy.Verdict(policy.FAIL, f"{verdict.reason}; no other node has room ({err})")
+            return policy.Verdict(policy.FAIL, f"{verdict.reason}; no other node has room ({err})", node=verdict.node)
         return verdict
 
     def _on_finished(self, inst: Instance, code: int, verdict: policy.Verdict) -> None:

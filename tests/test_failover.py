@@ -136,6 +136,24 @@ def test_without_room_elsewhere_the_job_fails_naming_the_node(two_nodes, tmp_pat
         client.kill(store, job_id)
 
 
+def test_an_instance_no_other_node_can_take_fails_naming_the_node_it_was_lost_with(two_nodes, tmp_path,
+                                                                                     monkeypatch):
+    pidfile = tmp_path / "pids"
+    monkeypatch.setenv("BEHAVE", f"pidfile:{pidfile},print:1,sleep:30")
+    # 6000 MB: only n1 (8000 MB) can hold it.
+    store, job_id = submit("-name", "python", f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":1,"memory":6000}}',
+                           env={})
+    try:
+        assert wait_until(lambda: pidfile.exists(), timeout=20)
+        (two_nodes / "n1").touch()
+        status = wait_over(store, job_id)
+        assert status["status"] == "Failed" and "no other node has room" in status["reason"], status["reason"]
+        rows = [e["message"] for e in store.events(job_id) if e["kind"] == "instance"]
+        assert "Failed: lost with its node n1" in rows, rows
+    finally:
+        client.kill(store, job_id)
+
+
 def test_without_retries_the_job_fails_naming_the_node(two_nodes, tmp_path, monkeypatch):
     pidfile = tmp_path / "pids"
     monkeypatch.setenv("BEHAVE", f"pidfile:{pidfile},print:1,sleep:30")

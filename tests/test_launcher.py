@@ -847,7 +847,7 @@ def test_a_local_agent_that_ends_before_it_answers_says_how_it_ended():
         assert handle.native.poll() == NODE_LOST
         line = _read_all(handle).decode()
         assert "the node agent ended before it started the instance" in line, line
-        assert f"(the agent (pid {agent.pid}) was killed by SIGKILL)" in line, line
+        assert f"(its agent (pid {agent.pid}): killed by SIGKILL)" in line, line
     finally:
         os.close(handle.output_fd)   # (the agent's own output pipe went with the start given up)
 

@@ -93,15 +93,11 @@ class AgentProcess:
 
     def ending(self) -> str:
         """How the agent ended, once closed: for the line of a start it never answered."""
-        code = self.exit_code
-        if code is None:
+        if self.exit_code is None:
             return ""
-        if code < 0:
-            try:
-                return f"the agent (pid {self.pid}) was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"the agent (pid {self.pid}) was killed by signal {-code}"
-        return f"the agent (pid {self.pid}) exited with status {code}"
+        from paicli.states import describe_exit
+
+        return f"its agent (pid {self.pid}): {describe_exit(self.exit_code)}"
 
     def discard(self) -> None:
         """An agent started ahead of time and never used."""

@@ -99,3 +99,30 @@ def boot_time() -> float:
         except (OSError, ValueError):
             pass
     return _BOOT_TIME
+
+
+def let_go_inherited(keep: tuple[int, ...] = ()) -> None:
+    """In a forked child: let go of every descriptor above 2 but `keep`.
+
+    The parent's Python objects (its files, sockets, SQLite connection, a test
+    runner's captures) came along with the fork, each still owning its number. A
+    number closed under such an object is free for this process's next pipe or
+    log, and the object, collected later, closes that instead: a node agent's pipe
+    then reads EOF, a log write fails with EBADF. So each number is pointed at
+    /dev/null instead of closed: the parent's file is let go all the same, and
+    whatever an old object does with its number reaches only /dev/null. The
+    inherited objects are frozen too, so the cycle collector never runs their
+    finalizers here."""
+    import gc
+
+    gc.freeze()
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            if fd > 2 and fd != null and fd not in keep:
+                try:
+                    os.dup2(null, fd, inheritable=False)
+                except OSError:
+                    pass   # the listing's own descriptor, gone already
+    finally:
+        os.close(null)

@@ -182,6 +182,9 @@ def _double_fork(close: tuple[int, ...], run) -> int:
     if child == 0:
         code = 1
         try:
+            import gc
+
+            gc.freeze()   # the caller's objects: never collected here (procinfo.let_go_inherited)
             for fd in close:
                 os.close(fd)
             os.setsid()
@@ -199,17 +202,15 @@ def _must_exec() -> bool:
 
 def _take_stdio(stdin_fd: int, stdout_fd: int, stderr_fd: int, keep: tuple[int, ...] = ()) -> None:
     """In a forked child: these three descriptors become 0, 1 and 2, every other
-    inherited one but `keep` is closed (the parent's store, pipes, sockets, a
-    terminal), and sys.stdin/stdout/stderr are opened anew over them (the parent's
-    may be its own objects, a library user's or a test runner's capture)."""
+    inherited one but `keep` is let go (the parent's store, pipes, sockets, a
+    terminal: procinfo.let_go_inherited), and sys.stdin/stdout/stderr are opened
+    anew over them (the parent's may be its own objects, a library user's or a
+    test runner's capture)."""
+    from paicli.cluster.procinfo import let_go_inherited
+
     for target, fd in enumerate((stdin_fd, stdout_fd, stderr_fd)):
         os.dup2(fd, target)
-    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
-        if fd > 2 and fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass  # the listing's own descriptor, already gone
+    let_go_inherited(keep)
     sys.stdin = open(0, "r", closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)

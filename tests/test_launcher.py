@@ -4,6 +4,7 @@ cancelling, re-attaching, and leaving no process behind."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -12,6 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from paicli.cluster import spawn
+from paicli.cluster.backends import local
 from paicli.cluster.backends.base import InstanceRef
 from paicli.cluster.backends.local import LocalBackend
 from paicli.cluster.procinfo import boot_id, proc_stat
@@ -642,14 +647,53 @@ def test_the_forked_master_keeps_nothing_of_the_cli(pai_home, tmp_path):
         assert sum("watchdog.log" in target for target in fds) == 0, "watchdog.log left open in the master"
         # The watchdog (forked from the master) holds its pipe, /dev/null and its log:
         # not the store, not the write end of its own pipe (EOF must mean "master gone").
+        # (Numbers above 2 the fork brought along point at /dev/null: procinfo.let_go_inherited.)
         held = {int(fd): os.readlink(f"/proc/{watchdog}/fd/{fd}") for fd in os.listdir(f"/proc/{watchdog}/fd")}
-        assert sorted(held) == [0, 1, 2], held
+        assert {0, 1, 2} <= set(held) and all(held[fd] == "/dev/null" for fd in held if fd > 2), held
         assert held[0].startswith("pipe:") and held[1] == "/dev/null" and held[2].endswith("watchdog.log"), held
         holders = {int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _holds(pid, held[0])}
         assert holders == {master, watchdog}, holders  # no instance keeps the master's end open
     finally:
         os.close(read_fd)
         pai("kill", job_id)
+
+
+@pytest.mark.parametrize("child", ["master", "agent"])
+def test_a_forked_child_keeps_its_descriptors_whatever_its_parent_left_to_collect(child, tmp_path):
+    """The master, its watchdog and a local agent are forked from a process full of
+    objects that own descriptors (the CLI's, a test runner's). Such an object,
+    collected in the child after it let go of the parent's descriptors, closed
+    whatever number the child had opened since: a CI run saw a local agent's pipe
+    read EOF and a log write fail with EBADF."""
+    dropped = [open(tmp_path / "dropped", "wb")]        # collected when the child drops it
+    cycle: list = [open(tmp_path / "cycle", "wb")]      # collected by the cycle collector only
+    cycle.append(cycle)
+    gc.disable()   # (the parent must not collect the cycle before the fork)
+    del cycle
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                if child == "master":
+                    spawn._take_stdio(os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY), 2)
+                else:
+                    local._take_agent_stdio(())
+                pipes = [os.pipe() for _ in range(8)]   # the numbers the parent's objects had, among them
+                dropped.clear()
+                gc.enable()
+                gc.collect()
+                for r, w in pipes:
+                    os.write(w, b"x")   # EBADF (an exception: exit 1) once a number was closed
+                    assert os.read(r, 1) == b"x"
+                code = 0
+            finally:
+                os._exit(code)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, \
+            "the child's own pipes were closed under it by its parent's objects"
+    finally:
+        gc.enable()
+        dropped[0].close()
 
 
 def _eof(fd: int) -> bool:

@@ -19,6 +19,7 @@ import threading
 import time
 
 from paicli.cluster.backends.base import Backend, NodeSpec
+from paicli.cluster.procinfo import let_go_inherited
 
 # The agent's code (runners/, beside cluster/ in the source tree and in the installed
 # package alike) is imported where it is used, not here: a submit builds this backend
@@ -133,22 +134,7 @@ def _forked_agent(label: str, moves) -> None:
     """In the forked child: nothing of the master's stays open; the agent runs."""
     code = 1
     try:
-        signal.set_wakeup_fd(-1)   # the master's: closed below
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
-            signal.signal(signum, signal.SIG_DFL)
-        for fd, target in moves:
-            os.dup2(fd, target)
-        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
-            if fd not in (0, 1, 2, AGENT_OUTPUT_FD):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass   # the listing's own descriptor
-        # The frames go to fd 1 (the link), whatever object the forking process had
-        # as sys.stdout (a library user's or a test runner's capture).
-        sys.stdin = open(0, "r", closefd=False)
-        sys.stdout = open(1, "w", closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        _take_agent_stdio(moves)
         with open("/proc/self/comm", "w") as comm:
             comm.write("pai-node-agent")   # what `ps` and `top` show for it
         from paicli.runners import node_agent
@@ -160,6 +146,21 @@ def _forked_agent(label: str, moves) -> None:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _take_agent_stdio(moves) -> None:
+    """A forked agent's descriptors and streams: `moves` in place, the master's let go."""
+    signal.set_wakeup_fd(-1)   # the master's: let go below
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    for fd, target in moves:
+        os.dup2(fd, target)
+    let_go_inherited(keep=(AGENT_OUTPUT_FD,))   # the master's own, and what it inherited
+    # The frames go to fd 1 (the link), whatever object the forking process had
+    # as sys.stdout (a library user's or a test runner's capture).
+    sys.stdin = open(0, "r", closefd=False)
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
 
 
 class LocalBackend(Backend):

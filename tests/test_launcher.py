@@ -668,6 +668,7 @@ def test_a_forked_child_keeps_its_descriptors_whatever_its_parent_left_to_collec
     dropped = [open(tmp_path / "dropped", "wb")]        # collected when the child drops it
     cycle: list = [open(tmp_path / "cycle", "wb")]      # collected by the cycle collector only
     cycle.append(cycle)
+    numbers = (dropped[0].fileno(), cycle[0].fileno())
     gc.disable()   # (the parent must not collect the cycle before the fork)
     del cycle
     try:
@@ -679,7 +680,11 @@ def test_a_forked_child_keeps_its_descriptors_whatever_its_parent_left_to_collec
                     spawn._take_stdio(os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY), 2)
                 else:
                     local._take_agent_stdio(())
-                pipes = [os.pipe() for _ in range(8)]   # the numbers the parent's objects had, among them
+                # New pipes, until they reach the numbers the parent's objects own: they
+                # take those very numbers if the child closed them (the lowest free first).
+                pipes = [os.pipe()]
+                while max(pipes[-1]) < max(numbers):
+                    pipes.append(os.pipe())
                 dropped.clear()
                 gc.enable()
                 gc.collect()

@@ -278,6 +278,11 @@ def bench_overhead(args) -> dict:
     return res
 
 
+def checkout_python(pai: str) -> str:
+    """The interpreter of the checkout whose `pai` command this is (its venv's python)."""
+    return str(Path(shlex.split(pai)[0]).parent / "python")
+
+
 def bench_overhead_against(args) -> dict:
     """`overhead --against OTHER`: this pai and OTHER's in the same window, rep by
     rep in alternating order, each run right after a by-hand run with its own
@@ -289,7 +294,7 @@ def bench_overhead_against(args) -> dict:
     for rep in range(args.reps):
         for side in (("this", "other") if rep % 2 == 0 else ("other", "this")):
             pai = sides[side]
-            python = str(Path(shlex.split(pai)[0]).parent / "python")
+            python = checkout_python(pai)
             core = argparse.Namespace(pai=pai, steps=args.steps, sleep=args.sleep, reps=1)
             plain = bench_core.run_plain_job(core, python=python if os.path.exists(python) else None)
             home = Path(tempfile.mkdtemp(prefix="A-bench-overhead-"))
@@ -612,20 +617,18 @@ import paicli.jobview, paicli.plutoview, paicli.web.launch, paicli.adapters, pai
 from paicli.cluster.spawn import import_run_modules
 from paicli.commands import submit_tokens
 import_run_modules()
-args, homes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-for home in homes:
-    os.environ["PAI_HOME"] = home
-    t0 = time.time()
-    pid = os.fork()
-    if pid == 0:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1)
-        try:
-            code = submit_tokens(args)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
-    print(json.dumps({"t_submit": t0, "wall_s": time.time() - t0}), flush=True)
+args = json.loads(sys.argv[1])   # PAI_HOME: the rep's own, in the environment
+t0 = time.time()
+pid = os.fork()
+if pid == 0:
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    try:
+        submit_tokens(args)
+    finally:
+        os._exit(0)
+os.waitpid(pid, 0)
+print(json.dumps({"t_submit": t0, "wall_s": time.time() - t0}), flush=True)
 """
 
 
@@ -640,7 +643,7 @@ def start_cost(argv: list[str], reps: int = 31) -> float:
 
 
 def bench_warm(args) -> dict:
-    python = str(Path(args.pai).parent / "python")
+    python = checkout_python(args.pai)
     tokens = ["-name", "python", f"-Dscript={bench_core.PS_WORKER}",
               "-Dcluster=" + json.dumps({"ps": {"count": 1}, "worker": {"count": 2}}),
               f"-DuserDefinedParameters=--steps={args.steps} --sleep={args.sleep}"]
@@ -653,7 +656,7 @@ def bench_warm(args) -> dict:
             t_submit = time.time()
             p = bench_core.run_pai_job(core, homes[2 * rep])
             cold.append(job_phases(homes[2 * rep], t_submit, t_submit + p["wall_s"]))
-            out = subprocess.run([python, "-c", WARM_CODE, json.dumps(tokens), json.dumps([str(homes[2 * rep + 1])])],
+            out = subprocess.run([python, "-c", WARM_CODE, json.dumps(tokens)],
                                  env=bench_core.fresh_env(homes[2 * rep + 1]), cwd=REPO, check=True,
                                  stdout=subprocess.PIPE, text=True).stdout
             timing = json.loads(out.splitlines()[-1])

@@ -33,7 +33,7 @@ from paicli.cluster.procinfo import start_time
 from paicli.cluster.spawn import Watchdog, spawn_watchdog
 from paicli.errors import PaiError, UsageError
 from paicli.plan import JobPlan, RolePlan
-from paicli.records import record
+from paicli.records import record, replace
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
@@ -543,7 +543,8 @@ class JobMaster:
             if verdict.action == policy.RESTART_INSTANCE and inst.role.listens:
                 self._assign_ports([inst])
         except (UsageError, OSError) as err:
-            return policy.Verdict(policy.FAIL, f"{verdict.reason}; no other node has room ({err})", node=verdict.node)
+            # The same verdict turned into a failure: every field kept (the node it was lost with among them).
+            return replace(verdict, action=policy.FAIL, reason=f"{verdict.reason}; no other node has room ({err})")
         return verdict
 
     def _on_finished(self, inst: Instance, code: int, verdict: policy.Verdict) -> None:

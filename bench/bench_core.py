@@ -266,6 +266,13 @@ def run_pai_job(args, home: Path) -> dict:
             "master_pid": sampler.master_pid, "status_master_pid": master_pid, "samples": sampler.samples}
 
 
+def exit_on_signals() -> None:
+    """SIGTERM or SIGHUP end a bench as Ctrl-C does: through its finally blocks, so
+    that the processes it started (the by-hand baseline's ps and workers) go with it."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))
+
+
 def run_plain_job(args, python: str | None = None) -> dict:
     """What a shell script would do: start the ps, the two workers, wait for the
     workers, SIGTERM the ps, wait for it. `python`: the interpreter the three run
@@ -278,18 +285,29 @@ def run_plain_job(args, python: str | None = None) -> dict:
     chunks: list[bytes] = []
     argv = [python or sys.executable, "-u", str(PS_WORKER), f"--steps={args.steps}", f"--sleep={args.sleep}"]
     procs = []
-    for role, idx in (("ps", 0), ("worker", 0), ("worker", 1)):
-        env = dict(os.environ, PAI_ROLE=role, PAI_INDEX=str(idx), PAI_CLUSTER=cluster, PYTHONUNBUFFERED="1")
-        if role == "ps":
-            env["PAI_PORT"] = str(port)
-        procs.append(subprocess.Popen(argv, env=env, stdout=write_fd, stderr=write_fd, cwd=REPO,
-                                      stdin=subprocess.DEVNULL))
-    os.close(write_fd)
-    reader = drain(reader_file, chunks)
-    codes = [p.wait() for p in procs[1:]]
-    procs[0].send_signal(signal.SIGTERM)
-    procs[0].wait()
-    wall = time.perf_counter() - t0
+    try:
+        for role, idx in (("ps", 0), ("worker", 0), ("worker", 1)):
+            env = dict(os.environ, PAI_ROLE=role, PAI_INDEX=str(idx), PAI_CLUSTER=cluster, PYTHONUNBUFFERED="1")
+            if role == "ps":
+                env["PAI_PORT"] = str(port)
+            procs.append(subprocess.Popen(argv, env=env, stdout=write_fd, stderr=write_fd, cwd=REPO,
+                                          stdin=subprocess.DEVNULL))
+        os.close(write_fd)
+        write_fd = -1
+        reader = drain(reader_file, chunks)
+        codes = [p.wait() for p in procs[1:]]
+        procs[0].send_signal(signal.SIGTERM)
+        procs[0].wait()
+        wall = time.perf_counter() - t0
+    finally:
+        # The bench interrupted (Ctrl-C, a kill of its own) or a start refused: the
+        # by-hand processes go with it, as pai's would.
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if write_fd >= 0:
+            os.close(write_fd)
     reader.join()
     reader_file.close()
     text = b"".join(chunks).decode("utf-8", "replace")
@@ -490,6 +508,7 @@ def bench_logtail(args) -> dict:
 
 
 def main() -> int:
+    exit_on_signals()
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -681,6 +681,7 @@ def bench_warm(args) -> dict:
 
 
 def main() -> int:
+    bench_core.exit_on_signals()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("figure", choices=["bars", "overhead", "warm", "chaos", "load", "diskfull"])
     parser.add_argument("--pai", default=bench_core.default_pai(), help="the pai command (split like a shell)")

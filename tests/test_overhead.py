@@ -561,3 +561,35 @@ def test_an_error_in_the_first_lines_is_raised_once_the_master_is_recorded(tmp_p
         assert job["master_pid"] == os.getpid() and job["status"] == "Waiting"
     finally:
         store.close()
+
+
+# -- the bench's own processes ------------------------------------------------------------------
+
+BY_HAND_PROBE = r"""
+import argparse, sys
+sys.path.insert(0, sys.argv[1])
+import bench_core
+bench_core.exit_on_signals()
+print("started", flush=True)
+bench_core.run_plain_job(argparse.Namespace(steps=100000, sleep=float(sys.argv[2])))
+"""
+
+
+def test_the_by_hand_baseline_goes_with_a_bench_that_is_stopped():
+    """bench/bench_core.py's by-hand job (a ps and two workers the bench starts
+    itself) must not outlive the bench when it is sent SIGTERM mid-run."""
+    sleep = f"0.0{uuid.uuid4().int % 10**8:08d}"   # the marker in the workers' argv: --sleep=...
+    marker = f"--sleep={sleep}"
+    bench = subprocess.Popen([sys.executable, "-c", BY_HAND_PROBE, str(ROOT / "bench"), sleep],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert bench.stdout.readline().strip() == "started"
+        assert wait_until(lambda: len(_processes_with(marker)) == 3, timeout=60), _processes_with(marker)
+        bench.terminate()
+        assert bench.wait(timeout=30) == 128 + 15
+        assert wait_until(lambda: not _processes_with(marker), timeout=30), "the by-hand processes stayed"
+    finally:
+        bench.kill()
+        bench.wait()
+        for pid in _processes_with(marker):
+            os.kill(pid, 9)

@@ -373,6 +373,14 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
+def _end_all(proc: subprocess.Popen, marker: str) -> None:
+    """A test's teardown: its process, and every process whose command line has `marker`."""
+    proc.kill()
+    proc.wait()
+    for pid in _processes_with(marker):
+        os.kill(pid, 9)
+
+
 def _ppid(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -399,10 +407,7 @@ def test_a_waiting_master_waits_in_a_session_of_its_own_and_leaves_at_eof():
         assert probe.wait(timeout=30) == 0
         assert wait_until(lambda: not _processes_with(marker), timeout=30), "the waiting master stayed after EOF"
     finally:
-        probe.kill()
-        probe.wait()
-        for pid in _processes_with(marker):
-            os.kill(pid, 9)
+        _end_all(probe, marker)
 
 
 def test_no_waiting_master_while_a_store_is_open(tmp_path):
@@ -589,7 +594,4 @@ def test_the_by_hand_baseline_goes_with_a_bench_that_is_stopped():
         assert bench.wait(timeout=30) == 128 + 15
         assert wait_until(lambda: not _processes_with(marker), timeout=30), "the by-hand processes stayed"
     finally:
-        bench.kill()
-        bench.wait()
-        for pid in _processes_with(marker):
-            os.kill(pid, 9)
+        _end_all(bench, marker)

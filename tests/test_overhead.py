@@ -583,9 +583,9 @@ bench_core.run_plain_job(argparse.Namespace(steps=100000, sleep=float(sys.argv[2
 def test_the_by_hand_baseline_goes_with_a_bench_that_is_stopped():
     """bench/bench_core.py's by-hand job (a ps and two workers the bench starts
     itself) must not outlive the bench when it is sent SIGTERM mid-run."""
-    sleep = f"0.0{uuid.uuid4().int % 10**8:08d}"   # the marker in the workers' argv: --sleep=...
-    marker = f"--sleep={sleep}"
-    bench = subprocess.Popen([sys.executable, "-c", BY_HAND_PROBE, str(ROOT / "bench"), sleep],
+    sleep = 0.01 + (uuid.uuid4().int % 10**6 + 1) / 10**9
+    marker = f"--sleep={sleep}"   # as the bench writes it into the workers' argv (a float's repr)
+    bench = subprocess.Popen([sys.executable, "-c", BY_HAND_PROBE, str(ROOT / "bench"), repr(sleep)],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert bench.stdout.readline().strip() == "started"

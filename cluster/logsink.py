@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from collections.abc import Callable
 
-from paicli.private import write_private
+from paicli.private import open_append_fd, write_private
 
 DEFAULT_CAP = 64 * 1024 * 1024
 # At most this many metric-carrying lines of one read (a few KB of one instance's
@@ -41,12 +41,6 @@ def log_cap() -> int:
         return max(4096, int(os.environ.get("PAI_LOG_MAX_BYTES", DEFAULT_CAP)))
     except ValueError:
         return DEFAULT_CAP
-
-
-def open_append_fd(path: Path | str) -> int:
-    """A descriptor appending to `path`, created readable by its owner only (logs
-    hold argv and whatever the script prints)."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
 
 def job_log_note(job_dir: str) -> Callable[[str], None]:

@@ -533,7 +533,7 @@ def remove_parts(folder: str) -> int:
 
 def job_log_note(job_dir: str | Path) -> Note:
     """Whole `[pai] ...` lines appended to a job's job.log (from outside its master)."""
-    from paicli.cluster.logsink import open_append_fd
+    from paicli.private import open_append_fd
 
     def note(line: str) -> None:
         try:

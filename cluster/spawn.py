@@ -271,7 +271,7 @@ def spawn_watchdog(job_id: str, log_path: Path, store: Store) -> Watchdog:
 
 def open_private(path: Path) -> int:
     """An append-only log file only its owner can read (it holds argv and log tails)."""
-    from paicli.cluster.logsink import open_append_fd
+    from paicli.private import open_append_fd
 
     fd = open_append_fd(path)
     os.fchmod(fd, 0o600)

@@ -24,6 +24,12 @@ def private_dir(path: Path, parents: bool = False) -> Path:
     return path
 
 
+def open_append_fd(path: Path | str) -> int:
+    """A descriptor appending to `path`, created readable by its owner only (logs
+    hold argv and whatever the script prints)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+
 def write_private(path: Path, text: str | bytes) -> None:
     """Write a whole file, 0600, through a temporary name: a reader (or a full
     disk) never sees half of it. The temporary is a fresh random name created

@@ -435,3 +435,32 @@ def test_a_slow_store_read_does_not_hold_up_another_request(tmp_path, monkeypatc
         loop.run_until_complete(runner.cleanup())
         loop.close()
     assert slow and slow[0][0] == 200
+
+
+def test_starting_the_server_costs_a_submit_no_import_beyond_the_socket(pai_home, monkeypatch):
+    """The first submit of a PAI_HOME starts its server before the job's instances
+    start: its token and its log descriptor import nothing (base64 and
+    cluster.logsink were ~3.5 ms of that submit's CPU), and the token is still 32
+    URL-safe characters (secrets.token_urlsafe(24)'s form)."""
+    import subprocess
+
+    from paicli.web import launch
+
+    monkeypatch.delenv("PAI_LOGVIEW", raising=False)   # the page, not the summary file
+    script = Path(__file__).resolve().parent.parent / "examples" / "python" / "ps_worker.py"
+    try:
+        result = subprocess.run([sys.executable, "-X", "importtime", "-m", "paicli", "-name", "python",
+                                 f"-Dscript={script}", '-Dcluster={"ps":{"count":1},"worker":{"count":1}}',
+                                 "-DuserDefinedParameters=--steps=1 --sleep=0"],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+        assert "Log view: http://127.0.0.1:" in result.stdout   # the submit started the server
+        imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()
+                    if line.startswith("import time:") and "[us]" not in line}
+        assert "paicli.web.launch" in imported and "sqlite3" in imported   # the probe saw the submit
+        assert {"base64", "paicli.cluster.logsink"} & imported == set()
+        token = (pai_home / "logview" / "token").read_text().strip()
+        assert re.fullmatch(r"[A-Za-z0-9_-]{32}", token), token
+        assert f"token={token}" in result.stdout
+    finally:
+        launch.stop_server(pai_home)

@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 from paicli.errors import PaiError
-from paicli.private import private_dir, write_private
+from paicli.private import open_append_fd, private_dir, write_private
 
 IDLE_SECONDS = 900.0  # the server exits after this long without a request or a CLI using it
 
@@ -49,10 +49,12 @@ def user_token(home: Path) -> str:
             return token
     except FileNotFoundError:
         pass
-    import base64
+    import binascii
 
     # secrets.token_urlsafe(24), without its import (hmac, hashlib: ~4 ms of a submit)
-    token = base64.urlsafe_b64encode(os.urandom(24)).rstrip(b"=").decode("ascii")
+    # or base64's (~1 ms): 32 URL-safe characters.
+    token = binascii.b2a_base64(os.urandom(24), newline=False).translate(bytes.maketrans(b"+/", b"-_"))
+    token = token.rstrip(b"=").decode("ascii")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another pai made it first: use theirs
@@ -125,8 +127,6 @@ def start_server(home: Path) -> dict:
     host = bind_host()
     token = user_token(home)
     sock = _listen(host, folder)
-    from paicli.cluster.logsink import open_append_fd
-
     log = open_append_fd(folder / "server.log")
     try:
         pid = _spawn_standby([sys.executable, "-m", "paicli.web.standby", "--home", str(home),

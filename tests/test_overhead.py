@@ -595,3 +595,77 @@ def test_the_by_hand_baseline_goes_with_a_bench_that_is_stopped():
         assert wait_until(lambda: not _processes_with(marker), timeout=30), "the by-hand processes stayed"
     finally:
         _end_all(bench, marker)
+
+
+def _perf_line(comm: str, pid: int, t_ms: float, event: str, rest: str) -> str:
+    return f"{comm:>16} {pid:6d} [000] {1000 + t_ms / 1000:.6f}: {event}: {rest}"
+
+
+def test_bench_windows_cuts_each_run_into_windows_and_charges_cpu_to_its_processes():
+    """bench/bench_windows.py reads `perf script` text: a pai run (CLI 100, its
+    waiting master 101 -> master 102, agents 103-105, ps 106 and workers 107-108)
+    and a by-hand run (ps 201, workers 202-203) forked by the bench (50)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_windows
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    lines = []
+
+    def fork(t, parent, child, comm="python"):
+        lines.append(_perf_line(comm, parent, t, "sched:sched_process_fork",
+                                f"comm={comm} pid={parent} child_comm={comm} child_pid={child}"))
+
+    def exec_(t, pid, path):
+        lines.append(_perf_line("python", pid, t, "sched:sched_process_exec", f"filename={path} pid={pid} old_pid={pid}"))
+
+    def run(t, pid, ms):
+        lines.append(_perf_line("python", pid, t, "sched:sched_stat_runtime", f"comm=python pid={pid} runtime={int(ms * 1e6)} [ns]"))
+
+    def instance(t_exec, pid, ps: bool, t_ready, t_exit):
+        exec_(t_exec, pid, "/v/bin/python")
+        if ps:
+            lines.append(_perf_line("python", pid, t_ready, "syscalls:sys_enter_listen", "fd: 0x3, backlog: 0x5"))
+        else:
+            lines.append(_perf_line("python", pid, t_ready - 5, "syscalls:sys_exit_connect", "0xffffffffffffff91"))
+            lines.append(_perf_line("python", pid, t_ready, "syscalls:sys_exit_connect", "0x0"))
+        lines.append(_perf_line("python", pid, t_exit, "sched:sched_process_exit", f"comm=python pid={pid} prio=120"))
+
+    # pai: exec at 0, ps exec at 60, workers connected by 130, their exits by 1000, CLI gone at 1015
+    fork(0, 50, 100)
+    exec_(0, 100, "/v/bin/pai")
+    run(10, 100, 20.0)
+    fork(20, 100, 101)
+    fork(21, 101, 102)
+    run(40, 102, 15.0)
+    for agent in (103, 104, 105):
+        fork(50, 102, agent, "pai-node-agent")
+    fork(59, 103, 106)
+    fork(65, 104, 107)
+    fork(66, 105, 108)
+    instance(60, 106, True, 100, 1005)
+    instance(66, 107, False, 120, 990)
+    instance(67, 108, False, 130, 1000)
+    run(80, 106, 30.0)
+    run(1008, 102, 4.0)
+    run(1009, 999, 2.5)   # someone else's process
+    lines.append(_perf_line("pai", 100, 1015, "sched:sched_process_exit", "comm=pai pid=100 prio=120"))
+    # by hand, from the bench: ps forked at 2000, exec 2001; workers connected by 2070; ends 2900 / 2902
+    for child, t in ((201, 2000), (202, 2000.5), (203, 2001)):
+        fork(t, 50, child)
+    instance(2001, 201, True, 2050, 2902)
+    instance(2002, 202, False, 2060, 2890)
+    instance(2002, 203, False, 2070, 2900)
+    found = bench_windows.runs(bench_windows.Trace("\n".join(lines)))
+    assert [r["kind"] for r in found] == ["pai", "hand"]
+    pai, hand = found
+    w = pai["windows"]
+    assert list(w) == ["submit", "start", "middle", "end"]
+    assert w["submit"]["ms"] == 60.0 and w["start"]["ms"] == 70.0 and w["middle"]["ms"] == 870.0 and w["end"]["ms"] == 15.0
+    assert w["submit"]["cli"] == 20.0 and w["submit"]["master"] == 15.0 and w["submit"]["instances"] == 0
+    assert w["start"]["instances"] == 30.0 and w["end"]["master"] == 4.0 and w["end"]["other"] == 2.5
+    assert pai["total_ms"] == 1015.0 and pai["refused_connects"] == 2
+    assert hand["total_ms"] == 902.0 and list(hand["windows"]) == ["submit", "start", "middle", "end"]
+    assert hand["windows"]["start"]["ms"] == 69.0 and hand["windows"]["end"]["ms"] == 2.0
+    medians = bench_windows.report(found)
+    assert medians["pai"]["end"]["ms"] == 15.0 and medians["hand"]["start"]["ms"] == 69.0

@@ -26,7 +26,6 @@ the same of the by-hand run next to it; the table says which window holds it.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import statistics

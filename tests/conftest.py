@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +22,12 @@ PAI = [sys.executable, "-m", "paicli"]
 # Jobs in tests print the summary file as their `Log view:` instead of starting a
 # logview server per test home; tests/test_logview.py turns the server on itself.
 os.environ.setdefault("PAI_LOGVIEW", "file")
+
+# A test that runs `pai` or opens the store without the pai_home fixture must not
+# write into the ~/.pai (or the PAI_HOME) of whoever runs the suite: this process, and
+# every `pai` a test starts, begin on a folder of their own, removed after the session.
+SESSION_HOME = Path(tempfile.mkdtemp(prefix="pai-tests-home-"))
+os.environ["PAI_HOME"] = str(SESSION_HOME)
 
 # Signals a shell may have set to "ignore" for us (nohup, a background job in a
 # script: `trap '' INT HUP`). An ignored signal stays ignored across exec, so
@@ -67,6 +75,12 @@ def run_on_pty(argv: list[str], env: dict[str, str]) -> tuple[int, bytes]:
         _, status = os.waitpid(pid, 0)
         os.close(fd)
     return os.waitstatus_to_exitcode(status), b"".join(chunks)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_home():
+    yield SESSION_HOME
+    shutil.rmtree(SESSION_HOME, ignore_errors=True)
 
 
 @pytest.fixture

@@ -513,3 +513,18 @@ def test_step_seconds_of_fast_steps_read_in_pairs_is_their_rate():
     assert steptime.instance_step_seconds(odd) == pytest.approx(0.005, rel=0.05)
     slow = [(0, 0.0), (1, 5.0), (2, 5.2), (3, 5.4), (4, 6.4), (5, 6.6)]
     assert steptime.instance_step_seconds(slow) == pytest.approx(0.2)   # the 1 s pause is an outlier
+
+
+def test_the_suite_never_writes_into_the_home_of_whoever_runs_it(tmp_path):
+    """conftest gives every test process, and each `pai` a test starts, a PAI_HOME of
+    its own: a test without the pai_home fixture once left a store in the real
+    ~/.pai of the machine that ran the suite."""
+    from conftest import SESSION_HOME, pai
+
+    fake_home = tmp_path / "user"
+    fake_home.mkdir()
+    assert os.environ["PAI_HOME"] == str(SESSION_HOME)
+    result = pai("list", "--json", env={"HOME": str(fake_home)})
+    assert result.returncode == 0, result.stderr
+    assert (SESSION_HOME / "pai.db").exists()       # the command opened a store, in the session's home
+    assert not (fake_home / ".pai").exists()        # and nothing in the user's

@@ -233,17 +233,17 @@ def run_guarded(action: Callable[[], None]) -> None:
         sys.exit(1)
 
 
-def finish(action: Callable[[], None]) -> None:
+def finish(action: Callable[[], None], before_exit: Callable[[int], None] | None = None) -> None:
     """`pai`: run the action inside the error boundary, then leave at once (exit_now)."""
     try:
         run_guarded(action)
         code: object = 0
     except SystemExit as exit_:
         code = exit_.code
-    exit_now(code)
+    exit_now(code, before_exit)
 
 
-def exit_now(code: object) -> None:
+def exit_now(code: object, before_exit: Callable[[int], None] | None = None) -> None:
     """Flush our output and end the process without the interpreter's clean-up:
     freeing every module and object, and SQLite's checkpoint on close, cost
     `pai` 30-40 ms on every command (at the end of every attached job, after
@@ -264,6 +264,8 @@ def exit_now(code: object) -> None:
                 stream.flush()
         except (OSError, ValueError):
             pass  # a closed pipe (`pai ... | head`) or an already closed stream
+    if before_exit is not None:
+        before_exit(code)   # our output is out: a served submit's status, a server to start
     if threading.active_count() > 1 or sys.getprofile() or sys.gettrace() or os.environ.get("PAI_DEBUG"):
         sys.exit(code)
     os._exit(code)

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import sys
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Callable
 
-def main(argv: list[str] | None = None) -> None:
+
+def main(argv: list[str] | None = None, served: str = "untried") -> None:
+    """`served`: what the launcher's submit_client.submit said ("untried": ask here)."""
     if sys.stdout is None:
         # Started with fd 1 closed (`pai ... >&-`): every command writes there. Said in
         # one line and nothing run, rather than a job submitted and a traceback.
@@ -27,6 +32,18 @@ def main(argv: list[str] | None = None) -> None:
 
         commands_main(args)
         return
+    if served == "untried":
+        from paicli import submit_client
+
+        served = submit_client.submit(args)   # served: never returns
+    run_bare(args, start_server=served == "absent")
+
+
+def run_bare(args: list[str], start_server: bool = False,
+             before_exit: Callable[[int], None] | None = None) -> None:
+    """Submit the bare statement `args` and follow it, then end the process:
+    `pai`'s own path, and the submit server's child. `start_server`: start a
+    submit server for the next submit once this one is done."""
     from paicli.cluster.spawn import fork_waiting_master
 
     # The job's master first, before this process imports anything else (the
@@ -36,4 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     waiting = fork_waiting_master()
     from paicli.commands import finish, submit_tokens
 
-    finish(lambda: sys.exit(submit_tokens(args, waiting)))
+    def leaving(code: int) -> None:
+        if start_server:
+            from paicli.submit_client import start_server as start
+
+            start()
+        if before_exit is not None:
+            before_exit(code)
+
+    finish(lambda: sys.exit(submit_tokens(args, waiting)), before_exit=leaving)

@@ -125,7 +125,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "paicli.logview", "paicli.docs", "paicli.progress",
                 "paicli.tune"),   # TUNE (issue 19): pai tune's library (Optuna inside its functions)
     "web": ("paicli.web.*",),                           # the logview launcher, the server, its pages
-    "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__"),
+    "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__",
+                 "paicli.submit_client", "paicli.submit_server"),   # `pai` served by a resident process
 }
 MAY_IMPORT: dict[str, set[str]] = {
     "runners": {"runners"},

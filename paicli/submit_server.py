@@ -1,0 +1,466 @@
+"""The resident submit server: one per user, interpreter, checkout and environment
+(paicli/submit_client.py names it), with everything a submit and its master import
+already imported. Each accepted statement gets a forked child that becomes that
+`pai`: the client's standard descriptors, working folder, environment, umask and
+signal dispositions, its argv; then the ordinary bare-statement path (pai.run_bare).
+
+Who it serves: a peer of its own user (SO_PEERCRED) on a socket in a 0700 folder,
+whose process runs the same interpreter in the same namespaces, cgroup, limits,
+CPU affinity, priority, groups and capabilities, with the same environment (but
+PAI_HOME and the shell's volatile variables) and with paicli's code on disk
+unchanged since the server imported it. Anything else is declined and the client
+submits cold, as without a server.
+
+Lifetimes: the child ends when its client does (SIGIO on the client's hang-up: it
+never outlives the `pai` it stands for); the server leaves after IDLE seconds
+without a child, at once when the code changed (after its children, which it
+still reaps), and on SIGTERM. `python -m paicli.submit_server` runs one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+
+from paicli import submit_client
+
+IDLE = float(os.environ.get("PAI_SUBMIT_SERVER_IDLE", "900"))
+# What a bare submit imports (pai.py, the CLI) beyond the master's own (spawn.import_run_modules).
+SUBMIT_MODULES = ("paicli.pai", "paicli.commands", "paicli.statement", "paicli.client", "paicli.store",
+                  "paicli.progress", "paicli.plan", "paicli.jobstatus", "paicli.staging",
+                  "paicli.cluster.lifecycle", "paicli.cluster.queue", "paicli.cluster.datasets",
+                  "paicli.cluster.scheduler", "paicli.web.launch", "paicli.jobview", "paicli.logtail",
+                  "paicli.plutoview", "paicli.adapters")
+STATUS_FIELDS = ("Groups", "NoNewPrivs", "Seccomp", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
+NAMESPACES = ("mnt", "net", "pid", "user", "ipc", "uts", "cgroup")
+
+
+def import_submit_modules() -> None:
+    import importlib
+
+    from paicli.adapters import ADAPTER_MODULES
+    from paicli.cluster.spawn import import_run_modules
+
+    for name in (*SUBMIT_MODULES, *ADAPTER_MODULES):
+        importlib.import_module(name)
+    import_run_modules()
+
+
+def process_traits(pid: int | str) -> dict[str, object]:
+    """What a forked child would carry from this process but a submit must take from
+    its client's: compared, never copied."""
+    base = f"/proc/{pid}"
+    traits: dict[str, object] = {"exe": os.path.realpath(f"{base}/exe")}
+    for ns in NAMESPACES:
+        try:
+            traits[ns] = os.readlink(f"{base}/ns/{ns}")
+        except OSError:
+            traits[ns] = None
+    for name in ("cgroup", "limits"):
+        with open(f"{base}/{name}", encoding="utf-8", errors="replace") as f:
+            traits[name] = f.read()
+    status = _status(pid)
+    for field in STATUS_FIELDS:
+        traits[field] = status.get(field)
+    number = os.getpid() if pid == "self" else int(pid)
+    traits["affinity"] = sorted(os.sched_getaffinity(number))
+    traits["nice"] = os.getpriority(os.PRIO_PROCESS, number)
+    return traits
+
+
+def _status(pid: int | str) -> dict[str, str]:
+    with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
+        return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
+
+
+def code_files() -> dict[str, tuple[int, int]]:
+    """paicli's files this process imported, and the folders they are in (a module
+    added or removed changes its folder): their mtime and size."""
+    paths: set[str] = set()
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "")
+        path = getattr(module, "__file__", None)
+        if path and (name == "paicli" or name.startswith("paicli.")):
+            paths.add(path)
+            paths.add(os.path.dirname(path))
+    return {path: _stamp(path) for path in paths}
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1)
+    return (st.st_mtime_ns, st.st_size)
+
+
+class Request:
+    """One client's statement: its argv, environment and what its process is."""
+
+    def __init__(self, argv0: str, args: list[str], environ: dict[bytes, bytes], fds: list[int],
+                 peer: tuple[int, int, int]):
+        self.argv0, self.args, self.environ, self.fds = argv0, args, environ, fds
+        self.pid, self.uid, self.gid = peer
+
+
+def read_request(conn: socket.socket) -> Request:
+    data, ancillary, _flags, _addr = conn.recvmsg(65536, socket.CMSG_SPACE(4 * 4))
+    fds: list[int] = []
+    for level, kind, raw in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += [int.from_bytes(raw[i:i + 4], sys.byteorder, signed=True) for i in range(0, len(raw) - 3, 4)]
+    try:
+        while len(data) < 4:
+            more = conn.recv(65536)
+            if not more:
+                raise ValueError("the request ended early")
+            data += more
+        size = int.from_bytes(data[:4], "big")
+        if size > 16 << 20:
+            raise ValueError("the request is too large")
+        while len(data) < 4 + size:
+            more = conn.recv(65536)
+            if not more:
+                raise ValueError("the request ended early")
+            data += more
+        fields = data[4:4 + size].split(b"\0")
+        if fields[0] != submit_client.PROTOCOL or len(fds) != 4:
+            raise ValueError("not a paicli submit request")
+        count = int(fields[2])
+        args = [os.fsdecode(a) for a in fields[3:3 + count]]
+        environ = dict(entry.partition(b"=")[::2] for entry in fields[3 + count:] if entry)
+        return Request(os.fsdecode(fields[1]), args, environ, fds, _peer(conn))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def _peer(conn: socket.socket) -> tuple[int, int, int]:
+    import struct
+
+    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+
+
+class Server:
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.environ = dict(os.environ)
+        self.key = submit_client.key(self.environ)
+        self.path = os.path.join(directory, f"submit-{self.key}.sock")
+        self.lock_path = os.path.join(directory, f"submit-{self.key}.lock")
+        self.children: dict[int, tuple[int, socket.socket]] = {}   # pidfd -> (pid, conn)
+        self.selector = selectors.DefaultSelector()
+        self.listener: socket.socket | None = None
+        self.lock_fd = -1
+        self.leaving = False
+        self.traits: dict[str, object] = {}
+        self.code: dict[str, tuple[int, int]] = {}
+
+    def take_lock(self) -> bool:
+        """One server per socket: the lock file holds the pid of the one that runs."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.lock_fd = fd
+        return True
+
+    def start(self) -> None:
+        import_submit_modules()
+        self.traits = process_traits("self")
+        self.code = code_files()
+        try:
+            os.unlink(self.path)   # a server that died left it; the lock says none runs
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            listener.bind(self.path)
+        finally:
+            os.umask(old)
+        listener.listen(64)
+        self.listener = listener
+        self.selector.register(listener, selectors.EVENT_READ)
+        gc.freeze()   # what every child shares with this process stays shared
+        log(f"serving {self.path} (pid {os.getpid()})")
+
+    def run(self) -> None:
+        last = time.monotonic()
+        while True:
+            timeout = None if self.children else max(0.0, IDLE - (time.monotonic() - last))
+            if self.leaving and not self.children:
+                return
+            events = self.selector.select(timeout)
+            if not events and not self.children and not self.leaving:
+                log("idle: leaving")
+                self.leave()
+                return
+            for selected, _mask in events:
+                if selected.fileobj is self.listener:
+                    self.accept()
+                else:
+                    self.reap(selected.fd)
+            last = time.monotonic()
+
+    def leave(self) -> None:
+        """Stop taking statements: the socket goes first (no new client finds it), the
+        ones already waiting hear "no leaving" (they submit cold and start a new
+        server), the lock is let go for that server."""
+        if self.listener is None:
+            return
+        try:
+            os.unlink(self.path)   # ours: we hold the lock
+        except OSError:
+            pass
+        self.listener.setblocking(False)
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                break
+            _answer(conn, b"no leaving")
+            conn.close()
+        self.selector.unregister(self.listener)
+        self.listener.close()
+        self.listener = None
+        os.close(self.lock_fd)
+        self.lock_fd = -1
+        self.leaving = True
+
+    def accept(self) -> None:
+        conn, _ = self.listener.accept()
+        conn.settimeout(5.0)   # a client that says nothing does not hold the server
+        try:
+            request = read_request(conn)
+        except (OSError, ValueError) as err:
+            log(f"bad request: {err}")
+            conn.close()
+            return
+        try:
+            reason = self.decline_reason(request)
+            if reason:
+                log(f"declined pid {request.pid}: {reason}")
+                _answer(conn, b"no leaving" if reason == "code changed" else f"no {reason}".encode())
+                conn.close()
+                if reason == "code changed":
+                    self.leave()
+                return
+            try:
+                pid = os.fork()
+            except OSError as err:
+                log(f"no fork: {err}")
+                _answer(conn, b"no fork failed")
+                conn.close()
+                return
+            if pid == 0:
+                self.become_child(conn, request)   # never returns
+            log(f"served pid {request.pid} as {pid}")   # pids only: a statement can hold secrets
+            pidfd = os.pidfd_open(pid)
+            self.children[pidfd] = (pid, conn)
+            self.selector.register(pidfd, selectors.EVENT_READ)
+        finally:
+            for fd in request.fds:
+                os.close(fd)
+
+    def decline_reason(self, request: Request) -> str | None:
+        if (request.uid, request.gid) != (os.getuid(), os.getgid()):
+            return "another user"
+        environ = {os.fsdecode(k): os.fsdecode(v) for k, v in request.environ.items()}
+        if _stable(environ) != _stable(self.environ):
+            return "another environment"
+        if code_files() != self.code:
+            return "code changed"
+        try:
+            theirs = process_traits(request.pid)
+        except OSError:
+            return "its process could not be read"
+        for name, value in self.traits.items():
+            if theirs.get(name) != value:
+                return f"another {name}"
+        return None
+
+    def reap(self, pidfd: int) -> None:
+        pid, conn = self.children.pop(pidfd)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        if os.WIFSIGNALED(status):
+            _answer(conn, f"signal {os.WTERMSIG(status)}".encode())
+        else:
+            _answer(conn, f"exit {os.waitstatus_to_exitcode(status)}".encode())
+        conn.close()
+
+    def close_inherited(self) -> None:
+        """In a child: nothing of the server's (its socket, lock, other clients)."""
+        for pidfd, (_pid, other) in self.children.items():
+            os.close(pidfd)
+            other.close()
+        self.children.clear()
+        if self.listener is not None:
+            self.listener.close()
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+        self.selector.close()
+
+    def become_child(self, conn: socket.socket, request: Request) -> None:
+        code = 1
+        try:
+            status = _status(request.pid)
+            self.close_inherited()
+            _become(conn, request, status)
+            from paicli.pai import run_bare
+
+            run_bare(request.args, before_exit=lambda code: _answer(conn, f"exit {code}".encode(), clear_async=True))
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except BaseException as err:
+            if request.fds:   # before the client's descriptors were taken: this log is still ours
+                log(f"child for pid {request.pid} failed: {type(err).__name__}: {err}")
+            code = 1
+        finally:
+            os._exit(code)
+
+
+def _stable(environ: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k not in submit_client.VOLATILE}
+
+
+def _become(conn: socket.socket, request: Request, status: dict[str, str]) -> None:
+    """This forked child takes the client's place: descriptors, folder, environment,
+    umask, signals, argv; then it says "ok" with a pidfd of itself (the client relays
+    its signals through it), unless the client is already gone."""
+    os.setpgid(0, 0)
+    for target, fd in enumerate(request.fds[:3]):
+        os.dup2(fd, target)
+    os.fchdir(request.fds[3])
+    for fd in request.fds:
+        if fd > 2:
+            os.close(fd)
+    request.fds = []
+    os.environ.clear()
+    os.environ.update({os.fsdecode(k): os.fsdecode(v) for k, v in request.environ.items()})
+    os.umask(int(status.get("Umask", "0022"), 8))
+    ignored, blocked = _mask(status.get("SigIgn", "0")), _mask(status.get("SigBlk", "0"))
+    for signum in range(1, signal.NSIG):
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            if signum in ignored:
+                signal.signal(signum, signal.SIG_IGN)
+            elif signum == signal.SIGINT:
+                signal.signal(signum, signal.default_int_handler)
+            elif signal.getsignal(signum) not in (signal.SIG_DFL, None):
+                signal.signal(signum, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    _new_stdio()
+    sys.argv = [request.argv0, *request.args]
+    # The client's hang-up (its end, however it came) ends this child: SIGIO, whose
+    # default action ends a process, sent on the socket's hang-up to its owner only.
+    fd = conn.fileno()
+    signal.signal(signal.SIGIO, signal.SIG_DFL)
+    fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+    import select
+
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLRDHUP)
+    if poller.poll(0):
+        os._exit(1)   # gone before we began: nothing submitted
+    inode = os.fstat(fd).st_ino
+
+    def close_in_forks() -> None:
+        # The job's master (forked from here) must not hold the client's socket.
+        try:
+            if os.fstat(fd).st_ino == inode:
+                os.close(fd)
+        except OSError:
+            pass
+
+    os.register_at_fork(after_in_child=close_in_forks)
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        conn.sendmsg([b"ok\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder, signed=True))])
+    finally:
+        os.close(pidfd)
+
+
+def _mask(hex_mask: str) -> set[int]:
+    bits = int(hex_mask, 16)
+    return {n for n in range(1, 65) if bits >> (n - 1) & 1}
+
+
+def _new_stdio() -> None:
+    """sys.stdin/stdout/stderr over the client's descriptors, made as the interpreter
+    makes them at start: stdout line-buffered on a terminal, stderr always."""
+    import io
+
+    made = []
+    for fd, old, mode in ((0, sys.__stdin__, "r"), (1, sys.__stdout__, "w"), (2, sys.__stderr__, "w")):
+        encoding = getattr(old, "encoding", None) or "utf-8"
+        errors = getattr(old, "errors", None) or ("backslashreplace" if fd == 2 else "strict")
+        line = fd == 2 or (fd == 1 and os.isatty(fd))
+        made.append(io.open(fd, mode, encoding=encoding, errors=errors, closefd=False, buffering=1 if line else -1))
+    sys.stdin, sys.stdout, sys.stderr = made
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = made
+
+
+def _answer(conn: socket.socket, line: bytes, clear_async: bool = False) -> None:
+    try:
+        if clear_async:   # our own end is not the client's: no SIGIO for it
+            fd = conn.fileno()
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_ASYNC)
+        conn.sendall(line + b"\n")
+    except OSError:
+        pass   # the client is gone
+
+
+def log(text: str) -> None:
+    try:
+        sys.stderr.write(time.strftime("%Y-%m-%d %H:%M:%S ") + text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def main() -> int:
+    directory = submit_client.server_dir(create=True)
+    if directory is None:
+        log("no private folder for the socket: not serving")
+        return 1
+    server = Server(directory)
+    if not server.take_lock():
+        return 0   # one runs already
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    try:
+        server.start()
+        server.run()
+    except SystemExit:
+        pass
+    finally:
+        if server.listener is not None:
+            try:
+                os.unlink(server.path)
+            except OSError:
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

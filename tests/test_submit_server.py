@@ -1,0 +1,340 @@
+"""The resident submit server (paicli/submit_server.py) and its client
+(paicli/submit_client.py): a served submit behaves as a cold one (output, exit
+codes, Ctrl-C, Ctrl-Z), it is declined where the client's process differs, the
+child never outlives its client, the client hears the end even when the server is
+killed, and no server is left behind. Each test has a server folder of its own;
+the rest of the suite runs with the server off (conftest)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until
+
+from paicli import submit_client
+
+DEADLINE = 60.0
+# The server is keyed by the environment, so a test varies a job through its
+# parameters, never through variables.
+WORK = """import argparse, os, sys, time
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=3)
+p.add_argument("--sleep", type=float, default=0.05)
+p.add_argument("--exit", type=int, default=0)
+p.add_argument("--show", action="store_true")
+a = p.parse_args()
+if a.show:
+    print("seen", os.environ.get("PAI_HOME"), oct(os.umask(0)), flush=True)
+for i in range(a.steps):
+    print(f"step={i}, global_step={i}, loss={1 / (i + 1):.4f}", flush=True)
+    time.sleep(a.sleep)
+sys.exit(a.exit)
+"""
+
+
+@pytest.fixture
+def served(pai_home, tmp_path):
+    """An environment with the server on, in a 0700 folder of this test's; afterwards
+    every server started there is stopped, and the test fails if one would not go."""
+    directory = tmp_path / "server"
+    directory.mkdir(mode=0o700)
+    (tmp_path / "work.py").write_text(WORK)
+    env = {"PAI_SUBMIT_SERVER": "1", "PAI_SUBMIT_SERVER_DIR": str(directory), "PAI_SUBMIT_SERVER_IDLE": "120"}
+    yield Served(directory, env)
+    left = []
+    for pid in Served(directory, env).server_pids():
+        left.append(pid)
+        os.kill(pid, signal.SIGTERM)
+    for pid in left:
+        assert wait_until(lambda: not _alive(pid), timeout=DEADLINE), f"server {pid} did not stop on SIGTERM"
+
+
+class Served:
+    def __init__(self, directory: Path, env: dict[str, str]):
+        self.directory, self.env = directory, env
+        self.script = directory.parent / "work.py"
+
+    def statement(self, params: str = "") -> list[str]:
+        return ["-name", "python", f"-Dscript={self.script}", f"-DuserDefinedParameters={params}"]
+
+    def full_env(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, **self.env, **extra}
+
+    def server_pids(self) -> list[int]:
+        pids = []
+        for lock in self.directory.glob("*.lock"):
+            text = lock.read_text().split()
+            if text and _alive(int(text[0])) and b"paicli.submit_server" in _cmdline(int(text[0])):
+                pids.append(int(text[0]))
+        return pids
+
+    def log(self) -> str:
+        return "".join(p.read_text() for p in self.directory.glob("*.log"))
+
+    def start_server(self) -> int:
+        """A cold submit starts the server as it leaves; its pid once it listens."""
+        first = pai(*self.statement(), env=self.env)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert "served pid" not in self.log()
+        assert wait_until(lambda: any(self.directory.glob("*.sock")) and "serving" in self.log(),
+                          timeout=DEADLINE), self.log()
+        pids = self.server_pids()
+        assert len(pids) == 1, pids
+        return pids[0]
+
+    def child_of(self, client_pid: int) -> int:
+        found = wait_until(lambda: re.search(rf"served pid {client_pid} as (\d+)", self.log()), timeout=DEADLINE)
+        assert found, f"pid {client_pid} was not served:\n{self.log()}"
+        return int(found.group(1))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0].decode()
+
+
+def _start(served: Served, params: str = "", **where) -> subprocess.Popen:
+    where = where or {"start_new_session": True}
+    return subprocess.Popen([*PAI, *served.statement(params)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=served.full_env(), **where)
+
+
+def _read_until(proc: subprocess.Popen, marker: str) -> str:
+    seen = []
+    deadline = time.monotonic() + DEADLINE
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if marker in line:
+            return "".join(seen)
+    raise AssertionError(f"{marker!r} never appeared in:\n{''.join(seen)}")
+
+
+def test_a_served_submit_prints_and_exits_as_a_cold_one(served):
+    server = served.start_server()
+    for params, code in (("--steps 3", 0), ("--steps 2 --exit 3", 1)):
+        cold = pai(*served.statement(params))
+        proc = _start(served, params)
+        out, err = proc.communicate(timeout=120)
+        assert served.child_of(proc.pid) > 0
+        assert proc.returncode == cold.returncode == code, out + err
+        drop_ids = lambda text: [line for line in text.splitlines()   # noqa: E731
+                                 if not line.startswith(("ID = ", "Log view: ", "train: "))]
+        assert drop_ids(out) == drop_ids(cold.stdout)
+        assert sorted(drop_ids(err)) == sorted(drop_ids(cold.stderr))
+    # Bad input: one line and exit 2 from the served child too, nothing recorded.
+    bad = subprocess.run([*PAI, "-name", "nosuchframework", f"-Dscript={served.script}"], capture_output=True,
+                         text=True, env=served.full_env(), timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "nosuchframework" in bad.stderr
+    assert served.server_pids() == [server]
+
+
+def test_the_served_child_takes_the_clients_folder_home_and_umask(served, tmp_path):
+    served.start_server()
+    work = tmp_path / "work"
+    work.mkdir()
+    # A relative script path is read from the client's folder (the server's is /).
+    proc = subprocess.Popen(["sh", "-c", 'umask 027 && exec "$@"', "sh", *PAI, "-name", "python",
+                             "-Dscript=../work.py", "-DuserDefinedParameters=--show"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=served.full_env(), cwd=work)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert f"seen {os.environ['PAI_HOME']} 0o27" in out
+    assert served.child_of(proc.pid) > 0
+
+
+def test_a_different_process_is_declined_and_submits_cold(served):
+    served.start_server()
+    proc = subprocess.Popen(["nice", "-n", "3", *PAI, *served.statement()],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=served.full_env())
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert out.splitlines()[-1] == "OK"
+    # The client itself is `nice`'s exec: its pid is the one declined, and never served.
+    assert f"declined pid {proc.pid}: another nice" in served.log()
+    assert f"served pid {proc.pid} " not in served.log()
+
+
+def test_changed_code_is_declined_and_the_server_makes_way_for_a_new_one(served):
+    old = served.start_server()
+    module = ROOT / "paicli" / "plutoview.py"
+    st = module.stat()
+    try:
+        os.utime(module, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        result = pai(*served.statement(), env=served.env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "code changed" in served.log()
+        # The old server leaves; the cold submit started a new one for the next.
+        assert wait_until(lambda: not _alive(old), timeout=DEADLINE)
+        assert wait_until(lambda: len(served.server_pids()) == 1 and served.server_pids()[0] != old,
+                          timeout=DEADLINE), served.log()
+    finally:
+        os.utime(module, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_ctrl_c_reaches_the_served_child_and_cancels_as_a_cold_pai_does(served):
+    served.start_server()
+    proc = _start(served, "--steps 1 --sleep 600")
+    job_id = job_id_from(_read_until(proc, "step=0"))
+    child = served.child_of(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert out.strip().splitlines()[-1] == "CANCELLED: cancelled (Ctrl-C)"
+    assert pai_json("status", job_id)["status"] == "Cancelled"
+    assert wait_until(lambda: not _alive(child), timeout=DEADLINE)
+
+
+def test_ctrl_z_stops_the_served_child_with_its_client(served):
+    served.start_server()
+    # A group of its own in this session, as a shell's job: not orphaned, so that
+    # SIGTSTP stops it (the kernel drops it for an orphaned group, cold pai or not).
+    proc = _start(served, "--steps 400 --sleep 0.05", process_group=0)
+    job_id = job_id_from(_read_until(proc, "step=1"))
+    child = served.child_of(proc.pid)
+    try:
+        proc.send_signal(signal.SIGTSTP)
+        assert wait_until(lambda: _state(proc.pid) == "T" and _state(child) == "T", timeout=DEADLINE)
+        proc.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: _state(child) != "T", timeout=DEADLINE)
+        assert "step=" in proc.stdout.readline()
+    finally:
+        pai("kill", job_id)
+        proc.communicate(timeout=120)
+
+
+def test_the_served_child_ends_with_its_client_and_the_job_goes_on(served):
+    served.start_server()
+    proc = _start(served, "--steps 400 --sleep 0.05")
+    job_id = job_id_from(_read_until(proc, "step=1"))
+    child = served.child_of(proc.pid)
+    try:
+        proc.kill()   # as `kill -9` of a cold pai: its job runs on, detached
+        proc.wait()
+        assert wait_until(lambda: not _alive(child), timeout=DEADLINE), "the child outlived its client"
+        assert pai_json("status", job_id)["status"] == "Running"
+    finally:
+        assert pai("kill", job_id).returncode == 0
+
+
+def test_the_client_hears_the_end_when_the_server_is_killed(served):
+    server = served.start_server()
+    proc = _start(served, "--steps 30 --sleep 0.05")
+    _read_until(proc, "step=1")
+    served.child_of(proc.pid)
+    os.kill(server, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert out.splitlines()[-1] == "OK"
+    # And the next submit is cold and starts a new server in its place.
+    again = pai(*served.statement(), env=served.env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert wait_until(lambda: served.server_pids() not in ([], [server]), timeout=DEADLINE)
+
+
+def test_an_idle_server_leaves_and_a_client_then_submits_cold(served):
+    served.env["PAI_SUBMIT_SERVER_IDLE"] = "1"
+    server = served.start_server()
+    assert wait_until(lambda: not _alive(server), timeout=DEADLINE), "the idle server stayed"
+    assert not any(served.directory.glob("*.sock"))
+    result = pai(*served.statement(), env=served.env)
+    assert result.returncode == 0 and result.stdout.splitlines()[-1] == "OK", result.stdout + result.stderr
+
+
+def test_the_launcher_is_served_and_runs_every_other_command_cold(served, tmp_path):
+    launcher = tmp_path / "pai"
+    subprocess.run([sys.executable, "-m", "paicli.submit_client", "--write-launcher", str(launcher)], check=True)
+    assert launcher.read_text().startswith(f"#!{sys.executable} -IS\n")
+    assert launcher.stat().st_mode & 0o777 == 0o755
+    served.start_server()
+    proc = subprocess.Popen([str(launcher), *served.statement()], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=served.full_env())
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out.splitlines()[-1] == "OK", out + err
+    assert served.child_of(proc.pid) > 0
+    listed = subprocess.run([str(launcher), "list", "--json"], capture_output=True, text=True,
+                            env=served.full_env(), timeout=60)
+    assert listed.returncode == 0 and len(__import__("json").loads(listed.stdout)) == 2, listed.stderr
+    off = subprocess.run([str(launcher), *served.statement()], capture_output=True, text=True,
+                         env=served.full_env(PAI_SUBMIT_SERVER="0"), timeout=120)
+    assert off.returncode == 0 and off.stdout.splitlines()[-1] == "OK", off.stdout + off.stderr
+
+
+def test_with_the_server_off_no_server_is_started(pai_home, tmp_path):
+    directory = tmp_path / "server"
+    script = tmp_path / "work.py"
+    script.write_text(WORK)
+    result = pai("-name", "python", f"-Dscript={script}",
+                 env={"PAI_SUBMIT_SERVER": "0", "PAI_SUBMIT_SERVER_DIR": str(directory)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    time.sleep(0.5)
+    assert not directory.exists()
+
+
+def test_the_socket_folder_must_be_private_and_ours(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAI_SUBMIT_SERVER", "1")
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)
+    monkeypatch.setenv("PAI_SUBMIT_SERVER_DIR", str(loose))
+    assert submit_client.server_dir() is None
+    assert submit_client.submit(["-name", "python"]) == "absent"
+    link = tmp_path / "link"
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    link.symlink_to(private)
+    monkeypatch.setenv("PAI_SUBMIT_SERVER_DIR", str(link))
+    assert submit_client.server_dir() is None
+    monkeypatch.setenv("PAI_SUBMIT_SERVER_DIR", str(private))
+    assert submit_client.server_dir() == str(private)
+    made = tmp_path / "made"
+    monkeypatch.setenv("PAI_SUBMIT_SERVER_DIR", str(made))
+    assert submit_client.server_dir(create=True) == str(made)
+    assert made.stat().st_mode & 0o777 == 0o700
+
+
+def test_the_key_ignores_the_shells_volatile_variables_only():
+    base = {"PATH": "/bin", "PAI_HOME": "/a", "PWD": "/x", "SHLVL": "1"}
+    assert submit_client.key(base) == submit_client.key({**base, "PAI_HOME": "/b", "PWD": "/y", "SHLVL": "2"})
+    assert submit_client.key(base) != submit_client.key({**base, "PATH": "/usr/bin"})
+    assert submit_client.key(base) != submit_client.key({**base, "NO_COLOR": "1"})
+
+
+def test_the_client_imports_nothing_but_builtins(tmp_path):
+    code = ("import sys; before = set(sys.modules); from paicli import submit_client; "
+            "submit_client.submit(['-name', 'python']); "
+            "print(sorted(m for m in set(sys.modules) - before if m not in sys.builtin_module_names))")
+    env = {**os.environ, "PAI_SUBMIT_SERVER": "1", "PAI_SUBMIT_SERVER_DIR": str(tmp_path)}
+    os.chmod(tmp_path, 0o700)
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); {code}"],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    # What an interpreter without site has not imported yet, and no more: os (site's),
+    # the socket and crc32 extension modules, paicli's package and the client.
+    assert eval(out) == ["_collections_abc", "_socket", "binascii", "genericpath", "os", "os.path", "paicli",
+                         "paicli.submit_client", "posixpath", "stat"], out

@@ -12,7 +12,7 @@ next submit (PAI_SUBMIT_SERVER=0 turns all of it off).
 
 This module imports nothing but builtin modules (`_socket`, `_signal`, `binascii`):
 the launcher `.ci/setup` writes (`write_launcher`) runs it from an interpreter
-started without site (`-I -S`), ~10 ms before any other import. It never imports
+started without site (`-S`), ~10 ms before any other import. It never imports
 the rest of paicli; `offer` runs site for the ordinary `pai` when it is not served.
 """
 
@@ -253,7 +253,7 @@ def offer() -> str:
     return outcome
 
 
-LAUNCHER = """#!{python} -IS
+LAUNCHER = """#!{python} -S
 # `pai`, written by .ci/setup (python -m paicli.submit_client --write-launcher): tries the
 # resident submit server from an interpreter without site, then runs the ordinary `pai`.
 import sys

@@ -30,7 +30,16 @@ import time
 
 from paicli import submit_client
 
-IDLE = float(os.environ.get("PAI_SUBMIT_SERVER_IDLE", "900"))
+
+
+def _idle_seconds() -> float:
+    try:
+        return max(1.0, float(os.environ.get("PAI_SUBMIT_SERVER_IDLE", "900")))
+    except ValueError:
+        return 900.0
+
+
+IDLE = _idle_seconds()   # seconds without a child before the server leaves
 # What a bare submit imports (pai.py, the CLI) beyond the master's own (spawn.import_run_modules).
 SUBMIT_MODULES = ("paicli.pai", "paicli.commands", "paicli.statement", "paicli.client", "paicli.store",
                   "paicli.progress", "paicli.plan", "paicli.jobstatus", "paicli.staging",
@@ -406,15 +415,19 @@ def _mask(hex_mask: str) -> set[int]:
 
 def _new_stdio() -> None:
     """sys.stdin/stdout/stderr over the client's descriptors, made as the interpreter
-    makes them at start: stdout line-buffered on a terminal, stderr always."""
+    makes them at start: stdout line-buffered on a terminal, stderr always, both
+    written through under -u / PYTHONUNBUFFERED (as this server's were)."""
     import io
 
     made = []
     for fd, old, mode in ((0, sys.__stdin__, "r"), (1, sys.__stdout__, "w"), (2, sys.__stderr__, "w")):
         encoding = getattr(old, "encoding", None) or "utf-8"
         errors = getattr(old, "errors", None) or ("backslashreplace" if fd == 2 else "strict")
-        line = fd == 2 or (fd == 1 and os.isatty(fd))
-        made.append(io.open(fd, mode, encoding=encoding, errors=errors, closefd=False, buffering=1 if line else -1))
+        unbuffered = mode == "w" and bool(getattr(old, "write_through", False))
+        binary = io.open(fd, mode + "b", buffering=0 if unbuffered else -1, closefd=False)
+        made.append(io.TextIOWrapper(binary, encoding=encoding, errors=errors, newline="\n",
+                                     line_buffering=fd == 2 or (fd == 1 and os.isatty(fd)),
+                                     write_through=unbuffered))
     sys.stdin, sys.stdout, sys.stderr = made
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = made
 
@@ -438,6 +451,7 @@ def log(text: str) -> None:
 
 
 def main() -> int:
+    os.chdir("/")   # never the folder of the submit that started it (a mount kept busy)
     directory = submit_client.server_dir(create=True)
     if directory is None:
         log("no private folder for the socket: not serving")

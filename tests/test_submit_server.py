@@ -270,7 +270,7 @@ def test_an_idle_server_leaves_and_a_client_then_submits_cold(served):
 def test_the_launcher_is_served_and_runs_every_other_command_cold(served, tmp_path):
     launcher = tmp_path / "pai"
     subprocess.run([sys.executable, "-m", "paicli.submit_client", "--write-launcher", str(launcher)], check=True)
-    assert launcher.read_text().startswith(f"#!{sys.executable} -IS\n")
+    assert launcher.read_text().startswith(f"#!{sys.executable} -S\n")
     assert launcher.stat().st_mode & 0o777 == 0o755
     served.start_server()
     proc = subprocess.Popen([str(launcher), *served.statement()], stdout=subprocess.PIPE,

@@ -61,6 +61,20 @@ def import_submit_modules() -> None:
     import_run_modules()
 
 
+def warm_up() -> None:
+    """What a submit does first, once, with no side effect (client.prepare): the
+    regular expressions it compiles, the tables it builds on first use, cached here
+    for every child instead of paid by each (~2-4 ms of a served submit)."""
+    from paicli.client import prepare
+    from paicli.statement import parse_statement
+
+    for name in ("python", "tensorflow", "mxnet", "caffe"):
+        try:
+            prepare(parse_statement(["-name", name, "-Dscript=file:///dev/null"]))
+        except Exception:
+            pass   # /dev/null is no script: what mattered ran before that was found
+
+
 def process_traits(pid: int | str) -> dict[str, object]:
     """What a forked child would carry from this process but a submit must take from
     its client's: compared, never copied."""
@@ -187,6 +201,7 @@ class Server:
 
     def start(self) -> None:
         import_submit_modules()
+        warm_up()
         self.traits = process_traits("self")
         self.code = code_files()
         try:

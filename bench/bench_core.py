@@ -120,17 +120,30 @@ def submit_server_dir() -> str:
 
 
 def stop_submit_servers(directory: str) -> None:
+    """SIGTERM every submit server whose lock in `directory` names a live one, wait
+    (5 s at most) for each to be gone, remove the folder."""
+    pids = []
     for lock in Path(directory).glob("*.lock"):
         try:
             pid = int(lock.read_text().split()[0])
             if b"paicli.submit_server" in Path(f"/proc/{pid}/cmdline").read_bytes():   # not a reused pid
                 os.kill(pid, signal.SIGTERM)
+                pids.append(pid)
         except (OSError, ValueError, IndexError):
             pass
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(Path(directory).glob("*.sock")):
-        time.sleep(0.05)
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if _running(pid)]
+        time.sleep(0.02)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
 
 
 def fresh_env(home: Path) -> dict[str, str]:

@@ -338,3 +338,17 @@ def test_the_client_imports_nothing_but_builtins(tmp_path):
     # the socket and crc32 extension modules, paicli's package and the client.
     assert eval(out) == ["_collections_abc", "_socket", "binascii", "genericpath", "os", "os.path", "paicli",
                          "paicli.submit_client", "posixpath", "stat"], out
+
+
+def test_a_bench_stops_the_server_its_first_submit_started(served):
+    """bench_core gives the timed `pai` runs a server folder of the bench's own; at its
+    end the server there is stopped and the folder removed (no server outlives a bench)."""
+    server = served.start_server()
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_core
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    bench_core.stop_submit_servers(str(served.directory))
+    assert not _alive(server)
+    assert not served.directory.exists()

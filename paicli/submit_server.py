@@ -85,7 +85,7 @@ def process_traits(pid: int | str) -> dict[str, object]:
             traits[ns] = os.readlink(f"{base}/ns/{ns}")
         except OSError:
             traits[ns] = None
-    for name in ("cgroup", "limits"):
+    for name in ("cgroup", "limits", "oom_score_adj"):
         with open(f"{base}/{name}", encoding="utf-8", errors="replace") as f:
             traits[name] = f.read()
     status = _status(pid)
@@ -94,6 +94,7 @@ def process_traits(pid: int | str) -> dict[str, object]:
     number = os.getpid() if pid == "self" else int(pid)
     traits["affinity"] = sorted(os.sched_getaffinity(number))
     traits["nice"] = os.getpriority(os.PRIO_PROCESS, number)
+    traits["scheduler"] = os.sched_getscheduler(number)   # chrt --batch / --idle
     return traits
 
 
@@ -308,7 +309,7 @@ class Server:
             return "code changed"
         try:
             theirs = process_traits(request.pid)
-        except OSError:
+        except (OSError, ValueError):
             return "its process could not be read"
         for name, value in self.traits.items():
             if theirs.get(name) != value:

@@ -179,6 +179,11 @@ def test_a_different_process_is_declined_and_submits_cold(served):
     # The client itself is `nice`'s exec: its pid is the one declined, and never served.
     assert f"declined pid {proc.pid}: another nice" in served.log()
     assert f"served pid {proc.pid} " not in served.log()
+    batch = subprocess.Popen(["chrt", "--batch", "0", *PAI, *served.statement()], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=served.full_env())
+    out, err = batch.communicate(timeout=120)
+    assert batch.returncode == 0 and out.splitlines()[-1] == "OK", out + err
+    assert f"declined pid {batch.pid}: another scheduler" in served.log()
 
 
 def test_changed_code_is_declined_and_the_server_makes_way_for_a_new_one(served):

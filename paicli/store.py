@@ -191,6 +191,20 @@ def _create_store(path: Path) -> None:
             pass
 
 
+@contextmanager
+def every_store_closed() -> Iterator[None]:
+    """Every open Store of this process closed, and opened again after: around a
+    fork whose child opens the store itself (Store.closed_for_fork says why)."""
+    reopen = list(_OPEN_STORES)
+    for store in reopen:
+        store.close()
+    try:
+        yield
+    finally:
+        for store in reopen:
+            store.connect()
+
+
 def any_open() -> bool:
     """Whether this process holds an open connection to any store (a fork would carry it)."""
     return bool(_OPEN_STORES)
@@ -253,15 +267,8 @@ class Store:
         open connection of this process (a library caller may hold several
         Stores: "database disk image is malformed" was seen with two) is closed
         across a fork and opened again after."""
-        stores = [self, *(other for other in list(_OPEN_STORES) if other is not self)]
-        reopen = [store for store in stores if store in _OPEN_STORES]
-        for store in reopen:
-            store.close()
-        try:
+        with every_store_closed():
             yield
-        finally:
-            for store in reopen:
-                store.connect()
 
     # -- transactions -------------------------------------------------------
 

@@ -56,7 +56,7 @@ def import_submit_modules() -> None:
     from paicli.adapters import ADAPTER_MODULES
     from paicli.cluster.spawn import import_run_modules
 
-    for name in (*SUBMIT_MODULES, *ADAPTER_MODULES):
+    for name in (*SUBMIT_MODULES, *ADAPTER_MODULES, "paicli.web.standby"):
         importlib.import_module(name)
     import_run_modules()
 
@@ -417,11 +417,37 @@ def _become(conn: socket.socket, request: Request, status: dict[str, str]) -> No
             pass
 
     os.register_at_fork(after_in_child=close_in_forks)
+    from paicli.web import launch
+
+    launch.STANDBY_IN_PLACE = _standby_in_place   # a logview standby forked from here needs no interpreter
     pidfd = os.pidfd_open(os.getpid())
     try:
         conn.sendmsg([b"ok\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder, signed=True))])
     finally:
         os.close(pidfd)
+
+
+def _standby_in_place(argv: list[str], env: dict[str, str]) -> None:
+    """In a logview standby forked from a served child (web.launch): what
+    `python -m paicli.web.standby ARGS` would run, run here; then this process ends."""
+    code = 1
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        sys.stdin = open(0, "r", closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        from paicli.web import standby
+
+        code = standby.main(argv[argv.index("paicli.web.standby") + 1:])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()   # into the logview's server.log, as the interpreter would
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code or 0)
 
 
 def _mask(hex_mask: str) -> set[int]:

@@ -103,6 +103,20 @@ def pai(*args: str, env: dict | None = None, timeout: float = 120, input: str | 
                           input=input, cwd=cwd)
 
 
+def read_until(proc: subprocess.Popen, marker: str, timeout: float = 60) -> str:
+    """What a started `pai` printed (proc.stdout, text) up to the line with `marker`."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if marker in line:
+            return "".join(seen)
+    raise AssertionError(f"{marker!r} never appeared in:\n{''.join(seen)}")
+
+
 def pai_json(*args: str, env: dict | None = None) -> dict | list:
     result = pai(*args, "--json", env=env)
     assert result.returncode == 0, result.stderr

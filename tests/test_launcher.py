@@ -22,7 +22,7 @@ from paicli.cluster.backends.local import LocalBackend
 from paicli.cluster.procinfo import boot_id, proc_stat
 from paicli.store import Store
 
-from conftest import BEHAVE, PAI, ROOT, default_signals, job_id_from, kill_groups, pai, pai_json, processes_in, run_on_pty, wait_until, watchdog_of
+from conftest import BEHAVE, PAI, ROOT, default_signals, job_id_from, kill_groups, pai, pai_json, processes_in, read_until, run_on_pty, wait_until, watchdog_of
 
 EXAMPLE = ROOT / "examples" / "python" / "ps_worker.py"
 # How long a test waits for an event (a file written, processes gone, a status
@@ -48,19 +48,6 @@ def start_attached(*args, env=None) -> subprocess.Popen:
     full_env.update(env or {})
     return subprocess.Popen([*PAI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, start_new_session=True)
-
-
-def read_until(proc: subprocess.Popen, marker: str, timeout: float = 60) -> str:
-    seen = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if marker in line:
-            return "".join(seen)
-    raise AssertionError(f"{marker!r} never appeared in:\n{''.join(seen)}")
 
 
 def test_ps_and_two_workers_succeed_and_the_ps_is_stopped(pai_home):

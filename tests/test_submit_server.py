@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PAI, ROOT, job_id_from, pai, pai_json, wait_until
+from conftest import PAI, ROOT, job_id_from, pai, pai_json, read_until, wait_until
 
 from paicli import submit_client
 
@@ -122,19 +122,6 @@ def _start(served: Served, params: str = "", **where) -> subprocess.Popen:
                             text=True, env=served.full_env(), **where)
 
 
-def _read_until(proc: subprocess.Popen, marker: str) -> str:
-    seen = []
-    deadline = time.monotonic() + DEADLINE
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if marker in line:
-            return "".join(seen)
-    raise AssertionError(f"{marker!r} never appeared in:\n{''.join(seen)}")
-
-
 def test_a_served_submit_prints_and_exits_as_a_cold_one(served):
     server = served.start_server()
     for params, code in (("--steps 3", 0), ("--steps 2 --exit 3", 1)):
@@ -206,7 +193,7 @@ def test_changed_code_is_declined_and_the_server_makes_way_for_a_new_one(served)
 def test_ctrl_c_reaches_the_served_child_and_cancels_as_a_cold_pai_does(served):
     served.start_server()
     proc = _start(served, "--steps 1 --sleep 600")
-    job_id = job_id_from(_read_until(proc, "step=0"))
+    job_id = job_id_from(read_until(proc, "step=0"))
     child = served.child_of(proc.pid)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
@@ -221,7 +208,7 @@ def test_ctrl_z_stops_the_served_child_with_its_client(served):
     # A group of its own in this session, as a shell's job: not orphaned, so that
     # SIGTSTP stops it (the kernel drops it for an orphaned group, cold pai or not).
     proc = _start(served, "--steps 400 --sleep 0.05", process_group=0)
-    job_id = job_id_from(_read_until(proc, "step=1"))
+    job_id = job_id_from(read_until(proc, "step=1"))
     child = served.child_of(proc.pid)
     try:
         proc.send_signal(signal.SIGTSTP)
@@ -237,7 +224,7 @@ def test_ctrl_z_stops_the_served_child_with_its_client(served):
 def test_the_served_child_ends_with_its_client_and_the_job_goes_on(served):
     served.start_server()
     proc = _start(served, "--steps 400 --sleep 0.05")
-    job_id = job_id_from(_read_until(proc, "step=1"))
+    job_id = job_id_from(read_until(proc, "step=1"))
     child = served.child_of(proc.pid)
     try:
         proc.kill()   # as `kill -9` of a cold pai: its job runs on, detached
@@ -251,7 +238,7 @@ def test_the_served_child_ends_with_its_client_and_the_job_goes_on(served):
 def test_the_client_hears_the_end_when_the_server_is_killed(served):
     server = served.start_server()
     proc = _start(served, "--steps 30 --sleep 0.05")
-    _read_until(proc, "step=1")
+    read_until(proc, "step=1")
     served.child_of(proc.pid)
     os.kill(server, signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
@@ -357,3 +344,32 @@ def test_a_bench_stops_the_server_its_first_submit_started(served):
     bench_core.stop_submit_servers(str(served.directory))
     assert not _alive(server)
     assert not served.directory.exists()
+
+
+def test_a_served_submits_logview_standby_runs_in_place_and_serves_the_page(served, tmp_path):
+    """A served submit's logview standby is a fork of the served child that runs the
+    standby without starting an interpreter; the page it serves is the job's."""
+    import json
+    import urllib.request
+
+    served.env["PAI_LOGVIEW"] = "web"
+    homes = [tmp_path / "cold-home", tmp_path / "served-home"]
+    try:
+        first = pai(*served.statement(), env={**served.env, "PAI_HOME": str(homes[0])})
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert wait_until(lambda: "serving" in served.log(), timeout=DEADLINE), served.log()
+        proc = subprocess.Popen([*PAI, *served.statement()], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=served.full_env(PAI_HOME=str(homes[1])))
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out + err
+        assert served.child_of(proc.pid) > 0
+        url = next(line[len("Log view: "):] for line in out.splitlines() if line.startswith("Log view: http"))
+        state = json.loads((homes[1] / "logview" / "server.json").read_text())
+        assert b"paicli.submit_server" in _cmdline(state["pid"]), _cmdline(state["pid"])
+        with urllib.request.urlopen(url, timeout=60) as page:
+            assert page.status == 200
+            assert job_id_from(out) in page.read().decode()
+    finally:
+        for home in homes:
+            pai("logview", "--stop", env={**served.env, "PAI_HOME": str(home)})
+    assert not _alive(state["pid"])

@@ -3,7 +3,8 @@
 A bare statement (`pai [--detach] -name X -Dk=v ...`, the most common run of
 `pai`) is submitted through paicli.commands alone: click and the command tree
 (~25 ms of imports) are not needed to parse it. Everything else goes to the
-click commands of paicli.cli.
+click commands of paicli.cli. A bare statement is first offered to the user's
+resident submit server (paicli/submit_client.py, docs/submit-server.md).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
 
 
 def main(argv: list[str] | None = None, served: str = "untried") -> None:
-    """`served`: what the launcher's submit_client.submit said ("untried": ask here)."""
+    """`served`: what the launcher's submit_client.offer said ("untried": ask the
+    resident submit server here; a served statement never comes back)."""
     if sys.stdout is None:
         # Started with fd 1 closed (`pai ... >&-`): every command writes there. Said in
         # one line and nothing run, rather than a job submitted and a traceback.

@@ -84,9 +84,10 @@ def submit(args: list[str]) -> str:
     import _socket
 
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    sock.settimeout(ANSWER_TIMEOUT)   # a wedged server's full backlog blocks connect() too
     try:
         sock.connect(socket_path(directory))
-    except OSError:
+    except OSError:   # none there (or none that takes us): nothing was sent, a cold submit is safe
         sock.close()
         return "absent"
     try:
@@ -98,7 +99,6 @@ def submit(args: list[str]) -> str:
         for fd in (0, 1, 2):
             os.fstat(fd)
         _send_request(sock, [0, 1, 2, *fds], args)
-        sock.settimeout(ANSWER_TIMEOUT)
         first, pidfd = _read_line(sock, want_fd=True)
     except TimeoutError:
         _say("the submit server did not answer within %d s; nothing was submitted "

@@ -373,3 +373,33 @@ def test_a_served_submits_logview_standby_runs_in_place_and_serves_the_page(serv
         for home in homes:
             pai("logview", "--stop", env={**served.env, "PAI_HOME": str(home)})
     assert not _alive(state["pid"])
+
+
+def test_a_server_that_never_answers_costs_one_line_and_no_submit(served, tmp_path):
+    """A socket that accepts and never answers (a wedged server): the client says so
+    and exits 1 after its deadline, and submits nothing, not even cold."""
+    import socket
+
+    env = served.full_env()
+    path = subprocess.run([sys.executable, "-c", "from paicli import submit_client as c; "
+                           "print(c.socket_path(c.server_dir()))"], capture_output=True, text=True, env=env,
+                          check=True).stdout.strip()
+    wedged = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    wedged.bind(path)
+    wedged.listen(8)
+    # Output to files, not pipes: the descriptors the client sent sit in the wedged
+    # socket's queue until it is closed, and a pipe would not reach EOF before that.
+    err_path = tmp_path / "client.err"
+    try:
+        code = ("import sys; from paicli import submit_client as c; c.ANSWER_TIMEOUT = 1.0; "
+                f"c.submit({served.statement()!r})")
+        with open(err_path, "w") as err:
+            returncode = subprocess.run([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=err,
+                                        env=env, timeout=60).returncode
+    finally:
+        wedged.close()
+    assert returncode == 1, err_path.read_text()
+    assert err_path.read_text().strip().splitlines() == [
+        "pai: error: the submit server did not answer within 1 s; nothing was submitted "
+        "(PAI_SUBMIT_SERVER=0 submits without it)"]
+    assert not (Path(os.environ["PAI_HOME"]) / "pai.db").exists()

@@ -193,14 +193,21 @@ def test_changed_code_is_declined_and_the_server_makes_way_for_a_new_one(served)
 def test_ctrl_c_reaches_the_served_child_and_cancels_as_a_cold_pai_does(served):
     served.start_server()
     proc = _start(served, "--steps 1 --sleep 600")
-    job_id = job_id_from(read_until(proc, "step=0"))
-    child = served.child_of(proc.pid)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out + err
-    assert out.strip().splitlines()[-1] == "CANCELLED: cancelled (Ctrl-C)"
-    assert pai_json("status", job_id)["status"] == "Cancelled"
-    assert wait_until(lambda: not _alive(child), timeout=DEADLINE)
+    job_id = None
+    try:
+        job_id = job_id_from(read_until(proc, "step=0"))
+        child = served.child_of(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, out + err
+        assert out.strip().splitlines()[-1] == "CANCELLED: cancelled (Ctrl-C)"
+        assert pai_json("status", job_id)["status"] == "Cancelled"
+        assert wait_until(lambda: not _alive(child), timeout=DEADLINE)
+    finally:   # a failing test leaves no 600 s job behind
+        proc.kill()
+        proc.wait()
+        if job_id:
+            pai("kill", job_id)
 
 
 def test_ctrl_z_stops_the_served_child_with_its_client(served):
@@ -217,6 +224,7 @@ def test_ctrl_z_stops_the_served_child_with_its_client(served):
         assert wait_until(lambda: _state(child) != "T", timeout=DEADLINE)
         assert "step=" in proc.stdout.readline()
     finally:
+        proc.send_signal(signal.SIGCONT)   # a stopped client would never end
         pai("kill", job_id)
         proc.communicate(timeout=120)
 

@@ -31,7 +31,6 @@ import time
 from paicli import submit_client
 
 
-
 def _idle_seconds() -> float:
     try:
         return max(1.0, float(os.environ.get("PAI_SUBMIT_SERVER_IDLE", "900")))

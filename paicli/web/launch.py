@@ -173,20 +173,17 @@ def _spawn_standby(argv: list[str], env: dict[str, str], log: int, sock_fd: int)
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
                 stream.flush()
-        if STANDBY_IN_PLACE is None:
+        from contextlib import nullcontext
+
+        from paicli.store import every_store_closed
+
+        # A standby in place opens the store in this very interpreter: no SQLite
+        # connection (and lock bookkeeping) of ours may be copied into it. The child
+        # never leaves this block: it does not open ours again.
+        with every_store_closed() if STANDBY_IN_PLACE is not None else nullcontext():
             pid = os.fork()
             if pid == 0:
                 _standby_child(argv, env, devnull, log, sock_fd)
-        else:
-            from paicli.store import every_store_closed
-
-            # The standby opens the store in this very interpreter: no SQLite connection
-            # (and lock bookkeeping) of ours may be copied into it. The child never
-            # leaves this block: it does not open ours again.
-            with every_store_closed():
-                pid = os.fork()
-                if pid == 0:
-                    _standby_child(argv, env, devnull, log, sock_fd)
     finally:
         os.close(devnull)
     return pid

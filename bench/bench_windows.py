@@ -16,7 +16,8 @@ Windows of a pai run (ms):
   middle      -> the last worker's exit
   end         the last worker's exit -> the CLI's exit
 and of a by-hand run: start (the ps's fork -> the last worker connected), middle,
-end (-> the ps's exit). In each window: CPU ms of the CLI (`pai`), the master
+end (-> the ps's exit). In each window: CPU ms of the CLI (`pai`, and the submit
+server's child that a served `pai` hands its submit to), the master
 (with the waiting master and its other forks), the node agents, the instances
 (their threads too) and everything else (the background load, the bench). The
 figure's `added` is, pair by pair, (submit + start + middle + end) of pai minus
@@ -90,6 +91,16 @@ class Trace:
         """A ps (it listens) or a worker (it connected to one) of a job: an exec'd process."""
         return pid in self.execs and (pid in self.listens or any(ok for _, ok in self.connects.get(pid, ())))
 
+    def served_child(self, client: int) -> int | None:
+        """The submit server's child that took the place of this `pai` client
+        (paicli/submit_server.py): the first process forked outside the client's own
+        tree after its exec and before its exit that started a job's instances."""
+        began, ended = self.execs[client][0], self.exits.get(client, float("inf"))
+        own = set(self.tree(client))
+        found = sorted((t, child) for parent, forks in self.forks.items() if parent not in own
+                       for t, child in forks if began <= t <= ended)
+        return next((child for _, child in found if any(self.instance(p) for p in self.tree(child))), None)
+
     def connected(self, pid: int) -> float:
         return max(t for t, ok in self.connects[pid] if ok)
 
@@ -111,16 +122,18 @@ def runs(trace: Trace) -> list[dict]:
     for pid, (t, path) in trace.execs.items():
         if not path.endswith("/pai"):
             continue
-        tree = trace.tree(pid)
-        instances = [p for p in tree if p != pid and trace.instance(p)]
+        served = trace.served_child(pid)
+        tree = trace.tree(pid) + (trace.tree(served) if served else [])
+        cli = [pid] + ([served] if served else [])
+        instances = [p for p in tree if p not in cli and trace.instance(p)]
         ps = [p for p in instances if p in trace.listens]
         if len(ps) != 1 or len(instances) < 2 or pid not in trace.exits:
             continue
         workers = [p for p in instances if p != ps[0]]
         agents = sorted({trace.parent[p] for p in instances})
         inst_tree = [x for p in instances for x in trace.tree(p)]
-        kinds = {"cli": [pid], "agents": agents, "instances": inst_tree,
-                 "master": [p for p in tree if p != pid and p not in agents and p not in inst_tree]}
+        kinds = {"cli": cli, "agents": agents, "instances": inst_tree,
+                 "master": [p for p in tree if p not in cli and p not in agents and p not in inst_tree]}
         found.append(_run(trace, "pai", t, ps[0], workers, trace.exits[pid], kinds, tree))
     launchers = {trace.parent.get(p) for p, (_, path) in trace.execs.items() if path.endswith("/pai")}
     for bench in launchers - {None}:

@@ -22,6 +22,8 @@ import sys
 PROTOCOL = b"paicli-submit-1"
 SOCKET_ENV = "PAI_SUBMIT_SERVER_DIR"
 SWITCH_ENV = "PAI_SUBMIT_SERVER"
+SERVED_ENV = "PAI_SUBMIT_SERVED"   # from the compiled client to the Python launcher it runs
+OUTCOMES = ("off", "absent", "declined", "other")
 # What differs between two shells of one user without changing what a submit does.
 # PAI_HOME is the job store: each child gets the client's own.
 VOLATILE = frozenset({"PAI_HOME", "PWD", "OLDPWD", "_", "SHLVL"})
@@ -242,7 +244,10 @@ def offer() -> str:
     from paicli.cli_tokens import is_bare_statement   # imports nothing
 
     args = sys.argv[1:]
-    outcome = submit(args) if is_bare_statement(args) else "other"
+    # The compiled client (submit_client.c) tried already and says why it went on here.
+    outcome = os.environ.pop(SERVED_ENV, None)
+    if outcome not in OUTCOMES:
+        outcome = submit(args) if is_bare_statement(args) else "other"
     for name in [m for m in sys.modules if m == "paicli" or m.startswith("paicli.")]:
         del sys.modules[name]   # imported from ROOT without site: paicli proper comes through site
     if sys.path and sys.path[0] == ROOT:
@@ -254,8 +259,10 @@ def offer() -> str:
 
 
 LAUNCHER = """#!{python} -S
-# `pai`, written by .ci/setup (python -m paicli.submit_client --write-launcher): tries the
-# resident submit server from an interpreter without site, then runs the ordinary `pai`.
+# `pai` in Python, written by .ci/setup (python -m paicli.submit_client --write-launcher):
+# tries the resident submit server from an interpreter without site, then runs the
+# ordinary `pai`. The compiled client (submit_client.c) runs it when it does not hand
+# a statement over itself.
 import sys
 sys.path.insert(0, {root!r})
 from paicli.submit_client import offer
@@ -265,16 +272,60 @@ main(served=served)
 """
 
 
-def write_launcher(path: str) -> None:
-    text = LAUNCHER.format(python=sys.executable, root=ROOT)
+def write_launcher(path: str) -> str:
+    """`pai` at `path`: the compiled client, with the Python launcher at PATH-py for
+    what it does not serve itself; where no C compiler works, the Python launcher
+    itself. Which one it wrote ("compiled" or "python")."""
+    fallback = f"{path}-py"
+    _write_file(fallback, LAUNCHER.format(python=sys.executable, root=ROOT).encode(), 0o755)
+    compiled = compile_client(fallback)
+    if compiled is None:
+        _write_file(path, LAUNCHER.format(python=sys.executable, root=ROOT).encode(), 0o755)
+        return "python"
+    _write_file(path, compiled, 0o755)
+    return "compiled"
+
+
+def _c_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def compile_client(fallback: str, answer_timeout: int | None = None) -> bytes | None:
+    """submit_client.c built for this interpreter and checkout, or None (no compiler:
+    `CC`, else cc). `answer_timeout`: other than ANSWER_TIMEOUT (a test's)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    compiler = shutil.which(os.environ.get("CC") or "cc")
+    if compiler is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="paicli-client-") as folder:
+        out = os.path.join(folder, "pai")
+        defines = {"PAI_PYTHON": sys.executable, "PAI_ROOT": ROOT, "PAI_FALLBACK": os.path.abspath(fallback)}
+        argv = [compiler, "-O2", "-Wall", "-o", out, *(f"-D{k}={_c_string(v)}" for k, v in defines.items()),
+                *([f"-DANSWER_TIMEOUT={int(answer_timeout)}"] if answer_timeout else []),
+                os.path.join(ROOT, "paicli", "submit_client.c")]
+        try:
+            built = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if built.returncode != 0:
+            sys.stderr.write(f"pai: the compiled client did not build; `pai` stays in Python:\n{built.stderr}")
+            return None
+        with open(out, "rb") as f:
+            return f.read()
+
+
+def _write_file(path: str, data: bytes, mode: int) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o755)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "--write-launcher":
         sys.exit("usage: python -m paicli.submit_client --write-launcher PATH")
-    write_launcher(sys.argv[2])
+    print(f"pai: {sys.argv[2]} written ({write_launcher(sys.argv[2])})")

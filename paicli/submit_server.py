@@ -78,7 +78,9 @@ def process_traits(pid: int | str) -> dict[str, object]:
     """What a forked child would carry from this process but a submit must take from
     its client's: compared, never copied."""
     base = f"/proc/{pid}"
-    traits: dict[str, object] = {"exe": os.path.realpath(f"{base}/exe")}
+    # Not /proc/PID/exe: the compiled client (submit_client.c) is no interpreter. The
+    # interpreter is in the key a client computes, and code_files() stamps its binary.
+    traits: dict[str, object] = {}
     for ns in NAMESPACES:
         try:
             traits[ns] = os.readlink(f"{base}/ns/{ns}")
@@ -104,7 +106,8 @@ def _status(pid: int | str) -> dict[str, str]:
 
 def code_files() -> dict[str, tuple[int, int]]:
     """paicli's files this process imported, and the folders they are in (a module
-    added or removed changes its folder): their mtime and size."""
+    added or removed changes its folder), and the interpreter's binary: their mtime
+    and size."""
     paths: set[str] = set()
     for module in list(sys.modules.values()):
         name = getattr(module, "__name__", "")
@@ -112,6 +115,7 @@ def code_files() -> dict[str, tuple[int, int]]:
         if path and (name == "paicli" or name.startswith("paicli.")):
             paths.add(path)
             paths.add(os.path.dirname(path))
+    paths.add(os.path.realpath(sys.executable))   # a venv rebuilt on another Python
     return {path: _stamp(path) for path in paths}
 
 

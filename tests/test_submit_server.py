@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,17 +117,33 @@ def _state(pid: int) -> str:
         return f.read().rsplit(b")", 1)[1].split()[0].decode()
 
 
-def _start(served: Served, params: str = "", **where) -> subprocess.Popen:
+def _start(served: Served, params: str = "", client: list[str] = PAI, **where) -> subprocess.Popen:
     where = where or {"start_new_session": True}
-    return subprocess.Popen([*PAI, *served.statement(params)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen([*client, *served.statement(params)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=served.full_env(), **where)
 
 
-def test_a_served_submit_prints_and_exits_as_a_cold_one(served):
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    """The compiled client (paicli/submit_client.c), built as .ci/setup builds `pai`."""
+    launcher = tmp_path_factory.mktemp("client") / "pai"
+    if submit_client.write_launcher(str(launcher)) != "compiled":
+        pytest.skip("no C compiler here: .ci/setup leaves `pai` the Python launcher")
+    return launcher
+
+
+@pytest.fixture(params=["python", "compiled"])
+def client(request) -> list[str]:
+    """Each client of the server: the Python one (`python -m paicli`, the launcher
+    without a compiler) and the compiled one (.ci/setup's `pai`)."""
+    return PAI if request.param == "python" else [str(request.getfixturevalue("compiled"))]
+
+
+def test_a_served_submit_prints_and_exits_as_a_cold_one(served, client):
     server = served.start_server()
     for params, code in (("--steps 3", 0), ("--steps 2 --exit 3", 1)):
         cold = pai(*served.statement(params))
-        proc = _start(served, params)
+        proc = _start(served, params, client)
         out, err = proc.communicate(timeout=120)
         assert served.child_of(proc.pid) > 0
         assert proc.returncode == cold.returncode == code, out + err
@@ -135,19 +152,19 @@ def test_a_served_submit_prints_and_exits_as_a_cold_one(served):
         assert drop_ids(out) == drop_ids(cold.stdout)
         assert sorted(drop_ids(err)) == sorted(drop_ids(cold.stderr))
     # Bad input: one line and exit 2 from the served child too, nothing recorded.
-    bad = subprocess.run([*PAI, "-name", "nosuchframework", f"-Dscript={served.script}"], capture_output=True,
+    bad = subprocess.run([*client, "-name", "nosuchframework", f"-Dscript={served.script}"], capture_output=True,
                          text=True, env=served.full_env(), timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert "nosuchframework" in bad.stderr
     assert served.server_pids() == [server]
 
 
-def test_the_served_child_takes_the_clients_folder_home_and_umask(served, tmp_path):
+def test_the_served_child_takes_the_clients_folder_home_and_umask(served, client, tmp_path):
     served.start_server()
     work = tmp_path / "work"
     work.mkdir()
     # A relative script path is read from the client's folder (the server's is /).
-    proc = subprocess.Popen(["sh", "-c", 'umask 027 && exec "$@"', "sh", *PAI, "-name", "python",
+    proc = subprocess.Popen(["sh", "-c", 'umask 027 && exec "$@"', "sh", *client, "-name", "python",
                              "-Dscript=../work.py", "-DuserDefinedParameters=--show"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=served.full_env(), cwd=work)
     out, err = proc.communicate(timeout=120)
@@ -156,9 +173,9 @@ def test_the_served_child_takes_the_clients_folder_home_and_umask(served, tmp_pa
     assert served.child_of(proc.pid) > 0
 
 
-def test_a_different_process_is_declined_and_submits_cold(served):
+def test_a_different_process_is_declined_and_submits_cold(served, client):
     served.start_server()
-    proc = subprocess.Popen(["nice", "-n", "3", *PAI, *served.statement()],
+    proc = subprocess.Popen(["nice", "-n", "3", *client, *served.statement()],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=served.full_env())
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, out + err
@@ -166,7 +183,7 @@ def test_a_different_process_is_declined_and_submits_cold(served):
     # The client itself is `nice`'s exec: its pid is the one declined, and never served.
     assert f"declined pid {proc.pid}: another nice" in served.log()
     assert f"served pid {proc.pid} " not in served.log()
-    batch = subprocess.Popen(["chrt", "--batch", "0", *PAI, *served.statement()], stdout=subprocess.PIPE,
+    batch = subprocess.Popen(["chrt", "--batch", "0", *client, *served.statement()], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=served.full_env())
     out, err = batch.communicate(timeout=120)
     assert batch.returncode == 0 and out.splitlines()[-1] == "OK", out + err
@@ -190,9 +207,9 @@ def test_changed_code_is_declined_and_the_server_makes_way_for_a_new_one(served)
         os.utime(module, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def test_ctrl_c_reaches_the_served_child_and_cancels_as_a_cold_pai_does(served):
+def test_ctrl_c_reaches_the_served_child_and_cancels_as_a_cold_pai_does(served, client):
     served.start_server()
-    proc = _start(served, "--steps 1 --sleep 600")
+    proc = _start(served, "--steps 1 --sleep 600", client)
     job_id = None
     try:
         job_id = job_id_from(read_until(proc, "step=0"))
@@ -210,11 +227,11 @@ def test_ctrl_c_reaches_the_served_child_and_cancels_as_a_cold_pai_does(served):
             pai("kill", job_id)
 
 
-def test_ctrl_z_stops_the_served_child_with_its_client(served):
+def test_ctrl_z_stops_the_served_child_with_its_client(served, client):
     served.start_server()
     # A group of its own in this session, as a shell's job: not orphaned, so that
     # SIGTSTP stops it (the kernel drops it for an orphaned group, cold pai or not).
-    proc = _start(served, "--steps 400 --sleep 0.05", process_group=0)
+    proc = _start(served, "--steps 400 --sleep 0.05", client, process_group=0)
     job_id = job_id_from(read_until(proc, "step=1"))
     child = served.child_of(proc.pid)
     try:
@@ -229,9 +246,9 @@ def test_ctrl_z_stops_the_served_child_with_its_client(served):
         proc.communicate(timeout=120)
 
 
-def test_the_served_child_ends_with_its_client_and_the_job_goes_on(served):
+def test_the_served_child_ends_with_its_client_and_the_job_goes_on(served, client):
     served.start_server()
-    proc = _start(served, "--steps 400 --sleep 0.05")
+    proc = _start(served, "--steps 400 --sleep 0.05", client)
     job_id = job_id_from(read_until(proc, "step=1"))
     child = served.child_of(proc.pid)
     try:
@@ -243,9 +260,9 @@ def test_the_served_child_ends_with_its_client_and_the_job_goes_on(served):
         assert pai("kill", job_id).returncode == 0
 
 
-def test_the_client_hears_the_end_when_the_server_is_killed(served):
+def test_the_client_hears_the_end_when_the_server_is_killed(served, client):
     server = served.start_server()
-    proc = _start(served, "--steps 30 --sleep 0.05")
+    proc = _start(served, "--steps 30 --sleep 0.05", client)
     read_until(proc, "step=1")
     served.child_of(proc.pid)
     os.kill(server, signal.SIGKILL)
@@ -269,9 +286,17 @@ def test_an_idle_server_leaves_and_a_client_then_submits_cold(served):
 
 def test_the_launcher_is_served_and_runs_every_other_command_cold(served, tmp_path):
     launcher = tmp_path / "pai"
-    subprocess.run([sys.executable, "-m", "paicli.submit_client", "--write-launcher", str(launcher)], check=True)
-    assert launcher.read_text().startswith(f"#!{sys.executable} -S\n")
-    assert launcher.stat().st_mode & 0o777 == 0o755
+    written = subprocess.run([sys.executable, "-m", "paicli.submit_client", "--write-launcher", str(launcher)],
+                             capture_output=True, text=True, check=True)
+    python = Path(f"{launcher}-py")   # what the compiled client runs when it does not serve a statement
+    assert python.read_text().startswith(f"#!{sys.executable} -S\n")
+    compiled = launcher.read_bytes().startswith(b"\x7fELF")
+    assert ("(compiled)" in written.stdout) == compiled, written.stdout
+    if shutil.which(os.environ.get("CC") or "cc"):
+        assert compiled, "a C compiler is here and `pai` is not the compiled client"
+    else:
+        assert launcher.read_bytes() == python.read_bytes()
+    assert launcher.stat().st_mode & 0o777 == python.stat().st_mode & 0o777 == 0o755
     served.start_server()
     proc = subprocess.Popen([str(launcher), *served.statement()], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=served.full_env())
@@ -284,6 +309,7 @@ def test_the_launcher_is_served_and_runs_every_other_command_cold(served, tmp_pa
     off = subprocess.run([str(launcher), *served.statement()], capture_output=True, text=True,
                          env=served.full_env(PAI_SUBMIT_SERVER="0"), timeout=120)
     assert off.returncode == 0 and off.stdout.splitlines()[-1] == "OK", off.stdout + off.stderr
+    assert len(served.server_pids()) == 1 and served.log().count("served pid") == 1, served.log()
 
 
 def test_with_the_server_off_no_server_is_started(pai_home, tmp_path):
@@ -383,9 +409,11 @@ def test_a_served_submits_logview_standby_runs_in_place_and_serves_the_page(serv
     assert not _alive(state["pid"])
 
 
-def test_a_server_that_never_answers_costs_one_line_and_no_submit(served, tmp_path):
+@pytest.mark.parametrize("kind", ["python", "compiled"])
+def test_a_server_that_never_answers_costs_one_line_and_no_submit(served, tmp_path, kind):
     """A socket that accepts and never answers (a wedged server): the client says so
-    and exits 1 after its deadline, and submits nothing, not even cold."""
+    and exits 1 after its deadline, and submits nothing, not even cold. The compiled
+    client finds the socket the Python one names: the same key."""
     import socket
 
     env = served.full_env()
@@ -401,9 +429,16 @@ def test_a_server_that_never_answers_costs_one_line_and_no_submit(served, tmp_pa
     try:
         code = ("import sys; from paicli import submit_client as c; c.ANSWER_TIMEOUT = 1.0; "
                 f"c.submit({served.statement()!r})")
+        argv = [sys.executable, "-c", code]
+        if kind == "compiled":
+            built = submit_client.compile_client(str(tmp_path / "no-fallback"), answer_timeout=1)
+            if built is None:
+                pytest.skip("no C compiler here: .ci/setup leaves `pai` the Python launcher")
+            (tmp_path / "pai").write_bytes(built)
+            (tmp_path / "pai").chmod(0o700)
+            argv = [str(tmp_path / "pai"), *served.statement()]
         with open(err_path, "w") as err:
-            returncode = subprocess.run([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=err,
-                                        env=env, timeout=60).returncode
+            returncode = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=err, env=env, timeout=60).returncode
     finally:
         wedged.close()
     assert returncode == 1, err_path.read_text()

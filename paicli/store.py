@@ -157,18 +157,17 @@ def _create_store(path: Path) -> None:
     18-60 ms of a first submit here, seconds when the disk is busy). Two processes
     creating one store at once: the first link wins, the other's copy is dropped.
     Where that cannot be done (a filesystem without hard links, SQLite failing on
-    the copy), nothing is linked and the store is created in place as before."""
+    the copy), nothing is linked and the store is created in place as before. In a
+    process that keeps a new store's image (keep_new_store_image), the copy aside is
+    that image's bytes."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.new")
     touch_private(tmp)
     try:
-        db = sqlite3.connect(tmp, isolation_level=None)
-        try:
-            db.execute("PRAGMA journal_mode = OFF")
-            db.execute("PRAGMA synchronous = OFF")
-            _apply_schema(db)
-            db.execute("PRAGMA journal_mode = WAL")   # kept in the file's header
-        finally:
-            db.close()   # the last connection: its WAL is checkpointed and removed
+        if _NEW_STORE_IMAGE is None:
+            _build_new_store(tmp)
+        else:
+            with open(tmp, "wb") as f:   # the same bytes, built once (keep_new_store_image)
+                f.write(_NEW_STORE_IMAGE)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -189,6 +188,34 @@ def _create_store(path: Path) -> None:
             os.unlink(tmp)
         except OSError:
             pass
+
+
+def _build_new_store(path: Path) -> None:
+    """The schema, written with no journal and no sync, WAL set in the header."""
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode = OFF")
+        db.execute("PRAGMA synchronous = OFF")
+        _apply_schema(db)
+        db.execute("PRAGMA journal_mode = WAL")   # kept in the file's header
+    finally:
+        db.close()   # the last connection: its WAL is checkpointed and removed
+
+
+_NEW_STORE_IMAGE: bytes | None = None
+
+
+def keep_new_store_image() -> None:
+    """A new store's file built once and kept in memory, for a resident process (the
+    submit server, whose children inherit it): each new PAI_HOME then gets a copy of
+    its bytes instead of ~50 schema statements (~5 ms of a core per new home)."""
+    global _NEW_STORE_IMAGE
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="paicli-store-") as folder:
+        path = Path(folder) / "pai.db"
+        _build_new_store(path)
+        _NEW_STORE_IMAGE = path.read_bytes()
 
 
 @contextmanager

@@ -98,7 +98,7 @@ class Trace:
         began, ended = self.execs[client][0], self.exits.get(client, float("inf"))
         own = set(self.tree(client))
         found = sorted((t, child) for parent, forks in self.forks.items() if parent not in own
-                       for t, child in forks if began <= t <= ended)
+                       for t, child in forks if began <= t <= ended and child not in own)
         return next((child for _, child in found if any(self.instance(p) for p in self.tree(child))), None)
 
     def connected(self, pid: int) -> float:

@@ -603,8 +603,9 @@ def _perf_line(comm: str, pid: int, t_ms: float, event: str, rest: str) -> str:
 
 def test_bench_windows_cuts_each_run_into_windows_and_charges_cpu_to_its_processes():
     """bench/bench_windows.py reads `perf script` text: a pai run (CLI 100, its
-    waiting master 101 -> master 102, agents 103-105, ps 106 and workers 107-108)
-    and a by-hand run (ps 201, workers 202-203) forked by the bench (50)."""
+    waiting master 101 -> master 102, agents 103-105, ps 106 and workers 107-108),
+    a by-hand run (ps 201, workers 202-203) forked by the bench (50), and a served
+    pai run (client 300, the submit server's child 401 and what it forked)."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import bench_windows
@@ -656,9 +657,27 @@ def test_bench_windows_cuts_each_run_into_windows_and_charges_cpu_to_its_process
     instance(2001, 201, True, 2050, 2902)
     instance(2002, 202, False, 2060, 2890)
     instance(2002, 203, False, 2070, 2900)
+    # a served pai (paicli/submit_server.py): client 300 exec at 3000, the server (400)
+    # forks its child 401 at 3002, which forks the master 402; ps 406, workers 407-408
+    fork(3000, 50, 300)
+    exec_(3000, 300, "/v/bin/pai")
+    run(3001, 300, 1.0)
+    fork(3002, 400, 401)
+    run(3010, 401, 9.0)
+    fork(3012, 401, 402)
+    for agent in (403, 404, 405):
+        fork(3030, 402, agent, "pai-node-agent")
+    for agent, child, t in ((403, 406, 3040), (404, 407, 3045), (405, 408, 3046)):
+        fork(t, agent, child)
+    instance(3040, 406, True, 3080, 3905)
+    instance(3045, 407, False, 3100, 3890)
+    instance(3046, 408, False, 3110, 3900)
+    lines.append(_perf_line("pai", 300, 3915, "sched:sched_process_exit", "comm=pai pid=300 prio=120"))
     found = bench_windows.runs(bench_windows.Trace("\n".join(lines)))
-    assert [r["kind"] for r in found] == ["pai", "hand"]
-    pai, hand = found
+    assert [r["kind"] for r in found] == ["pai", "hand", "pai"]
+    pai, hand, served = found
+    assert served["windows"]["submit"]["ms"] == 40.0 and served["windows"]["submit"]["cli"] == 10.0
+    assert served["windows"]["end"]["ms"] == 15.0 and served["refused_connects"] == 2
     w = pai["windows"]
     assert list(w) == ["submit", "start", "middle", "end"]
     assert w["submit"]["ms"] == 60.0 and w["start"]["ms"] == 70.0 and w["middle"]["ms"] == 870.0 and w["end"]["ms"] == 15.0

@@ -115,6 +115,43 @@ def test_local_agents_start_their_instances_before_any_identity_is_read():
     assert wait_until(lambda: not _sleepers(marker), timeout=30)
 
 
+def test_the_services_agents_start_first_and_the_rest_while_the_services_start(tmp_path):
+    """LocalBackend.prepare forks only the services' agents (each fork of the master
+    is ~3 ms of a loaded core on the way to the ps); the master begins the ps, then
+    has the workers' agents forked (start_ahead) before it waits for the ps's
+    identity, and the workers find them warm."""
+    from types import SimpleNamespace
+
+    from paicli.cluster.master import JobMaster
+
+    roles = [SimpleNamespace(name="ps", must_finish=False), SimpleNamespace(name="worker", must_finish=True)]
+    placements = [Placement("ps", 0, "local", "127.0.0.1"), Placement("worker", 0, "local", "127.0.0.1"),
+                  Placement("worker", 1, "local", "127.0.0.1")]
+    backend = LocalBackend()
+    try:
+        backend.prepare(str(tmp_path / "job1"), SimpleNamespace(roles=roles), placements)
+        assert list(backend._warm) == [("ps", 0)]
+        backend.start_ahead()
+        assert list(backend._warm) == [("ps", 0), ("worker", 0), ("worker", 1)]
+        backend.start_ahead()   # once: nothing more
+        assert len(backend._warm) == 3
+    finally:
+        backend.cleanup(str(tmp_path / "job1"))
+    assert backend._warm == {}
+
+    order = []
+    insts = [SimpleNamespace(role=role, name=f"{role.name}:{idx}") for role, idx in
+             ((roles[0], 0), (roles[1], 0), (roles[1], 1))]
+    fake = SimpleNamespace(backend=SimpleNamespace(start_ahead=lambda: order.append("start_ahead")),
+                           _begin=lambda inst: order.append(f"begin {inst.name}") or
+                           (lambda: order.append(f"identity {inst.name}") or inst),
+                           _started=lambda inst, handle: None, _refused=lambda inst, err: None)
+    fake._launch_together = lambda group, meanwhile=None: JobMaster._launch_together(fake, group, meanwhile)
+    JobMaster._launch_all(fake, insts)
+    assert order == ["begin ps:0", "start_ahead", "identity ps:0", "begin worker:0", "begin worker:1",
+                     "identity worker:0", "identity worker:1"]
+
+
 def test_a_released_watch_stops_watching_at_once_and_closes_without_a_thread(tmp_path):
     """At a verdict the attached view removes its inotify watch (the kernel reaps
     it in the background) and closes the descriptor only as it leaves: closed at

@@ -212,6 +212,11 @@ class Backend:
             nodes = sorted({p.node for p in placements})
             self.progress(f"staged the job on {', '.join(nodes)} in {took:.1f}s")
 
+    def start_ahead(self) -> None:
+        """The agents prepare() left for later, started now: the master calls it while
+        the services' agents start them, so the rest wait warm for their specs."""
+        self._start_ahead()
+
     def cleanup(self, job_dir: str) -> None:
         """Remove the per-job folders on the nodes (but those `keeps`), and what
         this process holds for the job on them (waiting agents, actors)."""
@@ -323,6 +328,9 @@ class Backend:
 
     def _prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
         """Local: nothing."""
+
+    def _start_ahead(self) -> None:
+        """Local and remote: nothing left for later."""
 
     def _cleanup(self, job_dir: str) -> None:
         """Local: nothing (the job folder is the user's to keep)."""

@@ -48,10 +48,6 @@ GRACE = 1.5
 # A file's times come from the kernel's coarse clock, up to a tick (1-10 ms) behind
 # time.time_ns(): a file the instance changed at once may read a little earlier.
 CLOCK_SLACK_NS = 10_000_000
-# Seconds after its start that a local instance's working folder is listed: not while
-# the instances' interpreters start up (three listings of a few hundred files were
-# ~5 ms of a core there); what changed since the start is left out all the same.
-LATE_LISTING = 0.5
 
 
 def boot_id() -> str:
@@ -198,8 +194,6 @@ class Instance:
         self.last_in = self.last_beat = time.monotonic()
         self.wake_fd = -1
         self.files = None               # node_outputs.Watch: the folders whose files go back
-        self.unlisted = None            # (watch, since_ns): a late listing still to make
-        self.listing_due = 0.0
 
     def start(self) -> bool:
         env = instance_env(self.spec)
@@ -235,22 +229,13 @@ class Instance:
                                          "start": stat[2] if stat else "", "boot": boot_id()}).encode())
         if late:
             # This machine's folders (the user's working folder: thousands of files
-            # took ~0.15 s per instance to list) are listed LATE_LISTING after the
-            # instance started, once it and the master are under way (or at its end,
-            # if that comes first); what changed from its start on is left out of the
+            # took ~0.15 s per instance to list) are listed once the instance runs and
+            # the master knows it; what changed from its start on is left out of the
             # listing, so it is the instance's. A node's folders, which staging has just
             # written, are listed before the start, as the staged files are not its.
             self.out.flush()
-            self.unlisted = (watch, began - CLOCK_SLACK_NS)
-            self.listing_due = time.monotonic() + LATE_LISTING
+            self.files = _outputs_room().Watch(watch, since_ns=began - CLOCK_SLACK_NS)
         return True
-
-    def _list(self) -> None:
-        """The late listing (start), made now."""
-        if self.unlisted is not None:
-            watch, since_ns = self.unlisted
-            self.unlisted = None
-            self.files = _outputs_room().Watch(watch, since_ns=since_ns)
 
     def _catch_signals(self) -> None:
         # SIGCHLD wakes select() at once: the exit is reported without a polling delay.
@@ -275,15 +260,10 @@ class Instance:
             if self.output_open and len(self.out.buf) < MAX_BUFFERED:
                 readers.append(self.read_fd)
             writers = [self.out.fd] if self.out.buf else []
-            wait = 0.05 if self.files and self.files.sender else 0.5
-            if self.unlisted is not None:
-                wait = min(wait, max(0.0, self.listing_due - time.monotonic()))
             try:
-                ready, _, _ = select.select(readers, writers, [], wait)
+                ready, _, _ = select.select(readers, writers, [], 0.05 if self.files and self.files.sender else 0.5)
             except InterruptedError:
                 continue
-            if self.unlisted is not None and time.monotonic() >= self.listing_due:
-                self._list()
             if self.wake_fd in ready:
                 os.read(self.wake_fd, 512)
             if self.stdin_fd in ready and not self.on_input():
@@ -344,7 +324,6 @@ class Instance:
             self.on_output()
             if len(self.out.buf) == before:
                 break
-        self._list()
         if self.files:
             self.files.send_all(self.out, MAX_BUFFERED)
         self.out.frame(b"X", json.dumps({"status": self.status}).encode())

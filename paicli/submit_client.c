@@ -285,16 +285,21 @@ static void relay(int signum) {
     errno = saved;
 }
 
-static void stop(int signum) {
-    /* Ctrl-Z: the child stops with us and goes on when we do. */
-    int saved = errno;
-    send_signal(SIGSTOP);
+/* `signum` at its default action, delivered to this process now. */
+static void raise_default(int signum) {
     signal(signum, SIG_DFL);
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, signum);
     sigprocmask(SIG_UNBLOCK, &set, NULL);
     kill(getpid(), signum);
+}
+
+static void stop(int signum) {
+    /* Ctrl-Z: the child stops with us and goes on when we do. */
+    int saved = errno;
+    send_signal(SIGSTOP);
+    raise_default(signum);
     struct sigaction again = {0};
     again.sa_handler = stop;
     again.sa_flags = SA_RESTART;
@@ -321,12 +326,7 @@ static void follow(int sock) {
             _exit(atoi(line + 5));
         if (n > 0 && starts_with(line, "signal ")) {
             int signum = atoi(line + 7);
-            signal(signum, SIG_DFL);
-            sigset_t set;
-            sigemptyset(&set);
-            sigaddset(&set, signum);
-            sigprocmask(SIG_UNBLOCK, &set, NULL);
-            kill(getpid(), signum);
+            raise_default(signum);
             _exit(128 + signum);
         }
         if (n <= 0) {

@@ -204,7 +204,7 @@ static char *request(int argc, char **argv, size_t *size) {
         n += 1 + strlen(argv[i]);
     for (char **e = environ; *e; e++)
         n += 1 + strlen(*e);
-    char *body = malloc(n);
+    char *body = malloc(n + 1);   /* + the NUL the last stpcpy writes */
     if (body == NULL)
         return NULL;
     char *at = body + 4;

@@ -31,6 +31,7 @@ p.add_argument("--steps", type=int, default=3)
 p.add_argument("--sleep", type=float, default=0.05)
 p.add_argument("--exit", type=int, default=0)
 p.add_argument("--show", action="store_true")
+p.add_argument("--pad", default="")
 a = p.parse_args()
 if a.show:
     print("seen", os.environ.get("PAI_HOME"), oct(os.umask(0)), flush=True)
@@ -157,6 +158,18 @@ def test_a_served_submit_prints_and_exits_as_a_cold_one(served, client):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert "nosuchframework" in bad.stderr
     assert served.server_pids() == [server]
+
+
+def test_the_compiled_client_sends_a_request_of_any_length(served, compiled):
+    """Sixteen request lengths in a row, so that one ends on every byte of malloc's
+    16-byte step: a write one byte past the request (the last stpcpy's NUL, a real
+    bug) corrupted the heap and aborted the client only at some lengths."""
+    served.start_server()
+    for pad in range(16):
+        proc = subprocess.run([str(compiled), *served.statement(f"--steps 1 --pad={'x' * pad}")],
+                              capture_output=True, text=True, env=served.full_env(), timeout=120)
+        assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "OK", (pad, proc.stdout + proc.stderr)
+    assert served.log().count("served pid") == 16, served.log()
 
 
 def test_the_served_child_takes_the_clients_folder_home_and_umask(served, client, tmp_path):

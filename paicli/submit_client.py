@@ -277,10 +277,11 @@ def write_launcher(path: str) -> str:
     what it does not serve itself; where no C compiler works, the Python launcher
     itself. Which one it wrote ("compiled" or "python")."""
     fallback = f"{path}-py"
-    _write_file(fallback, LAUNCHER.format(python=sys.executable, root=ROOT).encode(), 0o755)
+    launcher = LAUNCHER.format(python=sys.executable, root=ROOT).encode()
+    _write_file(fallback, launcher, 0o755)
     compiled = compile_client(fallback)
     if compiled is None:
-        _write_file(path, LAUNCHER.format(python=sys.executable, root=ROOT).encode(), 0o755)
+        _write_file(path, launcher, 0o755)
         return "python"
     _write_file(path, compiled, 0o755)
     return "compiled"

@@ -43,6 +43,15 @@ STACK_TRACE = re.compile(r"^(\*\*\* Check failure stack trace: \*\*\*|\s+@\s+0x[
 PROTOBUF_ERROR = re.compile(r"^\[libprotobuf (?:ERROR|FATAL) [^\]]*\] (?P<msg>.*)")
 
 
+def scratch_parent() -> str | None:
+    """Where an instance's scratch folder (its solver copies) goes: inside its job's
+    folder (PAI_JOB_DIR), which goes with the job, because a stopped instance
+    (SIGTERM's or SIGKILL's default action) never runs the `with` that removes it;
+    the system's temporary folder where there is no job folder (run by hand)."""
+    job_dir = os.environ.get("PAI_JOB_DIR")
+    return job_dir if job_dir and os.path.isdir(job_dir) else None
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -603,7 +612,7 @@ def run_averaging_worker(args) -> int:
         caffe.set_mode_cpu()
     caffe.set_solver_count(workers)
     caffe.set_solver_rank(index)
-    with tempfile.TemporaryDirectory(prefix="paicli-caffe-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="caffe-", dir=scratch_parent()) as workdir:
         path, text = prepare_solver(args, workdir, device)
         snapshot_every = int(solver_field(text, "snapshot") or 0)
         snapshot_after = (solver_field(text, "snapshot_after_train") or "true").lower() != "false"
@@ -713,7 +722,7 @@ def main(argv: list[str]) -> int:
         log("pluto: no learning-rate warm-up with one worker (`caffe train` runs the solver as it is)")
     with open(args.solver, encoding="utf-8", errors="replace") as f:
         device = solver_device(args, f.read())
-    with tempfile.TemporaryDirectory(prefix="paicli-caffe-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="caffe-", dir=scratch_parent()) as workdir:
         path, _text = prepare_solver(args, workdir, device)
         command = [args.caffe, "train", f"--solver={path}"]
         if args.weights:

@@ -334,8 +334,10 @@ def write_records(kind: str, folder: Path, runtime) -> None:
     for k in range(64):
         (folder / f"img_{k}.pgm").write_bytes(b"P5\n2 2\n255\n" + bytes([k % 2 * 255] * 4))
     (folder / "images.txt").write_text("".join(f"img_{k}.pgm {k % 2}\n" for k in range(64)))
+    # GLOG_logtostderr: glog's default is a log file in /tmp for each run of the tool.
     subprocess.run([runtime.caffe(), "--gray", "./", "images.txt", "records_lmdb"], cwd=folder, check=True,
-                   timeout=120, capture_output=True, env=dict(os.environ, PAICLI_CAFFE_TOOL="convert_imageset"))
+                   timeout=120, capture_output=True,
+                   env=dict(os.environ, PAICLI_CAFFE_TOOL="convert_imageset", GLOG_logtostderr="1"))
 
 
 @pytest.mark.parametrize("kind", ["hdf5", "lmdb"])
@@ -386,9 +388,13 @@ def test_a_missing_data_source_fails_with_caffes_message(pai_home, lenet, tmp_pa
     assert lines[-1].startswith("FAILED:") and "Failed to open source file: data/gone.txt" in lines[-1]
 
 
-def test_cancel_stops_every_instance(pai_home, lenet):
+def test_cancel_stops_every_instance(pai_home, lenet, tmp_path):
+    """...and leaves nothing of theirs in the temporary folder: a stopped runner
+    never removes its scratch folder, which is in the job's folder for that."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     result = pai("-name", "caffe", f"-Dsolver={lenet}/long_solver.prototxt",
-                 f"-Dcluster={TWO_WORKERS}", "--detach")
+                 f"-Dcluster={TWO_WORKERS}", "--detach", env={"TMPDIR": str(temp)})
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip().splitlines()[-1]
 
@@ -403,3 +409,4 @@ def test_cancel_stops_every_instance(pai_home, lenet):
     assert killed.returncode == 0, killed.stderr
     assert wait_until(lambda: pai_json("status", job_id)["status"] == "Cancelled", timeout=60)
     assert wait_until(lambda: not processes_in(groups), timeout=30), processes_in(groups)
+    assert not [p.name for p in temp.iterdir() if "caffe" in p.name]

@@ -12,7 +12,10 @@ sandbox).
 Each node: `--num-cpus=1 --include-dashboard=false --disable-usage-stats`, its own
 `--temp-dir` (session folders, sockets and logs never collide between nodes that
 share this machine's filesystem), a small object store, and Ray's health checks
-tightened so that a dead node is declared dead within a few seconds.
+tightened so that a dead node is declared dead within a few seconds. The nodes'
+TMPDIR is the cluster's state folder too (`node_tmp`): what paicli keeps on a node
+beside its job folders (the node's cache, TMP/paicli-ray-UID/NODE/.cache) goes with
+the cluster instead of staying in this machine's /tmp after every test.
 
 `ray stop` is NOT used: it finds Ray's processes by name on the whole machine, so
 run in one namespace it would stop every node here (and any other Ray on the
@@ -23,6 +26,7 @@ namespaces, then removes them, the bridge and the state folder.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -31,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from netns import TestCluster, _default_signals, can_build
+from netns import STATE_ROOT, TestCluster, _default_signals, can_build
 
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
@@ -40,6 +44,12 @@ CLIENT_PORT = 10001
 # A dead node is declared dead after about period * threshold (+ timeout).
 FAST_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
                "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}
+
+
+def node_job_folders(job_id: str) -> list[str]:
+    """The job's per-job folders on the test clusters' Ray nodes (under each node's
+    TMPDIR, the cluster's `node_tmp`)."""
+    return glob.glob(f"{STATE_ROOT}/paicli-cluster-*/tmp/paicli-ray-{os.getuid()}/*/{job_id}")
 
 
 def ray_missing() -> str | None:
@@ -93,8 +103,13 @@ class RayCluster:
     def client_address(self) -> str:
         return f"ray://{self.head.addr}:{CLIENT_PORT}"
 
+    @property
+    def node_tmp(self) -> Path:
+        return self.net.state / "tmp"
+
     def start(self) -> None:
         self.net.start()
+        self.node_tmp.mkdir(mode=0o700, exist_ok=True)
         self.start_node(self.head.name)
         errors: list[BaseException] = []
 
@@ -117,6 +132,7 @@ class RayCluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update(FAST_HEALTH)
         env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}"
+        env["TMPDIR"] = str(self.node_tmp)   # the raylet's, and so its workers' (see node_job_folders)
         return env
 
     def temp_dir(self, name: str) -> Path:

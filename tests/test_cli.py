@@ -175,9 +175,10 @@ def test_flags_reach_the_script(pai_home, tmp_path):
     hp.write_text("# comment\nlr = 0.5\nepochs=3\n")
     script = tmp_path / "show.py"
     script.write_text("import sys; print('ARGV', sys.argv[1:])\n")
-    result = pai("-name", "python", f"-Dscript={script}", f"-DhyperParameters={hp}", "-DcheckpointDir=/tmp/ck",
+    ck = tmp_path / "ck"   # (the job makes its checkpoint folder: not one in this machine's /tmp)
+    result = pai("-name", "python", f"-Dscript={script}", f"-DhyperParameters={hp}", f"-DcheckpointDir={ck}",
                  "-DuserDefinedParameters=--name 'a b'")
-    assert "ARGV ['--checkpointDir=/tmp/ck', '--lr=0.5', '--epochs=3', '--name', 'a b']" in result.stdout
+    assert f"ARGV ['--checkpointDir={ck}', '--lr=0.5', '--epochs=3', '--name', 'a b']" in result.stdout
 
 
 def test_export_prints_yaml_that_runs(pai_home, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ray_cluster import RayCluster, cannot_run, job_processes  # noqa: E402
+from ray_cluster import RayCluster, cannot_run, job_processes, node_job_folders  # noqa: E402
 from conftest import watchdog_of  # noqa: E402
 from test_outputs_ssh import SCRIPT  # noqa: E402
 
@@ -46,14 +46,6 @@ def status(cluster, home: Path, work: Path, job_id: str) -> dict:
     result = pai_ray(cluster, home, work, "status", job_id, "--json", timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
-
-
-def node_folders(job_id: str) -> list[str]:
-    """The job's per-job folders on the nodes (which share this machine's /tmp)."""
-    import glob
-    import tempfile
-
-    return glob.glob(f"{tempfile.gettempdir()}/paicli-ray-{os.getuid()}/*/{job_id}")
 
 
 def wait_for(condition, timeout: float = 30.0) -> bool:
@@ -95,7 +87,7 @@ def test_files_come_back_from_ray_nodes_however_the_job_ends(ray_cluster, tmp_pa
     assert (work / "same.txt").read_text() == "written by worker 1\n"
     assert "worker:0 and worker:1 both wrote" in result.stdout
     assert status(ray_cluster, home, work, job_id)["outputs"]["missing"] == 0
-    assert wait_for(lambda: not node_folders(job_id)), node_folders(job_id)
+    assert wait_for(lambda: not node_job_folders(job_id)), node_job_folders(job_id)
 
     # a failure, then `pai kill`: one instance each, its files back, its folder gone
     one = [arg.replace('"count":2', '"count":1') for arg in statement]
@@ -106,12 +98,12 @@ def test_files_come_back_from_ray_nodes_however_the_job_ends(ray_cluster, tmp_pa
     assert status(ray_cluster, home, work, job_id)["status"] == "Failed"
     assert_worker_0_back(tmp_path, home, job_id)
     # the file over the size limit kept the node's folder; `pai get` brings it and the folder goes
-    assert not (work / "big-0.bin").exists() and len(node_folders(job_id)) == 1
+    assert not (work / "big-0.bin").exists() and len(node_job_folders(job_id)) == 1
     got = pai_ray(ray_cluster, home, work, "get", job_id, "big-*", "-o", str(tmp_path / "got"), timeout=120)
     assert got.returncode == 0, got.stdout + got.stderr
     assert (work / "big-0.bin").stat().st_size == 4096 and (tmp_path / "got" / "big-0.bin").stat().st_size == 4096
     assert status(ray_cluster, home, work, job_id)["outputs"]["missing"] == 0
-    assert wait_for(lambda: not node_folders(job_id)), node_folders(job_id)
+    assert wait_for(lambda: not node_job_folders(job_id)), node_job_folders(job_id)
 
     clear(tmp_path)
     proc = pai_ray(ray_cluster, home, work, *one, "-DuserDefinedParameters=--hang", popen=True)
@@ -127,7 +119,7 @@ def test_files_come_back_from_ray_nodes_however_the_job_ends(ray_cluster, tmp_pa
     assert status(ray_cluster, home, work, job_id)["status"] == "Cancelled"
     assert_worker_0_back(tmp_path, home, job_id)
     assert status(ray_cluster, home, work, job_id)["outputs"]["missing"] == 0
-    assert wait_for(lambda: not node_folders(job_id)), node_folders(job_id)
+    assert wait_for(lambda: not node_job_folders(job_id)), node_job_folders(job_id)
 
     clear(tmp_path)
     proc = pai_ray(ray_cluster, home, work, *one, "-DuserDefinedParameters=--hang", popen=True)
@@ -156,4 +148,4 @@ def test_files_come_back_from_ray_nodes_however_the_job_ends(ray_cluster, tmp_pa
         proc.wait()
     assert_worker_0_back(tmp_path, home, job_id)
     assert status(ray_cluster, home, work, job_id)["status"] == "Failed"
-    assert wait_for(lambda: not node_folders(job_id)), node_folders(job_id)
+    assert wait_for(lambda: not node_job_folders(job_id)), node_job_folders(job_id)

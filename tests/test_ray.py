@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from paicli.errors import UsageError
 from paicli.plan import JobPlan, RolePlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ray_cluster import RayCluster, cannot_run, job_processes  # noqa: E402
+from ray_cluster import RayCluster, cannot_run, job_processes, node_job_folders  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SUBNET = "10.213.9"
@@ -437,14 +438,6 @@ def losses(output: str, role: str = "worker") -> list[float]:
     return [float(m.group(1)) for m in re.finditer(rf"\[{role}:\d+\].*?loss[=:]\s*([-+0-9.eE]+)", output)]
 
 
-def node_folders(job_id: str) -> list[str]:
-    """The job's per-job folders on the nodes (which share this machine's /tmp)."""
-    import glob
-    import tempfile
-
-    return glob.glob(f"{tempfile.gettempdir()}/paicli-ray-{os.getuid()}/*/{job_id}")
-
-
 def staged_paths(folder: str) -> set[str]:
     """Every file and link under a node's per-job folder, relative to it (but outputs/,
     where the node agent lists what was there before an instance started: issue 17)."""
@@ -474,7 +467,7 @@ def test_python_job_runs_on_three_nodes(ray_cluster, home):
     series = losses(result.stdout)
     assert series and series[-1] < series[0]
     assert_nothing_left(job_id)
-    assert not node_folders(job_id)   # the per-job folders on the nodes went with the job
+    assert not node_job_folders(job_id)   # the per-job folders on the nodes went with the job
 
 
 def loss_falls_along_steps(status: dict, instances: list[str]) -> None:
@@ -565,9 +558,9 @@ def test_kill_9_of_the_master_leaves_no_process_on_any_node(ray_cluster, home, t
     assert after["status"] == "Failed" and "master lost" in (after["reason"] or "")
     # the watchdog removed the per-job folders on the nodes (tasks pinned to each node)
     deadline = time.monotonic() + 30
-    while node_folders(job_id) and time.monotonic() < deadline:
+    while node_job_folders(job_id) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not node_folders(job_id)
+    assert not node_job_folders(job_id)
 
 
 def test_a_lost_node_runs_its_instance_again_elsewhere(ray_cluster, home, tmp_path):
@@ -602,7 +595,7 @@ def test_a_lost_node_runs_its_instance_again_elsewhere(ray_cluster, home, tmp_pa
         assert_nothing_left(job_id)
         # only the dead node's folder is left (nobody was there to remove it; on a real
         # host it would be on that host's own disk): the sandbox removes it
-        left = node_folders(job_id)
+        left = node_job_folders(job_id)
         assert len(left) <= 1, left
         for folder in left:
             ray_node.remove_job_folder(folder)
@@ -645,9 +638,12 @@ def test_pai_kill_stops_every_instance_on_every_node(ray_cluster, home, tmp_path
 
     job_dir = home / "jobs" / job_id
     listed = node_files.manifest(job_dir, JobPlan.from_json((job_dir / "plan.json").read_text())).files
-    folders = node_folders(job_id)
+    folders = node_job_folders(job_id)
     assert len(folders) == 2
     for folder in folders:
+        # on the node's TMPDIR (the cluster's), so nothing of the node stays in this machine's /tmp
+        assert not os.path.exists(os.path.join(tempfile.gettempdir(), f"paicli-ray-{os.getuid()}",
+                                               os.path.basename(os.path.dirname(folder)))), folder
         assert staged_paths(folder) == {f.dst for f in listed if f.kind != "dir"}, folder
         assert all(os.path.isdir(f"{folder}/{f.dst}") for f in listed if f.kind == "dir")
     killed = pai_ray(ray_cluster, home, "kill", job_id, timeout=60)

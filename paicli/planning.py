@@ -623,6 +623,15 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         biggest = max(node.cores for node in clusters(loopback, None, machines)[0].nodes)
         links, link_cpu = measure_links(store, say, node_cpu=round(biggest * 100))
     where, here = clusters(loopback, links, machines)
+    jobs: list[str] = []
+    runs = []
+    if not cached:
+        # The script's calibration before the runtime's probes (~5-20 s): a script that
+        # fails says so at once.
+        for cluster_value, extra in _calibration_configs(framework):
+            job_id, run = calibration_run(prepared, store, cluster_value, extra, say)
+            jobs.append(job_id)
+            runs.append(run)
     # 2bit's CPU cost and a server's update per value, probed once on this machine with
     # MXNet's kernels (the planner weighs 2bit and async for every MXNet plan) and kept
     # with the calibration like the rates.
@@ -644,16 +653,10 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
              "link_cpu_s_per_byte": link_cpu, **(kvstore or {}), **(rpc or {})}
     where, here = replace(where, **costs), replace(here, **costs)
     texts = script_texts(prepared)   # read once for tf_sync and script_knobs
-    jobs: list[str] = []
     if cached:
         profile = Profile.from_dict(cached["profile"])
         say("calibration: cached")
     else:
-        runs = []
-        for cluster_value, extra in _calibration_configs(framework):
-            job_id, run = calibration_run(prepared, store, cluster_value, extra, say)
-            jobs.append(job_id)
-            runs.append(run)
         sync = tf_sync(prepared, args, texts[0]) if framework == "tensorflow" else user.sync
         profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],

@@ -80,9 +80,9 @@ def run_on_pty(argv: list[str], env: dict[str, str]) -> tuple[int, bytes]:
     return os.waitstatus_to_exitcode(status), b"".join(chunks)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _session_home():
-    yield SESSION_HOME
+def pytest_unconfigure(config) -> None:
+    """The session's home goes at the end of any run, `--collect-only` included
+    (a session fixture's teardown runs only when a test ran)."""
     shutil.rmtree(SESSION_HOME, ignore_errors=True)
 
 

@@ -47,6 +47,8 @@ SSH_KEYGEN = shutil.which("ssh-keygen") or "/usr/bin/ssh-keygen"
 UNSHARE = shutil.which("unshare") or "/usr/bin/unshare"
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 STATE_ROOT = Path("/var/tmp")
+# Each test cluster's state folder is STATE_ROOT / (CLUSTER_PREFIX + its prefix).
+CLUSTER_PREFIX = "paicli-cluster-"
 
 
 def can_build() -> str | None:
@@ -124,7 +126,7 @@ class TestCluster:
         self.user = user or pwd.getpwuid(os.geteuid()).pw_name
         self.bridge = f"{prefix}br"
         self.bridge_addr = f"{subnet}.1"
-        self.state = STATE_ROOT / f"paicli-cluster-{prefix}"
+        self.state = STATE_ROOT / f"{CLUSTER_PREFIX}{prefix}"
         self.hosts: list[Host] = []
         self._count = hosts
         self._closed = False
@@ -390,7 +392,7 @@ class TestCluster:
         """Own the prefix: its state directory appears whole, with our pid in it, by one
         rename (two runs cannot both get it). A stale one (owner gone) is swept first."""
         for _ in range(2):
-            staging = STATE_ROOT / f".paicli-cluster-{self.prefix}.{os.getpid()}"
+            staging = STATE_ROOT / f".{CLUSTER_PREFIX}{self.prefix}.{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(mode=0o700)
             (staging / "owner").write_text(str(os.getpid()))

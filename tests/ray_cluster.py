@@ -35,13 +35,15 @@ import threading
 import time
 from pathlib import Path
 
-from netns import STATE_ROOT, TestCluster, _default_signals, can_build
+from netns import CLUSTER_PREFIX, STATE_ROOT, TestCluster, _default_signals, can_build
 
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
 GCS_PORT = 6379
 CLIENT_PORT = 10001
 # A dead node is declared dead after about period * threshold (+ timeout).
+# A test Ray node's TMPDIR, in its cluster's state folder (gone with the teardown).
+NODE_TMP = "tmp"
 FAST_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
                "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}
 
@@ -49,7 +51,7 @@ FAST_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_m
 def node_job_folders(job_id: str) -> list[str]:
     """The job's per-job folders on the test clusters' Ray nodes (under each node's
     TMPDIR, the cluster's `node_tmp`)."""
-    return glob.glob(f"{STATE_ROOT}/paicli-cluster-*/tmp/paicli-ray-{os.getuid()}/*/{job_id}")
+    return glob.glob(f"{STATE_ROOT}/{CLUSTER_PREFIX}*/{NODE_TMP}/paicli-ray-{os.getuid()}/*/{job_id}")
 
 
 def ray_missing() -> str | None:
@@ -105,7 +107,7 @@ class RayCluster:
 
     @property
     def node_tmp(self) -> Path:
-        return self.net.state / "tmp"
+        return self.net.state / NODE_TMP
 
     def start(self) -> None:
         self.net.start()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, job_id_from, pai, wait_until
-from netns import module_cluster, module_nodes
+from netns import CLUSTER_PREFIX, STATE_ROOT, module_cluster, module_nodes
 from test_tables import TWO, WORKER, assert_disjoint_and_complete, make_tables
 
 
@@ -85,7 +85,7 @@ def assert_bucket_job(result, bucket: Path, folder_on_node: bool = True) -> None
     for report in reports:
         assert report["files"] == "2" and report["readonly"] == "True", report
         # on the node: its /tmp (SSH, a namespace's own) or its TMPDIR (Ray, tests/ray_cluster.py)
-        assert report["bucket"].startswith(("/tmp/", "/var/tmp/paicli-cluster-")) and str(bucket) not in report["bucket"], report
+        assert report["bucket"].startswith(("/tmp/", f"{STATE_ROOT}/{CLUSTER_PREFIX}")) and str(bucket) not in report["bucket"], report
     assert len({r["sha"] for r in reports}) == 1
 
 

@@ -421,10 +421,10 @@ def test_argparse_script_gets_its_own_flags_and_no_cluster_flags(pai, tmp_path):
     hyper = tmp_path / "hyper.txt"
     hyper.write_text("# batch size\nbatch=64\n")
     done, status = pai.run_job(f"-Dscript={script}", f"-DhyperParameters={hyper}",
-                               "-DcheckpointDir=/tmp/ckpt", "-DuserDefinedParameters=--lr=0.1 --name 'a b'")
+                               f"-DcheckpointDir={tmp_path / 'ckpt'}", "-DuserDefinedParameters=--lr=0.1 --name 'a b'")
     assert_ok(done)
     args = json.loads(re.search(r"^\[worker:0\] ARGS (.*)$", done.stdout, re.M).group(1))
-    assert args == {"checkpointDir": "/tmp/ckpt", "lr": 0.1, "name": "a b", "batch": 64}
+    assert args == {"checkpointDir": str(tmp_path / "ckpt"), "lr": 0.1, "name": "a b", "batch": 64}
     assert '[worker:0] TASK {"index": 0, "type": "worker"}' in done.stdout
     assert [f"{i['role']}:{i['index']}" for i in status["instances"]] == ["worker:0"]
 

@@ -26,6 +26,8 @@ library and TensorFlow, never paicli.
 from __future__ import annotations
 
 import builtins
+import functools
+import inspect
 import json
 import os
 import re
@@ -59,6 +61,14 @@ _IMPORT_BANNER = re.compile(
 
 
 QUIET = False  # drop TensorFlow's import banner (main() decides)
+
+# TF1's wait for the chief (tf.compat.v1.train.Supervisor and SessionManager, under
+# MonitoredTrainingSession too): a worker that finds the ps's variables not yet
+# initialised looks again after `recovery_wait_secs`, 30 s unless the script says.
+# Here it looks every second unless the script says: a worker that asked a moment
+# before its chief had initialised waited half a minute (7 of 8 runs of the peer
+# tf_cnn_benchmarks, 1 ps + 2 workers). What a script passes itself is kept.
+RECOVERY_WAIT_S = 1
 
 
 def say(message: str) -> None:
@@ -286,6 +296,7 @@ def _wrap_tensorflow(watch: ClusterWatch) -> None:
 
     server_lib.Server.__init__ = server
     session_lib.BaseSession.__init__ = session
+    _look_for_the_chief_sooner()
     try:
         from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver as tfconfig
     except Exception:  # noqa: BLE001 - a TensorFlow without it: nothing more to watch
@@ -297,6 +308,49 @@ def _wrap_tensorflow(watch: ClusterWatch) -> None:
         return cluster_spec(self, *args, **kwargs)
 
     tfconfig.TFConfigClusterResolver.cluster_spec = resolved
+
+
+def _look_for_the_chief_sooner() -> None:
+    """RECOVERY_WAIT_S as the default `recovery_wait_secs` of TF1's Supervisor and
+    SessionManager (a value the script passes is kept)."""
+    try:
+        from tensorflow.python.training import session_manager, supervisor
+    except Exception:  # noqa: BLE001 - a TensorFlow without them: nothing waits so
+        return
+    for cls in (supervisor.Supervisor, session_manager.SessionManager):
+        init = cls.__init__
+        try:
+            signature = inspect.signature(init)
+        except (TypeError, ValueError):
+            continue
+        if "recovery_wait_secs" not in signature.parameters:
+            continue
+
+        def sooner(self, *args, _init=init, _signature=signature, **kwargs):
+            try:
+                given = "recovery_wait_secs" in _signature.bind_partial(self, *args, **kwargs).arguments
+            except TypeError:
+                given = True   # a call TensorFlow itself refuses: it says why
+            if not given:
+                kwargs["recovery_wait_secs"] = RECOVERY_WAIT_S
+            _init(self, *args, **kwargs)
+
+        cls.__init__ = functools.wraps(init)(sooner)
+
+
+def whole_lines() -> None:
+    """Each line written to stdout or stderr reaches the instance's output in one write.
+    Under `python -u` (as every instance starts) `print(x)` writes x, then the newline:
+    a thread's log line on stderr, which shares the pipe, can land between the two and
+    break both lines. The peer tf_cnn_benchmarks' GlobalStepWatcher logs "Starting real
+    work" just as the worker prints step 1, which then lost its step line. Line
+    buffering without write-through keeps a line in the stream until its newline (or a
+    carriage return) and writes it at once, as a terminal's line buffering does."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True, write_through=False)
+        except (AttributeError, ValueError):   # not a TextIOWrapper, or closed
+            pass
 
 
 def _eager_remote() -> bool:
@@ -444,6 +498,7 @@ def hold_base_runtime_lock() -> int | None:
 
 def main(argv: list[str]) -> None:
     global RUNTIME_LOCK, BASE_RUNTIME_LOCK
+    whole_lines()
     from runtime_lock import hold_runtime_lock  # a sibling in runners/, staged with us on every node
 
     RUNTIME_LOCK = hold_runtime_lock()  # kept open until this process ends

@@ -68,10 +68,6 @@ def proc_stat(pid):
     return fields[0].decode(), int(fields[2]), fields[19].decode()   # state, pgid, start ticks
 
 
-def group_members(pgid: int) -> list[int]:
-    return [pid for pid, _ in _members({pgid})] if _group_exists(pgid) else []
-
-
 def live_groups(pgids: set) -> set:
     """Which of `pgids` still have a live member: one pass over /proc for all."""
     pgids = {pgid for pgid in pgids if _group_exists(pgid)}
@@ -112,7 +108,7 @@ def stop_group(pgid: int, grace: float, reap=None) -> bool:
         return False
     for wait, then in ((grace, signal.SIGKILL), (2.0, None)):
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and group_members(pgid):
+        while time.monotonic() < deadline and live_groups({pgid}):
             if reap:
                 reap()
             time.sleep(0.02)
@@ -133,17 +129,6 @@ def instance_env(spec: dict) -> dict:
     if env.pop("PAI_INHERIT_PYTHONPATH", None) == "1" and own:
         env["PYTHONPATH"] = ":".join(p for p in (env.get("PYTHONPATH"), own) if p)
     return env
-
-
-def _default_signals() -> None:
-    """The agent's own dispositions back to the defaults, so that the instance
-    execs with them whatever the agent inherited (nohup, a shell's background
-    job): an ignored signal stays ignored across exec, a caught one is reset.
-    SIGPIPE is restored in the child by Popen (restore_signals)."""
-    for name in ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGTTIN", "SIGTTOU", "SIGTSTP"):
-        signum = getattr(signal, name, None)
-        if signum is not None:
-            signal.signal(signum, signal.SIG_DFL)
 
 
 class Channel:
@@ -202,10 +187,6 @@ class Instance:
         else:
             self.read_fd, write_fd = os.pipe()
             os.set_blocking(self.read_fd, False)
-        _default_signals()
-        # Caught from here on, not at their default: a SIGTERM between the start and
-        # the identity would end the agent and leave the instance running unwatched
-        # (exec gives the instance the defaults back: a caught signal is reset).
         self._catch_signals()
         watch = self.spec.get("watch")
         late = bool(watch and watch.get("inplace"))
@@ -238,6 +219,16 @@ class Instance:
         return True
 
     def _catch_signals(self) -> None:
+        """The agent's own dispositions back to the defaults, so that the instance
+        execs with them whatever the agent inherited (nohup, a shell's background
+        job): an ignored signal stays ignored across exec, a caught one is reset.
+        SIGPIPE is restored in the child by Popen (restore_signals). Then SIGTERM,
+        SIGHUP and SIGINT are caught, not at their default: one between the start and
+        the identity would end the agent and leave the instance running unwatched."""
+        for name in ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGTTIN", "SIGTTOU", "SIGTSTP"):
+            signum = getattr(signal, name, None)
+            if signum is not None:
+                signal.signal(signum, signal.SIG_DFL)
         # SIGCHLD wakes select() at once: the exit is reported without a polling delay.
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
@@ -317,7 +308,7 @@ class Instance:
     def on_exit(self) -> int:
         """The main process ended: stop the rest of its group (nothing outlives an
         instance), take what is left in the pipe, then report the exit."""
-        if group_members(self.proc.pid):
+        if live_groups({self.proc.pid}):
             stop_group(self.proc.pid, GRACE, None)
         while self.output_open:
             before = len(self.out.buf)
@@ -387,15 +378,7 @@ def is_ours(ref: list) -> bool:
 
 def alive(ref: list) -> bool:
     """`ref` names a group we started that still has a live member."""
-    return is_ours(ref) and bool(group_members(int(ref[1])))
-
-
-def signal_ref(ref: list, signum: int) -> bool:
-    """Send `signum` to `ref`'s group if it is ours and alive; whether it was."""
-    ok = alive(ref)
-    if ok:
-        _killpg(int(ref[1]), signum)
-    return ok
+    return is_ours(ref) and bool(live_groups({int(ref[1])}))
 
 
 def stop_refs(refs: list, timeout: float) -> list:
@@ -410,14 +393,12 @@ def stop_refs(refs: list, timeout: float) -> list:
         time.sleep(0.05)
         groups = live_groups(groups)
     for ref in ours:
-        if int(ref[1]) in groups:
-            signal_ref(ref, signal.SIGKILL)
+        if int(ref[1]) in groups and alive(ref):
+            _killpg(int(ref[1]), signal.SIGKILL)
     return ours
 
 
 def cmd_stop(timeout: str, refs: str) -> int:
-    """Identity-checked stop of every ref (JSON list of [pid, pgid, start, boot]),
-    see stop_refs. Prints the list of the refs that were ours and had something to stop."""
     print(json.dumps(stop_refs(json.loads(refs), float(timeout))))
     return 0
 

@@ -12,41 +12,10 @@ for the node, identity checks, which nodes keep their folder, a transport call
 tried twice then given up with one line naming the node); a backend fills in
 only the underscore methods and overrides no public one (a test holds that).
 
-Vocabulary
-----------
-NodeSpec      one node: `name` (shown to users), `host` (the address peers are
-              told and instances bind), cpu in PAI units (100 = one core), memory
-              in MB, `gpus` = card ids, `attrs` = whatever the backend needs
-              (ssh: user/port/key/runtime_dir...). Must be JSON-serialisable.
-Placement     one instance placed: role, idx, node name, host, gpus (card ids).
-              Made by the pure function `paicli.cluster.placement.place()`.
-InstanceRef   an instance's identity, stored per instance and per attempt
-              (`to_dict()`/`from_dict()`): backend name, node, host, pid, pgid,
-              start (process start time in clock ticks since boot, as a string,
-              from /proc/PID/stat field 22 ON THAT NODE) and boot_id
-              (/proc/sys/kernel/random/boot_id ON THAT NODE).
-Handle        what `start()` returns to the master: `ref`, `output_fd` (the
-              instance's stdout+stderr merged, an fd the master select()s on and
-              reads), `native` (an agent_link.Link: every backend runs its
-              instances under the node agent, see cluster/agent_link.py).
-
-Exit statuses
--------------
-`poll()`/`wait()` return subprocess's convention (negative = killed by that
-signal) or NODE_LOST when the node stopped answering: the instance is then
-treated as failed retryably and placed again on another node.
-
-Identity check (what `stop()` guarantees)
------------------------------------------
-A ref is stopped only when it still names the process we started: same boot id
-on its node, and the process `pid` either still has the recorded start time or
-is gone. When the leader is gone, the group's remaining members are still ours:
-Linux does not hand out a pid while a process group of that number exists, so
-members of group `pgid` can only be the original group's. A leader with the
-same pid but another start time (a recycled pid) or another boot id (a
-reboot) is refused, and so is a ref without a start time (said on stderr). The
-check is the node agent's (node_agent.is_ours), this machine's included; an
-instance this process started is stopped through its live agent link.
+A ref is stopped only while it still names the process we started (what `stop()`
+guarantees): the node agent's check (node_agent.is_ours, this machine's included),
+and a ref without a start time is never stopped (said on stderr). An instance this
+process started is stopped through its live agent link.
 """
 
 from __future__ import annotations
@@ -68,7 +37,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-# poll()/wait() answer for an instance whose node stopped answering. Retryable.
+# poll()/wait() answer for an instance whose node stopped answering (else subprocess's
+# convention, negative = killed by that signal). Retryable: placed again on another node.
 NODE_LOST = -1000
 STAGING_NOTED = 1.0   # seconds of staging after which the job log says how long it took
 
@@ -83,11 +53,12 @@ class NodeCallFailed(PaiError):
 
 @record(frozen=True)
 class NodeSpec:
-    name: str
-    host: str
+    name: str                     # shown to users
+    host: str                     # the address peers are told and instances bind
     cpu: int                      # PAI units: 100 = one core
     memory: int                   # MB
     gpus: tuple[str, ...] = ()    # card ids
+    # Whatever the backend needs (ssh: user, port, ...); JSON-serialisable, as the whole spec.
     attrs: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -102,6 +73,7 @@ class NodeSpec:
 
 @record(frozen=True)
 class Placement:
+    """One instance placed (paicli.cluster.placement.place(), a pure function)."""
     role: str
     idx: int
     node: str                     # NodeSpec.name
@@ -123,8 +95,8 @@ class InstanceRef:
     host: str
     pid: int
     pgid: int
-    start: str | None             # start time in clock ticks since boot (on the node)
-    boot_id: str | None
+    start: str | None             # start time in clock ticks since boot: /proc/PID/stat field 22 on the node
+    boot_id: str | None           # /proc/sys/kernel/random/boot_id on the node
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -374,6 +346,11 @@ class Backend:
         finish = self._begin_start(placed, self._agent_spec(placed, argv, env, cwd, watch), sink)
         return lambda: self._keep_link(finish())
 
+    def _keep_link(self, handle: Handle) -> Handle:
+        if handle.ref.pid > 0:   # 0: the node did not take the instance (agent_link.lost_handle)
+            self._links[(handle.ref.node, handle.ref.pid)] = handle.native
+        return handle
+
     def _agent_spec(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
                     watch: dict | None) -> dict:
         """The node agent's spec (runners/node_agent.py) for one instance, translated
@@ -511,8 +488,6 @@ class Backend:
         raise NotImplementedError
 
     # -- DATA (issue 18): the job's staged nodes, for cluster/datasets.py -----------------
-    # Public calls over what each remote backend fills in (the underscore methods);
-    # the local backend reaches no node: its instances read this machine's files.
 
     def staged_folders(self, nodes: Iterable[str] | None = None) -> dict[str, str] | None:
         """{node: the job's per-job folder there} for the nodes this process staged
@@ -539,13 +514,6 @@ class Backend:
         """The runner run on `node`: (exit status, stdout, stderr)."""
         raise NotImplementedError(f"the {self.name} backend runs nothing on a node")
 
-    def _keep_link(self, handle: Handle) -> Handle:
-        from paicli.cluster.agent_link import Link
-
-        if isinstance(handle.native, Link) and handle.ref.pid > 0:
-            self._links[(handle.ref.node, handle.ref.pid)] = handle.native
-        return handle
-
 
 def agent_ref(ref: InstanceRef) -> list:
     """`ref` as the node agent's commands take it: [pid, pgid, start, boot]."""
@@ -560,9 +528,6 @@ def verified(ref: InstanceRef) -> bool:
     print(f"paicli: not stopping {ref.node}:{ref.pid}: no start time was recorded for it, so it cannot be "
           f"told from another process that got its number", file=sys.stderr, flush=True)
     return False
-
-
-# -- DATA (issue 18) ----------------------------------------------------------------
 
 
 def runner_words(out: bytes, err: bytes, status: int) -> str:

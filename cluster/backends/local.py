@@ -38,12 +38,6 @@ PIPE_BYTES = 4096
 AGENT_OUTPUT_FD = 3        # where a forked agent finds the instance's output pipe
 
 
-def local_node() -> NodeSpec:
-    from paicli.cluster.scheduler import machine_cpu, machine_gpus, machine_memory_mb
-
-    return NodeSpec(LOCAL_NODE, LOCAL_HOST, machine_cpu(), machine_memory_mb(), tuple(machine_gpus()))
-
-
 class AgentProcess:
     """A node agent on this machine, waiting for its spec: its stdin and stdout
     are the link (`fileno()`: agent_link reads the frames itself), and the
@@ -53,8 +47,6 @@ class AgentProcess:
     def __init__(self, label: str):
         self.output_fd, out_w = os.pipe()
         try:
-            # A small pipe keeps a burst of output from sitting in the kernel behind
-            # other instances' lines (the display delay).
             fcntl.fcntl(self.output_fd, F_SETPIPE_SZ, PIPE_BYTES)
         except OSError:
             pass
@@ -167,7 +159,9 @@ class LocalBackend(Backend):
     name = "local"
 
     def _nodes(self):
-        return [local_node()]
+        from paicli.cluster.scheduler import machine_cpu, machine_gpus, machine_memory_mb
+
+        return [NodeSpec(LOCAL_NODE, LOCAL_HOST, machine_cpu(), machine_memory_mb(), tuple(machine_gpus()))]
 
     def _prepare(self, job_dir, plan, placements):
         # The services' agents now (the ps is begun first and the workers wait for

@@ -7,23 +7,18 @@ GCS address `ray start --head` prints, or `ray://HOST:10001` (Ray Client, for a
 machine that is not a Ray node).
 
 How a job runs (the JobMaster is the Ray driver):
-- Gang placement: one placement group per job, a bundle per instance from its
-  PAI resources (cpu 100 = 1 CPU, memory MB, gpu 100 = 1 GPU). Strategy SPREAD
-  when the job has services (ps/server/scheduler: spread over nodes), PACK
-  otherwise. The job starts only when every bundle is placed; until then
-  `place_job()` reports what is missing (PAI's "Waiting List"); the job's
-  `timeout` covers the wait.
+- Gang placement: one placement group per job, a bundle per instance
+  (bundle_for, strategy_for). The job starts only when every bundle is placed;
+  until then `place_job()` reports what is missing (PAI's "Waiting List"); the
+  job's `timeout` covers the wait.
 - One `InstanceActor` (ray_node.py, shipped by value: the nodes need only Ray)
-  per instance in its bundle: it writes the job's staging list (the one rule of
-  cluster/node_files.py, shipped once through the object store: no plan.json, no
-  secret) into a per-job folder on its node, provisions the runtime there, picks
-  ports there, and relays bytes to and from the node agent it runs the instance
-  under. Ray is only the transport: the protocol (spec, identity, output, exit
-  status, stop) is cluster/agent_link.py's, as for local and SSH instances; a
-  job's secrets travel only in the spec sent to the instance that needs them.
+  per instance in its bundle stages the job's files (cluster/node_files.py's list,
+  shipped once through the object store: no plan.json, no secret) and runtime on
+  its node, picks ports there, and relays bytes to and from its node agent, whose
+  protocol is cluster/agent_link.py's; a job's secrets travel only in the spec
+  sent to the instance that needs them.
 - Every Ray call that waits has a deadline and, in the master, ends within half a
-  second of a cancel. A GCS address used from a machine that is not a Ray node
-  (Ray could not call the driver back) is one line saying to use ray://.
+  second of a cancel.
 - The actors belong to the master's Ray job: when the master dies (even kill -9)
   Ray kills them, and each instance's node agent stops its group.
 - A node that dies takes its actors with it: the instance's status is NODE_LOST
@@ -607,13 +602,11 @@ class RayBackend(Backend):
 
     def _collect_outputs(self, job_dir: str, node: str, state_rel: str, request: dict):
         """node_outputs' collect, in a task pinned to the node: its frames, at once."""
-        self.connect()
         yield self._pinned(node, ray_node.pinned_collect, Path(job_dir).name, state_rel, request,
                            timeout=CALL_TIMEOUT * 10)
 
     def _remove_job_folder(self, job_id: str, name: str) -> None:
         """A node that is gone took its folder along."""
-        self.connect()
         self._pinned(name, ray_node.pinned_cleanup, job_id, timeout=STOP_TIMEOUT)
 
     def _alive(self, node: str, ref: list) -> bool:

@@ -5,13 +5,8 @@ module to the cluster by value (cloudpickle), so a Ray node needs Ray and
 nothing of paicli. One actor per instance, in the instance's placement-group
 bundle:
 
-- `stage()` writes the job's staging list (cluster/node_files.py: runners, code,
-  the inputs the plan names; never plan.json, which holds the job's secrets) into
-  a per-job folder on its node, with the writer of every backend
-  (runners/stage_writer.py: 0700 folders, files 0600/0700, links only inside);
-  `ensure_runtime()` provisions the framework runtime there on first use with the
-  staged runners/node_runtime.py, as an SSH node does (or finds the node's own); `pick_ports()` finds ports
-  free on the node;
+- `stage()`, `ensure_runtime()` and `pick_ports()`: the job's per-job folder, its
+  runtime and free ports on the node, with the node programs an SSH node runs;
 - `open()` starts the paicli node agent (runners/node_agent.py, the one agent of
   every backend) and the actor becomes a byte relay: `send()` writes to the
   agent's stdin, `recv()` hands back what the agent wrote on stdout. The master's

@@ -13,11 +13,8 @@ node (cluster/node_files.py: the runners, the extracted archive or the inputs th
 plan names) into a per-job folder there (SFTP, 0700) and provisions the job's
 runtime unless the node has it (or declares `runtime_dir`); `cleanup` removes the
 folders. Paths in the plan are translated for each node by the manifest's mapping.
-
-stop(): with the live channel (the master) a byte on it asks the agent to signal
-the group (base.Backend); from any other process (watchdog, `pai kill`) the
-agent's `stop` command is run over SSH with the ref's identity (pid, start time,
-boot id).
+A process without the live channel (watchdog, `pai kill`) stops instances with the
+agent's `stop` command over SSH.
 """
 
 from __future__ import annotations
@@ -84,7 +81,6 @@ class SSHBackend(Backend):
         super().__init__(config)
         self.nodes_config = config_from_dict(self.config, self.config.get("path") or "nodes snapshot")
         self.conns = ssh.Connections(self.nodes_config.known_hosts)
-        self._infos: dict[str, dict] = {}
         self._specs: list[NodeSpec] | None = None
         self._maps: dict[str, remote_paths.Mapping] = {}
         self._folders: dict[str, str] = {}
@@ -104,12 +100,6 @@ class SSHBackend(Backend):
             return ssh.run_agent(self.conns.session(node, timeout=timeout), node, command, *args, timeout=timeout)
         except (OSError, EOFError, self._ssh_errors()) as err:
             raise ssh.NodeUnreachable(f"node {node.name}: connection lost ({err.__class__.__name__})") from None
-
-    def info(self, name: str) -> dict:
-        if name not in self._infos:
-            node = self.entry(name)
-            self._infos[name] = self._agent(node, "info", node.runtime_dir or "")
-        return self._infos[name]
 
     def _nodes(self) -> list[NodeSpec]:
         """Every node that answers, with declared or detected resources. A host key
@@ -213,14 +203,12 @@ class SSHBackend(Backend):
         if "error" in looked:
             raise looked["error"]
         info = looked["info"]
-        self._infos[node.name] = info
         if runtime and info["runtimes"].get(runtime) != _runtime_version(runtime):
             from paicli.cluster.node_admin import _provision
 
             self.progress(f"{node.name}: no {runtime} runtime in {info['runtime_dir']}; provisioning it")
             _provision(lambda: self.conns.session(node), node, runtime, self.progress)
-            self._infos.pop(node.name, None)
-            info = self.info(node.name)
+            info = self._agent(node, "info", node.runtime_dir or "")
         from paicli.cluster.layers import ensure_on_ssh_node   # ENVS room: the job's requirements layer
         ensure_on_ssh_node(lambda: self.conns.session(node), node, job_dir, folder, info, self.progress)
         with self._lock:
@@ -244,19 +232,18 @@ class SSHBackend(Backend):
 
     def _warm_up(self, node: NodeEntry, folder: str, job_id: str, placed: list[Placement]) -> None:
         for p in placed:
-            label = f"{job_id}/{p.role}:{p.idx}"
             try:
-                chan = self._run_agent_channel(node, folder, label)
+                chan = self._run_channel(node, folder, "node_agent.py", "run", f"{job_id}/{p.role}:{p.idx}")
             except (PaiError, OSError, EOFError, self._ssh_errors()):
                 continue   # start() opens its own
             self._keep_warm(p, chan)
 
-    def _run_agent_channel(self, node: NodeEntry, folder: str, label: str):
-        """A channel running `node_agent.py run LABEL` from the job's folder on the
-        node, waiting for its spec (closed again if the command cannot be sent)."""
+    def _run_channel(self, node: NodeEntry, folder: str, runner: str, *args: str):
+        """A channel running `runners/RUNNER ARGS` from the job's folder on the node
+        (closed again if the command cannot be sent)."""
         chan = self.conns.session(node, timeout=START_TIMEOUT)
         try:
-            chan.exec_command(ssh.quote_argv([node.python, f"{folder}/runners/node_agent.py", "run", label]))
+            chan.exec_command(ssh.quote_argv([node.python, f"{folder}/runners/{runner}", *args]))
         except BaseException:
             chan.close()
             raise
@@ -282,9 +269,8 @@ class SSHBackend(Backend):
         the frames streamed from its stdout."""
         entry = self.entry(node)
         folder = remote_paths.job_folder(entry.job_root, Path(job_dir).name)
-        chan = self.conns.session(entry, timeout=START_TIMEOUT)
+        chan = self._run_channel(entry, folder, "node_outputs.py", "collect")
         try:
-            chan.exec_command(ssh.quote_argv([entry.python, f"{folder}/runners/node_outputs.py", "collect"]))
             chan.sendall(json.dumps(dict(request, state=f"{folder}/{state_rel}")).encode() + b"\n")
             chan.shutdown_write()
             chan.settimeout(HEARTBEAT * 10)
@@ -321,7 +307,7 @@ class SSHBackend(Backend):
         chan = self._take_warm(placed)
         try:
             if chan is None:
-                chan = self._run_agent_channel(node, folder, label)
+                chan = self._run_channel(node, folder, "node_agent.py", "run", label)
         except UsageError:
             raise
         except (PaiError, OSError, EOFError, self._ssh_errors()) as err:
@@ -335,12 +321,6 @@ class SSHBackend(Backend):
         import paramiko
 
         return paramiko.SSHException
-
-    def _node_lost(self, node: str) -> None:
-        # Clean-up skips the node; its connection is left alone (other instances
-        # may still run over it; a dead one is replaced when next used).
-        super()._node_lost(node)
-        self._infos.pop(node, None)
 
     # -- stopping: the agent's commands, for refs without a live channel here --------------
 

@@ -336,7 +336,10 @@ RUNTIME_LOCK: int | None = None
 
 def main(argv: list[str]) -> None:
     global RUNTIME_LOCK
-    from runtime_lock import hold_runtime_lock  # a sibling in runners/, staged with us on every node
+    from runtime_lock import hold_runtime_lock  # siblings in runners/, staged with us on every node
+    from script_output import whole_lines
+
+    whole_lines()
 
     RUNTIME_LOCK = hold_runtime_lock()  # kept open until this process ends
     os.environ.update(dmlc_environment(dict(os.environ)))

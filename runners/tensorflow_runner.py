@@ -338,21 +338,6 @@ def _look_for_the_chief_sooner() -> None:
         cls.__init__ = functools.wraps(init)(sooner)
 
 
-def whole_lines() -> None:
-    """Each line written to stdout or stderr reaches the instance's output in one write.
-    Under `python -u` (as every instance starts) `print(x)` writes x, then the newline:
-    a thread's log line on stderr, which shares the pipe, can land between the two and
-    break both lines. The peer tf_cnn_benchmarks' GlobalStepWatcher logs "Starting real
-    work" just as the worker prints step 1, which then lost its step line. Line
-    buffering without write-through keeps a line in the stream until its newline (or a
-    carriage return) and writes it at once, as a terminal's line buffering does."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.reconfigure(line_buffering=True, write_through=False)
-        except (AttributeError, ValueError):   # not a TextIOWrapper, or closed
-            pass
-
-
 def _eager_remote() -> bool:
     """A TF2 script joined a cluster eagerly (MultiWorkerMirroredStrategy, a
     ParameterServerStrategy coordinator, tf.config.experimental_connect_to_cluster)."""
@@ -498,8 +483,10 @@ def hold_base_runtime_lock() -> int | None:
 
 def main(argv: list[str]) -> None:
     global RUNTIME_LOCK, BASE_RUNTIME_LOCK
+    from runtime_lock import hold_runtime_lock  # siblings in runners/, staged with us on every node
+    from script_output import whole_lines
+
     whole_lines()
-    from runtime_lock import hold_runtime_lock  # a sibling in runners/, staged with us on every node
 
     RUNTIME_LOCK = hold_runtime_lock()  # kept open until this process ends
     BASE_RUNTIME_LOCK = hold_base_runtime_lock()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -185,6 +186,43 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
             return value
         time.sleep(interval)
     return predicate()
+
+
+CHATTY_SCRIPT = """
+import sys, threading, time
+
+stop = threading.Event()
+
+def chatter():
+    while not stop.is_set():
+        sys.stderr.write({chatter!r} + "\\n")
+        time.sleep(0)
+
+thread = threading.Thread(target=chatter)
+thread.start()
+for step in range(1, {steps} + 1):
+    print({step_format!r} % step)
+stop.set()
+thread.join()
+"""
+
+
+def chatty_script(chatter: str, step_format: str, steps: int = 4000) -> str:
+    """A script whose thread writes `chatter` lines to stderr without pause while it
+    prints `steps` step lines (`step_format % step`): under `python -u` a chatter line
+    can land between a print's text and its newline (runners/script_output.py)."""
+    return CHATTY_SCRIPT.format(chatter=chatter, step_format=step_format, steps=steps)
+
+
+def broken_lines(stdout: str, instance: str, chatter: str, step: str, marker: str) -> tuple[list[str], int]:
+    """Of `instance`'s lines in `stdout` that hold `marker` or `chatter`: those that are
+    neither a whole chatter line nor a whole step line (the regex `step`), and how many
+    whole step lines there are."""
+    prefix = f"[{instance}] "
+    step_line = re.compile(re.escape(prefix) + step)
+    ours = [line for line in stdout.splitlines() if marker in line or chatter in line]
+    broken = [line for line in ours if line != prefix + chatter and not step_line.fullmatch(line)]
+    return broken, sum(1 for line in ours if step_line.fullmatch(line))
 
 
 def instance_groups(status: dict) -> set[int]:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import instance_groups, job_id_from, pai, processes_in, wait_until
+from conftest import broken_lines, chatty_script, instance_groups, job_id_from, pai, processes_in, wait_until
 
 from paicli.adapters import get_adapter
 from paicli.adapters.base import StagedCode
@@ -282,39 +282,19 @@ def test_module_api_speedometer_lines_become_metrics(runtime, home):
     assert "kvstore dist_device_sync" in instance_log(info["id"], "worker:0")
 
 
-CHATTY_SCRIPT = """
-import sys, threading, time
-
-stop = threading.Event()
-
-def chatter():   # as MXNet's engine threads log through dmlc: lines on stderr from a thread
-    while not stop.is_set():
-        sys.stderr.write("[23:00:00] chatter on stderr\\n")
-        time.sleep(0)
-
-thread = threading.Thread(target=chatter)
-thread.start()
-for step in range(1, 4001):
-    print("step=%i, loss=7.25" % step)
-stop.set()
-thread.join()
-"""
-
-
 def test_a_step_line_is_never_broken_by_a_threads_stderr_line(runtime, home, tmp_path):
     """Under `python -u` print writes a line and its newline apart, and stderr shares the
     instance's pipe: before the runner made lines whole (runners/script_output.py), 35 of
-    these 4000 step lines came out as `step=413, loss=7.25[23:00:00] chatter on stderr`."""
+    these 4000 step lines came out as `step=413, loss=7.25[23:00:00] chatter on stderr`
+    (MXNet's engine threads log through dmlc so, from threads)."""
     script = tmp_path / "chatty.py"
-    script.write_text(CHATTY_SCRIPT)
+    script.write_text(chatty_script("[23:00:00] chatter on stderr", "step=%i, loss=7.25"))
     result = pai(*submit_args(script, cluster='{"worker":{"count":1}}'))
     assert result.returncode == 0, result.stdout[-3000:]
-    ours = [line for line in result.stdout.splitlines() if "step=" in line or "chatter" in line]
-    step_line = re.compile(r"\[worker:0\] step=\d+, loss=7\.25")
-    broken = [line for line in ours if line != "[worker:0] [23:00:00] chatter on stderr"
-              and not step_line.fullmatch(line)]
+    broken, whole = broken_lines(result.stdout, "worker:0", "[23:00:00] chatter on stderr",
+                                 r"step=\d+, loss=7\.25", marker="step=")
     assert not broken, broken[:5]
-    assert sum(1 for line in ours if step_line.fullmatch(line)) == 4000
+    assert whole == 4000
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):

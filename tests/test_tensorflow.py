@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import broken_lines, chatty_script
 
 from paicli.adapters import get_adapter
 from paicli.adapters.base import StagedCode
@@ -459,38 +460,19 @@ def test_a_tf1_worker_looks_for_its_chief_every_second_unless_the_script_says(pa
     assert "[worker:0] SESSION_MANAGER 1 5" in done.stdout, done.stdout[-3000:]
 
 
-WHOLE_LINES_SCRIPT = """
-import sys, threading, time
-
-stop = threading.Event()
-
-def chatter():   # as tf_cnn_benchmarks' GlobalStepWatcher: log lines on stderr from a thread
-    while not stop.is_set():
-        sys.stderr.write("I1128 chatter on stderr\\n")
-        time.sleep(0)
-
-thread = threading.Thread(target=chatter)
-thread.start()
-for step in range(1, 4001):
-    print("%i\\timages/sec: 12.5 +/- 0.0 (jitter = 0.0)\\t7.25" % step)
-stop.set()
-thread.join()
-"""
-
-
 def test_a_step_line_is_never_broken_by_a_threads_stderr_line(pai, tmp_path):
     """Under `python -u` print writes a line and its newline apart, and stderr shares the
     instance's pipe: a thread's log line landed inside a step line (the peer
-    tf_cnn_benchmarks lost its step-1 line so). Under the runner every line is whole."""
+    tf_cnn_benchmarks lost its step-1 line so: its GlobalStepWatcher thread logs "Starting
+    real work" as a worker prints step 1). Under the runner every line is whole."""
     script = tmp_path / "chatty.py"
-    script.write_text(WHOLE_LINES_SCRIPT)
+    script.write_text(chatty_script("I1128 chatter on stderr", "%i\timages/sec: 12.5 +/- 0.0 (jitter = 0.0)\t7.25"))
     done, _ = pai.run_job(f"-Dscript={script}")
     assert_ok(done)
-    step_line = re.compile(r"\[worker:0\] \d+\timages/sec: 12\.5 \+/- 0\.0 \(jitter = 0\.0\)\t7\.25")
-    ours = [line for line in done.stdout.splitlines() if "images/sec" in line or "chatter" in line]
-    broken = [line for line in ours if line != "[worker:0] I1128 chatter on stderr" and not step_line.fullmatch(line)]
+    broken, whole = broken_lines(done.stdout, "worker:0", "I1128 chatter on stderr",
+                                 r"\d+\timages/sec: 12\.5 \+/- 0\.0 \(jitter = 0\.0\)\t7\.25", marker="images/sec")
     assert not broken, broken[:5]
-    assert sum(1 for line in ours if step_line.fullmatch(line)) == 4000
+    assert whole == 4000
 
 
 FAILING_SCRIPT = """

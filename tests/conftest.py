@@ -214,15 +214,15 @@ def chatty_script(chatter: str, step_format: str, steps: int = 4000) -> str:
     return CHATTY_SCRIPT.format(chatter=chatter, step_format=step_format, steps=steps)
 
 
-def broken_lines(stdout: str, instance: str, chatter: str, step: str, marker: str) -> tuple[list[str], int]:
-    """Of `instance`'s lines in `stdout` that hold `marker` or `chatter`: those that are
-    neither a whole chatter line nor a whole step line (the regex `step`), and how many
-    whole step lines there are."""
+def broken_lines(stdout: str, instance: str, chatter: str, step_format: str) -> tuple[list[str], int]:
+    """What `chatty_script(chatter, step_format)` run as `instance` left in `stdout`: the
+    lines that hold the chatter but are not a whole chatter line (a chatter line is one
+    write, so any break leaves it inside another line), and how many whole step lines."""
     prefix = f"[{instance}] "
-    step_line = re.compile(re.escape(prefix) + step)
-    ours = [line for line in stdout.splitlines() if marker in line or chatter in line]
-    broken = [line for line in ours if line != prefix + chatter and not step_line.fullmatch(line)]
-    return broken, sum(1 for line in ours if step_line.fullmatch(line))
+    step_line = re.compile(re.escape(prefix + step_format).replace("%i", r"\d+"))
+    lines = stdout.splitlines()
+    broken = [line for line in lines if chatter in line and line != prefix + chatter]
+    return broken, sum(1 for line in lines if step_line.fullmatch(line))
 
 
 def instance_groups(status: dict) -> set[int]:

@@ -160,7 +160,11 @@ def start_master(store: Store, job_id: str, job_dir: Path, waiting=None,
         store.set_job(job_id, JobStatus.FAILED, f"its master did not start: {err}")
         store.release_claims(job_id)
         raise PaiError(f"job {job_id}: its master did not start: {err}", "see master.log in the job folder") from None
-    store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
+    if store.job(job_id)["master_pid"] != pid:
+        # A forked master records itself first thing (JobMaster.run); this write is
+        # for one still starting (a new interpreter), and would otherwise wait for the
+        # lock the master holds as it starts the job (or hold the master up).
+        store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
     if failed:
         raise failed[0]
 

@@ -98,6 +98,21 @@ class FileFollower:
             self.file.close()
 
 
+_LIBC: list = []
+
+
+def inotify_libc():
+    """libc through ctypes, for inotify: loaded once per process. The resident
+    submit server loads it before it forks (submit_server.warm_up), so a served
+    submit does not import ctypes and dlopen while its job starts (~5 ms of a core
+    the master and the instances want just then)."""
+    if not _LIBC:
+        import ctypes
+
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
 class DirectoryWatch:
     """Wakes a follower when a file in a folder changes (Linux inotify, through
     ctypes), so an idle `pai` sleeps instead of polling and a new line is shown
@@ -110,9 +125,7 @@ class DirectoryWatch:
         self.libc = None
         self._released = -1   # a descriptor whose watch is removed, closed by close()
         try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
+            libc = inotify_libc()
             fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
             wd = libc.inotify_add_watch(fd, os.fsencode(folder),
                                         self.IN_MODIFY | self.IN_MOVED_TO | self.IN_CREATE) if fd >= 0 else -1

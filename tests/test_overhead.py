@@ -604,6 +604,43 @@ def test_an_error_in_the_first_lines_is_raised_once_the_master_is_recorded(tmp_p
         store.close()
 
 
+
+def test_the_cli_leaves_the_masters_pid_to_a_master_that_recorded_itself(tmp_path, monkeypatch):
+    """A forked master records its pid and start first thing; the CLI writes them
+    only for a master that has not yet (a new interpreter still importing): its
+    second write waited for the lock the starting master held, or held it up."""
+    from paicli.client import start_master
+    from paicli.cluster.procinfo import start_time
+    from paicli.store import Store
+
+    store = Store(tmp_path)
+    try:
+        store.create_job("job1", name="n", framework="python", project=None, task_name="PythonTask",
+                         job_dir=tmp_path / "jobs" / "job1", roles=[{"name": "worker", "count": 1, "must_finish": True}])
+        writes = []
+        update_job = store.update_job
+        monkeypatch.setattr(store, "update_job", lambda job_id, **fields: writes.append(fields) or
+                            update_job(job_id, **fields))
+
+        class Waiting:
+            def __init__(self, records_itself):
+                self.records_itself = records_itself
+
+            def start(self, home, job_id, log_path, meanwhile=None):
+                if self.records_itself:
+                    update_job(job_id, master_pid=os.getpid(), master_start=start_time(os.getpid()))
+                return os.getpid()
+
+        start_master(store, "job1", tmp_path / "jobs" / "job1", Waiting(records_itself=True))
+        assert writes == [] and store.job("job1")["master_pid"] == os.getpid()
+        store.update_job("job1", master_pid=None, master_start=None)
+        writes.clear()
+        start_master(store, "job1", tmp_path / "jobs" / "job1", Waiting(records_itself=False))
+        assert [w["master_pid"] for w in writes] == [os.getpid()]
+        assert store.job("job1")["master_start"] == start_time(os.getpid())
+    finally:
+        store.close()
+
 # -- the bench's own processes ------------------------------------------------------------------
 
 BY_HAND_PROBE = r"""

@@ -398,6 +398,24 @@ def test_the_warm_up_compiles_every_frameworks_metric_patterns_for_the_masters_i
     assert frameworks >= 4 and hits >= frameworks and misses == 0, out
 
 
+def test_the_warm_up_loads_what_an_attached_submits_follower_needs(tmp_path):
+    """An attached submit follows its job through an inotify watch (ctypes, libc): the
+    server's warm-up loads them once, and a served child sets its watch without
+    importing anything while its job starts."""
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from paicli import submit_server\n"
+            "submit_server.import_submit_modules()\n"
+            "submit_server.warm_up()\n"
+            "before = set(sys.modules)\n"
+            "from paicli.logtail import DirectoryWatch\n"
+            f"watch = DirectoryWatch(Path({str(tmp_path)!r}))\n"
+            "print(watch.fd >= 0, sorted(set(sys.modules) - before))\n"
+            "watch.close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                         timeout=DEADLINE).stdout
+    assert out.split(None, 1) == ["True", "[]\n"], out
+
 def test_a_bench_stops_the_server_its_first_submit_started(served):
     """bench_core gives the timed `pai` runs a server folder of the bench's own; at its
     end the server there is stopped and the folder removed (no server outlives a bench)."""

@@ -164,6 +164,12 @@ class Link:
         elif data:
             self.feed(data)
 
+    @property
+    def frames_fd(self) -> int:
+        """Local mode: the agent's frames (the exit status comes there), for the
+        master's select(); -1 otherwise, and once the link is closed."""
+        return -1 if self._closed else self._control
+
     def poll(self) -> int | None:
         if self.thread is not None and self.thread.is_alive():
             return None    # pump mode: the status counts once every byte before it is in the pipe

@@ -126,3 +126,36 @@ def let_go_inherited(keep: tuple[int, ...] = ()) -> None:
                     pass   # the listing's own descriptor, gone already
     finally:
         os.close(null)
+
+
+# -- children reaped later -------------------------------------------------------------
+
+# Children that were told to exit (a local node agent whose link is closed) and are
+# not waited for there: pid -> what to call with its exit code once it is reaped.
+_UNREAPED: dict = {}
+
+
+def reap_later(pid: int, reaped) -> None:
+    """Our child `pid` exits by itself soon: reap it then (`reaped(exit code)`), not
+    now. reap_children() takes the ones gone."""
+    _UNREAPED[pid] = reaped
+    reap_children()
+
+
+def reap_children(timeout: float | None = None, only: int | None = None) -> None:
+    """Reap the children given to reap_later (just `only`) that have exited; with
+    `timeout`, wait up to that many seconds for the others, then SIGKILL them."""
+    import time
+
+    deadline = time.monotonic() + (timeout or 0.0)
+    for pid in [p for p in _UNREAPED if only in (None, p)]:
+        while (ended := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+            if timeout is None:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                ended = os.waitpid(pid, 0)
+                break
+            time.sleep(0.002)
+        if ended[0] == pid:
+            _UNREAPED.pop(pid)(os.waitstatus_to_exitcode(ended[1]))

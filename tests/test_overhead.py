@@ -325,6 +325,82 @@ def test_the_master_stops_instances_without_a_coalescing_window(monkeypatch):
     assert windows == [0, master_mod.COALESCE_S]
 
 
+def test_the_master_acts_on_an_exit_status_before_the_agent_has_exited():
+    """A local agent sends its instance's exit status, then exits (a forked
+    process's teardown, ~2-3 ms): the status wakes the master's loop (AgentFrames)
+    while the agent still runs, the link reads it, and the frames stop being
+    watched; the agent's link is closed without waiting for it to exit."""
+    import selectors
+
+    from paicli.cluster import agent_link
+    from paicli.cluster import master as master_mod
+    from paicli.cluster.backends.base import Handle, InstanceRef
+
+    class Agent:   # the transport of a local agent that has sent X and has not exited
+        def __init__(self):
+            self.frames, self.write_end = os.pipe()
+            self.closed = False
+
+        def fileno(self):
+            return self.frames
+
+        def send(self, data):
+            pass
+
+        def close(self):
+            self.closed = True
+            os.close(self.frames)
+
+    agent = Agent()
+    link = agent_link.Link(agent, "local")
+    ref = InstanceRef(backend="local", node="local", host="127.0.0.1", pid=1, pgid=1, start=None, boot_id=None)
+    handle = Handle(ref=ref, output_fd=-1, native=link)
+    jm = object.__new__(master_mod.JobMaster)
+    jm.selector, jm.wake_fd = selectors.DefaultSelector(), None
+    jm.backend = type("Backend", (), {"poll": lambda self, h: h.native.poll()})()
+    jm.joblog = type("Log", (), {"refresh_live": lambda self, now: None, "take_metrics": lambda self: []})()
+    jm.outputs = type("Outputs", (), {"flush": lambda self: None})()
+    jm.metrics_due = float("inf")
+    inst = master_mod.Instance(role=None, idx=0, placed=None, handle=handle)
+    try:
+        jm._watch_frames(inst, handle)
+        assert inst.frames_fd >= 0
+        os.write(agent.write_end, agent_link.HEAD.pack(b"X", 12) + b'{"status":3}')
+        ready = master_mod.ready_together(jm.selector, 30.0, window=60.0)
+        assert [type(key.data) for key, _ in ready] == [master_mod.AgentFrames]   # no window for it
+        jm._pump(30.0)
+        assert inst.frames_fd == -1 and agent.closed and link.poll() == 3
+    finally:
+        jm.selector.close()
+        os.close(agent.write_end)
+
+
+def test_a_closed_local_agent_is_reaped_later_not_waited_for():
+    """LocalBackend's agents: close() returns at once, however long the agent takes
+    to exit; the agent is reaped once it has (procinfo.reap_children), and a job's
+    cleanup waits for it, SIGKILLing one that never exits."""
+    import signal
+    import time
+
+    from paicli.cluster.backends.local import AgentProcess
+    from paicli.cluster.procinfo import reap_children
+
+    agent = AgentProcess("job/worker:0")
+    os.kill(agent.pid, signal.SIGSTOP)   # it cannot read its EOF
+    began = time.monotonic()
+    agent.close()
+    assert agent.exit_code is None and time.monotonic() - began < 5   # the old close waited 10 s, then SIGKILLed
+    reap_children()
+    assert agent.exit_code is None
+    os.kill(agent.pid, signal.SIGCONT)   # it reads EOF and exits
+    reap_children(30)
+    assert agent.exit_code == 0
+    stuck = AgentProcess("job/worker:1")
+    os.kill(stuck.pid, signal.SIGSTOP)
+    stuck.close()
+    reap_children(0.2)
+    assert stuck.exit_code == -signal.SIGKILL
+
 def test_an_attached_job_ends_with_the_status_its_master_wrote(pai_home):
     """The master writes the ended job's status beside summary.txt (0600); the CLI
     that followed the job prints it rather than building it again, but only while

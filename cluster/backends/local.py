@@ -16,10 +16,9 @@ import select
 import signal
 import sys
 import threading
-import time
 
 from paicli.cluster.backends.base import Backend, NodeSpec
-from paicli.cluster.procinfo import let_go_inherited
+from paicli.cluster.procinfo import let_go_inherited, reap_children, reap_later
 
 # The agent's code (runners/, beside cluster/ in the source tree and in the installed
 # package alike) is imported where it is used, not here: a submit builds this backend
@@ -31,6 +30,7 @@ LOCAL_HOST = "127.0.0.1"
 AGENT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))),
                      "runners", "node_agent.py")
 START_TIMEOUT = 30.0
+AGENT_EXIT = 10.0          # seconds a closed agent has to exit before it is SIGKILLed
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 # The instances' output pipes: small, so that a burst of output does not sit in
 # the kernel behind other instances' lines (the display delay).
@@ -71,21 +71,17 @@ class AgentProcess:
         return os.read(self._out, max_bytes)
 
     def close(self) -> None:
-        """The agent reads EOF and exits (stopping the group if it still runs).
-        `output_fd` is the master's from the start on, not closed here."""
+        """The agent reads EOF and exits (stopping the group if it still runs), a
+        forked process's teardown later (~2-3 ms, on the way to a verdict): reaped
+        then, not waited for (the job's cleanup waits, AGENT_EXIT). `output_fd` is
+        the master's from the start on, not closed here."""
         for fd in (self._in, self._out):
             os.close(fd)
-        deadline = time.monotonic() + 10
-        while (ended := os.waitpid(self.pid, os.WNOHANG)) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(self.pid, signal.SIGKILL)
-                ended = os.waitpid(self.pid, 0)
-                break
-            time.sleep(0.002)
-        self.exit_code = os.waitstatus_to_exitcode(ended[1])
+        reap_later(self.pid, lambda code: setattr(self, "exit_code", code))
 
     def ending(self) -> str:
         """How the agent ended, once closed: for the line of a start it never answered."""
+        reap_children(AGENT_EXIT, only=self.pid)
         if self.exit_code is None:
             return ""
         from paicli.states import describe_exit
@@ -181,6 +177,9 @@ class LocalBackend(Backend):
 
     def _discard(self, agent):
         agent.discard()
+
+    def _cleanup(self, job_dir):
+        reap_children(AGENT_EXIT)   # no agent of the job's left, not even a zombie
 
     def _pick_ports(self, node, count, taken):
         from paicli.runners import node_agent

@@ -309,19 +309,21 @@ class JobMaster:
         self._launch_all([inst])
 
     def _launch_all(self, insts: list[Instance]) -> None:
-        """Every agent gets its spec before the master waits for any identity (a
-        round trip each: one after another, they started the last of three
-        instances ~0.02 s after the first, more under load). The services' (a ps)
-        go first, then, once the others' agents are forked (the backend's
-        start_ahead, while the services' agents start theirs), the others': the
-        workers no longer wait for the ps's identity (its round trip started them
-        ~0.01 s later). Each is recorded as started before it is asked for; one
-        the master dies before it learns about is stopped by its agent, whose
-        link closes."""
+        """The services (roles that need not finish: a ps) first, as before, so a
+        worker's first connection finds its ps started; then the others at once."""
         services = [inst for inst in insts if not inst.role.must_finish]
-        begun = [(inst, self._begin(inst)) for inst in services]
-        self.backend.start_ahead()
-        begun += [(inst, self._begin(inst)) for inst in insts if inst.role.must_finish]
+        self._launch_together(services, meanwhile=self.backend.start_ahead)
+        self._launch_together([inst for inst in insts if inst.role.must_finish])
+
+    def _launch_together(self, insts: list[Instance], meanwhile=None) -> None:
+        """Every agent gets its spec before the master waits for any identity (a
+        round trip each, one after another, started the last of three instances
+        ~0.02 s after the first, more under load). Each is recorded as started
+        before it is asked for; one the master dies before it learns about is
+        stopped by its agent, whose link closes."""
+        begun = [(inst, self._begin(inst)) for inst in insts]
+        if meanwhile is not None:
+            meanwhile()   # while those agents start their instances (the backend's start_ahead)
         started, refused = [], []
         for inst, finish in begun:
             try:

@@ -118,8 +118,8 @@ def test_local_agents_start_their_instances_before_any_identity_is_read():
 def test_the_services_agents_start_first_and_the_rest_while_the_services_start(tmp_path):
     """LocalBackend.prepare forks only the services' agents (each fork of the master
     is ~3 ms of a loaded core on the way to the ps); the master begins the ps, then
-    has the workers' agents forked (start_ahead) and begins the workers, who find
-    them warm, before it waits for any identity (the ps's included)."""
+    has the workers' agents forked (start_ahead) before it waits for the ps's
+    identity, and the workers find them warm."""
     from types import SimpleNamespace
 
     from paicli.cluster.master import JobMaster
@@ -146,9 +146,10 @@ def test_the_services_agents_start_first_and_the_rest_while_the_services_start(t
                            _begin=lambda inst: order.append(f"begin {inst.name}") or
                            (lambda: order.append(f"identity {inst.name}") or inst),
                            _started=lambda inst, handle: None, _refused=lambda inst, err: None)
+    fake._launch_together = lambda group, meanwhile=None: JobMaster._launch_together(fake, group, meanwhile)
     JobMaster._launch_all(fake, insts)
-    assert order == ["begin ps:0", "start_ahead", "begin worker:0", "begin worker:1",
-                     "identity ps:0", "identity worker:0", "identity worker:1"]
+    assert order == ["begin ps:0", "start_ahead", "identity ps:0", "begin worker:0", "begin worker:1",
+                     "identity worker:0", "identity worker:1"]
 
 
 def test_a_released_watch_stops_watching_at_once_and_closes_without_a_thread(tmp_path):

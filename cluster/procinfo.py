@@ -149,13 +149,17 @@ def reap_children(timeout: float | None = None, only: int | None = None) -> None
 
     deadline = time.monotonic() + (timeout or 0.0)
     for pid in [p for p in _UNREAPED if only in (None, p)]:
-        while (ended := os.waitpid(pid, os.WNOHANG)) == (0, 0):
-            if timeout is None:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                ended = os.waitpid(pid, 0)
-                break
-            time.sleep(0.002)
+        try:
+            while (ended := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+                if timeout is None:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    ended = os.waitpid(pid, 0)
+                    break
+                time.sleep(0.002)
+        except ChildProcessError:   # reaped by someone else: its code is not ours to know
+            _UNREAPED.pop(pid)
+            continue
         if ended[0] == pid:
             _UNREAPED.pop(pid)(os.waitstatus_to_exitcode(ended[1]))

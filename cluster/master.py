@@ -450,8 +450,8 @@ class JobMaster:
                     pass
                 continue
             if isinstance(key.data, AgentFrames):   # its link reads them; an exit is _reap's
-                inst = key.data.inst
-                if inst.handle is None or self.backend.poll(inst.handle) is not None:
+                inst = key.data.inst   # watched only while it has a handle (_close_output)
+                if self.backend.poll(inst.handle) is not None:
                     self._unwatch_frames(inst)   # nothing more comes there
                 continue
             self._read(key.data, key.fd, rounds=1)

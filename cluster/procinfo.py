@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import namedtuple
 
 # state: R, S, D, Z, ...; start: the start time in clock ticks since boot (a str).
@@ -145,8 +146,6 @@ def reap_later(pid: int, reaped) -> None:
 def reap_children(timeout: float | None = None, only: int | None = None) -> None:
     """Reap the children given to reap_later (just `only`) that have exited; with
     `timeout`, wait up to that many seconds for the others, then SIGKILL them."""
-    import time
-
     deadline = time.monotonic() + (timeout or 0.0)
     for pid in [p for p in _UNREAPED if only in (None, p)]:
         try:

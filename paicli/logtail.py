@@ -9,6 +9,7 @@ read once more to its end, so the last lines are never lost.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -98,19 +99,15 @@ class FileFollower:
             self.file.close()
 
 
-_LIBC: list = []
-
-
+@functools.lru_cache(maxsize=1)
 def inotify_libc():
     """libc through ctypes, for inotify: loaded once per process. The resident
     submit server loads it before it forks (submit_server.warm_up), so a served
     submit does not import ctypes and dlopen while its job starts (~5 ms of a core
     the master and the instances want just then)."""
-    if not _LIBC:
-        import ctypes
+    import ctypes
 
-        _LIBC.append(ctypes.CDLL(None, use_errno=True))
-    return _LIBC[0]
+    return ctypes.CDLL(None, use_errno=True)
 
 
 class DirectoryWatch:

@@ -299,6 +299,19 @@ def test_the_coalescing_window_ends_when_a_child_exits():
             os.close(fd)
 
 
+def pumping_master(backend, selector=None):
+    """A JobMaster with only what its pump (_pump, _stop) needs: `backend`, `selector`,
+    and a job log and outputs that take nothing."""
+    from paicli.cluster import master as master_mod
+
+    jm = object.__new__(master_mod.JobMaster)
+    jm.selector, jm.wake_fd, jm.backend, jm.stop_timeout = selector, None, backend, 1.0
+    jm.joblog = type("Log", (), {"refresh_live": lambda self, now: None, "take_metrics": lambda self: []})()
+    jm.outputs = type("Outputs", (), {"flush": lambda self: None})()
+    jm.metrics_due = float("inf")
+    return jm
+
+
 def test_the_master_stops_instances_without_a_coalescing_window(monkeypatch):
     """While instances are being stopped the master waits for their exits, not for
     a step's lines: its pump then reads what wakes it at once."""
@@ -316,11 +329,7 @@ def test_the_master_stops_instances_without_a_coalescing_window(monkeypatch):
         def poll(self, handle):
             return None
 
-    jm = object.__new__(master_mod.JobMaster)
-    jm.selector, jm.wake_fd, jm.backend, jm.stop_timeout = None, None, Backend(), 1.0
-    jm.joblog = type("Log", (), {"refresh_live": lambda self, now: None, "take_metrics": lambda self: []})()
-    jm.outputs = type("Outputs", (), {"flush": lambda self: None})()
-    jm.metrics_due = float("inf")
+    jm = pumping_master(Backend())
     jm._stop([], master_mod.InstanceStatus.TERMINATED)
     jm._pump(0.1)
     assert windows == [0, master_mod.COALESCE_S]
@@ -356,12 +365,8 @@ def test_the_master_acts_on_an_exit_status_before_the_agent_has_exited():
     link = agent_link.Link(agent, "local")
     ref = InstanceRef(backend="local", node="local", host="127.0.0.1", pid=1, pgid=1, start=None, boot_id=None)
     handle = Handle(ref=ref, output_fd=-1, native=link)
-    jm = object.__new__(master_mod.JobMaster)
-    jm.selector, jm.wake_fd = selectors.DefaultSelector(), None
-    jm.backend = type("Backend", (), {"poll": lambda self, h: h.native.poll()})()
-    jm.joblog = type("Log", (), {"refresh_live": lambda self, now: None, "take_metrics": lambda self: []})()
-    jm.outputs = type("Outputs", (), {"flush": lambda self: None})()
-    jm.metrics_due = float("inf")
+    jm = pumping_master(type("Backend", (), {"poll": lambda self, h: h.native.poll()})(),
+                        selectors.DefaultSelector())
     inst = master_mod.Instance(role=None, idx=0, placed=None, handle=handle)
     try:
         jm._watch_frames(inst, handle)

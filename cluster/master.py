@@ -309,34 +309,44 @@ class JobMaster:
         self._launch_all([inst])
 
     def _launch_all(self, insts: list[Instance]) -> None:
-        """The services (roles that need not finish: a ps) first, as before, so a
-        worker's first connection finds its ps started; then the others at once."""
+        """The services (roles that need not finish: a ps) first, so a worker's first
+        connection finds its ps started; then the others at once. Every agent of a
+        group gets its spec before the master waits for any identity (a round trip
+        each, one after another, started the last of three instances ~0.02 s after
+        the first). The others are made ready (record, environment, log) while the
+        services start, and their specs go the moment the services' identities are
+        in; the services are recorded while the others start. Each instance is
+        recorded as started before it is asked for (one the master dies before it
+        learns about is stopped by its agent, whose link closes), and every started
+        instance is known (watchdog, store) before a refusal can end the job."""
         services = [inst for inst in insts if not inst.role.must_finish]
-        self._launch_together(services, meanwhile=self.backend.start_ahead)
-        self._launch_together([inst for inst in insts if inst.role.must_finish])
+        begun = [(inst, self._ask(inst, self._ready(inst))) for inst in services]
+        self.backend.start_ahead()   # the others' agents, while the services' start theirs
+        ready = [(inst, self._ready(inst)) for inst in insts if inst.role.must_finish]
+        first, refused = self._identities(begun)
+        begun = [(inst, self._ask(inst, files)) for inst, files in ready]
+        for inst, handle in first:
+            self._started(inst, handle)
+        started, refused_too = self._identities(begun)
+        for inst, handle in started:
+            self._started(inst, handle)
+        for inst, err in refused + refused_too:
+            self._refused(inst, err)
 
-    def _launch_together(self, insts: list[Instance], meanwhile=None) -> None:
-        """Every agent gets its spec before the master waits for any identity (a
-        round trip each, one after another, started the last of three instances
-        ~0.02 s after the first, more under load). Each is recorded as started
-        before it is asked for; one the master dies before it learns about is
-        stopped by its agent, whose link closes."""
-        begun = [(inst, self._begin(inst)) for inst in insts]
-        if meanwhile is not None:
-            meanwhile()   # while those agents start their instances (the backend's start_ahead)
+    @staticmethod
+    def _identities(begun: list) -> tuple[list, list]:
+        """(started: [(inst, handle)], refused: [(inst, OSError)]) of asked instances."""
         started, refused = [], []
         for inst, finish in begun:
             try:
                 started.append((inst, finish()))
             except OSError as err:
                 refused.append((inst, err))
-        # Every started instance is known (watchdog, store) before a refusal can end the job.
-        for inst, handle in started:
-            self._started(inst, handle)
-        for inst, err in refused:
-            self._refused(inst, err)
+        return started, refused
 
-    def _begin(self, inst: Instance):
+    def _ready(self, inst: Instance):
+        """An attempt recorded, its log open, its environment and watched folders
+        made: what `_ask` hands the backend."""
         role = inst.role
         env = dict(os.environ)
         env.update(role.env)
@@ -355,9 +365,14 @@ class JobMaster:
         inst.restart_at = None
         self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, host=inst.placed.host,
                                   node=inst.placed.node, port=inst.port, log_path=str(log_path), started=time.time())
-        files = self.outputs.prepare(inst.name, role.name, inst.idx, inst.placed.node, role.cwd, env)
+        return env, self.outputs.prepare(inst.name, role.name, inst.idx, inst.placed.node, role.cwd, env)
+
+    def _ask(self, inst: Instance, ready):
+        """The instance asked of its backend; the call that gives its Handle (or
+        raises the OSError of a start refused)."""
+        env, files = ready
         try:
-            return self.backend.begin_start(inst.placed, role.argv, env, role.cwd, watch=files.watch,
+            return self.backend.begin_start(inst.placed, inst.role.argv, env, inst.role.cwd, watch=files.watch,
                                             sink=files.sink)
         except OSError as err:
             def refused():

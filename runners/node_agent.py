@@ -210,9 +210,9 @@ class Instance:
                                          "start": stat[2] if stat else "", "boot": boot_id()}).encode())
         if late:
             # This machine's folders (the user's working folder: thousands of files
-            # took ~0.15 s per instance to list) are listed once the instance runs and
-            # the master knows it; what changed from its start on is left out of the
-            # listing, so it is the instance's. A node's folders, which staging has just
+            # took ~0.15 s per instance to list) are not listed as the instance
+            # starts: what changed from its start on (ctime) is the instance's, found
+            # by the one listing at its end. A node's folders, which staging has just
             # written, are listed before the start, as the staged files are not its.
             self.out.flush()
             self.files = _outputs_room().Watch(watch, since_ns=began - CLOCK_SLACK_NS)

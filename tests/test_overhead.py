@@ -118,8 +118,11 @@ def test_local_agents_start_their_instances_before_any_identity_is_read():
 def test_the_services_agents_start_first_and_the_rest_while_the_services_start(tmp_path):
     """LocalBackend.prepare forks only the services' agents (each fork of the master
     is ~3 ms of a loaded core on the way to the ps); the master begins the ps, then
-    has the workers' agents forked (start_ahead) before it waits for the ps's
-    identity, and the workers find them warm."""
+    has the workers' agents forked (start_ahead) and the workers made ready (their
+    records, logs, environments: ~3 ms) before it waits for the ps's identity; the
+    workers' specs go as soon as that identity is in, before the ps is recorded
+    (~2 ms of store writes), and the workers find their agents warm. Every started
+    instance is known before a refusal is acted on, whichever group it is in."""
     from types import SimpleNamespace
 
     from paicli.cluster.master import JobMaster
@@ -142,14 +145,26 @@ def test_the_services_agents_start_first_and_the_rest_while_the_services_start(t
     order = []
     insts = [SimpleNamespace(role=role, name=f"{role.name}:{idx}") for role, idx in
              ((roles[0], 0), (roles[1], 0), (roles[1], 1))]
+
+    def ask(inst, ready):
+        order.append(f"ask {inst.name}")
+
+        def finish():
+            order.append(f"identity {inst.name}")
+            if inst.name == "worker:1":
+                raise PermissionError(13, "refused")
+            return inst
+        return finish
+
     fake = SimpleNamespace(backend=SimpleNamespace(start_ahead=lambda: order.append("start_ahead")),
-                           _begin=lambda inst: order.append(f"begin {inst.name}") or
-                           (lambda: order.append(f"identity {inst.name}") or inst),
-                           _started=lambda inst, handle: None, _refused=lambda inst, err: None)
-    fake._launch_together = lambda group, meanwhile=None: JobMaster._launch_together(fake, group, meanwhile)
+                           _ready=lambda inst: order.append(f"ready {inst.name}"), _ask=ask,
+                           _identities=JobMaster._identities,
+                           _started=lambda inst, handle: order.append(f"started {inst.name}"),
+                           _refused=lambda inst, err: order.append(f"refused {inst.name}"))
     JobMaster._launch_all(fake, insts)
-    assert order == ["begin ps:0", "start_ahead", "identity ps:0", "begin worker:0", "begin worker:1",
-                     "identity worker:0", "identity worker:1"]
+    assert order == ["ready ps:0", "ask ps:0", "start_ahead", "ready worker:0", "ready worker:1",
+                     "identity ps:0", "ask worker:0", "ask worker:1", "started ps:0", "identity worker:0",
+                     "identity worker:1", "started worker:0", "refused worker:1"]
 
 
 def test_a_released_watch_stops_watching_at_once_and_closes_without_a_thread(tmp_path):

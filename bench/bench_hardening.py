@@ -199,12 +199,14 @@ def bench_bars(args) -> dict:
 
 def job_phases(home: Path, t_submit: float, t_exit: float) -> dict:
     """Where pai's time went, from the store's own timestamps: submit -> job
-    recorded -> master running -> last instance started; last worker's exit ->
-    verdict recorded -> the CLI's exit."""
+    recorded -> master running -> last instance started (its identity recorded:
+    the instances' `started`; before 2026-11-29 the attempts' `started`, written
+    as an instance was asked for, which the master now writes for the workers
+    while the ps starts); last worker's exit -> verdict recorded -> the CLI's exit."""
     db = sqlite3.connect(home / "pai.db")
     try:
         created, started, ended = db.execute("SELECT created, started, ended FROM jobs").fetchone()
-        starts = [r[0] for r in db.execute("SELECT started FROM attempts WHERE started IS NOT NULL")]
+        starts = [r[0] for r in db.execute("SELECT started FROM instances WHERE started IS NOT NULL")]
         worker_ends = [r[0] for r in db.execute("SELECT ended FROM attempts WHERE role = 'worker'")]
     finally:
         db.close()

@@ -142,6 +142,8 @@ def submit_and_follow(stmt, detach: bool = False, progress: bool = True, waiting
 
     try:
         store = open_store()
+        if waiting is not None:
+            waiting.store_open(store.home)
         job_id = submit_statement(stmt, store, runtime_progress(), waiting, None if detach else first_lines)
     finally:
         if waiting is not None:

@@ -543,6 +543,54 @@ def test_a_waiting_master_waits_in_a_session_of_its_own_and_leaves_at_eof():
         _end_all(probe, marker)
 
 
+STORE_PROBE = r"""
+import sys
+from pathlib import Path
+from paicli.cluster.spawn import fork_waiting_master
+from paicli.store import Store
+waiting = fork_waiting_master()
+store = Store(Path(sys.argv[2]))     # the CLI opens the store after the fork, as pai does
+waiting.store_open(store.home)
+print("told", flush=True)
+sys.stdin.readline()
+waiting.close()
+"""
+
+
+def test_a_waiting_master_opens_its_own_store_connection_once_the_cli_has_the_store(tmp_path):
+    """As soon as the CLI has the store open, the waiting master opens its own
+    connection (the open and the first statements of a cold connection, ~2-3 ms,
+    were on the way from the handover to the instances); it keeps it over the
+    stdio it takes at the handover, and leaves at EOF as before."""
+    marker = f"waiting-{uuid.uuid4().hex}"
+    home = tmp_path / "home"
+    probe = subprocess.Popen([sys.executable, "-c", STORE_PROBE, marker, str(home)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert probe.stdout.readline().strip() == "told"
+
+        def store_held() -> list[int]:
+            held = []
+            for pid in _processes_with(marker):
+                if pid == probe.pid:
+                    continue
+                try:
+                    links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+                except OSError:
+                    continue
+                if str(home / "pai.db") in links:
+                    held.append(pid)
+            return held
+
+        assert wait_until(store_held, timeout=30), "the waiting master did not open the store"
+        probe.stdin.write("\n")
+        probe.stdin.flush()
+        assert probe.wait(timeout=30) == 0
+        assert wait_until(lambda: not _processes_with(marker), timeout=30), "the waiting master stayed after EOF"
+    finally:
+        _end_all(probe, marker)
+
+
 def test_no_waiting_master_while_a_store_is_open(tmp_path):
     """A fork would carry the open SQLite connection: the submit takes spawn_master's path."""
     from paicli.cluster.spawn import fork_waiting_master

@@ -743,11 +743,15 @@ class JobMaster:
         self.store.release_claims(self.job_id)
         self.store.release_ports(self.job_id)
         queue_turns.job_ended(self.store, self.job_id)
+        # The summary before the cleanup, which waits for the last agents' exits (a
+        # forked process's teardown, ~2-3 ms) or, on nodes, removes the job's
+        # folders: both take what they take meanwhile, and the summary reads the
+        # store alone.
+        self._write_log_view()
         try:
             self.backend.cleanup(str(self.job_dir))
         except Exception:
             print_exc()
-        self._write_log_view()
         self._tell_watchdog("done")
         if self.watchdog and self.watchdog.stdin:
             try:

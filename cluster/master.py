@@ -69,6 +69,10 @@ METRICS_EVERY = 0.25  # seconds between the master's commits of the metrics it p
 # woke for each line took a core from them just then, on a machine they share
 # (bench_hardening.py overhead, docs/benchmarks.md). A child's exit is not delayed.
 COALESCE_S = 0.004
+# Instances made ready (record, log, environment: ~1.5 ms each) while the services
+# start: about what fits in a ps's start; the rest are made ready one by one, each
+# asked for at once, so that a large job's agents do not wait for all the records.
+READY_EARLY = 4
 
 
 def ready_together(selector, timeout: float, window: float = COALESCE_S, sleep=time.sleep,
@@ -313,18 +317,20 @@ class JobMaster:
         connection finds its ps started; then the others at once. Every agent of a
         group gets its spec before the master waits for any identity (a round trip
         each, one after another, started the last of three instances ~0.02 s after
-        the first). The others are made ready (record, environment, log) while the
-        services start, and their specs go the moment the services' identities are
-        in; the services are recorded while the others start. Each instance is
+        the first). The first few others are made ready (record, environment, log)
+        while the services start, and their specs go the moment the services'
+        identities are in; the services are recorded while the others start. Each instance is
         recorded as started before it is asked for (one the master dies before it
         learns about is stopped by its agent, whose link closes), and every started
         instance is known (watchdog, store) before a refusal can end the job."""
         services = [inst for inst in insts if not inst.role.must_finish]
+        others = [inst for inst in insts if inst.role.must_finish]
         begun = [(inst, self._ask(inst, self._ready(inst))) for inst in services]
         self.backend.start_ahead()   # the others' agents, while the services' start theirs
-        ready = [(inst, self._ready(inst)) for inst in insts if inst.role.must_finish]
+        ready = [(inst, self._ready(inst)) for inst in others[:READY_EARLY]] if services else []
         first, refused = self._identities(begun)
-        begun = [(inst, self._ask(inst, files)) for inst, files in ready]
+        begun = [(inst, self._ask(inst, made)) for inst, made in ready]
+        begun += [(inst, self._ask(inst, self._ready(inst))) for inst in others[len(ready):]]
         for inst, handle in first:
             self._started(inst, handle)
         started, refused_too = self._identities(begun)

@@ -166,6 +166,23 @@ def test_the_services_agents_start_first_and_the_rest_while_the_services_start(t
                      "identity ps:0", "ask worker:0", "ask worker:1", "started ps:0", "identity worker:0",
                      "identity worker:1", "started worker:0", "refused worker:1"]
 
+    # No service to wait for (the 64-instance tail job), or more workers than fit in a
+    # ps's start: each of the rest is made ready and asked for at once, as before.
+    from paicli.cluster.master import READY_EARLY
+
+    order.clear()
+    JobMaster._launch_all(fake, insts[1:])
+    assert order == ["start_ahead", "ready worker:0", "ask worker:0", "ready worker:1", "ask worker:1",
+                     "identity worker:0", "identity worker:1", "started worker:0", "refused worker:1"]
+    many = [SimpleNamespace(role=roles[1], name=f"w:{idx}") for idx in range(READY_EARLY + 2)]
+    order.clear()
+    JobMaster._launch_all(fake, insts[:1] + many)
+    early = [f"w:{idx}" for idx in range(READY_EARLY)]
+    assert order[:3 + READY_EARLY] == ["ready ps:0", "ask ps:0", "start_ahead", *(f"ready {n}" for n in early)]
+    assert order[3 + READY_EARLY:3 + 2 * READY_EARLY + 5] == [
+        "identity ps:0", *(f"ask {n}" for n in early), f"ready w:{READY_EARLY}", f"ask w:{READY_EARLY}",
+        f"ready w:{READY_EARLY + 1}", f"ask w:{READY_EARLY + 1}"]
+
 
 def test_a_released_watch_stops_watching_at_once_and_closes_without_a_thread(tmp_path):
     """At a verdict the attached view removes its inotify watch (the kernel reaps

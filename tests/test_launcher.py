@@ -139,8 +139,13 @@ def test_sigint_to_attached_pai_cancels_and_leaves_no_process(pai_home, tmp_path
     env = {"BEHAVE_WORKER": f"pidfile:{pidfile},child,print:1,sleep:600",
            "BEHAVE_PS": f"pidfile:{pidfile},child,ignore-term,serve"}
     proc = start_attached("-name", "python", f"-Dscript={BEHAVE}", f"-Dcluster={PS_2W}", env=env)
-    head = read_until(proc, "[worker:1] step=0")
-    head += read_until(proc, "[worker:0] step=0") if "[worker:0] step=0" not in head else ""
+    # Every instance up before the Ctrl-C: the workers printed, and the ps (started
+    # first, but its interpreter may come up after theirs) wrote its pid, started its
+    # child and ignores SIGTERM, which its "serving on" line comes after.
+    head = ""
+    for marker in ("[worker:1] step=0", "[worker:0] step=0", "[ps:0] serving on"):
+        if marker not in head:
+            head += read_until(proc, marker)
     job_id = job_id_from(head)
     sent = time.time()
     proc.send_signal(signal.SIGINT)

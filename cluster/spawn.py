@@ -142,7 +142,9 @@ def fork_waiting_master() -> WaitingMaster | None:
 
 def _wait_for_job(command_fd: int, pid_fd: int) -> int:
     """The waiting master: nothing of the CLI's kept (its terminal, its pipes), the
-    master's modules imported, then one line, [home, job_id, log], or EOF."""
+    master's modules imported, then perhaps ["store", home] (the CLI has the store
+    open: the master's own connection is opened now), then one line, [home,
+    job_id, log], or EOF."""
     import fcntl
     import json
 

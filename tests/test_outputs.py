@@ -90,10 +90,11 @@ def test_the_agent_lists_only_what_changed_and_leaves_out_other_watched_folders(
     assert again == ["step-1", "model.h5"]
 
 
-def test_a_listing_made_after_the_start_leaves_the_instances_changes_to_it(tmp_path):
-    """On this machine the agent lists the working folder once the instance runs:
-    what changed from the instance's start on (its ctime, which utime cannot set
-    back) is the instance's, even a file it wrote with an old mtime."""
+def test_on_this_machine_an_instances_files_are_what_changed_from_its_start_on(tmp_path):
+    """On this machine the agent lists nothing as the instance starts: what changed
+    from the instance's start on (its ctime, which utime cannot set back) is the
+    instance's, even a file it wrote with an old mtime; what was there and is
+    untouched is not."""
     work = tmp_path / "work"
     work.mkdir()
     for name in ("kept.txt", "appended.log"):

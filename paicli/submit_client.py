@@ -232,9 +232,28 @@ def start_server() -> None:
                        setsid=True,
                        file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                                      (os.POSIX_SPAWN_OPEN, 1, log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
-                                     (os.POSIX_SPAWN_DUP2, 1, 2)])
+                                     (os.POSIX_SPAWN_DUP2, 1, 2),
+                                     *((os.POSIX_SPAWN_CLOSE, fd) for fd in _inherited())])
     except OSError:
         pass   # no server: every submit stays cold, as before
+
+
+def _inherited() -> list[int]:
+    """This process's descriptors above 2 that an exec keeps (what its own caller
+    passed on: a lock `flock` holds, a pipe someone waits to see closed, a make
+    jobserver's): the server, which lives on for minutes, must not hold them."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    fds = []
+    for name in names:
+        try:
+            if int(name) > 2 and os.get_inheritable(int(name)):
+                fds.append(int(name))
+        except (OSError, ValueError):
+            pass   # the listing's own descriptor, closed by now
+    return fds
 
 
 def offer() -> str:

@@ -66,16 +66,19 @@ def warm_up() -> None:
     for every child instead of paid by each (~2-4 ms of a served submit); the
     frameworks' metric patterns, which the job's master compiles before it starts
     an instance (0.5 ms for a python job, 4-5 ms for TensorFlow or Caffe); a new
-    store's bytes (store.keep_new_store_image); and libc through ctypes, which an
-    attached submit's follower watches its job folder with (~5 ms)."""
+    store's bytes (store.keep_new_store_image); whether the logview server's libraries
+    are installed (~1.5 ms); and libc through ctypes, which an attached submit's
+    follower watches its job folder with (~5 ms)."""
     from paicli.adapters import adapter_names, get_adapter
     from paicli.client import prepare
     from paicli.cluster.logsink import compiled_pattern
     from paicli.logtail import inotify_libc
     from paicli.statement import parse_statement
     from paicli.store import keep_new_store_image
+    from paicli.web.launch import web_libraries_present
 
-    keep_new_store_image()   # a first submit in a new PAI_HOME copies it (the bench's every submit)
+    keep_new_store_image()
+    web_libraries_present()   # a first submit in a new PAI_HOME starts its logview server   # a first submit in a new PAI_HOME copies it (the bench's every submit)
     try:
         inotify_libc()   # what an attached submit's follower loads (ctypes, libc) as its job starts
     except OSError:

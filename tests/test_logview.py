@@ -112,6 +112,32 @@ def test_the_servers_interpreter_starts_a_moment_after_its_process(web):
     assert get(f"http://127.0.0.1:{state['port']}/logview/?token={state['token']}")[0] == 200
 
 
+def test_a_standby_in_place_waits_as_one_that_execs_does(tmp_path, monkeypatch):
+    """A served child's standby runs in place (no interpreter to start), but not at
+    once either: its first steps (~6 ms of a core) wait STANDBY_DELAY, as an exec
+    does, and the submit's instances start without it beside them."""
+    import time
+
+    from paicli.web import launch
+
+    stamp = tmp_path / "began"
+
+    def in_place(argv, env):
+        stamp.write_text(repr(time.monotonic()))
+        os._exit(0)
+
+    monkeypatch.setattr(launch, "STANDBY_IN_PLACE", in_place)
+    log = os.open(tmp_path / "server.log", os.O_WRONLY | os.O_CREAT, 0o600)
+    with socket.socket() as sock:
+        forked = time.monotonic()
+        pid = launch._spawn_standby([sys.executable, "-m", "paicli.web.standby"], dict(os.environ), log,
+                                    sock.fileno())
+        os.close(log)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert float(stamp.read_text()) - forked >= launch.STANDBY_DELAY * 0.9
+
+
 def test_a_retried_instance_shows_its_events_attempts_and_both_logs(web):
     job_id, base, token = submit(f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":1}}',
                                  env={"BEHAVE": "print:2,selfkill:SIGKILL,print:3"})

@@ -416,6 +416,43 @@ def test_the_warm_up_loads_what_an_attached_submits_follower_needs(tmp_path):
                          timeout=DEADLINE).stdout
     assert out.split(None, 1) == ["True", "[]\n"], out
 
+def test_the_warm_up_looks_up_the_logview_libraries_for_the_children_it_forks(pai_home):
+    """A first submit in a new PAI_HOME starts its logview server, which needs aiohttp
+    and jinja2: looked up once in the server (~1.5 ms), not in every served child."""
+    code = ("from paicli import submit_server\n"
+            "from paicli.web import launch\n"
+            "submit_server.warm_up()\n"
+            "before = launch.web_libraries_present.cache_info()\n"
+            "launch.web_libraries_present()\n"
+            "after = launch.web_libraries_present.cache_info()\n"
+            "print(after.misses - before.misses, after.hits - before.hits)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                         timeout=DEADLINE).stdout
+    assert out.split() == ["0", "1"], out
+
+
+def test_the_server_keeps_none_of_the_descriptors_its_first_client_inherited(served):
+    """The cold submit that starts the server may have inherited descriptors (a lock
+    `flock` holds for a script, a pipe someone waits to see closed): the server, which
+    lives on for minutes, lets them go, so the pipe ends when that `pai` does."""
+    import select
+
+    read_fd, write_fd = os.pipe()
+    try:
+        first = subprocess.run([*PAI, *served.statement()], capture_output=True, text=True, pass_fds=(write_fd,),
+                               env=served.full_env(), timeout=120)
+        os.close(write_fd)
+        write_fd = -1
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert wait_until(lambda: "serving" in served.log(), timeout=DEADLINE), served.log()
+        assert select.select([read_fd], [], [], DEADLINE)[0], "the pipe stayed open: the server holds its write end"
+        assert os.read(read_fd, 1) == b""
+    finally:
+        os.close(read_fd)
+        if write_fd >= 0:
+            os.close(write_fd)
+
+
 def test_a_bench_stops_the_server_its_first_submit_started(served):
     """bench_core gives the timed `pai` runs a server folder of the bench's own; at its
     end the server there is stopped and the folder removed (no server outlives a bench)."""

@@ -11,6 +11,7 @@ Imports no web library: `pai status` and a submit use this module.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -116,11 +117,19 @@ def _listen(host: str, folder: Path) -> socket.socket:
                              "set PAI_LOGVIEW_HOST to an address of this machine (PAI_LOGVIEW_PORT to a free port)")
 
 
-def start_server(home: Path) -> dict:
-    """Start a server (detached, own session) on a socket bound here; returns its state."""
+@functools.lru_cache(maxsize=1)
+def web_libraries_present() -> bool:
+    """Whether aiohttp and jinja2 are installed: looked up once per process (~1.5 ms
+    of a submit that starts a server), in the submit server before it forks its
+    children (submit_server.warm_up)."""
     import importlib.util
 
-    if importlib.util.find_spec("aiohttp") is None or importlib.util.find_spec("jinja2") is None:
+    return importlib.util.find_spec("aiohttp") is not None and importlib.util.find_spec("jinja2") is not None
+
+
+def start_server(home: Path) -> dict:
+    """Start a server (detached, own session) on a socket bound here; returns its state."""
+    if not web_libraries_present():
         raise LogviewUnavailable("the logview server needs aiohttp and jinja2",
                                  "they are paicli's own dependencies: reinstall paicli (bash .ci/setup)")
     folder = state_dir(home)
@@ -143,19 +152,21 @@ def start_server(home: Path) -> dict:
     return state
 
 
-STANDBY_DELAY = 0.5   # seconds between the standby's process and its interpreter's start
+STANDBY_DELAY = 0.5   # seconds between the standby's process and the standby's start
 # Set in a child of the resident submit server (paicli/submit_server.py): a function
 # the forked standby calls with its argv and environment to run paicli.web.standby in
 # place instead of starting an interpreter. Its memory is the server's, shared, so
 # holding it costs little, and the ~40 ms of a core an interpreter's start takes during
-# the job's first second is not spent at all.
+# the job's first second is not spent at all. It waits STANDBY_DELAY too: its own start
+# (~6 ms of a core, a forked process's first steps) came just as the instances started.
 STANDBY_IN_PLACE = None
 
 
 def _spawn_standby(argv: list[str], env: dict[str, str], log: int, sock_fd: int) -> int:
     """The standby's process, in a session of its own, now: its pid and start time
-    are what server.json records, and stopping it works at once. Its interpreter
-    starts STANDBY_DELAY later (a fork that waits, then execs): a submit prints the
+    are what server.json records, and stopping it works at once. The standby
+    starts STANDBY_DELAY later (a fork that waits, then execs or, in a served child,
+    runs in place): a submit prints the
     URL as the job's instances start, and an interpreter's start (~40 ms of a core
     here) is what they need just then; a visit meanwhile waits in the backlog. A
     threaded caller, where a fork is unsafe, starts it at once."""
@@ -202,9 +213,9 @@ def _standby_child(argv: list[str], env: dict[str, str], devnull: int, log: int,
         os.closerange(3, sock_fd)   # nothing else of this pai's (what it inherited too)
         os.closerange(sock_fd + 1, os.sysconf("SC_OPEN_MAX"))
         os.chdir("/")
+        time.sleep(STANDBY_DELAY)
         if STANDBY_IN_PLACE is not None:
             STANDBY_IN_PLACE(argv, env)   # never returns
-        time.sleep(STANDBY_DELAY)
         os.execve(argv[0], argv, env)
     finally:
         os._exit(127)

@@ -143,7 +143,7 @@ class Instance:
 
 
 class JobMaster:
-    def __init__(self, store: Store, job_id: str, backend: Backend | None = None):
+    def __init__(self, store: Store, job_id: str, backend: Backend | None = None, spares: list = ()):
         self.store = store
         self.job_id = job_id
         row = store.job(job_id)
@@ -151,6 +151,7 @@ class JobMaster:
         self.plan = JobPlan.from_json((self.job_dir / "plan.json").read_text())
         job_layers.declare_in_master(self.plan)   # the job's declared env always crosses to nodes
         self.backend = backend or backend_for_job(self.job_dir)
+        self.backend.take_spares(list(spares))   # local agents forked while the master waited
         self.placements = read_placements(self.job_dir)
         self.instances = [Instance(role, idx, Placement(role.name, idx, "", ""))
                           for role in self.plan.roles for idx in range(role.count)]

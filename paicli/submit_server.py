@@ -77,17 +77,22 @@ def warm_up() -> None:
     from paicli.store import keep_new_store_image
     from paicli.web.launch import web_libraries_present
 
-    keep_new_store_image()
-    web_libraries_present()   # a first submit in a new PAI_HOME starts its logview server   # a first submit in a new PAI_HOME copies it (the bench's every submit)
+    keep_new_store_image()   # a first submit in a new PAI_HOME copies it (the bench's every submit)
+    web_libraries_present()   # ... and starts its logview server
     try:
         inotify_libc()   # what an attached submit's follower loads (ctypes, libc) as its job starts
     except OSError:
         pass
     for name in ("python", "tensorflow", "mxnet", "caffe"):
-        try:
-            prepare(parse_statement(["-name", name, "-Dscript=file:///dev/null"]))
-        except Exception:
-            pass   # /dev/null is no script: what mattered ran before that was found
+        # A script given as a URI and as a path, with roles and parameters: each
+        # form checks its value with a pattern of its own.
+        for params in (["-Dscript=file:///dev/null"],
+                       ['-Dcluster={"ps":{"count":1},"worker":{"count":2}}', "-DuserDefinedParameters=--steps=1",
+                        "-Dscript=/dev/null"]):
+            try:
+                prepare(parse_statement(["-name", name, *params]))
+            except Exception:
+                pass   # /dev/null is no script: what mattered ran before that was found
     for name in adapter_names():
         for pattern in get_adapter(name).metric_patterns:
             compiled_pattern(pattern)   # cached for the masters forked from here

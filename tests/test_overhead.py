@@ -531,6 +531,14 @@ def _end_all(proc: subprocess.Popen, marker: str) -> None:
         os.kill(pid, 9)
 
 
+def _comm(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def _ppid(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -545,13 +553,20 @@ def test_a_waiting_master_waits_in_a_session_of_its_own_and_leaves_at_eof():
                              stdout=subprocess.PIPE, text=True)
     try:
         assert probe.stdout.readline().strip() == "forked"
-        def waiting_master() -> list[int]:   # not the probe, nor the intermediate child it forked
-            return [p for p in _processes_with(marker) if p != probe.pid and _ppid(p) not in (probe.pid, None)]
+        def waiting_master() -> list[int]:   # not the probe, the intermediate child it forked, nor an agent
+            return [p for p in _processes_with(marker) if p != probe.pid and _ppid(p) not in (probe.pid, None)
+                    and _comm(p) != "pai-node-agent"]
 
         found = wait_until(waiting_master, timeout=30)
         assert len(found) == 1, f"no waiting master was forked: {found}"
         pid = found[0]
         assert os.getsid(pid) != os.getsid(probe.pid)   # a session of its own: a Ctrl-C at the CLI misses it
+        # Its spare agents (cluster.spawn.SPARE_AGENTS), its children, wait for specs; at EOF they go with it.
+        from paicli.cluster.spawn import SPARE_AGENTS
+
+        spares = wait_until(lambda: len([p for p in _processes_with(marker) if _ppid(p) == pid
+                                         and _comm(p) == "pai-node-agent"]) == SPARE_AGENTS, timeout=30)
+        assert spares, [(p, _ppid(p), _comm(p)) for p in _processes_with(marker)]
         probe.stdin.write("\n")
         probe.stdin.flush()
         assert probe.wait(timeout=30) == 0
@@ -715,23 +730,36 @@ def test_neither_the_submit_nor_a_waiting_master_imports_typing_or_dataclasses(p
 
 def test_the_cli_says_its_first_lines_between_the_handover_and_the_masters_pid(tmp_path):
     """WaitingMaster.start: the job's line written, `meanwhile` run (the CLI prints the
-    ID and the log view while the master may still import), then the pid read."""
+    ID and the log view while the master may still import), then the pid read: a
+    line, taken as soon as it is there, while the pipe may stay open a moment longer
+    (a spare agent the waiting master forked holds it until it lets go)."""
+    import threading
+    import time
+
     from paicli.cluster.spawn import WaitingMaster
 
     command_r, command_w = os.pipe()
     pid_r, pid_w = os.pipe()
     seen = []
+    held = threading.Timer(20, os.close, (pid_w,))
 
     def meanwhile():
         seen.append(os.read(command_r, 4096))
-        os.write(pid_w, b"4242")
-        os.close(pid_w)
+        os.write(pid_w, b"4242\n")
+        held.start()
 
     try:
+        began = time.monotonic()
         assert WaitingMaster(command_w, pid_r, 0).start(tmp_path, "job1", tmp_path / "master.log", meanwhile) == 4242
+        assert time.monotonic() - began < 10, "the pid was read only when the pipe closed"
         assert seen and seen[0].endswith(b"\n") and b'"job1"' in seen[0]
     finally:
         os.close(command_r)
+        held.cancel()
+        try:
+            os.close(pid_w)
+        except OSError:
+            pass
 
 
 def test_an_error_in_the_first_lines_is_raised_once_the_master_is_recorded(tmp_path):

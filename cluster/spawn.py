@@ -190,9 +190,9 @@ def _spare_agents() -> list:
     master and ~3 ms of a core (its first steps) as the job's first instance
     started. Unused (another backend, fewer instances) they are closed and leave."""
     try:
-        from paicli.cluster.backends.local import AgentProcess
+        from paicli.cluster.backends import spare_agents
 
-        return [AgentProcess("spare") for _ in range(SPARE_AGENTS)]
+        return spare_agents(SPARE_AGENTS)
     except Exception:  # noqa: BLE001 - no pipe or no fork now: the master forks its agents as before
         return []
 

@@ -94,6 +94,10 @@ class AgentProcess:
         os.close(self.output_fd)
 
 
+def spare_agents(count: int) -> list[AgentProcess]:
+    return [AgentProcess("spare") for _ in range(count)]
+
+
 def _spawn_agent(label: str, output_fd: int) -> tuple[int, int, int]:
     """`node_agent.py run LABEL` with `output_fd` as AGENT_OUTPUT_FD: (pid, its
     stdin, its stdout). A single-threaded master forks it (the agent's code is

@@ -293,6 +293,7 @@ def bench_overhead_against(args) -> dict:
     of 15 pairs, whose medians move by 20 ms with the machine's pace)."""
     sides = {"this": args.pai, "other": args.against}
     added: dict[str, list[float]] = {side: [] for side in sides}
+    phases: dict[str, list[dict]] = {side: [] for side in sides}
     for rep in range(args.reps):
         for side in (("this", "other") if rep % 2 == 0 else ("other", "this")):
             pai = sides[side]
@@ -301,19 +302,35 @@ def bench_overhead_against(args) -> dict:
             plain = bench_core.run_plain_job(core, python=python if os.path.exists(python) else None)
             home = Path(tempfile.mkdtemp(prefix="A-bench-overhead-"))
             try:
-                added[side].append(bench_core.run_pai_job(core, home)["wall_s"] - plain["wall_s"])
+                t_submit = time.time()
+                wall = bench_core.run_pai_job(core, home)["wall_s"]
+                added[side].append(wall - plain["wall_s"])
+                phases[side].append(job_phases(home, t_submit, t_submit + wall))
             finally:
                 shutil.rmtree(home, ignore_errors=True)
         print(f"    rep {rep + 1}: this {added['this'][-1]:+.3f} s, other {added['other'][-1]:+.3f} s; "
               f"load {bench_core.load()}", flush=True)
+    diffs = [a - b for a, b in zip(added["this"], added["other"])]
     res = {"figure": "submit overhead, paired", "steps": args.steps, "sleep": args.sleep, "reps": args.reps,
            "this": args.pai, "other": args.against,
            "median_added_s": {side: round(statistics.median(v), 4) for side, v in added.items()},
-           "median_paired_this_minus_other_s": round(statistics.median(
-               a - b for a, b in zip(added["this"], added["other"])), 4)}
+           "median_paired_this_minus_other_s": round(statistics.median(diffs), 4),
+           "mean_paired_this_minus_other_s": round(statistics.mean(diffs), 4),
+           "se_paired_s": round(statistics.stdev(diffs) / len(diffs) ** 0.5, 4) if len(diffs) > 1 else None,
+           # pai's own windows, from the store's timestamps: steadier than the whole job,
+           # whose run (the workers' steps) varies by more than a change of a few ms
+           "median_phases_s": {side: {k: round(statistics.median(p[k] for p in v), 4) for k in v[0]}
+                               for side, v in phases.items()},
+           "median_paired_phases_s": {k: round(statistics.median(a[k] - b[k] for a, b in
+                                                                 zip(phases["this"], phases["other"])), 4)
+                                      for k in phases["this"][0]}}
+    print(f"[overhead] pai's phases, medians: this {res['median_phases_s']['this']}, "
+          f"other {res['median_phases_s']['other']}; paired (this - other) {res['median_paired_phases_s']}",
+          flush=True)
     print(f"[overhead] {args.steps} x {args.sleep} s, {args.reps} reps: this adds "
           f"{res['median_added_s']['this']:+.3f} s, other {res['median_added_s']['other']:+.3f} s; "
-          f"paired (this - other) {res['median_paired_this_minus_other_s']:+.4f} s", flush=True)
+          f"paired (this - other) {res['median_paired_this_minus_other_s']:+.4f} s "
+          f"(mean {res['mean_paired_this_minus_other_s']:+.4f} +- {res['se_paired_s']} s)", flush=True)
     return res
 
 

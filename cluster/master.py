@@ -143,7 +143,7 @@ class Instance:
 
 
 class JobMaster:
-    def __init__(self, store: Store, job_id: str, backend: Backend | None = None, spares: list = ()):
+    def __init__(self, store: Store, job_id: str, backend: Backend | None = None, recorded_fd: int = -1):
         self.store = store
         self.job_id = job_id
         row = store.job(job_id)
@@ -151,7 +151,6 @@ class JobMaster:
         self.plan = JobPlan.from_json((self.job_dir / "plan.json").read_text())
         job_layers.declare_in_master(self.plan)   # the job's declared env always crosses to nodes
         self.backend = backend or backend_for_job(self.job_dir)
-        self.backend.take_spares(list(spares))   # local agents forked while the master waited
         self.placements = read_placements(self.job_dir)
         self.instances = [Instance(role, idx, Placement(role.name, idx, "", ""))
                           for role in self.plan.roles for idx in range(role.count)]
@@ -178,6 +177,7 @@ class JobMaster:
         self.watchdog: Watchdog | None = None
         self.untold: list[str] = []   # what the watchdog is told once it runs
         self.failure: tuple[JobStatus, str | None] | None = None
+        self.recorded_fd = recorded_fd   # closed once the job's record is complete: the CLI's end
 
     # -- entry ------------------------------------------------------------------
 
@@ -755,6 +755,9 @@ class JobMaster:
         # folders: both take what they take meanwhile, and the summary reads the
         # store alone.
         self._write_log_view()
+        if self.recorded_fd >= 0:   # the CLI shows the verdict now, while the agents' exits are awaited
+            os.close(self.recorded_fd)
+            self.recorded_fd = -1
         try:
             self.backend.cleanup(str(self.job_dir))
         except Exception:

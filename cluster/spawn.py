@@ -15,8 +15,6 @@ if TYPE_CHECKING:
 
     from paicli.store import Store
 
-SPARE_AGENTS = 3   # local agents a waiting master forks ahead: the usual first job, a ps and two workers
-
 # Nothing else of paicli at the top: `pai` forks the waiting master (fork_waiting_master)
 # before it imports the rest of itself, and what this module imports is paid before it.
 
@@ -90,20 +88,28 @@ class WaitingMaster:
         while the master may still be importing, not after it."""
         import json
 
+        pid = b""
         try:
             os.write(self._command_fd, (json.dumps([str(home), job_id, str(log_path)]) + "\n").encode())
             os.close(self._command_fd)
             self._command_fd = -1
             if meanwhile is not None:
                 meanwhile()
-            pid = b""
             while not pid.endswith(b"\n") and (chunk := os.read(self._pid_fd, 32)):
                 pid += chunk
         finally:
-            self.close()
+            if not pid.endswith(b"\n"):
+                self.close()
         if not pid.endswith(b"\n"):
             raise OSError("the job's master did not start")
         return int(pid)
+
+    def take_recorded(self) -> int:
+        """Once started: the pipe the master wrote its pid to, which it closes when the
+        job's record is complete (its verdict, its summary file): a follower's end of
+        the job, before the master's own cleanup and exit. The caller closes it."""
+        fd, self._pid_fd = self._pid_fd, -1
+        return fd
 
     def close(self) -> None:
         """No job for it (or handed over already): the waiting master leaves at EOF."""
@@ -162,7 +168,6 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
         import_run_modules()   # while the CLI stages the job
     except Exception:
         pass   # said where it matters: when the master runs, in master.log
-    spares = _spare_agents()
     store = None
     with os.fdopen(command_fd, "rb") as command:
         line = command.readline()
@@ -173,28 +178,15 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
         return 0   # no job for it
     home, job_id, log_path = json.loads(line)
     try:
-        os.write(pid_fd, f"{os.getpid()}\n".encode())   # a line: a spare agent may hold the pipe a moment
+        # A line, and the pipe kept open: the master closes it once the job's record
+        # is complete (WaitingMaster.take_recorded).
+        os.write(pid_fd, f"{os.getpid()}\n".encode())
     except OSError:
         pass   # the CLI is gone after handing the job over: the job is recorded, supervise it
-    os.close(pid_fd)
     if store is not None and store.home != Path(home):
         store = None
     return _run_forked_master(Path(home), job_id, Path(log_path), "started by fork as the submit began", store,
-                              waited=True, spares=spares)
-
-
-def _spare_agents() -> list:
-    """SPARE_AGENTS local node agents forked while the waiting master has nothing
-    to do (the CLI stages the job meanwhile), before it opens any store: the job's
-    first agents then wait for their specs already, where each was a fork of the
-    master and ~3 ms of a core (its first steps) as the job's first instance
-    started. Unused (another backend, fewer instances) they are closed and leave."""
-    try:
-        from paicli.cluster.backends import spare_agents
-
-        return spare_agents(SPARE_AGENTS)
-    except Exception:  # noqa: BLE001 - no pipe or no fork now: the master forks its agents as before
-        return []
+                              waited=True, recorded_fd=pid_fd)
 
 
 def _open_store_early(home: str):
@@ -338,10 +330,10 @@ def open_private(path: Path) -> int:
 
 
 def _run_forked_master(home: Path, job_id: str, log_path: Path, how: str = "started by fork", store=None,
-                       waited: bool = False, spares: list = ()) -> int:
+                       waited: bool = False, recorded_fd: int = -1) -> int:
     """`waited`: a waiting master, which let go of the CLI's descriptors as it
-    started; `store`, its own connection, and `spares`, local agents, made while it
-    waited."""
+    started; `store`, its own connection, opened while it waited; `recorded_fd`,
+    closed once the job's record is complete (WaitingMaster.take_recorded)."""
     log = open_private(log_path)
     # Nothing of the CLI's: not its descriptors (a terminal, a pipe someone waits
     # to see closed, the SQLite file), not its working directory (an unmount of it
@@ -357,7 +349,7 @@ def _run_forked_master(home: Path, job_id: str, log_path: Path, how: str = "star
 
         from paicli.store import Store
 
-        return JobMaster(store or Store(home), job_id, spares=spares).run()
+        return JobMaster(store or Store(home), job_id, recorded_fd=recorded_fd).run()
     except BaseException:
         import traceback
 

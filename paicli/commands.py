@@ -145,13 +145,14 @@ def submit_and_follow(stmt, detach: bool = False, progress: bool = True, waiting
         if waiting is not None:
             waiting.store_open(store.home)
         job_id = submit_statement(stmt, store, runtime_progress(), waiting, None if detach else first_lines)
+        recorded = waiting.take_recorded() if waiting is not None and not detach else -1
     finally:
         if waiting is not None:
             waiting.close()
     if detach:
         echo(job_id)
         return 0
-    return attach(store, job_id, from_end=False, progress=progress)
+    return attach(store, job_id, from_end=False, progress=progress, recorded_fd=recorded)
 
 
 def echo_log_view(store, job_id: str, summary_file: str) -> None:
@@ -166,8 +167,10 @@ def echo_log_view(store, job_id: str, summary_file: str) -> None:
         echo(note, err=True)
 
 
-def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
-    """Follow a job to its end and render the verdict; Ctrl-C cancels it."""
+def attach(store, job_id: str, from_end: bool, progress: bool = True, recorded_fd: int = -1) -> int:
+    """Follow a job to its end and render the verdict; Ctrl-C cancels it.
+    `recorded_fd`: the pipe the master closes once the job's record is complete
+    (WaitingMaster.take_recorded), closed here."""
     from paicli import client, jobview, logtail
     from paicli.plutoview import forecast_line
 
@@ -179,7 +182,7 @@ def attach(store, job_id: str, from_end: bool, progress: bool = True) -> int:
         client.kill(store, job_id, reason="cancelled (Ctrl-C)")
 
     status = logtail.follow_job(store, job_id, out, from_end=from_end, progress=progress, colour=colour,
-                                on_interrupt=cancel)
+                                on_interrupt=cancel, recorded_fd=recorded_fd)
     for line in jobview.summary_lines(status):
         echo(line)
     forecast = forecast_line(status)

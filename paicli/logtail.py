@@ -310,11 +310,13 @@ class InterruptCatcher:
 
 def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = False,
                progress: bool = True, colour: bool = False,
-               on_interrupt: Callable[[], None] | None = None) -> dict:
+               on_interrupt: Callable[[], None] | None = None, recorded_fd: int = -1) -> dict:
     """Tail the job's combined log to `out` until the job ends; print progress lines
     when running/terminated counts change. The first Ctrl-C calls `on_interrupt`
     (which cancels the job) and following goes on, so the lines written while the
-    job stops are shown too. Returns the final status dict."""
+    job stops are shown too. Returns the final status dict. `recorded_fd` (closed
+    here): a pipe the master closes once the job's record is complete, the end of
+    following an ended job without waiting for the master's own exit."""
     from paicli import client
 
     job = store.job(job_id)
@@ -322,7 +324,7 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
     follower = FileFollower(job_dir / "job.log", "end" if from_end else 0)
     live = LiveLine(job_dir / "job.live", out, colour) if hasattr(out, "isatty") and out.isatty() else None
     state = {"counts": None, "next_check": 0.0, "partial": b"", "watch": DirectoryWatch(job_dir),
-             "live": live, "idle_check": time.monotonic(), "idle": []}
+             "live": live, "idle_check": time.monotonic(), "idle": [], "recorded_fd": recorded_fd}
     catcher = InterruptCatcher() if on_interrupt is not None else None
     try:
         if catcher:
@@ -344,8 +346,8 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
             out.flush()
         follower.close()
         state["watch"].close()
-        if state.get("master_exit", -1) >= 0:
-            os.close(state["master_exit"])
+        for fd in {state.get("master_exit", -1), recorded_fd} - {-1}:
+            os.close(fd)
     return client.final_status(store, job_id)
 
 
@@ -405,7 +407,7 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
                 note = idle_note(idle).encode()
                 _write(out, state, (colourise(note) if colour else note) + b"\n")
             state["idle"] = names
-        if client.job_over(job):
+        if client.job_over(job) or (state.get("recorded") and JobStatus(job["status"]).is_terminal()):
             # One more read after the end, so no last line is lost.
             rest = state["partial"]
             while data := follower.read():
@@ -418,13 +420,15 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
             out.flush()
             return True
         if JobStatus(job["status"]).is_terminal():
-            # The master is writing its last lines: look again as it exits (its pidfd
-            # wakes the wait), or soon where there is no pidfd.
+            # The master is writing its last lines: look again once its record is
+            # complete (the pipe it closes then) or it exits (its pidfd), or soon where
+            # there is neither.
             from paicli import jobstatus
 
             state["watch"].release()
             if "master_exit" not in state:
-                state["master_exit"] = jobstatus.master_exit_fd(job)
+                state["master_exit"] = state["recorded_fd"] if state["recorded_fd"] >= 0 \
+                    else jobstatus.master_exit_fd(job)
             state["next_check"] = now + (STATUS_POLL if state["master_exit"] >= 0 else IDLE_SLEEP)
     if state["live"] is not None:
         state["live"].poll()
@@ -432,7 +436,8 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
             out.flush()
     if state["watch"].wait(state["next_check"] - time.monotonic(), state.get("wake_fd", -1),
                            state.get("master_exit", -1)):
-        state["next_check"] = 0.0   # the master is gone: look at the job now
+        state["next_check"] = 0.0   # the master is gone, or its record complete: look at the job now
+        state["recorded"] = state["master_exit"] == state["recorded_fd"]
     return False
 
 

@@ -531,14 +531,6 @@ def _end_all(proc: subprocess.Popen, marker: str) -> None:
         os.kill(pid, 9)
 
 
-def _comm(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
 def _ppid(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -553,20 +545,13 @@ def test_a_waiting_master_waits_in_a_session_of_its_own_and_leaves_at_eof():
                              stdout=subprocess.PIPE, text=True)
     try:
         assert probe.stdout.readline().strip() == "forked"
-        def waiting_master() -> list[int]:   # not the probe, the intermediate child it forked, nor an agent
-            return [p for p in _processes_with(marker) if p != probe.pid and _ppid(p) not in (probe.pid, None)
-                    and _comm(p) != "pai-node-agent"]
+        def waiting_master() -> list[int]:   # not the probe, nor the intermediate child it forked
+            return [p for p in _processes_with(marker) if p != probe.pid and _ppid(p) not in (probe.pid, None)]
 
         found = wait_until(waiting_master, timeout=30)
         assert len(found) == 1, f"no waiting master was forked: {found}"
         pid = found[0]
         assert os.getsid(pid) != os.getsid(probe.pid)   # a session of its own: a Ctrl-C at the CLI misses it
-        # Its spare agents (cluster.spawn.SPARE_AGENTS), its children, wait for specs; at EOF they go with it.
-        from paicli.cluster.spawn import SPARE_AGENTS
-
-        spares = wait_until(lambda: len([p for p in _processes_with(marker) if _ppid(p) == pid
-                                         and _comm(p) == "pai-node-agent"]) == SPARE_AGENTS, timeout=30)
-        assert spares, [(p, _ppid(p), _comm(p)) for p in _processes_with(marker)]
         probe.stdin.write("\n")
         probe.stdin.flush()
         assert probe.wait(timeout=30) == 0
@@ -731,8 +716,9 @@ def test_neither_the_submit_nor_a_waiting_master_imports_typing_or_dataclasses(p
 def test_the_cli_says_its_first_lines_between_the_handover_and_the_masters_pid(tmp_path):
     """WaitingMaster.start: the job's line written, `meanwhile` run (the CLI prints the
     ID and the log view while the master may still import), then the pid read: a
-    line, taken as soon as it is there, while the pipe may stay open a moment longer
-    (a spare agent the waiting master forked holds it until it lets go)."""
+    line, taken as soon as it is there, while the pipe stays open (the master closes
+    it once the job's record is complete: take_recorded)."""
+    import select
     import threading
     import time
 
@@ -748,18 +734,75 @@ def test_the_cli_says_its_first_lines_between_the_handover_and_the_masters_pid(t
         os.write(pid_w, b"4242\n")
         held.start()
 
+    waiting = WaitingMaster(command_w, pid_r, 0)
     try:
         began = time.monotonic()
-        assert WaitingMaster(command_w, pid_r, 0).start(tmp_path, "job1", tmp_path / "master.log", meanwhile) == 4242
+        assert waiting.start(tmp_path, "job1", tmp_path / "master.log", meanwhile) == 4242
         assert time.monotonic() - began < 10, "the pid was read only when the pipe closed"
         assert seen and seen[0].endswith(b"\n") and b'"job1"' in seen[0]
+        recorded = waiting.take_recorded()
+        assert recorded == pid_r and not select.select([recorded], [], [], 0)[0]   # open: the record goes on
+        waiting.close()
+        os.fstat(recorded)   # not closed by close(): the follower's now
     finally:
         os.close(command_r)
+        os.close(pid_r)
         held.cancel()
         try:
             os.close(pid_w)
         except OSError:
             pass
+
+
+def test_a_follower_ends_once_the_record_is_complete_not_when_the_master_exits(tmp_path):
+    """The master closes the pipe it wrote its pid to once the job's record is
+    complete (its verdict, its summary file), then waits for its agents' exits and
+    exits itself: a follower given that pipe (WaitingMaster.take_recorded) shows the
+    verdict then, not after the master's own exit."""
+    import io
+    import time
+
+    from paicli import logtail
+    from paicli.cluster.procinfo import start_time
+    from paicli.states import JobStatus
+    from paicli.store import Store
+
+    store = Store(tmp_path)
+    master = subprocess.Popen(["sleep", "120"])   # a master still at its cleanup
+    recorded_r, recorded_w = os.pipe()
+    try:
+        job_dir = tmp_path / "jobs" / "job1"
+        job_dir.mkdir(parents=True)
+        (job_dir / "job.log").write_text("[worker:0] step=0\n[pai] job Succeeded\n")
+        store.create_job("job1", name="n", framework="python", project=None, task_name="PythonTask",
+                         job_dir=job_dir, roles=[{"name": "worker", "count": 1, "must_finish": True}])
+        store.update_job("job1", master_pid=master.pid, master_start=start_time(master.pid))
+        assert store.set_job("job1", JobStatus.RUNNING) and store.set_job("job1", JobStatus.SUCCEEDED)
+        os.close(recorded_w)
+        out = io.BytesIO()
+        began = time.monotonic()
+        status = logtail.follow_job(store, "job1", out, progress=False, recorded_fd=recorded_r)
+        assert time.monotonic() - began < 30, "the follower waited for the master's exit"
+        assert status["status"] == "Succeeded" and b"[pai] job Succeeded" in out.getvalue()
+        assert master.poll() is None
+    finally:
+        master.kill()
+        master.wait()
+        store.close()
+
+
+def test_an_attached_pai_returns_once_the_summary_file_has_the_verdict(pai_home):
+    """The follower ends when the master says the record is complete, before the
+    master's own exit: by then the summary file (the log view without a server) and
+    the final status it keeps are written."""
+    from conftest import BEHAVE, job_id_from, pai
+
+    result = pai("-name", "python", f"-Dscript={BEHAVE}", "-Dcluster={\"worker\":{\"count\":2}}",
+                 env={"BEHAVE": "print:2", "PAI_LOGVIEW": "file"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_dir = pai_home / "jobs" / job_id_from(result.stdout)
+    assert "Status: Succeeded" in (job_dir / "summary.txt").read_text()
+    assert '"status": "Succeeded"' in (job_dir / "status.json").read_text()
 
 
 def test_an_error_in_the_first_lines_is_raised_once_the_master_is_recorded(tmp_path):

@@ -469,42 +469,6 @@ def test_a_transport_call_is_tried_twice_then_one_line_names_the_node():
         assert flaky.calls == 1
 
 
-def test_the_local_backend_gives_the_spare_agents_to_the_first_instances_and_closes_the_rest(tmp_path,
-                                                                                             monkeypatch):
-    """The agents a waiting master forked before it had the job (cluster.spawn) are
-    the job's first agents, services first: no fork of the master for them. The ones
-    left over are closed once every instance has an agent; another backend closes
-    them all at once."""
-    from types import SimpleNamespace
-
-    from paicli.cluster.backends import base, local
-
-    class Spare:
-        discarded = False
-
-        def discard(self):
-            self.discarded = True
-
-    def no_fork(label):
-        raise AssertionError(f"an agent was forked for {label} while spares were left")
-
-    monkeypatch.setattr(local, "AgentProcess", no_fork)
-    plan = SimpleNamespace(roles=[SimpleNamespace(name="ps", must_finish=False),
-                                  SimpleNamespace(name="worker", must_finish=True)])
-    placed = [base.Placement("worker", 0, "local", "127.0.0.1"), base.Placement("ps", 0, "local", "127.0.0.1")]
-    spares = [Spare() for _ in range(3)]
-    backend = local.LocalBackend()
-    backend.take_spares(spares)
-    backend.prepare(str(tmp_path), plan, placed)
-    assert backend._take_warm(placed[1]) is spares[0]          # the ps's, first
-    backend.start_ahead()
-    assert backend._take_warm(placed[0]) is spares[1]
-    assert [s.discarded for s in spares] == [False, False, True]
-    others = [Spare(), Spare()]
-    base.Backend().take_spares(others)
-    assert all(s.discarded for s in others)
-
-
 def test_staging_says_in_the_job_log_how_long_it_took_once_that_is_noticeable(tmp_path, monkeypatch):
     """base.Backend.prepare owns the staging progress for every backend: lines go to
     the job's job.log unless the master gave a note, and a staging that took a

@@ -57,13 +57,6 @@ def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
     return _backend_attr(config, "list_nodes")(config)
 
 
-def spare_agents(count: int) -> list:
-    """`count` node agents on this machine, waiting for a spec (a waiting master
-    forks them before it knows its job: cluster.spawn); given to the job's backend
-    with `take_spares`."""
-    return _backend_attr({"backend": "local"}, "spare_agents")(count)
-
-
 def _backend_name(config: dict[str, Any]) -> str:
     name = config.get("backend") or "local"
     if name not in BACKENDS:

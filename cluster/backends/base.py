@@ -184,11 +184,6 @@ class Backend:
             nodes = sorted({p.node for p in placements})
             self.progress(f"staged the job on {', '.join(nodes)} in {took:.1f}s")
 
-    def take_spares(self, agents: list) -> None:
-        """Local node agents forked before the job was known (cluster.spawn): a
-        backend whose instances run under local agents uses them; others close them."""
-        self._take_spares(agents)
-
     def start_ahead(self) -> None:
         """The agents prepare() left for later, started now: the master calls it while
         the services' agents start them, so the rest wait warm for their specs."""
@@ -308,11 +303,6 @@ class Backend:
 
     def _start_ahead(self) -> None:
         """Local and remote: nothing left for later."""
-
-    def _take_spares(self, agents: list) -> None:
-        """Remote: local agents are of no use; they read EOF and exit."""
-        for agent in agents:
-            agent.discard()
 
     def _cleanup(self, job_dir: str) -> None:
         """Local: nothing (the job folder is the user's to keep)."""

@@ -94,10 +94,6 @@ class AgentProcess:
         os.close(self.output_fd)
 
 
-def spare_agents(count: int) -> list[AgentProcess]:
-    return [AgentProcess("spare") for _ in range(count)]
-
-
 def _spawn_agent(label: str, output_fd: int) -> tuple[int, int, int]:
     """`node_agent.py run LABEL` with `output_fd` as AGENT_OUTPUT_FD: (pid, its
     stdin, its stdout). A single-threaded master forks it (the agent's code is
@@ -163,18 +159,6 @@ class LocalBackend(Backend):
 
         return [NodeSpec(LOCAL_NODE, LOCAL_HOST, machine_cpu(), machine_memory_mb(), tuple(machine_gpus()))]
 
-    def _take_spares(self, agents):
-        self._spares = list(agents)   # the job's first agents: no fork of the master for them
-
-    def _agent(self, label: str) -> AgentProcess:
-        spares = getattr(self, "_spares", [])
-        return spares.pop(0) if spares else AgentProcess(label)
-
-    def _drop_spares(self) -> None:
-        spares, self._spares = getattr(self, "_spares", []), []
-        for agent in spares:
-            agent.discard()
-
     def _prepare(self, job_dir, plan, placements):
         # The services' agents now (the ps is begun first and the workers wait for
         # it); the others' in start_ahead(), forked while the services start theirs:
@@ -184,19 +168,17 @@ class LocalBackend(Backend):
         first = [p for p in placements if p.role in services] or list(placements)
         self._later = [p for p in placements if p not in first]
         for p in first:
-            self._keep_warm(p, self._agent(f"{self._job_id}/{p.role}:{p.idx}"))
+            self._keep_warm(p, AgentProcess(f"{self._job_id}/{p.role}:{p.idx}"))
 
     def _start_ahead(self):
         later, self._later = getattr(self, "_later", []), []
         for p in later:
-            self._keep_warm(p, self._agent(f"{self._job_id}/{p.role}:{p.idx}"))
-        self._drop_spares()   # every instance has its agent: the rest go now, not with the job
+            self._keep_warm(p, AgentProcess(f"{self._job_id}/{p.role}:{p.idx}"))
 
     def _discard(self, agent):
         agent.discard()
 
     def _cleanup(self, job_dir):
-        self._drop_spares()
         reap_children(AGENT_EXIT)   # no agent of the job's left, not even a zombie
 
     def _pick_ports(self, node, count, taken):

@@ -418,6 +418,12 @@ class JobMaster:
                                       exit_code=code)
             inst.handle = None
 
+    def _recorded(self) -> None:
+        """The job's record is complete: the CLI that forked this master ends now."""
+        if self.recorded_fd >= 0:
+            os.close(self.recorded_fd)
+            self.recorded_fd = -1
+
     def _write_log_view(self) -> None:
         from paicli import jobstatus
 
@@ -755,13 +761,15 @@ class JobMaster:
         # folders: both take what they take meanwhile, and the summary reads the
         # store alone.
         self._write_log_view()
-        if self.recorded_fd >= 0:   # the CLI shows the verdict now, while the agents' exits are awaited
-            os.close(self.recorded_fd)
-            self.recorded_fd = -1
+        if self.backend.staged_folders() is None:
+            # Locally the cleanup only awaits the agents' exits: the CLI shows the verdict
+            # meanwhile. On nodes it removes the job's folders, gone once `pai` returns.
+            self._recorded()
         try:
             self.backend.cleanup(str(self.job_dir))
         except Exception:
             print_exc()
+        self._recorded()
         self._tell_watchdog("done")
         if self.watchdog and self.watchdog.stdin:
             try:

@@ -379,21 +379,23 @@ def test_the_client_imports_nothing_but_builtins(tmp_path):
                          "paicli.submit_client", "posixpath", "stat"], out
 
 
+def _after_warm_up(code: str) -> str:
+    """What `code` prints in a new interpreter once the server's warm-up has run there."""
+    return subprocess.run([sys.executable, "-c", "from paicli import submit_server\nsubmit_server.warm_up()\n" + code],
+                          capture_output=True, text=True, cwd=ROOT, check=True, timeout=DEADLINE).stdout
+
+
 def test_the_warm_up_compiles_every_frameworks_metric_patterns_for_the_masters_it_forks(pai_home):
     """A job's master compiles its framework's metric patterns (logsink.MetricParser)
     before it starts an instance: 0.5-5 ms of every served submit, unless the server's
     warm-up compiled them once for the masters forked from it."""
-    code = ("from paicli import submit_server\n"
-            "from paicli.adapters import adapter_names, get_adapter\n"
-            "from paicli.cluster import logsink\n"
-            "submit_server.warm_up()\n"
-            "before = logsink.compiled_pattern.cache_info()\n"
-            "for name in adapter_names():\n"
-            "    logsink.MetricParser(list(get_adapter(name).metric_patterns))\n"
-            "after = logsink.compiled_pattern.cache_info()\n"
-            "print(after.misses - before.misses, after.hits - before.hits, len(adapter_names()))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
-                         timeout=DEADLINE).stdout
+    out = _after_warm_up("from paicli.adapters import adapter_names, get_adapter\n"
+                         "from paicli.cluster import logsink\n"
+                         "before = logsink.compiled_pattern.cache_info()\n"
+                         "for name in adapter_names():\n"
+                         "    logsink.MetricParser(list(get_adapter(name).metric_patterns))\n"
+                         "after = logsink.compiled_pattern.cache_info()\n"
+                         "print(after.misses - before.misses, after.hits - before.hits, len(adapter_names()))\n")
     misses, hits, frameworks = map(int, out.split())
     assert frameworks >= 4 and hits >= frameworks and misses == 0, out
 
@@ -422,35 +424,27 @@ def test_the_warm_up_compiles_the_patterns_a_usual_statement_is_checked_with(pai
     (each was ~0.5-1.7 ms of a submit before its job was recorded)."""
     script = tmp_path / "train.py"
     script.write_text("print(1)\n")
-    code = ("import re._compiler as compiler\n"
-            "from paicli import submit_server\n"
-            "from paicli.client import prepare\n"
-            "from paicli.statement import parse_statement\n"
-            "submit_server.warm_up()\n"
-            "compiled = []\n"
-            "original = compiler.compile\n"
-            "compiler.compile = lambda p, flags=0: compiled.append(p) or original(p, flags)\n"
-            f"prepare(parse_statement(['-name', 'python', '-Dscript={script}', "
-            "'-Dcluster={\"ps\":{\"count\":1},\"worker\":{\"count\":2}}', "
-            "'-DuserDefinedParameters=--steps=5 --sleep=0.05']))\n"
-            "print(compiled)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=DEADLINE)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    out = _after_warm_up("import re._compiler as compiler\n"
+                         "from paicli.client import prepare\n"
+                         "from paicli.statement import parse_statement\n"
+                         "compiled = []\n"
+                         "original = compiler.compile\n"
+                         "compiler.compile = lambda p, flags=0: compiled.append(p) or original(p, flags)\n"
+                         f"prepare(parse_statement(['-name', 'python', '-Dscript={script}', "
+                         "'-Dcluster={\"ps\":{\"count\":1},\"worker\":{\"count\":2}}', "
+                         "'-DuserDefinedParameters=--steps=5 --sleep=0.05']))\n"
+                         "print(compiled)\n")
+    assert out.strip() == "[]", out
 
 
 def test_the_warm_up_looks_up_the_logview_libraries_for_the_children_it_forks(pai_home):
     """A first submit in a new PAI_HOME starts its logview server, which needs aiohttp
     and jinja2: looked up once in the server (~1.5 ms), not in every served child."""
-    code = ("from paicli import submit_server\n"
-            "from paicli.web import launch\n"
-            "submit_server.warm_up()\n"
-            "before = launch.web_libraries_present.cache_info()\n"
-            "launch.web_libraries_present()\n"
-            "after = launch.web_libraries_present.cache_info()\n"
-            "print(after.misses - before.misses, after.hits - before.hits)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
-                         timeout=DEADLINE).stdout
+    out = _after_warm_up("from paicli.web import launch\n"
+                         "before = launch.web_libraries_present.cache_info()\n"
+                         "launch.web_libraries_present()\n"
+                         "after = launch.web_libraries_present.cache_info()\n"
+                         "print(after.misses - before.misses, after.hits - before.hits)\n")
     assert out.split() == ["0", "1"], out
 
 

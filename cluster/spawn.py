@@ -98,8 +98,9 @@ class WaitingMaster:
             while not pid.endswith(b"\n") and (chunk := os.read(self._pid_fd, 32)):
                 pid += chunk
         finally:
-            if not pid.endswith(b"\n"):
-                self.close()
+            kept, self._pid_fd = (self._pid_fd, -1) if pid.endswith(b"\n") else (-1, self._pid_fd)
+            self.close()   # the intermediate child reaped; the pipe kept for take_recorded (close() closes it)
+            self._pid_fd = kept
         if not pid.endswith(b"\n"):
             raise OSError("the job's master did not start")
         return int(pid)

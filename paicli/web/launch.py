@@ -165,11 +165,11 @@ STANDBY_IN_PLACE = None
 def _spawn_standby(argv: list[str], env: dict[str, str], log: int, sock_fd: int) -> int:
     """The standby's process, in a session of its own, now: its pid and start time
     are what server.json records, and stopping it works at once. The standby
-    starts STANDBY_DELAY later (a fork that waits, then execs or, in a served child,
-    runs in place): a submit prints the
-    URL as the job's instances start, and an interpreter's start (~40 ms of a core
-    here) is what they need just then; a visit meanwhile waits in the backlog. A
-    threaded caller, where a fork is unsafe, starts it at once."""
+    starts STANDBY_DELAY later (a fork that waits, then execs or, in a served
+    child, runs in place): a submit prints the URL as the job's instances start,
+    and an interpreter's start (~40 ms of a core here) is what they need just then;
+    a visit meanwhile waits in the backlog. A threaded caller, where a fork is
+    unsafe, starts it at once."""
     import threading
 
     if threading.active_count() > 1:

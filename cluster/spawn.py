@@ -98,9 +98,9 @@ class WaitingMaster:
             while not pid.endswith(b"\n") and (chunk := os.read(self._pid_fd, 32)):
                 pid += chunk
         finally:
-            kept, self._pid_fd = (self._pid_fd, -1) if pid.endswith(b"\n") else (-1, self._pid_fd)
-            self.close()   # the intermediate child reaped; the pipe kept for take_recorded (close() closes it)
-            self._pid_fd = kept
+            self._reap_intermediate()
+            if not pid.endswith(b"\n"):
+                self.close()   # else the pipe stays, for take_recorded (or close())
         if not pid.endswith(b"\n"):
             raise OSError("the job's master did not start")
         return int(pid)
@@ -117,12 +117,15 @@ class WaitingMaster:
         if self._command_fd >= 0:
             os.close(self._command_fd)
             self._command_fd = -1
-        if self._child:
-            os.waitpid(self._child, 0)   # the intermediate child, gone as soon as it forked
-            self._child = 0
+        self._reap_intermediate()
         if self._pid_fd >= 0:
             os.close(self._pid_fd)
             self._pid_fd = -1
+
+    def _reap_intermediate(self) -> None:
+        if self._child:
+            os.waitpid(self._child, 0)   # the double fork's intermediate child, gone as soon as it forked
+            self._child = 0
 
 
 def fork_waiting_master() -> WaitingMaster | None:

@@ -4,11 +4,16 @@ traceback."""
 from __future__ import annotations
 
 import json
+import re
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from paicli import client
+from paicli.adapters.caffe import CAFFE_LINES
+from paicli.adapters.mxnet import MXNET_LINES
+from paicli.adapters.tensorflow import TF_LINES
+from paicli.cluster.logsink import MetricParser, literal_runs
 from paicli.errors import UsageError
 from paicli.statement import load_job_file, parse_statement
 
@@ -94,3 +99,33 @@ def test_a_script_path_too_long_for_the_system_is_one_line():
     with pytest.raises(UsageError) as caught:
         client.prepare(parse_statement(["-name", "python", "-Dscript=" + "x" * 300]))
     assert "\n" not in str(caught.value) and "File name too long" in str(caught.value)
+
+
+# Pieces of regular expressions: literals, classes, optional and repeated parts,
+# branches, groups, assertions and case-insensitive parts (logsink.literal_runs).
+PATTERN_PIECES = ["a", "b", "=", "ab", "a=b", "[ab]", "[^a]", "a?", "b*", "(?:a|b=)", "(?:ab)+", "(?:a=)*?",
+                  "(?i:a)", "(?i:ab)+", "\\b", "^", "$", "(?=a)", "(?!b)", "(?<!a)", "b{2}", "(?:=a){1,2}",
+                  ".", "\\s", "(a=)", "(?>ab)", "a++", "\\n"]
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.sampled_from(["", "(?i)", "(?m)"]), st.lists(st.sampled_from(PATTERN_PIECES), min_size=1, max_size=6),
+       st.text(alphabet="abAB= \n", max_size=24))
+def test_a_text_a_pattern_matches_has_all_of_its_literal_runs(flags, pieces, text):
+    pattern = flags + "".join(pieces)
+    needs = literal_runs(pattern)
+    if re.search(pattern, text, re.MULTILINE):
+        assert all(need in text for need in needs), (pattern, needs, text)
+
+
+def test_the_frameworks_lines_read_the_same_whether_reads_are_filtered_or_not():
+    """Every line captured from a real run, alone and all in one read, gives the
+    same metrics with the literal-run filter as with every pattern scanned."""
+    for table in (TF_LINES, MXNET_LINES, CAFFE_LINES):
+        patterns = [rule.pattern for rule in table if rule.pattern]
+        filtered, scanned = MetricParser(patterns), MetricParser(patterns)
+        scanned.needs = dict.fromkeys(scanned.patterns, ())
+        assert any(filtered.needs.values())
+        texts = [rule.sample + "\n" for rule in table] + ["".join(rule.sample + "\n" for rule in table)]
+        for text in texts:
+            assert filtered.parse_text(text) == scanned.parse_text(text), text

@@ -20,7 +20,6 @@ import threading
 import time
 from pathlib import Path
 from collections.abc import Callable
-from typing import NamedTuple
 
 from paicli.private import open_append_fd, write_private
 
@@ -100,9 +99,9 @@ class CappedFile:
 PAIR = re.compile(r"(?<![\w.\-])([A-Za-z_][\w.\-]*)\s*=\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])")
 
 
-class CompiledPattern(NamedTuple):
-    regex: re.Pattern
-    needs: tuple[str, ...]   # literal_runs: a text without one of them has no match
+# A metric pattern compiled, and its literal_runs: a text without one of them has
+# no match. (A namedtuple: typing is not imported on the submit's path.)
+CompiledPattern = collections.namedtuple("CompiledPattern", "regex needs")
 
 
 @functools.lru_cache(maxsize=256)
@@ -334,6 +333,15 @@ def sample_points(points: list, most: int) -> list:
     return points[len(points) - 1::-stride][::-1]
 
 
+# While the master holds the combined log (one round of its loop: a read from each
+# instance that has output), its lines are written this many bytes at a time, not
+# one write per read: in a flood of 64 instances' output that was ~7000 writes a
+# million lines, each one an inotify event that woke the attached `pai` to read a
+# few KB (bench_core.py logtail). A step's lines are a few hundred bytes: released
+# at the end of the round, a few milliseconds at most after they were read.
+HELD_BYTES = 1 << 16
+
+
 class JobLog:
     """The combined, prefixed log and the metrics found in it."""
 
@@ -348,6 +356,29 @@ class JobLog:
         self.open_lines: dict[bytes, InstanceLog] = {}
         self.live_shown: dict[bytes, bytes] = {}
         self.live_written = 0.0
+        self.held: list[bytes] | None = None   # hold() .. release(): what is not written yet
+        self.held_bytes = 0
+
+    def hold(self) -> None:
+        """Until release(), lines are written HELD_BYTES at a time."""
+        if self.held is None:
+            self.held = []
+
+    def release(self) -> None:
+        held, self.held = self.held, None
+        self.held_bytes = 0
+        if held:
+            self.file.write(b"".join(held))
+
+    def _write(self, data: bytes) -> None:
+        if self.held is None:
+            self.file.write(data)
+            return
+        self.held.append(data)
+        self.held_bytes += len(data)
+        if self.held_bytes >= HELD_BYTES:
+            self.release()
+            self.hold()
 
     def lines(self, job_id: str, role: str, idx: int, log: InstanceLog, chunk: bytes) -> None:
         """Record a chunk of complete lines (ending with a newline) of one instance."""
@@ -356,7 +387,7 @@ class JobLog:
         if not chunk:
             return
         prefix = log.prefix
-        self.file.write(prefix + chunk[:-1].replace(b"\n", b"\n" + prefix) + b"\n")
+        self._write(prefix + chunk[:-1].replace(b"\n", b"\n" + prefix) + b"\n")
         text = chunk.decode("utf-8", "replace")
         for line in text.rsplit("\n", log.tail.maxlen + 1)[-(log.tail.maxlen + 1):]:
             if line.strip():
@@ -404,9 +435,10 @@ class JobLog:
 
     def note(self, text: str) -> None:
         """A line from the launcher itself, in the same stream."""
-        self.file.write(f"[pai] {text}\n".encode())
+        self._write(f"[pai] {text}\n".encode())
 
     def close(self) -> None:
+        self.release()
         self.open_lines.clear()
         self.refresh_live(time.monotonic(), force=True)
         self.file.close()

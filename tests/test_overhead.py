@@ -298,6 +298,68 @@ def test_the_master_reads_what_a_step_printed_in_one_round_and_an_exit_at_once()
 
 
 
+def test_output_that_came_sooner_than_the_window_is_read_at_once():
+    """In a flood the master reads every pipe, then waits for the next line a few
+    microseconds: sleeping the window then left 64 writers blocked on full pipes
+    and both cores idle. Only a wait of the window or longer (a step's first line
+    after a quiet stretch) is followed by the window."""
+    import selectors
+
+    from paicli.cluster.master import COALESCE_S, ready_together
+
+    selector = selectors.DefaultSelector()
+    read_fd, write_fd = os.pipe()
+    try:
+        selector.register(read_fd, selectors.EVENT_READ, "worker:0")
+        for waited, windows in ((COALESCE_S / 10, []), (COALESCE_S, [COALESCE_S])):
+            slept = []
+            times = iter((100.0, 100.0 + waited))
+            os.write(write_fd, b"x\n")
+            # Nothing is ready at the first look (select(0)), the line is at the second.
+            looks = iter(([], [(selector.get_key(read_fd), 1)], [(selector.get_key(read_fd), 1)]))
+            selector.select = lambda timeout: next(looks)
+            ready = ready_together(selector, 30.0, sleep=slept.append, clock=lambda: next(times))
+            assert [key.data for key, _ in ready] == ["worker:0"] and slept == windows, waited
+            os.read(read_fd, 10)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def test_a_round_of_the_pump_writes_the_combined_log_once(tmp_path):
+    """One round of the master's loop reads each instance that has output once; the
+    round's lines go to job.log in one write, in the order they were read, instead
+    of one write per read: each write woke the attached `pai` (inotify) to read a
+    few KB, ~7000 times a million lines (bench_core.py logtail)."""
+    import selectors
+    from types import SimpleNamespace
+
+    from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser
+
+    jm = pumping_master(None, selectors.DefaultSelector())
+    jm.job_id = "j"
+    jm.joblog = JobLog(tmp_path / "job.log", MetricParser([]), cap=1 << 30)
+    writes = []
+    write = jm.joblog.file.write
+    jm.joblog.file.write = lambda data: writes.append(data) or write(data)
+    pipes = [os.pipe() for _ in range(3)]
+    try:
+        for idx, (read_fd, write_fd) in enumerate(pipes):
+            log = InstanceLog(tmp_path / f"w{idx}.log", f"[worker:{idx}] ", cap=1 << 30)
+            jm.selector.register(read_fd, selectors.EVENT_READ,
+                                 SimpleNamespace(role=SimpleNamespace(name="worker"), idx=idx, log=log))
+            os.write(write_fd, b"".join(b"line %d\n" % n for n in range(100)))
+        jm._pump(1.0)
+        assert len(writes) == 1
+        shown = (tmp_path / "job.log").read_bytes().splitlines()
+        assert len(shown) == 300 and {line.split(b"]")[0] for line in shown} == {b"[worker:0", b"[worker:1", b"[worker:2"}
+        assert [line for line in shown if line.startswith(b"[worker:1]")][-1] == b"[worker:1] line 99"
+    finally:
+        jm.selector.close()
+        for fd in (fd for pair in pipes for fd in pair):
+            os.close(fd)
+
+
 def test_the_coalescing_window_ends_when_a_child_exits():
     """An instance's last output is followed by its agent's exit: with the SIGCHLD
     self-pipe given, the window ends at that exit instead of running out (the job's
@@ -319,7 +381,8 @@ def test_the_coalescing_window_ends_when_a_child_exits():
         for timer in timers:
             timer.start()
         began = time.monotonic()
-        ready = ready_together(selector, 30.0, window=60.0, wake_fd=wake[0])
+        waited = iter((0.0, 60.0))   # the line came after a quiet minute: the window applies
+        ready = ready_together(selector, 30.0, window=60.0, wake_fd=wake[0], clock=lambda: next(waited))
         assert time.monotonic() - began < 30.0   # not the 60 s window: the exit ended it
         assert sorted(str(key.data) for key, _ in ready) == ["None", "worker:0"]
     finally:
@@ -338,7 +401,8 @@ def pumping_master(backend, selector=None):
 
     jm = object.__new__(master_mod.JobMaster)
     jm.selector, jm.wake_fd, jm.backend, jm.stop_timeout = selector, None, backend, 1.0
-    jm.joblog = type("Log", (), {"refresh_live": lambda self, now: None, "take_metrics": lambda self: []})()
+    jm.joblog = type("Log", (), {"refresh_live": lambda self, now: None, "take_metrics": lambda self: [],
+                                 "hold": lambda self: None, "release": lambda self: None})()
     jm.outputs = type("Outputs", (), {"flush": lambda self: None})()
     jm.metrics_due = float("inf")
     return jm

@@ -282,6 +282,32 @@ def test_job_log_prefixes_every_line_and_keeps_the_tail_and_metrics(tmp_path):
     assert len(rows) == 24
 
 
+def test_a_held_job_log_is_written_in_pieces_in_order(tmp_path):
+    from paicli.cluster.logsink import HELD_BYTES
+
+    path = tmp_path / "job.log"
+    job = JobLog(path, MetricParser([]), cap=1 << 30)
+    log = InstanceLog(tmp_path / "w.log", "[worker:0] ", cap=1 << 30)
+    job.lines("j", "worker", 0, log, log.feed(b"first\n"))
+    assert path.read_bytes() == b"[worker:0] first\n"             # not held: at once
+    job.hold()
+    job.lines("j", "worker", 0, log, log.feed(b"second\n"))
+    job.note("a note between two reads")
+    assert path.read_bytes() == b"[worker:0] first\n"             # held
+    big = b"x" * 99 + b"\n"
+    job.lines("j", "worker", 0, log, log.feed(big * (HELD_BYTES // 100 + 1)))
+    written = path.read_bytes()                                     # a piece of HELD_BYTES went
+    assert written.startswith(b"[worker:0] first\n[worker:0] second\n[pai] a note between two reads\n[worker:0] xx")
+    job.lines("j", "worker", 0, log, log.feed(b"third\n"))
+    assert path.read_bytes() == written
+    job.release()
+    assert path.read_bytes() == written + b"[worker:0] third\n"
+    job.hold()
+    job.note("job SUCCEEDED")
+    job.close()                                                     # what is held is not lost
+    assert path.read_bytes().endswith(b"[worker:0] third\n[pai] job SUCCEEDED\n")
+
+
 def test_capped_file_keeps_the_tail(tmp_path):
     f = CappedFile(tmp_path / "x.log", cap=100)
     for i in range(50):

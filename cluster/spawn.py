@@ -89,8 +89,12 @@ class WaitingMaster:
         import json
 
         pid = b""
+        umask = os.umask(0o077)
+        os.umask(umask)
+        context = {"env": dict(os.environ), "umask": umask,
+                   "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
         try:
-            os.write(self._command_fd, (json.dumps([str(home), job_id, str(log_path)]) + "\n").encode())
+            os.write(self._command_fd, (json.dumps([str(home), job_id, str(log_path), context]) + "\n").encode())
             os.close(self._command_fd)
             self._command_fd = -1
             if meanwhile is not None:
@@ -128,10 +132,29 @@ class WaitingMaster:
             self._child = 0
 
 
+_spare: WaitingMaster | None = None   # forked ahead by a submit server's spare child
+_prefault = False
+
+
+def keep_spare_master() -> None:
+    """In a submit server's spare child: its job's waiting master forked now, before
+    the statement, pre-faulted as it waits; the next fork_waiting_master() takes it."""
+    global _spare, _prefault
+    _prefault = True
+    _spare = fork_waiting_master()
+    _prefault = False
+    if _spare is not None:
+        _spare._reap_intermediate()   # gone as soon as it forked: no zombie while the spare waits
+
+
 def fork_waiting_master() -> WaitingMaster | None:
     """A WaitingMaster, or None where forking is not safe: a threaded process, an
     open store in this process (a library caller's, the console's), or
     PAI_MASTER_EXEC set; the caller then starts the master with spawn_master."""
+    global _spare
+    if _spare is not None:
+        waiting, _spare = _spare, None
+        return waiting
     store = sys.modules.get("paicli.store")   # not imported: no store can be open
 
     if _must_exec() or (store is not None and store.any_open()):
@@ -172,6 +195,10 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
         import_run_modules()   # while the CLI stages the job
     except Exception:
         pass   # said where it matters: when the master runs, in master.log
+    if _prefault:
+        from paicli.cluster.procinfo import prefault
+
+        prefault()
     store = None
     with os.fdopen(command_fd, "rb") as command:
         line = command.readline()
@@ -180,7 +207,12 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
             line = command.readline()
     if not line.endswith(b"\n"):
         return 0   # no job for it
-    home, job_id, log_path = json.loads(line)
+    home, job_id, log_path, context = json.loads(line)
+    # The submit's own: a waiting master forked ahead (a server's spare) has the server's.
+    os.environ.clear()
+    os.environ.update(context["env"])
+    os.umask(context["umask"])
+    signal.pthread_sigmask(signal.SIG_SETMASK, context["blocked"])
     try:
         # A line, and the pipe kept open: the master closes it once the job's record
         # is complete (WaitingMaster.take_recorded).

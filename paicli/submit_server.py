@@ -39,6 +39,10 @@ def _idle_seconds() -> float:
 
 
 IDLE = _idle_seconds()   # seconds without a child before the server leaves
+# A spare child is forked this long after the server has no child left (and after
+# its warm-up): it takes the next statement with no fork on that submit's path,
+# its job's waiting master forked and both of them pre-faulted already.
+SPARE_DELAY = 1.0
 # What a bare submit imports (pai.py, the CLI) beyond the master's own (spawn.import_run_modules).
 SUBMIT_MODULES = ("paicli.pai", "paicli.commands", "paicli.statement", "paicli.client", "paicli.store",
                   "paicli.progress", "paicli.plan", "paicli.jobstatus", "paicli.staging",
@@ -213,6 +217,8 @@ class Server:
         self.leaving = False
         self.traits: dict[str, object] = {}
         self.code: dict[str, tuple[int, int]] = {}
+        self.spare: tuple[int, socket.socket, int] | None = None   # (pid, our end of its socket, pidfd)
+        self.spare_due: float | None = None
 
     def take_lock(self) -> bool:
         """One server per socket: the lock file holds the pid of the one that runs."""
@@ -247,14 +253,22 @@ class Server:
         self.selector.register(listener, selectors.EVENT_READ)
         gc.freeze()   # what every child shares with this process stays shared
         log(f"serving {self.path} (pid {os.getpid()})")
+        self.spare_due = time.monotonic() + SPARE_DELAY
 
     def run(self) -> None:
         last = time.monotonic()
         while True:
-            timeout = None if self.children else max(0.0, IDLE - (time.monotonic() - last))
+            now = time.monotonic()
+            timeout = None if self.children else max(0.0, IDLE - (now - last))
+            if self.spare_due is not None and not self.children and not self.leaving:
+                timeout = max(0.0, min(timeout if timeout is not None else IDLE, self.spare_due - now))
             if self.leaving and not self.children:
                 return
             events = self.selector.select(timeout)
+            if self.spare_due is not None and time.monotonic() >= self.spare_due and not self.children \
+                    and not self.leaving:
+                self.make_spare()
+                continue
             if not events and not self.children and not self.leaving:
                 log("idle: leaving")
                 self.leave()
@@ -262,9 +276,93 @@ class Server:
             for selected, _mask in events:
                 if selected.fileobj is self.listener:
                     self.accept()
+                elif self.spare is not None and selected.fd == self.spare[2]:
+                    self.drop_spare()
                 else:
                     self.reap(selected.fd)
             last = time.monotonic()
+
+    def make_spare(self) -> None:
+        """A child forked ahead of its statement (spare_child)."""
+        self.spare_due = None
+        if self.spare is not None:
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = os.fork()
+        except OSError as err:
+            log(f"no spare: {err}")
+            ours.close()
+            theirs.close()
+            return
+        if pid == 0:
+            ours.close()
+            self.spare_child(theirs)   # never returns
+        theirs.close()
+        pidfd = os.pidfd_open(pid)
+        self.spare = (pid, ours, pidfd)
+        self.selector.register(pidfd, selectors.EVENT_READ)
+
+    def drop_spare(self) -> None:
+        """The spare ended (or is let go): reaped, and none until the next is due."""
+        pid, ours, pidfd = self.spare
+        self.spare = None
+        ours.close()
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        os.waitpid(pid, 0)
+
+    def spare_child(self, link: socket.socket) -> None:
+        """A child waiting for its statement: it forks its job's waiting master and
+        pre-faults its pages and the master's, then takes the connection and the
+        request the server read (or EOF: the server left) and is that client's child."""
+        code = 0
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self.close_inherited()
+            from paicli.cluster import spawn
+            from paicli.cluster.procinfo import prefault
+
+            spawn.keep_spare_master()
+            prefault()
+            log(f"spare pid {os.getpid()} waits")
+            import pickle
+
+            data, ancillary, _flags, _addr = link.recvmsg(16 << 20, socket.CMSG_SPACE(5 * 4))
+            if not data:
+                return
+            fds: list[int] = []
+            for level, kind, raw in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds += [int.from_bytes(raw[i:i + 4], sys.byteorder, signed=True) for i in range(0, len(raw) - 3, 4)]
+            link.close()
+            argv0, args, environ, peer = pickle.loads(data)
+            request = Request(argv0, args, environ, fds[1:], peer)
+            self.become_child(socket.socket(fileno=fds[0]), request)   # never returns
+        except BaseException as err:
+            log(f"spare failed: {type(err).__name__}: {err}")
+            code = 1
+        finally:
+            os._exit(code)
+
+    def hand_to_spare(self, conn: socket.socket, request: Request) -> bool:
+        import pickle
+
+        pid, ours, pidfd = self.spare
+        data = pickle.dumps((request.argv0, request.args, request.environ, (request.pid, request.uid, request.gid)))
+        try:
+            ours.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                   b"".join(fd.to_bytes(4, sys.byteorder, signed=True)
+                                            for fd in (conn.fileno(), *request.fds)))])
+        except OSError as err:
+            log(f"spare not reached: {err}")
+            self.drop_spare()
+            return False
+        self.spare = None
+        ours.close()
+        self.children[pidfd] = (pid, conn)   # its pidfd is registered already
+        log(f"served pid {request.pid} as {pid} (a spare)")
+        return True
 
     def leave(self) -> None:
         """Stop taking statements: the socket goes first (no new client finds it), the
@@ -290,6 +388,9 @@ class Server:
         os.close(self.lock_fd)
         self.lock_fd = -1
         self.leaving = True
+        self.spare_due = None
+        if self.spare is not None:
+            self.drop_spare()   # its link closed: it leaves, and its waiting master with it
 
     def accept(self) -> None:
         conn, _ = self.listener.accept()
@@ -308,6 +409,8 @@ class Server:
                 conn.close()
                 if reason == "code changed":
                     self.leave()
+                return
+            if self.spare is not None and self.hand_to_spare(conn, request):
                 return
             try:
                 pid = os.fork()
@@ -348,6 +451,8 @@ class Server:
         self.selector.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
+        if not self.children and not self.leaving:
+            self.spare_due = time.monotonic() + SPARE_DELAY
         if os.WIFSIGNALED(status):
             _answer(conn, f"signal {os.WTERMSIG(status)}".encode())
         else:
@@ -355,16 +460,26 @@ class Server:
         conn.close()
 
     def close_inherited(self) -> None:
-        """In a child: nothing of the server's (its socket, lock, other clients)."""
+        """In a child: nothing of the server's (its socket, lock, other clients, the
+        spare's link). Once: a spare calls it, then again as it becomes a child."""
         for pidfd, (_pid, other) in self.children.items():
             os.close(pidfd)
             other.close()
         self.children.clear()
+        if self.spare is not None:
+            _pid, ours, pidfd = self.spare
+            ours.close()
+            os.close(pidfd)
+            self.spare = None
         if self.listener is not None:
             self.listener.close()
+            self.listener = None
         if self.lock_fd >= 0:
             os.close(self.lock_fd)
-        self.selector.close()
+            self.lock_fd = -1
+        if self.selector is not None:
+            self.selector.close()
+            self.selector = None
 
     def become_child(self, conn: socket.socket, request: Request) -> None:
         code = 1

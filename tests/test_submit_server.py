@@ -34,7 +34,7 @@ p.add_argument("--show", action="store_true")
 p.add_argument("--pad", default="")
 a = p.parse_args()
 if a.show:
-    print("seen", os.environ.get("PAI_HOME"), oct(os.umask(0)), flush=True)
+    print("seen", os.environ.get("PAI_HOME"), oct(os.umask(0)), os.environ.get("SHLVL"), flush=True)
 for i in range(a.steps):
     print(f"step={i}, global_step={i}, loss={1 / (i + 1):.4f}", flush=True)
     time.sleep(a.sleep)
@@ -184,6 +184,54 @@ def test_the_served_child_takes_the_clients_folder_home_and_umask(served, client
     assert proc.returncode == 0, out + err
     assert f"seen {os.environ['PAI_HOME']} 0o27" in out
     assert served.child_of(proc.pid) > 0
+
+
+def _ours(directory: Path) -> list[int]:
+    """Every process started with this test's server folder in its environment."""
+    mark = f"PAI_SUBMIT_SERVER_DIR={directory}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and mark in Path(f"/proc/{name}/environ").read_bytes().split(b"\0") and _alive(int(name)):
+                found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_spare_child_and_master_forked_ahead_take_the_next_statement_as_the_client_gave_it(served, tmp_path):
+    """After a job the server forks a spare child, and the spare forks its job's
+    waiting master (both pre-faulted): the next statement costs no fork on its path.
+    The job still gets the client's folder, umask and environment (a variable the
+    server's key leaves out, SHLVL, included), and its master was there before it."""
+    served.start_server()
+    assert wait_until(lambda: "spare pid" in served.log(), timeout=DEADLINE), served.log()
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.Popen(["sh", "-c", 'umask 027 && exec "$@"', "sh", *PAI, "-name", "python",
+                             "-Dscript=../work.py", "-DuserDefinedParameters=--show"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=served.full_env(SHLVL="7"), cwd=work)
+    with open(f"/proc/{proc.pid}/stat", "rb") as f:
+        client_start = int(f.read().rsplit(b")", 1)[1].split()[19])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert f"seen {os.environ['PAI_HOME']} 0o27 7" in out
+    assert re.search(rf"served pid {proc.pid} as \d+ \(a spare\)", served.log()), served.log()
+    import sqlite3
+
+    with sqlite3.connect(Path(os.environ["PAI_HOME"]) / "pai.db") as db:
+        master_start = int(db.execute("SELECT master_start FROM jobs WHERE id = ?", (job_id_from(out),)).fetchone()[0])
+    assert master_start < client_start   # forked ahead, not by this submit
+
+
+def test_a_spare_and_its_waiting_master_leave_with_the_server(served):
+    server = served.start_server()
+    assert wait_until(lambda: "spare pid" in served.log(), timeout=DEADLINE), served.log()
+    spare = int(re.search(r"spare pid (\d+) waits", served.log()).group(1))
+    assert wait_until(lambda: len(_ours(served.directory)) >= 3, timeout=DEADLINE)   # server, spare, its master
+    assert spare in _ours(served.directory)
+    os.kill(server, signal.SIGKILL)
+    assert wait_until(lambda: not _ours(served.directory), timeout=DEADLINE), _ours(served.directory)
 
 
 def test_a_different_process_is_declined_and_submits_cold(served, client):

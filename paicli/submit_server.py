@@ -328,7 +328,7 @@ class Server:
             log(f"spare pid {os.getpid()} waits")
             import pickle
 
-            data, ancillary, _flags, _addr = link.recvmsg(16 << 20, socket.CMSG_SPACE(5 * 4))
+            data, ancillary, _flags, _addr = link.recvmsg(4 << 20, socket.CMSG_SPACE(5 * 4))
             if not data:
                 return
             fds: list[int] = []

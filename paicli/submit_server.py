@@ -218,6 +218,7 @@ class Server:
         self.traits: dict[str, object] = {}
         self.code: dict[str, tuple[int, int]] = {}
         self.spare: tuple[int, socket.socket, int] | None = None   # (pid, our end of its socket, pidfd)
+        self.spare_ready = False   # it said so: a statement handed to it waits for nothing
         self.spare_due: float | None = None
 
     def take_lock(self) -> bool:
@@ -276,10 +277,15 @@ class Server:
             for selected, _mask in events:
                 if selected.fileobj is self.listener:
                     self.accept()
+                elif selected.fd in self.children:
+                    self.reap(selected.fd)
+                elif self.spare is not None and selected.fd == self.spare[1].fileno():
+                    self.spare_ready = self.spare[1].recv(16) == b"ready"
+                    if not self.spare_ready:
+                        self.drop_spare()   # it ended (EOF) or said something else
                 elif self.spare is not None and selected.fd == self.spare[2]:
                     self.drop_spare()
-                else:
-                    self.reap(selected.fd)
+                # else: the other event of a spare dropped in this round
             last = time.monotonic()
 
     def make_spare(self) -> None:
@@ -301,12 +307,15 @@ class Server:
         theirs.close()
         pidfd = os.pidfd_open(pid)
         self.spare = (pid, ours, pidfd)
+        self.spare_ready = False
         self.selector.register(pidfd, selectors.EVENT_READ)
+        self.selector.register(ours, selectors.EVENT_READ)
 
     def drop_spare(self) -> None:
         """The spare ended (or is let go): reaped, and none until the next is due."""
         pid, ours, pidfd = self.spare
-        self.spare = None
+        self.spare, self.spare_ready = None, False
+        self.selector.unregister(ours)
         ours.close()
         self.selector.unregister(pidfd)
         os.close(pidfd)
@@ -325,6 +334,7 @@ class Server:
 
             spawn.keep_spare_master()
             prefault()
+            link.sendall(b"ready")
             log(f"spare pid {os.getpid()} waits")
             import pickle
 
@@ -358,7 +368,8 @@ class Server:
             log(f"spare not reached: {err}")
             self.drop_spare()
             return False
-        self.spare = None
+        self.spare, self.spare_ready = None, False
+        self.selector.unregister(ours)
         ours.close()
         self.children[pidfd] = (pid, conn)   # its pidfd is registered already
         log(f"served pid {request.pid} as {pid} (a spare)")
@@ -410,7 +421,7 @@ class Server:
                 if reason == "code changed":
                     self.leave()
                 return
-            if self.spare is not None and self.hand_to_spare(conn, request):
+            if self.spare is not None and self.spare_ready and self.hand_to_spare(conn, request):
                 return
             try:
                 pid = os.fork()

@@ -234,6 +234,20 @@ def test_a_spare_and_its_waiting_master_leave_with_the_server(served):
     assert wait_until(lambda: not _ours(served.directory), timeout=DEADLINE), _ours(served.directory)
 
 
+def test_a_spare_that_died_is_dropped_and_the_statement_gets_a_fork(served):
+    server = served.start_server()
+    assert wait_until(lambda: "spare pid" in served.log(), timeout=DEADLINE), served.log()
+    spare = int(re.search(r"spare pid (\d+) waits", served.log()).group(1))
+    os.kill(spare, signal.SIGKILL)
+    assert wait_until(lambda: not _alive(spare), timeout=DEADLINE)
+    proc = _start(served)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert served.child_of(proc.pid) != spare
+    assert f"served pid {proc.pid} as " in served.log() and "(a spare)" not in served.log(), served.log()
+    assert served.server_pids() == [server]
+
+
 def test_a_different_process_is_declined_and_submits_cold(served, client):
     served.start_server()
     proc = subprocess.Popen(["nice", "-n", "3", *client, *served.statement()],

@@ -95,8 +95,8 @@ def ready_together(selector, timeout: float, window: float = COALESCE_S, sleep=t
         ready = selector.select(timeout)
     except InterruptedError:
         return []
-    if ready and window > 0 and clock() - began >= window and all(key.data is not None and not isinstance(key.data, AgentFrames)
-                                    for key, _ in ready):
+    if ready and window > 0 and clock() - began >= window \
+            and all(key.data is not None and not isinstance(key.data, AgentFrames) for key, _ in ready):
         if wake_fd is None:
             sleep(window)
         else:

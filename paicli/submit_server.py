@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import marshal
 import os
 import selectors
 import signal
@@ -312,12 +313,18 @@ class Server:
         self.selector.register(ours, selectors.EVENT_READ)
 
     def drop_spare(self) -> None:
-        """The spare ended (or is let go): reaped, and none until the next is due."""
+        """The spare ended, or is let go (SIGKILL through its pidfd: it holds no job
+        yet, and its waiting master leaves at the EOF of its command pipe); reaped,
+        and none until the next is due."""
         pid, ours, pidfd = self.spare
         self.spare, self.spare_ready = None, False
         self.selector.unregister(ours)
         ours.close()
         self.selector.unregister(pidfd)
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass   # ended already
         os.close(pidfd)
         os.waitpid(pid, 0)
 
@@ -336,8 +343,6 @@ class Server:
             prefault()
             link.sendall(b"ready")
             log(f"spare pid {os.getpid()} waits")
-            import pickle
-
             data, ancillary, _flags, _addr = link.recvmsg(4 << 20, socket.CMSG_SPACE(5 * 4))
             if not data:
                 return
@@ -346,7 +351,7 @@ class Server:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds += [int.from_bytes(raw[i:i + 4], sys.byteorder, signed=True) for i in range(0, len(raw) - 3, 4)]
             link.close()
-            argv0, args, environ, peer = pickle.loads(data)
+            argv0, args, environ, peer = marshal.loads(data)
             request = Request(argv0, args, environ, fds[1:], peer)
             self.become_child(socket.socket(fileno=fds[0]), request)   # never returns
         except BaseException as err:
@@ -356,10 +361,11 @@ class Server:
             os._exit(code)
 
     def hand_to_spare(self, conn: socket.socket, request: Request) -> bool:
-        import pickle
-
+        """The request to the ready spare (marshal: a builtin module, and a socket pair
+        between this process and its own child), the connection and the client's
+        descriptors with it; False when it cannot be reached (it is dropped)."""
         pid, ours, pidfd = self.spare
-        data = pickle.dumps((request.argv0, request.args, request.environ, (request.pid, request.uid, request.gid)))
+        data = marshal.dumps((request.argv0, request.args, request.environ, (request.pid, request.uid, request.gid)))
         try:
             ours.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                    b"".join(fd.to_bytes(4, sys.byteorder, signed=True)
@@ -472,7 +478,8 @@ class Server:
 
     def close_inherited(self) -> None:
         """In a child: nothing of the server's (its socket, lock, other clients, the
-        spare's link). Once: a spare calls it, then again as it becomes a child."""
+        spare's link). Safe twice: a spare calls it as it starts and as it becomes
+        a client's child."""
         for pidfd, (_pid, other) in self.children.items():
             os.close(pidfd)
             other.close()

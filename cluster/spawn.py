@@ -133,24 +133,22 @@ class WaitingMaster:
 
 
 _spare: WaitingMaster | None = None   # forked ahead by a submit server's spare child
-_prefault = False
 
 
 def keep_spare_master() -> None:
     """In a submit server's spare child: its job's waiting master forked now, before
     the statement, pre-faulted as it waits; the next fork_waiting_master() takes it."""
-    global _spare, _prefault
-    _prefault = True
-    _spare = fork_waiting_master()
-    _prefault = False
+    global _spare
+    _spare = fork_waiting_master(prefault=True)
     if _spare is not None:
         _spare._reap_intermediate()   # gone as soon as it forked: no zombie while the spare waits
 
 
-def fork_waiting_master() -> WaitingMaster | None:
+def fork_waiting_master(prefault: bool = False) -> WaitingMaster | None:
     """A WaitingMaster, or None where forking is not safe: a threaded process, an
     open store in this process (a library caller's, the console's), or
-    PAI_MASTER_EXEC set; the caller then starts the master with spawn_master."""
+    PAI_MASTER_EXEC set; the caller then starts the master with spawn_master.
+    `prefault`: it pre-faults its pages as it waits (a spare, forked ahead)."""
     global _spare
     if _spare is not None:
         waiting, _spare = _spare, None
@@ -165,7 +163,7 @@ def fork_waiting_master() -> WaitingMaster | None:
         fds += [command_r, command_w]
         pid_r, pid_w = os.pipe()
         fds += [pid_r, pid_w]
-        child = _double_fork((command_w, pid_r), lambda: _wait_for_job(command_r, pid_w))
+        child = _double_fork((command_w, pid_r), lambda: _wait_for_job(command_r, pid_w, prefault))
     except OSError:
         for fd in fds:   # no fork (EAGAIN) or no pipe (EMFILE): the submit starts its master as before
             os.close(fd)
@@ -175,7 +173,7 @@ def fork_waiting_master() -> WaitingMaster | None:
     return WaitingMaster(command_w, pid_r, child)
 
 
-def _wait_for_job(command_fd: int, pid_fd: int) -> int:
+def _wait_for_job(command_fd: int, pid_fd: int, prefault: bool = False) -> int:
     """The waiting master: nothing of the CLI's kept (its terminal, its pipes), the
     master's modules imported, then perhaps ["store", home] (the CLI has the store
     open: the master's own connection is opened now), then one line, [home,
@@ -195,10 +193,10 @@ def _wait_for_job(command_fd: int, pid_fd: int) -> int:
         import_run_modules()   # while the CLI stages the job
     except Exception:
         pass   # said where it matters: when the master runs, in master.log
-    if _prefault:
-        from paicli.cluster.procinfo import prefault
+    if prefault:
+        from paicli.cluster import procinfo
 
-        prefault()
+        procinfo.prefault()
     store = None
     with os.fdopen(command_fd, "rb") as command:
         line = command.readline()

@@ -165,12 +165,18 @@ class Request:
         self.pid, self.uid, self.gid = peer
 
 
-def read_request(conn: socket.socket) -> Request:
-    data, ancillary, _flags, _addr = conn.recvmsg(65536, socket.CMSG_SPACE(4 * 4))
+def _received_fds(ancillary) -> list[int]:
+    """The descriptors an SCM_RIGHTS message brought (recvmsg's ancillary data)."""
     fds: list[int] = []
     for level, kind, raw in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds += [int.from_bytes(raw[i:i + 4], sys.byteorder, signed=True) for i in range(0, len(raw) - 3, 4)]
+    return fds
+
+
+def read_request(conn: socket.socket) -> Request:
+    data, ancillary, _flags, _addr = conn.recvmsg(65536, socket.CMSG_SPACE(4 * 4))
+    fds = _received_fds(ancillary)
     try:
         while len(data) < 4:
             more = conn.recv(65536)
@@ -346,10 +352,7 @@ class Server:
             data, ancillary, _flags, _addr = link.recvmsg(4 << 20, socket.CMSG_SPACE(5 * 4))
             if not data:
                 return
-            fds: list[int] = []
-            for level, kind, raw in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds += [int.from_bytes(raw[i:i + 4], sys.byteorder, signed=True) for i in range(0, len(raw) - 3, 4)]
+            fds = _received_fds(ancillary)
             link.close()
             argv0, args, environ, peer = marshal.loads(data)
             request = Request(argv0, args, environ, fds[1:], peer)

@@ -195,6 +195,9 @@ def _wait_for_job(command_fd: int, pid_fd: int, prefault: bool = False) -> int:
         pass   # said where it matters: when the master runs, in master.log
     if prefault:
         from paicli.cluster import procinfo
+        from paicli.cluster.backends import local
+
+        local.fork_agents_ahead()   # before the pre-fault: the master's pages are its own after it
 
         procinfo.prefault()
     store = None

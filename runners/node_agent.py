@@ -181,6 +181,7 @@ class Instance:
         self.files = None               # node_outputs.Watch: the folders whose files go back
 
     def start(self) -> bool:
+        self._take_process_state()
         env = instance_env(self.spec)
         if self.spec.get("output_fd") is not None:
             write_fd, self.output_open = int(self.spec["output_fd"]), False   # the master reads it itself
@@ -217,6 +218,23 @@ class Instance:
             self.out.flush()
             self.files = _outputs_room().Watch(watch, since_ns=began - CLOCK_SLACK_NS)
         return True
+
+    def _take_process_state(self) -> None:
+        """A local agent forked before its job (cluster/backends/local.py,
+        ahead_spec): the master's umask, signal mask and log, as a fork of the
+        master now would have them; the instance inherits the first two."""
+        spec = self.spec
+        if "umask" in spec:
+            os.umask(int(spec["umask"]))
+        if "sigmask" in spec:
+            signal.pthread_sigmask(signal.SIG_SETMASK, [int(s) for s in spec["sigmask"]])
+        if spec.get("stderr"):
+            try:
+                fd = os.open(spec["stderr"], os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0))
+            except OSError:
+                return
+            os.dup2(fd, 2)
+            os.close(fd)
 
     def _catch_signals(self) -> None:
         """The agent's own dispositions back to the defaults, so that the instance

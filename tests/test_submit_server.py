@@ -34,7 +34,12 @@ p.add_argument("--show", action="store_true")
 p.add_argument("--pad", default="")
 a = p.parse_args()
 if a.show:
-    print("seen", os.environ.get("PAI_HOME"), oct(os.umask(0)), os.environ.get("SHLVL"), flush=True)
+    import signal
+    blocked = ",".join(str(int(s)) for s in sorted(signal.pthread_sigmask(signal.SIG_BLOCK, ())))
+    with open(f"/proc/{os.getppid()}/stat", "rb") as f:   # its agent's start time
+        agent_start = f.read().rsplit(b")", 1)[1].split()[19].decode()
+    print("seen", os.environ.get("PAI_HOME"), oct(os.umask(0)), os.environ.get("SHLVL"), f"blocked={blocked}",
+          f"cwd={os.getcwd()}", f"agent={os.getppid()}@{agent_start}", flush=True)
 for i in range(a.steps):
     print(f"step={i}, global_step={i}, loss={1 / (i + 1):.4f}", flush=True)
     time.sleep(a.sleep)
@@ -199,29 +204,51 @@ def _ours(directory: Path) -> list[int]:
     return found
 
 
+def _agents(directory: Path) -> list[int]:
+    """The node agents among _ours: forked ahead by a spare's waiting master."""
+    found = []
+    for pid in _ours(directory):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "pai-node-agent":
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
 def test_a_spare_child_and_master_forked_ahead_take_the_next_statement_as_the_client_gave_it(served, tmp_path):
     """After a job the server forks a spare child, and the spare forks its job's
-    waiting master (both pre-faulted): the next statement costs no fork on its path.
-    The job still gets the client's folder, umask and environment (a variable the
-    server's key leaves out, SHLVL, included), and its master was there before it."""
+    waiting master, which forks the first node agents (all pre-faulted or waiting):
+    the next statement costs no fork on its path. The job still gets the client's
+    folder, umask, blocked signals and environment (a variable the server's key
+    leaves out, SHLVL, included); its master and its instance's agent were there
+    before it, and the agents no instance took leave with the job."""
     served.start_server()
     assert wait_until(lambda: "spare pid" in served.log(), timeout=DEADLINE), served.log()
+    assert wait_until(lambda: len(_agents(served.directory)) == 3, timeout=DEADLINE), _agents(served.directory)
+    ahead = _agents(served.directory)
     work = tmp_path / "work"
     work.mkdir()
     proc = subprocess.Popen(["sh", "-c", 'umask 027 && exec "$@"', "sh", *PAI, "-name", "python",
                              "-Dscript=../work.py", "-DuserDefinedParameters=--show"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=served.full_env(SHLVL="7"), cwd=work)
+                            stderr=subprocess.PIPE, text=True, env=served.full_env(SHLVL="7"), cwd=work,
+                            preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2}))
     with open(f"/proc/{proc.pid}/stat", "rb") as f:
         client_start = int(f.read().rsplit(b")", 1)[1].split()[19])
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, out + err
-    assert f"seen {os.environ['PAI_HOME']} 0o27 7" in out
+    assert f"seen {os.environ['PAI_HOME']} 0o27 7 blocked={int(signal.SIGUSR2)} cwd={work} " in out
+    agent, agent_start = re.search(r"agent=(\d+)@(\d+)", out).groups()
+    assert int(agent) in ahead and int(agent_start) < client_start   # forked ahead, not by this submit
     assert re.search(rf"served pid {proc.pid} as \d+ \(a spare\)", served.log()), served.log()
     import sqlite3
 
     with sqlite3.connect(Path(os.environ["PAI_HOME"]) / "pai.db") as db:
         master_start = int(db.execute("SELECT master_start FROM jobs WHERE id = ?", (job_id_from(out),)).fetchone()[0])
-    assert master_start < client_start   # forked ahead, not by this submit
+    assert master_start < client_start
+    # One instance took one agent; the two it left read EOF and are gone with the job.
+    assert wait_until(lambda: not set(ahead) & set(_ours(served.directory)), timeout=DEADLINE), \
+        set(ahead) & set(_ours(served.directory))
 
 
 def test_a_spare_and_its_waiting_master_leave_with_the_server(served):

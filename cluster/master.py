@@ -202,7 +202,7 @@ class JobMaster:
         self.wake_fd = wake_r
         self.store.update_job(self.job_id, master_pid=os.getpid(), master_start=start_time(os.getpid()))
         if self.backend.name != "local":
-            from paicli.cluster.backends.local import discard_agents_ahead
+            from paicli.cluster.agents_ahead import discard_agents_ahead
 
             discard_agents_ahead()   # forked as this master waited (a spare's): the job's nodes run its agents
         waited_out = self._wait_in_queue()

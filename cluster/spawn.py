@@ -194,10 +194,16 @@ def _wait_for_job(command_fd: int, pid_fd: int, prefault: bool = False) -> int:
     except Exception:
         pass   # said where it matters: when the master runs, in master.log
     if prefault:
-        from paicli.cluster import procinfo
-        from paicli.cluster.backends import local
+        import importlib
 
-        local.fork_agents_ahead()   # before the pre-fault: the master's pages are its own after it
+        from paicli.cluster import procinfo
+        from paicli.cluster.backends import BACKENDS
+
+        # The local backend's first agents, before the pre-fault: the master's pages are its own after it.
+        try:
+            importlib.import_module(BACKENDS["local"].partition(":")[0]).fork_agents_ahead()
+        except OSError:
+            pass   # no fork now (EAGAIN) or no pipe (EMFILE): the job forks its agents as before
 
         procinfo.prefault()
     store = None

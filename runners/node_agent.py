@@ -220,19 +220,12 @@ class Instance:
         return True
 
     def _take_process_state(self) -> None:
-        """A local agent forked before its job (cluster/backends/local.py,
-        ahead_spec): the master's umask, signal mask and log, as a fork of the
-        master now would have them; the instance inherits the first two."""
-        spec = self.spec
-        if "umask" in spec:
-            os.umask(int(spec["umask"]))
-        if "sigmask" in spec:
-            signal.pthread_sigmask(signal.SIG_SETMASK, [int(s) for s in spec["sigmask"]])
-        if spec.get("stderr"):
-            try:
-                fd = os.open(spec["stderr"], os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0))
-            except OSError:
-                return
+        """Forked before its job (cluster/agents_ahead.py): the master's umask, mask, log."""
+        if "umask" in self.spec:
+            os.umask(int(self.spec["umask"]))
+            signal.pthread_sigmask(signal.SIG_SETMASK, [int(s) for s in self.spec["sigmask"]])
+        if self.spec.get("stderr"):
+            fd = os.open(self.spec["stderr"], os.O_WRONLY | os.O_APPEND)
             os.dup2(fd, 2)
             os.close(fd)
 

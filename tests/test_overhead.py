@@ -505,30 +505,31 @@ def test_a_closed_local_agent_is_reaped_later_not_waited_for():
 
 
 def test_an_agent_forked_ahead_that_died_is_passed_over_and_the_unused_ones_leave():
-    """local.fork_agents_ahead: new_agent takes the first that still waits (one
+    """local.fork_agents_ahead: agents_ahead.take gives the first that still waits (one
     killed meanwhile is reaped, never handed a spec); discard_agents_ahead sends the
     rest EOF, and they exit by themselves."""
     import signal
 
-    from paicli.cluster.backends import local
+    from paicli.cluster import agents_ahead
+    from paicli.cluster.backends.local import fork_agents_ahead
     from paicli.cluster.procinfo import reap_children
 
-    local.fork_agents_ahead(3)
+    fork_agents_ahead(3)
     try:
-        first, second, third = local._AHEAD
+        first, second, third = agents_ahead._AHEAD
         assert all(a.ahead for a in (first, second, third))
         os.kill(first.pid, signal.SIGKILL)
         assert wait_until(lambda: _state(first.pid) in ("Z", None), timeout=30)
-        taken = local.new_agent("job/worker:0")
-        assert taken is second and local._AHEAD == [third]
+        taken = agents_ahead.take()
+        assert taken is second and agents_ahead._AHEAD == [third]
         assert _state(first.pid) is None   # reaped, not a zombie
-        local.discard_agents_ahead()
-        assert local._AHEAD == []
+        agents_ahead.discard_agents_ahead()
+        assert agents_ahead._AHEAD == []
         taken.discard()
         reap_children(30)
         assert second.exit_code == 0 and third.exit_code == 0   # EOF: "never used"
     finally:
-        local.discard_agents_ahead()
+        agents_ahead.discard_agents_ahead()
         reap_children(5)
 
 

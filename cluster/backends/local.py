@@ -5,10 +5,7 @@ host or a Ray node; the transport is the agent's stdin and stdout, and the
 master reads the agent's frames straight from that pipe (cluster/agent_link.py).
 A dead master closes the agent's stdin, and the agent stops the instance's
 group. The agents are started by prepare(), ahead of the instances, so a start
-is one round trip on a pipe, not a new interpreter. A master forked ahead of its
-job (the submit server's spare) forks its first AGENTS_AHEAD agents as it waits
-(fork_agents_ahead): a fork of the master and the copy-on-write faults it costs
-the master after are then paid before the job, not as its instances start.
+is one round trip on a pipe, not a new interpreter.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import sys
 import threading
 
 from paicli.cluster.backends.base import Backend, NodeSpec
+from paicli.cluster import agents_ahead
 from paicli.cluster.procinfo import let_go_inherited, reap_children, reap_later
 
 # The agent's code (runners/, beside cluster/ in the source tree and in the installed
@@ -39,7 +37,6 @@ F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 # the kernel behind other instances' lines (the display delay).
 PIPE_BYTES = 4096
 AGENT_OUTPUT_FD = 3        # where a forked agent finds the instance's output pipe
-AGENTS_AHEAD = 3           # agents a master forked ahead forks as it waits: a ps and two workers
 
 
 class AgentProcess:
@@ -49,7 +46,7 @@ class AgentProcess:
     reads, as if it were the master's own child."""
 
     def __init__(self, label: str, ahead: bool = False):
-        self.ahead = ahead   # forked before the job: its spec says what the master's process has now
+        self.ahead = ahead   # forked before its job (cluster/agents_ahead.py)
         self.output_fd, out_w = os.pipe()
         try:
             fcntl.fcntl(self.output_fd, F_SETPIPE_SZ, PIPE_BYTES)
@@ -64,13 +61,6 @@ class AgentProcess:
 
     def fileno(self) -> int:
         return self._out
-
-    def waiting(self) -> bool:
-        """Whether the agent is still there (one forked ahead may wait for long)."""
-        try:
-            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
-        except ChildProcessError:
-            return False
 
     def send(self, data: bytes) -> None:
         view = memoryview(data)
@@ -106,64 +96,10 @@ class AgentProcess:
         os.close(self.output_fd)
 
 
-_AHEAD: list[AgentProcess] = []
-
-
-def fork_agents_ahead(count: int = AGENTS_AHEAD) -> None:
-    """In a master forked ahead of its job, before it pre-faults its pages: the
-    first agents, forked now and waiting for their specs (new_agent takes them).
-    The job's environment, folder, umask and signal mask are not known yet: their
-    specs carry them (ahead_spec). Unused ones leave at EOF (discard_agents_ahead)."""
-    try:
-        for _ in range(count):
-            _AHEAD.append(AgentProcess("ahead", ahead=True))
-    except OSError:
-        pass   # no fork now (EAGAIN) or no pipe (EMFILE): the job forks its own as before
-
-
-def new_agent(label: str) -> AgentProcess:
-    """An agent for the next instance: one forked ahead that still waits, else a new one."""
-    while _AHEAD:
-        agent = _AHEAD.pop(0)
-        if agent.waiting():
-            return agent
-        agent.discard()   # gone meanwhile (killed): reaped, never handed a spec
-    return AgentProcess(label)
-
-
-def discard_agents_ahead() -> None:
-    """The agents forked ahead that no instance took (a job of fewer instances, or
-    not on this machine): they read EOF and leave; reaped with the job's."""
-    while _AHEAD:
-        _AHEAD.pop().discard()
-
-
-def ahead_spec(spec: dict) -> dict:
-    """`spec` for an agent forked before the job: what an agent forked now would
-    have from the master's process, said in it (the agent applies it)."""
-    extra = {"cwd": spec.get("cwd") or os.getcwd(), "umask": _own_umask(),
-             "sigmask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ()))}
-    try:
-        log = os.readlink("/proc/self/fd/2")   # the master's log: where an agent's traceback goes
-        if log.startswith("/"):
-            extra["stderr"] = log
-    except OSError:
-        pass
-    return {**spec, **extra}
-
-
-def _own_umask() -> int:
-    """This process's umask, read without setting it (/proc; os.umask otherwise)."""
-    try:
-        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
+def fork_agents_ahead(count: int = agents_ahead.AGENTS_AHEAD) -> None:
+    """In a waiting master, before its pre-fault: the first agents (cluster/agents_ahead.py)."""
+    for _ in range(count):
+        agents_ahead.keep(AgentProcess("ahead", ahead=True))
 
 
 def _spawn_agent(label: str, output_fd: int) -> tuple[int, int, int]:
@@ -240,18 +176,18 @@ class LocalBackend(Backend):
         first = [p for p in placements if p.role in services] or list(placements)
         self._later = [p for p in placements if p not in first]
         for p in first:
-            self._keep_warm(p, new_agent(f"{self._job_id}/{p.role}:{p.idx}"))
+            self._keep_warm(p, agents_ahead.take() or AgentProcess(f"{self._job_id}/{p.role}:{p.idx}"))
 
     def _start_ahead(self):
         later, self._later = getattr(self, "_later", []), []
         for p in later:
-            self._keep_warm(p, new_agent(f"{self._job_id}/{p.role}:{p.idx}"))
+            self._keep_warm(p, agents_ahead.take() or AgentProcess(f"{self._job_id}/{p.role}:{p.idx}"))
 
     def _discard(self, agent):
         agent.discard()
 
     def _cleanup(self, job_dir):
-        discard_agents_ahead()
+        agents_ahead.discard_agents_ahead()
         reap_children(AGENT_EXIT)   # no agent of the job's left, not even a zombie
 
     def _pick_ports(self, node, count, taken):
@@ -262,10 +198,9 @@ class LocalBackend(Backend):
     def _begin_start(self, placed, spec, sink):
         # The spec goes down the agent's pipe now; its identity is read when asked
         # for: the agents start their instances while the master sends the next spec.
-        agent = self._take_warm(placed) or new_agent(f"{spec['env'].get('PAI_JOB_ID', 'job')}/"
-                                                     f"{placed.role}:{placed.idx}")
-        if agent.ahead:
-            spec = ahead_spec(spec)
+        agent = self._take_warm(placed) or agents_ahead.take() or \
+            AgentProcess(f"{spec['env'].get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}")
+        spec = agents_ahead.ahead_spec(spec) if agent.ahead else spec
         from paicli.cluster import agent_link
 
         starting = agent_link.send_spec(agent, spec, sink)

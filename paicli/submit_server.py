@@ -346,9 +346,10 @@ class Server:
             from paicli.cluster.procinfo import prefault
 
             spawn.keep_spare_master()
+            standby = keep_standby_ahead(link)
             prefault()
             link.sendall(b"ready")
-            log(f"spare pid {os.getpid()} waits")
+            log(f"spare pid {os.getpid()} waits" + (f" (standby ahead {standby})" if standby else ""))
             data, ancillary, _flags, _addr = link.recvmsg(4 << 20, socket.CMSG_SPACE(5 * 4))
             if not data:
                 return
@@ -583,11 +584,80 @@ def _become(conn: socket.socket, request: Request, status: dict[str, str]) -> No
     from paicli.web import launch
 
     launch.STANDBY_IN_PLACE = _standby_in_place   # a logview standby forked from here needs no interpreter
+    launch.STANDBY_AHEAD = hand_standby           # ... or none at all: the spare forked it ahead
     pidfd = os.pidfd_open(os.getpid())
     try:
         conn.sendmsg([b"ok\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder, signed=True))])
     finally:
         os.close(pidfd)
+
+
+_standby: tuple[int, socket.socket] | None = None   # a spare's logview standby, forked ahead
+
+
+def keep_standby_ahead(link: socket.socket) -> int | None:
+    """In a spare, before its pre-fault: the logview standby a statement in a new
+    PAI_HOME forks (web.launch), forked now; it waits for its socket and log
+    (hand_standby). Unused (the home has its server, the log view is a file), it
+    reads EOF as the served child ends, and leaves. Its pid, or None (file mode)."""
+    global _standby
+    from paicli.web import launch
+
+    if launch.mode() == "file":
+        return None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        link.close()   # the spare's own link: the server must see the spare's EOF, not ours
+        _standby_waits(theirs)   # never returns
+    theirs.close()
+    _standby = (pid, ours)
+    os.register_at_fork(after_in_child=lambda: ours.close())   # a later fork holds no link to it
+    return pid
+
+
+def hand_standby(argv: list[str], env: dict[str, str], log: int, sock_fd: int) -> int | None:
+    """web.launch's standby started by the one forked ahead: its pid; None when there
+    is none (or it cannot be reached), and the caller forks."""
+    global _standby
+    if _standby is None:
+        return None
+    (pid, ours), _standby = _standby, None
+    try:
+        ours.sendmsg([marshal.dumps((argv, env))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                     b"".join(fd.to_bytes(4, sys.byteorder, signed=True)
+                                                              for fd in (sock_fd, log)))])
+        return pid
+    except OSError:
+        return None
+    finally:
+        ours.close()
+
+
+def _standby_waits(link: socket.socket) -> None:
+    """The standby forked ahead: it waits for its argv, environment, socket and log,
+    then goes on as web.launch's forked standby does (its own session, then in place)."""
+    code = 0
+    try:
+        from paicli.cluster.procinfo import let_go_inherited
+
+        let_go_inherited(keep=(link.fileno(),))   # the waiting master's pipes, the spare's link
+        data, ancillary, _flags, _addr = link.recvmsg(1 << 20, socket.CMSG_SPACE(2 * 4))
+        if not data:
+            return   # none wanted: the served child ended
+        sock_fd, log_fd = _received_fds(ancillary)
+        link.close()
+        argv, env = marshal.loads(data)
+        argv[argv.index("--fd") + 1] = str(sock_fd)   # the socket's number here, not in the served child
+        from paicli.web import launch
+
+        launch.STANDBY_IN_PLACE = _standby_in_place
+        launch._standby_child(argv, env, os.open(os.devnull, os.O_RDONLY), log_fd, sock_fd)   # never returns
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)
 
 
 def _standby_in_place(argv: list[str], env: dict[str, str]) -> None:

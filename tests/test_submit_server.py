@@ -573,9 +573,20 @@ def test_a_bench_stops_the_server_its_first_submit_started(served):
     assert not served.directory.exists()
 
 
+def _standby_ahead(served, skip: int = 0) -> int:
+    """The pid of the logview standby the server's spare forked ahead (the first
+    `skip` spares' passed over), once one is ready."""
+    found = wait_until(lambda: (re.findall(r"waits \(standby ahead (\d+)\)", served.log()) + [None] * (skip + 1))[skip],
+                       timeout=DEADLINE)
+    assert found, served.log()
+    return int(found)
+
+
 def test_a_served_submits_logview_standby_runs_in_place_and_serves_the_page(served, tmp_path):
-    """A served submit's logview standby is a fork of the served child that runs the
-    standby without starting an interpreter; the page it serves is the job's."""
+    """A served submit's logview standby is a process of the served child's (here the
+    one its spare forked ahead, before the statement came) that runs the standby
+    without starting an interpreter; the page it serves is the job's. A spare's
+    standby that no statement takes (the home has its server) leaves with the job."""
     import json
     import urllib.request
 
@@ -585,21 +596,48 @@ def test_a_served_submits_logview_standby_runs_in_place_and_serves_the_page(serv
         first = pai(*served.statement(), env={**served.env, "PAI_HOME": str(homes[0])})
         assert first.returncode == 0, first.stdout + first.stderr
         assert wait_until(lambda: "serving" in served.log(), timeout=DEADLINE), served.log()
+        ahead = _standby_ahead(served)
         proc = subprocess.Popen([*PAI, *served.statement()], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=served.full_env(PAI_HOME=str(homes[1])))
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            client_start = int(f.read().rsplit(b")", 1)[1].split()[19])
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, out + err
         assert served.child_of(proc.pid) > 0
         url = next(line[len("Log view: "):] for line in out.splitlines() if line.startswith("Log view: http"))
         state = json.loads((homes[1] / "logview" / "server.json").read_text())
+        assert state["pid"] == ahead and int(state["start"]) < client_start   # forked before the statement
         assert b"paicli.submit_server" in _cmdline(state["pid"]), _cmdline(state["pid"])
         with urllib.request.urlopen(url, timeout=60) as page:
             assert page.status == 200
             assert job_id_from(out) in page.read().decode()
+        unused = _standby_ahead(served, skip=1)
+        again = pai(*served.statement(), env={**served.env, "PAI_HOME": str(homes[1])})
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert wait_until(lambda: not _alive(unused), timeout=DEADLINE), f"standby ahead {unused} stayed"
     finally:
         for home in homes:
             pai("logview", "--stop", env={**served.env, "PAI_HOME": str(home)})
     assert not _alive(state["pid"])
+
+
+def test_a_standby_ahead_that_died_is_passed_over_and_the_statement_forks_one(served, tmp_path):
+    import json
+
+    served.env["PAI_LOGVIEW"] = "web"
+    home = tmp_path / "new-home"
+    try:
+        served.start_server()
+        ahead = _standby_ahead(served)
+        os.kill(ahead, signal.SIGKILL)
+        out = pai(*served.statement(), env={**served.env, "PAI_HOME": str(home)})
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "(a spare)" in served.log() and "Log view: http" in out.stdout, served.log() + out.stdout
+        state = json.loads((home / "logview" / "server.json").read_text())
+        assert state["pid"] != ahead and _alive(state["pid"])   # forked by the statement instead
+    finally:
+        for stop in (os.environ["PAI_HOME"], home):   # the cold submit's home has its server too
+            pai("logview", "--stop", env={**served.env, "PAI_HOME": str(stop)})
 
 
 @pytest.mark.parametrize("kind", ["python", "compiled"])

@@ -153,6 +153,10 @@ def start_server(home: Path) -> dict:
 
 
 STANDBY_DELAY = 0.5   # seconds between the standby's process and the standby's start
+# Set in a child of the resident submit server: a function that hands the standby's
+# argv, environment, log and socket to a process its spare forked ahead of the
+# statement (submit_server.hand_standby), and returns its pid (None: fork one now).
+STANDBY_AHEAD = None
 # Set in a child of the resident submit server (paicli/submit_server.py): a function
 # the forked standby calls with its argv and environment to run paicli.web.standby in
 # place instead of starting an interpreter. Its memory is the server's, shared, so
@@ -172,6 +176,9 @@ def _spawn_standby(argv: list[str], env: dict[str, str], log: int, sock_fd: int)
     unsafe, starts it at once."""
     import threading
 
+    pid = STANDBY_AHEAD(argv, env, log, sock_fd) if STANDBY_AHEAD is not None else None
+    if pid:
+        return pid   # forked ahead: no fork, and no store closed and opened around one, now
     if threading.active_count() > 1:
         import subprocess
 

@@ -167,10 +167,14 @@ def reap_children(timeout: float | None = None, only: int | None = None) -> None
 MADV_POPULATE_WRITE = 23
 
 
-def prefault() -> None:
+PREFAULT_STEP = 1 << 20   # bytes pre-faulted between two looks at `until`
+
+
+def prefault(until=None) -> None:
     """This process's writable private pages made its own now (MADV_POPULATE_WRITE:
     the copy-on-write faults a forked child takes as it first writes each page,
-    taken ahead), where the kernel has the advice (Linux 5.14)."""
+    taken ahead), where the kernel has the advice (Linux 5.14). `until()` true: stop
+    there (work has come: the rest is faulted as it is written, as without this)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -182,4 +186,14 @@ def prefault() -> None:
         if perms != "rw-p":
             continue
         start, end = (int(x, 16) for x in span.split("-"))
-        madvise(start, end - start, MADV_POPULATE_WRITE)
+        for at in range(start, end, PREFAULT_STEP):
+            if until is not None and until():
+                return
+            madvise(at, min(PREFAULT_STEP, end - at), MADV_POPULATE_WRITE)
+
+
+def readable(fd: int) -> bool:
+    """Whether `fd` has something to read now (or is at its end)."""
+    import select
+
+    return bool(select.select([fd], [], [], 0)[0])

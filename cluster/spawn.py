@@ -205,7 +205,7 @@ def _wait_for_job(command_fd: int, pid_fd: int, prefault: bool = False) -> int:
         except OSError:
             pass   # no fork now (EAGAIN) or no pipe (EMFILE): the job forks its agents as before
 
-        procinfo.prefault()
+        procinfo.prefault(until=lambda: procinfo.readable(command_fd))   # stops when the job comes
     store = None
     with os.fdopen(command_fd, "rb") as command:
         line = command.readline()

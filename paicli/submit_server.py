@@ -40,9 +40,10 @@ def _idle_seconds() -> float:
 
 
 IDLE = _idle_seconds()   # seconds without a child before the server leaves
-# A spare child is forked this long after the server has no child left (and after
-# its warm-up): it takes the next statement with no fork on that submit's path,
-# its job's waiting master forked and both of them pre-faulted already.
+# A spare child takes the next statement with no fork on that submit's path, its
+# job's waiting master forked and both of them pre-faulted already. It is forked
+# once the server has no child left and its last statement came this long ago
+# (spare_delay), and this long after the server's warm-up.
 SPARE_DELAY = 1.0
 # What a bare submit imports (pai.py, the CLI) beyond the master's own (spawn.import_run_modules).
 SUBMIT_MODULES = ("paicli.pai", "paicli.commands", "paicli.statement", "paicli.client", "paicli.store",
@@ -165,6 +166,16 @@ class Request:
         self.pid, self.uid, self.gid = peer
 
 
+def spare_delay(since_statement: float) -> float:
+    """How long after its last child ended the server forks its spare, the last
+    statement having come `since_statement` seconds ago: at once when that is
+    SPARE_DELAY or more (a job that statement started is past its start: an
+    attached one has ended, a detached one is under way), else the rest of it, so
+    the spare's forks and pre-fault do not take the cores a starting job needs. A
+    script's next statement right after an attached job then finds a spare."""
+    return max(0.0, SPARE_DELAY - since_statement)
+
+
 def _received_fds(ancillary) -> list[int]:
     """The descriptors an SCM_RIGHTS message brought (recvmsg's ancillary data)."""
     fds: list[int] = []
@@ -218,6 +229,7 @@ class Server:
         self.path = os.path.join(directory, f"submit-{self.key}.sock")
         self.lock_path = os.path.join(directory, f"submit-{self.key}.lock")
         self.children: dict[int, tuple[int, socket.socket]] = {}   # pidfd -> (pid, conn)
+        self.last_statement = 0.0   # time.monotonic() of the last statement served
         self.selector = selectors.DefaultSelector()
         self.listener: socket.socket | None = None
         self.lock_fd = -1
@@ -281,7 +293,8 @@ class Server:
                 log("idle: leaving")
                 self.leave()
                 return
-            for selected, _mask in events:
+            # The listener last: a spare's "ready" in the same round takes this round's statement.
+            for selected, _mask in sorted(events, key=lambda event: event[0].fileobj is self.listener):
                 if selected.fileobj is self.listener:
                     self.accept()
                 elif selected.fd in self.children:
@@ -343,13 +356,15 @@ class Server:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             self.close_inherited()
             from paicli.cluster import spawn
-            from paicli.cluster.procinfo import prefault
+            from paicli.cluster.procinfo import prefault, readable
 
             spawn.keep_spare_master()
             standby = keep_standby_ahead(link)
-            prefault()
+            # Ready before the pre-fault, which stops when the statement comes: a script's
+            # next statement right after a job finds the spare (~5 ms of forks, not ~30).
             link.sendall(b"ready")
             log(f"spare pid {os.getpid()} waits" + (f" (standby ahead {standby})" if standby else ""))
+            prefault(until=lambda: readable(link.fileno()))
             data, ancillary, _flags, _addr = link.recvmsg(4 << 20, socket.CMSG_SPACE(5 * 4))
             if not data:
                 return
@@ -431,6 +446,7 @@ class Server:
                 if reason == "code changed":
                     self.leave()
                 return
+            self.last_statement = time.monotonic()
             if self.spare is not None and self.spare_ready and self.hand_to_spare(conn, request):
                 return
             try:
@@ -473,7 +489,7 @@ class Server:
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
         if not self.children and not self.leaving:
-            self.spare_due = time.monotonic() + SPARE_DELAY
+            self.spare_due = time.monotonic() + spare_delay(time.monotonic() - self.last_statement)
         if os.WIFSIGNALED(status):
             _answer(conn, f"signal {os.WTERMSIG(status)}".encode())
         else:

@@ -50,7 +50,7 @@ import time
 from paicli.cluster.backends.base import NODE_LOST, Handle, InstanceRef
 
 HEAD = struct.Struct(">cI")   # 1 byte type, 4 bytes big-endian length
-FILE_FRAMES = (b"F", b"D", b"S", b"Z")
+FILE_FRAMES = (b"F", b"D", b"S", b"L", b"Z")
 PUMP_READ = 1 << 20           # a read of the pump: files travel in 256 KB frames (output in small ones)
 TRANSFER_QUIET = 30.0         # seconds without a file frame after which a wait stops extending
 BEAT_EVERY = 1.0              # seconds between the master's heartbeat bytes

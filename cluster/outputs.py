@@ -144,7 +144,7 @@ class InstanceOutputs:
 
     def sink(self, kind: bytes, payload: bytes) -> None:
         try:
-            {b"F": self._begin, b"D": self._data, b"S": self._end, b"Z": self._pass}[kind](payload)
+            {b"F": self._begin, b"D": self._data, b"S": self._end, b"L": self._listed, b"Z": self._pass}[kind](payload)
         except Exception as err:  # noqa: BLE001 - a bad frame must not end the pump (it reads the exit)
             self._abandon(f"{type(err).__name__}: {err}")
 
@@ -196,6 +196,21 @@ class InstanceOutputs:
         if end.get("transient"):
             return   # rewritten or removed while it was read: the next pass (or none) says
         self.job.arrived(self, head, end.get("digest"), why)
+
+    def _listed(self, payload: bytes) -> None:
+        """Files already where they belong (this machine), many to a frame: each as an
+        F and its S would have said it, with no copy to make."""
+        for key, rel, size, mtime, digest, error, transient in json.loads(payload):
+            self.received += 1
+            root = self.dirs.get(key)
+            if transient:
+                continue   # rewritten or removed while it was read: the next pass (or none) says
+            head = {"key": key, "rel": rel, "size": size, "mtime": mtime}
+            if root is None or not safe_rel(rel):
+                self.job.arrived(self, head, digest, f"refused: {rel!r} is not a path inside a watched folder")
+                continue
+            head["at"] = head["local"] = os.path.join(root, rel)
+            self.job.arrived(self, head, digest, error)
 
     def _finish_copy(self, head: dict, digest: str | None) -> str | None:
         try:

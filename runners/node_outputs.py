@@ -16,6 +16,9 @@ is new or changed since goes back as frames, before the X frame:
     D  bytes of it, CHUNK at a time          (none when "inplace": the master reads
                                               the folders themselves: this machine)
     S  JSON {digest} or {error}              it ends: its checksum (Checksum), or why it did not go
+    L  JSON [[key, rel, size, mtime, digest, error, transient], ...]
+                                             "inplace": files already where they belong, up
+                                             to LISTED in a frame (no F, D, S for them)
     Z  JSON {files}                          a pass over the folders ended
 `collect` does the same for an instance whose link is gone (its master died):
 stdin {"state": PATH, "have": {KEY: {REL: [size, mtime]}}}, frames on stdout.
@@ -32,6 +35,7 @@ import time
 import zlib
 
 CHUNK = 256 * 1024
+LISTED = 512              # in-place files said in one L frame
 STALL = 60.0              # seconds the master may take nothing before files stop going
 SCAN_LIMIT = 100_000      # entries in one watched folder beyond which it is not tracked
 
@@ -167,6 +171,7 @@ def file_frames(watch: dict, sent: dict, keys, since_ns: int | None = None):
     inplace = bool(watch.get("inplace"))
     limit = int(watch.get("max_bytes") or 0)    # the largest file that goes back; 0: any
     count = 0
+    listed: list = []
     for key, path in watch.get("dirs") or ():
         if keys is not None and key not in keys:
             continue
@@ -175,6 +180,16 @@ def file_frames(watch: dict, sent: dict, keys, since_ns: int | None = None):
             if had.get(rel) == stamp:
                 continue
             count += 1
+            if inplace:   # nothing to send but what it is: one entry of an L frame
+                result = _returned(_file_data(os.path.join(path, rel), stamp, True))
+                if "digest" in result:
+                    had[rel] = stamp
+                listed.append([key, rel, stamp[0], stamp[1], result.get("digest"), result.get("error"),
+                               bool(result.get("transient"))])
+                if len(listed) >= LISTED:
+                    yield b"L", json.dumps(listed).encode()
+                    listed = []
+                continue
             yield b"F", json.dumps({"key": key, "rel": rel, "size": stamp[0], "mtime": stamp[1],
                                     "at": os.path.join(path, rel)}).encode()
             if limit and not inplace and stamp[0] > limit:
@@ -185,7 +200,18 @@ def file_frames(watch: dict, sent: dict, keys, since_ns: int | None = None):
             if "digest" in result:
                 had[rel] = stamp
             yield b"S", json.dumps(result).encode()
+    if listed:
+        yield b"L", json.dumps(listed).encode()
     yield b"Z", json.dumps({"files": count, "all": keys is None}).encode()
+
+
+def _returned(generator):
+    """What a generator returns, once it has run to its end (its frames dropped)."""
+    try:
+        while True:
+            next(generator)
+    except StopIteration as end:
+        return end.value
 
 
 def _file_data(path: str, stamp: list, inplace: bool):

@@ -113,11 +113,17 @@ def test_on_this_machine_an_instances_files_are_what_changed_from_its_start_on(t
     watch = {"dirs": [["cwd", str(work)]], "state": str(tmp_path / "s" / "state.json"), "inplace": True}
     files = node_outputs.Watch(watch, since_ns=since)
     frames = list(files.frames(None))
-    assert sorted(json.loads(p)["rel"] for k, p in frames if k == b"F") == ["appended.log", "restored.bin"]
+    # In place: no F, D, S per file, but one L frame that lists them (the master's
+    # cost per file was ~14 us of JSON and bookkeeping per frame, twice).
+    assert [k for k, _ in frames] == [b"L", b"Z"]
+    listed = json.loads(frames[0][1])
+    assert sorted(entry[1] for entry in listed) == ["appended.log", "restored.bin"]
+    assert all(entry[4].startswith("crc32:") and entry[5] is None for entry in listed)
     assert [k for k, _ in files.frames(None)] == [b"Z"]   # sent once
     # a dead master's watchdog collects from the state file alone: the same files
     collected = list(node_outputs.collect({"state": watch["state"], "inplace": True}))
-    assert sorted(json.loads(p)["rel"] for k, p in collected if k == b"F") == ["appended.log", "restored.bin"]
+    assert sorted(entry[1] for k, p in collected if k == b"L" for entry in json.loads(p)) == \
+        ["appended.log", "restored.bin"]
 
 
 @pytest.mark.parametrize("inplace, order", [(True, ["start"]), (False, ["list", "start"])])
@@ -578,3 +584,30 @@ def test_the_link_decodes_file_frames_split_anywhere(tmp_path):
             pos += step
         assert out == b"line one\nline two\n" and link.status == 0 and inst.complete
         assert (dest / "model.bin").read_bytes() == (src / "model.bin").read_bytes()
+
+
+def test_files_listed_in_place_are_recorded_as_their_f_and_s_frames_would_be(tmp_path):
+    """An L frame (this machine's files, already where they belong): each entry is
+    recorded with its digest; a path outside the watched folder is refused, one that
+    changed while it was read waits for the next pass; Z still ends the pass."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "model.h5").write_text("weights")
+    (work / "run.log").write_text("x")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "nodes.json").write_text('{"backend": "local"}')
+    lines: list = []
+    store = Recorder()
+    job = outputs.JobOutputs(store, "j1", tmp_path / "job", lines.append)
+    inst = outputs.InstanceOutputs(job, "worker:0", "local", {"cwd": str(work)},
+                                   {"dirs": [["cwd", str(work)]], "inplace": True})
+    watch = {"dirs": [["cwd", str(work)]], "inplace": True}
+    for kind, payload in node_outputs.file_frames(watch, {}, None):
+        inst.sink(kind, payload)
+    inst.sink(b"L", json.dumps([["cwd", "../escape", 1, 1, "crc32:00000000", None, False],
+                                ["cwd", "gone.tmp", 1, 1, None, "it changed while it was being sent", True]]).encode())
+    job.flush()
+    rows = {row[2]: row for row in store.rows}
+    assert set(rows) == {str(work / "model.h5"), str(work / "run.log"), "../escape"}, rows
+    assert rows[str(work / "model.h5")][5].startswith("crc32:") and rows[str(work / "model.h5")][6] == "here"
+    assert "refused" in rows["../escape"][9] and inst.complete and inst.received == 4

@@ -25,7 +25,7 @@ the instance with t/k bytes on the live link.
     start_instance(transport, spec, *, backend, node, host, start_timeout, sink=None) -> Handle
         spec = {"argv", "env", "cwd", "heartbeat"} (+ "inherit", "output_fd",
         "watch": see the agent). `sink(kind, payload)` takes the file frames (F, D,
-        S, Z: cluster/outputs.py), in the pump thread or the master's. Raises OSError for an E frame (the program could not be
+        S, L, Z: cluster/outputs.py), in the pump thread or the master's. Raises OSError for an E frame (the program could not be
         started); a transport failure gives a Handle whose poll() reports NODE_LOST.
     send_spec(transport, spec, sink=None) -> Starting; .started(backend=, node=, host=, start_timeout=)
         the same in two halves: the spec goes now, the identity is read later

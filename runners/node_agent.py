@@ -17,7 +17,7 @@ own with default signal dispositions, then writes frames to stdout, each
     O  output bytes (stdout and stderr, merged)
     H  heartbeat (empty)                           (every second, with "heartbeat")
     X  exit JSON {status}   status < 0: killed by that signal  (last)
-    F, D, S, Z  files the instance wrote (spec "watch", see runners/node_outputs.py)
+    F, D, S, L, Z  files the instance wrote (spec "watch", see runners/node_outputs.py)
     E  JSON {errno, strerror}: the program could not be started (instead of I)
 From stdin it takes single bytes: h heartbeat, t SIGTERM the group, k SIGKILL it.
 When stdin ends (the SSH channel closed: a dead master, a killed `pai`, a dropped

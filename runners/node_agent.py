@@ -224,8 +224,8 @@ class Instance:
         if "umask" in self.spec:
             os.umask(int(self.spec["umask"]))
             signal.pthread_sigmask(signal.SIG_SETMASK, [int(s) for s in self.spec["sigmask"]])
-        if self.spec.get("stderr"):
-            fd = os.open(self.spec["stderr"], os.O_WRONLY | os.O_APPEND)
+        if self.spec.get("stderr"):   # created if gone meanwhile: a missing log is no failed start
+            fd = os.open(self.spec["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             os.dup2(fd, 2)
             os.close(fd)
 

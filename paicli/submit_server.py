@@ -176,6 +176,11 @@ def spare_delay(since_statement: float) -> float:
     return max(0.0, SPARE_DELAY - since_statement)
 
 
+def _rights(*fds: int) -> list:
+    """sendmsg's ancillary data that passes `fds` (SCM_RIGHTS): _received_fds reads it."""
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in fds))]
+
+
 def _received_fds(ancillary) -> list[int]:
     """The descriptors an SCM_RIGHTS message brought (recvmsg's ancillary data)."""
     fds: list[int] = []
@@ -386,9 +391,7 @@ class Server:
         pid, ours, pidfd = self.spare
         data = marshal.dumps((request.argv0, request.args, request.environ, (request.pid, request.uid, request.gid)))
         try:
-            ours.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                   b"".join(fd.to_bytes(4, sys.byteorder, signed=True)
-                                            for fd in (conn.fileno(), *request.fds)))])
+            ours.sendmsg([data], _rights(conn.fileno(), *request.fds))
         except OSError as err:
             log(f"spare not reached: {err}")
             self.drop_spare()
@@ -603,7 +606,7 @@ def _become(conn: socket.socket, request: Request, status: dict[str, str]) -> No
     launch.STANDBY_AHEAD = hand_standby           # ... or none at all: the spare forked it ahead
     pidfd = os.pidfd_open(os.getpid())
     try:
-        conn.sendmsg([b"ok\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder, signed=True))])
+        conn.sendmsg([b"ok\n"], _rights(pidfd))
     finally:
         os.close(pidfd)
 
@@ -641,9 +644,7 @@ def hand_standby(argv: list[str], env: dict[str, str], log: int, sock_fd: int) -
         return None
     (pid, ours), _standby = _standby, None
     try:
-        ours.sendmsg([marshal.dumps((argv, env))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                     b"".join(fd.to_bytes(4, sys.byteorder, signed=True)
-                                                              for fd in (sock_fd, log)))])
+        ours.sendmsg([marshal.dumps((argv, env))], _rights(sock_fd, log))
         return pid
     except OSError:
         return None

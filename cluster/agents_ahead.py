@@ -71,5 +71,6 @@ def ahead_spec(spec: dict) -> dict:
 
 def own_umask() -> int:
     """This process's umask, read without setting it (a thread may be creating files)."""
-    with open("/proc/self/status", encoding="ascii", errors="replace") as status:
-        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    from paicli.cluster.procinfo import proc_status
+
+    return int(proc_status("self")["Umask"], 8)

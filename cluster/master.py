@@ -201,10 +201,6 @@ class JobMaster:
         self.selector.register(wake_r, selectors.EVENT_READ, None)
         self.wake_fd = wake_r
         self.store.update_job(self.job_id, master_pid=os.getpid(), master_start=start_time(os.getpid()))
-        if self.backend.name != "local":
-            from paicli.cluster.agents_ahead import discard_agents_ahead
-
-            discard_agents_ahead()   # forked as this master waited (a spare's): the job's nodes run its agents
         waited_out = self._wait_in_queue()
         if waited_out:
             self._finish(*waited_out)

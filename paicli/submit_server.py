@@ -30,6 +30,7 @@ import sys
 import time
 
 from paicli import submit_client
+from paicli.cluster.procinfo import proc_status
 
 
 def _idle_seconds() -> float:
@@ -119,7 +120,7 @@ def process_traits(pid: int | str) -> dict[str, object]:
     for name in ("cgroup", "limits", "oom_score_adj"):
         with open(f"{base}/{name}", encoding="utf-8", errors="replace") as f:
             traits[name] = f.read()
-    status = _status(pid)
+    status = proc_status(pid)
     for field in STATUS_FIELDS:
         traits[field] = status.get(field)
     number = os.getpid() if pid == "self" else int(pid)
@@ -127,11 +128,6 @@ def process_traits(pid: int | str) -> dict[str, object]:
     traits["nice"] = os.getpriority(os.PRIO_PROCESS, number)
     traits["scheduler"] = os.sched_getscheduler(number)   # chrt --batch / --idle
     return traits
-
-
-def _status(pid: int | str) -> dict[str, str]:
-    with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
-        return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
 
 
 def code_files() -> dict[str, tuple[int, int]]:
@@ -525,7 +521,7 @@ class Server:
     def become_child(self, conn: socket.socket, request: Request) -> None:
         code = 1
         try:
-            status = _status(request.pid)
+            status = proc_status(request.pid)
             self.close_inherited()
             _become(conn, request, status)
             from paicli.pai import run_bare

@@ -533,6 +533,34 @@ def test_an_agent_forked_ahead_that_died_is_passed_over_and_the_unused_ones_leav
         reap_children(5)
 
 
+def test_a_backend_other_than_local_lets_the_agents_forked_ahead_go_as_it_prepares(tmp_path):
+    """Backend.prepare: the pool a spare's waiting master forked is for the local
+    backend's instances; an SSH or Ray job's nodes run its agents, so any other backend
+    sends the pool EOF as it prepares, and the local backend keeps it."""
+    from paicli.cluster import agents_ahead
+    from paicli.cluster.backends.base import Backend
+    from paicli.cluster.backends.local import LocalBackend, fork_agents_ahead
+    from paicli.cluster.procinfo import reap_children
+
+    class Remote(Backend):
+        name = "remote"
+
+        def _prepare(self, job_dir, plan, placements):
+            pass
+
+    fork_agents_ahead(2)
+    try:
+        kept = list(agents_ahead._AHEAD)
+        assert LocalBackend.takes_agents_ahead and not Remote.takes_agents_ahead
+        Remote().prepare(str(tmp_path), None, [])
+        assert agents_ahead._AHEAD == []
+        reap_children(30)
+        assert [a.exit_code for a in kept] == [0, 0]   # EOF: "never used"
+    finally:
+        agents_ahead.discard_agents_ahead()
+        reap_children(5)
+
+
 def _state(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:

@@ -141,6 +141,10 @@ class Backend:
     # Seconds without a frame (master) / a byte (agent) that mean an instance's link
     # is gone; 0: none asked for (this machine: a dead master closes the agent's stdin).
     heartbeat = 0.0
+    # The local backend starts its first instances on the node agents a spare's
+    # waiting master forked ahead (cluster/agents_ahead.py); any other backend lets
+    # them go as it prepares its job: its nodes run the job's agents.
+    takes_agents_ahead = False
 
     def __init__(self, config: dict[str, Any] | None = None):
         self.config = dict(config or {})
@@ -177,6 +181,10 @@ class Backend:
             from paicli.cluster.logsink import job_log_note
 
             self.progress = job_log_note(job_dir)
+        if not self.takes_agents_ahead:
+            from paicli.cluster.agents_ahead import discard_agents_ahead
+
+            discard_agents_ahead()
         began = time.monotonic()
         self._prepare(job_dir, plan, placements)
         took = time.monotonic() - began

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from collections.abc import Callable, Iterable
 
-from paicli.cluster import remote_paths
+from paicli.cluster import agents_ahead, remote_paths
 from paicli.errors import PaiError, UsageError
 from paicli.records import asdict, field, record
 
@@ -141,9 +141,8 @@ class Backend:
     # Seconds without a frame (master) / a byte (agent) that mean an instance's link
     # is gone; 0: none asked for (this machine: a dead master closes the agent's stdin).
     heartbeat = 0.0
-    # The local backend starts its first instances on the node agents a spare's
-    # waiting master forked ahead (cluster/agents_ahead.py); any other backend lets
-    # them go as it prepares its job: its nodes run the job's agents.
+    # The agents a spare's waiting master forked (cluster/agents_ahead.py) are the
+    # local backend's; any other lets them go in prepare(): its nodes run its agents.
     takes_agents_ahead = False
 
     def __init__(self, config: dict[str, Any] | None = None):
@@ -182,9 +181,7 @@ class Backend:
 
             self.progress = job_log_note(job_dir)
         if not self.takes_agents_ahead:
-            from paicli.cluster.agents_ahead import discard_agents_ahead
-
-            discard_agents_ahead()
+            agents_ahead.discard_agents_ahead()
         began = time.monotonic()
         self._prepare(job_dir, plan, placements)
         took = time.monotonic() - began

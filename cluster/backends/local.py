@@ -162,6 +162,7 @@ def _take_agent_stdio(moves) -> None:
 class LocalBackend(Backend):
     name = "local"
     takes_agents_ahead = True
+    _job_id = "job"   # prepare()'s
 
     def _nodes(self):
         from paicli.cluster.scheduler import machine_cpu, machine_gpus, machine_memory_mb
@@ -177,17 +178,16 @@ class LocalBackend(Backend):
         first = [p for p in placements if p.role in services] or list(placements)
         self._later = [p for p in placements if p not in first]
         for p in first:
-            self._keep_warm(p, self._agent_process(f"{self._job_id}/{p.role}:{p.idx}"))
+            self._keep_warm(p, self._agent_for(p))
 
     def _start_ahead(self):
         later, self._later = getattr(self, "_later", []), []
         for p in later:
-            self._keep_warm(p, self._agent_process(f"{self._job_id}/{p.role}:{p.idx}"))
+            self._keep_warm(p, self._agent_for(p))
 
-    @staticmethod
-    def _agent_process(label):
+    def _agent_for(self, placed):
         """An agent forked ahead that still waits, else a new one."""
-        return agents_ahead.take() or AgentProcess(label)
+        return agents_ahead.take() or AgentProcess(f"{self._job_id}/{placed.role}:{placed.idx}")
 
     def _discard(self, agent):
         agent.discard()
@@ -204,8 +204,7 @@ class LocalBackend(Backend):
     def _begin_start(self, placed, spec, sink):
         # The spec goes down the agent's pipe now; its identity is read when asked
         # for: the agents start their instances while the master sends the next spec.
-        agent = self._take_warm(placed) or \
-            self._agent_process(f"{spec['env'].get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}")
+        agent = self._take_warm(placed) or self._agent_for(placed)
         spec = agents_ahead.ahead_spec(spec) if agent.ahead else spec
         from paicli.cluster import agent_link
 

@@ -10,8 +10,9 @@ REFS is a JSON list of [pid, pgid, start ticks, boot id].
 `run` reads one JSON line from stdin: {"argv": [...], "env": {...}, "cwd": "...",
 "heartbeat": seconds} and optionally "inherit": false (the environment is `env`
 alone, not the agent's own plus `env`) and "output_fd": N (an inherited pipe the
-instance writes its output to, read by the master itself: no O frames). It starts the instance in a session (process group) of its
-own with default signal dispositions, then writes frames to stdout, each
+instance writes its output to, read by the master itself: no O frames). It starts
+the instance in a session (process group) of its own with default signal
+dispositions, then writes frames to stdout, each
     1 byte type, 4 bytes big-endian length, payload:
     I  identity JSON {pid, pgid, start, boot}     (first)
     O  output bytes (stdout and stderr, merged)
@@ -71,7 +72,10 @@ def proc_stat(pid):
 def live_groups(pgids: set) -> set:
     """Which of `pgids` still have a live member: one pass over /proc for all."""
     pgids = {pgid for pgid in pgids if _group_exists(pgid)}
-    return {pgid for _, pgid in _members(pgids)} if pgids else set()
+    if not pgids:
+        return set()
+    stats = (proc_stat(name) for name in os.listdir("/proc") if name.isdigit())
+    return {stat[1] for stat in stats if stat and stat[1] in pgids and stat[0] != "Z"}
 
 
 def _group_exists(pgid: int) -> bool:
@@ -87,15 +91,6 @@ def _group_exists(pgid: int) -> bool:
     except PermissionError:
         pass   # someone else's process is in it: the pass over /proc decides
     return True
-
-
-def _members(pgids: set) -> list:
-    found = []
-    for name in os.listdir("/proc"):
-        stat = proc_stat(name) if name.isdigit() else None
-        if stat and stat[1] in pgids and stat[0] != "Z":
-            found.append((int(name), stat[1]))
-    return found
 
 
 def stop_group(pgid: int, grace: float, reap=None) -> bool:
@@ -361,9 +356,7 @@ def cmd_run(label: str) -> int:
     if not line.strip():
         return 0     # started ahead of time and never used: the channel closed
     instance = Instance(json.loads(line), sys.stdin.fileno(), Channel(sys.stdout.fileno()))
-    if not instance.start():
-        return 0
-    return instance.loop()
+    return instance.loop() if instance.start() else 0
 
 
 def _killpg(pgid: int, signum: int) -> None:
@@ -418,7 +411,7 @@ def root_fault(mode: int, uid: int, ours: int) -> str | None:
     """What makes a per-job folder root unsafe, from its lstat (`mode`, `uid`) and our
     uid: not a directory (a link, say), someone else's, or writable by others (who
     could swap a job's folder for theirs). None when it is ours alone. One check for
-    SSH nodes (ssh_transport.Sftp.private_root) and Ray nodes (ray_node.own_root)."""
+    SSH nodes (ssh_transport.Sftp.private_root) and Ray nodes (ray_node.InstanceActor.stage)."""
     if not S_ISDIR(mode):
         return "not a directory"
     if uid != ours:

@@ -399,7 +399,7 @@ class Backend:
         killed by that signal; NODE_LOST: its node stopped answering), else None."""
         code = handle.native.poll()
         if code == NODE_LOST:
-            self._node_lost(handle.ref.node)
+            self.lost.add(handle.ref.node)   # not asked again during this job
         return code
 
     def wait(self, handle: Handle, timeout: float | None = None) -> int | None:
@@ -407,10 +407,6 @@ class Backend:
         is still running then."""
         handle.native.wait(timeout)
         return self.poll(handle)
-
-    def _node_lost(self, node: str) -> None:
-        """An instance's node stopped answering: not asked again during this job."""
-        self.lost.add(node)
 
     # -- stopping: THE one path ------------------------------------------------------
 

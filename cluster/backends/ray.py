@@ -54,10 +54,7 @@ INIT_TIMEOUT = 60.0            # ray.init (each of Ray Client's three tries)
 PROVISION_TIMEOUT = 3600.0     # a framework runtime provisioned on a node (a cancel ends it sooner)
 STOP_TIMEOUT = 10.0            # what stopping and cleaning up may wait for Ray, beyond the stop's own grace
 RECV_SLICE = 1.0               # one call for the agent's output waits this long for some
-# Seconds without a byte from the master (agent) or a frame from the agent (master)
-# that mean the link is gone. A backstop only: when the master dies Ray kills its
-# actors, and the agent stops the instance as its stdin closes.
-HEARTBEAT = 30.0
+HEARTBEAT = 30.0               # base.Backend.heartbeat; long: a backstop only, Ray kills a dead master's actors
 MB = 1024 * 1024
 
 class RayWaitStopped(PaiError):
@@ -291,7 +288,6 @@ class RayBackend(Backend):
                                  "check PAI_RAY_ADDRESS / the nodes file's ray.address and that `ray status` "
                                  "answers there") from None
         self._check_driver(ray)
-        # The actor's code travels by value: a Ray node needs Ray, not paicli.
         ray_node.ship_by_value(ray.cloudpickle)
         self._ray = ray
         return ray
@@ -315,21 +311,20 @@ class RayBackend(Backend):
         sets its own SIGTERM handler only from the main thread: the master's
         handlers stay in place.) Whatever ends it, the thread may still connect:
         nothing is to use it."""
-        limit = INIT_TIMEOUT * (3 if "://" in self.address else 1)
-        try:
-            self._bounded(lambda: self._init_tries(ray), "ray.init", limit)
-        except BaseException as err:
-            self._unusable = True
-            if isinstance(err, PaiError) and not isinstance(err, RayWaitStopped):
-                raise ConnectionError(f"no answer as a Ray cluster within {limit:g}s") from None
-            raise
-
-    def _init_tries(self, ray) -> None:
-        import logging
-
         # Ray Client's server starts a Python process of its own per client: on a busy
         # head that can fail once. A GCS address is tried once.
         tries = 3 if "://" in self.address else 1
+        try:
+            self._bounded(lambda: self._init_tries(ray, tries), "ray.init", INIT_TIMEOUT * tries)
+        except BaseException as err:
+            self._unusable = True
+            if isinstance(err, PaiError) and not isinstance(err, RayWaitStopped):
+                raise ConnectionError(f"no answer as a Ray cluster within {INIT_TIMEOUT * tries:g}s") from None
+            raise
+
+    def _init_tries(self, ray, tries: int) -> None:
+        import logging
+
         for attempt in range(tries):
             try:
                 ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False,
@@ -402,11 +397,12 @@ class RayBackend(Backend):
     def _nodes(self) -> list[NodeSpec]:
         return [node_spec(n) for n in self._live_nodes(interruptible=False) if n.get("Alive")]
 
+    def _instance_on(self, node: str) -> _Instance | None:
+        return next((i for i in self._instances.values() if i.host == node and i.node_id), None)
+
     def _node_id(self, name: str) -> str | None:
-        for inst in self._instances.values():
-            if inst.host == name and inst.node_id:
-                return inst.node_id
-        return next((n.attrs["node_id"] for n in self.nodes() if n.name == name), None)
+        inst = self._instance_on(name)
+        return inst.node_id if inst else next((n.attrs["node_id"] for n in self.nodes() if n.name == name), None)
 
     def _pinned(self, node_name: str, fn, *args, timeout: float = CALL_TIMEOUT):
         """Run ray_node.fn(*args) on that node (a zero-CPU task pinned to it)."""
@@ -576,9 +572,9 @@ class RayBackend(Backend):
 
     def _pick_ports(self, node: str, count: int, taken: set[int]) -> list[int]:
         self.connect()
-        for inst in self._instances.values():
-            if inst.host == node:
-                return self._get(inst.actor.pick_ports.remote(count, list(taken)), f"ports on Ray node {node}")
+        inst = self._instance_on(node)
+        if inst is not None:
+            return self._get(inst.actor.pick_ports.remote(count, list(taken)), f"ports on Ray node {node}")
         return self._pinned(node, ray_node.node_agent.free_ports, "0.0.0.0", count, taken)
 
     def _start(self, placed: Placement, spec: dict, sink=None) -> Handle:
@@ -660,7 +656,7 @@ class RayBackend(Backend):
         one object of Ray's store, put here and fetched by the node."""
         from paicli.runners import node_cache
 
-        inst = next((i for i in self._instances.values() if i.host == node and i.node_id), None)
+        inst = self._instance_on(node)
         if inst is None:
             raise PaiError(f"Ray node {node}: the job is not staged there")
         ray = self.connect()

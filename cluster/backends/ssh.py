@@ -89,12 +89,6 @@ class SSHBackend(Backend):
 
     # -- nodes --------------------------------------------------------------------
 
-    def entry(self, name: str) -> NodeEntry:
-        for node in self.nodes_config.nodes:
-            if node.name == name:
-                return node
-        raise UsageError(f"no node named {name!r} in {self.nodes_config.path}")
-
     def _agent(self, node: NodeEntry, command: str, *args: str, timeout: float = 30.0):
         try:
             return ssh.run_agent(self.conns.session(node, timeout=timeout), node, command, *args, timeout=timeout)
@@ -161,7 +155,7 @@ class SSHBackend(Backend):
         errors: list[str] = []
 
         def stage(name: str) -> None:
-            node = self.entry(name)
+            node = self.nodes_config.node(name)
             try:
                 self._stage(node, job_dir, plan, [p for p in placements if p.node == name])
             except UsageError:
@@ -260,14 +254,14 @@ class SSHBackend(Backend):
         self.remove_job_folders(job_dir, sorted(n for n in names if not self.keeps(n)))
 
     def _remove_job_folder(self, job_id: str, name: str) -> None:
-        node = self.entry(name)
+        node = self.nodes_config.node(name)
         ssh.exec_command(self.conns.session(node), ["rm", "-rf", "--", remote_paths.job_folder(node.job_root, job_id)],
                          timeout=30)
 
     def _collect_outputs(self, job_dir: str, node: str, state_rel: str, request: dict):
         """`node_outputs.py collect` over an exec channel: the request on its stdin,
         the frames streamed from its stdout."""
-        entry = self.entry(node)
+        entry = self.nodes_config.node(node)
         folder = remote_paths.job_folder(entry.job_root, Path(job_dir).name)
         chan = self._run_channel(entry, folder, "node_outputs.py", "collect")
         try:
@@ -283,7 +277,7 @@ class SSHBackend(Backend):
             chan.close()
 
     def _pick_ports(self, node: str, count: int, taken: set[int]) -> list[int]:
-        entry = self.entry(node)
+        entry = self.nodes_config.node(node)
         with self._lock:
             cached = [p for p in self._ports.get(node, []) if p not in taken]
             if len(cached) >= count:
@@ -300,7 +294,7 @@ class SSHBackend(Backend):
         return self._maps.get(placed.node) or []
 
     def _start(self, placed: Placement, spec: dict, sink=None) -> Handle:
-        node = self.entry(placed.node)
+        node = self.nodes_config.node(placed.node)
         folder = self._folders[node.name]
         spec["cwd"] = spec["cwd"] or f"{folder}/code"
         label = f"{spec['env'].get('PAI_JOB_ID', 'job')}/{placed.role}:{placed.idx}"
@@ -325,7 +319,8 @@ class SSHBackend(Backend):
     # -- stopping: the agent's commands, for refs without a live channel here --------------
 
     def _stop_refs(self, node: str, refs: list[list], timeout: float) -> list[list]:
-        return self._agent(self.entry(node), "stop", str(float(timeout)), json.dumps(refs), timeout=timeout + 30)
+        return self._agent(self.nodes_config.node(node), "stop", str(float(timeout)), json.dumps(refs),
+                           timeout=timeout + 30)
 
     # -- DATA (issue 18): base.Backend's staged_folders / run_runner ------------------------
 
@@ -335,6 +330,6 @@ class SSHBackend(Backend):
 
     def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes,
                     timeout: float) -> tuple[int, bytes, bytes]:
-        entry, folder = self.entry(node), self._folders[node]
+        entry, folder = self.nodes_config.node(node), self._folders[node]
         return ssh.exec_command(self.conns.session(entry), [entry.python, f"{folder}/runners/{runner}", *args],
                                 stdin=stdin, timeout=timeout)

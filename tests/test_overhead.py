@@ -57,6 +57,22 @@ def test_the_node_agent_starts_on_an_allow_list_of_stdlib_modules():
     assert mods <= AGENT_ALLOWED, f"the node agent now imports {sorted(mods - AGENT_ALLOWED)} at start-up"
 
 
+def test_the_venvs_interpreters_start_without_setuptools_editable_hook():
+    """.ci/source_finder.py: an interpreter of this checkout's venv (every instance of a
+    `-name python` job) imports none of what setuptools' editable hook imported at start-up
+    (~38 ms of a core, and more to finalize at its exit), and still finds paicli's
+    packages in this checkout's folders."""
+    mods = imported_by([sys.executable, "-c", "pass"])
+    assert "_paicli_source" in mods, "the venv's .pth does not use .ci/source_finder.py's hook"
+    assert not mods & {"pathlib", "fnmatch", "re", "importlib.util", "contextlib"}, sorted(mods)
+    code = ("import paicli.cluster.backends.local as a, paicli.runners.node_agent as b, "
+            "paicli.adapters.python as c; print(a.__file__, b.__file__, c.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd="/", timeout=60).stdout.split()
+    assert out == [str(ROOT / "cluster/backends/local.py"), str(ROOT / "runners/node_agent.py"),
+                   str(ROOT / "adapters/python.py")]
+
+
 def test_the_master_imports_nothing_heavy():
     code = "import sys, paicli.cluster.master; print('\\n'.join(sorted(sys.modules)))"
     mods = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -5,8 +5,8 @@ hook module imports pathlib, re, fnmatch, contextlib and importlib.util, and has
 bytecode: ~25-40 ms of a core in EVERY interpreter .venv/bin/python starts with site
 (each instance of a `-name python` job, each test's child), which an install from a
 wheel never pays. This replaces that hook with `_paicli_source`: the same mapping
-(paicli.cluster -> cluster/, ...), found with the import system's own frozen
-PathFinder machinery, nothing imported, compiled once.
+(paicli.cluster -> cluster/, ...), its specs built by the import system's own frozen
+machinery (`spec_from_file_location`), nothing imported, compiled once.
 
 Run by .ci/setup after pip's editable install (which writes the .pth again each time):
     .venv/bin/python .ci/source_finder.py

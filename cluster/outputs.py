@@ -151,15 +151,10 @@ class InstanceOutputs:
     def _begin(self, payload: bytes) -> None:
         self._abandon(None)
         head = json.loads(payload)
-        self._file, self._error = head, None
-        root = self.dirs.get(head.get("key"))
-        rel = str(head.get("rel") or "")
-        if root is None or not safe_rel(rel):
-            self._error = f"refused: {rel!r} is not a path inside a watched folder"
+        self._file, self._error = head, self._placed(head)
+        if self._error or self.watch.get("inplace"):
             return
-        head["local"] = os.path.join(root, rel)
-        if self.watch.get("inplace"):
-            return
+        rel = str(head["rel"])
         self._hash = Checksum()
         folder = os.path.dirname(head["local"])
         try:
@@ -168,6 +163,14 @@ class InstanceOutputs:
             self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError as err:
             self._error = self.job.local_error(err)
+
+    def _placed(self, head: dict) -> str | None:
+        """`head["local"]`, where its file is on this machine; or why it is refused."""
+        root, rel = self.dirs.get(head.get("key")), str(head.get("rel") or "")
+        if root is None or not safe_rel(rel):
+            return f"refused: {rel!r} is not a path inside a watched folder"
+        head["local"] = os.path.join(root, rel)
+        return None
 
     def _data(self, payload: bytes) -> None:
         if self._fd < 0 or self._error:
@@ -202,15 +205,13 @@ class InstanceOutputs:
         F and its S would have said it, with no copy to make."""
         for key, rel, size, mtime, digest, error, transient in json.loads(payload):
             self.received += 1
-            root = self.dirs.get(key)
             if transient:
                 continue   # rewritten or removed while it was read: the next pass (or none) says
             head = {"key": key, "rel": rel, "size": size, "mtime": mtime}
-            if root is None or not safe_rel(rel):
-                self.job.arrived(self, head, digest, f"refused: {rel!r} is not a path inside a watched folder")
-                continue
-            head["at"] = head["local"] = os.path.join(root, rel)
-            self.job.arrived(self, head, digest, error)
+            refused = self._placed(head)
+            if refused is None:
+                head["at"] = head["local"]
+            self.job.arrived(self, head, digest, refused or error)
 
     def _finish_copy(self, head: dict, digest: str | None) -> str | None:
         try:

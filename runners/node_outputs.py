@@ -192,11 +192,11 @@ def file_frames(watch: dict, sent: dict, keys, since_ns: int | None = None):
                 continue
             yield b"F", json.dumps({"key": key, "rel": rel, "size": stamp[0], "mtime": stamp[1],
                                     "at": os.path.join(path, rel)}).encode()
-            if limit and not inplace and stamp[0] > limit:
+            if limit and stamp[0] > limit:
                 had[rel] = stamp   # said once; it stays on the node
                 yield b"S", json.dumps({"error": f"over the size limit ({limit} bytes)"}).encode()
                 continue
-            result = yield from _file_data(os.path.join(path, rel), stamp, inplace)
+            result = yield from _file_data(os.path.join(path, rel), stamp, False)
             if "digest" in result:
                 had[rel] = stamp
             yield b"S", json.dumps(result).encode()

@@ -32,6 +32,7 @@ import re
 import selectors
 import shlex
 import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def through_pai(nodes_file: Path, steps: int) -> dict:
            "PAI_LOGVIEW": "file"}
     argv = [*PAI, "-name", "tensorflow", f"-Dscript=file://{EXAMPLE}", f"-Dcluster={json.dumps(CLUSTER)}",
             f"-DuserDefinedParameters=--steps {steps}"]
-    started = time.monotonic()
+    started, t_submit = time.monotonic(), time.time()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     first = None
     tail = []
@@ -70,10 +71,25 @@ def through_pai(nodes_file: Path, steps: int) -> dict:
             first = time.monotonic() - started
     code = proc.wait()
     total = time.monotonic() - started
+    phases = job_events(home, t_submit) if code == 0 else {}
     shutil.rmtree(home, ignore_errors=True)
     if code != 0 or first is None:
         raise SystemExit(f"the pai job failed (exit {code}):\n" + b"".join(tail).decode(errors="replace"))
-    return {"first_step": first, "total": total}
+    return {"first_step": first, "total": total, "phases": phases}
+
+
+def job_events(home: Path, t_submit: float) -> dict:
+    """Seconds from the submit to the job recorded, the master running, and each
+    instance started (its identity recorded), from the store's own timestamps."""
+    db = sqlite3.connect(home / "pai.db")
+    try:
+        created, begun = db.execute("SELECT created, started FROM jobs").fetchone()
+        starts = db.execute("SELECT role, idx, started FROM instances WHERE started IS NOT NULL").fetchall()
+    finally:
+        db.close()
+    out = {"recorded": round(created - t_submit, 2), "master": round(begun - t_submit, 2)}
+    out.update({f"{role}:{idx}": round(ts - t_submit, 2) for role, idx, ts in sorted(starts)})
+    return out
 
 
 def step_lines(pending: bytes, data: bytes) -> tuple[list[bytes], bytes]:
@@ -214,7 +230,9 @@ def main() -> None:
                     figure["load"] = load()
                     (pai_runs if kind == "pai" else hand_runs).append(figure)
                     print(f"run {run + 1} {kind:4}: first step {figure['first_step']:.2f}s, "
-                          f"total {figure['total']:.2f}s (load {figure['load']})", flush=True)
+                          f"total {figure['total']:.2f}s (load {figure['load']})"
+                          + (f"; started (s after submit): {figure['phases']}" if figure.get("phases") else ""),
+                          flush=True)
             pai_first = statistics.median(r["first_step"] for r in pai_runs)
             hand_first = statistics.median(r["first_step"] for r in hand_runs)
             result["tf_first_step"] = {"pai": pai_first, "hand": hand_first, "ratio": pai_first / hand_first,

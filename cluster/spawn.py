@@ -89,12 +89,8 @@ class WaitingMaster:
         import json
 
         pid = b""
-        umask = os.umask(0o077)
-        os.umask(umask)
-        context = {"env": dict(os.environ), "umask": umask,
-                   "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
         try:
-            os.write(self._command_fd, (json.dumps([str(home), job_id, str(log_path), context]) + "\n").encode())
+            os.write(self._command_fd, (json.dumps([str(home), job_id, str(log_path), _context()]) + "\n").encode())
             os.close(self._command_fd)
             self._command_fd = -1
             if meanwhile is not None:
@@ -108,6 +104,41 @@ class WaitingMaster:
         if not pid.endswith(b"\n"):
             raise OSError("the job's master did not start")
         return int(pid)
+
+    def ask_nodes(self, config: dict) -> bool:
+        """Have the waiting master probe the job's nodes (a backend that
+        `probes_by_login`) while the submit stages the job: it keeps the
+        connections, and the job stages and starts over them. False if it is gone."""
+        import json
+
+        try:
+            os.write(self._command_fd, (json.dumps(["nodes", config, _context()]) + "\n").encode())
+        except OSError:
+            return False
+        return True
+
+    def nodes_answer(self) -> list | None:
+        """The nodes with their resources (NodeSpecs) that ask_nodes() asked for. A
+        node problem is raised here as the probe raised it; None if the waiting
+        master could not answer (the caller probes itself)."""
+        import json
+
+        answer = b""
+        try:
+            while not answer.endswith(b"\n") and (chunk := os.read(self._pid_fd, 65536)):
+                answer += chunk
+            reply = json.loads(answer)
+        except (OSError, ValueError):
+            return None
+        if "error" in reply:
+            from paicli.errors import PaiError, UsageError
+
+            raise (UsageError if reply["error"] == "usage" else PaiError)(reply["message"], reply["hint"])
+        if "nodes" not in reply:
+            return None
+        from paicli.cluster.backends.base import NodeSpec
+
+        return [NodeSpec.from_dict(node) for node in reply["nodes"]]
 
     def take_recorded(self) -> int:
         """Once started: the pipe the master wrote its pid to, which it closes when the
@@ -193,6 +224,7 @@ def _wait_for_job(command_fd: int, pid_fd: int, prefault: bool = False) -> int:
         import_run_modules()   # while the CLI stages the job
     except Exception:
         pass   # said where it matters: when the master runs, in master.log
+    ahead = None if prefault else _probe_ahead()
     if prefault:
         import importlib
 
@@ -206,20 +238,20 @@ def _wait_for_job(command_fd: int, pid_fd: int, prefault: bool = False) -> int:
             pass   # no fork now (EAGAIN) or no pipe (EMFILE): the job forks its agents as before
 
         procinfo.prefault(until=lambda: procinfo.readable(command_fd))   # stops when the job comes
-    store = None
+    store = backend = None
     with os.fdopen(command_fd, "rb") as command:
         line = command.readline()
-        if line.startswith(b'["store",') and line.endswith(b"\n"):
-            store = _open_store_early(json.loads(line)[1])
+        while line.startswith((b'["store",', b'["nodes",')) and line.endswith(b"\n"):
+            request = json.loads(line)
+            if request[0] == "store":
+                store = _open_store_early(request[1])
+            else:
+                backend = _answer_nodes(request[1], request[2], pid_fd, ahead)
             line = command.readline()
     if not line.endswith(b"\n"):
         return 0   # no job for it
     home, job_id, log_path, context = json.loads(line)
-    # The submit's own: a waiting master forked ahead (a server's spare) has the server's.
-    os.environ.clear()
-    os.environ.update(context["env"])
-    os.umask(context["umask"])
-    signal.pthread_sigmask(signal.SIG_SETMASK, context["blocked"])
+    _take_context(context)
     try:
         # A line, and the pipe kept open: the master closes it once the job's record
         # is complete (WaitingMaster.take_recorded).
@@ -229,7 +261,81 @@ def _wait_for_job(command_fd: int, pid_fd: int, prefault: bool = False) -> int:
     if store is not None and store.home != Path(home):
         store = None
     return _run_forked_master(Path(home), job_id, Path(log_path), "started by fork as the submit began", store,
-                              waited=True, recorded_fd=pid_fd)
+                              waited=True, recorded_fd=pid_fd, backend=backend)
+
+
+def _context() -> dict:
+    """What of the submitting process its waiting master takes on (_take_context)."""
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return {"env": dict(os.environ), "umask": umask,
+            "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
+
+
+def _take_context(context: dict) -> None:
+    # The submit's own: a waiting master forked ahead (a server's spare) has the server's.
+    os.environ.clear()
+    os.environ.update(context["env"])
+    os.umask(context["umask"])
+    signal.pthread_sigmask(signal.SIG_SETMASK, context["blocked"])
+
+
+def _probe_ahead() -> tuple | None:
+    """(config, backend, reply): the probe a submit from this environment will ask
+    for (WaitingMaster.ask_nodes), made before it asks. A waiting master forked by
+    the submit itself has its environment (a spare, the server's: it waits to be
+    asked). None where probing the nodes does not log in to them, or the nodes
+    file cannot be read (the submit says why)."""
+    import json
+
+    try:
+        from paicli.cluster import backends
+        from paicli.store import pai_home
+
+        config = json.loads(json.dumps(backends.submit_config(pai_home())))
+        backend = backends.get_backend(config)
+    except Exception:  # noqa: BLE001 - the submit meets it again, and says it
+        return None
+    return (config, *_probe(backend)) if backend.probes_by_login else None
+
+
+def _answer_nodes(config: dict, context: dict, pid_fd: int, ahead: tuple | None):
+    """The submit's probe of its job's nodes (WaitingMaster.ask_nodes): the one made
+    ahead if it was of these nodes, else made now. The answer, one JSON line, goes
+    on the pid pipe; the backend, connected, is returned for the job (None if the
+    probe failed)."""
+    import json
+
+    _take_context(context)
+    if ahead is not None and ahead[0] == config:
+        backend, reply = ahead[1:]
+    else:   # (a probe made ahead of other nodes keeps its idle connections: not met in practice)
+        try:
+            from paicli.cluster.backends import get_backend
+
+            backend, reply = _probe(get_backend(config))
+        except Exception:  # noqa: BLE001 - the submit probes again, and meets it itself
+            backend, reply = None, {}
+    try:
+        os.write(pid_fd, (json.dumps(reply) + "\n").encode())
+    except OSError:
+        pass   # the CLI is gone: EOF on the command pipe comes next
+    return backend
+
+
+def _probe(backend) -> tuple:
+    """(backend, reply): its nodes probed, its connections kept for the job; (None,
+    the error) if the probe failed ({} if it is not one the submit would say)."""
+    from paicli.errors import PaiError, UsageError
+
+    try:
+        backend.keep_probe_connections = True
+        return backend, {"nodes": [node.to_dict() for node in backend.nodes()]}
+    except PaiError as err:   # the submit says it, as its own probe would have
+        return None, {"error": "usage" if isinstance(err, UsageError) else "pai",
+                      "message": err.message, "hint": err.hint}
+    except Exception:  # noqa: BLE001 - the submit probes again, and meets it itself
+        return None, {}
 
 
 def _open_store_early(home: str):
@@ -373,10 +479,11 @@ def open_private(path: Path) -> int:
 
 
 def _run_forked_master(home: Path, job_id: str, log_path: Path, how: str = "started by fork", store=None,
-                       waited: bool = False, recorded_fd: int = -1) -> int:
+                       waited: bool = False, recorded_fd: int = -1, backend=None) -> int:
     """`waited`: a waiting master, which let go of the CLI's descriptors as it
     started; `store`, its own connection, opened while it waited; `recorded_fd`,
-    closed once the job's record is complete (WaitingMaster.take_recorded)."""
+    closed once the job's record is complete (WaitingMaster.take_recorded);
+    `backend`, the one that probed the job's nodes as it waited, if any."""
     log = open_private(log_path)
     # Nothing of the CLI's: not its descriptors (a terminal, a pipe someone waits
     # to see closed, the SQLite file), not its working directory (an unmount of it
@@ -392,7 +499,12 @@ def _run_forked_master(home: Path, job_id: str, log_path: Path, how: str = "star
 
         from paicli.store import Store
 
-        return JobMaster(store or Store(home), job_id, recorded_fd=recorded_fd).run()
+        if backend is not None:
+            from paicli.cluster.backends import job_config
+
+            if job_config(log_path.parent) != backend.config:
+                backend = None   # not the nodes the job was recorded with: the master builds its own
+        return JobMaster(store or Store(home), job_id, backend=backend, recorded_fd=recorded_fd).run()
     except BaseException:
         import traceback
 

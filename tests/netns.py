@@ -223,7 +223,7 @@ class TestCluster:
             "ClientAliveInterval 2",
             "ClientAliveCountMax 3",
             f"Subsystem sftp {SFTP_SERVER}",
-            "LogLevel ERROR",
+            "LogLevel INFO",   # INFO: a login is a line ("Accepted publickey"), which tests count
             "",
         ]))
         os.chmod(config, 0o600)

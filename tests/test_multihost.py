@@ -204,6 +204,41 @@ def test_a_job_too_big_for_the_cluster_is_exit_2(cluster, nodes, pai_home):
     assert not (pai_home / "jobs").exists() or not any((pai_home / "jobs").iterdir())
 
 
+def logins(cluster: TestCluster) -> dict[str, int]:
+    """Logins each host's sshd has accepted so far (LogLevel INFO: one line each)."""
+    return {h.name: (h.state_dir / "sshd.log").read_text().count("Accepted publickey") for h in cluster.hosts}
+
+
+def test_a_job_logs_in_to_each_node_once(cluster, nodes, tmp_path):
+    """The submit's probe of the nodes is made by the job's waiting master, and the
+    job stages and starts over the connections it opened: one login per node and
+    job (there were two on the nodes the job ran on: the CLI's probe, then the
+    master's). Both ways the probe is made: ahead, by the master `pai` forked,
+    and when asked, by a submit server's spare, forked before the statement."""
+    from test_submit_server import Served
+
+    directory = tmp_path / "server"
+    directory.mkdir(mode=0o700)
+    server = Served(directory, {"PAI_SUBMIT_SERVER": "1", "PAI_SUBMIT_SERVER_DIR": str(directory),
+                                "PAI_SUBMIT_SERVER_IDLE": "120"})
+    try:
+        for how in ("ahead", "ahead, then starts a server", "asked, by the server's spare"):
+            before = logins(cluster)
+            result = pai("-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}",
+                         "-DuserDefinedParameters=--steps 3 --sleep 0",
+                         env=server.env if how != "ahead" else None)
+            info = assert_ok(result)
+            after = logins(cluster)
+            assert {n: after[n] - before[n] for n in after} == {h.name: 1 for h in cluster.hosts}, (how, before, after)
+            assert len(set(hosts_of(info).values())) == 3
+            if how.startswith("asked"):
+                assert "served pid" in server.log(), server.log()
+            assert_nothing_left(cluster, info["id"])
+    finally:
+        for pid in server.server_pids():
+            os.kill(pid, signal.SIGTERM)
+
+
 def test_unknown_host_key_is_refused_naming_the_node(cluster, nodes, tmp_path, monkeypatch):
     known = tmp_path / "known_hosts"
     h2 = cluster.host("h2").addr

@@ -73,6 +73,18 @@ def test_the_venvs_interpreters_start_without_setuptools_editable_hook():
                    str(ROOT / "adapters/python.py")]
 
 
+def test_logging_in_to_nodes_does_not_import_invoke():
+    """paramiko.config imports invoke when it can, only for ssh_config's `Match exec`,
+    which paicli never reads: ~70 ms of every process that logs in to a node (the
+    submit's probe, the master). Kept out while paramiko imports, and only then."""
+    code = ("import sys; from paicli.cluster import ssh_transport as t; p = t._paramiko(); "
+            "print('invoke' in sys.modules, 'paramiko.config' in sys.modules, p.SSHClient.__name__); "
+            "import invoke; print(invoke.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT, timeout=60).stdout.split()
+    assert out == ["False", "True", "SSHClient", "invoke"]
+
+
 def test_the_master_imports_nothing_heavy():
     code = "import sys, paicli.cluster.master; print('\\n'.join(sorted(sys.modules)))"
     mods = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

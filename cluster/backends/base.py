@@ -144,6 +144,10 @@ class Backend:
     # The agents a spare's waiting master forked (cluster/agents_ahead.py) are the
     # local backend's; any other lets them go in prepare(): its nodes run its agents.
     takes_agents_ahead = False
+    # Probing its nodes means logging in to each (SSH): the submit has the job's
+    # waiting master probe them (cluster/spawn.py), and the job then stages and
+    # starts over those same connections: one login per node, not two.
+    probes_by_login = False
 
     def __init__(self, config: dict[str, Any] | None = None):
         self.config = dict(config or {})

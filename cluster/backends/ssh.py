@@ -76,6 +76,7 @@ class ChannelTransport:
 class SSHBackend(Backend):
     name = "ssh"
     heartbeat = HEARTBEAT
+    probes_by_login = True
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)
@@ -86,6 +87,8 @@ class SSHBackend(Backend):
         self._folders: dict[str, str] = {}
         self._lock = threading.Lock()
         self._ports: dict[str, list[int]] = {}   # free ports found on each node by prepare()
+        # A probe's connections are closed (a CLI forks after it) unless the job will use them.
+        self.keep_probe_connections = False
 
     # -- nodes --------------------------------------------------------------------
 
@@ -128,9 +131,9 @@ class SSHBackend(Backend):
         if not specs:
             raise PaiError("no node of the nodes file answers: " + "; ".join(down))
         self._specs = specs
-        if not self._links and not self._folders:
-            # Probing only (the CLI at submit): no connection or paramiko thread
-            # outlives it, so the CLI can fork the job's master cleanly.
+        if not self._links and not self._folders and not self.keep_probe_connections:
+            # Probing only (the CLI, `pai nodes`): no connection or paramiko thread
+            # outlives it, so the CLI can fork cleanly.
             self.conns.close()
         return list(specs)
 
@@ -312,9 +315,7 @@ class SSHBackend(Backend):
 
     @staticmethod
     def _ssh_errors() -> type:
-        import paramiko
-
-        return paramiko.SSHException
+        return ssh._paramiko().SSHException
 
     # -- stopping: the agent's commands, for refs without a live channel here --------------
 

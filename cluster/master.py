@@ -249,7 +249,8 @@ class JobMaster:
         try:
             self.placements, outcome = queue_turns.wait_turn(
                 self.store, self.job_id, self.joblog.note, self._deadline(), lambda: self.cancel_reason,
-                lambda: place_job(self.store, self.job_id, self.plan, self.backend))
+                lambda: place_job(self.store, self.job_id, self.plan, self.backend),
+                self.backend.let_go_of_connections)
         except BaseException as err:  # noqa: BLE001 - recorded as the job's failure, traceback in master.log
             print_exc()
             return JobStatus.FAILED, str(err) if isinstance(err, PaiError) else f"launcher error: {err!r}"

@@ -156,12 +156,13 @@ def _wake(store: Store, job_id: str) -> None:
 
 
 def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: float | None,
-              cancelled: Callable[[], str | None], place_now: Callable[[], list[Placement]]
+              cancelled: Callable[[], str | None], place_now: Callable[[], list[Placement]],
+              before_wait: Callable[[], None] | None = None
               ) -> tuple[list[Placement] | None, tuple[JobStatus, str] | None]:
     """The JobMaster's wait for its turn: (placements, None) when it may start, or
     (None, outcome) when it was cancelled or timed out while waiting. A job with no
     queue entry (recorded by a caller that bypassed the queue) is placed at once
-    (`place_now`)."""
+    (`place_now`). `before_wait()` runs once if the turn does not come at once."""
     if store.queue_entry(job_id) is None:
         return place_now(), None
     from paicli.cluster.procinfo import start_time
@@ -195,6 +196,13 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
                 return None, (JobStatus.CANCELLED, cancelled() or job["reason"] or "cancelled while waiting")
             if deadline is not None and time.monotonic() >= deadline:
                 return None, (JobStatus.CANCELLED, f"timeout while waiting in the queue ({job['reason'] or ''})")
+            if before_wait is not None:
+                # What a waiting job should not hold (a backend's connections: their threads
+                # would take the wake-up this thread waits for), let go; then a look again,
+                # as a wake-up may have gone to one of those threads meanwhile.
+                before_wait()
+                before_wait = None
+                continue
             if job["reason"] and job["reason"] != said:
                 said = job["reason"]
                 note(said)

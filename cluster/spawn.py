@@ -90,13 +90,13 @@ class WaitingMaster:
 
         pid = b""
         try:
-            os.write(self._command_fd, (json.dumps([str(home), job_id, str(log_path), _context()]) + "\n").encode())
+            job = ["job", str(home), job_id, str(log_path), _context()]
+            os.write(self._command_fd, (json.dumps(job) + "\n").encode())
             os.close(self._command_fd)
             self._command_fd = -1
             if meanwhile is not None:
                 meanwhile()
-            while not pid.endswith(b"\n") and (chunk := os.read(self._pid_fd, 32)):
-                pid += chunk
+            pid = self._line()
         finally:
             self._reap_intermediate()
             if not pid.endswith(b"\n"):
@@ -123,11 +123,8 @@ class WaitingMaster:
         master could not answer (the caller probes itself)."""
         import json
 
-        answer = b""
         try:
-            while not answer.endswith(b"\n") and (chunk := os.read(self._pid_fd, 65536)):
-                answer += chunk
-            reply = json.loads(answer)
+            reply = json.loads(self._line())
         except (OSError, ValueError):
             return None
         if "error" in reply:
@@ -139,6 +136,13 @@ class WaitingMaster:
         from paicli.cluster.backends.base import NodeSpec
 
         return [NodeSpec.from_dict(node) for node in reply["nodes"]]
+
+    def _line(self) -> bytes:
+        """A line from the master's pipe (what came, if it closed first)."""
+        got = b""
+        while not got.endswith(b"\n") and (chunk := os.read(self._pid_fd, 65536)):
+            got += chunk
+        return got
 
     def take_recorded(self) -> int:
         """Once started: the pipe the master wrote its pid to, which it closes when the
@@ -206,9 +210,11 @@ def fork_waiting_master(prefault: bool = False) -> WaitingMaster | None:
 
 def _wait_for_job(command_fd: int, pid_fd: int, prefault: bool = False) -> int:
     """The waiting master: nothing of the CLI's kept (its terminal, its pipes), the
-    master's modules imported, then perhaps ["store", home] (the CLI has the store
-    open: the master's own connection is opened now), then one line, [home,
-    job_id, log], or EOF."""
+    master's modules imported (and, forked by the submit itself, its SSH nodes
+    probed ahead), then perhaps ["store", home] (the CLI has the store open: the
+    master's own connection is opened now) and ["nodes", config, context] (the
+    probe's answer is written on the pid pipe), then ["job", home, job_id, log,
+    context], or EOF."""
     import fcntl
     import json
 
@@ -239,18 +245,18 @@ def _wait_for_job(command_fd: int, pid_fd: int, prefault: bool = False) -> int:
 
         procinfo.prefault(until=lambda: procinfo.readable(command_fd))   # stops when the job comes
     store = backend = None
+    how = "started by fork as the submit began"
     with os.fdopen(command_fd, "rb") as command:
-        line = command.readline()
-        while line.startswith((b'["store",', b'["nodes",')) and line.endswith(b"\n"):
+        while (line := command.readline()).startswith((b'["store",', b'["nodes",')) and line.endswith(b"\n"):
             request = json.loads(line)
             if request[0] == "store":
                 store = _open_store_early(request[1])
             else:
-                backend = _answer_nodes(request[1], request[2], pid_fd, ahead)
-            line = command.readline()
-    if not line.endswith(b"\n"):
+                backend, when = _answer_nodes(request[1], request[2], pid_fd, ahead)
+                how += f"; its nodes probed {when}" if backend is not None else ""
+    if not (line.startswith(b'["job",') and line.endswith(b"\n")):
         return 0   # no job for it
-    home, job_id, log_path, context = json.loads(line)
+    _, home, job_id, log_path, context = json.loads(line)
     _take_context(context)
     try:
         # A line, and the pipe kept open: the master closes it once the job's record
@@ -260,8 +266,8 @@ def _wait_for_job(command_fd: int, pid_fd: int, prefault: bool = False) -> int:
         pass   # the CLI is gone after handing the job over: the job is recorded, supervise it
     if store is not None and store.home != Path(home):
         store = None
-    return _run_forked_master(Path(home), job_id, Path(log_path), "started by fork as the submit began", store,
-                              waited=True, recorded_fd=pid_fd, backend=backend)
+    return _run_forked_master(Path(home), job_id, Path(log_path), how, store, waited=True, recorded_fd=pid_fd,
+                              backend=backend)
 
 
 def _context() -> dict:
@@ -293,23 +299,27 @@ def _probe_ahead() -> tuple | None:
         from paicli.store import pai_home
 
         config = json.loads(json.dumps(backends.submit_config(pai_home())))
+        if not backends.backend_class(config).probes_by_login:
+            return None
         backend = backends.get_backend(config)
     except Exception:  # noqa: BLE001 - the submit meets it again, and says it
         return None
-    return (config, *_probe(backend)) if backend.probes_by_login else None
+    return (config, *_probe(backend))
 
 
-def _answer_nodes(config: dict, context: dict, pid_fd: int, ahead: tuple | None):
+def _answer_nodes(config: dict, context: dict, pid_fd: int, ahead: tuple | None) -> tuple:
     """The submit's probe of its job's nodes (WaitingMaster.ask_nodes): the one made
     ahead if it was of these nodes, else made now. The answer, one JSON line, goes
-    on the pid pipe; the backend, connected, is returned for the job (None if the
-    probe failed)."""
+    on the pid pipe; (the backend, connected, for the job, or None if the probe
+    failed; "ahead" or "when asked")."""
     import json
 
     _take_context(context)
     if ahead is not None and ahead[0] == config:
         backend, reply = ahead[1:]
-    else:   # (a probe made ahead of other nodes keeps its idle connections: not met in practice)
+    else:
+        if ahead is not None and ahead[1] is not None:
+            ahead[1].let_go_of_connections()   # other nodes than the submit's
         try:
             from paicli.cluster.backends import get_backend
 
@@ -320,7 +330,7 @@ def _answer_nodes(config: dict, context: dict, pid_fd: int, ahead: tuple | None)
         os.write(pid_fd, (json.dumps(reply) + "\n").encode())
     except OSError:
         pass   # the CLI is gone: EOF on the command pipe comes next
-    return backend
+    return backend, "ahead" if ahead is not None and ahead[0] == config else "when asked"
 
 
 def _probe(backend) -> tuple:
@@ -502,8 +512,9 @@ def _run_forked_master(home: Path, job_id: str, log_path: Path, how: str = "star
         if backend is not None:
             from paicli.cluster.backends import job_config
 
-            if job_config(log_path.parent) != backend.config:
-                backend = None   # not the nodes the job was recorded with: the master builds its own
+            if job_config(log_path.parent) != backend.config:   # not the nodes the job was recorded with
+                backend.let_go_of_connections()
+                backend = None
         return JobMaster(store or Store(home), job_id, backend=backend, recorded_fd=recorded_fd).run()
     except BaseException:
         import traceback

@@ -65,18 +65,22 @@ def host_key_name(node: NodeEntry) -> str:
     return node.host if node.port == 22 else f"[{node.host}]:{node.port}"
 
 
+_IMPORTING = threading.Lock()
+
+
 def _paramiko():
     import logging
     import sys
 
-    if "paramiko" not in sys.modules and "invoke" not in sys.modules:
-        # paramiko.config imports invoke if it can, only for ssh_config's `Match exec`;
-        # no ssh_config is read here. Kept out: ~70 ms of every process that logs in.
-        sys.modules["invoke"] = None
-        try:
-            import paramiko
-        finally:
-            del sys.modules["invoke"]
+    with _IMPORTING:   # the first call may come from several probe threads at once
+        if "paramiko" not in sys.modules and "invoke" not in sys.modules:
+            # paramiko.config imports invoke if it can, only for ssh_config's `Match exec`;
+            # no ssh_config is read here. Kept out: ~70 ms of every process that logs in.
+            sys.modules["invoke"] = None
+            try:
+                import paramiko
+            finally:
+                del sys.modules["invoke"]
     import paramiko
 
     # paramiko logs a refused channel (a node's MaxSessions reached, handled by

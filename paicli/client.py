@@ -92,7 +92,8 @@ def submit(prepared: Prepared, store: Store | None = None,
         # A job that could never start (bigger than the cluster or its quota) is
         # refused now; one that only has to wait for room is queued (docs/queue.md).
         # Ray places jobs itself and keeps its own Waiting List.
-        nodes = None if backend.places_jobs else (asked and waiting.nodes_answer()) or backend.nodes()
+        answer = waiting.nodes_answer() if asked else None
+        nodes = None if backend.places_jobs else answer or backend.nodes()
         entry = None if nodes is None else queue_turns.check_and_describe(
             store, plan, nodes, spec.get("priority"), spec.project)
         if adapter.runtime:

@@ -222,17 +222,20 @@ def test_a_job_logs_in_to_each_node_once(cluster, nodes, tmp_path):
     server = Served(directory, {"PAI_SUBMIT_SERVER": "1", "PAI_SUBMIT_SERVER_DIR": str(directory),
                                 "PAI_SUBMIT_SERVER_IDLE": "120"})
     try:
-        for how in ("ahead", "ahead, then starts a server", "asked, by the server's spare"):
+        for how, server_on in (("ahead", False), ("ahead", True), ("when asked", True)):
+            if how == "when asked":   # the server the last submit started: listening, its spare forked
+                assert wait_until(lambda: any(directory.glob("*.sock")) and "serving" in server.log(), 60), \
+                    server.log()
             before = logins(cluster)
             result = pai("-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}",
-                         "-DuserDefinedParameters=--steps 3 --sleep 0",
-                         env=server.env if how != "ahead" else None)
+                         "-DuserDefinedParameters=--steps 3 --sleep 0", env=server.env if server_on else None)
             info = assert_ok(result)
             after = logins(cluster)
             assert {n: after[n] - before[n] for n in after} == {h.name: 1 for h in cluster.hosts}, (how, before, after)
             assert len(set(hosts_of(info).values())) == 3
-            if how.startswith("asked"):
-                assert "served pid" in server.log(), server.log()
+            master_log = (Path(info["job_dir"]) / "master.log").read_text()
+            assert f"its nodes probed {how}" in master_log.splitlines()[0], master_log
+            assert ("served pid" in server.log()) == (how == "when asked"), server.log()
             assert_nothing_left(cluster, info["id"])
     finally:
         for pid in server.server_pids():
@@ -246,11 +249,16 @@ def test_unknown_host_key_is_refused_naming_the_node(cluster, nodes, tmp_path, m
     known.write_text("\n".join(keep) + "\n")
     path = cluster.write_nodes_file(tmp_path / "strict.yaml", known_hosts=known, cpu=100)
     monkeypatch.setenv("PAI_NODES", str(path))
+    before = logins(cluster)
     result = pai("-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}")
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "node h2" in result.stderr and "host key unknown" in result.stderr
     assert "pai nodes trust h2" in result.stderr
+    # The job's waiting master probed (one login on each other node), and its error was
+    # the CLI's: the CLI did not probe again.
+    after = logins(cluster)
+    assert {n: after[n] - before[n] for n in after} == {"h1": 1, "h2": 0, "h3": 1, "h4": 1}, (before, after)
     listed = pai("nodes", "--json")
     states = {n["name"]: n["state"] for n in json.loads(listed.stdout)}
     assert states == {"h1": "up", "h2": "host key unknown", "h3": "up", "h4": "up"}

@@ -47,6 +47,13 @@ def master_alive(pid: int) -> bool:
         return False
 
 
+def threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Threads: line for {pid}")
+
+
 @pytest.fixture
 def gates(tmp_path):
     """Gate files; every one opened at the end, and every unfinished job killed."""
@@ -96,6 +103,12 @@ def test_one_gpu_two_jobs_priorities_cli_death_and_kill_of_a_waiting_job(tmp_pat
         queued = wait_until(lambda: [q["id"] for q in pai_json("queue")] == [c, b, d] and pai_json("queue"), 15)
         assert queued, pai_json("queue")
         assert [(q["position"], q["priority"]) for q in queued] == [(1, 5), (2, 0), (3, 0)]
+        # A waiting job keeps no connection to its node: the probe's (made by its master
+        # as the submit began) are let go, and the master is one thread again, so the
+        # wake-up signal its turn comes with cannot go to another thread.
+        for job in (b, c, d):
+            pid = status(job)["master_pid"]
+            assert wait_until(lambda: threads(pid) == 1, 15), f"{job}'s master has {threads(pid)} threads"
         assert status(b)["status"] == "Waiting" and status(b)["reason"].startswith("waiting: 2nd in queue; ")
         listed = pai("list").stdout
         assert re.search(rf"Waiting +{b} .*waiting: 2nd in queue", listed), listed

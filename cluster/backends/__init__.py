@@ -48,7 +48,12 @@ def register(name: str, target: str) -> None:
 
 
 def get_backend(config: dict[str, Any]):
-    return _backend_attr(config, BACKENDS[_backend_name(config)].partition(":")[2])(config)
+    return backend_class(config)(config)
+
+
+def backend_class(config: dict[str, Any]) -> type:
+    """The config's backend class, not built (Ray's would connect to its head)."""
+    return _backend_attr(config, BACKENDS[_backend_name(config)].partition(":")[2])
 
 
 def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:

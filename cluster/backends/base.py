@@ -174,6 +174,10 @@ class Backend:
         during this job."""
         return [node for node in self._nodes() if node.name not in self.lost]
 
+    def let_go_of_connections(self) -> None:
+        """A job about to wait (its queue turn), or a backend not used: whatever it
+        keeps open to its nodes is closed (opened again when next needed)."""
+
     def prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
         """Stage what the instances need on the nodes they were placed on (a
         remote backend copies runners, the script/archive and plan files into a

@@ -137,6 +137,10 @@ class SSHBackend(Backend):
             self.conns.close()
         return list(specs)
 
+    def let_go_of_connections(self) -> None:
+        if not self._links:
+            self.conns.close()
+
     def _resources(self, node: NodeEntry) -> dict:
         """What placement needs: cores, memory, GPUs. Declared values are used as
         they are (only the login is checked); the rest comes from a shell one-liner,

@@ -402,17 +402,17 @@ class JobMaster:
     def _started(self, inst: Instance, handle: Handle) -> None:
         role = inst.role
         inst.handle = handle
-        ref = json.dumps(handle.ref.to_dict())
+        who = handle.ref
+        ref = json.dumps(who.to_dict())
         # The watchdog learns the instance before anything else can go wrong.
         self._tell_watchdog(ref)
-        self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, pid=handle.pid,
-                                  pgid=handle.pgid, ref=ref)
+        self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, pid=who.pid, pgid=who.pgid, ref=ref)
         self.selector.register(handle.output_fd, selectors.EVENT_READ, inst)
         self._watch_frames(inst, handle)
         if not self._set(inst, InstanceStatus.RUNNING,
-                         f"attempt {inst.attempt}, pid {handle.pid} on {inst.placed.node}",
-                         attempt=inst.attempt, node=inst.placed.node, host=handle.host, port=inst.port,
-                         pid=handle.pid, pgid=handle.pgid, ref=ref, gpus=",".join(inst.placed.gpus),
+                         f"attempt {inst.attempt}, pid {who.pid} on {inst.placed.node}",
+                         attempt=inst.attempt, node=inst.placed.node, host=who.host, port=inst.port,
+                         pid=who.pid, pgid=who.pgid, ref=ref, gpus=",".join(inst.placed.gpus),
                          started=time.time(), ended=None, exit_code=None):
             # The store said no (the job was ended from outside meanwhile): what the
             # store does not show as running must not run.

@@ -124,7 +124,7 @@ def test_local_agents_start_their_instances_before_any_identity_is_read():
         assert wait_until(lambda: len(_sleepers(marker)) == 3, timeout=30), _sleepers(marker)
         assert not backend._links   # running, and no identity read yet (base.Backend.start would have)
         handles = [finish() for finish in finishes]
-        assert sorted(h.pid for h in handles) == sorted(_sleepers(marker))
+        assert sorted(h.ref.pid for h in handles) == sorted(_sleepers(marker))
         with pytest.raises(FileNotFoundError):
             missing()
         missing = None

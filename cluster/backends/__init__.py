@@ -51,8 +51,7 @@ def get_backend(config: dict[str, Any]):
     return backend_class(config)(config)
 
 
-def backend_class(config: dict[str, Any]) -> type:
-    """The config's backend class, not built (Ray's would connect to its head)."""
+def backend_class(config: dict[str, Any]) -> type:   # not built: Ray's constructor connects to its head
     return _backend_attr(config, BACKENDS[_backend_name(config)].partition(":")[2])
 
 

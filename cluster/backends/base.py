@@ -113,18 +113,6 @@ class Handle:
     output_fd: int                # the instance's stdout+stderr, read by the master; -1 once closed
     native: Any = field(default=None, repr=False)   # its agent_link.Link (every backend's)
 
-    @property
-    def pid(self) -> int:
-        return self.ref.pid
-
-    @property
-    def pgid(self) -> int:
-        return self.ref.pgid
-
-    @property
-    def host(self) -> str:
-        return self.ref.host
-
 
 class Backend:
     """One kind of node. `config` is the JSON-serialisable nodes config the
@@ -144,9 +132,8 @@ class Backend:
     # The agents a spare's waiting master forked (cluster/agents_ahead.py) are the
     # local backend's; any other lets them go in prepare(): its nodes run its agents.
     takes_agents_ahead = False
-    # Probing its nodes means logging in to each (SSH): the submit has the job's
-    # waiting master probe them (cluster/spawn.py), and the job then stages and
-    # starts over those same connections: one login per node, not two.
+    # Probing its nodes logs in to each (SSH): the job's waiting master probes them for
+    # the submit and the job keeps those connections (cluster/spawn.py, ask_nodes).
     probes_by_login = False
 
     def __init__(self, config: dict[str, Any] | None = None):
@@ -175,8 +162,7 @@ class Backend:
         return [node for node in self._nodes() if node.name not in self.lost]
 
     def let_go_of_connections(self) -> None:
-        """A job about to wait (its queue turn), or a backend not used: whatever it
-        keeps open to its nodes is closed (opened again when next needed)."""
+        """What it keeps open to its nodes closed (a job about to wait its turn)."""
 
     def prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
         """Stage what the instances need on the nodes they were placed on (a

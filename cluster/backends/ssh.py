@@ -87,8 +87,7 @@ class SSHBackend(Backend):
         self._folders: dict[str, str] = {}
         self._lock = threading.Lock()
         self._ports: dict[str, list[int]] = {}   # free ports found on each node by prepare()
-        # A probe's connections are closed (a CLI forks after it) unless the job will use them.
-        self.keep_probe_connections = False
+        self.keep_probe_connections = False   # True: the job will use them (else closed: a CLI forks)
 
     # -- nodes --------------------------------------------------------------------
 
@@ -131,10 +130,8 @@ class SSHBackend(Backend):
         if not specs:
             raise PaiError("no node of the nodes file answers: " + "; ".join(down))
         self._specs = specs
-        if not self._links and not self._folders and not self.keep_probe_connections:
-            # Probing only (the CLI, `pai nodes`): no connection or paramiko thread
-            # outlives it, so the CLI can fork cleanly.
-            self.conns.close()
+        if not self._folders and not self.keep_probe_connections:
+            self.let_go_of_connections()   # probing only (the CLI, `pai nodes`): no thread outlives it
         return list(specs)
 
     def let_go_of_connections(self) -> None:

@@ -280,8 +280,10 @@ def _context() -> dict:
 
 def _take_context(context: dict) -> None:
     # The submit's own: a waiting master forked ahead (a server's spare) has the server's.
-    os.environ.clear()
-    os.environ.update(context["env"])
+    # Left alone when it is the same (the probe's threads may be reading it).
+    if os.environ != context["env"]:
+        os.environ.clear()
+        os.environ.update(context["env"])
     os.umask(context["umask"])
     signal.pthread_sigmask(signal.SIG_SETMASK, context["blocked"])
 

@@ -70,11 +70,10 @@ def submit(prepared: Prepared, store: Store | None = None,
     adapter, spec = prepared.adapter, prepared.spec
     policy.check_launcher_env()
     config = backends.submit_config(store.home)
-    backend = backends.get_backend(config)
     # Where probing the nodes means logging in to each (SSH), the job's waiting
     # master probes them as the job is staged here, and the job then stages and
     # starts over those connections: one login per node, not two.
-    asked = waiting is not None and backend.probes_by_login and waiting.ask_nodes(config)
+    asked = waiting is not None and backends.backend_class(config).probes_by_login and waiting.ask_nodes(config)
     job_id = new_job_id()
     # The job folder is filled first (code, spec, plan) and recorded in the store
     # last; any failure before that removes the folder, so bad input leaves nothing.
@@ -89,6 +88,7 @@ def submit(prepared: Prepared, store: Store | None = None,
         from paicli.cluster import datasets
         datasets.prepare(spec, plan, job_dir)
         plan.runtime = adapter.runtime or None
+        backend = backends.get_backend(config)   # here: Ray's connects to its head
         # A job that could never start (bigger than the cluster or its quota) is
         # refused now; one that only has to wait for room is queued (docs/queue.md).
         # Ray places jobs itself and keeps its own Waiting List.

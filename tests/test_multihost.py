@@ -331,6 +331,11 @@ def test_kill_9_of_the_master_leaves_nothing_on_any_node(cluster, nodes):
     proc, job_id = start_long_job()
     try:
         assert on_nodes(cluster) >= 3
+        # The node the job does not use keeps no session of it (the master's look at the
+        # nodes logged in to every node, and let that one go).
+        unused = {h.name for h in cluster.hosts} - {i["node"] for i in status(job_id)["instances"]}
+        assert len(unused) == 1 and wait_until(lambda: not any(cluster.leftovers(n) for n in unused), 10), \
+            {n: cluster.leftovers(n) for n in unused}
         # pai nodes sees the job's instances, each on its own node
         rows = {r["name"]: r for r in json.loads(pai("nodes", "--json").stdout)}
         placed = {i["host"]: f"{job_id}/{i['role']}:{i['index']}" for i in status(job_id)["instances"]}

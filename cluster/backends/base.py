@@ -163,6 +163,7 @@ class Backend:
 
     def let_go_of_connections(self) -> None:
         """What it keeps open to its nodes closed (a job about to wait its turn)."""
+        self._let_go_of_connections()
 
     def prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
         """Stage what the instances need on the nodes they were placed on (a
@@ -293,6 +294,9 @@ class Backend:
         agent.close()
 
     # -- what a backend fills in --------------------------------------------------------
+
+    def _let_go_of_connections(self) -> None:
+        """Local and Ray: none kept (Ray's connection is the cluster client's)."""
 
     def _nodes(self) -> list[NodeSpec]:
         raise NotImplementedError

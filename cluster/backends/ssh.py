@@ -134,7 +134,7 @@ class SSHBackend(Backend):
             self.let_go_of_connections()   # probing only (the CLI, `pai nodes`): no thread outlives it
         return list(specs)
 
-    def let_go_of_connections(self) -> None:
+    def _let_go_of_connections(self) -> None:
         if not self._links:
             self.conns.close()
 

@@ -317,7 +317,8 @@ def _answer_nodes(config: dict, context: dict, pid_fd: int, ahead: tuple | None)
     import json
 
     _take_context(context)
-    if ahead is not None and ahead[0] == config:
+    made_ahead = ahead is not None and ahead[0] == config
+    if made_ahead:
         backend, reply = ahead[1:]
     else:
         if ahead is not None and ahead[1] is not None:
@@ -332,7 +333,7 @@ def _answer_nodes(config: dict, context: dict, pid_fd: int, ahead: tuple | None)
         os.write(pid_fd, (json.dumps(reply) + "\n").encode())
     except OSError:
         pass   # the CLI is gone: EOF on the command pipe comes next
-    return backend, "ahead" if ahead is not None and ahead[0] == config else "when asked"
+    return backend, "ahead" if made_ahead else "when asked"
 
 
 def _probe(backend) -> tuple:

@@ -158,8 +158,8 @@ class SSHBackend(Backend):
         names = sorted({p.node for p in placements})
         errors: list[str] = []
         unused = [n for n in self.nodes_config.nodes if n.name not in names and n.name not in self._folders]
-        # The probe's connections to nodes the job does not use: closed beside the staging.
-        threading.Thread(target=lambda: [self.conns.drop(n) for n in unused], daemon=True).start()
+        if unused:   # the probe's connections to nodes the job does not use: closed beside the staging
+            threading.Thread(target=lambda: [self.conns.drop(n) for n in unused], daemon=True).start()
 
         def stage(name: str) -> None:
             node = self.nodes_config.node(name)

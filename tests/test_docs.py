@@ -35,6 +35,15 @@ def test_quickstart_has_exactly_two_commands():
     assert "bash .ci/setup test" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_links_between_the_docs_lead_somewhere():
+    """A relative link in the README, the changelog or docs/ names a file that exists."""
+    docs = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = [f"{doc.relative_to(ROOT)}: {target}" for doc in docs
+              for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text())
+              if not re.match(r"[a-z]+:|#", target) and not (doc.parent / target.split("#", 1)[0]).exists()]
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
+
+
 PACKAGES = {"paicli": "paicli", "adapters": "paicli.adapters", "cluster": "paicli.cluster",
             "runners": "paicli.runners"}
 

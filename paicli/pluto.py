@@ -711,9 +711,9 @@ def verify_plan(prepared, store, key: str, profile, where, user, knobs, result, 
     if budget_s is not None and cost > 0:
         left = max(0.0, budget_s - cost)
         result = planner.plan(profile, where, user, budget_s=left, knobs=knobs)
-        result.reasons.insert(0, f"budget {planner._dur(budget_s)}: the verification runs take about "
-                                 f"{planner._dur(cost)} of it; plans are judged against the "
-                                 f"{planner._dur(left)} left")
+        result.reasons.insert(0, f"budget {planner.duration_text(budget_s)}: the verification runs take about "
+                                 f"{planner.duration_text(cost)} of it; plans are judged against the "
+                                 f"{planner.duration_text(left)} left")
         picks, why = planner.to_verify(result, shapes, profile.sync)
         if not picks:
             return result, None

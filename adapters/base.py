@@ -6,7 +6,7 @@ are services, stopped afterwards), the argv/env every instance of a role starts
 with, the runtime it runs in, and regexes that pick metrics out of its log lines.
 Per-instance details that depend on assigned ports (TF_CONFIG, DMLC_*, classic
 --ps_hosts flags) are derived inside the runtime by the adapter's runner from the
-PAI_* variables the launcher sets (see paicli.plan).
+PAI_* variables the launcher sets (see paicli.jobplan).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 
 from paicli.errors import SpecError
-from paicli.plan import KEY_VALUE_METRIC, JobPlan
+from paicli.jobplan import KEY_VALUE_METRIC, JobPlan
 from paicli.records import record
 from paicli.spec import JobSpec, Param
 
@@ -155,7 +155,7 @@ NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 @record(frozen=True)
 class LineRule:
     what: str                   # the line, in words (where it comes from)
-    pattern: str                # the regex the master runs (see paicli.plan.JobPlan.metric_patterns)
+    pattern: str                # the regex the master runs (see paicli.jobplan.JobPlan.metric_patterns)
     sample: str                 # a line captured from a real run of the framework
     reads: dict                 # what the whole table reads from `sample`: {metric: value}
 

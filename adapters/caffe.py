@@ -33,8 +33,8 @@ from pathlib import Path
 from paicli.adapters.base import (NUMBER, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode, cluster_roles,
                                   code_inputs, distribution_env, script_args, table_patterns)
 from paicli.errors import PaiError, SpecError
-from paicli.plan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
-from paicli.runners.runtimes import RuntimeError_, get_runtime, runner_path
+from paicli.jobplan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
+from paicli.runners.runtimes import RuntimeSetupError, get_runtime, runner_path
 from paicli.spec import JobSpec, Param
 
 RUNNER = "caffe_runner.py"
@@ -165,7 +165,7 @@ class CaffeAdapter(Adapter):
         try:
             runtime = get_runtime(self.runtime)
             python = runtime.python()
-        except RuntimeError_ as err:
+        except RuntimeSetupError as err:
             raise PaiError(f"the caffe runtime: {err}") from None
         roles = cluster_roles(spec, {"worker": {"count": 1}})
         if "worker" not in roles:
@@ -199,7 +199,7 @@ class CaffeAdapter(Adapter):
         # Both `caffe train` (one worker) and the GPU check (solver_mode, any count) need the binary.
         try:
             solve += ["--caffe", runtime.caffe()]
-        except RuntimeError_ as err:
+        except RuntimeSetupError as err:
             raise PaiError(f"the caffe runtime: {err}") from None
         if workers == 1:
             if "ps" in roles:

@@ -20,7 +20,7 @@ from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBU
                                   cluster_roles, code_inputs, distribution_env, pluto_scaling_env, script_args,
                                   table_patterns)
 from paicli.errors import SpecError
-from paicli.plan import RESTART_JOB, JobPlan, RolePlan
+from paicli.jobplan import RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import get_runtime, runner_path
 from paicli.spec import JobSpec, Param
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from paicli.adapters.base import Adapter, StagedCode, cluster_roles, code_inputs, script_args
-from paicli.plan import JobPlan, RolePlan
+from paicli.jobplan import JobPlan, RolePlan
 from paicli.spec import JobSpec
 
 SERVICE_ROLES = ("ps",)

@@ -30,7 +30,7 @@ from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBU
                                   cluster_roles, code_inputs, distribution_env, pluto_scaling_env, script_args,
                                   table_patterns)
 from paicli.errors import SpecError
-from paicli.plan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
+from paicli.jobplan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import TF_LEGACY_RUNTIME, get_runtime, runner_path
 from paicli.runners.script_imports import local_modules
 from paicli.spec import JobSpec, Param

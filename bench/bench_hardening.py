@@ -632,7 +632,7 @@ def bench_diskfull(args) -> dict:
 WARM_CODE = """
 import json, os, sys, time
 import paicli.pai, paicli.commands, paicli.client, paicli.store, paicli.statement, paicli.logtail
-import paicli.jobview, paicli.plutoview, paicli.web.launch, paicli.adapters, paicli.staging
+import paicli.jobview, paicli.cluster.pluto.view, paicli.web.launch, paicli.adapters, paicli.staging
 from paicli.cluster.spawn import import_run_modules
 from paicli.commands import submit_tokens
 import_run_modules()

@@ -19,7 +19,7 @@ import time
 
 from paicli.cluster import placement as placing
 from paicli.cluster.backends.base import NodeSpec
-from paicli.plan import JobPlan, RolePlan
+from paicli.jobplan import JobPlan, RolePlan
 
 
 def main() -> int:

@@ -281,7 +281,7 @@ def tokens_for(framework: str, config: dict) -> list[str]:
 
 
 def bench_framework(framework: str, label: str) -> dict:
-    from paicli.planning import make_plan
+    from paicli.pluto import make_plan
     from paicli.cluster.pluto.model import forecast
     from paicli.cluster.pluto.planner import pluto_bound
     from paicli.statement import parse_statement
@@ -476,7 +476,7 @@ def cmd_proof(args) -> None:
             default_id, default_s, default_status, default_wall = run_job(base + steps)
             # the calibration is cached by the first run: time the auto run again without it
             auto2_id, auto2_s, auto2_status, auto2_wall = run_job(base + steps + ["-DautoStrategy=true"])
-            from paicli.plutoview import record
+            from paicli.cluster.pluto.view import record
             plan = record(the_store().job(auto2_id)["job_dir"]) or {}
             speed = default_wall / auto2_wall if auto2_wall else None
             train_default, train_auto = training_seconds(default_id), training_seconds(auto2_id)
@@ -566,7 +566,7 @@ def heldout_case(case, label: str) -> dict:
     the links favour (least forecast communication with the same workers: is any
     plan 1.5x faster?); then `pai plan` with verification (calibration cached) and its
     recommendation measured too when it is another plan."""
-    from paicli.planning import make_plan
+    from paicli.pluto import make_plan
     from paicli.statement import parse_statement
 
     name, framework, script, script_args, ps, workers, _hosts, _rate = case
@@ -675,7 +675,7 @@ def _key(choice) -> str:
 def cmd_heldout(args) -> None:
     import inspect
 
-    from paicli.planning import make_plan
+    from paicli.pluto import make_plan
 
     if "verify" in inspect.signature(make_plan).parameters:
         VERIFY_OFF["verify"] = False   # the model's own forecast, not a measured plan

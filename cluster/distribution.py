@@ -19,7 +19,7 @@ PAI_REQUIRE_DISTRIBUTED in their roles' environment.
 
 from __future__ import annotations
 
-from paicli.plan import JobPlan
+from paicli.jobplan import JobPlan
 from paicli.states import JobStatus
 
 MARKER = "not distributed: "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from paicli.cluster import placement as placing
 from paicli.cluster.backends.base import Backend, NodeSpec, Placement
-from paicli.plan import JobPlan
+from paicli.jobplan import JobPlan
 from paicli.private import write_private
 from paicli.store import Store
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from paicli.cluster import datasets, distribution, outputs, policy, queue_turns
-from paicli.cluster import layers as job_layers
+from paicli.cluster import requirement_layers as job_layers
 from paicli.cluster import placement as placing
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
@@ -32,7 +32,7 @@ from paicli.cluster.job_placement import place_job, read_placements, write_place
 from paicli.cluster.procinfo import start_time
 from paicli.cluster.spawn import Watchdog, spawn_watchdog
 from paicli.errors import PaiError, UsageError
-from paicli.plan import JobPlan, RolePlan
+from paicli.jobplan import JobPlan, RolePlan
 from paicli.records import record, replace
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
@@ -44,7 +44,7 @@ from paicli.store import Store
 # (nodes files, bucket digests) stay lazy: a local job's master has no use for them.
 RUN_MODULES = ("paicli.spec", "paicli.cluster.agent_link", "paicli.runners.node_agent",
                "paicli.runners.node_outputs", "paicli.cluster.node_files",
-               "paicli.jobstatus", "paicli.cluster.lifecycle", "paicli.plutoview", "paicli.steptime")
+               "paicli.jobstatus", "paicli.cluster.lifecycle", "paicli.cluster.pluto.view", "paicli.steptime")
 
 def print_exc() -> None:
     """The traceback being handled, into master.log (traceback is imported only then:

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 from paicli.cluster.backends.base import NodeSpec, Placement
 from paicli.errors import UsageError
-from paicli.plan import JobPlan
+from paicli.jobplan import JobPlan
 from paicli.records import field, record
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from paicli.cluster.backends.base import NODE_LOST
 from paicli.errors import UsageError
-from paicli.plan import RESTART_JOB
+from paicli.jobplan import RESTART_JOB
 from paicli.records import record
 from paicli.states import describe_exit, is_retryable
 

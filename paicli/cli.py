@@ -156,7 +156,7 @@ def status(job_id, as_json):
                      str(inst["attempts"]), inst.get("node") or "", inst.get("host") or "", str(inst["pid"] or ""),
                      str(inst["port"] or ""), metrics))
     print_table(("Instance", "Status", "Exit", "Attempts", "Node", "Host", "PID", "Port", "Last metrics"), rows)
-    from paicli.plutoview import status_lines
+    from paicli.cluster.pluto.view import status_lines
     pluto = status_lines(st)
     if pluto:
         click.echo("")
@@ -263,7 +263,7 @@ def runtime():
 @click.option("--node", help="Provision it on this node of the nodes file instead (over SSH).")
 def runtime_install(name, node):
     """Provision a framework's runtime now (jobs also do it on first use)."""
-    from paicli.runners.runtimes import RuntimeError_
+    from paicli.runners.runtimes import RuntimeSetupError
 
     rt = _runtime(name)
     if node:
@@ -274,7 +274,7 @@ def runtime_install(name, node):
         return
     try:
         rt.ensure(runtime_progress())
-    except RuntimeError_ as err:
+    except RuntimeSetupError as err:
         raise PaiError(str(err)) from None
     info = rt.info()
     click.echo(f"{name}: ready at {info['path']} ({info['version']})")
@@ -320,7 +320,7 @@ def runtime_list(as_json):
 def runtime_remove(name):
     """Delete a provisioned runtime or a requirements layer (`pai runtime list` names
     them); the next job that needs it builds it again. Refused while a job uses it."""
-    from paicli.runners.runtimes import RuntimeError_
+    from paicli.runners.runtimes import RuntimeSetupError
     from paicli.cli_runtime import is_layer_name, remove_layer   # ENVS room
 
     if is_layer_name(name):
@@ -329,7 +329,7 @@ def runtime_remove(name):
         return
     try:
         removed = _runtime(name).remove()
-    except RuntimeError_ as err:  # in use by a running job
+    except RuntimeSetupError as err:  # in use by a running job
         raise PaiError(str(err)) from None
     click.echo(f"{name}: removed" if removed else f"{name}: was not installed")
 

@@ -1,5 +1,5 @@
 """`pai plan` (Pluto: the planner and its forecast): parse, one call to the
-planning library (paicli/planning.py), render.
+planning library (paicli/pluto.py), render.
 
     pai plan -name tensorflow -Dscript=train.py [-D...] [--json] [--budget 10m]
     pai plan job.yaml [-Dkey=value ...] [--json] [--budget 10m]
@@ -22,7 +22,7 @@ from paicli.commands import print_table, statement_of
 
 
 def _dur(seconds) -> str:
-    from paicli.cluster.pluto.planner import _dur as dur
+    from paicli.cluster.pluto.planner import duration_text as dur
     return dur(seconds)
 
 
@@ -35,7 +35,7 @@ def _d_args(choice_json: dict) -> str:
 
 
 def render_text(result) -> list[str]:
-    """The plan as text (a planning.PlanResult): calibration, the recommendation, why."""
+    """The plan as text (a pluto.PlanResult): calibration, the recommendation, why."""
     data = result.plan.to_json()
     rec = data["recommended"]
     p = result.profile
@@ -138,7 +138,7 @@ def register(cli: click.Group) -> None:
         the budget.
         """
         from paicli.errors import UsageError
-        from paicli.planning import make_plan
+        from paicli.pluto import make_plan
         from paicli.spec import Param, convert
 
         tokens, as_json, budget_text, verify = _split_plan_options(statement)

@@ -66,7 +66,7 @@ def _jobs_using(name: str) -> list[str]:
 def remove_layer(name: str) -> str | None:
     """Delete a layer (its name, or a unique prefix) unless a job uses it (its store
     says so, or an instance holds it). The full name, or None if it was gone already."""
-    from paicli.runners.runtimes import RuntimeError_, list_layers, remove_layer as remove
+    from paicli.runners.runtimes import RuntimeSetupError, list_layers, remove_layer as remove
 
     names = [layer["name"] for layer in list_layers()]
     matches = [n for n in names if n == name] or [n for n in names if n.startswith(name)]
@@ -79,7 +79,7 @@ def remove_layer(name: str) -> str | None:
                        "try again when its jobs have ended (`pai list`)")
     try:
         return matches[0] if remove(matches[0]) else None
-    except RuntimeError_ as err:
+    except RuntimeSetupError as err:
         raise PaiError(str(err)) from None
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from paicli.errors import PaiError, UsageError
 from paicli.jobstatus import MASTER_START_DEADLINE, job_over, master_alive  # noqa: F401 (the API's names)
-from paicli.plan import JobPlan
+from paicli.jobplan import JobPlan
 from paicli.records import record
 from paicli.spec import CORE_PARAMS, JobSpec, build_spec
 from paicli.statement import Statement, dump_yaml
@@ -97,14 +97,14 @@ def submit(prepared: Prepared, store: Store | None = None,
         entry = None if nodes is None else queue_turns.check_and_describe(
             store, plan, nodes, spec.get("priority"), spec.project)
         if adapter.runtime:
-            from paicli.runners.runtimes import RuntimeError_, get_runtime
+            from paicli.runners.runtimes import RuntimeSetupError, get_runtime
             try:
                 get_runtime(adapter.runtime).ensure(progress)
-            except RuntimeError_ as err:
+            except RuntimeSetupError as err:
                 raise PaiError(f"the {adapter.runtime} runtime: {err}",
                                f"retry with `pai runtime install {adapter.runtime}`") from None
         if spec.get("env") or spec.get("requirements"):   # ENVS room: into the roles; the layer built here first
-            from paicli.cluster.layers import prepare_job_env
+            from paicli.cluster.requirement_layers import prepare_job_env
             prepare_job_env(spec, plan, job_dir, progress, store.home)
         # JSON, not YAML: importing yaml would cost every submit ~30 ms (`pai export` gives YAML).
         write_private(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))
@@ -128,12 +128,12 @@ def submit(prepared: Prepared, store: Store | None = None,
 
 
 def _check_planned(spec: JobSpec, plan: JobPlan) -> None:
-    """-DautoStrategy=true is applied before a submit (paicli.planning.auto_strategy,
+    """-DautoStrategy=true is applied before a submit (paicli.pluto.auto_strategy,
     which every statement submit calls); a library caller that skipped it is told,
     rather than the job running without Pluto's plan."""
     if spec.get("autoStrategy") == "true" and plan.pluto is None:
         raise UsageError("-DautoStrategy=true: the job was not planned",
-                         "call paicli.planning.auto_strategy(prepared, store) before client.submit")
+                         "call paicli.pluto.auto_strategy(prepared, store) before client.submit")
 
 
 def start_master(store: Store, job_id: str, job_dir: Path, waiting=None,

@@ -118,7 +118,7 @@ def submit_statement(stmt, store, progress, waiting=None, meanwhile=None) -> str
 
     prepared = client.prepare(stmt)
     if prepared.spec.get("autoStrategy") == "true":
-        from paicli.planning import auto_strategy  # calibrate, plan, apply its recommendation
+        from paicli.pluto import auto_strategy  # calibrate, plan, apply its recommendation
 
         prepared = auto_strategy(prepared, store, progress)
     return client.submit(prepared, store, progress=progress, waiting=waiting, meanwhile=meanwhile)
@@ -138,7 +138,8 @@ def submit_and_follow(stmt, detach: bool = False, progress: bool = True, waiting
         # log view (a server started if none runs), and what following needs imported.
         echo(f"ID = {job_id}")
         echo_log_view(store, job_id, str(store.jobs_dir / job_id / "summary.txt"))
-        from paicli import jobview, logtail, plutoview  # noqa: F401 (imported now, used by attach)
+        from paicli import jobview, logtail  # noqa: F401 (imported now, used by attach)
+        from paicli.cluster.pluto import view as pluto_view  # noqa: F401
 
     try:
         store = open_store()
@@ -172,7 +173,7 @@ def attach(store, job_id: str, from_end: bool, progress: bool = True, recorded_f
     `recorded_fd`: the pipe the master closes once the job's record is complete
     (WaitingMaster.take_recorded), closed here."""
     from paicli import client, jobview, logtail
-    from paicli.plutoview import forecast_line
+    from paicli.cluster.pluto.view import forecast_line
 
     out = logtail.binary_stdout()
     colour = logtail.use_colour(sys.stdout)

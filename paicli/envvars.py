@@ -36,7 +36,7 @@ MASK = "***"
 MIN_MASKED = 4
 MAX_VARS = 256
 MAX_VALUE = 64 * 1024
-# What the launcher sets on every instance (paicli/plan.py): a job cannot declare them.
+# What the launcher sets on every instance (paicli/jobplan.py): a job cannot declare them.
 RESERVED = frozenset({"PAI_JOB_ID", "PAI_ROLE", "PAI_INDEX", "PAI_HOST", "PAI_NODE", "PAI_PORT",
                       "PAI_CLUSTER", "PAI_ATTEMPT", "PAI_JOB_ATTEMPT", "PAI_JOB_DIR",
                       "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED"})

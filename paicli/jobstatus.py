@@ -101,7 +101,8 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
     """Everything `pai status --json` shows, read from the store. The last value of
     each metric comes from SQL; the whole series (which can be millions of rows)
     only when asked for."""
-    from paicli import plutoview, steptime  # here: the CLI's start-up path imports this module
+    from paicli import steptime  # here: the CLI's start-up path imports this module
+    from paicli.cluster.pluto import view as pluto_view
 
     job = read_job(store, job_id)
     instances = [_as_shown(i, job) for i in store.instances(job_id)]
@@ -137,7 +138,7 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
             "port": i["port"], "log": instance_log_path(job_dir, i["role"], i["idx"], i["attempt"] or 0),
         } for i in instances],
         "step_seconds": steptime.job_step_seconds(store, job_id),
-        "pluto": plutoview.record(job_dir),
+        "pluto": pluto_view.record(job_dir),
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
     out["not_distributed"] = distribution.cause_of(out["status"], out["reason"])  # issue 20

@@ -2,7 +2,7 @@
 `requirements:` as a file or a list of lines.
 
 Parsed at submit into a normalised list of lines (what the layer's digest is made
-of: cluster/layers.py builds the layer). pip's requirement syntax, plus the few
+of: cluster/requirement_layers.py builds the layer). pip's requirement syntax, plus the few
 options that say where packages come from: `--find-links DIR` (a local folder of
 wheels/sdists: it travels with the job to every node that builds the layer),
 `--no-index`, `--index-url`, `--extra-index-url`, `--pre`, `--prefer-binary`,

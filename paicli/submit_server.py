@@ -48,10 +48,10 @@ IDLE = _idle_seconds()   # seconds without a child before the server leaves
 SPARE_DELAY = 1.0
 # What a bare submit imports (pai.py, the CLI) beyond the master's own (spawn.import_run_modules).
 SUBMIT_MODULES = ("paicli.pai", "paicli.commands", "paicli.statement", "paicli.client", "paicli.store",
-                  "paicli.progress", "paicli.plan", "paicli.jobstatus", "paicli.staging",
+                  "paicli.progress", "paicli.jobplan", "paicli.jobstatus", "paicli.staging",
                   "paicli.cluster.lifecycle", "paicli.cluster.queue", "paicli.cluster.datasets",
                   "paicli.cluster.scheduler", "paicli.web.launch", "paicli.jobview", "paicli.logtail",
-                  "paicli.plutoview", "paicli.adapters")
+                  "paicli.cluster.pluto.view", "paicli.adapters")
 STATUS_FIELDS = ("Groups", "NoNewPrivs", "Seccomp", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
 NAMESPACES = ("mnt", "net", "pid", "user", "ipc", "uts", "cgroup")
 

@@ -639,7 +639,7 @@ class Tuner:
         return False
 
     def _forecast_inputs(self) -> tuple[list[float], float | None, int | None]:
-        from paicli.plutoview import record
+        from paicli.cluster.pluto.view import record
 
         seconds, steps, pluto = [], None, None
         for row in self.store.study_trials(self.name):
@@ -666,7 +666,7 @@ class Tuner:
         stmt = statement_of_params(self.config["framework"], self.config["project"], params)
         prepared = client.prepare(stmt)
         if prepared.spec.get("autoStrategy") == "true":
-            from paicli.planning import auto_strategy
+            from paicli.pluto import auto_strategy
 
             prepared = auto_strategy(prepared, self.store, self.say)
         try:

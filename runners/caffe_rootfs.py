@@ -34,7 +34,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from paicli.runners.runtimes import Progress, Runtime, RuntimeError_, run_streaming
+from paicli.runners.runtimes import Progress, Runtime, RuntimeSetupError, run_streaming
 
 SUITE = "bullseye"
 PACKAGES = ("caffe", "python3-caffe")
@@ -145,7 +145,7 @@ def choose_mirror() -> str:
         return os.environ["PAI_CAFFE_MIRROR"]
     mirrors = apt_mirrors()
     if not mirrors:
-        raise RuntimeError_(
+        raise RuntimeSetupError(
             "no Debian mirror found in /etc/apt/sources.list or /etc/apt/sources.list.d/ "
             "to build the Caffe runtime from; add a Debian source there or set "
             "PAI_CAFFE_MIRROR=<a Debian mirror URL>, or use your own Caffe with "
@@ -190,7 +190,7 @@ def find_debootstrap(progress: Progress) -> str:
         return found
     apt = shutil.which("apt-get")
     if not apt:
-        raise RuntimeError_("debootstrap is not installed and there is no apt-get to install it; "
+        raise RuntimeSetupError("debootstrap is not installed and there is no apt-get to install it; "
                             "install debootstrap, or use your own Caffe with PAI_CAFFE_PYTHON "
                             "and PAI_CAFFE_BIN (see docs/caffe.md)")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -198,14 +198,14 @@ def find_debootstrap(progress: Progress) -> str:
     try:
         run_streaming([apt, "install", "-y", "-q", "debootstrap"], progress,
                       "apt-get install debootstrap", env=env)
-    except RuntimeError_:
+    except RuntimeSetupError:
         # A fresh machine may have no package lists yet.
         run_streaming([apt, "update", "-q"], progress, "apt-get update", env=env)
         run_streaming([apt, "install", "-y", "-q", "debootstrap"], progress,
                       "apt-get install debootstrap", env=env)
     found = shutil.which("debootstrap") or "/usr/sbin/debootstrap"
     if not os.path.exists(found):
-        raise RuntimeError_("apt-get installed debootstrap but it is not on PATH or in /usr/sbin")
+        raise RuntimeSetupError("apt-get installed debootstrap but it is not on PATH or in /usr/sbin")
     return found
 
 
@@ -229,7 +229,7 @@ class CaffeRuntime(Runtime):
         if self.override:
             found = shutil.which("caffe")
             if not found:
-                raise RuntimeError_("PAI_CAFFE_PYTHON is set but no `caffe` command was found; "
+                raise RuntimeSetupError("PAI_CAFFE_PYTHON is set but no `caffe` command was found; "
                                     "set PAI_CAFFE_BIN=/path/to/caffe as well")
             return found
         return str(self.path / "paicli-caffe")
@@ -248,7 +248,7 @@ class CaffeRuntime(Runtime):
 
     def _install(self, target: Path, progress: Progress) -> None:
         if os.geteuid() != 0:
-            raise RuntimeError_(
+            raise RuntimeSetupError(
                 "building the Caffe runtime needs root (debootstrap makes device nodes and "
                 "sets file owners); run `sudo pai runtime install caffe` once, or use your own "
                 "Caffe with PAI_CAFFE_PYTHON and PAI_CAFFE_BIN (see docs/caffe.md)")
@@ -260,13 +260,13 @@ class CaffeRuntime(Runtime):
         try:
             run_streaming([debootstrap, "--variant=minbase", f"--include={','.join(PACKAGES)}",
                            SUITE, str(target), mirror], progress, f"debootstrap {SUITE}", env=env)
-        except RuntimeError_ as err:
+        except RuntimeSetupError as err:
             log = target / "debootstrap" / "debootstrap.log"
             detail = ""
             if log.exists():
                 lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
                 detail = " | debootstrap.log: " + " | ".join(lines[-3:])
-            raise RuntimeError_(f"{err}{detail}; check that the mirror {mirror} is reachable "
+            raise RuntimeSetupError(f"{err}{detail}; check that the mirror {mirror} is reachable "
                                 f"and still has {SUITE} (set PAI_CAFFE_MIRROR to use another)") from None
         # Not needed at run time and large: apt's downloaded .debs.
         shutil.rmtree(target / "var" / "cache" / "apt" / "archives", ignore_errors=True)
@@ -284,12 +284,12 @@ class CaffeRuntime(Runtime):
              "import caffe, numpy, h5py; print('pycaffe', caffe.__version__, 'numpy', numpy.__version__)"],
             capture_output=True, text=True, errors="replace", timeout=300)
         if probe.returncode != 0:
-            raise RuntimeError_("the Caffe root filesystem was built but `import caffe` fails in it: "
+            raise RuntimeSetupError("the Caffe root filesystem was built but `import caffe` fails in it: "
                                 + " | ".join(probe.stderr.strip().splitlines()[-3:]))
         progress(probe.stdout.strip())
         probe = subprocess.run([str(target / "paicli-caffe"), "--version"],
                                capture_output=True, text=True, errors="replace", timeout=300)
         if "caffe version" not in (probe.stdout + probe.stderr).lower():
-            raise RuntimeError_("the Caffe root filesystem was built but `caffe --version` fails in it: "
+            raise RuntimeSetupError("the Caffe root filesystem was built but `caffe --version` fails in it: "
                                 + " | ".join((probe.stdout + probe.stderr).strip().splitlines()[-3:]))
         progress((probe.stdout + probe.stderr).strip().splitlines()[-1])

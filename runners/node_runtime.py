@@ -6,7 +6,7 @@ lines indented, runtimes.DETAIL), then its result as one JSON line; a failure is
 
     python3 node_runtime.py runtime NAME     the framework runtime NAME, provisioned
                                             here on first use: {"python": PATH}
-    python3 node_runtime.py layer SPEC       the job's layer (cluster/layers.py) built
+    python3 node_runtime.py layer SPEC       the job's layer (cluster/requirement_layers.py) built
                                             on the runtime, cached by digest
 
 The layer's pip log is the job folder's pip.log.

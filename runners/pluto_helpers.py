@@ -299,7 +299,7 @@ def process_seconds() -> float:
 def _probe_source(seconds: float, rounds: int = 1) -> int:
     """`rounds` transfers of `seconds` each, one connection a round; a line per round
     (bytes_per_s, cpu_ns_per_byte): pai plan takes the best rate and the median CPU
-    (planning.link_figures)."""
+    (pluto.link_figures)."""
     import socket
     import time
 

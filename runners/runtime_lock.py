@@ -37,7 +37,7 @@ _LAYER_FDS: list[int] = []
 
 
 def _hold_layer() -> None:
-    """The job's requirements layer ($PAI_LAYER, cluster/layers.py), held the same
+    """The job's requirements layer ($PAI_LAYER, cluster/requirement_layers.py), held the same
     way for this process's life: `pai runtime remove LAYER` refuses while it is."""
     layer = os.environ.get("PAI_LAYER")
     if not layer:

@@ -36,7 +36,7 @@ Progress = Callable[[str], None]
 MARKER = "paicli-runtime.json"
 
 
-class RuntimeError_(Exception):
+class RuntimeSetupError(Exception):
     """A runtime could not be provisioned or found; the message says why and what to do."""
 
 
@@ -45,7 +45,7 @@ def runtime_root() -> Path:
         try:
             return Path(os.environ["PAI_RUNTIME_DIR"]).expanduser()
         except RuntimeError:  # `~name` of an unknown user
-            raise RuntimeError_(f"PAI_RUNTIME_DIR={os.environ['PAI_RUNTIME_DIR']}: no such user on this "
+            raise RuntimeSetupError(f"PAI_RUNTIME_DIR={os.environ['PAI_RUNTIME_DIR']}: no such user on this "
                                 "machine; set it to a folder") from None
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "paicli" / "runtimes"
@@ -102,7 +102,7 @@ class Runtime:
         if self.is_installed():
             return
         if self.override:  # the user's own interpreter: nothing to provision
-            raise RuntimeError_(f"{self.override_var}={self.override} is not an interpreter that can run "
+            raise RuntimeSetupError(f"{self.override_var}={self.override} is not an interpreter that can run "
                                 f"(no such executable file); fix it or unset {self.override_var}")
         root = runtime_root()
         root.mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ class Runtime:
                 try:
                     with self.exclusive("upgrade"):
                         shutil.rmtree(self.path)
-                except RuntimeError_:
+                except RuntimeSetupError:
                     shutil.rmtree(staging, ignore_errors=True)
                     raise
             os.rename(staging, self.path)  # atomic: a runtime is whole or absent
@@ -146,7 +146,7 @@ class Runtime:
 
     @contextlib.contextmanager
     def exclusive(self, what: str) -> Iterator[None]:
-        """The runtime's lock, exclusively, or RuntimeError_ at once if a job is
+        """The runtime's lock, exclusively, or RuntimeSetupError at once if a job is
         using it. Every instance running in the runtime holds its marker file with
         a shared lock for its whole life (the runners' hold_runtime_lock), so a
         runtime is never deleted under a running job."""
@@ -159,7 +159,7 @@ class Runtime:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise RuntimeError_(f"cannot {what} the {self.name} runtime: a running job uses it "
+                raise RuntimeSetupError(f"cannot {what} the {self.name} runtime: a running job uses it "
                                     f"({self.path}); try again when its jobs have ended (`pai list`)") from None
             yield
         finally:
@@ -196,7 +196,7 @@ def run_streaming(argv: list[str], progress: Progress, what: str, env: dict | No
             tail = (tail + [line])[-8:]
             progress(DETAIL + line.lstrip())
     if proc.wait() != 0:
-        raise RuntimeError_(f"{what} failed (exit {proc.returncode}): " + " | ".join(tail[-3:]))
+        raise RuntimeSetupError(f"{what} failed (exit {proc.returncode}): " + " | ".join(tail[-3:]))
 
 
 @contextlib.contextmanager
@@ -212,8 +212,8 @@ def logged(progress: Progress, path: Path) -> Iterator[Progress]:
 
         try:
             yield both
-        except RuntimeError_ as err:
-            raise RuntimeError_(f"{err}; full log: {path}") from None
+        except RuntimeSetupError as err:
+            raise RuntimeSetupError(f"{err}; full log: {path}") from None
 
 
 class VenvRuntime(Runtime):
@@ -251,7 +251,7 @@ RUNTIMES: dict[str, Runtime | str] = {
 def get_runtime(name: str) -> Runtime:
     entry = RUNTIMES.get(name)
     if entry is None:
-        raise RuntimeError_(f"unknown runtime {name!r}; known: {', '.join(RUNTIMES)}")
+        raise RuntimeSetupError(f"unknown runtime {name!r}; known: {', '.join(RUNTIMES)}")
     if isinstance(entry, str):
         module_name, class_name = entry.split(":")
         entry = getattr(importlib.import_module(module_name), class_name)()
@@ -317,7 +317,7 @@ def folder_digest(folders: list[str]) -> str:
     return digest.hexdigest()
 
 
-class PipError(RuntimeError_):
+class PipError(RuntimeSetupError):
     """pip could not satisfy a requirement: `line` is the one line to show."""
 
     def __init__(self, line: str, log: str | None):
@@ -352,7 +352,7 @@ def _pip_command(python: str) -> list[str]:
                           stdin=subprocess.DEVNULL)
     if here.returncode == 0:
         return [sys.executable, "-m", "pip", "--python", python]
-    raise RuntimeError_(f"no pip for {python} (nor for {sys.executable}): install pip "
+    raise RuntimeSetupError(f"no pip for {python} (nor for {sys.executable}): install pip "
                         "(e.g. apt-get install python3-pip) to build a requirements layer")
 
 
@@ -522,9 +522,9 @@ def list_layers() -> list[dict]:
 
 
 def remove_layer(name: str) -> bool:
-    """Delete a layer unless a running instance holds its marker (RuntimeError_)."""
+    """Delete a layer unless a running instance holds its marker (RuntimeSetupError)."""
     if "/" in name or name.startswith("."):
-        raise RuntimeError_(f"{name!r} is not a layer name (`pai runtime list` shows them)")
+        raise RuntimeSetupError(f"{name!r} is not a layer name (`pai runtime list` shows them)")
     path = layers_root() / name
     marker = path / LAYER_MARKER
     if not marker.exists():
@@ -534,7 +534,7 @@ def remove_layer(name: str) -> bool:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RuntimeError_(f"cannot remove the layer {name}: a running job uses it; "
+            raise RuntimeSetupError(f"cannot remove the layer {name}: a running job uses it; "
                                 "try again when its jobs have ended (`pai list`)") from None
         shutil.rmtree(path)
     finally:

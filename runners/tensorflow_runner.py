@@ -4,7 +4,7 @@
                                    [--] SCRIPT [ARGS...]
 
 The launcher starts every instance with PAI_ROLE, PAI_INDEX, PAI_CLUSTER, ... (see
-paicli.plan). This runner turns them into what TensorFlow expects, then either
+paicli.jobplan). This runner turns them into what TensorFlow expects, then either
 
   * runs the user's SCRIPT with runpy, so that `__main__`, `sys.argv` and
     `sys.path[0]` look exactly as with `python SCRIPT ARGS...`; or

@@ -157,14 +157,14 @@ def test_mirror_comes_from_the_apt_sources(tmp_path, monkeypatch):
     assert caffe_rootfs.choose_mirror() == "http://mirror.invalid/debian"
     for path in sources.iterdir():
         path.unlink()
-    with pytest.raises(caffe_rootfs.RuntimeError_, match="PAI_CAFFE_MIRROR"):
+    with pytest.raises(caffe_rootfs.RuntimeSetupError, match="PAI_CAFFE_MIRROR"):
         caffe_rootfs.choose_mirror()
 
 
 def test_building_without_root_says_how_to(tmp_path, monkeypatch):
     from paicli.runners import caffe_rootfs
     monkeypatch.setattr(caffe_rootfs.os, "geteuid", lambda: 1000)
-    with pytest.raises(caffe_rootfs.RuntimeError_) as err:
+    with pytest.raises(caffe_rootfs.RuntimeSetupError) as err:
         caffe_rootfs.CaffeRuntime()._install(tmp_path / "caffe", lambda line: None)
     assert "needs root" in str(err.value) and "sudo pai runtime install caffe" in str(err.value)
     assert "PAI_CAFFE_PYTHON" in str(err.value)

@@ -122,15 +122,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # runtimes/archive modules too: nothing of paicli but runners/ (checked below).
     "runners": ("paicli.runners.*",),
     # The shared vocabulary every layer above speaks.
-    "core": ("paicli", "paicli.errors", "paicli.spec", "paicli.plan", "paicli.states", "paicli.store",
-             "paicli.private", "paicli.records", "paicli.steptime", "paicli.plutoview",
+    "core": ("paicli", "paicli.errors", "paicli.spec", "paicli.jobplan", "paicli.states", "paicli.store",
+             "paicli.private", "paicli.records", "paicli.steptime",
              "paicli.envvars", "paicli.requirements"),   # ENVS room: a job's env and requirements
     "adapters": ("paicli.adapters.*",),                 # frameworks, never processes
     # processes, never frameworks; jobstatus derives a job's status from the store
     # and the process table (is its master alive?), for the master and the readers
     "cluster": ("paicli.cluster.*", "paicli.jobstatus"),
     # The library the commands, the console and the web server call.
-    "library": ("paicli.client", "paicli.jobview", "paicli.planning", "paicli.statement", "paicli.staging", "paicli.logtail",
+    "library": ("paicli.client", "paicli.jobview", "paicli.pluto", "paicli.statement", "paicli.staging", "paicli.logtail",
                 "paicli.logview", "paicli.docs", "paicli.progress",
                 "paicli.tune"),   # TUNE (issue 19): pai tune's library (Optuna inside its functions)
     "web": ("paicli.web.*",),                           # the logview launcher, the server, its pages

@@ -83,7 +83,7 @@ def test_the_masker_hides_a_secret_split_across_reads():
 
 
 def test_secret_values_come_from_every_role():
-    from paicli.plan import JobPlan, RolePlan
+    from paicli.jobplan import JobPlan, RolePlan
 
     plan = JobPlan("j", "python", "T", [RolePlan("worker", 1, ["x"], env={"MY_TOKEN": SECRET, "FOO": "bar"})])
     assert secret_values(plan) == [SECRET]
@@ -326,13 +326,13 @@ def test_on_a_terminal_one_line_redrawn_with_a_bar():
 
 
 def test_a_failed_runtime_install_names_its_full_log(tmp_path, monkeypatch):
-    from paicli.runners.runtimes import RuntimeError_, VenvRuntime
+    from paicli.runners.runtimes import RuntimeSetupError, VenvRuntime
 
     monkeypatch.setenv("PAI_RUNTIME_DIR", str(tmp_path / "rt"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")   # hermetic, and fast to fail
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     shown: list[str] = []
-    with pytest.raises(RuntimeError_) as caught:
+    with pytest.raises(RuntimeSetupError) as caught:
         VenvRuntime("bogus", ["no-such-package-paicli==9"]).ensure(shown.append)
     message = str(caught.value)
     assert "no-such-package-paicli==9" in message and "\n" not in message

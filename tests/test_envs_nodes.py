@@ -98,7 +98,7 @@ def caffe_runtime() -> Path:
     """The shared Caffe runtime (built once: root and 3 minutes), or a skip. Shared:
     SHARED_RUNTIMES, as this process found it before a fixture pointed
     PAI_RUNTIME_DIR at a node's own folder."""
-    from paicli.runners.runtimes import RuntimeError_, get_runtime
+    from paicli.runners.runtimes import RuntimeSetupError, get_runtime
 
     saved = os.environ.get("PAI_RUNTIME_DIR")
     os.environ["PAI_RUNTIME_DIR"] = str(SHARED_RUNTIMES)
@@ -106,7 +106,7 @@ def caffe_runtime() -> Path:
         runtime = get_runtime("caffe")
         runtime.ensure()
         return runtime.path.resolve()
-    except RuntimeError_ as err:
+    except RuntimeSetupError as err:
         pytest.skip(f"the Caffe runtime: {err}")
     finally:
         if saved is None:

@@ -99,7 +99,7 @@ def test_every_row_of_the_parser_table_reads_its_captured_line(framework):
 def test_a_table_row_that_reads_too_much_is_reported():
     from paicli.adapters.base import LineRule, table_errors, table_patterns
     from paicli.cluster.logsink import MetricParser
-    from paicli.plan import KEY_VALUE_METRIC
+    from paicli.jobplan import KEY_VALUE_METRIC
 
     table = (LineRule("tf_cnn_benchmarks step", KEY_VALUE_METRIC,
                       "20  images/sec: 104.5 +/- 2.0 (jitter = 10.1)  33.330", {}),)
@@ -222,7 +222,7 @@ def test_the_runner_names_why_a_worker_was_not_distributed(asked, pushes, flag, 
 
 def test_the_master_keeps_success_but_says_why_or_fails_when_required():
     from paicli.cluster import distribution
-    from paicli.plan import JobPlan, RolePlan
+    from paicli.jobplan import JobPlan, RolePlan
     from paicli.states import JobStatus
 
     tails = {"server:0": ["ps-lite: bye"],

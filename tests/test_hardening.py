@@ -16,7 +16,7 @@ import pytest
 from conftest import BEHAVE, PAI, job_id_from, pai, pai_json, run_on_pty, wait_until
 from paicli.cluster import logsink
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser
-from paicli.plan import KEY_VALUE_METRIC
+from paicli.jobplan import KEY_VALUE_METRIC
 
 BAR = Path(__file__).resolve().parent / "scripts" / "bar.py"
 
@@ -465,7 +465,7 @@ def test_a_wake_up_that_arrives_as_the_master_takes_its_turn_does_not_kill_it(tm
     jobs below)."""
     from paicli.cluster import queue_turns
     from paicli.cluster.backends.base import NodeSpec
-    from paicli.plan import JobPlan, RolePlan
+    from paicli.jobplan import JobPlan, RolePlan
     from paicli.store import Store
 
     store = Store(tmp_path)

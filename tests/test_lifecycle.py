@@ -234,7 +234,7 @@ def _queued_job(home: Path, master: tuple[int, str] | None) -> str:
     """A job waiting in the queue as its supervisor left it (its turn not come)."""
     from paicli.cluster import queue_turns
     from paicli.cluster.backends.base import NodeSpec
-    from paicli.plan import JobPlan, RolePlan
+    from paicli.jobplan import JobPlan, RolePlan
 
     job_id = record_job(home, master=None)
     store = Store(home)

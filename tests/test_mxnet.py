@@ -22,7 +22,7 @@ from conftest import broken_lines, chatty_script, instance_groups, job_id_from, 
 from paicli.adapters import get_adapter
 from paicli.adapters.base import StagedCode
 from paicli.errors import SpecError
-from paicli.plan import RESTART_JOB
+from paicli.jobplan import RESTART_JOB
 from paicli.runners import mxnet_runner
 from paicli.spec import CORE_PARAMS, RawParam, build_spec
 

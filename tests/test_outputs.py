@@ -534,7 +534,7 @@ def test_a_timed_out_job_still_records_its_files(pai_home, tmp_path):
 
 def test_a_shared_checkpoint_folder_is_neither_staged_nor_watched_nor_translated(tmp_path):
     from paicli.cluster import node_files, remote_paths
-    from paicli.plan import JobPlan, RolePlan
+    from paicli.jobplan import JobPlan, RolePlan
 
     job_dir, shared, mine = tmp_path / "job", tmp_path / "nfs", tmp_path / "ckpt"
     job_dir.mkdir()

@@ -39,7 +39,7 @@ AGENT_ALLOWED = {
 # own command tree, the framework adapters (the plan is read from plan.json).
 MASTER_HEAVY = ("yaml", "aiohttp", "jinja2", "ray", "paramiko", "numpy", "optuna", "click", "rich",
                 "prompt_toolkit", "plotext", "paicli.web", "paicli.cli", "paicli.console", "paicli.adapters",
-                "paicli.tune", "paicli.planning", "paicli.cluster.backends.ssh", "paicli.cluster.backends.ray")
+                "paicli.tune", "paicli.pluto", "paicli.cluster.backends.ssh", "paicli.cluster.backends.ray")
 
 
 def imported_by(argv: list[str], stdin: bytes = b"") -> set[str]:

@@ -11,7 +11,7 @@ from paicli.cluster import policy
 from paicli.cluster.backends.base import NODE_LOST, Backend, NodeSpec
 from paicli.cluster.job_placement import place_job
 from paicli.errors import UsageError
-from paicli.plan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
+from paicli.jobplan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
 from paicli.states import JobStatus
 from paicli.store import Store
 

@@ -296,34 +296,34 @@ def test_plan_of_a_script_that_fails_in_calibration_is_one_clear_line(pai_home, 
 def test_a_plan_calibrates_the_script_before_it_probes_the_runtime(pai_home, tmp_path, monkeypatch, framework):
     """The runtime's probes take ~5-20 s: a script that fails in calibration says so
     before any of them runs (before, a broken MXNet script's one line came after ~15 s)."""
-    from paicli import client, planning
+    from paicli import client, pluto
     from paicli.errors import PaiError
     from paicli.statement import parse_statement
 
     probed = []
     for name in ("probe_quantize", "probe_update", "probe_kvstore", "probe_rpc"):
-        monkeypatch.setattr(planning, name, lambda name=name: probed.append(name) or None)
+        monkeypatch.setattr(pluto, name, lambda name=name: probed.append(name) or None)
 
     def calibration_fails(*args, **kwargs):
         raise PaiError("calibration: the script failed")
 
-    monkeypatch.setattr(planning, "calibration_run", calibration_fails)
+    monkeypatch.setattr(pluto, "calibration_run", calibration_fails)
     monkeypatch.setattr(calibrate, "measure_loopback", lambda: 1e9)
     script = tmp_path / "train.py"
     script.write_text("print('step=0, loss=1')\n")
     prepared = client.prepare(parse_statement(["-name", framework, f"-Dscript={script}"]))
     with pytest.raises(PaiError, match="the script failed"):
-        planning.plan_prepared(prepared)
+        pluto.plan_prepared(prepared)
     assert probed == []
     # A calibration that went through: the probes run after it, before the profile is made.
-    monkeypatch.setattr(planning, "calibration_run", lambda *args, **kwargs: ("job", None))
+    monkeypatch.setattr(pluto, "calibration_run", lambda *args, **kwargs: ("job", None))
 
     def profile_made(*args, **kwargs):
         raise RuntimeError("profile")
 
     monkeypatch.setattr(calibrate, "build_profile", profile_made)
     with pytest.raises(RuntimeError, match="profile"):
-        planning.plan_prepared(prepared)
+        pluto.plan_prepared(prepared)
     assert probed == (["probe_quantize", "probe_update", "probe_kvstore"] if framework == "mxnet" else ["probe_rpc"])
 
 
@@ -494,7 +494,7 @@ def test_the_link_is_its_best_round_and_a_byte_costs_the_median_cpu():
     of 858-947 Mbit/s with the machine idle, every round lower with 3 busy processes
     beside it (796-887), none faster: other load only slows a round. So the rate is the
     best round; the CPU a byte is the median (8.2-9.6 ns, either way)."""
-    from paicli.planning import LINK_ROUNDS, link_figures
+    from paicli.pluto import LINK_ROUNDS, link_figures
 
     mbit = 1e6 / 8
     rate, cpu = link_figures([894 * mbit, 936 * mbit, 729 * mbit, 937 * mbit, 935 * mbit], [9.6, 9.9, 14.0, 9.4, 9.2])

@@ -165,7 +165,7 @@ def test_the_helper_reads_what_the_plan_sets(monkeypatch):
 
 def test_script_knobs_read_the_scripts_flags_and_the_users_pins(tmp_path):
     from paicli import client
-    from paicli.planning import script_inputs, script_knobs, tf_sync
+    from paicli.pluto import script_inputs, script_knobs, tf_sync
     from paicli.statement import parse_statement
 
     mx_script = tmp_path / "mx.py"
@@ -199,7 +199,7 @@ def test_script_knobs_read_the_scripts_flags_and_the_users_pins(tmp_path):
 
 def test_a_caffe_users_batch_and_rate_are_the_plans_facts_and_pin_the_rate():
     from paicli import client
-    from paicli.planning import script_inputs, script_knobs
+    from paicli.pluto import script_inputs, script_knobs
     from paicli.statement import parse_statement
 
     solver = ROOT / "examples" / "caffe" / "mlp" / "mlp_solver.prototxt"
@@ -290,7 +290,7 @@ def test_auto_strategy_switches_an_mxnet_script_to_async_through_its_own_flag(pa
     import os
 
     from paicli import client
-    from paicli.planning import script_inputs, script_knobs, user_strategy
+    from paicli.pluto import script_inputs, script_knobs, user_strategy
     from paicli.statement import parse_statement
 
     script = tmp_path / "kv.py"
@@ -324,7 +324,7 @@ def test_auto_strategy_scales_a_caffe_jobs_rate_in_its_solver_copy(pai_home, mlp
     import os
 
     from paicli import client
-    from paicli.planning import script_inputs
+    from paicli.pluto import script_inputs
     from paicli.statement import parse_statement
 
     statement = ["-name", "caffe", f"-Dsolver={mlp / 'short_solver.prototxt'}",
@@ -350,7 +350,7 @@ def auto_strategy_with_calibration(statement, prepared, files, args, here, profi
     the test runs one job, not calibration's three); the job's output."""
     import os
 
-    from paicli.planning import calibration_key
+    from paicli.pluto import calibration_key
     from paicli.cluster.pluto import calibrate
 
     # the probed CPU costs seeded as none, so the plan is the one the test computed on `here`
@@ -365,7 +365,7 @@ def auto_strategy_with_calibration(statement, prepared, files, args, here, profi
 
 def test_a_library_submit_of_an_unplanned_auto_strategy_job_is_refused(pai_home):
     """-DautoStrategy=true is applied by the statement submit (pai, pai run, the
-    console) through paicli.planning, so client.submit no longer imports a command
+    console) through paicli.pluto, so client.submit no longer imports a command
     module; a library caller that skips planning is told, and nothing is left."""
     from paicli import client
     from paicli.errors import UsageError
@@ -375,6 +375,6 @@ def test_a_library_submit_of_an_unplanned_auto_strategy_job_is_refused(pai_home)
     stmt = parse_statement(["-name", "tensorflow", f"-Dscript={ROOT / 'examples' / 'pluto' / 'tf_wide_mlp.py'}",
                             "-DautoStrategy=true"])
     store = Store()
-    with pytest.raises(UsageError, match="planning.auto_strategy"):
+    with pytest.raises(UsageError, match="pluto.auto_strategy"):
         client.submit(client.prepare(stmt), store)
     assert store.jobs(10) == [] and list(store.jobs_dir.iterdir()) == []

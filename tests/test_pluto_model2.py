@@ -168,7 +168,7 @@ def test_calibration_pins_compute_on_the_one_worker_run_when_another_run_beats_i
 def test_pai_plan_says_which_calibration_run_the_fit_left_out():
     from paicli.cli_plan import render_text
     from paicli.cluster.pluto import planner
-    from paicli.planning import PlanResult
+    from paicli.pluto import PlanResult
 
     where = one_machine(3)
     var = (1 * MB, 1 * MB)

@@ -12,7 +12,7 @@ from paicli.cluster.backends.base import NodeSpec
 from paicli.cluster.placement import place
 from paicli.cluster.pluto import model
 from paicli.cluster.pluto.strategy import ROUND_ROBIN, SLICED, Cluster, Node, Profile, Strategy
-from paicli.planning import shared_machine, virtual_hosts
+from paicli.pluto import shared_machine, virtual_hosts
 
 MB = 1e6
 LINK_100M = 12.5e6   # bytes/s
@@ -164,7 +164,7 @@ def test_the_plan_command_takes_no_verify():
 
 
 def test_the_cluster_counts_reported_cores_and_one_boot_id_as_one_machine(tmp_path, monkeypatch):
-    from paicli.planning import target_cluster
+    from paicli.pluto import target_cluster
 
     nodes = [{"name": f"h{i}", "host": f"10.0.0.{i + 1}", "user": "u"} for i in range(3)]
     nodes[2]["cpu"] = 100   # declared: placement counts 1 core whatever the node says
@@ -272,7 +272,7 @@ def test_a_calibration_or_verification_run_measures_two_seconds_of_a_fast_step()
     other load on the shared cores set the median (its 1 + 1 shape calibrated at
     0.0222 s/step, the plan measured 0.0157, +41%). A run now stops once its intervals
     after the first span 2 s too (or the script ends)."""
-    from paicli.planning import MEASURE_SPAN_S, _enough_steps
+    from paicli.pluto import MEASURE_SPAN_S, _enough_steps
 
     fast = _Steps([("worker", 0, step, 100.0 + 0.02 * step) for step in range(10)])
     assert not _enough_steps(fast, "j", 1)

@@ -16,7 +16,7 @@ from paicli.cluster import queue
 from paicli.cluster import queue_turns
 from paicli.cluster.backends.base import NodeSpec
 from paicli.errors import UsageError
-from paicli.plan import JobPlan, RolePlan
+from paicli.jobplan import JobPlan, RolePlan
 from paicli.states import JobStatus
 from paicli.store import Store
 

@@ -25,7 +25,7 @@ from paicli.cluster.backends import ray as rb
 from paicli.cluster.backends import ray_node
 from paicli.cluster.backends.base import agent_ref
 from paicli.errors import UsageError
-from paicli.plan import JobPlan, RolePlan
+from paicli.jobplan import JobPlan, RolePlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ray_cluster import RayCluster, cannot_run, job_processes, node_job_folders  # noqa: E402
@@ -808,7 +808,7 @@ import hashlib, json, os, pickle, sys, time
 from pathlib import Path
 import ray
 from paicli.cluster.backends.ray import RayBackend
-from paicli.plan import JobPlan, RolePlan
+from paicli.jobplan import JobPlan, RolePlan
 
 address, secret, job_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 argv = [sys.executable, "-c", "import hashlib, os; "

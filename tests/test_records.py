@@ -147,7 +147,7 @@ def test_records_pickle_as_the_ray_backend_ships_them():
 
 
 def test_the_job_plan_round_trips_through_its_json():
-    from paicli.plan import JobPlan, RolePlan
+    from paicli.jobplan import JobPlan, RolePlan
 
     plan = JobPlan("j", "python", "t", [RolePlan("ps", 1, ["a"], must_finish=False), RolePlan("worker", 2, ["b"])],
                    notes=["n"], inputs=["/x"])

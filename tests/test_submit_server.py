@@ -294,7 +294,7 @@ def test_a_different_process_is_declined_and_submits_cold(served, client):
 
 def test_changed_code_is_declined_and_the_server_makes_way_for_a_new_one(served):
     old = served.start_server()
-    module = ROOT / "paicli" / "plutoview.py"
+    module = ROOT / "cluster" / "pluto" / "view.py"
     st = module.stat()
     try:
         os.utime(module, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))

@@ -16,7 +16,7 @@ import pytest
 from paicli.cluster.logsink import CappedFile, InstanceLog, JobLog, MetricParser, literal_runs
 from paicli.cluster.ports import allocate_ports
 from paicli.private import write_private
-from paicli.plan import KEY_VALUE_METRIC, JobPlan, RolePlan
+from paicli.jobplan import KEY_VALUE_METRIC, JobPlan, RolePlan
 from paicli.runners.archive import UnsafeArchive, extract
 from paicli.states import InstanceStatus, JobStatus, can_move, describe_exit, is_retryable
 from paicli.store import Store, new_job_id

@@ -545,7 +545,7 @@ class RayBackend(Backend):
             if "error" in staged:
                 raise PaiError(f"staging the job on Ray node {todo[nid].host}: {staged['error']}")
         runtime = plan.runtime
-        from paicli.cluster.layers import layer_spec, save_node_log   # ENVS room: the requirements layer
+        from paicli.cluster.requirement_layers import layer_spec, save_node_log   # ENVS room: the requirements layer
         layer = layer_spec(job_dir)
         answers = {nid: todo[nid].actor.ensure_runtime.remote(runtime, layer) for nid in todo}
         for nid, ref in answers.items():

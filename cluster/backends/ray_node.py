@@ -110,7 +110,7 @@ class InstanceActor:
     def ensure_runtime(self, name: str | None, layer: dict | None = None) -> dict:
         """The interpreter of runtime `name` on this node, provisioned here on first
         use by the staged runners/node_runtime.py (as on an SSH node); {"error": ...}
-        when it cannot be. With `layer` (cluster/layers.py: layer_spec), the job's
+        when it cannot be. With `layer` (cluster/requirement_layers.py: layer_spec), the job's
         requirements layer is built here too (cached by digest): {"error": one line,
         "pip_log": ...} when pip cannot. "lines": the phases (not the tools' lines)."""
         got = self._node_runtime("runtime", name) if name else {"python": sys.executable, "lines": []}

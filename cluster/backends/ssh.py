@@ -210,7 +210,7 @@ class SSHBackend(Backend):
             self.progress(f"{node.name}: no {runtime} runtime in {info['runtime_dir']}; provisioning it")
             _provision(lambda: self.conns.session(node), node, runtime, self.progress)
             info = self._agent(node, "info", node.runtime_dir or "")
-        from paicli.cluster.layers import ensure_on_ssh_node   # ENVS room: the job's requirements layer
+        from paicli.cluster.requirement_layers import ensure_on_ssh_node   # ENVS room: the job's requirements layer
         ensure_on_ssh_node(lambda: self.conns.session(node), node, job_dir, folder, info, self.progress)
         with self._lock:
             self._maps[node.name] = manifest.mapping(folder, info["runtime_dir"], info["python_path"])

@@ -1,4 +1,4 @@
-"""Pluto: the planner and its performance forecast (issue 10).
+"""Pluto: the planner and its performance forecast.
 
     strategy.py   the typed Strategy (ps/worker counts, partitioning, compression,
                   averaging period, batch/LR scaling, sync/async) and the -D values it sets
@@ -9,6 +9,11 @@
     calibrate.py  what a short calibration run measured -> Profile; the cache under
                   $PAI_HOME (0600); link bandwidth
     seedfit.py    the seed's data- vs hybrid-parallel table: fit one column, predict the rest
+    view.py       what `pai status`, the logview and the end-of-job summary show of a
+                  planned job: its plan and forecast beside the measured step time
+
+The user's side (calibration jobs through pai, -DautoStrategy=true) is
+paicli/pluto.py; `pai plan` is paicli/cli_plan.py.
 
 Nothing here imports an adapter or the CLI: the planner knows frameworks only as
 data (which optimizations each one can apply), the way cluster/ knows them from

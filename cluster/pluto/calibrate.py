@@ -1,7 +1,7 @@
 """Calibration: from what a short real run measured to a Profile, and its cache.
 
 A calibration run is the user's own script submitted through pai (the caller does
-that: paicli/planning.py) on a small cluster, stopped after a few steps. What it
+that: paicli/pluto.py) on a small cluster, stopped after a few steps. What it
 leaves behind is read here:
 
 - seconds per step: paicli.steptime over the workers' step lines;

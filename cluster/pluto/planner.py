@@ -244,7 +244,7 @@ def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | N
     knobs = knobs or Knobs()
     if user.framework == "tensorflow":
         # The script fixes TF's mode (profile.sync), as every candidate has it; the
-        # statement alone (planning.user_strategy) cannot tell, and a TF async job
+        # statement alone (pluto.user_strategy) cannot tell, and a TF async job
         # forecast as sync made the default look twice as slow as it runs.
         user = user.with_(sync=profile.sync)
     default = Choice(user, forecast(profile, user, cluster))
@@ -265,14 +265,14 @@ def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | N
                 rec = min(fitting, key=lambda c: (c.strategy.instances, c.strategy.compression != "none",
                                                   c.score()))
                 meets = True
-                reasons.append(f"budget {_dur(budget_s)}: the cheapest plan that meets it ({rec.strategy.instances} "
+                reasons.append(f"budget {duration_text(budget_s)}: the cheapest plan that meets it ({rec.strategy.instances} "
                                f"instances) reaches step {profile.step_target} in "
-                               f"{_dur(rec.time_to_target_s())}")
+                               f"{duration_text(rec.time_to_target_s())}")
             else:
                 meets = False
                 fastest = min(choices, key=Choice.score)
-                reasons.append(f"budget {_dur(budget_s)}: no plan meets it; the fastest ({fastest.strategy.label()}) "
-                               f"needs {_dur(fastest.time_to_target_s())} to step {profile.step_target}, "
+                reasons.append(f"budget {duration_text(budget_s)}: no plan meets it; the fastest ({fastest.strategy.label()}) "
+                               f"needs {duration_text(fastest.time_to_target_s())} to step {profile.step_target}, "
                                f"limited by {fastest.forecast.bottleneck}")
     # The batch/learning-rate rule applied to every plan (it changes no forecast).
     scaled = {id(c): apply_scaling(c.strategy, profile, knobs) for c in choices}
@@ -457,7 +457,7 @@ def _share(f: Forecast) -> str:
             f"{f.overhead_s / f.step_s:.0%} overhead")
 
 
-def _dur(seconds: float | None) -> str:
+def duration_text(seconds: float | None) -> str:
     if seconds is None:
         return "?"
     if seconds < 120:
@@ -471,7 +471,7 @@ def _dur(seconds: float | None) -> str:
 #
 # A forecast is a guess until a run measures it: when the best forecast is within
 # VERIFY_MARGIN of the next plans, or the recommended plan lies outside the shapes
-# calibration ran, the caller (paicli/planning.py) runs the plans `to_verify` picks
+# calibration ran, the caller (paicli/pluto.py) runs the plans `to_verify` picks
 # briefly through pai, and `apply_measured` recommends by what they measured.
 
 VERIFY_MARGIN = 0.15   # forecasts this close to the best are too close to call
@@ -573,8 +573,8 @@ def apply_measured(plan: Plan, measured: dict[str, tuple[float, str]], why: str,
     verdict = (f"recommending {rec.strategy.label()}, the fastest measured" if rec is not old else
                f"the forecast's choice holds")
     if plan.budget_s is not None and plan.meets_budget is False:
-        verdict += f"; measured, it does not meet the budget {_dur(plan.budget_s)} " \
-                   f"({_dur(rec.time_to_target_s())} to the target)"
+        verdict += f"; measured, it does not meet the budget {duration_text(plan.budget_s)} " \
+                   f"({duration_text(rec.time_to_target_s())} to the target)"
     plan.reasons.insert(0, f"verified ({why}): ran {len(ran)} plan{'s' if len(ran) > 1 else ''} briefly through "
                            f"pai: {figures}; {verdict} (the plans not run keep their forecast)")
     plan.recommended = rec

@@ -192,7 +192,7 @@ class Cluster:
     quantize_s_per_value: float = 0.0
     # CPU seconds the machine spends per byte crossing a link between two of its
     # virtual hosts (both ends' copies and the kernel's veth, bridge and shaping work),
-    # measured machine-wide by the link probe (planning.measure_links).
+    # measured machine-wide by the link probe (pluto.measure_links).
     link_cpu_s_per_byte: float = 0.0
     # CPU seconds a kvstore server spends applying one push's optimizer update to one
     # value (calibrate.measure_update, MXNet's updater): dist_async applies W a step.

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paicli import jobstatus, jobview, plutoview
+from paicli import jobstatus, jobview
+from paicli.cluster.pluto import view as pluto_view
 from paicli.states import JobStatus
 from paicli.store import Store
 
@@ -51,7 +52,7 @@ def read_plan(job_dir: str, status: dict | None = None) -> dict[str, Any]:
     if plan.get("notes"):
         shown["notes"] = [str(note) for note in plan["notes"]]
     if status is not None and status.get("pluto"):
-        shown["pluto"] = plutoview.status_lines(status)
+        shown["pluto"] = pluto_view.status_lines(status)
     return shown
 
 

@@ -1,12 +1,19 @@
-"""Pluto's planning library: where a job would run, what its script leaves to
-set, calibration through pai itself, the plan, and `-DautoStrategy=true`.
+"""Pluto, the planner, as the commands and the console call it: where a job
+would run, what its script leaves to set, calibration through pai itself, the
+plan, and `-DautoStrategy=true`.
 
-`make_plan` calibrates the script (short real runs on a small cluster, cached
-per script and cluster), describes where the job would run (the nodes file's
-nodes, else this machine) and hands both to the pure planner in
-paicli.cluster.pluto. `auto_strategy` applies its recommendation to a prepared
-job before it is submitted. A library: it never imports the CLI or click (the
-command is paicli/cli_plan.py); heavy imports stay inside the functions.
+Its face (`__all__`): `make_plan(stmt)` / `plan_prepared(prepared)` calibrate
+the script (short real runs on a small cluster, cached per script and cluster),
+describe where the job would run (the nodes file's nodes, else this machine)
+and hand both to the pure engine, `paicli.cluster.pluto`; they return a
+`PlanResult`. `auto_strategy(prepared)` applies the recommendation to a
+prepared job before it is submitted. What `pai status` shows of a planned job
+is `paicli.cluster.pluto.view` (the master and jobstatus read it too).
+
+Pluto's three places: this module (library: it submits jobs through `client`),
+`paicli.cluster.pluto` (the engine: strategy, model, planner, calibrate,
+seedfit, view), `paicli/cli_plan.py` (the `pai plan` command). It never
+imports the CLI or click; heavy imports stay inside the functions.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ STRATEGY_KEYS = ("autoStrategy", "timeout", "gradientCompression", "gradientComp
                  "warmupIterations")
 KVSTORE_FLAGS = ("kv-store", "kvstore", "kv_store")
 SYNC_FLAGS = ("sync_replicas", "sync-replicas")
+
+
+__all__ = ["PlanResult", "auto_strategy", "make_plan", "plan_prepared"]
 
 
 class PlanResult(NamedTuple):  # not a dataclass: `dataclasses` stays off the `pai --help` path
@@ -711,9 +721,9 @@ def verify_plan(prepared, store, key: str, profile, where, user, knobs, result, 
     if budget_s is not None and cost > 0:
         left = max(0.0, budget_s - cost)
         result = planner.plan(profile, where, user, budget_s=left, knobs=knobs)
-        result.reasons.insert(0, f"budget {planner._dur(budget_s)}: the verification runs take about "
-                                 f"{planner._dur(cost)} of it; plans are judged against the "
-                                 f"{planner._dur(left)} left")
+        result.reasons.insert(0, f"budget {planner.duration_text(budget_s)}: the verification runs take about "
+                                 f"{planner.duration_text(cost)} of it; plans are judged against the "
+                                 f"{planner.duration_text(left)} left")
         picks, why = planner.to_verify(result, shapes, profile.sync)
         if not picks:
             return result, None

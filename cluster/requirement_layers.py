@@ -52,7 +52,7 @@ def prepare_job_env(spec, plan, job_dir: Path, progress: Progress, home: Path | 
     lines = spec.get("requirements")
     if not lines:
         return
-    from paicli.runners.runtimes import Layer, PipError, RuntimeError_, folder_digest, layer_digest
+    from paicli.runners.runtimes import Layer, PipError, RuntimeSetupError, folder_digest, layer_digest
 
     base, version, python = _base(plan)
     links = find_links(lines)
@@ -65,7 +65,7 @@ def prepare_job_env(spec, plan, job_dir: Path, progress: Progress, home: Path | 
         kept = _keep_log(log, home or job_dir.parent.parent, job_dir.name)
         # pip's verdict on the requirements is bad input: exit 2, nothing submitted.
         raise UsageError(f"-Drequirements: {err.line}", f"pip's full log: {kept}") from None
-    except RuntimeError_ as err:
+    except RuntimeSetupError as err:
         raise PaiError(f"-Drequirements: {err}") from None
     for role in plan.roles:
         paths = [built["site"]] + ([role.env["PYTHONPATH"]] if role.env.get("PYTHONPATH") else [])

@@ -1,6 +1,7 @@
 """What `pai status` and the end-of-job summary show of a job Pluto planned
 (-DautoStrategy=true): the plan and its forecast from plan.json, beside the
-measured step time. Shared vocabulary: reads files and a status record only.
+measured step time. Reads files and a status record only, so the master and
+jobstatus (the cluster layer) can read it as well as the commands.
 """
 
 from __future__ import annotations

@@ -322,7 +322,6 @@ def runtime_remove(name):
     from paicli.runners.runtimes import RuntimeError_
     from paicli.cli_runtime import is_layer_name, remove_layer
 
-
     if is_layer_name(name):
         removed = remove_layer(name)
         click.echo(f"{removed}: removed" if removed else f"{name}: was not there")

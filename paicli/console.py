@@ -234,7 +234,6 @@ class Console:
                 raise UsageError(f"show instances {' '.join(extra)}: expected a number", "e.g. show instances 10;")
             return self._cli(["list", *(["-n", extra[0]] if extra else [])])
         if head == "show" and tokens[1:2] == ["queue"]:
-
             return self._cli(["queue", *tokens[2:]])
         if head == "desc" and tokens[1:2] == ["instance"]:
             if len(tokens) != 3:

@@ -199,7 +199,6 @@ def _listening(path: str) -> list[tuple[str, int]]:
     """(address, port) of every listening TCP socket in /proc/net/tcp or tcp6."""
     import ipaddress
 
-
     found = []
     try:
         with open(path) as f:
@@ -328,7 +327,6 @@ def write_summary_file(status: dict) -> None:
     for name, values in status["metrics"].items():
         lines.append(f"  {name} last metrics: " + ", ".join(f"{k}={v:g}" for k, v in values.items()))
     files = status.get("outputs") or {}
-
     if files.get("count"):
         lines.append(f"Outputs: {files['count']} file(s), {files['bytes']} bytes" +
                      (f"; {files['missing']} not brought back (pai outputs {status['id']} says where)"

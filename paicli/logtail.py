@@ -166,7 +166,6 @@ class DirectoryWatch:
         place, as the process's exit does) waits for the kernel to reap the watch;
         a moment after the removal, the close does not wait. So a follower releases
         at the verdict and closes as it leaves."""
-
         if self.fd >= 0:
             self.libc.inotify_rm_watch(self.fd, self.wd)
             self._released, self.fd, self.wd = self.fd, -1, -1

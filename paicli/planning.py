@@ -29,7 +29,6 @@ MEASURE_SPAN_S = 2.0
 # The link probe: rounds of LINK_ROUND_S seconds, one connection each (its best rate is
 # the link's, `link_figures`): a single round's rate varies between runs by a fifth,
 # and moves every forecast over that link with it.
-
 LINK_ROUNDS = 5
 LINK_ROUND_S = 0.5
 CALIBRATION_MA_PERIOD = 5
@@ -629,7 +628,6 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     if not cached:
         # The script's calibration before the runtime's probes, which take many seconds:
         # a script that fails says so at once.
-
         for cluster_value, extra in _calibration_configs(framework):
             job_id, run = calibration_run(prepared, store, cluster_value, extra, say)
             jobs.append(job_id)

@@ -348,7 +348,6 @@ CONVERTERS: dict[str, Callable[[Param, Any, Path], Any]] = {
     "str": _to_text, "int": _to_int, "float": _to_float, "duration": _to_duration,
     "json": _to_json, "path": _to_path, "choice": _to_choice, "args": _to_args,
     "env": _to_env, "requirements": _to_requirements,
-
 }
 
 

@@ -7,7 +7,6 @@ but the master stores each metric line with its step and the time it was read. S
 one rule fits all: per training instance (worker, chief), the seconds between
 step lines divided by the steps between them, over stretches of at least
 MIN_SPAN_S (the master reads lines that arrive close together at once), the
-
 first interval dropped (graph building, first contact with the ps); the
 instance's median; then the median over instances. An instance with fewer than two intervals falls back
 to the framework's own timing: a per-step `duration` in seconds, or Caffe's
@@ -38,7 +37,6 @@ TRAINING_ROLES = ("worker", "chief")
 # once: with steps of a few milliseconds, consecutive lines come 0 or 2 steps apart and
 # a median of single intervals lands anywhere between. Intervals are joined until they
 # span this long; steps of this or longer keep one rate per interval.
-
 MIN_SPAN_S = 0.05
 
 

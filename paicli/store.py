@@ -797,7 +797,6 @@ class Store:
     def outputs(self, job_id: str) -> list[tuple]:
         """Every output row of the job (plain tuples in OUTPUT_COLUMNS order, so that
         tens of thousands of rows stay cheap), by instance and path."""
-
         cur = self.db.execute(f"SELECT {','.join(self.OUTPUT_COLUMNS)} FROM outputs WHERE job_id = ?"
                               " ORDER BY instance, path", (job_id,))
         cur.row_factory = None
@@ -818,7 +817,6 @@ class Store:
                 "resumed_by": [r[1] for r in rows if r[0] == "resumed-by"]}
 
     # -- `pai get` of files left on a node ---------------------------------------------------
-
 
     def remove_outputs(self, job_id: str, instance: str, paths: list[str]) -> None:
         """Drop these rows of an instance (the `*` row of a node that did not answer,

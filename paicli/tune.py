@@ -846,7 +846,6 @@ def main(argv: list[str]) -> int:
     home, name = Path(argv[0]), argv[1]
     # Each trial's master is a fresh interpreter (cluster/spawn.py): a fork of this
     # process would carry Optuna, numpy and SQLAlchemy's open connections.
-
     os.environ["PAI_MASTER_EXEC"] = "1"
     store = Store(home)
     Tuner(store, name).run()

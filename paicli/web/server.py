@@ -386,7 +386,6 @@ async def study_head(request: web.Request) -> web.Response:
 # -- a job's outputs, listed with download links ----------------------------------------
 
 
-
 def add_output_routes(app: web.Application) -> None:
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/outputs", outputs_page)
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/file", output_file)

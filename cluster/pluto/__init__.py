@@ -1,4 +1,4 @@
-"""Pluto: the planner and its performance forecast (issue 10).
+"""Pluto: the planner and its performance forecast.
 
     strategy.py   the typed Strategy (ps/worker counts, partitioning, compression,
                   averaging period, batch/LR scaling, sync/async) and the -D values it sets

@@ -62,7 +62,7 @@ def sliced_role(plan: Any) -> Any:
 
 def _urls(value: Any) -> list[str]:
     """The tables of a -D value that are ours to read: files and SQLite. Other
-    URLs (PAI's odps://, s3://, ...) reach the script untouched, as before."""
+    URLs (PAI's odps://, s3://, ...) reach the script untouched."""
     if not value or not isinstance(value, str):
         return []   # most jobs name no table
     from paicli.runners import paitables

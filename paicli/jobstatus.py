@@ -315,7 +315,7 @@ def write_summary_file(status: dict) -> None:
         try:
             text = json.dumps(status)
         except (TypeError, ValueError):
-            text = None   # not JSON (a bug of ours): the CLI builds it itself, as before
+            text = None   # not JSON (a bug of ours): the CLI builds it itself
         if text is not None:
             write_private(path.with_name(FINAL_STATUS), text)
     lines = [f"Job {status['id']}  {status['name']}  ({status['framework']})",

@@ -153,7 +153,7 @@ def _create_store(path: Path) -> None:
     which takes seconds when the disk is busy). Two processes
     creating one store at once: the first link wins, the other's copy is dropped.
     Where that cannot be done (a filesystem without hard links, SQLite failing on
-    the copy), nothing is linked and the store is created in place as before. In a
+    the copy), nothing is linked and the store is created in place. In a
     process that keeps a new store's image (keep_new_store_image), the copy aside is
     that image's bytes."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.new")

@@ -194,9 +194,8 @@ def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
     # where every worker's pushes and pulls overlap (so W steps need the whole lot).
     # Workers placed on one node share its link in each direction, and they do not
     # interleave there: started together and slowed alike, they pull together and push
-    # together (the held-out TF conv net's two workers on one node measured 0.142-0.158
-    # s/step where interleaved transfers would take 0.114; both phases carrying both
-    # workers' bytes, 0.149). So a worker's own phases carry every worker of its node.
+    # together (measured steps match both phases carrying both workers' bytes, not
+    # interleaved transfers). So a worker's own phases carry every worker of its node.
     # Async workers each keep their own pace, and a step is measured as the median over
     # workers of their own (paicli.steptime), so the forecast is that median too: a
     # worker beside the ps (loopback) and one across a link measure the mean of the two.

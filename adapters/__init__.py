@@ -21,8 +21,8 @@ ADAPTER_MODULES = {
 
 _registry: dict[str, type] | None = None
 
-# The common names, so that a submit imports its own adapter only (importing all
-# four costs every `pai` 10-15 ms). Checked against the class on every lookup:
+# The common names, so that a submit imports its own adapter only (and none of the
+# others' framework helpers). Checked against the class on every lookup:
 # a name the class does not claim falls back to the full registry.
 USUAL_NAMES = {
     "python": "paicli.adapters.python", "py": "paicli.adapters.python", "python3": "paicli.adapters.python",

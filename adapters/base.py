@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import ClassVar
 
 from paicli.errors import SpecError
 from paicli.jobplan import KEY_VALUE_METRIC, JobPlan
 from paicli.records import record
 from paicli.spec import JobSpec, Param
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import ClassVar
-
 
 
 @record(frozen=True)
@@ -139,7 +135,7 @@ def pluto_scaling_env(spec: JobSpec) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------
-# Parser tables (issue 20: "their log lines understood")
+# Parser tables: each framework's log lines understood
 #
 # A framework's metric patterns are a table of the progress lines it prints, each
 # row with a line captured from a real run and what the WHOLE table must read from
@@ -183,7 +179,7 @@ def table_errors(table: tuple[LineRule, ...], parse) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# "Not distributed" (issue 20): the runners report it (paicli/cluster/distribution.py);
+# "Not distributed": the runners report it (paicli/cluster/distribution.py);
 # -DrequireDistributed=true, through the roles' environment, turns it into a failure.
 
 REQUIRE_DISTRIBUTED = Param(

@@ -34,13 +34,10 @@ import os
 import re
 from pathlib import Path
 from collections.abc import Callable
+from typing import Any
 
 from paicli.errors import PaiError, SpecError
 from paicli.private import write_private
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
 DATA = "data"
@@ -65,9 +62,9 @@ def sliced_role(plan: Any) -> Any:
 
 def _urls(value: Any) -> list[str]:
     """The tables of a -D value that are ours to read: files and SQLite. Other
-    URLs (PAI's odps://, s3://, ...) reach the script untouched, as before."""
+    URLs (PAI's odps://, s3://, ...) reach the script untouched."""
     if not value or not isinstance(value, str):
-        return []   # most jobs: no table, and paitables (tempfile, random: ~4 ms) stays unimported
+        return []   # most jobs name no table
     from paicli.runners import paitables
 
     urls = paitables.split_urls(value)
@@ -171,7 +168,7 @@ def module_path(plan: Any, job_dir: Path) -> None:
     putting the other runners (archive, runtimes, ...) in the way of the script's
     own imports. Nodes get the same file at the same place in their per-job folder
     (cluster/node_files.py module_files), so the path maps like any job path."""
-    from paicli.cluster import RUNNERS_DIR   # not node_files (its dataclasses: ~4 ms of every submit)
+    from paicli.cluster import RUNNERS_DIR
 
     folder = job_dir / DATA / PY
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -334,7 +331,7 @@ class _Slices:
 
     def blob(self, t: int, sid: str) -> str:
         if (t, sid) not in self.cut:
-            import hashlib   # here, not at the top: hashlib loads OpenSSL, ~3 ms of every submit
+            import hashlib   # here, not at the top: it loads OpenSSL, which a job without tables never needs
 
             digest, size = hashlib.sha256(), 0
             for chunk in _slice_chunks(self.index["tables"][t], sid):

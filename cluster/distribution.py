@@ -1,4 +1,4 @@
-"""Was a distributed job distributed? (issue 20)
+"""Was a distributed job distributed?
 
 Workers that never talk to their servers (MXNet servers that received no push, a
 TensorFlow ps that served no variable, a Caffe ps that averaged nothing) still exit

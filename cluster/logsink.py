@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 from collections.abc import Callable
+from typing import NamedTuple
 
 from paicli.private import open_append_fd, write_private
 
@@ -99,17 +100,16 @@ class CappedFile:
 PAIR = re.compile(r"(?<![\w.\-])([A-Za-z_][\w.\-]*)\s*=\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])")
 
 
-# A metric pattern compiled, and its literal_runs: a text without one of them has
-# no match. (A namedtuple: typing is not imported on the submit's path.)
-CompiledPattern = collections.namedtuple("CompiledPattern", "regex needs")
+class CompiledPattern(NamedTuple):
+    """A metric pattern compiled, and its literal_runs: a text without one of them
+    has no match."""
+    regex: re.Pattern
+    needs: tuple[str, ...]
 
 
 @functools.lru_cache(maxsize=256)
 def compiled_pattern(pattern: str) -> CompiledPattern:
-    """A metric pattern compiled MULTILINE, once per process: a resident submit
-    server compiles the frameworks' own (submit_server.warm_up), and the job
-    masters it forks find them here instead of paying 0.5-5 ms before their
-    first instance starts."""
+    """A metric pattern compiled MULTILINE, once per process."""
     return CompiledPattern(re.compile(pattern, re.MULTILINE), literal_runs(pattern))
 
 
@@ -178,9 +178,9 @@ class MetricParser:
 
     def patterns_for(self, text: str) -> list[re.Pattern]:
         """The patterns that can match somewhere in `text`: those whose literal
-        runs it contains. A scan costs ~30 ns per character even where nothing
+        runs it contains. A regex scan costs time per character even where nothing
         matches (a pattern that starts with a group or an assertion has no
-        first-character prefilter in re); the check is a substring search."""
+        first-character prefilter in re); the check is a substring search, far cheaper."""
         return [p for p in self.patterns if all(n in text for n in self.needs[p])]
 
     @staticmethod
@@ -335,10 +335,9 @@ def sample_points(points: list, most: int) -> list:
 
 # While the master holds the combined log (one round of its loop: a read from each
 # instance that has output), its lines are written this many bytes at a time, not
-# one write per read: in a flood of 64 instances' output that was ~7000 writes a
-# million lines, each one an inotify event that woke the attached `pai` to read a
-# few KB (bench_core.py logtail). A step's lines are a few hundred bytes: released
-# at the end of the round, a few milliseconds at most after they were read.
+# one write per read: in a flood of many instances' output, each write is an inotify
+# event that wakes the attached `pai` to read a few KB. A step's lines are a few
+# hundred bytes: they are released at the end of the round, right after they were read.
 HELD_BYTES = 1 << 16
 
 

@@ -41,13 +41,11 @@ import os
 import stat
 import sys
 from pathlib import Path
+from typing import Any
 
 from paicli.cluster import RUNNERS_DIR, remote_paths
 from paicli.records import field, record
 
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 INSTANCE_FILES: tuple[str, ...] = ()   # job-folder files (by name) instances read
 CODE = "code"
@@ -151,8 +149,8 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
     files += [NodeFile(f"{job_dir}/{name}", name, 0o600) for name in INSTANCE_FILES
               if os.path.isfile(f"{job_dir}/{name}")]
     trees += data_trees(job_dir)
-    files += module_files(job_dir)   # DATA: paitables for every job's scripts
-    # FILES (issue 17): -DcheckpointDir travels both ways (cluster/outputs.py).
+    files += module_files(job_dir)   # paitables for every job's scripts
+    # -DcheckpointDir travels both ways (cluster/outputs.py).
     from paicli.cluster.outputs import staged_checkpoint
 
     ckpt_files, ckpt_trees = staged_checkpoint(job_dir, plan, cwds)
@@ -186,7 +184,7 @@ def tar_stream(files: list[NodeFile]) -> bytes:
     return buf.getvalue()
 
 
-# -- DATA (issue 18): per-node data --------------------------------------------------
+# -- per-node data -------------------------------------------------------------------
 # Table slices and -Dbuckets folders do not travel in the manifest: cluster/datasets.py
 # sends each node only what it lacks (by content digest, into the node's cache) after
 # the manifest is staged. What the manifest holds of them is the path mapping: a

@@ -80,7 +80,7 @@ class NodesConfig:
     known_hosts: str
     ray: dict | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
-    shared: tuple[str, ...] = ()      # absolute paths the same on every node (FILES, issue 17)
+    shared: tuple[str, ...] = ()      # absolute paths the same on every node
 
     def node(self, name: str) -> NodeEntry:
         for node in self.nodes:
@@ -256,7 +256,7 @@ def parse_nodes(text: str, path: str = "nodes.yaml") -> NodesConfig:
 
 
 def _shared(where: str, value: Any) -> tuple[str, ...]:
-    """`shared:` (FILES, issue 17): a list of absolute paths, the same on every node."""
+    """`shared:`: a list of absolute paths, the same on every node."""
     if value is None:
         return ()
     if not isinstance(value, list):

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import namedtuple
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from paicli.cluster.backends.base import NodeSpec, Placement
 from paicli.errors import UsageError
@@ -31,9 +31,14 @@ from paicli.jobplan import JobPlan
 from paicli.records import field, record
 
 
-# One instance's needs: cpu (millicores), memory (MB), cards (GPUs), service (a ps).
-# (collections', not typing's NamedTuple: typing is ~3 ms of every pai and master.)
-Demand = namedtuple("Demand", "role idx cpu memory cards service")
+class Demand(NamedTuple):
+    """One instance's needs: cpu (millicores), memory (MB), cards (GPUs), service (a ps)."""
+    role: str
+    idx: int
+    cpu: int
+    memory: int
+    cards: int
+    service: bool
 
 
 @record

@@ -1,4 +1,4 @@
-"""A job's environment on its nodes (ENVS room, issue 18): its declared variables
+"""A job's environment on its nodes: its declared variables
 (paicli/envvars.py) and its requirements layer (runners/runtimes.py: Layer).
 
 At submit (`prepare_job_env`, called by the client after the runtime is ready):
@@ -84,7 +84,7 @@ def _keep_log(log: Path, home: Path, job_id: str) -> str:
     folder = home / "pip-logs"
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     kept = folder / f"{job_id}.log"
-    import shutil   # here only: its archive modules are ~1.5 ms of every master's start
+    import shutil
 
     shutil.move(str(log), kept)
     return str(kept)

@@ -18,8 +18,7 @@ import time
 import click
 
 from paicli import __version__, cli_logview, cli_nodes, cli_outputs, cli_plan
-from paicli import cli_queue  # QUEUE room: `pai queue`
-from paicli import cli_tune  # TUNE (issue 19): pai tune
+from paicli import cli_queue, cli_tune
 from paicli.cli_statement import StatementCommand
 from paicli.cli_tokens import is_bare_statement
 from paicli.commands import (attach, echo_json, echo_log_view, finish, open_store, print_table, run_guarded,
@@ -227,7 +226,7 @@ def list_(as_json, limit):
     if as_json:
         echo_json(jobs)
         return
-    # QUEUE room: a Waiting job's reason (its place in the queue) as a last column, when there is one.
+    # A Waiting job's reason (its place in the queue) is a last column, shown only when one has it.
     waiting = any(job["status"] == "Waiting" and job["reason"] for job in jobs)
     print_table(("StartTime", "RunTime", "Status", "InstanceID", "Name", "Framework", *(("Reason",) if waiting else ())),
                  [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])),
@@ -294,10 +293,10 @@ def runtime_list(as_json):
         except Exception as err:  # one broken runtime must not hide the others
             infos.append({"name": name, "installed": False, "path": "", "version": "", "size": None,
                           "source": f"unavailable: {err}"})
-    from paicli.cli_runtime import layer_line, layer_rows   # ENVS room: the requirements layers
+    from paicli.cli_runtime import layer_line, layer_rows
 
     layers = layer_rows()
-    from paicli.adapters.tensorflow import names_by_runtime   # FIDELITY room: the -names of each runtime
+    from paicli.adapters.tensorflow import names_by_runtime
 
     selected_by = names_by_runtime()
     for info in infos:
@@ -309,7 +308,7 @@ def runtime_list(as_json):
         size = f"{info['size'] / 1e6:.0f} MB" if info.get("size") else "-"
         state = "installed" if info["installed"] else "not installed"
         click.echo(f"{info['name']:<11} {state:<14} {size:>8}  {info['version']}  {info['path']}  [{info['source']}]")
-        if info["names"]:   # FIDELITY room
+        if info["names"]:
             click.echo(f"{'':<11} -name {' '.join(info['names'])}")
     for row in layers:
         click.echo(layer_line(row))
@@ -321,7 +320,7 @@ def runtime_remove(name):
     """Delete a provisioned runtime or a requirements layer (`pai runtime list` names
     them); the next job that needs it builds it again. Refused while a job uses it."""
     from paicli.runners.runtimes import RuntimeSetupError
-    from paicli.cli_runtime import is_layer_name, remove_layer   # ENVS room
+    from paicli.cli_runtime import is_layer_name, remove_layer
 
     if is_layer_name(name):
         removed = remove_layer(name)

@@ -39,7 +39,7 @@ def queue_command(as_json, revive):
         return
     from paicli.jobstatus import aligned
 
-    # Plain aligned columns, not a rich table: 500 waiting jobs print in a few ms.
+    # Plain aligned columns, not a rich table: a queue of hundreds prints at once.
     lines = aligned([("Position", "InstanceID", "Name", "Priority", "Project", "Submitted", "Needs", "Waiting for"),
                      *((str(r["position"]), r["id"], r["name"] or "", str(r["priority"]), r["project"] or "",
                         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["submitted"] or 0)),

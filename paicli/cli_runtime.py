@@ -1,4 +1,4 @@
-"""The requirements layers in `pai runtime list` / `pai runtime remove` (ENVS room).
+"""The requirements layers in `pai runtime list` / `pai runtime remove`.
 
 The runtime commands themselves are in cli.py; these are the layer rows they show
 and the checked removal of one layer.

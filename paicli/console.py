@@ -52,7 +52,7 @@ HELP = """statements (each ends with ; and may span lines):
 STATEMENTS = ("pai", "show instances", "show queue", "desc instance", "status", "wait", "kill", "logs", "plot", "logview",
               "set", "use", "help", "quit")
 PASS_THROUGH = ("status", "wait", "kill", "logs", "plot", "logview", "list", "export", "run", "params")
-# FILES (issue 17): a job's files
+# a job's files
 STATEMENTS += ("outputs", "get", "resume")
 PASS_THROUGH += ("outputs", "get", "resume")
 QUOTES = "'\""
@@ -233,7 +233,7 @@ class Console:
             if extra and not (len(extra) == 1 and extra[0].isdigit()):
                 raise UsageError(f"show instances {' '.join(extra)}: expected a number", "e.g. show instances 10;")
             return self._cli(["list", *(["-n", extra[0]] if extra else [])])
-        if head == "show" and tokens[1:2] == ["queue"]:   # QUEUE room
+        if head == "show" and tokens[1:2] == ["queue"]:
             return self._cli(["queue", *tokens[2:]])
         if head == "desc" and tokens[1:2] == ["instance"]:
             if len(tokens) != 3:

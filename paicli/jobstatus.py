@@ -10,16 +10,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from paicli.cluster import distribution
 from paicli.cluster.procinfo import boot_time, is_alive
 from paicli.private import write_private
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
 # A job recorded this long ago with no master pid never got its master (the CLI
@@ -32,7 +29,7 @@ SUPERVISOR_GONE = ("its supervisor is gone: a new one starts at the queue's next
 
 
 def master_alive(job) -> bool:
-    # QUEUE: a queued job's supervisor may be started again (after a reboot): since then.
+    # A queued job's supervisor may be started again (after a reboot): since then.
     since = max(job["created"] or 0, (job["supervised"] if "supervised" in job.keys() else None) or 0)
     if not job["master_pid"]:
         # Not started yet: alive while it may still be starting, not forever.
@@ -141,9 +138,9 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
         "pluto": pluto_view.record(job_dir),
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
-    out["not_distributed"] = distribution.cause_of(out["status"], out["reason"])  # issue 20
-    out["outputs"] = store.output_totals(job_id)   # FILES (issue 17): count, bytes, missing
-    out.update(store.resume_links(job_id))          # FILES (issue 17): pai resume
+    out["not_distributed"] = distribution.cause_of(out["status"], out["reason"])
+    out["outputs"] = store.output_totals(job_id)   # count, bytes, missing
+    out.update(store.resume_links(job_id))          # pai resume
     out["idle"] = idle_instances(out)
     out["exposed"] = exposed_instances(out)
     return out
@@ -201,7 +198,7 @@ def idle_now(store: Store, job_id: str) -> list[dict[str, Any]]:
 
 def _listening(path: str) -> list[tuple[str, int]]:
     """(address, port) of every listening TCP socket in /proc/net/tcp or tcp6."""
-    import ipaddress  # here, not at the top: `pai` imports this module on every submit
+    import ipaddress
 
     found = []
     try:
@@ -292,8 +289,8 @@ def final_status(store: Store, job_id: str) -> dict[str, Any]:
     """An ended job's status: the one its master wrote last (FINAL_STATUS), when
     the store still says what it says (the same status, attempt and end); else
     built from the store. Its master has exited: nothing it summarised changes
-    after that file, and the CLI saves building it again (~2.5 ms after the
-    master's exit, at the end of every attached job)."""
+    after that file, so the CLI need not build it again at the end of every
+    attached job."""
     import json
 
     job = store.job(job_id)
@@ -319,7 +316,7 @@ def write_summary_file(status: dict) -> None:
         try:
             text = json.dumps(status)
         except (TypeError, ValueError):
-            text = None   # not JSON (a bug of ours): the CLI builds it itself, as before
+            text = None   # not JSON (a bug of ours): the CLI builds it itself
         if text is not None:
             write_private(path.with_name(FINAL_STATUS), text)
     lines = [f"Job {status['id']}  {status['name']}  ({status['framework']})",
@@ -330,7 +327,7 @@ def write_summary_file(status: dict) -> None:
                      f"  attempts={inst['attempts']}  log={inst['log']}")
     for name, values in status["metrics"].items():
         lines.append(f"  {name} last metrics: " + ", ".join(f"{k}={v:g}" for k, v in values.items()))
-    files = status.get("outputs") or {}   # FILES (issue 17)
+    files = status.get("outputs") or {}
     if files.get("count"):
         lines.append(f"Outputs: {files['count']} file(s), {files['bytes']} bytes" +
                      (f"; {files['missing']} not brought back (pai outputs {status['id']} says where)"

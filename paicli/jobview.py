@@ -18,7 +18,7 @@ def notice_lines(status: dict) -> list[str]:
     if status.get("exposed"):
         names = ", ".join(f"{e['instance']} on {e['address']}:{e['port']}" for e in status["exposed"])
         lines.append(f"Warning: reachable from other machines, without authentication: {names}")
-    if status.get("resumed_from") or status.get("resumed_by"):   # FILES (issue 17)
+    if status.get("resumed_from") or status.get("resumed_by"):
         lines.append(" ".join(filter(None, (f"Resumes {status['resumed_from']}." if status.get("resumed_from") else "",
                                             f"Resumed by {', '.join(status['resumed_by'])}." if status.get("resumed_by")
                                             else ""))))

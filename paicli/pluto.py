@@ -27,15 +27,15 @@ from typing import Any, Callable, NamedTuple
 PLAN_FRAMEWORKS = ("tensorflow", "mxnet", "caffe")
 CALIBRATION_LIMIT_S = 180.0     # a calibration run that shows no steps by then fails
 CALIBRATION_INTERVALS = 8       # step-line intervals per worker before a run is stopped
-# ... and the seconds those intervals must span at least (or the script ends): a 15-20 ms
-# step's 8 intervals are 0.15 s, where one burst of other load on shared cores sets the
-# median (TF's conv net calibrated its 1 + 1 shape at 0.0222 s/step and measured the
-# same plan at 0.0157 minutes later, +41%, issue 21); 2 s of intervals is ~100 of them
-# and costs a fast script under 2 s a run. A step of 0.25 s or more spans it already.
+# ... and the seconds those intervals must span at least (or the script ends): a fast
+# step's 8 intervals are a fraction of a second, where one burst of other load on shared
+# cores sets the median and a plan's forecast is off by tens of percent; 2 s of intervals
+# are many of them and cost a fast script under 2 s a run. A step of 0.25 s or more
+# spans it already.
 MEASURE_SPAN_S = 2.0
 # The link probe: rounds of LINK_ROUND_S seconds, one connection each (its best rate is
-# the link's, `link_figures`). One 1 s round read 729 Mbit/s at 1 Gbit/s in one held-out
-# run and 884 an hour earlier, moving every forecast of those links (issue 21).
+# the link's, `link_figures`): a single round's rate varies between runs by a fifth,
+# and moves every forecast over that link with it.
 LINK_ROUNDS = 5
 LINK_ROUND_S = 0.5
 CALIBRATION_MA_PERIOD = 5
@@ -636,8 +636,8 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     jobs: list[str] = []
     runs = []
     if not cached:
-        # The script's calibration before the runtime's probes (~5-20 s): a script that
-        # fails says so at once.
+        # The script's calibration before the runtime's probes, which take many seconds:
+        # a script that fails says so at once.
         for cluster_value, extra in _calibration_configs(framework):
             job_id, run = calibration_run(prepared, store, cluster_value, extra, say)
             jobs.append(job_id)

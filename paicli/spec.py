@@ -16,13 +16,10 @@ import re
 import shlex
 from pathlib import Path
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from paicli.errors import SpecError
 from paicli.records import field, record
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
 # ---------------------------------------------------------------------------
@@ -108,7 +105,7 @@ CORE_PARAMS: tuple[Param, ...] = (
     Param("hyperParameters", "path",
           help="A file of key=value lines; each line reaches the script as --key=value."),
     Param("checkpointDir", help="Where the script saves checkpoints; passed as --checkpointDir."),
-    # DATA (issue 18): what paicli does with these (docs/data.md, cluster/datasets.py).
+    # -- data: what paicli does with these is in docs/data.md and cluster/datasets.py --
     Param("buckets", help="Input/output storage locations; passed as --buckets. A folder on this machine "
           "(file:///data/b/) is shipped read-only to each SSH/Ray node, cached there by content digest, and "
           "the script gets the node's path; storage URLs (s3://, oss://) pass through untouched."),
@@ -131,7 +128,7 @@ CORE_PARAMS: tuple[Param, ...] = (
           help="true: Pluto plans the job (ps and worker counts, partitioning, compression, "
                "averaging period) from a short calibration run, as `pai plan` would, and submits "
                "its recommendation; the plan and its forecast go into plan.json."),
-    # -- ENVS room (issue 18): a job's own environment variables and packages ------------
+    # -- a job's own environment variables and packages -------------------------------
     Param("env", "env",
           help="Environment variables for every instance on every backend: K=V,K2=V2 (\\, for a comma "
                "in a value; a bare NAME takes its value from your shell), YAML: a mapping. Instances see "
@@ -141,11 +138,11 @@ CORE_PARAMS: tuple[Param, ...] = (
           help="Python packages the job needs on top of its framework runtime: "
                "file:///path/requirements.txt (YAML: a file or a list). Installed once per node into a "
                "layer cached beside the runtimes (`pai runtime list`); the framework stays the runtime's."),
-    # QUEUE room (issue 19): the job's place in the queue (docs/queue.md).
+    # -- the job's place in the queue (docs/queue.md) ----------------------------------
     Param("priority", "int", default=0,
           help="The job's place in the queue when the nodes are busy: higher first, then submit "
                "time (default 0; negative is allowed). `pai queue` shows the queue."),
-    # -- FILES (issue 17): what a job writes comes back --------------------------------
+    # -- what a job writes comes back (docs/outputs.md) --------------------------------
     Param("checkpointSyncSeconds", "int", default=60, minimum=0,
           help="How often what instances write in checkpointDir is copied back while the job runs "
                "(0: only when each instance ends); a restarted instance finds the latest copy in place."),
@@ -157,8 +154,7 @@ CORE_PARAMS: tuple[Param, ...] = (
 
 
 def parse_size(text: Any) -> int | None:
-    """'500M', '2G', '1.5g', '1048576' -> bytes (K/M/G/T are powers of 1024); None if not a size.
-    FILES (issue 17)."""
+    """'500M', '2G', '1.5g', '1048576' -> bytes (K/M/G/T are powers of 1024); None if not a size."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)[bB]?\s*", str(text))
     if not match:
         return None
@@ -335,13 +331,13 @@ def _to_args(param: Param, raw: Any, base: Path) -> str:
 
 
 def _to_env(param: Param, raw: Any, base: Path) -> dict[str, str]:
-    from paicli.envvars import parse_env   # ENVS room
+    from paicli.envvars import parse_env
 
     return parse_env(raw)
 
 
 def _to_requirements(param: Param, raw: Any, base: Path) -> list[str]:
-    from paicli.requirements import parse_requirements   # ENVS room
+    from paicli.requirements import parse_requirements
 
     return parse_requirements(raw, base)
 
@@ -351,7 +347,7 @@ def _to_requirements(param: Param, raw: Any, base: Path) -> list[str]:
 CONVERTERS: dict[str, Callable[[Param, Any, Path], Any]] = {
     "str": _to_text, "int": _to_int, "float": _to_float, "duration": _to_duration,
     "json": _to_json, "path": _to_path, "choice": _to_choice, "args": _to_args,
-    "env": _to_env, "requirements": _to_requirements,   # ENVS room
+    "env": _to_env, "requirements": _to_requirements,
 }
 
 

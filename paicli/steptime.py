@@ -6,7 +6,7 @@ Caffe `Iteration N (x iter/s, ...)`, MXNet scripts `step=N` or Speedometer lines
 but the master stores each metric line with its step and the time it was read. So
 one rule fits all: per training instance (worker, chief), the seconds between
 step lines divided by the steps between them, over stretches of at least
-MIN_SPAN_S (the master reads lines that arrive within a few ms together), the
+MIN_SPAN_S (the master reads lines that arrive close together at once), the
 first interval dropped (graph building, first contact with the ps); the
 instance's median; then the median over instances. An instance with fewer than two intervals falls back
 to the framework's own timing: a per-step `duration` in seconds, or Caffe's
@@ -33,11 +33,10 @@ TRAINING_ROLES = ("worker", "chief")
 
 
 # The shortest stretch of time one rate is taken over. A step line is stored with the
-# time the master read it, and the master reads what arrived within a few ms together:
-# at 4-8 ms steps consecutive lines came 0 and 2 steps apart, and a median of single
-# intervals landed anywhere between (5.73 ms read for steps of 4.47, a calibration run
-# of issue 21's sixth pass). Intervals are joined until they span this long; steps of
-# this or longer keep one rate per interval, as before.
+# time the master read it, and the master reads lines that arrive close together at
+# once: with steps of a few milliseconds, consecutive lines come 0 or 2 steps apart and
+# a median of single intervals lands anywhere between. Intervals are joined until they
+# span this long; steps of this or longer keep one rate per interval.
 MIN_SPAN_S = 0.05
 
 

@@ -14,14 +14,11 @@ import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from paicli.errors import NotFound, PaiError, UsageError
 from paicli.private import private_dir, touch_private
 from paicli.states import InstanceStatus, JobStatus, can_move
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
 SCHEMA = """
@@ -64,7 +61,7 @@ CREATE TABLE IF NOT EXISTS claims (
     kind TEXT, node TEXT, item TEXT, job_id TEXT, ts REAL, PRIMARY KEY (kind, node, item)
 );
 CREATE INDEX IF NOT EXISTS claims_job ON claims (job_id);
--- QUEUE room (issue 19): jobs waiting for room (state 'waiting', then 'granted'
+-- Jobs waiting for room (state 'waiting', then 'granted'
 -- with their placement until their master takes it), and what started jobs hold.
 CREATE TABLE IF NOT EXISTS queue (
     job_id TEXT PRIMARY KEY, priority INTEGER, project TEXT, submitted REAL, entry TEXT,
@@ -74,7 +71,7 @@ CREATE TABLE IF NOT EXISTS holds (
     job_id TEXT, node TEXT, project TEXT, cpu INTEGER, memory INTEGER, gpu INTEGER,
     PRIMARY KEY (job_id, node)
 );
--- TUNE (issue 19): `pai tune` studies (written by the study's tuner process) and
+-- `pai tune` studies (written by the study's tuner process) and
 -- their trials, each an ordinary job (Optuna keeps its own record in its storage).
 CREATE TABLE IF NOT EXISTS studies (
     name TEXT PRIMARY KEY, status TEXT NOT NULL, reason TEXT, code INTEGER, note TEXT,
@@ -85,7 +82,7 @@ CREATE TABLE IF NOT EXISTS study_trials (
     study TEXT, number INTEGER, job_id TEXT, params TEXT, state TEXT NOT NULL, reason TEXT,
     value REAL, best REAL, step REAL, created REAL, ended REAL, PRIMARY KEY (study, number)
 );
--- FILES (issue 17): every file a job's instances wrote, and where it is now:
+-- Every file a job's instances wrote, and where it is now:
 -- here, node (not brought back, still at node:node_path), missing, or replaced
 -- (another instance's copy of the same path was kept), and why.
 CREATE TABLE IF NOT EXISTS outputs (
@@ -96,12 +93,11 @@ CREATE TABLE IF NOT EXISTS outputs (
 # Columns added after a store was first created: (table, column, type).
 ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("instances", "gpus", "TEXT"),
                  ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"), ("claims", "ts", "REAL"),
-                 ("jobs", "supervised", "REAL"))  # QUEUE: when a queued job's master was last (re)started
+                 ("jobs", "supervised", "REAL"))  # when a queued job's master was last (re)started
 # The schema's version, kept in the file's user_version: an open of a store that
-# carries it runs none of the statements above (~30 with ADDED_COLUMNS' table_info,
-# ~0.6 ms of every open: the master's on a submit's path, the CLI's, every command's).
-# Bump it with any change to SCHEMA or ADDED_COLUMNS (tests/test_store_locks.py keeps
-# a fingerprint of both and says so).
+# carries it runs none of the statements above, since every command and every master
+# opens the store. Bump it with any change to the statements of SCHEMA or to
+# ADDED_COLUMNS (tests/test_store_locks.py keeps a fingerprint of both and says so).
 SCHEMA_VERSION = 1
 # A claim holds while its job lives; a claim whose job was never recorded (a
 # submit killed between claiming and recording) holds only this many seconds.
@@ -153,11 +149,11 @@ def _apply_schema(db: sqlite3.Connection) -> None:
 def _create_store(path: Path) -> None:
     """A new store, built aside and linked into place whole: the schema written with
     no journal and no sync, WAL set, one fsync of the file and one of its folder
-    (SQLite creating it in place, a rollback journal then WAL, synced ~6 times:
-    18-60 ms of a first submit here, seconds when the disk is busy). Two processes
+    (SQLite creating it in place, a rollback journal then WAL, syncs several times,
+    which takes seconds when the disk is busy). Two processes
     creating one store at once: the first link wins, the other's copy is dropped.
     Where that cannot be done (a filesystem without hard links, SQLite failing on
-    the copy), nothing is linked and the store is created in place as before. In a
+    the copy), nothing is linked and the store is created in place. In a
     process that keeps a new store's image (keep_new_store_image), the copy aside is
     that image's bytes."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.new")
@@ -208,7 +204,7 @@ _NEW_STORE_IMAGE: bytes | None = None
 def keep_new_store_image() -> None:
     """A new store's file built once and kept in memory, for a resident process (the
     submit server, whose children inherit it): each new PAI_HOME then gets a copy of
-    its bytes instead of ~50 schema statements (~5 ms of a core per new home)."""
+    its bytes instead of running the schema statements again."""
     global _NEW_STORE_IMAGE
     import tempfile
 
@@ -575,7 +571,7 @@ class Store:
         where = " AND ".join(f"{name} = ?" for name in key)
         db.execute(f"UPDATE {table} SET {sets} WHERE {where}", (*values.values(), *key.values()))
 
-    # -- added by the LIFECYCLE helper (issue 16): the sweep of lost jobs --------
+    # -- the sweep of lost jobs ---------------------------------------------------
 
     def unfinished_jobs(self) -> list[sqlite3.Row]:
         """Every job not recorded as ended, oldest first."""
@@ -605,7 +601,7 @@ class Store:
             "SELECT role, idx, step, key, value FROM metrics WHERE job_id = ? AND step IS NOT NULL ORDER BY rowid",
             (job_id,)).fetchall()
 
-    # -- QUEUE room (issue 19): the queue and what started jobs hold ---------------
+    # -- the queue and what started jobs hold ---------------------------------------
     # The policy is paicli.cluster.queue (pure); paicli.cluster.queue_turns runs it
     # through queue_dispatch, in one transaction, so two supervisors never take the
     # same card or the same turn.
@@ -723,7 +719,7 @@ class Store:
                        (now, job_id))
             return True
 
-    # -- TUNE (issue 19): `pai tune` studies and their trials ------------------------
+    # -- `pai tune` studies and their trials -----------------------------------------
 
     def create_study(self, name: str, config: str) -> None:
         """A new study, Running; a name already used is bad input."""
@@ -780,7 +776,7 @@ class Store:
             f"SELECT job_id, role, idx, step, value FROM metrics WHERE job_id IN ({marks}) AND key = ?"
             " AND step IS NOT NULL ORDER BY rowid", (*job_ids, key)).fetchall()
 
-    # -- FILES (issue 17): a job's outputs ---------------------------------------------
+    # -- a job's outputs -----------------------------------------------------------------
 
     OUTPUT_COLUMNS = ("job_id", "instance", "path", "size", "mtime_ns", "digest", "location", "node", "node_path", "why")
 
@@ -799,8 +795,8 @@ class Store:
                        " AND instance != ? AND location = 'here'", (f"replaced by {keep}'s copy", job_id, path, keep))
 
     def outputs(self, job_id: str) -> list[tuple]:
-        """Every output row of the job (plain tuples in OUTPUT_COLUMNS order: 10,000 rows
-        in a few ms), by instance and path."""
+        """Every output row of the job (plain tuples in OUTPUT_COLUMNS order, so that
+        tens of thousands of rows stay cheap), by instance and path."""
         cur = self.db.execute(f"SELECT {','.join(self.OUTPUT_COLUMNS)} FROM outputs WHERE job_id = ?"
                               " ORDER BY instance, path", (job_id,))
         cur.row_factory = None
@@ -820,7 +816,7 @@ class Store:
         return {"resumed_from": next((r[1] for r in rows if r[0] == "resumed-from"), None),
                 "resumed_by": [r[1] for r in rows if r[0] == "resumed-by"]}
 
-    # -- FILES room (issue 17): `pai get` of files left on a node ---------------------------
+    # -- `pai get` of files left on a node ---------------------------------------------------
 
     def remove_outputs(self, job_id: str, instance: str, paths: list[str]) -> None:
         """Drop these rows of an instance (the `*` row of a node that did not answer,

@@ -844,8 +844,8 @@ def main(argv: list[str]) -> int:
     from paicli.store import Store
 
     home, name = Path(argv[0]), argv[1]
-    # Each trial's master a fresh interpreter (cluster/spawn.py), not a fork of this
-    # process with Optuna, SQLAlchemy's connections and numpy in it (~80 MB).
+    # Each trial's master is a fresh interpreter (cluster/spawn.py): a fork of this
+    # process would carry Optuna, numpy and SQLAlchemy's open connections.
     os.environ["PAI_MASTER_EXEC"] = "1"
     store = Store(home)
     Tuner(store, name).run()

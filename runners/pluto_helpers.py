@@ -327,7 +327,7 @@ def _probe_source(seconds: float, rounds: int = 1) -> int:
             sock.shutdown(socket.SHUT_WR)
             spent = process_seconds() - cpu_from
             # the network work the kernel deferred to its softirq threads meanwhile (on a
-            # busy machine much of it: ~3-4 of ~12 ns a byte at 1 Gbit/s here)
+            # busy machine, a large share of the whole)
             spent += max(0.0, softirq_thread_seconds() - softirq_from)
             reply = (sock.makefile().readline() or "0").split()
             elapsed = time.perf_counter() - started
@@ -392,9 +392,9 @@ def update_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
 # array, uncompressed then 2bit.
 
 KV_VALUES = 1 << 20
-KV_ROUNDS = 40   # ~0.25 s of server CPU a kind: /proc counts it in 10 ms ticks
+KV_ROUNDS = 40   # enough server CPU a kind that /proc's clock ticks (1/100 s) stay a small error
 KV_KEYS = 32         # one-value arrays for the cost of a message apart from its values
-KV_KEY_ROUNDS = 20   # ~0.2 s of server CPU: 640 pushes and pulls of a key
+KV_KEY_ROUNDS = 20   # 640 pushes and pulls of a key: enough server CPU to read from /proc
 
 
 def _free_port() -> int:
@@ -419,7 +419,7 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float,
     server's sum and update, and for 2bit the quantising and dequantising; then
     (server, worker) CPU seconds per key of one push and pull of a one-value array:
     what a message costs apart from its values (ps-lite's threads handing it on, the
-    engine's scheduling, ~0.1-0.3 ms here), which a 1 M-value array hides. The
+    engine's scheduling), which a 1 M-value array hides. The
     server's CPU is read from /proc over the timed rounds only."""
     import subprocess
 
@@ -521,7 +521,7 @@ def _kvstore_worker() -> int:
 # TF1's distributed runtime on 127.0.0.1, the worker pulling and pushing one variable.
 
 RPC_VALUES = 1 << 20   # 4 MB a transfer
-RPC_ROUNDS = 24        # ~200 MB moved: ~0.3-1 s of CPU, /proc's 10 ms ticks are ~2% of it
+RPC_ROUNDS = 24        # 200 MB moved: enough CPU that /proc's clock ticks (1/100 s) stay a small error
 RPC_VARS = 32          # one-value variables: what a variable's transfer costs apart from its bytes
 RPC_VAR_ROUNDS = 20
 

@@ -266,7 +266,7 @@ def runner_path(filename: str) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Layers (ENVS room, issue 18): a job's own packages on top of a runtime.
+# Layers: a job's own packages on top of a runtime.
 #
 #     RUNTIME_ROOT/layers/<runtime>-<digest>/
 #         site/                  what PYTHONPATH names for the job's instances
@@ -543,7 +543,7 @@ def remove_layer(name: str) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# TFCOMPAT (issue 20): the legacy-Keras TensorFlow runtime that PAI's TF1-era
+# The legacy-Keras TensorFlow runtime that PAI's TF1-era
 # names select. A small venv layered on the TensorFlow runtime, so TensorFlow
 # itself (600 MB) is not installed twice.
 

@@ -7,8 +7,8 @@ defined in benchmark_cnn.py, which tf_cnn_benchmarks.py imports; MXNet's
 adapters, which stage a plain script's own modules to other nodes with it.
 Standard library only: it runs inside any framework's Python.
 
-Imports are read with a regex, not ast: it reads Python 2 scripts too, and costs a
-few ms where ast costs 0.2 s on a large tree. Only files under the given roots
+Imports are read with a regex, not ast: it reads Python 2 scripts too, and it is
+far quicker than ast on a large tree. Only files under the given roots
 count (the script's folder, which `python SCRIPT` puts first on sys.path, and an
 archive's root): never the standard library's or site-packages'.
 """

@@ -265,7 +265,7 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
     # The overheads again, as what each run spent beyond both bounds the forecast takes
     # (its compute plus communication, and the CPU floor of every process on the shared
     # cores): a calibration run of 4 processes on 2 cores is CPU-bound, and fitting its
-    # CPU wait as fan-in charged every bigger plan that wait twice (issue 21). The 1 + 1
+    # CPU wait as fan-in charges every bigger plan that wait twice. The 1 + 1
     # run, whose terms are 0, pinned compute above.
     rows, ys = [], []
     for run in runs:
@@ -476,7 +476,7 @@ def measure_kvstore(python: str, helpers: str, timeout: float = 240.0) -> dict[s
 def measure_rpc(python: str, helpers: str, timeout: float = 180.0) -> dict[str, float]:
     """CPU seconds both ends of TensorFlow's gRPC runtime spend per byte and per
     variable pulled and pushed between a ps and a worker on this machine's loopback
-    (runners/pluto_helpers.py rpc, in the TensorFlow runtime's Python, ~5 s): the
+    (runners/pluto_helpers.py rpc, in the TensorFlow runtime's Python): the
     Cluster fields rpc_cpu_s_per_byte and rpc_cpu_s_per_var. {} when the probe
     cannot run."""
     try:

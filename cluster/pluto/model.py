@@ -194,9 +194,8 @@ def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
     # where every worker's pushes and pulls overlap (so W steps need the whole lot).
     # Workers placed on one node share its link in each direction, and they do not
     # interleave there: started together and slowed alike, they pull together and push
-    # together (the held-out TF conv net's two workers on one node measured 0.142-0.158
-    # s/step where interleaved transfers would take 0.114; both phases carrying both
-    # workers' bytes, 0.149). So a worker's own phases carry every worker of its node.
+    # together (measured steps match both phases carrying both workers' bytes, not
+    # interleaved transfers). So a worker's own phases carry every worker of its node.
     # Async workers each keep their own pace, and a step is measured as the median over
     # workers of their own (paicli.steptime), so the forecast is that median too: a
     # worker beside the ps (loopback) and one across a link measure the mean of the two.
@@ -318,7 +317,7 @@ def overhead_terms(strategy: Strategy, cluster: Cluster | None = None) -> tuple[
     price only what more workers or more ps add. Counted from 0 (Optimus' W/P and P),
     a constant was in the terms and in compute alike, and the fit could put every
     second of compute into the constant: compute per sample ~0, and plans of many
-    processes on few cores forecast as if the cores were free (issue 21).
+    processes on few cores forecast as if the cores were free.
 
     On a cluster of several nodes (`cluster` given), b counts only servers across a
     link (`servers_beyond_one`)."""
@@ -339,10 +338,9 @@ def servers_beyond_one(strategy: Strategy, cluster: Cluster | None) -> float:
     calibration run with servers across a link measures; the first one's is in the
     1 + 1 run's step, so in compute); to a server on the worker's own node it is a
     loopback hop whose cost is CPU, which the CPU floor already charges. Charging the
-    over-the-link price to co-located servers priced TF 3 ps + 1 worker, its ps on
-    the worker's node, 38-104% too slow (issue 21). On one node (nothing crosses a
-    link) every server beyond the first counts: calibration there measured the
-    loopback round trips, and the plans are for that node."""
+    over-the-link price to co-located servers forecasts such plans far too slow.
+    On one node (nothing crosses a link) every server beyond the first counts:
+    calibration there measured the loopback round trips, and the plans are for that node."""
     if strategy.ps <= 1:
         return 0.0
     if cluster is None or len(cluster.nodes) <= 1:
@@ -471,9 +469,8 @@ def worker_beyond_calibration(profile: Profile, strategy: Strategy, cluster: Clu
     modelled transfer time: wall time in which the worker did its own kvstore (or
     gRPC) work for every array, so charging that work again on top counts it twice.
     Only what the plan adds is charged: more messages when arrays are sliced over
-    more servers, 2bit's quantising. Counted twice, the floor of the wide MLP's local
-    1 server + 2 worker plan was 10.2 ms where it measured 7-8 ms, each worker
-    charged 6.5 ms of CPU a step where /proc showed 2.8-3.9 (issue 21, sixth pass)."""
+    more servers, 2bit's quantising. Counted twice, a worker's CPU a step comes out
+    well above what /proc shows, and the plan's floor with it."""
     if not strategy.ps or strategy.framework in MA_FRAMEWORKS:
         return 0.0
     return max(0.0, worker_transfer_seconds(profile, strategy, cluster)
@@ -506,10 +503,8 @@ def kvstore_key_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) 
     machine (0 when not probed). A worker pushes and pulls every array once a step,
     one message per server holding a piece of it (an array sliced across P servers
     is P messages); each server answers every worker's. The per-value probe's 1 M
-    values hide this; a model of 8 arrays pays it 16 times a worker a step (~0.1 ms
-    on a worker, ~0.3 ms on a server a key here: on 2 cores, 3 workers and 3 servers
-    of a 2 MB conv net spent ~10 ms of CPU a step on it, a fifth of its forecast
-    floor, issue 21)."""
+    values hide this; a model of 8 arrays pays it 16 times a worker a step, which on
+    few cores with several servers is a large share of a small model's CPU floor."""
     if strategy.framework != "mxnet" or not strategy.ps:
         return 0.0, []
     two_bit = strategy.compression == "2bit"
@@ -545,8 +540,7 @@ def _charge_links(flows: list[tuple[int, int, float]], cluster: Cluster, demand:
     the link probe's CPU per byte (both ends and the kernel's veth, bridge and shaping
     work, measured machine-wide), less the loopback copy each end is already charged
     for (`cpu_demand`), half on each end's node. At 1 Gbit/s on a 2-core machine this
-    is most of a step's CPU (issue 21: the step of 7-8 processes ran with the cores
-    fully busy, a fifth of it in softirq); between separate machines each kernel
+    is most of a step's CPU (much of it in softirq); between separate machines each kernel
     works on its own cores, which the probe cannot see from one end: not charged."""
     extra = cluster.link_cpu_s_per_byte - (1.0 / cluster.loopback_Bps if cluster.loopback_Bps > 0 else 0.0)
     if extra <= 0:

@@ -467,7 +467,7 @@ def duration_text(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
-# -- checking before recommending (issue 21) ------------------------------------------------
+# -- checking before recommending ------------------------------------------------------------
 #
 # A forecast is a guess until a run measures it: when the best forecast is within
 # VERIFY_MARGIN of the next plans, or the recommended plan lies outside the shapes
@@ -481,10 +481,8 @@ VERIFY_MAX = 4         # plans one verification runs at most
 def structure(choice: Choice) -> tuple:
     """What a plan is beside its counts: ps placement (MXNet: its own slicing bound or
     Pluto's), compression, sync or async, averaging period. Plans of one structure
-    share the model's errors: the held-out MXNet conv net's 2bit plans sliced at
-    Pluto's bound were all forecast 25-38% fast, and a verification that ran two of
-    them and the recommendation's uncompressed twin never measured the async plans
-    1.3x faster (issue 21)."""
+    share the model's errors (all forecast too fast, say), so a verification that
+    runs two plans of one structure learns little about the others."""
     s = choice.strategy
     return (s.partition, s.big_array_bound is not None, s.compression, s.sync, s.ma_period)
 

@@ -213,7 +213,7 @@ class Cluster:
     kv_worker_2bit_s_per_key: float = 0.0
     # CPU seconds TensorFlow's gRPC runtime spends, both ends together, per byte and per
     # variable pulled and pushed between a ps and a worker (calibrate.measure_rpc); 0.0:
-    # not probed (the loopback copy's cost per byte, as before).
+    # not probed (the loopback copy's cost per byte stands in).
     rpc_cpu_s_per_byte: float = 0.0
     rpc_cpu_s_per_var: float = 0.0
 

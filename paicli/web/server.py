@@ -77,7 +77,7 @@ def make_app(home: Path, token: str) -> web.Application:
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/log", whole_log)
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/stream", stream)
     app.router.add_get(r"/static/{name:[a-z0-9_.-]+}", static_file)
-    add_study_routes(app)   # TUNE (issue 19)
+    add_study_routes(app)
     add_output_routes(app)
     return app
 
@@ -254,8 +254,8 @@ class Feed:
         alive = over or JobStatus(job["status"]).is_terminal() or client.master_alive(job)
         self.gone = 0 if alive else self.gone + 1
         over = over or self.gone >= 2
-        # The status parts (some 20 ms of queries and rendering) are redone when an event
-        # happened, every STATUS_EVERY seconds for the last metrics, and at the end.
+        # The status parts (queries and rendering, the dearest part of a poll) are redone
+        # when an event happened, every STATUS_EVERY seconds for the last metrics, and at the end.
         event = store.last_event_id(self.job_id)
         if self.page is None or over or event != self.seen_event or time.monotonic() - self.rendered_at >= STATUS_EVERY:
             self.seen_event, self.rendered_at = event, time.monotonic()
@@ -344,7 +344,7 @@ def run(home: Path, sock: socket.socket) -> int:
     return 0
 
 
-# -- TUNE (issue 19): the study page of `pai tune` (data in paicli/web/study.py) ----------
+# -- the study page of `pai tune` (data in paicli/web/study.py) -----------------------------
 
 STUDY_NAME = r"{name:[A-Za-z0-9_.-]+}"
 
@@ -383,7 +383,7 @@ async def study_head(request: web.Request) -> web.Response:
     from paicli.web import study
 
     return _html(request, "_study_head.html", study=await _read(request, study.study_page, request.match_info["name"]))
-# -- FILES (issue 17): a job's outputs, listed with download links ------------------------
+# -- a job's outputs, listed with download links ----------------------------------------
 
 
 def add_output_routes(app: web.Application) -> None:

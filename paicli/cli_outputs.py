@@ -17,6 +17,7 @@ import click
 
 from paicli.commands import echo, open_store
 from paicli.errors import UsageError
+from paicli.private import ReplacingFile
 
 COLUMNS = ("instance", "path", "size", "mtime_ns", "digest", "where", "node", "node_path", "why")
 PROGRESS_FROM = 64 * 1024 * 1024     # a transfer this large shows a progress bar on a TTY
@@ -67,20 +68,11 @@ def copy_files(rows: list[dict], dest: str, progress) -> tuple[int, int]:
     for row in rows:
         target = os.path.join(dest, os.path.relpath(row["path"], root))
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        tmp = f"{target}.pai-get-{os.getpid()}"
-        try:
-            with open(row["path"], "rb") as src, open(tmp, "wb") as out:
-                while chunk := src.read(1 << 20):
-                    out.write(chunk)
-                    total += len(chunk)
-                    progress(total)
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        with open(row["path"], "rb") as src, ReplacingFile(target) as out:
+            while chunk := src.read(1 << 20):
+                out.write(chunk)
+                total += len(chunk)
+                progress(total)
         done += 1
     return done, total
 

@@ -112,6 +112,47 @@ def test_write_private_takes_a_fresh_temporary_name_each_time(tmp_path, monkeypa
     assert (tmp_path / "f").read_text() == "b"
 
 
+def test_a_replaced_file_is_the_old_or_the_whole_new_never_a_link_followed(tmp_path, monkeypatch):
+    from paicli.private import ReplacingFile
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    target = tmp_path / "model.h5"
+    os.symlink(victim, target)               # the target itself a link: replaced, not followed
+    os.umask(0o022)
+    write_private(target, "weights")
+    assert victim.read_text() == "keep me" and not target.is_symlink() and target.read_text() == "weights"
+    assert target.stat().st_mode & 0o777 == 0o600
+
+    # a write that fails halfway leaves the old content and no temporary
+    with pytest.raises(OSError):
+        with ReplacingFile(target) as out:
+            out.write(b"half of new")
+            raise OSError("disk full")
+    assert target.read_text() == "weights"
+
+    # so does a failure at the very end (the fsync before the rename)
+    def failing_fsync(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="No space"):
+        write_private(target, "new weights")
+    monkeypatch.undo()
+    assert target.read_text() == "weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.h5", "victim"]
+
+    # a committed file takes its mode and the time it is given
+    with ReplacingFile(target, mode=0o400) as out:
+        out.write(b"read-only")
+    assert target.read_text() == "read-only" and target.stat().st_mode & 0o777 == 0o400
+    out = ReplacingFile(tmp_path / "dated", prefix=".pai-part-")
+    assert os.path.basename(out.temp).startswith(".pai-part-")
+    out.write(b"x")
+    out.commit(mtime_ns=1_700_000_000_000_000_000)
+    assert (tmp_path / "dated").stat().st_mtime_ns == 1_700_000_000_000_000_000
+
+
 def _writer(home, worker, count, errors):
     try:
         store = Store(home)

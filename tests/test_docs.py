@@ -122,7 +122,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "cluster": ("paicli.cluster.*", "paicli.jobstatus"),
     # The library the commands, the console and the web server call.
     "library": ("paicli.client", "paicli.jobview", "paicli.planning", "paicli.statement", "paicli.staging", "paicli.logtail",
-                "paicli.logview", "paicli.docs", "paicli.progress",
+                "paicli.logview", "paicli.docs", "paicli.progress", "paicli.job_outputs",
                 "paicli.tune"),   # TUNE (issue 19): pai tune's library (Optuna inside its functions)
     "web": ("paicli.web.*",),                           # the logview launcher, the server, its pages
     "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__",

@@ -9,7 +9,8 @@ supervisor is gone (a reboot, a kill) a new one; `hand_over_queue` (revive, then
 run the queue's policy) is what every writer that frees room does: a master's end
 (queue_turns.job_ended), `pai kill`, the watchdog, the next watchdog's sweep.
 A submit revives too, and `pai queue --revive` on request (after a reboot, when
-nothing of paicli runs). Reading a job never writes: see
+nothing of paicli runs). `record_resume` links a job `pai resume` submits to the
+ended job it continues. Reading a job never writes: see
 paicli.jobstatus.read_job, which derives "master gone" and "supervisor gone" for
 display.
 
@@ -172,6 +173,13 @@ def sweep_lost(store: Store, report: Report = to_stderr) -> list[str]:
     for job_id in revive_queued(store, report):
         report(f"{time.ctime()}: job {job_id}: waiting in the queue, its supervisor gone: a new one started")
     return lost
+
+
+def record_resume(store: Store, ended_id: str, new_id: str) -> None:
+    """`pai resume`: the new job and the ended one it continues name each other
+    (an event of each; neither's state changes)."""
+    store.event(new_id, "resumed-from", ended_id)
+    store.event(ended_id, "resumed-by", new_id)
 
 
 # -- the queue: no daemon, so whoever writes keeps it going ------------------------------

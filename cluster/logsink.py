@@ -426,7 +426,7 @@ class JobLog:
         text = b"".join(prefix + shown[prefix] + b"\n" for prefix in order)
         try:
             if text:
-                write_private(self.live_path, text)
+                write_private(self.live_path, text, sync=False)   # rewritten every moment; a crash loses nothing
             elif self.live_path.exists():
                 os.unlink(self.live_path)
         except OSError:

@@ -36,6 +36,7 @@ from pathlib import Path
 from collections.abc import Callable, Iterable
 
 from paicli.cluster.agent_link import HEAD
+from paicli.private import ReplacingFile
 from paicli.records import field, record
 from paicli.runners.node_outputs import Checksum
 
@@ -136,8 +137,7 @@ class InstanceOutputs:
     gone: str | None = None        # why the agent had nothing to list (its folder is gone)
     received: int = 0
     _file: dict | None = None
-    _fd: int = -1
-    _tmp: str = ""
+    _out: ReplacingFile | None = None   # the file under way, written aside
     _hash: Any = None
     _error: str | None = None
     _buf: bytearray = field(default_factory=bytearray)
@@ -154,13 +154,11 @@ class InstanceOutputs:
         self._file, self._error = head, self._placed(head)
         if self._error or self.watch.get("inplace"):
             return
-        rel = str(head["rel"])
         self._hash = Checksum()
         folder = os.path.dirname(head["local"])
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
-            self._tmp = os.path.join(folder, f"{PART}{os.urandom(6).hex()}-{os.path.basename(rel)}"[:250])
-            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            self._out = ReplacingFile(head["local"], prefix=PART)
         except OSError as err:
             self._error = self.job.local_error(err)
 
@@ -173,12 +171,10 @@ class InstanceOutputs:
         return None
 
     def _data(self, payload: bytes) -> None:
-        if self._fd < 0 or self._error:
+        if self._out is None or self._error:
             return
         try:
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(self._fd, view):]
+            self._out.write(payload)
             self._hash.update(payload)
             if self.job.on_bytes is not None:
                 self.job.on_bytes(len(payload))
@@ -214,18 +210,15 @@ class InstanceOutputs:
             self.job.arrived(self, head, digest, refused or error)
 
     def _finish_copy(self, head: dict, digest: str | None) -> str | None:
+        out, self._out = self._out, None
+        if self._hash.hexdigest() != digest:
+            out.abandon()
+            return "its checksum did not match the node's"
         try:
-            os.close(self._fd)
-            self._fd = -1
-            if self._hash.hexdigest() != digest:
-                raise ValueError("its checksum did not match the node's")
-            os.utime(self._tmp, ns=(head["mtime"], head["mtime"]))
-            os.replace(self._tmp, head["local"])
-            self._tmp = ""
-            return None
-        except (OSError, ValueError) as err:
-            self._abandon(None)
-            return self.job.local_error(err) if isinstance(err, OSError) else str(err)
+            out.commit(mtime_ns=head["mtime"])   # abandoned if it fails
+        except OSError as err:
+            return self.job.local_error(err)
+        return None
 
     def _pass(self, payload: bytes) -> None:
         end = json.loads(payload)
@@ -235,15 +228,9 @@ class InstanceOutputs:
 
     def _abandon(self, why: str | None) -> None:
         """Drop the partial copy under way (nobody ever sees half a file)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if self._tmp:
-            try:
-                os.unlink(self._tmp)
-            except OSError:
-                pass
-            self._tmp = ""
+        if self._out is not None:
+            self._out.abandon()
+            self._out = None
         if why:
             self._error = why
 

@@ -1,30 +1,21 @@
-"""`pai outputs` and `pai get`: the files a job wrote (issue 17, cluster/outputs.py).
+"""`pai outputs`, `pai get` and `pai resume`: a job's files (paicli/job_outputs.py).
 
-Registered by paicli.cli; the console has the same verbs. They read the store and
-copy files that are here; `pai get` first brings what an ended job left on a node.
+Registered by paicli.cli; the console has the same verbs. Each parses, calls the
+library, renders.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import sys
-import threading
 import time
 
 import click
 
 from paicli.commands import echo, open_store
-from paicli.errors import UsageError
 
-COLUMNS = ("instance", "path", "size", "mtime_ns", "digest", "where", "node", "node_path", "why")
 PROGRESS_FROM = 64 * 1024 * 1024     # a transfer this large shows a progress bar on a TTY
-
-
-def rows_of(store, job_id: str) -> list[dict]:
-    """Every output of the job as dicts (`where`: here / node / missing / replaced)."""
-    return [dict(zip(COLUMNS, row[1:])) for row in store.outputs(job_id)]
 
 
 def human_size(size: int) -> str:
@@ -43,65 +34,33 @@ def where_text(row: dict) -> str:
     return f"{row['where']}: {row['why']}"
 
 
-def matches(row: dict, globs: tuple[str, ...], instance: str | None) -> bool:
-    if instance and row["instance"] != instance:
-        return False
-    path = row["path"]
-    if path == "*":
-        return True   # what a node that did not answer holds is not known: it may match
-    return not globs or any(fnmatch.fnmatch(path, g) or fnmatch.fnmatch(os.path.basename(path), g)
-                            or fnmatch.fnmatch(path, f"*/{g}") for g in globs)
+class ProgressBar:
+    """A one-line bar on stderr for a large transfer to a terminal; else nothing
+    (job_outputs.Progress)."""
 
+    def __init__(self, total: int):
+        self.total = total
+        self.shown = total >= PROGRESS_FROM and sys.stderr.isatty()
+        self.done = 0
+        self.started = time.monotonic()
 
-def common_root(paths: list[str]) -> str:
-    if len(paths) == 1:
-        return os.path.dirname(paths[0])
-    return os.path.commonpath([os.path.dirname(p) for p in paths])
-
-
-def copy_files(rows: list[dict], dest: str, progress) -> tuple[int, int]:
-    """Copy the rows' files (here) under `dest`, keeping their layout below their
-    common folder; each written aside, then renamed. (files, bytes) copied."""
-    root = common_root([r["path"] for r in rows])
-    done = total = 0
-    for row in rows:
-        target = os.path.join(dest, os.path.relpath(row["path"], root))
-        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        tmp = f"{target}.pai-get-{os.getpid()}"
-        try:
-            with open(row["path"], "rb") as src, open(tmp, "wb") as out:
-                while chunk := src.read(1 << 20):
-                    out.write(chunk)
-                    total += len(chunk)
-                    progress(total)
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        done += 1
-    return done, total
-
-
-def progress_bar(total: int):
-    """A one-line bar on stderr for a large copy to a terminal; else nothing."""
-    if total < PROGRESS_FROM or not sys.stderr.isatty():
-        return lambda done: None
-    started = time.monotonic()
-
-    def show(done: int) -> None:
+    def update(self, done: int) -> None:
+        self.done = done
+        if not self.shown:
+            return
         width = 30
-        filled = int(width * done / total) if total else width
-        rate = done / max(time.monotonic() - started, 1e-6) / (1 << 20)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {human_size(done)}/{human_size(total)}"
+        filled = int(width * done / self.total) if self.total else width
+        rate = done / max(time.monotonic() - self.started, 1e-6) / (1 << 20)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {human_size(done)}/{human_size(self.total)}"
                          f" {rate:.0f} MB/s")
-        if done >= total:
+        if done >= self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
-    return show
+    def close(self) -> None:
+        if self.shown and 0 < self.done < self.total:
+            sys.stderr.write("\n")   # the bar stopped short (a node did not answer): end its line
+            sys.stderr.flush()
 
 
 def plain_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
@@ -112,73 +71,8 @@ def plain_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     sys.stdout.flush()
 
 
-def archive_checkpoint_dir(value: str, code_dir: str) -> str:
-    """An archive's job ran in its own code/ folder, which a resumed job does not share:
-    a relative -DcheckpointDir becomes the first job's folder, absolute, so the
-    resumed job starts from (and goes on writing) those checkpoints. A URL stays."""
-    if "://" in value:
-        return value
-    return os.path.normpath(os.path.join(code_dir, os.path.expanduser(value)))
-
-
-def fetch_left(store, job: dict, chosen: list[dict]) -> None:
-    """Bring the chosen files still on a node of an ended job here (where they
-    belong, as at the job's end: cluster/outputs.fetch_from_nodes)."""
-    from paicli.cluster import outputs
-    from paicli.cluster.backends import backend_for_job
-
-    wanted = outputs.left_on_nodes(store.outputs(job["id"]), [(r["instance"], r["path"]) for r in chosen])
-    if not wanted:
-        return
-    nodes = sorted({node for _, node in wanted})
-    echo(f"bringing files of {job['id']} from node(s) {', '.join(nodes)}", err=True)
-    log = outputs.job_log_note(job["job_dir"])
-
-    def note(line: str) -> None:
-        log(line)
-        echo(line, err=True)
-
-    # Files over the size limit are listed with their size: a large fetch shows a bar on
-    # a terminal, as a large copy does (an unreachable node's files were never listed).
-    total = sum(int(r.get("size") or 0) for r in chosen if r.get("where") == "node")
-    bar, lock, got = progress_bar(total), threading.Lock(), [0]
-
-    def arrived(size: int) -> None:   # the nodes' pump threads, several at once
-        with lock:
-            got[0] += size
-            bar(min(got[0], total))
-
-    # a node that does not answer is said by a note line; its files stay listed as on it
-    outputs.fetch_from_nodes(store, job["id"], backend_for_job(job["job_dir"]), wanted, note, arrived)
-    if 0 < got[0] < total and total >= PROGRESS_FROM and sys.stderr.isatty():
-        sys.stderr.write("\n")   # the bar stopped short (a node did not answer): end its line
-
-
-def resume_statement(store, job: dict, tokens: list[str]):
-    """The ended job's statement (its spec.json), overridden by `tokens` (-Dk=v ...),
-    and the folder it ran in (a plain script's working folder, where its files went)."""
-    import json
-    from pathlib import Path
-
-    from paicli.spec import RawParam
-    from paicli.statement import Statement, merge_overrides, parse_statement
-
-    job_dir = Path(job["job_dir"])
-    try:
-        spec = json.loads((job_dir / "spec.json").read_text())
-        plan = json.loads((job_dir / "plan.json").read_text())
-    except (OSError, ValueError) as err:
-        raise UsageError(f"{job['id']}: its statement cannot be read ({err})", "submit it again by hand") from None
-    cwd = next((r.get("cwd") for r in plan.get("roles", []) if r.get("cwd")), None)
-    if cwd == str(job_dir / "code") and spec.get("checkpoint_dir"):
-        spec["checkpoint_dir"] = archive_checkpoint_dir(spec["checkpoint_dir"], cwd)
-    if not cwd or cwd == str(job_dir / "code") or not os.path.isdir(cwd):
-        cwd = os.getcwd()
-    stmt = Statement(framework=spec.pop("name"), project=spec.pop("project", None))
-    stmt.params = [RawParam(key, value, f"job {job['id']}: {key}", Path(cwd)) for key, value in spec.items()]
-    if tokens:
-        stmt = merge_overrides(stmt, parse_statement(tokens, base=Path(cwd), require_name=False))
-    return stmt, cwd
+def say(line: str) -> None:
+    echo(line, err=True)
 
 
 def register(cli: click.Group) -> None:
@@ -190,25 +84,23 @@ def register(cli: click.Group) -> None:
     def outputs(job_id, as_json):
         """The files a job wrote, per instance: path, size, time, and where each is now
         (here / still on a node, and where / not brought back, and why)."""
-        from paicli import client
+        from paicli import job_outputs
 
-        store = open_store()
-        job = client.resolve_job(store, job_id)
-        rows = rows_of(store, job["id"])
+        listing = job_outputs.list_outputs(open_store(), job_id)
         if as_json:
-            # One file a line, each with the C encoder (indent= takes the pure-Python one:
-            # 0.5 s for 10,000 files).
-            head = json.dumps({"job": job["id"], **store.output_totals(job["id"])}, sort_keys=True)[:-1]
-            files = ",\n  ".join(json.dumps(row, sort_keys=True) for row in rows)
+            # One file a line, each with the C encoder (indent= takes the pure-Python one,
+            # slow for 10,000 files).
+            head = json.dumps({"job": listing.job_id, **listing.totals}, sort_keys=True)[:-1]
+            files = ",\n  ".join(json.dumps(row, sort_keys=True) for row in listing.rows)
             sys.stdout.write(f"{head}, \"files\": [\n  {files}\n]}}\n")
             return
-        if not rows:
-            echo(f"{job['id']}: no files written (in its working folder, checkpointDir or PAI_OUTPUT_DIR)")
+        if not listing.rows:
+            echo(f"{listing.job_id}: no files written (in its working folder, checkpointDir or PAI_OUTPUT_DIR)")
             return
         plain_table(("Instance", "Path", "Size", "Modified", "Where"),
                     [(r["instance"], r["path"], human_size(r["size"] or 0),
                       time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((r["mtime_ns"] or 0) / 1e9)),
-                      where_text(r)) for r in rows])
+                      where_text(r)) for r in listing.rows])
 
     @cli.command()
     @click.argument("job_id")
@@ -222,31 +114,15 @@ def register(cli: click.Group) -> None:
         keeping their layout. Files an ended job left on a node (it did not answer at
         the job's end, or the file was over -DoutputMaxSize) are brought here first,
         where they belong, and the node's job folder removed once nothing is left."""
-        from paicli import client
-        from paicli.states import JobStatus
+        from paicli import job_outputs
 
-        store = open_store()
-        job = client.resolve_job(store, job_id)
-        chosen = [r for r in rows_of(store, job["id"]) if matches(r, globs, instance)]
-        if not no_fetch and any(r["where"] == "node" for r in chosen) and \
-                JobStatus(client.refresh(store, job["id"])["status"]).is_terminal():
-            fetch_left(store, dict(job), chosen)
-            chosen = [r for r in rows_of(store, job["id"]) if matches(r, globs, instance)]
-        chosen = [r for r in chosen if r["path"] != "*" or r["where"] == "node"]
-        here = [r for r in chosen if r["where"] == "here" and r["path"] != "*"]
-        if not chosen:
-            raise UsageError(f"{job['id']}: no output matches {' '.join(globs) or '(all)'}"
-                             + (f" for {instance}" if instance else ""), f"`pai outputs {job['id']}` lists them")
-        for row in chosen:
-            if row["where"] == "node":
-                echo(f"not copied: {row['path']} of {row['instance']} is {where_text(row)}", err=True)
-        if not here:
+        chosen = job_outputs.choose(open_store(), job_id, globs, instance, fetch=not no_fetch, say=say,
+                                    progress=ProgressBar)
+        for row in chosen.elsewhere:
+            say(f"not copied: {row['path']} of {row['instance']} is {where_text(row)}")
+        if not chosen.here:
             sys.exit(1)
-        total = sum(r["size"] or 0 for r in here)
-        try:
-            files, size = copy_files(here, dest, progress_bar(total))
-        except OSError as err:
-            raise UsageError(f"copying into {dest}: {err.strerror or err}", "check the folder and the free space")
+        files, size = job_outputs.copy_outputs(chosen.here, dest, progress=ProgressBar)
         echo(f"{files} file(s), {human_size(size)} into {dest}")
 
     @cli.command(context_settings={"ignore_unknown_options": True})
@@ -257,27 +133,23 @@ def register(cli: click.Group) -> None:
         """Submit an ended job again, with its statement (-Dkey=value overrides it) and
         what its checkpointDir holds (synced from the nodes), so a cancelled, failed or
         timed-out job continues from its last checkpoint. Exits like the new job."""
-        from paicli import client
+        from paicli import job_outputs
+        from paicli.cluster import lifecycle
         from paicli.commands import attach, echo_log_view, runtime_progress, submit_statement
-        from paicli.states import JobStatus
 
         store = open_store()
-        job = client.resolve_job(store, job_id)
-        if not JobStatus(client.refresh(store, job["id"])["status"]).is_terminal():
-            raise UsageError(f"{job['id']} has not ended", f"`pai kill {job['id']}` first, or wait for it")
-        stmt, cwd = resume_statement(store, dict(job), list(overrides))
+        resumed = job_outputs.resumption(store, job_id, list(overrides))
         here = os.getcwd()
-        os.chdir(cwd)   # a plain script's files go where the first job's went
+        os.chdir(resumed.cwd)   # a plain script's files go where the first job's went
         try:
-            new_id = submit_statement(stmt, store, runtime_progress())
+            new_id = submit_statement(resumed.statement, store, runtime_progress())
         finally:
             os.chdir(here)
-        store.event(new_id, "resumed-from", job["id"])
-        store.event(job["id"], "resumed-by", new_id)
+        lifecycle.record_resume(store, resumed.job_id, new_id)
         if detach:
             echo(new_id)
             return
         echo(f"ID = {new_id}")
-        echo(f"Resumes {job['id']}")
+        echo(f"Resumes {resumed.job_id}")
         echo_log_view(store, new_id, os.path.join(store.job(new_id)["job_dir"], "summary.txt"))
         sys.exit(attach(store, new_id, from_end=False))

@@ -10,8 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# The one way a whole file is written (the nodes' runners write theirs with it too).
+from paicli.runners.private_files import FILE_MODE, ReplacingFile, write_private
+
+__all__ = ["DIR_MODE", "FILE_MODE", "ReplacingFile", "open_append_fd", "private_dir", "touch_private",
+           "write_private"]
+
 DIR_MODE = 0o700
-FILE_MODE = 0o600
 
 
 def private_dir(path: Path, parents: bool = False) -> Path:
@@ -28,36 +33,6 @@ def open_append_fd(path: Path | str) -> int:
     """A descriptor appending to `path`, created readable by its owner only (logs
     hold argv and whatever the script prints)."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-
-
-def write_private(path: Path, text: str | bytes) -> None:
-    """Write a whole file, 0600, through a temporary name: a reader (or a full
-    disk) never sees half of it. The temporary is a fresh random name created
-    with O_EXCL|O_NOFOLLOW: a file or symlink someone planted in the folder
-    (known_hosts may live wherever the user says) is never opened or followed."""
-    data = text.encode() if isinstance(text, str) else text
-    fd, tmp = _create_temporary(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _create_temporary(path: Path) -> tuple[int, Path]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    for _ in range(100):
-        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
-        try:
-            return os.open(tmp, flags, FILE_MODE), tmp
-        except FileExistsError:
-            continue  # 48 random bits taken: someone is guessing; draw again
-    raise FileExistsError(f"no free temporary name next to {path}")
 
 
 def touch_private(path: Path) -> None:

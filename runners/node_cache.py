@@ -2,7 +2,8 @@
 
 Standard library only; runs on a node with the node's Python from the job's staged
 runners folder: over SSH as a command, on Ray by a zero-CPU task pinned to the node
-(`run_staged`, shipped by value). Nothing here imports another module of ours.
+(`run_staged`, shipped by value, runs this file there). It imports only its
+sibling private_files.py, the one way our files are written.
 
     python3 node_cache.py missing ROOT               stdin: a JSON list of digests; those
                                                      ROOT lacks (JSON list)
@@ -26,6 +27,11 @@ import json
 import os
 import stat
 import sys
+
+try:   # as paicli.runners.<this> (the master, the local agent, the tests)
+    from . import private_files
+except ImportError:   # as a script in the job's staged runners folder: its folder is on sys.path
+    import private_files
 
 HEX = set("0123456789abcdef")
 
@@ -62,39 +68,17 @@ def missing(root: str, digests) -> list:
     return [d for d in digests if not os.path.isfile(blob_path(root, d))]
 
 
-def _write_aside(path: str, chunks, mode: int) -> str:
-    """Bytes from `chunks` into `path`, written aside and renamed; their sha256."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    digest = hashlib.sha256()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                digest.update(chunk)
-                f.write(chunk)
-        os.chmod(tmp, mode)
-    except BaseException:
-        _unlink(tmp)
-        raise
-    return digest.hexdigest(), tmp
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
 def store_blob(root: str, digest: str, chunks) -> int:
     """One blob into the cache (checked against `digest`); its size."""
     path = blob_path(root, digest)
     own_dir(os.path.join(root, "blobs"))
-    got, tmp = _write_aside(path, chunks, 0o400)
-    if got != digest:
-        _unlink(tmp)
-        raise Refused(f"blob {digest[:12]}: its bytes hash to {got[:12]}")
-    os.replace(tmp, path)
+    got = hashlib.sha256()
+    with private_files.ReplacingFile(path, 0o400) as out:
+        for chunk in chunks:
+            got.update(chunk)
+            out.write(chunk)
+        if got.hexdigest() != digest:
+            raise Refused(f"blob {digest[:12]}: its bytes hash to {got.hexdigest()[:12]}")
     return os.path.getsize(path)
 
 
@@ -116,9 +100,7 @@ def place(root: str, folder: str, plan: dict) -> None:
     for out in (plan.get("index") or {}).get("outputs", []):
         os.makedirs(out["parts"], mode=0o700, exist_ok=True)
     if plan.get("index") is not None:
-        text = json.dumps(plan["index"]).encode()
-        _, tmp = _write_aside(os.path.join(data, "tables.json"), [text], 0o600)
-        os.replace(tmp, os.path.join(data, "tables.json"))
+        private_files.write_private(os.path.join(data, "tables.json"), json.dumps(plan["index"]))
     for tree in plan.get("trees") or []:
         name = str(tree.get("link", "")).split("/")
         if len(name) != 2 or name[0] != "buckets" or not name[1].isdigit():

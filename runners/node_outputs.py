@@ -34,6 +34,11 @@ import sys
 import time
 import zlib
 
+try:   # as paicli.runners.<this> (the master, the local agent, the tests)
+    from . import private_files
+except ImportError:   # as a script in the job's staged runners folder: its folder is on sys.path
+    import private_files
+
 CHUNK = 256 * 1024
 LISTED = 512              # in-place files said in one L frame
 STALL = 60.0              # seconds the master may take nothing before files stop going
@@ -136,9 +141,8 @@ def begin_watch(watch: dict, since_ns: int | None = None) -> dict:
     that listing. With `since_ns` (the instance's start; the instance runs already)
     nothing is listed: what changed from then on (its ctime) is the instance's, and
     only that is looked at when the files go back (`frames`), so a working folder
-    is listed once per instance, at its end, not twice (~2-4 ms of a core each
-    time for this checkout, as the instances start). The folders were made before
-    that start (the agent's make_folders), not again here."""
+    is listed once per instance, at its end, not also as the instances start. The
+    folders were made before that start (the agent's make_folders), not again here."""
     if since_ns is None:
         make_folders(watch)
     base: dict = {}
@@ -148,11 +152,7 @@ def begin_watch(watch: dict, since_ns: int | None = None) -> dict:
     if state:
         try:
             os.makedirs(os.path.dirname(state), mode=0o700, exist_ok=True)
-            tmp = f"{state}.{os.getpid()}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"watch": watch, "base": base, "since_ns": since_ns}, f)
-            os.replace(tmp, state)
+            private_files.write_private(state, json.dumps({"watch": watch, "base": base, "since_ns": since_ns}))
         except OSError:
             pass   # then only the live link brings files back
     return base

@@ -59,8 +59,10 @@ _IMPORT_BANNER = re.compile(
     r"|I\d{4} \S+\s+\d+ (?:port|cpu_feature_guard)\.cc:\d+\] .*"
     r"|To enable the following instructions: .* rebuild TensorFlow with the appropriate compiler flags\.")
 
-
-QUIET = False  # drop TensorFlow's import banner (main() decides)
+# TensorFlow's C++ log below ERROR: INFO and WARNING lines (gRPC rendezvous aborted
+# as a job ends, CPU features, oneDNN) are TensorFlow's housekeeping, not the
+# script's; its errors and the script's own output still show.
+QUIET_CPP_LOG_LEVEL = "2"
 
 # TF1's wait for the chief (tf.compat.v1.train.Supervisor and SessionManager, under
 # MonitoredTrainingSession too): a worker that finds the ps's variables not yet
@@ -192,14 +194,24 @@ def wait_for_stop_then_exit(what: str) -> None:
     os._exit(0)
 
 
-def serve(role: str, index: int, config: dict) -> None:
+def quiet_tensorflow_log(environ) -> bool:
+    """Keep TensorFlow's C++ log at its errors unless the user chose a level
+    (-Denv=TF_CPP_MIN_LOG_LEVEL=0 shows everything). True when the level is ours:
+    then the import banner, printed before TensorFlow reads the level, is dropped too."""
+    if "TF_CPP_MIN_LOG_LEVEL" in environ:
+        return False
+    environ["TF_CPP_MIN_LOG_LEVEL"] = QUIET_CPP_LOG_LEVEL
+    return True
+
+
+def serve(role: str, index: int, config: dict, quiet: bool) -> None:
     """A plain tf.distribute.Server for a ps or worker of a ParameterServerStrategy
     job; the coordinator (the chief's script) drives it remotely."""
     block_stop_signals()
     # TensorFlow's own advice for PS training: let the coordinator see worker
     # failures instead of gRPC retrying forever.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-    tf = import_tensorflow_quietly() if QUIET else __import__("tensorflow")
+    tf = import_tensorflow_quietly() if quiet else __import__("tensorflow")
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     try:
@@ -260,10 +272,18 @@ def install_cluster_watch(watch: ClusterWatch) -> None:
         return
     real_import = builtins.__import__
     wrapped = []
+    # Imports under way: TensorFlow's own modules import others as they load, and the
+    # session module is in sys.modules, half made, long before TensorFlow is whole.
+    # Only the outermost import's return finds it complete.
+    depth = [0]
 
     def watching_import(name, globals=None, locals=None, fromlist=(), level=0):
-        module = real_import(name, globals, locals, fromlist, level)
-        if not wrapped and "tensorflow.python.client.session" in sys.modules:
+        depth[0] += 1
+        try:
+            module = real_import(name, globals, locals, fromlist, level)
+        finally:
+            depth[0] -= 1
+        if not wrapped and not depth[0] and "tensorflow.python.client.session" in sys.modules:
             wrapped.append(True)
             if builtins.__import__ is watching_import:
                 builtins.__import__ = real_import
@@ -494,13 +514,9 @@ def main(argv: list[str]) -> None:
     role, index, cluster = read_cluster()
     config = tf_config(role, index, cluster)
     os.environ["TF_CONFIG"] = json.dumps(config)
-    # Hide TensorFlow's C++ INFO chatter and its import banner, unless the user chose
-    # a log level (TF_CPP_MIN_LOG_LEVEL=0 shows everything).
-    global QUIET
-    QUIET = "TF_CPP_MIN_LOG_LEVEL" not in os.environ
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    quiet = quiet_tensorflow_log(os.environ)
     if options["serve"]:
-        serve(role, index, config)
+        serve(role, index, config, quiet)
         return
     if not rest:
         sys.exit("tensorflow runner: no script given; usage: tensorflow_runner.py [--serve] "
@@ -515,7 +531,7 @@ def main(argv: list[str]) -> None:
             "-DclusterFlags=never turns this off)" if options["cluster_flags"] == "auto"
             else f"passing --{' --'.join(wanted)} (-DclusterFlags={options['cluster_flags']})")
     args = classic_flag_values(wanted, role, index, cluster) + args
-    if QUIET:
+    if quiet:
         quiet_first_tensorflow_import()
     run_script(script, args, role, lambda watch: report_distribution(
         watch, role, index, cluster, wanted, options["cluster_flags"]))

@@ -407,6 +407,28 @@ def test_the_console_has_outputs_and_get(pai_home, tmp_path, capsys):
     assert (tmp_path / "got" / "model.h5").read_text() == "weights"
 
 
+def test_pai_get_never_follows_a_link_planted_where_it_writes(pai_home, tmp_path):
+    """A name next to the target that another user could guess (the old scheme:
+    TARGET.pai-get-PID) linked to a file of theirs: the model's bytes must land in
+    the target alone."""
+    from paicli.cli import cli
+    from paicli.console import Console
+
+    store = Store()
+    store.create_job("jlink", name="c", framework="python", project=None, task_name="T",
+                     job_dir=pai_home / "jobs" / "jlink", roles=[{"name": "worker", "count": 1, "must_finish": True}])
+    (tmp_path / "model.h5").write_text("weights")
+    store.add_outputs([("jlink", "worker:0", str(tmp_path / "model.h5"), 7, 0, None, "here", "local", None, None)])
+    (tmp_path / "got").mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    os.symlink(victim, tmp_path / "got" / f"model.h5.pai-get-{os.getpid()}")
+    assert Console(cli).execute(f"get jlink model.h5 -o {tmp_path / 'got'}") == 0
+    assert victim.read_text() == "keep me"
+    got = tmp_path / "got" / "model.h5"
+    assert not got.is_symlink() and got.read_text() == "weights" and got.stat().st_mode & 0o777 == 0o600
+
+
 def test_pai_resume_of_a_cancelled_job_continues_from_its_checkpoint(pai_home, tmp_path):
     from test_outputs_ssh import RESUMING
 

@@ -250,6 +250,7 @@ def test_async_ps_worker_example_runs_the_seed_picture(pai):
     assert len(by_global_step) >= 4 and by_global_step[-1][1] < by_global_step[0][1] / 5, by_global_step
     assert re.search(r"^train: \S+ \S+ TensorflowTask_job:\d+/\d+/\d+\[\d+%\]", out, re.M)
     assert "oneDNN custom operations" not in out  # the runner drops TF's import banner
+    assert "Local rendezvous is aborting" not in out   # TF's C++ warnings as the job ends: below its errors
     assert status["status"] == "Succeeded"
     by_name = {f"{i['role']}:{i['index']}": i for i in status["instances"]}
     assert by_name["worker:0"]["exit_code"] == 0 and by_name["worker:1"]["exit_code"] == 0

@@ -8,6 +8,8 @@ import multiprocessing
 import os
 import re
 import socket
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from paicli.jobplan import KEY_VALUE_METRIC, JobPlan, RolePlan
 from paicli.runners.archive import UnsafeArchive, extract
 from paicli.states import InstanceStatus, JobStatus, can_move, describe_exit, is_retryable
 from paicli.store import Store, new_job_id
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_terminal_states_have_no_way_out():
@@ -110,6 +114,87 @@ def test_write_private_takes_a_fresh_temporary_name_each_time(tmp_path, monkeypa
     for _path, flags in opened:
         assert flags & os.O_EXCL and flags & os.O_NOFOLLOW and flags & os.O_CREAT
     assert (tmp_path / "f").read_text() == "b"
+
+
+def test_a_replaced_file_is_the_old_or_the_whole_new_never_a_link_followed(tmp_path, monkeypatch):
+    from paicli.private import ReplacingFile
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    target = tmp_path / "model.h5"
+    os.symlink(victim, target)               # the target itself a link: replaced, not followed
+    os.umask(0o022)
+    write_private(target, "weights")
+    assert victim.read_text() == "keep me" and not target.is_symlink() and target.read_text() == "weights"
+    assert target.stat().st_mode & 0o777 == 0o600
+
+    # a write that fails halfway leaves the old content and no temporary
+    with pytest.raises(OSError):
+        with ReplacingFile(target) as out:
+            out.write(b"half of new")
+            raise OSError("disk full")
+    assert target.read_text() == "weights"
+
+    # so does a failure at the very end (the fsync before the rename)
+    def failing_fsync(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="No space"):
+        write_private(target, "new weights")
+    monkeypatch.undo()
+    assert target.read_text() == "weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.h5", "victim"]
+
+    # a committed file takes its mode and the time it is given
+    with ReplacingFile(target, mode=0o400) as out:
+        out.write(b"read-only")
+    assert target.read_text() == "read-only" and target.stat().st_mode & 0o777 == 0o400
+    out = ReplacingFile(tmp_path / "dated", prefix=".pai-part-")
+    assert os.path.basename(out.temp).startswith(".pai-part-")
+    out.write(b"x")
+    out.commit(mtime_ns=1_700_000_000_000_000_000)
+    assert (tmp_path / "dated").stat().st_mtime_ns == 1_700_000_000_000_000_000
+
+
+def test_tensorflow_keeps_its_cpp_log_at_errors_unless_the_user_chose_a_level():
+    from paicli.runners.tensorflow_runner import quiet_tensorflow_log
+
+    env: dict[str, str] = {}
+    assert quiet_tensorflow_log(env) is True and env["TF_CPP_MIN_LOG_LEVEL"] == "2"   # WARNING and INFO hidden
+    for chosen in ("0", "1", "3", ""):
+        env = {"TF_CPP_MIN_LOG_LEVEL": chosen}    # -Denv=TF_CPP_MIN_LOG_LEVEL=...: theirs, banner kept too
+        assert quiet_tensorflow_log(env) is False and env == {"TF_CPP_MIN_LOG_LEVEL": chosen}
+
+
+def test_the_cluster_watch_wraps_tensorflow_once_it_is_whole(tmp_path):
+    """TensorFlow's session module imports others while it loads: a watch that wrapped
+    it then found it half made (AttributeError: no BaseSession) and failed the job
+    whenever the user set TF_CPP_MIN_LOG_LEVEL (the import then goes unquieted)."""
+    fake = tmp_path / "tensorflow"
+    for package in ("", "python", "python/client", "python/training"):
+        (fake / package).mkdir(parents=True, exist_ok=True)
+        (fake / package / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("from tensorflow.python.client import session\n"
+                                      "from tensorflow.python.training import server_lib\n")
+    (fake / "python" / "client" / "session.py").write_text(
+        "import json  # imported while this module is half made\n"
+        "class BaseSession:\n"
+        "    graph = None\n"
+        "    def __init__(self, target='', graph=None, config=None):\n"
+        "        pass\n")
+    (fake / "python" / "training" / "server_lib.py").write_text(
+        "class Server:\n    def __init__(self, *args, **kwargs):\n        pass\n")
+    probe = (f"import sys; sys.path[:0] = [{str(ROOT / 'runners')!r}, {str(tmp_path)!r}]\n"
+             "from tensorflow_runner import ClusterWatch, install_cluster_watch\n"
+             "watch = ClusterWatch()\n"
+             "install_cluster_watch(watch)\n"
+             "import tensorflow\n"
+             "tensorflow.session.BaseSession('grpc://ps:1')\n"
+             "print(watch.targets)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['grpc://ps:1']"
 
 
 def _writer(home, worker, count, errors):

@@ -106,10 +106,7 @@ CompiledPattern = collections.namedtuple("CompiledPattern", "regex needs")
 
 @functools.lru_cache(maxsize=256)
 def compiled_pattern(pattern: str) -> CompiledPattern:
-    """A metric pattern compiled MULTILINE, once per process: a resident submit
-    server compiles the frameworks' own (submit_server.warm_up), and the job
-    masters it forks find them here instead of paying 0.5-5 ms before their
-    first instance starts."""
+    """A metric pattern compiled MULTILINE, once per process."""
     return CompiledPattern(re.compile(pattern, re.MULTILINE), literal_runs(pattern))
 
 

@@ -101,10 +101,7 @@ class FileFollower:
 
 @functools.lru_cache(maxsize=1)
 def inotify_libc():
-    """libc through ctypes, for inotify: loaded once per process. The resident
-    submit server loads it before it forks (submit_server.warm_up), so a served
-    submit does not import ctypes and dlopen while its job starts (~5 ms of a core
-    the master and the instances want just then)."""
+    """libc through ctypes, for inotify: loaded once per process."""
     import ctypes
 
     return ctypes.CDLL(None, use_errno=True)

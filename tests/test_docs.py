@@ -125,8 +125,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "paicli.logview", "paicli.docs", "paicli.progress",
                 "paicli.tune"),   # TUNE (issue 19): pai tune's library (Optuna inside its functions)
     "web": ("paicli.web.*",),                           # the logview launcher, the server, its pages
-    "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__",
-                 "paicli.submit_client", "paicli.submit_server"),   # `pai` served by a resident process
+    "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__"),
 }
 MAY_IMPORT: dict[str, set[str]] = {
     "runners": {"runners"},

@@ -206,12 +206,14 @@ def revive_queued(store: Store, report: Report = to_stderr) -> list[str]:
 
 def _start_supervisor(store: Store, job_id: str) -> None:
     from paicli.cluster.procinfo import start_time
-    from paicli.cluster.spawn import spawn_master
+    from paicli.cluster.spawn import start_master
 
     job_dir = Path(store.job(job_id)["job_dir"])
     store.event(job_id, "queue", "its supervisor was gone; a new one takes its place in the queue")
-    # A fresh interpreter, never a fork: the caller may be a master at its end or a
-    # watchdog, whose wake-up fd and signal handlers a forked child would inherit.
-    pid = spawn_master(store.home, job_id, job_dir / "master.log", fresh=True)
+    master = start_master(store.home, job_dir)
+    try:
+        pid = master.start(job_id)
+    finally:
+        master.close()
     store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from paicli.cluster import datasets, distribution, outputs, policy, queue_turns
 from paicli.cluster import layers as job_layers
 from paicli.cluster import placement as placing
-from paicli.cluster.backends import backend_for_job
+from paicli.cluster.backends import backend_for_job, get_backend, job_config
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
@@ -36,15 +36,6 @@ from paicli.plan import JobPlan, RolePlan
 from paicli.records import record, replace
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
-
-# What a local run imports lazily: a master forked as `pai` starts imports these
-# while the CLI stages the job (cluster.spawn), so none is imported between the
-# handover and the instances' start, nor at the end (tests/test_overhead.py checks
-# master.log of a job run under -X importtime). Those of other backends' runs
-# (nodes files, bucket digests) stay lazy: a local job's master has no use for them.
-RUN_MODULES = ("paicli.spec", "paicli.cluster.agent_link", "paicli.runners.node_agent",
-               "paicli.runners.node_outputs", "paicli.cluster.node_files",
-               "paicli.jobstatus", "paicli.cluster.lifecycle", "paicli.plutoview", "paicli.steptime")
 
 def print_exc() -> None:
     """The traceback being handled, into master.log (traceback is imported only then:
@@ -266,7 +257,7 @@ class JobMaster:
     def _start_watchdog(self) -> None:
         # The watchdog holds the read end of a pipe only we write to: when we die,
         # however we die, it reads EOF and ends the instances.
-        self.watchdog = spawn_watchdog(self.job_id, self.job_dir / "watchdog.log", self.store)
+        self.watchdog = spawn_watchdog(self.job_id, self.job_dir / "watchdog.log")
         for line in self.untold:
             self._tell_watchdog(line)
         self.untold = []
@@ -333,7 +324,6 @@ class JobMaster:
         services = [inst for inst in insts if not inst.role.must_finish]
         others = [inst for inst in insts if inst.role.must_finish]
         begun = [(inst, self._ask(inst, self._ready(inst))) for inst in services]
-        self.backend.start_ahead()   # the others' agents, while the services' start theirs
         ready = [(inst, self._ready(inst)) for inst in others[:READY_EARLY]] if services else []
         first, refused = self._identities(begun)
         begun = [(inst, self._ask(inst, made)) for inst, made in ready]
@@ -788,13 +778,55 @@ class JobMaster:
                 pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m paicli.cluster.master JOB_ID", file=sys.stderr)
-        return 2
-    print(f"JobMaster for {argv[0]}: pid {os.getpid()}, started as a new interpreter", flush=True)
-    return JobMaster(Store(), argv[0]).run()
+def main(argv: list[str]) -> int:
+    """A job's master, started by cluster.spawn.start_master with HOME, the command
+    pipe and the answer pipe: ["nodes", config] is answered on the answer pipe
+    (the nodes probed, and the backend kept for the job), then ["job", JOB_ID]
+    makes it the job's JobMaster; EOF before that, and it leaves."""
+    home, command_fd, answer_fd = Path(argv[0]), int(argv[1]), int(argv[2])
+    os.environ["PAI_HOME"] = str(home)
+    backend: Backend | None = None
+    with os.fdopen(command_fd, "rb") as command:
+        while (line := command.readline()).endswith(b"\n"):
+            request = json.loads(line)
+            if request[0] == "job":
+                break
+            backend = _answer_nodes(request[1], answer_fd)
+        else:
+            return 0   # no job for it
+    job_id = request[1]
+    try:
+        os.write(answer_fd, f"{os.getpid()}\n".encode())
+    except OSError:
+        pass   # the CLI is gone after handing the job over: the job is recorded, supervise it
+    print(f"JobMaster for {job_id}: pid {os.getpid()}" + (", its nodes probed" if backend else ""), flush=True)
+    if backend is not None and job_config(Path.cwd()) != backend.config:   # not the nodes the job was recorded with
+        backend.let_go_of_connections()
+        backend = None
+    return JobMaster(Store(home), job_id, backend=backend, recorded_fd=answer_fd).run()
+
+
+def _answer_nodes(config: dict, answer_fd: int) -> Backend | None:
+    """The nodes of `config` with their resources, one JSON line on the answer pipe;
+    the backend, its connections kept for the job (None if the probe failed)."""
+    backend = None
+    try:
+        backend = get_backend(config)
+        backend.keep_probe_connections = True
+        nodes = None if backend.places_jobs else [node.to_dict() for node in backend.nodes()]
+        reply: dict = {"nodes": nodes}
+    except PaiError as err:   # the CLI says it, as its own probe would have
+        reply = {"error": "usage" if isinstance(err, UsageError) else "pai", "message": err.message, "hint": err.hint}
+        backend = None
+    except Exception as err:  # noqa: BLE001 - the CLI says it; the traceback is in master.log
+        print_exc()
+        reply = {"error": "pai", "message": f"probing the nodes: {type(err).__name__}: {err}", "hint": None}
+        backend = None
+    try:
+        os.write(answer_fd, (json.dumps(reply) + "\n").encode())
+    except OSError:
+        pass   # the CLI is gone: EOF on the command pipe comes next
+    return backend
 
 
 if __name__ == "__main__":

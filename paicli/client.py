@@ -11,26 +11,26 @@ the master.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from collections.abc import Callable
 
 from paicli.errors import PaiError, UsageError
 from paicli.jobstatus import MASTER_START_DEADLINE, job_over, master_alive  # noqa: F401 (the API's names)
+from dataclasses import dataclass
+from typing import Any
+
+from paicli.cluster.spawn import MasterProcess, start_master
 from paicli.plan import JobPlan
-from paicli.records import record
 from paicli.spec import CORE_PARAMS, JobSpec, build_spec
 from paicli.statement import Statement, dump_yaml
 from paicli.states import JobStatus
 from paicli.store import Store
 
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
-
-@record
+@dataclass
 class Prepared:
     adapter: Any
     spec: JobSpec
@@ -53,13 +53,17 @@ def export_yaml(prepared: Prepared) -> str:
 
 
 def submit(prepared: Prepared, store: Store | None = None,
-           progress: Callable[[str], None] = lambda line: None, waiting=None,
-           meanwhile: Callable[[str], None] | None = None) -> str:
-    """Stage the code, plan, provision the runtime, record the job and start its
-    master (`waiting`, a cluster.spawn.WaitingMaster forked earlier, if given).
-    `meanwhile(job_id)` runs once the job is recorded, while its master starts.
-    Returns the job ID. Nothing is written to the store or the job folder unless
-    every step before starting succeeded."""
+           progress: Callable[[str], None] = lambda line: None,
+           meanwhile: Callable[[str, int], None] | None = None) -> str:
+    """Stage the code, plan, provision the runtime, record the job and hand it to
+    its master. `meanwhile(job_id, recorded_fd)` runs once the job is handed over,
+    while its master starts it (see hand_over). Returns the job ID. Nothing is written to the store or the
+    job folder unless every step before starting succeeded.
+
+    The master is started once the job is staged and planned, before it is
+    recorded: it probes the nodes (an SSH backend logs in to each), and the job is
+    staged and started over those connections (one login per node and job); bad
+    input found before that touches no node."""
     from paicli.cluster import backends, policy
     from paicli.cluster import lifecycle, queue_turns
     from paicli.private import private_dir, write_private
@@ -70,30 +74,25 @@ def submit(prepared: Prepared, store: Store | None = None,
     adapter, spec = prepared.adapter, prepared.spec
     policy.check_launcher_env()
     config = backends.submit_config(store.home)
-    # Where probing the nodes means logging in to each (SSH), the job's waiting
-    # master probes them as the job is staged here, and the job then stages and
-    # starts over those connections: one login per node, not two.
-    asked = waiting is not None and backends.backend_class(config).probes_by_login and waiting.ask_nodes(config)
     job_id = new_job_id()
     # The job folder is filled first (code, spec, plan) and recorded in the store
     # last; any failure before that removes the folder, so bad input leaves nothing.
     job_dir = store.jobs_dir / job_id
     private_dir(job_dir)  # 0700: argv and logs are the owner's business
     private_dir(job_dir / "logs")
+    master = None
     try:
         code = stage_code(spec, job_dir)
         plan: JobPlan = adapter.plan(spec, code)
         _check_planned(spec, plan)
-        # DATA (issue 18): -Dtables/-Doutputs checked (exit 2) and sliced; the job's index.
         from paicli.cluster import datasets
-        datasets.prepare(spec, plan, job_dir)
+        datasets.prepare(spec, plan, job_dir)   # -Dtables/-Doutputs checked (exit 2) and sliced
         plan.runtime = adapter.runtime or None
-        backend = backends.get_backend(config)   # here: Ray's connects to its head
+        master = start_master(store.home, job_dir)
         # A job that could never start (bigger than the cluster or its quota) is
         # refused now; one that only has to wait for room is queued (docs/queue.md).
-        # Ray places jobs itself and keeps its own Waiting List.
-        answer = waiting.nodes_answer() if asked else None
-        nodes = None if backend.places_jobs else answer or backend.nodes()
+        # Ray places jobs itself and keeps its own Waiting List (no nodes: None).
+        nodes = master.nodes(config)
         entry = None if nodes is None else queue_turns.check_and_describe(
             store, plan, nodes, spec.get("priority"), spec.project)
         if adapter.runtime:
@@ -103,16 +102,18 @@ def submit(prepared: Prepared, store: Store | None = None,
             except RuntimeError_ as err:
                 raise PaiError(f"the {adapter.runtime} runtime: {err}",
                                f"retry with `pai runtime install {adapter.runtime}`") from None
-        if spec.get("env") or spec.get("requirements"):   # ENVS room: into the roles; the layer built here first
+        if spec.get("env") or spec.get("requirements"):   # into the roles; the layer built here first
             from paicli.cluster.layers import prepare_job_env
             prepare_job_env(spec, plan, job_dir, progress, store.home)
-        # JSON, not YAML: importing yaml would cost every submit ~30 ms (`pai export` gives YAML).
+        # JSON, not YAML: a submit imports no yaml (`pai export` gives YAML).
         write_private(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))
         write_private(job_dir / "plan.json", plan.to_json())
         backends.write_snapshot(job_dir, config)
     except BaseException:
-        import shutil   # only here: its archive modules are ~2 ms of every submit
+        import shutil
 
+        if master is not None:
+            master.close()   # it leaves at EOF, with its connections
         shutil.rmtree(job_dir, ignore_errors=True)
         raise
     lifecycle.revive_queued(store)   # a writer keeps the queue going (docs/queue.md)
@@ -123,7 +124,7 @@ def submit(prepared: Prepared, store: Store | None = None,
         # Its master waits for its turn (paicli.cluster.queue_turns.wait_turn), and
         # places it when the turn comes: the GPUs are claimed then, in the store.
         store.enqueue(job_id, spec.get("priority"), spec.project, entry)
-    start_master(store, job_id, job_dir, waiting, meanwhile)
+    hand_over(store, job_id, master, meanwhile)
     return job_id
 
 
@@ -136,42 +137,33 @@ def _check_planned(spec: JobSpec, plan: JobPlan) -> None:
                          "call paicli.planning.auto_strategy(prepared, store) before client.submit")
 
 
-def start_master(store: Store, job_id: str, job_dir: Path, waiting=None,
-                 meanwhile: Callable[[str], None] | None = None) -> None:
-    """The job's master started and its pid recorded; `meanwhile(job_id)` runs while
-    a waiting master takes the job over. Its error (a closed stdout, Ctrl-C) is
+def hand_over(store: Store, job_id: str, master: MasterProcess,
+              meanwhile: Callable[[str, int], None] | None = None) -> None:
+    """The recorded job handed to its master and the master's pid recorded;
+    `meanwhile(job_id, recorded_fd)` runs then, and owns `recorded_fd`: a pipe the
+    master closes once the job's record is complete (a follower's end of the job,
+    before the master's own cleanup). Its error (a closed stdout, Ctrl-C) is
     raised once the master's pid is recorded: the job is handed over by then."""
-    from paicli.cluster.spawn import spawn_master
     from paicli.cluster.procinfo import start_time
 
-    failed: list[BaseException] = []
-
-    def run_meanwhile() -> None:
-        if meanwhile is not None:
-            try:
-                meanwhile(job_id)
-            except BaseException as err:  # noqa: BLE001 - raised below, once the master is known
-                failed.append(err)
-
     try:
-        if waiting is not None:
-            pid = waiting.start(store.home, job_id, job_dir / "master.log", run_meanwhile)
-        else:
-            with store.closed_for_fork():
-                pid = spawn_master(store.home, job_id, job_dir / "master.log")
-            run_meanwhile()
+        pid = master.start(job_id)
     except OSError as err:
         # Recorded but never supervised: say so rather than leave it Waiting.
         store.set_job(job_id, JobStatus.FAILED, f"its master did not start: {err}")
         store.release_claims(job_id)
         raise PaiError(f"job {job_id}: its master did not start: {err}", "see master.log in the job folder") from None
-    if store.job(job_id)["master_pid"] != pid:
-        # A forked master records itself first thing (JobMaster.run); this write is
-        # for one still starting (a new interpreter), and would otherwise wait for the
-        # lock the master holds as it starts the job (or hold the master up).
-        store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
-    if failed:
-        raise failed[0]
+    recorded_fd = master.take_recorded()
+    try:
+        if meanwhile is not None:
+            meanwhile(job_id, recorded_fd)
+        else:
+            os.close(recorded_fd)
+    finally:
+        if store.job(job_id)["master_pid"] != pid:
+            # The master records itself first thing (JobMaster.run); this write is
+            # for one still starting.
+            store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
 
 
 # -- reading: never writes, never signals, never builds a backend ------------------

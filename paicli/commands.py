@@ -5,7 +5,7 @@ boundary with the quick exit.
 The console runs a statement with these functions, so a statement behaves as
 the `pai` command would; neither imports the other. No click here: a bare
 statement (`pai -name ...`) is submitted through this module alone
-(paicli/pai.py), without loading click and the command tree. Heavy modules (rich,
+(paicli/pai.py). Heavy modules (rich,
 the launcher, the logview launcher) are imported inside the functions that use them.
 """
 
@@ -110,10 +110,10 @@ def statement_of(tokens: list[str]):
 # -- submit and follow -------------------------------------------------------------------
 
 
-def submit_statement(stmt, store, progress, waiting=None, meanwhile=None) -> str:
+def submit_statement(stmt, store, progress, meanwhile=None) -> str:
     """Prepare and submit; with -DautoStrategy=true, Pluto plans the job first.
-    `waiting`: the job's master, forked already (cluster.spawn.fork_waiting_master);
-    `meanwhile(job_id)`: what to do while it takes the job over (client.submit)."""
+    `meanwhile(job_id, recorded_fd)`: what to do while its master takes it over
+    (client.hand_over)."""
     from paicli import client
 
     prepared = client.prepare(stmt)
@@ -121,34 +121,22 @@ def submit_statement(stmt, store, progress, waiting=None, meanwhile=None) -> str
         from paicli.planning import auto_strategy  # calibrate, plan, apply its recommendation
 
         prepared = auto_strategy(prepared, store, progress)
-    return client.submit(prepared, store, progress=progress, waiting=waiting, meanwhile=meanwhile)
+    return client.submit(prepared, store, progress=progress, meanwhile=meanwhile)
 
 
-def submit_and_follow(stmt, detach: bool = False, progress: bool = True, waiting=None) -> int:
-    """`waiting`: a master `pai` forked as it started (paicli.pai); else one is forked now."""
-    if waiting is None:
-        from paicli.cluster.spawn import fork_waiting_master
+def submit_and_follow(stmt, detach: bool = False, progress: bool = True) -> int:
+    recorded = -1
 
-        # Forked before the store is opened: it imports the master's modules while this
-        # process stages the job, and no SQLite connection has to be closed around a fork.
-        waiting = fork_waiting_master()
-
-    def first_lines(job_id: str) -> None:
-        # While the master takes the job over (it may still be importing): the ID, the
-        # log view (a server started if none runs), and what following needs imported.
+    def first_lines(job_id: str, recorded_fd: int) -> None:
+        # While the master takes the job over: the ID and the log view (a server
+        # started if none runs).
+        nonlocal recorded
+        recorded = recorded_fd
         echo(f"ID = {job_id}")
         echo_log_view(store, job_id, str(store.jobs_dir / job_id / "summary.txt"))
-        from paicli import jobview, logtail, plutoview  # noqa: F401 (imported now, used by attach)
 
-    try:
-        store = open_store()
-        if waiting is not None:
-            waiting.store_open(store.home)
-        job_id = submit_statement(stmt, store, runtime_progress(), waiting, None if detach else first_lines)
-        recorded = waiting.take_recorded() if waiting is not None and not detach else -1
-    finally:
-        if waiting is not None:
-            waiting.close()
+    store = open_store()
+    job_id = submit_statement(stmt, store, runtime_progress(), None if detach else first_lines)
     if detach:
         echo(job_id)
         return 0
@@ -170,7 +158,7 @@ def echo_log_view(store, job_id: str, summary_file: str) -> None:
 def attach(store, job_id: str, from_end: bool, progress: bool = True, recorded_fd: int = -1) -> int:
     """Follow a job to its end and render the verdict; Ctrl-C cancels it.
     `recorded_fd`: the pipe the master closes once the job's record is complete
-    (WaitingMaster.take_recorded), closed here."""
+    (client.hand_over), closed here."""
     from paicli import client, jobview, logtail
     from paicli.plutoview import forecast_line
 
@@ -198,18 +186,13 @@ def attach(store, job_id: str, from_end: bool, progress: bool = True, recorded_f
     return {"Succeeded": 0, "Cancelled": Cancelled.exit_code}.get(status["status"], 1)
 
 
-def submit_tokens(args: list[str], waiting=None) -> int:
+def submit_tokens(args: list[str]) -> int:
     """`pai submit TOKENS`: split the submit options off, parse, submit and follow."""
-    try:
-        from paicli.statement import parse_statement
+    from paicli.statement import parse_statement
 
-        tokens, options = split_submit_options(args)
-        stmt = parse_statement(tokens)
-    except BaseException:
-        if waiting is not None:
-            waiting.close()   # bad input: the waiting master leaves at EOF
-        raise
-    return submit_and_follow(stmt, options["detach"], not options["no_progress"], waiting)
+    tokens, options = split_submit_options(args)
+    stmt = parse_statement(tokens)
+    return submit_and_follow(stmt, options["detach"], not options["no_progress"])
 
 
 # -- the error boundary and the exit ---------------------------------------------------------
@@ -238,17 +221,17 @@ def run_guarded(action: Callable[[], None]) -> None:
         sys.exit(1)
 
 
-def finish(action: Callable[[], None], before_exit: Callable[[int], None] | None = None) -> None:
+def finish(action: Callable[[], None]) -> None:
     """`pai`: run the action inside the error boundary, then leave at once (exit_now)."""
     try:
         run_guarded(action)
         code: object = 0
     except SystemExit as exit_:
         code = exit_.code
-    exit_now(code, before_exit)
+    exit_now(code)
 
 
-def exit_now(code: object, before_exit: Callable[[int], None] | None = None) -> None:
+def exit_now(code: object) -> None:
     """Flush our output and end the process without the interpreter's clean-up:
     freeing every module and object, and SQLite's checkpoint on close, cost
     `pai` 30-40 ms on every command (at the end of every attached job, after
@@ -269,8 +252,6 @@ def exit_now(code: object, before_exit: Callable[[int], None] | None = None) -> 
                 stream.flush()
         except (OSError, ValueError):
             pass  # a closed pipe (`pai ... | head`) or an already closed stream
-    if before_exit is not None:
-        before_exit(code)   # our output is out: a served submit's status, a server to start
     if threading.active_count() > 1 or sys.getprofile() or sys.gettrace() or os.environ.get("PAI_DEBUG"):
         sys.exit(code)
     os._exit(code)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from collections.abc import Callable, Iterable
 
-from paicli.cluster import agents_ahead, remote_paths
+from paicli.cluster import remote_paths
 from paicli.errors import PaiError, UsageError
 from paicli.records import asdict, field, record
 
@@ -129,12 +129,9 @@ class Backend:
     # Seconds without a frame (master) / a byte (agent) that mean an instance's link
     # is gone; 0: none asked for (this machine: a dead master closes the agent's stdin).
     heartbeat = 0.0
-    # The agents a spare's waiting master forked (cluster/agents_ahead.py) are the
-    # local backend's; any other lets them go in prepare(): its nodes run its agents.
-    takes_agents_ahead = False
-    # Probing its nodes logs in to each (SSH): the job's waiting master probes them for
-    # the submit and the job keeps those connections (cluster/spawn.py, ask_nodes).
-    probes_by_login = False
+    # True in a job's master: the connections nodes() opened are kept for the job's
+    # staging and starts (one login per node and job); else nodes() closes them.
+    keep_probe_connections = False
 
     def __init__(self, config: dict[str, Any] | None = None):
         self.config = dict(config or {})
@@ -175,19 +172,12 @@ class Backend:
             from paicli.cluster.logsink import job_log_note
 
             self.progress = job_log_note(job_dir)
-        if not self.takes_agents_ahead:
-            agents_ahead.discard_agents_ahead()
         began = time.monotonic()
         self._prepare(job_dir, plan, placements)
         took = time.monotonic() - began
         if took >= STAGING_NOTED and self.staged_folders() is not None:   # local stages nothing
             nodes = sorted({p.node for p in placements})
             self.progress(f"staged the job on {', '.join(nodes)} in {took:.1f}s")
-
-    def start_ahead(self) -> None:
-        """The agents prepare() left for later, started now: the master calls it while
-        the services' agents start them, so the rest wait warm for their specs."""
-        self._start_ahead()
 
     def cleanup(self, job_dir: str) -> None:
         """Remove the per-job folders on the nodes (but those `keeps`), and what
@@ -303,9 +293,6 @@ class Backend:
 
     def _prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
         """Local: nothing."""
-
-    def _start_ahead(self) -> None:
-        """Local and remote: nothing left for later."""
 
     def _cleanup(self, job_dir: str) -> None:
         """Local: nothing (the job folder is the user's to keep)."""

@@ -4,8 +4,8 @@ Each instance runs under the node agent (runners/node_agent.py), as on an SSH
 host or a Ray node; the transport is the agent's stdin and stdout, and the
 master reads the agent's frames straight from that pipe (cluster/agent_link.py).
 A dead master closes the agent's stdin, and the agent stops the instance's
-group. The agents are started by prepare(), ahead of the instances, so a start
-is one round trip on a pipe, not a new interpreter.
+group. The agents are started by prepare(), before the instances, so a start
+is one round trip on a pipe.
 """
 
 from __future__ import annotations
@@ -18,13 +18,7 @@ import sys
 import threading
 
 from paicli.cluster.backends.base import Backend, NodeSpec
-from paicli.cluster import agents_ahead
 from paicli.cluster.procinfo import let_go_inherited, reap_children, reap_later
-
-# The agent's code (runners/, beside cluster/ in the source tree and in the installed
-# package alike) is imported where it is used, not here: a submit builds this backend
-# for its nodes only, and agent_link/node_agent (subprocess, socket, ~6 ms of imports)
-# are the master's, which imports them before it has the job (master.RUN_MODULES).
 
 LOCAL_NODE = "local"
 LOCAL_HOST = "127.0.0.1"
@@ -45,8 +39,7 @@ class AgentProcess:
     instance writes its output straight into `output_fd`, a small pipe the master
     reads, as if it were the master's own child."""
 
-    def __init__(self, label: str, ahead: bool = False):
-        self.ahead = ahead   # forked before its job (cluster/agents_ahead.py)
+    def __init__(self, label: str):
         self.output_fd, out_w = os.pipe()
         try:
             fcntl.fcntl(self.output_fd, F_SETPIPE_SZ, PIPE_BYTES)
@@ -91,15 +84,9 @@ class AgentProcess:
         return f"its agent (pid {self.pid}): {describe_exit(self.exit_code)}"
 
     def discard(self) -> None:
-        """An agent started ahead of time and never used."""
+        """An agent started for an instance that never came (its link closed)."""
         self.close()
         os.close(self.output_fd)
-
-
-def fork_agents_ahead(count: int = agents_ahead.AGENTS_AHEAD) -> None:
-    """In a waiting master, before its pre-fault: the first agents (cluster/agents_ahead.py)."""
-    for _ in range(count):
-        agents_ahead.keep(AgentProcess("ahead", ahead=True))
 
 
 def _spawn_agent(label: str, output_fd: int) -> tuple[int, int, int]:
@@ -161,7 +148,6 @@ def _take_agent_stdio(moves) -> None:
 
 class LocalBackend(Backend):
     name = "local"
-    takes_agents_ahead = True
     _job_id = "job"   # prepare()'s
 
     def _nodes(self):
@@ -170,30 +156,19 @@ class LocalBackend(Backend):
         return [NodeSpec(LOCAL_NODE, LOCAL_HOST, machine_cpu(), machine_memory_mb(), tuple(machine_gpus()))]
 
     def _prepare(self, job_dir, plan, placements):
-        # The services' agents now (the ps is begun first and the workers wait for
-        # it); the others' in start_ahead(), forked while the services start theirs:
-        # each fork of the master is ~3 ms of a loaded core on the way to the ps.
+        # Every instance's agent now, waiting for its spec: a start is then one round
+        # trip on a pipe.
         self._job_id = os.path.basename(str(job_dir).rstrip("/"))
-        services = {role.name for role in plan.roles if not role.must_finish}
-        first = [p for p in placements if p.role in services] or list(placements)
-        self._later = [p for p in placements if p not in first]
-        for p in first:
-            self._keep_warm(p, self._agent_for(p))
-
-    def _start_ahead(self):
-        later, self._later = getattr(self, "_later", []), []
-        for p in later:
+        for p in placements:
             self._keep_warm(p, self._agent_for(p))
 
     def _agent_for(self, placed):
-        """An agent forked ahead that still waits, else a new one."""
-        return agents_ahead.take() or AgentProcess(f"{self._job_id}/{placed.role}:{placed.idx}")
+        return AgentProcess(f"{self._job_id}/{placed.role}:{placed.idx}")
 
     def _discard(self, agent):
         agent.discard()
 
     def _cleanup(self, job_dir):
-        agents_ahead.discard_agents_ahead()
         reap_children(AGENT_EXIT)   # no agent of the job's left, not even a zombie
 
     def _pick_ports(self, node, count, taken):
@@ -205,7 +180,6 @@ class LocalBackend(Backend):
         # The spec goes down the agent's pipe now; its identity is read when asked
         # for: the agents start their instances while the master sends the next spec.
         agent = self._take_warm(placed) or self._agent_for(placed)
-        spec = agents_ahead.ahead_spec(spec) if agent.ahead else spec
         from paicli.cluster import agent_link
 
         starting = agent_link.send_spec(agent, spec, sink)

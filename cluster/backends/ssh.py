@@ -76,7 +76,6 @@ class ChannelTransport:
 class SSHBackend(Backend):
     name = "ssh"
     heartbeat = HEARTBEAT
-    probes_by_login = True
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)
@@ -87,7 +86,6 @@ class SSHBackend(Backend):
         self._folders: dict[str, str] = {}
         self._lock = threading.Lock()
         self._ports: dict[str, list[int]] = {}   # free ports found on each node by prepare()
-        self.keep_probe_connections = False   # True: the job will use them (else closed: a CLI forks)
 
     # -- nodes --------------------------------------------------------------------
 
@@ -131,7 +129,7 @@ class SSHBackend(Backend):
             raise PaiError("no node of the nodes file answers: " + "; ".join(down))
         self._specs = specs
         if not self._folders and not self.keep_probe_connections:
-            self.let_go_of_connections()   # probing only (the CLI, `pai nodes`): no thread outlives it
+            self.let_go_of_connections()   # probing only (`pai nodes`): no thread outlives it
         return list(specs)
 
     def _let_go_of_connections(self) -> None:

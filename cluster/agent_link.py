@@ -46,6 +46,7 @@ import signal
 import struct
 import threading
 import time
+from typing import Protocol
 
 from paicli.cluster.backends.base import NODE_LOST, Handle, InstanceRef
 
@@ -56,16 +57,10 @@ TRANSFER_QUIET = 30.0         # seconds without a file frame after which a wait 
 BEAT_EVERY = 1.0              # seconds between the master's heartbeat bytes
 
 
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Protocol
-
-    class Transport(Protocol):
-        def send(self, data: bytes) -> None: ...
-
-        def recv(self, max_bytes: int, timeout: float) -> bytes: ...
-
-        def close(self) -> None: ...
+class Transport(Protocol):
+    def send(self, data: bytes) -> None: ...
+    def recv(self, max_bytes: int, timeout: float) -> bytes: ...
+    def close(self) -> None: ...
 
 
 class Link:

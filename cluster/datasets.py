@@ -34,13 +34,10 @@ import os
 import re
 from pathlib import Path
 from collections.abc import Callable
+from typing import Any
 
 from paicli.errors import PaiError, SpecError
 from paicli.private import write_private
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
 DATA = "data"

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from dataclasses import dataclass, replace
 
 from paicli.cluster import datasets, distribution, outputs, policy, queue_turns
 from paicli.cluster import layers as job_layers
@@ -33,13 +34,12 @@ from paicli.cluster.procinfo import start_time
 from paicli.cluster.spawn import Watchdog, spawn_watchdog
 from paicli.errors import PaiError, UsageError
 from paicli.plan import JobPlan, RolePlan
-from paicli.records import record, replace
+
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
 def print_exc() -> None:
-    """The traceback being handled, into master.log (traceback is imported only then:
-    ~2 ms of every master's start otherwise)."""
+    """The traceback being handled, into master.log."""
     import traceback
 
     traceback.print_exc()
@@ -48,9 +48,8 @@ def print_exc() -> None:
 POLL_SECONDS = 0.1  # a child's exit and its output wake the loop sooner
 RESTART_BACKOFF = 0.5
 SUMMARY_DELAY = 1.0  # seconds after the launch before the first summary file is written
-# Seconds after the launch before the watchdog is forked. At the launch, its fork and
-# start took the master ~10 ms and a core from the three interpreters starting beside
-# it: a 1 ps + 2 worker job ended ~7 ms later (paired runs, docs/benchmarks.md).
+# Seconds after the launch before the watchdog is started: at the launch its start
+# would take a core from the instances' interpreters starting beside it.
 WATCHDOG_DELAY = 0.5
 METRICS_EVERY = 0.25  # seconds between the master's commits of the metrics it parsed (they are in job.log at once)
 
@@ -60,8 +59,8 @@ METRICS_EVERY = 0.25  # seconds between the master's commits of the metrics it p
 # woke for each line took a core from them just then, on a machine they share
 # (bench_hardening.py overhead, docs/benchmarks.md). A child's exit is not delayed.
 COALESCE_S = 0.004
-# Instances made ready (record, log, environment: ~1.5 ms each) while the services
-# start: about what fits in a ps's start; the rest are made ready one by one, each
+# Instances made ready (record, log, environment) while the services start: about
+# what fits in a ps's start; the rest are made ready one by one, each
 # asked for at once, so that a large job's agents do not wait for all the records.
 READY_EARLY = 4
 
@@ -113,7 +112,7 @@ class AgentFrames:
         self.inst = inst
 
 
-@record
+@dataclass
 class Instance:
     role: RolePlan
     idx: int
@@ -545,7 +544,7 @@ class JobMaster:
 
     def _watch_frames(self, inst: Instance, handle: Handle) -> None:
         """A local agent's frames wake the loop (AgentFrames): the exit status is
-        acted on as it arrives, not at the agent's exit ~2-3 ms later. A copy of
+        acted on as it arrives, not at the agent's exit a little later. A copy of
         the descriptor: the link closes its own when it ends."""
         fd = getattr(handle.native, "frames_fd", -1)
         if fd >= 0:
@@ -757,7 +756,7 @@ class JobMaster:
         self.store.release_ports(self.job_id)
         queue_turns.job_ended(self.store, self.job_id)
         # The summary before the cleanup, which waits for the last agents' exits (a
-        # forked process's teardown, ~2-3 ms) or, on nodes, removes the job's
+        # forked process's teardown) or, on nodes, removes the job's
         # folders: both take what they take meanwhile, and the summary reads the
         # store alone.
         self._write_log_view()
@@ -799,7 +798,7 @@ def main(argv: list[str]) -> int:
         os.write(answer_fd, f"{os.getpid()}\n".encode())
     except OSError:
         pass   # the CLI is gone after handing the job over: the job is recorded, supervise it
-    print(f"JobMaster for {job_id}: pid {os.getpid()}" + (", its nodes probed" if backend else ""), flush=True)
+    print(f"JobMaster for {job_id}: pid {os.getpid()}", flush=True)
     if backend is not None and job_config(Path.cwd()) != backend.config:   # not the nodes the job was recorded with
         backend.let_go_of_connections()
         backend = None

@@ -41,20 +41,17 @@ import os
 import stat
 import sys
 from pathlib import Path
+from typing import Any
+from dataclasses import dataclass, field
 
 from paicli.cluster import RUNNERS_DIR, remote_paths
-from paicli.records import field, record
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 INSTANCE_FILES: tuple[str, ...] = ()   # job-folder files (by name) instances read
 CODE = "code"
 FILES = "files"
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class NodeFile:
     src: str
     dst: str
@@ -63,7 +60,7 @@ class NodeFile:
     target: str = ""
 
 
-@record
+@dataclass
 class Manifest:
     files: list[NodeFile]
     job_dir: str = ""

@@ -24,11 +24,11 @@ import heapq
 import math
 from collections import namedtuple
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from paicli.cluster.backends.base import NodeSpec, Placement
 from paicli.errors import UsageError
 from paicli.plan import JobPlan
-from paicli.records import field, record
 
 
 # One instance's needs: cpu (millicores), memory (MB), cards (GPUs), service (a ps).
@@ -36,7 +36,7 @@ from paicli.records import field, record
 Demand = namedtuple("Demand", "role idx cpu memory cards service")
 
 
-@record
+@dataclass
 class Free:
     """What is left on one node."""
     cpu: int

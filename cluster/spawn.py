@@ -20,6 +20,7 @@ job over them. It then gets its job, or reads EOF and leaves without a trace
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -43,8 +44,8 @@ def start_in_session(module: str, args: list[str], log_path: Path, cwd: Path | s
     `log_path` (0600), its stdin `stdin_fd` (else /dev/null), `keep` left open (same
     numbers); its pid. Every open store of the caller is closed across a fork
     (Store.closed_for_fork says why) and opened again after."""
-    log = open_private(log_path)
-    stdin = os.open(os.devnull, os.O_RDONLY) if stdin_fd is None else stdin_fd
+    log = above_stdio(open_private(log_path))
+    stdin = above_stdio(os.open(os.devnull, os.O_RDONLY)) if stdin_fd is None else stdin_fd
     try:
         if must_exec():
             proc = subprocess.Popen([sys.executable, "-m", "paicli.cluster.spawn", module, *args],
@@ -83,6 +84,22 @@ def start_in_session(module: str, args: list[str], log_path: Path, cwd: Path | s
         os.close(log)
         if stdin_fd is None:
             os.close(stdin)
+
+
+def above_stdio(fd: int) -> int:
+    """`fd`, moved above 2 if it is one of them (a caller started with stdin closed
+    got it there), so that setting up a new process's 0-2 cannot close it."""
+    if fd > 2:
+        return fd
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.close(fd)
+    return moved
+
+
+def pipe() -> tuple[int, int]:
+    """os.pipe(), both ends above 2."""
+    read_fd, write_fd = os.pipe()
+    return above_stdio(read_fd), above_stdio(write_fd)
 
 
 def must_exec() -> bool:
@@ -196,8 +213,8 @@ class MasterProcess:
 
 def start_master(home: Path, job_dir: Path) -> MasterProcess:
     """The master of the job being prepared in `job_dir` (cluster.master.serve)."""
-    command_r, command_w = os.pipe()
-    answer_r, answer_w = os.pipe()
+    command_r, command_w = pipe()
+    answer_r, answer_w = pipe()
     try:
         start_in_session("paicli.cluster.master", [str(home), str(command_r), str(answer_w)],
                          job_dir / "master.log", cwd=job_dir, keep=(command_r, answer_w))
@@ -223,7 +240,7 @@ class Watchdog:
 def spawn_watchdog(job_id: str, log_path: Path) -> Watchdog:
     """The watchdog of a job (cluster/watchdog.py), a pipe on its stdin, its stderr
     into `log_path`. The write end stays the master's alone: EOF means it is gone."""
-    read_fd, write_fd = os.pipe()
+    read_fd, write_fd = pipe()
     os.set_inheritable(write_fd, False)
     try:
         pid = start_in_session("paicli.cluster.watchdog", [job_id], log_path, stdin_fd=read_fd)

@@ -22,20 +22,10 @@ STATUS_STYLES = {"Succeeded": "green", "Terminated": "green", "Running": "cyan",
                  "Failed": "red", "Killed": "red", "Cancelled": "magenta"}
 
 
-# The store a command opened last, kept until the process ends: dropping it closes
-# its connection, and the last connection's close checkpoints the WAL into the
-# database (2-18 ms here, measured after an attached job's verdict, when the master
-# has just closed its own); exit_now leaves without that. One is kept: a console
-# that opens one per statement closes the one before.
-_KEPT_STORE = None
-
-
 def open_store():
-    global _KEPT_STORE
     from paicli.store import Store
 
-    _KEPT_STORE = Store()
-    return _KEPT_STORE
+    return Store()
 
 
 # -- rendering ------------------------------------------------------------------------
@@ -73,7 +63,7 @@ def print_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
 
 def runtime_progress():
     """Provisioning progress: a bar redrawn in place on a TTY, one line per phase in a
-    pipe (paicli/progress.py; ENVS room)."""
+    pipe (paicli/progress.py)."""
     from paicli.progress import provisioning_progress
 
     return provisioning_progress(sys.stderr)
@@ -222,36 +212,17 @@ def run_guarded(action: Callable[[], None]) -> None:
 
 
 def finish(action: Callable[[], None]) -> None:
-    """`pai`: run the action inside the error boundary, then leave at once (exit_now)."""
+    """`pai`: run the action inside the error boundary, then exit with its code."""
     try:
         run_guarded(action)
         code: object = 0
     except SystemExit as exit_:
         code = exit_.code
-    exit_now(code)
-
-
-def exit_now(code: object) -> None:
-    """Flush our output and end the process without the interpreter's clean-up:
-    freeing every module and object, and SQLite's checkpoint on close, cost
-    `pai` 30-40 ms on every command (at the end of every attached job, after
-    its verdict). Nothing is lost: our writes are flushed here, the store
-    commits as it goes. The normal exit is kept where something still wants
-    it: a command that left a thread running (none does today), a profiler or
-    tracer (cProfile, coverage), and PAI_DEBUG=1."""
-    import threading
-
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    for stream in (sys.stdout, sys.stderr):
+    if sys.stdout is not None:
         try:
-            if stream is not None:   # None: started with that descriptor closed
-                stream.flush()
+            sys.stdout.flush()
         except (OSError, ValueError):
-            pass  # a closed pipe (`pai ... | head`) or an already closed stream
-    if threading.active_count() > 1 or sys.getprofile() or sys.gettrace() or os.environ.get("PAI_DEBUG"):
-        sys.exit(code)
-    os._exit(code)
+            # A closed pipe (`pai ... | head`): what is left unwritten goes nowhere,
+            # rather than into a warning at the interpreter's exit.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(code)

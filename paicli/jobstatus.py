@@ -10,16 +10,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from paicli.cluster import distribution
 from paicli.cluster.procinfo import boot_time, is_alive
 from paicli.private import write_private
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
 # A job recorded this long ago with no master pid never got its master (the CLI

@@ -7,6 +7,7 @@ else goes to the click commands of paicli.cli.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from paicli.cli_tokens import is_bare_statement
@@ -20,6 +21,13 @@ def main(argv: list[str] | None = None) -> None:
             sys.stderr.write("pai: error: standard output is closed; run pai with it open "
                              "(`> /dev/null` to discard it)\n")
         sys.exit(2)
+    # A standard descriptor that started closed (cron, `pai ... <&-`) gets /dev/null,
+    # so that no pipe, log or socket of ours takes its number.
+    for fd in (0, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)   # the lowest free number: this one
     args = sys.argv[1:] if argv is None else list(argv)
     if is_bare_statement(args):
         from paicli.commands import finish, submit_tokens

@@ -26,18 +26,15 @@ from __future__ import annotations
 
 import json
 
-from paicli.records import asdict, field, record
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
+from typing import Any
+from dataclasses import asdict, dataclass, field
 
 
 RESTART_INSTANCE = "instance"  # restart only the failed instance
 RESTART_JOB = "job"            # restart every instance (ps-lite cannot take one back)
 
 
-@record
+@dataclass
 class RolePlan:
     name: str
     count: int
@@ -54,7 +51,7 @@ class RolePlan:
     stop_grace: float = 0.0
 
 
-@record
+@dataclass
 class JobPlan:
     job_name: str
     framework: str

@@ -20,10 +20,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import TextIO
+from typing import TextIO
 
 
 DETAIL = "  "   # what runners/runtimes.py puts before a tool's own output line

@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
+from dataclasses import dataclass, field
 
 from paicli.errors import SpecError, UsageError
-from paicli.records import field, record
 from paicli.spec import RawParam
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
 EXAMPLE = "e.g. pai -name python -Dscript=train.py -Dcluster='{\"worker\":{\"count\":2}}'"
 
 
-@record
+@dataclass
 class Statement:
     framework: str | None = None
     project: str | None = None

@@ -114,7 +114,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "runners": ("paicli.runners.*",),
     # The shared vocabulary every layer above speaks.
     "core": ("paicli", "paicli.errors", "paicli.spec", "paicli.plan", "paicli.states", "paicli.store",
-             "paicli.private", "paicli.records", "paicli.steptime", "paicli.plutoview",
+             "paicli.private", "paicli.steptime", "paicli.plutoview",
              "paicli.envvars", "paicli.requirements"),   # ENVS room: a job's env and requirements
     "adapters": ("paicli.adapters.*",),                 # frameworks, never processes
     # processes, never frameworks; jobstatus derives a job's status from the store

@@ -213,7 +213,7 @@ def test_supervisor_death_is_noticed_by_the_next_look_too(pai_home):
                         timeout=EVENT_DEADLINE, interval=0.5)
     master = status["master_pid"]
     watchdog = watchdog_pid(pai_home, job_id)
-    assert os.getsid(watchdog) == watchdog  # its own session: a signal to the master's group misses it
+    assert os.getsid(watchdog) != os.getsid(master)  # its own session: a signal to the master's group misses it
     os.kill(watchdog, signal.SIGKILL)
     os.kill(master, signal.SIGKILL)
     after = pai_json("status", job_id)
@@ -669,7 +669,7 @@ def test_a_forked_child_keeps_its_descriptors_whatever_its_parent_left_to_collec
             code = 1
             try:
                 if child == "master":
-                    spawn._take_stdio(os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY), 2)
+                    spawn._enter_session((os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY), 2), (), "/")
                 else:
                     local._take_agent_stdio(())
                 # New pipes, until they reach the numbers the parent's objects own: they

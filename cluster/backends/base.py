@@ -27,14 +27,11 @@ import threading
 import time
 from pathlib import Path
 from collections.abc import Callable, Iterable
+from typing import Any
+from dataclasses import asdict, dataclass, field
 
 from paicli.cluster import remote_paths
 from paicli.errors import PaiError, UsageError
-from paicli.records import asdict, field, record
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
 # poll()/wait() answer for an instance whose node stopped answering (else subprocess's
@@ -51,7 +48,7 @@ class NodeCallFailed(PaiError):
         self.why = why
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class NodeSpec:
     name: str                     # shown to users
     host: str                     # the address peers are told and instances bind
@@ -71,7 +68,7 @@ class NodeSpec:
                    gpus=tuple(str(g) for g in data.get("gpus", ())), attrs=dict(data.get("attrs") or {}))
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Placement:
     """One instance placed (paicli.cluster.placement.place(), a pure function)."""
     role: str
@@ -88,7 +85,7 @@ class Placement:
         return cls(data["role"], int(data["idx"]), data["node"], data["host"], tuple(data.get("gpus", ())))
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class InstanceRef:
     backend: str
     node: str
@@ -107,7 +104,7 @@ class InstanceRef:
                    pgid=int(data["pgid"]), start=data.get("start"), boot_id=data.get("boot_id"))
 
 
-@record
+@dataclass
 class Handle:
     ref: InstanceRef
     output_fd: int                # the instance's stdout+stderr, read by the master; -1 once closed

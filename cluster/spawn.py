@@ -68,7 +68,7 @@ def start_in_session(module: str, args: list[str], log_path: Path, cwd: Path | s
                         os.write(write_fd, str(os.getpid()).encode())
                         os.close(write_fd)
                         _enter_session((stdin, log, log), keep, cwd)
-                        code = _run(module, args)
+                        code = _run(module, args, "started by fork")
                     else:
                         code = 0
                 finally:
@@ -127,9 +127,10 @@ def _enter_session(stdio: tuple[int, int, int], keep: tuple[int, ...] | None, cw
     os.chdir(cwd)
 
 
-def _run(module: str, args: list[str]) -> int:
+def _run(module: str, args: list[str], how: str) -> int:
     import importlib
 
+    print(f"{module}: pid {os.getpid()}, {how}", flush=True)
     try:
         return importlib.import_module(module).main(args) or 0
     except BaseException:
@@ -255,4 +256,4 @@ def spawn_watchdog(job_id: str, log_path: Path) -> Watchdog:
 if __name__ == "__main__":
     # The fresh-interpreter way of start_in_session: the same set-up, then MODULE's main.
     _enter_session((0, 1, 2), None, os.getcwd())
-    sys.exit(_run(sys.argv[1], sys.argv[2:]))
+    sys.exit(_run(sys.argv[1], sys.argv[2:], "started as a new interpreter"))

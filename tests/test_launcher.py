@@ -637,12 +637,12 @@ def test_the_forked_master_keeps_nothing_of_the_cli(pai_home, tmp_path):
         watchdog = watchdog_pid(pai_home, job_id)
         fds = [os.readlink(f"/proc/{master}/fd/{fd}") for fd in os.listdir(f"/proc/{master}/fd")]
         assert sum("watchdog.log" in target for target in fds) == 0, "watchdog.log left open in the master"
-        # The watchdog (forked from the master) holds its pipe, /dev/null and its log:
+        # The watchdog (forked from the master) holds its pipe and its log (stdout, stderr):
         # not the store, not the write end of its own pipe (EOF must mean "master gone").
         # (Numbers above 2 the fork brought along point at /dev/null: procinfo.let_go_inherited.)
         held = {int(fd): os.readlink(f"/proc/{watchdog}/fd/{fd}") for fd in os.listdir(f"/proc/{watchdog}/fd")}
         assert {0, 1, 2} <= set(held) and all(held[fd] == "/dev/null" for fd in held if fd > 2), held
-        assert held[0].startswith("pipe:") and held[1] == "/dev/null" and held[2].endswith("watchdog.log"), held
+        assert held[0].startswith("pipe:") and held[1].endswith("watchdog.log") and held[2].endswith("watchdog.log"), held
         holders = {int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _holds(pid, held[0])}
         assert holders == {master, watchdog}, holders  # no instance keeps the master's end open
     finally:

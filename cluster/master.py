@@ -313,11 +313,11 @@ class JobMaster:
         """The services (roles that need not finish: a ps) first, so a worker's first
         connection finds its ps started; then the others at once. Every agent of a
         group gets its spec before the master waits for any identity (a round trip
-        each, one after another, started the last of three instances ~0.02 s after
-        the first). The first few others are made ready (record, environment, log)
+        each, one after another, would start the last instance well after the
+        first). The first few others are made ready (record, environment, log)
         while the services start, and their specs go the moment the services'
-        identities are in; the services are recorded while the others start. Each instance is
-        recorded as started before it is asked for (one the master dies before it
+        identities are in; the services are recorded while the others start. Each
+        instance is recorded as started before it is asked for (one the master dies before it
         learns about is stopped by its agent, whose link closes), and every started
         instance is known (watchdog, store) before a refusal can end the job."""
         services = [inst for inst in insts if not inst.role.must_finish]

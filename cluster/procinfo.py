@@ -12,7 +12,6 @@ import time
 from collections import namedtuple
 
 # state: R, S, D, Z, ...; start: the start time in clock ticks since boot (a str).
-# (collections', not typing's NamedTuple: typing is ~3 ms of every pai and master.)
 ProcStat = namedtuple("ProcStat", "state pgid sid start")
 
 

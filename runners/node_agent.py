@@ -80,8 +80,8 @@ def live_groups(pgids: set) -> set:
 
 def _group_exists(pgid: int) -> bool:
     """False only when no process at all (not even a zombie) is in group `pgid`:
-    one signal-0 instead of a pass over /proc (1.5 ms at 130 processes, paid by
-    every instance's exit before its status is reported)."""
+    one signal-0 instead of a pass over /proc (paid by every instance's exit
+    before its status is reported, and longer the more processes run)."""
     if pgid <= 0:
         return True    # not a group of ours to ask about: the pass over /proc decides
     try:
@@ -204,8 +204,8 @@ class Instance:
         self.out.frame(b"I", json.dumps({"pid": self.proc.pid, "pgid": self.proc.pid,
                                          "start": stat[2] if stat else "", "boot": boot_id()}).encode())
         if late:
-            # This machine's folders (the user's working folder: thousands of files
-            # took ~0.15 s per instance to list) are not listed as the instance
+            # This machine's folders (the user's working folder: thousands of files,
+            # slow to list) are not listed as the instance
             # starts: what changed from its start on (ctime) is the instance's, found
             # by the one listing at its end. A node's folders, which staging has just
             # written, are listed before the start, as the staged files are not its.

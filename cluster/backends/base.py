@@ -202,7 +202,7 @@ class Backend:
             except Exception:  # noqa: BLE001 - the transport's own errors: the folder stays
                 pass
 
-        from concurrent.futures import ThreadPoolExecutor   # not on a submit's path (logging, ~4 ms)
+        from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
             list(pool.map(remove, names))
@@ -470,7 +470,7 @@ class Backend:
         """The node agent's alive(ref) on `node` (`ref` in agent_ref's form)."""
         raise NotImplementedError
 
-    # -- DATA (issue 18): the job's staged nodes, for cluster/datasets.py -----------------
+    # -- the job's staged nodes, for cluster/datasets.py -----------------
 
     def staged_folders(self, nodes: Iterable[str] | None = None) -> dict[str, str] | None:
         """{node: the job's per-job folder there} for the nodes this process staged

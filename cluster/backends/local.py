@@ -67,8 +67,7 @@ class AgentProcess:
 
     def close(self) -> None:
         """The agent reads EOF and exits (stopping the group if it still runs), a
-        forked process's teardown later (~2-3 ms, on the way to a verdict): reaped
-        then, not waited for (the job's cleanup waits, AGENT_EXIT). `output_fd` is
+        forked process's teardown later: reaped then, not waited for (the job's cleanup waits, AGENT_EXIT). `output_fd` is
         the master's from the start on, not closed here."""
         for fd in (self._in, self._out):
             os.close(fd)

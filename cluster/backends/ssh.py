@@ -208,7 +208,7 @@ class SSHBackend(Backend):
             self.progress(f"{node.name}: no {runtime} runtime in {info['runtime_dir']}; provisioning it")
             _provision(lambda: self.conns.session(node), node, runtime, self.progress)
             info = self._agent(node, "info", node.runtime_dir or "")
-        from paicli.cluster.layers import ensure_on_ssh_node   # ENVS room: the job's requirements layer
+        from paicli.cluster.layers import ensure_on_ssh_node
         ensure_on_ssh_node(lambda: self.conns.session(node), node, job_dir, folder, info, self.progress)
         with self._lock:
             self._maps[node.name] = manifest.mapping(folder, info["runtime_dir"], info["python_path"])
@@ -325,7 +325,7 @@ class SSHBackend(Backend):
         return self._agent(self.nodes_config.node(node), "stop", str(float(timeout)), json.dumps(refs),
                            timeout=timeout + 30)
 
-    # -- DATA (issue 18): base.Backend's staged_folders / run_runner ------------------------
+    # -- base.Backend's staged_folders / run_runner ------------------------
 
     def _staged_folders(self, nodes: set[str] | None) -> dict[str, str] | None:
         # A node that stopped answering is not asked again.

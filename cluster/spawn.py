@@ -56,7 +56,7 @@ def start_in_session(module: str, args: list[str], log_path: Path, cwd: Path | s
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:   # None: started with that descriptor closed
                 stream.flush()
-        read_fd, write_fd = os.pipe()
+        read_fd, write_fd = pipe()
         with every_store_closed():
             child = os.fork()
             if child == 0:
@@ -74,8 +74,8 @@ def start_in_session(module: str, args: list[str], log_path: Path, cwd: Path | s
                 finally:
                     os._exit(code)
         os.close(write_fd)
-        with os.fdopen(read_fd, "rb") as pipe:
-            pid = pipe.read()
+        with os.fdopen(read_fd, "rb") as pid_pipe:
+            pid = pid_pipe.read()
         os.waitpid(child, 0)
         if not pid:
             raise OSError(f"{module} did not start")

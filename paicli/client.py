@@ -12,21 +12,27 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
-from pathlib import Path
 from collections.abc import Callable
-
-from paicli.errors import PaiError, UsageError
-from paicli.jobstatus import MASTER_START_DEADLINE, job_over, master_alive  # noqa: F401 (the API's names)
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from paicli.adapters import get_adapter
+from paicli.cluster import backends, datasets, lifecycle, policy, queue_turns
+from paicli.cluster.procinfo import start_time
 from paicli.cluster.spawn import MasterProcess, start_master
+from paicli.errors import PaiError, UsageError
+from paicli.jobstatus import MASTER_START_DEADLINE, build_status, job_over, master_alive, read_job  # noqa: F401
+from paicli.jobstatus import final_status as final
 from paicli.plan import JobPlan
+from paicli.private import private_dir, write_private
 from paicli.spec import CORE_PARAMS, JobSpec, build_spec
+from paicli.staging import stage_code
 from paicli.statement import Statement, dump_yaml
 from paicli.states import JobStatus
-from paicli.store import Store
+from paicli.store import Store, new_job_id
 
 
 
@@ -38,7 +44,6 @@ class Prepared:
 
 def prepare(stmt: Statement) -> Prepared:
     """Validate a statement into a JobSpec for its adapter (no side effects)."""
-    from paicli.adapters import get_adapter
 
     adapter = get_adapter(stmt.framework or "")
     # TFCOMPAT: a name that selects a runtime (PAI's versioned TensorFlow names) stays in the spec.
@@ -57,19 +62,14 @@ def submit(prepared: Prepared, store: Store | None = None,
            meanwhile: Callable[[str, int], None] | None = None) -> str:
     """Stage the code, plan, provision the runtime, record the job and hand it to
     its master. `meanwhile(job_id, recorded_fd)` runs once the job is handed over,
-    while its master starts it (see hand_over). Returns the job ID. Nothing is written to the store or the
-    job folder unless every step before starting succeeded.
+    while its master starts it (see hand_over). Returns the job ID. Nothing is
+    written to the store or the job folder unless every step before starting
+    succeeded.
 
-    The master is started once the job is staged and planned, before it is
-    recorded: it probes the nodes (an SSH backend logs in to each), and the job is
-    staged and started over those connections (one login per node and job); bad
-    input found before that touches no node."""
-    from paicli.cluster import backends, policy
-    from paicli.cluster import lifecycle, queue_turns
-    from paicli.private import private_dir, write_private
-    from paicli.staging import stage_code
-    from paicli.store import new_job_id
-
+    The master is started before the job is recorded; once the job is staged and
+    planned here it probes the nodes (an SSH backend logs in to each), and the
+    job is staged and started over those connections (one login per node and
+    job); bad input found before that touches no node."""
     store = store or Store()
     adapter, spec = prepared.adapter, prepared.spec
     policy.check_launcher_env()
@@ -82,13 +82,14 @@ def submit(prepared: Prepared, store: Store | None = None,
     private_dir(job_dir / "logs")
     master = None
     try:
+        # Started first, it imports its modules while this process stages the job;
+        # it touches no node until it is asked for them, once the job is staged.
+        master = start_master(store.home, job_dir)
         code = stage_code(spec, job_dir)
         plan: JobPlan = adapter.plan(spec, code)
         _check_planned(spec, plan)
-        from paicli.cluster import datasets
         datasets.prepare(spec, plan, job_dir)   # -Dtables/-Doutputs checked (exit 2) and sliced
         plan.runtime = adapter.runtime or None
-        master = start_master(store.home, job_dir)
         # A job that could never start (bigger than the cluster or its quota) is
         # refused now; one that only has to wait for room is queued (docs/queue.md).
         # Ray places jobs itself and keeps its own Waiting List (no nodes: None).
@@ -110,8 +111,6 @@ def submit(prepared: Prepared, store: Store | None = None,
         write_private(job_dir / "plan.json", plan.to_json())
         backends.write_snapshot(job_dir, config)
     except BaseException:
-        import shutil
-
         if master is not None:
             master.close()   # it leaves at EOF, with its connections
         shutil.rmtree(job_dir, ignore_errors=True)
@@ -144,8 +143,6 @@ def hand_over(store: Store, job_id: str, master: MasterProcess,
     master closes once the job's record is complete (a follower's end of the job,
     before the master's own cleanup). Its error (a closed stdout, Ctrl-C) is
     raised once the master's pid is recorded: the job is handed over by then."""
-    from paicli.cluster.procinfo import start_time
-
     try:
         pid = master.start(job_id)
     except OSError as err:
@@ -172,8 +169,6 @@ def hand_over(store: Store, job_id: str, master: MasterProcess,
 def queue(store: Store) -> list[dict[str, Any]]:
     """The waiting jobs, in queue order (`pai queue`); one whose supervisor is gone
     is shown so, not revived (see revive_queued)."""
-    from paicli.cluster import queue_turns
-
     return queue_turns.listing(store)
 
 
@@ -181,21 +176,15 @@ def refresh(store: Store, job_id: str) -> dict[str, Any]:
     """The job's row as the user should see it: a job whose master is gone
     without recording its end is shown Failed ("master lost"), derived, not
     written (paicli.jobstatus.read_job)."""
-    from paicli.jobstatus import read_job
-
     return read_job(store, job_id)
 
 
 def status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
-    from paicli.jobstatus import build_status
-
     return build_status(store, job_id, with_series)
 
 
 def final_status(store: Store, job_id: str) -> dict[str, Any]:
     """status() of a job whose master has exited (paicli.jobstatus.final_status)."""
-    from paicli.jobstatus import final_status as final
-
     return final(store, job_id)
 
 
@@ -219,18 +208,14 @@ def kill(store: Store, job_id: str, reason: str = "cancelled by user", wait: flo
     stopped (killed if it does not end in time), every instance group the store
     knows stopped through the identity-checked path. A job whose master is gone
     is declared lost instead. False if the job had already ended."""
-    from paicli.cluster.lifecycle import cancel
-
-    return cancel(store, job_id, reason, wait)
+    return lifecycle.cancel(store, job_id, reason, wait)
 
 
 def revive_queued(store: Store) -> list[str]:
     """`pai queue --revive`: a new supervisor for every queued job whose supervisor
     is gone (after a reboot, when nothing of paicli runs to do it); their IDs.
     Every writer that frees room does this anyway (paicli.cluster.lifecycle)."""
-    from paicli.cluster.lifecycle import revive_queued
-
-    return revive_queued(store)
+    return lifecycle.revive_queued(store)
 
 
 def resolve_job(store: Store, job_id: str):

@@ -212,17 +212,31 @@ def run_guarded(action: Callable[[], None]) -> None:
 
 
 def finish(action: Callable[[], None]) -> None:
-    """`pai`: run the action inside the error boundary, then exit with its code."""
+    """`pai`: run the action inside the error boundary, then exit with its code.
+
+    The exit skips the interpreter's clean-up (freeing every module and object,
+    SQLite's checkpoint on close), which comes after an attached job's verdict:
+    nothing is lost, the output is flushed here and the store commits as it goes.
+    The normal exit stays where something still wants it: a thread left running,
+    a profiler or tracer, PAI_DEBUG=1."""
+    import threading
+
     try:
         run_guarded(action)
         code: object = 0
     except SystemExit as exit_:
         code = exit_.code
-    if sys.stdout is not None:
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
         try:
-            sys.stdout.flush()
+            if stream is not None:   # None: started with that descriptor closed
+                stream.flush()
         except (OSError, ValueError):
-            # A closed pipe (`pai ... | head`): what is left unwritten goes nowhere,
-            # rather than into a warning at the interpreter's exit.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    sys.exit(code)
+            pass   # a closed pipe (`pai ... | head`)
+    if threading.active_count() > 1 or sys.getprofile() or sys.gettrace() or os.environ.get("PAI_DEBUG"):
+        sys.exit(code)
+    os._exit(code)

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from dataclasses import dataclass, replace
 
-from paicli.cluster import datasets, distribution, outputs, policy, queue_turns
+from paicli.cluster import backends, datasets, distribution, outputs, policy, queue_turns
 from paicli.cluster import layers as job_layers
 from paicli.cluster import placement as placing
-from paicli.cluster.backends import backend_for_job, get_backend, job_config
+from paicli.cluster.backends import backend_for_job, job_config
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
@@ -810,7 +810,7 @@ def _answer_nodes(config: dict, answer_fd: int) -> Backend | None:
     the backend, its connections kept for the job (None if the probe failed)."""
     backend = None
     try:
-        backend = get_backend(config)
+        backend = backends.get_backend(config)
         backend.keep_probe_connections = True
         nodes = None if backend.places_jobs else [node.to_dict() for node in backend.nodes()]
         reply: dict = {"nodes": nodes}

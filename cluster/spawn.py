@@ -1,7 +1,7 @@
 """Starting a process of paicli in a session of its own: a job's master, its
 watchdog, the logview server. One function does it for all of them
-(`start_in_session`), and one function (`_enter_session`) sets the new process
-up, so each kind of process starts one way.
+(`start_in_session`), and one function (`enter_process`) sets a new process up
+(a local node agent's too), so each kind of process starts one way.
 
 The process is a double fork of the caller when the caller is single-threaded
 (no interpreter to start, no paicli to import again), and a fresh interpreter
@@ -67,7 +67,7 @@ def start_in_session(module: str, args: list[str], log_path: Path, cwd: Path | s
                     if os.fork() == 0:   # the grandchild: never the caller's child, never a session leader
                         os.write(write_fd, str(os.getpid()).encode())
                         os.close(write_fd)
-                        _enter_session((stdin, log, log), keep, cwd)
+                        enter_process(((stdin, 0), (log, 1), (log, 2)), keep, cwd)
                         code = _run(module, args, "started by fork")
                     else:
                         code = 0
@@ -107,12 +107,14 @@ def must_exec() -> bool:
     return threading.active_count() > 1 or bool(os.environ.get("PAI_MASTER_EXEC"))
 
 
-def _enter_session(stdio: tuple[int, int, int], keep: tuple[int, ...] | None, cwd: Path | str) -> None:
-    """A new process's set-up, whichever way it started: `stdio` as 0, 1 and 2, only
-    `keep` open besides (None: an exec closed the rest already), default signal
-    dispositions, `cwd`. The environment, umask and signal mask are the caller's (a
-    fork and an exec both keep them)."""
-    for target, fd in enumerate(stdio):
+def enter_process(moves: tuple[tuple[int, int], ...], keep: tuple[int, ...] | None,
+                  cwd: Path | str | None = None) -> None:
+    """A new process's set-up, whichever way it started: each (descriptor, number)
+    of `moves` in place, nothing else above 2 open but `keep` (None: an exec closed
+    the rest already), default signal dispositions, `cwd` (None: the caller's).
+    The environment, umask and signal mask are the caller's: a fork and an exec
+    both keep them."""
+    for fd, target in moves:
         if fd != target:
             os.dup2(fd, target)
     if keep is not None:
@@ -124,7 +126,8 @@ def _enter_session(stdio: tuple[int, int, int], keep: tuple[int, ...] | None, cw
     sys.stdin = open(0, "r", closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    os.chdir(cwd)
+    if cwd is not None:
+        os.chdir(cwd)
 
 
 def _run(module: str, args: list[str], how: str) -> int:
@@ -255,5 +258,5 @@ def spawn_watchdog(job_id: str, log_path: Path) -> Watchdog:
 
 if __name__ == "__main__":
     # The fresh-interpreter way of start_in_session: the same set-up, then MODULE's main.
-    _enter_session((0, 1, 2), None, os.getcwd())
+    enter_process((), None)
     sys.exit(_run(sys.argv[1], sys.argv[2:], "started as a new interpreter"))

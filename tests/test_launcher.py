@@ -669,9 +669,9 @@ def test_a_forked_child_keeps_its_descriptors_whatever_its_parent_left_to_collec
             code = 1
             try:
                 if child == "master":
-                    spawn._enter_session((os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY), 2), (), "/")
+                    spawn.enter_process(((os.open(os.devnull, os.O_RDONLY), 0), (os.open(os.devnull, os.O_WRONLY), 1)), ())
                 else:
-                    local._take_agent_stdio(())
+                    spawn.enter_process((), keep=(local.AGENT_OUTPUT_FD,))
                 # New pipes, until they reach the numbers the parent's objects own: they
                 # take those very numbers if the child closed them (the lowest free first).
                 pipes = [os.pipe()]

@@ -13,12 +13,11 @@ from __future__ import annotations
 import fcntl
 import os
 import select
-import signal
 import sys
-import threading
 
 from paicli.cluster.backends.base import Backend, NodeSpec
-from paicli.cluster.procinfo import let_go_inherited, reap_children, reap_later
+from paicli.cluster.procinfo import reap_children, reap_later
+from paicli.cluster.spawn import enter_process, must_exec
 
 LOCAL_NODE = "local"
 LOCAL_HOST = "127.0.0.1"
@@ -92,11 +91,12 @@ def _spawn_agent(label: str, output_fd: int) -> tuple[int, int, int]:
     """`node_agent.py run LABEL` with `output_fd` as AGENT_OUTPUT_FD: (pid, its
     stdin, its stdout). A single-threaded master forks it (the agent's code is
     imported already: no interpreter to start); a threaded one, where a fork is
-    unsafe, spawns `python -I -S node_agent.py`, as an SSH node runs it."""
+    unsafe, spawns `python -I -S node_agent.py`, as an SSH node runs it (the
+    agent resets its signal dispositions itself)."""
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     moves = ((in_r, 0), (out_w, 1), (output_fd, AGENT_OUTPUT_FD))
-    if threading.active_count() > 1:
+    if must_exec():
         if output_fd == AGENT_OUTPUT_FD:
             os.set_inheritable(output_fd, True)   # a dup2 onto itself keeps close-on-exec
         pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", AGENT, "run", label], os.environ,
@@ -116,7 +116,7 @@ def _forked_agent(label: str, moves) -> None:
     """In the forked child: nothing of the master's stays open; the agent runs."""
     code = 1
     try:
-        _take_agent_stdio(moves)
+        enter_process(moves, keep=(AGENT_OUTPUT_FD,))
         with open("/proc/self/comm", "w") as comm:
             comm.write("pai-node-agent")   # what `ps` and `top` show for it
         from paicli.runners import node_agent
@@ -128,21 +128,6 @@ def _forked_agent(label: str, moves) -> None:
         traceback.print_exc()
     finally:
         os._exit(code)
-
-
-def _take_agent_stdio(moves) -> None:
-    """A forked agent's descriptors and streams: `moves` in place, the master's let go."""
-    signal.set_wakeup_fd(-1)   # the master's: let go below
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
-        signal.signal(signum, signal.SIG_DFL)
-    for fd, target in moves:
-        os.dup2(fd, target)
-    let_go_inherited(keep=(AGENT_OUTPUT_FD,))   # the master's own, and what it inherited
-    # The frames go to fd 1 (the link), whatever object the forking process had
-    # as sys.stdout (a library user's or a test runner's capture).
-    sys.stdin = open(0, "r", closefd=False)
-    sys.stdout = open(1, "w", closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
 
 
 class LocalBackend(Backend):

@@ -1,7 +1,7 @@
 """JobMaster: one supervisor process per job.
 
-Started by the client in a session of its own (`python -m paicli.cluster.master
-JOB_ID`), so the job outlives the CLI: a closed terminal, Ctrl-Z or kill -9 of
+Started by the client in a session of its own (cluster.spawn.start_master), so
+the job outlives the CLI: a closed terminal, Ctrl-Z or kill -9 of
 `pai` leaves it running. The master places and starts every instance, pumps
 their output into the logs, restarts failures by policy, stops the services once
 the workers are done, and kills everything on failure or cancel. A watchdog
@@ -827,6 +827,3 @@ def _answer_nodes(config: dict, answer_fd: int) -> Backend | None:
         pass   # the CLI is gone: EOF on the command pipe comes next
     return backend
 
-
-if __name__ == "__main__":
-    sys.exit(main())

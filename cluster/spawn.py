@@ -11,11 +11,11 @@ caller's environment, umask and signal mask, default signal dispositions, its
 standard streams on /dev/null and its log, and nothing else of the caller's open
 but the descriptors it is given.
 
-A job's master is started as the submit needs its nodes, before the job is
-recorded (`start_master`, `MasterProcess`): it probes the nodes (an SSH backend
-logs in to each), answers, and keeps those connections to stage and start the
-job over them. It then gets its job, or reads EOF and leaves without a trace
-(the job refused, Ctrl-C, the CLI's death).
+A job's master is started as the submit begins, before the job is recorded
+(`start_master`, `MasterProcess`). Asked for the nodes once the job is staged,
+it probes them (an SSH backend logs in to each), answers, and keeps those
+connections to stage and start the job over them. It then gets its job, or
+reads EOF and leaves without a trace (the job refused, Ctrl-C, the CLI's death).
 """
 
 from __future__ import annotations

@@ -14,14 +14,14 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 from typing import ClassVar
+from dataclasses import dataclass
 
 from paicli.errors import SpecError
 from paicli.jobplan import KEY_VALUE_METRIC, JobPlan
-from paicli.records import record
 from paicli.spec import JobSpec, Param
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class StagedCode:
     """Where the user's code is once submitted.
 
@@ -148,7 +148,7 @@ def pluto_scaling_env(spec: JobSpec) -> dict[str, str]:
 NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class LineRule:
     what: str                   # the line, in words (where it comes from)
     pattern: str                # the regex the master runs (see paicli.jobplan.JobPlan.metric_patterns)

@@ -101,55 +101,9 @@ def compile_sources() -> str:
     return ", ".join(f"{d.name}/" for d in dirs)
 
 
-_server_dir: str | None = None
-
-
-def submit_server_dir() -> str:
-    """The bench's own folder for `pai`'s submit server (paicli/submit_server.py): the
-    first timed submit, cold, starts a server there as any user's first submit does,
-    the next ones are served, and the server is stopped and its folder removed when
-    the bench ends (atexit: Ctrl-C and exit_on_signals' SIGTERM/SIGHUP go through it)."""
-    global _server_dir
-    if _server_dir is None:
-        import atexit
-        import tempfile
-
-        _server_dir = tempfile.mkdtemp(prefix="pai-bench-server-")
-        atexit.register(stop_submit_servers, _server_dir)
-    return _server_dir
-
-
-def stop_submit_servers(directory: str) -> None:
-    """SIGTERM every submit server whose lock in `directory` names a live one, wait
-    (5 s at most) for each to be gone, remove the folder."""
-    pids = []
-    for lock in Path(directory).glob("*.lock"):
-        try:
-            pid = int(lock.read_text().split()[0])
-            if b"paicli.submit_server" in Path(f"/proc/{pid}/cmdline").read_bytes():   # not a reused pid
-                os.kill(pid, signal.SIGTERM)
-                pids.append(pid)
-        except (OSError, ValueError, IndexError):
-            pass
-    deadline = time.monotonic() + 5
-    while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if _running(pid)]
-        time.sleep(0.02)
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
 def fresh_env(home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PAI_HOME"] = str(home)
-    env["PAI_SUBMIT_SERVER_DIR"] = submit_server_dir()
     env.pop("PAI_DEBUG", None)
     env["NO_COLOR"] = "1"
     return env

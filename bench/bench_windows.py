@@ -16,9 +16,8 @@ Windows of a pai run (ms):
   middle      -> the last worker's exit
   end         the last worker's exit -> the CLI's exit
 and of a by-hand run: start (the ps's fork -> the last worker connected), middle,
-end (-> the ps's exit). In each window: CPU ms of the CLI (`pai`, and the submit
-server's child that a served `pai` hands its submit to), the master
-(with the waiting master and its other forks), the node agents, the instances
+end (-> the ps's exit). In each window: CPU ms of the CLI (`pai`), the master
+(with its other forks), the node agents, the instances
 (their threads too) and everything else (the background load, the bench). The
 figure's `added` is, pair by pair, (submit + start + middle + end) of pai minus
 the same of the by-hand run next to it; the table says which window holds it.
@@ -91,16 +90,6 @@ class Trace:
         """A ps (it listens) or a worker (it connected to one) of a job: an exec'd process."""
         return pid in self.execs and (pid in self.listens or any(ok for _, ok in self.connects.get(pid, ())))
 
-    def served_child(self, client: int) -> int | None:
-        """The submit server's child that took the place of this `pai` client
-        (paicli/submit_server.py): the first process forked outside the client's own
-        tree after its exec and before its exit that started a job's instances."""
-        began, ended = self.execs[client][0], self.exits.get(client, float("inf"))
-        own = set(self.tree(client))
-        found = sorted((t, child) for parent, forks in self.forks.items() if parent not in own
-                       for t, child in forks if began <= t <= ended and child not in own)
-        return next((child for _, child in found if any(self.instance(p) for p in self.tree(child))), None)
-
     def connected(self, pid: int) -> float:
         return max(t for t, ok in self.connects[pid] if ok)
 
@@ -122,9 +111,8 @@ def runs(trace: Trace) -> list[dict]:
     for pid, (t, path) in trace.execs.items():
         if not path.endswith("/pai"):
             continue
-        served = trace.served_child(pid)
-        tree = trace.tree(pid) + (trace.tree(served) if served else [])
-        cli = [pid] + ([served] if served else [])
+        tree = trace.tree(pid)
+        cli = [pid]
         instances = [p for p in tree if p not in cli and trace.instance(p)]
         ps = [p for p in instances if p in trace.listens]
         if len(ps) != 1 or len(instances) < 2 or pid not in trace.exits:

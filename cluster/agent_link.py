@@ -59,9 +59,7 @@ BEAT_EVERY = 1.0              # seconds between the master's heartbeat bytes
 
 class Transport(Protocol):
     def send(self, data: bytes) -> None: ...
-
     def recv(self, max_bytes: int, timeout: float) -> bytes: ...
-
     def close(self) -> None: ...
 
 

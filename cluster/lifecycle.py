@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from collections.abc import Callable
 
-from paicli.cluster import queue_turns
+from paicli.cluster import queue_turns, spawn
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import InstanceRef
-from paicli.cluster.procinfo import Unverified, is_alive, signal_verified
+from paicli.cluster.procinfo import Unverified, is_alive, signal_verified, start_time
 from paicli.errors import PaiError
 from paicli.jobstatus import lost_reason, master_alive
 from paicli.states import InstanceStatus, JobStatus
@@ -213,13 +213,12 @@ def revive_queued(store: Store, report: Report = to_stderr) -> list[str]:
 
 
 def _start_supervisor(store: Store, job_id: str) -> None:
-    from paicli.cluster.procinfo import start_time
-    from paicli.cluster.spawn import spawn_master
-
     job_dir = Path(store.job(job_id)["job_dir"])
     store.event(job_id, "queue", "its supervisor was gone; a new one takes its place in the queue")
-    # A fresh interpreter, never a fork: the caller may be a master at its end or a
-    # watchdog, whose wake-up fd and signal handlers a forked child would inherit.
-    pid = spawn_master(store.home, job_id, job_dir / "master.log", fresh=True)
+    master = spawn.start_master(store.home, job_dir)
+    try:
+        pid = master.start(job_id)
+    finally:
+        master.close()
     store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
 

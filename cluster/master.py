@@ -1,7 +1,7 @@
 """JobMaster: one supervisor process per job.
 
-Started by the client in a session of its own (`python -m paicli.cluster.master
-JOB_ID`), so the job outlives the CLI: a closed terminal, Ctrl-Z or kill -9 of
+Started by the client in a session of its own (cluster.spawn.start_master), so
+the job outlives the CLI: a closed terminal, Ctrl-Z or kill -9 of
 `pai` leaves it running. The master places and starts every instance, pumps
 their output into the logs, restarts failures by policy, stops the services once
 the workers are done, and kills everything on failure or cancel. A watchdog
@@ -20,11 +20,12 @@ import signal
 import sys
 import time
 from pathlib import Path
+from dataclasses import dataclass, replace
 
-from paicli.cluster import datasets, distribution, outputs, policy, queue_turns
+from paicli.cluster import backends, datasets, distribution, outputs, policy, queue_turns
 from paicli.cluster import requirement_layers as job_layers
 from paicli.cluster import placement as placing
-from paicli.cluster.backends import backend_for_job
+from paicli.cluster.backends import backend_for_job, job_config
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
@@ -33,22 +34,12 @@ from paicli.cluster.procinfo import start_time
 from paicli.cluster.spawn import Watchdog, spawn_watchdog
 from paicli.errors import PaiError, UsageError
 from paicli.jobplan import JobPlan, RolePlan
-from paicli.records import record, replace
+
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
-# What a local run imports lazily: a master forked as `pai` starts imports these
-# while the CLI stages the job (cluster.spawn), so none is imported between the
-# handover and the instances' start, nor at the end (tests/test_overhead.py checks
-# master.log of a job run under -X importtime). Those of other backends' runs
-# (nodes files, bucket digests) stay lazy: a local job's master has no use for them.
-RUN_MODULES = ("paicli.spec", "paicli.cluster.agent_link", "paicli.runners.node_agent",
-               "paicli.runners.node_outputs", "paicli.cluster.node_files",
-               "paicli.jobstatus", "paicli.cluster.lifecycle", "paicli.cluster.pluto.view", "paicli.steptime")
-
 def print_exc() -> None:
-    """The traceback being handled, into master.log (traceback is imported only then:
-    ~2 ms of every master's start otherwise)."""
+    """The traceback being handled, into master.log."""
     import traceback
 
     traceback.print_exc()
@@ -57,9 +48,8 @@ def print_exc() -> None:
 POLL_SECONDS = 0.1  # a child's exit and its output wake the loop sooner
 RESTART_BACKOFF = 0.5
 SUMMARY_DELAY = 1.0  # seconds after the launch before the first summary file is written
-# Seconds after the launch before the watchdog is forked. At the launch, its fork and
-# start took the master ~10 ms and a core from the three interpreters starting beside
-# it: a 1 ps + 2 worker job ended ~7 ms later (paired runs, docs/benchmarks.md).
+# Seconds after the launch before the watchdog is started: at the launch its start
+# would take a core from the instances' interpreters starting beside it.
 WATCHDOG_DELAY = 0.5
 METRICS_EVERY = 0.25  # seconds between the master's commits of the metrics it parsed (they are in job.log at once)
 
@@ -69,8 +59,8 @@ METRICS_EVERY = 0.25  # seconds between the master's commits of the metrics it p
 # woke for each line took a core from them just then, on a machine they share
 # (bench_hardening.py overhead, docs/benchmarks.md). A child's exit is not delayed.
 COALESCE_S = 0.004
-# Instances made ready (record, log, environment: ~1.5 ms each) while the services
-# start: about what fits in a ps's start; the rest are made ready one by one, each
+# Instances made ready (record, log, environment) while the services start: about
+# what fits in a ps's start; the rest are made ready one by one, each
 # asked for at once, so that a large job's agents do not wait for all the records.
 READY_EARLY = 4
 
@@ -122,7 +112,7 @@ class AgentFrames:
         self.inst = inst
 
 
-@record
+@dataclass
 class Instance:
     role: RolePlan
     idx: int
@@ -266,7 +256,7 @@ class JobMaster:
     def _start_watchdog(self) -> None:
         # The watchdog holds the read end of a pipe only we write to: when we die,
         # however we die, it reads EOF and ends the instances.
-        self.watchdog = spawn_watchdog(self.job_id, self.job_dir / "watchdog.log", self.store)
+        self.watchdog = spawn_watchdog(self.job_id, self.job_dir / "watchdog.log")
         for line in self.untold:
             self._tell_watchdog(line)
         self.untold = []
@@ -323,17 +313,16 @@ class JobMaster:
         """The services (roles that need not finish: a ps) first, so a worker's first
         connection finds its ps started; then the others at once. Every agent of a
         group gets its spec before the master waits for any identity (a round trip
-        each, one after another, started the last of three instances ~0.02 s after
-        the first). The first few others are made ready (record, environment, log)
+        each, one after another, would start the last instance well after the
+        first). The first few others are made ready (record, environment, log)
         while the services start, and their specs go the moment the services'
-        identities are in; the services are recorded while the others start. Each instance is
-        recorded as started before it is asked for (one the master dies before it
+        identities are in; the services are recorded while the others start. Each
+        instance is recorded as started before it is asked for (one the master dies before it
         learns about is stopped by its agent, whose link closes), and every started
         instance is known (watchdog, store) before a refusal can end the job."""
         services = [inst for inst in insts if not inst.role.must_finish]
         others = [inst for inst in insts if inst.role.must_finish]
         begun = [(inst, self._ask(inst, self._ready(inst))) for inst in services]
-        self.backend.start_ahead()   # the others' agents, while the services' start theirs
         ready = [(inst, self._ready(inst)) for inst in others[:READY_EARLY]] if services else []
         first, refused = self._identities(begun)
         begun = [(inst, self._ask(inst, made)) for inst, made in ready]
@@ -555,7 +544,7 @@ class JobMaster:
 
     def _watch_frames(self, inst: Instance, handle: Handle) -> None:
         """A local agent's frames wake the loop (AgentFrames): the exit status is
-        acted on as it arrives, not at the agent's exit ~2-3 ms later. A copy of
+        acted on as it arrives, not at the agent's exit a little later. A copy of
         the descriptor: the link closes its own when it ends."""
         fd = getattr(handle.native, "frames_fd", -1)
         if fd >= 0:
@@ -767,7 +756,7 @@ class JobMaster:
         self.store.release_ports(self.job_id)
         queue_turns.job_ended(self.store, self.job_id)
         # The summary before the cleanup, which waits for the last agents' exits (a
-        # forked process's teardown, ~2-3 ms) or, on nodes, removes the job's
+        # forked process's teardown) or, on nodes, removes the job's
         # folders: both take what they take meanwhile, and the summary reads the
         # store alone.
         self._write_log_view()
@@ -788,14 +777,53 @@ class JobMaster:
                 pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m paicli.cluster.master JOB_ID", file=sys.stderr)
-        return 2
-    print(f"JobMaster for {argv[0]}: pid {os.getpid()}, started as a new interpreter", flush=True)
-    return JobMaster(Store(), argv[0]).run()
+def main(argv: list[str]) -> int:
+    """A job's master, started by cluster.spawn.start_master with HOME, the command
+    pipe and the answer pipe: ["nodes", config] is answered on the answer pipe
+    (the nodes probed, and the backend kept for the job), then ["job", JOB_ID]
+    makes it the job's JobMaster; EOF before that, and it leaves."""
+    home, command_fd, answer_fd = Path(argv[0]), int(argv[1]), int(argv[2])
+    os.environ["PAI_HOME"] = str(home)
+    backend: Backend | None = None
+    with os.fdopen(command_fd, "rb") as command:
+        while (line := command.readline()).endswith(b"\n"):
+            request = json.loads(line)
+            if request[0] == "job":
+                break
+            backend = _answer_nodes(request[1], answer_fd)
+        else:
+            return 0   # no job for it
+    job_id = request[1]
+    try:
+        os.write(answer_fd, f"{os.getpid()}\n".encode())
+    except OSError:
+        pass   # the CLI is gone after handing the job over: the job is recorded, supervise it
+    print(f"JobMaster for {job_id}: pid {os.getpid()}", flush=True)
+    if backend is not None and job_config(Path.cwd()) != backend.config:   # not the nodes the job was recorded with
+        backend.let_go_of_connections()
+        backend = None
+    return JobMaster(Store(home), job_id, backend=backend, recorded_fd=answer_fd).run()
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _answer_nodes(config: dict, answer_fd: int) -> Backend | None:
+    """The nodes of `config` with their resources, one JSON line on the answer pipe;
+    the backend, its connections kept for the job (None if the probe failed)."""
+    backend = None
+    try:
+        backend = backends.get_backend(config)
+        backend.keep_probe_connections = True
+        nodes = None if backend.places_jobs else [node.to_dict() for node in backend.nodes()]
+        reply: dict = {"nodes": nodes}
+    except PaiError as err:   # the CLI says it, as its own probe would have
+        reply = {"error": "usage" if isinstance(err, UsageError) else "pai", "message": err.message, "hint": err.hint}
+        backend = None
+    except Exception as err:  # noqa: BLE001 - the CLI says it; the traceback is in master.log
+        print_exc()
+        reply = {"error": "pai", "message": f"probing the nodes: {type(err).__name__}: {err}", "hint": None}
+        backend = None
+    try:
+        os.write(answer_fd, (json.dumps(reply) + "\n").encode())
+    except OSError:
+        pass   # the CLI is gone: EOF on the command pipe comes next
+    return backend
+

@@ -42,17 +42,16 @@ import stat
 import sys
 from pathlib import Path
 from typing import Any
+from dataclasses import dataclass, field
 
 from paicli.cluster import RUNNERS_DIR, remote_paths
-from paicli.records import field, record
-
 
 INSTANCE_FILES: tuple[str, ...] = ()   # job-folder files (by name) instances read
 CODE = "code"
 FILES = "files"
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class NodeFile:
     src: str
     dst: str
@@ -61,7 +60,7 @@ class NodeFile:
     target: str = ""
 
 
-@record
+@dataclass
 class Manifest:
     files: list[NodeFile]
     job_dir: str = ""

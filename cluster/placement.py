@@ -23,12 +23,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from paicli.cluster.backends.base import NodeSpec, Placement
 from paicli.errors import UsageError
 from paicli.jobplan import JobPlan
-from paicli.records import field, record
 
 
 class Demand(NamedTuple):
@@ -41,7 +41,7 @@ class Demand(NamedTuple):
     service: bool
 
 
-@record
+@dataclass
 class Free:
     """What is left on one node."""
     cpu: int

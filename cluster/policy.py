@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from paicli.cluster.backends.base import NODE_LOST
 from paicli.errors import UsageError
 from paicli.jobplan import RESTART_JOB
-from paicli.records import record
 from paicli.states import describe_exit, is_retryable
 
 # What an instance's last lines say when its port was taken between our probe
@@ -27,7 +27,7 @@ RESTART_JOB_ = "restart-job"            # every instance, fresh ports
 FAIL = "fail"                           # the job fails with `reason`
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Verdict:
     action: str
     reason: str = ""          # for the log line / the job's reason

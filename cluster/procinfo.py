@@ -12,7 +12,6 @@ import time
 from collections import namedtuple
 
 # state: R, S, D, Z, ...; start: the start time in clock ticks since boot (a str).
-# (collections', not typing's NamedTuple: typing is ~3 ms of every pai and master.)
 ProcStat = namedtuple("ProcStat", "state pgid sid start")
 
 
@@ -168,38 +167,3 @@ def reap_children(timeout: float | None = None, only: int | None = None) -> None
             continue
         if ended[0] == pid:
             _UNREAPED.pop(pid)(os.waitstatus_to_exitcode(ended[1]))
-
-
-MADV_POPULATE_WRITE = 23
-
-
-PREFAULT_STEP = 1 << 20   # bytes pre-faulted between two looks at `until`
-
-
-def prefault(until=None) -> None:
-    """This process's writable private pages made its own now (MADV_POPULATE_WRITE:
-    the copy-on-write faults a forked child takes as it first writes each page,
-    taken ahead), where the kernel has the advice (Linux 5.14). `until()` true: stop
-    there (work has come: the rest is faulted as it is written, as without this)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    madvise = libc.madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
-        ranges = [line.split(None, 2)[:2] for line in maps]
-    for span, perms in ranges:
-        if perms != "rw-p":
-            continue
-        start, end = (int(x, 16) for x in span.split("-"))
-        for at in range(start, end, PREFAULT_STEP):
-            if until is not None and until():
-                return
-            madvise(at, min(PREFAULT_STEP, end - at), MADV_POPULATE_WRITE)
-
-
-def readable(fd: int) -> bool:
-    """Whether `fd` has something to read now (or is at its end)."""
-    import select
-
-    return bool(select.select([fd], [], [], 0)[0])

@@ -25,18 +25,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+from dataclasses import dataclass, field
 
 from paicli.cluster import placement as placing
 from paicli.cluster.backends.base import NodeSpec, Placement
 from paicli.errors import UsageError
-from paicli.records import field, record
 
 
 KEYS = ("cpu", "memory", "gpu")
 DEFAULT_PROJECT = "default"   # the quota file's entry for jobs without -project and unlisted projects
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Entry:
     """A waiting job: what it needs and the nodes it was submitted against."""
     job_id: str
@@ -47,7 +47,7 @@ class Entry:
     nodes: tuple[NodeSpec, ...]
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Hold:
     """What a started, live job holds on one node."""
     job_id: str
@@ -58,7 +58,7 @@ class Hold:
     gpu: int          # PAI units (cards * 100)
 
 
-@record
+@dataclass
 class Turn:
     """The verdict on one waiting job."""
     job_id: str

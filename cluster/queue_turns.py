@@ -25,6 +25,7 @@ import signal
 import time
 from pathlib import Path
 from collections.abc import Callable
+from typing import Any
 
 from paicli.cluster import placement as placing
 from paicli.cluster import queue as policy
@@ -32,10 +33,6 @@ from paicli.cluster.backends.base import NodeSpec, Placement
 from paicli.errors import UsageError
 from paicli.states import JobStatus
 from paicli.store import Store
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
 HEAD_POLL = 1.0        # the head of the queue runs the policy this often, woken or not

@@ -98,6 +98,3 @@ def main(argv: list[str]) -> int:
     sweeper.join(lifecycle.STOP_TIMEOUT + lifecycle.STOP_DEADLINE)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -11,26 +11,32 @@ the master.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
-from pathlib import Path
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from paicli.adapters import get_adapter
+from paicli.cluster import backends, datasets, lifecycle, policy, queue_turns
+from paicli.cluster.procinfo import start_time
+from paicli.cluster.spawn import MasterProcess, start_master
 from paicli.errors import PaiError, UsageError
-from paicli.jobstatus import MASTER_START_DEADLINE, job_over, master_alive  # noqa: F401 (the API's names)
+from paicli.jobstatus import MASTER_START_DEADLINE, build_status, job_over, master_alive, read_job  # noqa: F401
+from paicli.jobstatus import final_status as final
 from paicli.jobplan import JobPlan
-from paicli.records import record
+from paicli.private import private_dir, write_private
 from paicli.spec import CORE_PARAMS, JobSpec, build_spec
+from paicli.staging import stage_code
 from paicli.statement import Statement, dump_yaml
 from paicli.states import JobStatus
-from paicli.store import Store
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
+from paicli.store import Store, new_job_id
 
 
 
-@record
+@dataclass
 class Prepared:
     adapter: Any
     spec: JobSpec
@@ -38,7 +44,6 @@ class Prepared:
 
 def prepare(stmt: Statement) -> Prepared:
     """Validate a statement into a JobSpec for its adapter (no side effects)."""
-    from paicli.adapters import get_adapter
 
     adapter = get_adapter(stmt.framework or "")
     # TFCOMPAT: a name that selects a runtime (PAI's versioned TensorFlow names) stays in the spec.
@@ -53,47 +58,42 @@ def export_yaml(prepared: Prepared) -> str:
 
 
 def submit(prepared: Prepared, store: Store | None = None,
-           progress: Callable[[str], None] = lambda line: None, waiting=None,
-           meanwhile: Callable[[str], None] | None = None) -> str:
-    """Stage the code, plan, provision the runtime, record the job and start its
-    master (`waiting`, a cluster.spawn.WaitingMaster forked earlier, if given).
-    `meanwhile(job_id)` runs once the job is recorded, while its master starts.
-    Returns the job ID. Nothing is written to the store or the job folder unless
-    every step before starting succeeded."""
-    from paicli.cluster import backends, policy
-    from paicli.cluster import lifecycle, queue_turns
-    from paicli.private import private_dir, write_private
-    from paicli.staging import stage_code
-    from paicli.store import new_job_id
+           progress: Callable[[str], None] = lambda line: None,
+           meanwhile: Callable[[str, int], None] | None = None) -> str:
+    """Stage the code, plan, provision the runtime, record the job and hand it to
+    its master. `meanwhile(job_id, recorded_fd)` runs once the job is handed over,
+    while its master starts it (see hand_over). Returns the job ID. Nothing is
+    written to the store or the job folder unless every step before starting
+    succeeded.
 
+    The master is started before the job is recorded; once the job is staged and
+    planned here it probes the nodes (an SSH backend logs in to each), and the
+    job is staged and started over those connections (one login per node and
+    job); bad input found before that touches no node."""
     store = store or Store()
     adapter, spec = prepared.adapter, prepared.spec
     policy.check_launcher_env()
     config = backends.submit_config(store.home)
-    # Where probing the nodes means logging in to each (SSH), the job's waiting
-    # master probes them as the job is staged here, and the job then stages and
-    # starts over those connections: one login per node, not two.
-    asked = waiting is not None and backends.backend_class(config).probes_by_login and waiting.ask_nodes(config)
     job_id = new_job_id()
     # The job folder is filled first (code, spec, plan) and recorded in the store
     # last; any failure before that removes the folder, so bad input leaves nothing.
     job_dir = store.jobs_dir / job_id
     private_dir(job_dir)  # 0700: argv and logs are the owner's business
     private_dir(job_dir / "logs")
+    master = None
     try:
+        # Started first, it imports its modules while this process stages the job;
+        # it touches no node until it is asked for them, once the job is staged.
+        master = start_master(store.home, job_dir)
         code = stage_code(spec, job_dir)
         plan: JobPlan = adapter.plan(spec, code)
         _check_planned(spec, plan)
-        # DATA (issue 18): -Dtables/-Doutputs checked (exit 2) and sliced; the job's index.
-        from paicli.cluster import datasets
-        datasets.prepare(spec, plan, job_dir)
+        datasets.prepare(spec, plan, job_dir)   # -Dtables/-Doutputs checked (exit 2) and sliced
         plan.runtime = adapter.runtime or None
-        backend = backends.get_backend(config)   # here: Ray's connects to its head
         # A job that could never start (bigger than the cluster or its quota) is
         # refused now; one that only has to wait for room is queued (docs/queue.md).
-        # Ray places jobs itself and keeps its own Waiting List.
-        answer = waiting.nodes_answer() if asked else None
-        nodes = None if backend.places_jobs else answer or backend.nodes()
+        # Ray places jobs itself and keeps its own Waiting List (no nodes: None).
+        nodes = master.nodes(config)
         entry = None if nodes is None else queue_turns.check_and_describe(
             store, plan, nodes, spec.get("priority"), spec.project)
         if adapter.runtime:
@@ -103,16 +103,16 @@ def submit(prepared: Prepared, store: Store | None = None,
             except RuntimeSetupError as err:
                 raise PaiError(f"the {adapter.runtime} runtime: {err}",
                                f"retry with `pai runtime install {adapter.runtime}`") from None
-        if spec.get("env") or spec.get("requirements"):   # ENVS room: into the roles; the layer built here first
+        if spec.get("env") or spec.get("requirements"):   # into the roles; the layer built here first
             from paicli.cluster.requirement_layers import prepare_job_env
             prepare_job_env(spec, plan, job_dir, progress, store.home)
-        # JSON, not YAML: importing yaml would cost every submit ~30 ms (`pai export` gives YAML).
+        # JSON, not YAML: a submit imports no yaml (`pai export` gives YAML).
         write_private(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))
         write_private(job_dir / "plan.json", plan.to_json())
         backends.write_snapshot(job_dir, config)
     except BaseException:
-        import shutil   # only here: its archive modules are ~2 ms of every submit
-
+        if master is not None:
+            master.close()   # it leaves at EOF, with its connections
         shutil.rmtree(job_dir, ignore_errors=True)
         raise
     lifecycle.revive_queued(store)   # a writer keeps the queue going (docs/queue.md)
@@ -123,7 +123,7 @@ def submit(prepared: Prepared, store: Store | None = None,
         # Its master waits for its turn (paicli.cluster.queue_turns.wait_turn), and
         # places it when the turn comes: the GPUs are claimed then, in the store.
         store.enqueue(job_id, spec.get("priority"), spec.project, entry)
-    start_master(store, job_id, job_dir, waiting, meanwhile)
+    hand_over(store, job_id, master, meanwhile)
     return job_id
 
 
@@ -136,42 +136,31 @@ def _check_planned(spec: JobSpec, plan: JobPlan) -> None:
                          "call paicli.pluto.auto_strategy(prepared, store) before client.submit")
 
 
-def start_master(store: Store, job_id: str, job_dir: Path, waiting=None,
-                 meanwhile: Callable[[str], None] | None = None) -> None:
-    """The job's master started and its pid recorded; `meanwhile(job_id)` runs while
-    a waiting master takes the job over. Its error (a closed stdout, Ctrl-C) is
+def hand_over(store: Store, job_id: str, master: MasterProcess,
+              meanwhile: Callable[[str, int], None] | None = None) -> None:
+    """The recorded job handed to its master and the master's pid recorded;
+    `meanwhile(job_id, recorded_fd)` runs then, and owns `recorded_fd`: a pipe the
+    master closes once the job's record is complete (a follower's end of the job,
+    before the master's own cleanup). Its error (a closed stdout, Ctrl-C) is
     raised once the master's pid is recorded: the job is handed over by then."""
-    from paicli.cluster.spawn import spawn_master
-    from paicli.cluster.procinfo import start_time
-
-    failed: list[BaseException] = []
-
-    def run_meanwhile() -> None:
-        if meanwhile is not None:
-            try:
-                meanwhile(job_id)
-            except BaseException as err:  # noqa: BLE001 - raised below, once the master is known
-                failed.append(err)
-
     try:
-        if waiting is not None:
-            pid = waiting.start(store.home, job_id, job_dir / "master.log", run_meanwhile)
-        else:
-            with store.closed_for_fork():
-                pid = spawn_master(store.home, job_id, job_dir / "master.log")
-            run_meanwhile()
+        pid = master.start(job_id)
     except OSError as err:
         # Recorded but never supervised: say so rather than leave it Waiting.
         store.set_job(job_id, JobStatus.FAILED, f"its master did not start: {err}")
         store.release_claims(job_id)
         raise PaiError(f"job {job_id}: its master did not start: {err}", "see master.log in the job folder") from None
-    if store.job(job_id)["master_pid"] != pid:
-        # A forked master records itself first thing (JobMaster.run); this write is
-        # for one still starting (a new interpreter), and would otherwise wait for the
-        # lock the master holds as it starts the job (or hold the master up).
-        store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
-    if failed:
-        raise failed[0]
+    recorded_fd = master.take_recorded()
+    try:
+        if meanwhile is not None:
+            meanwhile(job_id, recorded_fd)
+        else:
+            os.close(recorded_fd)
+    finally:
+        if store.job(job_id)["master_pid"] != pid:
+            # The master records itself first thing (JobMaster.run); this write is
+            # for one still starting.
+            store.update_job(job_id, master_pid=pid, master_start=start_time(pid))
 
 
 # -- reading: never writes, never signals, never builds a backend ------------------
@@ -180,8 +169,6 @@ def start_master(store: Store, job_id: str, job_dir: Path, waiting=None,
 def queue(store: Store) -> list[dict[str, Any]]:
     """The waiting jobs, in queue order (`pai queue`); one whose supervisor is gone
     is shown so, not revived (see revive_queued)."""
-    from paicli.cluster import queue_turns
-
     return queue_turns.listing(store)
 
 
@@ -189,21 +176,15 @@ def refresh(store: Store, job_id: str) -> dict[str, Any]:
     """The job's row as the user should see it: a job whose master is gone
     without recording its end is shown Failed ("master lost"), derived, not
     written (paicli.jobstatus.read_job)."""
-    from paicli.jobstatus import read_job
-
     return read_job(store, job_id)
 
 
 def status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
-    from paicli.jobstatus import build_status
-
     return build_status(store, job_id, with_series)
 
 
 def final_status(store: Store, job_id: str) -> dict[str, Any]:
     """status() of a job whose master has exited (paicli.jobstatus.final_status)."""
-    from paicli.jobstatus import final_status as final
-
     return final(store, job_id)
 
 
@@ -227,18 +208,14 @@ def kill(store: Store, job_id: str, reason: str = "cancelled by user", wait: flo
     stopped (killed if it does not end in time), every instance group the store
     knows stopped through the identity-checked path. A job whose master is gone
     is declared lost instead. False if the job had already ended."""
-    from paicli.cluster.lifecycle import cancel
-
-    return cancel(store, job_id, reason, wait)
+    return lifecycle.cancel(store, job_id, reason, wait)
 
 
 def revive_queued(store: Store) -> list[str]:
     """`pai queue --revive`: a new supervisor for every queued job whose supervisor
     is gone (after a reboot, when nothing of paicli runs to do it); their IDs.
     Every writer that frees room does this anyway (paicli.cluster.lifecycle)."""
-    from paicli.cluster.lifecycle import revive_queued
-
-    return revive_queued(store)
+    return lifecycle.revive_queued(store)
 
 
 def resolve_job(store: Store, job_id: str):

@@ -5,7 +5,7 @@ boundary with the quick exit.
 The console runs a statement with these functions, so a statement behaves as
 the `pai` command would; neither imports the other. No click here: a bare
 statement (`pai -name ...`) is submitted through this module alone
-(paicli/pai.py), without loading click and the command tree. Heavy modules (rich,
+(paicli/pai.py). Heavy modules (rich,
 the launcher, the logview launcher) are imported inside the functions that use them.
 """
 
@@ -22,20 +22,10 @@ STATUS_STYLES = {"Succeeded": "green", "Terminated": "green", "Running": "cyan",
                  "Failed": "red", "Killed": "red", "Cancelled": "magenta"}
 
 
-# The store a command opened last, kept until the process ends: dropping it closes
-# its connection, and the last connection's close checkpoints the WAL into the
-# database (2-18 ms here, measured after an attached job's verdict, when the master
-# has just closed its own); exit_now leaves without that. One is kept: a console
-# that opens one per statement closes the one before.
-_KEPT_STORE = None
-
-
 def open_store():
-    global _KEPT_STORE
     from paicli.store import Store
 
-    _KEPT_STORE = Store()
-    return _KEPT_STORE
+    return Store()
 
 
 # -- rendering ------------------------------------------------------------------------
@@ -73,7 +63,7 @@ def print_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
 
 def runtime_progress():
     """Provisioning progress: a bar redrawn in place on a TTY, one line per phase in a
-    pipe (paicli/progress.py; ENVS room)."""
+    pipe (paicli/progress.py)."""
     from paicli.progress import provisioning_progress
 
     return provisioning_progress(sys.stderr)
@@ -110,10 +100,10 @@ def statement_of(tokens: list[str]):
 # -- submit and follow -------------------------------------------------------------------
 
 
-def submit_statement(stmt, store, progress, waiting=None, meanwhile=None) -> str:
+def submit_statement(stmt, store, progress, meanwhile=None) -> str:
     """Prepare and submit; with -DautoStrategy=true, Pluto plans the job first.
-    `waiting`: the job's master, forked already (cluster.spawn.fork_waiting_master);
-    `meanwhile(job_id)`: what to do while it takes the job over (client.submit)."""
+    `meanwhile(job_id, recorded_fd)`: what to do while its master takes it over
+    (client.hand_over)."""
     from paicli import client
 
     prepared = client.prepare(stmt)
@@ -121,35 +111,22 @@ def submit_statement(stmt, store, progress, waiting=None, meanwhile=None) -> str
         from paicli.pluto import auto_strategy  # calibrate, plan, apply its recommendation
 
         prepared = auto_strategy(prepared, store, progress)
-    return client.submit(prepared, store, progress=progress, waiting=waiting, meanwhile=meanwhile)
+    return client.submit(prepared, store, progress=progress, meanwhile=meanwhile)
 
 
-def submit_and_follow(stmt, detach: bool = False, progress: bool = True, waiting=None) -> int:
-    """`waiting`: a master `pai` forked as it started (paicli.pai); else one is forked now."""
-    if waiting is None:
-        from paicli.cluster.spawn import fork_waiting_master
+def submit_and_follow(stmt, detach: bool = False, progress: bool = True) -> int:
+    recorded = -1
 
-        # Forked before the store is opened: it imports the master's modules while this
-        # process stages the job, and no SQLite connection has to be closed around a fork.
-        waiting = fork_waiting_master()
-
-    def first_lines(job_id: str) -> None:
-        # While the master takes the job over (it may still be importing): the ID, the
-        # log view (a server started if none runs), and what following needs imported.
+    def first_lines(job_id: str, recorded_fd: int) -> None:
+        # While the master takes the job over: the ID and the log view (a server
+        # started if none runs).
+        nonlocal recorded
+        recorded = recorded_fd
         echo(f"ID = {job_id}")
         echo_log_view(store, job_id, str(store.jobs_dir / job_id / "summary.txt"))
-        from paicli import jobview, logtail  # noqa: F401 (imported now, used by attach)
-        from paicli.cluster.pluto import view as pluto_view  # noqa: F401
 
-    try:
-        store = open_store()
-        if waiting is not None:
-            waiting.store_open(store.home)
-        job_id = submit_statement(stmt, store, runtime_progress(), waiting, None if detach else first_lines)
-        recorded = waiting.take_recorded() if waiting is not None and not detach else -1
-    finally:
-        if waiting is not None:
-            waiting.close()
+    store = open_store()
+    job_id = submit_statement(stmt, store, runtime_progress(), None if detach else first_lines)
     if detach:
         echo(job_id)
         return 0
@@ -171,7 +148,7 @@ def echo_log_view(store, job_id: str, summary_file: str) -> None:
 def attach(store, job_id: str, from_end: bool, progress: bool = True, recorded_fd: int = -1) -> int:
     """Follow a job to its end and render the verdict; Ctrl-C cancels it.
     `recorded_fd`: the pipe the master closes once the job's record is complete
-    (WaitingMaster.take_recorded), closed here."""
+    (client.hand_over), closed here."""
     from paicli import client, jobview, logtail
     from paicli.cluster.pluto.view import forecast_line
 
@@ -199,18 +176,13 @@ def attach(store, job_id: str, from_end: bool, progress: bool = True, recorded_f
     return {"Succeeded": 0, "Cancelled": Cancelled.exit_code}.get(status["status"], 1)
 
 
-def submit_tokens(args: list[str], waiting=None) -> int:
+def submit_tokens(args: list[str]) -> int:
     """`pai submit TOKENS`: split the submit options off, parse, submit and follow."""
-    try:
-        from paicli.statement import parse_statement
+    from paicli.statement import parse_statement
 
-        tokens, options = split_submit_options(args)
-        stmt = parse_statement(tokens)
-    except BaseException:
-        if waiting is not None:
-            waiting.close()   # bad input: the waiting master leaves at EOF
-        raise
-    return submit_and_follow(stmt, options["detach"], not options["no_progress"], waiting)
+    tokens, options = split_submit_options(args)
+    stmt = parse_statement(tokens)
+    return submit_and_follow(stmt, options["detach"], not options["no_progress"])
 
 
 # -- the error boundary and the exit ---------------------------------------------------------
@@ -239,26 +211,21 @@ def run_guarded(action: Callable[[], None]) -> None:
         sys.exit(1)
 
 
-def finish(action: Callable[[], None], before_exit: Callable[[int], None] | None = None) -> None:
-    """`pai`: run the action inside the error boundary, then leave at once (exit_now)."""
+def finish(action: Callable[[], None]) -> None:
+    """`pai`: run the action inside the error boundary, then exit with its code.
+
+    The exit skips the interpreter's clean-up (freeing every module and object,
+    SQLite's checkpoint on close), which comes after an attached job's verdict:
+    nothing is lost, the output is flushed here and the store commits as it goes.
+    The normal exit stays where something still wants it: a thread left running,
+    a profiler or tracer, PAI_DEBUG=1."""
+    import threading
+
     try:
         run_guarded(action)
         code: object = 0
     except SystemExit as exit_:
         code = exit_.code
-    exit_now(code, before_exit)
-
-
-def exit_now(code: object, before_exit: Callable[[int], None] | None = None) -> None:
-    """Flush our output and end the process without the interpreter's clean-up:
-    freeing every module and object, and SQLite's checkpoint on close, cost
-    `pai` 30-40 ms on every command (at the end of every attached job, after
-    its verdict). Nothing is lost: our writes are flushed here, the store
-    commits as it goes. The normal exit is kept where something still wants
-    it: a command that left a thread running (none does today), a profiler or
-    tracer (cProfile, coverage), and PAI_DEBUG=1."""
-    import threading
-
     if code is None:
         code = 0
     elif not isinstance(code, int):
@@ -269,9 +236,7 @@ def exit_now(code: object, before_exit: Callable[[int], None] | None = None) -> 
             if stream is not None:   # None: started with that descriptor closed
                 stream.flush()
         except (OSError, ValueError):
-            pass  # a closed pipe (`pai ... | head`) or an already closed stream
-    if before_exit is not None:
-        before_exit(code)   # our output is out: a served submit's status, a server to start
+            pass   # a closed pipe (`pai ... | head`)
     if threading.active_count() > 1 or sys.getprofile() or sys.gettrace() or os.environ.get("PAI_DEBUG"):
         sys.exit(code)
     os._exit(code)

@@ -27,14 +27,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from paicli.records import asdict, field, record
+from typing import Any
+from dataclasses import asdict, dataclass, field
 
 
 RESTART_INSTANCE = "instance"  # restart only the failed instance
 RESTART_JOB = "job"            # restart every instance (ps-lite cannot take one back)
 
 
-@record
+@dataclass
 class RolePlan:
     name: str
     count: int
@@ -51,7 +52,7 @@ class RolePlan:
     stop_grace: float = 0.0
 
 
-@record
+@dataclass
 class JobPlan:
     job_name: str
     framework: str

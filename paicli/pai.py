@@ -1,24 +1,19 @@
 """`pai`, the program: the console script and `python -m paicli`.
 
-A bare statement (`pai [--detach] -name X -Dk=v ...`, the most common run of
-`pai`) is submitted through paicli.commands alone: click and the command tree
-(~25 ms of imports) are not needed to parse it. Everything else goes to the
-click commands of paicli.cli. A bare statement is first offered to the user's
-resident submit server (paicli/submit_client.py, docs/submit-server.md).
+A bare statement (`pai [--detach] -name X -Dk=v ...`) is submitted through
+paicli.commands directly: it needs neither click nor the command tree. Everything
+else goes to the click commands of paicli.cli.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Callable
+from paicli.cli_tokens import is_bare_statement
 
 
-def main(argv: list[str] | None = None, served: str = "untried") -> None:
-    """`served`: what the launcher's submit_client.offer said ("untried": ask the
-    resident submit server here; a served statement never comes back)."""
+def main(argv: list[str] | None = None) -> None:
     if sys.stdout is None:
         # Started with fd 1 closed (`pai ... >&-`): every command writes there. Said in
         # one line and nothing run, rather than a job submitted and a traceback.
@@ -26,41 +21,19 @@ def main(argv: list[str] | None = None, served: str = "untried") -> None:
             sys.stderr.write("pai: error: standard output is closed; run pai with it open "
                              "(`> /dev/null` to discard it)\n")
         sys.exit(2)
-    from paicli.cli_tokens import is_bare_statement
-
+    # A standard descriptor that started closed (cron, `pai ... <&-`) gets /dev/null,
+    # so that no pipe, log or socket of ours takes its number.
+    for fd in (0, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)   # the lowest free number: this one
     args = sys.argv[1:] if argv is None else list(argv)
-    if not is_bare_statement(args):
+    if is_bare_statement(args):
+        from paicli.commands import finish, submit_tokens
+
+        finish(lambda: sys.exit(submit_tokens(args)))
+    else:
         from paicli.cli import main as commands_main
 
         commands_main(args)
-        return
-    if served == "untried":
-        from paicli import submit_client
-
-        served = submit_client.submit(args)   # served: never returns
-    run_bare(args, start_server=served == "absent")
-
-
-def run_bare(args: list[str], start_server: bool = False,
-             before_exit: Callable[[int], None] | None = None) -> None:
-    """Submit the bare statement `args` and follow it, then end the process:
-    `pai`'s own path, and the submit server's child. `start_server`: start a
-    submit server for the next submit once this one is done."""
-    from paicli.cluster.spawn import fork_waiting_master
-
-    # The job's master first, before this process imports anything else (the
-    # statement's modules, even paicli.commands): it imports its own (~40 ms of CPU
-    # here) on the other core meanwhile. Forked after them, it was still importing
-    # when the job was ready for it.
-    waiting = fork_waiting_master()
-    from paicli.commands import finish, submit_tokens
-
-    def leaving(code: int) -> None:
-        if start_server:
-            from paicli.submit_client import start_server as start
-
-            start()
-        if before_exit is not None:
-            before_exit(code)
-
-    finish(lambda: sys.exit(submit_tokens(args, waiting)), before_exit=leaving)

@@ -519,7 +519,9 @@ def wait_job(store, job_id: str, limit_s: float, enough: Callable[[], bool] = la
 def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Callable[[str], None]):
     """Submit the user's script on `cluster_value`, let it run a few steps, stop it,
     and read what it measured. Raises PaiError when the script fails or shows no steps."""
-    from paicli import client, records
+    import dataclasses
+
+    from paicli import client
     from paicli.errors import PaiError
     from paicli.states import JobStatus
 
@@ -528,7 +530,7 @@ def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Call
     params = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
     params.update({"cluster": cluster_value, **extra, "maxRetries": 0,
                    "jobName": f"pluto-calibration-{Path(str(prepared.spec.get('script') or prepared.spec.get('solver') or 'job')).stem}"})
-    spec = records.replace(prepared.spec, params=params)
+    spec = dataclasses.replace(prepared.spec, params=params)
     workers = cluster_value.get("worker", {}).get("count", 1)
     job_id = client.submit(client.Prepared(CalibrationAdapter(prepared.adapter), spec), store)
     say(f"calibration job {job_id}: {json.dumps(cluster_value)}")
@@ -750,13 +752,15 @@ def verify_run(prepared, store, choice_json: dict, say: Callable[[str], None]) -
     """Submit the job as the plan would (its -Dcluster and -D values), let every
     worker print VERIFY_INTERVALS + 2 step lines spanning MEASURE_SPAN_S, stop it; {"job", "step_s"} (step_s
     None when the run failed or showed too few steps: the plan keeps its forecast)."""
-    from paicli import client, records, steptime
+    import dataclasses
+
+    from paicli import client, steptime
     from paicli.states import JobStatus
 
     params = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
     params.update({"cluster": choice_json["cluster"], **choice_json["params"], "maxRetries": 0,
                    "jobName": f"pluto-verify-{Path(str(prepared.spec.get('script') or prepared.spec.get('solver') or 'job')).stem}"})
-    spec = records.replace(prepared.spec, params=params)
+    spec = dataclasses.replace(prepared.spec, params=params)
     prepared.adapter.validate(spec)
     workers = choice_json["cluster"].get("worker", {}).get("count", 1)
     job_id = client.submit(client.Prepared(prepared.adapter, spec), store)
@@ -803,7 +807,9 @@ def auto_strategy(prepared, store=None, progress: Callable[[str], None] = lambda
     """The prepared job with Pluto's recommendation applied: -Dcluster and the
     strategy's -D values replaced (what the user set for them is overridden, and
     said in the reasons), the plan and forecast carried into plan.json."""
-    from paicli import client, records
+    import dataclasses
+
+    from paicli import client
 
     result = plan_prepared(prepared, store=store, say=lambda line: progress(f"pluto: {line}"))
     rec = result.plan.recommended
@@ -817,7 +823,7 @@ def auto_strategy(prepared, store=None, progress: Callable[[str], None] = lambda
         reasons.append("appended " + " ".join(rec.strategy.script_flags) + " to the script's arguments "
                        "(-DuserDefinedParameters; your own arguments come first)")
     params = {**prepared.spec.params, "cluster": chosen["cluster"], **chosen["params"]}
-    spec = records.replace(prepared.spec, params=params)
+    spec = dataclasses.replace(prepared.spec, params=params)
     prepared.adapter.validate(spec)
     record = {**chosen, "reasons": reasons, "default": result.plan.default.to_json(),
               "param_bytes": result.profile.param_bytes, "ps_role": rec.strategy.ps_role(),

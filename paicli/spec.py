@@ -17,9 +17,9 @@ import shlex
 from pathlib import Path
 from collections.abc import Callable, Iterable
 from typing import Any
+from dataclasses import dataclass, field
 
 from paicli.errors import SpecError
-from paicli.records import field, record
 
 
 # ---------------------------------------------------------------------------
@@ -37,7 +37,7 @@ def snake_case(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Param:
     """One job parameter.
 
@@ -166,7 +166,7 @@ def parse_size(text: Any) -> int | None:
 # JobSpec
 
 
-@record
+@dataclass
 class JobSpec:
     """What the user asked for, typed and validated. `params` holds only the keys
     the user set, by their PAI names; `get` falls back to the table's default."""
@@ -387,7 +387,7 @@ def closest(name: str, known: Iterable[str]) -> str | None:
     return match[0] if match else None
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class RawParam:
     """A parameter as the user gave it: key as written, raw value, how to name it
     in an error (`-Dcluster`, `job.yaml line 3: cluster`), and the directory a

@@ -17,16 +17,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+from dataclasses import dataclass, field
 
 from paicli.errors import SpecError, UsageError
-from paicli.records import field, record
 from paicli.spec import RawParam
 
 
 EXAMPLE = "e.g. pai -name python -Dscript=train.py -Dcluster='{\"worker\":{\"count\":2}}'"
 
 
-@record
+@dataclass
 class Statement:
     framework: str | None = None
     project: str | None = None

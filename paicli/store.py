@@ -359,11 +359,6 @@ class Store:
             db.execute("INSERT INTO events (job_id, ts, kind, message) VALUES (?,?,?,?)",
                        (job_id, now, "submitted", f"{framework} job {name}"))
 
-    def warm(self) -> None:
-        """A connection opened ahead of its use (a waiting master's) made ready: its
-        first statement parses the schema, and job()'s is then compiled already."""
-        self.db.execute("SELECT * FROM jobs WHERE id = ?", ("",)).fetchone()
-
     def job(self, job_id: str) -> sqlite3.Row:
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:

@@ -80,8 +80,8 @@ def live_groups(pgids: set) -> set:
 
 def _group_exists(pgid: int) -> bool:
     """False only when no process at all (not even a zombie) is in group `pgid`:
-    one signal-0 instead of a pass over /proc (1.5 ms at 130 processes, paid by
-    every instance's exit before its status is reported)."""
+    one signal-0 instead of a pass over /proc (paid by every instance's exit
+    before its status is reported, and longer the more processes run)."""
     if pgid <= 0:
         return True    # not a group of ours to ask about: the pass over /proc decides
     try:
@@ -176,7 +176,6 @@ class Instance:
         self.files = None               # node_outputs.Watch: the folders whose files go back
 
     def start(self) -> bool:
-        self._take_process_state()
         env = instance_env(self.spec)
         if self.spec.get("output_fd") is not None:
             write_fd, self.output_open = int(self.spec["output_fd"]), False   # the master reads it itself
@@ -205,24 +204,14 @@ class Instance:
         self.out.frame(b"I", json.dumps({"pid": self.proc.pid, "pgid": self.proc.pid,
                                          "start": stat[2] if stat else "", "boot": boot_id()}).encode())
         if late:
-            # This machine's folders (the user's working folder: thousands of files
-            # took ~0.15 s per instance to list) are not listed as the instance
+            # This machine's folders (the user's working folder: thousands of files,
+            # slow to list) are not listed as the instance
             # starts: what changed from its start on (ctime) is the instance's, found
             # by the one listing at its end. A node's folders, which staging has just
             # written, are listed before the start, as the staged files are not its.
             self.out.flush()
             self.files = _outputs_room().Watch(watch, since_ns=began - CLOCK_SLACK_NS)
         return True
-
-    def _take_process_state(self) -> None:
-        """Forked before its job (cluster/agents_ahead.py): the master's umask, mask, log."""
-        if "umask" in self.spec:
-            os.umask(int(self.spec["umask"]))
-            signal.pthread_sigmask(signal.SIG_SETMASK, [int(s) for s in self.spec["sigmask"]])
-        if self.spec.get("stderr"):   # created if gone meanwhile: a missing log is no failed start
-            fd = os.open(self.spec["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            os.dup2(fd, 2)
-            os.close(fd)
 
     def _catch_signals(self) -> None:
         """The agent's own dispositions back to the defaults, so that the instance
@@ -354,7 +343,7 @@ def cmd_run(label: str) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     line = sys.stdin.buffer.readline()
     if not line.strip():
-        return 0     # started ahead of time and never used: the channel closed
+        return 0     # started for an instance that never came: the channel closed
     instance = Instance(json.loads(line), sys.stdin.fileno(), Channel(sys.stdout.fileno()))
     return instance.loop() if instance.start() else 0
 

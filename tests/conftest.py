@@ -23,9 +23,6 @@ PAI = [sys.executable, "-m", "paicli"]
 # Jobs in tests print the summary file as their `Log view:` instead of starting a
 # logview server per test home; tests/test_logview.py turns the server on itself.
 os.environ.setdefault("PAI_LOGVIEW", "file")
-# Nor a resident submit server (paicli/submit_server.py) shared by hundreds of test
-# homes: tests/test_submit_server.py turns it on, in a folder of its own.
-os.environ["PAI_SUBMIT_SERVER"] = "0"
 
 # A test that runs `pai` or opens the store without the pai_home fixture must not
 # write into the ~/.pai (or the PAI_HOME) of whoever runs the suite: this process, and

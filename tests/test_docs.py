@@ -123,8 +123,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "runners": ("paicli.runners.*",),
     # The shared vocabulary every layer above speaks.
     "core": ("paicli", "paicli.errors", "paicli.spec", "paicli.jobplan", "paicli.states", "paicli.store",
-             "paicli.private", "paicli.records", "paicli.steptime",
-             "paicli.envvars", "paicli.requirements"),   # ENVS room: a job's env and requirements
+             "paicli.private", "paicli.steptime",
+             "paicli.envvars", "paicli.requirements"),   # a job's env and requirements
     "adapters": ("paicli.adapters.*",),                 # frameworks, never processes
     # processes, never frameworks; jobstatus derives a job's status from the store
     # and the process table (is its master alive?), for the master and the readers
@@ -132,10 +132,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # The library the commands, the console and the web server call.
     "library": ("paicli.client", "paicli.jobview", "paicli.pluto", "paicli.statement", "paicli.staging", "paicli.logtail",
                 "paicli.logview", "paicli.docs", "paicli.progress", "paicli.job_outputs",
-                "paicli.tune"),   # TUNE (issue 19): pai tune's library (Optuna inside its functions)
+                "paicli.tune"),   # pai tune's library (Optuna inside its functions)
     "web": ("paicli.web.*",),                           # the logview launcher, the server, its pages
-    "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__",
-                 "paicli.submit_client", "paicli.submit_server"),   # `pai` served by a resident process
+    "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__"),
 }
 MAY_IMPORT: dict[str, set[str]] = {
     "runners": {"runners"},

@@ -213,7 +213,7 @@ def test_supervisor_death_is_noticed_by_the_next_look_too(pai_home):
                         timeout=EVENT_DEADLINE, interval=0.5)
     master = status["master_pid"]
     watchdog = watchdog_pid(pai_home, job_id)
-    assert os.getsid(watchdog) == watchdog  # its own session: a signal to the master's group misses it
+    assert os.getsid(watchdog) != os.getsid(master)  # its own session: a signal to the master's group misses it
     os.kill(watchdog, signal.SIGKILL)
     os.kill(master, signal.SIGKILL)
     after = pai_json("status", job_id)
@@ -637,12 +637,12 @@ def test_the_forked_master_keeps_nothing_of_the_cli(pai_home, tmp_path):
         watchdog = watchdog_pid(pai_home, job_id)
         fds = [os.readlink(f"/proc/{master}/fd/{fd}") for fd in os.listdir(f"/proc/{master}/fd")]
         assert sum("watchdog.log" in target for target in fds) == 0, "watchdog.log left open in the master"
-        # The watchdog (forked from the master) holds its pipe, /dev/null and its log:
+        # The watchdog (forked from the master) holds its pipe and its log (stdout, stderr):
         # not the store, not the write end of its own pipe (EOF must mean "master gone").
         # (Numbers above 2 the fork brought along point at /dev/null: procinfo.let_go_inherited.)
         held = {int(fd): os.readlink(f"/proc/{watchdog}/fd/{fd}") for fd in os.listdir(f"/proc/{watchdog}/fd")}
         assert {0, 1, 2} <= set(held) and all(held[fd] == "/dev/null" for fd in held if fd > 2), held
-        assert held[0].startswith("pipe:") and held[1] == "/dev/null" and held[2].endswith("watchdog.log"), held
+        assert held[0].startswith("pipe:") and held[1].endswith("watchdog.log") and held[2].endswith("watchdog.log"), held
         holders = {int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _holds(pid, held[0])}
         assert holders == {master, watchdog}, holders  # no instance keeps the master's end open
     finally:
@@ -669,9 +669,9 @@ def test_a_forked_child_keeps_its_descriptors_whatever_its_parent_left_to_collec
             code = 1
             try:
                 if child == "master":
-                    spawn._take_stdio(os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY), 2)
+                    spawn.enter_process(((os.open(os.devnull, os.O_RDONLY), 0), (os.open(os.devnull, os.O_WRONLY), 1)), ())
                 else:
-                    local._take_agent_stdio(())
+                    spawn.enter_process((), keep=(local.AGENT_OUTPUT_FD,))
                 # New pipes, until they reach the numbers the parent's objects own: they
                 # take those very numbers if the child closed them (the lowest free first).
                 pipes = [os.pipe()]

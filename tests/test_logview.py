@@ -85,57 +85,22 @@ def test_submit_prints_the_page_url_and_the_page_shows_the_job(web):
     assert (folder / "token").read_text().strip() == token
 
 
-def test_the_servers_interpreter_starts_a_moment_after_its_process(web):
+def test_the_server_stands_by_holding_nothing_else_of_the_caller(web):
     """ensure_server records a live process at once (stoppable, its pid and start
-    time in server.json); that process becomes the standby STANDBY_DELAY later, so
-    a submit's instances start without an interpreter's start beside them."""
-    import time
-
+    time in server.json), which stands by on the socket until the first visit."""
+    from paicli.cluster.procinfo import is_alive
     from paicli.web import launch
 
-    begun = time.monotonic()
     state = launch.ensure_server(web)
-    with open(f"/proc/{state['pid']}/cmdline", "rb") as f:
-        early = f.read()
-    assert b"paicli.web.standby" not in early   # not yet the standby
-    def standby() -> bool:
-        with open(f"/proc/{state['pid']}/cmdline", "rb") as f:
-            return b"paicli.web.standby" in f.read()
-    assert wait_until(standby, timeout=30)
-    assert time.monotonic() - begun >= launch.STANDBY_DELAY * 0.9
-    # Counted once it stands by: while its interpreter still imports, the files it
-    # reads are open too (seen as a fifth descriptor under load).
+    assert is_alive(state["pid"], state["start"])
+    assert os.getsid(state["pid"]) != os.getsid(0)   # a session of its own
     log = launch.state_dir(web) / "server.log"
     assert wait_until(lambda: "standing by" in log.read_text(), timeout=30)
-    fds = sorted(int(fd) for fd in os.listdir(f"/proc/{state['pid']}/fd"))
-    assert len(fds) <= 4, fds   # stdin, the log twice, the socket: nothing else of the caller's
+    # stdin, the log twice, the socket: nothing else of the caller's (numbers a fork
+    # brought along point at /dev/null: procinfo.let_go_inherited)
+    held = {fd: os.readlink(f"/proc/{state['pid']}/fd/{fd}") for fd in os.listdir(f"/proc/{state['pid']}/fd")}
+    assert len({fd: t for fd, t in held.items() if t != "/dev/null"}) <= 3, held
     assert get(f"http://127.0.0.1:{state['port']}/logview/?token={state['token']}")[0] == 200
-
-
-def test_a_standby_in_place_waits_as_one_that_execs_does(tmp_path, monkeypatch):
-    """A served child's standby runs in place (no interpreter to start), but not at
-    once either: its first steps (~6 ms of a core) wait STANDBY_DELAY, as an exec
-    does, and the submit's instances start without it beside them."""
-    import time
-
-    from paicli.web import launch
-
-    stamp = tmp_path / "began"
-
-    def in_place(argv, env):
-        stamp.write_text(repr(time.monotonic()))
-        os._exit(0)
-
-    monkeypatch.setattr(launch, "STANDBY_IN_PLACE", in_place)
-    log = os.open(tmp_path / "server.log", os.O_WRONLY | os.O_CREAT, 0o600)
-    with socket.socket() as sock:
-        forked = time.monotonic()
-        pid = launch._spawn_standby([sys.executable, "-m", "paicli.web.standby"], dict(os.environ), log,
-                                    sock.fileno())
-        os.close(log)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert float(stamp.read_text()) - forked >= launch.STANDBY_DELAY * 0.9
 
 
 def test_a_retried_instance_shows_its_events_attempts_and_both_logs(web):
@@ -463,11 +428,8 @@ def test_a_slow_store_read_does_not_hold_up_another_request(tmp_path, monkeypatc
     assert slow and slow[0][0] == 200
 
 
-def test_starting_the_server_costs_a_submit_no_import_beyond_the_socket(pai_home, monkeypatch):
-    """The first submit of a PAI_HOME starts its server before the job's instances
-    start: its token and its log descriptor import nothing (base64 and
-    cluster.logsink were ~3.5 ms of that submit's CPU), and the token is still 32
-    URL-safe characters (secrets.token_urlsafe(24)'s form)."""
+def test_the_first_submit_of_a_home_starts_its_server_and_prints_its_url(pai_home, monkeypatch):
+    """The token in the URL is 32 URL-safe characters, the one kept in the home."""
     import subprocess
 
     from paicli.web import launch
@@ -475,16 +437,12 @@ def test_starting_the_server_costs_a_submit_no_import_beyond_the_socket(pai_home
     monkeypatch.delenv("PAI_LOGVIEW", raising=False)   # the page, not the summary file
     script = Path(__file__).resolve().parent.parent / "examples" / "python" / "ps_worker.py"
     try:
-        result = subprocess.run([sys.executable, "-X", "importtime", "-m", "paicli", "-name", "python",
+        result = subprocess.run([sys.executable, "-m", "paicli", "-name", "python",
                                  f"-Dscript={script}", '-Dcluster={"ps":{"count":1},"worker":{"count":1}}',
                                  "-DuserDefinedParameters=--steps=1 --sleep=0"],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stdout + result.stderr[-2000:]
         assert "Log view: http://127.0.0.1:" in result.stdout   # the submit started the server
-        imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()
-                    if line.startswith("import time:") and "[us]" not in line}
-        assert "paicli.web.launch" in imported and "sqlite3" in imported   # the probe saw the submit
-        assert {"base64", "paicli.cluster.logsink"} & imported == set()
         token = (pai_home / "logview" / "token").read_text().strip()
         assert re.fullmatch(r"[A-Za-z0-9_-]{32}", token), token
         assert f"token={token}" in result.stdout

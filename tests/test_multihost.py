@@ -209,36 +209,27 @@ def logins(cluster: TestCluster) -> dict[str, int]:
     return {h.name: (h.state_dir / "sshd.log").read_text().count("Accepted publickey") for h in cluster.hosts}
 
 
-def test_a_job_logs_in_to_each_node_once(cluster, nodes, tmp_path):
-    """The submit's probe of the nodes is made by the job's waiting master, and the
-    job stages and starts over the connections it opened: one login per node and
-    job (there were two on the nodes the job ran on: the CLI's probe, then the
-    master's). Both ways the probe is made: ahead, by the master `pai` forked,
-    and when asked, by a submit server's spare, forked before the statement."""
-    from test_submit_server import Served
+def test_a_job_logs_in_to_each_node_once(cluster, nodes):
+    """The job's master probes the nodes for the submit and stages and starts the
+    job over the connections it opened: one login per node and job."""
+    before = logins(cluster)
+    result = pai("-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}",
+                 "-DuserDefinedParameters=--steps 3 --sleep 0")
+    info = assert_ok(result)
+    after = logins(cluster)
+    assert {n: after[n] - before[n] for n in after} == {h.name: 1 for h in cluster.hosts}, (before, after)
+    assert len(set(hosts_of(info).values())) == 3
+    assert_nothing_left(cluster, info["id"])
 
-    directory = tmp_path / "server"
-    directory.mkdir(mode=0o700)
-    server = Served(directory, {"PAI_SUBMIT_SERVER": "1", "PAI_SUBMIT_SERVER_DIR": str(directory),
-                                "PAI_SUBMIT_SERVER_IDLE": "120"})
-    try:
-        for how, server_on in (("ahead", False), ("ahead", True), ("when asked", True)):
-            if how == "when asked":   # the server the last submit started, and its spare, forked ahead
-                assert wait_until(lambda: "spare pid" in server.log(), 60), server.log()
-            before = logins(cluster)
-            result = pai("-name", "python", f"-Dscript={EXAMPLE}", f"-Dcluster={PS_WORKER}",
-                         "-DuserDefinedParameters=--steps 3 --sleep 0", env=server.env if server_on else None)
-            info = assert_ok(result)
-            after = logins(cluster)
-            assert {n: after[n] - before[n] for n in after} == {h.name: 1 for h in cluster.hosts}, (how, before, after)
-            assert len(set(hosts_of(info).values())) == 3
-            master_log = (Path(info["job_dir"]) / "master.log").read_text()
-            assert f"its nodes probed {how}" in master_log.splitlines()[0], master_log
-            assert ("(a spare)" in server.log()) == (how == "when asked"), server.log()
-            assert_nothing_left(cluster, info["id"])
-    finally:
-        for pid in server.server_pids():
-            os.kill(pid, signal.SIGTERM)
+
+def test_a_bad_statement_logs_in_to_no_node(cluster, nodes, pai_home):
+    """Bad input is refused before the job's master exists: no node is touched."""
+    before = logins(cluster)
+    result = pai("-name", "python", f"-Dscript={EXAMPLE}", "-Dcluster={\"worker\":{\"count\":0}}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    result = pai("-name", "python", "-Dscript=file:///no/such/script.py", f"-Dcluster={PS_WORKER}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert logins(cluster) == before
 
 
 def test_unknown_host_key_is_refused_naming_the_node(cluster, nodes, tmp_path, monkeypatch):
@@ -254,8 +245,8 @@ def test_unknown_host_key_is_refused_naming_the_node(cluster, nodes, tmp_path, m
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "node h2" in result.stderr and "host key unknown" in result.stderr
     assert "pai nodes trust h2" in result.stderr
-    # The job's waiting master probed (one login on each other node), and its error was
-    # the CLI's: the CLI did not probe again.
+    # The job's master probed (one login on each other node), and its error was the
+    # CLI's: the CLI did not probe again.
     after = logins(cluster)
     assert {n: after[n] - before[n] for n in after} == {"h1": 1, "h2": 0, "h3": 1, "h4": 1}, (before, after)
     listed = pai("nodes", "--json")

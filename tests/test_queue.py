@@ -250,12 +250,15 @@ def test_the_sweep_gives_a_queued_job_a_new_supervisor_instead_of_declaring_it_l
     store.update_job("2026a", master_pid=gone.pid, master_start="1")
     started = []
 
-    def spawn_master(home, job_id, log_path, fresh=False):   # the new supervisor: a process that is not a master
-        assert fresh, "a supervisor started from a master or a watchdog must not be forked from it"
-        started.append(subprocess.Popen(["sleep", "60"]))
-        return started[-1].pid
+    class NewSupervisor:   # a process that is not a master
+        def start(self, job_id):
+            started.append(subprocess.Popen(["sleep", "60"]))
+            return started[-1].pid
 
-    monkeypatch.setattr(spawn, "spawn_master", spawn_master)
+        def close(self):
+            pass
+
+    monkeypatch.setattr(spawn, "start_master", lambda home, job_dir: NewSupervisor())
     try:
         assert lifecycle.sweep_lost(store, report=lambda line: None) == []
         job = store.job("2026a")

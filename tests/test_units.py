@@ -661,11 +661,3 @@ def test_the_suite_never_writes_into_the_home_of_whoever_runs_it(tmp_path):
     assert (SESSION_HOME / "pai.db").exists()       # the command opened a store, in the session's home
     assert not (fake_home / ".pai").exists()        # and nothing in the user's
 
-
-def test_the_spare_comes_at_once_after_a_statement_older_than_its_delay():
-    from paicli.submit_server import SPARE_DELAY, spare_delay
-
-    assert spare_delay(SPARE_DELAY + 7.5) == 0.0          # an attached job ran and ended
-    assert spare_delay(SPARE_DELAY) == 0.0
-    assert spare_delay(0.05) == SPARE_DELAY - 0.05       # a detached submit: its job is starting
-    assert spare_delay(0.0) == SPARE_DELAY

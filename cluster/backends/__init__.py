@@ -25,13 +25,10 @@ import importlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from paicli.errors import UsageError
 from paicli.private import write_private
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
 BACKENDS: dict[str, str] = {

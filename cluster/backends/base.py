@@ -27,14 +27,11 @@ import threading
 import time
 from pathlib import Path
 from collections.abc import Callable, Iterable
+from typing import Any
+from dataclasses import asdict, dataclass, field
 
-from paicli.cluster import agents_ahead, remote_paths
+from paicli.cluster import remote_paths
 from paicli.errors import PaiError, UsageError
-from paicli.records import asdict, field, record
-
-TYPE_CHECKING = False   # typing is not imported at run time: ~3 ms of every pai and master
-if TYPE_CHECKING:
-    from typing import Any
 
 
 # poll()/wait() answer for an instance whose node stopped answering (else subprocess's
@@ -51,7 +48,7 @@ class NodeCallFailed(PaiError):
         self.why = why
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class NodeSpec:
     name: str                     # shown to users
     host: str                     # the address peers are told and instances bind
@@ -71,7 +68,7 @@ class NodeSpec:
                    gpus=tuple(str(g) for g in data.get("gpus", ())), attrs=dict(data.get("attrs") or {}))
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Placement:
     """One instance placed (paicli.cluster.placement.place(), a pure function)."""
     role: str
@@ -88,7 +85,7 @@ class Placement:
         return cls(data["role"], int(data["idx"]), data["node"], data["host"], tuple(data.get("gpus", ())))
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class InstanceRef:
     backend: str
     node: str
@@ -107,7 +104,7 @@ class InstanceRef:
                    pgid=int(data["pgid"]), start=data.get("start"), boot_id=data.get("boot_id"))
 
 
-@record
+@dataclass
 class Handle:
     ref: InstanceRef
     output_fd: int                # the instance's stdout+stderr, read by the master; -1 once closed
@@ -129,12 +126,9 @@ class Backend:
     # Seconds without a frame (master) / a byte (agent) that mean an instance's link
     # is gone; 0: none asked for (this machine: a dead master closes the agent's stdin).
     heartbeat = 0.0
-    # The agents a spare's waiting master forked (cluster/agents_ahead.py) are the
-    # local backend's; any other lets them go in prepare(): its nodes run its agents.
-    takes_agents_ahead = False
-    # Probing its nodes logs in to each (SSH): the job's waiting master probes them for
-    # the submit and the job keeps those connections (cluster/spawn.py, ask_nodes).
-    probes_by_login = False
+    # True in a job's master: the connections nodes() opened are kept for the job's
+    # staging and starts (one login per node and job); else nodes() closes them.
+    keep_probe_connections = False
 
     def __init__(self, config: dict[str, Any] | None = None):
         self.config = dict(config or {})
@@ -175,19 +169,12 @@ class Backend:
             from paicli.cluster.logsink import job_log_note
 
             self.progress = job_log_note(job_dir)
-        if not self.takes_agents_ahead:
-            agents_ahead.discard_agents_ahead()
         began = time.monotonic()
         self._prepare(job_dir, plan, placements)
         took = time.monotonic() - began
         if took >= STAGING_NOTED and self.staged_folders() is not None:   # local stages nothing
             nodes = sorted({p.node for p in placements})
             self.progress(f"staged the job on {', '.join(nodes)} in {took:.1f}s")
-
-    def start_ahead(self) -> None:
-        """The agents prepare() left for later, started now: the master calls it while
-        the services' agents start them, so the rest wait warm for their specs."""
-        self._start_ahead()
 
     def cleanup(self, job_dir: str) -> None:
         """Remove the per-job folders on the nodes (but those `keeps`), and what
@@ -215,7 +202,7 @@ class Backend:
             except Exception:  # noqa: BLE001 - the transport's own errors: the folder stays
                 pass
 
-        from concurrent.futures import ThreadPoolExecutor   # not on a submit's path (logging, ~4 ms)
+        from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
             list(pool.map(remove, names))
@@ -303,9 +290,6 @@ class Backend:
 
     def _prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
         """Local: nothing."""
-
-    def _start_ahead(self) -> None:
-        """Local and remote: nothing left for later."""
 
     def _cleanup(self, job_dir: str) -> None:
         """Local: nothing (the job folder is the user's to keep)."""
@@ -486,7 +470,7 @@ class Backend:
         """The node agent's alive(ref) on `node` (`ref` in agent_ref's form)."""
         raise NotImplementedError
 
-    # -- DATA (issue 18): the job's staged nodes, for cluster/datasets.py -----------------
+    # -- the job's staged nodes, for cluster/datasets.py -----------------
 
     def staged_folders(self, nodes: Iterable[str] | None = None) -> dict[str, str] | None:
         """{node: the job's per-job folder there} for the nodes this process staged

@@ -4,8 +4,8 @@ Each instance runs under the node agent (runners/node_agent.py), as on an SSH
 host or a Ray node; the transport is the agent's stdin and stdout, and the
 master reads the agent's frames straight from that pipe (cluster/agent_link.py).
 A dead master closes the agent's stdin, and the agent stops the instance's
-group. The agents are started by prepare(), ahead of the instances, so a start
-is one round trip on a pipe, not a new interpreter.
+group. The agents are started by prepare(), before the instances, so a start
+is one round trip on a pipe.
 """
 
 from __future__ import annotations
@@ -13,18 +13,11 @@ from __future__ import annotations
 import fcntl
 import os
 import select
-import signal
 import sys
-import threading
 
 from paicli.cluster.backends.base import Backend, NodeSpec
-from paicli.cluster import agents_ahead
-from paicli.cluster.procinfo import let_go_inherited, reap_children, reap_later
-
-# The agent's code (runners/, beside cluster/ in the source tree and in the installed
-# package alike) is imported where it is used, not here: a submit builds this backend
-# for its nodes only, and agent_link/node_agent (subprocess, socket, ~6 ms of imports)
-# are the master's, which imports them before it has the job (master.RUN_MODULES).
+from paicli.cluster.procinfo import reap_children, reap_later
+from paicli.cluster.spawn import enter_process, must_exec
 
 LOCAL_NODE = "local"
 LOCAL_HOST = "127.0.0.1"
@@ -45,8 +38,7 @@ class AgentProcess:
     instance writes its output straight into `output_fd`, a small pipe the master
     reads, as if it were the master's own child."""
 
-    def __init__(self, label: str, ahead: bool = False):
-        self.ahead = ahead   # forked before its job (cluster/agents_ahead.py)
+    def __init__(self, label: str):
         self.output_fd, out_w = os.pipe()
         try:
             fcntl.fcntl(self.output_fd, F_SETPIPE_SZ, PIPE_BYTES)
@@ -74,8 +66,7 @@ class AgentProcess:
 
     def close(self) -> None:
         """The agent reads EOF and exits (stopping the group if it still runs), a
-        forked process's teardown later (~2-3 ms, on the way to a verdict): reaped
-        then, not waited for (the job's cleanup waits, AGENT_EXIT). `output_fd` is
+        forked process's teardown later: reaped then, not waited for (the job's cleanup waits, AGENT_EXIT). `output_fd` is
         the master's from the start on, not closed here."""
         for fd in (self._in, self._out):
             os.close(fd)
@@ -91,26 +82,21 @@ class AgentProcess:
         return f"its agent (pid {self.pid}): {describe_exit(self.exit_code)}"
 
     def discard(self) -> None:
-        """An agent started ahead of time and never used."""
+        """An agent started for an instance that never came (its link closed)."""
         self.close()
         os.close(self.output_fd)
-
-
-def fork_agents_ahead(count: int = agents_ahead.AGENTS_AHEAD) -> None:
-    """In a waiting master, before its pre-fault: the first agents (cluster/agents_ahead.py)."""
-    for _ in range(count):
-        agents_ahead.keep(AgentProcess("ahead", ahead=True))
 
 
 def _spawn_agent(label: str, output_fd: int) -> tuple[int, int, int]:
     """`node_agent.py run LABEL` with `output_fd` as AGENT_OUTPUT_FD: (pid, its
     stdin, its stdout). A single-threaded master forks it (the agent's code is
     imported already: no interpreter to start); a threaded one, where a fork is
-    unsafe, spawns `python -I -S node_agent.py`, as an SSH node runs it."""
+    unsafe, spawns `python -I -S node_agent.py`, as an SSH node runs it (the
+    agent resets its signal dispositions itself)."""
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     moves = ((in_r, 0), (out_w, 1), (output_fd, AGENT_OUTPUT_FD))
-    if threading.active_count() > 1:
+    if must_exec():
         if output_fd == AGENT_OUTPUT_FD:
             os.set_inheritable(output_fd, True)   # a dup2 onto itself keeps close-on-exec
         pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", AGENT, "run", label], os.environ,
@@ -130,7 +116,7 @@ def _forked_agent(label: str, moves) -> None:
     """In the forked child: nothing of the master's stays open; the agent runs."""
     code = 1
     try:
-        _take_agent_stdio(moves)
+        enter_process(moves, keep=(AGENT_OUTPUT_FD,))
         with open("/proc/self/comm", "w") as comm:
             comm.write("pai-node-agent")   # what `ps` and `top` show for it
         from paicli.runners import node_agent
@@ -144,24 +130,8 @@ def _forked_agent(label: str, moves) -> None:
         os._exit(code)
 
 
-def _take_agent_stdio(moves) -> None:
-    """A forked agent's descriptors and streams: `moves` in place, the master's let go."""
-    signal.set_wakeup_fd(-1)   # the master's: let go below
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
-        signal.signal(signum, signal.SIG_DFL)
-    for fd, target in moves:
-        os.dup2(fd, target)
-    let_go_inherited(keep=(AGENT_OUTPUT_FD,))   # the master's own, and what it inherited
-    # The frames go to fd 1 (the link), whatever object the forking process had
-    # as sys.stdout (a library user's or a test runner's capture).
-    sys.stdin = open(0, "r", closefd=False)
-    sys.stdout = open(1, "w", closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-
-
 class LocalBackend(Backend):
     name = "local"
-    takes_agents_ahead = True
     _job_id = "job"   # prepare()'s
 
     def _nodes(self):
@@ -170,30 +140,19 @@ class LocalBackend(Backend):
         return [NodeSpec(LOCAL_NODE, LOCAL_HOST, machine_cpu(), machine_memory_mb(), tuple(machine_gpus()))]
 
     def _prepare(self, job_dir, plan, placements):
-        # The services' agents now (the ps is begun first and the workers wait for
-        # it); the others' in start_ahead(), forked while the services start theirs:
-        # each fork of the master is ~3 ms of a loaded core on the way to the ps.
+        # Every instance's agent now, waiting for its spec: a start is then one round
+        # trip on a pipe.
         self._job_id = os.path.basename(str(job_dir).rstrip("/"))
-        services = {role.name for role in plan.roles if not role.must_finish}
-        first = [p for p in placements if p.role in services] or list(placements)
-        self._later = [p for p in placements if p not in first]
-        for p in first:
-            self._keep_warm(p, self._agent_for(p))
-
-    def _start_ahead(self):
-        later, self._later = getattr(self, "_later", []), []
-        for p in later:
+        for p in placements:
             self._keep_warm(p, self._agent_for(p))
 
     def _agent_for(self, placed):
-        """An agent forked ahead that still waits, else a new one."""
-        return agents_ahead.take() or AgentProcess(f"{self._job_id}/{placed.role}:{placed.idx}")
+        return AgentProcess(f"{self._job_id}/{placed.role}:{placed.idx}")
 
     def _discard(self, agent):
         agent.discard()
 
     def _cleanup(self, job_dir):
-        agents_ahead.discard_agents_ahead()
         reap_children(AGENT_EXIT)   # no agent of the job's left, not even a zombie
 
     def _pick_ports(self, node, count, taken):
@@ -205,7 +164,6 @@ class LocalBackend(Backend):
         # The spec goes down the agent's pipe now; its identity is read when asked
         # for: the agents start their instances while the master sends the next spec.
         agent = self._take_warm(placed) or self._agent_for(placed)
-        spec = agents_ahead.ahead_spec(spec) if agent.ahead else spec
         from paicli.cluster import agent_link
 
         starting = agent_link.send_spec(agent, spec, sink)

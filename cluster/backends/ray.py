@@ -545,14 +545,14 @@ class RayBackend(Backend):
             if "error" in staged:
                 raise PaiError(f"staging the job on Ray node {todo[nid].host}: {staged['error']}")
         runtime = plan.runtime
-        from paicli.cluster.requirement_layers import layer_spec, save_node_log   # ENVS room: the requirements layer
+        from paicli.cluster.requirement_layers import layer_spec, save_node_log
         layer = layer_spec(job_dir)
         answers = {nid: todo[nid].actor.ensure_runtime.remote(runtime, layer) for nid in todo}
         for nid, ref in answers.items():
             got = self._get(ref, f"the {runtime} runtime on Ray node {todo[nid].host}", PROVISION_TIMEOUT)
             for line in got.get("lines", []):
                 self.progress(f"Ray node {todo[nid].host}: {line}")   # a runtime provisioned there
-            if "pip_log" in got:   # ENVS room: a layer pip could not build there
+            if "pip_log" in got:   # a layer pip could not build there
                 raise PaiError(f"-Drequirements on Ray node {todo[nid].host}: {got['error']}",
                                f"pip's full log: {save_node_log(job_dir, todo[nid].host, got['pip_log'])}")
             if "error" in got:
@@ -640,7 +640,7 @@ class RayBackend(Backend):
             except PaiError as err:
                 print(f"{err} (Ray removes it with the job's driver)", file=sys.stderr, flush=True)
 
-    # -- DATA (issue 18): base.Backend's staged_folders / run_runner ------------------------
+    # -- base.Backend's staged_folders / run_runner ------------------------
 
     def _staged_folders(self, nodes: set[str] | None) -> dict[str, str] | None:
         found: dict[str, str] = {}

@@ -76,7 +76,6 @@ class ChannelTransport:
 class SSHBackend(Backend):
     name = "ssh"
     heartbeat = HEARTBEAT
-    probes_by_login = True
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)
@@ -87,7 +86,6 @@ class SSHBackend(Backend):
         self._folders: dict[str, str] = {}
         self._lock = threading.Lock()
         self._ports: dict[str, list[int]] = {}   # free ports found on each node by prepare()
-        self.keep_probe_connections = False   # True: the job will use them (else closed: a CLI forks)
 
     # -- nodes --------------------------------------------------------------------
 
@@ -131,7 +129,7 @@ class SSHBackend(Backend):
             raise PaiError("no node of the nodes file answers: " + "; ".join(down))
         self._specs = specs
         if not self._folders and not self.keep_probe_connections:
-            self.let_go_of_connections()   # probing only (the CLI, `pai nodes`): no thread outlives it
+            self.let_go_of_connections()   # probing only (`pai nodes`): no thread outlives it
         return list(specs)
 
     def _let_go_of_connections(self) -> None:
@@ -210,7 +208,7 @@ class SSHBackend(Backend):
             self.progress(f"{node.name}: no {runtime} runtime in {info['runtime_dir']}; provisioning it")
             _provision(lambda: self.conns.session(node), node, runtime, self.progress)
             info = self._agent(node, "info", node.runtime_dir or "")
-        from paicli.cluster.requirement_layers import ensure_on_ssh_node   # ENVS room: the job's requirements layer
+        from paicli.cluster.requirement_layers import ensure_on_ssh_node
         ensure_on_ssh_node(lambda: self.conns.session(node), node, job_dir, folder, info, self.progress)
         with self._lock:
             self._maps[node.name] = manifest.mapping(folder, info["runtime_dir"], info["python_path"])
@@ -327,7 +325,7 @@ class SSHBackend(Backend):
         return self._agent(self.nodes_config.node(node), "stop", str(float(timeout)), json.dumps(refs),
                            timeout=timeout + 30)
 
-    # -- DATA (issue 18): base.Backend's staged_folders / run_runner ------------------------
+    # -- base.Backend's staged_folders / run_runner ------------------------
 
     def _staged_folders(self, nodes: set[str] | None) -> dict[str, str] | None:
         # A node that stopped answering is not asked again.

@@ -16,13 +16,14 @@ import json
 import os
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlencode
 
+from paicli.cluster.procinfo import start_time
+from paicli.cluster.spawn import start_in_session
 from paicli.errors import PaiError
-from paicli.private import open_append_fd, private_dir, write_private
+from paicli.private import private_dir, write_private
 
 IDLE_SECONDS = 900.0  # the server exits after this long without a request or a CLI using it
 
@@ -50,12 +51,9 @@ def user_token(home: Path) -> str:
             return token
     except FileNotFoundError:
         pass
-    import binascii
+    import secrets
 
-    # secrets.token_urlsafe(24), without its import (hmac, hashlib: ~4 ms of a submit)
-    # or base64's (~1 ms): 32 URL-safe characters.
-    token = binascii.b2a_base64(os.urandom(24), newline=False).translate(bytes.maketrans(b"+/", b"-_"))
-    token = token.rstrip(b"=").decode("ascii")
+    token = secrets.token_urlsafe(24)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another pai made it first: use theirs
@@ -119,9 +117,7 @@ def _listen(host: str, folder: Path) -> socket.socket:
 
 @functools.lru_cache(maxsize=1)
 def web_libraries_present() -> bool:
-    """Whether aiohttp and jinja2 are installed: looked up once per process (~1.5 ms
-    of a submit that starts a server), in the submit server before it forks its
-    children (submit_server.warm_up)."""
+    """Whether aiohttp and jinja2 are installed (looked up once per process)."""
     import importlib.util
 
     return importlib.util.find_spec("aiohttp") is not None and importlib.util.find_spec("jinja2") is not None
@@ -136,96 +132,17 @@ def start_server(home: Path) -> dict:
     host = bind_host()
     token = user_token(home)
     sock = _listen(host, folder)
-    log = open_append_fd(folder / "server.log")
     try:
-        pid = _spawn_standby([sys.executable, "-m", "paicli.web.standby", "--home", str(home),
-                              "--fd", str(sock.fileno())], {**os.environ, "PYTHONUNBUFFERED": "1"}, log, sock.fileno())
+        pid = start_in_session("paicli.web.standby", ["--home", str(home), "--fd", str(sock.fileno())],
+                               folder / "server.log", keep=(sock.fileno(),))
     finally:
-        os.close(log)
         port = sock.getsockname()[1]
         sock.close()
-    from paicli.cluster.procinfo import start_time
 
     state = {"pid": pid, "start": start_time(pid), "host": host, "port": port,
              "token": token, "started": time.time()}
     write_private(folder / "server.json", json.dumps(state))
     return state
-
-
-STANDBY_DELAY = 0.5   # seconds between the standby's process and the standby's start
-# Set in a child of the resident submit server: a function that hands the standby's
-# argv, environment, log and socket to a process its spare forked ahead of the
-# statement (submit_server.hand_standby), and returns its pid (None: fork one now).
-STANDBY_AHEAD = None
-# Set in a child of the resident submit server (paicli/submit_server.py): a function
-# the forked standby calls with its argv and environment to run paicli.web.standby in
-# place instead of starting an interpreter. Its memory is the server's, shared, so
-# holding it costs little, and the ~40 ms of a core an interpreter's start takes during
-# the job's first second is not spent at all. It waits STANDBY_DELAY too: its own start
-# (~6 ms of a core, a forked process's first steps) came just as the instances started.
-STANDBY_IN_PLACE = None
-
-
-def _spawn_standby(argv: list[str], env: dict[str, str], log: int, sock_fd: int) -> int:
-    """The standby's process, in a session of its own, now: its pid and start time
-    are what server.json records, and stopping it works at once. The standby
-    starts STANDBY_DELAY later (a fork that waits, then execs or, in a served
-    child, runs in place): a submit prints the URL as the job's instances start,
-    and an interpreter's start (~40 ms of a core here) is what they need just then;
-    a visit meanwhile waits in the backlog. A threaded caller, where a fork is
-    unsafe, starts it at once."""
-    import threading
-
-    pid = STANDBY_AHEAD(argv, env, log, sock_fd) if STANDBY_AHEAD is not None else None
-    if pid:
-        return pid   # forked ahead: no fork, and no store closed and opened around one, now
-    if threading.active_count() > 1:
-        import subprocess
-
-        proc = subprocess.Popen(argv, pass_fds=(sock_fd,), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True, close_fds=True, cwd="/", env=env)
-        proc.returncode = 0  # never reaped here: it outlives this pai (Popen must not wait on it)
-        return proc.pid
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    try:
-        for stream in (sys.stdout, sys.stderr):
-            if stream is not None:
-                stream.flush()
-        from contextlib import nullcontext
-
-        from paicli.store import every_store_closed
-
-        # A standby in place opens the store in this very interpreter: no SQLite
-        # connection (and lock bookkeeping) of ours may be copied into it. The child
-        # never leaves this block: it does not open ours again.
-        with every_store_closed() if STANDBY_IN_PLACE is not None else nullcontext():
-            pid = os.fork()
-            if pid == 0:
-                _standby_child(argv, env, devnull, log, sock_fd)
-    finally:
-        os.close(devnull)
-    return pid
-
-
-def _standby_child(argv: list[str], env: dict[str, str], devnull: int, log: int, sock_fd: int) -> None:
-    """The forked standby: its own session, nothing of this pai's but the socket;
-    then the standby's interpreter (or, in a served child, the standby in place)."""
-    try:
-        os.setsid()
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
-            signal.signal(signum, signal.SIG_DFL)
-        for target, fd in enumerate((devnull, log, log)):
-            os.dup2(fd, target)
-        os.set_inheritable(sock_fd, True)
-        os.closerange(3, sock_fd)   # nothing else of this pai's (what it inherited too)
-        os.closerange(sock_fd + 1, os.sysconf("SC_OPEN_MAX"))
-        os.chdir("/")
-        time.sleep(STANDBY_DELAY)
-        if STANDBY_IN_PLACE is not None:
-            STANDBY_IN_PLACE(argv, env)   # never returns
-        os.execve(argv[0], argv, env)
-    finally:
-        os._exit(127)
 
 
 def ensure_server(home: Path) -> dict:

@@ -1,6 +1,6 @@
 """The logview server: an aiohttp application over the job store and job folders.
 
-    python -m paicli.web.standby --home ~/.pai --fd N     (started by paicli.web.launch)
+    paicli.web.standby.main(["--home", "~/.pai", "--fd", "N"])   (started by paicli.web.launch)
 
 The standby holds the socket and becomes this server, in the same process, on the
 page's first visit (`run`).

@@ -1,6 +1,6 @@
 """The logview server's first life: a bare interpreter holding the listening socket.
 
-    python -m paicli.web.standby --home ~/.pai --fd N      (started by paicli.web.launch)
+    main(["--home", "~/.pai", "--fd", "N"])   (started by paicli.web.launch, cluster.spawn)
 
 A submit prints the job page's URL at once, and most URLs are never opened. So the
 process the CLI starts imports no web library: it waits for the first connection
@@ -18,7 +18,6 @@ import os
 import select
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -42,8 +41,8 @@ def wait_for_first_visit(home: Path, sock: socket.socket) -> bool:
             return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paicli.web.standby")
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="paicli.web.standby")
     parser.add_argument("--home", required=True, type=Path)
     parser.add_argument("--fd", required=True, type=int, help="an already listening socket")
     args = parser.parse_args(argv)
@@ -56,6 +55,3 @@ def main(argv: list[str] | None = None) -> int:
 
     return server.run(args.home, sock)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ is the watchdog's (and `pai kill`'s for a job whose master is gone): record the
 verdict, then stop what the master left. `revive_queued` gives a queued job whose
 supervisor is gone (a reboot, a kill) a new one; `hand_over_queue` (revive, then
 run the queue's policy) is what every writer that frees room does: a master's end
-(queue_turns.job_ended), `pai kill`, the watchdog, the next watchdog's sweep.
+(job_ended), `pai kill`, the watchdog, the next watchdog's sweep.
 A submit revives too, and `pai queue --revive` on request (after a reboot, when
 nothing of paicli runs). `record_resume` links a job `pai resume` submits to the
 ended job it continues. Reading a job never writes: see
@@ -191,6 +191,12 @@ def hand_over_queue(store: Store, me: str | None = None, report: Report = to_std
     as live), then the policy runs and wakes the jobs whose turn came."""
     revive_queued(store, report)
     queue_turns.dispatch(store, me=me)
+
+
+def job_ended(store: Store, job_id: str) -> None:
+    """A job's end (its master's last act): what it held is free; who is next?"""
+    store.release_holds(job_id)
+    hand_over_queue(store, me=job_id, report=lambda line: print(line, flush=True))
 
 
 def revive_queued(store: Store, report: Report = to_stderr) -> list[str]:

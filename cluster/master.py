@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from dataclasses import dataclass, replace
 
-from paicli.cluster import backends, datasets, distribution, outputs, policy, queue_turns
+from paicli.cluster import backends, datasets, distribution, lifecycle, outputs, policy, queue_turns
 from paicli.cluster import requirement_layers as job_layers
 from paicli.cluster import placement as placing
 from paicli.cluster.backends import backend_for_job, job_config
@@ -377,7 +377,7 @@ class JobMaster:
             return self.backend.begin_start(inst.placed, inst.role.argv, env, inst.role.cwd, watch=files.watch,
                                             sink=files.sink)
         except OSError as err:
-            def refused():
+            def refused(err: OSError = err):
                 raise err
             return refused
 
@@ -754,7 +754,7 @@ class JobMaster:
                 inst.log.close()
         self.store.release_claims(self.job_id)
         self.store.release_ports(self.job_id)
-        queue_turns.job_ended(self.store, self.job_id)
+        lifecycle.job_ended(self.store, self.job_id)
         # The summary before the cleanup, which waits for the last agents' exits (a
         # forked process's teardown) or, on nodes, removes the job's
         # folders: both take what they take meanwhile, and the summary reads the

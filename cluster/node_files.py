@@ -37,10 +37,12 @@ The contract other backends code against:
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sys
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 from dataclasses import dataclass, field
 
@@ -149,9 +151,7 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
               if os.path.isfile(f"{job_dir}/{name}")]
     trees += data_trees(job_dir)
     files += module_files(job_dir)   # paitables for every job's scripts
-    # -DcheckpointDir travels both ways (cluster/outputs.py).
-    from paicli.cluster.outputs import staged_checkpoint
-
+    # -DcheckpointDir travels both ways (cluster/outputs.py brings it back).
     ckpt_files, ckpt_trees = staged_checkpoint(job_dir, plan, cwds)
     files += [f for f in ckpt_files if f.dst not in seen]
     trees += ckpt_trees
@@ -214,8 +214,6 @@ def shared_paths(job_dir: str) -> list[str]:
 def under_shared(path: str, shared: list[str]) -> bool:
     """`path` is a `shared:` path or below one (cluster/outputs.py's test, for
     checkpoints, is the same one)."""
-    from paicli.cluster.outputs import under
-
     return under(path, shared)
 
 
@@ -242,3 +240,71 @@ def module_files(job_dir: str) -> list[NodeFile]:
         return []
     return [NodeFile(os.path.dirname(os.path.dirname(src)), "data", 0o700, "dir"),
             NodeFile(os.path.dirname(src), "data/py", 0o700, "dir"), NodeFile(src, "data/py/paitables.py", 0o600)]
+
+
+# -- what a job's settings say about its files; its checkpoint folder travels too --------
+
+PART = ".pai-part-"   # a file being written aside, never staged nor brought back
+
+
+def is_url(value: str) -> bool:
+    """A storage location the script reads and writes itself (s3://, oss://, hdfs://, gs://...)."""
+    head, sep, _ = value.partition("://")
+    return bool(sep) and head.replace("+", "").isalnum()
+
+
+def under(path: str, prefixes: Iterable[str]) -> bool:
+    """`path` is one of `prefixes` or below one."""
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)
+
+
+def state_rel(role: str, idx: int) -> str:
+    """Where the agent keeps what it listed before the instance started, relative to
+    the job's folder (on a node: the per-job folder)."""
+    return f"outputs/.{role}-{idx}.state.json"
+
+
+def checkpoint_dir(value: str | None, cwd: str | None, shared: Iterable[str] = ()) -> str | None:
+    """-DcheckpointDir as a local absolute path to watch and stage, or None (not
+    given, a storage URL, or under a `shared:` path)."""
+    if not value or is_url(value):
+        return None
+    path = os.path.abspath(os.path.join(cwd or os.getcwd(), os.path.expanduser(value)))
+    return None if under(path, shared) else path
+
+
+def job_settings(job_dir: str | Path) -> dict[str, Any]:
+    """What spec.json and nodes.json say about files: checkpointDir, the sync period,
+    the size limit, the shared paths."""
+    from paicli.spec import parse_size
+
+    try:
+        spec = json.loads((Path(job_dir) / "spec.json").read_text())
+    except (OSError, ValueError):
+        spec = {}
+    try:
+        nodes = json.loads((Path(job_dir) / "nodes.json").read_text())
+    except (OSError, ValueError):
+        nodes = {}
+    sync = spec.get("checkpoint_sync_seconds")
+    return {"checkpoint_dir": spec.get("checkpoint_dir"), "sync": 60 if sync is None else int(sync),
+            "max_bytes": parse_size(spec["output_max_size"]) if spec.get("output_max_size") else None,
+            "shared": tuple(shared_paths(str(job_dir))), "backend": nodes.get("backend", "local")}
+
+
+def staged_checkpoint(job_dir: str, plan: Any, cwds: list[str]) -> tuple[list, list[tuple[str, str]]]:
+    """For manifest(): the checkpoint folder's contents as they are
+    here (an earlier run's, the latest sync of a restarted instance's, a resumed
+    job's) and the mapping of its path on the nodes. Nothing when there is none, or
+    it is a URL or a shared path."""
+    settings = job_settings(job_dir)
+    cwd = next((r.cwd for r in plan.roles if r.cwd), None)
+    ckpt = checkpoint_dir(settings["checkpoint_dir"], cwd, settings["shared"])
+    if not ckpt or under(ckpt, [job_dir]):
+        return [], []
+    dst = input_dst(ckpt, cwds or ([cwd] if cwd else []))
+    if os.path.isdir(ckpt):
+        files = [f for f in tree_files(ckpt, dst) if PART not in os.path.basename(f.dst)]
+    else:
+        files = [NodeFile(ckpt, dst, 0o700, "dir")]
+    return files, [(ckpt, dst)]

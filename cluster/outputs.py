@@ -37,47 +37,20 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from dataclasses import dataclass, field
 
-from paicli.cluster.agent_link import HEAD
+from paicli.cluster.node_files import PART, checkpoint_dir, job_settings, state_rel
 from paicli.private import ReplacingFile
-from paicli.runners.node_outputs import Checksum
+from paicli.runners.node_outputs import FRAME_HEAD as HEAD, Checksum
 
 
 KEYS = ("cwd", "ckpt", "out")
-PART = ".pai-part-"
 TRANSFER_WAIT = 600.0     # the most the end of a job waits for files still on their way
 Note = Callable[[str], None]
 
 
 # -- pure policy -------------------------------------------------------------------------
 
-def is_url(value: str) -> bool:
-    """A storage location the script reads and writes itself (s3://, oss://, hdfs://, gs://...)."""
-    head, sep, _ = value.partition("://")
-    return bool(sep) and head.replace("+", "").isalnum()
-
-
-def under(path: str, prefixes: Iterable[str]) -> bool:
-    """`path` is one of `prefixes` or below one."""
-    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)
-
-
 def output_dir(job_dir: str | Path, role: str, idx: int) -> str:
     return os.path.join(str(job_dir), "outputs", f"{role}-{idx}")
-
-
-def state_rel(role: str, idx: int) -> str:
-    """Where the agent keeps what it listed before the instance started, relative to
-    the job's folder (on a node: the per-job folder)."""
-    return f"outputs/.{role}-{idx}.state.json"
-
-
-def checkpoint_dir(value: str | None, cwd: str | None, shared: Iterable[str] = ()) -> str | None:
-    """-DcheckpointDir as a local absolute path to watch and stage, or None (not
-    given, a storage URL, or under a `shared:` path)."""
-    if not value or is_url(value):
-        return None
-    path = os.path.abspath(os.path.join(cwd or os.getcwd(), os.path.expanduser(value)))
-    return None if under(path, shared) else path
 
 
 def targets(job_dir: str, cwd: str | None, ckpt: str | None, role: str, idx: int) -> list[list[str]]:
@@ -97,26 +70,6 @@ def safe_rel(rel: str) -> bool:
 
 def conflict_line(path: str, first: str, last: str) -> str:
     return f"{first} and {last} both wrote {path} (different content); {last}'s copy, the last to finish, is kept"
-
-
-def job_settings(job_dir: str | Path) -> dict[str, Any]:
-    """What spec.json and nodes.json say about files: checkpointDir, the sync period,
-    the size limit, the shared paths."""
-    from paicli.cluster.node_files import shared_paths   # the one reader of `shared:`
-    from paicli.spec import parse_size
-
-    try:
-        spec = json.loads((Path(job_dir) / "spec.json").read_text())
-    except (OSError, ValueError):
-        spec = {}
-    try:
-        nodes = json.loads((Path(job_dir) / "nodes.json").read_text())
-    except (OSError, ValueError):
-        nodes = {}
-    sync = spec.get("checkpoint_sync_seconds")
-    return {"checkpoint_dir": spec.get("checkpoint_dir"), "sync": 60 if sync is None else int(sync),
-            "max_bytes": parse_size(spec["output_max_size"]) if spec.get("output_max_size") else None,
-            "shared": tuple(shared_paths(str(job_dir))), "backend": nodes.get("backend", "local")}
 
 
 # -- one instance's files arriving ----------------------------------------------------------
@@ -554,25 +507,3 @@ def _role_cwd(job_dir: str, role: str) -> str | None:
     except (OSError, ValueError):
         return None
     return next((r.get("cwd") for r in plan.get("roles", []) if r.get("name") == role), None)
-
-
-# -- staging: the checkpoint folder travels to the nodes too ----------------------------------
-
-def staged_checkpoint(job_dir: str, plan: Any, cwds: list[str]) -> tuple[list, list[tuple[str, str]]]:
-    """For cluster/node_files.manifest: the checkpoint folder's contents as they are
-    here (an earlier run's, the latest sync of a restarted instance's, a resumed
-    job's) and the mapping of its path on the nodes. Nothing when there is none, or
-    it is a URL or a shared path."""
-    from paicli.cluster import node_files
-
-    settings = job_settings(job_dir)
-    cwd = next((r.cwd for r in plan.roles if r.cwd), None)
-    ckpt = checkpoint_dir(settings["checkpoint_dir"], cwd, settings["shared"])
-    if not ckpt or under(ckpt, [job_dir]):
-        return [], []
-    dst = node_files.input_dst(ckpt, cwds or ([cwd] if cwd else []))
-    if os.path.isdir(ckpt):
-        files = [f for f in node_files.tree_files(ckpt, dst) if PART not in os.path.basename(f.dst)]
-    else:
-        files = [node_files.NodeFile(ckpt, dst, 0o700, "dir")]
-    return files, [(ckpt, dst)]

@@ -8,7 +8,7 @@
   that frees room wakes it (SIGUSR1, to the recorded waiter only) or a second
   passes (the head of the queue runs the policy again then, so a job recorded
   ended by someone else, a watchdog or `pai kill`, frees its room too).
-- `job_ended` (every master's end): its holds go, the queued jobs whose
+- `lifecycle.job_ended` (every master's end): its holds go, the queued jobs whose
   supervisor is gone get a new one, the policy runs, the jobs that may start now
   are woken (paicli.cluster.lifecycle.hand_over_queue, the writers' hand-over).
   Reading the queue (`listing`) writes nothing: a job whose supervisor is gone is
@@ -240,14 +240,6 @@ def _fingerprint(store: Store) -> tuple:
     except OSError:
         mtime = None
     return (*store.queue_fingerprint(), mtime)
-
-
-def job_ended(store: Store, job_id: str) -> None:
-    """A job's end (its master's last act): what it held is free; who is next?"""
-    from paicli.cluster.lifecycle import hand_over_queue   # here: lifecycle runs this module's policy
-
-    store.release_holds(job_id)
-    hand_over_queue(store, me=job_id, report=lambda line: print(line, flush=True))
 
 
 # -- `pai queue` -------------------------------------------------------------------------

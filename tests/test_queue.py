@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from paicli.cluster import placement as placing
 from paicli.cluster import queue
-from paicli.cluster import queue_turns
+from paicli.cluster import lifecycle, queue_turns
 from paicli.cluster.backends.base import NodeSpec
 from paicli.errors import UsageError
 from paicli.jobplan import JobPlan, RolePlan
@@ -170,7 +170,7 @@ def test_the_store_records_turns_holds_claims_and_reasons(tmp_path, monkeypatch)
     assert [(q["id"], q["position"], q["needs"]["gpu"]) for q in listed] == [("2026b", 1, 100)]
     store.set_job("2026a", JobStatus.RUNNING)
     store.set_job("2026a", JobStatus.SUCCEEDED)
-    queue_turns.job_ended(store, "2026a")
+    lifecycle.job_ended(store, "2026a")
     assert json.loads(store.take_turn("2026b"))[0]["gpus"] == ["0"]
     assert store.job("2026b")["reason"] is None
     assert queue_turns.listing(store) == []

@@ -212,7 +212,7 @@ class Backend:
         """node_outputs.py's `collect` for an instance whose link is gone: the frames
         of the files it wrote that are not in `have` (cluster/outputs.py), as a byte
         stream. Raises when the node cannot be reached."""
-        from paicli.cluster.outputs import state_rel
+        from paicli.cluster.node_files import state_rel
 
         if node in self.lost:
             raise PaiError(f"node {node} stopped answering during the job")

@@ -971,3 +971,26 @@ def test_a_dead_master_takes_its_instances_with_it_even_without_a_watchdog(pai_h
         assert wait_until(lambda: processes_in(groups) == [], timeout=EVENT_DEADLINE), processes_in(groups)
     finally:
         kill_groups(groups)
+
+
+def test_a_start_the_backend_refuses_at_once_hands_its_error_to_the_master():
+    """The backend may refuse an instance as it is asked for (an agent that cannot be
+    forked): the call the master waits on raises that error, which the master turns
+    into the instance's exit 126/127, not a NameError of its own."""
+    from types import SimpleNamespace
+
+    from paicli.cluster.master import JobMaster
+
+    refusal = PermissionError(13, "Permission denied")
+
+    class Refusing:
+        def begin_start(self, *args, **kwargs):
+            raise refusal
+
+    master = object.__new__(JobMaster)
+    master.backend = Refusing()
+    inst = SimpleNamespace(placed=None, role=SimpleNamespace(argv=["/bin/x"], cwd=None))
+    finish = master._ask(inst, ({}, SimpleNamespace(watch=None, sink=None)))
+    with pytest.raises(PermissionError) as raised:
+        finish()
+    assert raised.value is refusal

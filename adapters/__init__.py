@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 from paicli.errors import UsageError
+from paicli.spec import closest
 
 # module -> class; a module that is not there (yet) is skipped.
 ADAPTER_MODULES = {
@@ -69,7 +70,6 @@ def get_adapter(name: str):
             return cls()
     cls = _load().get(key)
     if cls is None:
-        from paicli.spec import closest
         guess = closest(name, list(_load()))
         hint = f"did you mean -name {guess}? " if guess else ""
         raise UsageError(f"-name {name}: unknown framework",

@@ -34,6 +34,7 @@ from paicli.adapters.base import (NUMBER, REQUIRE_DISTRIBUTED, Adapter, LineRule
                                   code_inputs, distribution_env, script_args, table_patterns)
 from paicli.errors import PaiError, SpecError
 from paicli.jobplan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
+from paicli.runners.caffe_runner import solver_cwd, solver_field
 from paicli.runners.runtimes import RuntimeSetupError, get_runtime, runner_path
 from paicli.spec import JobSpec, Param
 
@@ -262,7 +263,6 @@ def solver_inputs(solver: Path, code: StagedCode, spec: JobSpec) -> list[str]:
     runner will find it), the weights or snapshot given. Inside an archive they
     travel with it; data sources named in the net are not followed (an archive or a
     shared filesystem holds them; docs/multihost.md)."""
-    from paicli.runners.caffe_runner import solver_cwd, solver_field
 
     if code.root is not None:
         return []

@@ -21,6 +21,7 @@ from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBU
                                   table_patterns)
 from paicli.errors import SpecError
 from paicli.jobplan import RESTART_JOB, JobPlan, RolePlan
+from paicli.runners.mxnet_runner import script_files
 from paicli.runners.runtimes import get_runtime, runner_path
 from paicli.spec import JobSpec, Param
 
@@ -246,5 +247,4 @@ def script_inputs(code: StagedCode) -> list[str]:
     loads by name). An archive travels whole."""
     if not code_inputs(code):
         return []
-    from paicli.runners.mxnet_runner import script_files
     return script_files(str(code.entry))

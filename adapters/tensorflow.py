@@ -26,6 +26,7 @@ passed when those parameters are given, then hyperParameters, then userDefinedPa
 
 from __future__ import annotations
 
+from paicli.adapters import _load
 from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode,
                                   cluster_roles, code_inputs, distribution_env, pluto_scaling_env, script_args,
                                   table_patterns)
@@ -162,7 +163,6 @@ def runtime_for(framework: str) -> str:
 def names_by_runtime() -> dict[str, list[str]]:
     """runtime -> the `-name`s that select it, every adapter's (for `pai runtime list`):
     PAI's versioned TensorFlow names select the legacy-Keras runtime."""
-    from paicli.adapters import _load
 
     out: dict[str, list[str]] = {}
     for name, cls in _load().items():

@@ -29,16 +29,19 @@ succeeded. A failed job leaves no table and says where its rows are.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from paicli.cluster import RUNNERS_DIR
+from paicli.cluster.node_files import data_trees, shared_paths, under_shared
 from paicli.errors import PaiError, SpecError
 from paicli.private import write_private
-
+from paicli.runners import paitables
 
 DATA = "data"
 BATCH = 64 << 20        # bytes of blobs per SSH round
@@ -65,7 +68,6 @@ def _urls(value: Any) -> list[str]:
     URLs (PAI's odps://, s3://, ...) reach the script untouched."""
     if not value or not isinstance(value, str):
         return []   # most jobs name no table
-    from paicli.runners import paitables
 
     urls = paitables.split_urls(value)
     return [u for u in urls if u.startswith(("file://", "sqlite://")) or "://" not in u]
@@ -73,7 +75,6 @@ def _urls(value: Any) -> list[str]:
 
 def check_tables(value: str, slice_count: int, base: str) -> list[dict]:
     """Every table of -Dtables laid out and sliced, or a SpecError naming it."""
-    from paicli.runners import paitables
 
     tables = []
     for url in _urls(value):
@@ -97,7 +98,6 @@ def check_tables(value: str, slice_count: int, base: str) -> list[dict]:
 
 def check_outputs(value: str, job_dir: Path, base: str) -> list[dict]:
     """Every table of -Doutputs with the folder its workers' parts go to."""
-    from paicli.runners import paitables
 
     outputs = []
     for k, url in enumerate(_urls(value)):
@@ -168,7 +168,6 @@ def module_path(plan: Any, job_dir: Path) -> None:
     putting the other runners (archive, runtimes, ...) in the way of the script's
     own imports. Nodes get the same file at the same place in their per-job folder
     (cluster/node_files.py module_files), so the path maps like any job path."""
-    from paicli.cluster import RUNNERS_DIR
 
     folder = job_dir / DATA / PY
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -215,7 +214,6 @@ def finish(job_dir: str | Path, backend: Any, succeeded: bool, note: Callable[[s
 def assemble(out: dict) -> int:
     """The parts in `out["parts"]` as the output table: a CSV written aside and
     renamed into place, or a SQLite table created in one transaction."""
-    from paicli.runners import paitables
 
     columns, rows = paitables.read_parts(out["parts"])
     if columns is None:
@@ -280,7 +278,6 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
     trees = bucket_trees(job_dir)
     if index is None and not trees:
         return {}
-    from paicli.cluster.node_files import shared_paths
 
     cutter = _Slices(index or {}, shared_paths(str(job_dir)))
     node_buckets_argv(plan, trees)
@@ -324,14 +321,12 @@ class _Slices:
 
     def in_place(self, table: dict) -> bool:
         """Every file of the table is under a `shared:` path: nodes read it there."""
-        from paicli.cluster.node_files import under_shared
 
         paths = {p["path"] for parts in table["slices"].values() for p in parts}
         return bool(self.shared) and all(under_shared(p, self.shared) for p in paths)
 
     def blob(self, t: int, sid: str) -> str:
         if (t, sid) not in self.cut:
-            import hashlib   # here, not at the top: it loads OpenSSL, which a job without tables never needs
 
             digest, size = hashlib.sha256(), 0
             for chunk in _slice_chunks(self.index["tables"][t], sid):
@@ -367,7 +362,6 @@ class _Slices:
 
 def _slice_chunks(table: dict, sid: str):
     """A slice's bytes, in chunks of up to 1 MB."""
-    from paicli.runners import paitables
 
     for part in table["slices"][sid]:
         if "table" in part:
@@ -498,9 +492,7 @@ def bucket_trees(job_dir: str | Path) -> list[dict]:
     data_trees) as a tree of files by content digest: {"digest" (of
     the whole tree), "files": [[rel, sha256]], "sources": [(rel, sha256, path)]}.
     Regular files only; links and special files stay behind."""
-    from paicli.cluster.node_files import data_trees
 
-    import hashlib
 
     trees = []
     for folder, dst in data_trees(str(job_dir)):
@@ -518,7 +510,6 @@ def bucket_trees(job_dir: str | Path) -> list[dict]:
 
 
 def _file_digest(path: str) -> str:
-    import hashlib
 
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -19,28 +19,28 @@ import selectors
 import signal
 import sys
 import time
-from pathlib import Path
+import traceback
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-from paicli.cluster import backends, datasets, distribution, lifecycle, outputs, policy, queue_turns
-from paicli.cluster import requirement_layers as job_layers
-from paicli.cluster import placement as placing
+from paicli import jobstatus
+from paicli.cluster import (backends, datasets, distribution, lifecycle, outputs, placement as placing, policy,
+                            queue_turns, requirement_layers as job_layers)
 from paicli.cluster.backends import backend_for_job, job_config
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
+from paicli.cluster.job_placement import place_job, read_placements, write_placements
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
-from paicli.cluster.job_placement import place_job, read_placements, write_placements
 from paicli.cluster.procinfo import start_time
 from paicli.cluster.spawn import Watchdog, spawn_watchdog
 from paicli.errors import PaiError, UsageError
 from paicli.jobplan import JobPlan, RolePlan
-
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
 
+
 def print_exc() -> None:
     """The traceback being handled, into master.log."""
-    import traceback
 
     traceback.print_exc()
 
@@ -420,7 +420,6 @@ class JobMaster:
             self.recorded_fd = -1
 
     def _write_log_view(self) -> None:
-        from paicli import jobstatus
 
         try:
             jobstatus.write_summary_file(jobstatus.build_status(self.store, self.job_id))

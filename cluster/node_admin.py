@@ -12,8 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from paicli.cluster import ssh_transport as ssh
+from paicli.cluster.node_files import NodeFile
 from paicli.cluster.nodes import NodeEntry, NodesConfig
 from paicli.errors import PaiError, UsageError
+from paicli.runners.runtimes import DETAIL, RUNTIMES, get_runtime
 
 PROVISION_SILENCE = 900.0   # seconds without a line from the node's provisioning = it stopped answering
 
@@ -83,7 +85,6 @@ def provision_runtime(config: NodesConfig, node_name: str, runtime: str,
     """Provision `runtime` on the node (in its runtime_dir, default its
     ~/.cache/paicli/runtimes) the way `pai runtime install` does here: the runtime
     code is copied to the node and run with the node's python3. Returns the path."""
-    from paicli.runners.runtimes import RUNTIMES
 
     if runtime not in RUNTIMES:
         raise UsageError(f"no runtime named {runtime!r}", f"known: {', '.join(RUNTIMES)}")
@@ -104,7 +105,6 @@ def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
     (0700, files 0600), removed afterwards, whatever happened."""
     info = ssh.run_agent(session(), node, "info", node.runtime_dir or "", timeout=30)
     if runtime in info["runtimes"]:
-        from paicli.runners.runtimes import get_runtime
 
         if info["runtimes"][runtime] == get_runtime(runtime).version:
             progress(f"{node.name}: {runtime} runtime already in {info['runtime_dir']}")
@@ -123,7 +123,6 @@ def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
 
 def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable[[str], None],
                       info: dict, folder: str) -> str:
-    from paicli.cluster.node_files import NodeFile
 
     # The runtimes code as the package it imports itself as (runners/__init__.py is empty).
     empty = str(ssh.RUNNERS_DIR / "__init__.py")
@@ -157,7 +156,6 @@ def _node_lines(node: NodeEntry, progress: Callable[[str], None], details: bool)
     tools' own lines (runtimes.DETAIL) only when `details` (a terminal counts them;
     a job's log keeps phases only: the node keeps nothing, the last lines of a
     failure are in the error)."""
-    from paicli.runners.runtimes import DETAIL
 
     def show(line: str) -> None:
         if not line.startswith(DETAIL):

@@ -37,16 +37,21 @@ The contract other backends code against:
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
 import sys
-from pathlib import Path
+import tarfile
 from collections.abc import Iterable
-from typing import Any
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from paicli.cluster import RUNNERS_DIR, remote_paths
+from paicli.cluster.nodes import config_from_dict
+from paicli.runners.runtimes import runtime_root
+from paicli.spec import parse_size
 
 INSTANCE_FILES: tuple[str, ...] = ()   # job-folder files (by name) instances read
 CODE = "code"
@@ -70,7 +75,6 @@ class Manifest:
     exact: list[tuple[str, str]] = field(default_factory=list)    # local path -> dst, that path only
 
     def mapping(self, folder: str, runtime_dir: str, python: str) -> remote_paths.Mapping:
-        from paicli.runners.runtimes import runtime_root
 
         folder = folder.rstrip("/")
         pairs: remote_paths.Mapping = [(str(runtime_root()), runtime_dir), (sys.executable, python)]
@@ -162,8 +166,6 @@ def tar_stream(files: list[NodeFile]) -> bytes:
     """`files` as the tar stream runners/stage_writer.py writes on a node: how a node
     without SFTP gets them over an exec channel, and what Ray puts in its object
     store (so it must hold nothing secret: no plan.json, no env)."""
-    import io
-    import tarfile
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -194,7 +196,6 @@ def shared_paths(job_dir: str) -> list[str]:
     """The `shared:` paths of the job's nodes file, from its snapshot (nodes.json)
     through cluster/nodes.py, the one reader of that key: the same on every node,
     so what lies below them is read in place there."""
-    import json
 
     try:
         with open(os.path.join(job_dir, "nodes.json")) as f:
@@ -203,7 +204,6 @@ def shared_paths(job_dir: str) -> list[str]:
         return []
     if not isinstance(snapshot, dict) or not snapshot.get("shared"):
         return []   # none (every local and Ray job): cluster.nodes is not imported to say so
-    from paicli.cluster.nodes import config_from_dict
 
     try:
         return list(config_from_dict(snapshot).shared)
@@ -220,7 +220,6 @@ def under_shared(path: str, shared: list[str]) -> bool:
 def data_trees(job_dir: str) -> list[tuple[str, str]]:
     """The -Dbuckets folders of the job (JOB/data/buckets.json) -> buckets/K, but
     those under a `shared:` path (passed through untouched)."""
-    import json
 
     try:
         with open(os.path.join(job_dir, "data", "buckets.json")) as f:
@@ -276,7 +275,6 @@ def checkpoint_dir(value: str | None, cwd: str | None, shared: Iterable[str] = (
 def job_settings(job_dir: str | Path) -> dict[str, Any]:
     """What spec.json and nodes.json say about files: checkpointDir, the sync period,
     the size limit, the shared paths."""
-    from paicli.spec import parse_size
 
     try:
         spec = json.loads((Path(job_dir) / "spec.json").read_text())

@@ -28,19 +28,20 @@ the agent sends only their digests ("inplace"), and they are recorded.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterable
-from typing import Any
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from paicli import jobstatus
 from paicli.cluster.node_files import PART, checkpoint_dir, job_settings, state_rel
-from paicli.private import ReplacingFile
-from paicli.runners.node_outputs import FRAME_HEAD as HEAD, Checksum
-
+from paicli.private import ReplacingFile, open_append_fd
+from paicli.runners.node_outputs import FRAME_HEAD as HEAD, SCAN_LIMIT, Checksum
 
 KEYS = ("cwd", "ckpt", "out")
 TRANSFER_WAIT = 600.0     # the most the end of a job waits for files still on their way
@@ -233,7 +234,6 @@ class JobOutputs:
     # -- files arriving (any thread) -------------------------------------------------
 
     def local_error(self, err: OSError) -> str:
-        import errno
 
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             with self._lock:
@@ -455,7 +455,6 @@ def fetch_from_nodes(store, job_id: str, backend, wanted: dict[tuple[str, str], 
 def _rewrite_summary(store, job_id: str) -> None:
     """summary.txt, which the master wrote at the job's end ("1 not brought back"),
     as the store says now."""
-    from paicli import jobstatus
 
     try:
         jobstatus.write_summary_file(jobstatus.build_status(store, job_id))
@@ -466,7 +465,6 @@ def _rewrite_summary(store, job_id: str) -> None:
 def remove_parts(folder: str) -> int:
     """Remove the partial copies (PART*) a dead master left below `folder` (the
     folders the agent watches, walked as it walks them); how many."""
-    from paicli.runners.node_outputs import SCAN_LIMIT
 
     removed, seen = 0, 0
     for top, dirs, files in os.walk(folder):
@@ -486,7 +484,6 @@ def remove_parts(folder: str) -> int:
 
 def job_log_note(job_dir: str | Path) -> Note:
     """Whole `[pai] ...` lines appended to a job's job.log (from outside its master)."""
-    from paicli.private import open_append_fd
 
     def note(line: str) -> None:
         try:

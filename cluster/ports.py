@@ -8,13 +8,13 @@ instance's own bind.
 
 from __future__ import annotations
 
+from paicli.cluster.backends import get_backend
 from paicli.store import Store
 
 
 def allocate_ports(store: Store, job_id: str, host: str, count: int, backend=None, node: str = "local") -> list[int]:
     """`count` ports on `node` (address `host`), claimed for `job_id`."""
     if backend is None:
-        from paicli.cluster.backends import get_backend
         backend = get_backend({"backend": "local"})
     ports: list[int] = []
     refused: set[int] = set()

@@ -6,6 +6,7 @@ names one process for good, which is how a job's master is recognised later.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -119,7 +120,6 @@ def let_go_inherited(keep: tuple[int, ...] = ()) -> None:
     whatever an old object does with its number reaches only /dev/null. The
     inherited objects are frozen too, so the cycle collector never runs their
     finalizers here."""
-    import gc
 
     gc.freeze()
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)

@@ -23,17 +23,17 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from paicli.cluster import placement as placing
-from paicli.cluster import queue as policy
+from paicli.cluster import placement as placing, queue as policy
 from paicli.cluster.backends.base import NodeSpec, Placement
+from paicli.cluster.procinfo import Unverified, signal_verified, start_time
 from paicli.errors import UsageError
+from paicli.jobstatus import master_alive, supervisor_gone
 from paicli.states import JobStatus
 from paicli.store import Store
-
 
 HEAD_POLL = 1.0        # the head of the queue runs the policy this often, woken or not
 WAITER_POLL = 3.0      # others look at their own row this often
@@ -103,7 +103,6 @@ def dispatch(store: Store, me: str | None = None) -> None:
         quotas, quota_error = {}, f"the quota file is broken ({err.message}); nothing starts until it is fixed"
 
     def decide(rows, holds, claims) -> list[dict[str, Any]]:
-        from paicli.jobstatus import master_alive
 
         entries = [_entry(row) for row in rows]
         # What a job whose master is gone held is free: its watchdog stopped its
@@ -137,7 +136,6 @@ def _verdict(turn: policy.Turn) -> dict[str, Any]:
 
 
 def _wake(store: Store, job_id: str) -> None:
-    from paicli.cluster.procinfo import Unverified, signal_verified
 
     row = store.queue_entry(job_id)
     waiter = (row["waiter"] or "") if row is not None else ""
@@ -162,7 +160,6 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
     (`place_now`). `before_wait()` runs once if the turn does not come at once."""
     if store.queue_entry(job_id) is None:
         return place_now(), None
-    from paicli.cluster.procinfo import start_time
 
     # A wake-up may come after we took our turn (a dispatch that read our row just
     # before), or stay pending until the mask is restored: SIGUSR1's default action
@@ -248,7 +245,6 @@ def _fingerprint(store: Store) -> tuple:
 def listing(store: Store) -> list[dict[str, Any]]:
     """The queue as `pai queue` shows it, in queue order. A job whose supervisor
     is gone is shown waiting for a new one (nothing is written here)."""
-    from paicli.jobstatus import master_alive, supervisor_gone
 
     rows = store.queued()
     order = {e.job_id: n for n, e in enumerate(policy.ordered(_entry(r) for r in rows))}

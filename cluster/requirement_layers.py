@@ -19,15 +19,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
-from paicli.envvars import apply_to_plan
+from paicli.cluster import remote_paths, ssh_transport as ssh
+from paicli.cluster.logsink import InstanceLog
+from paicli.cluster.node_admin import stream_command
+from paicli.cluster.node_files import NodeFile
+from paicli.envvars import Masker, apply_to_plan, secret_values
 from paicli.errors import PaiError, UsageError
 from paicli.private import write_private
 from paicli.requirements import find_links
+from paicli.runners.runtimes import (DETAIL, Layer, PipError, RuntimeSetupError, folder_digest, get_runtime,
+                                     layer_digest, runtime_root)
 
 LAYER_FILE = "layer.json"
 PIP_LOG = "pip.log"
@@ -36,7 +43,6 @@ Progress = Callable[[str], None]
 
 def _base(plan) -> tuple[str, str, str]:
     """(runtime name or "", its version, the interpreter the layer is built for)."""
-    from paicli.runners.runtimes import get_runtime
 
     if plan.runtime:
         runtime = get_runtime(plan.runtime)
@@ -52,7 +58,6 @@ def prepare_job_env(spec, plan, job_dir: Path, progress: Progress, home: Path | 
     lines = spec.get("requirements")
     if not lines:
         return
-    from paicli.runners.runtimes import Layer, PipError, RuntimeSetupError, folder_digest, layer_digest
 
     base, version, python = _base(plan)
     links = find_links(lines)
@@ -84,7 +89,6 @@ def _keep_log(log: Path, home: Path, job_id: str) -> str:
     folder = home / "pip-logs"
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     kept = folder / f"{job_id}.log"
-    import shutil
 
     shutil.move(str(log), kept)
     return str(kept)
@@ -131,11 +135,6 @@ def ensure_on_ssh_node(session, node, job_dir: str, folder: str, info: dict, pro
     layer = read_layer(job_dir)
     if layer is None:
         return
-    from paicli.cluster import remote_paths
-    from paicli.cluster import ssh_transport as ssh
-    from paicli.cluster.node_admin import stream_command
-    from paicli.cluster.node_files import NodeFile
-    from paicli.runners.runtimes import DETAIL, runtime_root
 
     links = {}
     files = []
@@ -188,8 +187,6 @@ def declare_in_master(plan) -> None:
 def instance_log(plan, path: Path, prefix: str, cap: int):
     """The master's log of one instance attempt, with secret values masked in
     everything it writes and shows (its file, job.log, the tail, live lines)."""
-    from paicli.cluster.logsink import InstanceLog
-    from paicli.envvars import Masker, secret_values
 
     secrets = secret_values(plan)
     if not secrets:

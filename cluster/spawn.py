@@ -21,6 +21,7 @@ reads EOF and leaves without a trace (the job refused, Ctrl-C, the CLI's death).
 from __future__ import annotations
 
 import fcntl
+import importlib
 import json
 import os
 import signal
@@ -131,7 +132,6 @@ def enter_process(moves: tuple[tuple[int, int], ...], keep: tuple[int, ...] | No
 
 
 def _run(module: str, args: list[str], how: str) -> int:
-    import importlib
 
     print(f"{module}: pid {os.getpid()}, {how}", flush=True)
     try:

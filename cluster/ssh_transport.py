@@ -20,17 +20,21 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shlex
 import socket
+import sys
 import threading
 from pathlib import Path
 
 from paicli.cluster import node_files
+from paicli.cluster.node_files import tar_stream
 from paicli.cluster.nodes import NodeEntry
 from paicli.errors import PaiError, UsageError
 from paicli.private import write_private
+from paicli.runners.node_agent import root_fault
 
 CONNECT_TIMEOUT = 8.0
 RUNNERS_DIR = node_files.RUNNERS_DIR
@@ -69,8 +73,6 @@ _IMPORTING = threading.Lock()
 
 
 def _paramiko():
-    import logging
-    import sys
 
     with _IMPORTING:   # the first call may come from several probe threads at once
         if "paramiko" not in sys.modules and "invoke" not in sys.modules:
@@ -352,7 +354,6 @@ class Sftp:
                 self.sftp.remove(probe)
             except OSError:
                 pass
-        from paicli.runners.node_agent import root_fault
 
         what = root_fault(attrs.st_mode, attrs.st_uid, ours)
         if what is not None:
@@ -408,7 +409,6 @@ class ExecFiles:
         self.root = path   # checked by the writer with every batch
 
     def put_files(self, files, folder: str, made: set[str]) -> None:
-        from paicli.cluster.node_files import tar_stream
 
         status, _out, err = exec_command(self.session(), writer_argv(self.node.python, self.root, folder),
                                          stdin=tar_stream(files), timeout=120)

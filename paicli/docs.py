@@ -3,11 +3,11 @@ adapter's own rows): `pai params` prints it and docs/parameters.md is made from 
 
 from __future__ import annotations
 
+from paicli.adapters import adapter_names, get_adapter
 from paicli.spec import CORE_PARAMS
 
 
 def param_rows(framework: str | None = None) -> list[dict]:
-    from paicli.adapters import adapter_names, get_adapter
 
     names = [get_adapter(framework).name] if framework else adapter_names()
     rows = [{"name": p.name, "yaml": p.yaml_name, "kind": p.kind, "default": p.default, "help": p.help,

@@ -7,17 +7,20 @@ paicli.jobview.
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from paicli import steptime
 from paicli.cluster import distribution
+from paicli.cluster.pluto import view as pluto_view
 from paicli.cluster.procinfo import boot_time, is_alive
 from paicli.private import write_private
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
-
 
 # A job recorded this long ago with no master pid never got its master (the CLI
 # died between recording it and starting the master, or the start failed).
@@ -98,8 +101,6 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
     """Everything `pai status --json` shows, read from the store. The last value of
     each metric comes from SQL; the whole series (which can be millions of rows)
     only when asked for."""
-    from paicli import steptime  # here: the CLI's start-up path imports this module
-    from paicli.cluster.pluto import view as pluto_view
 
     job = read_job(store, job_id)
     instances = [_as_shown(i, job) for i in store.instances(job_id)]
@@ -198,7 +199,6 @@ def idle_now(store: Store, job_id: str) -> list[dict[str, Any]]:
 
 def _listening(path: str) -> list[tuple[str, int]]:
     """(address, port) of every listening TCP socket in /proc/net/tcp or tcp6."""
-    import ipaddress
 
     found = []
     try:
@@ -219,7 +219,6 @@ def _listening(path: str) -> list[tuple[str, int]]:
 
 
 def is_loopback(address: str) -> bool:
-    import ipaddress
 
     ip = ipaddress.ip_address(address)
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
@@ -291,7 +290,6 @@ def final_status(store: Store, job_id: str) -> dict[str, Any]:
     built from the store. Its master has exited: nothing it summarised changes
     after that file, so the CLI need not build it again at the end of every
     attached job."""
-    import json
 
     job = store.job(job_id)
     try:
@@ -311,7 +309,6 @@ def write_summary_file(status: dict) -> None:
     too (FINAL_STATUS)."""
     path = Path(status["log_view"])
     if JobStatus(status["status"]).is_terminal():
-        import json
 
         try:
             text = json.dumps(status)

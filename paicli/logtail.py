@@ -9,19 +9,23 @@ read once more to its end, so the last lines are never lost.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import re
+import select
+import signal
 import sys
+import threading
 import time
 import zlib
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO
 
+from paicli import client, jobstatus
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
-
 
 COLOURS = (36, 32, 33, 35, 34, 91, 92, 93, 94, 95, 96)
 PREFIX = re.compile(rb"^\[([A-Za-z0-9_]+:\d+)\] ", re.M)
@@ -99,7 +103,6 @@ class FileFollower:
 @functools.lru_cache(maxsize=1)
 def inotify_libc():
     """libc through ctypes, for inotify: loaded once per process."""
-    import ctypes
 
     return ctypes.CDLL(None, use_errno=True)
 
@@ -132,7 +135,6 @@ class DirectoryWatch:
         optional fd `also` (a signal wake-up pipe) becomes readable, or the process
         of the pidfd `exited` ends (then nothing short-polls: its exit wakes us).
         True when that process has ended."""
-        import select
 
         fds = [fd for fd in (self.fd, also, exited) if fd >= 0]
         if not fds:
@@ -264,8 +266,6 @@ class InterruptCatcher:
         self._previous_wakeup = None
 
     def install(self) -> None:
-        import signal
-        import threading
 
         if threading.current_thread() is not threading.main_thread():
             return
@@ -291,7 +291,6 @@ class InterruptCatcher:
         return False
 
     def restore(self) -> None:
-        import signal
 
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
@@ -311,7 +310,6 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
     job stops are shown too. Returns the final status dict. `recorded_fd` (closed
     here): a pipe the master closes once the job's record is complete, the end of
     following an ended job without waiting for the master's own exit."""
-    from paicli import client
 
     job = store.job(job_id)
     job_dir = Path(job["job_dir"])
@@ -360,7 +358,6 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
 
     Only whole lines are written: a read can end inside a line the master is still
     writing, and a progress line must not land in the middle of it."""
-    from paicli import client
 
     data = follower.read()
     if data:
@@ -391,7 +388,6 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
                 state["counts"] = counts
                 _write(out, state, (line + "\n").encode())
         if now >= state["idle_check"] and not JobStatus(job["status"]).is_terminal():
-            from paicli import jobstatus
 
             state["idle_check"] = now + min(IDLE_CHECK, jobstatus.idle_after() / 2)
             idle = jobstatus.idle_now(store, job_id)
@@ -417,7 +413,6 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
             # The master is writing its last lines: look again once its record is
             # complete (the pipe it closes then) or it exits (its pidfd), or soon where
             # there is neither.
-            from paicli import jobstatus
 
             state["watch"].release()
             if "master_exit" not in state:

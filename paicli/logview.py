@@ -9,7 +9,9 @@ import re
 from pathlib import Path
 from typing import IO
 
+from paicli import client
 from paicli.errors import NotFound, UsageError
+from paicli.logtail import DirectoryWatch, FileFollower, colourise
 from paicli.store import Store
 
 INSTANCE = re.compile(r"^([A-Za-z][A-Za-z0-9_]*):(\d+)$")
@@ -76,7 +78,6 @@ class LineOutput:
         if self.as_json:
             whole = b"".join(self._json(line) for line in whole.decode("utf-8", "replace").splitlines())
         else:
-            from paicli.logtail import colourise
             whole = colourise(whole)
         self.out.write(whole)
         self.out.flush()
@@ -96,8 +97,6 @@ class LineOutput:
 
 def print_log(store: Store, job_id: str, path: Path, out: IO[bytes], *, tail: int | None,
               follow: bool, colour: bool, as_json: bool = False, instance: str | None = None) -> None:
-    from paicli import client
-    from paicli.logtail import DirectoryWatch, FileFollower
 
     show = LineOutput(out, colour=colour and not as_json, as_json=as_json, instance=instance)
     rotated = path.with_name(path.name + ".1")

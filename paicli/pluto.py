@@ -18,11 +18,32 @@ imports the CLI or click; heavy imports stay inside the functions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import posixpath
+import re
+import tarfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
+
+from paicli import client, steptime
+from paicli.adapters.base import script_args
+from paicli.cluster.node_admin import UP, probe_nodes
+from paicli.cluster.nodes import load_nodes
+from paicli.cluster.pluto import calibrate, planner
+from paicli.cluster.pluto.calibrate import Run, _flag_value, bool_flag, choice_flag, read_report, script_facts
+from paicli.cluster.pluto.model import default_strategy
+from paicli.cluster.pluto.strategy import Cluster, Knobs, Node, Profile
+from paicli.errors import PaiError, UsageError
+from paicli.runners import pluto_helpers
+from paicli.runners.runtimes import get_runtime
+from paicli.statement import parse_statement
+from paicli.states import JobStatus
+from paicli.steptime import median
+from paicli.store import Store, pai_home
 
 PLAN_FRAMEWORKS = ("tensorflow", "mxnet", "caffe")
 CALIBRATION_LIMIT_S = 180.0     # a calibration run that shows no steps by then fails
@@ -74,7 +95,6 @@ class PlanResult(NamedTuple):  # not a dataclass: `dataclasses` stays off the `p
 
 def parse_rate(text: str) -> float:
     """'100mbit', '1gbit', '12.5MB' (bytes) -> bytes/s."""
-    import re
 
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(bit|b|B)?(?:/s|ps)?\s*", text, re.I)
     if not match:
@@ -93,8 +113,6 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None,
     not declare its cpu (as placement counts them), and nodes of one boot id share
     the machine's cores; PAI_PLUTO_SHARED_CORES overrides that with one machine of
     that many cores."""
-    from paicli.cluster.pluto.strategy import Cluster, Node
-    from paicli.errors import UsageError
 
     config = None
     try:
@@ -155,8 +173,6 @@ def virtual_hosts(nodes) -> str:
 def probe_machines(say: Callable[[str], None]) -> dict[str, list]:
     """Every node of the nodes file's [boot id, cores], as its node agent reports them
     (`pai nodes`' probe); nodes that do not answer are left out."""
-    from paicli.cluster.node_admin import UP, probe_nodes
-    from paicli.cluster.nodes import load_nodes
 
     config = load_nodes()
     if config is None or len(config.nodes) < 2:
@@ -180,9 +196,6 @@ def probe_update() -> float:
 
 
 def _mxnet_probe(what: str):
-    from paicli.cluster.pluto import calibrate
-    from paicli.runners import pluto_helpers
-    from paicli.runners.runtimes import get_runtime
 
     runtime = get_runtime("mxnet")
     if not runtime.is_installed():
@@ -199,9 +212,6 @@ def probe_kvstore() -> dict[str, float]:
 
 def probe_rpc() -> dict[str, float]:
     """calibrate.measure_rpc in the TensorFlow runtime ({} when it is not there)."""
-    from paicli.cluster.pluto import calibrate
-    from paicli.runners import pluto_helpers
-    from paicli.runners.runtimes import get_runtime
 
     runtime = get_runtime("tensorflow")
     if not runtime.is_installed():
@@ -216,9 +226,6 @@ def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> tup
     which packs a worker beside a service with room left, puts the worker on another
     node. The rate is None when both landed on one node or the probe failed; the CPU
     per byte is what the source's machine spent moving them (0.0 when unknown)."""
-    from paicli import client
-    from paicli.runners import pluto_helpers
-    from paicli.statement import parse_statement
 
     cluster = {"ps": {"count": 1, "cpu": max(100, int(node_cpu))}, "worker": {"count": 1}}
     stmt = parse_statement(["-name", "python", f"-Dscript={pluto_helpers.__file__}",
@@ -248,7 +255,6 @@ def link_figures(rates: list[float], cpu_ns: list[float]) -> tuple[float | None,
     in its floor apart: the link's own rate is its fastest round. The CPU a byte costs
     varies less and both ways (softirq threads' work for others counted in): its
     median."""
-    from paicli.steptime import median
 
     good = [r for r in rates if r > 0]
     cpus = [c for c in cpu_ns if c > 0]
@@ -259,7 +265,6 @@ def link_figures(rates: list[float], cpu_ns: list[float]) -> tuple[float | None,
 
 
 def user_strategy(framework: str, spec):
-    from paicli.cluster.pluto.model import default_strategy
 
     cluster = spec.get("cluster") or {}
     counts = {role: conf.get("count", 1) for role, conf in cluster.items()}
@@ -294,7 +299,6 @@ def _read(path: str | None) -> str:
 
 def script_inputs(prepared):
     """(facts, files the cache key covers, script arguments)."""
-    from paicli.adapters.base import script_args
 
     spec = prepared.spec
     args = script_args(spec)
@@ -309,9 +313,7 @@ def script_inputs(prepared):
 
 
 def _script_inputs(spec, args):
-    import re
 
-    from paicli.cluster.pluto.calibrate import script_facts
 
     files = [Path(p) for p in (spec.get("script"), spec.get("solver"), spec.get("hyperParameters")) if p]
     script = str(spec.get("script") or "")
@@ -356,10 +358,7 @@ def script_knobs(prepared, facts, args: list[str], texts: tuple[str, str] | None
     script's learning-rate flag, where sync/async is chosen and whether the user
     chose it, how sync workers' gradients combine. `texts`: script_texts(prepared),
     when the caller has read them already."""
-    import re
 
-    from paicli.cluster.pluto.calibrate import _flag_value, bool_flag, choice_flag
-    from paicli.cluster.pluto.strategy import Knobs
 
     spec = prepared.spec
     framework = prepared.adapter.name
@@ -398,7 +397,6 @@ def tf_sync(prepared, args: list[str], source: str | None = None) -> bool:
     """Does a TF script train sync: its --sync_replicas flag (given, else its
     default) when it has one, else whether it uses SyncReplicasOptimizer at all
     (TF1 between-graph replication and ParameterServerStrategy steps are async)."""
-    from paicli.cluster.pluto.calibrate import bool_flag
 
     if source is None:
         source = script_texts(prepared)[0]
@@ -416,9 +414,6 @@ def tf_sync(prepared, args: list[str], source: str | None = None) -> bool:
 
 def _archive_texts(archive: str, entry: str) -> tuple[str, str, str]:
     """(script source, solver, net) of an archive's entry file, read without extracting."""
-    import posixpath
-    import re
-    import tarfile
 
     def member_text(tar, name: str) -> str:
         try:
@@ -503,8 +498,6 @@ def _enough_steps(store, job_id: str, workers: int, intervals: int = CALIBRATION
 def wait_job(store, job_id: str, limit_s: float, enough: Callable[[], bool] = lambda: False) -> bool:
     """Refresh the job until it ends or `enough()`; False when `limit_s` passes first
     (the job is left running: the caller stops it)."""
-    from paicli import client
-    from paicli.states import JobStatus
 
     deadline = time.monotonic() + limit_s
     while True:
@@ -519,11 +512,7 @@ def wait_job(store, job_id: str, limit_s: float, enough: Callable[[], bool] = la
 def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Callable[[str], None]):
     """Submit the user's script on `cluster_value`, let it run a few steps, stop it,
     and read what it measured. Raises PaiError when the script fails or shows no steps."""
-    import dataclasses
 
-    from paicli import client
-    from paicli.errors import PaiError
-    from paicli.states import JobStatus
 
     # The script as the user gave it, minus what Pluto decides: the calibration's
     # communication model assumes no compression, MXNet's own slicing, TF round-robin.
@@ -551,10 +540,6 @@ def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Call
 def _measured_run(store, job, cluster_value: dict, extra: dict):
     """What a calibration run measured: its step time, model size, iteration and
     exchange times. Raises PaiError when its output had no step timing."""
-    from paicli import steptime
-    from paicli.cluster.pluto.calibrate import Run, read_report
-    from paicli.errors import PaiError
-    from paicli.steptime import median
 
     job_id = job["id"]
     step_s = steptime.job_step_seconds(store, job_id)
@@ -580,7 +565,6 @@ def make_plan(stmt, budget_s: float | None = None, store=None,
     the plans too close to call (or outside the calibrated shapes) briefly and
     recommend by what they measured (`verify_plan`). Raises UsageError for bad input
     and PaiError when calibration fails."""
-    from paicli import client
 
     return plan_prepared(client.prepare(stmt), budget_s, store, say, verify=verify)
 
@@ -588,7 +572,6 @@ def make_plan(stmt, budget_s: float | None = None, store=None,
 def calibration_key(prepared, files, args, here) -> str:
     """The calibration cache's key: the script's files and arguments, kvstore and
     entry file, and where it calibrates (`here`: node names and cores)."""
-    from paicli.cluster.pluto import calibrate
 
     return calibrate.cache_key(prepared.adapter.name, files, args, here,
                                extra=json.dumps({k: prepared.spec.get(k) for k in ("kvstore", "entryFile")}))
@@ -596,10 +579,6 @@ def calibration_key(prepared, files, args, here) -> str:
 
 def plan_prepared(prepared, budget_s: float | None = None, store=None,
                   say: Callable[[str], None] = lambda line: None, verify: bool = False) -> PlanResult:
-    from paicli.cluster.pluto import calibrate, planner
-    from paicli.cluster.pluto.strategy import Cluster, Node, Profile
-    from paicli.errors import UsageError
-    from paicli.store import Store, pai_home
 
     framework = prepared.adapter.name
     if framework not in PLAN_FRAMEWORKS:
@@ -660,7 +639,6 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     rpc = (cached or {}).get("rpc")
     if rpc is None and framework == "tensorflow":
         rpc = probe_rpc()
-    from dataclasses import replace
     costs = {"quantize_s_per_value": quantize or 0.0, "update_s_per_value": update or 0.0,
              "link_cpu_s_per_byte": link_cpu, **(kvstore or {}), **(rpc or {})}
     where, here = replace(where, **costs), replace(here, **costs)
@@ -705,8 +683,6 @@ def verify_plan(prepared, store, key: str, profile, where, user, knobs, result, 
     calibration) and recommend by their measured step times. With a budget, the
     runs still to do are counted against it: the plan is made again for what is
     left. Returns (plan, verification record or None)."""
-    from paicli.cluster.pluto import calibrate, planner
-    from paicli.store import pai_home
 
     home = pai_home()
     shapes = calibrated_shapes(prepared.adapter.name)
@@ -752,10 +728,7 @@ def verify_run(prepared, store, choice_json: dict, say: Callable[[str], None]) -
     """Submit the job as the plan would (its -Dcluster and -D values), let every
     worker print VERIFY_INTERVALS + 2 step lines spanning MEASURE_SPAN_S, stop it; {"job", "step_s"} (step_s
     None when the run failed or showed too few steps: the plan keeps its forecast)."""
-    import dataclasses
 
-    from paicli import client, steptime
-    from paicli.states import JobStatus
 
     params = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
     params.update({"cluster": choice_json["cluster"], **choice_json["params"], "maxRetries": 0,
@@ -807,9 +780,7 @@ def auto_strategy(prepared, store=None, progress: Callable[[str], None] = lambda
     """The prepared job with Pluto's recommendation applied: -Dcluster and the
     strategy's -D values replaced (what the user set for them is overridden, and
     said in the reasons), the plan and forecast carried into plan.json."""
-    import dataclasses
 
-    from paicli import client
 
     result = plan_prepared(prepared, store=store, say=lambda line: progress(f"pluto: {line}"))
     rec = result.plan.recommended

@@ -17,11 +17,11 @@ names. Here:
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 import time
 from collections.abc import Callable
 from typing import TextIO
-
 
 DETAIL = "  "   # what runners/runtimes.py puts before a tool's own output line
 PREFIX = "runtime: "
@@ -110,7 +110,6 @@ class _Terminal:
     ticker would redraw over whatever the command prints after a failure)."""
 
     def __init__(self, stream: TextIO, width: int | None = None):
-        import shutil
 
         self.stream = stream
         self.width = width or max(40, shutil.get_terminal_size((100, 24)).columns - 1)

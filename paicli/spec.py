@@ -10,17 +10,19 @@ adapters can share it as vocabulary.
 
 from __future__ import annotations
 
+import difflib
 import errno
 import json
 import re
 import shlex
-from pathlib import Path
 from collections.abc import Callable, Iterable
-from typing import Any
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from paicli.envvars import parse_env
 from paicli.errors import SpecError
-
+from paicli.requirements import parse_requirements
 
 # ---------------------------------------------------------------------------
 # Parameter table
@@ -28,7 +30,6 @@ from paicli.errors import SpecError
 
 def close_matches(word: str, possibilities, n: int = 1, cutoff: float = 0.6) -> list[str]:
     """difflib.get_close_matches, imported only when a suggestion is needed."""
-    import difflib
 
     return difflib.get_close_matches(word, list(possibilities), n, cutoff)
 
@@ -331,13 +332,11 @@ def _to_args(param: Param, raw: Any, base: Path) -> str:
 
 
 def _to_env(param: Param, raw: Any, base: Path) -> dict[str, str]:
-    from paicli.envvars import parse_env
 
     return parse_env(raw)
 
 
 def _to_requirements(param: Param, raw: Any, base: Path) -> list[str]:
-    from paicli.requirements import parse_requirements
 
     return parse_requirements(raw, base)
 

@@ -10,10 +10,12 @@ whole submission is valid, so bad input leaves nothing behind.
 from __future__ import annotations
 
 import os
+import tarfile
 from pathlib import Path
 
 from paicli.adapters.base import StagedCode
 from paicli.errors import SpecError, UsageError
+from paicli.runners.archive import ArchiveTooLarge, BadLimit, UnsafeArchive, extract
 from paicli.spec import JobSpec
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
@@ -60,9 +62,7 @@ def stage_code(spec: JobSpec, staging: Path) -> StagedCode:
 def extract_checked(script: str, root: Path) -> None:
     """Extract an archive into `root`, its problems as one line each (tarfile and
     the archive checks are imported only for an archive)."""
-    import tarfile
 
-    from paicli.runners.archive import ArchiveTooLarge, BadLimit, UnsafeArchive, extract
 
     try:
         extract(script, str(root))

@@ -15,13 +15,12 @@ A job file is the same in YAML, with PAI's names or snake_case ones:
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from dataclasses import dataclass, field
 
 from paicli.errors import SpecError, UsageError
-from paicli.spec import RawParam
-
+from paicli.spec import RawParam, snake_case
 
 EXAMPLE = "e.g. pai -name python -Dscript=train.py -Dcluster='{\"worker\":{\"count\":2}}'"
 
@@ -147,7 +146,6 @@ def load_job_file(path: str) -> Statement:
 
 def merge_overrides(stmt: Statement, overrides: Statement) -> Statement:
     """-D parameters on the command line override the file's (by PAI or snake name)."""
-    from paicli.spec import snake_case
 
     over = {snake_case(p.key) for p in overrides.params}
     kept = [p for p in stmt.params if snake_case(p.key) not in over]

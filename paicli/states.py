@@ -6,6 +6,7 @@ job or an instance reaches a terminal state nothing moves it again.
 
 from __future__ import annotations
 
+import signal
 from enum import Enum
 
 
@@ -73,7 +74,6 @@ def is_retryable(returncode: int) -> bool:
 
 def describe_exit(returncode: int) -> str:
     if returncode < 0:
-        import signal
         try:
             name = signal.Signals(-returncode).name
         except ValueError:

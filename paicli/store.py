@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import tempfile
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Callable, Iterator
 from typing import Any
 
 from paicli.errors import NotFound, PaiError, UsageError
 from paicli.private import private_dir, touch_private
 from paicli.states import InstanceStatus, JobStatus, can_move
-
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -206,7 +206,6 @@ def keep_new_store_image() -> None:
     submit server, whose children inherit it): each new PAI_HOME then gets a copy of
     its bytes instead of running the schema statements again."""
     global _NEW_STORE_IMAGE
-    import tempfile
 
     with tempfile.TemporaryDirectory(prefix="paicli-store-") as folder:
         path = Path(folder) / "pai.db"

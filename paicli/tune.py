@@ -30,7 +30,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from paicli import client
+from paicli.cluster.pluto.view import record
+from paicli.cluster.procinfo import is_alive, signal_verified, start_time
 from paicli.errors import PaiError, UsageError
+from paicli.pluto import auto_strategy
+from paicli.private import private_dir, write_private
+from paicli.spec import Param, RawParam, close_matches, convert
+from paicli.statement import Statement
+from paicli.store import Store
 
 DISTRIBUTIONS = ("uniform", "loguniform", "int", "choice")
 SAMPLERS = ("tpe", "random", "grid")
@@ -95,7 +103,6 @@ def _dimension(name: str, entry: Any, where: str) -> Dimension:
         raise UsageError(f"{where}: expected a mapping with a type, not {entry!r}"[:200], example)
     kind = entry.get("type")
     if kind not in DISTRIBUTIONS:
-        from paicli.spec import close_matches
 
         close = close_matches(str(kind), DISTRIBUTIONS) if isinstance(kind, str) else []
         tip = f" (did you mean {close[0]}?)" if close else ""
@@ -241,8 +248,6 @@ def rerun_command(framework: str, project: str | None, params: dict[str, Any]) -
 
 
 def statement_of_params(framework: str, project: str | None, params: dict[str, Any]):
-    from paicli.spec import RawParam
-    from paicli.statement import Statement
 
     root = Path("/")
     return Statement(framework, project, [RawParam(k, v, f"-D{k}", root) for k, v in params.items()])
@@ -360,7 +365,6 @@ def _option(name: str, value: str) -> Any:
         except ValueError:
             raise UsageError(f"{name} {value}: expected a whole number") from None
     if kind == "duration":
-        from paicli.spec import Param, convert
 
         try:
             return convert(Param("budget", "duration"), value, Path("."))
@@ -411,7 +415,6 @@ def read_space(path: str) -> list[Dimension]:
 def _check_values(prepared_base, framework, project, base, targets, dims) -> None:
     """Each -D the space sets, at its ends and choices: a value the job's table
     refuses is bad input now, not a failed trial later."""
-    from paicli import client
 
     for dim in dims:
         if not targets[dim.name]:
@@ -427,8 +430,6 @@ def _check_values(prepared_base, framework, project, base, targets, dims) -> Non
 def create(stmt, opts: TuneOptions, store, say: Callable[[str], None] = lambda line: None) -> str:
     """Check everything, create the Optuna study and the store's row, start the tuner.
     Returns the study's name."""
-    from paicli import client
-    from paicli.private import private_dir, write_private
 
     dims = read_space(opts.space)
     prepared = client.prepare(stmt)
@@ -498,7 +499,6 @@ def _create_optuna(config: dict) -> None:
 
 def start_tuner(store, name: str, study_dir: Path) -> None:
     """The tuner in a session of its own: closing the terminal does not end the study."""
-    from paicli.cluster.procinfo import start_time
 
     log = os.open(study_dir / "tuner.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
@@ -512,7 +512,6 @@ def start_tuner(store, name: str, study_dir: Path) -> None:
 
 
 def tuner_alive(row) -> bool:
-    from paicli.cluster.procinfo import is_alive
 
     if not row["tuner_pid"]:
         return time.time() - (row["created"] or 0) < 30.0
@@ -639,7 +638,6 @@ class Tuner:
         return False
 
     def _forecast_inputs(self) -> tuple[list[float], float | None, int | None]:
-        from paicli.cluster.pluto.view import record
 
         seconds, steps, pluto = [], None, None
         for row in self.store.study_trials(self.name):
@@ -655,7 +653,6 @@ class Tuner:
         return seconds, pluto, steps
 
     def start_trial(self) -> None:
-        from paicli import client
 
         trial = self.study.ask(self._distributions())
         number = trial.number
@@ -666,7 +663,6 @@ class Tuner:
         stmt = statement_of_params(self.config["framework"], self.config["project"], params)
         prepared = client.prepare(stmt)
         if prepared.spec.get("autoStrategy") == "true":
-            from paicli.pluto import auto_strategy
 
             prepared = auto_strategy(prepared, self.store, self.say)
         try:
@@ -680,7 +676,6 @@ class Tuner:
         self.say(f"trial {number}: job {job_id} {trial.params}")
 
     def look(self) -> None:
-        from paicli import client
 
         for run in list(self.running.values()):
             job = client.refresh(self.store, run.job_id)
@@ -732,7 +727,6 @@ class Tuner:
                          "pick one of those with --metric" if keys else "print lines such as `step=3, loss=0.25`")
 
     def prune(self, run: Running) -> None:
-        from paicli import client
 
         step = run.last[0]
         client.kill(self.store, run.job_id, reason=f"pruned by pai tune (study {self.name}, trial {run.number}, "
@@ -766,7 +760,6 @@ class Tuner:
                            f"see `pai logs {job_id}`")
 
     def cancel_all(self, reason: str) -> None:
-        from paicli import client
 
         for run in list(self.running.values()):
             try:
@@ -832,7 +825,6 @@ def study_view(store, name: str) -> dict[str, Any]:
 
 def stop(store, name: str) -> bool:
     """Ask a study's tuner to stop (it cancels its running trials); False if it is not running."""
-    from paicli.cluster.procinfo import signal_verified
 
     row = store.study(name)
     if row["status"] != "Running" or not row["tuner_pid"]:
@@ -841,7 +833,6 @@ def stop(store, name: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    from paicli.store import Store
 
     home, name = Path(argv[0]), argv[1]
     # Each trial's master is a fresh interpreter (cluster/spawn.py): a fork of this

@@ -22,8 +22,11 @@ kill: here it becomes exit 1 with Caffe's own error line as the last log line.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import os
+import queue
 import re
 import signal
 import socket
@@ -33,7 +36,6 @@ import sys
 import tempfile
 import threading
 import time
-import queue
 
 DEFAULT_MA_PERIOD = 20
 
@@ -309,8 +311,6 @@ def secret() -> bytes:
 
 
 def answer(key: bytes, challenge: bytes, index: int) -> str:
-    import hashlib
-    import hmac
     return hmac.new(key, challenge + str(index).encode(), hashlib.sha256).hexdigest()
 
 
@@ -355,7 +355,6 @@ def authenticate(conn: socket.socket, key: bytes, workers: int) -> int:
     index = header.get("worker")
     if header.get("op") != "hello" or not isinstance(index, int) or not 0 <= index < workers:
         raise ProtocolError("no hello")
-    import hmac
     if not hmac.compare_digest(str(header.get("answer", "")), answer(key, challenge, index)):
         raise ProtocolError("wrong answer to the challenge")
     conn.settimeout(None)

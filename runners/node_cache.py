@@ -25,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
+import subprocess
 import sys
 
 try:   # as paicli.runners.<this> (the master, the local agent, the tests)
@@ -172,7 +174,6 @@ def _intact(root: str, top: str, files: list) -> bool:
 def _remove_tree(path: str) -> None:
     for dirpath, dirs, files in os.walk(path, topdown=True):
         os.chmod(dirpath, 0o700)
-    import shutil
 
     shutil.rmtree(path, ignore_errors=True)
 
@@ -219,7 +220,6 @@ def run_staged(folder: str, runner: str, args: list, stdin: bytes) -> tuple:
     """A Ray task's body (this function is shipped by value): `runners/RUNNER ARGS`
     of the job's staged folder on this node, run by this Python with `stdin`, as
     sshd runs it on an SSH node. (exit status, stdout, stderr)."""
-    import subprocess
 
     if "/" in runner or not runner.endswith(".py"):
         raise Refused(f"not a runner: {runner[:80]!r}")

@@ -42,6 +42,7 @@ import os
 import re
 import sqlite3
 import tempfile
+from urllib.parse import quote
 
 ENV_TABLES = "PAI_TABLES"
 ENV_OUTPUTS = "PAI_OUTPUTS"
@@ -351,7 +352,6 @@ def _connect(path: str, write: bool = False) -> sqlite3.Connection:
 
 
 def _quote_path(path: str) -> str:
-    from urllib.parse import quote
 
     return quote(path, safe="/")
 

@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
+import threading
 import time
 
 _reported: dict[str, float] = {}
@@ -239,7 +242,6 @@ def install_mxnet(mx) -> None:
 
 
 def _probe_sink(rounds: int = 1) -> int:
-    import socket
 
     host = os.environ.get("PAI_HOST") or "127.0.0.1"
     port = int(os.environ["PAI_PORT"])
@@ -300,8 +302,6 @@ def _probe_source(seconds: float, rounds: int = 1) -> int:
     """`rounds` transfers of `seconds` each, one connection a round; a line per round
     (bytes_per_s, cpu_ns_per_byte): pai plan takes the best rate and the median CPU
     (pluto.link_figures)."""
-    import socket
-    import time
 
     peers = json.loads(os.environ.get("PAI_CLUSTER") or "{}").get("ps") or []
     if not peers:
@@ -398,7 +398,6 @@ KV_KEY_ROUNDS = 20   # 640 pushes and pulls of a key: enough server CPU to read 
 
 
 def _free_port() -> int:
-    import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -421,7 +420,6 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float,
     what a message costs apart from its values (ps-lite's threads handing it on, the
     engine's scheduling), which a 1 M-value array hides. The
     server's CPU is read from /proc over the timed rounds only."""
-    import subprocess
 
     port = _free_port()
     env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
@@ -433,7 +431,6 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float,
                 for role in ("scheduler", "server")]
     worker = subprocess.Popen([sys.executable, me, "kvstore-worker"], env={**env, "DMLC_ROLE": "worker"},
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    import threading
 
     # a worker that hangs is killed, which ends its output and the loop below
     watchdog = threading.Timer(timeout, worker.kill)
@@ -538,9 +535,6 @@ def rpc_cost(timeout: float = 120.0) -> tuple[float, float]:
     per one-value variable pulled and pushed (a transfer's own RPC, whatever its
     size). Both ends together. The ps's CPU is read from /proc, the worker's from its
     own clock, over the timed rounds only."""
-    import json
-    import subprocess
-    import threading
 
     ports = (_free_port(), _free_port())
     env = {**os.environ, "PAI_PLUTO_RPC_PORTS": json.dumps(ports), "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -574,7 +568,6 @@ def rpc_cost(timeout: float = 120.0) -> tuple[float, float]:
 
 
 def _rpc_role(role: str) -> int:
-    import json
 
     import tensorflow as tf
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib
 import json
 import os
@@ -294,7 +295,6 @@ def layer_name(base: str, digest: str) -> str:
 
 
 def layer_digest(base: str, base_version: str, lines: list[str], link_digest: str = "") -> str:
-    import hashlib
 
     text = json.dumps({"base": base or PYTHON_LAYER_BASE, "version": base_version, "lines": lines,
                        "links": link_digest}, sort_keys=True)
@@ -303,7 +303,6 @@ def layer_digest(base: str, base_version: str, lines: list[str], link_digest: st
 
 def folder_digest(folders: list[str]) -> str:
     """Content digest of the --find-links folders (their files, by name and bytes)."""
-    import hashlib
 
     digest = hashlib.sha256()
     for folder in folders:

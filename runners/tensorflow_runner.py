@@ -26,6 +26,7 @@ library and TensorFlow, never paicli.
 from __future__ import annotations
 
 import builtins
+import fcntl
 import functools
 import inspect
 import json
@@ -35,6 +36,7 @@ import runpy
 import signal
 import sys
 import tempfile
+import threading
 import traceback
 
 try:   # as paicli.runners.<this> (the adapters, the tests)
@@ -420,7 +422,6 @@ def run_script(script: str, args: list[str], role: str, report=lambda watch: Non
         # A TF1-style ps ends in server.join(), which never returns: the launcher
         # stops it with SIGTERM once the workers are done. Turn that stop into a
         # clean exit 0 from a thread that waits for it.
-        import threading
 
         block_stop_signals()
         threading.Thread(target=wait_for_stop_then_exit, args=("ps",), daemon=True,
@@ -485,7 +486,6 @@ def hold_base_runtime_lock() -> int | None:
     """A layered runtime (the legacy-Keras one: its own venv on top of the TensorFlow
     runtime's site-packages) names its base's marker in paicli-base.json; hold that
     one too, so that the base is not removed under this instance either."""
-    import fcntl
 
     try:
         with open(os.path.join(sys.prefix, "paicli-base.json"), encoding="utf-8") as f:

@@ -25,14 +25,16 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 from paicli.cluster import remote_paths
+from paicli.cluster.logsink import job_log_note
+from paicli.cluster.node_files import state_rel
 from paicli.errors import PaiError, UsageError
-
 
 # poll()/wait() answer for an instance whose node stopped answering (else subprocess's
 # convention, negative = killed by that signal). Retryable: placed again on another node.
@@ -166,7 +168,6 @@ class Backend:
         first start, and again for a node an instance is moved to. Its lines go to
         `progress`, with the time it took when that was long enough to notice."""
         if self.progress is None:
-            from paicli.cluster.logsink import job_log_note
 
             self.progress = job_log_note(job_dir)
         began = time.monotonic()
@@ -202,7 +203,6 @@ class Backend:
             except Exception:  # noqa: BLE001 - the transport's own errors: the folder stays
                 pass
 
-        from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
             list(pool.map(remove, names))
@@ -212,7 +212,6 @@ class Backend:
         """node_outputs.py's `collect` for an instance whose link is gone: the frames
         of the files it wrote that are not in `have` (cluster/outputs.py), as a byte
         stream. Raises when the node cannot be reached."""
-        from paicli.cluster.node_files import state_rel
 
         if node in self.lost:
             raise PaiError(f"node {node} stopped answering during the job")

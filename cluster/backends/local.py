@@ -15,9 +15,13 @@ import os
 import select
 import sys
 
+from paicli.cluster import agent_link
 from paicli.cluster.backends.base import Backend, NodeSpec
 from paicli.cluster.procinfo import reap_children, reap_later
+from paicli.cluster.scheduler import machine_cpu, machine_gpus, machine_memory_mb
 from paicli.cluster.spawn import enter_process, must_exec
+from paicli.runners import node_agent, node_outputs
+from paicli.states import describe_exit
 
 LOCAL_NODE = "local"
 LOCAL_HOST = "127.0.0.1"
@@ -77,7 +81,6 @@ class AgentProcess:
         reap_children(AGENT_EXIT, only=self.pid)
         if self.exit_code is None:
             return ""
-        from paicli.states import describe_exit
 
         return f"its agent (pid {self.pid}): {describe_exit(self.exit_code)}"
 
@@ -135,7 +138,6 @@ class LocalBackend(Backend):
     _job_id = "job"   # prepare()'s
 
     def _nodes(self):
-        from paicli.cluster.scheduler import machine_cpu, machine_gpus, machine_memory_mb
 
         return [NodeSpec(LOCAL_NODE, LOCAL_HOST, machine_cpu(), machine_memory_mb(), tuple(machine_gpus()))]
 
@@ -156,7 +158,6 @@ class LocalBackend(Backend):
         reap_children(AGENT_EXIT)   # no agent of the job's left, not even a zombie
 
     def _pick_ports(self, node, count, taken):
-        from paicli.runners import node_agent
 
         return node_agent.free_ports(LOCAL_HOST, count, taken)
 
@@ -164,25 +165,21 @@ class LocalBackend(Backend):
         # The spec goes down the agent's pipe now; its identity is read when asked
         # for: the agents start their instances while the master sends the next spec.
         agent = self._take_warm(placed) or self._agent_for(placed)
-        from paicli.cluster import agent_link
 
         starting = agent_link.send_spec(agent, spec, sink)
         return lambda: starting.started(backend=self.name, node=placed.node, host=placed.host,
                                         start_timeout=START_TIMEOUT)
 
     def _collect_outputs(self, job_dir, node, state_rel, request):
-        from paicli.runners import node_outputs
 
         request = dict(request, state=os.path.join(str(job_dir), state_rel), inplace=True)
         for frame in node_outputs.collect(request):
             yield node_outputs.frame_bytes([frame])
 
     def _stop_refs(self, node, refs, timeout):
-        from paicli.runners import node_agent
 
         return node_agent.stop_refs(refs, timeout)
 
     def _alive(self, node, ref):
-        from paicli.runners import node_agent
 
         return node_agent.alive(ref)

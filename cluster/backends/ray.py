@@ -31,6 +31,9 @@ jobs never pay for it.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import socket
 import sys
 import threading
 import time
@@ -41,7 +44,10 @@ from typing import Any, Callable
 from paicli.cluster import agent_link, node_files, remote_paths
 from paicli.cluster.backends import ray_node
 from paicli.cluster.backends.base import Backend, Handle, NodeSpec, Placement
+from paicli.cluster.requirement_layers import layer_spec, save_node_log
 from paicli.errors import PaiError, UsageError
+from paicli.runners import node_cache
+from paicli.states import JobStatus
 
 NAMESPACE = "paicli"
 INSTALL_HINT = "install it with: pip install 'paicli[ray]'"
@@ -69,7 +75,6 @@ class RayWaitStopped(PaiError):
     def outcome(self):
         """The job's verdict, which the master takes as it is: Cancelled, as a
         timeout or a cancel is for any job."""
-        from paicli.states import JobStatus
 
         return JobStatus.CANCELLED, self.message
 
@@ -145,7 +150,6 @@ def waiting_list(wanted: list[tuple[str, int, dict[str, float]]], available: dic
 
 
 def ray_installed() -> bool:
-    import importlib.util
 
     try:
         return importlib.util.find_spec("ray") is not None
@@ -156,7 +160,6 @@ def ray_installed() -> bool:
 def probe_address(address: str, timeout: float = 3.0) -> None:
     """A GCS address (HOST:PORT) answers a TCP connect, else one clear line. A
     ray:// address is left to Ray Client."""
-    import socket
 
     if "://" in address:
         return
@@ -174,7 +177,6 @@ def probe_address(address: str, timeout: float = 3.0) -> None:
 
 def is_local_address(ip: str) -> bool:
     """Whether this machine has address `ip` (it can bind it)."""
-    import socket
 
     try:
         with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
@@ -323,7 +325,6 @@ class RayBackend(Backend):
             raise
 
     def _init_tries(self, ray, tries: int) -> None:
-        import logging
 
         for attempt in range(tries):
             try:
@@ -545,7 +546,6 @@ class RayBackend(Backend):
             if "error" in staged:
                 raise PaiError(f"staging the job on Ray node {todo[nid].host}: {staged['error']}")
         runtime = plan.runtime
-        from paicli.cluster.requirement_layers import layer_spec, save_node_log
         layer = layer_spec(job_dir)
         answers = {nid: todo[nid].actor.ensure_runtime.remote(runtime, layer) for nid in todo}
         for nid, ref in answers.items():
@@ -654,7 +654,6 @@ class RayBackend(Backend):
         """A zero-CPU task pinned to the node runs the runner from the job's staged
         folder there (node_cache.run_staged, shipped by value); `stdin` crosses as
         one object of Ray's store, put here and fetched by the node."""
-        from paicli.runners import node_cache
 
         inst = self._instance_on(node)
         if inst is None:

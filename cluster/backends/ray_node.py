@@ -23,11 +23,14 @@ its alive and free_ports, and node_info's info), run on the node by a task pinne
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 
@@ -92,8 +95,6 @@ class InstanceActor:
         """Write the staging list (a tar stream) with the node writer every backend
         uses (runners/stage_writer.py: a root of ours alone, files 0600/0700 created
         anew, links only inside). {"folder": ...}, or {"error": one line}."""
-        import io
-        import tarfile
 
         try:
             if self.folder.startswith(user_root() + os.sep):
@@ -227,7 +228,6 @@ class InstanceActor:
 
 def remove_job_folder(folder: str) -> None:
     """The job's folder, and its node's folder once no job is left in it."""
-    import shutil
 
     shutil.rmtree(folder, ignore_errors=True)
     try:

@@ -25,11 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from paicli.cluster import agent_link, node_files, remote_paths
-from paicli.cluster import ssh_transport as ssh
+from paicli.cluster import agent_link, node_files, remote_paths, ssh_transport as ssh
 from paicli.cluster.backends.base import Backend, Handle, NodeSpec, Placement
+from paicli.cluster.node_admin import _provision
 from paicli.cluster.nodes import NodeEntry, config_from_dict
+from paicli.cluster.requirement_layers import ensure_on_ssh_node
 from paicli.errors import PaiError, UsageError
+from paicli.runners.runtimes import RUNTIMES, get_runtime
 
 AGENT_FILE = "runners/node_agent.py"
 HEARTBEAT = 6.0           # base.Backend.heartbeat: seconds without a frame / a byte = the link is gone
@@ -57,7 +59,6 @@ def parse_resources(text: str) -> dict:
 
 
 def _runtime_version(name: str) -> str | None:
-    from paicli.runners.runtimes import RUNTIMES, get_runtime
 
     return get_runtime(name).version if name in RUNTIMES else None
 
@@ -203,12 +204,10 @@ class SSHBackend(Backend):
             raise looked["error"]
         info = looked["info"]
         if runtime and info["runtimes"].get(runtime) != _runtime_version(runtime):
-            from paicli.cluster.node_admin import _provision
 
             self.progress(f"{node.name}: no {runtime} runtime in {info['runtime_dir']}; provisioning it")
             _provision(lambda: self.conns.session(node), node, runtime, self.progress)
             info = self._agent(node, "info", node.runtime_dir or "")
-        from paicli.cluster.requirement_layers import ensure_on_ssh_node
         ensure_on_ssh_node(lambda: self.conns.session(node), node, job_dir, folder, info, self.progress)
         with self._lock:
             self._maps[node.name] = manifest.mapping(folder, info["runtime_dir"], info["python_path"])

@@ -31,6 +31,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 
@@ -302,7 +303,6 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 def nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
     """Least squares with every coefficient >= 0, for a handful of unknowns: the
     best of the unconstrained fits on each subset of the columns."""
-    from itertools import combinations
 
     k = len(rows[0])
     best, best_err = [0.0] * k, sum(y * y for y in ys)

@@ -38,8 +38,12 @@ from __future__ import annotations
 import functools
 import math
 
-from paicli.cluster.pluto.strategy import (GREEDY, MA_FRAMEWORKS, MXNET_DEFAULT_BIGARRAY_BOUND, ROUND_ROBIN,
-                                           SLICED, Cluster, Forecast, Profile, Strategy)
+from paicli.cluster.backends.base import NodeSpec
+from paicli.cluster.placement import Demand, place
+from paicli.cluster.pluto.strategy import (GREEDY, MA_FRAMEWORKS, MXNET_DEFAULT_BIGARRAY_BOUND, ROUND_ROBIN, SLICED,
+                                           Cluster, Forecast, Profile, Strategy)
+from paicli.errors import UsageError
+from paicli.steptime import median
 
 PS_CPU = 0.25          # cores a busy ps uses (summing gradients, serving pulls)
 TWO_BIT = 1.0 / 16.0   # 2 bits sent for every 32-bit gradient value
@@ -86,7 +90,6 @@ def role_demands(strategy: Strategy) -> list:
     """The instances a submit of `strategy` asks placement for, in the adapters' role
     order: MXNet's scheduler first (a service: it takes a node's first service slot),
     then the ps/servers (services), then the workers."""
-    from paicli.cluster.placement import Demand
 
     out = []
     if strategy.framework == "mxnet" and strategy.ps:
@@ -108,9 +111,6 @@ def layout(strategy: Strategy, cluster: Cluster) -> tuple[list[int], list[int]]:
 
 @functools.lru_cache(maxsize=8192)
 def _placed(strategy: Strategy, cluster: Cluster) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    from paicli.cluster.backends.base import NodeSpec
-    from paicli.cluster.placement import place
-    from paicli.errors import UsageError
 
     specs = [NodeSpec(node.name, node.name, int(round(node.cores * 100)), 1 << 40) for node in cluster.nodes]
     index = {node.name: i for i, node in enumerate(cluster.nodes)}
@@ -199,7 +199,6 @@ def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
     # Async workers each keep their own pace, and a step is measured as the median over
     # workers of their own (paicli.steptime), so the forecast is that median too: a
     # worker beside the ps (loopback) and one across a link measure the mean of the two.
-    from paicli.steptime import median
 
     per = len(fractions)
     cycles = []

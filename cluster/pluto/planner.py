@@ -24,12 +24,13 @@ budget: the cheapest plan that meets it, or why none does.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from paicli.cluster.pluto.model import forecast, ps_loads
-from paicli.cluster.pluto.strategy import (GREEDY, MXNET_DEFAULT_BIGARRAY_BOUND, ROUND_ROBIN, SLICED, Cluster,
-                                           Forecast, Knobs, Profile, Strategy)
+from paicli.cluster.pluto.strategy import (GREEDY, MXNET_DEFAULT_BIGARRAY_BOUND, ROUND_ROBIN, SLICED, Cluster, Forecast,
+                                           Knobs, Profile, Strategy)
 
 TIE = 0.05            # plans within 5% of the best count as equally fast
 MAX_PS = 4
@@ -489,7 +490,6 @@ def structure(choice: Choice) -> tuple:
 
 def plan_key(choice: Choice) -> str:
     """What a run of the plan submits that changes its speed (cluster and -D values)."""
-    import json
 
     return json.dumps([choice.strategy.cluster_value(), choice.strategy.params()], sort_keys=True)
 

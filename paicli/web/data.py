@@ -15,6 +15,7 @@ from typing import Any
 
 from paicli import jobstatus, jobview
 from paicli.cluster.pluto import view as pluto_view
+from paicli.logview import log_path
 from paicli.states import JobStatus
 from paicli.store import Store
 
@@ -141,7 +142,6 @@ def tail_text(path: Path, size: int = TAIL_BYTES) -> tuple[str, int]:
 
 def instance_logs(store: Store, job_id: str) -> list[dict[str, Any]]:
     """Each instance's current log file (confined to the job's folder)."""
-    from paicli.logview import log_path
 
     job = store.job(job_id)
     out = []

@@ -34,10 +34,12 @@ from pathlib import Path
 import jinja2
 from aiohttp import web
 
+from paicli import client
 from paicli.errors import NotFound, PaiError
+from paicli.logview import log_path
 from paicli.states import JobStatus
 from paicli.store import Store
-from paicli.web import data, launch
+from paicli.web import data, launch, study
 from paicli.web.launch import user_token
 
 HERE = Path(__file__).resolve().parent
@@ -166,7 +168,6 @@ async def job_json(request: web.Request) -> web.Response:
 
 
 def _log_file(store: Store, job_id: str, instance: str | None, attempt: int | None) -> tuple[dict, Path]:
-    from paicli.logview import log_path
 
     job = store.job(job_id)
     return job, log_path(store, job, instance, attempt)
@@ -243,7 +244,6 @@ class Feed:
 
     def look(self, store: Store) -> tuple[list[tuple[str, dict]], bool]:
         """The events to send, in order, and whether the feed is over."""
-        from paicli import client
 
         out: list[tuple[str, dict]] = []
         job = store.job(self.job_id)
@@ -359,13 +359,11 @@ def add_study_routes(app: web.Application) -> None:
 
 
 async def studies_page(request: web.Request) -> web.Response:
-    from paicli.web import study
 
     return _html(request, "studies.html", studies=await _read(request, study.study_list))
 
 
 async def study_page(request: web.Request) -> web.Response:
-    from paicli.web import study
 
     name = request.query.get("s")
     if not name:
@@ -374,13 +372,11 @@ async def study_page(request: web.Request) -> web.Response:
 
 
 async def study_json(request: web.Request) -> web.Response:
-    from paicli.web import study
 
     return web.json_response(await _read(request, study.curves, request.match_info["name"]))
 
 
 async def study_head(request: web.Request) -> web.Response:
-    from paicli.web import study
 
     return _html(request, "_study_head.html", study=await _read(request, study.study_page, request.match_info["name"]))
 # -- a job's outputs, listed with download links ----------------------------------------

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from paicli import tune
+from paicli.errors import PaiError
 from paicli.store import Store
+from paicli.web import launch
 from paicli.web.data import MAX_POINTS, fmt_time
 
 EVERY = 2   # seconds between two looks of an open study page
@@ -63,10 +66,7 @@ def study_list(store: Store) -> list[dict[str, Any]]:
 def study_url_line(home: Path, name: str) -> tuple[str | None, str | None]:
     """The study page's URL for a `Log view:` line (the server started if needed),
     or (None, note) when no server can be had; (None, None) with PAI_LOGVIEW=file."""
-    from urllib.parse import urlencode
 
-    from paicli.errors import PaiError
-    from paicli.web import launch
 
     if launch.mode() == "file":
         return None, None

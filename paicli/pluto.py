@@ -10,10 +10,8 @@ and hand both to the pure engine, `paicli.cluster.pluto`; they return a
 prepared job before it is submitted. What `pai status` shows of a planned job
 is `paicli.cluster.pluto.view` (the master and jobstatus read it too).
 
-Pluto's three places: this module (library: it submits jobs through `client`),
-`paicli.cluster.pluto` (the engine: strategy, model, planner, calibrate,
-seedfit, view), `paicli/cli_plan.py` (the `pai plan` command). It never
-imports the CLI or click; heavy imports stay inside the functions.
+The engine is `paicli.cluster.pluto`, the command `paicli/cli_plan.py`; this
+module never imports the CLI or click.
 """
 
 from __future__ import annotations
@@ -242,12 +240,9 @@ def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> tup
 
 
 def link_figures(rates: list[float], cpu_ns: list[float]) -> tuple[float | None, float]:
-    """(bytes/s, CPU ns per byte) of a link from the probe's rounds: the best rate and
-    the median CPU. A round is slowed by whatever else wants the cores (the sender or
-    receiver not scheduled), never sped up, and the forecast charges the bytes' CPU
-    in its floor apart: the link's own rate is its fastest round. The CPU a byte costs
-    varies less and both ways (softirq threads' work for others counted in): its
-    median."""
+    """(bytes/s, CPU ns per byte) of a link from the probe's rounds: the best rate
+    (other work on the cores only slows a round down) and the median CPU (which
+    varies both ways)."""
     from paicli.steptime import median
 
     good = [r for r in rates if r > 0]

@@ -366,12 +366,8 @@ def quantize_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
 
 
 def update_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
-    """CPU seconds a kvstore server spends applying one push to one value: the
-    optimizer update it runs for every push it applies (kv.set_optimizer, as Gluon's
-    Trainer does with update_on_kvstore), through MXNet's own updater, with the
-    servers' one OpenMP thread. dist_sync applies one update a step (of the summed
-    pushes); dist_async one for every worker's push, W a step. SGD, the cheapest
-    update: a script with momentum or Adam costs more than this."""
+    """CPU seconds a kvstore server spends applying one push to one value through
+    MXNet's own updater (kv.set_optimizer, SGD: the cheapest update)."""
     opt = mx.optimizer.create("sgd", learning_rate=0.01, rescale_grad=1.0 / 32)
     updater = mx.optimizer.get_updater(opt)
     weight, grad = mx.nd.ones((values,)), mx.nd.ones((values,)) * 0.1
@@ -415,12 +411,9 @@ def _process_cpu(pid: int) -> float:
 def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float, float, float]:
     """(server, worker) CPU seconds per value of one push and pull through MXNet's
     dist_sync kvstore with one worker (so the server applies one SGD update a push,
-    as Gluon's Trainer has it do), on loopback: ps-lite's messages, its copies, the
-    server's sum and update, and for 2bit the quantising and dequantising; then
-    (server, worker) CPU seconds per key of one push and pull of a one-value array:
-    what a message costs apart from its values (ps-lite's threads handing it on, the
-    engine's scheduling), which a 1 M-value array hides. The
-    server's CPU is read from /proc over the timed rounds only."""
+    as Gluon's Trainer has it do), on loopback; then (server, worker) CPU seconds
+    per key of one push and pull of a one-value array: what a message costs apart
+    from its values. The server's CPU is read from /proc over the timed rounds."""
     import subprocess
 
     port = _free_port()
@@ -532,12 +525,9 @@ def _rpc_cluster(ps_port: int, worker_port: int) -> dict:
 
 def rpc_cost(timeout: float = 120.0) -> tuple[float, float]:
     """(CPU seconds per byte, per variable) a TensorFlow ps and worker spend together
-    moving variables between them through TF's gRPC runtime on loopback: per byte
-    of a 1 M-value variable pulled and pushed (the tensor's serialising, gRPC's
-    copies and threads, the kernel's loopback: several times a raw TCP copy), and
-    per one-value variable pulled and pushed (a transfer's own RPC, whatever its
-    size). Both ends together. The ps's CPU is read from /proc, the worker's from its
-    own clock, over the timed rounds only."""
+    moving variables between them through TF's gRPC runtime on loopback: per byte of
+    a 1 M-value variable pulled and pushed, and per one-value variable (a transfer's
+    own RPC). The ps's CPU is read from /proc, the worker's from its own clock."""
     import json
     import subprocess
     import threading

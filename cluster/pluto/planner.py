@@ -9,16 +9,12 @@
   largest arrays spread over every server), 2bit compression or none;
 - Caffe: the averaging period.
 
-The worker count is the user's when each worker runs the script's steps on its own
-shard (sync data parallelism): more workers would train on more data, which changes
-what the job does, not how fast. Sync and async are both considered only where both
-are the script's own (`switchable`: it takes the mode from -Dkvstore or a flag the
-user left unset); the mode the script does not default to must save 10%. The
-per-worker batch is kept and the learning rate follows the global batch
-(`apply_scaling`), applied through the job's -D values or the script's own flags.
-The recommendation is the fastest to the step target (or the most
-samples/s when the script has none); among plans within 5% of it, the one with the
-fewest instances, without compression, with the shortest averaging period. With a
+The worker count is otherwise the user's (more workers would train on more data).
+Sync and async are both considered only where both are the script's own
+(`switchable`); the mode the script does not default to must save 10%. The
+learning rate follows the global batch (`apply_scaling`). The recommendation is
+the fastest to the step target (or the most samples/s); among plans within 5% of
+it, the fewest instances, no compression, the shortest averaging period. With a
 budget: the cheapest plan that meets it, or why none does.
 """
 
@@ -393,10 +389,8 @@ def apply_scaling(s: Strategy, profile: Profile, knobs: Knobs) -> tuple[Strategy
     """The per-worker batch and learning-rate rule for `s`, applied (the strategy
     with the -D values that carry it) and said (one reason line).
 
-    The per-worker batch is kept: the job the user submitted trains W x B samples a
-    step and Pluto does not shrink what each worker computes. The learning rate
-    follows the global batch linearly, with a warm-up, where the workers' updates
-    are combined into one of batch W x B and nothing scales it already:
+    The per-worker batch is kept; the learning rate follows the global batch
+    linearly, with a warm-up, where nothing scales it already:
 
     - Caffe averaging (W models that each took a step of batch B, averaged, are one
       step of batch W x B): base_lr x W, warm-up, in the job's own solver copy;

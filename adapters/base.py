@@ -135,8 +135,7 @@ def pluto_scaling_env(spec: JobSpec) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------
-# Parser tables: each framework's log lines understood
-#
+# Parser tables: each framework's log lines understood.
 # A framework's metric patterns are a table of the progress lines it prints, each
 # row with a line captured from a real run and what the WHOLE table must read from
 # it: so a row that reads too much (TensorFlow's `jitter = 10.1` as a metric) or a

@@ -64,12 +64,9 @@ MX_KEY_VALUE_METRIC = (
     r"(?<![\w.\-])(?<!Time )(?P<key>[A-Za-z_][\w.\-]*)\s*=\s*"
     rf"(?P<value>{_N})s?(?![\w.])(?!(?:, [A-Za-z_]\w*=(?:'[^'\n]*'|[^,\n()]*)){{0,128}}+\)[ \t]*$)"
 )
-KEY_VALUE_NOT_TIME_COST = MX_KEY_VALUE_METRIC  # its earlier name
 
-# The MXNet parser table: lines captured from real runs (MXNet 1.9.1, the peer
-# image-classification examples, examples/mxnet/, and MXNet 1.9.1's own example/gluon
-# mnist.py and image_classification.py as tests/data/gluon_*_1.9.1.log captured them), and
-# what pai reads from each.
+# The MXNet parser table: lines captured from real runs of MXNet 1.9.1, and what pai
+# reads from each.
 MXNET_LINES = (
     LineRule("Speedometer (Module.fit, Gluon image_classification.py)", SPEEDOMETER_METRIC,
              "INFO:root:Epoch[0] Batch [10-20]\tSpeed: 2169.50 samples/sec\taccuracy=0.789062",

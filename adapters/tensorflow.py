@@ -53,9 +53,8 @@ LOGGING_TENSOR_HOOK_METRIC = rf"\bloss = (?P<loss>{_NUMBER}), step = (?P<step>\d
 # ...and the StepCounterHook of MonitoredTrainingSession / Estimator: `global_step/sec: 41.2`
 STEP_COUNTER_METRIC = rf"\bglobal_step/sec: (?P<global_steps_per_sec>{_NUMBER})"
 # tf_cnn_benchmarks (benchmark_cnn.py): `STEP\timages/sec: MEAN +/- UNCERTAINTY (jitter =
-# JITTER)\tLOSS[\tTOP1\tTOP5]`; the images/sec a worker reached, averaged over its steps. A
-# diverged loss prints as nan/inf: the line still gives its step and images/sec (the parser
-# keeps finite values only), where before it gave nothing.
+# JITTER)\tLOSS[\tTOP1\tTOP5]`; a diverged loss prints as nan/inf: the line still gives its
+# step and images/sec (the parser keeps finite values only).
 CNN_BENCHMARK_STEP_METRIC = (
     rf"^[ \t]*(?P<step>\d+)\timages/sec: (?P<images_per_sec>{_NUMBER})"
     rf"(?: \+/- {_NUMBER} \(jitter = {_NUMBER}\))?\t(?P<loss>{_NUMBER}|[-+]?(?:nan|inf))"
@@ -71,10 +70,8 @@ KERAS_LOSS_METRIC = rf"\s-\sloss: (?P<loss>{_NUMBER})"
 KERAS_METRIC = rf"(?:^|\s-\s)(?P<key>[a-z][a-z0-9_]*): (?P<value>{_NUMBER})(?![\w.])"
 KERAS_EPOCH_METRIC = r"^Epoch (?P<epoch>\d+)/\d+\s*$"
 
-# The TensorFlow parser table: each row a line captured from a real run (TensorFlow
-# 2.21, Keras 3 and tf-keras 2.21, the peer tf_cnn_benchmarks, examples/tensorflow/)
-# and what the whole table reads from it (tests/test_fidelity_tf.py checks every row
-# through the master's parser). Rows with no pattern are lines nothing may read.
+# The TensorFlow parser table: each row a line captured from a real run and what the
+# whole table reads from it. Rows with no pattern are lines nothing may read.
 TF_LINES = (
     LineRule("the seed's step line (examples/tensorflow/async_ps_worker.py)", TF_KEY_VALUE_METRIC,
              "step=25, global_step=41, loss=0.0099, duration=0.005s.",

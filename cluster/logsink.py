@@ -25,12 +25,9 @@ from typing import NamedTuple
 from paicli.private import open_append_fd, write_private
 
 DEFAULT_CAP = 64 * 1024 * 1024
-# At most this many metric-carrying lines of one read (a few KB of one instance's
-# output) are stored. A training loop prints a metric line per step, far fewer than
-# this between two reads; only a flood of metric lines is sampled. The sample is
-# taken among the lines that carry metrics, never among all lines: a burst of a
-# framework's warnings around a few step lines (tf_cnn_benchmarks on a loaded
-# machine, read in one piece) kept its last line and lost every step line before.
+# At most this many metric-carrying lines of one read are stored: only a flood of
+# metric lines is sampled, and the sample is taken among the lines that carry
+# metrics, so a burst of warnings cannot push the step lines out.
 METRIC_LINES_PER_READ = 16
 # ...and at most this many lines of one read are searched for them (an even sample
 # of a longer read, with its last line): a burst of a whole run's output is read
@@ -333,11 +330,9 @@ def sample_points(points: list, most: int) -> list:
     return points[len(points) - 1::-stride][::-1]
 
 
-# While the master holds the combined log (one round of its loop: a read from each
-# instance that has output), its lines are written this many bytes at a time, not
-# one write per read: in a flood of many instances' output, each write is an inotify
-# event that wakes the attached `pai` to read a few KB. A step's lines are a few
-# hundred bytes: they are released at the end of the round, right after they were read.
+# The combined log is written this many bytes at a time within one round of the
+# master's loop, and the rest at the round's end: each write is an inotify event
+# that wakes the attached `pai`.
 HELD_BYTES = 1 << 16
 
 

@@ -261,7 +261,6 @@ class InterruptCatcher:
         self.wake_fd = -1
         self._write_fd = -1
         self._previous = None
-        self._previous_wakeup = None
 
     def install(self) -> None:
         import signal

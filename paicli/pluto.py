@@ -25,15 +25,11 @@ from typing import Any, Callable, NamedTuple
 PLAN_FRAMEWORKS = ("tensorflow", "mxnet", "caffe")
 CALIBRATION_LIMIT_S = 180.0     # a calibration run that shows no steps by then fails
 CALIBRATION_INTERVALS = 8       # step-line intervals per worker before a run is stopped
-# ... and the seconds those intervals must span at least (or the script ends): a fast
-# step's 8 intervals are a fraction of a second, where one burst of other load on shared
-# cores sets the median and a plan's forecast is off by tens of percent; 2 s of intervals
-# are many of them and cost a fast script under 2 s a run. A step of 0.25 s or more
-# spans it already.
+# ... and the seconds those intervals must span at least (or the script ends), so one
+# burst of other load on shared cores cannot set a fast step's median.
 MEASURE_SPAN_S = 2.0
-# The link probe: rounds of LINK_ROUND_S seconds, one connection each (its best rate is
-# the link's, `link_figures`): a single round's rate varies between runs by a fifth,
-# and moves every forecast over that link with it.
+# The link probe: rounds of LINK_ROUND_S seconds, one connection each; the best
+# round's rate is the link's (`link_figures`), as one round's varies by a fifth.
 LINK_ROUNDS = 5
 LINK_ROUND_S = 0.5
 CALIBRATION_MA_PERIOD = 5

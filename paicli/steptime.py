@@ -32,11 +32,9 @@ def median(values: list[float]) -> float:
 TRAINING_ROLES = ("worker", "chief")
 
 
-# The shortest stretch of time one rate is taken over. A step line is stored with the
-# time the master read it, and the master reads lines that arrive close together at
-# once: with steps of a few milliseconds, consecutive lines come 0 or 2 steps apart and
-# a median of single intervals lands anywhere between. Intervals are joined until they
-# span this long; steps of this or longer keep one rate per interval.
+# The shortest stretch of time one rate is taken over: a step line is stored with the
+# time the master read it, and lines close together are read at once, so intervals
+# are joined until they span this long.
 MIN_SPAN_S = 0.05
 
 

@@ -44,7 +44,6 @@ POLL = 0.2                # seconds between two looks of the tuner at its trials
 MISSING_AFTER_STEPS = 5   # the first trial's steps without the metric before it is called missing
 GRID_MAX = 10_000
 GIVE_UP_AFTER = 3         # trials failed, none completed: the study fails
-TERMINAL_TRIAL = ("Complete", "Pruned", "Failed", "Cancelled")
 STEP_KEYS = ("step", "iteration", "iter", "global_step", "batch")
 
 

@@ -219,10 +219,9 @@ def kvstore_flag_args(script: str, args: list[str], kvstore: str | None) -> tupl
 
 
 # ---------------------------------------------------------------------------
-# Was this worker distributed? (A job whose workers never talk to their servers is
-# not OK.) The runner watches which kvstores the script asks for and
-# counts its pushes to a dist one; at the end a worker that trained alone says so
-# in one line the master looks for (NOT_DISTRIBUTED, paicli/cluster/distribution.py).
+# Was this worker distributed? The runner counts the script's pushes to a dist
+# kvstore; a worker that trained alone says so in one line the master looks for
+# (NOT_DISTRIBUTED, paicli/cluster/distribution.py).
 
 NOT_DISTRIBUTED = "not distributed: "
 

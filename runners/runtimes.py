@@ -274,12 +274,10 @@ def runner_path(filename: str) -> str:
 #                                mtime is the layer's last use; instances hold it
 #                                with a shared lock (runtime_lock.py)
 #
-# Built with the runtime's own interpreter, so pip resolves against what the
-# runtime has: `pip install --dry-run --report` with every package of the runtime
-# pinned as a constraint (the framework stays the runtime's: a requirement that
-# needs another numpy fails instead of replacing it), then exactly what the report
-# says is missing, `--no-deps --target site`. A node given `pins` (what the
-# submitting machine resolved) installs those and resolves nothing.
+# Built with the runtime's own interpreter: `pip install --dry-run --report` with the
+# runtime's packages pinned as constraints (a requirement that needs another numpy
+# fails instead of replacing it), then what is missing, `--no-deps --target site`.
+# A node given `pins` (what the submitting machine resolved) resolves nothing.
 
 LAYER_MARKER = "paicli-layer.json"
 PYTHON_LAYER_BASE = "python"   # layers of jobs without a framework runtime (-name python)
@@ -543,9 +541,8 @@ def remove_layer(name: str) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# The legacy-Keras TensorFlow runtime that PAI's TF1-era
-# names select. A small venv layered on the TensorFlow runtime, so TensorFlow
-# itself (600 MB) is not installed twice.
+# The legacy-Keras TensorFlow runtime that PAI's TF1-era names select: a small venv
+# layered on the TensorFlow runtime.
 
 
 class LayeredVenvRuntime(VenvRuntime):

@@ -66,10 +66,9 @@ QUIET_CPP_LOG_LEVEL = "2"
 
 # TF1's wait for the chief (tf.compat.v1.train.Supervisor and SessionManager, under
 # MonitoredTrainingSession too): a worker that finds the ps's variables not yet
-# initialised looks again after `recovery_wait_secs`, 30 s unless the script says.
-# Here it looks every second unless the script says: a worker that asked a moment
-# before its chief had initialised waited half a minute (7 of 8 runs of the peer
-# tf_cnn_benchmarks, 1 ps + 2 workers). What a script passes itself is kept.
+# initialised looks again after `recovery_wait_secs`, 30 s; here every second, so a
+# worker that asked a moment too early does not wait half a minute. What a script
+# passes itself is kept.
 RECOVERY_WAIT_S = 1
 
 
@@ -229,11 +228,9 @@ def serve(role: str, index: int, config: dict, quiet: bool) -> None:
 
 
 # ---------------------------------------------------------------------------
-# "Not distributed" (issue 20): did this instance train with the cluster? The master
-# reads the line report_distribution prints (paicli/cluster/distribution.py: a line
-# holding `not distributed: <instance> <cause>`), and -DrequireDistributed=true turns
-# it into a failure. TF has no counter of what a ps served, so the workers tell: the
-# servers, sessions and variables their script made, watched from inside TensorFlow.
+# "Not distributed": did this instance train with the cluster? The master reads the
+# line report_distribution prints (paicli/cluster/distribution.py). TF has no counter
+# of what a ps served, so the workers tell, watching their servers, sessions and variables.
 
 NOT_DISTRIBUTED = "not distributed: "
 # Variable ops (TF1 ref variables, resource variables): on the ps when their device says so.

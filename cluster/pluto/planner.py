@@ -239,9 +239,7 @@ def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | N
          knobs: Knobs | None = None) -> Plan:
     knobs = knobs or Knobs()
     if user.framework == "tensorflow":
-        # The script fixes TF's mode (profile.sync), as every candidate has it; the
-        # statement alone (pluto.user_strategy) cannot tell, and a TF async job
-        # forecast as sync made the default look twice as slow as it runs.
+        # The script fixes TF's mode (profile.sync), which the statement cannot tell.
         user = user.with_(sync=profile.sync)
     default = Choice(user, forecast(profile, user, cluster))
     choices = [Choice(s, forecast(profile, s, cluster)) for s in candidates(profile, cluster, user, knobs)]
@@ -462,7 +460,6 @@ def duration_text(seconds: float | None) -> str:
 
 
 # -- checking before recommending ------------------------------------------------------------
-#
 # A forecast is a guess until a run measures it: when the best forecast is within
 # VERIFY_MARGIN of the next plans, or the recommended plan lies outside the shapes
 # calibration ran, the caller (paicli/pluto.py) runs the plans `to_verify` picks

@@ -25,7 +25,6 @@ MA_FRAMEWORKS = ("caffe",)                 # model averaging through a ps
 ROUND_ROBIN = "round_robin"   # TF's replica_device_setter default: variable i -> ps i % P
 GREEDY = "greedy"             # each variable to the least-loaded ps, by byte size
 SLICED = "sliced"             # MXNet: arrays above a bound split evenly over every server
-PARTITIONS = (ROUND_ROBIN, GREEDY, SLICED)
 
 MXNET_DEFAULT_BIGARRAY_BOUND = 1_000_000   # elements; MXNET_KVSTORE_BIGARRAY_BOUND's default
 

@@ -15,11 +15,8 @@ A part is a byte range of a CSV file ({"path", "start", "end", "rows"}) or rows
 of a SQLite table ({"path", "table", "offset", "rows"}). On this machine the
 parts name the tables themselves; a node gets an index of its own naming the
 slice files shipped there (`stage`). The sliced role's instances get
-PAI_TABLES_INDEX, PAI_SLICE_COUNT, PAI_TABLES / PAI_OUTPUTS, and JOB/data/py
-(paitables.py alone) on PYTHONPATH, so `import paitables` works in every
-runtime; every role gets PAI_TABLES / PAI_OUTPUTS. Every job's every role gets
-JOB/data/py on PYTHONPATH, tables or not (`module_path`). A worker's slice is its
-PAI_INDEX.
+PAI_TABLES_INDEX and PAI_SLICE_COUNT; every role gets PAI_TABLES / PAI_OUTPUTS and
+JOB/data/py (paitables.py alone) on PYTHONPATH (`module_path`).
 
 At the end (`finish`, called by the master before clean-up) the workers' part
 files (fetched from the nodes first) become the output table: written aside and

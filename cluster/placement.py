@@ -11,11 +11,9 @@ Rules (PAI units: cpu 100 = one core, memory in MB, gpu 100 = one card):
 - The other roles are bin-packed: fill the fullest node that still has room,
   then the next (fewer nodes used, whole nodes left for the next job).
 - Memory and GPUs are hard limits. CPU is a packing weight: when every node's
-  cores are taken, instances still run, on the node with the most cpu left
-  (a one-node cluster behaves as paicli always has), but one instance asking
-  for more cpu than any node has does not fit.
-- GPUs already held by running paicli jobs are not free (the caller says which,
-  from the store's claims), so two jobs never get the same card.
+  cores are taken, instances still run on the node with the most cpu left, but
+  one instance asking for more cpu than any node has does not fit.
+- GPUs held by running paicli jobs (the store's claims) are not free.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Calibration: from what a short real run measured to a Profile, and its cache.
 
-A calibration run is the user's own script submitted through pai (the caller does
-that: paicli/pluto.py) on a small cluster, stopped after a few steps. What it
-leaves behind is read here:
+A calibration run is the user's own script submitted through pai (paicli/pluto.py)
+on a small cluster, stopped after a few steps. What it leaves is read here:
 
 - seconds per step: paicli.steptime over the workers' step lines;
 - the model: the sizes of the variables (TF) or kvstore arrays (MXNet) the
@@ -12,12 +11,8 @@ leaves behind is read here:
 - the script's step target, batch size and learning rate: its arguments, else the
   defaults its argparse/absl flags (or solver) declare.
 
-The cost model then splits the measured step into compute and communication and
-fits the Optimus-style overheads with it (nnls) to what is left.
-
 The cache ($PAI_HOME/pluto/calibration.json, 0600 in a 0700 folder) is keyed by a
-digest of the script, its arguments and the cluster, so a second `pai plan` of the
-same script costs nothing.
+digest of the script, its arguments and the cluster.
 """
 
 from __future__ import annotations

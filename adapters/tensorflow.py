@@ -1,25 +1,20 @@
 """`-name tensorflow`: distributed TensorFlow in its own runtime.
 
 Roles come from -Dcluster: ps, worker, chief, evaluator (no -Dcluster: one worker).
-Every instance runs runners/tensorflow_runner.py in the TensorFlow runtime, which
-sets TF_CONFIG from the ports the launcher assigned and then runs the user's script
-(or, see below, a plain tf.distribute.Server).
+Every instance runs runners/tensorflow_runner.py, which sets TF_CONFIG and runs the
+user's script (or a plain tf.distribute.Server).
 
-Who must finish (Kubeflow's default success policy): with a chief, the chief; the
-ps, workers and evaluator are stopped once it succeeds. Without one, every worker;
-the ps (whose TF1 script ends in server.join() and never exits) and the evaluator
-are stopped then.
+Who must finish (Kubeflow's default success policy): the chief if there is one,
+else every worker; the others are stopped then.
 
 Where the script runs (-DscriptRoles): `auto` runs it everywhere except on the ps
 and workers of a job with a chief, which get the runner's tf.distribute.Server: a
 TF2 ParameterServerStrategy script runs only on its coordinator. `all` runs it on
 every instance (TF1 scripts that use a chief, or scripts that start their own servers).
 
-Classic flags (-DclusterFlags): a 2016-style script defines --ps_hosts --worker_hosts
---job_name --task_index with tf.app.flags/absl or argparse and fails without them,
-while absl and argparse scripts reject flags they do not define. So `auto` passes each
-of those flags only when the script, or a module of its own that it imports, defines
-it (the runner looks, at start); `always`/`never` force it.
+Classic flags (-DclusterFlags: --ps_hosts --worker_hosts --job_name --task_index):
+`auto` passes each only when the script or a module of its own defines it, since
+absl and argparse reject flags they do not define; `always`/`never` force it.
 PAI's own pass-through flags (--checkpointDir, --buckets, --tables, --outputs) are
 passed when those parameters are given, then hyperParameters, then userDefinedParameters.
 """

@@ -6,17 +6,13 @@ Runs with the runtime's Python 3.9 (stdlib, numpy, pycaffe only: no paicli here)
                           [--workers N] [--ma-period P] [--caffe BIN] [--python PY] [--top DIR]
     caffe_runner.py average --workers N            (the ps role: the averaging server)
 
-`solve` with one worker runs `caffe train` (Caffe's own binary, glog lines streamed
-as they come). With N > 1 workers each runs a pycaffe solver on its own shard of
-the data (Caffe's solver_count/solver_rank: its HDF5Data and Data/LMDB layers then
-keep every N-th record, offset by the rank) and every P iterations sends its
-weights to the ps, which averages them and sends the average back (periodic model
-averaging). Workers read the ps addresses from PAI_CLUSTER; with several ps the
-flat weight vector is split into one contiguous slice per ps.
+`solve` with one worker runs `caffe train`. With N > 1 workers each runs a pycaffe
+solver on its own shard of the data and every P iterations the ps averages their
+weights (with several ps, one contiguous slice of the flat weights each).
 
-Either way the training runs in a child process watched by this one, because a
-Caffe CHECK failure aborts (SIGABRT), which a launcher would take for a retryable
-kill: here it becomes exit 1 with Caffe's own error line as the last log line.
+The training runs in a child process, because a Caffe CHECK failure aborts
+(SIGABRT), which a launcher would take for a retryable kill: here it becomes exit 1
+with Caffe's own error line last.
 """
 
 from __future__ import annotations

@@ -14,11 +14,9 @@ ps-lite reads, before mxnet is imported. The adapter adds:
                                       script creates, "none" (default) to leave it
     PAI_MXNET_COMPRESSION_THRESHOLD   the 2-bit threshold (default 0.5)
 
-A script that takes its kvstore type from a flag of its own (MXNet's examples:
-`--kv-store`, Gluon's `--kvstore`, default `device`) gets PAI_MXNET_KVSTORE through
-that flag, unless the user passed it: the runner looks for the flag's definition in
-the script and in the modules of its own folder that it imports (train_imagenet.py
--> common/fit.py), as -DclusterFlags=auto does for TensorFlow's classic flags.
+A script that takes its kvstore type from a flag of its own (`--kv-store`,
+`--kvstore`) gets PAI_MXNET_KVSTORE through that flag unless the user passed it,
+when the script or a module of its own folder defines it.
 """
 
 from __future__ import annotations

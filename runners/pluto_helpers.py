@@ -1,27 +1,19 @@
 """Pluto's helpers inside a framework runtime (standard library only; frameworks
-are imported lazily, by the functions that need them).
+are imported by the functions that need them).
 
-The runners import this module before they run the user's script, so a script
-can also `import pluto_helpers` and call the one-line helpers a plan names when
-an optimization needs a change in the script:
+A script can `import pluto_helpers` and call the one-line helpers a plan names:
 
     lr = pluto_helpers.learning_rate(base_lr, step)      # linear scaling + warm-up
     w = tf.compat.v1.get_variable("w", shape, partitioner=pluto_helpers.tf_partitioner())
 
-What the runners call themselves (the script needs no change):
-
-    install_tensorflow(tf)   with PAI_TF_PS_STRATEGY=greedy, replica_device_setter
-                             places each variable on the least-loaded ps by byte size
-                             (TF's default is round-robin); with PAI_PLUTO_REPORT set,
-                             the variables' sizes are reported there
-    install_mxnet(mx)        with PAI_PLUTO_REPORT set, the sizes of the arrays the
-                             script's kvstore holds are reported there
+The runners call `install_tensorflow(tf)` (PAI_TF_PS_STRATEGY=greedy: each variable
+on the least-loaded ps by byte size) and `install_mxnet(mx)`; both report the model's
+sizes to PAI_PLUTO_REPORT when it is set.
 
 Environment read here (set by paicli's adapters when a plan says so):
     PAI_PLUTO_REPORT         stderr (lines `pluto-report: {json}`) or a file (JSON lines, 0600)
     PAI_TF_PS_STRATEGY       greedy | roundRobin
-    PAI_PLUTO_LR_SCALE       the learning rate's factor (linear scaling; -DlrScale, which a
-                             plan sets for a sync script that has no learning-rate flag)
+    PAI_PLUTO_LR_SCALE       the learning rate's factor (-DlrScale)
     PAI_PLUTO_WARMUP_STEPS   steps over which the factor is reached (-DwarmupSteps)
     PAI_PLUTO_PS_COUNT       how many ps a partitioner splits a variable over
 """

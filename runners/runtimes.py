@@ -9,11 +9,8 @@ in a runtime of its own, provisioned once and cached:
         mxnet/        a venv
         caffe/        a Debian bullseye root filesystem (see caffe_rootfs.py)
 
-A user can point a framework at an interpreter of their own (a GPU build, a conda
-env) with PAI_<NAME>_PYTHON, e.g. PAI_TENSORFLOW_PYTHON=/opt/conda/bin/python; then
-nothing is provisioned for it.
-
-This module runs on the submitting host only; it imports nothing of paicli.
+PAI_<NAME>_PYTHON points a framework at an interpreter of the user's own; then
+nothing is provisioned for it. This module imports nothing of paicli.
 """
 
 from __future__ import annotations

@@ -12,15 +12,12 @@ paicli.jobplan). This runner turns them into what TensorFlow expects, then eithe
     TF2 ParameterServerStrategy job, whose user script runs only on the chief) until
     SIGTERM, then exits 0.
 
---cluster-flags says which classic 2016-style flags (--ps_hosts --worker_hosts
---job_name --task_index) go before ARGS: `auto` (the default) those that the code
-defines, found in SCRIPT's source or in any module of its own that it imports,
-transitively (from SCRIPT's folder or --code-root, an archive's root); `always`;
-`never`; or a comma-separated list of names. It is decided here, at start, because
-only here is the code surely in place.
+--cluster-flags says which classic flags (--ps_hosts --worker_hosts --job_name
+--task_index) go before ARGS: `auto` (the default) those the code defines (SCRIPT or
+a module of its own under its folder or --code-root); `always`; `never`; or a
+comma-separated list of names.
 
-This file runs inside the framework's own Python: it imports only the standard
-library and TensorFlow, never paicli.
+It imports only the standard library and TensorFlow, never paicli.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The logview server: an aiohttp application over the job store and job folders.
 
-    python -m paicli.web.standby --home ~/.pai --fd N     (started by paicli.web.launch)
-
-The standby holds the socket and becomes this server, in the same process, on the
-page's first visit (`run`).
+The standby (paicli.web.standby) holds the socket and becomes this server, in the
+same process, on the page's first visit (`run`).
 
 Routes (every one answers 403 without the user's token, as ?token=...):
     /  and /logview/            the job list (like `show instances`)

@@ -161,10 +161,7 @@ INHERIT_PYTHONPATH = "PAI_INHERIT_PYTHONPATH"   # runners/node_agent.py reads it
 def module_path(plan: Any, job_dir: Path) -> None:
     """Every job, tables or not: JOB/data/py holds paitables.py alone and comes
     first on every role's PYTHONPATH, so `import paitables` works in every runtime
-    (TensorFlow's, MXNet's, Caffe's root filesystem Python, -name python) without
-    putting the other runners (archive, runtimes, ...) in the way of the script's
-    own imports. Nodes get the same file at the same place in their per-job folder
-    (cluster/node_files.py module_files), so the path maps like any job path."""
+    without the other runners in the way of the script's own imports."""
     from paicli.cluster import RUNNERS_DIR
 
     folder = job_dir / DATA / PY

@@ -152,10 +152,7 @@ def _end_master(store: Store, job_id: str, deadline: float, report: Report) -> N
 def sweep_lost(store: Store, report: Report = to_stderr) -> list[str]:
     """Record every job of this store whose master is gone without recording its
     end, and stop what it left: the next job's watchdog runs this, so a job whose
-    master and watchdog both died (a reboot, a kill of both) does not stay Running,
-    holding its claims and ports, for want of a reader writing it. A job whose own
-    watchdog is acting right now is harmless to meet: the store moves a job out
-    of Running once, and each stop is identity checked. Returns the jobs declared
+    master and watchdog both died does not stay Running. Returns the jobs declared
     lost."""
     lost = []
     for job in store.unfinished_jobs():

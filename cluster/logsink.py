@@ -113,10 +113,8 @@ def compiled_pattern(pattern: str) -> CompiledPattern:
 def literal_runs(pattern: str) -> tuple[str, ...]:
     """Pieces of literal text that every match of `pattern` contains (`=` for a
     `key = value` pattern; `loss = ` and `, step = ` for TensorFlow's hook line),
-    read from the pattern's parse tree: the literals of its top-level sequence,
-    of its groups and of what repeats at least once. A branch, a class, an
-    optional part or a case-insensitive one gives none. () when nothing is
-    certain, or the tree is not one this reads (it is re's own, private)."""
+    read from the pattern's parse tree. () when nothing is certain, or the tree is
+    not one this reads (it is re's own, private)."""
     try:
         from re import _constants as sre, _parser
         tree = _parser.parse(pattern, re.MULTILINE)
@@ -155,15 +153,11 @@ class MetricParser:
     metric per group (`(?P<loss>…)`); a pattern with groups `key` and `value`
     gives a metric named by the key's text. A group named `<prefix>_pairs` gives
     each `name=number` pair of its text as `<prefix>_<name>`, and claims its line:
-    no key/value pattern reads that line (Gluon's `[Epoch 3] validation:
-    accuracy=0.88, top_k_accuracy_5=0.97` is two validation scores, not the
-    training ones). A line's step is its `step`, `iteration` or `global_step` value.
+    no key/value pattern reads that line. A line's step is its `step`, `iteration`
+    or `global_step` value.
 
-    Each pattern runs once over a whole chunk of lines (in C), and Python only
-    touches the matches: a log without metrics costs almost nothing per line.
-    Patterns are compiled MULTILINE so `^`/`$` mean a line's start and end; a
-    match whose captures run into the next line is ignored, as it would be line
-    by line."""
+    Each pattern runs once over a whole chunk of lines, compiled MULTILINE; a match
+    whose captures run into the next line is ignored, as it would be line by line."""
 
     STEP_KEYS = ("step", "iteration", "iter", "global_step", "batch")
 

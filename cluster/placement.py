@@ -83,9 +83,7 @@ def place(wanted: list[Demand], nodes: list[NodeSpec], free: dict[str, Free] | N
     """One Placement per demand, in the order of `wanted`. `free` is updated in
     place (pass a fresh one from free_resources()); `avoid`: node names not to use
     (nodes this job lost); `soft_cpu`: the nodes whose cores may be oversubscribed
-    (None: all of them; the queue passes the nodes no other job holds, so a job
-    alone on idle nodes runs more instances than cores, but never on cores that
-    another job holds)."""
+    (None: all of them; the queue passes the nodes no other job holds)."""
     free = free_resources(nodes) if free is None else free
     avoid = set(avoid)
     soft = None if soft_cpu is None else set(soft_cpu)

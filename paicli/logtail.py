@@ -247,13 +247,10 @@ def progress_line(task_name: str, instances: list) -> tuple[tuple[int, int, int]
 class InterruptCatcher:
     """Ctrl-C while following, counted instead of raised.
 
-    A KeyboardInterrupt is raised wherever the interpreter happens to be when
-    SIGINT arrives, also between the statements of a loop, outside any `try` put
-    there to catch it (seen: the console went back to its prompt without
-    cancelling the job). So while a job is followed, SIGINT only sets a flag and
-    wakes the follower through a pipe; the loop acts on it at a known point.
-    Where SIGINT cannot be handled here (not the main thread, or SIGINT ignored
-    by whoever started us), nothing changes."""
+    A KeyboardInterrupt can land between any two statements, outside the `try`
+    meant to catch it. So while a job is followed, SIGINT only sets a flag and wakes
+    the follower through a pipe; the loop acts on it at a known point. Off the main
+    thread, or with SIGINT ignored, nothing changes."""
 
     def __init__(self):
         self.count = 0

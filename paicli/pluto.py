@@ -82,11 +82,9 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None,
                    machines: dict[str, list] | None = None):
     """The nodes of the nodes file (cores declared or 1; link bandwidth from
     PAI_PLUTO_BANDWIDTH, else `measured_Bps` (the probe), else assumed 1 Gbit/s and
-    said so), else this machine. `machines`: node name -> [boot id, cores] as the
-    nodes reported them (`probe_machines`): a node's cores when the nodes file does
-    not declare its cpu (as placement counts them), and nodes of one boot id share
-    the machine's cores; PAI_PLUTO_SHARED_CORES overrides that with one machine of
-    that many cores."""
+    said so), else this machine. `machines` (`probe_machines`): node name -> [boot
+    id, cores]; nodes of one boot id share the machine's cores
+    (PAI_PLUTO_SHARED_CORES: one machine of that many cores)."""
     from paicli.cluster.pluto.strategy import Cluster, Node
     from paicli.errors import UsageError
 
@@ -206,10 +204,9 @@ def probe_rpc() -> dict[str, float]:
 def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> tuple[float | None, float]:
     """(bytes/s, CPU seconds per byte) between two nodes, measured through pai: a job
     of one ps (a sink) and one worker (a source) running runners/pluto_helpers.py.
-    The ps asks for the cpu of the largest node (`node_cpu`), so that placement,
-    which packs a worker beside a service with room left, puts the worker on another
-    node. The rate is None when both landed on one node or the probe failed; the CPU
-    per byte is what the source's machine spent moving them (0.0 when unknown)."""
+    The ps asks for the cpu of the largest node, so the worker lands on another. The
+    rate is None when both landed on one node or the probe failed; the CPU per byte
+    is 0.0 when unknown."""
     from paicli import client
     from paicli.runners import pluto_helpers
     from paicli.statement import parse_statement

@@ -186,9 +186,8 @@ def prepare_solver(args, workdir: str, device: str = "cpu") -> tuple[str, str]:
     """The solver file to run and its text: the user's, or a copy in `workdir` whose
     solver_mode is CPU when `device` is (a GPU solver on a machine without one), whose
     snapshot_prefix sits in --checkpoint-dir, whose base_lr is --base-lr and whose
-    net is a copy with --batch-size (Pluto's scaling; the user's files are never
-    written). Creates the snapshot directory, which Caffe would otherwise refuse to
-    train without."""
+    net is a copy with --batch-size (the user's files are never written). Creates
+    the snapshot directory, without which Caffe refuses to train."""
     with open(args.solver, encoding="utf-8", errors="replace") as f:
         text = f.read()
     path = args.solver

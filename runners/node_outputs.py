@@ -136,11 +136,8 @@ def make_folders(watch: dict) -> None:
 
 def begin_watch(watch: dict, since_ns: int | None = None) -> dict:
     """Create the folders (make_folders), list what is there into the state file;
-    that listing. With `since_ns` (the instance's start; the instance runs already)
-    nothing is listed: what changed from then on (its ctime) is the instance's, and
-    only that is looked at when the files go back (`frames`), so a working folder
-    is listed once per instance, at its end, not also as the instances start. The
-    folders were made before that start (the agent's make_folders), not again here."""
+    that listing. With `since_ns` (the instance's start) nothing is listed: what
+    changed from then on (its ctime) is the instance's."""
     if since_ns is None:
         make_folders(watch)
     base: dict = {}

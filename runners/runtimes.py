@@ -546,9 +546,7 @@ class LayeredVenvRuntime(VenvRuntime):
     """A venv layered on another runtime's Python: a .pth file adds the base's
     site-packages (as a site dir, so the base's own .pth files count) after the
     layer's own, and only `requirements` are installed into the layer, without
-    their dependencies (those are the base's; pip would otherwise fetch a second
-    TensorFlow to satisfy tf-keras' `tensorflow` requirement). `env` is what its
-    instances need set (the adapter puts it in the plan)."""
+    their dependencies (those are the base's). `env` is what its instances need set."""
 
     def __init__(self, name: str, base: str, requirements: list[str], description: str,
                  env: dict[str, str], check: str):

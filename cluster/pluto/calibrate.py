@@ -432,12 +432,9 @@ def measure_update(python: str, helpers: str, timeout: float = 120.0) -> float:
 
 
 def measure_kvstore(python: str, helpers: str, timeout: float = 240.0) -> dict[str, float]:
-    """CPU seconds per value of one push and pull through MXNet's dist kvstore on
-    this machine's loopback (runners/pluto_helpers.py kvstore: a scheduler, a server
-    and a worker, about 10 s), on the server and on the worker, uncompressed and
-    2bit: the Cluster fields kv_*_s_per_value; and per key (a one-value array's push
-    and pull: the cost of a message apart from its values), kv_*_s_per_key. {} when
-    the probe cannot run."""
+    """The Cluster fields kv_*_s_per_value and kv_*_s_per_key, probed on this
+    machine's loopback (runners/pluto_helpers.py kvstore); {} when the probe cannot
+    run."""
     try:
         done = subprocess.run([python, helpers, "kvstore"], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)

@@ -229,13 +229,9 @@ def _pipelined_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
 
 def _mxnet_async_seconds(profile: Profile, strategy: Strategy, cluster: Cluster, ps_nodes: list[int],
                          worker_nodes: list[int], flows: list[tuple[int, int, float]]) -> float:
-    """MXNet dist_async: no barrier. A worker's own pushes and pulls pipeline as in
-    dist_sync (the pull of an array waits only for its own push), and nobody waits
-    for the other workers, so one worker's traffic overlaps the others' compute.
-    A worker's cycle is its compute plus its own traffic, unless the links the
-    workers share (a server's) cannot carry every worker's pushes and pulls in that
-    time: cycle = max(compute + own, shared); the communication is what the cycle
-    adds to compute. One worker: exactly dist_sync."""
+    """MXNet dist_async: no barrier, so one worker's traffic overlaps the others'
+    compute: cycle = max(compute + own pipelined traffic, shared links' traffic), and
+    the communication is what the cycle adds to compute."""
     own = _pipelined_seconds(profile, strategy, cluster, ps_nodes, worker_nodes[:1])
     if strategy.workers <= 1:
         return own
@@ -424,10 +420,8 @@ def worker_beyond_calibration(profile: Profile, strategy: Strategy, cluster: Clu
 def kvstore_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> tuple[float, float] | None:
     """(one worker's, all servers') CPU seconds a step of MXNet's kvstore costs, from
     the probe of a push and pull per value on this machine (None when not probed, or
-    not MXNet). A worker pays one push and pull of every value. The servers, one
-    push of every value per worker: the probe's round, which holds one update, less
-    that update (`update_s_per_value`), plus the updates the mode applies: one a step
-    for dist_sync (the sum of the pushes), one per push for dist_async."""
+    not MXNet). The servers pay every worker's push less the probe's one update, plus
+    the updates the mode applies (`update_seconds`)."""
     if strategy.framework != "mxnet" or not strategy.ps:
         return None
     two_bit = strategy.compression == "2bit"

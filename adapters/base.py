@@ -4,9 +4,8 @@ An adapter turns a validated JobSpec into a JobPlan: which roles exist, how many
 instances each has, which roles must finish for the job to succeed (the others
 are services, stopped afterwards), the argv/env every instance of a role starts
 with, the runtime it runs in, and regexes that pick metrics out of its log lines.
-Per-instance details that depend on assigned ports (TF_CONFIG, DMLC_*, classic
---ps_hosts flags) are derived inside the runtime by the adapter's runner from the
-PAI_* variables the launcher sets (see paicli.jobplan).
+What depends on assigned ports is derived by the adapter's runner from the PAI_*
+variables (see paicli.jobplan).
 """
 
 from __future__ import annotations

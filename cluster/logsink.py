@@ -1,11 +1,8 @@
 """Where the master puts what instances print.
 
 Every chunk an instance writes goes to its own attempt log (raw), and each
-complete line also goes to the job's combined log prefixed `[worker:1] `, in the
-order the master received it: the CLI tails that one file, so lines from
-different instances reach the terminal in arrival order. Files are capped: past
-the cap the file is renamed to `<name>.1` (replacing the previous one) and a new
-one begun, so the tail is always kept.
+complete line also goes to the job's combined log prefixed `[worker:1] `, in
+arrival order. Past its cap a file is renamed to `<name>.1` and a new one begun.
 
 Lines are also matched against the plan's metric patterns.
 """

@@ -1,10 +1,7 @@
 """Following a job in the terminal: its log lines live, progress lines, summary.
 
-The master writes every instance's lines, prefixed `[worker:1] `, into the job's
-combined log in the order it received them; following that one file keeps
-arrival order. Lines are written through in chunks (no per-line work on a pipe);
-on a TTY each prefix is coloured by instance. After the job ends the file is
-read once more to its end, so the last lines are never lost.
+Following the job's combined log keeps arrival order; on a TTY each prefix is
+coloured by instance. After the job ends the file is read once more to its end.
 """
 
 from __future__ import annotations

@@ -488,10 +488,9 @@ def check_buckets(value: Any, job_dir: Path, base: str) -> list[str]:
 
 
 def bucket_trees(job_dir: str | Path) -> list[dict]:
-    """Each -Dbuckets folder (but those under a `shared:` path: cluster/node_files.py
-    data_trees) as a tree of files by content digest: {"digest" (of
-    the whole tree), "files": [[rel, sha256]], "sources": [(rel, sha256, path)]}.
-    Regular files only; links and special files stay behind."""
+    """Each -Dbuckets folder (but those under a `shared:` path) as a tree of files by
+    content digest: {"digest" (of the whole tree), "files": [[rel, sha256]],
+    "sources": [(rel, sha256, path)]}. Regular files only."""
     from paicli.cluster.node_files import data_trees
 
     import hashlib

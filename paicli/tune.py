@@ -690,10 +690,8 @@ class Tuner:
 
     def _read_metric(self, run: Running, judge: bool = False) -> bool:
         """Report the metric's new steps; with `judge`, ask the pruner after each
-        one, as an objective's own loop would (a pruner that looks at the latest
-        step, successive halving, would otherwise judge trials at whatever step a
-        poll happened to read last). True: prune now (nothing after that step is
-        reported)."""
+        one, as an objective's own loop would. True: prune now (nothing after that
+        step is reported)."""
         rows = self.store.metrics_after(run.job_id, run.after)
         if not rows:
             return False

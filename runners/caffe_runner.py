@@ -73,9 +73,7 @@ def set_solver_field(text: str, name: str, value: str, quoted: bool = True) -> s
 def solver_cwd(solver: str, fallback: str, top: str | None = None) -> str:
     """Where a solver's relative paths resolve: the first of the solver's folder, its
     parents (not above `top`, an archive's root) and `fallback` (where the job was
-    submitted) in which its `net:`/`train_net:` path exists. So BVLC's
-    examples/mnist/lenet_solver.prototxt (net: "examples/mnist/...") runs in the folder
-    that holds examples/, and a solver beside its net runs in its own folder."""
+    submitted) in which its `net:`/`train_net:` path exists."""
     try:
         with open(solver, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -561,11 +559,9 @@ def warmup_factor(iteration: int, warmup: int, workers: int) -> float:
 
 
 def install_warmup(solver, text: str, warmup: int, workers: int) -> None:
-    """Ramp the learning rate over the first `warmup` iterations. BVLC Caffe's
-    lr_policy has no warm-up (and replacing the user's policy would lose theirs), so
-    the gradients are scaled before each update instead: for SGD and Nesterov the
-    step is lr x gradient (plus momentum), so that is the same ramp. Weight decay,
-    added by Caffe after this callback, is not ramped."""
+    """Ramp the learning rate over the first `warmup` iterations by scaling the
+    gradients before each update (the same ramp for SGD and Nesterov), since Caffe's
+    lr_policy has no warm-up and the user's policy is kept."""
     if warmup <= 0 or workers <= 1:
         return
     kind = (solver_field(text, "type") or solver_field(text, "solver_type") or "SGD").strip('"')

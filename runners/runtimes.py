@@ -144,9 +144,7 @@ class Runtime:
     @contextlib.contextmanager
     def exclusive(self, what: str) -> Iterator[None]:
         """The runtime's lock, exclusively, or RuntimeSetupError at once if a job is
-        using it. Every instance running in the runtime holds its marker file with
-        a shared lock for its whole life (the runners' hold_runtime_lock), so a
-        runtime is never deleted under a running job."""
+        using it (its instances hold a shared lock: hold_runtime_lock)."""
         try:
             fd = os.open(self.path / MARKER, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:

@@ -4,9 +4,8 @@ An adapter turns a validated JobSpec into a JobPlan: which roles exist, how many
 instances each has, which roles must finish for the job to succeed (the others
 are services, stopped afterwards), the argv/env every instance of a role starts
 with, the runtime it runs in, and regexes that pick metrics out of its log lines.
-Per-instance details that depend on assigned ports (TF_CONFIG, DMLC_*, classic
---ps_hosts flags) are derived inside the runtime by the adapter's runner from the
-PAI_* variables the launcher sets (see paicli.jobplan).
+What depends on assigned ports is derived by the adapter's runner from the PAI_*
+variables (see paicli.jobplan).
 """
 
 from __future__ import annotations
@@ -135,8 +134,7 @@ def pluto_scaling_env(spec: JobSpec) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------
-# Parser tables: each framework's log lines understood
-#
+# Parser tables: each framework's log lines understood.
 # A framework's metric patterns are a table of the progress lines it prints, each
 # row with a line captured from a real run and what the WHOLE table must read from
 # it: so a row that reads too much (TensorFlow's `jitter = 10.1` as a metric) or a

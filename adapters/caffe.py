@@ -1,27 +1,20 @@
 """`-name caffe`: Caffe 1.0 solver jobs and multi-worker model averaging.
 
-Every instance runs in the Caffe runtime (runners/caffe_rootfs.py: Debian bullseye's
-caffe + python3-caffe run through that root filesystem's own loader).
-
-What runs:
+Every instance runs in the Caffe runtime (runners/caffe_rootfs.py). What runs:
 - `-Dsolver=...` (or a -Dscript archive whose -DentryFile is a .prototxt) with one
   worker: runners/caffe_runner.py runs `caffe train --solver=...` (with --weights or
   --snapshot when given); Caffe's glog lines stream as they come.
 - The same with N > 1 workers and a ps (-Dcluster='{"ps":{"count":1},"worker":{"count":2}}'):
-  each worker steps its own pycaffe solver on shard `index` of N of the data (Caffe's
-  solver_count/solver_rank record sharding of HDF5Data and Data/LMDB layers) and every
-  -DmaPeriod iterations the workers send their weights to the ps, which averages them and
-  sends the average back. The ps is the runner's (no user code). One worker fails and
-  every instance restarts (restart=job): the rounds must stay in step.
+  each worker steps its own pycaffe solver on its shard of the data and every -DmaPeriod
+  iterations the ps averages their weights. One worker fails and every instance
+  restarts (restart=job): the rounds must stay in step.
 - `-Dscript=train.py`: a pycaffe script, run with the runtime's Python 3.9 on every
   instance of -Dcluster (PAI_* variables in its environment), PAI's flags after it.
 
 Working directory of a solver job: the first of the solver's folder, its parent
 folders, and the folder `pai` was started in, in which the solver's `net:` (or
-`train_net:`) path exists; so BVLC's `examples/mnist/lenet_solver.prototxt`
-(`net: "examples/mnist/..."`) runs in the folder that holds `examples/`, and a solver
-next to its net runs in its own folder. Relative paths inside the prototxt (data
-sources, snapshot_prefix) resolve there, as they would for `caffe train` run there.
+`train_net:`) path exists, so the prototxt's relative paths resolve as for `caffe
+train` run there.
 """
 
 from __future__ import annotations

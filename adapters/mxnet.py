@@ -1,14 +1,9 @@
 """`-name mxnet`: MXNet 1.9 parameter-server jobs (ps-lite: scheduler, servers, workers).
 
-Roles: one `scheduler`, added here because ps-lite needs exactly one; `server`
-(-Dcluster may call it `ps`, as TensorFlow jobs do); `worker`, which runs the
-user's script. Every instance runs runners/mxnet_runner.py in the MXNet runtime;
-the runner derives DMLC_* from the launcher's PAI_* variables, runs the scheduler
-and servers without user code, and runs the script on the workers.
-
-Scheduler and servers exit by themselves once the workers finalise their
-kvstores, so they are not must_finish: the job succeeds when the workers do, and
-a short stop_grace lets the others leave on their own before being stopped.
+Roles: one `scheduler` (ps-lite needs exactly one); `server` (or `ps`); `worker`,
+which runs the user's script. Every instance runs runners/mxnet_runner.py in the
+MXNet runtime. The job succeeds when the workers do; the others leave by themselves
+within a short stop_grace.
 
 ps-lite cannot take a restarted worker back (and in dist_sync the survivors wait
 for it forever), so a retryable failure restarts the whole job: restart="job".
@@ -65,12 +60,9 @@ MX_KEY_VALUE_METRIC = (
     r"(?<![\w.\-])(?<!Time )(?P<key>[A-Za-z_][\w.\-]*)\s*=\s*"
     rf"(?P<value>{_N})s?(?![\w.])(?!(?:, [A-Za-z_]\w*=(?:'[^'\n]*'|[^,\n()]*)){{0,128}}+\)[ \t]*$)"
 )
-KEY_VALUE_NOT_TIME_COST = MX_KEY_VALUE_METRIC  # its earlier name
 
-# The MXNet parser table: lines captured from real runs (MXNet 1.9.1, the peer
-# image-classification examples, examples/mxnet/, and MXNet 1.9.1's own example/gluon
-# mnist.py and image_classification.py as tests/data/gluon_*_1.9.1.log captured them), and
-# what pai reads from each.
+# The MXNet parser table: lines captured from real runs of MXNet 1.9.1, and what pai
+# reads from each.
 MXNET_LINES = (
     LineRule("Speedometer (Module.fit, Gluon image_classification.py)", SPEEDOMETER_METRIC,
              "INFO:root:Epoch[0] Batch [10-20]\tSpeed: 2169.50 samples/sec\taccuracy=0.789062",

@@ -1,25 +1,20 @@
 """`-name tensorflow`: distributed TensorFlow in its own runtime.
 
 Roles come from -Dcluster: ps, worker, chief, evaluator (no -Dcluster: one worker).
-Every instance runs runners/tensorflow_runner.py in the TensorFlow runtime, which
-sets TF_CONFIG from the ports the launcher assigned and then runs the user's script
-(or, see below, a plain tf.distribute.Server).
+Every instance runs runners/tensorflow_runner.py, which sets TF_CONFIG and runs the
+user's script (or a plain tf.distribute.Server).
 
-Who must finish (Kubeflow's default success policy): with a chief, the chief; the
-ps, workers and evaluator are stopped once it succeeds. Without one, every worker;
-the ps (whose TF1 script ends in server.join() and never exits) and the evaluator
-are stopped then.
+Who must finish (Kubeflow's default success policy): the chief if there is one,
+else every worker; the others are stopped then.
 
 Where the script runs (-DscriptRoles): `auto` runs it everywhere except on the ps
 and workers of a job with a chief, which get the runner's tf.distribute.Server: a
 TF2 ParameterServerStrategy script runs only on its coordinator. `all` runs it on
 every instance (TF1 scripts that use a chief, or scripts that start their own servers).
 
-Classic flags (-DclusterFlags): a 2016-style script defines --ps_hosts --worker_hosts
---job_name --task_index with tf.app.flags/absl or argparse and fails without them,
-while absl and argparse scripts reject flags they do not define. So `auto` passes each
-of those flags only when the script, or a module of its own that it imports, defines
-it (the runner looks, at start); `always`/`never` force it.
+Classic flags (-DclusterFlags: --ps_hosts --worker_hosts --job_name --task_index):
+`auto` passes each only when the script or a module of its own defines it, since
+absl and argparse reject flags they do not define; `always`/`never` force it.
 PAI's own pass-through flags (--checkpointDir, --buckets, --tables, --outputs) are
 passed when those parameters are given, then hyperParameters, then userDefinedParameters.
 """
@@ -54,9 +49,8 @@ LOGGING_TENSOR_HOOK_METRIC = rf"\bloss = (?P<loss>{_NUMBER}), step = (?P<step>\d
 # ...and the StepCounterHook of MonitoredTrainingSession / Estimator: `global_step/sec: 41.2`
 STEP_COUNTER_METRIC = rf"\bglobal_step/sec: (?P<global_steps_per_sec>{_NUMBER})"
 # tf_cnn_benchmarks (benchmark_cnn.py): `STEP\timages/sec: MEAN +/- UNCERTAINTY (jitter =
-# JITTER)\tLOSS[\tTOP1\tTOP5]`; the images/sec a worker reached, averaged over its steps. A
-# diverged loss prints as nan/inf: the line still gives its step and images/sec (the parser
-# keeps finite values only), where before it gave nothing.
+# JITTER)\tLOSS[\tTOP1\tTOP5]`; a diverged loss prints as nan/inf: the line still gives its
+# step and images/sec (the parser keeps finite values only).
 CNN_BENCHMARK_STEP_METRIC = (
     rf"^[ \t]*(?P<step>\d+)\timages/sec: (?P<images_per_sec>{_NUMBER})"
     rf"(?: \+/- {_NUMBER} \(jitter = {_NUMBER}\))?\t(?P<loss>{_NUMBER}|[-+]?(?:nan|inf))"
@@ -72,10 +66,8 @@ KERAS_LOSS_METRIC = rf"\s-\sloss: (?P<loss>{_NUMBER})"
 KERAS_METRIC = rf"(?:^|\s-\s)(?P<key>[a-z][a-z0-9_]*): (?P<value>{_NUMBER})(?![\w.])"
 KERAS_EPOCH_METRIC = r"^Epoch (?P<epoch>\d+)/\d+\s*$"
 
-# The TensorFlow parser table: each row a line captured from a real run (TensorFlow
-# 2.21, Keras 3 and tf-keras 2.21, the peer tf_cnn_benchmarks, examples/tensorflow/)
-# and what the whole table reads from it (tests/test_fidelity_tf.py checks every row
-# through the master's parser). Rows with no pattern are lines nothing may read.
+# The TensorFlow parser table: each row a line captured from a real run and what the
+# whole table reads from it. Rows with no pattern are lines nothing may read.
 TF_LINES = (
     LineRule("the seed's step line (examples/tensorflow/async_ps_worker.py)", TF_KEY_VALUE_METRIC,
              "step=25, global_step=41, loss=0.0099, duration=0.005s.",

@@ -1,11 +1,9 @@
 """The master's side of the node agent's wire protocol (runners/node_agent.py), once.
 
-Every backend runs its instances under the node agent; a backend provides only a
-*transport* for one instance's agent (a pipe to a local agent, an SSH channel, a
-Ray actor) and this module does the rest: it sends the spec, reads the identity
-(or the E frame) with a deadline, turns O frames into the output the master
-reads, X into the exit status, keeps the heartbeat going both ways, and stops
-the instance with t/k bytes on the live link.
+A backend provides only a *transport* for one instance's agent (a pipe, an SSH
+channel, a Ray actor); this module sends the spec, reads the identity (or the E
+frame) with a deadline, turns O frames into output and X into the exit status,
+keeps the heartbeat both ways, and stops the instance with t/k bytes.
 
     class Transport(Protocol):
         send(data)                  raises (OSError, EOFError, ...) when the link is gone
@@ -25,16 +23,15 @@ the instance with t/k bytes on the live link.
     start_instance(transport, spec, *, backend, node, host, start_timeout, sink=None) -> Handle
         spec = {"argv", "env", "cwd", "heartbeat"} (+ "inherit", "output_fd",
         "watch": see the agent). `sink(kind, payload)` takes the file frames (F, D,
-        S, L, Z: cluster/outputs.py), in the pump thread or the master's. Raises OSError for an E frame (the program could not be
-        started); a transport failure gives a Handle whose poll() reports NODE_LOST.
+        S, L, Z: cluster/outputs.py). Raises OSError for an E frame (the program
+        could not be started); a transport failure gives a Handle whose poll()
+        reports NODE_LOST.
     send_spec(transport, spec, sink=None) -> Starting; .started(backend=, node=, host=, start_timeout=)
         the same in two halves: the spec goes now, the identity is read later
         (the master sends every instance's spec before it reads any identity).
 
-The Handle's `output_fd` is a pipe of the instance's output; its `native` is a
-Link: `poll()` is the exit status (None while it runs), `wait()` blocks for it,
-`signal(signum)` asks the agent to signal the group. base.Backend keeps the
-links of the instances its process started and stops them through them.
+The Handle's `native` is a Link: `poll()` is the exit status (None while it runs),
+`wait()` blocks for it, `signal(signum)` asks the agent to signal the group.
 """
 
 from __future__ import annotations

@@ -15,11 +15,8 @@ A part is a byte range of a CSV file ({"path", "start", "end", "rows"}) or rows
 of a SQLite table ({"path", "table", "offset", "rows"}). On this machine the
 parts name the tables themselves; a node gets an index of its own naming the
 slice files shipped there (`stage`). The sliced role's instances get
-PAI_TABLES_INDEX, PAI_SLICE_COUNT, PAI_TABLES / PAI_OUTPUTS, and JOB/data/py
-(paitables.py alone) on PYTHONPATH, so `import paitables` works in every
-runtime; every role gets PAI_TABLES / PAI_OUTPUTS. Every job's every role gets
-JOB/data/py on PYTHONPATH, tables or not (`module_path`). A worker's slice is its
-PAI_INDEX.
+PAI_TABLES_INDEX and PAI_SLICE_COUNT; every role gets PAI_TABLES / PAI_OUTPUTS and
+JOB/data/py (paitables.py alone) on PYTHONPATH (`module_path`).
 
 At the end (`finish`, called by the master before clean-up) the workers' part
 files (fetched from the nodes first) become the output table: written aside and
@@ -164,10 +161,7 @@ INHERIT_PYTHONPATH = "PAI_INHERIT_PYTHONPATH"   # runners/node_agent.py reads it
 def module_path(plan: Any, job_dir: Path) -> None:
     """Every job, tables or not: JOB/data/py holds paitables.py alone and comes
     first on every role's PYTHONPATH, so `import paitables` works in every runtime
-    (TensorFlow's, MXNet's, Caffe's root filesystem Python, -name python) without
-    putting the other runners (archive, runtimes, ...) in the way of the script's
-    own imports. Nodes get the same file at the same place in their per-job folder
-    (cluster/node_files.py module_files), so the path maps like any job path."""
+    without the other runners in the way of the script's own imports."""
 
     folder = job_dir / DATA / PY
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -488,10 +482,9 @@ def check_buckets(value: Any, job_dir: Path, base: str) -> list[str]:
 
 
 def bucket_trees(job_dir: str | Path) -> list[dict]:
-    """Each -Dbuckets folder (but those under a `shared:` path: cluster/node_files.py
-    data_trees) as a tree of files by content digest: {"digest" (of
-    the whole tree), "files": [[rel, sha256]], "sources": [(rel, sha256, path)]}.
-    Regular files only; links and special files stay behind."""
+    """Each -Dbuckets folder (but those under a `shared:` path) as a tree of files by
+    content digest: {"digest" (of the whole tree), "files": [[rel, sha256]],
+    "sources": [(rel, sha256, path)]}. Regular files only."""
 
 
     trees = []

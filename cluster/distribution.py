@@ -1,20 +1,13 @@
 """Was a distributed job distributed?
 
-Workers that never talk to their servers (MXNet servers that received no push, a
-TensorFlow ps that served no variable, a Caffe ps that averaged nothing) still exit
-0, and the job would end OK. Only the framework's runner can tell: each runner that
-knows says so in one line of its instance's output, at its end,
+Workers that never talk to their servers still exit 0. Only the framework's runner
+can tell, in one line of its instance's output at its end:
 
     <anything>not distributed: <instance> <the cause and what to do, in plain words>
 
-(runners/mxnet_runner.py: `worker:0 trained alone: the script created kvstore
-'device'; pass --kv-store dist_sync or -Dkvstore`). The master reads the last lines
-of every instance when the job succeeds: a succeeded job with such a line keeps
-Succeeded with the causes as its reason (the attached view's last line, `pai
-status`, the summary say it), or, with -DrequireDistributed=true, fails with them.
-
-Frameworks are not known here: the runners speak this line, the adapters set
-PAI_REQUIRE_DISTRIBUTED in their roles' environment.
+When the job succeeds the master reads every instance's last lines: a job with
+such a line stays Succeeded with the causes as its reason or, with
+-DrequireDistributed=true (PAI_REQUIRE_DISTRIBUTED), fails with them.
 """
 
 from __future__ import annotations

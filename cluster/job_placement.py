@@ -41,17 +41,6 @@ def claim_gpus(store: Store, job_id: str, placements: list[Placement]) -> bool:
     return True
 
 
-def check_fits(store: Store, plan: JobPlan, backend: Backend) -> list[NodeSpec] | None:
-    """UsageError (exit 2) when the job cannot be placed now; the nodes looked at
-    (for place_job, so a remote cluster is probed once), None for a backend that
-    places jobs itself."""
-    if backend.places_jobs:
-        return None
-    nodes = backend.nodes()
-    placing.place_plan(plan, nodes, store.held("gpu"))
-    return nodes
-
-
 def place_job(store: Store, job_id: str, plan: JobPlan, backend: Backend,
               nodes: list[NodeSpec] | None = None) -> list[Placement] | None:
     """Place every instance on the backend's nodes with the GPUs no running job

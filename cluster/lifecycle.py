@@ -1,18 +1,12 @@
 """The only writers of a job's state outside its JobMaster.
 
-`cancel` is `pai kill`: record Cancelled, ask the master to stop (SIGTERM), and
-if it has not ended within its grace, SIGKILL it, whatever it is blocked in;
-then the one stop path for every instance the store knows. `declare_master_lost`
-is the watchdog's (and `pai kill`'s for a job whose master is gone): record the
-verdict, then stop what the master left. `revive_queued` gives a queued job whose
-supervisor is gone (a reboot, a kill) a new one; `hand_over_queue` (revive, then
-run the queue's policy) is what every writer that frees room does: a master's end
-(job_ended), `pai kill`, the watchdog, the next watchdog's sweep.
-A submit revives too, and `pai queue --revive` on request (after a reboot, when
-nothing of paicli runs). `record_resume` links a job `pai resume` submits to the
-ended job it continues. Reading a job never writes: see
-paicli.jobstatus.read_job, which derives "master gone" and "supervisor gone" for
-display.
+`cancel` is `pai kill`: record Cancelled, SIGTERM the master, SIGKILL it after its
+grace, then stop every instance the store knows. `declare_master_lost` (the
+watchdog's) records the verdict and stops what the master left. `revive_queued`
+gives a queued job whose supervisor is gone a new one; `hand_over_queue` (revive,
+then the queue's policy) is what every writer that frees room does.
+`record_resume` links a job `pai resume` submits to the job it continues. Reading a
+job never writes (paicli.jobstatus.read_job).
 
 Every signal goes to a verified identity (pid and start time; instances through
 their backend's identity check). An identity that cannot be verified is
@@ -158,10 +152,7 @@ def _end_master(store: Store, job_id: str, deadline: float, report: Report) -> N
 def sweep_lost(store: Store, report: Report = to_stderr) -> list[str]:
     """Record every job of this store whose master is gone without recording its
     end, and stop what it left: the next job's watchdog runs this, so a job whose
-    master and watchdog both died (a reboot, a kill of both) does not stay Running,
-    holding its claims and ports, for want of a reader writing it. A job whose own
-    watchdog is acting right now is harmless to meet: the store moves a job out
-    of Running once, and each stop is identity checked. Returns the jobs declared
+    master and watchdog both died does not stay Running. Returns the jobs declared
     lost."""
     lost = []
     for job in store.unfinished_jobs():

@@ -1,11 +1,8 @@
 """Where the master puts what instances print.
 
 Every chunk an instance writes goes to its own attempt log (raw), and each
-complete line also goes to the job's combined log prefixed `[worker:1] `, in the
-order the master received it: the CLI tails that one file, so lines from
-different instances reach the terminal in arrival order. Files are capped: past
-the cap the file is renamed to `<name>.1` (replacing the previous one) and a new
-one begun, so the tail is always kept.
+complete line also goes to the job's combined log prefixed `[worker:1] `, in
+arrival order. Past its cap a file is renamed to `<name>.1` and a new one begun.
 
 Lines are also matched against the plan's metric patterns.
 """
@@ -25,12 +22,9 @@ from typing import NamedTuple
 from paicli.private import open_append_fd, write_private
 
 DEFAULT_CAP = 64 * 1024 * 1024
-# At most this many metric-carrying lines of one read (a few KB of one instance's
-# output) are stored. A training loop prints a metric line per step, far fewer than
-# this between two reads; only a flood of metric lines is sampled. The sample is
-# taken among the lines that carry metrics, never among all lines: a burst of a
-# framework's warnings around a few step lines (tf_cnn_benchmarks on a loaded
-# machine, read in one piece) kept its last line and lost every step line before.
+# At most this many metric-carrying lines of one read are stored: only a flood of
+# metric lines is sampled, and the sample is taken among the lines that carry
+# metrics, so a burst of warnings cannot push the step lines out.
 METRIC_LINES_PER_READ = 16
 # ...and at most this many lines of one read are searched for them (an even sample
 # of a longer read, with its last line): a burst of a whole run's output is read
@@ -116,10 +110,8 @@ def compiled_pattern(pattern: str) -> CompiledPattern:
 def literal_runs(pattern: str) -> tuple[str, ...]:
     """Pieces of literal text that every match of `pattern` contains (`=` for a
     `key = value` pattern; `loss = ` and `, step = ` for TensorFlow's hook line),
-    read from the pattern's parse tree: the literals of its top-level sequence,
-    of its groups and of what repeats at least once. A branch, a class, an
-    optional part or a case-insensitive one gives none. () when nothing is
-    certain, or the tree is not one this reads (it is re's own, private)."""
+    read from the pattern's parse tree. () when nothing is certain, or the tree is
+    not one this reads (it is re's own, private)."""
     try:
         from re import _constants as sre, _parser
         tree = _parser.parse(pattern, re.MULTILINE)
@@ -158,15 +150,11 @@ class MetricParser:
     metric per group (`(?P<loss>…)`); a pattern with groups `key` and `value`
     gives a metric named by the key's text. A group named `<prefix>_pairs` gives
     each `name=number` pair of its text as `<prefix>_<name>`, and claims its line:
-    no key/value pattern reads that line (Gluon's `[Epoch 3] validation:
-    accuracy=0.88, top_k_accuracy_5=0.97` is two validation scores, not the
-    training ones). A line's step is its `step`, `iteration` or `global_step` value.
+    no key/value pattern reads that line. A line's step is its `step`, `iteration`
+    or `global_step` value.
 
-    Each pattern runs once over a whole chunk of lines (in C), and Python only
-    touches the matches: a log without metrics costs almost nothing per line.
-    Patterns are compiled MULTILINE so `^`/`$` mean a line's start and end; a
-    match whose captures run into the next line is ignored, as it would be line
-    by line."""
+    Each pattern runs once over a whole chunk of lines, compiled MULTILINE; a match
+    whose captures run into the next line is ignored, as it would be line by line."""
 
     STEP_KEYS = ("step", "iteration", "iter", "global_step", "batch")
 
@@ -333,11 +321,9 @@ def sample_points(points: list, most: int) -> list:
     return points[len(points) - 1::-stride][::-1]
 
 
-# While the master holds the combined log (one round of its loop: a read from each
-# instance that has output), its lines are written this many bytes at a time, not
-# one write per read: in a flood of many instances' output, each write is an inotify
-# event that wakes the attached `pai` to read a few KB. A step's lines are a few
-# hundred bytes: they are released at the end of the round, right after they were read.
+# The combined log is written this many bytes at a time within one round of the
+# master's loop, and the rest at the round's end: each write is an inotify event
+# that wakes the attached `pai`.
 HELD_BYTES = 1 << 16
 
 

@@ -11,18 +11,14 @@ over SFTP, Ray ships it through the object store, the local backend copies nothi
   job's working folder (where `pai` ran, for a plain script) -> `code/REL`, so the
   script's relative paths behave as here; any other -> `files/ABSOLUTE/PATH`, so
   inputs keep their places relative to each other (a Caffe solver and its net).
-- the job folder's files instances read (INSTANCE_FILES): none today. plan.json and
-  spec.json hold the job's secrets (the Caffe averaging secret), which reach an
-  instance through its own env only; nodes.json, placement.json, logs/, master.log,
-  job.log and summary.txt are the master's.
+- the job folder's files instances read (INSTANCE_FILES): none; plan.json and
+  spec.json hold the job's secrets, which reach an instance through its env only.
 
 Nothing is guessed from argv: an absolute path the plan does not name as input
 reaches the script unchanged (a shared filesystem, an output folder).
 
 `Manifest.mapping` gives the local prefixes -> node paths that translate argv, env
-and cwd (cluster/remote_paths.py): the runtime root, the runners, the job folder
-(PAI_JOB_DIR; its code/), each staged input and the working folder (exactly: a path
-below the working folder that is not staged stays as it is), and this Python.
+and cwd (cluster/remote_paths.py).
 
 The contract other backends code against:
     NodeFile(src, dst, mode, kind="file", target="")

@@ -1,11 +1,9 @@
 """A job's files come back to the submitting machine: where each lands, checked, recorded.
 
-The node agent (runners/node_agent.py, through runners/node_outputs.py) finds and
-packs them: before an instance starts it lists the folders it watches, and when
-the instance ends (and every -DcheckpointSyncSeconds for the checkpoint folder
-while it runs) it sends every file that is new or changed as frames on its link
-(cluster/agent_link.py), or node_outputs.py's `collect` sends them on its stdout
-for an instance whose link is gone (a dead master: the watchdog). This module is the master's side, once for every backend:
+The node agent (through runners/node_outputs.py) sends every file new or changed
+since the instance started, when it ends (and every -DcheckpointSyncSeconds for
+the checkpoint folder), as frames on its link; `collect` sends them on stdout
+when the link is gone. This module is the master's side, for every backend:
 
 - which folders an instance's files are watched in and where each lands here
   (`targets`): its working folder (a plain script's is where `pai` ran, an
@@ -415,11 +413,9 @@ def rels_of(paths: Iterable[str], dirs: dict[str, str]) -> dict[str, list[str]]:
 
 def fetch_from_nodes(store, job_id: str, backend, wanted: dict[tuple[str, str], list[str] | None],
                      note: Note, on_bytes: Callable[[int], None] | None = None) -> set[str]:
-    """`pai get` of files an ended job left on its nodes (a node that did not answer
-    at the job's end, a file over -DoutputMaxSize): node_outputs.py's `collect` on each
-    node, written aside, checked and renamed where the file belongs, as at the job's
-    end; the store says "here" then. The job folder of a node that holds nothing of
-    the job any more is removed. Returns the nodes that did not answer."""
+    """`pai get` of files an ended job left on its nodes: `collect` on each node, each
+    file landed as at the job's end; a node's job folder that holds nothing more is
+    removed. Returns the nodes that did not answer."""
     job_dir = store.job(job_id)["job_dir"]
     outputs = JobOutputs(store, job_id, job_dir, note)
     outputs.fetching = True

@@ -11,11 +11,9 @@ Rules (PAI units: cpu 100 = one core, memory in MB, gpu 100 = one card):
 - The other roles are bin-packed: fill the fullest node that still has room,
   then the next (fewer nodes used, whole nodes left for the next job).
 - Memory and GPUs are hard limits. CPU is a packing weight: when every node's
-  cores are taken, instances still run, on the node with the most cpu left
-  (a one-node cluster behaves as paicli always has), but one instance asking
-  for more cpu than any node has does not fit.
-- GPUs already held by running paicli jobs are not free (the caller says which,
-  from the store's claims), so two jobs never get the same card.
+  cores are taken, instances still run on the node with the most cpu left, but
+  one instance asking for more cpu than any node has does not fit.
+- GPUs held by running paicli jobs (the store's claims) are not free.
 """
 
 from __future__ import annotations
@@ -85,9 +83,7 @@ def place(wanted: list[Demand], nodes: list[NodeSpec], free: dict[str, Free] | N
     """One Placement per demand, in the order of `wanted`. `free` is updated in
     place (pass a fresh one from free_resources()); `avoid`: node names not to use
     (nodes this job lost); `soft_cpu`: the nodes whose cores may be oversubscribed
-    (None: all of them; the queue passes the nodes no other job holds, so a job
-    alone on idle nodes runs more instances than cores, but never on cores that
-    another job holds)."""
+    (None: all of them; the queue passes the nodes no other job holds)."""
     free = free_resources(nodes) if free is None else free
     avoid = set(avoid)
     soft = None if soft_cpu is None else set(soft_cpu)

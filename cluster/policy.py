@@ -76,9 +76,8 @@ def judge_exit(code: int, tail: list[str], *, restart: str, max_retries: int, in
       again on another node. Its address changes, so when it listens (peers dial
       it: `moved_listens`) the whole job restarts for every peer to learn it.
     - A port conflict (its last lines say the address was in use) is retryable
-      whatever the exit code (the cause is outside the program) and restarts the
-      whole job on fresh ports, spending a retry like any other: maxRetries=0 means
-      no restart at all.
+      whatever the exit code and restarts the whole job on fresh ports, spending a
+      retry.
     - Otherwise the exit-code policy (states.is_retryable) decides; retries are
       per instance (restart=instance) or per job (restart=job).
     """

@@ -1,9 +1,7 @@
 """Port assignment for listening instances, on the node each one was placed on.
 
 The backend picks ports free ON the node (`Backend.pick_ports`); a port is taken
-only once the store's claims table gives it to this job, which is what keeps two
-concurrent jobs from picking the same port between the probe and the
-instance's own bind.
+only once the store's claims table gives it to this job, so two jobs never share one.
 """
 
 from __future__ import annotations

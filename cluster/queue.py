@@ -1,9 +1,7 @@
 """The queue's policy: who starts now, who waits and why (pure functions).
 
-No scheduler daemon: each waiting job's own supervisor (its JobMaster) and every
-master that frees room run `turns()` inside one store transaction
-(paicli.cluster.queue_turns), so two supervisors never take the same card or the
-same turn. Everything here is data in, data out.
+No scheduler daemon: each waiting job's JobMaster and every master that frees room
+run `turns()` inside one store transaction (paicli.cluster.queue_turns).
 
 Rules (PAI units: cpu 100 = one core, gpu 100 = one card, memory in MB):
 - What running paicli jobs hold (cpu, memory, cards, per node) is not free.
@@ -11,11 +9,9 @@ Rules (PAI units: cpu 100 = one core, gpu 100 = one card, memory in MB):
 - A job starts when it fits in what is free NOW. Memory and cards are hard
   limits; cores are hard on a node another job holds, and a packing weight on an
   idle one (a job alone on idle nodes may run more instances than cores).
-- A job that does not fit blocks those behind it, except a job that cannot delay
-  it (backfill): one that fits in what is free minus the room the blocked jobs
-  ahead will take when they start (each placed on the nodes as if they were
-  empty: its "shadow"). Nothing is known of how long jobs run, so this is the
-  conservative rule: a backfilled job never takes what a job ahead will need.
+- A job that does not fit blocks those behind it, except one that fits in what is
+  free minus the "shadow" of the blocked jobs ahead (backfill): job lengths are
+  unknown, so a backfilled job never takes what a job ahead will need.
 - Quotas cap what each project holds at once; a job over its project's quota
   waits (and does not block other projects); one bigger than its quota could
   never start (exit 2 at submit, `check_submit`).

@@ -1,10 +1,7 @@
 """Path translation for a remote node (pure functions, unit-tested).
 
-plan.json's argv, env and cwd hold absolute paths of the submitting machine: the
-runtime's python, the runner file, the script, the code folder, the job folder,
-the directory `pai` ran in. On a node those live elsewhere: the runtime in the
-node's runtime dir, runners and code in the job's per-job folder there. A mapping
-is a list of (local prefix, node prefix) pairs; the longest matching prefix wins.
+plan.json's argv, env and cwd hold absolute paths of the submitting machine. A
+mapping is a list of (local prefix, node prefix) pairs; the longest match wins.
 A value is translated when it IS a mapped path, starts with one followed by '/',
 or is `--flag=PATH` / `key=PATH` with such a path after the first '='. A local
 path given as `Exact(path)` translates only itself, never what lies below it (the

@@ -1,18 +1,14 @@
 """A job's environment on its nodes: its declared variables
 (paicli/envvars.py) and its requirements layer (runners/runtimes.py: Layer).
 
-At submit (`prepare_job_env`, called by the client after the runtime is ready):
-the job's `env` goes into every role; the layer is resolved and built on this
-machine first (a requirement pip cannot satisfy is one line, before anything is
-recorded or started; the full pip log is kept and its path printed), its `site`
-folder goes on every instance's PYTHONPATH, and `layer.json` in the job folder
-says what every other node must build (the versions resolved here, pinned).
+At submit (`prepare_job_env`): the job's `env` goes into every role; the layer is
+built on this machine first (a requirement pip cannot satisfy is one line, before
+anything starts), its `site` folder goes on every instance's PYTHONPATH, and
+`layer.json` says what every other node must build, pinned.
 
-On nodes, by the backends' prepare, before any instance starts: SSH runs the
-job's staged runners/runtimes.py with the node's python3 (`ensure_on_ssh_node`),
-Ray in the instance actor (ray_node.InstanceActor.ensure_runtime, given
-`layer_spec`). A layer is cached per node beside the runtimes, by digest: a second
-job with the same requirements installs nothing.
+On nodes, before any instance starts: SSH runs the staged runners/runtimes.py
+(`ensure_on_ssh_node`), Ray the instance actor (`layer_spec`). A layer is cached per
+node by digest.
 """
 
 from __future__ import annotations

@@ -436,10 +436,9 @@ def writer_argv(python: str, root: str, folder: str) -> list[str]:
 
 
 class Connections:
-    """SSH connections per node, opened on first use, shared by threads. One
-    connection carries several channels, up to the server's MaxSessions (OpenSSH's
-    default is 10): `session()` opens another connection when the node refuses one
-    more channel on the ones it has."""
+    """SSH connections per node, opened on first use, shared by threads;
+    `session()` opens another connection when the node refuses one more channel
+    (MaxSessions)."""
 
     MAX_PER_NODE = 32
 

@@ -5,8 +5,7 @@
     pai status|wait|logs|kill|list ...
 
 Heavy modules (the launcher, rich, yaml) are imported inside the commands that
-need them, so `pai --help` starts fast. A bare statement (`pai -name ...`) does
-not come here at all: paicli/pai.py submits it without click.
+need them, so `pai --help` starts fast.
 """
 
 from __future__ import annotations

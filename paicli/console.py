@@ -5,11 +5,9 @@
     pai@ test8> show instances;
     pai@ test8> quit;
 
-On a terminal it is a prompt_toolkit session: line editing, history kept across
-sessions ($PAI_HOME/console_history, 0600), completion of statements, framework
-names, -D keys and recent job IDs. Ctrl-C clears the line (or cancels the job
-being followed), Ctrl-D quits. From a pipe it reads statements without prompts.
-A statement's error is one line and the console goes on.
+On a terminal it is a prompt_toolkit session (history in $PAI_HOME/console_history,
+0600; completion); from a pipe it reads statements without prompts. A statement's
+error is one line and the console goes on.
 """
 
 from __future__ import annotations

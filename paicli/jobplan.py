@@ -1,8 +1,7 @@
 """JobPlan: what an adapter hands the launcher.
 
-Plain, JSON-serialisable data. The adapter writes it once at submit time
-(`plan.json` in the job directory); the JobMaster reads it back. Nothing here
-knows about processes, and nothing here knows about frameworks.
+Plain, JSON-serialisable data: the adapter writes `plan.json` at submit time, the
+JobMaster reads it back.
 
 Every instance is started with `argv` and `env` of its role plus these variables,
 set by the launcher once ports are assigned:
@@ -25,10 +24,8 @@ or classic flags inside the framework's runtime.
 from __future__ import annotations
 
 import json
-from typing import Any
-
-from typing import Any
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 RESTART_INSTANCE = "instance"  # restart only the failed instance

@@ -80,9 +80,8 @@ def read_job(store: Store, job_id: str) -> dict[str, Any]:
     """The job's row as the user should see it. A job whose master is gone without
     recording its end is shown Failed with the reason its record will get
     (`unrecorded`: True); one waiting in the queue is shown Waiting for a new
-    supervisor (nothing of it ran). Nothing is written, nothing signalled: the
-    record is the watchdog's to write, or `pai kill`'s, and a new supervisor is a
-    writer's to start (paicli.cluster.lifecycle)."""
+    supervisor. Nothing is written, nothing signalled (paicli.cluster.lifecycle
+    writes)."""
     job = store.job(job_id)
     if lost_reason(job) is None:
         return {**dict(job), "unrecorded": False}

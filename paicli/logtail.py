@@ -1,10 +1,7 @@
 """Following a job in the terminal: its log lines live, progress lines, summary.
 
-The master writes every instance's lines, prefixed `[worker:1] `, into the job's
-combined log in the order it received them; following that one file keeps
-arrival order. Lines are written through in chunks (no per-line work on a pipe);
-on a TTY each prefix is coloured by instance. After the job ends the file is
-read once more to its end, so the last lines are never lost.
+Following the job's combined log keeps arrival order; on a TTY each prefix is
+coloured by instance. After the job ends the file is read once more to its end.
 """
 
 from __future__ import annotations
@@ -249,13 +246,10 @@ def progress_line(task_name: str, instances: list) -> tuple[tuple[int, int, int]
 class InterruptCatcher:
     """Ctrl-C while following, counted instead of raised.
 
-    A KeyboardInterrupt is raised wherever the interpreter happens to be when
-    SIGINT arrives, also between the statements of a loop, outside any `try` put
-    there to catch it (seen: the console went back to its prompt without
-    cancelling the job). So while a job is followed, SIGINT only sets a flag and
-    wakes the follower through a pipe; the loop acts on it at a known point.
-    Where SIGINT cannot be handled here (not the main thread, or SIGINT ignored
-    by whoever started us), nothing changes."""
+    A KeyboardInterrupt can land between any two statements, outside the `try`
+    meant to catch it. So while a job is followed, SIGINT only sets a flag and wakes
+    the follower through a pipe; the loop acts on it at a known point. Off the main
+    thread, or with SIGINT ignored, nothing changes."""
 
     def __init__(self):
         self.count = 0
@@ -263,7 +257,6 @@ class InterruptCatcher:
         self.wake_fd = -1
         self._write_fd = -1
         self._previous = None
-        self._previous_wakeup = None
 
     def install(self) -> None:
 

@@ -10,10 +10,8 @@ and hand both to the pure engine, `paicli.cluster.pluto`; they return a
 prepared job before it is submitted. What `pai status` shows of a planned job
 is `paicli.cluster.pluto.view` (the master and jobstatus read it too).
 
-Pluto's three places: this module (library: it submits jobs through `client`),
-`paicli.cluster.pluto` (the engine: strategy, model, planner, calibrate,
-seedfit, view), `paicli/cli_plan.py` (the `pai plan` command). It never
-imports the CLI or click; heavy imports stay inside the functions.
+The engine is `paicli.cluster.pluto`, the command `paicli/cli_plan.py`; this
+module never imports the CLI or click.
 """
 
 from __future__ import annotations
@@ -48,15 +46,11 @@ from paicli.store import Store, pai_home
 PLAN_FRAMEWORKS = ("tensorflow", "mxnet", "caffe")
 CALIBRATION_LIMIT_S = 180.0     # a calibration run that shows no steps by then fails
 CALIBRATION_INTERVALS = 8       # step-line intervals per worker before a run is stopped
-# ... and the seconds those intervals must span at least (or the script ends): a fast
-# step's 8 intervals are a fraction of a second, where one burst of other load on shared
-# cores sets the median and a plan's forecast is off by tens of percent; 2 s of intervals
-# are many of them and cost a fast script under 2 s a run. A step of 0.25 s or more
-# spans it already.
+# ... and the seconds those intervals must span at least (or the script ends), so one
+# burst of other load on shared cores cannot set a fast step's median.
 MEASURE_SPAN_S = 2.0
-# The link probe: rounds of LINK_ROUND_S seconds, one connection each (its best rate is
-# the link's, `link_figures`): a single round's rate varies between runs by a fifth,
-# and moves every forecast over that link with it.
+# The link probe: rounds of LINK_ROUND_S seconds, one connection each; the best
+# round's rate is the link's (`link_figures`), as one round's varies by a fifth.
 LINK_ROUNDS = 5
 LINK_ROUND_S = 0.5
 CALIBRATION_MA_PERIOD = 5
@@ -108,11 +102,9 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None,
                    machines: dict[str, list] | None = None):
     """The nodes of the nodes file (cores declared or 1; link bandwidth from
     PAI_PLUTO_BANDWIDTH, else `measured_Bps` (the probe), else assumed 1 Gbit/s and
-    said so), else this machine. `machines`: node name -> [boot id, cores] as the
-    nodes reported them (`probe_machines`): a node's cores when the nodes file does
-    not declare its cpu (as placement counts them), and nodes of one boot id share
-    the machine's cores; PAI_PLUTO_SHARED_CORES overrides that with one machine of
-    that many cores."""
+    said so), else this machine. `machines` (`probe_machines`): node name -> [boot
+    id, cores]; nodes of one boot id share the machine's cores
+    (PAI_PLUTO_SHARED_CORES: one machine of that many cores)."""
 
     config = None
     try:
@@ -222,10 +214,9 @@ def probe_rpc() -> dict[str, float]:
 def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> tuple[float | None, float]:
     """(bytes/s, CPU seconds per byte) between two nodes, measured through pai: a job
     of one ps (a sink) and one worker (a source) running runners/pluto_helpers.py.
-    The ps asks for the cpu of the largest node (`node_cpu`), so that placement,
-    which packs a worker beside a service with room left, puts the worker on another
-    node. The rate is None when both landed on one node or the probe failed; the CPU
-    per byte is what the source's machine spent moving them (0.0 when unknown)."""
+    The ps asks for the cpu of the largest node, so the worker lands on another. The
+    rate is None when both landed on one node or the probe failed; the CPU per byte
+    is 0.0 when unknown."""
 
     cluster = {"ps": {"count": 1, "cpu": max(100, int(node_cpu))}, "worker": {"count": 1}}
     stmt = parse_statement(["-name", "python", f"-Dscript={pluto_helpers.__file__}",
@@ -249,12 +240,9 @@ def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> tup
 
 
 def link_figures(rates: list[float], cpu_ns: list[float]) -> tuple[float | None, float]:
-    """(bytes/s, CPU ns per byte) of a link from the probe's rounds: the best rate and
-    the median CPU. A round is slowed by whatever else wants the cores (the sender or
-    receiver not scheduled), never sped up, and the forecast charges the bytes' CPU
-    in its floor apart: the link's own rate is its fastest round. The CPU a byte costs
-    varies less and both ways (softirq threads' work for others counted in): its
-    median."""
+    """(bytes/s, CPU ns per byte) of a link from the probe's rounds: the best rate
+    (other work on the cores only slows a round down) and the median CPU (which
+    varies both ways)."""
 
     good = [r for r in rates if r > 0]
     cpus = [c for c in cpu_ns if c > 0]

@@ -39,11 +39,8 @@ def touch_private(path: Path) -> None:
     """Make sure `path` exists and is 0600 (a file another program then opens,
     such as an SQLite database).
 
-    An existing file is never opened: closing any descriptor of a file drops
-    every POSIX lock this process holds on it, so touching the job store while
-    another Store of the process is open would take SQLite's locks from under
-    it (another process could then delete the WAL that connection still uses:
-    "database disk image is malformed")."""
+    An existing file is never opened: closing any descriptor of a file drops every
+    POSIX lock this process holds on it, SQLite's included."""
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
     except FileExistsError:

@@ -1,10 +1,7 @@
 """Provisioning progress (runtimes and requirements layers) as the user sees it.
 
-The provisioning code (runners/runtimes.py) reports two kinds of lines: its own
-phases ("provisioning the tensorflow runtime ...", "layer ...: installing 3
-package(s)", "... ready in 49s") and, indented by DETAIL, every line of the tools
-it runs (pip, debootstrap), which also go whole to a log file whose path an error
-names. Here:
+The provisioning code (runners/runtimes.py) reports its own phases and, indented by
+DETAIL, every line of the tools it runs (pip, debootstrap). Here:
 
 - on a terminal, one line redrawn in place: a bar over the phases, the phase,
   packages seen, megabytes downloaded, time elapsed (at each line pip prints);

@@ -1,15 +1,10 @@
 """A job's own Python packages: `-Drequirements=file:///path/requirements.txt`, or YAML
 `requirements:` as a file or a list of lines.
 
-Parsed at submit into a normalised list of lines (what the layer's digest is made
-of: cluster/requirement_layers.py builds the layer). pip's requirement syntax, plus the few
-options that say where packages come from: `--find-links DIR` (a local folder of
-wheels/sdists: it travels with the job to every node that builds the layer),
-`--no-index`, `--index-url`, `--extra-index-url`, `--pre`, `--prefer-binary`,
-`--only-binary`. Anything that would reach outside what travels (`-r`, `-c`,
-`-e PATH`, a local path) is refused with one line.
-
-Pure (core layer).
+Parsed at submit into a normalised list of lines (the layer's digest is made of
+them). pip's requirement syntax, plus the options that say where packages come
+from (`--find-links DIR` travels with the job); anything that would reach outside
+what travels (`-r`, `-c`, `-e PATH`, a local path) is refused with one line.
 """
 
 from __future__ import annotations

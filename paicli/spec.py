@@ -4,8 +4,7 @@ Every parameter a job can take is a `Param` row: the -D parser, the YAML loader,
 validation, `pai export` and the generated docs all read the same rows. The core
 rows are `CORE_PARAMS`; an adapter adds its own rows through `Adapter.params`.
 
-This module is pure data and parsing: it imports nothing of the launcher, so the
-adapters can share it as vocabulary.
+Pure data and parsing, shared by the adapters as vocabulary.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Measured seconds per step: `step_seconds` in `pai status --json`, what Pluto's
 calibration measures and what its forecast is checked against.
 
-Every framework prints its steps differently (TF scripts `step=N ... duration=`,
-Caffe `Iteration N (x iter/s, ...)`, MXNet scripts `step=N` or Speedometer lines),
-but the master stores each metric line with its step and the time it was read. So
-one rule fits all: per training instance (worker, chief), the seconds between
-step lines divided by the steps between them, over stretches of at least
-MIN_SPAN_S (the master reads lines that arrive close together at once), the
-first interval dropped (graph building, first contact with the ps); the
-instance's median; then the median over instances. An instance with fewer than two intervals falls back
-to the framework's own timing: a per-step `duration` in seconds, or Caffe's
-`iter_per_s`.
-
-Shared vocabulary: reads the store, imports nothing above it.
+The master stores each metric line with its step and the time it was read, so one
+rule fits every framework: per training instance, the seconds between step lines
+divided by the steps between them, over stretches of at least MIN_SPAN_S, the first
+interval dropped; the instance's median; then the median over instances. An
+instance with fewer than two intervals falls back to the framework's own timing (a
+per-step `duration`, or Caffe's `iter_per_s`).
 """
 
 from __future__ import annotations
@@ -32,11 +26,9 @@ def median(values: list[float]) -> float:
 TRAINING_ROLES = ("worker", "chief")
 
 
-# The shortest stretch of time one rate is taken over. A step line is stored with the
-# time the master read it, and the master reads lines that arrive close together at
-# once: with steps of a few milliseconds, consecutive lines come 0 or 2 steps apart and
-# a median of single intervals lands anywhere between. Intervals are joined until they
-# span this long; steps of this or longer keep one rate per interval.
+# The shortest stretch of time one rate is taken over: a step line is stored with the
+# time the master read it, and lines close together are read at once, so intervals
+# are joined until they span this long.
 MIN_SPAN_S = 0.05
 
 

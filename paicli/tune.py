@@ -2,16 +2,13 @@
 
     pai tune job.yaml --space space.yaml --trials 24 --parallel 2 --metric loss --mode min
 
-The command parses the space (`parse_space`, pure), checks the statement, creates the
-Optuna study and the study's row in the store, and starts the study's tuner in a
-session of its own (`python -m paicli.tune HOME NAME`), so a sweep, like a job, does
-not live in a terminal: `pai tune status NAME` re-attaches. The tuner (`Tuner`) asks
-Optuna for parameters, submits each trial through `client.prepare` / `client.submit`
-(the queue, logs, logview and `pai kill` work on trials unchanged), reports the
-metric lines the job's master already stores as intermediate values, cancels a trial
-Optuna prunes through the normal stop path (`client.kill`, i.e. lifecycle.cancel),
-and tells Optuna how each trial ended. Readers (`study_view`) use the store only:
-Optuna is imported by the command that creates a study and by its tuner, nowhere else.
+The command parses the space (`parse_space`), checks the statement, creates the
+Optuna study and its row in the store, and starts the tuner in a session of its own
+(`python -m paicli.tune HOME NAME`): `pai tune status NAME` re-attaches. The tuner
+(`Tuner`) submits each trial through `client`, reports the metric lines the master
+stores as intermediate values, and cancels a pruned trial through `client.kill`.
+Readers (`study_view`) use the store only: Optuna is imported by the command that
+creates a study and by its tuner.
 """
 
 from __future__ import annotations
@@ -52,7 +49,6 @@ POLL = 0.2                # seconds between two looks of the tuner at its trials
 MISSING_AFTER_STEPS = 5   # the first trial's steps without the metric before it is called missing
 GRID_MAX = 10_000
 GIVE_UP_AFTER = 3         # trials failed, none completed: the study fails
-TERMINAL_TRIAL = ("Complete", "Pruned", "Failed", "Cancelled")
 STEP_KEYS = ("step", "iteration", "iter", "global_step", "batch")
 
 
@@ -689,10 +685,8 @@ class Tuner:
 
     def _read_metric(self, run: Running, judge: bool = False) -> bool:
         """Report the metric's new steps; with `judge`, ask the pruner after each
-        one, as an objective's own loop would (a pruner that looks at the latest
-        step, successive halving, would otherwise judge trials at whatever step a
-        poll happened to read last). True: prune now (nothing after that step is
-        reported)."""
+        one, as an objective's own loop would. True: prune now (nothing after that
+        step is reported)."""
         rows = self.store.metrics_after(run.job_id, run.after)
         if not rows:
             return False

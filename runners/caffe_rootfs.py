@@ -1,21 +1,11 @@
 """The Caffe runtime: Caffe 1.0 and pycaffe from a Debian bullseye root filesystem.
 
-pycaffe is not on the package index and Debian 12 dropped Caffe, but Debian 11
-(bullseye) ships `caffe` and `python3-caffe` (for its Python 3.9). So the runtime is
-
-    debootstrap --variant=minbase --include=caffe,python3-caffe bullseye DIR MIRROR
-
-with MIRROR read from this machine's own apt sources. No chroot is needed to run it:
-the root filesystem's own dynamic loader runs its binaries directly on the host's
-filesystem (so every host path a prototxt names just works):
-
-    DIR/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 --inhibit-cache \
-        --library-path DIR/usr/lib/x86_64-linux-gnu:... DIR/usr/bin/caffe train ...
-
-Two small wrapper scripts written at install time, DIR/paicli-python and
-DIR/paicli-caffe, do exactly that, so callers get one executable path each
-(`python()` and `caffe()`). They find DIR from their own location, which lets the
-root filesystem be built in a staging directory and renamed into place.
+pycaffe is not on the package index; Debian 11 ships `caffe` and `python3-caffe`, so
+the runtime is `debootstrap --variant=minbase --include=caffe,python3-caffe bullseye
+DIR MIRROR` (MIRROR from this machine's apt sources). No chroot: the root
+filesystem's own dynamic loader runs its binaries on the host's filesystem, so every
+host path a prototxt names works. Two wrappers, DIR/paicli-python and
+DIR/paicli-caffe (`python()` and `caffe()`), do that.
 
 A user with a Caffe of their own skips all of this:
     PAI_CAFFE_PYTHON=/path/to/python   an interpreter where `import caffe` works

@@ -6,17 +6,13 @@ Runs with the runtime's Python 3.9 (stdlib, numpy, pycaffe only: no paicli here)
                           [--workers N] [--ma-period P] [--caffe BIN] [--python PY] [--top DIR]
     caffe_runner.py average --workers N            (the ps role: the averaging server)
 
-`solve` with one worker runs `caffe train` (Caffe's own binary, glog lines streamed
-as they come). With N > 1 workers each runs a pycaffe solver on its own shard of
-the data (Caffe's solver_count/solver_rank: its HDF5Data and Data/LMDB layers then
-keep every N-th record, offset by the rank) and every P iterations sends its
-weights to the ps, which averages them and sends the average back (periodic model
-averaging). Workers read the ps addresses from PAI_CLUSTER; with several ps the
-flat weight vector is split into one contiguous slice per ps.
+`solve` with one worker runs `caffe train`. With N > 1 workers each runs a pycaffe
+solver on its own shard of the data and every P iterations the ps averages their
+weights (with several ps, one contiguous slice of the flat weights each).
 
-Either way the training runs in a child process watched by this one, because a
-Caffe CHECK failure aborts (SIGABRT), which a launcher would take for a retryable
-kill: here it becomes exit 1 with Caffe's own error line as the last log line.
+The training runs in a child process, because a Caffe CHECK failure aborts
+(SIGABRT), which a launcher would take for a retryable kill: here it becomes exit 1
+with Caffe's own error line last.
 """
 
 from __future__ import annotations
@@ -79,9 +75,7 @@ def set_solver_field(text: str, name: str, value: str, quoted: bool = True) -> s
 def solver_cwd(solver: str, fallback: str, top: str | None = None) -> str:
     """Where a solver's relative paths resolve: the first of the solver's folder, its
     parents (not above `top`, an archive's root) and `fallback` (where the job was
-    submitted) in which its `net:`/`train_net:` path exists. So BVLC's
-    examples/mnist/lenet_solver.prototxt (net: "examples/mnist/...") runs in the folder
-    that holds examples/, and a solver beside its net runs in its own folder."""
+    submitted) in which its `net:`/`train_net:` path exists."""
     try:
         with open(solver, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -192,9 +186,8 @@ def prepare_solver(args, workdir: str, device: str = "cpu") -> tuple[str, str]:
     """The solver file to run and its text: the user's, or a copy in `workdir` whose
     solver_mode is CPU when `device` is (a GPU solver on a machine without one), whose
     snapshot_prefix sits in --checkpoint-dir, whose base_lr is --base-lr and whose
-    net is a copy with --batch-size (Pluto's scaling; the user's files are never
-    written). Creates the snapshot directory, which Caffe would otherwise refuse to
-    train without."""
+    net is a copy with --batch-size (the user's files are never written). Creates
+    the snapshot directory, without which Caffe refuses to train."""
     with open(args.solver, encoding="utf-8", errors="replace") as f:
         text = f.read()
     path = args.solver
@@ -565,11 +558,9 @@ def warmup_factor(iteration: int, warmup: int, workers: int) -> float:
 
 
 def install_warmup(solver, text: str, warmup: int, workers: int) -> None:
-    """Ramp the learning rate over the first `warmup` iterations. BVLC Caffe's
-    lr_policy has no warm-up (and replacing the user's policy would lose theirs), so
-    the gradients are scaled before each update instead: for SGD and Nesterov the
-    step is lr x gradient (plus momentum), so that is the same ramp. Weight decay,
-    added by Caffe after this callback, is not ramped."""
+    """Ramp the learning rate over the first `warmup` iterations by scaling the
+    gradients before each update (the same ramp for SGD and Nesterov), since Caffe's
+    lr_policy has no warm-up and the user's policy is kept."""
     if warmup <= 0 or workers <= 1:
         return
     kind = (solver_field(text, "type") or solver_field(text, "solver_type") or "SGD").strip('"')

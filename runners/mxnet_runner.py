@@ -14,11 +14,9 @@ ps-lite reads, before mxnet is imported. The adapter adds:
                                       script creates, "none" (default) to leave it
     PAI_MXNET_COMPRESSION_THRESHOLD   the 2-bit threshold (default 0.5)
 
-A script that takes its kvstore type from a flag of its own (MXNet's examples:
-`--kv-store`, Gluon's `--kvstore`, default `device`) gets PAI_MXNET_KVSTORE through
-that flag, unless the user passed it: the runner looks for the flag's definition in
-the script and in the modules of its own folder that it imports (train_imagenet.py
--> common/fit.py), as -DclusterFlags=auto does for TensorFlow's classic flags.
+A script that takes its kvstore type from a flag of its own (`--kv-store`,
+`--kvstore`) gets PAI_MXNET_KVSTORE through that flag unless the user passed it,
+when the script or a module of its own folder defines it.
 """
 
 from __future__ import annotations
@@ -78,12 +76,8 @@ def dmlc_environment(env: dict[str, str]) -> dict[str, str]:
 
 
 def check_scheduler_port(host: str, port: int) -> None:
-    """Fail early and plainly when the scheduler's port is taken.
-
-    ps-lite binds the scheduler's port with no retry and dies with a bare "bind
-    failed" check; saying "address already in use" lets the launcher see a port
-    conflict and restart the job on fresh ports instead of counting a failure.
-    """
+    """Fail early with "address already in use" when the scheduler's port is taken
+    (ps-lite dies with a bare "bind failed"), so the launcher sees a port conflict."""
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         # ZeroMQ sets SO_REUSEADDR on its listeners; probe the same way so that a
@@ -105,13 +99,9 @@ def check_scheduler_port(host: str, port: int) -> None:
 def install_pushpull_workaround(mx) -> None:
     """Route KVStore.pushpull through push + pull while compression is on.
 
-    Why: in MXNet 1.9.1 the dist kvstore's PushPull refuses to run with gradient
-    compression ("Compression not supported with PushPull", kvstore_dist.h), yet
-    Gluon's Trainer and the Module API call pushpull for dense gradients. Push then
-    pull on the same key is what pushpull does in one message, and compression works
-    there. Installed for every worker, so a script that sets compression itself
-    (Trainer(compression_params=...)) trains too; without compression nothing changes.
-    """
+    MXNet 1.9.1's dist kvstore refuses PushPull with gradient compression, yet
+    Gluon's Trainer and the Module API call it; push then pull is the same in two
+    messages. Without compression nothing changes."""
     KVStore = mx.kvstore.KVStore
     original_set = KVStore.set_gradient_compression
     original_pushpull = KVStore.pushpull
@@ -219,10 +209,9 @@ def kvstore_flag_args(script: str, args: list[str], kvstore: str | None) -> tupl
 
 
 # ---------------------------------------------------------------------------
-# Was this worker distributed? (A job whose workers never talk to their servers is
-# not OK.) The runner watches which kvstores the script asks for and
-# counts its pushes to a dist one; at the end a worker that trained alone says so
-# in one line the master looks for (NOT_DISTRIBUTED, paicli/cluster/distribution.py).
+# Was this worker distributed? The runner counts the script's pushes to a dist
+# kvstore; a worker that trained alone says so in one line the master looks for
+# (NOT_DISTRIBUTED, paicli/cluster/distribution.py).
 
 NOT_DISTRIBUTED = "not distributed: "
 

@@ -1,9 +1,7 @@
 """A node's data cache: table slices and bucket files by content digest.
 
-Standard library only; runs on a node with the node's Python from the job's staged
-runners folder: over SSH as a command, on Ray by a zero-CPU task pinned to the node
-(`run_staged`, shipped by value, runs this file there). It imports only its
-sibling private_files.py, the one way our files are written.
+Standard library only; runs on a node from the job's staged runners folder (over
+SSH as a command, on Ray by a zero-CPU task pinned to the node).
 
     python3 node_cache.py missing ROOT               stdin: a JSON list of digests; those
                                                      ROOT lacks (JSON list)

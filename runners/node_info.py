@@ -4,11 +4,8 @@ run there, and (asked for while staging) free ports. Standard library only.
 
     python3 node_info.py info [RUNTIME_DIR [HOST COUNT]]
 
-Not the node agent's (it starts, watches and stops instances), but it uses the
-agent's own boot id and free-port routine: as paicli's runners package, from the
-folder it is in (a staged runners folder), or, run from its source over SSH with
-nothing staged (ssh_transport.agent_argv), handed the agent loaded from its source.
-A Ray node gets it by value (ray_node.ship_by_value).
+It uses the node agent's boot id and free-port routine (from its own folder, or
+handed the agent when run from source over SSH).
 """
 
 from __future__ import annotations

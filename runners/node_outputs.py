@@ -6,12 +6,10 @@ runners folder; the agent imports it only for an instance that watches folders.
 
 The agent spec's "watch": {"dirs": [[KEY, PATH], ...], "state": PATH, "sync":
 SECONDS, "inplace": BOOL, "max_bytes": N}. KEY is "cwd", "ckpt" or "out". Before
-the instance starts, the agent lists each folder (size, mtime of every file) into
-the state file: what was there (staged, or an earlier attempt's) is not "new". On
-this machine ("inplace") nothing is listed then: the state file holds the start's
-time, and what changed from then on (its ctime) is what is "new". When the
-instance ends, and every `sync` seconds for "ckpt" while it runs, every file that
-is new or changed since goes back as frames, before the X frame:
+the instance starts, the agent lists each folder into the state file (on this
+machine, "inplace", only the start's time: a newer ctime is "new"). When the
+instance ends, and every `sync` seconds for "ckpt", every file new or changed since
+goes back as frames, before the X frame:
     F  JSON {key, rel, size, mtime, mode}   a file begins
     D  bytes of it, CHUNK at a time          (none when "inplace": the master reads
                                               the folders themselves: this machine)
@@ -139,11 +137,8 @@ def make_folders(watch: dict) -> None:
 
 def begin_watch(watch: dict, since_ns: int | None = None) -> dict:
     """Create the folders (make_folders), list what is there into the state file;
-    that listing. With `since_ns` (the instance's start; the instance runs already)
-    nothing is listed: what changed from then on (its ctime) is the instance's, and
-    only that is looked at when the files go back (`frames`), so a working folder
-    is listed once per instance, at its end, not also as the instances start. The
-    folders were made before that start (the agent's make_folders), not again here."""
+    that listing. With `since_ns` (the instance's start) nothing is listed: what
+    changed from then on (its ctime) is the instance's."""
     if since_ns is None:
         make_folders(watch)
     base: dict = {}

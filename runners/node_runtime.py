@@ -1,8 +1,6 @@
-"""A job's runtime and requirements layer, made on a node: standard library only,
-run by the node's Python from the job's staged runners folder (over SSH as a
-command, on Ray by the instance's actor). Prints progress lines (the tools' own
-lines indented, runtimes.DETAIL), then its result as one JSON line; a failure is
-`ERROR one line` followed by pip's log, and exit 1.
+"""A job's runtime and requirements layer, made on a node (standard library only).
+Prints progress lines, then its result as one JSON line; a failure is `ERROR one
+line` followed by pip's log, and exit 1.
 
     python3 node_runtime.py runtime NAME     the framework runtime NAME, provisioned
                                             here on first use: {"python": PATH}

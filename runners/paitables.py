@@ -1,9 +1,8 @@
 """PAI's tables for a job's script: read this worker's slice of a table, write rows.
 
 Standard library only, Python 3.7 and later: it runs inside every framework's own
-Python (TensorFlow's, MXNet's, Caffe's Debian Python) with nothing installed. A job
-imports it as `paitables` (a folder holding this file alone is on its PYTHONPATH), a script run by
-hand as `paicli.runners.paitables` or from a copy of this one file.
+Python. A job imports it as `paitables`, a script run by hand as
+`paicli.runners.paitables`.
 
     import paitables
     table = paitables.open_table(args.tables)      # this worker's slice
@@ -18,13 +17,10 @@ a folder of them (read in name order as one table), or a SQLite table:
 `file:///data/train.csv`, `/data/train.csv`, `sqlite:///data/db.sqlite?table=NAME`.
 Rows of a CSV are lists of strings; SQLite rows keep SQLite's types.
 
-Slices are PAI's: `slice_count` slices, one per worker, contiguous, their sizes
-differing by at most one row, every row in exactly one. Inside a job the slice is
-the worker's own (PAI_SLICE_ID, else PAI_INDEX; PAI_SLICE_COUNT) and the job's
-index (PAI_TABLES_INDEX, written at submit) says where its rows are: on the
-submitting machine, byte ranges of the file itself; on an SSH or Ray node, the
-slice file shipped there. Outside a job, `open_table(url, slice_id, slice_count)`
-reads the table directly (slice 0 of 1 unless told).
+Slices are PAI's: one per worker, contiguous, their sizes differing by at most one
+row. Inside a job the slice is the worker's own (PAI_SLICE_ID, else PAI_INDEX) and
+the job's index (PAI_TABLES_INDEX) says where its rows are. Outside a job,
+`open_table(url, slice_id, slice_count)` reads the table directly (slice 0 of 1).
 
 Writers: inside a job with -Doutputs each worker writes its rows to a part file of
 its own; the table appears on the submitting machine, whole, when the job succeeds.

@@ -1,27 +1,19 @@
 """Pluto's helpers inside a framework runtime (standard library only; frameworks
-are imported lazily, by the functions that need them).
+are imported by the functions that need them).
 
-The runners import this module before they run the user's script, so a script
-can also `import pluto_helpers` and call the one-line helpers a plan names when
-an optimization needs a change in the script:
+A script can `import pluto_helpers` and call the one-line helpers a plan names:
 
     lr = pluto_helpers.learning_rate(base_lr, step)      # linear scaling + warm-up
     w = tf.compat.v1.get_variable("w", shape, partitioner=pluto_helpers.tf_partitioner())
 
-What the runners call themselves (the script needs no change):
-
-    install_tensorflow(tf)   with PAI_TF_PS_STRATEGY=greedy, replica_device_setter
-                             places each variable on the least-loaded ps by byte size
-                             (TF's default is round-robin); with PAI_PLUTO_REPORT set,
-                             the variables' sizes are reported there
-    install_mxnet(mx)        with PAI_PLUTO_REPORT set, the sizes of the arrays the
-                             script's kvstore holds are reported there
+The runners call `install_tensorflow(tf)` (PAI_TF_PS_STRATEGY=greedy: each variable
+on the least-loaded ps by byte size) and `install_mxnet(mx)`; both report the model's
+sizes to PAI_PLUTO_REPORT when it is set.
 
 Environment read here (set by paicli's adapters when a plan says so):
     PAI_PLUTO_REPORT         stderr (lines `pluto-report: {json}`) or a file (JSON lines, 0600)
     PAI_TF_PS_STRATEGY       greedy | roundRobin
-    PAI_PLUTO_LR_SCALE       the learning rate's factor (linear scaling; -DlrScale, which a
-                             plan sets for a sync script that has no learning-rate flag)
+    PAI_PLUTO_LR_SCALE       the learning rate's factor (-DlrScale)
     PAI_PLUTO_WARMUP_STEPS   steps over which the factor is reached (-DwarmupSteps)
     PAI_PLUTO_PS_COUNT       how many ps a partitioner splits a variable over
 """
@@ -366,12 +358,8 @@ def quantize_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
 
 
 def update_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
-    """CPU seconds a kvstore server spends applying one push to one value: the
-    optimizer update it runs for every push it applies (kv.set_optimizer, as Gluon's
-    Trainer does with update_on_kvstore), through MXNet's own updater, with the
-    servers' one OpenMP thread. dist_sync applies one update a step (of the summed
-    pushes); dist_async one for every worker's push, W a step. SGD, the cheapest
-    update: a script with momentum or Adam costs more than this."""
+    """CPU seconds a kvstore server spends applying one push to one value through
+    MXNet's own updater (kv.set_optimizer, SGD: the cheapest update)."""
     opt = mx.optimizer.create("sgd", learning_rate=0.01, rescale_grad=1.0 / 32)
     updater = mx.optimizer.get_updater(opt)
     weight, grad = mx.nd.ones((values,)), mx.nd.ones((values,)) * 0.1
@@ -414,12 +402,9 @@ def _process_cpu(pid: int) -> float:
 def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float, float, float]:
     """(server, worker) CPU seconds per value of one push and pull through MXNet's
     dist_sync kvstore with one worker (so the server applies one SGD update a push,
-    as Gluon's Trainer has it do), on loopback: ps-lite's messages, its copies, the
-    server's sum and update, and for 2bit the quantising and dequantising; then
-    (server, worker) CPU seconds per key of one push and pull of a one-value array:
-    what a message costs apart from its values (ps-lite's threads handing it on, the
-    engine's scheduling), which a 1 M-value array hides. The
-    server's CPU is read from /proc over the timed rounds only."""
+    as Gluon's Trainer has it do), on loopback; then (server, worker) CPU seconds
+    per key of one push and pull of a one-value array: what a message costs apart
+    from its values. The server's CPU is read from /proc over the timed rounds."""
 
     port = _free_port()
     env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
@@ -529,12 +514,9 @@ def _rpc_cluster(ps_port: int, worker_port: int) -> dict:
 
 def rpc_cost(timeout: float = 120.0) -> tuple[float, float]:
     """(CPU seconds per byte, per variable) a TensorFlow ps and worker spend together
-    moving variables between them through TF's gRPC runtime on loopback: per byte
-    of a 1 M-value variable pulled and pushed (the tensor's serialising, gRPC's
-    copies and threads, the kernel's loopback: several times a raw TCP copy), and
-    per one-value variable pulled and pushed (a transfer's own RPC, whatever its
-    size). Both ends together. The ps's CPU is read from /proc, the worker's from its
-    own clock, over the timed rounds only."""
+    moving variables between them through TF's gRPC runtime on loopback: per byte of
+    a 1 M-value variable pulled and pushed, and per one-value variable (a transfer's
+    own RPC). The ps's CPU is read from /proc, the worker's from its own clock."""
 
     ports = (_free_port(), _free_port())
     env = {**os.environ, "PAI_PLUTO_RPC_PORTS": json.dumps(ports), "TF_CPP_MIN_LOG_LEVEL": "2"}

@@ -1,14 +1,9 @@
 """Files written whole, readable by their owner alone.
 
-Standard library only: the node's runners (node_outputs.py, node_cache.py) use it
-from the job's staged runners folder, and paicli.private hands it to the rest of
-paicli, so the host and the nodes write files one way.
-
-A file's new content goes under a fresh random name in the target's folder,
-created with O_CREAT|O_EXCL|O_NOFOLLOW (a file or symlink someone planted there is
-never opened or followed, whatever name they guessed), is fsynced, then renamed
-over the target: a reader, a crash or a full disk leaves the old file or the
-whole new one, never part of it, and nothing else behind.
+Standard library only, so the host (through paicli.private) and the nodes write
+files one way: a fresh random name in the target's folder, created with
+O_CREAT|O_EXCL|O_NOFOLLOW (nothing planted is followed), fsynced, then renamed over
+the target: a reader or a crash sees the old file or the whole new one.
 """
 
 from __future__ import annotations

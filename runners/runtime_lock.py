@@ -15,10 +15,8 @@ import sys
 def hold_runtime_lock() -> int | None:
     """Hold the runtime's marker file (paicli-runtime.json, at the runtime's root:
     sys.prefix for a venv, its parent for a root filesystem's /usr) with a shared
-    lock while this instance runs: `pai runtime remove` and an upgrade take it
-    exclusively and refuse while any instance holds it. Our own interpreters
-    (PAI_<NAME>_PYTHON) have no marker and no lock. The caller keeps the returned
-    descriptor open until its process ends."""
+    lock while this instance runs, so `pai runtime remove` refuses. The caller keeps
+    the returned descriptor open until its process ends."""
     _hold_layer()
     here = os.path.realpath(sys.prefix)
     for folder in (here, os.path.dirname(here)):

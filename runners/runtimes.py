@@ -9,11 +9,8 @@ in a runtime of its own, provisioned once and cached:
         mxnet/        a venv
         caffe/        a Debian bullseye root filesystem (see caffe_rootfs.py)
 
-A user can point a framework at an interpreter of their own (a GPU build, a conda
-env) with PAI_<NAME>_PYTHON, e.g. PAI_TENSORFLOW_PYTHON=/opt/conda/bin/python; then
-nothing is provisioned for it.
-
-This module runs on the submitting host only; it imports nothing of paicli.
+PAI_<NAME>_PYTHON points a framework at an interpreter of the user's own; then
+nothing is provisioned for it. This module imports nothing of paicli.
 """
 
 from __future__ import annotations
@@ -148,9 +145,7 @@ class Runtime:
     @contextlib.contextmanager
     def exclusive(self, what: str) -> Iterator[None]:
         """The runtime's lock, exclusively, or RuntimeSetupError at once if a job is
-        using it. Every instance running in the runtime holds its marker file with
-        a shared lock for its whole life (the runners' hold_runtime_lock), so a
-        runtime is never deleted under a running job."""
+        using it (its instances hold a shared lock: hold_runtime_lock)."""
         try:
             fd = os.open(self.path / MARKER, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -275,12 +270,10 @@ def runner_path(filename: str) -> str:
 #                                mtime is the layer's last use; instances hold it
 #                                with a shared lock (runtime_lock.py)
 #
-# Built with the runtime's own interpreter, so pip resolves against what the
-# runtime has: `pip install --dry-run --report` with every package of the runtime
-# pinned as a constraint (the framework stays the runtime's: a requirement that
-# needs another numpy fails instead of replacing it), then exactly what the report
-# says is missing, `--no-deps --target site`. A node given `pins` (what the
-# submitting machine resolved) installs those and resolves nothing.
+# Built with the runtime's own interpreter: `pip install --dry-run --report` with the
+# runtime's packages pinned as constraints (a requirement that needs another numpy
+# fails instead of replacing it), then what is missing, `--no-deps --target site`.
+# A node given `pins` (what the submitting machine resolved) resolves nothing.
 
 LAYER_MARKER = "paicli-layer.json"
 PYTHON_LAYER_BASE = "python"   # layers of jobs without a framework runtime (-name python)
@@ -542,18 +535,15 @@ def remove_layer(name: str) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# The legacy-Keras TensorFlow runtime that PAI's TF1-era
-# names select. A small venv layered on the TensorFlow runtime, so TensorFlow
-# itself (600 MB) is not installed twice.
+# The legacy-Keras TensorFlow runtime that PAI's TF1-era names select: a small venv
+# layered on the TensorFlow runtime.
 
 
 class LayeredVenvRuntime(VenvRuntime):
     """A venv layered on another runtime's Python: a .pth file adds the base's
     site-packages (as a site dir, so the base's own .pth files count) after the
     layer's own, and only `requirements` are installed into the layer, without
-    their dependencies (those are the base's; pip would otherwise fetch a second
-    TensorFlow to satisfy tf-keras' `tensorflow` requirement). `env` is what its
-    instances need set (the adapter puts it in the plan)."""
+    their dependencies (those are the base's). `env` is what its instances need set."""
 
     def __init__(self, name: str, base: str, requirements: list[str], description: str,
                  env: dict[str, str], check: str):

@@ -1,16 +1,11 @@
 """What a user's script brings with it: the modules of its own that it imports,
 followed import by import, and the command-line flags they define.
 
-One reading for every framework runner (TensorFlow's classic cluster flags are
-defined in benchmark_cnn.py, which tf_cnn_benchmarks.py imports; MXNet's
---kv-store in common/fit.py, which train_imagenet.py imports) and for the
-adapters, which stage a plain script's own modules to other nodes with it.
-Standard library only: it runs inside any framework's Python.
+One reading for every framework runner and for the adapters, which stage a plain
+script's own modules with it. Standard library only.
 
-Imports are read with a regex, not ast: it reads Python 2 scripts too, and it is
-far quicker than ast on a large tree. Only files under the given roots
-count (the script's folder, which `python SCRIPT` puts first on sys.path, and an
-archive's root): never the standard library's or site-packages'.
+Imports are read with a regex, not ast, so Python 2 scripts read too. Only files
+under the given roots count (the script's folder and an archive's root).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """How a framework runner's script output reaches the job: every line whole.
 
-Standard library only: it runs inside any framework's Python (Python 3.9 in Caffe's
-root filesystem). The runners import it as a sibling module, staged with them on
-every node, as they import runtime_lock.
-
-Every instance starts under `python -u`, where `print(x)` writes x and then its
-newline: two writes. stderr shares the instance's pipe with stdout, so a line that
-another thread logs, or the framework's C++ logging writes, between the two breaks
-both: `step=413, loss=7.25[23:00:00] ...`, a step line the metric parser no longer
-reads. The peer tf_cnn_benchmarks lost its step-1 line so: its GlobalStepWatcher
-thread logs "Starting real work" just as a worker prints step 1.
+Standard library only. Under `python -u`, `print(x)` writes x and then its
+newline: two writes, between which another thread or the framework's C++ logging
+can write to the shared pipe and break a step line the metric parser then misses.
 """
 
 from __future__ import annotations

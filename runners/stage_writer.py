@@ -1,9 +1,8 @@
 """Writes a job's files into its per-job folder on a node whose sshd has no SFTP.
 
-Standard library only; imports nothing of paicli. ssh_transport.ExecFiles runs it
-over an SSH exec channel as `python3 -c PROGRAM ROOT FOLDER`, the files coming as
-an uncompressed tar stream on stdin, and hands `main` the node agent's root check
-(node_agent.root_fault), so that this path and SFTP's refuse the same roots.
+Standard library only. ssh_transport.ExecFiles runs it as `python3 -c PROGRAM ROOT
+FOLDER`, the files coming as a tar stream on stdin, with the node agent's root
+check (node_agent.root_fault), so this path and SFTP's refuse the same roots.
 
 ROOT (the node's work_dir) is created 0700 when missing and must be ours alone;
 FOLDER, below it, is created 0700. Each member lands below FOLDER: folders 0700,

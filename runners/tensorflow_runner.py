@@ -12,15 +12,12 @@ paicli.jobplan). This runner turns them into what TensorFlow expects, then eithe
     TF2 ParameterServerStrategy job, whose user script runs only on the chief) until
     SIGTERM, then exits 0.
 
---cluster-flags says which classic 2016-style flags (--ps_hosts --worker_hosts
---job_name --task_index) go before ARGS: `auto` (the default) those that the code
-defines, found in SCRIPT's source or in any module of its own that it imports,
-transitively (from SCRIPT's folder or --code-root, an archive's root); `always`;
-`never`; or a comma-separated list of names. It is decided here, at start, because
-only here is the code surely in place.
+--cluster-flags says which classic flags (--ps_hosts --worker_hosts --job_name
+--task_index) go before ARGS: `auto` (the default) those the code defines (SCRIPT or
+a module of its own under its folder or --code-root); `always`; `never`; or a
+comma-separated list of names.
 
-This file runs inside the framework's own Python: it imports only the standard
-library and TensorFlow, never paicli.
+It imports only the standard library and TensorFlow, never paicli.
 """
 
 from __future__ import annotations
@@ -68,10 +65,9 @@ QUIET_CPP_LOG_LEVEL = "2"
 
 # TF1's wait for the chief (tf.compat.v1.train.Supervisor and SessionManager, under
 # MonitoredTrainingSession too): a worker that finds the ps's variables not yet
-# initialised looks again after `recovery_wait_secs`, 30 s unless the script says.
-# Here it looks every second unless the script says: a worker that asked a moment
-# before its chief had initialised waited half a minute (7 of 8 runs of the peer
-# tf_cnn_benchmarks, 1 ps + 2 workers). What a script passes itself is kept.
+# initialised looks again after `recovery_wait_secs`, 30 s; here every second, so a
+# worker that asked a moment too early does not wait half a minute. What a script
+# passes itself is kept.
 RECOVERY_WAIT_S = 1
 
 
@@ -231,11 +227,9 @@ def serve(role: str, index: int, config: dict, quiet: bool) -> None:
 
 
 # ---------------------------------------------------------------------------
-# "Not distributed" (issue 20): did this instance train with the cluster? The master
-# reads the line report_distribution prints (paicli/cluster/distribution.py: a line
-# holding `not distributed: <instance> <cause>`), and -DrequireDistributed=true turns
-# it into a failure. TF has no counter of what a ps served, so the workers tell: the
-# servers, sessions and variables their script made, watched from inside TensorFlow.
+# "Not distributed": did this instance train with the cluster? The master reads the
+# line report_distribution prints (paicli/cluster/distribution.py). TF has no counter
+# of what a ps served, so the workers tell, watching their servers, sessions and variables.
 
 NOT_DISTRIBUTED = "not distributed: "
 # Variable ops (TF1 ref variables, resource variables): on the ps when their device says so.

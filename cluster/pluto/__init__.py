@@ -12,10 +12,6 @@
     view.py       what `pai status`, the logview and the end-of-job summary show of a
                   planned job: its plan and forecast beside the measured step time
 
-The user's side (calibration jobs through pai, -DautoStrategy=true) is
-paicli/pluto.py; `pai plan` is paicli/cli_plan.py.
-
-Nothing here imports an adapter or the CLI: the planner knows frameworks only as
-data (which optimizations each one can apply), the way cluster/ knows them from
-plan.json.
+The user's side is paicli/pluto.py, `pai plan` paicli/cli_plan.py. Nothing here
+imports an adapter or the CLI: frameworks are data here.
 """

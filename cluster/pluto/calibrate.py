@@ -1,8 +1,7 @@
 """Calibration: from what a short real run measured to a Profile, and its cache.
 
-A calibration run is the user's own script submitted through pai (the caller does
-that: paicli/pluto.py) on a small cluster, stopped after a few steps. What it
-leaves behind is read here:
+A calibration run is the user's own script submitted through pai (paicli/pluto.py)
+on a small cluster, stopped after a few steps. What it leaves is read here:
 
 - seconds per step: paicli.steptime over the workers' step lines;
 - the model: the sizes of the variables (TF) or kvstore arrays (MXNet) the
@@ -12,12 +11,8 @@ leaves behind is read here:
 - the script's step target, batch size and learning rate: its arguments, else the
   defaults its argparse/absl flags (or solver) declare.
 
-The cost model then splits the measured step into compute and communication and
-fits the Optimus-style overheads with it (nnls) to what is left.
-
 The cache ($PAI_HOME/pluto/calibration.json, 0600 in a 0700 folder) is keyed by a
-digest of the script, its arguments and the cluster, so a second `pai plan` of the
-same script costs nothing.
+digest of the script, its arguments and the cluster.
 """
 
 from __future__ import annotations
@@ -218,11 +213,8 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
                       sync=sync, learning_rate=facts.learning_rate, notes=tuple(notes))
     partition = SLICED if framework == "mxnet" else "round_robin"
     # step - communication = c x batch x slowdown + theta1 x (W-1)/P + theta_p x (P-1), for
-    # every run, fitted with c, theta1, theta_p >= 0 (Optimus' fan-in and per-ps terms
-    # counted from one worker and one ps, TF async: theta1 x (W - 1), model.overhead_terms).
-    # Both terms vanish on the 1 + 1 run, so what it spends outside communication is c
-    # (with the fixed per-step cost, since the batch size is not varied): the fit cannot
-    # trade compute for a constant and leave c at ~0.
+    # every run, fitted with c, theta1, theta_p >= 0 (model.overhead_terms); both terms
+    # vanish on the 1 + 1 run, which so pins c.
     unit = replace(profile, compute_s_per_sample=1.0)
     fitted = profile
     cpu_bound: set[int] = set()
@@ -238,9 +230,8 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
             weight = 1.0 / run.step_s if run.step_s > 0 else 1.0
             comm = comm_seconds(profile, s, where)
             if run.step_s < comm:
-                # Faster than its own modelled bytes: the byte model is wrong for that shape,
-                # and the run says nothing about compute. Fitted anyway, no coefficient >= 0
-                # can bring the run down to its step, so the fit zeroes compute to get closer.
+                # Faster than its own modelled bytes: the run says nothing about compute,
+                # and fitting it would zero compute.
                 note = (f"the {run.ps} + {run.workers} calibration run ({run.step_s:.4f} s/step) was faster "
                         f"than its modelled communication ({comm:.4f} s): left out of the fit")
                 if note not in notes:
@@ -250,11 +241,8 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
             ys.append(weight * (run.step_s - comm))
         per_sample, fanin, per_ps = nnls(rows, ys) if rows else (0.0, 0.0, 0.0)
         fitted = replace(profile, compute_s_per_sample=per_sample, fanin_s=fanin, per_ps_s=per_ps)
-        # A run the CPU floor binds (with this compute) spent its step waiting for the
-        # shared cores, not computing on one: it says nothing about compute per sample
-        # through the compute term, so it leaves that fit (the 1 + 1 run, which the
-        # floor binds last, pins it) and is fitted below, beyond the floor, for the
-        # overheads.
+        # A run the CPU floor binds spent its step waiting for the shared cores: it
+        # leaves the compute fit and is fitted below, beyond the floor, for the overheads.
         bound = {i for i, run in enumerate(runs) if run.step_s is not None and cpu_floor(
             fitted, st := Strategy(framework, run.ps, run.workers, partition=partition, sync=sync), where)
             > compute_seconds(fitted, st, where) + comm_seconds(fitted, st, where)}
@@ -264,10 +252,8 @@ def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cl
             break
         cpu_bound = bound
     # The overheads again, as what each run spent beyond both bounds the forecast takes
-    # (its compute plus communication, and the CPU floor of every process on the shared
-    # cores): a calibration run of 4 processes on 2 cores is CPU-bound, and fitting its
-    # CPU wait as fan-in charges every bigger plan that wait twice. The 1 + 1
-    # run, whose terms are 0, pinned compute above.
+    # (compute plus communication, and the CPU floor), so a CPU-bound run's wait is not
+    # charged twice.
     rows, ys = [], []
     for run in runs:
         if run.step_s is None or not run.step_s > 0:
@@ -446,12 +432,9 @@ def measure_update(python: str, helpers: str, timeout: float = 120.0) -> float:
 
 
 def measure_kvstore(python: str, helpers: str, timeout: float = 240.0) -> dict[str, float]:
-    """CPU seconds per value of one push and pull through MXNet's dist kvstore on
-    this machine's loopback (runners/pluto_helpers.py kvstore: a scheduler, a server
-    and a worker, about 10 s), on the server and on the worker, uncompressed and
-    2bit: the Cluster fields kv_*_s_per_value; and per key (a one-value array's push
-    and pull: the cost of a message apart from its values), kv_*_s_per_key. {} when
-    the probe cannot run."""
+    """The Cluster fields kv_*_s_per_value and kv_*_s_per_key, probed on this
+    machine's loopback (runners/pluto_helpers.py kvstore); {} when the probe cannot
+    run."""
     try:
         done = subprocess.run([python, helpers, "kvstore"], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)

@@ -9,23 +9,16 @@
   of a machine's cores for nodes of one machine (one boot id: virtual hosts);
 - communication (Paleo, with the ps in the picture): every worker pushes its
   gradients (2bit: 1/16 of them) to, and pulls the parameters from, every ps in
-  proportion to the bytes that ps holds. The traffic each node's link carries is
-  summed per direction; a phase lasts as long as the busiest link needs. Sync jobs
-  push then pull behind a barrier (MXNet pipelines them, but never faster than the
-  busiest link carrying every byte of the step: a worker and a server on one node
-  share its uplink); async workers overlap each other, so a shared link bounds the
-  rate instead;
+  proportion to the bytes that ps holds; a phase lasts as long as the busiest link
+  (per direction) needs. Sync jobs push then pull behind a barrier (MXNet pipelines
+  them); async workers overlap each other, so a shared link bounds the rate instead;
 - processor sharing (`cpu_floor`): the CPU work of every instance on a set of shared
   cores (a worker's compute, every instance's bytes sent and received, a ps's too)
   divided by those cores bounds the step from below;
 - overhead and fan-in (Optimus): theta1 x (W-1)/P + theta_p x (P-1), fitted with the compute
-  term by non-negative least squares to the calibration runs (calibrate.nnls),
-  because round trips, a ps serving many workers, and a worker talking to many ps
-  cost time that no byte count shows. TensorFlow async: theta1 x (W - 1) instead
-  (`overhead_terms`): every other worker's traffic collides with this one's part of
-  the time, whichever ps it goes to, and more ps do not take that away. On a
-  cluster of several nodes the per-ps term counts only servers across a link
-  (`servers_beyond_one`); 2bit adds its quantising CPU (`quantize_seconds`).
+  term by non-negative least squares to the calibration runs (calibrate.nnls): round
+  trips cost time that no byte count shows (`overhead_terms`); 2bit adds its
+  quantising CPU (`quantize_seconds`).
 
 Caffe's model averaging: an iteration is compute plus one averaging round (every
 worker sends its model to the ps and receives the average) divided by the period.
@@ -51,34 +44,11 @@ TWO_BIT = 1.0 / 16.0   # 2 bits sent for every 32-bit gradient value
 
 def ps_loads(var_bytes: tuple[float, ...] | list[float], ps: int, partition: str,
              big_array_bound: int | None = None) -> list[float]:
-    """Bytes each ps holds when the variables (in creation order) are spread over `ps`.
-
-    round_robin: variable i on ps i % P (TF's replica_device_setter default).
-    greedy: each variable, as created, on the least-loaded ps (TF's
-        GreedyLoadBalancingStrategy with byte_size_load_fn).
-    sliced: MXNet; arrays of more than `big_array_bound` elements are split evenly
-        over every server, smaller ones go whole to one server (by key).
-    """
+    """Bytes each ps holds when the variables (in creation order) are spread over `ps`
+    (`array_homes` says how)."""
     loads = [0.0] * max(1, ps)
-    if ps <= 1:
-        loads[0] = float(sum(var_bytes))
-        return loads
-    if partition == GREEDY:
-        for size in var_bytes:
-            loads[loads.index(min(loads))] += size
-    elif partition == SLICED:
-        bound_bytes = 4.0 * (big_array_bound or MXNET_DEFAULT_BIGARRAY_BOUND)
-        small = 0
-        for size in var_bytes:
-            if size > bound_bytes:
-                for j in range(ps):
-                    loads[j] += size / ps
-            else:
-                loads[small % ps] += size
-                small += 1
-    else:  # round robin, and anything unknown
-        for i, size in enumerate(var_bytes):
-            loads[i % ps] += size
+    for share in array_homes(var_bytes, ps, partition, big_array_bound):
+        loads = [a + b for a, b in zip(loads, share)]
     return loads
 
 
@@ -190,15 +160,10 @@ def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
         return _mxnet_async_seconds(profile, strategy, cluster, ps_nodes, worker_nodes, push + pull)
     if strategy.sync:
         return _phase_seconds(push, cluster) + _phase_seconds(pull, cluster)
-    # Async: a worker's own push then pull, unless the shared links are the limit,
-    # where every worker's pushes and pulls overlap (so W steps need the whole lot).
-    # Workers placed on one node share its link in each direction, and they do not
-    # interleave there: started together and slowed alike, they pull together and push
-    # together (measured steps match both phases carrying both workers' bytes, not
-    # interleaved transfers). So a worker's own phases carry every worker of its node.
-    # Async workers each keep their own pace, and a step is measured as the median over
-    # workers of their own (paicli.steptime), so the forecast is that median too: a
-    # worker beside the ps (loopback) and one across a link measure the mean of the two.
+    # Async: a worker's own push then pull, unless the shared links are the limit.
+    # Workers on one node push together and pull together, so a worker's phases carry
+    # every worker of its node. A step is measured as the median over workers
+    # (paicli.steptime), so the forecast is that median too.
 
     per = len(fractions)
     cycles = []
@@ -212,7 +177,13 @@ def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
 
 
 def array_homes(var_bytes, ps: int, partition: str, big_array_bound: int | None) -> list[list[float]]:
-    """For each array (in creation order), the bytes of it each ps holds."""
+    """For each array (in creation order), the bytes of it each ps holds.
+
+    round_robin: array i on ps i % P (TF's replica_device_setter default).
+    greedy: each array, as created, on the least-loaded ps (TF's
+        GreedyLoadBalancingStrategy with byte_size_load_fn).
+    sliced: MXNet; arrays of more than `big_array_bound` elements are split evenly
+        over every server, smaller ones go whole to one server (by key)."""
     homes = []
     loads = [0.0] * max(1, ps)
     small = 0
@@ -257,13 +228,9 @@ def _pipelined_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
 
 def _mxnet_async_seconds(profile: Profile, strategy: Strategy, cluster: Cluster, ps_nodes: list[int],
                          worker_nodes: list[int], flows: list[tuple[int, int, float]]) -> float:
-    """MXNet dist_async: no barrier. A worker's own pushes and pulls pipeline as in
-    dist_sync (the pull of an array waits only for its own push), and nobody waits
-    for the other workers, so one worker's traffic overlaps the others' compute.
-    A worker's cycle is its compute plus its own traffic, unless the links the
-    workers share (a server's) cannot carry every worker's pushes and pulls in that
-    time: cycle = max(compute + own, shared); the communication is what the cycle
-    adds to compute. One worker: exactly dist_sync."""
+    """MXNet dist_async: no barrier, so one worker's traffic overlaps the others'
+    compute: cycle = max(compute + own pipelined traffic, shared links' traffic), and
+    the communication is what the cycle adds to compute."""
     own = _pipelined_seconds(profile, strategy, cluster, ps_nodes, worker_nodes[:1])
     if strategy.workers <= 1:
         return own
@@ -304,22 +271,11 @@ def overhead_terms(strategy: Strategy, cluster: Cluster | None = None) -> tuple[
     """What the two fitted overheads multiply: step += fanin_s x a + per_ps_s x b.
 
     Sync (Optimus): a = (W - 1)/P, the workers a ps serves beyond one; b = P - 1, the
-    ps a worker talks to beyond one. TensorFlow async: a = W - 1, the other workers.
-    Measured at 100 Mbit/s and 1 Gbit/s (docs/pluto.md), async TF steps grow by about
-    the same seconds for every worker added whether there are 1, 2, 3 or 4 ps, beyond
-    what the bytes on the busiest link explain: the workers' pushes and pulls collide
-    part of the time on links and in the one kernel that carries every link here, and
-    a ps more does not spread that.
-
-    Both terms are 0 for one worker and one ps: what that shape spends outside its
-    communication is compute (calibration's 1 + 1 run measures it), and the terms
-    price only what more workers or more ps add. Counted from 0 (Optimus' W/P and P),
-    a constant was in the terms and in compute alike, and the fit could put every
-    second of compute into the constant: compute per sample ~0, and plans of many
-    processes on few cores forecast as if the cores were free.
-
-    On a cluster of several nodes (`cluster` given), b counts only servers across a
-    link (`servers_beyond_one`)."""
+    ps a worker talks to beyond one. TensorFlow async: a = W - 1, the other workers,
+    because their pushes and pulls collide with this one's whichever ps they go to.
+    Both terms are 0 for one worker and one ps, so the fit cannot move compute (the
+    1 + 1 calibration run's) into a constant. On several nodes (`cluster` given), b
+    counts only servers across a link (`servers_beyond_one`)."""
     if not strategy.ps:
         return 0.0, 0.0
     per_ps = servers_beyond_one(strategy, cluster)
@@ -330,16 +286,9 @@ def overhead_terms(strategy: Strategy, cluster: Cluster | None = None) -> tuple[
 
 def servers_beyond_one(strategy: Strategy, cluster: Cluster | None) -> float:
     """The per-server term's count: the servers beyond the first that the
-    worst-placed worker reaches across a link, on a cluster of several nodes.
-
-    What a server beyond the first adds and no byte count shows is a round trip a
-    worker waits on. Over a link that costs the link's latency and queueing (what a
-    calibration run with servers across a link measures; the first one's is in the
-    1 + 1 run's step, so in compute); to a server on the worker's own node it is a
-    loopback hop whose cost is CPU, which the CPU floor already charges. Charging the
-    over-the-link price to co-located servers forecasts such plans far too slow.
-    On one node (nothing crosses a link) every server beyond the first counts:
-    calibration there measured the loopback round trips, and the plans are for that node."""
+    worst-placed worker reaches across a link, on a cluster of several nodes: a
+    server on the worker's own node costs CPU, which the CPU floor already charges.
+    On one node every server beyond the first counts, as calibration measured there."""
     if strategy.ps <= 1:
         return 0.0
     if cluster is None or len(cluster.nodes) <= 1:
@@ -368,17 +317,11 @@ def cpu_groups(cluster: Cluster) -> list[tuple[list[int], float]]:
 
 def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[float]:
     """CPU seconds every node's instances ask for in one step: each worker its
-    compute alone on a core, and every instance (worker or ps) the bytes it sends
-    and receives at the loopback probe's cost: a TCP connection inside one machine
-    moves a byte out of one process and into another in 1/loopback_Bps of CPU at
-    least (both copies on one core; on two, each end pays that much), so each end is
-    charged half of it (serialising, the kernel's copies, a ps summing what it
-    receives): a floor, never more than the CPU really spent. Work is per value: a
-    2bit push is quantised on the worker and dequantised on the ps from and to every
-    32-bit value, so it is charged as uncompressed, plus that quantising
-    (`quantize_seconds`), half on each end. A worker's own share of its transfers is
-    in its fitted compute already (the 1 + 1 calibration run's wall step): only what
-    a plan adds beyond that shape is charged on top (`worker_beyond_calibration`)."""
+    compute alone on a core, and every instance the bytes it sends and receives at
+    half the loopback probe's cost per byte (a floor: each end pays at least half a
+    copy). A 2bit push is charged as uncompressed plus its quantising, half on each
+    end. A worker is charged only what the plan adds beyond the 1 + 1 calibration
+    run, whose compute holds its own transfers (`worker_beyond_calibration`)."""
     ps_nodes, worker_nodes = layout(strategy, cluster)
     demand = [0.0] * len(cluster.nodes)
     batch = strategy.batch_per_worker or profile.batch_size
@@ -464,12 +407,9 @@ def calibration_shape(strategy: Strategy) -> Strategy:
 
 def worker_beyond_calibration(profile: Profile, strategy: Strategy, cluster: Cluster) -> float:
     """The CPU a worker's own pushes and pulls cost in `strategy` beyond what its fitted
-    compute already holds. That compute is the 1 + 1 calibration run's step less its
-    modelled transfer time: wall time in which the worker did its own kvstore (or
-    gRPC) work for every array, so charging that work again on top counts it twice.
-    Only what the plan adds is charged: more messages when arrays are sliced over
-    more servers, 2bit's quantising. Counted twice, a worker's CPU a step comes out
-    well above what /proc shows, and the plan's floor with it."""
+    compute already holds (the 1 + 1 calibration run's step, in which the worker did
+    its own transfers): more messages when arrays are sliced over more servers,
+    2bit's quantising."""
     if not strategy.ps or strategy.framework in MA_FRAMEWORKS:
         return 0.0
     return max(0.0, worker_transfer_seconds(profile, strategy, cluster)
@@ -479,10 +419,8 @@ def worker_beyond_calibration(profile: Profile, strategy: Strategy, cluster: Clu
 def kvstore_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) -> tuple[float, float] | None:
     """(one worker's, all servers') CPU seconds a step of MXNet's kvstore costs, from
     the probe of a push and pull per value on this machine (None when not probed, or
-    not MXNet). A worker pays one push and pull of every value. The servers, one
-    push of every value per worker: the probe's round, which holds one update, less
-    that update (`update_s_per_value`), plus the updates the mode applies: one a step
-    for dist_sync (the sum of the pushes), one per push for dist_async."""
+    not MXNet). The servers pay every worker's push less the probe's one update, plus
+    the updates the mode applies (`update_seconds`)."""
     if strategy.framework != "mxnet" or not strategy.ps:
         return None
     two_bit = strategy.compression == "2bit"
@@ -501,9 +439,7 @@ def kvstore_key_seconds(profile: Profile, strategy: Strategy, cluster: Cluster) 
     from their values, from the probe of a one-value array's push and pull on this
     machine (0 when not probed). A worker pushes and pulls every array once a step,
     one message per server holding a piece of it (an array sliced across P servers
-    is P messages); each server answers every worker's. The per-value probe's 1 M
-    values hide this; a model of 8 arrays pays it 16 times a worker a step, which on
-    few cores with several servers is a large share of a small model's CPU floor."""
+    is P messages); each server answers every worker's."""
     if strategy.framework != "mxnet" or not strategy.ps:
         return 0.0, []
     two_bit = strategy.compression == "2bit"
@@ -538,8 +474,7 @@ def _charge_links(flows: list[tuple[int, int, float]], cluster: Cluster, demand:
     """The machine's CPU for bytes that cross a link between two of its virtual hosts:
     the link probe's CPU per byte (both ends and the kernel's veth, bridge and shaping
     work, measured machine-wide), less the loopback copy each end is already charged
-    for (`cpu_demand`), half on each end's node. At 1 Gbit/s on a 2-core machine this
-    is most of a step's CPU (much of it in softirq); between separate machines each kernel
+    for (`cpu_demand`), half on each end's node. Between separate machines each kernel
     works on its own cores, which the probe cannot see from one end: not charged."""
     extra = cluster.link_cpu_s_per_byte - (1.0 / cluster.loopback_Bps if cluster.loopback_Bps > 0 else 0.0)
     if extra <= 0:
@@ -593,10 +528,8 @@ def forecast(profile: Profile, strategy: Strategy, cluster: Cluster) -> Forecast
     if floor > compute + comm:
         # the shared cores, not one worker's own path, set the pace: the step is CPU
         compute += floor - (compute + comm)
-    # The fitted overheads (round trips, a ps serving many workers) are waits on top of
-    # whichever bound holds: calibration fits them as what a run spent beyond both
-    # (calibrate.build_profile), so a CPU-bound calibration run does not turn its CPU
-    # into a fan-in every bigger plan pays twice, in the floor and in the term.
+    # The fitted overheads are waits on top of whichever bound holds, as calibration
+    # fits them (calibrate.build_profile).
     step = overhead + fanin + compute + comm
     batch = strategy.batch_per_worker or profile.batch_size
     samples = strategy.workers * batch / step if step > 0 else math.inf

@@ -9,16 +9,12 @@
   largest arrays spread over every server), 2bit compression or none;
 - Caffe: the averaging period.
 
-The worker count is the user's when each worker runs the script's steps on its own
-shard (sync data parallelism): more workers would train on more data, which changes
-what the job does, not how fast. Sync and async are both considered only where both
-are the script's own (`switchable`: it takes the mode from -Dkvstore or a flag the
-user left unset); the mode the script does not default to must save 10%. The
-per-worker batch is kept and the learning rate follows the global batch
-(`apply_scaling`), applied through the job's -D values or the script's own flags.
-The recommendation is the fastest to the step target (or the most
-samples/s when the script has none); among plans within 5% of it, the one with the
-fewest instances, without compression, with the shortest averaging period. With a
+The worker count is otherwise the user's (more workers would train on more data).
+Sync and async are both considered only where both are the script's own
+(`switchable`); the mode the script does not default to must save 10%. The
+learning rate follows the global batch (`apply_scaling`). The recommendation is
+the fastest to the step target (or the most samples/s); among plans within 5% of
+it, the fewest instances, no compression, the shortest averaging period. With a
 budget: the cheapest plan that meets it, or why none does.
 """
 
@@ -244,9 +240,7 @@ def plan(profile: Profile, cluster: Cluster, user: Strategy, budget_s: float | N
          knobs: Knobs | None = None) -> Plan:
     knobs = knobs or Knobs()
     if user.framework == "tensorflow":
-        # The script fixes TF's mode (profile.sync), as every candidate has it; the
-        # statement alone (pluto.user_strategy) cannot tell, and a TF async job
-        # forecast as sync made the default look twice as slow as it runs.
+        # The script fixes TF's mode (profile.sync), which the statement cannot tell.
         user = user.with_(sync=profile.sync)
     default = Choice(user, forecast(profile, user, cluster))
     choices = [Choice(s, forecast(profile, s, cluster)) for s in candidates(profile, cluster, user, knobs)]
@@ -394,10 +388,8 @@ def apply_scaling(s: Strategy, profile: Profile, knobs: Knobs) -> tuple[Strategy
     """The per-worker batch and learning-rate rule for `s`, applied (the strategy
     with the -D values that carry it) and said (one reason line).
 
-    The per-worker batch is kept: the job the user submitted trains W x B samples a
-    step and Pluto does not shrink what each worker computes. The learning rate
-    follows the global batch linearly, with a warm-up, where the workers' updates
-    are combined into one of batch W x B and nothing scales it already:
+    The per-worker batch is kept; the learning rate follows the global batch
+    linearly, with a warm-up, where nothing scales it already:
 
     - Caffe averaging (W models that each took a step of batch B, averaged, are one
       step of batch W x B): base_lr x W, warm-up, in the job's own solver copy;
@@ -469,7 +461,6 @@ def duration_text(seconds: float | None) -> str:
 
 
 # -- checking before recommending ------------------------------------------------------------
-#
 # A forecast is a guess until a run measures it: when the best forecast is within
 # VERIFY_MARGIN of the next plans, or the recommended plan lies outside the shapes
 # calibration ran, the caller (paicli/pluto.py) runs the plans `to_verify` picks

@@ -1,15 +1,9 @@
 """The typed Strategy Pluto plans, and what it measured to plan it.
 
-A Strategy is what a job runs with: ps/server and worker counts, how the model
-is spread over the ps, gradient compression, the model-averaging period, the
-per-worker batch and learning-rate scaling, sync or async. `cluster_value()` and
-`params()` turn it into the `-Dcluster` and other `-D` values a submit takes, so a
-plan is always something the user could have typed.
-
-A Profile is what a calibration run measured about the script (model size, the
-sizes of its variables, compute per sample, the fitted per-step overheads); a
-Cluster is where it runs (nodes, their cores, the bandwidth of their links).
-Nothing here is asked of the user.
+A Strategy is what a job runs with; `cluster_value()` and `params()` turn it into
+the `-D` values a submit takes, so a plan is always something the user could have
+typed. A Profile is what a calibration run measured about the script; a Cluster is
+where it runs.
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ MA_FRAMEWORKS = ("caffe",)                 # model averaging through a ps
 ROUND_ROBIN = "round_robin"   # TF's replica_device_setter default: variable i -> ps i % P
 GREEDY = "greedy"             # each variable to the least-loaded ps, by byte size
 SLICED = "sliced"             # MXNet: arrays above a bound split evenly over every server
-PARTITIONS = (ROUND_ROBIN, GREEDY, SLICED)
 
 MXNET_DEFAULT_BIGARRAY_BOUND = 1_000_000   # elements; MXNET_KVSTORE_BIGARRAY_BOUND's default
 

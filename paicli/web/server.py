@@ -1,9 +1,7 @@
 """The logview server: an aiohttp application over the job store and job folders.
 
-    paicli.web.standby.main(["--home", "~/.pai", "--fd", "N"])   (started by paicli.web.launch)
-
-The standby holds the socket and becomes this server, in the same process, on the
-page's first visit (`run`).
+The standby (paicli.web.standby) holds the socket and becomes this server, in the
+same process, on the page's first visit (`run`).
 
 Routes (every one answers 403 without the user's token, as ?token=...):
     /  and /logview/            the job list (like `show instances`)
@@ -248,9 +246,8 @@ class Feed:
         out: list[tuple[str, dict]] = []
         job = store.job(self.job_id)
         over = client.job_over(job)  # read first: then every line before the end is seen
-        # A master (and its watchdog) gone without recording the end: the logs will not
-        # grow again. Seen twice, a poll apart (not a master writing its last transition),
-        # the feed ends; the record is left to the watchdogs and `pai kill` (cluster/lifecycle.py).
+        # A master and its watchdog gone without recording the end, seen twice a poll
+        # apart: the feed ends; the record is left to the watchdogs and `pai kill`.
         alive = over or JobStatus(job["status"]).is_terminal() or client.master_alive(job)
         self.gone = 0 if alive else self.gone + 1
         over = over or self.gone >= 2

@@ -364,8 +364,11 @@ def tarpit() -> socket.socket:
     return sock
 
 
-def test_pai_list_with_50_live_jobs_on_unreachable_ssh_nodes_answers_in_under_a_second(pai_home, tmp_path):
+def test_pai_list_with_50_live_jobs_on_unreachable_ssh_nodes_answers_without_touching_a_node(pai_home, tmp_path):
+    """Listing reads the store and this machine's process table only: no connection
+    reaches the node, so no SSH round trip (CONNECT_TIMEOUT each) is waited for."""
     from paicli.cluster.nodes import load_config
+    from paicli.cluster.ssh_transport import CONNECT_TIMEOUT
 
     pit = tarpit()
     alive = sleeper()
@@ -382,7 +385,7 @@ def test_pai_list_with_50_live_jobs_on_unreachable_ssh_nodes_answers_in_under_a_
             record_job(pai_home, master=master, snapshot=snapshot, refs=[ref])
         before = dump(pai_home)
         times = []
-        for _ in range(3):  # the best of three: the bound is on pai, not on the machine's other load
+        for _ in range(3):
             started = time.monotonic()
             result = subprocess.run([*PAI, "list", "--json"], capture_output=True, text=True, timeout=120,
                                     env={**os.environ, **QUIET})
@@ -393,7 +396,10 @@ def test_pai_list_with_50_live_jobs_on_unreachable_ssh_nodes_answers_in_under_a_
         assert sorted({(j["status"], j["reason"]) for j in jobs}, key=str) == \
             sorted({("Failed", "master lost"), ("Running", None)}, key=str)
         print(f"pai list, 50 live jobs on an unreachable SSH node: {', '.join(f'{t:.3f}' for t in times)} s")
-        assert min(times) < 1.0, times
+        assert max(times) < CONNECT_TIMEOUT / 2, times   # not one round trip to the node waited for
+        pit.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            pit.accept()   # nothing ever connected to the node
         assert dump(pai_home) == before
     finally:
         end(alive)

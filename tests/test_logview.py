@@ -424,6 +424,7 @@ def test_a_slow_store_read_does_not_hold_up_another_request(tmp_path, monkeypatc
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.run_until_complete(runner.cleanup())
+        loop.run_until_complete(loop.shutdown_default_executor())   # its thread gone before the next test
         loop.close()
     assert slow and slow[0][0] == 200
 

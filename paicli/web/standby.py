@@ -21,7 +21,6 @@ import socket
 import time
 from pathlib import Path
 
-from paicli.web import server
 from paicli.web.launch import check_every, forget_state, idle_limit, reason_to_exit
 
 
@@ -52,6 +51,8 @@ def main(argv: list[str]) -> int:
     print(f"logview standing by for {args.home} on {sock.getsockname()}", flush=True)
     if not wait_for_first_visit(args.home, sock):
         return 0
+
+    from paicli.web import server   # aiohttp: only once a page is asked for
 
     return server.run(args.home, sock)
 

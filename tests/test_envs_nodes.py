@@ -2,7 +2,8 @@
 and on the real Ray cluster (tests/ray_cluster.py): the declared variables reach
 every instance, an undeclared one of the submitting shell does not (the one rule),
 secret values never reach a log; the layer is built on each node before any
-instance starts, and a second job with the same requirements installs nothing.
+instance starts, and a second job with the same requirements installs nothing. PAI's
+tables and buckets on Ray nodes run here too, so that one two-node Ray cluster serves both.
 
 Each node keeps its layers somewhere this machine does not (SSH: the node's own
 /tmp; Ray: a runtime dir of the nodes' own), so what is reused is really the
@@ -12,6 +13,7 @@ shipped from a local --find-links folder: nothing comes from an index.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import sys
@@ -251,6 +253,42 @@ def test_a_caffe_layer_and_paitables_on_ray_nodes(ray_nodes, tmp_path):
     times = check_caffe_jobs(run, tmp_path, builds=1)   # both Ray nodes share the runtime dir: one builds
     print(f"ray caffe: first job {times[0]:.1f}s, second (layer reused) {times[1]:.1f}s")
     assert len(list((node_runtimes / "layers").glob("caffe-*/paicli-layer.json"))) == 1
+
+
+def test_ray_slices_outputs_and_a_bucket_that_goes_once(ray_nodes, tmp_path):
+    """PAI's tables and buckets on the Ray nodes (the SSH side is tests/test_tables_nodes.py):
+    each worker's slice goes to its node only (two nodes of one CPU each: a 2-worker job
+    has one worker on each), the output table comes home whole, a bucket goes once."""
+    from test_tables import TWO, WORKER, assert_disjoint_and_complete, make_tables
+    from test_tables_nodes import READER, assert_bucket_job, make_bucket, ok, sent_records
+
+    cluster, _node_runtimes = ray_nodes
+    home = tmp_path / "home"
+    env = {"PAI_HOME": str(home), "PAI_RAY_ADDRESS": cluster.address, "NO_COLOR": "1", "PAI_DEBUG": "",
+           "PAI_NODES": ""}
+
+    def run(*args):
+        return cluster.run([sys.executable, "-m", "paicli", *args], env=env, timeout=300, cwd=str(ROOT))
+
+    csv_url, db_url = make_tables(tmp_path, 101)
+    bucket = make_bucket(tmp_path)
+    first = run("-name", "python", f"-Dscript={WORKER}", TWO, f"-Dtables={csv_url}",
+                f"-Doutputs=file://{tmp_path}/pred.csv", f"-Dbuckets=file://{bucket}")
+    job = ok(first)
+    assert_disjoint_and_complete(first.stdout, csv_url, 101)
+    rows = list(csv.reader(open(tmp_path / "pred.csv")))
+    assert rows[1:] == [[str(i), str(2 * i)] for i in range(101)]
+    [sent] = sent_records(home, job)
+    share = (tmp_path / "train.csv").stat().st_size / 2
+    files = sum(p.stat().st_size for p in bucket.rglob("*") if p.is_file())
+    assert len(sent) == 2 and all(share * 0.9 + files < n < share * 1.05 + files + 2048 for n in sent.values()), sent
+    second = run("-name", "python", f"-Dscript={READER}", TWO, f"-Dtables={csv_url}", f"-Dbuckets=file://{bucket}/")
+    [sent] = sent_records(home, ok(second))
+    assert len(sent) == 2 and all(n < 4096 for n in sent.values()), sent     # the index alone
+    assert_bucket_job(second, bucket)
+    third = run("-name", "python", f"-Dscript={WORKER}", TWO, f"-Dtables={db_url}")
+    ok(third)
+    assert_disjoint_and_complete(third.stdout, db_url, 101)
 
 
 def test_a_layer_a_node_cannot_build_fails_the_job_before_any_instance_starts(ssh_cluster, tmp_path, pai_home):

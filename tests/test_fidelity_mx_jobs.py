@@ -1,6 +1,7 @@
 """Framework fidelity, real jobs (issue 20): MXNet's own published examples
 (../shared/peer/mxnet/image-classification, byte-identical to MXNet 1.9.1) run
-unmodified through `pai`, here and on the SSH test cluster; a BVLC-style GPU
+unmodified through `pai`, here (mx_cells.LOCAL_CELLS and mnist-sync; the other
+cells on the SSH test cluster, test_fidelity_mx_ssh.py); a BVLC-style GPU
 solver runs on this CPU-only Caffe for one worker as for two.
 
 Kept to one job per point (the comparison against MXNet's own launcher, dist_async
@@ -13,18 +14,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import mx_cells
 from conftest import ROOT, job_id_from, pai, pai_json
-
-MNIST_ARGS = "--network lenet --num-examples 3200 --batch-size 64 --num-epochs 1 --disp-batches 5"
-
-sys.path.insert(0, str(ROOT / "examples" / "mxnet"))
-import make_mnist  # noqa: E402  (our own MNIST-format data)
-import mx_cells  # noqa: E402
 
 PEER_MX, SERVER_AND_TWO = mx_cells.PEER_MX, mx_cells.SERVER_AND_TWO
 needs_peer = pytest.mark.skipif(not PEER_MX.is_dir(), reason="the peer examples are not on this machine")
@@ -59,29 +54,20 @@ def test_plain_peer_script_takes_its_own_modules_to_other_nodes():
 @needs_peer
 @pytest.mark.mxnet
 def test_peer_train_mnist_runs_unmodified_and_a_lone_worker_is_named(mx_runtime, pai_home, tmp_path):
-    make_mnist.make(str(tmp_path / "data"), train=3200, test=256)
-    script = f"-Dscript=file://{PEER_MX / 'train_mnist.py'}"
-    # No --kv-store: -Dkvstore (dist_sync by default) reaches the script through its own flag.
-    result = pai("-name", "mxnet", script, f"-Dcluster={SERVER_AND_TWO}", f"-DuserDefinedParameters={MNIST_ARGS}",
-                 cwd=tmp_path, timeout=240)
-    assert result.returncode == 0 and last_line(result) == "OK", result.stdout[-3000:] + result.stderr[-2000:]
-    assert "passing --kv-store=dist_sync (-Dkvstore)" in result.stdout
-    assert re.search(r"\[worker:1\] mxnet_runner: distributed: worker:1 made \d+ pushes to kvstore 'dist_sync'",
-                     result.stdout)
-    info = pai_json("status", job_id_from(result.stdout))
-    assert info["not_distributed"] is None
+    # The matrix's mnist-sync cell: no --kv-store, so -Dkvstore (dist_sync by default)
+    # reaches the script through its own flag; both workers push, and it learns from
+    # our own digits (mx_cells.check_cell).
+    info = mx_cells.check_cell("mnist-sync", mx_cells.run_cell("mnist-sync", tmp_path))
     for worker in ("worker:0", "worker:1"):
-        metrics = info["metrics"][worker]
-        assert {"epoch", "batch", "speed", "accuracy", "epoch_seconds", "Validation-accuracy"} <= set(metrics)
-        assert metrics["Validation-accuracy"] > 0.5, metrics   # it learned, from our own digits
-    assert info["step_seconds"] and info["step_seconds"] > 0
+        assert "Validation-accuracy" in info["metrics"][worker], info["metrics"][worker]
     # Its settings line (Namespace(batch_size=64, ...)) gave no metric.
     assert "batch_size" not in info["metrics"]["worker:0"] and "lr" not in info["metrics"]["worker:0"]
 
     # The user's own --kv-store device wins: two lone trainings, which
     # -DrequireDistributed=true turns into a failure that names the cause.
+    script = f"-Dscript=file://{PEER_MX / 'train_mnist.py'}"   # ./data: the cell's, in tmp_path
     result = pai("-name", "mxnet", script, f"-Dcluster={SERVER_AND_TWO}", "-DrequireDistributed=true",
-                 f"-DuserDefinedParameters={MNIST_ARGS} --kv-store device", cwd=tmp_path, timeout=240)
+                 f"-DuserDefinedParameters={mx_cells.MNIST_ARGS} --kv-store device", cwd=tmp_path, timeout=240)
     assert result.returncode == 1, result.stdout[-3000:]
     assert last_line(result) == (
         "FAILED: -DrequireDistributed=true: not distributed: worker:0, worker:1 trained alone: the script "
@@ -119,12 +105,11 @@ def test_a_gpu_solver_runs_on_cpu_for_one_worker_as_for_two(pai_home, tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# The matrix: every cell of MXNet's own example here (tests/mx_cells.py; the same
-# cells run on the SSH cluster in test_fidelity_mx_ssh.py). The sync mnist cell is
-# also compared with the script started as MXNet's own launcher starts it.
+# The matrix: MXNet's own example in the cells of tests/mx_cells.py that run here
+# (mx_cells.LOCAL_CELLS; mnist-sync above, the rest across nodes in test_fidelity_mx_ssh.py).
 
 @needs_peer
 @pytest.mark.mxnet
-@pytest.mark.parametrize("cell", mx_cells.CELLS)
+@pytest.mark.parametrize("cell", mx_cells.LOCAL_CELLS)
 def test_every_cell_of_the_peer_example_runs_here(cell, mx_runtime, pai_home, tmp_path):
     mx_cells.check_cell(cell, mx_cells.run_cell(cell, tmp_path))

@@ -1,7 +1,8 @@
 """Framework fidelity over SSH (issue 20): MXNet's own image-classification example,
 unmodified, from ../shared/peer, on the SSH test cluster (network namespaces with
-their own sshd and /tmp, tests/netns.py). Every cell of tests/mx_cells.py (train_mnist and
-train_imagenet; dist_sync, dist_async, 2bit) with the workers on two nodes. The
+their own sshd and /tmp, tests/netns.py). The cells of tests/mx_cells.py that do not run
+locally (mx_cells.SSH_CELLS: both scripts; dist_sync, dist_async, 2bit) with the workers on
+two nodes. The
 plain script reaches the nodes with the modules of its folder it imports (common/,
 symbols/); -Dkvstore reaches it through its own --kv-store; its own --gc-type 2bit
 trains through the runner's pushpull work-around. Skipped where namespaces cannot be built."""
@@ -26,9 +27,9 @@ cluster = module_cluster(3, "pmx", 180)
 nodes = module_nodes(cpu=150, runtime="mxnet")
 
 
-@pytest.mark.parametrize("cell", mx_cells.CELLS)
+@pytest.mark.parametrize("cell", mx_cells.SSH_CELLS)
 def test_every_cell_of_the_peer_example_runs_across_nodes(cell, cluster, nodes, tmp_path):
-    """Each cell of tests/mx_cells.py with the workers on two nodes (train_mnist as
+    """Each of mx_cells.SSH_CELLS with the workers on two nodes (train_mnist as
     the archive with our data, the nodes' /tmp being their own)."""
     info = mx_cells.check_cell(cell, mx_cells.run_cell(cell, tmp_path, archive=True))
     hosts = {f"{i['role']}:{i['index']}": i["host"] for i in info["instances"]}

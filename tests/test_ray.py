@@ -4,7 +4,9 @@ The module starts one Ray cluster for all its cluster tests (tests/ray_cluster.p
 a head and two worker nodes with `ray start`, each in its own network namespace
 with its own address, one CPU each, dashboard off; torn down at the end even when
 a test fails. `pai` runs on the head node (the master is the Ray driver there).
-The unit tests at the top start nothing.
+Every test that needs a Ray cluster of this shape is here, the files a job writes
+coming back from the nodes included, so the cluster is started once. The unit tests
+at the top start nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +31,7 @@ from paicli.errors import UsageError
 from paicli.jobplan import JobPlan, RolePlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import wait_until, watchdog_of  # noqa: E402
 from ray_cluster import RayCluster, cannot_run, job_processes, node_job_folders  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -411,12 +415,12 @@ def home(tmp_path, request):
 
 
 def pai_ray(cluster: RayCluster, home: Path, *args: str, timeout: float = 300,
-            env: dict | None = None) -> subprocess.CompletedProcess:
+            env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`pai ARGS` on the head node with PAI_RAY_ADDRESS set (the master runs there)."""
     full = {"PAI_HOME": str(home), "PAI_RAY_ADDRESS": cluster.address, "NO_COLOR": "1",
             "PAI_DEBUG": ""}
     full.update(env or {})
-    return cluster.run([sys.executable, "-m", "paicli", *args], env=full, timeout=timeout, cwd=str(REPO))
+    return cluster.run([sys.executable, "-m", "paicli", *args], env=full, timeout=timeout, cwd=str(cwd))
 
 
 def job_id_of(output: str) -> str:
@@ -762,6 +766,122 @@ def test_a_gpu_instance_goes_where_ray_has_a_gpu(ray_cluster, home, tmp_path):
                        '-Dcluster={"worker":{"count":2,"gpu":100}}', "-Dtimeout=7")
     assert too_many.returncode == 130
     assert "worker:1 (cpu 100, gpu 100)" in too_many.stdout + too_many.stderr
+
+
+# ---------------------------------------------------------------------------
+# Files a job writes come back from Ray nodes (issue 17): `pai` runs on the head node in a
+# working folder of the test's own; the instances run in per-job folders on their nodes,
+# so a file reaches that working folder only if paicli brings it.
+
+
+def pai_ray_attached(cluster: RayCluster, home: Path, work: Path, *args: str) -> subprocess.Popen:
+    """An attached `pai ARGS` on the head node, its output read as it comes."""
+    env = dict(os.environ, PAI_HOME=str(home), PAI_RAY_ADDRESS=cluster.address, NO_COLOR="1", PAI_DEBUG="")
+    return subprocess.Popen(cluster.exec_argv([sys.executable, "-m", "paicli", *args]), env=env, cwd=str(work),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def clear_outputs(tmp_path: Path) -> None:
+    """Remove what an earlier job of the test brought back."""
+    for path in (tmp_path / "work" / "models", tmp_path / "ckpt", tmp_path / "work" / "same.txt"):
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+
+
+def assert_worker_0_back(tmp_path: Path, home: Path, job_id: str) -> None:
+    assert (tmp_path / "work" / "models" / "model-0.txt").read_text() == "model of worker 0\n"
+    assert (tmp_path / "ckpt" / "ckpt-0").read_text() == "ckpt of worker 0\n"
+    assert (home / "jobs" / job_id / "outputs" / "worker-0" / "out.txt").read_text() == "out of worker 0\n"
+    assert not [p for p in (tmp_path / "work").rglob("*") if p.name.startswith(".pai-part-")]
+
+
+def test_files_come_back_from_ray_nodes_however_the_job_ends(ray_cluster, home, tmp_path):
+    from test_outputs_ssh import SCRIPT
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(SCRIPT)
+    statement = ["-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":2}}',
+                 f"-DcheckpointDir={tmp_path / 'ckpt'}", "-DmaxRetries=0"]
+
+    def status(job_id: str) -> dict:
+        return status_of(ray_cluster, home, job_id)
+
+    def no_node_folder(job_id: str) -> bool:
+        return wait_until(lambda: not node_job_folders(job_id), 30, 0.3)
+
+    result = pai_ray(ray_cluster, home, *statement, cwd=work)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    job_id = job_id_of(result.stdout)
+    for idx in (0, 1):
+        assert (work / "models" / f"model-{idx}.txt").read_text() == f"model of worker {idx}\n"
+        assert (tmp_path / "ckpt" / f"ckpt-{idx}").read_text() == f"ckpt of worker {idx}\n"
+        assert (home / "jobs" / job_id / "outputs" / f"worker-{idx}" / "out.txt").read_text() == \
+            f"out of worker {idx}\n"
+    assert (work / "same.txt").read_text() == "written by worker 1\n"
+    assert "worker:0 and worker:1 both wrote" in result.stdout
+    assert status(job_id)["outputs"]["missing"] == 0
+    assert no_node_folder(job_id), node_job_folders(job_id)
+
+    # a failure, then `pai kill`: one instance each, its files back, its folder gone
+    one = [arg.replace('"count":2', '"count":1') for arg in statement]
+    clear_outputs(tmp_path)
+    failed = pai_ray(ray_cluster, home, *one, "-DuserDefinedParameters=--fail --big", "-DoutputMaxSize=1K", cwd=work)
+    assert failed.returncode != 0, failed.stdout[-3000:]
+    job_id = job_id_of(failed.stdout)
+    assert status(job_id)["status"] == "Failed"
+    assert_worker_0_back(tmp_path, home, job_id)
+    # the file over the size limit kept the node's folder; `pai get` brings it and the folder goes
+    assert not (work / "big-0.bin").exists() and len(node_job_folders(job_id)) == 1
+    got = pai_ray(ray_cluster, home, "get", job_id, "big-*", "-o", str(tmp_path / "got"), timeout=120, cwd=work)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert (work / "big-0.bin").stat().st_size == 4096 and (tmp_path / "got" / "big-0.bin").stat().st_size == 4096
+    assert status(job_id)["outputs"]["missing"] == 0
+    assert no_node_folder(job_id), node_job_folders(job_id)
+
+    clear_outputs(tmp_path)
+    proc = pai_ray_attached(ray_cluster, home, work, *one, "-DuserDefinedParameters=--hang")
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        assert wait_until(lambda: status(job_id).get("metric_series"), 120, 0.3)
+        killed = pai_ray(ray_cluster, home, "kill", job_id, timeout=120, cwd=work)
+        assert killed.returncode == 0, killed.stdout + killed.stderr
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert status(job_id)["status"] == "Cancelled"
+    assert_worker_0_back(tmp_path, home, job_id)
+    assert status(job_id)["outputs"]["missing"] == 0
+    assert no_node_folder(job_id), node_job_folders(job_id)
+
+    clear_outputs(tmp_path)
+    proc = pai_ray_attached(ray_cluster, home, work, *one, "-DuserDefinedParameters=--hang")
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        deadline = time.monotonic() + 120
+        while not status(job_id).get("metric_series"):
+            assert time.monotonic() < deadline, status(job_id)
+            time.sleep(0.5)
+        watchdog_of(status(job_id)["job_dir"], job_id)   # what cleans up below
+        os.kill(status(job_id)["master_pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 120   # Ray under load: the watchdog's connect can be slow
+        while not (tmp_path / "ckpt" / "ckpt-0").exists():
+            if time.monotonic() > deadline:
+                for log in (home / "jobs" / job_id).glob("*.log"):
+                    print(f"--- {log.name}\n{log.read_text()[-3000:]}")
+                print(sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if "jobs" not in str(p)))
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while job_processes(job_id):
+            assert time.monotonic() < deadline, job_processes(job_id)
+            time.sleep(0.3)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert_worker_0_back(tmp_path, home, job_id)
+    assert status(job_id)["status"] == "Failed"
+    assert no_node_folder(job_id), node_job_folders(job_id)
 
 
 def test_a_ray_address_nobody_answers_is_one_line(tmp_path):

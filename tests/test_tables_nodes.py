@@ -1,17 +1,15 @@
 """PAI's tables and buckets on SSH nodes (network namespaces with their own sshd and
-/tmp, tests/netns.py) and on the real Ray cluster (tests/ray_cluster.py): each
-worker's own slice travels to its node only, by content digest (a node holding it
-gets nothing), output tables come home whole, a bucket goes once."""
+/tmp, tests/netns.py): each worker's own slice travels to its node only, by content
+digest (a node holding it gets nothing), output tables come home whole, a bucket goes
+once. The same on the real Ray cluster is test_ray_slices_outputs_and_a_bucket_that_goes_once
+in tests/test_envs_nodes.py, whose two-node Ray cluster it shares."""
 
 from __future__ import annotations
 
 import csv
 import json
 import sqlite3
-import sys
 from pathlib import Path
-
-import pytest
 
 from conftest import ROOT, job_id_from, pai, wait_until
 from netns import CLUSTER_PREFIX, STATE_ROOT, module_cluster, module_nodes
@@ -146,48 +144,3 @@ def test_ssh_a_worker_moved_off_a_lost_node_gets_its_slice_there(cluster, nodes,
     rows = list(csv.reader(open(tmp_path / "pred.csv")))
     assert rows[1:] == [[str(i), str(2 * i)] for i in range(103)]
     assert wait_until(lambda: not cluster.leftovers(lost), timeout=15), cluster.leftovers(lost)
-
-
-# -- Ray ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from ray_cluster import RayCluster, cannot_run
-
-    reason = cannot_run()
-    if reason:
-        pytest.skip(reason)
-    # Two nodes of one CPU each: a 2-worker job has one worker on each, every time.
-    with RayCluster(prefix="dray", subnet="10.213.29", nodes=2) as built:
-        yield built
-
-
-def pai_ray(cluster, home: Path, *args: str) -> object:
-    env = {"PAI_HOME": str(home), "PAI_RAY_ADDRESS": cluster.address, "NO_COLOR": "1", "PAI_DEBUG": "",
-           "PAI_NODES": ""}
-    return cluster.run([sys.executable, "-m", "paicli", *args], env=env, timeout=300, cwd=str(ROOT))
-
-
-def test_ray_slices_outputs_and_a_bucket_that_goes_once(ray_cluster, tmp_path):
-    home = tmp_path / "home"
-    csv_url, db_url = make_tables(tmp_path, 101)
-    bucket = make_bucket(tmp_path)
-    first = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={WORKER}", TWO, f"-Dtables={csv_url}",
-                    f"-Doutputs=file://{tmp_path}/pred.csv", f"-Dbuckets=file://{bucket}")
-    job = ok(first)
-    assert_disjoint_and_complete(first.stdout, csv_url, 101)
-    rows = list(csv.reader(open(tmp_path / "pred.csv")))
-    assert rows[1:] == [[str(i), str(2 * i)] for i in range(101)]
-    [sent] = sent_records(home, job)
-    share = (tmp_path / "train.csv").stat().st_size / 2
-    files = sum(p.stat().st_size for p in bucket.rglob("*") if p.is_file())
-    assert len(sent) == 2 and all(share * 0.9 + files < n < share * 1.05 + files + 2048 for n in sent.values()), sent
-    second = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={READER}", TWO, f"-Dtables={csv_url}",
-                     f"-Dbuckets=file://{bucket}/")
-    [sent] = sent_records(home, ok(second))
-    assert len(sent) == 2 and all(n < 4096 for n in sent.values()), sent     # the index alone
-    assert_bucket_job(second, bucket)
-    third = pai_ray(ray_cluster, home, "-name", "python", f"-Dscript={WORKER}", TWO, f"-Dtables={db_url}")
-    ok(third)
-    assert_disjoint_and_complete(third.stdout, db_url, 101)

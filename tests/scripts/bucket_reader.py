@@ -1,5 +1,5 @@
 """Reads the folder --buckets names and reports it: `bucket=PATH files=N sha=HEX
-readonly=BOOL` (used by tests/test_tables_nodes.py)."""
+readonly=BOOL` (used by tests/test_tables_nodes.py and tests/test_envs_nodes.py)."""
 
 import argparse
 import hashlib

@@ -72,7 +72,6 @@ def _urls(value: Any) -> list[str]:
 
 def check_tables(value: str, slice_count: int, base: str) -> list[dict]:
     """Every table of -Dtables laid out and sliced, or a SpecError naming it."""
-
     tables = []
     for url in _urls(value):
         try:
@@ -95,7 +94,6 @@ def check_tables(value: str, slice_count: int, base: str) -> list[dict]:
 
 def check_outputs(value: str, job_dir: Path, base: str) -> list[dict]:
     """Every table of -Doutputs with the folder its workers' parts go to."""
-
     outputs = []
     for k, url in enumerate(_urls(value)):
         try:
@@ -162,7 +160,6 @@ def module_path(plan: Any, job_dir: Path) -> None:
     """Every job, tables or not: JOB/data/py holds paitables.py alone and comes
     first on every role's PYTHONPATH, so `import paitables` works in every runtime
     without the other runners in the way of the script's own imports."""
-
     folder = job_dir / DATA / PY
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_private(folder / "paitables.py", (RUNNERS_DIR / "paitables.py").read_bytes())
@@ -208,7 +205,6 @@ def finish(job_dir: str | Path, backend: Any, succeeded: bool, note: Callable[[s
 def assemble(out: dict) -> int:
     """The parts in `out["parts"]` as the output table: a CSV written aside and
     renamed into place, or a SQLite table created in one transaction."""
-
     columns, rows = paitables.read_parts(out["parts"])
     if columns is None:
         raise paitables.TableError("no worker wrote a row (no part file)")
@@ -315,7 +311,6 @@ class _Slices:
 
     def in_place(self, table: dict) -> bool:
         """Every file of the table is under a `shared:` path: nodes read it there."""
-
         paths = {p["path"] for parts in table["slices"].values() for p in parts}
         return bool(self.shared) and all(under_shared(p, self.shared) for p in paths)
 
@@ -356,7 +351,6 @@ class _Slices:
 
 def _slice_chunks(table: dict, sid: str):
     """A slice's bytes, in chunks of up to 1 MB."""
-
     for part in table["slices"][sid]:
         if "table" in part:
             rows = paitables.Table(table["key"], table["columns"], [part])
@@ -503,7 +497,6 @@ def bucket_trees(job_dir: str | Path) -> list[dict]:
 
 
 def _file_digest(path: str) -> str:
-
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -232,7 +232,6 @@ class JobOutputs:
     # -- files arriving (any thread) -------------------------------------------------
 
     def local_error(self, err: OSError) -> str:
-
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             with self._lock:
                 if not self._disk_full_said:
@@ -451,7 +450,6 @@ def fetch_from_nodes(store, job_id: str, backend, wanted: dict[tuple[str, str], 
 def _rewrite_summary(store, job_id: str) -> None:
     """summary.txt, which the master wrote at the job's end ("1 not brought back"),
     as the store says now."""
-
     try:
         jobstatus.write_summary_file(jobstatus.build_status(store, job_id))
     except OSError:
@@ -461,7 +459,6 @@ def _rewrite_summary(store, job_id: str) -> None:
 def remove_parts(folder: str) -> int:
     """Remove the partial copies (PART*) a dead master left below `folder` (the
     folders the agent watches, walked as it walks them); how many."""
-
     removed, seen = 0, 0
     for top, dirs, files in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
@@ -480,7 +477,6 @@ def remove_parts(folder: str) -> int:
 
 def job_log_note(job_dir: str | Path) -> Note:
     """Whole `[pai] ...` lines appended to a job's job.log (from outside its master)."""
-
     def note(line: str) -> None:
         try:
             fd = open_append_fd(Path(job_dir) / "job.log")

@@ -73,7 +73,6 @@ _IMPORTING = threading.Lock()
 
 
 def _paramiko():
-
     with _IMPORTING:   # the first call may come from several probe threads at once
         if "paramiko" not in sys.modules and "invoke" not in sys.modules:
             # paramiko.config imports invoke if it can, only for ssh_config's `Match exec`;
@@ -409,7 +408,6 @@ class ExecFiles:
         self.root = path   # checked by the writer with every batch
 
     def put_files(self, files, folder: str, made: set[str]) -> None:
-
         status, _out, err = exec_command(self.session(), writer_argv(self.node.python, self.root, folder),
                                          stdin=tar_stream(files), timeout=120)
         if status == 0:

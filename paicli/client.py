@@ -44,7 +44,6 @@ class Prepared:
 
 def prepare(stmt: Statement) -> Prepared:
     """Validate a statement into a JobSpec for its adapter (no side effects)."""
-
     adapter = get_adapter(stmt.framework or "")
     # TFCOMPAT: a name that selects a runtime (PAI's versioned TensorFlow names) stays in the spec.
     framework = adapter.spec_framework(stmt.framework) if hasattr(adapter, "spec_framework") else adapter.name

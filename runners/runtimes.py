@@ -288,7 +288,6 @@ def layer_name(base: str, digest: str) -> str:
 
 
 def layer_digest(base: str, base_version: str, lines: list[str], link_digest: str = "") -> str:
-
     text = json.dumps({"base": base or PYTHON_LAYER_BASE, "version": base_version, "lines": lines,
                        "links": link_digest}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -296,7 +295,6 @@ def layer_digest(base: str, base_version: str, lines: list[str], link_digest: st
 
 def folder_digest(folders: list[str]) -> str:
     """Content digest of the --find-links folders (their files, by name and bytes)."""
-
     digest = hashlib.sha256()
     for folder in folders:
         for name in sorted(os.listdir(folder)):

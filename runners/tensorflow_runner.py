@@ -480,7 +480,6 @@ def hold_base_runtime_lock() -> int | None:
     """A layered runtime (the legacy-Keras one: its own venv on top of the TensorFlow
     runtime's site-packages) names its base's marker in paicli-base.json; hold that
     one too, so that the base is not removed under this instance either."""
-
     try:
         with open(os.path.join(sys.prefix, "paicli-base.json"), encoding="utf-8") as f:
             marker = json.load(f).get("base_marker")

@@ -212,7 +212,6 @@ class Backend:
         """node_outputs.py's `collect` for an instance whose link is gone: the frames
         of the files it wrote that are not in `have` (cluster/outputs.py), as a byte
         stream. Raises when the node cannot be reached."""
-
         if node in self.lost:
             raise PaiError(f"node {node} stopped answering during the job")
         request = {"have": have, "max_bytes": max_bytes, "only": only}

@@ -138,7 +138,6 @@ class LocalBackend(Backend):
     _job_id = "job"   # prepare()'s
 
     def _nodes(self):
-
         return [NodeSpec(LOCAL_NODE, LOCAL_HOST, machine_cpu(), machine_memory_mb(), tuple(machine_gpus()))]
 
     def _prepare(self, job_dir, plan, placements):
@@ -158,7 +157,6 @@ class LocalBackend(Backend):
         reap_children(AGENT_EXIT)   # no agent of the job's left, not even a zombie
 
     def _pick_ports(self, node, count, taken):
-
         return node_agent.free_ports(LOCAL_HOST, count, taken)
 
     def _begin_start(self, placed, spec, sink):
@@ -171,15 +169,12 @@ class LocalBackend(Backend):
                                         start_timeout=START_TIMEOUT)
 
     def _collect_outputs(self, job_dir, node, state_rel, request):
-
         request = dict(request, state=os.path.join(str(job_dir), state_rel), inplace=True)
         for frame in node_outputs.collect(request):
             yield node_outputs.frame_bytes([frame])
 
     def _stop_refs(self, node, refs, timeout):
-
         return node_agent.stop_refs(refs, timeout)
 
     def _alive(self, node, ref):
-
         return node_agent.alive(ref)

@@ -75,7 +75,6 @@ class RayWaitStopped(PaiError):
     def outcome(self):
         """The job's verdict, which the master takes as it is: Cancelled, as a
         timeout or a cancel is for any job."""
-
         return JobStatus.CANCELLED, self.message
 
 
@@ -150,7 +149,6 @@ def waiting_list(wanted: list[tuple[str, int, dict[str, float]]], available: dic
 
 
 def ray_installed() -> bool:
-
     try:
         return importlib.util.find_spec("ray") is not None
     except (ImportError, ValueError):
@@ -160,7 +158,6 @@ def ray_installed() -> bool:
 def probe_address(address: str, timeout: float = 3.0) -> None:
     """A GCS address (HOST:PORT) answers a TCP connect, else one clear line. A
     ray:// address is left to Ray Client."""
-
     if "://" in address:
         return
     host, _, port = address.rpartition(":")
@@ -177,7 +174,6 @@ def probe_address(address: str, timeout: float = 3.0) -> None:
 
 def is_local_address(ip: str) -> bool:
     """Whether this machine has address `ip` (it can bind it)."""
-
     try:
         with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
             sock.bind((ip, 0))
@@ -325,7 +321,6 @@ class RayBackend(Backend):
             raise
 
     def _init_tries(self, ray, tries: int) -> None:
-
         for attempt in range(tries):
             try:
                 ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False,
@@ -654,7 +649,6 @@ class RayBackend(Backend):
         """A zero-CPU task pinned to the node runs the runner from the job's staged
         folder there (node_cache.run_staged, shipped by value); `stdin` crosses as
         one object of Ray's store, put here and fetched by the node."""
-
         inst = self._instance_on(node)
         if inst is None:
             raise PaiError(f"Ray node {node}: the job is not staged there")

@@ -95,7 +95,6 @@ class InstanceActor:
         """Write the staging list (a tar stream) with the node writer every backend
         uses (runners/stage_writer.py: a root of ours alone, files 0600/0700 created
         anew, links only inside). {"folder": ...}, or {"error": one line}."""
-
         try:
             if self.folder.startswith(user_root() + os.sep):
                 # In a shared /tmp anyone may create the root first, and whoever can
@@ -228,7 +227,6 @@ class InstanceActor:
 
 def remove_job_folder(folder: str) -> None:
     """The job's folder, and its node's folder once no job is left in it."""
-
     shutil.rmtree(folder, ignore_errors=True)
     try:
         os.rmdir(os.path.dirname(folder))

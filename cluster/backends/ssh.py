@@ -59,7 +59,6 @@ def parse_resources(text: str) -> dict:
 
 
 def _runtime_version(name: str) -> str | None:
-
     return get_runtime(name).version if name in RUNTIMES else None
 
 

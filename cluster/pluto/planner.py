@@ -481,7 +481,6 @@ def structure(choice: Choice) -> tuple:
 
 def plan_key(choice: Choice) -> str:
     """What a run of the plan submits that changes its speed (cluster and -D values)."""
-
     return json.dumps([choice.strategy.cluster_value(), choice.strategy.params()], sort_keys=True)
 
 

@@ -316,7 +316,6 @@ class _Slices:
 
     def blob(self, t: int, sid: str) -> str:
         if (t, sid) not in self.cut:
-
             digest, size = hashlib.sha256(), 0
             for chunk in _slice_chunks(self.index["tables"][t], sid):
                 digest.update(chunk)

@@ -104,7 +104,6 @@ def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
     (0700, files 0600), removed afterwards, whatever happened."""
     info = ssh.run_agent(session(), node, "info", node.runtime_dir or "", timeout=30)
     if runtime in info["runtimes"]:
-
         if info["runtimes"][runtime] == get_runtime(runtime).version:
             progress(f"{node.name}: {runtime} runtime already in {info['runtime_dir']}")
             return f"{info['runtime_dir']}/{runtime}"

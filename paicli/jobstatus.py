@@ -304,7 +304,6 @@ def write_summary_file(status: dict) -> None:
     too (FINAL_STATUS)."""
     path = Path(status["log_view"])
     if JobStatus(status["status"]).is_terminal():
-
         try:
             text = json.dumps(status)
         except (TypeError, ValueError):

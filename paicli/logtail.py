@@ -375,7 +375,6 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
                 state["counts"] = counts
                 _write(out, state, (line + "\n").encode())
         if now >= state["idle_check"] and not JobStatus(job["status"]).is_terminal():
-
             state["idle_check"] = now + min(IDLE_CHECK, jobstatus.idle_after() / 2)
             idle = jobstatus.idle_now(store, job_id)
             names = [i["instance"] for i in idle]

@@ -802,7 +802,6 @@ class Store:
                               " FROM outputs WHERE job_id = ? AND location != 'replaced'", (job_id,)).fetchone()
         return {"count": row[0], "bytes": row[1], "missing": row[2]}
 
-
     def resume_links(self, job_id: str) -> dict:
         """{"resumed_from": ID or None, "resumed_by": [IDs]} (`pai resume`, events of both jobs)."""
         rows = self.db.execute("SELECT kind, message FROM events WHERE job_id = ? AND kind IN"

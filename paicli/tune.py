@@ -99,7 +99,6 @@ def _dimension(name: str, entry: Any, where: str) -> Dimension:
         raise UsageError(f"{where}: expected a mapping with a type, not {entry!r}"[:200], example)
     kind = entry.get("type")
     if kind not in DISTRIBUTIONS:
-
         close = close_matches(str(kind), DISTRIBUTIONS) if isinstance(kind, str) else []
         tip = f" (did you mean {close[0]}?)" if close else ""
         what = "no type" if kind is None else f"unknown distribution {str(kind)[:40]!r}{tip}"
@@ -360,7 +359,6 @@ def _option(name: str, value: str) -> Any:
         except ValueError:
             raise UsageError(f"{name} {value}: expected a whole number") from None
     if kind == "duration":
-
         try:
             return convert(Param("budget", "duration"), value, Path("."))
         except ValueError as err:
@@ -652,7 +650,6 @@ class Tuner:
         stmt = statement_of_params(self.config["framework"], self.config["project"], params)
         prepared = client.prepare(stmt)
         if prepared.spec.get("autoStrategy") == "true":
-
             prepared = auto_strategy(prepared, self.store, self.say)
         try:
             job_id = client.submit(prepared, self.store, progress=self.say)

@@ -328,7 +328,6 @@ def _outputs_room():
     it). As the package it is in (a local agent forked from the master) or from the
     folder this file is in (a node's staged runners, run as a script, also with -I)."""
     if __package__:
-
         return importlib.import_module(f"{__package__}.node_outputs")
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:

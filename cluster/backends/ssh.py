@@ -203,7 +203,6 @@ class SSHBackend(Backend):
             raise looked["error"]
         info = looked["info"]
         if runtime and info["runtimes"].get(runtime) != _runtime_version(runtime):
-
             self.progress(f"{node.name}: no {runtime} runtime in {info['runtime_dir']}; provisioning it")
             _provision(lambda: self.conns.session(node), node, runtime, self.progress)
             info = self._agent(node, "info", node.runtime_dir or "")

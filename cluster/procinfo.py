@@ -27,12 +27,6 @@ def proc_stat(pid: int | str) -> ProcStat | None:
     return ProcStat(fields[0].decode(), int(fields[2]), int(fields[3]), fields[19].decode())
 
 
-def proc_status(pid: int | str) -> dict[str, str]:
-    """/proc/PID/status as fields: {"Umask": "0022", "SigBlk": ..., ...}."""
-    with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
-        return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
-
-
 def start_time(pid: int) -> str | None:
     stat = proc_stat(pid)
     return stat.start if stat else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import tempfile
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -148,15 +147,11 @@ def _create_store(path: Path) -> None:
     """A new store, built aside with no journal and no sync, WAL set, fsynced once
     and linked into place whole (the first of two racing creators wins). Where that
     cannot be done (no hard links, SQLite failing on the copy), it is created in
-    place. With keep_new_store_image, the copy aside is that image's bytes."""
+    place."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.new")
     touch_private(tmp)
     try:
-        if _NEW_STORE_IMAGE is None:
-            _build_new_store(tmp)
-        else:
-            with open(tmp, "wb") as f:   # the same bytes, built once (keep_new_store_image)
-                f.write(_NEW_STORE_IMAGE)
+        _build_new_store(tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -191,21 +186,6 @@ def _build_new_store(path: Path) -> None:
         db.close()   # the last connection: its WAL is checkpointed and removed
 
 
-_NEW_STORE_IMAGE: bytes | None = None
-
-
-def keep_new_store_image() -> None:
-    """A new store's file built once and kept in memory, for a resident process (the
-    submit server, whose children inherit it): each new PAI_HOME then gets a copy of
-    its bytes instead of running the schema statements again."""
-    global _NEW_STORE_IMAGE
-
-    with tempfile.TemporaryDirectory(prefix="paicli-store-") as folder:
-        path = Path(folder) / "pai.db"
-        _build_new_store(path)
-        _NEW_STORE_IMAGE = path.read_bytes()
-
-
 @contextmanager
 def every_store_closed() -> Iterator[None]:
     """Every open Store of this process closed, and opened again after: around a
@@ -218,11 +198,6 @@ def every_store_closed() -> Iterator[None]:
     finally:
         for store in reopen:
             store.connect()
-
-
-def any_open() -> bool:
-    """Whether this process holds an open connection to any store (a fork would carry it)."""
-    return bool(_OPEN_STORES)
 
 
 class Store:

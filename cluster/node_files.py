@@ -180,10 +180,8 @@ def tar_stream(files: list[NodeFile]) -> bytes:
 
 
 # -- per-node data -------------------------------------------------------------------
-# Table slices and -Dbuckets folders do not travel in the manifest: cluster/datasets.py
-# sends each node only what it lacks (by content digest, into the node's cache) after
-# the manifest is staged. What the manifest holds of them is the path mapping: a
-# bucket folder here -> `buckets/K` in the node's per-job folder (a link into the cache).
+# Table slices and -Dbuckets folders travel by cluster/datasets.py, not here; the
+# manifest holds only their mapping: a bucket folder here -> `buckets/K` on the node.
 
 
 def shared_paths(job_dir: str) -> list[str]:

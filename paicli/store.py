@@ -558,9 +558,8 @@ class Store:
             (job_id,)).fetchall()
 
     # -- the queue and what started jobs hold ---------------------------------------
-    # The policy is paicli.cluster.queue (pure); paicli.cluster.queue_turns runs it
-    # through queue_dispatch, in one transaction, so two supervisors never take the
-    # same card or the same turn.
+    # cluster.queue_turns runs the policy through queue_dispatch, in one transaction,
+    # so two supervisors never take the same card or turn.
 
     def enqueue(self, job_id: str, priority: int, project: str | None, entry: str) -> None:
         with self.tx() as db:

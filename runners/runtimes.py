@@ -270,10 +270,9 @@ def runner_path(filename: str) -> str:
 #                                mtime is the layer's last use; instances hold it
 #                                with a shared lock (runtime_lock.py)
 #
-# Built with the runtime's own interpreter: `pip install --dry-run --report` with the
-# runtime's packages pinned as constraints (a requirement that needs another numpy
-# fails instead of replacing it), then what is missing, `--no-deps --target site`.
-# A node given `pins` (what the submitting machine resolved) resolves nothing.
+# Built with the runtime's interpreter: `pip install --dry-run --report` with the
+# runtime's packages as constraints (a requirement that needs another numpy fails),
+# then `--no-deps --target site`. A node given `pins` resolves nothing.
 
 LAYER_MARKER = "paicli-layer.json"
 PYTHON_LAYER_BASE = "python"   # layers of jobs without a framework runtime (-name python)

@@ -1,10 +1,8 @@
 """A job's data: -Dtables sliced per worker, -Doutputs assembled at the end.
 
-At submit (`prepare`, called by paicli/client.py once the plan exists) every
-table is opened and checked (exists, readable, not ragged, a SQLite table that is
-there, no more workers than rows: each a one-line SpecError, exit 2, before
-anything starts), cut into PAI's slices (runners/paitables.py: one per worker,
-contiguous, even), and the job's index is written to `JOB/data/tables.json`:
+At submit (`prepare`) every table is checked (each problem a one-line SpecError,
+exit 2, before anything starts), cut into PAI's slices (runners/paitables.py), and
+the job's index is written to `JOB/data/tables.json`:
 
     {"slice_role": "worker", "slice_count": N,
      "tables":  [{"key", "kind", "columns", "rows", "delimiter",
@@ -18,10 +16,9 @@ slice files shipped there (`stage`). The sliced role's instances get
 PAI_TABLES_INDEX and PAI_SLICE_COUNT; every role gets PAI_TABLES / PAI_OUTPUTS and
 JOB/data/py (paitables.py alone) on PYTHONPATH (`module_path`).
 
-At the end (`finish`, called by the master before clean-up) the workers' part
-files (fetched from the nodes first) become the output table: written aside and
-renamed (CSV) or created in one transaction (SQLite), only when the job
-succeeded. A failed job leaves no table and says where its rows are.
+At the end (`finish`) the workers' part files become the output table, written
+aside and renamed (CSV) or in one transaction (SQLite), only when the job
+succeeded; a failed job leaves no table and says where its rows are.
 """
 
 from __future__ import annotations

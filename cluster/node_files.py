@@ -1,8 +1,7 @@
 """What a node needs for a job, and where the job's paths are there: the one staging rule.
 
-Every backend stages the same list into the node's per-job folder: SSH writes it
-over SFTP, Ray ships it through the object store, the local backend copies nothing
-(its instances read the files in place, and its mapping is the identity). The list:
+Every backend stages the same list into the node's per-job folder (the local
+backend copies nothing: its mapping is the identity). The list:
 
 - runners/*.py -> `runners/NAME`: the node agent and the framework runners.
 - an archive's extracted code (the job folder's `code/`) -> `code/...`, whole:

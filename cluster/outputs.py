@@ -1,16 +1,14 @@
 """A job's files come back to the submitting machine: where each lands, checked, recorded.
 
-The node agent (through runners/node_outputs.py) sends every file new or changed
-since the instance started, when it ends (and every -DcheckpointSyncSeconds for
-the checkpoint folder), as frames on its link; `collect` sends them on stdout
-when the link is gone. This module is the master's side, for every backend:
+The node agent (runners/node_outputs.py) sends every file new or changed since
+the instance started, as frames, when it ends (and every -DcheckpointSyncSeconds
+for the checkpoint folder). This module is the master's side, for every backend:
 
 - which folders an instance's files are watched in and where each lands here
   (`targets`): its working folder (a plain script's is where `pai` ran, an
   archive's the job's code/), -DcheckpointDir, and PAI_OUTPUT_DIR
   ($PAI_HOME/jobs/ID/outputs/ROLE-IDX, on this machine too);
-- each file is written aside (`.pai-part-*` next to where it belongs), its
-  checksum (node_outputs.Checksum: CRC-32) checked against the node's, then
+- each file is written aside, its checksum checked against the node's, then
   renamed: nobody reads half a file;
 - a file that cannot come back (node unreachable, disk full here, over
   -DoutputMaxSize) is recorded with the node and the path where it still is, and
@@ -20,8 +18,7 @@ when the link is gone. This module is the master's side, for every backend:
 - `shared:` paths of the nodes file and storage URLs (s3://, oss://, hdfs://,
   gs://) are the script's own: never watched, never copied.
 
-On this machine (the local backend) the files are where they belong already:
-the agent sends only their digests ("inplace"), and they are recorded.
+On this machine the files are in place already: only their digests are sent.
 """
 
 from __future__ import annotations

@@ -135,10 +135,8 @@ def pluto_scaling_env(spec: JobSpec) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------
 # Parser tables: each framework's log lines understood.
-# A framework's metric patterns are a table of the progress lines it prints, each
-# row with a line captured from a real run and what the WHOLE table must read from
-# it: so a row that reads too much (TensorFlow's `jitter = 10.1` as a metric) or a
-# pattern that steals another row's line fails its test, not a user's curve.
+# Each row: a line captured from a real run and what the WHOLE table must read from
+# it, so a pattern that reads too much or steals another row's line fails a test.
 
 
 # A number as frameworks print it in their progress lines (1, -0.5, .25, 3e-05): the

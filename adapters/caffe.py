@@ -256,7 +256,6 @@ def solver_inputs(solver: Path, code: StagedCode, spec: JobSpec) -> list[str]:
     runner will find it), the weights or snapshot given. Inside an archive they
     travel with it; data sources named in the net are not followed (an archive or a
     shared filesystem holds them; docs/multihost.md)."""
-
     if code.root is not None:
         return []
     found = [solver]

@@ -155,7 +155,6 @@ def runtime_for(framework: str) -> str:
 def names_by_runtime() -> dict[str, list[str]]:
     """runtime -> the `-name`s that select it, every adapter's (for `pai runtime list`):
     PAI's versioned TensorFlow names select the legacy-Keras runtime."""
-
     out: dict[str, list[str]] = {}
     for name, cls in _load().items():
         runtime = runtime_for(name) if cls is TensorflowAdapter else cls.runtime

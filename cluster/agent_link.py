@@ -60,12 +60,9 @@ class Transport(Protocol):
 
 
 class Link:
-    """One live instance: its transport, the frames read so far, its status.
-
-    Pump mode (the transport carries the output too: SSH, Ray): a thread turns O
-    frames into a pipe the master select()s on. Local mode (`fileno()`): the
-    output is the instance's own pipe, and poll()/wait() read the few frames left
-    (H, X) from the transport's descriptor."""
+    """One live instance: its transport, the frames read so far, its status. Where
+    the transport carries the output (SSH, Ray), a thread turns O frames into a pipe
+    the master select()s on; locally (`fileno()`) poll()/wait() read the frames."""
 
     def __init__(self, transport: Transport, node: str, heartbeat: float = 0.0):
         self.transport = transport
@@ -266,9 +263,7 @@ def _beat() -> None:
             _beat_changed.wait(BEAT_EVERY)
             _beating[:] = [link for link in _beating if link.status is None and not link._closed]
             if not _beating:
-                # The thread lives only while a link beats: a leftover thread would
-                # make every later master of this process start as a fresh
-                # interpreter (cluster/spawn.py forks only a single-threaded caller).
+                # Only while a link beats: spawn.py forks only a single-threaded caller.
                 _beat_thread = None
                 return
             links = list(_beating)

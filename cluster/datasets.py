@@ -1,10 +1,8 @@
 """A job's data: -Dtables sliced per worker, -Doutputs assembled at the end.
 
-At submit (`prepare`, called by paicli/client.py once the plan exists) every
-table is opened and checked (exists, readable, not ragged, a SQLite table that is
-there, no more workers than rows: each a one-line SpecError, exit 2, before
-anything starts), cut into PAI's slices (runners/paitables.py: one per worker,
-contiguous, even), and the job's index is written to `JOB/data/tables.json`:
+At submit (`prepare`) every table is checked (each problem a one-line SpecError,
+exit 2, before anything starts), cut into PAI's slices (runners/paitables.py), and
+the job's index is written to `JOB/data/tables.json`:
 
     {"slice_role": "worker", "slice_count": N,
      "tables":  [{"key", "kind", "columns", "rows", "delimiter",
@@ -18,10 +16,9 @@ slice files shipped there (`stage`). The sliced role's instances get
 PAI_TABLES_INDEX and PAI_SLICE_COUNT; every role gets PAI_TABLES / PAI_OUTPUTS and
 JOB/data/py (paitables.py alone) on PYTHONPATH (`module_path`).
 
-At the end (`finish`, called by the master before clean-up) the workers' part
-files (fetched from the nodes first) become the output table: written aside and
-renamed (CSV) or created in one transaction (SQLite), only when the job
-succeeded. A failed job leaves no table and says where its rows are.
+At the end (`finish`) the workers' part files become the output table, written
+aside and renamed (CSV) or in one transaction (SQLite), only when the job
+succeeded; a failed job leaves no table and says where its rows are.
 """
 
 from __future__ import annotations
@@ -72,7 +69,6 @@ def _urls(value: Any) -> list[str]:
 
 def check_tables(value: str, slice_count: int, base: str) -> list[dict]:
     """Every table of -Dtables laid out and sliced, or a SpecError naming it."""
-
     tables = []
     for url in _urls(value):
         try:
@@ -95,7 +91,6 @@ def check_tables(value: str, slice_count: int, base: str) -> list[dict]:
 
 def check_outputs(value: str, job_dir: Path, base: str) -> list[dict]:
     """Every table of -Doutputs with the folder its workers' parts go to."""
-
     outputs = []
     for k, url in enumerate(_urls(value)):
         try:
@@ -162,7 +157,6 @@ def module_path(plan: Any, job_dir: Path) -> None:
     """Every job, tables or not: JOB/data/py holds paitables.py alone and comes
     first on every role's PYTHONPATH, so `import paitables` works in every runtime
     without the other runners in the way of the script's own imports."""
-
     folder = job_dir / DATA / PY
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_private(folder / "paitables.py", (RUNNERS_DIR / "paitables.py").read_bytes())
@@ -208,7 +202,6 @@ def finish(job_dir: str | Path, backend: Any, succeeded: bool, note: Callable[[s
 def assemble(out: dict) -> int:
     """The parts in `out["parts"]` as the output table: a CSV written aside and
     renamed into place, or a SQLite table created in one transaction."""
-
     columns, rows = paitables.read_parts(out["parts"])
     if columns is None:
         raise paitables.TableError("no worker wrote a row (no part file)")
@@ -315,13 +308,11 @@ class _Slices:
 
     def in_place(self, table: dict) -> bool:
         """Every file of the table is under a `shared:` path: nodes read it there."""
-
         paths = {p["path"] for parts in table["slices"].values() for p in parts}
         return bool(self.shared) and all(under_shared(p, self.shared) for p in paths)
 
     def blob(self, t: int, sid: str) -> str:
         if (t, sid) not in self.cut:
-
             digest, size = hashlib.sha256(), 0
             for chunk in _slice_chunks(self.index["tables"][t], sid):
                 digest.update(chunk)
@@ -356,7 +347,6 @@ class _Slices:
 
 def _slice_chunks(table: dict, sid: str):
     """A slice's bytes, in chunks of up to 1 MB."""
-
     for part in table["slices"][sid]:
         if "table" in part:
             rows = paitables.Table(table["key"], table["columns"], [part])
@@ -503,7 +493,6 @@ def bucket_trees(job_dir: str | Path) -> list[dict]:
 
 
 def _file_digest(path: str) -> str:
-
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -1,12 +1,10 @@
 """The only writers of a job's state outside its JobMaster.
 
-`cancel` is `pai kill`: record Cancelled, SIGTERM the master, SIGKILL it after its
-grace, then stop every instance the store knows. `declare_master_lost` (the
-watchdog's) records the verdict and stops what the master left. `revive_queued`
-gives a queued job whose supervisor is gone a new one; `hand_over_queue` (revive,
-then the queue's policy) is what every writer that frees room does.
-`record_resume` links a job `pai resume` submits to the job it continues. Reading a
-job never writes (paicli.jobstatus.read_job).
+`cancel` (`pai kill`): record Cancelled, SIGTERM the master, SIGKILL it after its
+grace, stop every instance the store knows. `declare_master_lost` (the watchdog's)
+records the verdict and stops what the master left. `hand_over_queue` revives
+queued jobs whose supervisor is gone and runs the queue's policy. `record_resume`
+links a resumed job to the one it continues.
 
 Every signal goes to a verified identity (pid and start time; instances through
 their backend's identity check). An identity that cannot be verified is

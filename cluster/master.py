@@ -1,13 +1,8 @@
-"""JobMaster: one supervisor process per job.
-
-Started by the client in a session of its own (cluster.spawn.start_master), so
-the job outlives the CLI: a closed terminal, Ctrl-Z or kill -9 of
-`pai` leaves it running. The master places and starts every instance, pumps
-their output into the logs, restarts failures by policy, stops the services once
-the workers are done, and kills everything on failure or cancel. A watchdog
-process (cluster/watchdog.py) ends the instances if the master itself dies.
-
-Every state change is written to the store before the action it describes.
+"""JobMaster: one supervisor process per job, in a session of its own so the job
+outlives `pai`. It places and starts the instances, pumps their output into the
+logs, restarts failures by policy and stops or kills everything at the end; a
+watchdog (cluster/watchdog.py) ends the instances if the master dies. Every state
+change is written to the store before the action it describes.
 """
 
 from __future__ import annotations
@@ -40,43 +35,28 @@ from paicli.store import Store
 
 
 def print_exc() -> None:
-    """The traceback being handled, into master.log."""
-
-    traceback.print_exc()
+    traceback.print_exc()   # into master.log
 
 
 POLL_SECONDS = 0.1  # a child's exit and its output wake the loop sooner
 RESTART_BACKOFF = 0.5
 SUMMARY_DELAY = 1.0  # seconds after the launch before the first summary file is written
-# Seconds after the launch before the watchdog is started: at the launch its start
-# would take a core from the instances' interpreters starting beside it.
-WATCHDOG_DELAY = 0.5
+WATCHDOG_DELAY = 0.5  # started after the launch, not beside the instances' interpreters
 METRICS_EVERY = 0.25  # seconds between the master's commits of the metrics it parsed (they are in job.log at once)
 
 
-# Output that wakes the master is read COALESCE_S later, with whatever else came
-# meanwhile: the workers of a step print at about the same moment, and a master that
-# woke for each line took a core from them just then, on a machine they share
-# (bench_hardening.py overhead, docs/benchmarks.md). A child's exit is not delayed.
+# Output that wakes the master is read COALESCE_S later with whatever came meanwhile:
+# a step's workers print together, and waking for each line takes a core from them.
 COALESCE_S = 0.004
-# Instances made ready (record, log, environment) while the services start: about
-# what fits in a ps's start; the rest are made ready one by one, each
-# asked for at once, so that a large job's agents do not wait for all the records.
-READY_EARLY = 4
+READY_EARLY = 4  # instances made ready while the services start; the rest one by one
 
 
 def ready_together(selector, timeout: float, window: float = COALESCE_S, sleep=time.sleep,
                    wake_fd: int | None = None, clock=time.monotonic) -> list:
-    """What `selector` finds ready within `timeout`; when the master had to wait
-    `window` or longer for it and it is output alone, what is ready `window`
-    seconds later instead (that output and what came since). A backlog is read
-    at once, and so is output that came sooner than `window`: a flood of output
-    never waits (in one, the master that had just read every pipe waited for
-    the next line a few microseconds, then slept the window while 64 writers
-    filled their pipes and blocked: both cores idle 7% of the flood). With
-    `wake_fd` (the SIGCHLD self-pipe) the window ends as soon as a child exits.
-    An agent's frames (AgentFrames: an exit status on its way) are not waited on
-    either."""
+    """What `selector` finds ready within `timeout`; when that took `window` or
+    longer and is output alone, what is ready `window` seconds later instead. A
+    backlog, output sooner than `window` and an agent's frames never wait (a flood
+    must not idle the cores); `wake_fd` (the SIGCHLD self-pipe) ends the window."""
     try:
         ready = selector.select(0)
         if ready:
@@ -103,8 +83,7 @@ def ready_together(selector, timeout: float, window: float = COALESCE_S, sleep=t
 
 class AgentFrames:
     """A selector key's data: a local agent's frames, where its instance's exit
-    status comes (read by its link: backend.poll). Its agent takes a few ms more
-    to exit (a forked process's teardown); the master acts on the status at once."""
+    status comes before the agent itself exits (read by its link: backend.poll)."""
 
     __slots__ = ("inst",)
 
@@ -177,12 +156,9 @@ class JobMaster:
     # -- entry ------------------------------------------------------------------
 
     def run(self) -> int:
-        # (Instances start with default signal dispositions whatever we inherited:
-        # their node agent sees to that, on every backend.)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._on_signal)
-        # A child's exit wakes the loop at once (self-pipe), instead of waiting
-        # for the next poll: the job's verdict is not delayed by polling.
+        # A child's exit wakes the loop at once (self-pipe), not at the next poll.
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
@@ -210,21 +186,15 @@ class JobMaster:
             datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note)   # DATA
             self._assign_ports(self.instances)
             self._launch_all(self.instances)
-            # The watchdog once the instances have started up (WATCHDOG_DELAY): its fork
-            # and its own start are CPU the instances' interpreters need just then. A
-            # master dead before it closes the agents' links, and they stop the
-            # instances; the job's record is then a later watchdog's to write
-            # (lifecycle.sweep_lost), and readers show it lost meanwhile.
+            # A master dead before the watchdog runs closes the agents' links, which
+            # stop the instances; lifecycle.sweep_lost records the job later.
             self.watchdog_due = time.monotonic() + WATCHDOG_DELAY
-            # The summary file (the log view without a server) is written once the
-            # instances are under way, not while they start (it is a few ms of CPU).
             self.summary_due = time.monotonic() + SUMMARY_DELAY
             outcome = self._supervise()
         except BaseException as err:  # a bug or an OS failure must not leave processes behind
-            print_exc()  # into master.log
-            # A backend's own verdict (Ray: timed out or cancelled while waiting for room).
-            # A known error (PaiError: a node refused, staging failed) is its own one
-            # line; anything else names its class (the traceback is in master.log).
+            print_exc()
+            # A backend's own verdict (Ray: timed out or cancelled waiting for room), a
+            # PaiError's one line, or anything else with its class named.
             why = str(err) if isinstance(err, PaiError) else f"launcher error: {type(err).__name__}: {err}"
             outcome = getattr(err, "outcome", None) or (JobStatus.FAILED, why)
         status, reason = outcome
@@ -310,16 +280,10 @@ class JobMaster:
         self._launch_all([inst])
 
     def _launch_all(self, insts: list[Instance]) -> None:
-        """The services (roles that need not finish: a ps) first, so a worker's first
-        connection finds its ps started; then the others at once. Every agent of a
-        group gets its spec before the master waits for any identity (a round trip
-        each, one after another, would start the last instance well after the
-        first). The first few others are made ready (record, environment, log)
-        while the services start, and their specs go the moment the services'
-        identities are in; the services are recorded while the others start. Each
-        instance is recorded as started before it is asked for (one the master dies before it
-        learns about is stopped by its agent, whose link closes), and every started
-        instance is known (watchdog, store) before a refusal can end the job."""
+        """The services (a ps) first, so a worker's first connection finds them; then
+        the others. Every agent of a group gets its spec before any identity is
+        awaited. Each instance is recorded before it is asked for, and every started
+        one is known (watchdog, store) before a refusal can end the job."""
         services = [inst for inst in insts if not inst.role.must_finish]
         others = [inst for inst in insts if inst.role.must_finish]
         begun = [(inst, self._ask(inst, self._ready(inst))) for inst in services]
@@ -420,7 +384,6 @@ class JobMaster:
             self.recorded_fd = -1
 
     def _write_log_view(self) -> None:
-
         try:
             jobstatus.write_summary_file(jobstatus.build_status(self.store, self.job_id))
         except OSError:
@@ -457,11 +420,9 @@ class JobMaster:
                 return JobStatus.CANCELLED, self.cancel_reason
 
     def _pump(self, timeout: float, window: float = COALESCE_S) -> None:
-        """Wait up to `timeout` for output or a child's exit; take one read from
-        every instance that has output, so 64 chatty instances share the loop
-        fairly and no line waits behind another instance's backlog. `window`:
-        how long output that woke us waits for more (0 while stopping: the
-        instances' exits are awaited then, not a step's lines)."""
+        """Wait up to `timeout` for output or a child's exit; one read from every
+        instance with output, so chatty instances share the loop fairly. `window`:
+        how long output that woke us waits for more (0 while stopping)."""
         ready = ready_together(self.selector, timeout, window, wake_fd=self.wake_fd)
         self.joblog.hold()
         try:
@@ -486,9 +447,7 @@ class JobMaster:
 
     def _store_metrics(self) -> None:
         """The metrics read so far go to the store in one transaction at most every
-        METRICS_EVERY seconds (a commit per line was a third of the master's CPU for
-        each line a worker prints, taken from the instances beside it); the live
-        lines are refreshed every round. _finish stores what is left."""
+        METRICS_EVERY seconds; the live lines are refreshed every round."""
         now = time.monotonic()
         if now < self.metrics_due:
             self.joblog.refresh_live(now)
@@ -542,9 +501,8 @@ class JobMaster:
             self._close_fd(inst, inst.handle.output_fd)
 
     def _watch_frames(self, inst: Instance, handle: Handle) -> None:
-        """A local agent's frames wake the loop (AgentFrames): the exit status is
-        acted on as it arrives, not at the agent's exit a little later. A copy of
-        the descriptor: the link closes its own when it ends."""
+        """A local agent's frames wake the loop, so its exit status is acted on as
+        it arrives (a copy of the descriptor: the link closes its own)."""
         fd = getattr(handle.native, "frames_fd", -1)
         if fd >= 0:
             inst.frames_fd = os.dup(fd)
@@ -727,11 +685,10 @@ class JobMaster:
         if status == JobStatus.SUCCEEDED:
             grace = max((i.role.stop_grace for i in running), default=0.0)
             self._stop(running, InstanceStatus.TERMINATED, grace)
-            # Issue 20: were the workers distributed? The runners' own last lines say.
+            # Were the workers distributed? The runners' own last lines say.
             status, reason = distribution.judge(self.plan, {i.name: list(i.log.tail) for i in self.instances
                                                             if i.log}, status, reason)
-            # DATA: the output tables are in place before anyone can read "Succeeded"
-            # (a job -DrequireDistributed turned into a failure leaves none).
+            # The output tables are in place before anyone can read "Succeeded".
             datasets.finish(self.job_dir, self.backend, status == JobStatus.SUCCEEDED, self.joblog.note)
             self.store.set_job(self.job_id, status, reason)
         else:
@@ -754,14 +711,10 @@ class JobMaster:
         self.store.release_claims(self.job_id)
         self.store.release_ports(self.job_id)
         lifecycle.job_ended(self.store, self.job_id)
-        # The summary before the cleanup, which waits for the last agents' exits (a
-        # forked process's teardown) or, on nodes, removes the job's
-        # folders: both take what they take meanwhile, and the summary reads the
-        # store alone.
         self._write_log_view()
         if self.backend.staged_folders() is None:
-            # Locally the cleanup only awaits the agents' exits: the CLI shows the verdict
-            # meanwhile. On nodes it removes the job's folders, gone once `pai` returns.
+            # Locally the cleanup only awaits the agents' exits; on nodes it removes
+            # the job's folders, which are gone once `pai` returns.
             self._recorded()
         try:
             self.backend.cleanup(str(self.job_dir))

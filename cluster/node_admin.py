@@ -85,7 +85,6 @@ def provision_runtime(config: NodesConfig, node_name: str, runtime: str,
     """Provision `runtime` on the node (in its runtime_dir, default its
     ~/.cache/paicli/runtimes) the way `pai runtime install` does here: the runtime
     code is copied to the node and run with the node's python3. Returns the path."""
-
     if runtime not in RUNTIMES:
         raise UsageError(f"no runtime named {runtime!r}", f"known: {', '.join(RUNTIMES)}")
     node = config.node(node_name)
@@ -105,7 +104,6 @@ def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
     (0700, files 0600), removed afterwards, whatever happened."""
     info = ssh.run_agent(session(), node, "info", node.runtime_dir or "", timeout=30)
     if runtime in info["runtimes"]:
-
         if info["runtimes"][runtime] == get_runtime(runtime).version:
             progress(f"{node.name}: {runtime} runtime already in {info['runtime_dir']}")
             return f"{info['runtime_dir']}/{runtime}"
@@ -156,7 +154,6 @@ def _node_lines(node: NodeEntry, progress: Callable[[str], None], details: bool)
     tools' own lines (runtimes.DETAIL) only when `details` (a terminal counts them;
     a job's log keeps phases only: the node keeps nothing, the last lines of a
     failure are in the error)."""
-
     def show(line: str) -> None:
         if not line.startswith(DETAIL):
             progress(f"{node.name}: {line}")

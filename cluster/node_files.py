@@ -1,8 +1,7 @@
 """What a node needs for a job, and where the job's paths are there: the one staging rule.
 
-Every backend stages the same list into the node's per-job folder: SSH writes it
-over SFTP, Ray ships it through the object store, the local backend copies nothing
-(its instances read the files in place, and its mapping is the identity). The list:
+Every backend stages the same list into the node's per-job folder (the local
+backend copies nothing: its mapping is the identity). The list:
 
 - runners/*.py -> `runners/NAME`: the node agent and the framework runners.
 - an archive's extracted code (the job folder's `code/`) -> `code/...`, whole:
@@ -71,7 +70,6 @@ class Manifest:
     exact: list[tuple[str, str]] = field(default_factory=list)    # local path -> dst, that path only
 
     def mapping(self, folder: str, runtime_dir: str, python: str) -> remote_paths.Mapping:
-
         folder = folder.rstrip("/")
         pairs: remote_paths.Mapping = [(str(runtime_root()), runtime_dir), (sys.executable, python)]
         pairs += [(local, f"{folder}/{dst}" if dst else folder) for local, dst in self.trees]
@@ -162,7 +160,6 @@ def tar_stream(files: list[NodeFile]) -> bytes:
     """`files` as the tar stream runners/stage_writer.py writes on a node: how a node
     without SFTP gets them over an exec channel, and what Ray puts in its object
     store (so it must hold nothing secret: no plan.json, no env)."""
-
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for f in files:
@@ -182,17 +179,14 @@ def tar_stream(files: list[NodeFile]) -> bytes:
 
 
 # -- per-node data -------------------------------------------------------------------
-# Table slices and -Dbuckets folders do not travel in the manifest: cluster/datasets.py
-# sends each node only what it lacks (by content digest, into the node's cache) after
-# the manifest is staged. What the manifest holds of them is the path mapping: a
-# bucket folder here -> `buckets/K` in the node's per-job folder (a link into the cache).
+# Table slices and -Dbuckets folders travel by cluster/datasets.py, not here; the
+# manifest holds only their mapping: a bucket folder here -> `buckets/K` on the node.
 
 
 def shared_paths(job_dir: str) -> list[str]:
     """The `shared:` paths of the job's nodes file, from its snapshot (nodes.json)
     through cluster/nodes.py, the one reader of that key: the same on every node,
     so what lies below them is read in place there."""
-
     try:
         with open(os.path.join(job_dir, "nodes.json")) as f:
             snapshot = json.load(f)
@@ -216,7 +210,6 @@ def under_shared(path: str, shared: list[str]) -> bool:
 def data_trees(job_dir: str) -> list[tuple[str, str]]:
     """The -Dbuckets folders of the job (JOB/data/buckets.json) -> buckets/K, but
     those under a `shared:` path (passed through untouched)."""
-
     try:
         with open(os.path.join(job_dir, "data", "buckets.json")) as f:
             folders = json.load(f)
@@ -271,7 +264,6 @@ def checkpoint_dir(value: str | None, cwd: str | None, shared: Iterable[str] = (
 def job_settings(job_dir: str | Path) -> dict[str, Any]:
     """What spec.json and nodes.json say about files: checkpointDir, the sync period,
     the size limit, the shared paths."""
-
     try:
         spec = json.loads((Path(job_dir) / "spec.json").read_text())
     except (OSError, ValueError):

@@ -1,16 +1,14 @@
 """A job's files come back to the submitting machine: where each lands, checked, recorded.
 
-The node agent (through runners/node_outputs.py) sends every file new or changed
-since the instance started, when it ends (and every -DcheckpointSyncSeconds for
-the checkpoint folder), as frames on its link; `collect` sends them on stdout
-when the link is gone. This module is the master's side, for every backend:
+The node agent (runners/node_outputs.py) sends every file new or changed since
+the instance started, as frames, when it ends (and every -DcheckpointSyncSeconds
+for the checkpoint folder). This module is the master's side, for every backend:
 
 - which folders an instance's files are watched in and where each lands here
   (`targets`): its working folder (a plain script's is where `pai` ran, an
   archive's the job's code/), -DcheckpointDir, and PAI_OUTPUT_DIR
   ($PAI_HOME/jobs/ID/outputs/ROLE-IDX, on this machine too);
-- each file is written aside (`.pai-part-*` next to where it belongs), its
-  checksum (node_outputs.Checksum: CRC-32) checked against the node's, then
+- each file is written aside, its checksum checked against the node's, then
   renamed: nobody reads half a file;
 - a file that cannot come back (node unreachable, disk full here, over
   -DoutputMaxSize) is recorded with the node and the path where it still is, and
@@ -20,8 +18,7 @@ when the link is gone. This module is the master's side, for every backend:
 - `shared:` paths of the nodes file and storage URLs (s3://, oss://, hdfs://,
   gs://) are the script's own: never watched, never copied.
 
-On this machine (the local backend) the files are where they belong already:
-the agent sends only their digests ("inplace"), and they are recorded.
+On this machine the files are in place already: only their digests are sent.
 """
 
 from __future__ import annotations
@@ -232,7 +229,6 @@ class JobOutputs:
     # -- files arriving (any thread) -------------------------------------------------
 
     def local_error(self, err: OSError) -> str:
-
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             with self._lock:
                 if not self._disk_full_said:
@@ -451,7 +447,6 @@ def fetch_from_nodes(store, job_id: str, backend, wanted: dict[tuple[str, str], 
 def _rewrite_summary(store, job_id: str) -> None:
     """summary.txt, which the master wrote at the job's end ("1 not brought back"),
     as the store says now."""
-
     try:
         jobstatus.write_summary_file(jobstatus.build_status(store, job_id))
     except OSError:
@@ -461,7 +456,6 @@ def _rewrite_summary(store, job_id: str) -> None:
 def remove_parts(folder: str) -> int:
     """Remove the partial copies (PART*) a dead master left below `folder` (the
     folders the agent watches, walked as it walks them); how many."""
-
     removed, seen = 0, 0
     for top, dirs, files in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
@@ -480,7 +474,6 @@ def remove_parts(folder: str) -> int:
 
 def job_log_note(job_dir: str | Path) -> Note:
     """Whole `[pai] ...` lines appended to a job's job.log (from outside its master)."""
-
     def note(line: str) -> None:
         try:
             fd = open_append_fd(Path(job_dir) / "job.log")

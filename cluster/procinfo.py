@@ -27,12 +27,6 @@ def proc_stat(pid: int | str) -> ProcStat | None:
     return ProcStat(fields[0].decode(), int(fields[2]), int(fields[3]), fields[19].decode())
 
 
-def proc_status(pid: int | str) -> dict[str, str]:
-    """/proc/PID/status as fields: {"Umask": "0022", "SigBlk": ..., ...}."""
-    with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
-        return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
-
-
 def start_time(pid: int) -> str | None:
     stat = proc_stat(pid)
     return stat.start if stat else None
@@ -51,11 +45,9 @@ class Unverified(Exception):
 
 def signal_verified(pid: int, start: str | None, signum: int) -> bool:
     """Send `signum` to `pid` only if it is still the process that started at
-    `start`. False if that process is gone (or is a zombie); Unverified, and
-    nothing sent, when no start time was recorded.
-
-    The process is pinned with a pidfd before its start time is read, so the pid
-    cannot be recycled between the check and the signal."""
+    `start` (pinned with a pidfd before the check, so it cannot be recycled
+    meanwhile). False if it is gone or a zombie; Unverified, nothing sent, without
+    a start time."""
     if start is None or not pid or pid <= 0:
         raise Unverified(f"pid {pid} has no recorded start time: it may name another process now; not signalled")
     try:
@@ -111,16 +103,9 @@ def boot_time() -> float:
 def let_go_inherited(keep: tuple[int, ...] = ()) -> None:
     """In a forked child: let go of every descriptor above 2 but `keep`.
 
-    The parent's Python objects (its files, sockets, SQLite connection, a test
-    runner's captures) came along with the fork, each still owning its number. A
-    number closed under such an object is free for this process's next pipe or
-    log, and the object, collected later, closes that instead: a node agent's pipe
-    then reads EOF, a log write fails with EBADF. So each number is pointed at
-    /dev/null instead of closed: the parent's file is let go all the same, and
-    whatever an old object does with its number reaches only /dev/null. The
-    inherited objects are frozen too, so the cycle collector never runs their
-    finalizers here."""
-
+    Each is pointed at /dev/null rather than closed: the parent's Python objects
+    came along with the fork, and one collected later would close whatever new
+    file took its number. Those objects are frozen so their finalizers never run."""
     gc.freeze()
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
@@ -136,8 +121,7 @@ def let_go_inherited(keep: tuple[int, ...] = ()) -> None:
 
 # -- children reaped later -------------------------------------------------------------
 
-# Children that were told to exit (a local node agent whose link is closed) and are
-# not waited for there: pid -> what to call with its exit code once it is reaped.
+# Children told to exit and not waited for: pid -> what to call with its exit code.
 _UNREAPED: dict = {}
 
 

@@ -1,20 +1,14 @@
 """The queue at work: no daemon, the jobs' own supervisors and the store.
 
 - `check_and_describe` (the submit): exit 2 for a job that could never start
-  (bigger than the cluster, or than its project's quota); the queue entry.
-- `wait_turn` (the job's JobMaster, before anything starts): run the policy
-  (paicli.cluster.queue.turns) in one store transaction; if it is not the job's
-  turn, say why in job.log (PAI's Waiting List line) and sleep until a master
-  that frees room wakes it (SIGUSR1, to the recorded waiter only) or a second
-  passes (the head of the queue runs the policy again then, so a job recorded
-  ended by someone else, a watchdog or `pai kill`, frees its room too).
-- `lifecycle.job_ended` (every master's end): its holds go, the queued jobs whose
-  supervisor is gone get a new one, the policy runs, the jobs that may start now
-  are woken (paicli.cluster.lifecycle.hand_over_queue, the writers' hand-over).
-  Reading the queue (`listing`) writes nothing: a job whose supervisor is gone is
-  shown so (paicli.jobstatus.supervisor_gone).
+  (bigger than the cluster or its project's quota); the queue entry.
+- `wait_turn` (the job's JobMaster): run the policy (cluster.queue.turns) in one
+  store transaction; until it is the job's turn, say why in job.log and sleep
+  until a master that frees room wakes it (SIGUSR1) or, at the head, a second passes.
+- `lifecycle.job_ended` (every master's end): its holds go, the policy runs, the
+  jobs that may start now are woken. Reading the queue (`listing`) writes nothing.
 
-Ray places jobs itself (its own Waiting List): its jobs never enter this queue.
+Ray places jobs itself: its jobs never enter this queue.
 """
 
 from __future__ import annotations
@@ -103,10 +97,8 @@ def dispatch(store: Store, me: str | None = None) -> None:
         quotas, quota_error = {}, f"the quota file is broken ({err.message}); nothing starts until it is fixed"
 
     def decide(rows, holds, claims) -> list[dict[str, Any]]:
-
         entries = [_entry(row) for row in rows]
-        # What a job whose master is gone held is free: its watchdog stopped its
-        # instances (and after a reboot nothing runs), even before it is recorded lost.
+        # What a job whose master is gone held is free, even before it is recorded lost.
         held = [policy.Hold(h["job_id"], h["project"], h["node"], h["cpu"], h["memory"], h["gpu"])
                 for h in holds if master_alive(h)]
         gpus: dict[str, set[str]] = {}
@@ -136,7 +128,6 @@ def _verdict(turn: policy.Turn) -> dict[str, Any]:
 
 
 def _wake(store: Store, job_id: str) -> None:
-
     row = store.queue_entry(job_id)
     waiter = (row["waiter"] or "") if row is not None else ""
     pid, _, start = waiter.partition(":")
@@ -155,16 +146,13 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
               before_wait: Callable[[], None] | None = None
               ) -> tuple[list[Placement] | None, tuple[JobStatus, str] | None]:
     """The JobMaster's wait for its turn: (placements, None) when it may start, or
-    (None, outcome) when it was cancelled or timed out while waiting. A job with no
-    queue entry (recorded by a caller that bypassed the queue) is placed at once
-    (`place_now`). `before_wait()` runs once if the turn does not come at once."""
+    (None, outcome) when cancelled or timed out. A job with no queue entry is placed
+    at once (`place_now`); `before_wait()` runs once if the turn does not come at once."""
     if store.queue_entry(job_id) is None:
         return place_now(), None
 
-    # A wake-up may come after we took our turn (a dispatch that read our row just
-    # before), or stay pending until the mask is restored: SIGUSR1's default action
-    # would end this master without a word. A no-op handler, not SIG_IGN, which
-    # would stay ignored in whatever the master execs.
+    # A late wake-up must not end this master (SIGUSR1's default): a no-op handler,
+    # not SIG_IGN, which would stay ignored in whatever the master execs.
     signal.signal(signal.SIGUSR1, _late_wake)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAKE_SIGNALS)
     try:
@@ -181,8 +169,7 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
             job = store.job(job_id)
             ended = JobStatus(job["status"]).is_terminal()
             if job["master_pid"] not in (None, os.getpid()) or (row is None and not ended):
-                # Another supervisor took this job over (started by lifecycle.revive_queued when this
-                # one looked gone): it holds nothing yet, so it just leaves.
+                # lifecycle.revive_queued gave the job another supervisor: this one holds nothing yet.
                 print(f"{time.ctime()}: another supervisor (pid {job['master_pid']}) took this job over",
                       flush=True)
                 os._exit(0)
@@ -191,9 +178,8 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
             if deadline is not None and time.monotonic() >= deadline:
                 return None, (JobStatus.CANCELLED, f"timeout while waiting in the queue ({job['reason'] or ''})")
             if before_wait is not None:
-                # What a waiting job should not hold (a backend's connections: their threads
-                # would take the wake-up this thread waits for), let go; then a look again,
-                # as a wake-up may have gone to one of those threads meanwhile.
+                # A backend's connections let go (their threads would take the wake-up),
+                # then a look again, as a wake-up may have gone to them meanwhile.
                 before_wait()
                 before_wait = None
                 continue
@@ -208,8 +194,7 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
             if got is not None and got.si_signo != signal.SIGUSR1:
                 return None, (JobStatus.CANCELLED, "cancelled while waiting")
             if got is None and head:
-                # Room freed by someone who did not run the policy (a job recorded lost by a
-                # watchdog or `pai kill`), or an edited quota file: the head runs it.
+                # Room freed by someone who did not run the policy, or an edited quota file.
                 now_seen = _fingerprint(store)
                 if now_seen != seen:
                     seen = now_seen
@@ -245,7 +230,6 @@ def _fingerprint(store: Store) -> tuple:
 def listing(store: Store) -> list[dict[str, Any]]:
     """The queue as `pai queue` shows it, in queue order. A job whose supervisor
     is gone is shown waiting for a new one (nothing is written here)."""
-
     rows = store.queued()
     order = {e.job_id: n for n, e in enumerate(policy.ordered(_entry(r) for r in rows))}
     out = []

@@ -39,7 +39,6 @@ Progress = Callable[[str], None]
 
 def _base(plan) -> tuple[str, str, str]:
     """(runtime name or "", its version, the interpreter the layer is built for)."""
-
     if plan.runtime:
         runtime = get_runtime(plan.runtime)
         # Your own interpreter (PAI_<NAME>_PYTHON) is another base than the provisioned one.
@@ -183,7 +182,6 @@ def declare_in_master(plan) -> None:
 def instance_log(plan, path: Path, prefix: str, cap: int):
     """The master's log of one instance attempt, with secret values masked in
     everything it writes and shows (its file, job.log, the tail, live lines)."""
-
     secrets = secret_values(plan)
     if not secrets:
         return InstanceLog(path, prefix, cap)

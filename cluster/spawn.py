@@ -1,21 +1,16 @@
-"""Starting a process of paicli in a session of its own: a job's master, its
-watchdog, the logview server. One function does it for all of them
-(`start_in_session`), and one function (`enter_process`) sets a new process up
-(a local node agent's too), so each kind of process starts one way.
+"""Starting a process of paicli in a session of its own (a job's master, its
+watchdog, the logview server): `start_in_session` starts them all, and
+`enter_process` sets up every new process (a local node agent's too).
 
-The process is a double fork of the caller when the caller is single-threaded
-(no interpreter to start, no paicli to import again), and a fresh interpreter
-(`python -m paicli.cluster.spawn MODULE ...`) where a fork is unsafe: a threaded
-caller, or PAI_MASTER_EXEC set. Either way it runs MODULE's `main(args)`, with the
-caller's environment, umask and signal mask, default signal dispositions, its
-standard streams on /dev/null and its log, and nothing else of the caller's open
-but the descriptors it is given.
+The process is a double fork of a single-threaded caller, and a fresh interpreter
+(`python -m paicli.cluster.spawn MODULE ...`) where a fork is unsafe (a threaded
+caller, or PAI_MASTER_EXEC set). Either way it runs MODULE's `main(args)` with the
+caller's environment, umask and signal mask, default signal dispositions, and
+nothing of the caller's open but the descriptors it is given.
 
-A job's master is started as the submit begins, before the job is recorded
-(`start_master`, `MasterProcess`). Asked for the nodes once the job is staged,
-it probes them (an SSH backend logs in to each), answers, and keeps those
-connections to stage and start the job over them. It then gets its job, or
-reads EOF and leaves without a trace (the job refused, Ctrl-C, the CLI's death).
+A job's master starts before the job is recorded (`start_master`): asked for the
+nodes, it probes them and keeps those connections for the job; then it gets its
+job, or reads EOF and leaves without a trace.
 """
 
 from __future__ import annotations
@@ -43,8 +38,7 @@ def start_in_session(module: str, args: list[str], log_path: Path, cwd: Path | s
                      stdin_fd: int | None = None, keep: tuple[int, ...] = ()) -> int:
     """Run `module`'s main(args) in a new session, its stdout and stderr appended to
     `log_path` (0600), its stdin `stdin_fd` (else /dev/null), `keep` left open (same
-    numbers); its pid. Every open store of the caller is closed across a fork
-    (Store.closed_for_fork says why) and opened again after."""
+    numbers); its pid. The caller's stores are closed across a fork."""
     log = above_stdio(open_private(log_path))
     stdin = above_stdio(os.open(os.devnull, os.O_RDONLY)) if stdin_fd is None else stdin_fd
     try:
@@ -88,8 +82,7 @@ def start_in_session(module: str, args: list[str], log_path: Path, cwd: Path | s
 
 
 def above_stdio(fd: int) -> int:
-    """`fd`, moved above 2 if it is one of them (a caller started with stdin closed
-    got it there), so that setting up a new process's 0-2 cannot close it."""
+    """`fd`, moved above 2 if it is one of them, so setting up 0-2 cannot close it."""
     if fd > 2:
         return fd
     moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
@@ -110,11 +103,9 @@ def must_exec() -> bool:
 
 def enter_process(moves: tuple[tuple[int, int], ...], keep: tuple[int, ...] | None,
                   cwd: Path | str | None = None) -> None:
-    """A new process's set-up, whichever way it started: each (descriptor, number)
-    of `moves` in place, nothing else above 2 open but `keep` (None: an exec closed
-    the rest already), default signal dispositions, `cwd` (None: the caller's).
-    The environment, umask and signal mask are the caller's: a fork and an exec
-    both keep them."""
+    """A new process's set-up: each (descriptor, number) of `moves` in place, nothing
+    else above 2 open but `keep` (None: an exec closed the rest already), default
+    signal dispositions, `cwd` (None: the caller's)."""
     for fd, target in moves:
         if fd != target:
             os.dup2(fd, target)
@@ -132,7 +123,6 @@ def enter_process(moves: tuple[tuple[int, int], ...], keep: tuple[int, ...] | No
 
 
 def _run(module: str, args: list[str], how: str) -> int:
-
     print(f"{module}: pid {os.getpid()}, {how}", flush=True)
     try:
         return importlib.import_module(module).main(args) or 0
@@ -158,17 +148,15 @@ def open_private(path: Path) -> int:
 
 @dataclass
 class MasterProcess:
-    """The CLI's end of a job's master, started before the job is recorded: ask it
-    for the nodes (`nodes`), then hand it the job (`start`) or let it go (`close`).
-    Its pid line comes back on the answer pipe, which it keeps open until the job's
-    record is complete (`take_recorded`: the follower's end of the job)."""
+    """The CLI's end of a job's master: ask it for the nodes, then hand it the job
+    (`start`) or let it go (`close`). It keeps the answer pipe open until the job's
+    record is complete (`take_recorded`)."""
     command_fd: int
     answer_fd: int
 
     def nodes(self, config: dict[str, Any]) -> list[NodeSpec] | None:
         """The nodes of `config` with their resources, probed by the master (None: a
-        backend that places jobs itself). A node problem is raised as the probe
-        raised it."""
+        backend that places jobs itself); a node problem raised as the probe raised it."""
         self._send(["nodes", config])
         try:
             reply = json.loads(self._line())
@@ -190,8 +178,7 @@ class MasterProcess:
         return int(pid)
 
     def take_recorded(self) -> int:
-        """The answer pipe, which the master closes when the job's record is complete
-        (its verdict, its summary file); the caller closes it."""
+        """The answer pipe, closed by the master once the job's record is complete."""
         fd, self.answer_fd = self.answer_fd, -1
         return fd
 

@@ -6,13 +6,9 @@
 - Commands are argv lists; what crosses SSH as a string is shlex.quote'd.
 - Nothing secret is logged: key files are named, never read into a message.
 
-The node agent (runners/node_agent.py) does the work on the node: `run_agent`
-runs one of its subcommands by passing its source to the node's python3 (nothing
-needs to be on the node first); instances run from the per-job copy.
-
-A job's files (cluster/node_files.py) are written by SFTP (`Sftp`), or, on a node
-whose sshd has no SFTP subsystem, as a tar stream over an exec channel into
-runners/stage_writer.py (`ExecFiles`): `open_files` picks.
+`run_agent` runs a node agent subcommand by passing its source to the node's
+python3 (nothing needs to be there first). A job's files are written by SFTP, or
+as a tar stream into runners/stage_writer.py where sshd has no SFTP (`open_files`).
 """
 
 from __future__ import annotations
@@ -73,7 +69,6 @@ _IMPORTING = threading.Lock()
 
 
 def _paramiko():
-
     with _IMPORTING:   # the first call may come from several probe threads at once
         if "paramiko" not in sys.modules and "invoke" not in sys.modules:
             # paramiko.config imports invoke if it can, only for ssh_config's `Match exec`;
@@ -409,7 +404,6 @@ class ExecFiles:
         self.root = path   # checked by the writer with every batch
 
     def put_files(self, files, folder: str, made: set[str]) -> None:
-
         status, _out, err = exec_command(self.session(), writer_argv(self.node.python, self.root, folder),
                                          stdin=tar_stream(files), timeout=120)
         if status == 0:

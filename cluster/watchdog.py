@@ -1,16 +1,9 @@
 """The watchdog: ends a job's instances when its JobMaster dies.
 
-The master starts it with a pipe on stdin and writes each instance's identity
-(an InstanceRef as one JSON line) to it as it starts. EOF on that pipe without a
-prior "done" means the master is gone (kill -9, a crash, OOM): the watchdog
-declares the master lost (cluster/lifecycle.py: the job recorded failed with
-reason "master lost", then every instance it was told about and every one the
-store knows stopped through the job's backend, identity checked).
-
-It also records, a little after it starts, the jobs of its home whose master and
-watchdog both died, and gives the queued jobs whose supervisor is gone a new one
-(lifecycle.sweep_lost): a reader (`pai status`, `pai list`, `pai queue`) never
-writes, so someone who does must.
+The master writes each instance's identity (an InstanceRef, one JSON line) to its
+stdin. EOF without a prior "done" means the master is gone: the watchdog declares
+it lost (lifecycle.declare_master_lost). It also sweeps the home's jobs whose
+master and watchdog both died (lifecycle.sweep_lost), since readers never write.
 """
 
 from __future__ import annotations
@@ -28,9 +21,7 @@ from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import InstanceRef
 from paicli.store import Store
 
-# The sweep of jobs lost without a watchdog waits this long, so it never competes
-# with the instances starting at the moment this watchdog starts.
-SWEEP_AFTER = 2.0
+SWEEP_AFTER = 2.0  # the sweep waits out the instances' start
 
 
 def log_line(line: str) -> None:
@@ -38,9 +29,7 @@ def log_line(line: str) -> None:
 
 
 def sweep(start: threading.Event) -> None:
-    """Record the jobs of this home whose master and watchdog both died (see
-    lifecycle.sweep_lost): the next job's watchdog is who writes them. Runs
-    SWEEP_AFTER seconds in, or when `start` is set (this job's end), once."""
+    """lifecycle.sweep_lost, once: SWEEP_AFTER seconds in, or when `start` is set."""
     start.wait(SWEEP_AFTER)
     try:
         store = Store()  # this thread's own connection
@@ -82,8 +71,7 @@ def main(argv: list[str]) -> int:
     print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in stopped]} "
           f"(of {len(refs)} instance(s) it was told about)", file=sys.stderr)
     try:
-        # What the master would have brought back and removed at its end (SSH: the
-        # files the instances wrote, then the per-job folders on the nodes).
+        # What the master would have brought back and removed at its end.
         job_dir = Path(store.job(job_id)["job_dir"])
         backend = backend_for_job(job_dir)
         try:

@@ -104,7 +104,6 @@ def install_on_node(runtime: str, node: str, progress) -> str:
 
 def register(cli: click.Group) -> None:
     """Add this module's commands to the `pai` group."""
-
     @cli.group(invoke_without_command=True)
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @click.pass_context

@@ -1,11 +1,9 @@
 """The library API the CLI and the console share: prepare, submit, status, kill.
 
-Each function does one thing and raises paicli.errors on known failures; the
-callers render. The client never runs a framework: it writes the job, starts
-its JobMaster in a session of its own, and from then on only reads the store and
-the log files: reading a job never writes it, signals or starts anything. `kill`
-and `revive_queued` hand over to paicli.cluster.lifecycle, the one writer outside
-the master.
+Each function raises paicli.errors on known failures; the callers render. The
+client writes the job and starts its JobMaster; reading a job never writes it,
+signals or starts anything. `kill` and `revive_queued` go through
+paicli.cluster.lifecycle, the one writer outside the master.
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ class Prepared:
 
 def prepare(stmt: Statement) -> Prepared:
     """Validate a statement into a JobSpec for its adapter (no side effects)."""
-
     adapter = get_adapter(stmt.framework or "")
     # TFCOMPAT: a name that selects a runtime (PAI's versioned TensorFlow names) stays in the spec.
     framework = adapter.spec_framework(stmt.framework) if hasattr(adapter, "spec_framework") else adapter.name
@@ -61,38 +58,31 @@ def submit(prepared: Prepared, store: Store | None = None,
            progress: Callable[[str], None] = lambda line: None,
            meanwhile: Callable[[str, int], None] | None = None) -> str:
     """Stage the code, plan, provision the runtime, record the job and hand it to
-    its master. `meanwhile(job_id, recorded_fd)` runs once the job is handed over,
-    while its master starts it (see hand_over). Returns the job ID. Nothing is
-    written to the store or the job folder unless every step before starting
-    succeeded.
-
-    The master is started before the job is recorded; once the job is staged and
-    planned here it probes the nodes (an SSH backend logs in to each), and the
-    job is staged and started over those connections (one login per node and
-    job); bad input found before that touches no node."""
+    its master; the job ID. `meanwhile(job_id, recorded_fd)` runs once the job is
+    handed over (see hand_over). Nothing is left in the store or the job folder
+    unless every step succeeded. The master probes the nodes once the job is
+    planned and keeps those connections (one login per node and job): bad input
+    touches no node."""
     store = store or Store()
     adapter, spec = prepared.adapter, prepared.spec
     policy.check_launcher_env()
     config = backends.submit_config(store.home)
     job_id = new_job_id()
-    # The job folder is filled first (code, spec, plan) and recorded in the store
-    # last; any failure before that removes the folder, so bad input leaves nothing.
+    # Filled first, recorded last: a failure before that removes the folder.
     job_dir = store.jobs_dir / job_id
     private_dir(job_dir)  # 0700: argv and logs are the owner's business
     private_dir(job_dir / "logs")
     master = None
     try:
-        # Started first, it imports its modules while this process stages the job;
-        # it touches no node until it is asked for them, once the job is staged.
+        # Started first, it imports its modules while this process stages the job.
         master = start_master(store.home, job_dir)
         code = stage_code(spec, job_dir)
         plan: JobPlan = adapter.plan(spec, code)
         _check_planned(spec, plan)
         datasets.prepare(spec, plan, job_dir)   # -Dtables/-Doutputs checked (exit 2) and sliced
         plan.runtime = adapter.runtime or None
-        # A job that could never start (bigger than the cluster or its quota) is
-        # refused now; one that only has to wait for room is queued (docs/queue.md).
-        # Ray places jobs itself and keeps its own Waiting List (no nodes: None).
+        # A job that could never start is refused now; one that must wait is queued
+        # (docs/queue.md). Ray places jobs itself (no nodes: None).
         nodes = master.nodes(config)
         entry = None if nodes is None else queue_turns.check_and_describe(
             store, plan, nodes, spec.get("priority"), spec.project)
@@ -139,10 +129,9 @@ def _check_planned(spec: JobSpec, plan: JobPlan) -> None:
 def hand_over(store: Store, job_id: str, master: MasterProcess,
               meanwhile: Callable[[str, int], None] | None = None) -> None:
     """The recorded job handed to its master and the master's pid recorded;
-    `meanwhile(job_id, recorded_fd)` runs then, and owns `recorded_fd`: a pipe the
-    master closes once the job's record is complete (a follower's end of the job,
-    before the master's own cleanup). Its error (a closed stdout, Ctrl-C) is
-    raised once the master's pid is recorded: the job is handed over by then."""
+    `meanwhile(job_id, recorded_fd)` runs then and owns `recorded_fd`, a pipe the
+    master closes once the job's record is complete. Its error (Ctrl-C) is raised
+    once the master's pid is recorded."""
     try:
         pid = master.start(job_id)
     except OSError as err:

@@ -2,11 +2,9 @@
 table, JSON), the submit of a statement followed to its verdict, and the error
 boundary with the quick exit.
 
-The console runs a statement with these functions, so a statement behaves as
-the `pai` command would; neither imports the other. No click here: a bare
-statement (`pai -name ...`) is submitted through this module alone
-(paicli/pai.py). Heavy modules (rich,
-the launcher, the logview launcher) are imported inside the functions that use them.
+The console runs a statement with these functions, so it behaves as the `pai`
+command would. No click here: a bare statement (`pai -name ...`) is submitted
+through this module alone; heavy modules are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -212,13 +210,9 @@ def run_guarded(action: Callable[[], None]) -> None:
 
 
 def finish(action: Callable[[], None]) -> None:
-    """`pai`: run the action inside the error boundary, then exit with its code.
-
-    The exit skips the interpreter's clean-up (freeing every module and object,
-    SQLite's checkpoint on close), which comes after an attached job's verdict:
-    nothing is lost, the output is flushed here and the store commits as it goes.
-    The normal exit stays where something still wants it: a thread left running,
-    a profiler or tracer, PAI_DEBUG=1."""
+    """`pai`: run the action inside the error boundary, then exit with its code,
+    skipping the interpreter's clean-up (output is flushed here; the store commits
+    as it goes) unless a thread, a profiler or tracer, or PAI_DEBUG=1 wants it."""
     import threading
 
     try:

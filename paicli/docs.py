@@ -8,7 +8,6 @@ from paicli.spec import CORE_PARAMS
 
 
 def param_rows(framework: str | None = None) -> list[dict]:
-
     names = [get_adapter(framework).name] if framework else adapter_names()
     rows = [{"name": p.name, "yaml": p.yaml_name, "kind": p.kind, "default": p.default, "help": p.help,
              "scope": "all frameworks", "choices": list(p.choices)} for p in CORE_PARAMS]

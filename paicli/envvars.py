@@ -1,20 +1,11 @@
 """A job's own environment variables: `-Denv=K=V,K2=V2` and YAML `env:` (a mapping).
 
-The one rule, on every backend: an instance's environment is its NODE's own
-environment, then the job's declared variables, then the launcher's PAI_* ones.
-Nothing of the submitting shell is copied to another machine unless declared: on
-this machine the node's environment is the one `pai` runs in (so a local instance
-sees your shell), on an SSH node it is the login's, on a Ray node the Ray
-worker's. A bare name (`-Denv=HF_TOKEN`, YAML `HF_TOKEN:` with no value) takes the
-variable's value from the submitting shell, so a token never has to be typed on a
-command line.
-
-Values of names that look like secrets (SECRET_MARKS) are masked wherever paicli
-shows them (plan notes, logs, `pai status`, the logview): the master replaces them
-with MASK in everything instances print (cluster/job_env.py).
-
-Pure functions and data (core layer): the spec's converter, the plan's env, the
-masking of byte streams.
+On every backend an instance's environment is its NODE's own (on this machine the
+one `pai` runs in), then the job's declared variables, then the launcher's PAI_*
+ones: nothing of the submitting shell crosses to another machine unless declared.
+A bare name (`-Denv=HF_TOKEN`) takes its value from the submitting shell, so a
+token is never typed on a command line. Values of names that look like secrets
+(SECRET_MARKS) are masked as MASK wherever paicli shows them.
 """
 
 from __future__ import annotations

@@ -100,7 +100,6 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
     """Everything `pai status --json` shows, read from the store. The last value of
     each metric comes from SQL; the whole series (which can be millions of rows)
     only when asked for."""
-
     job = read_job(store, job_id)
     instances = [_as_shown(i, job) for i in store.instances(job_id)]
     tasks = []
@@ -198,7 +197,6 @@ def idle_now(store: Store, job_id: str) -> list[dict[str, Any]]:
 
 def _listening(path: str) -> list[tuple[str, int]]:
     """(address, port) of every listening TCP socket in /proc/net/tcp or tcp6."""
-
     found = []
     try:
         with open(path) as f:
@@ -218,7 +216,6 @@ def _listening(path: str) -> list[tuple[str, int]]:
 
 
 def is_loopback(address: str) -> bool:
-
     ip = ipaddress.ip_address(address)
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
         ip = ip.ipv4_mapped
@@ -289,7 +286,6 @@ def final_status(store: Store, job_id: str) -> dict[str, Any]:
     built from the store. Its master has exited: nothing it summarised changes
     after that file, so the CLI need not build it again at the end of every
     attached job."""
-
     job = store.job(job_id)
     try:
         with open(os.path.join(job["job_dir"], FINAL_STATUS), "rb") as f:
@@ -308,7 +304,6 @@ def write_summary_file(status: dict) -> None:
     too (FINAL_STATUS)."""
     path = Path(status["log_view"])
     if JobStatus(status["status"]).is_terminal():
-
         try:
             text = json.dumps(status)
         except (TypeError, ValueError):

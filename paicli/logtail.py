@@ -100,7 +100,6 @@ class FileFollower:
 @functools.lru_cache(maxsize=1)
 def inotify_libc():
     """libc through ctypes, for inotify: loaded once per process."""
-
     return ctypes.CDLL(None, use_errno=True)
 
 
@@ -132,7 +131,6 @@ class DirectoryWatch:
         optional fd `also` (a signal wake-up pipe) becomes readable, or the process
         of the pidfd `exited` ends (then nothing short-polls: its exit wakes us).
         True when that process has ended."""
-
         fds = [fd for fd in (self.fd, also, exited) if fd >= 0]
         if not fds:
             # A look that came due while the last step ran asks for a negative wait:
@@ -259,7 +257,6 @@ class InterruptCatcher:
         self._previous = None
 
     def install(self) -> None:
-
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
@@ -284,7 +281,6 @@ class InterruptCatcher:
         return False
 
     def restore(self) -> None:
-
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
@@ -303,7 +299,6 @@ def follow_job(store: Store, job_id: str, out: IO[bytes], *, from_end: bool = Fa
     job stops are shown too. Returns the final status dict. `recorded_fd` (closed
     here): a pipe the master closes once the job's record is complete, the end of
     following an ended job without waiting for the master's own exit."""
-
     job = store.job(job_id)
     job_dir = Path(job["job_dir"])
     follower = FileFollower(job_dir / "job.log", "end" if from_end else 0)
@@ -351,7 +346,6 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
 
     Only whole lines are written: a read can end inside a line the master is still
     writing, and a progress line must not land in the middle of it."""
-
     data = follower.read()
     if data:
         data = state["partial"] + data
@@ -381,7 +375,6 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
                 state["counts"] = counts
                 _write(out, state, (line + "\n").encode())
         if now >= state["idle_check"] and not JobStatus(job["status"]).is_terminal():
-
             state["idle_check"] = now + min(IDLE_CHECK, jobstatus.idle_after() / 2)
             idle = jobstatus.idle_now(store, job_id)
             names = [i["instance"] for i in idle]

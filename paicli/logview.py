@@ -97,7 +97,6 @@ class LineOutput:
 
 def print_log(store: Store, job_id: str, path: Path, out: IO[bytes], *, tail: int | None,
               follow: bool, colour: bool, as_json: bool = False, instance: str | None = None) -> None:
-
     show = LineOutput(out, colour=colour and not as_json, as_json=as_json, instance=instance)
     rotated = path.with_name(path.name + ".1")
     if not path.exists() and not follow:

@@ -89,7 +89,6 @@ class PlanResult(NamedTuple):  # not a dataclass: `dataclasses` stays off the `p
 
 def parse_rate(text: str) -> float:
     """'100mbit', '1gbit', '12.5MB' (bytes) -> bytes/s."""
-
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(bit|b|B)?(?:/s|ps)?\s*", text, re.I)
     if not match:
         raise ValueError(f"expected a rate such as 100mbit or 1gbit, not {text!r}")
@@ -105,7 +104,6 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None,
     said so), else this machine. `machines` (`probe_machines`): node name -> [boot
     id, cores]; nodes of one boot id share the machine's cores
     (PAI_PLUTO_SHARED_CORES: one machine of that many cores)."""
-
     config = None
     try:
         from paicli.cluster.nodes import load_nodes
@@ -165,7 +163,6 @@ def virtual_hosts(nodes) -> str:
 def probe_machines(say: Callable[[str], None]) -> dict[str, list]:
     """Every node of the nodes file's [boot id, cores], as its node agent reports them
     (`pai nodes`' probe); nodes that do not answer are left out."""
-
     config = load_nodes()
     if config is None or len(config.nodes) < 2:
         return {}
@@ -188,7 +185,6 @@ def probe_update() -> float:
 
 
 def _mxnet_probe(what: str):
-
     runtime = get_runtime("mxnet")
     if not runtime.is_installed():
         return {} if what == "kvstore" else 0.0
@@ -204,7 +200,6 @@ def probe_kvstore() -> dict[str, float]:
 
 def probe_rpc() -> dict[str, float]:
     """calibrate.measure_rpc in the TensorFlow runtime ({} when it is not there)."""
-
     runtime = get_runtime("tensorflow")
     if not runtime.is_installed():
         return {}
@@ -217,7 +212,6 @@ def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> tup
     The ps asks for the cpu of the largest node, so the worker lands on another. The
     rate is None when both landed on one node or the probe failed; the CPU per byte
     is 0.0 when unknown."""
-
     cluster = {"ps": {"count": 1, "cpu": max(100, int(node_cpu))}, "worker": {"count": 1}}
     stmt = parse_statement(["-name", "python", f"-Dscript={pluto_helpers.__file__}",
                             f"-Dcluster={json.dumps(cluster)}",
@@ -243,7 +237,6 @@ def link_figures(rates: list[float], cpu_ns: list[float]) -> tuple[float | None,
     """(bytes/s, CPU ns per byte) of a link from the probe's rounds: the best rate
     (other work on the cores only slows a round down) and the median CPU (which
     varies both ways)."""
-
     good = [r for r in rates if r > 0]
     cpus = [c for c in cpu_ns if c > 0]
     return (max(good) if good else None), (median(cpus) if cpus else 0.0)
@@ -253,7 +246,6 @@ def link_figures(rates: list[float], cpu_ns: list[float]) -> tuple[float | None,
 
 
 def user_strategy(framework: str, spec):
-
     cluster = spec.get("cluster") or {}
     counts = {role: conf.get("count", 1) for role, conf in cluster.items()}
     workers = counts.get("worker", 1)
@@ -287,7 +279,6 @@ def _read(path: str | None) -> str:
 
 def script_inputs(prepared):
     """(facts, files the cache key covers, script arguments)."""
-
     spec = prepared.spec
     args = script_args(spec)
     facts, files = _script_inputs(spec, args)
@@ -385,7 +376,6 @@ def tf_sync(prepared, args: list[str], source: str | None = None) -> bool:
     """Does a TF script train sync: its --sync_replicas flag (given, else its
     default) when it has one, else whether it uses SyncReplicasOptimizer at all
     (TF1 between-graph replication and ParameterServerStrategy steps are async)."""
-
     if source is None:
         source = script_texts(prepared)[0]
     flag = bool_flag(source, SYNC_FLAGS)
@@ -402,7 +392,6 @@ def tf_sync(prepared, args: list[str], source: str | None = None) -> bool:
 
 def _archive_texts(archive: str, entry: str) -> tuple[str, str, str]:
     """(script source, solver, net) of an archive's entry file, read without extracting."""
-
     def member_text(tar, name: str) -> str:
         try:
             member = tar.getmember(name)
@@ -486,7 +475,6 @@ def _enough_steps(store, job_id: str, workers: int, intervals: int = CALIBRATION
 def wait_job(store, job_id: str, limit_s: float, enough: Callable[[], bool] = lambda: False) -> bool:
     """Refresh the job until it ends or `enough()`; False when `limit_s` passes first
     (the job is left running: the caller stops it)."""
-
     deadline = time.monotonic() + limit_s
     while True:
         job = client.refresh(store, job_id)
@@ -528,7 +516,6 @@ def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Call
 def _measured_run(store, job, cluster_value: dict, extra: dict):
     """What a calibration run measured: its step time, model size, iteration and
     exchange times. Raises PaiError when its output had no step timing."""
-
     job_id = job["id"]
     step_s = steptime.job_step_seconds(store, job_id)
     reported = store.metric_values_by_role(job_id, ("model_mb", "iter_per_s", "exchange_ms", "global_step"))
@@ -553,21 +540,18 @@ def make_plan(stmt, budget_s: float | None = None, store=None,
     the plans too close to call (or outside the calibrated shapes) briefly and
     recommend by what they measured (`verify_plan`). Raises UsageError for bad input
     and PaiError when calibration fails."""
-
     return plan_prepared(client.prepare(stmt), budget_s, store, say, verify=verify)
 
 
 def calibration_key(prepared, files, args, here) -> str:
     """The calibration cache's key: the script's files and arguments, kvstore and
     entry file, and where it calibrates (`here`: node names and cores)."""
-
     return calibrate.cache_key(prepared.adapter.name, files, args, here,
                                extra=json.dumps({k: prepared.spec.get(k) for k in ("kvstore", "entryFile")}))
 
 
 def plan_prepared(prepared, budget_s: float | None = None, store=None,
                   say: Callable[[str], None] = lambda line: None, verify: bool = False) -> PlanResult:
-
     framework = prepared.adapter.name
     if framework not in PLAN_FRAMEWORKS:
         raise UsageError(f"-name {framework}: pai plan plans {', '.join(PLAN_FRAMEWORKS)} jobs",
@@ -671,7 +655,6 @@ def verify_plan(prepared, store, key: str, profile, where, user, knobs, result, 
     calibration) and recommend by their measured step times. With a budget, the
     runs still to do are counted against it: the plan is made again for what is
     left. Returns (plan, verification record or None)."""
-
     home = pai_home()
     shapes = calibrated_shapes(prepared.adapter.name)
     picks, why = planner.to_verify(result, shapes, profile.sync)

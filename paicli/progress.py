@@ -107,7 +107,6 @@ class _Terminal:
     ticker would redraw over whatever the command prints after a failure)."""
 
     def __init__(self, stream: TextIO, width: int | None = None):
-
         self.stream = stream
         self.width = width or max(40, shutil.get_terminal_size((100, 24)).columns - 1)
         self.tracker = Tracker()

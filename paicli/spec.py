@@ -29,7 +29,6 @@ from paicli.requirements import parse_requirements
 
 def close_matches(word: str, possibilities, n: int = 1, cutoff: float = 0.6) -> list[str]:
     """difflib.get_close_matches, imported only when a suggestion is needed."""
-
     return difflib.get_close_matches(word, list(possibilities), n, cutoff)
 
 
@@ -331,12 +330,10 @@ def _to_args(param: Param, raw: Any, base: Path) -> str:
 
 
 def _to_env(param: Param, raw: Any, base: Path) -> dict[str, str]:
-
     return parse_env(raw)
 
 
 def _to_requirements(param: Param, raw: Any, base: Path) -> list[str]:
-
     return parse_requirements(raw, base)
 
 

@@ -146,7 +146,6 @@ def load_job_file(path: str) -> Statement:
 
 def merge_overrides(stmt: Statement, overrides: Statement) -> Statement:
     """-D parameters on the command line override the file's (by PAI or snake name)."""
-
     over = {snake_case(p.key) for p in overrides.params}
     kept = [p for p in stmt.params if snake_case(p.key) not in over]
     return Statement(framework=overrides.framework or stmt.framework,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import tempfile
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -94,13 +93,11 @@ CREATE TABLE IF NOT EXISTS outputs (
 ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("instances", "gpus", "TEXT"),
                  ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"), ("claims", "ts", "REAL"),
                  ("jobs", "supervised", "REAL"))  # when a queued job's master was last (re)started
-# The schema's version, kept in the file's user_version: an open of a store that
-# carries it runs none of the statements above, since every command and every master
-# opens the store. Bump it with any change to the statements of SCHEMA or to
-# ADDED_COLUMNS (tests/test_store_locks.py keeps a fingerprint of both and says so).
+# Kept in the file's user_version: a store that carries it runs none of the
+# statements above. Bump it with any change to SCHEMA or ADDED_COLUMNS
+# (tests/test_store_locks.py keeps a fingerprint of both).
 SCHEMA_VERSION = 1
-# A claim holds while its job lives; a claim whose job was never recorded (a
-# submit killed between claiming and recording) holds only this many seconds.
+# A claim holds while its job lives; one whose job was never recorded, this long.
 CLAIM_GRACE = 60.0
 # The claims that hold: of a live job, or of a submit still under way.
 LIVE_CLAIMS = ("SELECT c.node, c.item, c.job_id FROM claims c LEFT JOIN jobs j ON j.id = c.job_id"
@@ -147,23 +144,14 @@ def _apply_schema(db: sqlite3.Connection) -> None:
 
 
 def _create_store(path: Path) -> None:
-    """A new store, built aside and linked into place whole: the schema written with
-    no journal and no sync, WAL set, one fsync of the file and one of its folder
-    (SQLite creating it in place, a rollback journal then WAL, syncs several times,
-    which takes seconds when the disk is busy). Two processes
-    creating one store at once: the first link wins, the other's copy is dropped.
-    Where that cannot be done (a filesystem without hard links, SQLite failing on
-    the copy), nothing is linked and the store is created in place. In a
-    process that keeps a new store's image (keep_new_store_image), the copy aside is
-    that image's bytes."""
+    """A new store, built aside with no journal and no sync, WAL set, fsynced once
+    and linked into place whole (the first of two racing creators wins). Where that
+    cannot be done (no hard links, SQLite failing on the copy), it is created in
+    place."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.new")
     touch_private(tmp)
     try:
-        if _NEW_STORE_IMAGE is None:
-            _build_new_store(tmp)
-        else:
-            with open(tmp, "wb") as f:   # the same bytes, built once (keep_new_store_image)
-                f.write(_NEW_STORE_IMAGE)
+        _build_new_store(tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -198,21 +186,6 @@ def _build_new_store(path: Path) -> None:
         db.close()   # the last connection: its WAL is checkpointed and removed
 
 
-_NEW_STORE_IMAGE: bytes | None = None
-
-
-def keep_new_store_image() -> None:
-    """A new store's file built once and kept in memory, for a resident process (the
-    submit server, whose children inherit it): each new PAI_HOME then gets a copy of
-    its bytes instead of running the schema statements again."""
-    global _NEW_STORE_IMAGE
-
-    with tempfile.TemporaryDirectory(prefix="paicli-store-") as folder:
-        path = Path(folder) / "pai.db"
-        _build_new_store(path)
-        _NEW_STORE_IMAGE = path.read_bytes()
-
-
 @contextmanager
 def every_store_closed() -> Iterator[None]:
     """Every open Store of this process closed, and opened again after: around a
@@ -225,11 +198,6 @@ def every_store_closed() -> Iterator[None]:
     finally:
         for store in reopen:
             store.connect()
-
-
-def any_open() -> bool:
-    """Whether this process holds an open connection to any store (a fork would carry it)."""
-    return bool(_OPEN_STORES)
 
 
 class Store:
@@ -273,22 +241,17 @@ class Store:
         self.db.close()
 
     def __del__(self) -> None:
-        # A sqlite3.Connection is freed only by the cyclic collector (its statement
-        # cache refers back to it): a dropped Store's connection would stay open,
-        # unknown to _OPEN_STORES, until some later collection, and a fork in
-        # between would carry it (and SQLite's lock bookkeeping) into the child.
+        # A connection is freed only by the cyclic collector: a dropped Store's would
+        # stay open, unknown to _OPEN_STORES, and a fork would carry it into the child.
         db = self.__dict__.get("db")
         if db is not None:
             db.close()
 
     @contextmanager
     def closed_for_fork(self) -> Iterator[None]:
-        """SQLite's per-process lock bookkeeping must not be copied by fork():
-        a child would believe it holds the parent's locks, and the parent's last
-        close could then checkpoint away the child's committed writes. So every
-        open connection of this process (a library caller may hold several
-        Stores: "database disk image is malformed" was seen with two) is closed
-        across a fork and opened again after."""
+        """Every open connection of this process closed across a fork and opened
+        again after: a child that copied SQLite's lock bookkeeping would believe it
+        holds the parent's locks, and its writes could be checkpointed away."""
         with every_store_closed():
             yield
 
@@ -327,9 +290,8 @@ class Store:
         try:
             yield self.db
         except BaseException:
-            # SQLite may have rolled back by itself (a full disk, an I/O error, a
-            # trigger's RAISE(ROLLBACK)): a second ROLLBACK would then fail and
-            # hide the error that matters.
+            # SQLite may have rolled back by itself: a second ROLLBACK would fail
+            # and hide the error that matters.
             if self.db.in_transaction:
                 try:
                     self.db.execute("ROLLBACK")
@@ -596,9 +558,8 @@ class Store:
             (job_id,)).fetchall()
 
     # -- the queue and what started jobs hold ---------------------------------------
-    # The policy is paicli.cluster.queue (pure); paicli.cluster.queue_turns runs it
-    # through queue_dispatch, in one transaction, so two supervisors never take the
-    # same card or the same turn.
+    # cluster.queue_turns runs the policy through queue_dispatch, in one transaction,
+    # so two supervisors never take the same card or turn.
 
     def enqueue(self, job_id: str, priority: int, project: str | None, entry: str) -> None:
         with self.tx() as db:
@@ -607,10 +568,9 @@ class Store:
                        " VALUES (?,?,?,?,?,'waiting')", (job_id, priority, project, submitted, entry))
 
     def queue_dispatch(self, decide: Callable[[list, list, dict], list[dict[str, Any]]]) -> list[sqlite3.Row]:
-        """Run `decide(waiting rows, live holds, held cards)` in one transaction and
-        write its verdicts (holds and cards with their holder's master fields, None
-        for a claim whose job is not recorded yet)
-        write its verdicts: each {"job_id", "start", "placement", "reason",
+        """Run `decide(waiting rows, live holds, held cards)` in one transaction (holds
+        and cards with their holder's master fields, None for a claim whose job is
+        not recorded yet) and write its verdicts: each {"job_id", "start", "placement", "reason",
         "position", "holds": [(node, cpu, memory, gpu)], "gpus": {node: [ids]},
         "event"}. Returns the jobs rows of those granted a start (to wake them)."""
         now = time.time()
@@ -801,7 +761,6 @@ class Store:
         row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(location IN ('node', 'missing')), 0)"
                               " FROM outputs WHERE job_id = ? AND location != 'replaced'", (job_id,)).fetchone()
         return {"count": row[0], "bytes": row[1], "missing": row[2]}
-
 
     def resume_links(self, job_id: str) -> dict:
         """{"resumed_from": ID or None, "resumed_by": [IDs]} (`pai resume`, events of both jobs)."""

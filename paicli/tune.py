@@ -99,7 +99,6 @@ def _dimension(name: str, entry: Any, where: str) -> Dimension:
         raise UsageError(f"{where}: expected a mapping with a type, not {entry!r}"[:200], example)
     kind = entry.get("type")
     if kind not in DISTRIBUTIONS:
-
         close = close_matches(str(kind), DISTRIBUTIONS) if isinstance(kind, str) else []
         tip = f" (did you mean {close[0]}?)" if close else ""
         what = "no type" if kind is None else f"unknown distribution {str(kind)[:40]!r}{tip}"
@@ -244,7 +243,6 @@ def rerun_command(framework: str, project: str | None, params: dict[str, Any]) -
 
 
 def statement_of_params(framework: str, project: str | None, params: dict[str, Any]):
-
     root = Path("/")
     return Statement(framework, project, [RawParam(k, v, f"-D{k}", root) for k, v in params.items()])
 
@@ -361,7 +359,6 @@ def _option(name: str, value: str) -> Any:
         except ValueError:
             raise UsageError(f"{name} {value}: expected a whole number") from None
     if kind == "duration":
-
         try:
             return convert(Param("budget", "duration"), value, Path("."))
         except ValueError as err:
@@ -411,7 +408,6 @@ def read_space(path: str) -> list[Dimension]:
 def _check_values(prepared_base, framework, project, base, targets, dims) -> None:
     """Each -D the space sets, at its ends and choices: a value the job's table
     refuses is bad input now, not a failed trial later."""
-
     for dim in dims:
         if not targets[dim.name]:
             continue
@@ -426,7 +422,6 @@ def _check_values(prepared_base, framework, project, base, targets, dims) -> Non
 def create(stmt, opts: TuneOptions, store, say: Callable[[str], None] = lambda line: None) -> str:
     """Check everything, create the Optuna study and the store's row, start the tuner.
     Returns the study's name."""
-
     dims = read_space(opts.space)
     prepared = client.prepare(stmt)
     spec = prepared.spec
@@ -495,7 +490,6 @@ def _create_optuna(config: dict) -> None:
 
 def start_tuner(store, name: str, study_dir: Path) -> None:
     """The tuner in a session of its own: closing the terminal does not end the study."""
-
     log = os.open(study_dir / "tuner.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         proc = subprocess.Popen([sys.executable, "-m", "paicli.tune", str(store.home), name],
@@ -508,7 +502,6 @@ def start_tuner(store, name: str, study_dir: Path) -> None:
 
 
 def tuner_alive(row) -> bool:
-
     if not row["tuner_pid"]:
         return time.time() - (row["created"] or 0) < 30.0
     return is_alive(row["tuner_pid"], row["tuner_start"])
@@ -634,7 +627,6 @@ class Tuner:
         return False
 
     def _forecast_inputs(self) -> tuple[list[float], float | None, int | None]:
-
         seconds, steps, pluto = [], None, None
         for row in self.store.study_trials(self.name):
             if row["state"] != "Complete" or not row["job_id"]:
@@ -649,7 +641,6 @@ class Tuner:
         return seconds, pluto, steps
 
     def start_trial(self) -> None:
-
         trial = self.study.ask(self._distributions())
         number = trial.number
         params = trial_params(self.config["base"], self.config["targets"], trial.params)
@@ -659,7 +650,6 @@ class Tuner:
         stmt = statement_of_params(self.config["framework"], self.config["project"], params)
         prepared = client.prepare(stmt)
         if prepared.spec.get("autoStrategy") == "true":
-
             prepared = auto_strategy(prepared, self.store, self.say)
         try:
             job_id = client.submit(prepared, self.store, progress=self.say)
@@ -672,7 +662,6 @@ class Tuner:
         self.say(f"trial {number}: job {job_id} {trial.params}")
 
     def look(self) -> None:
-
         for run in list(self.running.values()):
             job = client.refresh(self.store, run.job_id)
             over = job["status"] in ("Succeeded", "Failed", "Cancelled")
@@ -721,7 +710,6 @@ class Tuner:
                          "pick one of those with --metric" if keys else "print lines such as `step=3, loss=0.25`")
 
     def prune(self, run: Running) -> None:
-
         step = run.last[0]
         client.kill(self.store, run.job_id, reason=f"pruned by pai tune (study {self.name}, trial {run.number}, "
                                                    f"step {step})", wait=5.0)
@@ -754,7 +742,6 @@ class Tuner:
                            f"see `pai logs {job_id}`")
 
     def cancel_all(self, reason: str) -> None:
-
         for run in list(self.running.values()):
             try:
                 client.kill(self.store, run.job_id, reason=reason)
@@ -819,7 +806,6 @@ def study_view(store, name: str) -> dict[str, Any]:
 
 def stop(store, name: str) -> bool:
     """Ask a study's tuner to stop (it cancels its running trials); False if it is not running."""
-
     row = store.study(name)
     if row["status"] != "Running" or not row["tuner_pid"]:
         return False
@@ -827,7 +813,6 @@ def stop(store, name: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-
     home, name = Path(argv[0]), argv[1]
     # Each trial's master is a fresh interpreter (cluster/spawn.py): a fork of this
     # process would carry Optuna, numpy and SQLAlchemy's open connections.

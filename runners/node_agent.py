@@ -10,9 +10,8 @@ REFS is a JSON list of [pid, pgid, start ticks, boot id].
 `run` reads one JSON line from stdin: {"argv": [...], "env": {...}, "cwd": "...",
 "heartbeat": seconds} and optionally "inherit": false (the environment is `env`
 alone, not the agent's own plus `env`) and "output_fd": N (an inherited pipe the
-instance writes its output to, read by the master itself: no O frames). It starts
-the instance in a session (process group) of its own with default signal
-dispositions, then writes frames to stdout, each
+instance writes its output to: no O frames). It starts the instance in a session
+of its own with default signal dispositions, then writes frames to stdout, each
     1 byte type, 4 bytes big-endian length, payload:
     I  identity JSON {pid, pgid, start, boot}     (first)
     O  output bytes (stdout and stderr, merged)
@@ -21,11 +20,9 @@ dispositions, then writes frames to stdout, each
     F, D, S, L, Z  files the instance wrote (spec "watch", see runners/node_outputs.py)
     E  JSON {errno, strerror}: the program could not be started (instead of I)
 From stdin it takes single bytes: h heartbeat, t SIGTERM the group, k SIGKILL it.
-When stdin ends (the SSH channel closed: a dead master, a killed `pai`, a dropped
-connection) or no byte came for `heartbeat` seconds (a dropped link), the whole
-group is stopped (SIGTERM, a short wait, SIGKILL) and the agent exits: no process
-is left on the node. When the instance's main process ends, whatever else is left
-in its group is stopped the same way.
+When stdin ends (a dead master, a dropped connection) or no byte came for
+`heartbeat` seconds, the whole group is stopped (SIGTERM, a short wait, SIGKILL)
+and the agent exits; so is what is left in the group when the main process ends.
 """
 
 from __future__ import annotations
@@ -205,22 +202,18 @@ class Instance:
         self.out.frame(b"I", json.dumps({"pid": self.proc.pid, "pgid": self.proc.pid,
                                          "start": stat[2] if stat else "", "boot": boot_id()}).encode())
         if late:
-            # This machine's folders (the user's working folder: thousands of files,
-            # slow to list) are not listed as the instance
-            # starts: what changed from its start on (ctime) is the instance's, found
-            # by the one listing at its end. A node's folders, which staging has just
-            # written, are listed before the start, as the staged files are not its.
+            # This machine's folders (the user's, possibly huge) are listed once, at
+            # the end: what changed since the start is the instance's. A node's are
+            # listed before the start, as the staged files are not its.
             self.out.flush()
             self.files = _outputs_room().Watch(watch, since_ns=began - CLOCK_SLACK_NS)
         return True
 
     def _catch_signals(self) -> None:
-        """The agent's own dispositions back to the defaults, so that the instance
-        execs with them whatever the agent inherited (nohup, a shell's background
-        job): an ignored signal stays ignored across exec, a caught one is reset.
-        SIGPIPE is restored in the child by Popen (restore_signals). Then SIGTERM,
-        SIGHUP and SIGINT are caught, not at their default: one between the start and
-        the identity would end the agent and leave the instance running unwatched."""
+        """The agent's dispositions back to the defaults, so the instance execs with
+        them whatever the agent inherited (an ignored signal stays ignored across
+        exec). Then SIGTERM, SIGHUP and SIGINT are caught: one between the start and
+        the identity must not leave the instance running unwatched."""
         for name in ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGTTIN", "SIGTTOU", "SIGTSTP"):
             signum = getattr(signal, name, None)
             if signum is not None:
@@ -328,7 +321,6 @@ def _outputs_room():
     it). As the package it is in (a local agent forked from the master) or from the
     folder this file is in (a node's staged runners, run as a script, also with -I)."""
     if __package__:
-
         return importlib.import_module(f"{__package__}.node_outputs")
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:

@@ -218,7 +218,6 @@ def run_staged(folder: str, runner: str, args: list, stdin: bytes) -> tuple:
     """A Ray task's body (this function is shipped by value): `runners/RUNNER ARGS`
     of the job's staged folder on this node, run by this Python with `stdin`, as
     sshd runs it on an SSH node. (exit status, stdout, stderr)."""
-
     if "/" in runner or not runner.endswith(".py"):
         raise Refused(f"not a runner: {runner[:80]!r}")
     done = subprocess.run([sys.executable, os.path.join(folder, "runners", runner), *args], input=stdin,

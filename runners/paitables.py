@@ -348,7 +348,6 @@ def _connect(path: str, write: bool = False) -> sqlite3.Connection:
 
 
 def _quote_path(path: str) -> str:
-
     return quote(path, safe="/")
 
 

@@ -234,7 +234,6 @@ def install_mxnet(mx) -> None:
 
 
 def _probe_sink(rounds: int = 1) -> int:
-
     host = os.environ.get("PAI_HOST") or "127.0.0.1"
     port = int(os.environ["PAI_PORT"])
     with socket.create_server((host, port)) as server:
@@ -294,7 +293,6 @@ def _probe_source(seconds: float, rounds: int = 1) -> int:
     """`rounds` transfers of `seconds` each, one connection a round; a line per round
     (bytes_per_s, cpu_ns_per_byte): pai plan takes the best rate and the median CPU
     (pluto.link_figures)."""
-
     peers = json.loads(os.environ.get("PAI_CLUSTER") or "{}").get("ps") or []
     if not peers:
         sys.stderr.write("pluto bandwidth probe: no ps to send to\n")
@@ -386,7 +384,6 @@ KV_KEY_ROUNDS = 20   # 640 pushes and pulls of a key: enough server CPU to read 
 
 
 def _free_port() -> int:
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -405,7 +402,6 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float,
     as Gluon's Trainer has it do), on loopback; then (server, worker) CPU seconds
     per key of one push and pull of a one-value array: what a message costs apart
     from its values. The server's CPU is read from /proc over the timed rounds."""
-
     port = _free_port()
     env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", "DMLC_NODE_HOST": "127.0.0.1",
@@ -517,7 +513,6 @@ def rpc_cost(timeout: float = 120.0) -> tuple[float, float]:
     moving variables between them through TF's gRPC runtime on loopback: per byte of
     a 1 M-value variable pulled and pushed, and per one-value variable (a transfer's
     own RPC). The ps's CPU is read from /proc, the worker's from its own clock."""
-
     ports = (_free_port(), _free_port())
     env = {**os.environ, "PAI_PLUTO_RPC_PORTS": json.dumps(ports), "TF_CPP_MIN_LOG_LEVEL": "2"}
     me = os.path.abspath(__file__)
@@ -550,7 +545,6 @@ def rpc_cost(timeout: float = 120.0) -> tuple[float, float]:
 
 
 def _rpc_role(role: str) -> int:
-
     import tensorflow as tf
 
     tf.compat.v1.disable_eager_execution()

@@ -270,10 +270,9 @@ def runner_path(filename: str) -> str:
 #                                mtime is the layer's last use; instances hold it
 #                                with a shared lock (runtime_lock.py)
 #
-# Built with the runtime's own interpreter: `pip install --dry-run --report` with the
-# runtime's packages pinned as constraints (a requirement that needs another numpy
-# fails instead of replacing it), then what is missing, `--no-deps --target site`.
-# A node given `pins` (what the submitting machine resolved) resolves nothing.
+# Built with the runtime's interpreter: `pip install --dry-run --report` with the
+# runtime's packages as constraints (a requirement that needs another numpy fails),
+# then `--no-deps --target site`. A node given `pins` resolves nothing.
 
 LAYER_MARKER = "paicli-layer.json"
 PYTHON_LAYER_BASE = "python"   # layers of jobs without a framework runtime (-name python)
@@ -288,7 +287,6 @@ def layer_name(base: str, digest: str) -> str:
 
 
 def layer_digest(base: str, base_version: str, lines: list[str], link_digest: str = "") -> str:
-
     text = json.dumps({"base": base or PYTHON_LAYER_BASE, "version": base_version, "lines": lines,
                        "links": link_digest}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -296,7 +294,6 @@ def layer_digest(base: str, base_version: str, lines: list[str], link_digest: st
 
 def folder_digest(folders: list[str]) -> str:
     """Content digest of the --find-links folders (their files, by name and bytes)."""
-
     digest = hashlib.sha256()
     for folder in folders:
         for name in sorted(os.listdir(folder)):

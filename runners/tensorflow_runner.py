@@ -63,11 +63,8 @@ _IMPORT_BANNER = re.compile(
 # script's; its errors and the script's own output still show.
 QUIET_CPP_LOG_LEVEL = "2"
 
-# TF1's wait for the chief (tf.compat.v1.train.Supervisor and SessionManager, under
-# MonitoredTrainingSession too): a worker that finds the ps's variables not yet
-# initialised looks again after `recovery_wait_secs`, 30 s; here every second, so a
-# worker that asked a moment too early does not wait half a minute. What a script
-# passes itself is kept.
+# TF1's SessionManager looks again for the chief's initialised variables after
+# `recovery_wait_secs` (30 s by default); every second here, unless the script sets it.
 RECOVERY_WAIT_S = 1
 
 
@@ -480,7 +477,6 @@ def hold_base_runtime_lock() -> int | None:
     """A layered runtime (the legacy-Keras one: its own venv on top of the TensorFlow
     runtime's site-packages) names its base's marker in paicli-base.json; hold that
     one too, so that the base is not removed under this instance either."""
-
     try:
         with open(os.path.join(sys.prefix, "paicli-base.json"), encoding="utf-8") as f:
             marker = json.load(f).get("base_marker")

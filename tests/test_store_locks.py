@@ -143,32 +143,6 @@ def test_a_store_made_meanwhile_by_another_process_is_kept_not_replaced(tmp_path
         store.close()
 
 
-def test_a_new_store_copied_from_the_kept_image_is_the_store_built_aside(tmp_path, monkeypatch):
-    """The submit server keeps a new store's bytes (store.keep_new_store_image) and its
-    children copy them into a new PAI_HOME: the same file, byte for byte, as one whose
-    schema is built there, and a working store."""
-    from paicli import store as store_module
-
-    monkeypatch.setattr(store_module, "_NEW_STORE_IMAGE", None)
-    built = Store(tmp_path / "built")
-    store_module.keep_new_store_image()
-    image = store_module._NEW_STORE_IMAGE
-    copied = Store(tmp_path / "copied")
-    try:
-        assert image and (tmp_path / "copied" / "pai.db").read_bytes() == image
-        assert image == (tmp_path / "built" / "pai.db").read_bytes()
-        for store in (built, copied):
-            assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        _record(copied, "first", tmp_path / "copied")
-        assert [row["id"] for row in copied.jobs()] == ["first"]
-        assert copied.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        assert oct((tmp_path / "copied" / "pai.db").stat().st_mode & 0o777) == "0o600"
-        assert not [name for name in os.listdir(tmp_path / "copied") if name.endswith(".new")]
-    finally:
-        built.close()
-        copied.close()
-
-
 def test_a_store_on_a_filesystem_without_hard_links_is_created_in_place(tmp_path, monkeypatch):
     import errno
 

@@ -7,16 +7,10 @@ Which backend a job uses is decided once, at submit, from the nodes config:
     else $PAI_HOME/nodes.yaml if present -> the same
     else                                 -> {"backend": "local"} (this machine alone)
 
-`paicli.cluster.nodes.load_config(path) -> dict` (helper C's module) parses the
-nodes file, raises UsageError (one line: file, node, key) on a bad one, and
-returns a JSON-serialisable dict whose "backend" key is a name registered here
-("ssh", or "ray" for a file with a top-level `ray:`); the rest is whatever that
-backend's constructor reads from `config`. The dict is snapshotted into the job
-folder as `nodes.json` (0600), so the master, the watchdog and `pai kill` rebuild
-the same backend with `backend_for_job(job_dir)`.
-
-Backends are imported lazily by name (`module:Class`): `pai --help` and a local
-job never import paramiko or ray.
+The config's "backend" key names a backend registered here; the rest is what its
+constructor reads. It is snapshotted into the job folder as `nodes.json` (0600),
+so any process rebuilds the same backend with `backend_for_job(job_dir)`.
+Backends are imported by name when used: a local job never imports paramiko or ray.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The Backend API: where an instance's process runs, and the one way to stop it.
 
-The JobMaster, the watchdog, `pai kill` and the "master lost" clean-up only ever
-call these methods. Each kind of node (this machine, SSH hosts, a Ray cluster)
-is one module in this package that fills them in, registered by name in
-`paicli.cluster.backends` (the registry; `backend_for_job(job_dir)` rebuilds a
-job's backend from the nodes config snapshotted into its folder).
+The master, the watchdog, `pai kill` and the "master lost" clean-up only call
+these methods. Each kind of node (this machine, SSH hosts, a Ray cluster) is one
+module of this package, registered in `paicli.cluster.backends`. Public methods
+hold the shared work and wrap `_underscore` ones, which are all a backend fills in
+(a test holds that it overrides no public one).
 
-Public methods wrap `_underscore` ones (SkyPilot's pattern): the shared work
-lives here (progress and timing of staging, the agent's spec and its translation
-for the node, identity checks, which nodes keep their folder, a transport call
-tried twice then given up with one line naming the node); a backend fills in
-only the underscore methods and overrides no public one (a test holds that).
-
-A ref is stopped only while it still names the process we started (what `stop()`
-guarantees): the node agent's check (node_agent.is_ours, this machine's included),
-and a ref without a start time is never stopped (said on stderr). An instance this
-process started is stopped through its live agent link.
+A ref is stopped only while it still names the process we started (the node
+agent's identity check); one without a start time is never stopped. An instance
+this process started is stopped through its live agent link.
 """
 
 from __future__ import annotations
@@ -114,16 +107,13 @@ class Handle:
 
 
 class Backend:
-    """One kind of node. `config` is the JSON-serialisable nodes config the
-    registry snapshotted into the job folder (`{"backend": name, ...}`); a backend
-    built from it in any process (master, watchdog, `pai kill`) reaches the same
-    nodes."""
+    """One kind of node. `config` is the nodes config snapshotted into the job folder
+    (`{"backend": name, ...}`): a backend built from it in any process reaches the
+    same nodes."""
 
     name = "base"
-    # A backend whose cluster schedules jobs itself (Ray: placement groups, which
-    # wait for room) sets this: the submit does not place the job (no exit 2 for a
-    # job that may fit later); the master calls place_job()/place_instance() instead
-    # of paicli.cluster.placement when it starts and when an instance's node is lost.
+    # A cluster that schedules jobs itself (Ray): the master calls place_job() and
+    # place_instance() instead of cluster.placement, and the submit places nothing.
     places_jobs = False
     # Seconds without a frame (master) / a byte (agent) that mean an instance's link
     # is gone; 0: none asked for (this machine: a dead master closes the agent's stdin).
@@ -136,17 +126,14 @@ class Backend:
         self.config = dict(config or {})
         # The instances this process started, by (node, pid): their live agent links.
         self._links: dict[tuple[str, int], Any] = {}
-        # Nodes whose per-job folder cleanup() keeps: files of the job are still there
-        # (cluster/outputs.py: not brought back).
+        # Nodes whose per-job folder cleanup() keeps: files of the job not brought back.
         self.keep_nodes: set[str] = set()
         # Nodes that stopped answering during this job: not asked again, and they keep
         # their folder (under /tmp, cleared at boot).
         self.lost: set[str] = set()
-        # Where staging and waiting say what they do: the master's job log (a note
-        # place_job was given, else whole lines appended to job.log by prepare()).
+        # Where staging and waiting say what they do: the job log.
         self.progress: Callable[[str], None] | None = None
-        # Agents started ahead of their instances by _prepare (a start is then one round
-        # trip, not a new process): (role, idx) -> (node, agent waiting for its spec).
+        # Agents started by _prepare, waiting for their spec: (role, idx) -> (node, agent).
         self._warm: dict[tuple[str, int], tuple[str, Any]] = {}
         self._warm_lock = threading.Lock()
 
@@ -162,13 +149,10 @@ class Backend:
         self._let_go_of_connections()
 
     def prepare(self, job_dir: str, plan: Any, placements: list[Placement]) -> None:
-        """Stage what the instances need on the nodes they were placed on (a
-        remote backend copies runners, the script/archive and plan files into a
-        per-job folder and provisions the runtime). Called by the master before the
-        first start, and again for a node an instance is moved to. Its lines go to
-        `progress`, with the time it took when that was long enough to notice."""
+        """Stage what the instances need on the nodes they were placed on (a remote
+        backend copies runners, script and plan into a per-job folder and provisions
+        the runtime), before the first start and for a node an instance moves to."""
         if self.progress is None:
-
             self.progress = job_log_note(job_dir)
         began = time.monotonic()
         self._prepare(job_dir, plan, placements)
@@ -192,9 +176,8 @@ class Backend:
         return "*" in self.keep_nodes or node in self.keep_nodes or node in self.lost
 
     def remove_job_folders(self, job_dir: str, names: list[str]) -> None:
-        """The job's folder on each of these nodes, all at once (cleanup; `pai get`
-        once a node holds nothing of the job any more). A node that does not answer
-        keeps its folder (under /tmp, cleared at boot)."""
+        """The job's folder on each of these nodes, all at once; a node that does not
+        answer keeps its folder (under /tmp, cleared at boot)."""
         job_id = Path(job_dir).name
 
         def remove(name: str) -> None:
@@ -202,7 +185,6 @@ class Backend:
                 self._remove_job_folder(job_id, name)
             except Exception:  # noqa: BLE001 - the transport's own errors: the folder stays
                 pass
-
 
         with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
             list(pool.map(remove, names))
@@ -212,7 +194,6 @@ class Backend:
         """node_outputs.py's `collect` for an instance whose link is gone: the frames
         of the files it wrote that are not in `have` (cluster/outputs.py), as a byte
         stream. Raises when the node cannot be reached."""
-
         if node in self.lost:
             raise PaiError(f"node {node} stopped answering during the job")
         request = {"have": have, "max_bytes": max_bytes, "only": only}
@@ -221,9 +202,8 @@ class Backend:
     def place_job(self, plan: Any, job_id: str, note: Callable[[str], None], deadline: float | None,
                   cancelled: Callable[[], Any] = lambda: None) -> list[Placement]:
         """Only when `places_jobs`: one Placement per instance of `plan`, waiting for
-        room until `deadline` (time.monotonic()) or `cancelled()`, saying what it waits
-        for through `note`. An exception with an `outcome` attribute ((JobStatus,
-        reason)) is the job's verdict as it stands."""
+        room until `deadline` (monotonic) or `cancelled()`. An exception with an
+        `outcome` attribute ((JobStatus, reason)) is the job's verdict."""
         self.progress = note
         return self._place_job(plan, job_id, deadline, cancelled)
 
@@ -243,10 +223,9 @@ class Backend:
         return self._on_node(node, "finding free ports", lambda: self._pick_ports(node, count, taken))
 
     def _on_node(self, node: str, what: str, call: Callable[[], Any]) -> Any:
-        """`call()`, a transport call to `node`: tried twice (a dropped connection is
-        opened anew), then given up with one line naming the node (a PaiError). A
-        usage error (the user's to fix) or a verdict (a cancel: `outcome`) is no
-        transport's failure: raised as it is, at once."""
+        """`call()`, a transport call to `node`: tried twice, then given up with one
+        line naming the node (NodeCallFailed). A UsageError or a verdict (`outcome`)
+        is raised as it is, at once."""
         for attempt in (1, 2):
             try:
                 return call()
@@ -315,20 +294,17 @@ class Backend:
 
     def start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
               watch: dict | None = None, sink: Callable[[bytes, bytes], None] | None = None) -> Handle:
-        """Start one instance on `placed.node` in a session (process group) of its
-        own with default signal dispositions, stdin from /dev/null, stdout+stderr
-        into the Handle. Raises OSError (FileNotFoundError: 127,
-        PermissionError: 126) when the program cannot be started. `watch` (local
-        paths, translated for the node like cwd) and `sink` are the files that come
-        back (cluster/outputs.py)."""
+        """Start one instance on `placed.node` in a session of its own with default
+        signal dispositions, stdin from /dev/null, stdout+stderr into the Handle.
+        OSError (FileNotFoundError: 127, PermissionError: 126) when it cannot start.
+        `watch` and `sink`: the files that come back (cluster/outputs.py)."""
         return self.begin_start(placed, argv, env, cwd, watch, sink)()
 
     def begin_start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
                     watch: dict | None = None,
                     sink: Callable[[bytes, bytes], None] | None = None) -> Callable[[], Handle]:
-        """`start()` in two halves: the instance is asked for now, the returned
-        call gives its Handle (and raises what start() raises). The master asks for
-        every instance before it waits for any."""
+        """`start()` in two halves: the instance is asked for now, the returned call
+        gives its Handle (or raises what start() raises)."""
         finish = self._begin_start(placed, self._agent_spec(placed, argv, env, cwd, watch), sink)
         return lambda: self._keep_link(finish())
 
@@ -339,9 +315,8 @@ class Backend:
 
     def _agent_spec(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
                     watch: dict | None) -> dict:
-        """The node agent's spec (runners/node_agent.py) for one instance, translated
-        for its node by the backend's `_mapping`; None there means this machine:
-        nothing to translate, the environment whole, the files already in place."""
+        """The node agent's spec for one instance, translated by `_mapping` for its
+        node (None: this machine, the environment whole, nothing to translate)."""
         mapping = self._mapping(placed, argv[0])
         if mapping is None:
             spec = {"argv": list(argv), "env": dict(env), "inherit": False, "cwd": cwd, "heartbeat": 0}
@@ -365,9 +340,8 @@ class Backend:
 
     def _begin_start(self, placed: Placement, spec: dict,
                      sink: Callable[[bytes, bytes], None] | None) -> Callable[[], Handle]:
-        """Hand `spec` to a node agent for `placed` (agent_link); the call that gives
-        its Handle. Here: the whole start at once, `_start`; a backend whose start
-        is a round trip (local) sends now and reads the identity when asked."""
+        """Hand `spec` to a node agent for `placed`; the call that gives its Handle
+        (here the whole start at once: `_start`)."""
         handle = self._start(placed, spec, sink)
         return lambda: handle
 
@@ -398,13 +372,10 @@ class Backend:
 
     def stop_all(self, refs: Iterable[InstanceRef], timeout: float = 3.0,
                  waiting: Callable[[], None] | None = None) -> list[InstanceRef]:
-        """`stop()` for many instances at once (one bounded wait for all of them).
-        `waiting` is called while waiting (the master keeps reading output there).
-        Returns the refs that were ours and were signalled. `timeout` 0: SIGKILL
-        right after SIGTERM (what an exited instance left in its group).
-        Instances this process started go through their live links; the others
-        through the node's identity-checked stop (`_stop_refs`), one per node, all
-        nodes at once."""
+        """`stop()` for many instances, one bounded wait for all; `waiting` is called
+        meanwhile. The refs that were ours and were signalled. `timeout` 0: SIGKILL
+        right after SIGTERM. Instances this process started go through their links,
+        the others through each node's identity-checked stop, all nodes at once."""
         refs = [ref for ref in refs if ref.pid > 0]
         linked = [(ref, self._links[(ref.node, ref.pid)]) for ref in refs if (ref.node, ref.pid) in self._links]
         by_node: dict[str, list[InstanceRef]] = {}
@@ -448,8 +419,7 @@ class Backend:
         return ref.pid > 0 and self._alive(ref.node, agent_ref(ref))
 
     def _stop_on(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:
-        """`_stop_refs` on `node` through `_on_node`; given up, that is one line on
-        stderr: the refs that were stopped."""
+        """`_stop_refs` on `node`: the refs that were stopped (given up: one line on stderr)."""
         try:
             asked = [agent_ref(ref) for ref in refs]
             stopped = self._on_node(node, "stopping", lambda: self._stop_refs(node, asked, timeout))
@@ -460,9 +430,8 @@ class Backend:
             return []
 
     def _stop_refs(self, node: str, refs: list[list], timeout: float) -> list[list]:
-        """The identity-checked stop on `node` of `refs` (agent_ref's form): the node
-        agent's stop_refs there, THE stop loop (SIGTERM, one bounded wait, SIGKILL);
-        its answer, the refs stopped. Raises when the node cannot be reached."""
+        """The node agent's stop_refs on `node` (`refs` in agent_ref's form): the
+        refs stopped. Raises when the node cannot be reached."""
         raise NotImplementedError
 
     def _alive(self, node: str, ref: list) -> bool:
@@ -472,16 +441,14 @@ class Backend:
     # -- the job's staged nodes, for cluster/datasets.py -----------------
 
     def staged_folders(self, nodes: Iterable[str] | None = None) -> dict[str, str] | None:
-        """{node: the job's per-job folder there} for the nodes this process staged
-        the job on that still answer (only those of `nodes` when given); None when
-        the instances read this machine's files in place (local)."""
+        """{node: the job's folder there} for the staged nodes that still answer (of
+        `nodes` when given); None when instances read this machine's files (local)."""
         return self._staged_folders(None if nodes is None else set(nodes))
 
     def run_runner(self, node: str, runner: str, args: list[str], stdin: bytes = b"",
                    timeout: float = 60.0) -> bytes:
-        """`runners/RUNNER ARGS` of the job's staged runners run on `node` by a Python
-        of the node (stdlib only, as every runner), `stdin` fed to it: its stdout.
-        PaiError naming the node and the runner's own last words when it fails."""
+        """The staged `runners/RUNNER ARGS` run on `node` with `stdin`: its stdout;
+        a PaiError with the node and the runner's last words when it fails."""
         status, out, err = self._on_node(node, f"runners/{runner}",
                                          lambda: self._run_runner(node, runner, list(args), stdin, timeout))
         if status != 0:

@@ -1,11 +1,8 @@
 """Instances on this machine: a one-node cluster named "local".
 
-Each instance runs under the node agent (runners/node_agent.py), as on an SSH
-host or a Ray node; the transport is the agent's stdin and stdout, and the
-master reads the agent's frames straight from that pipe (cluster/agent_link.py).
-A dead master closes the agent's stdin, and the agent stops the instance's
-group. The agents are started by prepare(), before the instances, so a start
-is one round trip on a pipe.
+Each instance runs under the node agent (runners/node_agent.py), its transport
+the agent's stdin and stdout; a dead master closes the agent's stdin, and the
+agent stops the group. prepare() starts the agents, so a start is one round trip.
 """
 
 from __future__ import annotations
@@ -92,10 +89,8 @@ class AgentProcess:
 
 def _spawn_agent(label: str, output_fd: int) -> tuple[int, int, int]:
     """`node_agent.py run LABEL` with `output_fd` as AGENT_OUTPUT_FD: (pid, its
-    stdin, its stdout). A single-threaded master forks it (the agent's code is
-    imported already: no interpreter to start); a threaded one, where a fork is
-    unsafe, spawns `python -I -S node_agent.py`, as an SSH node runs it (the
-    agent resets its signal dispositions itself)."""
+    stdin, its stdout). Forked by a single-threaded master; a threaded one, where
+    a fork is unsafe, spawns `python -I -S node_agent.py` as an SSH node runs it."""
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     moves = ((in_r, 0), (out_w, 1), (output_fd, AGENT_OUTPUT_FD))
@@ -138,7 +133,6 @@ class LocalBackend(Backend):
     _job_id = "job"   # prepare()'s
 
     def _nodes(self):
-
         return [NodeSpec(LOCAL_NODE, LOCAL_HOST, machine_cpu(), machine_memory_mb(), tuple(machine_gpus()))]
 
     def _prepare(self, job_dir, plan, placements):
@@ -158,7 +152,6 @@ class LocalBackend(Backend):
         reap_children(AGENT_EXIT)   # no agent of the job's left, not even a zombie
 
     def _pick_ports(self, node, count, taken):
-
         return node_agent.free_ports(LOCAL_HOST, count, taken)
 
     def _begin_start(self, placed, spec, sink):
@@ -171,15 +164,12 @@ class LocalBackend(Backend):
                                         start_timeout=START_TIMEOUT)
 
     def _collect_outputs(self, job_dir, node, state_rel, request):
-
         request = dict(request, state=os.path.join(str(job_dir), state_rel), inplace=True)
         for frame in node_outputs.collect(request):
             yield node_outputs.frame_bytes([frame])
 
     def _stop_refs(self, node, refs, timeout):
-
         return node_agent.stop_refs(refs, timeout)
 
     def _alive(self, node, ref):
-
         return node_agent.alive(ref)

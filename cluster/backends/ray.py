@@ -1,32 +1,19 @@
 """The Ray backend: a job's instances on a Ray cluster.
 
-Config (from the registry, snapshotted into the job folder): `{"backend": "ray",
-"address": ...}` from PAI_RAY_ADDRESS, or a nodes file whose top level is
-`ray: {address: HOST:PORT}`. The address is anything `ray.init` accepts: the
-GCS address `ray start --head` prints, or `ray://HOST:10001` (Ray Client, for a
-machine that is not a Ray node).
+Config: `{"backend": "ray", "address": ...}` from PAI_RAY_ADDRESS or a nodes file
+with `ray: {address: HOST:PORT}`; the address is what `ray.init` accepts (a GCS
+address, or `ray://HOST:10001` for Ray Client).
 
-How a job runs (the JobMaster is the Ray driver):
-- Gang placement: one placement group per job, a bundle per instance
-  (bundle_for, strategy_for). The job starts only when every bundle is placed;
-  until then `place_job()` reports what is missing (PAI's "Waiting List"); the
-  job's `timeout` covers the wait.
-- One `InstanceActor` (ray_node.py, shipped by value: the nodes need only Ray)
-  per instance in its bundle stages the job's files (cluster/node_files.py's list,
-  shipped once through the object store: no plan.json, no secret) and runtime on
-  its node, picks ports there, and relays bytes to and from its node agent, whose
-  protocol is cluster/agent_link.py's; a job's secrets travel only in the spec
-  sent to the instance that needs them.
-- Every Ray call that waits has a deadline and, in the master, ends within half a
-  second of a cancel.
-- The actors belong to the master's Ray job: when the master dies (even kill -9)
-  Ray kills them, and each instance's node agent stops its group.
-- A node that dies takes its actors with it: the instance's status is NODE_LOST
-  (retryable). Ray moves the placement group's lost bundles to nodes with room;
-  `place_instance()` puts a new actor in the same bundle.
-
-Ray is imported only here, only when a job goes to Ray: `pai --help` and local
-jobs never pay for it.
+The JobMaster is the Ray driver:
+- Gang placement: one placement group per job, a bundle per instance; the job
+  starts when every bundle is placed, and `place_job()` reports what is missing.
+- One `InstanceActor` (ray_node.py) per instance stages the job's files and
+  runtime on its node, picks ports there and relays its node agent's frames;
+  a job's secrets travel only in the spec of the instance that needs them.
+- Every Ray call that waits has a deadline and ends soon after a cancel.
+- The actors belong to the master's Ray job: when the master dies Ray kills them,
+  and each node agent stops its group. A dead node makes its instances NODE_LOST;
+  `place_instance()` puts a new actor in the bundle Ray moved.
 """
 
 from __future__ import annotations
@@ -75,7 +62,6 @@ class RayWaitStopped(PaiError):
     def outcome(self):
         """The job's verdict, which the master takes as it is: Cancelled, as a
         timeout or a cancel is for any job."""
-
         return JobStatus.CANCELLED, self.message
 
 
@@ -150,7 +136,6 @@ def waiting_list(wanted: list[tuple[str, int, dict[str, float]]], available: dic
 
 
 def ray_installed() -> bool:
-
     try:
         return importlib.util.find_spec("ray") is not None
     except (ImportError, ValueError):
@@ -160,7 +145,6 @@ def ray_installed() -> bool:
 def probe_address(address: str, timeout: float = 3.0) -> None:
     """A GCS address (HOST:PORT) answers a TCP connect, else one clear line. A
     ray:// address is left to Ray Client."""
-
     if "://" in address:
         return
     host, _, port = address.rpartition(":")
@@ -177,7 +161,6 @@ def probe_address(address: str, timeout: float = 3.0) -> None:
 
 def is_local_address(ip: str) -> bool:
     """Whether this machine has address `ip` (it can bind it)."""
-
     try:
         with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
             sock.bind((ip, 0))
@@ -216,10 +199,8 @@ class RayTransport:
         self.agent = agent   # the agent's pid on the node: calls of an older link spare a newer one
 
     def send(self, data: bytes) -> None:
-        # Not waited for: one heartbeat thread beats every link, and one stop signals
-        # every link, in turn; waiting on an actor whose node stopped answering would
-        # starve the others' agents of their heartbeat and they would stop their
-        # instances. A dead actor ends the stream, which recv() reports.
+        # Not waited for: one thread beats every link in turn, and an actor whose node
+        # stopped answering must not starve the others. recv() reports a dead actor.
         try:
             self.actor.send.remote(data)
         except Exception as err:  # noqa: BLE001 - a Ray error: the link is gone
@@ -308,11 +289,8 @@ class RayBackend(Backend):
                          f"from outside the cluster use Ray Client: PAI_RAY_ADDRESS=ray://{host}:10001")
 
     def _init(self, ray) -> None:
-        """ray.init with a deadline (`_bounded`): on a port that accepts connections
-        but is not Ray's, ray.init waits forever. A cancel ends the wait too. (Ray
-        sets its own SIGTERM handler only from the main thread: the master's
-        handlers stay in place.) Whatever ends it, the thread may still connect:
-        nothing is to use it."""
+        """ray.init with a deadline (`_bounded`), which a cancel ends too: on a port
+        that is not Ray's, ray.init waits forever."""
         # Ray Client's server starts a Python process of its own per client: on a busy
         # head that can fail once. A GCS address is tried once.
         tries = 3 if "://" in self.address else 1
@@ -325,7 +303,6 @@ class RayBackend(Backend):
             raise
 
     def _init_tries(self, ray, tries: int) -> None:
-
         for attempt in range(tries):
             try:
                 ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False,
@@ -612,11 +589,9 @@ class RayBackend(Backend):
             return False
 
     def _cleanup(self, job_dir: str) -> None:
-        """Remove the per-job folders, release the actors (their agents stop
-        anything left) and the placement group, within STOP_TIMEOUT in all. A
-        backend built afresh (the watchdog, after the master died: Ray has already
-        removed the master's actors and placement group) removes the folders on
-        every live node."""
+        """Remove the per-job folders, release the actors and the placement group,
+        within STOP_TIMEOUT in all (a backend built afresh: the folders on every
+        live node)."""
         if self._unusable:
             return
         ray = self.connect()
@@ -654,7 +629,6 @@ class RayBackend(Backend):
         """A zero-CPU task pinned to the node runs the runner from the job's staged
         folder there (node_cache.run_staged, shipped by value); `stdin` crosses as
         one object of Ray's store, put here and fetched by the node."""
-
         inst = self._instance_on(node)
         if inst is None:
             raise PaiError(f"Ray node {node}: the job is not staged there")

@@ -1,24 +1,17 @@
 """What runs ON a Ray node for the Ray backend: standard library only.
 
-The Ray backend (ray.py) wraps `InstanceActor` with `ray.remote` and ships this
-module to the cluster by value (cloudpickle), so a Ray node needs Ray and
-nothing of paicli. One actor per instance, in the instance's placement-group
-bundle:
+ray.py wraps `InstanceActor` with `ray.remote` and ships this module by value, so
+a Ray node needs Ray and nothing of paicli. One actor per instance, in its bundle:
 
-- `stage()`, `ensure_runtime()` and `pick_ports()`: the job's per-job folder, its
-  runtime and free ports on the node, with the node programs an SSH node runs;
-- `open()` starts the paicli node agent (runners/node_agent.py, the one agent of
-  every backend) and the actor becomes a byte relay: `send()` writes to the
-  agent's stdin, `recv()` hands back what the agent wrote on stdout. The master's
-  side of the protocol (spec, frames, exit status, stop) is cluster/agent_link.py.
-  The actor holds the agent's stdin: when the actor dies (the master died and Ray
-  killed the actors it owned, `ray stop`, a crash) the agent stops the instance.
-  The agent runs in a session of its own, out of reach of Ray's clean-up of the
-  worker's process group, so it always lives to do that.
+- `stage()`, `ensure_runtime()` and `pick_ports()`: the job's folder, its runtime
+  and free ports on the node, with the node programs an SSH node runs;
+- `open()` starts the node agent (runners/node_agent.py) and the actor relays
+  bytes: `send()` to the agent's stdin, `recv()` from its stdout. When the actor
+  dies the agent, in a session of its own out of reach of Ray's clean-up, reads
+  EOF and stops the instance.
 
-A process that holds no link (`pai kill`, the watchdog) stops instances with the
-node agent's identity-checked stop (node_agent.stop_refs, shipped by value like
-its alive and free_ports, and node_info's info), run on the node by a task pinned to it.
+A process that holds no link (`pai kill`, the watchdog) stops instances with
+node_agent.stop_refs, run on the node by a task pinned to it.
 """
 
 from __future__ import annotations
@@ -95,7 +88,6 @@ class InstanceActor:
         """Write the staging list (a tar stream) with the node writer every backend
         uses (runners/stage_writer.py: a root of ours alone, files 0600/0700 created
         anew, links only inside). {"folder": ...}, or {"error": one line}."""
-
         try:
             if self.folder.startswith(user_root() + os.sep):
                 # In a shared /tmp anyone may create the root first, and whoever can
@@ -228,7 +220,6 @@ class InstanceActor:
 
 def remove_job_folder(folder: str) -> None:
     """The job's folder, and its node's folder once no job is left in it."""
-
     shutil.rmtree(folder, ignore_errors=True)
     try:
         os.rmdir(os.path.dirname(folder))

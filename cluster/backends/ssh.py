@@ -1,20 +1,14 @@
 """Instances on SSH hosts: the nodes of a nodes file (cluster/nodes.py).
 
-Each instance runs under the stdlib node agent (runners/node_agent.py) started
-over one SSH channel: the agent puts it in a session of its own, reports its
-identity, streams its output back in frames, reports its exit status, and stops
-its whole group when the channel closes or the heartbeat stops (a dead master,
-a killed `pai`, a dropped link). The channel is only the transport: the
-protocol (frames, pump, heartbeat, stop bytes) is cluster/agent_link.py's, as
-for every backend.
+Each instance runs under the node agent (runners/node_agent.py) over one SSH
+channel, which stops its group when the channel closes or the heartbeat stops;
+the protocol is cluster/agent_link.py's, as for every backend.
 
-Nothing is shared with the nodes but SSH: `prepare` writes what the job needs on a
-node (cluster/node_files.py: the runners, the extracted archive or the inputs the
-plan names) into a per-job folder there (SFTP, 0700) and provisions the job's
-runtime unless the node has it (or declares `runtime_dir`); `cleanup` removes the
-folders. Paths in the plan are translated for each node by the manifest's mapping.
-A process without the live channel (watchdog, `pai kill`) stops instances with the
-agent's `stop` command over SSH.
+Nothing is shared with the nodes but SSH: `prepare` writes what the job needs
+(cluster/node_files.py) into a per-job folder there (SFTP, 0700) and provisions
+the runtime unless the node has it; `cleanup` removes the folders. A process
+without the live channel (watchdog, `pai kill`) stops instances with the agent's
+`stop` command over SSH.
 """
 
 from __future__ import annotations
@@ -59,7 +53,6 @@ def parse_resources(text: str) -> dict:
 
 
 def _runtime_version(name: str) -> str | None:
-
     return get_runtime(name).version if name in RUNTIMES else None
 
 
@@ -204,7 +197,6 @@ class SSHBackend(Backend):
             raise looked["error"]
         info = looked["info"]
         if runtime and info["runtimes"].get(runtime) != _runtime_version(runtime):
-
             self.progress(f"{node.name}: no {runtime} runtime in {info['runtime_dir']}; provisioning it")
             _provision(lambda: self.conns.session(node), node, runtime, self.progress)
             info = self._agent(node, "info", node.runtime_dir or "")

@@ -289,7 +289,6 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 def nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
     """Least squares with every coefficient >= 0, for a handful of unknowns: the
     best of the unconstrained fits on each subset of the columns."""
-
     k = len(rows[0])
     best, best_err = [0.0] * k, sum(y * y for y in ys)
     for size in range(1, k + 1):

@@ -60,7 +60,6 @@ def role_demands(strategy: Strategy) -> list:
     """The instances a submit of `strategy` asks placement for, in the adapters' role
     order: MXNet's scheduler first (a service: it takes a node's first service slot),
     then the ps/servers (services), then the workers."""
-
     out = []
     if strategy.framework == "mxnet" and strategy.ps:
         out.append(Demand("scheduler", 0, SCHEDULER_CPU, 0, 0, True))
@@ -81,7 +80,6 @@ def layout(strategy: Strategy, cluster: Cluster) -> tuple[list[int], list[int]]:
 
 @functools.lru_cache(maxsize=8192)
 def _placed(strategy: Strategy, cluster: Cluster) -> tuple[tuple[int, ...], tuple[int, ...]]:
-
     specs = [NodeSpec(node.name, node.name, int(round(node.cores * 100)), 1 << 40) for node in cluster.nodes]
     index = {node.name: i for i, node in enumerate(cluster.nodes)}
     try:

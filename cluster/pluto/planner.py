@@ -461,10 +461,9 @@ def duration_text(seconds: float | None) -> str:
 
 
 # -- checking before recommending ------------------------------------------------------------
-# A forecast is a guess until a run measures it: when the best forecast is within
-# VERIFY_MARGIN of the next plans, or the recommended plan lies outside the shapes
-# calibration ran, the caller (paicli/pluto.py) runs the plans `to_verify` picks
-# briefly through pai, and `apply_measured` recommends by what they measured.
+# When the best forecast is within VERIFY_MARGIN of the next, or outside the shapes
+# calibration ran, paicli/pluto.py runs the plans `to_verify` picks briefly, and
+# `apply_measured` recommends by what they measured.
 
 VERIFY_MARGIN = 0.15   # forecasts this close to the best are too close to call
 VERIFY_MAX = 4         # plans one verification runs at most
@@ -481,7 +480,6 @@ def structure(choice: Choice) -> tuple:
 
 def plan_key(choice: Choice) -> str:
     """What a run of the plan submits that changes its speed (cluster and -D values)."""
-
     return json.dumps([choice.strategy.cluster_value(), choice.strategy.params()], sort_keys=True)
 
 

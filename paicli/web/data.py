@@ -142,7 +142,6 @@ def tail_text(path: Path, size: int = TAIL_BYTES) -> tuple[str, int]:
 
 def instance_logs(store: Store, job_id: str) -> list[dict[str, Any]]:
     """Each instance's current log file (confined to the job's folder)."""
-
     job = store.job(job_id)
     out = []
     for inst in store.instances(job_id):

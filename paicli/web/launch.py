@@ -1,12 +1,9 @@
 """Finding the per-user logview server, or starting one, without waiting for it.
 
-State lives in $PAI_HOME/logview/ (0700): `token` (0600, the user's token, kept
-across servers so an old URL keeps working) and `server.json` (0600: pid, start
-time, host, port, token). The CLI binds the listening socket itself and hands it
-to the server process, so the URL it prints is good at once: a browser that
-connects before the server is ready just waits in the socket's backlog.
-
-Imports no web library: `pai status` and a submit use this module.
+State lives in $PAI_HOME/logview/ (0700): `token` (0600, kept across servers so
+an old URL keeps working) and `server.json` (0600: pid, start time, host, port,
+token). The CLI binds the listening socket and hands it to the server, so the URL
+it prints is good at once. Imports no web library.
 """
 
 from __future__ import annotations

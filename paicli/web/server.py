@@ -166,7 +166,6 @@ async def job_json(request: web.Request) -> web.Response:
 
 
 def _log_file(store: Store, job_id: str, instance: str | None, attempt: int | None) -> tuple[dict, Path]:
-
     job = store.job(job_id)
     return job, log_path(store, job, instance, attempt)
 
@@ -242,7 +241,6 @@ class Feed:
 
     def look(self, store: Store) -> tuple[list[tuple[str, dict]], bool]:
         """The events to send, in order, and whether the feed is over."""
-
         out: list[tuple[str, dict]] = []
         job = store.job(self.job_id)
         over = client.job_over(job)  # read first: then every line before the end is seen
@@ -356,12 +354,10 @@ def add_study_routes(app: web.Application) -> None:
 
 
 async def studies_page(request: web.Request) -> web.Response:
-
     return _html(request, "studies.html", studies=await _read(request, study.study_list))
 
 
 async def study_page(request: web.Request) -> web.Response:
-
     name = request.query.get("s")
     if not name:
         return await studies_page(request)
@@ -369,12 +365,10 @@ async def study_page(request: web.Request) -> web.Response:
 
 
 async def study_json(request: web.Request) -> web.Response:
-
     return web.json_response(await _read(request, study.curves, request.match_info["name"]))
 
 
 async def study_head(request: web.Request) -> web.Response:
-
     return _html(request, "_study_head.html", study=await _read(request, study.study_page, request.match_info["name"]))
 # -- a job's outputs, listed with download links ----------------------------------------
 

@@ -2,13 +2,11 @@
 
     main(["--home", "~/.pai", "--fd", "N"])   (started by paicli.web.launch, cluster.spawn)
 
-A submit prints the job page's URL at once, and most URLs are never opened. So the
-process the CLI starts imports no web library: it waits for the first connection
-(which the kernel queues on the socket meanwhile) and only then becomes the aiohttp
-server (paicli.web.server), in the same process, so its pid, start time and state
-file stay the ones `launch` recorded. Until then it costs the instances the submit is
-starting no CPU. It leaves by the same rules as the server: idle too long, or its
-state file gone or taken over by another server.
+Most printed URLs are never opened, so the process imports no web library until
+the first connection (queued by the kernel meanwhile); then it becomes the aiohttp
+server (paicli.web.server) in the same process, keeping the pid and state file
+`launch` recorded. It leaves by the server's rules: idle too long, or its state
+file gone or taken over.
 """
 
 from __future__ import annotations

@@ -14,18 +14,19 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from paicli.adapters import get_adapter
 from paicli.cluster import backends, datasets, lifecycle, policy, queue_turns
 from paicli.cluster.procinfo import start_time
+from paicli.cluster.requirement_layers import prepare_job_env
 from paicli.cluster.spawn import MasterProcess, start_master
 from paicli.errors import PaiError, UsageError
 from paicli.jobstatus import MASTER_START_DEADLINE, build_status, job_over, master_alive, read_job  # noqa: F401
 from paicli.jobstatus import final_status as final
 from paicli.jobplan import JobPlan
 from paicli.private import private_dir, write_private
+from paicli.runners.runtimes import RuntimeSetupError, get_runtime
 from paicli.spec import CORE_PARAMS, JobSpec, build_spec
 from paicli.staging import stage_code
 from paicli.statement import Statement, dump_yaml
@@ -87,14 +88,12 @@ def submit(prepared: Prepared, store: Store | None = None,
         entry = None if nodes is None else queue_turns.check_and_describe(
             store, plan, nodes, spec.get("priority"), spec.project)
         if adapter.runtime:
-            from paicli.runners.runtimes import RuntimeSetupError, get_runtime
             try:
                 get_runtime(adapter.runtime).ensure(progress)
             except RuntimeSetupError as err:
                 raise PaiError(f"the {adapter.runtime} runtime: {err}",
                                f"retry with `pai runtime install {adapter.runtime}`") from None
         if spec.get("env") or spec.get("requirements"):   # into the roles; the layer built here first
-            from paicli.cluster.requirement_layers import prepare_job_env
             prepare_job_env(spec, plan, job_dir, progress, store.home)
         # JSON, not YAML: a submit imports no yaml (`pai export` gives YAML).
         write_private(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))

@@ -11,6 +11,7 @@ import fcntl
 import os
 import select
 import sys
+import traceback
 
 from paicli.cluster import agent_link
 from paicli.cluster.backends.base import Backend, NodeSpec
@@ -117,12 +118,8 @@ def _forked_agent(label: str, moves) -> None:
         enter_process(moves, keep=(AGENT_OUTPUT_FD,))
         with open("/proc/self/comm", "w") as comm:
             comm.write("pai-node-agent")   # what `ps` and `top` show for it
-        from paicli.runners import node_agent
-
         code = node_agent.cmd_run(label)
     except BaseException:
-        import traceback
-
         traceback.print_exc()
     finally:
         os._exit(code)

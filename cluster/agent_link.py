@@ -40,13 +40,15 @@ import json
 import os
 import select
 import signal
+import struct
 import threading
 import time
 from typing import Protocol
 
 from paicli.cluster.backends.base import NODE_LOST, Handle, InstanceRef
-from paicli.runners.node_outputs import FRAME_HEAD as HEAD
+from paicli.runners.node_outputs import FRAME_FORMAT
 
+HEAD = struct.Struct(FRAME_FORMAT)
 FILE_FRAMES = (b"F", b"D", b"S", b"L", b"Z")
 PUMP_READ = 1 << 20           # a read of the pump: files travel in 256 KB frames (output in small ones)
 TRANSFER_QUIET = 30.0         # seconds without a file frame after which a wait stops extending

@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,8 +37,9 @@ from typing import Any
 from paicli import jobstatus
 from paicli.cluster.node_files import PART, checkpoint_dir, job_settings, state_rel
 from paicli.private import ReplacingFile, open_append_fd
-from paicli.runners.node_outputs import FRAME_HEAD as HEAD, SCAN_LIMIT, Checksum
+from paicli.runners.node_outputs import FRAME_FORMAT, SCAN_LIMIT, Checksum
 
+HEAD = struct.Struct(FRAME_FORMAT)
 KEYS = ("cwd", "ckpt", "out")
 TRANSFER_WAIT = 600.0     # the most the end of a job waits for files still on their way
 Note = Callable[[str], None]

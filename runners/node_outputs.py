@@ -37,7 +37,7 @@ try:   # as paicli.runners.<this> (the master, the local agent, the tests)
 except ImportError:   # as a script in the job's staged runners folder: its folder is on sys.path
     import private_files
 
-FRAME_HEAD = struct.Struct(">cI")   # the agent link's framing: 1 byte kind, 4 bytes big-endian length
+FRAME_FORMAT = ">cI"   # the agent link's frame header: 1 byte kind, 4 bytes big-endian length
 CHUNK = 256 * 1024
 LISTED = 512              # in-place files said in one L frame
 STALL = 60.0              # seconds the master may take nothing before files stop going
@@ -281,7 +281,7 @@ def collect(request: dict):
 
 def frame_bytes(frames) -> bytes:
     """(kind, payload) frames as the bytes of a stream (the agent's framing)."""
-    return b"".join(FRAME_HEAD.pack(kind, len(payload)) + payload for kind, payload in frames)
+    return b"".join(struct.pack(FRAME_FORMAT, kind, len(payload)) + payload for kind, payload in frames)
 
 
 def main(argv: list) -> int:

@@ -16,8 +16,6 @@ import json
 import os
 import sys
 
-from paicli.runners.runtimes import get_runtime
-
 RUNNERS = os.path.dirname(os.path.abspath(__file__))
 FOLDER = os.path.dirname(RUNNERS)
 
@@ -35,6 +33,7 @@ def runtime(name: str) -> dict:
         open(os.path.join(pkg, "__init__.py"), "w").close()
         os.symlink(RUNNERS, os.path.join(pkg, "runners"))
     sys.path.insert(0, os.path.dirname(pkg))
+    from paicli.runners.runtimes import get_runtime   # the package made just above
 
     rt = get_runtime(name)
     rt.ensure(say)

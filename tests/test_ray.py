@@ -1107,3 +1107,21 @@ def test_a_port_that_is_not_rays_ends_ray_init_at_its_deadline(tmp_path):
     assert took and 3 <= float(took) < 10, result.stdout + result.stderr[-2000:]
     assert line == (f"cannot reach the Ray cluster at {address}: no answer as a Ray cluster within 3s; check "
                     "PAI_RAY_ADDRESS / the nodes file's ray.address and that `ray status` answers there")
+
+
+def test_what_goes_to_ray_nodes_by_value_pickles_without_paicli_on_the_node(tmp_path):
+    """The actor and the pinned tasks travel by value (a Ray node has no paicli): every
+    global they reach must pickle, and they load where no module of paicli imports."""
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+    ray_node.ship_by_value(cloudpickle)
+    blocked = ("import sys, pickle\n"
+               "class NoPaicli:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name == 'paicli' or name.startswith('paicli.'):\n"
+               "            raise ImportError('no paicli on this node: ' + name)\n"
+               "sys.meta_path.insert(0, NoPaicli())\n"
+               "print(pickle.loads(sys.stdin.buffer.read()).__name__)\n")
+    for shipped in (ray_node.InstanceActor, ray_node.pinned_collect, ray_node.pinned_cleanup):
+        loaded = subprocess.run([sys.executable, "-c", blocked], input=cloudpickle.dumps(shipped),
+                                capture_output=True, cwd=tmp_path, timeout=60)
+        assert loaded.returncode == 0 and loaded.stdout.decode().strip() == shipped.__name__, loaded.stderr.decode()

@@ -27,7 +27,7 @@ import tarfile
 import tempfile
 import threading
 
-from paicli.runners import node_agent, node_info, node_outputs, stage_writer
+from paicli.runners import node_agent, node_info, node_outputs, private_files, stage_writer
 
 MAX_BUFFERED = 1 << 20   # agent output held in the actor before the agent is made to wait
 
@@ -35,7 +35,7 @@ MAX_BUFFERED = 1 << 20   # agent output held in the actor before the agent is ma
 def ship_by_value(cloudpickle) -> None:
     """Register what goes to Ray nodes by value: this module and the node agent's
     functions it uses (a Ray node needs Ray, not paicli)."""
-    for module in (sys.modules[__name__], node_agent, node_info, node_outputs, stage_writer):
+    for module in (sys.modules[__name__], node_agent, node_info, node_outputs, private_files, stage_writer):
         cloudpickle.register_pickle_by_value(module)
 
 

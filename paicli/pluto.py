@@ -598,15 +598,21 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     # 2bit's CPU cost and a server's update per value, probed once on this machine with
     # MXNet's kernels (the planner weighs 2bit and async for every MXNet plan) and kept
     # with the calibration like the rates.
-    probes = {"quantize_s_per_value": ("mxnet", probe_quantize), "update_s_per_value": ("mxnet", probe_update),
-              "kvstore_s_per_value": ("mxnet", probe_kvstore), "rpc": ("tensorflow", probe_rpc)}
-    probed = {key: (cached or {}).get(key) for key in probes}
-    for key, (probe_framework, probe) in probes.items():
-        if probed[key] is None and framework == probe_framework:
-            probed[key] = probe()
-    costs = {"quantize_s_per_value": probed["quantize_s_per_value"] or 0.0,
-             "update_s_per_value": probed["update_s_per_value"] or 0.0, "link_cpu_s_per_byte": link_cpu,
-             **(probed["kvstore_s_per_value"] or {}), **(probed["rpc"] or {})}
+    quantize = (cached or {}).get("quantize_s_per_value")
+    if quantize is None and framework == "mxnet":
+        quantize = probe_quantize()
+    update = (cached or {}).get("update_s_per_value")
+    if update is None and framework == "mxnet":
+        update = probe_update()
+    kvstore = (cached or {}).get("kvstore_s_per_value")
+    if kvstore is None and framework == "mxnet":
+        kvstore = probe_kvstore()
+    # TensorFlow's gRPC runtime's CPU per byte and per variable, likewise
+    rpc = (cached or {}).get("rpc")
+    if rpc is None and framework == "tensorflow":
+        rpc = probe_rpc()
+    costs = {"quantize_s_per_value": quantize or 0.0, "update_s_per_value": update or 0.0,
+             "link_cpu_s_per_byte": link_cpu, **(kvstore or {}), **(rpc or {})}
     where, here = replace(where, **costs), replace(here, **costs)
     texts = script_texts(prepared)   # read once for tf_sync and script_knobs
     if cached:
@@ -617,7 +623,9 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
                                         "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links,
-                                        "machines": machines, "link_cpu_s_per_byte": link_cpu, **probed})
+                                        "machines": machines, "quantize_s_per_value": quantize,
+                                        "update_s_per_value": update, "link_cpu_s_per_byte": link_cpu,
+                                        "kvstore_s_per_value": kvstore, "rpc": rpc})
     knobs = script_knobs(prepared, facts, args, texts)
     result = planner.plan(profile, where, user, budget_s=budget_s, knobs=knobs)
     verification = None

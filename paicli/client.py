@@ -83,8 +83,12 @@ def submit(prepared: Prepared, store: Store | None = None,
         datasets.prepare(spec, plan, job_dir)   # -Dtables/-Doutputs checked (exit 2) and sliced
         plan.runtime = adapter.runtime or None
         # A job that could never start is refused now; one that must wait is queued
-        # (docs/queue.md). Ray places jobs itself (no nodes: None).
-        nodes = master.nodes(config)
+        # (docs/queue.md). Ray places jobs itself (no nodes: None). Only remote nodes
+        # are worth the master's round trip; this machine is read here.
+        if backends.probed_by_login(config):
+            nodes = master.nodes(config)
+        else:
+            nodes = backends.get_backend(config).nodes()
         entry = None if nodes is None else queue_turns.check_and_describe(
             store, plan, nodes, spec.get("priority"), spec.project)
         if adapter.runtime:

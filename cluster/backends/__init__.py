@@ -46,6 +46,13 @@ def backend_class(config: dict[str, Any]) -> type:   # not built: Ray's construc
     return _backend_attr(config, BACKENDS[_backend_name(config)].partition(":")[2])
 
 
+def probed_by_login(config: dict[str, Any]) -> bool:
+    """Whether finding the nodes of `config` means reaching out to them (SSH logins,
+    a Ray head): a job's master does that and keeps the connections for the job.
+    This machine alone is read where the question is asked."""
+    return _backend_name(config) != "local"
+
+
 def list_nodes(config: dict[str, Any]) -> list[dict[str, Any]]:
     """`pai nodes` rows for a cluster that lists its own nodes (Ray): the backend
     module's `list_nodes(config)`."""

@@ -405,7 +405,7 @@ def read_space(path: str) -> list[Dimension]:
     return parse_space(text, path)
 
 
-def _check_values(prepared_base, framework, project, base, targets, dims) -> None:
+def _check_values(framework, project, base, targets, dims) -> None:
     """Each -D the space sets, at its ends and choices: a value the job's table
     refuses is bad input now, not a failed trial later."""
     for dim in dims:
@@ -430,7 +430,7 @@ def create(stmt, opts: TuneOptions, store, say: Callable[[str], None] = lambda l
         known[param.name] = known[param.yaml_name] = param.name
     targets = targets_of(dims, known)
     base = {k: v for k, v in spec.params.items()}
-    _check_values(prepared, spec.framework, spec.project, base, targets, dims)
+    _check_values(spec.framework, spec.project, base, targets, dims)
     trials = opts.trials
     if opts.sampler == "grid":
         size = math.prod(len(v) for v in grid_values(dims).values())

@@ -31,7 +31,7 @@ def ok(result) -> str:
 # -- SSH -------------------------------------------------------------------------------
 
 
-cluster = module_cluster(3, "pdt", 160)
+cluster = module_cluster(3, "pdt", 190)
 nodes = module_nodes(cpu=100)
 
 

@@ -280,6 +280,9 @@ class JobOutputs:
 
     def unreachable(self, inst: InstanceOutputs, why: str) -> None:
         folder = f"the job's folder on {inst.node}"
+        # The file whose copy the link's end cut short is named: the rest are unknown here.
+        if inst._file:
+            why = f"{why}; {inst._file.get('rel')} was on its way"
         with self._lock:
             self.keep_nodes.add(inst.node)
             self._rows.append((self.job_id, inst.name, "*", 0, 0, None, "node", inst.node, folder, why))

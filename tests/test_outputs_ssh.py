@@ -366,3 +366,136 @@ def test_an_mxnet_worker_moved_off_a_lost_node_resumes_from_its_own_checkpoint(c
     assert f"step={firsts[-1] + 1}," in after_move and f"step=1," not in after_move
     if lost:
         cluster.ssh(lost, ["rm", "-rf", f"/tmp/paicli-{cluster.user}/{job_id}"])
+
+
+BIG = r'''
+import os
+os.makedirs("models", exist_ok=True)
+with open("models/big.bin", "wb") as f:
+    for block in range(200):
+        f.write(bytes([block]) * (1 << 20))
+print("step=1 loss=0.5", flush=True)
+'''
+
+
+def _agents_of(job_id: str) -> list[int]:
+    """The node agents (on any namespace host) running an instance of `job_id`."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"node_agent.py" in cmdline and job_id.encode() in cmdline:
+            found.append(int(name))
+    return found
+
+
+def _parts(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.startswith(".pai-part-")]
+
+
+def _is_big(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return all(f.read(1 << 20) == bytes([block]) * (1 << 20) for block in range(200)) and not f.read(1)
+
+
+def test_kill_9_of_a_node_agent_sending_200_mb_leaves_nothing_half_written_and_pai_get_brings_it(
+        cluster, nodes, tmp_path, pai_home):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(BIG)
+    proc = subprocess.Popen([*PAI, "-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":1}}',
+                             "-DmaxRetries=0"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        # a partial copy here means the agent is in the middle of sending the file
+        assert wait_until(lambda: _parts(work), timeout=120, interval=0.02), proc.stdout.read()
+        agents = _agents_of(job_id)
+        assert agents
+        for pid in agents:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out[-3000:]
+    status = pai_json("status", job_id)
+    assert status["status"] == "Failed", status
+    assert not _parts(work), _parts(work)
+    assert not (work / "models" / "big.bin").exists()   # absent, never a short copy
+    # the whole instance's files are named as still on the node, and the file under way by name
+    listed = pai_json("outputs", job_id)
+    assert listed["missing"] == 1 and listed["files"][0]["where"] == "node", listed
+    lost = listed["files"][0]["node"]
+    log = (pai_home / "jobs" / job_id / "job.log").read_text()
+    assert f"could not be brought back from node {lost}" in log and "models/big.bin" in log, log[-3000:]
+    got = pai("get", job_id)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert _is_big(work / "models" / "big.bin")
+    assert not _parts(work)
+    assert pai_json("outputs", job_id)["missing"] == 0
+    assert wait_until(lambda: not node_folders(cluster, job_id), timeout=20), node_folders(cluster, job_id)
+
+
+def test_a_link_dropped_while_200_mb_come_back_names_the_file_and_pai_get_brings_it_later(
+        cluster, nodes, tmp_path, pai_home):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(BIG)
+    proc = subprocess.Popen([*PAI, "-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":1}}',
+                             "-DmaxRetries=0"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lost = None
+    try:
+        job_id = proc.stdout.readline()[5:].strip()
+        assert wait_until(lambda: _parts(work), timeout=120, interval=0.02), proc.stdout.read()
+        host = pai_json("status", job_id)["instances"][0]["host"]
+        lost = next(h.name for h in cluster.hosts if h.addr == host)
+        cluster.link_down(lost)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if lost:
+            cluster.link_up(lost)
+    assert proc.returncode == 1, out[-3000:]
+    assert not _parts(work) and not (work / "models" / "big.bin").exists()
+    listed = pai_json("outputs", job_id)
+    assert listed["missing"] == 1 and listed["files"][0]["node"] == lost, listed
+    log = (pai_home / "jobs" / job_id / "job.log").read_text()
+    assert f"could not be brought back from node {lost}" in log and "models/big.bin" in log, log[-3000:]
+    got = pai("get", job_id)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert _is_big(work / "models" / "big.bin") and not _parts(work)
+    assert pai_json("outputs", job_id)["missing"] == 0
+
+
+def test_a_full_disk_here_while_200_mb_come_back_leaves_nothing_half_written(cluster, nodes, tmp_path, pai_home):
+    pai_home.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(pai_home)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.strip()}")
+    try:
+        work = tmp_path / "work"
+        work.mkdir()
+        (work / "train.py").write_text(BIG.replace('"models/big.bin"', 'os.environ["PAI_OUTPUT_DIR"] + "/big.bin"'))
+        done = subprocess.run([*PAI, "-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":1}}',
+                               "-DmaxRetries=0"], cwd=work, capture_output=True, text=True, timeout=180)
+        job_id = job_id_from(done.stdout)
+        outputs = pai_home / "jobs" / job_id / "outputs" / "worker-0"
+        assert not (outputs / "big.bin").exists() and not _parts(pai_home)
+        log = (pai_home / "jobs" / job_id / "job.log").read_text()
+        assert "big.bin of worker:0 not brought back (disk full on this machine)" in log, log[-3000:]
+        listed = pai_json("outputs", job_id)
+        assert listed["missing"] == 1 and listed["files"][0]["where"] == "node", listed
+        # room again: `pai get` brings the file where it belongs
+        subprocess.run(["mount", "-o", "remount,size=512m", str(pai_home)], check=True)
+        got = pai("get", job_id)
+        assert got.returncode == 0, got.stdout + got.stderr
+        assert _is_big(outputs / "big.bin") and not _parts(pai_home)
+        assert pai_json("outputs", job_id)["missing"] == 0
+    finally:
+        subprocess.run(["umount", "-l", str(pai_home)], capture_output=True)

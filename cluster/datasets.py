@@ -278,12 +278,20 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
             blobs.update({digest: (lambda path=path: _read(path)) for _rel, digest, path in t["sources"]})
         plan_line = {"index": node_index, "trees": tree_plans}
         sizes.update({d: os.path.getsize(p) for t in trees for _r, d, p in t["sources"]})
-        lacking = transport.missing(sorted(blobs))
-        transport.sizes = sizes
-        sent[node] = transport.put(plan_line, {d: blobs[d] for d in lacking})
+        what = f"slices {','.join(map(str, sids))} of {index['slice_count']}" if sids and index else ""
+        try:
+            lacking = transport.missing(sorted(blobs))
+            transport.sizes = sizes
+            sent[node] = transport.put(plan_line, {d: blobs[d] for d in lacking})
+        except (PaiError, SpecError):
+            raise
+        except Exception as err:  # noqa: BLE001 - the transport's own (paramiko's, OSError, EOFError)
+            # A blob lands on the node under its digest only once whole, so nothing half-sent is used.
+            raise PaiError(f"data: {what or 'the buckets'} did not reach node {node} "
+                           f"({type(err).__name__}: {err}); they are still here") from err
         held = len(blobs) - len(lacking)
         note(f"data: {node}: {len(lacking)} blob(s) sent ({sent[node]} bytes), {held} already there"
-             + (f"; slices {','.join(map(str, sids))} of {index['slice_count']}" if sids and index else ""))
+             + (f"; {what}" if what else ""))
     record = Path(job_dir) / DATA / "sent.json"
     old = json.loads(record.read_text()) if record.exists() else []
     write_private(record, json.dumps(old + [sent]))

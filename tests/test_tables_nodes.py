@@ -144,3 +144,46 @@ def test_ssh_a_worker_moved_off_a_lost_node_gets_its_slice_there(cluster, nodes,
     rows = list(csv.reader(open(tmp_path / "pred.csv")))
     assert rows[1:] == [[str(i), str(2 * i)] for i in range(103)]
     assert wait_until(lambda: not cluster.leftovers(lost), timeout=15), cluster.leftovers(lost)
+
+
+def test_ssh_a_link_dropped_mid_slice_fails_in_one_line_and_nothing_half_sent_is_used(cluster, nodes, tmp_path, pai_home):
+    import subprocess
+    import time
+
+    from conftest import PAI
+    from netns import IP, TC
+
+    rows = 600_000      # ~14 MB a slice: seconds on a shaped link
+    with open(tmp_path / "big.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["id", "name"], *[[i, f"row number {i} of the big table"] for i in range(rows)]])
+    url = f"file://{tmp_path}/big.csv"
+    cluster.rate_limit("40mbit")
+    proc = subprocess.Popen([*PAI, "-name", "python", f"-Dscript={WORKER}", TWO, f"-Dtables={url}",
+                             "-DmaxRetries=0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lost = None
+    try:
+        job = proc.stdout.readline()[5:].strip()
+        placement = pai_home / "jobs" / job / "placement.json"
+        assert wait_until(placement.exists, timeout=60, interval=0.05)
+        lost = next(p["node"] for p in json.loads(placement.read_text()) if (p["role"], p["idx"]) == ("worker", 1))
+        time.sleep(1.0)     # its slice is on its way
+        cluster.link_down(lost)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if lost:
+            cluster.link_up(lost)
+        for host in cluster.hosts:
+            subprocess.run([TC, "qdisc", "del", "dev", host.veth, "root"], capture_output=True)
+            subprocess.run([IP, "netns", "exec", host.netns, TC, "qdisc", "del", "dev", "eth0", "root"],
+                           capture_output=True)
+    # one line naming the node and what did not reach it; the rows are still here
+    assert proc.returncode == 1, out[-3000:]
+    assert f"slices 1 of 2 did not reach node {lost}" in out and "they are still here" in out, out[-3000:]
+    assert "launcher error" not in out
+    assert wait_until(lambda: not cluster.leftovers(lost), timeout=30), cluster.leftovers(lost)
+    # the node answers again: nothing half-sent is used, every row is read once
+    again = pai("-name", "python", f"-Dscript={WORKER}", TWO, f"-Dtables={url}", timeout=180)
+    ok(again)
+    assert_disjoint_and_complete(again.stdout, url, rows)

@@ -136,59 +136,35 @@ def own_slice(slice_id=None, slice_count=None) -> tuple:
     return int(slice_id), int(slice_count)
 
 
-# -- scanning a CSV file: record boundaries without parsing every field ---------------
+# -- scanning a CSV file: record boundaries as Python's csv module finds them --------------
 
 
 def delimiter_of(path: str) -> str:
     return "\t" if path.lower().endswith(".tsv") else ","
 
 
-def _records(chunk: bytes, inside: bool):
-    """Positions just after each record-ending newline in `chunk` (newlines inside
-    a quoted field end no record), and whether `chunk` ends inside quotes."""
-    ends = []
-    if b'"' not in chunk and not inside:
-        pos = chunk.find(b"\n")
-        while pos >= 0:
-            ends.append(pos + 1)
-            pos = chunk.find(b"\n", pos + 1)
-        return ends, False
-    offset = 0
-    for part in chunk.split(b'"'):
-        if not inside:
-            pos = part.find(b"\n")
-            while pos >= 0:
-                ends.append(offset + pos + 1)
-                pos = part.find(b"\n", pos + 1)
-        offset += len(part) + 1
-        inside = not inside
-    return ends, not inside   # the loop toggled once more than there were quotes
+def _plain(data: bytes) -> bool:
+    """No quote and no lone CR: csv's records are then the lines ending in LF, so
+    they are counted without parsing a field (the common case: fast)."""
+    return b'"' not in data and data.count(b"\r") == data.count(b"\r\n")
 
 
-def _count(chunk: bytes, inside: bool) -> tuple:
-    """(records ending in `chunk`, last such end or -1, inside quotes after) without
-    building the positions when the chunk has no quote (the common case: fast)."""
-    if b'"' not in chunk and not inside:
-        return chunk.count(b"\n"), chunk.rfind(b"\n") + 1 or -1, False
-    ends, inside = _records(chunk, inside)
-    return len(ends), (ends[-1] if ends else -1), inside
+def _lines(data: bytes) -> int:
+    return data.count(b"\n") + data.count(b"\r") - data.count(b"\r\n")
 
 
 class CsvFile:
     """One CSV file's layout: its columns, where its rows begin (`data_start`), how
     many rows it has, and a checkpoint (byte offset, rows before) at every chunk
-    so that a row's offset is found by rescanning one chunk. `check=True` reads
-    every row too: undecodable text or a row with another field count is a
-    TableError naming the file and line."""
+    so that a row's offset is found by rescanning one chunk. Records are those
+    csv.reader reads from the file opened with newline="" (as `Table` reads it).
+    `check=True` reads every row too: undecodable text, text csv refuses, or a row
+    with another field count is a TableError naming the file and line."""
 
     def __init__(self, path: str, check: bool = False, delimiter: str = ""):
         self.path = path
         self.delimiter = delimiter or delimiter_of(path)
-        self.columns: list = []
-        self.data_start = 0
-        self.rows = 0
-        self.size = 0
-        self.checkpoints: list = []
+        self.columns, self.data_start, self.rows, self.size, self.checkpoints = [], 0, 0, 0, []
         self._scan(check)
 
     def _fail(self, line: int, why: str) -> TableError:
@@ -201,71 +177,106 @@ class CsvFile:
             raise TableError(f"{self.path}: cannot read it ({err.strerror or err})") from None
         with f:
             self.size = os.fstat(f.fileno()).st_size
-            header = f.readline()
-            if not header.strip():
+            data = b""
+            while True:     # the header: the first record, however long
+                block = f.read(CHUNK)
+                data += block
+                first = next(self._records(data, not block, check), None)
+                if first or not block:
+                    break
+            if first is None or not any(field.strip() for field in first[1]):
                 raise self._fail(1, "no header line naming the columns")
-            text = self._decode(header, 1)
-            try:
-                self.columns = next(csv.reader([text.rstrip("\r\n")], delimiter=self.delimiter), [])
-            except csv.Error as err:
-                raise self._fail(1, f"the header is not CSV: {err}") from None
-            if not self.columns or any(not c.strip() for c in self.columns):
-                raise self._fail(1, f"the header {text.strip()[:80]!r} has an empty column name")
-            self.data_start = f.tell()
-            self._scan_rows(f, check)
+            self.data_start, self.columns = first
+            if any(not c.strip() for c in self.columns):
+                raise self._fail(1, f"the header {self.delimiter.join(self.columns)[:80]!r} has an empty column name")
+            f.seek(self.data_start)
+            self._scan_rows(f, check, 1 + _lines(data[:self.data_start]))
 
     def _decode(self, data: bytes, first_line: int) -> str:
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise self._fail(first_line + data[:err.start].count(b"\n"),
-                             "not UTF-8 text (is it a CSV file?)") from None
+            raise self._fail(first_line + _lines(data[:err.start]), "not UTF-8 text (is it a CSV file?)") from None
 
-    def _scan_rows(self, f, check: bool) -> None:
-        offset, rows, line, inside, carry = self.data_start, 0, 2, False, b""
+    def _records(self, data: bytes, final: bool, strict: bool = False, line: int = 1, want: int = 0):
+        """(end, row) of each record of `data` (which begins where a record does) as
+        csv.reader reads it, `end` the offset just after it. Unless `final` (the
+        file ends with `data`), a record that may go on past `data` is left out.
+        `want`: the fields each row must have (0: not checked)."""
+        lines = data.splitlines(keepends=True)
+        if not final and lines and not lines[-1].endswith(b"\n"):
+            lines.pop()    # cut by the chunk, or a CR that an LF may follow
+        at = [0, False]    # bytes the reader has taken; whether it asked past the last line
+
+        def feed():
+            for n, raw in enumerate(lines):
+                text = self._decode(raw, line + n)
+                at[0] += len(raw)
+                yield text
+            at[1] = True
+
+        reader = csv.reader(feed(), delimiter=self.delimiter, strict=strict)
+        start, open_quote = line, False
+        try:
+            for row in reader:
+                if at[1]:    # it ran out of lines inside a quoted field
+                    open_quote = True
+                    break
+                if want and len(row) != want:
+                    got = "an empty line" if not row else f"{len(row)} fields"
+                    raise self._fail(line + reader.line_num - 1, f"{got}, the header has {want} "
+                                     f"({', '.join(self.columns)[:60]}); the table is ragged")
+                start = line + reader.line_num
+                yield at[0], row
+        except csv.Error as err:
+            if not at[1]:
+                raise self._fail(line + reader.line_num - 1, f"not CSV: {err}") from None
+            open_quote = True
+        if open_quote and final:
+            raise self._fail(start, "a quoted field is never closed")
+
+    def _scan_rows(self, f, check: bool, line: int) -> None:
+        offset, rows, carry = self.data_start, 0, b""
+        want = len(self.columns) if check else 0
         while True:
             block = f.read(CHUNK)
             data = carry + block
             if not data:
                 break
-            count, end, after = _count(data, inside)
-            if not block:             # the end of the file: what is left is one last record
-                if after:
-                    raise self._fail(line, "a quoted field is never closed")
-                count, end, after = count + 1, len(data), False
-            elif end < 0:             # no record ends here: read on
+            final = not block
+            if _plain(data):
+                end = len(data) if final else data.rfind(b"\n") + 1
+                count = data.count(b"\n", 0, end) + (final and not data.endswith(b"\n"))
+                if check and end:
+                    self._check_plain(data[:end], line, want)
+            else:
+                ends = [e for e, _row in self._records(data, final, check, line, want)]
+                count, end = len(ends), (ends[-1] if ends else 0)
+            if not end and not final:      # no record ends here: read on
                 carry = data
                 continue
             self.checkpoints.append((offset, rows))
-            if check:
-                self._check_chunk(data[:end], line)
-            line += data.count(b"\n", 0, end)
-            rows, offset, inside, carry = rows + count, offset + end, False, data[end:]
-            if not block:
+            line += _lines(data[:end])
+            rows, offset, carry = rows + count, offset + end, data[end:]
+            if final:
                 break
         self.rows = rows
 
-    def _check_chunk(self, chunk: bytes, line: int) -> None:
-        """Every record of `chunk` (whole records, starting at file line `line`) has
-        as many fields as the header. Without quotes, delimiter counts per chunk
-        (fast); a chunk that disagrees, or has quotes, is parsed row by row."""
+    def _check_plain(self, chunk: bytes, line: int, want: int) -> None:
+        """A chunk without quotes has `want` fields a row when its delimiters say so
+        and no line is empty; else it is parsed row by row to name the line."""
         text = self._decode(chunk, line)
-        want = len(self.columns)
-        delim = self.delimiter
-        if '"' not in text:
-            lines = text.count("\n") + (0 if text.endswith("\n") else 1)
-            if want == 1 or text.count(delim) == lines * (want - 1) and "\n\n" not in text \
-                    and not text.startswith("\n"):
-                return
-        reader = csv.reader(io.StringIO(text, newline=""), delimiter=delim, strict=True)
-        try:
-            for row in reader:
-                if len(row) != want:
-                    got = "an empty line" if not row else f"{len(row)} fields"
-                    raise self._fail(line + reader.line_num - 1, f"{got}, the header has {want} "
-                                     f"({', '.join(self.columns)[:60]}); the table is ragged")
-        except csv.Error as err:
-            raise self._fail(line + reader.line_num - 1, f"not CSV: {err}") from None
+        lines = text.count("\n") + (0 if text.endswith("\n") else 1)
+        if text.count(self.delimiter) != lines * (want - 1) or "\n\n" in text or "\n\r\n" in text \
+                or text.startswith(("\n", "\r\n")):
+            for _ in self._records(chunk, True, True, line, want):
+                pass
+
+    def _ends(self, data: bytes, final: bool) -> list:
+        if not _plain(data):
+            return [end for end, _row in self._records(data, final)]
+        ends = [m.end() for m in re.finditer(b"\n", data)]
+        return ends + [len(data)] if final and data and not data.endswith(b"\n") else ends
 
     def offset_of(self, row: int) -> int:
         """The byte offset where row `row` (0-based, `rows` = the end) begins."""
@@ -284,7 +295,7 @@ class CsvFile:
             while True:
                 block = f.read(CHUNK)
                 data += block
-                ends, _inside = _records(data, False)
+                ends = self._ends(data, not block)
                 if len(ends) >= skip:
                     return base + ends[skip - 1]
                 if not block:
@@ -414,20 +425,27 @@ class Table:
 
     def _part_rows(self, part: dict):
         if part["rows"] <= 0:
-            return iter(())
+            return
         if part.get("format") == "jsonl":   # a SQLite slice shipped to a node: one JSON array a row
             lines = open(part["path"], encoding="utf-8")
             self._open.append(lines)
-            return (tuple(json.loads(line)) for line in itertools.islice(lines, part["rows"]))
-        if "table" in part:
+            rows = (tuple(json.loads(line)) for line in lines)
+        elif "table" in part:
             con = _connect(part["path"])
             self._open.append(con)
-            return con.execute(f'SELECT * FROM "{part["table"]}" LIMIT ? OFFSET ?', (part["rows"], part["offset"]))
-        raw = open(part["path"], "rb")
-        raw.seek(part["start"])
-        text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
-        self._open.append(text)
-        return itertools.islice(csv.reader(text, delimiter=self.delimiter), part["rows"])
+            rows = con.execute(f'SELECT * FROM "{part["table"]}" LIMIT ? OFFSET ?', (part["rows"], part["offset"]))
+        else:
+            raw = open(part["path"], "rb")
+            raw.seek(part["start"])
+            rows = io.TextIOWrapper(raw, encoding="utf-8", newline="")
+            self._open.append(rows)
+            rows = csv.reader(rows, delimiter=self.delimiter)
+        n = 0
+        for n, row in enumerate(itertools.islice(rows, part["rows"]), 1):
+            yield row
+        if n < part["rows"]:    # never fewer rows than the job was told: the table changed since
+            raise TableError(f"{part['path']}: gave {n} of its {part['rows']} rows; "
+                             "was it changed after the job was submitted?")
 
 
 def load_index(path: str = "") -> dict:

@@ -109,6 +109,35 @@ def test_a_ragged_or_broken_csv_names_the_line(tmp_path, text, words):
         paitables.CsvFile(str(path), check=True)
 
 
+@pytest.mark.parametrize("text", [
+    'item,size\nscreen,27"\nkeyboard,full\ncable,6"\nmouse,small\n',   # quotes inside unquoted fields
+    'item,size\r\nscreen,"27"" wide"\r\nkeyboard,full\rcable,"6\r\nlong"\nmouse,\n',   # bare CR ends a record
+    'id\n1\n2,3\n4\n',                                                  # one column: a comma is a field
+])
+def test_rows_are_those_the_csv_module_reads_or_the_table_is_refused(tmp_path, text):
+    path = tmp_path / "t.csv"
+    path.write_bytes(text.encode())
+    expected = list(csv.reader(open(path, newline="", encoding="utf-8")))[1:]
+    if any(len(row) != len(expected[0]) for row in expected):
+        with pytest.raises(paitables.TableError, match="line 3: 2 fields, the header has 1"):
+            paitables.CsvFile(str(path), check=True)
+        return
+    assert paitables.CsvFile(str(path), check=True).rows == len(expected)
+    for count in range(1, len(expected) + 1):
+        got = [row for i in range(count) for row in paitables.open_table(str(path), i, count)]
+        assert got == expected, count
+
+
+def test_a_slice_that_ends_short_is_an_error_never_fewer_rows(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("a,b\n1,2\n3,4\n5,6\n")
+    shape = paitables.layout(paitables.parse_url(str(path)))
+    parts = paitables.slice_parts(shape, 0, 1)
+    path.write_text("a,b\n1,2\n")          # the table changed after it was sliced
+    with pytest.raises(paitables.TableError, match="t.csv: gave 1 of its 3 rows"):
+        list(paitables.Table(shape["key"], shape["columns"], parts))
+
+
 def test_bytes_that_are_not_utf8_name_their_line(tmp_path):
     path = tmp_path / "t.csv"
     path.write_bytes(b"a,b\n1,2\n3,\xff\xfe\n")

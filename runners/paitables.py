@@ -559,9 +559,9 @@ def _remove(path: str) -> None:
         pass
 
 
-def write_sqlite(path: str, table: str, columns: list, rows) -> None:
+def write_sqlite(path: str, table: str, columns: list, rows) -> int:
     """`table` (new; an existing one is replaced) with `rows`, in one transaction:
-    a reader sees the old state or the whole new table, never part of it."""
+    a reader sees the old state or the whole new table, never part of it. The rows written."""
     con = _connect(path, write=True)
     try:
         cols = ", ".join('"%s"' % c.replace('"', '""') for c in columns)
@@ -569,7 +569,7 @@ def write_sqlite(path: str, table: str, columns: list, rows) -> None:
         with con:
             con.execute(f'DROP TABLE IF EXISTS "{table}"')
             con.execute(f'CREATE TABLE "{table}" ({cols})')
-            con.executemany(f'INSERT INTO "{table}" VALUES ({marks})', rows)
+            return con.executemany(f'INSERT INTO "{table}" VALUES ({marks})', rows).rowcount
     finally:
         con.close()
 

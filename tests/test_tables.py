@@ -343,6 +343,28 @@ def test_the_node_cache_checks_digests_and_keeps_trees_inside(tmp_path):
         node_cache.place(root, folder, {"trees": [dict(tree, link="../../x")]})
 
 
+def test_a_corrupted_blob_is_never_reused_even_with_its_size_and_mtime(tmp_path):
+    import hashlib as h
+    import os
+
+    import node_cache
+
+    root, folder = str(tmp_path / "cache"), str(tmp_path / "job")
+    data = b"label\n" * 100
+    digest = h.sha256(data).hexdigest()
+    tree = {"digest": "ab" * 32, "files": [["f.txt", digest]], "link": "buckets/0"}
+    cache_put(root, folder, {"index": None, "trees": [tree]}, {digest: data})
+    blob = tmp_path / "cache" / "blobs" / digest
+    seen = blob.stat()
+    blob.chmod(0o600)
+    blob.write_bytes(b"LABEL\n" * 100)                     # a disk error or root: same size, same mtime
+    os.utime(blob, ns=(seen.st_atime_ns, seen.st_mtime_ns))
+    assert node_cache.missing(root, [digest]) == [digest]   # the next job's first use hashes it again
+    cache_put(root, folder, {"index": None, "trees": [tree]}, {digest: data})
+    assert (tmp_path / "job" / "buckets" / "0" / "f.txt").read_bytes() == data
+    assert node_cache.missing(root, [digest]) == []
+
+
 def test_a_table_under_a_shared_path_is_read_in_place_on_the_nodes(tmp_path):
     from paicli.cluster import datasets
 

@@ -348,7 +348,7 @@ def _slice_chunks(table: dict, sid: str):
         if "table" in part:
             rows = paitables.Table(table["key"], table["columns"], [part])
             for batch in rows.read(4096):
-                yield b"".join(json.dumps(list(r)).encode() + b"\n" for r in batch)
+                yield "".join(map(paitables.row_line, batch)).encode()
             rows.close()
             continue
         last = b"\n"

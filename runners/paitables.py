@@ -225,7 +225,7 @@ class CsvFile:
                 if want and len(row) != want:
                     got = "an empty line" if not row else f"{len(row)} fields"
                     raise self._fail(line + reader.line_num - 1, f"{got}, the header has {want} "
-                                     f"({', '.join(self.columns)[:60]}); the table is ragged")
+                                     f"({', '.join(self.columns)[:60]!r}); the table is ragged")
                 start = line + reader.line_num
                 yield at[0], row
         except csv.Error as err:
@@ -329,8 +329,8 @@ def layout(url: TableURL, check: bool = False) -> dict:
     files = [CsvFile(path, check) for path in table_files(url)]
     for other in files[1:]:
         if other.columns != files[0].columns:
-            raise TableError(f"{other.path}: its columns ({', '.join(other.columns)[:60]}) are not those of "
-                             f"{files[0].path} ({', '.join(files[0].columns)[:60]}); a folder is one table")
+            raise TableError(f"{other.path}: its columns ({', '.join(other.columns)[:60]!r}) are not those of "
+                             f"{files[0].path} ({', '.join(files[0].columns)[:60]!r}); a folder is one table")
     return {"key": url.key, "kind": "csv", "columns": files[0].columns, "rows": sum(f.rows for f in files),
             "delimiter": files[0].delimiter, "files": files}
 
@@ -429,7 +429,7 @@ class Table:
         if part.get("format") == "jsonl":   # a SQLite slice shipped to a node: one JSON array a row
             lines = open(part["path"], encoding="utf-8")
             self._open.append(lines)
-            rows = (tuple(json.loads(line)) for line in lines)
+            rows = (tuple(line_row(line)) for line in lines)
         elif "table" in part:
             con = _connect(part["path"])
             self._open.append(con)
@@ -502,6 +502,8 @@ class Writer:
         elif kind == "csv":
             self.file = os.fdopen(fd, "w", encoding="utf-8", newline="")
             self.csv = csv.writer(self.file, delimiter=delimiter_of(target), lineterminator="\n")
+            self.quoted = csv.writer(self.file, delimiter=delimiter_of(target), lineterminator="\n",
+                                     quoting=csv.QUOTE_ALL)
             self.csv.writerow(self.columns)
         else:   # sqlite: the rows wait in a part file; close() inserts them in one transaction
             self.file = os.fdopen(fd, "w", encoding="utf-8")
@@ -519,10 +521,10 @@ class Writer:
         row = list(row)
         if len(row) != len(self.columns):
             raise TableError(f"{self.target}: a row of {len(row)} values for {len(self.columns)} columns")
-        if self.kind == "csv":
-            self.csv.writerow(row)
+        if self.kind == "csv":   # a CR ends a record where it is not quoted, and only "\n" makes csv quote
+            (self.quoted if any(isinstance(v, str) and "\r" in v for v in row) else self.csv).writerow(row)
         else:
-            self.file.write(json.dumps(row) + "\n")
+            self.file.write(row_line(row))
         self.rows += 1
 
     def write_rows(self, rows) -> None:
@@ -537,13 +539,15 @@ class Writer:
     def close(self) -> None:
         if self.file.closed:
             return
+        if self.kind == "parts":    # the end, with the count: a part cut short is told from a whole one
+            self.file.write(json.dumps({"rows": self.rows}) + "\n")
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
         try:
             if self.kind == "sqlite":
                 with open(self.aside, encoding="utf-8") as f:
-                    write_sqlite(self.target, self.table, self.columns, (json.loads(line) for line in f))
+                    write_sqlite(self.target, self.table, self.columns, map(line_row, f))
                 _remove(self.aside)
             else:
                 os.replace(self.aside, self.target)
@@ -564,6 +568,7 @@ def write_sqlite(path: str, table: str, columns: list, rows) -> int:
     a reader sees the old state or the whole new table, never part of it. The rows written."""
     con = _connect(path, write=True)
     try:
+        con.execute("BEGIN")    # else sqlite3 commits the DROP and the CREATE on their own
         cols = ", ".join('"%s"' % c.replace('"', '""') for c in columns)
         marks = ", ".join("?" for _ in columns)
         with con:
@@ -595,25 +600,40 @@ def open_writer(url: str = "", columns=None, base: str = "") -> Writer:
     return Writer(parsed.path, list(columns), "csv")
 
 
+def row_line(row) -> str:
+    """A row as one JSON line, a SQLite BLOB as {"hex": ...}: part files and the
+    SQLite slices a node is sent."""
+    return json.dumps(list(row), default=lambda v: {"hex": bytes(v).hex()}) + "\n"
+
+
+def line_row(line: str) -> list:
+    return json.loads(line, object_hook=lambda d: bytes.fromhex(d["hex"]))
+
+
 def read_parts(folder: str):
     """(columns, rows) of the part files a job's workers wrote into `folder`, in
-    (role, index) order: what the job assembles into its output table."""
+    (role, index) order: what the job assembles into its output table. A part
+    that does not end as its writer ended it (cut short) is a TableError."""
     columns, sources = None, []
     names = sorted(n for n in os.listdir(folder) if n.startswith("part-") and n.endswith(".jsonl"))
     for name in names:
         f = open(os.path.join(folder, name), encoding="utf-8")
+        sources.append((name, f))
         head = json.loads(f.readline() or "{}").get("columns")
-        if columns is None:
-            columns = head
-        elif head != columns:
-            f.close()
+        if head is None or columns not in (None, head):
             raise TableError(f"{folder}/{name}: columns {head} differ from the other workers' {columns}")
-        sources.append(f)
+        columns = head
 
     def rows():
-        for f in sources:
+        for name, f in sources:
             with f:
-                for line in f:
-                    yield json.loads(line)
+                n, end = 0, None
+                for n, line in enumerate(f):
+                    if line.startswith("{"):     # the writer's last line
+                        end = json.loads(line).get("rows")
+                        break
+                    yield line_row(line)
+                if end != n or f.read():
+                    raise TableError(f"{folder}/{name}: cut short (no end line after its rows)")
 
     return columns, rows()

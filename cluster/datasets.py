@@ -272,7 +272,7 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
         node_index, blobs, sizes = cutter.for_node(sids, transport.folder)
         tree_plans = [{"digest": t["digest"], "files": t["files"], "link": t["link"]} for t in trees]
         for t in trees:
-            blobs.update({digest: (lambda path=path: _read(path)) for _rel, digest, path in t["sources"]})
+            blobs.update({digest: Path(path).read_bytes for _rel, digest, path in t["sources"]})
         plan_line = {"index": node_index, "trees": tree_plans}
         sizes.update({d: os.path.getsize(p) for t in trees for _r, d, p in t["sources"]})
         lacking = transport.missing(sorted(blobs))
@@ -285,11 +285,6 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
     old = json.loads(record.read_text()) if record.exists() else []
     write_private(record, json.dumps(old + [sent]))
     return sent
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 class _Slices:

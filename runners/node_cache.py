@@ -14,9 +14,8 @@ SSH as a command, on Ray by a zero-CPU task pinned to the node).
 
 ROOT/blobs/<sha256> holds one slice or file, read-only (0400), written aside and
 renamed once its digest is checked, hashed again when a job asks for it: a blob
-that is there is whole. A bucket is a
-tree of hard links to blobs under ROOT/trees/<tree digest>/, read-only, that the
-job's folder links to. The job's table index goes to FOLDER/data/tables.json.
+that is there is whole. A bucket is a tree of hard links to blobs under
+ROOT/trees/<tree digest>/, read-only, that the job's folder links to. The job's table index goes to FOLDER/data/tables.json.
 """
 
 from __future__ import annotations
@@ -80,9 +79,7 @@ def _sound(path: str, digest: str) -> bool:
                 got.update(chunk)
     except FileNotFoundError:
         return False
-    if got.hexdigest() != digest:
-        os.unlink(path)
-    return got.hexdigest() == digest
+    return got.hexdigest() == digest or os.unlink(path)    # (None) a corrupted blob goes
 
 
 def store_blob(root: str, digest: str, chunks) -> int:

@@ -68,9 +68,6 @@ class TableURL:
     def key(self) -> str:
         return f"sqlite://{self.path}?table={self.table}" if self.kind == "sqlite" else f"file://{self.path}"
 
-    def __repr__(self) -> str:
-        return f"TableURL({self.key})"
-
 
 def parse_url(url: str, base: str = "") -> TableURL:
     """`file:///abs`, a plain path (relative to `base`, else the current folder) or
@@ -177,13 +174,8 @@ class CsvFile:
             raise TableError(f"{self.path}: cannot read it ({err.strerror or err})") from None
         with f:
             self.size = os.fstat(f.fileno()).st_size
-            data = b""
-            while True:     # the header: the first record, however long
-                block = f.read(CHUNK)
-                data += block
-                first = next(self._records(data, not block, check), None)
-                if first or not block:
-                    break
+            data = f.read(1 << 20)     # the header: the first record, in its first MB
+            first = next(self._records(data, len(data) == self.size, check), None)
             if first is None or not any(field.strip() for field in first[1]):
                 raise self._fail(1, "no header line naming the columns")
             self.data_start, self.columns = first
@@ -216,11 +208,10 @@ class CsvFile:
             at[1] = True
 
         reader = csv.reader(feed(), delimiter=self.delimiter, strict=strict)
-        start, open_quote = line, False
+        start = line      # where the record being read begins
         try:
             for row in reader:
                 if at[1]:    # it ran out of lines inside a quoted field
-                    open_quote = True
                     break
                 if want and len(row) != want:
                     got = "an empty line" if not row else f"{len(row)} fields"
@@ -231,8 +222,7 @@ class CsvFile:
         except csv.Error as err:
             if not at[1]:
                 raise self._fail(line + reader.line_num - 1, f"not CSV: {err}") from None
-            open_quote = True
-        if open_quote and final:
+        if final and start < line + len(lines):
             raise self._fail(start, "a quoted field is never closed")
 
     def _scan_rows(self, f, check: bool, line: int) -> None:
@@ -355,11 +345,7 @@ def slice_parts(shape: dict, slice_id: int, slice_count: int) -> list:
 def _connect(path: str, write: bool = False) -> sqlite3.Connection:
     if write:
         return sqlite3.connect(path, timeout=30)
-    return sqlite3.connect(f"file:{_quote_path(path)}?mode=ro", uri=True, timeout=30)
-
-
-def _quote_path(path: str) -> str:
-    return quote(path, safe="/")
+    return sqlite3.connect(f"file:{quote(path, safe='/')}?mode=ro", uri=True, timeout=30)
 
 
 def sqlite_shape(url: TableURL) -> tuple:

@@ -180,23 +180,32 @@ def load(job_dir: str | Path) -> dict | None:
 # -- the end: the outputs --------------------------------------------------------------
 
 
-def finish(job_dir: str | Path, backend: Any, succeeded: bool, note: Callable[[str], None]) -> None:
+def finish(job_dir: str | Path, backend: Any, succeeded: bool, note: Callable[[str], None],
+           nodes: set | None = None) -> str | None:
     """The master's last step for the data: the workers' parts brought home (from
-    the nodes), then each output table whole, only when the job succeeded."""
+    `nodes`, where the instances ended, else every staged node), then each output
+    table, whole: only when the job succeeded and every node's parts came home.
+    What fails the job when a table could not be written (None: nothing)."""
     index = load(job_dir)
     if not index or not index.get("outputs"):
-        return
-    fetch_parts(job_dir, backend, index, note)
+        return None
+    unfetched = fetch_parts(job_dir, backend, index, nodes)
+    failed = []
     for out in index["outputs"]:
         if not succeeded:
-            note(f"outputs: no table {out['key']} (the job did not succeed); its workers' rows are in {out['parts']}")
+            note(f"outputs: no table {out['key']} (the job did not succeed); its workers' rows are in {out['parts']}"
+                 + (f"; {unfetched}" if unfetched else ""))
             continue
         try:
+            if unfetched:
+                raise PaiError(unfetched)
             rows = assemble(out)
-        except Exception as err:  # noqa: BLE001 - said in the job's log; the master's end goes on
-            note(f"outputs: {out['key']} not written: {err}; the workers' rows are in {out['parts']}")
+        except Exception as err:  # noqa: BLE001 - the job fails with it; the master's end goes on
+            failed.append(f"outputs: no table {out['key']}: {err}; the rows fetched are in {out['parts']}")
+            note(failed[-1])
             continue
         note(f"outputs: {out['key']}: {rows} rows")
+    return failed[0] if failed else None
 
 
 def assemble(out: dict) -> int:
@@ -205,48 +214,36 @@ def assemble(out: dict) -> int:
     columns, rows = paitables.read_parts(out["parts"])
     if columns is None:
         raise paitables.TableError("no worker wrote a row (no part file)")
-    counted = _Counter(rows)
     if out["kind"] == "sqlite":
-        paitables.write_sqlite(out["path"], out["table"], columns, counted)
-        return counted.n
-    writer = paitables.Writer(out["path"], columns, "csv")
-    try:
-        for row in counted:
-            writer.csv.writerow(row)
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close()
-    return counted.n
+        return paitables.write_sqlite(out["path"], out["table"], columns, rows)
+    with paitables.Writer(out["path"], columns, "csv") as writer:
+        writer.write_rows(rows)
+    return writer.rows
 
 
-class _Counter:
-    def __init__(self, rows):
-        self.rows, self.n = rows, 0
-
-    def __iter__(self):
-        for row in self.rows:
-            self.n += 1
-            yield row
-
-
-def fetch_parts(job_dir: str | Path, backend: Any, index: dict, note: Callable[[str], None]) -> None:
+def fetch_parts(job_dir: str | Path, backend: Any, index: dict, nodes: set | None = None) -> str:
     """Remote backends: every node's part files into this machine's job folder
-    (local: they are there already). A node that does not answer is named."""
-    transports = _transports(backend)
+    (local: they are there already). The nodes whose parts did not come, each
+    named with where its rows stay (its job folder, kept), or ""."""
+    transports = _transports(backend, nodes)
     if transports is None:
-        return
+        return ""
+    lost = {node: f"{node} does not answer; its rows stay in its job folder there"
+            for node in set(nodes or ()) - set(transports)}
     outs = {str(k): Path(out["parts"]) for k, out in enumerate(index.get("outputs", []))}
-    for node, transport in transports.items():
+    for node, transport in sorted(transports.items()):
         try:
             got = transport.parts()
-        except Exception as err:  # noqa: BLE001 - one line in the job's log, the rest goes on
-            note(f"outputs: the rows written on {node} could not be fetched: {type(err).__name__}: {err}")
+        except Exception as err:  # noqa: BLE001 - named in the job's failure, the others go on
+            lost[node] = (f"the rows written on {node} could not be fetched ({type(err).__name__}: {err}); "
+                          f"they stay in {transport.folder}/{DATA}/{OUT} there")
             continue
         for rel, data in got.items():
             k, _, name = rel.partition("/")
             if k in outs and re.fullmatch(r"part-[A-Za-z0-9_]+-\d+\.jsonl", name):
                 write_private(outs[k] / name, data)
+    backend.keep_nodes |= set(lost)
+    return "; ".join(lost[node] for node in sorted(lost))
 
 
 # -- SSH and Ray nodes: slices and buckets by content digest -----------------------------------
@@ -275,7 +272,7 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
         node_index, blobs, sizes = cutter.for_node(sids, transport.folder)
         tree_plans = [{"digest": t["digest"], "files": t["files"], "link": t["link"]} for t in trees]
         for t in trees:
-            blobs.update({digest: (lambda path=path: _read(path)) for _rel, digest, path in t["sources"]})
+            blobs.update({digest: Path(path).read_bytes for _rel, digest, path in t["sources"]})
         plan_line = {"index": node_index, "trees": tree_plans}
         sizes.update({d: os.path.getsize(p) for t in trees for _r, d, p in t["sources"]})
         what = f"slices {','.join(map(str, sids))} of {index['slice_count']}" if sids and index else ""
@@ -296,11 +293,6 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
     old = json.loads(record.read_text()) if record.exists() else []
     write_private(record, json.dumps(old + [sent]))
     return sent
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 class _Slices:
@@ -359,7 +351,7 @@ def _slice_chunks(table: dict, sid: str):
         if "table" in part:
             rows = paitables.Table(table["key"], table["columns"], [part])
             for batch in rows.read(4096):
-                yield b"".join(json.dumps(list(r)).encode() + b"\n" for r in batch)
+                yield "".join(map(paitables.row_line, batch)).encode()
             rows.close()
             continue
         last = b"\n"
@@ -483,8 +475,6 @@ def bucket_trees(job_dir: str | Path) -> list[dict]:
     """Each -Dbuckets folder (but those under a `shared:` path) as a tree of files by
     content digest: {"digest" (of the whole tree), "files": [[rel, sha256]],
     "sources": [(rel, sha256, path)]}. Regular files only."""
-
-
     trees = []
     for folder, dst in data_trees(str(job_dir)):
         sources = []

@@ -689,7 +689,9 @@ class JobMaster:
             status, reason = distribution.judge(self.plan, {i.name: list(i.log.tail) for i in self.instances
                                                             if i.log}, status, reason)
             # The output tables are in place before anyone can read "Succeeded".
-            datasets.finish(self.job_dir, self.backend, status == JobStatus.SUCCEEDED, self.joblog.note)
+            lost = datasets.finish(self.job_dir, self.backend, status == JobStatus.SUCCEEDED, self.joblog.note,
+                                   {i.placed.node for i in self.instances if i.handle})
+            status, reason = (JobStatus.FAILED, lost) if lost else (status, reason)
             self.store.set_job(self.job_id, status, reason)
         else:
             # Record the verdict first, then act on it.

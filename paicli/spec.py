@@ -284,9 +284,19 @@ def _to_json(param: Param, raw: Any, base: Path) -> Any:
     if not isinstance(raw, str):
         return raw  # a YAML structure is already parsed
     try:
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as err:
         raise ValueError(_json_error_line(raw, err)) from None
+    except RecursionError:
+        raise ValueError("nested too deeply for a parameter's value; give a few levels at most") from None
+
+
+def _unique_keys(pairs: list) -> dict:
+    value = dict(pairs)
+    if len(value) < len(pairs):    # JSON would keep the last silently
+        twice = next(k for n, (k, _v) in enumerate(pairs) if k in dict(pairs[:n]))
+        raise ValueError(f"the key {json.dumps(twice)[:40]} is given twice in one object; give each key once")
+    return value
 
 
 def _to_path(param: Param, raw: Any, base: Path) -> str:

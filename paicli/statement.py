@@ -120,6 +120,8 @@ def load_job_file(path: str) -> Statement:
         where = f"{path} line {mark.line + 1} column {mark.column + 1}" if mark else path
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise UsageError(f"{where}: not valid YAML: {problem}", "check the indentation and quoting there") from None
+    except RecursionError:
+        raise UsageError(f"{path}: nested too deeply to be a job file", "give each value a few levels at most") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -18,6 +18,7 @@ from typing import Any
 
 from paicli.errors import NotFound, PaiError, UsageError
 from paicli.private import private_dir, touch_private
+from paicli.runners.node_agent import root_fault
 from paicli.states import InstanceStatus, JobStatus, can_move
 
 SCHEMA = """
@@ -105,12 +106,19 @@ LIVE_CLAIMS = ("SELECT c.node, c.item, c.job_id FROM claims c LEFT JOIN jobs j O
 
 
 def pai_home() -> Path:
+    """$PAI_HOME (default ~/.pai): a UsageError when it is someone else's or others
+    may write to it (they could plant jobs, nodes files or logview tokens)."""
     given = os.environ.get("PAI_HOME")
     try:
-        return Path(given).expanduser() if given else Path.home() / ".pai"
+        home = Path(given).expanduser() if given else Path.home() / ".pai"
     except RuntimeError:  # `~name` of an unknown user
         raise UsageError(f"PAI_HOME={given}: no such user on this machine",
                        "set PAI_HOME to a folder, e.g. ~/.pai") from None
+    st = os.stat(home) if home.exists() else None    # a link to a folder of ours is fine
+    fault = st and root_fault(st.st_mode, st.st_uid, os.geteuid())
+    if fault:
+        raise UsageError(f"PAI_HOME {home}: {fault}", "use a folder only you can write (chmod 700 one of yours)")
+    return home
 
 
 # A job ID's random part (the `string` module's lowercase and digits, without its import).

@@ -13,9 +13,9 @@ SSH as a command, on Ray by a zero-CPU task pinned to the node).
     python3 node_cache.py parts FOLDER               the job's output parts, as frames
 
 ROOT/blobs/<sha256> holds one slice or file, read-only (0400), written aside and
-renamed once its digest is checked: a blob that is there is whole. A bucket is a
-tree of hard links to blobs under ROOT/trees/<tree digest>/, read-only, that the
-job's folder links to. The job's table index goes to FOLDER/data/tables.json.
+renamed once its digest is checked, hashed again when a job asks for it: a blob
+that is there is whole. A bucket is a tree of hard links to blobs under
+ROOT/trees/<tree digest>/, read-only, that the job's folder links to. The job's table index goes to FOLDER/data/tables.json.
 """
 
 from __future__ import annotations
@@ -64,8 +64,22 @@ def blob_path(root: str, digest: str) -> str:
 
 
 def missing(root: str, digests) -> list:
+    """The digests ROOT holds no sound blob of. Asked once a job before its blobs
+    are used, so each blob there is hashed again: one whose bytes changed (a disk
+    error, root), whatever its size and mtime say, is removed and so sent again."""
     own_dir(root)
-    return [d for d in digests if not os.path.isfile(blob_path(root, d))]
+    return [d for d in digests if not _sound(blob_path(root, d), d)]
+
+
+def _sound(path: str, digest: str) -> bool:
+    got = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                got.update(chunk)
+    except FileNotFoundError:
+        return False
+    return got.hexdigest() == digest or os.unlink(path)    # (None) a corrupted blob goes
 
 
 def store_blob(root: str, digest: str, chunks) -> int:

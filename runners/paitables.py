@@ -68,9 +68,6 @@ class TableURL:
     def key(self) -> str:
         return f"sqlite://{self.path}?table={self.table}" if self.kind == "sqlite" else f"file://{self.path}"
 
-    def __repr__(self) -> str:
-        return f"TableURL({self.key})"
-
 
 def parse_url(url: str, base: str = "") -> TableURL:
     """`file:///abs`, a plain path (relative to `base`, else the current folder) or
@@ -136,59 +133,35 @@ def own_slice(slice_id=None, slice_count=None) -> tuple:
     return int(slice_id), int(slice_count)
 
 
-# -- scanning a CSV file: record boundaries without parsing every field ---------------
+# -- scanning a CSV file: record boundaries as Python's csv module finds them --------------
 
 
 def delimiter_of(path: str) -> str:
     return "\t" if path.lower().endswith(".tsv") else ","
 
 
-def _records(chunk: bytes, inside: bool):
-    """Positions just after each record-ending newline in `chunk` (newlines inside
-    a quoted field end no record), and whether `chunk` ends inside quotes."""
-    ends = []
-    if b'"' not in chunk and not inside:
-        pos = chunk.find(b"\n")
-        while pos >= 0:
-            ends.append(pos + 1)
-            pos = chunk.find(b"\n", pos + 1)
-        return ends, False
-    offset = 0
-    for part in chunk.split(b'"'):
-        if not inside:
-            pos = part.find(b"\n")
-            while pos >= 0:
-                ends.append(offset + pos + 1)
-                pos = part.find(b"\n", pos + 1)
-        offset += len(part) + 1
-        inside = not inside
-    return ends, not inside   # the loop toggled once more than there were quotes
+def _plain(data: bytes) -> bool:
+    """No quote and no lone CR: csv's records are then the lines ending in LF, so
+    they are counted without parsing a field (the common case: fast)."""
+    return b'"' not in data and data.count(b"\r") == data.count(b"\r\n")
 
 
-def _count(chunk: bytes, inside: bool) -> tuple:
-    """(records ending in `chunk`, last such end or -1, inside quotes after) without
-    building the positions when the chunk has no quote (the common case: fast)."""
-    if b'"' not in chunk and not inside:
-        return chunk.count(b"\n"), chunk.rfind(b"\n") + 1 or -1, False
-    ends, inside = _records(chunk, inside)
-    return len(ends), (ends[-1] if ends else -1), inside
+def _lines(data: bytes) -> int:
+    return data.count(b"\n") + data.count(b"\r") - data.count(b"\r\n")
 
 
 class CsvFile:
     """One CSV file's layout: its columns, where its rows begin (`data_start`), how
     many rows it has, and a checkpoint (byte offset, rows before) at every chunk
-    so that a row's offset is found by rescanning one chunk. `check=True` reads
-    every row too: undecodable text or a row with another field count is a
-    TableError naming the file and line."""
+    so that a row's offset is found by rescanning one chunk. Records are those
+    csv.reader reads from the file opened with newline="" (as `Table` reads it).
+    `check=True` reads every row too: undecodable text, text csv refuses, or a row
+    with another field count is a TableError naming the file and line."""
 
     def __init__(self, path: str, check: bool = False, delimiter: str = ""):
         self.path = path
         self.delimiter = delimiter or delimiter_of(path)
-        self.columns: list = []
-        self.data_start = 0
-        self.rows = 0
-        self.size = 0
-        self.checkpoints: list = []
+        self.columns, self.data_start, self.rows, self.size, self.checkpoints = [], 0, 0, 0, []
         self._scan(check)
 
     def _fail(self, line: int, why: str) -> TableError:
@@ -201,71 +174,99 @@ class CsvFile:
             raise TableError(f"{self.path}: cannot read it ({err.strerror or err})") from None
         with f:
             self.size = os.fstat(f.fileno()).st_size
-            header = f.readline()
-            if not header.strip():
+            data = f.read(1 << 20)     # the header: the first record, in its first MB
+            first = next(self._records(data, len(data) == self.size, check), None)
+            if first is None or not any(field.strip() for field in first[1]):
                 raise self._fail(1, "no header line naming the columns")
-            text = self._decode(header, 1)
-            try:
-                self.columns = next(csv.reader([text.rstrip("\r\n")], delimiter=self.delimiter), [])
-            except csv.Error as err:
-                raise self._fail(1, f"the header is not CSV: {err}") from None
-            if not self.columns or any(not c.strip() for c in self.columns):
-                raise self._fail(1, f"the header {text.strip()[:80]!r} has an empty column name")
-            self.data_start = f.tell()
-            self._scan_rows(f, check)
+            self.data_start, self.columns = first
+            if any(not c.strip() for c in self.columns):
+                raise self._fail(1, f"the header {self.delimiter.join(self.columns)[:80]!r} has an empty column name")
+            f.seek(self.data_start)
+            self._scan_rows(f, check, 1 + _lines(data[:self.data_start]))
 
     def _decode(self, data: bytes, first_line: int) -> str:
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise self._fail(first_line + data[:err.start].count(b"\n"),
-                             "not UTF-8 text (is it a CSV file?)") from None
+            raise self._fail(first_line + _lines(data[:err.start]), "not UTF-8 text (is it a CSV file?)") from None
 
-    def _scan_rows(self, f, check: bool) -> None:
-        offset, rows, line, inside, carry = self.data_start, 0, 2, False, b""
+    def _records(self, data: bytes, final: bool, strict: bool = False, line: int = 1, want: int = 0):
+        """(end, row) of each record of `data` (which begins where a record does) as
+        csv.reader reads it, `end` the offset just after it. Unless `final` (the
+        file ends with `data`), a record that may go on past `data` is left out.
+        `want`: the fields each row must have (0: not checked)."""
+        lines = data.splitlines(keepends=True)
+        if not final and lines and not lines[-1].endswith(b"\n"):
+            lines.pop()    # cut by the chunk, or a CR that an LF may follow
+        at = [0, False]    # bytes the reader has taken; whether it asked past the last line
+
+        def feed():
+            for n, raw in enumerate(lines):
+                text = self._decode(raw, line + n)
+                at[0] += len(raw)
+                yield text
+            at[1] = True
+
+        reader = csv.reader(feed(), delimiter=self.delimiter, strict=strict)
+        start = line      # where the record being read begins
+        try:
+            for row in reader:
+                if at[1]:    # it ran out of lines inside a quoted field
+                    break
+                if want and len(row) != want:
+                    got = "an empty line" if not row else f"{len(row)} fields"
+                    raise self._fail(line + reader.line_num - 1, f"{got}, the header has {want} "
+                                     f"({', '.join(self.columns)[:60]!r}); the table is ragged")
+                start = line + reader.line_num
+                yield at[0], row
+        except csv.Error as err:
+            if not at[1]:
+                raise self._fail(line + reader.line_num - 1, f"not CSV: {err}") from None
+        if final and start < line + len(lines):
+            raise self._fail(start, "a quoted field is never closed")
+
+    def _scan_rows(self, f, check: bool, line: int) -> None:
+        offset, rows, carry = self.data_start, 0, b""
+        want = len(self.columns) if check else 0
         while True:
             block = f.read(CHUNK)
             data = carry + block
             if not data:
                 break
-            count, end, after = _count(data, inside)
-            if not block:             # the end of the file: what is left is one last record
-                if after:
-                    raise self._fail(line, "a quoted field is never closed")
-                count, end, after = count + 1, len(data), False
-            elif end < 0:             # no record ends here: read on
+            final = not block
+            if _plain(data):
+                end = len(data) if final else data.rfind(b"\n") + 1
+                count = data.count(b"\n", 0, end) + (final and not data.endswith(b"\n"))
+                if check and end:
+                    self._check_plain(data[:end], line, want)
+            else:
+                ends = [e for e, _row in self._records(data, final, check, line, want)]
+                count, end = len(ends), (ends[-1] if ends else 0)
+            if not end and not final:      # no record ends here: read on
                 carry = data
                 continue
             self.checkpoints.append((offset, rows))
-            if check:
-                self._check_chunk(data[:end], line)
-            line += data.count(b"\n", 0, end)
-            rows, offset, inside, carry = rows + count, offset + end, False, data[end:]
-            if not block:
+            line += _lines(data[:end])
+            rows, offset, carry = rows + count, offset + end, data[end:]
+            if final:
                 break
         self.rows = rows
 
-    def _check_chunk(self, chunk: bytes, line: int) -> None:
-        """Every record of `chunk` (whole records, starting at file line `line`) has
-        as many fields as the header. Without quotes, delimiter counts per chunk
-        (fast); a chunk that disagrees, or has quotes, is parsed row by row."""
+    def _check_plain(self, chunk: bytes, line: int, want: int) -> None:
+        """A chunk without quotes has `want` fields a row when its delimiters say so
+        and no line is empty; else it is parsed row by row to name the line."""
         text = self._decode(chunk, line)
-        want = len(self.columns)
-        delim = self.delimiter
-        if '"' not in text:
-            lines = text.count("\n") + (0 if text.endswith("\n") else 1)
-            if want == 1 or text.count(delim) == lines * (want - 1) and "\n\n" not in text \
-                    and not text.startswith("\n"):
-                return
-        reader = csv.reader(io.StringIO(text, newline=""), delimiter=delim, strict=True)
-        try:
-            for row in reader:
-                if len(row) != want:
-                    got = "an empty line" if not row else f"{len(row)} fields"
-                    raise self._fail(line + reader.line_num - 1, f"{got}, the header has {want} "
-                                     f"({', '.join(self.columns)[:60]}); the table is ragged")
-        except csv.Error as err:
-            raise self._fail(line + reader.line_num - 1, f"not CSV: {err}") from None
+        lines = text.count("\n") + (0 if text.endswith("\n") else 1)
+        if text.count(self.delimiter) != lines * (want - 1) or "\n\n" in text or "\n\r\n" in text \
+                or text.startswith(("\n", "\r\n")):
+            for _ in self._records(chunk, True, True, line, want):
+                pass
+
+    def _ends(self, data: bytes, final: bool) -> list:
+        if not _plain(data):
+            return [end for end, _row in self._records(data, final)]
+        ends = [m.end() for m in re.finditer(b"\n", data)]
+        return ends + [len(data)] if final and data and not data.endswith(b"\n") else ends
 
     def offset_of(self, row: int) -> int:
         """The byte offset where row `row` (0-based, `rows` = the end) begins."""
@@ -284,7 +285,7 @@ class CsvFile:
             while True:
                 block = f.read(CHUNK)
                 data += block
-                ends, _inside = _records(data, False)
+                ends = self._ends(data, not block)
                 if len(ends) >= skip:
                     return base + ends[skip - 1]
                 if not block:
@@ -318,8 +319,8 @@ def layout(url: TableURL, check: bool = False) -> dict:
     files = [CsvFile(path, check) for path in table_files(url)]
     for other in files[1:]:
         if other.columns != files[0].columns:
-            raise TableError(f"{other.path}: its columns ({', '.join(other.columns)[:60]}) are not those of "
-                             f"{files[0].path} ({', '.join(files[0].columns)[:60]}); a folder is one table")
+            raise TableError(f"{other.path}: its columns ({', '.join(other.columns)[:60]!r}) are not those of "
+                             f"{files[0].path} ({', '.join(files[0].columns)[:60]!r}); a folder is one table")
     return {"key": url.key, "kind": "csv", "columns": files[0].columns, "rows": sum(f.rows for f in files),
             "delimiter": files[0].delimiter, "files": files}
 
@@ -344,11 +345,7 @@ def slice_parts(shape: dict, slice_id: int, slice_count: int) -> list:
 def _connect(path: str, write: bool = False) -> sqlite3.Connection:
     if write:
         return sqlite3.connect(path, timeout=30)
-    return sqlite3.connect(f"file:{_quote_path(path)}?mode=ro", uri=True, timeout=30)
-
-
-def _quote_path(path: str) -> str:
-    return quote(path, safe="/")
+    return sqlite3.connect(f"file:{quote(path, safe='/')}?mode=ro", uri=True, timeout=30)
 
 
 def sqlite_shape(url: TableURL) -> tuple:
@@ -414,20 +411,27 @@ class Table:
 
     def _part_rows(self, part: dict):
         if part["rows"] <= 0:
-            return iter(())
+            return
         if part.get("format") == "jsonl":   # a SQLite slice shipped to a node: one JSON array a row
             lines = open(part["path"], encoding="utf-8")
             self._open.append(lines)
-            return (tuple(json.loads(line)) for line in itertools.islice(lines, part["rows"]))
-        if "table" in part:
+            rows = (tuple(line_row(line)) for line in lines)
+        elif "table" in part:
             con = _connect(part["path"])
             self._open.append(con)
-            return con.execute(f'SELECT * FROM "{part["table"]}" LIMIT ? OFFSET ?', (part["rows"], part["offset"]))
-        raw = open(part["path"], "rb")
-        raw.seek(part["start"])
-        text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
-        self._open.append(text)
-        return itertools.islice(csv.reader(text, delimiter=self.delimiter), part["rows"])
+            rows = con.execute(f'SELECT * FROM "{part["table"]}" LIMIT ? OFFSET ?', (part["rows"], part["offset"]))
+        else:
+            raw = open(part["path"], "rb")
+            raw.seek(part["start"])
+            rows = io.TextIOWrapper(raw, encoding="utf-8", newline="")
+            self._open.append(rows)
+            rows = csv.reader(rows, delimiter=self.delimiter)
+        n = 0
+        for n, row in enumerate(itertools.islice(rows, part["rows"]), 1):
+            yield row
+        if n < part["rows"]:    # never fewer rows than the job was told: the table changed since
+            raise TableError(f"{part['path']}: gave {n} of its {part['rows']} rows; "
+                             "was it changed after the job was submitted?")
 
 
 def load_index(path: str = "") -> dict:
@@ -484,6 +488,8 @@ class Writer:
         elif kind == "csv":
             self.file = os.fdopen(fd, "w", encoding="utf-8", newline="")
             self.csv = csv.writer(self.file, delimiter=delimiter_of(target), lineterminator="\n")
+            self.quoted = csv.writer(self.file, delimiter=delimiter_of(target), lineterminator="\n",
+                                     quoting=csv.QUOTE_ALL)
             self.csv.writerow(self.columns)
         else:   # sqlite: the rows wait in a part file; close() inserts them in one transaction
             self.file = os.fdopen(fd, "w", encoding="utf-8")
@@ -501,10 +507,10 @@ class Writer:
         row = list(row)
         if len(row) != len(self.columns):
             raise TableError(f"{self.target}: a row of {len(row)} values for {len(self.columns)} columns")
-        if self.kind == "csv":
-            self.csv.writerow(row)
+        if self.kind == "csv":   # a CR ends a record where it is not quoted, and only "\n" makes csv quote
+            (self.quoted if any(isinstance(v, str) and "\r" in v for v in row) else self.csv).writerow(row)
         else:
-            self.file.write(json.dumps(row) + "\n")
+            self.file.write(row_line(row))
         self.rows += 1
 
     def write_rows(self, rows) -> None:
@@ -519,13 +525,15 @@ class Writer:
     def close(self) -> None:
         if self.file.closed:
             return
+        if self.kind == "parts":    # the end, with the count: a part cut short is told from a whole one
+            self.file.write(json.dumps({"rows": self.rows}) + "\n")
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
         try:
             if self.kind == "sqlite":
                 with open(self.aside, encoding="utf-8") as f:
-                    write_sqlite(self.target, self.table, self.columns, (json.loads(line) for line in f))
+                    write_sqlite(self.target, self.table, self.columns, map(line_row, f))
                 _remove(self.aside)
             else:
                 os.replace(self.aside, self.target)
@@ -541,17 +549,18 @@ def _remove(path: str) -> None:
         pass
 
 
-def write_sqlite(path: str, table: str, columns: list, rows) -> None:
+def write_sqlite(path: str, table: str, columns: list, rows) -> int:
     """`table` (new; an existing one is replaced) with `rows`, in one transaction:
-    a reader sees the old state or the whole new table, never part of it."""
+    a reader sees the old state or the whole new table, never part of it. The rows written."""
     con = _connect(path, write=True)
     try:
+        con.execute("BEGIN")    # else sqlite3 commits the DROP and the CREATE on their own
         cols = ", ".join('"%s"' % c.replace('"', '""') for c in columns)
         marks = ", ".join("?" for _ in columns)
         with con:
             con.execute(f'DROP TABLE IF EXISTS "{table}"')
             con.execute(f'CREATE TABLE "{table}" ({cols})')
-            con.executemany(f'INSERT INTO "{table}" VALUES ({marks})', rows)
+            return con.executemany(f'INSERT INTO "{table}" VALUES ({marks})', rows).rowcount
     finally:
         con.close()
 
@@ -577,25 +586,40 @@ def open_writer(url: str = "", columns=None, base: str = "") -> Writer:
     return Writer(parsed.path, list(columns), "csv")
 
 
+def row_line(row) -> str:
+    """A row as one JSON line, a SQLite BLOB as {"hex": ...}: part files and the
+    SQLite slices a node is sent."""
+    return json.dumps(list(row), default=lambda v: {"hex": bytes(v).hex()}) + "\n"
+
+
+def line_row(line: str) -> list:
+    return json.loads(line, object_hook=lambda d: bytes.fromhex(d["hex"]))
+
+
 def read_parts(folder: str):
     """(columns, rows) of the part files a job's workers wrote into `folder`, in
-    (role, index) order: what the job assembles into its output table."""
+    (role, index) order: what the job assembles into its output table. A part
+    that does not end as its writer ended it (cut short) is a TableError."""
     columns, sources = None, []
     names = sorted(n for n in os.listdir(folder) if n.startswith("part-") and n.endswith(".jsonl"))
     for name in names:
         f = open(os.path.join(folder, name), encoding="utf-8")
+        sources.append((name, f))
         head = json.loads(f.readline() or "{}").get("columns")
-        if columns is None:
-            columns = head
-        elif head != columns:
-            f.close()
+        if head is None or columns not in (None, head):
             raise TableError(f"{folder}/{name}: columns {head} differ from the other workers' {columns}")
-        sources.append(f)
+        columns = head
 
     def rows():
-        for f in sources:
+        for name, f in sources:
             with f:
-                for line in f:
-                    yield json.loads(line)
+                n, end = 0, None
+                for n, line in enumerate(f):
+                    if line.startswith("{"):     # the writer's last line
+                        end = json.loads(line).get("rows")
+                        break
+                    yield line_row(line)
+                if end != n or f.read():
+                    raise TableError(f"{folder}/{name}: cut short (no end line after its rows)")
 
     return columns, rows()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,7 @@ from paicli.cluster.logsink import MetricParser, literal_runs
 from paicli.errors import UsageError
 from paicli.statement import load_job_file, parse_statement
 
-from conftest import BEHAVE
+from conftest import BEHAVE, pai
 
 KEYS = ["script", "cluster", "maxRetries", "timeout", "entryFile", "userDefinedParameters", "gpuRequired",
         "hyperParameters", "jobName", "clustr", "", "max_retries"]
@@ -80,6 +81,28 @@ def test_cluster_json_never_tracebacks(text):
         client.prepare(parse_statement(["-name", "python", f"-Dscript={BEHAVE}", f"-Dcluster={text}"]))
     except UsageError as err:
         assert str(err).startswith("-Dcluster")
+
+
+DEEP = ["[" * 50_000, "[" * 50_000 + "]" * 50_000, '{"a":' * 50_000]
+
+
+@pytest.mark.parametrize("text", DEEP + ['{"worker":{"count":2,"count":5}}', '{"worker":{"count":2},"worker":{}}'])
+def test_deep_or_duplicate_keyed_cluster_json_is_bad_input_in_one_line(text):
+    with pytest.raises(UsageError) as caught:
+        client.prepare(parse_statement(["-name", "python", f"-Dscript={BEHAVE}", f"-Dcluster={text}"]))
+    said = str(caught.value)
+    assert said.startswith("-Dcluster: ") and "\n" not in said and len(said) < 300, said
+    assert ("given twice" if "count" in text else "nested too deeply") in said, said
+
+
+def test_a_deeply_nested_job_file_is_bad_input_and_pai_exits_2(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"name: python\nscript: {BEHAVE}\ncluster: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    with pytest.raises(UsageError, match=f"{path}: nested too deeply"):
+        load_job_file(str(path))
+    for argv in (["run", str(path)], ["-name", "python", f"-Dscript={BEHAVE}", "-Dcluster=" + "[" * 50_000]):
+        result = pai(*argv)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-500:]
 
 
 def test_a_key_with_a_newline_is_named_escaped_on_one_line():

@@ -113,6 +113,24 @@ def test_a_home_folder_of_an_unknown_user_is_bad_input_not_a_crash(pai_home):
     assert "PAI_HOME=~nosuchuser_a/pai: no such user" in home.stderr
 
 
+@pytest.mark.parametrize("mode, owner, words", [
+    (0o777, None, "writable by others (mode 777)"),
+    (0o770, None, "writable by others (mode 770)"),
+    (0o700, 65534, "owned by uid 65534"),        # nobody's (the tests run as root, who may chown)
+])
+def test_a_pai_home_others_own_or_may_write_is_refused_in_one_line(tmp_path, mode, owner, words):
+    home = tmp_path / "shared"
+    home.mkdir()
+    home.chmod(mode)
+    if owner is not None:
+        os.chown(home, owner, -1)
+    for argv in (["list"], ["-name", "python", f"-Dscript={BEHAVE}"]):
+        result = pai(*argv, env={"PAI_HOME": str(home)})
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert f"PAI_HOME {home}: {words}" in result.stderr
+    assert list(home.iterdir()) == [] and stat.S_IMODE(home.stat().st_mode) == mode
+
+
 def _bomb(path: Path, declared: int) -> Path:
     """A .tar.gz whose one member's header claims `declared` bytes of zeros,
     followed by only the first megabyte of them: what a gzip bomb looks like

@@ -109,6 +109,35 @@ def test_a_ragged_or_broken_csv_names_the_line(tmp_path, text, words):
         paitables.CsvFile(str(path), check=True)
 
 
+@pytest.mark.parametrize("text", [
+    'item,size\nscreen,27"\nkeyboard,full\ncable,6"\nmouse,small\n',   # quotes inside unquoted fields
+    'item,size\r\nscreen,"27"" wide"\r\nkeyboard,full\rcable,"6\r\nlong"\nmouse,\n',   # bare CR ends a record
+    'id\n1\n2,3\n4\n',                                                  # one column: a comma is a field
+])
+def test_rows_are_those_the_csv_module_reads_or_the_table_is_refused(tmp_path, text):
+    path = tmp_path / "t.csv"
+    path.write_bytes(text.encode())
+    expected = list(csv.reader(open(path, newline="", encoding="utf-8")))[1:]
+    if any(len(row) != len(expected[0]) for row in expected):
+        with pytest.raises(paitables.TableError, match="line 3: 2 fields, the header has 1"):
+            paitables.CsvFile(str(path), check=True)
+        return
+    assert paitables.CsvFile(str(path), check=True).rows == len(expected)
+    for count in range(1, len(expected) + 1):
+        got = [row for i in range(count) for row in paitables.open_table(str(path), i, count)]
+        assert got == expected, count
+
+
+def test_a_slice_that_ends_short_is_an_error_never_fewer_rows(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("a,b\n1,2\n3,4\n5,6\n")
+    shape = paitables.layout(paitables.parse_url(str(path)))
+    parts = paitables.slice_parts(shape, 0, 1)
+    path.write_text("a,b\n1,2\n")          # the table changed after it was sliced
+    with pytest.raises(paitables.TableError, match="t.csv: gave 1 of its 3 rows"):
+        list(paitables.Table(shape["key"], shape["columns"], parts))
+
+
 def test_bytes_that_are_not_utf8_name_their_line(tmp_path):
     path = tmp_path / "t.csv"
     path.write_bytes(b"a,b\n1,2\n3,\xff\xfe\n")
@@ -312,6 +341,28 @@ def test_the_node_cache_checks_digests_and_keeps_trees_inside(tmp_path):
             node_cache.build_tree(root, {"digest": "cd" * 32, "files": [bad]})
     with pytest.raises(node_cache.Refused, match="buckets/K"):
         node_cache.place(root, folder, {"trees": [dict(tree, link="../../x")]})
+
+
+def test_a_corrupted_blob_is_never_reused_even_with_its_size_and_mtime(tmp_path):
+    import hashlib as h
+    import os
+
+    import node_cache
+
+    root, folder = str(tmp_path / "cache"), str(tmp_path / "job")
+    data = b"label\n" * 100
+    digest = h.sha256(data).hexdigest()
+    tree = {"digest": "ab" * 32, "files": [["f.txt", digest]], "link": "buckets/0"}
+    cache_put(root, folder, {"index": None, "trees": [tree]}, {digest: data})
+    blob = tmp_path / "cache" / "blobs" / digest
+    seen = blob.stat()
+    blob.chmod(0o600)
+    blob.write_bytes(b"LABEL\n" * 100)                     # a disk error or root: same size, same mtime
+    os.utime(blob, ns=(seen.st_atime_ns, seen.st_mtime_ns))
+    assert node_cache.missing(root, [digest]) == [digest]   # the next job's first use hashes it again
+    cache_put(root, folder, {"index": None, "trees": [tree]}, {digest: data})
+    assert (tmp_path / "job" / "buckets" / "0" / "f.txt").read_bytes() == data
+    assert node_cache.missing(root, [digest]) == []
 
 
 def test_a_table_under_a_shared_path_is_read_in_place_on_the_nodes(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import sqlite3
 from pathlib import Path
 
@@ -59,6 +60,23 @@ def test_ssh_workers_get_their_own_slices_and_write_one_table(cluster, nodes, tm
     assert_disjoint_and_complete(db.stdout, db_url, 101)
     got = sqlite3.connect(tmp_path / "o.sqlite").execute("SELECT id, double FROM pred").fetchall()
     assert got == [(i, 2 * i) for i in range(101)]
+
+
+def test_ssh_a_table_a_nodes_rows_cannot_join_is_absent_and_the_job_fails_naming_where_they_are(
+        cluster, nodes, tmp_path, pai_home):
+    csv_url, _ = make_tables(tmp_path, 101)
+    run = pai("-name", "python", f"-Dscript={WORKER}", TWO, f"-Dtables={csv_url}",
+              f"-Doutputs=file://{tmp_path}/pred.csv", "-DuserDefinedParameters=--unfetchable")
+    job = job_id_from(run.stdout)
+    node = next(p["node"] for p in json.loads((pai_home / "jobs" / job / "placement.json").read_text())
+                if (p["role"], p["idx"]) == ("worker", 1))
+    assert run.returncode == 1 and not (tmp_path / "pred.csv").exists(), run.stdout[-3000:]
+    said = re.search(rf"job Failed: outputs: no table \S+pred.csv: the rows written on {node} could not be "
+                     rf"fetched \(.+\); they stay in (\S+) there", run.stdout)
+    assert said, run.stdout[-3000:]
+    kept = cluster.ssh(node, ["cat", f"{said[1]}/0/part-worker-00001.jsonl"])
+    rows = [json.loads(line) for line in kept.stdout.splitlines()[1:-1]]   # between the columns and the end
+    assert rows == [[i, 2 * i] for i in range(50, 101)], kept
 
 
 READER = ROOT / "tests" / "scripts" / "bucket_reader.py"

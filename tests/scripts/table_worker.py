@@ -13,6 +13,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--tables", default="")
 parser.add_argument("--outputs", default="")
 parser.add_argument("--fail", action="store_true")
+parser.add_argument("--unfetchable", action="store_true", help="slice 1 leaves a part its node cannot send")
 parser.add_argument("--hold", type=float, default=0.0, help="slice 1's first attempt waits this long")
 args, _ = parser.parse_known_args()
 
@@ -37,5 +38,7 @@ if args.outputs:
     with paitables.open_writer(args.outputs, ["id", "double"]) as out:
         for i in ids:
             out.write([i, 2 * i])
+if args.unfetchable and table.slice_id == 1:   # a folder where a part file should be: unreadable
+    os.mkdir(os.path.join(paitables.load_index()["outputs"][0]["parts"], "part-worker-99999.jsonl"))
 if args.fail and table.slice_id == 1:
     raise SystemExit(3)

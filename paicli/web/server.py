@@ -27,6 +27,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import jinja2
@@ -165,6 +166,14 @@ async def job_json(request: web.Request) -> web.Response:
     return web.json_response(summary, dumps=lambda d: json.dumps(d, default=str))
 
 
+def disposition(kind: str, name: str) -> str:
+    """A Content-Disposition for any file name (RFC 6266): `filename*` carries it whole,
+    percent-encoded; the plain `filename` for old clients keeps printable ASCII but `"`
+    and `\\`, so neither a quote nor a newline of a name reaches the header."""
+    plain = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in name)
+    return f"{kind}; filename=\"{plain}\"; filename*=UTF-8''{urllib.parse.quote(name, safe='')}"
+
+
 def _log_file(store: Store, job_id: str, instance: str | None, attempt: int | None) -> tuple[dict, Path]:
     job = store.job(job_id)
     return job, log_path(store, job, instance, attempt)
@@ -180,7 +189,7 @@ async def whole_log(request: web.Request) -> web.StreamResponse:
         return web.Response(status=404, text=f"404: no log yet for {request.query.get('instance') or 'the job'}\n")
     name = path.name if path.name != "job.log" else f"{job['id']}.log"
     return web.FileResponse(path, headers={"Content-Type": "text/plain; charset=utf-8",
-                                           "Content-Disposition": f'inline; filename="{name}"'})
+                                           "Content-Disposition": disposition("inline", name)})
 
 
 async def static_file(request: web.Request) -> web.StreamResponse:
@@ -404,4 +413,4 @@ async def output_file(request: web.Request) -> web.StreamResponse:
     if not path.is_file():
         return web.Response(status=404, text=f"404: {path} is no longer there\n")
     return web.FileResponse(path, headers={"Content-Type": "application/octet-stream",
-                                           "Content-Disposition": f'attachment; filename="{path.name}"'})
+                                           "Content-Disposition": disposition("attachment", path.name)})

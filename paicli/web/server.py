@@ -23,6 +23,7 @@ import asyncio
 import hmac
 import json
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -39,7 +40,6 @@ from paicli.logview import log_path
 from paicli.states import JobStatus
 from paicli.store import Store
 from paicli.web import data, launch, study
-from paicli.web.launch import user_token
 
 HERE = Path(__file__).resolve().parent
 STATIC = HERE / "static"
@@ -57,14 +57,16 @@ SECURITY_HEADERS = {
 }
 
 TOKEN = web.AppKey("token", str)
+EXPIRES = web.AppKey("expires", float)
 HOME = web.AppKey("home", Path)
 ENV = web.AppKey("env", jinja2.Environment)
 USE = web.AppKey("use", dict)
 
 
-def make_app(home: Path, token: str) -> web.Application:
+def make_app(home: Path, token: str, expires: float = float("inf")) -> web.Application:
     app = web.Application(middlewares=[guard])
     app[TOKEN] = token
+    app[EXPIRES] = expires
     app[HOME] = home
     Store(home).close()  # a store that cannot be opened fails here, before the first page
     app[ENV] = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
@@ -87,9 +89,10 @@ def make_app(home: Path, token: str) -> web.Application:
 async def guard(request: web.Request, handler):
     """The token on every URL (compared in constant time), security headers on every answer."""
     given = request.query.get("token", "")
-    if not hmac.compare_digest(given.encode(), request.app[TOKEN].encode()):
-        return web.Response(status=403, text="403 forbidden: this page needs the token= of its URL"
-                            " (`pai logview` prints it)\n", headers=SECURITY_HEADERS)
+    if not hmac.compare_digest(given.encode(), request.app[TOKEN].encode()) or time.time() >= request.app[EXPIRES]:
+        return web.Response(status=403, text="403 forbidden: this URL's token= is wrong or has expired (a token"
+                            f" lasts {launch.TOKEN_DAYS} days and changes with the server's port);"
+                            " `pai logview [ID]` prints the current URL\n", headers=SECURITY_HEADERS)
     request.app[USE]["last"] = time.monotonic()
     try:
         response = await handler(request)
@@ -314,8 +317,10 @@ async def stream(request: web.Request) -> web.StreamResponse:
 
 
 async def serve(home: Path, sock: socket.socket) -> None:
-    token = user_token(home)
-    app = make_app(home, token)
+    record = launch.read_token(home)
+    if not launch.token_valid(record, sock.getsockname()[1], time.time()):
+        record = {"token": secrets.token_urlsafe(24), "minted": 0.0}   # not this server's: no URL opens it
+    app = make_app(home, record["token"], record["minted"] + launch.TOKEN_SECONDS)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     await web.SockSite(runner, sock).start()

@@ -83,7 +83,8 @@ def register(cli: click.Group) -> None:
         is served by your own logview server on 127.0.0.1 (PAI_LOGVIEW_HOST
         changes that), started here when it is not running and gone after
         PAI_LOGVIEW_IDLE seconds (default 900) without use. Every URL carries
-        your token (kept 0600 under $PAI_HOME/logview).
+        your token (kept 0600 under $PAI_HOME/logview; it lasts 7 days and is
+        new whenever the server's port changes).
         """
         from paicli import client
         from paicli.store import Store

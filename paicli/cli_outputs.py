@@ -13,7 +13,8 @@ import time
 
 import click
 
-from paicli.commands import echo, open_store
+from paicli.cli_statement import StatementCommand
+from paicli.commands import echo, open_store, split_submit_options
 
 PROGRESS_FROM = 64 * 1024 * 1024     # a transfer this large shows a progress bar on a TTY
 
@@ -124,7 +125,7 @@ def register(cli: click.Group) -> None:
         files, size = job_outputs.copy_outputs(chosen.here, dest, progress=ProgressBar)
         echo(f"{files} file(s), {human_size(size)} into {dest}")
 
-    @cli.command(context_settings={"ignore_unknown_options": True})
+    @cli.command(cls=StatementCommand)
     @click.argument("job_id")
     @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
     @click.option("--detach", "-d", is_flag=True, help="Print the new job's ID and return.")
@@ -137,7 +138,9 @@ def register(cli: click.Group) -> None:
         from paicli.commands import attach, echo_log_view, runtime_progress, submit_statement
 
         store = open_store()
-        resumed = job_outputs.resumption(store, job_id, list(overrides))
+        overrides, options = split_submit_options(overrides)
+        detach = detach or options["detach"]
+        resumed = job_outputs.resumption(store, job_id, overrides)
         here = os.getcwd()
         os.chdir(resumed.cwd)   # a plain script's files go where the first job's went
         try:

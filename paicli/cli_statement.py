@@ -1,5 +1,5 @@
-"""The click command class of the commands that take a PAI statement (`pai
-submit`, `pai run`, `pai export`, `pai plan`)."""
+"""The click command class of every command that takes -D tokens (`pai submit`,
+`run`, `export`, `plan`, `resume`, `tune`)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from paicli.cluster import backends, datasets, lifecycle, policy, queue_turns
 from paicli.cluster.procinfo import start_time
 from paicli.cluster.requirement_layers import prepare_job_env
 from paicli.cluster.spawn import MasterProcess, start_master
+from paicli.envvars import exported
 from paicli.errors import PaiError, UsageError
 from paicli.jobstatus import MASTER_START_DEADLINE, build_status, job_over, master_alive, read_job  # noqa: F401
 from paicli.jobstatus import final_status as final
@@ -52,7 +53,10 @@ def prepare(stmt: Statement) -> Prepared:
 
 
 def export_yaml(prepared: Prepared) -> str:
-    return dump_yaml(prepared.spec.to_dict())
+    out = prepared.spec.to_dict()
+    if "env" in out:
+        out["env"] = exported(out["env"])
+    return dump_yaml(out)
 
 
 def submit(prepared: Prepared, store: Store | None = None,

@@ -77,26 +77,36 @@ def _check(name: Any, value: Any) -> tuple[str, str]:
     return name, text
 
 
-def parse_env(raw: Any, shell: Mapping[str, str] | None = None) -> dict[str, str]:
+class Env(dict):
+    """A job's variables; `from_shell` names those given bare, whose values come from
+    the submitting shell and so are left out of a job file (`exported`)."""
+
+    from_shell: frozenset[str] = frozenset()
+
+
+def exported(env: Mapping[str, str]) -> dict[str, str | None]:
+    """The YAML `env:` of `pai export`: a bare name stays a name (null), never its value."""
+    return {k: None if k in getattr(env, "from_shell", ()) else v for k, v in env.items()}
+
+
+def parse_env(raw: Any, shell: Mapping[str, str] | None = None) -> Env:
     """-Denv text or a YAML mapping -> {name: value}; ValueError saying what was expected."""
     shell = os.environ if shell is None else shell
-    pairs: list[tuple[str, Any]] = []
     if isinstance(raw, dict):
-        for name, value in raw.items():
-            pairs.append((name, _from_shell(name, shell) if value is None and isinstance(name, str)
-                          and NAME.fullmatch(name) else value))
+        items = [(name, value, value is None and isinstance(name, str) and NAME.fullmatch(name))
+                 for name, value in raw.items()]
     elif isinstance(raw, str):
+        items = []
         for item in _split_items(raw):
             name, eq, value = item.partition("=")
-            name = name.strip()
-            if not eq and NAME.fullmatch(name):
-                value = _from_shell(name, shell)
-            pairs.append((name, value))
+            items.append((name.strip(), value, not eq and NAME.fullmatch(name.strip())))
     else:
         raise ValueError("expected K=V,K2=V2 (or a YAML mapping under env:)")
-    if not pairs:
+    if not items:
         raise ValueError("expected K=V,K2=V2, got nothing")
-    out: dict[str, str] = {}
+    pairs = [(name, _from_shell(name, shell) if bare else value) for name, value, bare in items]
+    out = Env()
+    out.from_shell = frozenset(name for name, _, bare in items if bare)
     for name, value in pairs:
         name, text = _check(name, value)
         if name in out:

@@ -55,6 +55,36 @@ def test_every_command_has_help(command, pai_home):
     assert " ".join(first_line[0].split()) in " ".join(result.stdout.split())
 
 
+def _takes_statement_tokens(command) -> bool:
+    import click
+
+    return any(isinstance(p, click.Argument) and p.nargs == -1 and p.type is click.UNPROCESSED
+               for p in getattr(command, "params", []))
+
+
+STATEMENT_COMMANDS = [p for p in _command_paths() if _takes_statement_tokens(_command(p))]
+
+
+def test_the_statement_commands_are_found():
+    assert {"submit", "run", "export", "plan", "resume", "tune start"} <= {" ".join(p) for p in STATEMENT_COMMANDS}
+
+
+@pytest.mark.parametrize("command", STATEMENT_COMMANDS, ids=" ".join)
+def test_every_statement_command_reads_d_tokens_whole(command):
+    """Click reads `-DuserDefinedParameters=...` as a bundle of short options unless the
+    command passes statement tokens through: the `d` of "Defined" became --detach and
+    the key lost a letter; `-Dscript=/x/h.py` holds an `h` (--help)."""
+    import click
+
+    cmd = _command(command)
+    leading = ["JOB" for p in cmd.params if isinstance(p, click.Argument) and p.nargs == 1]
+    tokens = ["-DuserDefinedParameters=--steps 60", "-Dscript=/x/h.py"]
+    ctx = cmd.make_context(" ".join(command), [*leading, *tokens])
+    passed = [v for p in cmd.params if isinstance(p, click.Argument) and p.nargs == -1 for v in ctx.params[p.name]]
+    assert passed == tokens
+    assert not any(v is True for v in ctx.params.values()), ctx.params
+
+
 def test_no_module_defines_a_name_twice():
     """A second `def run` below the click command `run` took its name: `paicli.cli.run`
     was no longer the command. No top-level function or class is defined twice."""

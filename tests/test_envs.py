@@ -205,6 +205,22 @@ def test_env_reaches_every_role_of_a_yaml_job(pai_home, tmp_path):
     assert "env: {A: '1'}" in exported.stdout   # a job file `pai run` reads back as it was
 
 
+def test_export_writes_a_bare_name_without_the_shells_value(pai_home, tmp_path):
+    """The bare-name form keeps a token off the command line: the job file keeps it
+    out too, and `pai run` takes it from the shell again."""
+    script = tmp_path / "show.py"
+    script.write_text("print('hi')\n")
+    exported = pai("export", "-name", "python", f"-Dscript={script}", "-Denv=A=1,HF_TOKEN",
+                   env={"HF_TOKEN": SECRET})
+    assert exported.returncode == 0, exported.stderr
+    assert SECRET not in exported.stdout
+    assert "env: {A: '1', HF_TOKEN: null}" in exported.stdout
+    job = tmp_path / "job.yaml"
+    job.write_text(exported.stdout)
+    again = pai("export", str(job), env={"HF_TOKEN": SECRET})
+    assert again.stdout == exported.stdout
+
+
 # -- fuzz: the new parsers never traceback ----------------------------------------------
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402

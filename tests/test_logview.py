@@ -82,7 +82,7 @@ def test_submit_prints_the_page_url_and_the_page_shows_the_job(web):
     assert oct(folder.stat().st_mode & 0o777) == "0o700"
     for name in ("token", "server.json", "server.log"):
         assert oct((folder / name).stat().st_mode & 0o777) == "0o600", name
-    assert (folder / "token").read_text().strip() == token
+    assert json.loads((folder / "token").read_text())["token"] == token
 
 
 def test_the_server_stands_by_holding_nothing_else_of_the_caller(web):
@@ -366,14 +366,84 @@ def test_the_feed_sends_whole_lines_and_restarts_a_rotated_log(tmp_path):
 
 def test_a_token_file_left_readable_is_tightened_when_used(tmp_path):
     """The token is stored 0600: one written looser (by hand, an old version) is
-    tightened the next time it is read, and kept (old URLs keep working)."""
+    tightened the next time it is read, and kept while valid (old URLs keep working)."""
+    import time
+
     from paicli.web import launch
 
     folder = launch.state_dir(tmp_path)
-    (folder / "token").write_text("abc\n")
+    (folder / "token").write_text(json.dumps({"token": "abc", "port": 4321, "minted": time.time()}))
     os.chmod(folder / "token", 0o644)
-    assert launch.user_token(tmp_path) == "abc"
+    assert launch.user_token(tmp_path, 4321)["token"] == "abc"
     assert oct((folder / "token").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_token_serves_only_its_own_port_and_only_for_its_days():
+    from paicli.web.launch import TOKEN_SECONDS, token_valid
+
+    record = {"token": "abc", "port": 4321, "minted": 1000.0}
+    assert token_valid(record, 4321, 1000.0) and token_valid(record, 4321, 1000.0 + TOKEN_SECONDS - 1)
+    assert not token_valid(record, 4322, 1000.0)                     # another port: whoever holds the old one
+    assert not token_valid(record, 4321, 1000.0 + TOKEN_SECONDS)     # expired
+    assert not token_valid(record, 4321, 999.0)                      # minted in the future: a clock gone back
+    assert not token_valid(None, 4321, 1000.0) and not token_valid({**record, "token": ""}, 4321, 1000.0)
+    assert not token_valid({**record, "minted": "x"}, 4321, 1000.0)
+
+
+def test_a_new_port_or_a_spent_token_mints_a_new_token_and_old_urls_get_403(pai_home):
+    """Another local user who binds the port of an old URL must not receive a token
+    that still opens the logs: a server on another port has a new token; a token past
+    its days is replaced (the server with it); an old URL gets a 403 that says why."""
+    from paicli.web import launch
+
+    first = launch.ensure_server(pai_home)
+    launch.stop_server(pai_home)
+    taken = socket.socket()
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    taken.bind(("127.0.0.1", first["port"]))
+    taken.listen(1)
+    try:
+        moved = launch.ensure_server(pai_home)
+        assert moved["port"] != first["port"] and moved["token"] != first["token"]
+        old = launch.url_for({**first, "port": moved["port"]})
+        code, body, _ = get(old)
+        assert code == 403 and "pai logview" in body and "expired" in body
+        assert get(launch.url_for(moved))[0] == 200
+        # its days are over (as if minted long ago): the next command replaces the server and the token
+        path = pai_home / "logview" / "token"
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps({**record, "minted": record["minted"] - launch.TOKEN_SECONDS}))
+        fresh = launch.ensure_server(pai_home)
+        assert fresh["token"] != moved["token"] and fresh["pid"] != moved["pid"]
+        assert get(launch.url_for({**moved, "port": fresh["port"]}))[0] == 403
+        assert get(launch.url_for(fresh))[0] == 200
+    finally:
+        taken.close()
+        launch.stop_server(pai_home)
+
+
+def test_a_running_server_refuses_its_token_once_spent(tmp_path):
+    """A server that outlives its token's days (an open page keeps it up) answers 403."""
+    import asyncio
+    import threading
+    import time
+
+    pytest.importorskip("aiohttp")
+    from aiohttp import web
+
+    from paicli.web import server
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(server.make_app(tmp_path, "tok", expires=time.time() - 1))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    port = runner.addresses[0][1]
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        code, body, _ = get(f"http://127.0.0.1:{port}/logview/?token=tok")
+        assert code == 403 and "expired" in body
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def test_a_slow_store_read_does_not_hold_up_another_request(tmp_path, monkeypatch):
@@ -444,7 +514,7 @@ def test_the_first_submit_of_a_home_starts_its_server_and_prints_its_url(pai_hom
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stdout + result.stderr[-2000:]
         assert "Log view: http://127.0.0.1:" in result.stdout   # the submit started the server
-        token = (pai_home / "logview" / "token").read_text().strip()
+        token = json.loads((pai_home / "logview" / "token").read_text())["token"]
         assert re.fullmatch(r"[A-Za-z0-9_-]{32}", token), token
         assert f"token={token}" in result.stdout
     finally:

@@ -4,6 +4,8 @@ receiver (written aside, checked, renamed; a full disk), and local jobs end to e
 
 from __future__ import annotations
 
+import email.message
+import email.utils
 import json
 import urllib.parse
 import os
@@ -512,12 +514,18 @@ def test_the_logview_lists_outputs_with_download_links_behind_the_token(tmp_path
                      roles=[{"name": "worker", "count": 1, "must_finish": True}])
     (tmp_path / "model.h5").write_bytes(b"weights")
     (tmp_path / "secret").write_text("not an output")
+    odd = ['say "hi".txt', "two\nlines\r.txt", "naïve;x=1.bin"]   # named on the download as they are
+    for name in odd:
+        (tmp_path / name).write_text(name)
     store.add_outputs([("j1", "worker:0", str(tmp_path / "model.h5"), 7, 0, None, "here", "local", None, None),
-                       ("j1", "worker:1", "/far/<b>x</b>", 9, 0, None, "node", "h3", "/tmp/j1/x", "disk full")])
+                       ("j1", "worker:1", "/far/<b>x</b>", 9, 0, None, "node", "h3", "/tmp/j1/x", "disk full")]
+                      + [("j1", "worker:0", str(tmp_path / n), 1, 0, None, "here", "local", None, None) for n in odd])
+    disposition = {}
 
     def get(path):
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=20) as response:
+                disposition[path] = response.headers["Content-Disposition"]
                 return response.status, response.read()
         except urllib.error.HTTPError as err:
             return err.code, err.read()
@@ -538,6 +546,15 @@ def test_the_logview_lists_outputs_with_download_links_behind_the_token(tmp_path
         assert get(link)[0] == 403
         other = f"/api/jobs/j1/file?instance=worker%3A0&path={urllib.parse.quote(str(tmp_path / 'secret'))}&token=tok"
         assert get(other)[0] == 404
+        for name in odd:
+            link = f"/api/jobs/j1/file?instance=worker%3A0&path={urllib.parse.quote(str(tmp_path / name))}&token=tok"
+            assert get(link) == (200, name.encode())
+            header = email.message.Message()
+            header["Content-Disposition"] = disposition[link]
+            params = header.get_params(header="Content-Disposition")
+            assert params[0][0] == "attachment"   # filename* (RFC 6266's choice) is the name; filename a plain stand-in
+            assert [email.utils.collapse_rfc2231_value(v) for k, v in params if isinstance(v, tuple)] == [name]
+            assert header.get_filename().isprintable() and '"' not in header.get_filename()
     finally:
         loop.call_soon_threadsafe(loop.stop)
 

@@ -1,8 +1,9 @@
 """Finding the per-user logview server, or starting one, without waiting for it.
 
-State lives in $PAI_HOME/logview/ (0700): `token` (0600, kept across servers so
-an old URL keeps working) and `server.json` (0600: pid, start time, host, port,
-token). The CLI binds the listening socket and hands it to the server, so the URL
+State lives in $PAI_HOME/logview/ (0700): `token` (0600: the token, the port it
+was minted for and when; kept across servers on that port for TOKEN_DAYS, so an
+old URL keeps working until then) and `server.json` (0600: pid, start time, host,
+port, token). The CLI binds the listening socket and hands it to the server, so the URL
 it prints is good at once. Imports no web library.
 """
 
@@ -23,6 +24,8 @@ from paicli.errors import PaiError
 from paicli.private import private_dir, write_private
 
 IDLE_SECONDS = 900.0  # the server exits after this long without a request or a CLI using it
+TOKEN_DAYS = 7        # a token opens pages this long after it was minted (docs/logview.md)
+TOKEN_SECONDS = TOKEN_DAYS * 86400.0
 
 
 class LogviewUnavailable(PaiError):
@@ -39,25 +42,37 @@ def state_dir(home: Path) -> Path:
     return private_dir(home / "logview", parents=True)
 
 
-def user_token(home: Path) -> str:
-    path = state_dir(home) / "token"
-    try:
-        token = path.read_text().strip()
-        if token:
-            os.chmod(path, 0o600)   # stored 0600, whoever wrote it looser
-            return token
-    except FileNotFoundError:
-        pass
-    import secrets
+def token_valid(record: dict | None, port: int, now: float) -> bool:
+    """Whether a stored token still serves a server on `port`: minted for that very
+    port (whoever has bound an old URL's port since must not receive a live token)
+    and less than TOKEN_DAYS ago."""
+    minted = (record or {}).get("minted")
+    return (bool(record and record.get("token")) and record.get("port") == port
+            and isinstance(minted, (int, float)) and 0 <= now - minted < TOKEN_SECONDS)
 
-    token = secrets.token_urlsafe(24)
+
+def read_token(home: Path) -> dict | None:
+    """The stored token record {token, port, minted}, tightened to 0600 (whoever
+    wrote it looser); None when there is none or it cannot be read."""
+    path = home / "logview" / "token"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another pai made it first: use theirs
-        return path.read_text().strip()
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
+        os.chmod(path, 0o600)
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def user_token(home: Path, port: int) -> dict:
+    """The token record for a server on `port`: the stored one while it is valid
+    there, else a new one, stored 0600 (under ensure_server's lock)."""
+    record = read_token(home)
+    if not token_valid(record, port, time.time()):
+        import secrets
+
+        record = {"token": secrets.token_urlsafe(24), "port": port, "minted": time.time()}
+        write_private(state_dir(home) / "token", json.dumps(record))
+    return record
 
 
 def bind_host() -> str:
@@ -127,13 +142,13 @@ def start_server(home: Path) -> dict:
                                  "they are paicli's own dependencies: reinstall paicli (bash .ci/setup)")
     folder = state_dir(home)
     host = bind_host()
-    token = user_token(home)
     sock = _listen(host, folder)
+    port = sock.getsockname()[1]
     try:
+        token = user_token(home, port)["token"]   # another port than the last: a new token
         pid = start_in_session("paicli.web.standby", ["--home", str(home), "--fd", str(sock.fileno())],
                                folder / "server.log", keep=(sock.fileno(),))
     finally:
-        port = sock.getsockname()[1]
         sock.close()
 
     state = {"pid": pid, "start": start_time(pid), "host": host, "port": port,
@@ -152,6 +167,11 @@ def ensure_server(home: Path) -> dict:
         os.chmod(folder / "lock", 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
         state = running_server(home)
+        record = read_token(home)
+        if state is not None and not (token_valid(record, state["port"], time.time())
+                                      and record["token"] == state["token"]):
+            stop_server(home)   # its token is spent: the next server has a new one
+            state = None
         if state is None:
             state = start_server(home)
         else:

@@ -23,10 +23,12 @@ import asyncio
 import hmac
 import json
 import os
+import secrets
 import signal
 import socket
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import jinja2
@@ -38,7 +40,6 @@ from paicli.logview import log_path
 from paicli.states import JobStatus
 from paicli.store import Store
 from paicli.web import data, launch, study
-from paicli.web.launch import user_token
 
 HERE = Path(__file__).resolve().parent
 STATIC = HERE / "static"
@@ -56,14 +57,16 @@ SECURITY_HEADERS = {
 }
 
 TOKEN = web.AppKey("token", str)
+EXPIRES = web.AppKey("expires", float)
 HOME = web.AppKey("home", Path)
 ENV = web.AppKey("env", jinja2.Environment)
 USE = web.AppKey("use", dict)
 
 
-def make_app(home: Path, token: str) -> web.Application:
+def make_app(home: Path, token: str, expires: float = float("inf")) -> web.Application:
     app = web.Application(middlewares=[guard])
     app[TOKEN] = token
+    app[EXPIRES] = expires
     app[HOME] = home
     Store(home).close()  # a store that cannot be opened fails here, before the first page
     app[ENV] = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
@@ -86,9 +89,10 @@ def make_app(home: Path, token: str) -> web.Application:
 async def guard(request: web.Request, handler):
     """The token on every URL (compared in constant time), security headers on every answer."""
     given = request.query.get("token", "")
-    if not hmac.compare_digest(given.encode(), request.app[TOKEN].encode()):
-        return web.Response(status=403, text="403 forbidden: this page needs the token= of its URL"
-                            " (`pai logview` prints it)\n", headers=SECURITY_HEADERS)
+    if not hmac.compare_digest(given.encode(), request.app[TOKEN].encode()) or time.time() >= request.app[EXPIRES]:
+        return web.Response(status=403, text="403 forbidden: this URL's token= is wrong or has expired (a token"
+                            f" lasts {launch.TOKEN_DAYS} days and changes with the server's port);"
+                            " `pai logview [ID]` prints the current URL\n", headers=SECURITY_HEADERS)
     request.app[USE]["last"] = time.monotonic()
     try:
         response = await handler(request)
@@ -165,6 +169,14 @@ async def job_json(request: web.Request) -> web.Response:
     return web.json_response(summary, dumps=lambda d: json.dumps(d, default=str))
 
 
+def disposition(kind: str, name: str) -> str:
+    """A Content-Disposition for any file name (RFC 6266): `filename*` carries it whole,
+    percent-encoded; the plain `filename` for old clients keeps printable ASCII but `"`
+    and `\\`, so neither a quote nor a newline of a name reaches the header."""
+    plain = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in name)
+    return f"{kind}; filename=\"{plain}\"; filename*=UTF-8''{urllib.parse.quote(name, safe='')}"
+
+
 def _log_file(store: Store, job_id: str, instance: str | None, attempt: int | None) -> tuple[dict, Path]:
     job = store.job(job_id)
     return job, log_path(store, job, instance, attempt)
@@ -180,7 +192,7 @@ async def whole_log(request: web.Request) -> web.StreamResponse:
         return web.Response(status=404, text=f"404: no log yet for {request.query.get('instance') or 'the job'}\n")
     name = path.name if path.name != "job.log" else f"{job['id']}.log"
     return web.FileResponse(path, headers={"Content-Type": "text/plain; charset=utf-8",
-                                           "Content-Disposition": f'inline; filename="{name}"'})
+                                           "Content-Disposition": disposition("inline", name)})
 
 
 async def static_file(request: web.Request) -> web.StreamResponse:
@@ -305,8 +317,10 @@ async def stream(request: web.Request) -> web.StreamResponse:
 
 
 async def serve(home: Path, sock: socket.socket) -> None:
-    token = user_token(home)
-    app = make_app(home, token)
+    record = launch.read_token(home)
+    if not launch.token_valid(record, sock.getsockname()[1], time.time()):
+        record = {"token": secrets.token_urlsafe(24), "minted": 0.0}   # not this server's: no URL opens it
+    app = make_app(home, record["token"], record["minted"] + launch.TOKEN_SECONDS)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     await web.SockSite(runner, sock).start()
@@ -404,4 +418,4 @@ async def output_file(request: web.Request) -> web.StreamResponse:
     if not path.is_file():
         return web.Response(status=404, text=f"404: {path} is no longer there\n")
     return web.FileResponse(path, headers={"Content-Type": "application/octet-stream",
-                                           "Content-Disposition": f'attachment; filename="{path.name}"'})
+                                           "Content-Disposition": disposition("attachment", path.name)})

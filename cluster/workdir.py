@@ -30,6 +30,7 @@ from typing import Any
 import pathspec
 
 from paicli.cluster import datasets
+from paicli.cluster.node_files import project_folder
 from paicli.private import write_private
 
 IGNORE_FILES = (".gitignore", ".paiignore")
@@ -105,7 +106,7 @@ def _link_inside(path: str, root: str) -> str | None:
 def listing(root: str, limit: int | None = None, stop_over: bool = False) -> Listing:
     """What of `root` is sent (see the module's docstring), sorted; `stop_over`:
     stop at the first file past `limit` (over=True, the rest unlisted)."""
-    root = os.path.realpath(root)
+    root, real = os.path.abspath(root), os.path.realpath(root)
     out = Listing(root)
 
     def walk(rel: str, rules: Rules) -> bool:
@@ -114,7 +115,7 @@ def listing(root: str, limit: int | None = None, stop_over: bool = False) -> Lis
         for entry in sorted(os.scandir(here), key=lambda e: e.name):
             sub = f"{rel}/{entry.name}" if rel else entry.name
             if entry.is_symlink():
-                target = _link_inside(entry.path, root)
+                target = _link_inside(entry.path, real)
                 if target is not None and not _ignored(rules, sub, os.path.isdir(entry.path)):
                     out.files.append([sub, 0, 0o700, target])
                 continue
@@ -138,7 +139,7 @@ def listing(root: str, limit: int | None = None, stop_over: bool = False) -> Lis
 def why_left_out(root: str, rel: str) -> str | None:
     """Why the path `rel` below `root` is not sent (the rule, or the kind of thing
     it is), None when it is, or when it is not there at all."""
-    root = os.path.realpath(root)
+    real = os.path.realpath(root)
     parts = [p for p in rel.split("/") if p not in ("", ".")]
     if ".." in parts or not parts or not os.path.lexists(os.path.join(root, *parts)):
         return None
@@ -146,7 +147,7 @@ def why_left_out(root: str, rel: str) -> str | None:
     for depth, name in enumerate(parts):
         sub, path = "/".join(parts[:depth + 1]), os.path.join(root, *parts[:depth + 1])
         rules += _rules_in(os.path.dirname(path), "/".join(parts[:depth]))
-        if os.path.islink(path) and _link_inside(path, root) is None:
+        if os.path.islink(path) and _link_inside(path, real) is None:
             return f"{sub} is a link out of the folder (never followed)"
         is_dir = os.path.isdir(path) and not os.path.islink(path)
         why = (_never(path, name) if is_dir else None) or _ignored(rules, sub, is_dir)
@@ -162,11 +163,6 @@ def record(job_dir: str | Path, found: Listing) -> None:
     write_private(Path(job_dir) / RECORD, json.dumps({"root": found.root, "files": found.files}))
 
 
-def load(job_dir: str | Path) -> dict | None:
-    try:
-        return json.loads((Path(job_dir) / RECORD).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 # -- when the job is staged: through each node's data cache ------------------------------------
@@ -193,7 +189,7 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
     each node is sent the blobs its cache lacks, then copies every file into the
     job's `code/`. {node: bytes sent}; {} when the job has no folder to send or
     runs on this machine."""
-    kept = load(job_dir)
+    kept = project_folder(str(job_dir))
     transports = datasets._transports(backend, only) if kept else None
     if not transports:
         return {}
@@ -222,7 +218,7 @@ PATHLIKE = re.compile(r"['\"]([^'\"\s]+)['\"]|(?<![\w/.])((?:\.{0,2}/)?[\w.-]+(?
 def hint(job_dir: str | Path, tail: list[str]) -> str | None:
     """For a failure whose last lines name a relative path missing on the node:
     the rule that kept that path, present in the project folder, from being sent."""
-    kept = load(job_dir)
+    kept = project_folder(str(job_dir))
     if not kept:
         return None
     for line in reversed(tail):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 
+from conftest import pai
 from paicli.cluster import workdir
 
 
@@ -105,3 +107,23 @@ def test_the_hint_names_the_rule_for_a_missing_relative_file(tmp_path):
     assert "examples/mnist.csv" not in (workdir.hint(job, caffe) or "")   # not in the folder: no hint
     assert workdir.hint(job, ["FileNotFoundError: 'train.py'"]) is None   # sent: something else is wrong
     assert workdir.hint(tmp_path, tail) is None                           # no folder sent
+
+
+def test_an_explicit_folder_over_the_limit_is_refused_in_one_line_naming_the_biggest(tmp_path, pai_home):
+    """Refused at submit (exit 2), before any node is reached: the nodes file names a
+    host nobody answers on, and no job is left behind."""
+    proj = tmp_path / "proj"
+    write(proj, "train.py")
+    write(proj, "data/a.bin", "x" * 3000)
+    write(proj, "weights.h5", "x" * 2000)
+    write(proj, "notes.md", "x" * 100)
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(json.dumps({"nodes": [{"name": "h1", "host": "192.0.2.1", "user": "nobody"}]}))
+    result = pai("-name", "python", f"-Dscript={proj / 'train.py'}", f"-DworkDir={proj}", "-DworkDirMaxSize=4K",
+                 env={"PAI_NODES": str(nodes)}, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"pai: error: -DworkDir: {proj} sends 5.1 KB, over -DworkDirMaxSize=4K; the biggest: data/ (3.0 KB), "
+        "weights.h5 (2.0 KB), notes.md (100 bytes); list what stays here in .paiignore (gitignore syntax), "
+        "or raise -DworkDirMaxSize"]
+    assert not any((pai_home / "jobs").glob("*"))

@@ -31,6 +31,7 @@ import pathspec
 
 from paicli.cluster import datasets
 from paicli.cluster.node_files import project_folder
+from paicli.errors import PaiError
 from paicli.private import write_private
 
 IGNORE_FILES = (".gitignore", ".paiignore")
@@ -184,6 +185,15 @@ def _digest(path: str) -> str:
     return got.hexdigest()
 
 
+def _read(root: str, rel: str, digest: str) -> bytes:
+    """A file's bytes as they were hashed: every node gets the same folder."""
+    data = Path(root, rel).read_bytes()
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise PaiError(f"workdir: {rel} changed while the job was sent to its nodes",
+                       "submit again, or list in .paiignore what is written while jobs start")
+    return data
+
+
 def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: set | None = None) -> dict:
     """The folder's files onto the job's staged nodes (`only` those, else all):
     each node is sent the blobs its cache lacks, then copies every file into the
@@ -197,8 +207,8 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
     digests = {rel: _digest(os.path.join(root, rel)) for rel, _size, _mode, target in files if not target}
     sizes = {digests[rel]: size for rel, size, _mode, target in files if not target}
     plan = {"files": [[f"{CODE}/{rel}", digests.get(rel, ""), mode, target] for rel, _s, mode, target in files]}
-    reads = {digests[rel]: (lambda path=os.path.join(root, rel): Path(path).read_bytes())
-             for rel, _s, _m, target in files if not target}
+    reads = {digests[rel]: (lambda rel=rel: _read(root, rel, digests[rel])) for rel, _s, _m, target in files
+             if not target}
     sent = {}
     for node, transport in sorted(transports.items()):
         lacking = set(transport.missing(sorted(reads)))

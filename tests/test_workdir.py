@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from conftest import pai
+from paicli.errors import PaiError
 from paicli.cluster import workdir
 
 
@@ -127,3 +130,13 @@ def test_an_explicit_folder_over_the_limit_is_refused_in_one_line_naming_the_big
         "weights.h5 (2.0 KB), notes.md (100 bytes); list what stays here in .paiignore (gitignore syntax), "
         "or raise -DworkDirMaxSize"]
     assert not any((pai_home / "jobs").glob("*"))
+
+
+def test_a_file_that_changes_while_it_is_sent_stops_the_job_naming_it(tmp_path):
+    """Every node gets the folder as it was hashed, or the job does not start."""
+    path = write(tmp_path, "train.log", "first")
+    digest = workdir._digest(str(path))
+    assert workdir._read(str(tmp_path), "train.log", digest) == b"first"
+    path.write_text("second")
+    with pytest.raises(PaiError, match="workdir: train.log changed while the job was sent to its nodes"):
+        workdir._read(str(tmp_path), "train.log", digest)

@@ -23,6 +23,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,14 +210,18 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
     plan = {"files": [[f"{CODE}/{rel}", digests.get(rel, ""), mode, target] for rel, _s, mode, target in files]}
     reads = {digests[rel]: (lambda rel=rel: _read(root, rel, digests[rel])) for rel, _s, _m, target in files
              if not target}
-    sent = {}
-    for node, transport in sorted(transports.items()):
+
+    def send(transport: Any) -> tuple[int, int]:
         lacking = set(transport.missing(sorted(reads)))
         transport.sizes = sizes
-        sent[node] = transport.put(plan, {d: reads[d] for d in sorted(lacking)})
-        fresh = sum(1 for rel in digests if digests[rel] in lacking)
-        note(f"workdir: {node}: {fresh} file(s) sent ({human(sent[node])}), {len(files) - fresh} already there")
-    return sent
+        sent = transport.put(plan, {d: reads[d] for d in sorted(lacking)})
+        return sent, sum(1 for rel in digests if digests[rel] in lacking)
+
+    with ThreadPoolExecutor(max_workers=min(8, len(transports))) as pool:   # every node at once
+        done = dict(zip(sorted(transports), pool.map(send, [transports[n] for n in sorted(transports)])))
+    for node, (sent, fresh) in done.items():
+        note(f"workdir: {node}: {fresh} file(s) sent ({human(sent)}), {len(files) - fresh} already there")
+    return {node: sent for node, (sent, _fresh) in done.items()}
 
 
 # -- when an instance fails for a file the folder did not send ---------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from paicli import jobstatus
 from paicli.cluster import (backends, datasets, distribution, lifecycle, outputs, placement as placing, policy,
-                            queue_turns, requirement_layers as job_layers)
+                            queue_turns, requirement_layers as job_layers, workdir)
 from paicli.cluster.backends import backend_for_job, job_config
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
 from paicli.cluster.job_placement import place_job, read_placements, write_placements
@@ -184,6 +184,7 @@ class JobMaster:
                 inst.placed = placed[(inst.role.name, inst.idx)]
             self.backend.prepare(str(self.job_dir), self.plan, self.placements)
             datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note)   # DATA
+            workdir.stage(self.backend, self.job_dir, self.joblog.note)
             self._assign_ports(self.instances)
             self._launch_all(self.instances)
             # A master dead before the watchdog runs closes the agents' links, which
@@ -596,7 +597,8 @@ class JobMaster:
         if tail:
             self.store.event(self.job_id, "last-lines", "\n".join(tail[-10:]), inst.role.name, inst.idx)
         last = " | ".join(line.strip() for line in tail[-3:])
-        return JobStatus.FAILED, verdict.reason + (f"; last lines: {last}" if last else "")
+        hint = workdir.hint(self.job_dir, tail)   # a file of the project folder an ignore rule kept here
+        return JobStatus.FAILED, verdict.reason + (f"; last lines: {last}" if last else "") + (f"; {hint}" if hint else "")
 
     ON_VERDICT = {policy.FINISHED: _on_finished, policy.RESTART_JOB_: _on_restart_job,
                   policy.RESTART_INSTANCE: _on_restart_instance, policy.FAIL: _on_fail}
@@ -627,6 +629,7 @@ class JobMaster:
         queue_turns.placed_again(self.store, self.job_id, self.plan, self.placements)
         self.backend.prepare(str(self.job_dir), self.plan, [new])
         datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note, {new.node})   # DATA
+        workdir.stage(self.backend, self.job_dir, self.joblog.note, {new.node})
 
     def _restart_job(self, failed: Instance, code: int, ended_on: str | None) -> None:
         """Stop every instance, take fresh ports, start them all again (a job-level

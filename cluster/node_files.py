@@ -135,7 +135,11 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
         files += tree_files(code, CODE)
     else:   # the folder plain-script instances start in, standing for the working folder
         files.append(NodeFile(cwds[0] if cwds else code, CODE, 0o700, "dir"))
-    seen = {f.dst for f in files}
+    folder = project_folder(job_dir)   # its files travel by cluster/workdir.py, through the nodes' cache
+    if folder:   # the instances' working folder, as a tree: every path below it maps
+        trees.append((folder["root"], CODE))
+        exact = [pair for pair in exact if pair[0] != folder["root"]]
+    seen = {f.dst for f in files} | ({f"{CODE}/{rel}" for rel, *_rest in folder["files"]} if folder else set())
     for path in getattr(plan, "inputs", None) or []:
         path = os.path.abspath(path)
         if _inside(path, job_dir) or not os.path.isfile(path):
@@ -154,6 +158,16 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
     files += [f for f in ckpt_files if f.dst not in seen]
     trees += ckpt_trees
     return Manifest(files=files, job_dir=job_dir, trees=trees, exact=exact)
+
+
+def project_folder(job_dir: str) -> dict | None:
+    """JOB/workdir.json: the project folder and what of it is sent (cluster/workdir.py
+    writes it at submit), or None."""
+    try:
+        with open(os.path.join(job_dir, "workdir.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def tar_stream(files: list[NodeFile]) -> bytes:

@@ -222,8 +222,9 @@ def exec_command(client, argv: list[str], stdin: bytes | None = None,
 
     try:
         chan.exec_command(quote_argv(argv))
-        if stdin:
-            chan.sendall(stdin)
+        for at in range(0, len(stdin or b""), 1 << 18):
+            # In slices: paramiko's sendall copies what is left after every packet it sends.
+            chan.sendall(stdin[at:at + (1 << 18)])
         chan.shutdown_write()
         reader = threading.Thread(target=drain_stderr, name="ssh-stderr", daemon=True)
         reader.start()

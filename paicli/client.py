@@ -81,7 +81,7 @@ def submit(prepared: Prepared, store: Store | None = None,
     try:
         # Started first, it imports its modules while this process stages the job.
         master = start_master(store.home, job_dir)
-        code = stage_code(spec, job_dir)
+        code = stage_code(spec, job_dir, backends.probed_by_login(config), progress)
         plan: JobPlan = adapter.plan(spec, code)
         _check_planned(spec, plan)
         datasets.prepare(spec, plan, job_dir)   # -Dtables/-Doutputs checked (exit 2) and sliced

@@ -1,7 +1,8 @@
 """Putting the user's code where the job can run it.
 
 A plain script runs in place, from the directory `pai` was started in, as
-`python train.py` would. An archive (.tar.gz/.tgz) is checked and extracted into
+`python train.py` would (or from -DworkDir, the project folder that travels to
+the nodes: `work_dir`). An archive (.tar.gz/.tgz) is checked and extracted into
 the job's own `code/` folder, and instances start in that folder. Everything
 happens in a staging directory that becomes the job directory only once the
 whole submission is valid, so bad input leaves nothing behind.
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import os
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 from paicli.adapters.base import StagedCode
+from paicli.cluster import workdir
 from paicli.errors import SpecError, UsageError
 from paicli.runners.archive import ArchiveTooLarge, BadLimit, UnsafeArchive, extract
-from paicli.spec import JobSpec
+from paicli.spec import JobSpec, parse_size
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 
@@ -25,10 +28,11 @@ def is_archive(path: str) -> bool:
     return path.lower().endswith(ARCHIVE_SUFFIXES)
 
 
-def stage_code(spec: JobSpec, staging: Path) -> StagedCode:
+def stage_code(spec: JobSpec, staging: Path, remote: bool = False,
+               note: Callable[[str], None] = lambda line: None) -> StagedCode:
     script = spec.get("script")
     entry_file = spec.get("entryFile")
-    cwd = Path(os.getcwd())
+    cwd = Path(work_dir(spec, staging, remote, note) or os.getcwd())
     if not script:
         if entry_file:
             raise SpecError("-DentryFile", "names an entry inside -Dscript's archive, but there is no -Dscript",
@@ -57,6 +61,39 @@ def stage_code(spec: JobSpec, staging: Path) -> StagedCode:
         listing = ", ".join(scripts[:6]) if scripts else "no .py files"
         raise SpecError("-DentryFile", f"{entry_file} is not in {Path(script).name}", f"it holds {listing}")
     return StagedCode(entry=entry, root=root, cwd=root)
+
+
+def work_dir(spec: JobSpec, staging: Path, remote: bool, note: Callable[[str], None]) -> str | None:
+    """The project folder (cluster/workdir.py): -DworkDir, or the folder `pai` runs
+    in when a plain -Dscript lies inside it. For a job on other nodes, what of it is
+    sent is listed and checked against -DworkDirMaxSize: an explicit folder over the
+    limit is refused, the default one falls back to the script and its imports."""
+    value, script, here = spec.get("workDir"), spec.get("script"), os.getcwd()
+    if value == "none" or (script and is_archive(script)):
+        if value not in (None, "none"):
+            raise SpecError("-DworkDir", "an archive's own folder is where its instances start",
+                            "drop -DworkDir, or pass the folder's script as a plain -Dscript")
+        return None
+    if value is None and not (script and os.path.abspath(script).startswith(here.rstrip("/") + "/")):
+        return None
+    folder = os.path.abspath(os.path.expanduser(value.removeprefix("file://"))) if value else here
+    if not os.path.isdir(folder):
+        raise SpecError("-DworkDir", f"{folder}: no such folder", "give the project folder, or none")
+    if not remote:
+        return folder   # this machine reads the folder in place
+    limit = parse_size(spec.get("workDirMaxSize"))
+    found = workdir.listing(folder, limit, stop_over=value is None)
+    if found.over and value is None:
+        note(f"workdir: {folder} sends more than {spec.get('workDirMaxSize')}; only the script and its "
+             "imports travel (name what stays here in .paiignore, or set -DworkDir)")
+        return None
+    if found.over:
+        biggest = ", ".join(f"{rel} ({workdir.human(size)})" for rel, size in found.biggest())
+        raise SpecError("-DworkDir", f"{folder} sends {workdir.human(found.total)}, over -DworkDirMaxSize="
+                        f"{spec.get('workDirMaxSize')}; the biggest: {biggest}",
+                        "list what stays here in .paiignore (gitignore syntax), or raise -DworkDirMaxSize")
+    workdir.record(staging, found)
+    return folder
 
 
 def extract_checked(script: str, root: Path) -> None:

@@ -6,7 +6,7 @@ SSH as a command, on Ray by a zero-CPU task pinned to the node).
     python3 node_cache.py missing ROOT               stdin: a JSON list of digests; those
                                                      ROOT lacks (JSON list)
     python3 node_cache.py put ROOT FOLDER            stdin: one JSON line (the node's job
-                                                     plan: index, trees), then frames
+                                                     plan: index, trees, files), then frames
                                                      b"BLOB <sha256> <size>\\n" + bytes, b"END\\n";
                                                      {"blobs", "bytes", "received": every
                                                      byte read from stdin}
@@ -15,7 +15,9 @@ SSH as a command, on Ray by a zero-CPU task pinned to the node).
 ROOT/blobs/<sha256> holds one slice or file, read-only (0400), written aside and
 renamed once its digest is checked, hashed again when a job asks for it: a blob
 that is there is whole. A bucket is a tree of hard links to blobs under
-ROOT/trees/<tree digest>/, read-only, that the job's folder links to. The job's table index goes to FOLDER/data/tables.json.
+ROOT/trees/<tree digest>/, read-only, that the job's folder links to. The job's
+table index goes to FOLDER/data/tables.json; a project folder's files
+(cluster/workdir.py) are copies of their blobs in FOLDER/code/.
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ def place(root: str, folder: str, plan: dict) -> None:
         os.makedirs(out["parts"], mode=0o700, exist_ok=True)
     if plan.get("index") is not None:
         private_files.write_private(os.path.join(data, "tables.json"), json.dumps(plan["index"]))
+    for dst, digest, mode, target in plan.get("files") or []:
+        _copy_out(root, folder, dst, digest, mode, target)
     for tree in plan.get("trees") or []:
         name = str(tree.get("link", "")).split("/")
         if len(name) != 2 or name[0] != "buckets" or not name[1].isdigit():
@@ -124,6 +128,32 @@ def place(root: str, folder: str, plan: dict) -> None:
         if os.path.lexists(link):
             os.unlink(link)
         os.symlink(top, link)
+
+
+def _copy_out(root: str, folder: str, dst: str, digest: str, mode: int, target: str) -> None:
+    """A project folder's file (a copy of its blob, the script may change it) or
+    link into the job's folder, written aside and renamed."""
+    parts = dst.split("/")
+    outside = os.path.normpath(os.path.join(os.path.dirname(dst), target)).startswith("..")
+    if dst.startswith("/") or any(p in ("", ".", "..") for p in parts) or target.startswith("/") or outside:
+        raise Refused(f"a project file that leaves the job's folder: {dst[:80]!r}")
+    here = folder
+    for name in parts[:-1]:
+        here = own_dir(os.path.join(here, name))
+    path = os.path.join(here, parts[-1])
+    if target:
+        if os.path.lexists(path):
+            os.unlink(path)
+        os.symlink(target, path)
+        return
+    with open(blob_path(root, digest), "rb") as src:
+        out = private_files.ReplacingFile(path, 0o700 if mode & 0o100 else 0o600)
+        try:
+            shutil.copyfileobj(src, out)
+        except BaseException:
+            out.abandon()
+            raise
+        out.commit(sync=False)
 
 
 def build_tree(root: str, tree: dict) -> str:

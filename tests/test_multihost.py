@@ -152,7 +152,7 @@ def test_an_absolute_path_that_is_no_input_reaches_the_script_unchanged(cluster,
     proj.mkdir()
     (proj / "args.py").write_text(STAGED)
     (proj / "other.txt").write_text("below the working folder, not named as input")
-    result = pai("-name", "python", f"-Dscript={proj / 'args.py'}", "-DmaxRetries=0",
+    result = pai("-name", "python", f"-Dscript={proj / 'args.py'}", "-DmaxRetries=0", "-DworkDir=none",
                  f"-DuserDefinedParameters=--out {out} --other {proj / 'other.txt'}", cwd=str(proj), timeout=60)
     info = assert_ok(result)
     assert f"[worker:0] argv ['--out', '{out}', '--other', '{proj / 'other.txt'}']" in result.stdout, result.stdout

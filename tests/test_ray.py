@@ -474,6 +474,21 @@ def test_python_job_runs_on_three_nodes(ray_cluster, home):
     assert not node_job_folders(job_id)   # the per-job folders on the nodes went with the job
 
 
+def test_the_project_folder_travels_to_ray_nodes(ray_cluster, home, tmp_path):
+    """The three-file project (tests/test_workdir_nodes.py) with the statement that
+    runs it here: its data and configuration reach the Ray nodes beside the script."""
+    from test_workdir_nodes import project
+
+    proj = project(tmp_path / "proj")
+    result = pai_ray(ray_cluster, home, "-name", "python", "-Dscript=train.py",
+                     '-Dcluster={"worker":{"count":2}}', cwd=proj)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert result.stdout.count("rows 100 lr 0.1 on") == 2, result.stdout
+    assert len(re.findall(r"workdir: \S+: 3 file\(s\) sent", result.stdout)) >= 1, result.stdout
+    assert (proj / "out-0.txt").read_text() == (proj / "out-1.txt").read_text() == "100 rows\n"
+    assert_nothing_left(job_id_of(result.stdout))
+
+
 def loss_falls_along_steps(status: dict, instances: list[str]) -> None:
     for name in instances:
         series = [v for _s, v in status["metric_series"].get(name, {}).get("loss", [])]

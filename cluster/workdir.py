@@ -1,0 +1,248 @@
+"""The project folder (-DworkDir): what of it reaches every node, and sending it.
+
+What is sent (`listing`): every file below the folder but what a `.gitignore` or
+`.paiignore` excludes (git's syntax, in the folder or any folder below it; in each
+folder `.paiignore` is read after `.gitignore`, so `!data.csv` there sends a file
+git ignores, and a deeper file decides over a shallower one), and never `.git/`,
+`__pycache__/` or a virtual environment (a folder holding `pyvenv.cfg` or
+`conda-meta`). A link is sent as a link when its relative target lies inside the
+folder; a link that leaves the folder is never followed.
+
+At submit the listing is checked against -DworkDirMaxSize and kept in
+JOB/workdir.json ({"root", "files": [[rel, size, mode, link target]]}); when the
+job is staged (`stage`), its files travel through the node's data cache
+(runners/node_cache.py) by content digest, so a node is sent only the files it
+has not had before, and are copied into the job's `code/` folder there, where
+the instances start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pathspec
+
+from paicli.cluster import datasets
+from paicli.cluster.node_files import project_folder
+from paicli.errors import PaiError
+from paicli.private import write_private
+
+IGNORE_FILES = (".gitignore", ".paiignore")
+NEVER = (".git", "__pycache__")
+VENV_MARKS = ("pyvenv.cfg", "conda-meta")
+RECORD = "workdir.json"
+CODE = "code"
+DEFAULT_MAX = "100M"
+
+Rules = list[tuple[str, str, Any, list[int]]]   # (folder rel, ignore file, spec, its patterns' line numbers)
+
+
+@dataclass
+class Listing:
+    root: str
+    files: list[list] = field(default_factory=list)   # [rel, size, mode, link target ("" for a file)]
+    total: int = 0
+    over: bool = False    # the limit was passed (a listing that stops there is partial)
+
+    def biggest(self, count: int = 3) -> list[tuple[str, int]]:
+        """The top-level entries (files, folders) that weigh most, as sent."""
+        sizes: dict[str, int] = {}
+        for rel, size, _mode, _target in self.files:
+            top = rel.split("/")[0] + ("/" if "/" in rel else "")
+            sizes[top] = sizes.get(top, 0) + size
+        return sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:count]
+
+
+def _rules_in(folder: str, rel: str) -> Rules:
+    rules = []
+    for name in IGNORE_FILES:
+        path = os.path.join(folder, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1)]
+        kept = [(n, line) for n, line in lines if line.strip() and not line.startswith("#")]
+        rules.append((rel, name, pathspec.GitIgnoreSpec.from_lines([line for _n, line in kept]),
+                      [n for n, _line in kept]))
+    return rules
+
+
+def _ignored(rules: Rules, rel: str, is_dir: bool) -> str | None:
+    """The rule that leaves `rel` out (".gitignore line 3: *.csv"), or None: each
+    ignore file judges the path relative to its own folder, the last to match decides."""
+    why = None
+    for base, name, spec, numbers in rules:
+        if base and not rel.startswith(base + "/"):
+            continue
+        got = spec.check_file((rel[len(base) + 1:] if base else rel) + ("/" if is_dir else ""))
+        if got.include is not None:
+            line = numbers[got.index]
+            why = f"{base + '/' if base else ''}{name} line {line}: {spec.patterns[got.index].pattern}" \
+                if got.include else None
+    return why
+
+
+def _never(path: str, name: str) -> str | None:
+    if name in NEVER:
+        return f"{name}/ (never sent)"
+    if any(os.path.exists(os.path.join(path, mark)) for mark in VENV_MARKS):
+        return f"{name}/ (a virtual environment, never sent)"
+    return None
+
+
+def _link_inside(path: str, root: str) -> str | None:
+    """A link's target when it is relative and stays inside `root` (real path)."""
+    target = os.readlink(path)
+    real = os.path.realpath(path)
+    return target if not os.path.isabs(target) and real.startswith(root + "/") else None
+
+
+def listing(root: str, limit: int | None = None, stop_over: bool = False) -> Listing:
+    """What of `root` is sent (see the module's docstring), sorted; `stop_over`:
+    stop at the first file past `limit` (over=True, the rest unlisted)."""
+    root, real = os.path.abspath(root), os.path.realpath(root)
+    out = Listing(root)
+
+    def walk(rel: str, rules: Rules) -> bool:
+        here = os.path.join(root, rel)
+        rules = rules + _rules_in(here, rel)
+        for entry in sorted(os.scandir(here), key=lambda e: e.name):
+            sub = f"{rel}/{entry.name}" if rel else entry.name
+            if entry.is_symlink():
+                target = _link_inside(entry.path, real)
+                if target is not None and not _ignored(rules, sub, os.path.isdir(entry.path)):
+                    out.files.append([sub, 0, 0o700, target])
+                continue
+            if entry.is_dir():
+                if not _never(entry.path, entry.name) and not _ignored(rules, sub, True) and not walk(sub, rules):
+                    return False
+            elif entry.is_file() and not _ignored(rules, sub, False):
+                st = entry.stat()
+                out.files.append([sub, st.st_size, 0o700 if st.st_mode & 0o100 else 0o600, ""])
+                out.total += st.st_size
+                if limit is not None and out.total > limit:
+                    out.over = True
+                    if stop_over:
+                        return False
+        return True
+
+    walk("", [])
+    return out
+
+
+def why_left_out(root: str, rel: str) -> str | None:
+    """Why the path `rel` below `root` is not sent (the rule, or the kind of thing
+    it is), None when it is, or when it is not there at all."""
+    real = os.path.realpath(root)
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if ".." in parts or not parts or not os.path.lexists(os.path.join(root, *parts)):
+        return None
+    rules: Rules = []
+    for depth, name in enumerate(parts):
+        sub, path = "/".join(parts[:depth + 1]), os.path.join(root, *parts[:depth + 1])
+        rules += _rules_in(os.path.dirname(path), "/".join(parts[:depth]))
+        if os.path.islink(path) and _link_inside(path, real) is None:
+            return f"{sub} is a link out of the folder (never followed)"
+        is_dir = os.path.isdir(path) and not os.path.islink(path)
+        why = (_never(path, name) if is_dir else None) or _ignored(rules, sub, is_dir)
+        if why:
+            return why
+    return None
+
+
+# -- at submit: the folder chosen and checked ---------------------------------------------
+
+
+def record(job_dir: str | Path, found: Listing) -> None:
+    write_private(Path(job_dir) / RECORD, json.dumps({"root": found.root, "files": found.files}))
+
+
+
+
+# -- when the job is staged: through each node's data cache ------------------------------------
+
+
+def human(size: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1000
+    return ""
+
+
+def _digest(path: str) -> str:
+    got = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            got.update(chunk)
+    return got.hexdigest()
+
+
+def _read(root: str, rel: str, digest: str) -> bytes:
+    """A file's bytes as they were hashed: every node gets the same folder."""
+    data = Path(root, rel).read_bytes()
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise PaiError(f"workdir: {rel} changed while the job was sent to its nodes",
+                       "submit again, or list in .paiignore what is written while jobs start")
+    return data
+
+
+def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: set | None = None) -> dict:
+    """The folder's files onto the job's staged nodes (`only` those, else all):
+    each node is sent the blobs its cache lacks, then copies every file into the
+    job's `code/`. {node: bytes sent}; {} when the job has no folder to send or
+    runs on this machine."""
+    kept = project_folder(str(job_dir))
+    transports = datasets._transports(backend, only) if kept else None
+    if not transports:
+        return {}
+    root, files = kept["root"], kept["files"]
+    digests = {rel: _digest(os.path.join(root, rel)) for rel, _size, _mode, target in files if not target}
+    sizes = {digests[rel]: size for rel, size, _mode, target in files if not target}
+    plan = {"files": [[f"{CODE}/{rel}", digests.get(rel, ""), mode, target] for rel, _s, mode, target in files]}
+    reads = {digests[rel]: (lambda rel=rel: _read(root, rel, digests[rel])) for rel, _s, _m, target in files
+             if not target}
+
+    def send(transport: Any) -> tuple[int, int]:
+        lacking = set(transport.missing(sorted(reads)))
+        transport.sizes = sizes
+        sent = transport.put(plan, {d: reads[d] for d in sorted(lacking)})
+        return sent, sum(1 for rel in digests if digests[rel] in lacking)
+
+    with ThreadPoolExecutor(max_workers=min(8, len(transports))) as pool:   # every node at once
+        done = dict(zip(sorted(transports), pool.map(send, [transports[n] for n in sorted(transports)])))
+    for node, (sent, fresh) in done.items():
+        note(f"workdir: {node}: {fresh} file(s) sent ({human(sent)}), {len(files) - fresh} already there")
+    return {node: sent for node, (sent, _fresh) in done.items()}
+
+
+# -- when an instance fails for a file the folder did not send ---------------------------------
+
+MISSING_FILE = re.compile(r"FileNotFoundError|No such file|[Cc]annot open|[Cc]ould not open|[Ff]ailed to open")
+PATHLIKE = re.compile(r"['\"]([^'\"\s]+)['\"]|(?<![\w/.])((?:\.{0,2}/)?[\w.-]+(?:/[\w.-]+)+|[\w-]+\.\w+)")
+
+
+def hint(job_dir: str | Path, tail: list[str]) -> str | None:
+    """For a failure whose last lines name a relative path missing on the node:
+    the rule that kept that path, present in the project folder, from being sent."""
+    kept = project_folder(str(job_dir))
+    if not kept:
+        return None
+    for line in reversed(tail):
+        if not MISSING_FILE.search(line):
+            continue
+        for quoted, bare in PATHLIKE.findall(line):
+            rel = (quoted or bare).removeprefix("./")
+            why = None if os.path.isabs(rel) else why_left_out(kept["root"], rel)
+            if why:
+                return f"{rel} is in {kept['root']} but not sent to the nodes: {why} " \
+                       "(a `!` line in .paiignore sends it)"
+    return None

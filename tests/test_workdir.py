@@ -1,0 +1,142 @@
+"""The project folder (-DworkDir): what is sent, the size limit, links, the hint."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import pai
+from paicli.errors import PaiError
+from paicli.cluster import workdir
+
+
+def write(root, rel, data="x", mode=0o600):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(data)
+    path.chmod(mode)
+    return path
+
+
+def sent(root, **kw):
+    return [f[0] for f in workdir.listing(str(root), **kw).files]
+
+
+def test_ignore_files_decide_what_is_sent(tmp_path):
+    write(tmp_path, "train.py", mode=0o700)
+    write(tmp_path, "data.csv")
+    write(tmp_path, "big.csv")
+    write(tmp_path, "conf/params.yaml")
+    write(tmp_path, "logs/run.log")
+    write(tmp_path, ".gitignore", "# data\n*.csv\n\nlogs/\n")
+    write(tmp_path, ".paiignore", "!data.csv\n")
+    write(tmp_path, "cache/.gitignore", "*\n!.gitignore\n")
+    write(tmp_path, "cache/blob.bin")
+    assert sent(tmp_path) == [".gitignore", ".paiignore", "cache/.gitignore", "conf/params.yaml", "data.csv",
+                              "train.py"]
+    modes = {rel: mode for rel, _size, mode, _t in workdir.listing(str(tmp_path)).files}
+    assert modes["train.py"] == 0o700 and modes["data.csv"] == 0o600
+
+
+def test_git_caches_and_virtual_environments_never_travel(tmp_path):
+    write(tmp_path, "train.py")
+    write(tmp_path, ".git/HEAD")
+    write(tmp_path, "pkg/__pycache__/m.cpython-311.pyc")
+    write(tmp_path, "pkg/m.py")
+    write(tmp_path, "env/pyvenv.cfg")
+    write(tmp_path, "env/lib/site.py")
+    write(tmp_path, "conda/conda-meta/history")
+    assert sent(tmp_path) == ["pkg/m.py", "train.py"]
+    assert workdir.why_left_out(str(tmp_path), "env/lib/site.py") == "env/ (a virtual environment, never sent)"
+    assert workdir.why_left_out(str(tmp_path), ".git/HEAD") == ".git/ (never sent)"
+
+
+def test_links_out_of_the_folder_are_never_followed(tmp_path):
+    project, outside = tmp_path / "p", tmp_path / "secret"
+    write(outside, "key", "private")
+    write(project, "train.py")
+    write(project, "data/a.csv")
+    os.symlink(outside / "key", project / "key")            # a file outside
+    os.symlink("../secret", project / "more")                # a folder outside, relative
+    os.symlink("data/a.csv", project / "a.csv")              # inside: sent as a link
+    os.symlink(str(project / "train.py"), project / "abs.py")   # inside but absolute: would break there
+    files = workdir.listing(str(project)).files
+    assert [f[0] for f in files] == ["a.csv", "data/a.csv", "train.py"]
+    assert files[0][3] == "data/a.csv"
+    assert workdir.why_left_out(str(project), "more/key") == "more is a link out of the folder (never followed)"
+
+
+def test_the_limit_stops_the_listing_and_names_the_biggest(tmp_path):
+    write(tmp_path, "train.py", "x" * 10)
+    write(tmp_path, "data/a.bin", "x" * 600)
+    write(tmp_path, "data/b.bin", "x" * 600)
+    write(tmp_path, "model.ckpt", "x" * 400)
+    write(tmp_path, "notes.txt", "x" * 50)
+    whole = workdir.listing(str(tmp_path), limit=1000)
+    assert whole.over and whole.total == 1660
+    assert whole.biggest() == [("data/", 1200), ("model.ckpt", 400), ("notes.txt", 50)]
+    partial = workdir.listing(str(tmp_path), limit=1000, stop_over=True)
+    assert partial.over and [f[0] for f in partial.files] == ["data/a.bin", "data/b.bin"]
+    assert not workdir.listing(str(tmp_path), limit=2000).over
+
+
+def test_why_a_file_was_left_out_names_the_rule(tmp_path):
+    write(tmp_path, ".gitignore", "# outputs\n\n*.csv\n")
+    write(tmp_path, "sub/.paiignore", "raw/\n")
+    write(tmp_path, "data.csv")
+    write(tmp_path, "sub/raw/x.txt")
+    write(tmp_path, "train.py")
+    assert workdir.why_left_out(str(tmp_path), "data.csv") == ".gitignore line 3: *.csv"
+    assert workdir.why_left_out(str(tmp_path), "./sub/raw/x.txt") == "sub/.paiignore line 1: raw/"
+    assert workdir.why_left_out(str(tmp_path), "train.py") is None
+    assert workdir.why_left_out(str(tmp_path), "absent.csv") is None
+    assert workdir.why_left_out(str(tmp_path), "../data.csv") is None
+
+
+def test_the_hint_names_the_rule_for_a_missing_relative_file(tmp_path):
+    project, job = tmp_path / "p", tmp_path / "job"
+    job.mkdir()
+    write(project, ".gitignore", "*.csv\n")
+    write(project, "data.csv")
+    write(project, "train.py")
+    workdir.record(job, workdir.listing(str(project)))
+    tail = ["Traceback (most recent call last):", "  File \"train.py\", line 3, in <module>",
+            "FileNotFoundError: [Errno 2] No such file or directory: 'data.csv'"]
+    assert workdir.hint(job, tail) == (f"data.csv is in {project} but not sent to the nodes: .gitignore line 1: "
+                                       "*.csv (a `!` line in .paiignore sends it)")
+    caffe = ["F1203 db_leveldb.cpp:16] Check failed: status.ok() Failed to open leveldb examples/mnist.csv"]
+    assert "examples/mnist.csv" not in (workdir.hint(job, caffe) or "")   # not in the folder: no hint
+    assert workdir.hint(job, ["FileNotFoundError: 'train.py'"]) is None   # sent: something else is wrong
+    assert workdir.hint(tmp_path, tail) is None                           # no folder sent
+
+
+def test_an_explicit_folder_over_the_limit_is_refused_in_one_line_naming_the_biggest(tmp_path, pai_home):
+    """Refused at submit (exit 2), before any node is reached: the nodes file names a
+    host nobody answers on, and no job is left behind."""
+    proj = tmp_path / "proj"
+    write(proj, "train.py")
+    write(proj, "data/a.bin", "x" * 3000)
+    write(proj, "weights.h5", "x" * 2000)
+    write(proj, "notes.md", "x" * 100)
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(json.dumps({"nodes": [{"name": "h1", "host": "192.0.2.1", "user": "nobody"}]}))
+    result = pai("-name", "python", f"-Dscript={proj / 'train.py'}", f"-DworkDir={proj}", "-DworkDirMaxSize=4K",
+                 env={"PAI_NODES": str(nodes)}, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"pai: error: -DworkDir: {proj} sends 5.1 KB, over -DworkDirMaxSize=4K; the biggest: data/ (3.0 KB), "
+        "weights.h5 (2.0 KB), notes.md (100 bytes); list what stays here in .paiignore (gitignore syntax), "
+        "or raise -DworkDirMaxSize"]
+    assert not any((pai_home / "jobs").glob("*"))
+
+
+def test_a_file_that_changes_while_it_is_sent_stops_the_job_naming_it(tmp_path):
+    """Every node gets the folder as it was hashed, or the job does not start."""
+    path = write(tmp_path, "train.log", "first")
+    digest = workdir._digest(str(path))
+    assert workdir._read(str(tmp_path), "train.log", digest) == b"first"
+    path.write_text("second")
+    with pytest.raises(PaiError, match="workdir: train.log changed while the job was sent to its nodes"):
+        workdir._read(str(tmp_path), "train.log", digest)

@@ -1,0 +1,86 @@
+"""The project folder travels to SSH nodes (cluster/workdir.py): the same statement
+as on this machine, only what changed sent again, the ignore rule named when a
+file it kept here is missing there. Real hosts (tests/netns.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from conftest import job_id_from, pai
+from netns import module_cluster, module_nodes
+
+cluster = module_cluster(2, "pwd", 210)
+nodes = module_nodes(cpu=100)
+
+TWO = '-Dcluster={"worker":{"count":2}}'
+TRAIN = ("import os\n"
+         "rows = open('data.csv').read().split()\n"
+         "conf = dict(line.split(': ') for line in open('conf/params.yaml').read().splitlines())\n"
+         "idx = os.environ['PAI_INDEX']\n"
+         "print('rows', len(rows), 'lr', conf['lr'], 'on', os.environ.get('PAI_HOST'), flush=True)\n"
+         "open(f'out-{idx}.txt', 'w').write(f'{len(rows)} rows\\n')\n")
+
+
+def project(folder: Path) -> Path:
+    (folder / "conf").mkdir(parents=True)
+    (folder / "train.py").write_text(TRAIN)
+    (folder / "data.csv").write_text("\n".join(str(i) for i in range(100)) + "\n")
+    (folder / "conf" / "params.yaml").write_text("lr: 0.1\nepochs: 2\n")
+    return folder
+
+
+def sent_lines(stdout: str) -> dict[str, str]:
+    return dict(re.findall(r"workdir: (\S+): (\d+ file\(s\) sent \([^)]*\), \d+ already there)", stdout))
+
+
+def test_the_three_file_project_runs_on_two_nodes_as_here_and_sends_only_what_changed(cluster, nodes, tmp_path):
+    proj = project(tmp_path / "proj")
+    here = pai("-name", "python", "-Dscript=train.py", TWO, cwd=str(proj), env={"PAI_NODES": ""}, timeout=90)
+    assert here.returncode == 0, here.stdout + here.stderr
+    for out in proj.glob("out-*.txt"):
+        out.unlink()
+    first = pai("-name", "python", "-Dscript=train.py", TWO, cwd=str(proj), timeout=120)
+    assert first.returncode == 0, first.stdout + first.stderr
+    hosts = set(re.findall(r"\[worker:\d\] rows 100 lr 0\.1 on (\S+)", first.stdout))
+    assert len(hosts) == 2 and all(h.startswith(cluster.subnet) for h in hosts), first.stdout
+    sent = sent_lines(first.stdout)
+    assert len(sent) == 2 and all(s.startswith("3 file(s) sent") and s.endswith(", 0 already there")
+                                  for s in sent.values()), first.stdout
+    # what the workers wrote came back beside the script; what came with the folder is no output
+    assert (proj / "out-0.txt").read_text() == (proj / "out-1.txt").read_text() == "100 rows\n"
+    assert "both wrote" not in first.stdout
+    # A second job, one file changed (the outputs moved away): that file alone travels.
+    for out in proj.glob("out-*.txt"):
+        out.unlink()
+    (proj / "conf" / "params.yaml").write_text("lr: 0.2\nepochs: 2\n")
+    second = pai("-name", "python", "-Dscript=train.py", TWO, cwd=str(proj), timeout=120)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert second.stdout.count("lr 0.2 on") == 2
+    again = sent_lines(second.stdout)
+    assert len(again) == 2 and all(s.startswith("1 file(s) sent") and s.endswith(", 2 already there")
+                                   for s in again.values()), second.stdout
+
+
+def test_a_file_an_ignore_rule_kept_here_is_named_when_the_job_fails(cluster, nodes, tmp_path):
+    proj = project(tmp_path / "proj")
+    (proj / ".gitignore").write_text("# data stays out of git\n*.csv\n")
+    result = pai("-name", "python", "-Dscript=train.py", "-DmaxRetries=0", cwd=str(proj), timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (f"data.csv is in {proj} but not sent to the nodes: .gitignore line 2: *.csv "
+            "(a `!` line in .paiignore sends it)") in result.stdout + result.stderr, result.stdout + result.stderr
+    (proj / ".paiignore").write_text("!data.csv\n")
+    ok = pai("-name", "python", "-Dscript=train.py", cwd=str(proj), timeout=120)
+    assert ok.returncode == 0 and "rows 100 lr 0.1" in ok.stdout, ok.stdout + ok.stderr
+
+
+def test_a_default_folder_over_the_limit_falls_back_to_the_script(cluster, nodes, tmp_path):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "big.bin").write_bytes(b"\0" * 4096)
+    (proj / "hello.py").write_text("import os\nprint('files', sorted(os.listdir('.')), flush=True)\n")
+    result = pai("-name", "python", "-Dscript=hello.py", "-DworkDirMaxSize=1K", cwd=str(proj), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"workdir: {proj} sends more than 1K; only the script and its imports travel" in result.stdout + result.stderr
+    assert "[worker:0] files ['hello.py']" in result.stdout
+    assert job_id_from(result.stdout)

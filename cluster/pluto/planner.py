@@ -21,7 +21,7 @@ budget: the cheapest plan that meets it, or why none does.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from paicli.cluster.pluto.model import forecast, ps_loads
@@ -85,7 +85,6 @@ class Plan:
     default: Choice
     budget_s: float | None = None
     meets_budget: bool | None = None
-    helpers: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"recommended": self.recommended.to_json(),

@@ -11,7 +11,7 @@ on the least-loaded ps by byte size) and `install_mxnet(mx)`; both report the mo
 sizes to PAI_PLUTO_REPORT when it is set.
 
 Environment read here (set by paicli's adapters when a plan says so):
-    PAI_PLUTO_REPORT         stderr (lines `pluto-report: {json}`) or a file (JSON lines, 0600)
+    PAI_PLUTO_REPORT         set: report the model's sizes on stderr (lines `pluto-report: {json}`)
     PAI_TF_PS_STRATEGY       greedy | roundRobin
     PAI_PLUTO_LR_SCALE       the learning rate's factor (-DlrScale)
     PAI_PLUTO_WARMUP_STEPS   steps over which the factor is reached (-DwarmupSteps)
@@ -37,23 +37,13 @@ REPORT_PREFIX = "pluto-report: "
 
 def report(kind: str, **data) -> None:
     """One record for Pluto's calibration, when $PAI_PLUTO_REPORT is set: a line
-    `pluto-report: {json}` on stderr (it reaches the instance's log on the
-    submitting machine from any node), or, when the variable names a file, a JSON
-    line appended there (0600)."""
-    target = os.environ.get("PAI_PLUTO_REPORT")
-    if not target:
+    `pluto-report: {json}` on stderr, which reaches the instance's log on the
+    submitting machine from any node."""
+    if not os.environ.get("PAI_PLUTO_REPORT"):
         return
     record = {"kind": kind, "role": os.environ.get("PAI_ROLE"), "index": os.environ.get("PAI_INDEX"), **data}
-    line = json.dumps(record, separators=(",", ":"))
-    if target == "stderr":
-        sys.stderr.write(REPORT_PREFIX + line + "\n")
-        sys.stderr.flush()
-        return
-    fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
+    sys.stderr.write(REPORT_PREFIX + json.dumps(record, separators=(",", ":")) + "\n")
+    sys.stderr.flush()
 
 
 def _report_variable(name: str, size: float) -> None:

@@ -5,7 +5,7 @@ on a small cluster, stopped after a few steps. What it leaves is read here:
 
 - seconds per step: paicli.steptime over the workers' step lines;
 - the model: the sizes of the variables (TF) or kvstore arrays (MXNet) the
-  runners report through runners/pluto_helpers.py into $PAI_PLUTO_REPORT, or the
+  runners report through runners/pluto_helpers.py ($PAI_PLUTO_REPORT), or the
   MB the Caffe averaging ps prints each round;
 - Caffe: seconds per iteration (`iter_per_s`) and per averaging round (`exchange_ms`);
 - the script's step target, batch size and learning rate: its arguments, else the
@@ -158,8 +158,8 @@ REPORT_PREFIX = "pluto-report: "   # runners/pluto_helpers.py REPORT_PREFIX
 
 def read_report(paths: list[Path]) -> tuple[float, ...]:
     """Variable sizes from pluto_helpers reports (`pluto-report: {json}` lines in
-    instance logs, or JSON-lines files): the first training instance that
-    reported, in the order it created them."""
+    instance logs): the first training instance that reported, in the order it
+    created them."""
     by_instance: dict[str, list[float]] = {}
     for path in paths:
         try:
@@ -168,9 +168,8 @@ def read_report(paths: list[Path]) -> tuple[float, ...]:
             continue
         for line in text.splitlines():
             at = line.find(REPORT_PREFIX)
-            line = line[at + len(REPORT_PREFIX):] if at >= 0 else line
             try:
-                record = json.loads(line) if line.startswith("{") else None
+                record = json.loads(line[at + len(REPORT_PREFIX):]) if at >= 0 else None
             except ValueError:
                 continue
             if isinstance(record, dict) and record.get("kind") == "variable":

@@ -121,45 +121,37 @@ def follow(store, name: str) -> int:
 
     stopping = False
 
-    def look():
+    def look_again():
+        nonlocal stopping
+        try:
+            time.sleep(FOLLOW_EVERY)
+        except KeyboardInterrupt:
+            if stopping:
+                raise
+            stopping = True
+            echo(f"stopping study {name} (Ctrl-C; press it again to stop waiting)...", err=True)
+            tune.stop(store, name)
         return tune.study_view(store, name)
 
-    def interrupted() -> None:
-        nonlocal stopping
-        if stopping:
-            raise KeyboardInterrupt
-        stopping = True
-        echo(f"stopping study {name} (Ctrl-C; press it again to stop waiting)...", err=True)
-        tune.stop(store, name)
-
-    view = look()
+    view = tune.study_view(store, name)
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.live import Live
 
         with Live(rich_table(view), console=Console(), refresh_per_second=4, auto_refresh=False) as live:
             while not view["over"]:
-                try:
-                    time.sleep(FOLLOW_EVERY)
-                except KeyboardInterrupt:
-                    interrupted()
-                view = look()
+                view = look_again()
                 live.update(rich_table(view), refresh=True)
     else:
         shown: dict[int, str] = {}
         while True:
             for t in view["trials"]:
-                line = trial_line(view, t)
                 if shown.get(t["number"]) != t["state"]:
                     shown[t["number"]] = t["state"]
-                    echo(line)
+                    echo(trial_line(view, t))
             if view["over"]:
                 break
-            try:
-                time.sleep(FOLLOW_EVERY)
-            except KeyboardInterrupt:
-                interrupted()
-            view = look()
+            view = look_again()
     for line in final_lines(view):
         echo(line)
     if view["status"] == "Failed" and view["code"] == 2:

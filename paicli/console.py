@@ -48,31 +48,13 @@ HELP = """statements (each ends with ; and may span lines):
 -D values may be typed as in PAI's console, unquoted: -Dcluster={"ps":{"count":1},"worker":{"count":2}}"""
 
 STATEMENTS = ("pai", "show instances", "show queue", "desc instance", "status", "wait", "kill", "logs", "plot", "logview",
-              "set", "use", "help", "quit")
-PASS_THROUGH = ("status", "wait", "kill", "logs", "plot", "logview", "list", "export", "run", "params")
-# a job's files
-STATEMENTS += ("outputs", "get", "resume")
-PASS_THROUGH += ("outputs", "get", "resume")
+              "set", "use", "help", "quit", "outputs", "get", "resume")
+PASS_THROUGH = ("status", "wait", "kill", "logs", "plot", "logview", "list", "export", "run", "params",
+                "outputs", "get", "resume")
 QUOTES = "'\""
 
 
 # -- reading statements -------------------------------------------------------------
-
-
-def _scan(text: str):
-    """Yield (index, char, quoted) over text, tracking ' and " quotes."""
-    quote = None
-    for i, ch in enumerate(text):
-        if quote:
-            if ch == quote:
-                quote = None
-            yield i, ch, True
-        else:
-            if ch in QUOTES:
-                quote = ch
-                yield i, ch, True
-            else:
-                yield i, ch, False
 
 
 def open_quote(text: str) -> bool:
@@ -92,9 +74,13 @@ def is_complete(buffer: str) -> bool:
 
 def split_statements(buffer: str) -> list[str]:
     """Statements (without their `;`) of a complete buffer: `status A; status B;`."""
-    out, start = [], 0
-    for i, ch, quoted in _scan(buffer):
-        if ch == ";" and not quoted:
+    out, start, quote = [], 0, None
+    for i, ch in enumerate(buffer):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in QUOTES:
+            quote = ch
+        elif ch == ";":
             out.append(buffer[start:i].strip())
             start = i + 1
     rest = buffer[start:].strip()
@@ -437,14 +423,9 @@ def run_console(project: str | None = None, *, commands) -> int:
     console = Console(commands, project)
     if sys.stdin.isatty() and sys.stdout.isatty():
         return run_interactive(console)
-
-    def lines():
-        while line := sys.stdin.readline():
-            yield line
-
     code = 0
     try:
-        for text in statements(lines()):
+        for text in statements(iter(sys.stdin.readline, "")):
             code = console.execute(text)
     except (EOFError, KeyboardInterrupt):
         pass

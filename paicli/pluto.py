@@ -1,17 +1,9 @@
-"""Pluto, the planner, as the commands and the console call it: where a job
-would run, what its script leaves to set, calibration through pai itself, the
-plan, and `-DautoStrategy=true`.
-
-Its face (`__all__`): `make_plan(stmt)` / `plan_prepared(prepared)` calibrate
-the script (short real runs on a small cluster, cached per script and cluster),
-describe where the job would run (the nodes file's nodes, else this machine)
-and hand both to the pure engine, `paicli.cluster.pluto`; they return a
-`PlanResult`. `auto_strategy(prepared)` applies the recommendation to a
-prepared job before it is submitted. What `pai status` shows of a planned job
-is `paicli.cluster.pluto.view` (the master and jobstatus read it too).
-
-The engine is `paicli.cluster.pluto`, the command `paicli/cli_plan.py`; this
-module never imports the CLI or click.
+"""Pluto, the planner, as the commands and the console call it (`__all__`):
+`make_plan(stmt)` / `plan_prepared(prepared)` calibrate the script (short real
+runs through pai, cached per script and cluster), describe where the job would
+run and hand both to the pure engine, `paicli.cluster.pluto`;
+`auto_strategy(prepared)` applies the recommendation before a submit. The
+command is paicli/cli_plan.py; this module never imports the CLI or click.
 """
 
 from __future__ import annotations
@@ -104,14 +96,9 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None,
     said so), else this machine. `machines` (`probe_machines`): node name -> [boot
     id, cores]; nodes of one boot id share the machine's cores
     (PAI_PLUTO_SHARED_CORES: one machine of that many cores)."""
-    config = None
-    try:
-        from paicli.cluster.nodes import load_nodes
-        config = load_nodes()
-    except ImportError:
-        config = None
+    config = load_nodes()
     if config is None or not config.nodes:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = local_cores()
         return Cluster((Node("local", float(cores), loopback_Bps),), loopback_Bps=loopback_Bps,
                        source=f"this machine ({cores} cores)")
     raw = os.environ.get("PAI_PLUTO_BANDWIDTH")
@@ -137,6 +124,10 @@ def target_cluster(loopback_Bps: float, measured_Bps: float | None = None,
         said += f", {virtual}"
     return Cluster(nodes, loopback_Bps=loopback_Bps, machine_cores=machine_cores,
                    source=f"{len(nodes)} nodes of {config.path}, {said}")
+
+
+def local_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def shared_machine(name: str, machines: dict[str, list]) -> tuple[str | None, float | None]:
@@ -174,36 +165,19 @@ def probe_machines(say: Callable[[str], None]) -> dict[str, list]:
     return out
 
 
-def probe_quantize() -> float:
-    """calibrate.measure_quantize in the MXNet runtime (0.0 when it is not there)."""
-    return _mxnet_probe("quantize")
+def _runtime_probe(framework: str, measure, missing):
+    """A calibrate.measure_* probe run in the framework's runtime (`missing` when
+    the runtime is not there)."""
+    def probe():
+        runtime = get_runtime(framework)
+        return measure(runtime.python(), pluto_helpers.__file__) if runtime.is_installed() else missing
+    return probe
 
 
-def probe_update() -> float:
-    """calibrate.measure_update in the MXNet runtime (0.0 when it is not there)."""
-    return _mxnet_probe("update")
-
-
-def _mxnet_probe(what: str):
-    runtime = get_runtime("mxnet")
-    if not runtime.is_installed():
-        return {} if what == "kvstore" else 0.0
-    probe = {"quantize": calibrate.measure_quantize, "update": calibrate.measure_update,
-             "kvstore": calibrate.measure_kvstore}[what]
-    return probe(runtime.python(), pluto_helpers.__file__)
-
-
-def probe_kvstore() -> dict[str, float]:
-    """calibrate.measure_kvstore in the MXNet runtime ({} when it is not there)."""
-    return _mxnet_probe("kvstore") or {}
-
-
-def probe_rpc() -> dict[str, float]:
-    """calibrate.measure_rpc in the TensorFlow runtime ({} when it is not there)."""
-    runtime = get_runtime("tensorflow")
-    if not runtime.is_installed():
-        return {}
-    return calibrate.measure_rpc(runtime.python(), pluto_helpers.__file__)
+probe_quantize = _runtime_probe("mxnet", calibrate.measure_quantize, 0.0)
+probe_update = _runtime_probe("mxnet", calibrate.measure_update, 0.0)
+probe_kvstore = _runtime_probe("mxnet", calibrate.measure_kvstore, {})
+probe_rpc = _runtime_probe("tensorflow", calibrate.measure_rpc, {})
 
 
 def measure_links(store, say: Callable[[str], None], node_cpu: int = 100) -> tuple[float | None, float]:
@@ -281,7 +255,8 @@ def script_inputs(prepared):
     """(facts, files the cache key covers, script arguments)."""
     spec = prepared.spec
     args = script_args(spec)
-    facts, files = _script_inputs(spec, args)
+    source, solver, net, files = script_sources(spec)
+    facts = script_facts(args, source=source, solver=solver, net=net)
     # Caffe's -DbatchSize / -DlearningRate replace the net's and the solver's (the
     # runner writes them into the job's copies; calibration runs with them too).
     for attr, key in (("batch_size", "batchSize"), ("learning_rate", "learningRate")):
@@ -291,45 +266,31 @@ def script_inputs(prepared):
     return facts, files, args
 
 
-def _script_inputs(spec, args):
+NET_LINE = re.compile(r'^\s*(?:train_)?net\s*:\s*"([^"]+)"', re.M)   # a Caffe solver's net file
 
 
+def script_sources(spec) -> tuple[str, str, str, list[Path]]:
+    """(the .py script's source, the solver's text, its net's text, the files the
+    cache key covers); an archive's entry file is read without extracting."""
     files = [Path(p) for p in (spec.get("script"), spec.get("solver"), spec.get("hyperParameters")) if p]
     script = str(spec.get("script") or "")
-    if _is_archive(spec):
-        source, solver, net = _archive_texts(script, spec.get("entryFile"))
-        return script_facts(args, source=source, solver=solver, net=net), files
-    source, solver = _plain_texts(spec)
-    net = ""
-    if solver:
-        match = re.search(r'^\s*(?:train_)?net\s*:\s*"([^"]+)"', solver, re.M)
-        if match:
-            base = Path(spec.get("solver")).parent
-            for folder in (base, *base.parents):
-                if (folder / match.group(1)).is_file():
-                    net = _read(str(folder / match.group(1)))
-                    files.append(folder / match.group(1))
-                    break
-    return script_facts(args, source=source, solver=solver, net=net), files
-
-
-def _is_archive(spec) -> bool:
-    return str(spec.get("script") or "").endswith((".tar.gz", ".tgz", ".tar")) and bool(spec.get("entryFile"))
-
-
-def _plain_texts(spec) -> tuple[str, str]:
-    """(the .py script's source, the solver's text) of a job that is no archive."""
-    script = str(spec.get("script") or "")
-    return (_read(script) if script.endswith(".py") else ""), (_read(spec.get("solver")) if spec.get("solver") else "")
+    if script.endswith((".tar.gz", ".tgz", ".tar")) and spec.get("entryFile"):
+        return (*_archive_texts(script, spec.get("entryFile")), files)
+    source, solver, net = (_read(script) if script.endswith(".py") else ""), _read(spec.get("solver")), ""
+    match = NET_LINE.search(solver)
+    if match:
+        base = Path(spec.get("solver")).parent
+        for folder in (base, *base.parents):
+            if (folder / match.group(1)).is_file():
+                net = _read(str(folder / match.group(1)))
+                files.append(folder / match.group(1))
+                break
+    return source, solver, net, files
 
 
 def script_texts(prepared) -> tuple[str, str]:
     """(script source, solver text) as script_inputs reads them."""
-    spec = prepared.spec
-    if _is_archive(spec):
-        source, solver, _net = _archive_texts(str(spec.get("script")), spec.get("entryFile"))
-        return source, solver
-    return _plain_texts(spec)
+    return script_sources(prepared.spec)[:2]
 
 
 def script_knobs(prepared, facts, args: list[str], texts: tuple[str, str] | None = None):
@@ -337,8 +298,6 @@ def script_knobs(prepared, facts, args: list[str], texts: tuple[str, str] | None
     script's learning-rate flag, where sync/async is chosen and whether the user
     chose it, how sync workers' gradients combine. `texts`: script_texts(prepared),
     when the caller has read them already."""
-
-
     spec = prepared.spec
     framework = prepared.adapter.name
     source, solver = texts or script_texts(prepared)
@@ -408,7 +367,7 @@ def _archive_texts(archive: str, entry: str) -> tuple[str, str, str]:
             if not entry.endswith((".prototxt", ".pbtxt", ".txt")):
                 return text, "", ""
             net = ""
-            match = re.search(r'^\s*(?:train_)?net\s*:\s*"([^"]+)"', text, re.M)
+            match = NET_LINE.search(text)
             if match:
                 folder = posixpath.dirname(entry)
                 while True:
@@ -424,22 +383,36 @@ def _archive_texts(archive: str, entry: str) -> tuple[str, str, str]:
 # -- calibration through pai itself ---------------------------------------------------
 
 
-class CalibrationAdapter:
-    """The user's adapter, with every instance told to report its model's sizes
-    (PAI_PLUTO_REPORT=stderr: lines that reach the instance logs from any node)."""
+class EditedAdapter:
+    """The user's adapter, each plan it makes changed by `edit(plan)`."""
 
-    def __init__(self, adapter):
-        self._adapter = adapter
+    def __init__(self, adapter, edit: Callable[[Any], None]):
+        self._adapter, self._edit = adapter, edit
 
     def __getattr__(self, name):
         return getattr(self._adapter, name)
 
     def plan(self, spec, code):
         plan = self._adapter.plan(spec, code)
-        for role in plan.roles:
-            role.env["PAI_PLUTO_REPORT"] = "stderr"
-        plan.notes.append("Pluto calibration run: instances report their model's sizes")
+        self._edit(plan)
         return plan
+
+
+def _reporting_sizes(plan) -> None:
+    """A calibration run's instances report their model's sizes (stderr: lines that
+    reach the instance logs from any node)."""
+    for role in plan.roles:
+        role.env["PAI_PLUTO_REPORT"] = "stderr"
+    plan.notes.append("Pluto calibration run: instances report their model's sizes")
+
+
+def _brief_spec(prepared, cluster_value: dict, params: dict, kind: str):
+    """The job's spec for a brief run of Pluto's on `cluster_value`: the user's -D
+    values minus what Pluto decides (STRATEGY_KEYS), then `params`, no retries."""
+    stem = Path(str(prepared.spec.get("script") or prepared.spec.get("solver") or "job")).stem
+    kept = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
+    return dataclasses.replace(prepared.spec, params={**kept, "cluster": cluster_value, **params, "maxRetries": 0,
+                                                      "jobName": f"pluto-{kind}-{stem}"})
 
 
 def _calibration_configs(framework: str):
@@ -456,19 +429,16 @@ def _calibration_configs(framework: str):
             ({"ps": {"count": 2}, "worker": {"count": 1}}, {})]
 
 
-def _enough_steps(store, job_id: str, workers: int, intervals: int = CALIBRATION_INTERVALS,
-                  span_s: float = MEASURE_SPAN_S) -> bool:
+def _enough_steps(store, job_id: str, workers: int, intervals: int = CALIBRATION_INTERVALS) -> bool:
     """Every worker printed `intervals` + 2 step lines (the first interval is dropped)
-    and its intervals after the first span `span_s` seconds."""
+    and its intervals after the first span MEASURE_SPAN_S seconds."""
     counts = store.step_counts(job_id, ("worker", "chief"))
     if len(counts) < workers or any(n < intervals + 2 for n in counts.values()):
         return False
-    if span_s <= 0:
-        return True
     times: dict[tuple[str, int], list[float]] = {}
     for row in store.step_points(job_id, ("worker", "chief")):
         times.setdefault((row[0], row[1]), []).append(row[3])
-    return len(times) >= workers and all(len(ts) >= 2 and max(ts) - sorted(ts)[1] >= span_s
+    return len(times) >= workers and all(len(ts) >= 2 and max(ts) - sorted(ts)[1] >= MEASURE_SPAN_S
                                          for ts in times.values())
 
 
@@ -487,17 +457,12 @@ def wait_job(store, job_id: str, limit_s: float, enough: Callable[[], bool] = la
 
 def calibration_run(prepared, store, cluster_value: dict, extra: dict, say: Callable[[str], None]):
     """Submit the user's script on `cluster_value`, let it run a few steps, stop it,
-    and read what it measured. Raises PaiError when the script fails or shows no steps."""
-
-
-    # The script as the user gave it, minus what Pluto decides: the calibration's
-    # communication model assumes no compression, MXNet's own slicing, TF round-robin.
-    params = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
-    params.update({"cluster": cluster_value, **extra, "maxRetries": 0,
-                   "jobName": f"pluto-calibration-{Path(str(prepared.spec.get('script') or prepared.spec.get('solver') or 'job')).stem}"})
-    spec = dataclasses.replace(prepared.spec, params=params)
+    and read what it measured. Raises PaiError when the script fails or shows no steps.
+    Pluto's own -D values are left out: the calibration's communication model assumes
+    no compression, MXNet's own slicing, TF round-robin."""
+    spec = _brief_spec(prepared, cluster_value, extra, "calibration")
     workers = cluster_value.get("worker", {}).get("count", 1)
-    job_id = client.submit(client.Prepared(CalibrationAdapter(prepared.adapter), spec), store)
+    job_id = client.submit(client.Prepared(EditedAdapter(prepared.adapter, _reporting_sizes), spec), store)
     say(f"calibration job {job_id}: {json.dumps(cluster_value)}")
     if not wait_job(store, job_id, CALIBRATION_LIMIT_S, lambda: _enough_steps(store, job_id, workers)):
         client.kill(store, job_id, reason="pluto calibration: no steps in time")
@@ -559,7 +524,7 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
     store = store or Store()
     facts, files, args = script_inputs(prepared)
     user = user_strategy(framework, prepared.spec)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = local_cores()
 
     def clusters(loopback: float, links: float | None = None, machines: dict | None = None):
         where = target_cluster(loopback, links, machines)
@@ -595,24 +560,20 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
             job_id, run = calibration_run(prepared, store, cluster_value, extra, say)
             jobs.append(job_id)
             runs.append(run)
-    # 2bit's CPU cost and a server's update per value, probed once on this machine with
-    # MXNet's kernels (the planner weighs 2bit and async for every MXNet plan) and kept
-    # with the calibration like the rates.
-    quantize = (cached or {}).get("quantize_s_per_value")
-    if quantize is None and framework == "mxnet":
-        quantize = probe_quantize()
-    update = (cached or {}).get("update_s_per_value")
-    if update is None and framework == "mxnet":
-        update = probe_update()
-    kvstore = (cached or {}).get("kvstore_s_per_value")
-    if kvstore is None and framework == "mxnet":
-        kvstore = probe_kvstore()
-    # TensorFlow's gRPC runtime's CPU per byte and per variable, likewise
-    rpc = (cached or {}).get("rpc")
-    if rpc is None and framework == "tensorflow":
-        rpc = probe_rpc()
-    costs = {"quantize_s_per_value": quantize or 0.0, "update_s_per_value": update or 0.0,
-             "link_cpu_s_per_byte": link_cpu, **(kvstore or {}), **(rpc or {})}
+    # The runtime's CPU costs (MXNet: 2bit, a server's update, the kvstore per value and
+    # key; TensorFlow: gRPC per byte and variable), probed once on this machine and kept
+    # with the calibration like the rates: the planner weighs them for every plan.
+    probed = {}
+    for field, probe_framework, probe in (("quantize_s_per_value", "mxnet", probe_quantize),
+                                          ("update_s_per_value", "mxnet", probe_update),
+                                          ("kvstore_s_per_value", "mxnet", probe_kvstore),
+                                          ("rpc", "tensorflow", probe_rpc)):
+        probed[field] = (cached or {}).get(field)
+        if probed[field] is None and framework == probe_framework:
+            probed[field] = probe()
+    costs = {"quantize_s_per_value": probed["quantize_s_per_value"] or 0.0,
+             "update_s_per_value": probed["update_s_per_value"] or 0.0, "link_cpu_s_per_byte": link_cpu,
+             **(probed["kvstore_s_per_value"] or {}), **(probed["rpc"] or {})}
     where, here = replace(where, **costs), replace(here, **costs)
     texts = script_texts(prepared)   # read once for tf_sync and script_knobs
     if cached:
@@ -623,9 +584,7 @@ def plan_prepared(prepared, budget_s: float | None = None, store=None,
         profile = calibrate.build_profile(framework, runs, facts, here, sync=sync)
         calibrate.cache_put(home, key, {"profile": profile.to_dict(), "runs": [r.to_dict() for r in runs],
                                         "jobs": jobs, "loopback_Bps": loopback, "links_Bps": links,
-                                        "machines": machines, "quantize_s_per_value": quantize,
-                                        "update_s_per_value": update, "link_cpu_s_per_byte": link_cpu,
-                                        "kvstore_s_per_value": kvstore, "rpc": rpc})
+                                        "machines": machines, "link_cpu_s_per_byte": link_cpu, **probed})
     knobs = script_knobs(prepared, facts, args, texts)
     result = planner.plan(profile, where, user, budget_s=budget_s, knobs=knobs)
     verification = None
@@ -699,21 +658,14 @@ def verify_run(prepared, store, choice_json: dict, say: Callable[[str], None]) -
     """Submit the job as the plan would (its -Dcluster and -D values), let every
     worker print VERIFY_INTERVALS + 2 step lines spanning MEASURE_SPAN_S, stop it; {"job", "step_s"} (step_s
     None when the run failed or showed too few steps: the plan keeps its forecast)."""
-
-
-    params = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
-    params.update({"cluster": choice_json["cluster"], **choice_json["params"], "maxRetries": 0,
-                   "jobName": f"pluto-verify-{Path(str(prepared.spec.get('script') or prepared.spec.get('solver') or 'job')).stem}"})
-    spec = dataclasses.replace(prepared.spec, params=params)
+    spec = _brief_spec(prepared, choice_json["cluster"], choice_json["params"], "verify")
     prepared.adapter.validate(spec)
     workers = choice_json["cluster"].get("worker", {}).get("count", 1)
     job_id = client.submit(client.Prepared(prepared.adapter, spec), store)
     say(f"verification job {job_id}: {choice_json['label']}")
 
-    def enough() -> bool:   # the plans it compares are within 15%: the same window as calibration's
-        return _enough_steps(store, job_id, workers, VERIFY_INTERVALS, MEASURE_SPAN_S)
-
-    wait_job(store, job_id, CALIBRATION_LIMIT_S, enough)
+    # the plans it compares are within 15%: the same window as calibration's
+    wait_job(store, job_id, CALIBRATION_LIMIT_S, lambda: _enough_steps(store, job_id, workers, VERIFY_INTERVALS))
     job = store.job(job_id)
     if not JobStatus(job["status"]).is_terminal():
         client.kill(store, job_id, reason="pluto verification done")
@@ -728,31 +680,10 @@ def verify_run(prepared, store, choice_json: dict, say: Callable[[str], None]) -
 # -- -DautoStrategy=true ----------------------------------------------------------------
 
 
-class PlannedAdapter:
-    """The user's adapter, planning with Pluto's spec and recording the plan and
-    its forecast in plan.json (JobPlan.pluto)."""
-
-    def __init__(self, adapter, record: dict[str, Any]):
-        self._adapter = adapter
-        self._record = record
-
-    def __getattr__(self, name):
-        return getattr(self._adapter, name)
-
-    def plan(self, spec, code):
-        plan = self._adapter.plan(spec, code)
-        plan.pluto = self._record
-        plan.notes.append(f"Pluto (-DautoStrategy=true): {self._record['label']}, forecast "
-                          f"{self._record['forecast_step_s']:.4f} s/step")
-        return plan
-
-
 def auto_strategy(prepared, store=None, progress: Callable[[str], None] = lambda line: None):
     """The prepared job with Pluto's recommendation applied: -Dcluster and the
     strategy's -D values replaced (what the user set for them is overridden, and
     said in the reasons), the plan and forecast carried into plan.json."""
-
-
     result = plan_prepared(prepared, store=store, say=lambda line: progress(f"pluto: {line}"))
     rec = result.plan.recommended
     chosen = rec.to_json()
@@ -771,4 +702,9 @@ def auto_strategy(prepared, store=None, progress: Callable[[str], None] = lambda
               "param_bytes": result.profile.param_bytes, "ps_role": rec.strategy.ps_role(),
               "where": result.cluster.source, "calibration_jobs": result.calibration_jobs,
               "cached": result.cached}
-    return client.Prepared(PlannedAdapter(prepared.adapter, record), spec)
+
+    def planned(plan) -> None:   # recorded in plan.json (JobPlan.pluto)
+        plan.pluto = record
+        plan.notes.append(f"Pluto (-DautoStrategy=true): {record['label']}, forecast "
+                          f"{record['forecast_step_s']:.4f} s/step")
+    return client.Prepared(EditedAdapter(prepared.adapter, planned), spec)

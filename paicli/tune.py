@@ -77,13 +77,13 @@ class Dimension:
 
 def _number(where: str, key: str, value: Any, whole: bool = False) -> float | int:
     """A YAML number (PyYAML reads `1e-5` as text: that is taken too)."""
-    expected = "a whole number" if whole else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise UsageError(f"{where}: {key} must be {expected}, not {value!r}", f"e.g. {key}: {1 if whole else 0.001}")
     try:
-        number = float(value)
+        number = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
     except ValueError:
-        raise UsageError(f"{where}: {key} must be {expected}, not {value!r}", f"e.g. {key}: {1 if whole else 0.001}") from None
+        number = None
+    if number is None:
+        raise UsageError(f"{where}: {key} must be {'a whole number' if whole else 'a number'}, not {value!r}",
+                         f"e.g. {key}: {1 if whole else 0.001}")
     if not math.isfinite(number):
         raise UsageError(f"{where}: {key} must be a finite number, not {value!r}")
     if whole:
@@ -293,6 +293,15 @@ def better(a: float, b: float | None, mode: str) -> bool:
     return b is None or (a < b if mode == "min" else a > b)
 
 
+def best_of(trials: list, mode: str):
+    """The completed trial (a row or dict with a value) of the best value, or None."""
+    best = None
+    for trial in trials:
+        if best is None or better(trial["value"], best["value"], mode):
+            best = trial
+    return best
+
+
 def give_up(failed: int, completed: int) -> bool:
     """A statement whose first trials all fail fails every trial: stop after 3."""
     return completed == 0 and failed >= GIVE_UP_AFTER
@@ -388,10 +397,6 @@ def studies_dir(home: Path) -> Path:
     return home / "studies"
 
 
-def default_storage(home: Path, name: str) -> str:
-    return f"sqlite:///{studies_dir(home) / name / 'optuna.db'}"
-
-
 # -- creating a study (the `pai tune` command's library call) --------------------------------
 
 
@@ -429,7 +434,7 @@ def create(stmt, opts: TuneOptions, store, say: Callable[[str], None] = lambda l
     for param in spec.table.values():
         known[param.name] = known[param.yaml_name] = param.name
     targets = targets_of(dims, known)
-    base = {k: v for k, v in spec.params.items()}
+    base = dict(spec.params)
     _check_values(spec.framework, spec.project, base, targets, dims)
     trials = opts.trials
     if opts.sampler == "grid":
@@ -443,7 +448,7 @@ def create(stmt, opts: TuneOptions, store, say: Callable[[str], None] = lambda l
     if not STUDY_NAME.fullmatch(name):
         name = "study-" + time.strftime("%Y%m%d-%H%M%S")
     study_dir = studies_dir(store.home) / name
-    storage = opts.storage or default_storage(store.home, name)
+    storage = opts.storage or f"sqlite:///{study_dir / 'optuna.db'}"
     config = {**asdict(opts), "trials": trials, "study": name, "storage": storage, "study_dir": str(study_dir),
               "framework": spec.framework, "project": spec.project, "base": base, "targets": targets,
               "dims": [d.to_json() for d in dims]}
@@ -471,9 +476,10 @@ def _optuna():
 
 def _create_optuna(config: dict) -> None:
     optuna = _optuna()
+    db = config["storage"][len("sqlite:///"):] if config["storage"].startswith("sqlite:///") else None
     try:
-        if config["storage"].startswith("sqlite:///"):
-            Path(config["storage"][len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        if db:
+            Path(db).parent.mkdir(parents=True, exist_ok=True)
         optuna.create_study(study_name=config["study"], storage=config["storage"],
                             direction="minimize" if config["mode"] == "min" else "maximize")
     except optuna.exceptions.DuplicatedStudyError:
@@ -483,7 +489,6 @@ def _create_optuna(config: dict) -> None:
         first = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
         raise UsageError(f"--storage {config['storage']}: {first}",
                          "give a database URL Optuna accepts, e.g. sqlite:////path/study.db") from None
-    db = config["storage"][len("sqlite:///"):] if config["storage"].startswith("sqlite:///") else None
     if db and os.path.exists(db):
         os.chmod(db, 0o600)
 
@@ -752,14 +757,11 @@ class Tuner:
         self.running.clear()
 
     def finish(self) -> None:
-        rows = [r for r in self.store.study_trials(self.name) if r["state"] == "Complete"]
-        if not rows:
+        best = best_of([r for r in self.store.study_trials(self.name) if r["state"] == "Complete"],
+                       self.config["mode"])
+        if best is None:
             self.end("Failed", "no trial completed", 1)
             return
-        best = rows[0]
-        for row in rows[1:]:
-            if better(row["value"], best["value"], self.config["mode"]):
-                best = row
         params = trial_params(self.config["base"], self.config["targets"], json.loads(best["params"]))
         self.end("Succeeded", None, 0, best_trial=best["number"],
                  rerun=rerun_command(self.config["framework"], self.config["project"], params))
@@ -786,16 +788,10 @@ def study_view(store, name: str) -> dict[str, Any]:
         status, reason = row["status"], row["reason"]
         if status == "Running":
             status, reason = "Failed", "its tuner is gone (stopped or killed)"
-    trials = []
-    for t in store.study_trials(name):
-        trials.append({"number": t["number"], "job_id": t["job_id"], "state": t["state"], "reason": t["reason"],
-                       "params": json.loads(t["params"]) if t["params"] else {}, "step": t["step"],
-                       "value": t["value"], "best": t["best"]})
-    done = [t for t in trials if t["state"] == "Complete"]
-    best = None
-    for t in done:
-        if best is None or better(t["value"], best["value"], config["mode"]):
-            best = t
+    trials = [{"number": t["number"], "job_id": t["job_id"], "state": t["state"], "reason": t["reason"],
+               "params": json.loads(t["params"]) if t["params"] else {}, "step": t["step"],
+               "value": t["value"], "best": t["best"]} for t in store.study_trials(name)]
+    best = best_of([t for t in trials if t["state"] == "Complete"], config["mode"])
     return {"name": name, "status": status, "reason": reason, "code": row["code"], "note": row["note"],
             "metric": config["metric"], "mode": config["mode"], "trials_planned": config["trials"],
             "parallel": config["parallel"], "sampler": config["sampler"], "pruner": config["pruner"],

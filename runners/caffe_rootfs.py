@@ -96,13 +96,8 @@ def apt_mirrors() -> list[str]:
     found: list[str] = []
 
     def add(uri: str, suites: list[str]) -> None:
-        if not uri.startswith(("http://", "https://", "file:/")):
-            return
-        if all(s.endswith(("-security", "/updates")) for s in suites):
-            return
-        if uri.rstrip("/").endswith("-security"):
-            return
-        if uri not in found:
+        security = uri.rstrip("/").endswith("-security") or all(s.endswith(("-security", "/updates")) for s in suites)
+        if uri.startswith(("http://", "https://", "file:/")) and not security and uri not in found:
             found.append(uri)
 
     files = sorted(APT_SOURCES_DIR.glob("*.sources")) + sorted(APT_SOURCES_DIR.glob("*.list"))
@@ -184,15 +179,14 @@ def find_debootstrap(progress: Progress) -> str:
                             "install debootstrap, or use your own Caffe with PAI_CAFFE_PYTHON "
                             "and PAI_CAFFE_BIN (see docs/caffe.md)")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = [apt, "install", "-y", "-q", "debootstrap"]
     progress("installing debootstrap with apt-get")
     try:
-        run_streaming([apt, "install", "-y", "-q", "debootstrap"], progress,
-                      "apt-get install debootstrap", env=env)
+        run_streaming(install, progress, "apt-get install debootstrap", env=env)
     except RuntimeSetupError:
         # A fresh machine may have no package lists yet.
         run_streaming([apt, "update", "-q"], progress, "apt-get update", env=env)
-        run_streaming([apt, "install", "-y", "-q", "debootstrap"], progress,
-                      "apt-get install debootstrap", env=env)
+        run_streaming(install, progress, "apt-get install debootstrap", env=env)
     found = shutil.which("debootstrap") or "/usr/sbin/debootstrap"
     if not os.path.exists(found):
         raise RuntimeSetupError("apt-get installed debootstrap but it is not on PATH or in /usr/sbin")

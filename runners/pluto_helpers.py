@@ -11,7 +11,7 @@ on the least-loaded ps by byte size) and `install_mxnet(mx)`; both report the mo
 sizes to PAI_PLUTO_REPORT when it is set.
 
 Environment read here (set by paicli's adapters when a plan says so):
-    PAI_PLUTO_REPORT         stderr (lines `pluto-report: {json}`) or a file (JSON lines, 0600)
+    PAI_PLUTO_REPORT         set: report the model's sizes on stderr (lines `pluto-report: {json}`)
     PAI_TF_PS_STRATEGY       greedy | roundRobin
     PAI_PLUTO_LR_SCALE       the learning rate's factor (-DlrScale)
     PAI_PLUTO_WARMUP_STEPS   steps over which the factor is reached (-DwarmupSteps)
@@ -20,6 +20,7 @@ Environment read here (set by paicli's adapters when a plan says so):
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -36,23 +37,13 @@ REPORT_PREFIX = "pluto-report: "
 
 def report(kind: str, **data) -> None:
     """One record for Pluto's calibration, when $PAI_PLUTO_REPORT is set: a line
-    `pluto-report: {json}` on stderr (it reaches the instance's log on the
-    submitting machine from any node), or, when the variable names a file, a JSON
-    line appended there (0600)."""
-    target = os.environ.get("PAI_PLUTO_REPORT")
-    if not target:
+    `pluto-report: {json}` on stderr, which reaches the instance's log on the
+    submitting machine from any node."""
+    if not os.environ.get("PAI_PLUTO_REPORT"):
         return
     record = {"kind": kind, "role": os.environ.get("PAI_ROLE"), "index": os.environ.get("PAI_INDEX"), **data}
-    line = json.dumps(record, separators=(",", ":"))
-    if target == "stderr":
-        sys.stderr.write(REPORT_PREFIX + line + "\n")
-        sys.stderr.flush()
-        return
-    fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
+    sys.stderr.write(REPORT_PREFIX + json.dumps(record, separators=(",", ":")) + "\n")
+    sys.stderr.flush()
 
 
 def _report_variable(name: str, size: float) -> None:
@@ -121,20 +112,6 @@ class GreedyByBytes:
         return task
 
 
-class RoundRobinReporting:
-    """TF's default round-robin, reporting each variable's size on the way."""
-
-    def __init__(self, tf, num_tasks: int):
-        self.tf = tf
-        self.num_tasks = num_tasks
-        self.next = 0
-
-    def __call__(self, op) -> int:
-        task = self.next
-        self.next = (self.next + 1) % self.num_tasks
-        return task
-
-
 def install_tensorflow(tf) -> None:
     mode = os.environ.get("PAI_TF_PS_STRATEGY", "roundRobin")
     reporting = bool(os.environ.get("PAI_PLUTO_REPORT"))
@@ -151,7 +128,9 @@ def install_tensorflow(tf) -> None:
             tasks = len(spec.get(ps_device.split("/job:")[-1].split("/")[0]) or [])
         greedy = os.environ.get("PAI_TF_PS_STRATEGY", "roundRobin") == "greedy"
         if ps_strategy is None and tasks:
-            ps_strategy = (GreedyByBytes if greedy else RoundRobinReporting)(tf, tasks)
+            # TF's default round-robin (or by bytes), which the report below can wrap
+            turns = itertools.cycle(range(tasks))
+            ps_strategy = GreedyByBytes(tf, tasks) if greedy else (lambda op: next(turns))
         if reporting and ps_strategy is not None:
             chosen = ps_strategy
 
@@ -275,11 +254,15 @@ def softirq_thread_seconds() -> float:
                 text = fh.read()
         except OSError:
             continue
-        name = text[text.find("(") + 1:text.rfind(")")]
-        if name.startswith("ksoftirqd/"):
-            fields = text.rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if text[text.find("(") + 1:text.rfind(")")].startswith("ksoftirqd/"):
+            total += _stat_seconds(text)
     return total
+
+
+def _stat_seconds(text: str) -> float:
+    """CPU seconds (user + system) in a /proc/PID/stat line."""
+    fields = text.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def process_seconds() -> float:
@@ -345,14 +328,18 @@ def quantize_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
         grads = [mx.nd.ones((values,), ctx=mx.cpu(i)) * 0.7 for i in range(2)]
         kv.push(0, grads)
         mx.nd.waitall()
-        best = float("inf")
-        for _ in range(rounds):   # the fastest round: least disturbed by other processes
-            started = time.perf_counter()
-            kv.push(0, grads)
-            mx.nd.waitall()
-            best = min(best, time.perf_counter() - started)
-        return best / (2 * values)
+        return _fastest(rounds, lambda: (kv.push(0, grads), mx.nd.waitall()), time.perf_counter) / (2 * values)
     return max(0.0, per_value(True) - per_value(False))
+
+
+def _fastest(rounds: int, one_round, clock) -> float:
+    """The fastest of `rounds` rounds by `clock`: the least disturbed by other processes."""
+    best = float("inf")
+    for _ in range(rounds):
+        started = clock()
+        one_round()
+        best = min(best, clock() - started)
+    return best
 
 
 def update_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
@@ -363,13 +350,7 @@ def update_cost(mx, values: int = 1 << 20, rounds: int = 8) -> float:
     weight, grad = mx.nd.ones((values,)), mx.nd.ones((values,)) * 0.1
     updater(0, grad, weight)
     mx.nd.waitall()
-    best = float("inf")
-    for _ in range(rounds):   # the fastest round: least disturbed by other processes
-        started = time.process_time()
-        updater(0, grad, weight)
-        mx.nd.waitall()
-        best = min(best, time.process_time() - started)
-    return best / values
+    return _fastest(rounds, lambda: (updater(0, grad, weight), mx.nd.waitall()), time.process_time) / values
 
 
 # ---------------------------------------------------------------------------
@@ -390,10 +371,51 @@ def _free_port() -> int:
 
 
 def _process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) process `pid` has used so far."""
     with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _stat_seconds(fh.read())
+
+
+def _read_phases(worker, server_pid: int, timeout: float, what: str) -> tuple[list[float], list[float]]:
+    """The server's CPU seconds at each `timing` and `timed` line of the worker's two
+    phases (`_timed_phase`), and the worker's own seconds from its `timed` lines."""
+    # a worker that hangs is killed, which ends its output and the loop below
+    watchdog = threading.Timer(timeout, worker.kill)
+    watchdog.start()
+    try:
+        server_cpu, worker_s = [], []
+        for line in worker.stdout:
+            if line.startswith(("timing", "timed")):
+                server_cpu.append(_process_cpu(server_pid))
+            if line.startswith("timed"):
+                worker_s.append(float(line.split()[1]))
+            if len(worker_s) == 2:
+                return server_cpu, worker_s
+        raise RuntimeError(f"{what}: the worker ended early or was too slow")
+    finally:
+        watchdog.cancel()
+
+
+def _timed_phase(rounds: int, one_round) -> None:
+    """A worker's phase: warm up (connections, buffers), say `timing`, run `rounds`
+    rounds, say `timed SECONDS` (its own CPU); a pause before each line lets the
+    server settle, so the probe's reading of its CPU there holds all its work."""
+    for _ in range(3):
+        one_round()
+    print("timing", flush=True)
+    time.sleep(0.2)
+    started = time.process_time()
+    for _ in range(rounds):
+        one_round()
+    spent = time.process_time() - started
+    time.sleep(0.2)
+    print(f"timed {spent:.6f}", flush=True)
+
+
+def _stop_all(procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float, float, float]:
@@ -412,21 +434,8 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float,
                 for role in ("scheduler", "server")]
     worker = subprocess.Popen([sys.executable, me, "kvstore-worker"], env={**env, "DMLC_ROLE": "worker"},
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-    # a worker that hangs is killed, which ends its output and the loop below
-    watchdog = threading.Timer(timeout, worker.kill)
-    watchdog.start()
     try:
-        server_cpu, worker_s = [], []
-        for line in worker.stdout:
-            if line.startswith(("timing", "timed")):
-                server_cpu.append(_process_cpu(services[1].pid))
-            if line.startswith("timed"):
-                worker_s.append(float(line.split()[1]))
-            if len(worker_s) == 2:
-                break
-        else:
-            raise RuntimeError("kvstore probe: the worker ended early or was too slow")
+        server_cpu, worker_s = _read_phases(worker, services[1].pid, timeout, "kvstore probe")
         try:
             worker.wait(10)   # its kvstore closes with the scheduler's leave; killed below if not
         except subprocess.TimeoutExpired:
@@ -435,11 +444,7 @@ def kvstore_cost(compression: str, timeout: float = 90.0) -> tuple[float, float,
         return ((server_cpu[1] - server_cpu[0]) / values, worker_s[0] / values,
                 (server_cpu[3] - server_cpu[2]) / keys, worker_s[1] / keys)
     finally:
-        watchdog.cancel()
-        for proc in (worker, *services):
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+        _stop_all((worker, *services))
 
 
 def _kvstore_worker() -> int:
@@ -452,20 +457,13 @@ def _kvstore_worker() -> int:
     weight = mx.nd.zeros((KV_VALUES,))
     grad = mx.nd.ones((KV_VALUES,)) * 0.7
     kv.init(0, weight)
-    for _ in range(3):   # warm up: connections, buffers
-        kv.push(0, grad)
-        kv.pull(0, out=weight)
-    mx.nd.waitall()
-    print("timing", flush=True)
-    time.sleep(0.2)   # the probe reads the server's CPU now
-    started = time.process_time()
-    for _ in range(KV_ROUNDS):
+
+    def round_of_values():
         kv.push(0, grad)
         kv.pull(0, out=weight)
         weight.wait_to_read()
-    spent = time.process_time() - started
-    time.sleep(0.2)   # the server's last reply is sent; its CPU read next
-    print(f"timed {spent:.6f}", flush=True)
+
+    _timed_phase(KV_ROUNDS, round_of_values)
     time.sleep(0.2)
     # the same for KV_KEYS one-value arrays: the cost of a message, not of its values
     small = [mx.nd.zeros((1,)) for _ in range(KV_KEYS)]
@@ -480,16 +478,7 @@ def _kvstore_worker() -> int:
             kv.pull(key, out=array)
         mx.nd.waitall()
 
-    for _ in range(3):
-        round_of_keys()
-    print("timing keys", flush=True)
-    time.sleep(0.2)
-    started = time.process_time()
-    for _ in range(KV_KEY_ROUNDS):
-        round_of_keys()
-    spent = time.process_time() - started
-    time.sleep(0.2)
-    print(f"timed {spent:.6f}", flush=True)
+    _timed_phase(KV_KEY_ROUNDS, round_of_keys)
     time.sleep(0.2)
     return 0
 
@@ -504,51 +493,32 @@ RPC_VARS = 32          # one-value variables: what a variable's transfer costs a
 RPC_VAR_ROUNDS = 20
 
 
-def _rpc_cluster(ps_port: int, worker_port: int) -> dict:
-    return {"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{worker_port}"]}
-
-
 def rpc_cost(timeout: float = 120.0) -> tuple[float, float]:
     """(CPU seconds per byte, per variable) a TensorFlow ps and worker spend together
     moving variables between them through TF's gRPC runtime on loopback: per byte of
     a 1 M-value variable pulled and pushed, and per one-value variable (a transfer's
     own RPC). The ps's CPU is read from /proc, the worker's from its own clock."""
-    ports = (_free_port(), _free_port())
-    env = {**os.environ, "PAI_PLUTO_RPC_PORTS": json.dumps(ports), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {**os.environ, "PAI_PLUTO_RPC_PORTS": json.dumps((_free_port(), _free_port())), "TF_CPP_MIN_LOG_LEVEL": "2"}
     me = os.path.abspath(__file__)
     ps = subprocess.Popen([sys.executable, me, "rpc-ps"], env=env, stdin=subprocess.DEVNULL,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     worker = subprocess.Popen([sys.executable, me, "rpc-worker"], env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    watchdog = threading.Timer(timeout, worker.kill)
-    watchdog.start()
     try:
-        ps_cpu, worker_s = [], []
-        for line in worker.stdout:
-            if line.startswith(("timing", "timed")):
-                ps_cpu.append(_process_cpu(ps.pid))
-            if line.startswith("timed"):
-                worker_s.append(float(line.split()[1]))
-            if len(worker_s) == 2:
-                break
-        else:
-            raise RuntimeError("rpc probe: the worker ended early or was too slow")
+        ps_cpu, worker_s = _read_phases(worker, ps.pid, timeout, "rpc probe")
         moved = 2.0 * 4.0 * RPC_VALUES * RPC_ROUNDS   # a pull and a push of every value a round
         return ((ps_cpu[1] - ps_cpu[0] + worker_s[0]) / moved,
                 (ps_cpu[3] - ps_cpu[2] + worker_s[1]) / (RPC_VARS * RPC_VAR_ROUNDS))
     finally:
-        watchdog.cancel()
-        for proc in (worker, ps):
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+        _stop_all((worker, ps))
 
 
 def _rpc_role(role: str) -> int:
     import tensorflow as tf
 
     tf.compat.v1.disable_eager_execution()
-    spec = tf.train.ClusterSpec(_rpc_cluster(*json.loads(os.environ["PAI_PLUTO_RPC_PORTS"])))
+    ps_port, worker_port = json.loads(os.environ["PAI_PLUTO_RPC_PORTS"])
+    spec = tf.train.ClusterSpec({"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{worker_port}"]})
     server = tf.compat.v1.train.Server(spec, job_name=role, task_index=0)
     if role == "ps":
         server.join()
@@ -573,58 +543,37 @@ def _rpc_role(role: str) -> int:
     config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", "/job:worker/task:0"])
     with tf.compat.v1.Session(server.target, config=config) as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        for _ in range(3):
-            sess.run(pulled)
-            sess.run(push.op)
-        print("timing", flush=True)
-        time.sleep(0.2)
-        started = time.process_time()
-        for _ in range(RPC_ROUNDS):
-            sess.run(pulled)
-            sess.run(push.op)
-        spent = time.process_time() - started
-        time.sleep(0.2)
-        print(f"timed {spent:.6f}", flush=True)
-        for _ in range(3):
-            sess.run([small_pulled, small_push])
-        print("timing vars", flush=True)
-        time.sleep(0.2)
-        started = time.process_time()
-        for _ in range(RPC_VAR_ROUNDS):
-            sess.run(small_pulled)
-            sess.run(small_push)
-        spent = time.process_time() - started
-        time.sleep(0.2)
-        print(f"timed {spent:.6f}", flush=True)
+        _timed_phase(RPC_ROUNDS, lambda: (sess.run(pulled), sess.run(push.op)))
+        _timed_phase(RPC_VAR_ROUNDS, lambda: (sess.run(small_pulled), sess.run(small_push)))
     return 0
 
 
-if __name__ == "__main__":
-    if len(sys.argv) >= 2 and sys.argv[1] == "kvstore":
+def main(argv: list[str]) -> int:
+    what = argv[0] if argv else ""
+    if what == "kvstore":
         for kind in ("none", "2bit"):
             server, worker, server_key, worker_key = kvstore_cost(kind)
             print(f"{kind} {server:.6e} {worker:.6e}", flush=True)
             print(f"{kind}-key {server_key:.6e} {worker_key:.6e}", flush=True)
-        sys.exit(0)
-    if len(sys.argv) >= 2 and sys.argv[1] == "rpc":
-        per_byte, per_var = rpc_cost()
-        print(f"{per_byte:.6e} {per_var:.6e}", flush=True)
-        sys.exit(0)
-    if len(sys.argv) >= 2 and sys.argv[1] in ("rpc-ps", "rpc-worker"):
-        sys.exit(_rpc_role(sys.argv[1][4:]))
-    if len(sys.argv) >= 2 and sys.argv[1] == "kvstore-worker":
-        sys.exit(_kvstore_worker())
-    if len(sys.argv) >= 2 and sys.argv[1] == "quantize":
+    elif what == "rpc":
+        print("%.6e %.6e" % rpc_cost(), flush=True)
+    elif what in ("rpc-ps", "rpc-worker"):
+        return _rpc_role(what[4:])
+    elif what == "kvstore-worker":
+        return _kvstore_worker()
+    elif what in ("quantize", "update"):
+        if what == "update":
+            os.environ.setdefault("OMP_NUM_THREADS", "1")   # as the adapter runs a server (before mxnet loads)
         import mxnet
-        print(f"{quantize_cost(mxnet):.6e}", flush=True)
-        sys.exit(0)
-    if len(sys.argv) >= 2 and sys.argv[1] == "update":
-        os.environ.setdefault("OMP_NUM_THREADS", "1")   # as the adapter runs a server (before mxnet loads)
-        import mxnet
-        print(f"{update_cost(mxnet):.6e}", flush=True)
-        sys.exit(0)
-    if len(sys.argv) >= 2 and sys.argv[1] == "bandwidth":
-        seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
-        rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-        sys.exit(_probe_sink(rounds) if os.environ.get("PAI_ROLE") == "ps" else _probe_source(seconds, rounds))
-    sys.exit("usage: pluto_helpers.py bandwidth [SECONDS [ROUNDS]] | quantize | update  (run by pai plan)")
+        print(f"{(quantize_cost if what == 'quantize' else update_cost)(mxnet):.6e}", flush=True)
+    elif what == "bandwidth":
+        seconds = float(argv[1]) if len(argv) > 1 else 1.0
+        rounds = int(argv[2]) if len(argv) > 2 else 1
+        return _probe_sink(rounds) if os.environ.get("PAI_ROLE") == "ps" else _probe_source(seconds, rounds)
+    else:
+        sys.exit("usage: pluto_helpers.py bandwidth [SECONDS [ROUNDS]] | quantize | update  (run by pai plan)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

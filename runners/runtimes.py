@@ -49,6 +49,26 @@ def runtime_root() -> Path:
     return Path(cache) / "paicli" / "runtimes"
 
 
+@contextlib.contextmanager
+def unused(marker: Path, busy: str) -> Iterator[None]:
+    """`marker` locked exclusively, or RuntimeSetupError(busy) at once if a job uses
+    what it marks (its instances hold it shared: runtime_lock.py). A missing marker is
+    a half-made runtime or layer: nothing can be running in it."""
+    try:
+        fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeSetupError(busy) from None
+        yield
+    finally:
+        os.close(fd)
+
+
 def dir_size(path: Path) -> int:
     total = 0
     for dirpath, _dirs, files in os.walk(path):
@@ -142,24 +162,9 @@ class Runtime:
             shutil.rmtree(self.path)
         return True
 
-    @contextlib.contextmanager
-    def exclusive(self, what: str) -> Iterator[None]:
-        """The runtime's lock, exclusively, or RuntimeSetupError at once if a job is
-        using it (its instances hold a shared lock: hold_runtime_lock)."""
-        try:
-            fd = os.open(self.path / MARKER, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            yield  # a half-made runtime: nothing can be running in it
-            return
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise RuntimeSetupError(f"cannot {what} the {self.name} runtime: a running job uses it "
-                                    f"({self.path}); try again when its jobs have ended (`pai list`)") from None
-            yield
-        finally:
-            os.close(fd)
+    def exclusive(self, what: str):
+        return unused(self.path / MARKER, f"cannot {what} the {self.name} runtime: a running job uses it "
+                                          f"({self.path}); try again when its jobs have ended (`pai list`)")
 
     def info(self) -> dict:
         installed = self.is_installed()
@@ -515,19 +520,11 @@ def remove_layer(name: str) -> bool:
     if "/" in name or name.startswith("."):
         raise RuntimeSetupError(f"{name!r} is not a layer name (`pai runtime list` shows them)")
     path = layers_root() / name
-    marker = path / LAYER_MARKER
-    if not marker.exists():
+    if not (path / LAYER_MARKER).exists():
         return False
-    fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RuntimeSetupError(f"cannot remove the layer {name}: a running job uses it; "
-                                "try again when its jobs have ended (`pai list`)") from None
+    with unused(path / LAYER_MARKER, f"cannot remove the layer {name}: a running job uses it; "
+                                     "try again when its jobs have ended (`pai list`)"):
         shutil.rmtree(path)
-    finally:
-        os.close(fd)
     return True
 
 
@@ -546,8 +543,7 @@ class LayeredVenvRuntime(VenvRuntime):
                  env: dict[str, str], check: str):
         super().__init__(name, requirements, description)
         self.base, self.env, self.check = base, dict(env), check
-        base_version = _base_version(base)
-        self.version = f"{base_version}+{','.join(self.requirements)}"
+        self.version = f"{get_runtime(base).version}+{','.join(self.requirements)}"
 
     def base_runtime(self) -> Runtime:
         return get_runtime(self.base)
@@ -599,11 +595,6 @@ class LayeredVenvRuntime(VenvRuntime):
 
 
 BASE_RECORD = "paicli-base.json"
-
-
-def _base_version(name: str) -> str:
-    entry = RUNTIMES[name]
-    return entry.version if isinstance(entry, Runtime) else get_runtime(name).version
 
 
 # PAI's TF1-era names (tensorflow140 ... tensorflow220, see adapters/tensorflow.py):

@@ -8,7 +8,6 @@
                   the cheapest that meets it), one line of reasoning per optimization
     calibrate.py  what a short calibration run measured -> Profile; the cache under
                   $PAI_HOME (0600); link bandwidth
-    seedfit.py    the seed's data- vs hybrid-parallel table: fit one column, predict the rest
     view.py       what `pai status`, the logview and the end-of-job summary show of a
                   planned job: its plan and forecast beside the measured step time
 

@@ -5,7 +5,7 @@ on a small cluster, stopped after a few steps. What it leaves is read here:
 
 - seconds per step: paicli.steptime over the workers' step lines;
 - the model: the sizes of the variables (TF) or kvstore arrays (MXNet) the
-  runners report through runners/pluto_helpers.py into $PAI_PLUTO_REPORT, or the
+  runners report through runners/pluto_helpers.py ($PAI_PLUTO_REPORT), or the
   MB the Caffe averaging ps prints each round;
 - Caffe: seconds per iteration (`iter_per_s`) and per averaging round (`exchange_ms`);
 - the script's step target, batch size and learning rate: its arguments, else the
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import socket
 import subprocess
@@ -32,9 +31,9 @@ from typing import Any
 
 from paicli.cluster.pluto.model import comm_seconds, compute_seconds, cpu_floor, overhead_terms
 from paicli.cluster.pluto.strategy import SLICED, Cluster, Profile, Strategy
-from paicli.private import write_private
+from paicli.private import private_dir, write_private
 
-CACHE_VERSION = 13  # 2: three calibration runs, per-ps term; 3: Caffe's measured round; 4: its compute; 5: TF async theta1 x (W - 1); 6: the placement the job gets, shared links and machines; 7: the fit weighted by 1/step; 8: overheads counted from 1 worker, 1 ps (compute pinned by the 1 + 1 run); 9: the links' CPU per byte and the servers' update per value, probed; 10: the kvstore's CPU per key (message); 11: TF's RPC CPU per byte and per variable; 12: a worker's own transfers charged once (in its fitted compute); 13: the link's rate the best of 5 probe rounds
+CACHE_VERSION = 13  # bumped whenever what a calibration keeps, or how it is fitted, changes
 STEP_FLAGS = ("steps", "max_steps", "num_steps", "train_steps", "total_steps", "iterations", "max_iter")
 BATCH_FLAGS = ("batch_size", "batch-size", "batchsize")
 LR_FLAGS = ("learning_rate", "learning-rate", "lr", "base_lr")
@@ -159,39 +158,27 @@ REPORT_PREFIX = "pluto-report: "   # runners/pluto_helpers.py REPORT_PREFIX
 
 def read_report(paths: list[Path]) -> tuple[float, ...]:
     """Variable sizes from pluto_helpers reports (`pluto-report: {json}` lines in
-    instance logs, or JSON-lines files): the first training instance that
-    reported, in the order it created them."""
+    instance logs): the first training instance that reported, in the order it
+    created them."""
     by_instance: dict[str, list[float]] = {}
     for path in paths:
         try:
             text = path.read_text(errors="replace")
         except OSError:
             continue
-        by_instance_lines = []
         for line in text.splitlines():
             at = line.find(REPORT_PREFIX)
-            by_instance_lines.append(line[at + len(REPORT_PREFIX):] if at >= 0 else line)
-        _collect(by_instance_lines, by_instance)
+            try:
+                record = json.loads(line[at + len(REPORT_PREFIX):]) if at >= 0 else None
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("kind") == "variable":
+                name = f"{record.get('role')}:{record.get('index')}"
+                by_instance.setdefault(name, []).append(float(record.get("bytes") or 0.0))
     for preferred in ("chief:0", "worker:0"):
         if preferred in by_instance:
             return tuple(by_instance[preferred])
     return tuple(next(iter(by_instance.values()), ()))
-
-
-def _collect(lines: list[str], by_instance: dict[str, list[float]]) -> None:
-    for line in lines:
-        if not line.startswith("{"):
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict):
-            continue
-        if record.get("kind") != "variable":
-            continue
-        name = f"{record.get('role')}:{record.get('index')}"
-        by_instance.setdefault(name, []).append(float(record.get("bytes") or 0.0))
 
 
 def build_profile(framework: str, runs: list[Run], facts: ScriptFacts, where: Cluster,
@@ -346,11 +333,6 @@ def cache_path(home: Path) -> Path:
     return home / "pluto" / "calibration.json"
 
 
-def _private_dir(path: Path) -> None:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-
-
 def cache_get(home: Path, key: str) -> dict | None:
     try:
         data = json.loads(cache_path(home).read_text())
@@ -363,7 +345,7 @@ def cache_get(home: Path, key: str) -> dict | None:
 def cache_put(home: Path, key: str, entry: dict) -> None:
     """Write the cache atomically, 0600 in a 0700 folder."""
     path = cache_path(home)
-    _private_dir(path.parent)
+    private_dir(path.parent, parents=True)
     try:
         data = json.loads(path.read_text())
         if not isinstance(data, dict):
@@ -418,29 +400,23 @@ def measure_loopback(seconds: float = 0.3, chunk: int = 1 << 20) -> float:
 def measure_quantize(python: str, helpers: str, timeout: float = 120.0) -> float:
     """Seconds of CPU 2bit compression adds per gradient value, probed with MXNet's
     own kernels (runners/pluto_helpers.py quantize, in the MXNet runtime's Python):
-    about a second. 0.0 when the probe cannot run: the forecast then charges what
-    it charged before, nothing."""
-    return _helper_probe(python, helpers, "quantize", timeout)
+    about a second. 0.0 when the probe cannot run: the forecast then charges nothing."""
+    return _number_probe(python, helpers, "quantize", timeout)
 
 
 def measure_update(python: str, helpers: str, timeout: float = 120.0) -> float:
     """Seconds of CPU a kvstore server spends applying one push's update to one
     value (runners/pluto_helpers.py update: MXNet's SGD updater on one OpenMP
     thread, as the adapter runs a server). 0.0 when the probe cannot run."""
-    return _helper_probe(python, helpers, "update", timeout)
+    return _number_probe(python, helpers, "update", timeout)
 
 
 def measure_kvstore(python: str, helpers: str, timeout: float = 240.0) -> dict[str, float]:
     """The Cluster fields kv_*_s_per_value and kv_*_s_per_key, probed on this
     machine's loopback (runners/pluto_helpers.py kvstore); {} when the probe cannot
     run."""
-    try:
-        done = subprocess.run([python, helpers, "kvstore"], capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return {}
     out: dict[str, float] = {}
-    for line in done.stdout.splitlines() if done.returncode == 0 else ():
+    for line in _probe_output(python, helpers, "kvstore", timeout).splitlines():
         parts = line.split()
         if len(parts) != 3 or parts[0] not in ("none", "2bit", "none-key", "2bit-key"):
             continue
@@ -462,26 +438,25 @@ def measure_rpc(python: str, helpers: str, timeout: float = 180.0) -> dict[str, 
     Cluster fields rpc_cpu_s_per_byte and rpc_cpu_s_per_var. {} when the probe
     cannot run."""
     try:
-        done = subprocess.run([python, helpers, "rpc"], capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    parts = done.stdout.split()[-2:] if done.returncode == 0 else []
-    try:
-        per_byte, per_var = (max(0.0, float(v)) for v in parts)
+        per_byte, per_var = (max(0.0, float(v)) for v in _probe_output(python, helpers, "rpc", timeout).split()[-2:])
     except ValueError:
         return {}
     return {"rpc_cpu_s_per_byte": per_byte, "rpc_cpu_s_per_var": per_var}
 
 
-def _helper_probe(python: str, helpers: str, what: str, timeout: float) -> float:
+def _probe_output(python: str, helpers: str, what: str, timeout: float) -> str:
+    """What `python helpers WHAT` printed; "" when it could not run or failed."""
     try:
         done = subprocess.run([python, helpers, what], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError):
-        return 0.0
-    lines = done.stdout.split()
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def _number_probe(python: str, helpers: str, what: str, timeout: float) -> float:
+    words = _probe_output(python, helpers, what, timeout).split()
     try:
-        return max(0.0, float(lines[-1])) if done.returncode == 0 and lines else 0.0
+        return max(0.0, float(words[-1])) if words else 0.0
     except ValueError:
         return 0.0

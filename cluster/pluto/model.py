@@ -74,8 +74,7 @@ def layout(strategy: Strategy, cluster: Cluster) -> tuple[list[int], list[int]]:
     forecast prices the instances that share a node's link and cores. A cluster
     placement refuses (a node under one core) falls back to one node per service in
     turn and workers on the freest node."""
-    ps_nodes, worker_nodes = _placed(strategy, cluster)
-    return list(ps_nodes), list(worker_nodes)
+    return tuple(map(list, _placed(strategy, cluster)))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -85,13 +84,12 @@ def _placed(strategy: Strategy, cluster: Cluster) -> tuple[tuple[int, ...], tupl
     try:
         placed = place(role_demands(strategy), specs)
     except UsageError:
-        ps_nodes, worker_nodes = _spread_layout(strategy, cluster)
-        return tuple(ps_nodes), tuple(worker_nodes)
+        return _spread_layout(strategy, cluster)
     return (tuple(index[p.node] for p in placed if p.role == strategy.ps_role()),
             tuple(index[p.node] for p in placed if p.role == "worker"))
 
 
-def _spread_layout(strategy: Strategy, cluster: Cluster) -> tuple[list[int], list[int]]:
+def _spread_layout(strategy: Strategy, cluster: Cluster) -> tuple[tuple[int, ...], tuple[int, ...]]:
     n = len(cluster.nodes)
     free = [node.cores for node in cluster.nodes]
     ps_nodes = []
@@ -103,7 +101,7 @@ def _spread_layout(strategy: Strategy, cluster: Cluster) -> tuple[list[int], lis
         node = max(range(n), key=lambda i: (free[i], -i))
         worker_nodes.append(node)
         free[node] -= 1.0
-    return ps_nodes, worker_nodes
+    return tuple(ps_nodes), tuple(worker_nodes)
 
 
 def _phase_seconds(flows: list[tuple[int, int, float]], cluster: Cluster) -> float:
@@ -340,14 +338,14 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
     loads = ps_loads(profile.var_bytes or (total,), strategy.ps, strategy.partition,
                      strategy.big_array_bound) if strategy.ps else []
     held = sum(loads) or total or 1.0
+    for node in worker_nodes:   # push every gradient, pull every value: beyond what compute holds
+        demand[node] += compute + worker_beyond_calibration(profile, strategy, cluster)
     kv = kvstore_seconds(profile, strategy, cluster)
     if kv is not None:
         # MXNet with its kvstore probed: what one push and pull costs each end, per value
-        server_s, server_keys = kv[1], kvstore_key_seconds(profile, strategy, cluster)[1]
-        for node in worker_nodes:
-            demand[node] += compute + worker_beyond_calibration(profile, strategy, cluster)
+        server_keys = kvstore_key_seconds(profile, strategy, cluster)[1]
         for j, node in enumerate(ps_nodes):
-            demand[node] += server_s * loads[j] / held + server_keys[j]
+            demand[node] += kv[1] * loads[j] / held + server_keys[j]
     else:
         half_quantize = 0.5 * quantize_seconds(profile, strategy, cluster)   # quantise here, dequantise there
         ps_vars = [0.0] * len(ps_nodes)
@@ -357,8 +355,6 @@ def cpu_demand(profile: Profile, strategy: Strategy, cluster: Cluster) -> list[f
             per_byte = 0.5 * cluster.rpc_cpu_s_per_byte
             on_ps = _arrays_per_ps(profile, strategy)
             ps_vars = [0.5 * cluster.rpc_cpu_s_per_var * n * strategy.workers for n in on_ps]
-        for node in worker_nodes:   # push every gradient, pull every value: beyond what compute holds
-            demand[node] += compute + worker_beyond_calibration(profile, strategy, cluster)
         for j, node in enumerate(ps_nodes):
             demand[node] += (per_byte * 2.0 * total + half_quantize) * (loads[j] / held) * strategy.workers
             demand[node] += update_seconds(profile, strategy, cluster) * loads[j] / held + ps_vars[j]

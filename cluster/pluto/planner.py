@@ -21,7 +21,7 @@ budget: the cheapest plan that meets it, or why none does.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from paicli.cluster.pluto.model import forecast, ps_loads
@@ -85,7 +85,6 @@ class Plan:
     default: Choice
     budget_s: float | None = None
     meets_budget: bool | None = None
-    helpers: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"recommended": self.recommended.to_json(),
@@ -191,14 +190,15 @@ def worth_it(choices: list[Choice]) -> list[Choice]:
     """Drop compressed plans that save under COMPRESSION_GAIN over the same plan
     uncompressed: compression changes the numbers the model trains on, so it is
     used only when the links really are the bottleneck."""
-    plain = {c.strategy.with_(compression="none"): c for c in choices if c.strategy.compression == "none"}
-    kept = []
-    for c in choices:
-        twin = plain.get(c.strategy.with_(compression="none")) if c.strategy.compression != "none" else None
-        if twin is not None and c.score() > twin.score() * (1 - COMPRESSION_GAIN):
-            continue
-        kept.append(c)
-    return kept
+    plain = {c.strategy: c for c in choices if c.strategy.compression == "none"}
+    return _paying(choices, lambda c: plain.get(c.strategy.with_(compression="none"))
+                   if c.strategy.compression != "none" else None, COMPRESSION_GAIN)
+
+
+def _paying(choices: list[Choice], twin_of, gain: float) -> list[Choice]:
+    """The choices less each that saves under `gain` over its twin (twin_of: the
+    plan it is weighed against, or None)."""
+    return [c for c in choices if (twin := twin_of(c)) is None or c.score() <= twin.score() * (1 - gain)]
 
 
 MODE_GAIN = 0.10   # the mode the script does not default to must save this much
@@ -218,13 +218,7 @@ def worth_switching(choices: list[Choice], default_sync: bool) -> list[Choice]:
     """Drop plans in the mode the script does not default to that save under
     MODE_GAIN over the same plan in its default mode: async's stale updates (or
     sync's larger global batch) change convergence, so the switch must pay."""
-    kept = []
-    for c in choices:
-        twin = mode_twin(c, choices) if c.strategy.sync != default_sync else None
-        if twin is not None and c.score() > twin.score() * (1 - MODE_GAIN):
-            continue
-        kept.append(c)
-    return kept
+    return _paying(choices, lambda c: mode_twin(c, choices) if c.strategy.sync != default_sync else None, MODE_GAIN)
 
 
 def recommend(choices: list[Choice], default_sync: bool | None = None) -> Choice:

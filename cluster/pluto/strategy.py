@@ -177,36 +177,29 @@ class Cluster:
     nodes: tuple[Node, ...]
     loopback_Bps: float = LOOPBACK_BPS  # between instances on one node
     source: str = "this machine"
-    # When the nodes are virtual hosts of one machine (a test cluster), the cores
-    # they all share: compute contends machine-wide, not only per node.
+    # The cores all nodes share when they are virtual hosts of one machine (a test
+    # cluster): compute contends machine-wide, not only per node.
     machine_cores: float | None = None
-    # CPU seconds 2bit compression adds per gradient value pushed (quantising on the
-    # worker, dequantising on the ps), probed with MXNet's kernels (calibrate.measure_quantize).
+    # CPU seconds probed on this machine (0.0: not probed). 2bit's per gradient value
+    # (quantise and dequantise, calibrate.measure_quantize); per byte crossing a link
+    # between virtual hosts of one machine, kernel work included (pluto.measure_links);
+    # a server's optimizer update per value (calibrate.measure_update).
     quantize_s_per_value: float = 0.0
-    # CPU seconds the machine spends per byte crossing a link between two of its
-    # virtual hosts (both ends' copies and the kernel's veth, bridge and shaping work),
-    # measured machine-wide by the link probe (pluto.measure_links).
     link_cpu_s_per_byte: float = 0.0
-    # CPU seconds a kvstore server spends applying one push's optimizer update to one
-    # value (calibrate.measure_update, MXNet's updater): dist_async applies W a step.
     update_s_per_value: float = 0.0
-    # CPU seconds per value of one push and pull through MXNet's dist kvstore on this
-    # machine's loopback, on the server (with its one update) and on the worker,
-    # uncompressed and 2bit (calibrate.measure_kvstore); 0.0: not probed.
+    # MXNet's dist kvstore, server and worker, plain and 2bit (calibrate.measure_kvstore):
+    # per value of a push and pull (the server's one update included), and per key (a
+    # message to one server, whatever its size).
     kv_server_s_per_value: float = 0.0
     kv_worker_s_per_value: float = 0.0
     kv_server_2bit_s_per_value: float = 0.0
     kv_worker_2bit_s_per_value: float = 0.0
-    # CPU seconds of one push and pull of one key (a message to one server, whatever
-    # its size: ps-lite's threads, the engine), on the server and on the worker,
-    # uncompressed and 2bit (calibrate.measure_kvstore's one-value arrays); 0.0: not probed.
     kv_server_s_per_key: float = 0.0
     kv_worker_s_per_key: float = 0.0
     kv_server_2bit_s_per_key: float = 0.0
     kv_worker_2bit_s_per_key: float = 0.0
-    # CPU seconds TensorFlow's gRPC runtime spends, both ends together, per byte and per
-    # variable pulled and pushed between a ps and a worker (calibrate.measure_rpc); 0.0:
-    # not probed (the loopback copy's cost per byte stands in).
+    # TensorFlow's gRPC runtime, both ends together, per byte and per variable pulled and
+    # pushed (calibrate.measure_rpc); unprobed, the loopback copy's cost stands in.
     rpc_cpu_s_per_byte: float = 0.0
     rpc_cpu_s_per_var: float = 0.0
 

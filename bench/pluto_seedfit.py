@@ -9,7 +9,7 @@ where D(n) is the data the slide says is exchanged per step (MiB) and B the one
 unknown: an effective bandwidth. It is fitted (least squares on 1/B) on ONE column
 of the table (both strategies at that GPU count) and every other cell is predicted.
 
-    python -m paicli.cluster.pluto.seedfit          # the markdown table in docs/pluto.md
+    .venv/bin/python bench/pluto_seedfit.py          # the markdown table in docs/pluto.md
 """
 
 from __future__ import annotations

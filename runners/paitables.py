@@ -179,6 +179,7 @@ class CsvFile:
             if first is None or not any(field.strip() for field in first[1]):
                 raise self._fail(1, "no header line naming the columns")
             self.data_start, self.columns = first
+            self.columns[0] = self.columns[0].lstrip("\ufeff")     # a BOM (UTF-8 from Excel) names nothing
             if any(not c.strip() for c in self.columns):
                 raise self._fail(1, f"the header {self.delimiter.join(self.columns)[:80]!r} has an empty column name")
             f.seek(self.data_start)

@@ -52,7 +52,7 @@ cells = st.text(alphabet=st.sampled_from(list('ab,"\n\r é\t')), max_size=6)
        count=st.integers(1, 6), chunk=st.sampled_from([7, 64, 1 << 20]), crlf=st.booleans())
 def test_slices_of_any_csv_are_what_the_csv_module_reads(tmp_path, monkeypatch, rows, count, chunk, crlf):
     monkeypatch.setattr(paitables, "CHUNK", chunk)
-    if not crlf:   # a bare CR ends no record here (csv.writer leaves it unquoted with "\n" lines)
+    if not crlf:   # csv.writer leaves a CR unquoted with "\n" lines, and csv.reader ends a record at it
         rows = [[c.replace("\r", "") for c in row] for row in rows]
     path = tmp_path / "t.csv"
     with open(path, "w", newline="", encoding="utf-8") as f:

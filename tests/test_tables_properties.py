@@ -59,11 +59,13 @@ def csv_text(draw, delim: str = ",", header: list[str] | None = None) -> str:
 
 def csv_table(text: str, delim: str) -> list[list[str]] | None:
     """The rows csv.reader gives for `text` when it reads as a table (a header
-    naming every column, every row as wide), else None."""
+    naming every column, every row as wide), else None; the columns without a BOM."""
     try:
         rows = list(csv.reader(io.StringIO(text, newline=""), delimiter=delim, strict=True))
     except csv.Error:
         return None
+    if rows and rows[0]:
+        rows[0][0] = rows[0][0].lstrip("\ufeff")     # a BOM before the header names no column
     if not rows or not rows[0] or any(not name.strip() for name in rows[0]) \
             or any(len(row) != len(rows[0]) for row in rows):
         return None

@@ -1,19 +1,13 @@
 """The project folder (-DworkDir): what of it reaches every node, and sending it.
 
-What is sent (`listing`): every file below the folder but what a `.gitignore` or
-`.paiignore` excludes (git's syntax, in the folder or any folder below it; in each
-folder `.paiignore` is read after `.gitignore`, so `!data.csv` there sends a file
-git ignores, and a deeper file decides over a shallower one), and never `.git/`,
-`__pycache__/` or a virtual environment (a folder holding `pyvenv.cfg` or
-`conda-meta`). A link is sent as a link when its relative target lies inside the
-folder; a link that leaves the folder is never followed.
-
-At submit the listing is checked against -DworkDirMaxSize and kept in
-JOB/workdir.json ({"root", "files": [[rel, size, mode, link target]]}); when the
-job is staged (`stage`), its files travel through the node's data cache
-(runners/node_cache.py) by content digest, so a node is sent only the files it
-has not had before, and are copied into the job's `code/` folder there, where
-the instances start.
+Sent (`listing`): every file but what `.gitignore`/`.paiignore` exclude (git's syntax,
+in any folder of it; `.paiignore` after `.gitignore`, a deeper file decides over a
+shallower one), never `.git/`, `__pycache__/` or a virtual environment, links only
+as links whose relative target stays inside. The listing, checked against
+-DworkDirMaxSize at submit, is JOB/workdir.json ({"root", "files": [[rel, size,
+mode, link target]]}); `stage` sends each node the files its data cache
+(runners/node_cache.py) lacks, by content digest, and the node copies them into
+the job's `code/`, where the instances start.
 """
 
 from __future__ import annotations
@@ -38,9 +32,7 @@ from paicli.private import write_private
 IGNORE_FILES = (".gitignore", ".paiignore")
 NEVER = (".git", "__pycache__")
 VENV_MARKS = ("pyvenv.cfg", "conda-meta")
-RECORD = "workdir.json"
 CODE = "code"
-DEFAULT_MAX = "100M"
 
 Rules = list[tuple[str, str, Any, list[int]]]   # (folder rel, ignore file, spec, its patterns' line numbers)
 
@@ -65,13 +57,11 @@ def _rules_in(folder: str, rel: str) -> Rules:
     rules = []
     for name in IGNORE_FILES:
         path = os.path.join(folder, name)
-        if os.path.islink(path) or not os.path.isfile(path):
-            continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1)]
-        kept = [(n, line) for n, line in lines if line.strip() and not line.startswith("#")]
-        rules.append((rel, name, pathspec.GitIgnoreSpec.from_lines([line for _n, line in kept]),
-                      [n for n, _line in kept]))
+        if os.path.isfile(path) and not os.path.islink(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                kept = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1) if line.strip() and line[0] != "#"]
+            rules.append((rel, name, pathspec.GitIgnoreSpec.from_lines([line for _n, line in kept]),
+                          [n for n, _line in kept]))
     return rules
 
 
@@ -91,18 +81,15 @@ def _ignored(rules: Rules, rel: str, is_dir: bool) -> str | None:
 
 
 def _never(path: str, name: str) -> str | None:
-    if name in NEVER:
-        return f"{name}/ (never sent)"
-    if any(os.path.exists(os.path.join(path, mark)) for mark in VENV_MARKS):
-        return f"{name}/ (a virtual environment, never sent)"
+    if name in NEVER or any(os.path.exists(os.path.join(path, mark)) for mark in VENV_MARKS):
+        return f"{name}/ (" + ("never sent)" if name in NEVER else "a virtual environment, never sent)")
     return None
 
 
 def _link_inside(path: str, root: str) -> str | None:
     """A link's target when it is relative and stays inside `root` (real path)."""
     target = os.readlink(path)
-    real = os.path.realpath(path)
-    return target if not os.path.isabs(target) and real.startswith(root + "/") else None
+    return target if not os.path.isabs(target) and os.path.realpath(path).startswith(root + "/") else None
 
 
 def listing(root: str, limit: int | None = None, stop_over: bool = False) -> Listing:
@@ -162,9 +149,7 @@ def why_left_out(root: str, rel: str) -> str | None:
 
 
 def record(job_dir: str | Path, found: Listing) -> None:
-    write_private(Path(job_dir) / RECORD, json.dumps({"root": found.root, "files": found.files}))
-
-
+    write_private(Path(job_dir) / "workdir.json", json.dumps({"root": found.root, "files": found.files}))
 
 
 # -- when the job is staged: through each node's data cache ------------------------------------
@@ -176,14 +161,6 @@ def human(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
         size /= 1000
     return ""
-
-
-def _digest(path: str) -> str:
-    got = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            got.update(chunk)
-    return got.hexdigest()
 
 
 def _read(root: str, rel: str, digest: str) -> bytes:
@@ -205,11 +182,10 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
     if not transports:
         return {}
     root, files = kept["root"], kept["files"]
-    digests = {rel: _digest(os.path.join(root, rel)) for rel, _size, _mode, target in files if not target}
-    sizes = {digests[rel]: size for rel, size, _mode, target in files if not target}
+    digests = {rel: datasets._file_digest(f"{root}/{rel}") for rel, _s, _m, target in files if not target}
+    sizes = {digests[rel]: size for rel, size, _m, target in files if not target}
+    reads = {digest: (lambda rel=rel: _read(root, rel, digests[rel])) for rel, digest in digests.items()}
     plan = {"files": [[f"{CODE}/{rel}", digests.get(rel, ""), mode, target] for rel, _s, mode, target in files]}
-    reads = {digests[rel]: (lambda rel=rel: _read(root, rel, digests[rel])) for rel, _s, _m, target in files
-             if not target}
 
     def send(transport: Any) -> tuple[int, int]:
         lacking = set(transport.missing(sorted(reads)))

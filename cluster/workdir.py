@@ -203,7 +203,23 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
 # -- when an instance fails for a file the folder did not send ---------------------------------
 
 MISSING_FILE = re.compile(r"FileNotFoundError|No such file|[Cc]annot open|[Cc]ould not open|[Ff]ailed to open")
+CAFFE_DB = re.compile(r"Check failed: (mdb_status|status\.ok\(\))")
+SOURCE = re.compile(r'\bsource:\s*"([^"]+)"')
 PATHLIKE = re.compile(r"['\"]([^'\"\s]+)['\"]|(?<![\w/.])((?:\.{0,2}/)?[\w.-]+(?:/[\w.-]+)+|[\w-]+\.\w+)")
+
+
+def net_sources(job_dir: str, root: str) -> list[str]:
+    """The `source:` paths of the Caffe nets among the job's inputs, relative to
+    `root` (a net's relative paths resolve in its own folder, where Caffe runs)."""
+    try:
+        inputs = json.loads(Path(job_dir, "plan.json").read_text()).get("inputs") or []
+    except (OSError, ValueError):
+        return []
+    found = []
+    for net in (path for path in inputs if path.endswith(".prototxt") and os.path.isfile(path)):
+        for source in SOURCE.findall(Path(net).read_text(errors="replace")):
+            found.append(os.path.relpath(os.path.join(os.path.dirname(net), source), root))
+    return found
 
 
 def hint(job_dir: str | Path, tail: list[str]) -> str | None:
@@ -213,10 +229,14 @@ def hint(job_dir: str | Path, tail: list[str]) -> str | None:
     if not kept:
         return None
     for line in reversed(tail):
-        if not MISSING_FILE.search(line):
+        if CAFFE_DB.search(line):   # names no path: the data sources of the job's nets
+            named = net_sources(str(job_dir), kept["root"])
+        elif MISSING_FILE.search(line):
+            named = [quoted or bare for quoted, bare in PATHLIKE.findall(line)]
+        else:
             continue
-        for quoted, bare in PATHLIKE.findall(line):
-            rel = (quoted or bare).removeprefix("./")
+        for rel in named:
+            rel = rel.removeprefix("./")
             why = None if os.path.isabs(rel) else why_left_out(kept["root"], rel)
             if why:
                 return f"{rel} is in {kept['root']} but not sent to the nodes: {why} " \

@@ -141,3 +141,16 @@ def test_a_file_that_changes_while_it_is_sent_stops_the_job_naming_it(tmp_path):
     path.write_text("second")
     with pytest.raises(PaiError, match="workdir: train.log changed while the job was sent to its nodes"):
         workdir._read(str(tmp_path), "train.log", digest)
+
+
+def test_caffes_db_error_names_no_path_so_the_nets_sources_are_looked_up(tmp_path):
+    project, job = tmp_path / "p", tmp_path / "job"
+    job.mkdir()
+    write(project, ".paiignore", "*_lmdb/\n")
+    write(project, "examples/mnist/mnist_train_lmdb/data.mdb")
+    net = write(project, "net.prototxt", 'layer { data_param { source: "examples/mnist/mnist_train_lmdb" } }')
+    (job / "plan.json").write_text(json.dumps({"inputs": [str(net)]}))
+    workdir.record(job, workdir.listing(str(project)))
+    tail = ["F1203 db_lmdb.hpp:15] Check failed: mdb_status == 0 (2 vs. 0) No such file or directory"]
+    assert workdir.hint(job, tail) == (f"examples/mnist/mnist_train_lmdb is in {project} but not sent to the nodes: "
+                                       ".paiignore line 1: *_lmdb/ (a `!` line in .paiignore sends it)")

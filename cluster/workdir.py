@@ -92,9 +92,10 @@ def _link_inside(path: str, root: str) -> str | None:
     return target if not os.path.isabs(target) and os.path.realpath(path).startswith(root + "/") else None
 
 
-def listing(root: str, limit: int | None = None, stop_over: bool = False) -> Listing:
-    """What of `root` is sent (see the module's docstring), sorted; `stop_over`:
-    stop at the first file past `limit` (over=True, the rest unlisted)."""
+def listing(root: str, limit: int | None = None, stop_over: bool = False, skip: tuple[str, ...] = ()) -> Listing:
+    """What of `root` is sent (see the module's docstring), sorted, but the folders
+    `skip` (real paths); `stop_over`: stop at the first file past `limit` (over=True,
+    the rest unlisted)."""
     root, real = os.path.abspath(root), os.path.realpath(root)
     out = Listing(root)
 
@@ -109,7 +110,10 @@ def listing(root: str, limit: int | None = None, stop_over: bool = False) -> Lis
                     out.files.append([sub, 0, 0o700, target])
                 continue
             if entry.is_dir():
-                if not _never(entry.path, entry.name) and not _ignored(rules, sub, True) and not walk(sub, rules):
+                if os.path.realpath(entry.path) in skip or _never(entry.path, entry.name) \
+                        or _ignored(rules, sub, True):
+                    continue
+                if not walk(sub, rules):
                     return False
             elif entry.is_file() and not _ignored(rules, sub, False):
                 st = entry.stat()

@@ -54,6 +54,12 @@ def test_git_caches_and_virtual_environments_never_travel(tmp_path):
     assert workdir.why_left_out(str(tmp_path), ".git/HEAD") == ".git/ (never sent)"
 
 
+def test_the_jobs_store_inside_the_folder_is_never_sent(tmp_path):
+    write(tmp_path, "train.py")
+    write(tmp_path, ".pai/jobs/j1/plan.json", "a secret")
+    assert sent(tmp_path, skip=(str(tmp_path / ".pai"),)) == ["train.py"]
+
+
 def test_links_out_of_the_folder_are_never_followed(tmp_path):
     project, outside = tmp_path / "p", tmp_path / "secret"
     write(outside, "key", "private")
@@ -123,14 +129,15 @@ def test_an_explicit_folder_over_the_limit_is_refused_in_one_line_naming_the_big
     write(proj, "notes.md", "x" * 100)
     nodes = tmp_path / "nodes.yaml"
     nodes.write_text(json.dumps({"nodes": [{"name": "h1", "host": "192.0.2.1", "user": "nobody"}]}))
+    write(proj, ".pai/jobs/old/logs/worker-0.log", "x" * 9000)   # the jobs' store, here: never sent
     result = pai("-name", "python", f"-Dscript={proj / 'train.py'}", f"-DworkDir={proj}", "-DworkDirMaxSize=4K",
-                 env={"PAI_NODES": str(nodes)}, timeout=60)
+                 env={"PAI_NODES": str(nodes), "PAI_HOME": str(proj / ".pai")}, timeout=60)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [
         f"pai: error: -DworkDir: {proj} sends 5.1 KB, over -DworkDirMaxSize=4K; the biggest: data/ (3.0 KB), "
         "weights.h5 (2.0 KB), notes.md (100 bytes); list what stays here in .paiignore (gitignore syntax), "
         "or raise -DworkDirMaxSize"]
-    assert not any((pai_home / "jobs").glob("*"))
+    assert [p.name for p in (proj / ".pai" / "jobs").iterdir()] == ["old"]
 
 
 def test_a_file_that_changes_while_it_is_sent_stops_the_job_naming_it(tmp_path):

@@ -54,7 +54,8 @@ def test_the_three_file_project_runs_on_two_nodes_as_here_and_sends_only_what_ch
                                   for s in sent.values()), first.stdout
     # what the workers wrote came back beside the script; what came with the folder is no output
     assert (proj / "out-0.txt").read_text() == (proj / "out-1.txt").read_text() == "100 rows\n"
-    assert "both wrote" not in first.stdout
+    written = json.loads(pai("outputs", job_id_from(first.stdout), "--json").stdout)["files"]
+    assert sorted(os.path.basename(f["path"]) for f in written) == ["out-0.txt", "out-1.txt"], written
     # A second job, one file changed (the outputs moved away): that file alone travels.
     for out in proj.glob("out-*.txt"):
         out.unlink()

@@ -53,13 +53,23 @@ class Listing:
         return sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:count]
 
 
+def _valid(line: str) -> bool:
+    """A line git reads as a pattern (git passes over the others, such as a lone `!`)."""
+    try:
+        pathspec.GitIgnoreSpec.from_lines([line])
+    except ValueError:
+        return False
+    return True
+
+
 def _rules_in(folder: str, rel: str) -> Rules:
     rules = []
     for name in IGNORE_FILES:
         path = os.path.join(folder, name)
         if os.path.isfile(path) and not os.path.islink(path):
             with open(path, encoding="utf-8", errors="replace") as f:
-                kept = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1) if line.strip() and line[0] != "#"]
+                kept = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1)
+                        if line.strip() and line[0] != "#" and _valid(line.rstrip("\n"))]
             rules.append((rel, name, pathspec.GitIgnoreSpec.from_lines([line for _n, line in kept]),
                           [n for n, _line in kept]))
     return rules

@@ -90,7 +90,7 @@ def test_the_limit_stops_the_listing_and_names_the_biggest(tmp_path):
 
 
 def test_why_a_file_was_left_out_names_the_rule(tmp_path):
-    write(tmp_path, ".gitignore", "# outputs\n\n*.csv\n")
+    write(tmp_path, ".gitignore", "# outputs\n!\n*.csv\n")   # a lone `!` is no pattern: git passes over it
     write(tmp_path, "sub/.paiignore", "raw/\n")
     write(tmp_path, "data.csv")
     write(tmp_path, "sub/raw/x.txt")

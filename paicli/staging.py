@@ -84,7 +84,10 @@ def work_dir(spec: JobSpec, staging: Path, remote: bool, note: Callable[[str], N
         return folder   # this machine reads the folder in place
     limit = parse_size(spec.get("workDirMaxSize"))
     # Never the jobs' own store (its plan.json files hold secrets), should it lie inside.
-    found = workdir.listing(folder, limit, stop_over=value is None, skip=(os.path.realpath(pai_home()),))
+    try:
+        found = workdir.listing(folder, limit, stop_over=value is None, skip=(os.path.realpath(pai_home()),))
+    except OSError as err:
+        raise SpecError("-DworkDir", f"{folder}: cannot be read: {err}", "list what cannot in .paiignore") from None
     if found.over and value is None:
         note(f"workdir: {folder} sends more than {spec.get('workDirMaxSize')}; only the script and its "
              "imports travel (name what stays here in .paiignore, or set -DworkDir)")

@@ -598,7 +598,7 @@ class JobMaster:
             self.store.event(self.job_id, "last-lines", "\n".join(tail[-10:]), inst.role.name, inst.idx)
         last = " | ".join(line.strip() for line in tail[-3:])
         hint = workdir.hint(self.job_dir, tail)   # a file of the project folder an ignore rule kept here
-        return JobStatus.FAILED, verdict.reason + (f"; last lines: {last}" if last else "") + (f"; {hint}" if hint else "")
+        return JobStatus.FAILED, "; ".join(filter(None, [verdict.reason, last and f"last lines: {last}", hint]))
 
     ON_VERDICT = {policy.FINISHED: _on_finished, policy.RESTART_JOB_: _on_restart_job,
                   policy.RESTART_INSTANCE: _on_restart_instance, policy.FAIL: _on_fail}

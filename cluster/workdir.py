@@ -1,19 +1,13 @@
 """The project folder (-DworkDir): what of it reaches every node, and sending it.
 
-What is sent (`listing`): every file below the folder but what a `.gitignore` or
-`.paiignore` excludes (git's syntax, in the folder or any folder below it; in each
-folder `.paiignore` is read after `.gitignore`, so `!data.csv` there sends a file
-git ignores, and a deeper file decides over a shallower one), and never `.git/`,
-`__pycache__/` or a virtual environment (a folder holding `pyvenv.cfg` or
-`conda-meta`). A link is sent as a link when its relative target lies inside the
-folder; a link that leaves the folder is never followed.
-
-At submit the listing is checked against -DworkDirMaxSize and kept in
-JOB/workdir.json ({"root", "files": [[rel, size, mode, link target]]}); when the
-job is staged (`stage`), its files travel through the node's data cache
-(runners/node_cache.py) by content digest, so a node is sent only the files it
-has not had before, and are copied into the job's `code/` folder there, where
-the instances start.
+Sent (`listing`): every file but what `.gitignore`/`.paiignore` exclude (git's syntax,
+in any folder of it; `.paiignore` after `.gitignore`, a deeper file decides over a
+shallower one), never `.git/`, `__pycache__/` or a virtual environment, links only
+as links whose relative target stays inside. The listing, checked against
+-DworkDirMaxSize at submit, is JOB/workdir.json ({"root", "files": [[rel, size,
+mode, link target]]}); `stage` sends each node the files its data cache
+(runners/node_cache.py) lacks, by content digest, and the node copies them into
+the job's `code/`, where the instances start.
 """
 
 from __future__ import annotations
@@ -38,9 +32,7 @@ from paicli.private import write_private
 IGNORE_FILES = (".gitignore", ".paiignore")
 NEVER = (".git", "__pycache__")
 VENV_MARKS = ("pyvenv.cfg", "conda-meta")
-RECORD = "workdir.json"
 CODE = "code"
-DEFAULT_MAX = "100M"
 
 Rules = list[tuple[str, str, Any, list[int]]]   # (folder rel, ignore file, spec, its patterns' line numbers)
 
@@ -61,17 +53,25 @@ class Listing:
         return sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:count]
 
 
+def _valid(line: str) -> bool:
+    """A line git reads as a pattern (git passes over the others, such as a lone `!`)."""
+    try:
+        pathspec.GitIgnoreSpec.from_lines([line])
+    except ValueError:
+        return False
+    return True
+
+
 def _rules_in(folder: str, rel: str) -> Rules:
     rules = []
     for name in IGNORE_FILES:
         path = os.path.join(folder, name)
-        if os.path.islink(path) or not os.path.isfile(path):
-            continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1)]
-        kept = [(n, line) for n, line in lines if line.strip() and not line.startswith("#")]
-        rules.append((rel, name, pathspec.GitIgnoreSpec.from_lines([line for _n, line in kept]),
-                      [n for n, _line in kept]))
+        if os.path.isfile(path) and not os.path.islink(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                kept = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1)
+                        if line.strip() and line[0] != "#" and _valid(line.rstrip("\n"))]
+            rules.append((rel, name, pathspec.GitIgnoreSpec.from_lines([line for _n, line in kept]),
+                          [n for n, _line in kept]))
     return rules
 
 
@@ -91,23 +91,21 @@ def _ignored(rules: Rules, rel: str, is_dir: bool) -> str | None:
 
 
 def _never(path: str, name: str) -> str | None:
-    if name in NEVER:
-        return f"{name}/ (never sent)"
-    if any(os.path.exists(os.path.join(path, mark)) for mark in VENV_MARKS):
-        return f"{name}/ (a virtual environment, never sent)"
+    if name in NEVER or any(os.path.exists(os.path.join(path, mark)) for mark in VENV_MARKS):
+        return f"{name}/ (" + ("never sent)" if name in NEVER else "a virtual environment, never sent)")
     return None
 
 
 def _link_inside(path: str, root: str) -> str | None:
     """A link's target when it is relative and stays inside `root` (real path)."""
     target = os.readlink(path)
-    real = os.path.realpath(path)
-    return target if not os.path.isabs(target) and real.startswith(root + "/") else None
+    return target if not os.path.isabs(target) and os.path.realpath(path).startswith(root + "/") else None
 
 
-def listing(root: str, limit: int | None = None, stop_over: bool = False) -> Listing:
-    """What of `root` is sent (see the module's docstring), sorted; `stop_over`:
-    stop at the first file past `limit` (over=True, the rest unlisted)."""
+def listing(root: str, limit: int | None = None, stop_over: bool = False, skip: tuple[str, ...] = ()) -> Listing:
+    """What of `root` is sent (see the module's docstring), sorted, but the folders
+    `skip` (real paths); `stop_over`: stop at the first file past `limit` (over=True,
+    the rest unlisted)."""
     root, real = os.path.abspath(root), os.path.realpath(root)
     out = Listing(root)
 
@@ -122,7 +120,10 @@ def listing(root: str, limit: int | None = None, stop_over: bool = False) -> Lis
                     out.files.append([sub, 0, 0o700, target])
                 continue
             if entry.is_dir():
-                if not _never(entry.path, entry.name) and not _ignored(rules, sub, True) and not walk(sub, rules):
+                if os.path.realpath(entry.path) in skip or _never(entry.path, entry.name) \
+                        or _ignored(rules, sub, True):
+                    continue
+                if not walk(sub, rules):
                     return False
             elif entry.is_file() and not _ignored(rules, sub, False):
                 st = entry.stat()
@@ -162,9 +163,7 @@ def why_left_out(root: str, rel: str) -> str | None:
 
 
 def record(job_dir: str | Path, found: Listing) -> None:
-    write_private(Path(job_dir) / RECORD, json.dumps({"root": found.root, "files": found.files}))
-
-
+    write_private(Path(job_dir) / "workdir.json", json.dumps({"root": found.root, "files": found.files}))
 
 
 # -- when the job is staged: through each node's data cache ------------------------------------
@@ -176,14 +175,6 @@ def human(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
         size /= 1000
     return ""
-
-
-def _digest(path: str) -> str:
-    got = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            got.update(chunk)
-    return got.hexdigest()
 
 
 def _read(root: str, rel: str, digest: str) -> bytes:
@@ -205,11 +196,10 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
     if not transports:
         return {}
     root, files = kept["root"], kept["files"]
-    digests = {rel: _digest(os.path.join(root, rel)) for rel, _size, _mode, target in files if not target}
-    sizes = {digests[rel]: size for rel, size, _mode, target in files if not target}
+    digests = {rel: datasets._file_digest(f"{root}/{rel}") for rel, _s, _m, target in files if not target}
+    sizes = {digests[rel]: size for rel, size, _m, target in files if not target}
+    reads = {digest: (lambda rel=rel: _read(root, rel, digests[rel])) for rel, digest in digests.items()}
     plan = {"files": [[f"{CODE}/{rel}", digests.get(rel, ""), mode, target] for rel, _s, mode, target in files]}
-    reads = {digests[rel]: (lambda rel=rel: _read(root, rel, digests[rel])) for rel, _s, _m, target in files
-             if not target}
 
     def send(transport: Any) -> tuple[int, int]:
         lacking = set(transport.missing(sorted(reads)))
@@ -227,7 +217,23 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
 # -- when an instance fails for a file the folder did not send ---------------------------------
 
 MISSING_FILE = re.compile(r"FileNotFoundError|No such file|[Cc]annot open|[Cc]ould not open|[Ff]ailed to open")
+CAFFE_DB = re.compile(r"Check failed: (mdb_status|status\.ok\(\))")
+SOURCE = re.compile(r'\bsource:\s*"([^"]+)"')
 PATHLIKE = re.compile(r"['\"]([^'\"\s]+)['\"]|(?<![\w/.])((?:\.{0,2}/)?[\w.-]+(?:/[\w.-]+)+|[\w-]+\.\w+)")
+
+
+def net_sources(job_dir: str, root: str) -> list[str]:
+    """The `source:` paths of the Caffe nets among the job's inputs, relative to
+    `root` (a net's relative paths resolve in its own folder, where Caffe runs)."""
+    try:
+        inputs = json.loads(Path(job_dir, "plan.json").read_text()).get("inputs") or []
+    except (OSError, ValueError):
+        return []
+    found = []
+    for net in (path for path in inputs if path.endswith(".prototxt") and os.path.isfile(path)):
+        for source in SOURCE.findall(Path(net).read_text(errors="replace")):
+            found.append(os.path.relpath(os.path.join(os.path.dirname(net), source), root))
+    return found
 
 
 def hint(job_dir: str | Path, tail: list[str]) -> str | None:
@@ -237,10 +243,14 @@ def hint(job_dir: str | Path, tail: list[str]) -> str | None:
     if not kept:
         return None
     for line in reversed(tail):
-        if not MISSING_FILE.search(line):
+        if CAFFE_DB.search(line):   # names no path: the data sources of the job's nets
+            named = net_sources(str(job_dir), kept["root"])
+        elif MISSING_FILE.search(line):
+            named = [quoted or bare for quoted, bare in PATHLIKE.findall(line)]
+        else:
             continue
-        for quoted, bare in PATHLIKE.findall(line):
-            rel = (quoted or bare).removeprefix("./")
+        for rel in named:
+            rel = rel.removeprefix("./")
             why = None if os.path.isabs(rel) else why_left_out(kept["root"], rel)
             if why:
                 return f"{rel} is in {kept['root']} but not sent to the nodes: {why} " \

@@ -20,6 +20,7 @@ from paicli.cluster import workdir
 from paicli.errors import SpecError, UsageError
 from paicli.runners.archive import ArchiveTooLarge, BadLimit, UnsafeArchive, extract
 from paicli.spec import JobSpec, parse_size
+from paicli.store import pai_home
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 
@@ -82,7 +83,11 @@ def work_dir(spec: JobSpec, staging: Path, remote: bool, note: Callable[[str], N
     if not remote:
         return folder   # this machine reads the folder in place
     limit = parse_size(spec.get("workDirMaxSize"))
-    found = workdir.listing(folder, limit, stop_over=value is None)
+    # Never the jobs' own store (its plan.json files hold secrets), should it lie inside.
+    try:
+        found = workdir.listing(folder, limit, stop_over=value is None, skip=(os.path.realpath(pai_home()),))
+    except OSError as err:
+        raise SpecError("-DworkDir", f"{folder}: cannot be read: {err}", "list what cannot in .paiignore") from None
     if found.over and value is None:
         note(f"workdir: {folder} sends more than {spec.get('workDirMaxSize')}; only the script and its "
              "imports travel (name what stays here in .paiignore, or set -DworkDir)")

@@ -186,7 +186,8 @@ def test_a_node_without_sftp_gets_the_job_over_its_exec_channel(tmp_path, monkey
     info = assert_ok(ran)
     assert f"[worker:0] hello from {work}/{info['id']}/code ['hello.py']" in ran.stdout, ran.stdout
     assert "Channel closed" not in ran.stdout + ran.stderr
-    assert work.is_dir() and not any(work.iterdir())            # the per-job folder went
+    # the per-job folder went; the node's data cache (the project folder's files) stays
+    assert work.is_dir() and [p.name for p in work.iterdir()] == [".cache"]
     assert refused.returncode != 0
     assert f"FAILED: node lo: the per-job folder root {wide} is writable by others (mode 777); refused" \
         in refused.stdout, refused.stdout + refused.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -53,6 +54,12 @@ def test_git_caches_and_virtual_environments_never_travel(tmp_path):
     assert workdir.why_left_out(str(tmp_path), ".git/HEAD") == ".git/ (never sent)"
 
 
+def test_the_jobs_store_inside_the_folder_is_never_sent(tmp_path):
+    write(tmp_path, "train.py")
+    write(tmp_path, ".pai/jobs/j1/plan.json", "a secret")
+    assert sent(tmp_path, skip=(str(tmp_path / ".pai"),)) == ["train.py"]
+
+
 def test_links_out_of_the_folder_are_never_followed(tmp_path):
     project, outside = tmp_path / "p", tmp_path / "secret"
     write(outside, "key", "private")
@@ -83,7 +90,7 @@ def test_the_limit_stops_the_listing_and_names_the_biggest(tmp_path):
 
 
 def test_why_a_file_was_left_out_names_the_rule(tmp_path):
-    write(tmp_path, ".gitignore", "# outputs\n\n*.csv\n")
+    write(tmp_path, ".gitignore", "# outputs\n!\n*.csv\n")   # a lone `!` is no pattern: git passes over it
     write(tmp_path, "sub/.paiignore", "raw/\n")
     write(tmp_path, "data.csv")
     write(tmp_path, "sub/raw/x.txt")
@@ -122,21 +129,35 @@ def test_an_explicit_folder_over_the_limit_is_refused_in_one_line_naming_the_big
     write(proj, "notes.md", "x" * 100)
     nodes = tmp_path / "nodes.yaml"
     nodes.write_text(json.dumps({"nodes": [{"name": "h1", "host": "192.0.2.1", "user": "nobody"}]}))
+    write(proj, ".pai/jobs/old/logs/worker-0.log", "x" * 9000)   # the jobs' store, here: never sent
     result = pai("-name", "python", f"-Dscript={proj / 'train.py'}", f"-DworkDir={proj}", "-DworkDirMaxSize=4K",
-                 env={"PAI_NODES": str(nodes)}, timeout=60)
+                 env={"PAI_NODES": str(nodes), "PAI_HOME": str(proj / ".pai")}, timeout=60)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [
         f"pai: error: -DworkDir: {proj} sends 5.1 KB, over -DworkDirMaxSize=4K; the biggest: data/ (3.0 KB), "
         "weights.h5 (2.0 KB), notes.md (100 bytes); list what stays here in .paiignore (gitignore syntax), "
         "or raise -DworkDirMaxSize"]
-    assert not any((pai_home / "jobs").glob("*"))
+    assert [p.name for p in (proj / ".pai" / "jobs").iterdir()] == ["old"]
 
 
 def test_a_file_that_changes_while_it_is_sent_stops_the_job_naming_it(tmp_path):
     """Every node gets the folder as it was hashed, or the job does not start."""
     path = write(tmp_path, "train.log", "first")
-    digest = workdir._digest(str(path))
+    digest = hashlib.sha256(b"first").hexdigest()
     assert workdir._read(str(tmp_path), "train.log", digest) == b"first"
     path.write_text("second")
     with pytest.raises(PaiError, match="workdir: train.log changed while the job was sent to its nodes"):
         workdir._read(str(tmp_path), "train.log", digest)
+
+
+def test_caffes_db_error_names_no_path_so_the_nets_sources_are_looked_up(tmp_path):
+    project, job = tmp_path / "p", tmp_path / "job"
+    job.mkdir()
+    write(project, ".paiignore", "*_lmdb/\n")
+    write(project, "examples/mnist/mnist_train_lmdb/data.mdb")
+    net = write(project, "net.prototxt", 'layer { data_param { source: "examples/mnist/mnist_train_lmdb" } }')
+    (job / "plan.json").write_text(json.dumps({"inputs": [str(net)]}))
+    workdir.record(job, workdir.listing(str(project)))
+    tail = ["F1203 db_lmdb.hpp:15] Check failed: mdb_status == 0 (2 vs. 0) No such file or directory"]
+    assert workdir.hint(job, tail) == (f"examples/mnist/mnist_train_lmdb is in {project} but not sent to the nodes: "
+                                       ".paiignore line 1: *_lmdb/ (a `!` line in .paiignore sends it)")

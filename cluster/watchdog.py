@@ -45,14 +45,11 @@ def sweep(start: threading.Event) -> None:
 
 
 def get_ready(job_id: str) -> None:
-    """The job's backend made ready to stop its instances from here at once
-    (Backend.ready_to_stop), while the master still runs."""
+    """Backend.ready_to_stop while the master still runs: a stop from here is then quick."""
     try:
         store = Store()  # this thread's own connection
-        try:
-            job_dir = Path(store.job(job_id)["job_dir"])
-        finally:
-            store.close()
+        job_dir = Path(store.job(job_id)["job_dir"])
+        store.close()
         if backend_for_job(job_dir).ready_to_stop():
             log_line(f"{time.ctime()}: ready to stop the job's instances through its backend")
     except Exception as err:  # noqa: BLE001 - a stop tries again; this only makes it quicker

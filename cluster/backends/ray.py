@@ -568,10 +568,9 @@ class RayBackend(Backend):
     # -- stopping what this process did not start (`pai kill`, the watchdog) ---------------
 
     def ready_to_stop(self) -> bool:
-        """Through Ray Client, Ray keeps a lost master's driver and actors for its reconnect
-        grace, so the watchdog stops the instances itself: connected, and an empty stop run
-        on every node (Ray starts a worker there for it), before the master may die. A GCS
-        address needs nothing: Ray kills a dead driver's actors at once."""
+        """Ray Client keeps a lost master's actors for its reconnect grace, so the watchdog
+        stops them itself: connected, and a worker started on every node by an empty stop,
+        ahead. With a GCS address Ray kills a dead driver's actors at once."""
         if "://" not in self.address:
             return False
         ray = self.connect()

@@ -2,8 +2,10 @@
 
 The master writes each instance's identity (an InstanceRef, one JSON line) to its
 stdin. EOF without a prior "done" means the master is gone: the watchdog declares
-it lost (lifecycle.declare_master_lost). It also sweeps the home's jobs whose
-master and watchdog both died (lifecycle.sweep_lost), since readers never write.
+it lost (lifecycle.declare_master_lost). Meanwhile it makes the job's backend ready
+to stop from here at once (Backend.ready_to_stop: Ray Client connects ahead). It
+also sweeps the home's jobs whose master and watchdog both died
+(lifecycle.sweep_lost), since readers never write.
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ def sweep(start: threading.Event) -> None:
         log_line(f"{time.ctime()}: the sweep of lost jobs failed: {err}")
 
 
+def get_ready(job_id: str) -> None:
+    """Backend.ready_to_stop while the master still runs: a stop from here is then quick."""
+    try:
+        store = Store()  # this thread's own connection
+        job_dir = Path(store.job(job_id)["job_dir"])
+        store.close()
+        if backend_for_job(job_dir).ready_to_stop():
+            log_line(f"{time.ctime()}: ready to stop the job's instances through its backend")
+    except Exception as err:  # noqa: BLE001 - a stop tries again; this only makes it quicker
+        log_line(f"{time.ctime()}: getting ready to stop the job's instances failed: {err}")
+
+
 def main(argv: list[str]) -> int:
     job_id = argv[0]
     # Our own session already: a signal to the master's group does not reach us.
@@ -51,6 +65,7 @@ def main(argv: list[str]) -> int:
     job_ended = threading.Event()
     sweeper = threading.Thread(target=sweep, args=(job_ended,), name="sweep", daemon=True)
     sweeper.start()
+    threading.Thread(target=get_ready, args=(job_id,), name="ready", daemon=True).start()
     refs: list[InstanceRef] = []
     done = False
     for line in sys.stdin.buffer:

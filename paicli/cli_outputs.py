@@ -139,7 +139,6 @@ def register(cli: click.Group) -> None:
 
         store = open_store()
         overrides, options = split_submit_options(overrides)
-        detach = detach or options["detach"]
         resumed = job_outputs.resumption(store, job_id, overrides)
         here = os.getcwd()
         os.chdir(resumed.cwd)   # a plain script's files go where the first job's went
@@ -148,7 +147,7 @@ def register(cli: click.Group) -> None:
         finally:
             os.chdir(here)
         lifecycle.record_resume(store, resumed.job_id, new_id)
-        if detach:
+        if detach or options["detach"]:
             echo(new_id)
             return
         echo(f"ID = {new_id}")

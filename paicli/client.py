@@ -54,9 +54,7 @@ def prepare(stmt: Statement) -> Prepared:
 
 def export_yaml(prepared: Prepared) -> str:
     out = prepared.spec.to_dict()
-    if "env" in out:
-        out["env"] = exported(out["env"])
-    return dump_yaml(out)
+    return dump_yaml({**out, "env": exported(out["env"])} if "env" in out else out)
 
 
 def submit(prepared: Prepared, store: Store | None = None,

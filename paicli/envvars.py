@@ -92,14 +92,12 @@ def exported(env: Mapping[str, str]) -> dict[str, str | None]:
 def parse_env(raw: Any, shell: Mapping[str, str] | None = None) -> Env:
     """-Denv text or a YAML mapping -> {name: value}; ValueError saying what was expected."""
     shell = os.environ if shell is None else shell
+    # (name, value, bare: the value is the shell's)
     if isinstance(raw, dict):
-        items = [(name, value, value is None and isinstance(name, str) and NAME.fullmatch(name))
-                 for name, value in raw.items()]
+        items = [(k, v, v is None and isinstance(k, str) and NAME.fullmatch(k)) for k, v in raw.items()]
     elif isinstance(raw, str):
-        items = []
-        for item in _split_items(raw):
-            name, eq, value = item.partition("=")
-            items.append((name.strip(), value, not eq and NAME.fullmatch(name.strip())))
+        items = [(k.strip(), v, not eq and NAME.fullmatch(k.strip()))
+                 for k, eq, v in (item.partition("=") for item in _split_items(raw))]
     else:
         raise ValueError("expected K=V,K2=V2 (or a YAML mapping under env:)")
     if not items:

@@ -31,11 +31,12 @@ from paicli.errors import UsageError
 from paicli.jobplan import JobPlan, RolePlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import wait_until, watchdog_of  # noqa: E402
+from conftest import wait_until, watchdog_of, watchdog_says  # noqa: E402
 from ray_cluster import RayCluster, cannot_run, job_processes, node_job_folders  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SUBNET = "10.213.9"
+# Two runs of this module on one machine need two clusters: PAI_TEST_RAY=PREFIX,SUBNET picks another.
+PREFIX, SUBNET = (os.environ.get("PAI_TEST_RAY") or "fray,10.213.9").split(",")
 
 
 # ---------------------------------------------------------------------------
@@ -395,7 +396,7 @@ def ray_cluster():
     reason = cannot_run()
     if reason:
         pytest.skip(reason)
-    with RayCluster(prefix="fray", subnet=SUBNET, gpus={"h3": 1}) as cluster:
+    with RayCluster(prefix=PREFIX, subnet=SUBNET, gpus={"h3": 1}) as cluster:
         yield cluster
 
 
@@ -580,6 +581,29 @@ def test_kill_9_of_the_master_leaves_no_process_on_any_node(ray_cluster, home, t
     while node_job_folders(job_id) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not node_job_folders(job_id)
+
+
+def test_kill_9_of_a_ray_client_master_leaves_no_instance(ray_cluster, home, tmp_path):
+    """Through Ray Client, Ray keeps a lost client's driver, and so the job's actors, for
+    its reconnect grace: the watchdog, seeing its master die, stops the instances itself
+    through the identity-checked stop, as on SSH, without waiting for Ray."""
+    script = tmp_path / "long.py"
+    script.write_text(LONG_SCRIPT)
+    env = dict(os.environ, PAI_HOME=str(home), PAI_RAY_ADDRESS=ray_cluster.client_address, NO_COLOR="1")
+    env.pop("PAI_DEBUG", None)
+    result = subprocess.run([sys.executable, "-m", "paicli", "--detach", "-name", "python", f"-Dscript={script}",
+                             '-Dcluster={"ps":{"count":1},"worker":{"count":2}}', "-DuserDefinedParameters=--steps 600"],
+                            capture_output=True, text=True, env=env, timeout=300, cwd=str(REPO))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    job_id = job_id_of(result.stdout)
+    status = wait_running(ray_cluster, home, job_id, 3)
+    assert len({i["host"] for i in status["instances"]}) == 3 and len(job_processes(job_id)) >= 3
+    # (its own Ray Client connection: a client server that fails to start costs Ray's 30 s, then a retry)
+    watchdog_says(status["job_dir"], "ready to stop the job's instances", timeout=240)
+    os.kill(status["master_pid"], 9)
+    assert_nothing_left(job_id, timeout=10)
+    after = status_of(ray_cluster, home, job_id)
+    assert after["status"] == "Failed" and "master lost" in (after["reason"] or "")
 
 
 def test_a_lost_node_runs_its_instance_again_elsewhere(ray_cluster, home, tmp_path):

@@ -37,6 +37,7 @@ from paicli.runners import node_cache
 from paicli.states import JobStatus
 
 NAMESPACE = "paicli"
+_CONNECTING = threading.Lock()   # ray.init is the process's: one at a time (stop_all's threads, the watchdog's)
 INSTALL_HINT = "install it with: pip install 'paicli[ray]'"
 WAIT_REPORT_SECONDS = 5.0      # how often the Waiting List is reported
 ACTOR_CONCURRENCY = 4          # recv() blocks while send() may come in
@@ -262,14 +263,15 @@ class RayBackend(Backend):
         if self._unusable:
             raise PaiError(f"the Ray cluster at {self.address} cannot be used from here")
         ray = import_ray()
-        if not ray.is_initialized():
-            try:
-                self._init(ray)
-            except (ConnectionError, RuntimeError, ValueError) as err:
-                print(f"ray.init({self.address!r}) failed: {err}", file=sys.stderr, flush=True)  # the whole story
-                raise UsageError(f"cannot reach the Ray cluster at {self.address}: {str(err).splitlines()[0]}",
-                                 "check PAI_RAY_ADDRESS / the nodes file's ray.address and that `ray status` "
-                                 "answers there") from None
+        with _CONNECTING:
+            if not ray.is_initialized():
+                try:
+                    self._init(ray)
+                except (ConnectionError, RuntimeError, ValueError) as err:
+                    print(f"ray.init({self.address!r}) failed: {err}", file=sys.stderr, flush=True)  # the whole story
+                    raise UsageError(f"cannot reach the Ray cluster at {self.address}: {str(err).splitlines()[0]}",
+                                     "check PAI_RAY_ADDRESS / the nodes file's ray.address and that `ray status` "
+                                     "answers there") from None
         self._check_driver(ray)
         ray_node.ship_by_value(ray.cloudpickle)
         self._ray = ray
@@ -564,6 +566,17 @@ class RayBackend(Backend):
                                          node=inst.host, host=inst.host, start_timeout=CALL_TIMEOUT, sink=sink)
 
     # -- stopping what this process did not start (`pai kill`, the watchdog) ---------------
+
+    def ready_to_stop(self) -> bool:
+        """Ray Client keeps a lost master's actors for its reconnect grace, so the watchdog
+        stops them itself: connected, and a worker started on every node by an empty stop,
+        ahead. With a GCS address Ray kills a dead driver's actors at once."""
+        if "://" not in self.address:
+            return False
+        ray = self.connect()
+        refs = [self._pinned_ref(node.attrs["node_id"], ray_node.node_agent.stop_refs, [], 0) for node in self.nodes()]
+        ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT)
+        return True
 
     def _stop_refs(self, node: str, refs: list[list], timeout: float) -> list[list]:
         try:

@@ -99,16 +99,11 @@ def running_server(home: Path) -> dict | None:
 
 
 def _listen(host: str, folder: Path) -> socket.socket:
-    """A listening socket: on PAI_LOGVIEW_PORT if set; else on the port the last
-    server of this home had, so URLs printed before an idle exit work again; else any."""
+    """A listening socket: on PAI_LOGVIEW_PORT if set; else on the port of the token
+    (the last server's), so URLs printed before an idle exit work again; else any."""
     fixed = os.environ.get("PAI_LOGVIEW_PORT")
-    ports = [int(fixed)] if fixed else []
-    if not fixed:
-        try:
-            ports.append(int((folder / "port").read_text()))
-        except (OSError, ValueError):
-            pass
-        ports.append(0)
+    last = (read_token(folder.parent) or {}).get("port")
+    ports = [int(fixed)] if fixed else [last, 0] if isinstance(last, int) else [0]
     error: OSError | None = None
     for port in ports:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -120,7 +115,6 @@ def _listen(host: str, folder: Path) -> socket.socket:
             sock.close()
             error = err
             continue
-        write_private(folder / "port", str(sock.getsockname()[1]))
         return sock
     assert error is not None
     raise LogviewUnavailable(f"cannot listen on {host}:{ports[-1] or 'any port'}: {error.strerror or error}",
@@ -167,9 +161,7 @@ def ensure_server(home: Path) -> dict:
         os.chmod(folder / "lock", 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
         state = running_server(home)
-        record = read_token(home)
-        if state is not None and not (token_valid(record, state["port"], time.time())
-                                      and record["token"] == state["token"]):
+        if state is not None and not token_valid(read_token(home), state["port"], time.time()):
             stop_server(home)   # its token is spent: the next server has a new one
             state = None
         if state is None:
@@ -200,10 +192,8 @@ def log_view_line(home: Path, job_id: str, fallback: str) -> tuple[str, str | No
         return fallback, None
     try:
         return url_for(ensure_server(home), job_id), None
-    except PaiError as err:
-        return fallback, f"note: no logview page ({err}); showing the summary file"
-    except OSError as err:
-        return fallback, f"note: no logview page ({err.strerror or err}); showing the summary file"
+    except (PaiError, OSError) as err:
+        return fallback, f"note: no logview page ({getattr(err, 'strerror', None) or err}); showing the summary file"
 
 
 def stop_server(home: Path, timeout: float = 3.0) -> bool:
@@ -228,11 +218,7 @@ def stop_server(home: Path, timeout: float = 3.0) -> bool:
         while is_alive(pid, start) and time.monotonic() < deadline:
             time.sleep(0.05)
         signal_verified(pid, start, signal.SIGKILL)  # False (nothing sent) once it is gone
-    try:
-        if (read_state(home) or {}).get("pid") == pid:
-            (home / "logview" / "server.json").unlink()
-    except OSError:
-        pass
+    forget_state(home, pid)
     return running
 
 

@@ -23,7 +23,6 @@ import asyncio
 import hmac
 import json
 import os
-import secrets
 import signal
 import socket
 import threading
@@ -127,8 +126,7 @@ async def _read(request: web.Request, fn, *args):
 
 
 def _render(request: web.Request, template: str, **context) -> str:
-    token = request.app[TOKEN]
-    return request.app[ENV].get_template(template).render(token=token, **context)
+    return request.app[ENV].get_template(template).render(token=request.app[TOKEN], **context)
 
 
 def _html(request: web.Request, template: str, **context) -> web.Response:
@@ -318,9 +316,8 @@ async def stream(request: web.Request) -> web.StreamResponse:
 
 async def serve(home: Path, sock: socket.socket) -> None:
     record = launch.read_token(home)
-    if not launch.token_valid(record, sock.getsockname()[1], time.time()):
-        record = {"token": secrets.token_urlsafe(24), "minted": 0.0}   # not this server's: no URL opens it
-    app = make_app(home, record["token"], record["minted"] + launch.TOKEN_SECONDS)
+    ours = launch.token_valid(record, sock.getsockname()[1], time.time())   # else no URL opens this server
+    app = make_app(home, record["token"] if ours else "", record["minted"] + launch.TOKEN_SECONDS if ours else 0.0)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     await web.SockSite(runner, sock).start()

@@ -8,7 +8,6 @@ command is paicli/cli_plan.py; this module never imports the CLI or click.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import posixpath
@@ -56,7 +55,7 @@ SYNC_FLAGS = ("sync_replicas", "sync-replicas")
 __all__ = ["PlanResult", "auto_strategy", "make_plan", "plan_prepared"]
 
 
-class PlanResult(NamedTuple):  # not a dataclass: `dataclasses` stays off the `pai --help` path
+class PlanResult(NamedTuple):
     plan: Any                   # paicli.cluster.pluto.planner.Plan
     profile: Any                # Profile
     cluster: Any                # Cluster
@@ -411,8 +410,8 @@ def _brief_spec(prepared, cluster_value: dict, params: dict, kind: str):
     values minus what Pluto decides (STRATEGY_KEYS), then `params`, no retries."""
     stem = Path(str(prepared.spec.get("script") or prepared.spec.get("solver") or "job")).stem
     kept = {k: v for k, v in prepared.spec.params.items() if k not in STRATEGY_KEYS}
-    return dataclasses.replace(prepared.spec, params={**kept, "cluster": cluster_value, **params, "maxRetries": 0,
-                                                      "jobName": f"pluto-{kind}-{stem}"})
+    return replace(prepared.spec, params={**kept, "cluster": cluster_value, **params, "maxRetries": 0,
+                                          "jobName": f"pluto-{kind}-{stem}"})
 
 
 def _calibration_configs(framework: str):
@@ -696,7 +695,7 @@ def auto_strategy(prepared, store=None, progress: Callable[[str], None] = lambda
         reasons.append("appended " + " ".join(rec.strategy.script_flags) + " to the script's arguments "
                        "(-DuserDefinedParameters; your own arguments come first)")
     params = {**prepared.spec.params, "cluster": chosen["cluster"], **chosen["params"]}
-    spec = dataclasses.replace(prepared.spec, params=params)
+    spec = replace(prepared.spec, params=params)
     prepared.adapter.validate(spec)
     record = {**chosen, "reasons": reasons, "default": result.plan.default.to_json(),
               "param_bytes": result.profile.param_bytes, "ps_role": rec.strategy.ps_role(),

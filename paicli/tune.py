@@ -66,14 +66,6 @@ class Dimension:
     values: tuple = ()
     log: bool = False
 
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "low": self.low, "high": self.high,
-                "values": list(self.values), "log": self.log}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Dimension":
-        return cls(data["name"], data["kind"], data["low"], data["high"], tuple(data["values"]), data["log"])
-
 
 def _number(where: str, key: str, value: Any, whole: bool = False) -> float | int:
     """A YAML number (PyYAML reads `1e-5` as text: that is taken too)."""
@@ -451,7 +443,7 @@ def create(stmt, opts: TuneOptions, store, say: Callable[[str], None] = lambda l
     storage = opts.storage or f"sqlite:///{study_dir / 'optuna.db'}"
     config = {**asdict(opts), "trials": trials, "study": name, "storage": storage, "study_dir": str(study_dir),
               "framework": spec.framework, "project": spec.project, "base": base, "targets": targets,
-              "dims": [d.to_json() for d in dims]}
+              "dims": [asdict(d) for d in dims]}
     store.create_study(name, json.dumps(config, default=str))
     try:
         private_dir(studies_dir(store.home))
@@ -534,7 +526,7 @@ class Tuner:
     def __init__(self, store, name: str):
         self.store, self.name = store, name
         self.config = json.loads(store.study(name)["config"])
-        self.dims = [Dimension.from_json(d) for d in self.config["dims"]]
+        self.dims = [Dimension(**{**d, "values": tuple(d["values"])}) for d in self.config["dims"]]
         self.optuna = _optuna()
         self.study = self.optuna.load_study(study_name=name, storage=self.config["storage"],
                                             sampler=self._sampler(), pruner=self._pruner())

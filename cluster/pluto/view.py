@@ -21,10 +21,6 @@ def record(job_dir: str | Path) -> dict[str, Any] | None:
     return entry if isinstance(entry, dict) else None
 
 
-def _mb(value: float) -> str:
-    return f"{value / 1e6:.2f} MB"
-
-
 def forecast_line(status: dict[str, Any]) -> str | None:
     """`Pluto: forecast 0.120 s/step, measured 0.131 s/step (+9%)`, or None."""
     pluto = status.get("pluto")
@@ -53,7 +49,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     ps_bytes = pluto.get("ps_bytes") or []
     role = pluto.get("ps_role", "ps")
     if ps_bytes and pluto.get("param_bytes"):
-        lines.append("Bytes per " + role + ": " + ", ".join(f"{role}:{i} {_mb(b)}" for i, b in enumerate(ps_bytes)))
+        lines.append(f"Bytes per {role}: " + ", ".join(f"{role}:{i} {b / 1e6:.2f} MB" for i, b in enumerate(ps_bytes)))
     for reason in pluto.get("reasons", []):
         lines.append(f"  - {reason}")
     return lines

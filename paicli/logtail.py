@@ -399,7 +399,6 @@ def _follow_step(store: Store, job_id: str, follower: FileFollower, out: IO[byte
             # The master is writing its last lines: look again once its record is
             # complete (the pipe it closes then) or it exits (its pidfd), or soon where
             # there is neither.
-
             state["watch"].release()
             if "master_exit" not in state:
                 state["master_exit"] = state["recorded_fd"] if state["recorded_fd"] >= 0 \

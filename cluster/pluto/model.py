@@ -160,7 +160,6 @@ def comm_seconds(profile: Profile, strategy: Strategy, cluster: Cluster,
     # Workers on one node push together and pull together, so a worker's phases carry
     # every worker of its node. A step is measured as the median over workers
     # (paicli.steptime), so the forecast is that median too.
-
     per = len(fractions)
     cycles = []
     for node in worker_nodes:

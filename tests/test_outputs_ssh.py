@@ -431,7 +431,7 @@ def test_kill_9_of_a_node_agent_sending_200_mb_leaves_nothing_half_written_and_p
     lost = listed["files"][0]["node"]
     log = (pai_home / "jobs" / job_id / "job.log").read_text()
     assert f"could not be brought back from node {lost}" in log and "models/big.bin" in log, log[-3000:]
-    got = pai("get", job_id)
+    got = pai("get", job_id, "-o", str(tmp_path / "got"))
     assert got.returncode == 0, got.stdout + got.stderr
     assert _is_big(work / "models" / "big.bin")
     assert not _parts(work)
@@ -466,7 +466,7 @@ def test_a_link_dropped_while_200_mb_come_back_names_the_file_and_pai_get_brings
     assert listed["missing"] == 1 and listed["files"][0]["node"] == lost, listed
     log = (pai_home / "jobs" / job_id / "job.log").read_text()
     assert f"could not be brought back from node {lost}" in log and "models/big.bin" in log, log[-3000:]
-    got = pai("get", job_id)
+    got = pai("get", job_id, "-o", str(tmp_path / "got"))
     assert got.returncode == 0, got.stdout + got.stderr
     assert _is_big(work / "models" / "big.bin") and not _parts(work)
     assert pai_json("outputs", job_id)["missing"] == 0
@@ -493,7 +493,7 @@ def test_a_full_disk_here_while_200_mb_come_back_leaves_nothing_half_written(clu
         assert listed["missing"] == 1 and listed["files"][0]["where"] == "node", listed
         # room again: `pai get` brings the file where it belongs
         subprocess.run(["mount", "-o", "remount,size=512m", str(pai_home)], check=True)
-        got = pai("get", job_id)
+        got = pai("get", job_id, "-o", str(tmp_path / "got"))
         assert got.returncode == 0, got.stdout + got.stderr
         assert _is_big(outputs / "big.bin") and not _parts(pai_home)
         assert pai_json("outputs", job_id)["missing"] == 0

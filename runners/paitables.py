@@ -590,11 +590,19 @@ def open_writer(url: str = "", columns=None, base: str = "") -> Writer:
 def row_line(row) -> str:
     """A row as one JSON line, a SQLite BLOB as {"hex": ...}: part files and the
     SQLite slices a node is sent."""
-    return json.dumps(list(row), default=lambda v: {"hex": bytes(v).hex()}) + "\n"
+    return json.dumps(list(row), default=_json_value) + "\n"
+
+
+def _json_value(value):
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"hex": bytes(value).hex()}
+    if callable(getattr(value, "item", None)):   # a numpy scalar: its Python number
+        return value.item()
+    raise TypeError(f"a table value must be a number, a string, bytes or None, not {type(value).__name__}")
 
 
 def line_row(line: str) -> list:
-    return json.loads(line, object_hook=lambda d: bytes.fromhex(d["hex"]))
+    return json.loads(line, object_hook=lambda d: bytes.fromhex(d["hex"]) if d.keys() == {"hex"} else d)
 
 
 def read_parts(folder: str):

@@ -437,3 +437,11 @@ def test_a_node_runs_only_staged_runners_and_local_reaches_no_node(tmp_path):
             node_cache.run_staged(str(tmp_path), bad, [], b"")
     assert runner_words(b'{"error": "no room"}\n', b"", 1) == '{"error": "no room"}'
     assert runner_words(b"", b"", 3) == "exit 3"
+
+
+def test_numpy_values_travel_as_their_numbers_never_as_bytes():
+    np = pytest.importorskip("numpy")
+    line = paitables.row_line([np.int64(3), np.float32(0.5), np.bool_(True), b"\x00\x01", "x", None])
+    assert paitables.line_row(line) == [3, 0.5, True, b"\x00\x01", "x", None]
+    with pytest.raises(TypeError, match="not object"):
+        paitables.row_line([object()])

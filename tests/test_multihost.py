@@ -307,11 +307,19 @@ def start_long_job(*extra: str) -> tuple[subprocess.Popen, str]:
                              "-DuserDefinedParameters=--steps 100000 --sleep 0.05", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = proc.stdout.readline()
-    assert first.startswith("ID = "), first + proc.stdout.read()
-    job_id = first[5:].strip()
-    running = wait_until(lambda: all(i["status"] == "Running" and i["pid"] for i in status(job_id)["instances"]),
-                         timeout=60, interval=0.2)
-    assert running, status(job_id)
+    try:
+        assert first.startswith("ID = "), first
+        job_id = first[5:].strip()
+        running = wait_until(lambda: all(i["status"] == "Running" and i["pid"] for i in status(job_id)["instances"]),
+                             timeout=60, interval=0.2)
+        assert running, status(job_id)
+    except BaseException:
+        # The job outlives its `pai` (as it would a closed terminal): end both.
+        proc.kill()
+        proc.wait()
+        if first.startswith("ID = "):
+            pai("kill", first[5:].strip())
+        raise
     return proc, job_id
 
 

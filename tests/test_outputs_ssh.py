@@ -410,7 +410,7 @@ def test_kill_9_of_a_node_agent_sending_200_mb_leaves_nothing_half_written_and_p
     try:
         job_id = proc.stdout.readline()[5:].strip()
         # a partial copy here means the agent is in the middle of sending the file
-        assert wait_until(lambda: _parts(work), timeout=120, interval=0.02), proc.stdout.read()
+        assert wait_until(lambda: _parts(work), timeout=120, interval=0.02)
         agents = _agents_of(job_id)
         assert agents
         for pid in agents:
@@ -449,7 +449,7 @@ def test_a_link_dropped_while_200_mb_come_back_names_the_file_and_pai_get_brings
     lost = None
     try:
         job_id = proc.stdout.readline()[5:].strip()
-        assert wait_until(lambda: _parts(work), timeout=120, interval=0.02), proc.stdout.read()
+        assert wait_until(lambda: _parts(work), timeout=120, interval=0.02)
         host = pai_json("status", job_id)["instances"][0]["host"]
         lost = next(h.name for h in cluster.hosts if h.addr == host)
         cluster.link_down(lost)

@@ -96,17 +96,17 @@ CORE_PARAMS: tuple[Param, ...] = (
     Param("script", "path", help="The training script: a file:// URI or path to a .py file, "
           "or a .tar.gz/.tgz archive (then name the entry with entryFile)."),
     Param("entryFile", help="The entry script inside a script archive, relative to its root."),
+    Param("cluster", "json", check=_check_cluster,
+          help='Roles and instance counts as JSON, e.g. {"ps":{"count":1},"worker":{"count":2,'
+               '"cpu":100,"memory":2000,"gpu":0}} (cpu 100 = one core, memory in MB, gpu 100 = one card).'),
+    Param("userDefinedParameters", "args",
+          help="Extra arguments for the script, shell-style quoting, e.g. '--lr=0.1 --name \"a b\"'."),
     Param("workDir", help="The project folder: its files (less what .gitignore and .paiignore exclude) travel "
           "to every SSH/Ray node and it is where instances start. Default: the folder pai runs in, when "
           "a plain -Dscript lies inside it; none: only the script and its imports travel."),
     Param("workDirMaxSize", default="100M", check=lambda v: None if parse_size(v) is not None else
           f"expected a size such as 100M or 1G, not {v!r}",
           help="The most a project folder may send to the nodes (default 100M)."),
-    Param("cluster", "json", check=_check_cluster,
-          help='Roles and instance counts as JSON, e.g. {"ps":{"count":1},"worker":{"count":2,'
-               '"cpu":100,"memory":2000,"gpu":0}} (cpu 100 = one core, memory in MB, gpu 100 = one card).'),
-    Param("userDefinedParameters", "args",
-          help="Extra arguments for the script, shell-style quoting, e.g. '--lr=0.1 --name \"a b\"'."),
     Param("hyperParameters", "path",
           help="A file of key=value lines; each line reaches the script as --key=value."),
     Param("checkpointDir", help="Where the script saves checkpoints; passed as --checkpointDir."),

@@ -46,7 +46,7 @@ import time
 from typing import Protocol
 
 from paicli.cluster.backends.base import NODE_LOST, Handle, InstanceRef
-from paicli.runners.node_outputs import FRAME_FORMAT
+from paicli.runners.node_outputs import FRAME_FORMAT, MAX_FRAME
 
 HEAD = struct.Struct(FRAME_FORMAT)
 FILE_FRAMES = (b"F", b"D", b"S", b"L", b"Z")
@@ -83,11 +83,15 @@ class Link:
         self._control = fileno() if fileno is not None else -1   # local mode: the frames' fd
         self.sink = None                # file frames go there (cluster/outputs.py)
         self.last_file = 0.0            # when the last file frame came: a transfer under way
+        self.refused: str | None = None   # why the stream was dropped: a frame no agent sends
 
     def feed(self, data: bytes) -> bytes:
         """Decode `data` (any slice of the stream); the output bytes it completes.
         A file's data goes to the sink as a view of what was read (no copy: a
-        gigabyte of outputs passes through here)."""
+        gigabyte of outputs passes through here). A frame longer than MAX_FRAME
+        ends the link: nothing more is read, and the sink is told."""
+        if self.refused:
+            return b""
         if self._buf:
             self._buf += data
             data = self._buf
@@ -96,6 +100,9 @@ class Link:
         with memoryview(data) as view:
             while end - pos >= 5:
                 kind, length = HEAD.unpack_from(view, pos)
+                if length > MAX_FRAME:
+                    self.refused = f"a frame of {length} bytes (at most {MAX_FRAME})"
+                    break
                 if end - pos - 5 < length:
                     break
                 payload = view[pos + 5:pos + 5 + length]
@@ -115,7 +122,11 @@ class Link:
                 payload.release()
             kept = data is self._buf and pos == 0   # a frame still incomplete: nothing to copy
             rest = b"" if kept or pos >= end else bytes(view[pos:])
-        if not kept:
+        if self.refused:
+            self._buf, self.status = bytearray(), NODE_LOST if self.status is None else self.status
+            if self.sink is not None:
+                self.sink(b"!", self.refused.encode())
+        elif not kept:
             self._buf = bytearray(rest)
         return b"".join(out)
 

@@ -480,8 +480,8 @@ class JobMaster:
             self._read(inst, inst.handle.output_fd, rounds=64)
 
     def _reap(self) -> tuple[JobStatus, str | None] | None:
-        if self.failure:
-            return self.failure
+        if self.failure or self.outputs.hostile:
+            return self.failure or (JobStatus.FAILED, self.outputs.hostile)
         for inst in self.instances:
             if inst.status != InstanceStatus.RUNNING or inst.handle is None:
                 continue
@@ -492,6 +492,8 @@ class JobMaster:
             outcome = self._exited(inst, code)
             if outcome:
                 return outcome
+        if self.outputs.hostile:   # a node's files, which came before its exit status
+            return JobStatus.FAILED, self.outputs.hostile
         if all(i.status == InstanceStatus.TERMINATED for i in self.must_finish):
             return JobStatus.SUCCEEDED, None
         return None

@@ -26,7 +26,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from paicli import jobstatus
+from paicli.cluster.agent_link import Link
 from paicli.cluster.node_files import PART, checkpoint_dir, job_settings, state_rel
 from paicli.private import ReplacingFile, open_append_fd
-from paicli.runners.node_outputs import FRAME_FORMAT, SCAN_LIMIT, Checksum
+from paicli.runners.node_outputs import SCAN_LIMIT, Checksum, refused, skips
 
-HEAD = struct.Struct(FRAME_FORMAT)
-KEYS = ("cwd", "ckpt", "out")
 TRANSFER_WAIT = 600.0     # the most the end of a job waits for files still on their way
+UNLIMITED = 1 << 62       # `pai get` asks for a file the size limit held back: no limit then
 Note = Callable[[str], None]
 
 
@@ -61,9 +60,8 @@ def targets(job_dir: str, cwd: str | None, ckpt: str | None, role: str, idx: int
     return pairs
 
 
-def safe_rel(rel: str) -> bool:
-    parts = rel.split("/")
-    return bool(rel) and not rel.startswith("/") and all(p not in ("", ".", "..") for p in parts) and "\0" not in rel
+def inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
 def conflict_line(path: str, first: str, last: str) -> str:
@@ -84,6 +82,7 @@ class InstanceOutputs:
     complete: bool = False         # the agent's last pass over every folder arrived
     gone: str | None = None        # why the agent had nothing to list (its folder is gone)
     received: int = 0
+    _got: int = 0                  # bytes of the file under way
     _file: dict | None = None
     _out: ReplacingFile | None = None   # the file under way, written aside
     _hash: Any = None
@@ -92,14 +91,15 @@ class InstanceOutputs:
 
     def sink(self, kind: bytes, payload: bytes) -> None:
         try:
-            {b"F": self._begin, b"D": self._data, b"S": self._end, b"L": self._listed, b"Z": self._pass}[kind](payload)
+            {b"F": self._begin, b"D": self._data, b"S": self._end, b"L": self._listed, b"Z": self._pass,
+             b"!": lambda why: self.refuse(why.decode())}[kind](payload)
         except Exception as err:  # noqa: BLE001 - a bad frame must not end the pump (it reads the exit)
             self._abandon(f"{type(err).__name__}: {err}")
 
     def _begin(self, payload: bytes) -> None:
         self._abandon(None)
         head = json.loads(payload)
-        self._file, self._error = head, self._placed(head)
+        self._file, self._error, self._got = head, self._placed(head), 0
         if self._error or self.watch.get("inplace"):
             return
         self._hash = Checksum()
@@ -111,15 +111,37 @@ class InstanceOutputs:
             self._error = self.job.local_error(err)
 
     def _placed(self, head: dict) -> str | None:
-        """`head["local"]`, where its file is on this machine; or why it is refused."""
-        root, rel = self.dirs.get(head.get("key")), str(head.get("rel") or "")
-        if root is None or not safe_rel(rel):
-            return f"refused: {rel!r} is not a path inside a watched folder"
-        head["local"] = os.path.join(root, rel)
+        """`head["local"]`, where its file is on this machine; or why it is not written
+        there. A path no node's scanner lists fails the job (refuse)."""
+        key, rel = head.get("key"), head.get("rel")
+        root = self.dirs.get(key)
+        why = "no watched folder's" if root is None else refused(rel, root, skips(self.watch, key))
+        if why:
+            head["hostile"] = True
+            return self.refuse(f"{rel!r}: {why}")
+        local = head["local"] = os.path.join(root, rel)
+        if self.watch.get("inplace"):
+            return None
+        if not inside(os.path.realpath(os.path.dirname(local)), os.path.realpath(root)):
+            return "refused: a link here leads outside its folder"
+        if key == "cwd" and os.path.lexists(local) and local not in self.job.owner and local not in self.job.written:
+            return f"refused: it would replace {local}, which no job wrote"
         return None
+
+    def refuse(self, why: str) -> str:
+        """What no honest agent sends (a path its scanner never lists, more bytes than
+        it announced or may send, an over-long frame): nothing of it is written, and
+        the job fails in one line naming the node."""
+        self._abandon(why)
+        self.job.refused(f"node {self.node} sent what a node may not send ({self.name}): {why}")
+        return f"refused: {why}"
 
     def _data(self, payload: bytes) -> None:
         if self._out is None or self._error:
+            return
+        self._got += len(payload)
+        if self._got > min(int(self._file["size"]), self.job.max_bytes):
+            self.refuse(f"{self._file['rel']!r}: more bytes than its size ({self._file['size']}) or the limit")
             return
         try:
             self._out.write(payload)
@@ -146,7 +168,9 @@ class InstanceOutputs:
 
     def _listed(self, payload: bytes) -> None:
         """Files already where they belong (this machine), many to a frame: each as an
-        F and its S would have said it, with no copy to make."""
+        F and its S would have said it, with no copy to make; less what something
+        else wrote meanwhile (JobOutputs.others_wrote)."""
+        others = self.job.others()
         for key, rel, size, mtime, digest, error, transient in json.loads(payload):
             self.received += 1
             if transient:
@@ -154,14 +178,16 @@ class InstanceOutputs:
             head = {"key": key, "rel": rel, "size": size, "mtime": mtime}
             refused = self._placed(head)
             if refused is None:
+                if key != "out" and self.job.others_wrote(head["local"], others):
+                    continue
                 head["at"] = head["local"]
             self.job.arrived(self, head, digest, refused or error)
 
     def _finish_copy(self, head: dict, digest: str | None) -> str | None:
         out, self._out = self._out, None
-        if self._hash.hexdigest() != digest:
+        if self._hash.hexdigest() != digest or self._got != head["size"]:
             out.abandon()
-            return "its checksum did not match the node's"
+            return "its checksum or size did not match the node's"
         try:
             out.commit(mtime_ns=head["mtime"])   # abandoned if it fails
         except OSError as err:
@@ -195,6 +221,10 @@ class JobOutputs:
         self.note = note
         self.settings = job_settings(job_dir)
         self.local = self.settings["backend"] == "local"
+        self.max_bytes = self.settings["max_bytes"] or UNLIMITED   # the largest file a node may send
+        self.written: set[str] = set()     # paths below the working folders that earlier jobs' files went to
+        self.hostile: str | None = None    # the line of a node that sent what no node may: the job fails
+        self._shared_said = False
         self._lock = threading.Lock()
         self._rows: list[tuple] = []
         self._lines: list[str] = []
@@ -214,6 +244,8 @@ class JobOutputs:
         here, and what the agent watches for this attempt."""
         ckpt = checkpoint_dir(self.settings["checkpoint_dir"], cwd, self.settings["shared"])
         pairs = targets(self.job_dir, cwd, ckpt, role, idx)
+        if cwd and not self.local and not any(a.dirs.get("cwd") == cwd for a in self.attempts):
+            self.written |= self.store.output_paths(cwd)   # a file of an earlier job may be replaced
         out = pairs[0][1]
         os.makedirs(out, mode=0o700, exist_ok=True)
         env["PAI_OUTPUT_DIR"] = out
@@ -240,7 +272,48 @@ class JobOutputs:
             return "disk full on this machine"
         return f"cannot write it here: {err.strerror or err}"
 
+    def others(self) -> tuple[set, list]:
+        """What else wrote in this job's folders, as far as paicli can tell, read once
+        per pass of the agent: the (dev, ino) of `pai`'s own output (`> log`, `| tee
+        log`: foreign.json), and (from, to, folders) of the other jobs of this store
+        that ran while this one did, with the folders they watch here."""
+        try:
+            foreign = {tuple(x) for x in json.loads((Path(self.job_dir) / "foreign.json").read_text())}
+        except (OSError, ValueError):
+            foreign = set()
+        jobs = []
+        for row in self.store.jobs_since(self.job_id):
+            settings, cwd = job_settings(row["job_dir"]), _role_cwd(row["job_dir"], None)
+            ckpt = checkpoint_dir(settings["checkpoint_dir"], cwd, settings["shared"])
+            jobs.append((row["created"] or 0.0, row["ended"] or float("inf"), [f for f in (cwd, ckpt) if f]))
+        return foreign, jobs
+
+    def others_wrote(self, path: str, others: tuple[set, list]) -> bool:
+        """On this machine a changed file is an instance's unless something else wrote
+        it meanwhile (others()); one that changed in a folder another job watched then
+        is neither job's: the kernel does not say which process wrote it."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        shared = next((f for start, end, folders in others[1] if start <= st.st_ctime <= end
+                       for f in folders if inside(path, f)), None)
+        if shared and not self._shared_said:
+            self._shared_said = True
+            with self._lock:
+                self._lines.append(f"outputs: files that changed in {shared} while another job also ran there "
+                                   "are neither job's (pai outputs does not list them; they are in place)")
+        return shared is not None or (st.st_dev, st.st_ino) in others[0]
+
+    def refused(self, line: str) -> None:
+        with self._lock:
+            if self.hostile is None:
+                self.hostile = line
+                self._lines.append(f"outputs: {line}")
+
     def arrived(self, inst: InstanceOutputs, head: dict, digest: str | None, why: str | None) -> None:
+        if head.get("hostile"):
+            return   # said once by refuse(); its name is not fit for a row or a line
         local = head.get("local") or head.get("rel", "")
         where = "here" if not why else ("missing" if self.local else "node")
         row = (self.job_id, inst.name, local, int(head.get("size") or 0), int(head.get("mtime") or 0),
@@ -281,7 +354,7 @@ class JobOutputs:
     def unreachable(self, inst: InstanceOutputs, why: str) -> None:
         folder = f"the job's folder on {inst.node}"
         # The file whose copy the link's end cut short is named: the rest are unknown here.
-        if inst._file:
+        if inst._file and not inst._file.get("hostile"):
             why = f"{why}; {inst._file.get('rel')} was on its way"
         with self._lock:
             self.keep_nodes.add(inst.node)
@@ -289,7 +362,7 @@ class JobOutputs:
             self._lines.append(f"outputs: the files of {inst.name} could not be brought back from node "
                                f"{inst.node} ({why}); its job folder there is kept")
 
-    def collect(self, backend, attempts: list[InstanceOutputs], max_bytes: int | None = None,
+    def collect(self, backend, attempts: list[InstanceOutputs],
                 only: dict[tuple[str, str], dict | None] | None = None) -> None:
         """For each attempt whose files did not all come on its link (a dropped link, a
         dead master): node_outputs.py's `collect` on its node, through the backend."""
@@ -301,15 +374,16 @@ class JobOutputs:
             wanted = (only or {}).get((inst.name, inst.node))   # `pai get`: these files alone
             try:
                 stream = backend.collect_outputs(self.job_dir, inst.node, role, int(idx), have,
-                                                 max_bytes or self.settings["max_bytes"],
+                                                 self.max_bytes,
                                                  **({"only": wanted} if wanted is not None else {}))
                 feed_frames(stream, inst.sink)
             except Exception as err:  # noqa: BLE001 - an unreachable node, whatever its transport says
                 inst._abandon(None)
                 self.unreachable(inst, f"node unreachable: {type(err).__name__}: {str(err)[:200]}")
                 continue
-            if not inst.complete:
+            if not inst.complete:   # a stream cut short: the copy under way goes
                 self.unreachable(inst, "the node's agent did not list the files")
+                inst._abandon(None)
 
     def have(self, name: str) -> dict[str, dict[str, list]]:
         """What the store holds of an instance already, in the agent's terms
@@ -340,18 +414,14 @@ class JobOutputs:
 
 
 def feed_frames(chunks: Iterable[bytes], sink: Callable[[bytes, bytes], None]) -> None:
-    """Decode the agent's frames from a byte stream (any slicing) into `sink`."""
-    buf = bytearray()
+    """Decode the agent's frames from a byte stream (any slicing) into `sink`, as a
+    live link does; a frame no agent sends ends it."""
+    link = Link(None, "")
+    link.sink = sink
     for chunk in chunks:
-        buf += chunk
-        pos = 0
-        while len(buf) - pos >= HEAD.size:
-            kind, length = HEAD.unpack_from(buf, pos)
-            if len(buf) - pos - HEAD.size < length:
-                break
-            sink(kind, bytes(buf[pos + HEAD.size:pos + HEAD.size + length]))
-            pos += HEAD.size + length
-        del buf[:pos]
+        link.feed(chunk)
+        if link.refused:
+            return
 
 
 # -- after the master died (the watchdog) ------------------------------------------------------
@@ -376,8 +446,6 @@ def collect_after_master(store, job_id: str, backend, note: Note) -> None:
 
 
 # -- `pai get` of files still on a node -----------------------------------------------------------
-
-UNLIMITED = 1 << 62    # `pai get` asks for a file the size limit held back: no limit then
 
 
 def left_on_nodes(rows: Iterable[tuple], chosen: Iterable[tuple[str, str]]) -> dict[tuple[str, str], list[str] | None]:
@@ -429,7 +497,8 @@ def fetch_from_nodes(store, job_id: str, backend, wanted: dict[tuple[str, str], 
         role, _, idx = name.rpartition(":")
         inst = outputs.prepare(name, role, int(idx), node, _role_cwd(job_dir, role), {})
         only[(name, node)] = None if paths is None else rels_of(paths, inst.dirs)
-    outputs.collect(backend, outputs.attempts, UNLIMITED, only)
+    outputs.max_bytes = UNLIMITED   # asking is consent
+    outputs.collect(backend, outputs.attempts, only)
     with outputs._lock:   # a node that still does not answer: the file rows it had stay as they are
         outputs._rows = [r for r in outputs._rows if r[2] != "*" or only.get((r[1], r[7])) is None]
     outputs.flush()
@@ -492,9 +561,10 @@ def job_log_note(job_dir: str | Path) -> Note:
     return note
 
 
-def _role_cwd(job_dir: str, role: str) -> str | None:
+def _role_cwd(job_dir: str, role: str | None) -> str | None:
+    """The working folder of `role` (None: of the first role that has one)."""
     try:
         plan = json.loads((Path(job_dir) / "plan.json").read_text())
     except (OSError, ValueError):
         return None
-    return next((r.get("cwd") for r in plan.get("roles", []) if r.get("name") == role), None)
+    return next((r.get("cwd") for r in plan.get("roles", []) if r.get("cwd") and role in (None, r.get("name"))), None)

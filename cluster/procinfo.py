@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import stat
 import time
 from collections import namedtuple
 
@@ -66,6 +67,32 @@ def signal_verified(pid: int, start: str | None, signum: int) -> bool:
 
 
 _BOOT_ID: str | None = None
+
+
+def output_files(fds=(1, 2)) -> list[tuple[int, int]]:
+    """(dev, ino) of the files this process's output goes to: its stdout or stderr
+    when it is a file (`> log`), or the files the programs at the other end of its
+    output pipe hold open (`| tee log`)."""
+    stats = [os.fstat(fd) for fd in fds if _is_open(fd)]
+    found = {(st.st_dev, st.st_ino) for st in stats if stat.S_ISREG(st.st_mode)}
+    pipes = {f"pipe:[{st.st_ino}]" for st in stats if stat.S_ISFIFO(st.st_mode)}
+    for pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()] if pipes else ():
+        try:
+            fds = {f"/proc/{pid}/fd/{fd}": os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            if pipes & set(fds.values()):
+                found |= {(st.st_dev, st.st_ino) for st in (os.stat(path) for path, to in fds.items()
+                                                             if to.startswith("/")) if stat.S_ISREG(st.st_mode)}
+        except OSError:
+            continue   # gone meanwhile, or someone else's
+    return sorted(found)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 def boot_id() -> str | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from paicli.adapters import get_adapter
 from paicli.cluster import backends, datasets, lifecycle, policy, queue_turns
-from paicli.cluster.procinfo import start_time
+from paicli.cluster.procinfo import output_files, start_time
 from paicli.cluster.requirement_layers import prepare_job_env
 from paicli.cluster.spawn import MasterProcess, start_master
 from paicli.envvars import exported
@@ -104,6 +104,7 @@ def submit(prepared: Prepared, store: Store | None = None,
         # JSON, not YAML: a submit imports no yaml (`pai export` gives YAML).
         write_private(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))
         write_private(job_dir / "plan.json", plan.to_json())
+        write_private(job_dir / "foreign.json", json.dumps(output_files()))   # `> log`, `| tee log`: never outputs
         backends.write_snapshot(job_dir, config)
     except BaseException:
         if master is not None:

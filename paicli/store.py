@@ -764,6 +764,17 @@ class Store:
         cur.row_factory = None
         return cur.fetchall()
 
+    def jobs_since(self, job_id: str) -> list[sqlite3.Row]:
+        """The other jobs that had not ended when `job_id` was recorded."""
+        return self.db.execute("SELECT o.id, o.created, o.ended, o.job_dir FROM jobs o JOIN jobs j ON j.id = ?"
+                               " WHERE o.id != j.id AND (o.ended IS NULL OR o.ended >= j.created)", (job_id,)).fetchall()
+
+    def output_paths(self, folder: str) -> set[str]:
+        """The paths below `folder` that jobs' files were written to."""
+        prefix = folder.rstrip("/") + "/"
+        return {row[0] for row in self.db.execute("SELECT DISTINCT path FROM outputs WHERE substr(path, 1, ?) = ?",
+                                                  (len(prefix), prefix))}
+
     def output_totals(self, job_id: str) -> dict[str, int]:
         """{count, bytes, missing} of the files the job wrote (missing: not here)."""
         row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(location IN ('node', 'missing')), 0)"

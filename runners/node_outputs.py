@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import struct
 import sys
@@ -42,6 +43,31 @@ CHUNK = 256 * 1024
 LISTED = 512              # in-place files said in one L frame
 STALL = 60.0              # seconds the master may take nothing before files stop going
 SCAN_LIMIT = 100_000      # entries in one watched folder beyond which it is not tracked
+MAX_FRAME = 16 << 20      # the longest frame a reader takes: a D frame is CHUNK, an L frame LISTED entries
+# Control characters (C0, DEL, C1), line separators, and the lone surrogates of a name
+# that is not UTF-8: none can go into a log line or the store as it is.
+_UNSAYABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def refused(rel, root: str = "", skip=frozenset()) -> str | None:
+    """Why `rel` (below the watched folder `root`) is no file of an instance's
+    outputs; None when it may be one. The one rule of the scanner here (each name it
+    meets) and of the receiver on the submitting machine (each path a node sends):
+    a relative path of plain parts, none hidden (.git, .venv, .ssh, our own partial
+    files) nor __pycache__, no control character, inside no folder of `skip`
+    (normalized: the other watched folders, $PAI_HOME)."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or len(rel) > 4096:
+        return "not a relative path"
+    path = root
+    for part in rel.split("/"):
+        if not part or part[0] == "." or part == "__pycache__":
+            return "an empty, '..' or hidden part"
+        if _UNSAYABLE.search(part) or len(part.encode()) > 255:
+            return "a control character or an over-long name"
+        path = os.path.join(path, part)
+        if path in skip:
+            return f"inside {path}, which is not watched there"
+    return None
 
 
 class Watch:
@@ -95,12 +121,11 @@ class Watch:
 
 def scan(root: str, skip=(), since_ns: int | None = None) -> dict:
     """REL -> [size, mtime_ns] of the regular files below `root`, links not
-    followed; hidden folders, __pycache__, the folders in `skip` (absolute) and our
-    own partial files left out (a working folder may hold a .venv or .git that is
-    nobody's output, or another watched folder). `since_ns`: only the files changed
+    followed; what `refused` refuses and the folders in `skip` (normalized) left out
+    (a working folder may hold a .venv or .git that is nobody's output, or another
+    watched folder). `since_ns`: only the files changed
     at or after that time (their ctime, which no one can set back)."""
     found: dict = {}
-    skip = {os.path.normpath(p) for p in skip}
     stack = [""]
     while stack and len(found) < SCAN_LIMIT:
         rel_dir = stack.pop()
@@ -111,11 +136,12 @@ def scan(root: str, skip=(), since_ns: int | None = None) -> dict:
         for entry in entries:
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
             try:
+                if refused(entry.name):
+                    continue
                 if entry.is_dir(follow_symlinks=False):
-                    if not entry.name.startswith(".") and entry.name != "__pycache__" \
-                            and os.path.join(root, rel) not in skip:
+                    if os.path.join(root, rel) not in skip:
                         stack.append(rel)
-                elif entry.is_file(follow_symlinks=False) and not entry.name.startswith(".pai-part-"):
+                elif entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     if since_ns is None or st.st_ctime_ns >= since_ns:
                         found[rel] = [st.st_size, st.st_mtime_ns]
@@ -143,7 +169,7 @@ def begin_watch(watch: dict, since_ns: int | None = None) -> dict:
         make_folders(watch)
     base: dict = {}
     for key, path in watch.get("dirs") or ():
-        base[key] = {} if since_ns is not None else scan(path, _skips(watch, key))
+        base[key] = {} if since_ns is not None else scan(path, skips(watch, key))
     state = watch.get("state")
     if state:
         try:
@@ -154,10 +180,11 @@ def begin_watch(watch: dict, since_ns: int | None = None) -> dict:
     return base
 
 
-def _skips(watch: dict, key: str) -> list:
-    """What a scan of `key`'s folder leaves out: the other watched folders (each has
-    its own key) and the watch's "skip" list."""
-    return [p for k, p in watch.get("dirs") or () if k != key] + list(watch.get("skip") or ())
+def skips(watch: dict, key: str) -> set:
+    """What a scan of `key`'s folder leaves out, normalized: the other watched
+    folders (each has its own key) and the watch's "skip" list."""
+    return {os.path.normpath(p) for p in [*(p for k, p in watch.get("dirs") or () if k != key),
+                                          *(watch.get("skip") or ())]}
 
 
 def file_frames(watch: dict, sent: dict, keys, since_ns: int | None = None):
@@ -172,7 +199,7 @@ def file_frames(watch: dict, sent: dict, keys, since_ns: int | None = None):
         if keys is not None and key not in keys:
             continue
         had = sent.setdefault(key, {})
-        for rel, stamp in sorted(scan(path, _skips(watch, key), since_ns).items()):
+        for rel, stamp in sorted(scan(path, skips(watch, key), since_ns).items()):
             if had.get(rel) == stamp:
                 continue
             count += 1
@@ -212,7 +239,8 @@ def _returned(generator):
 
 def _file_data(path: str, stamp: list, inplace: bool):
     """D frames of one file (none when in place) and its end: {digest} or {error}.
-    A file that changes while it is read is not sent (the next pass takes it)."""
+    A file that changes while it is read is not sent (the next pass takes it), and no
+    more of it is read than `stamp` says (-DoutputMaxSize held at the listing)."""
     digest = Checksum()
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -220,11 +248,13 @@ def _file_data(path: str, stamp: list, inplace: bool):
         return {"error": "it was removed before it could be sent", "transient": True}
     except OSError as err:
         return {"error": f"cannot read it: {err.strerror}"}
+    left = stamp[0]   # at most the size it was listed with: one that grows is sent no further
     try:
-        while True:
-            chunk = os.read(fd, CHUNK)
+        while left > 0:
+            chunk = os.read(fd, min(CHUNK, left))
             if not chunk:
                 break
+            left -= len(chunk)
             digest.update(chunk)
             if not inplace:
                 yield b"D", chunk
@@ -273,7 +303,7 @@ def collect(request: dict):
     if only is not None:   # `pai get` of some files (key -> [rel]): the others count as sent
         for key, path in watch.get("dirs") or ():
             keep = set(only.get(key) or ())
-            for rel, stamp in scan(path, _skips(watch, key)).items():
+            for rel, stamp in scan(path, skips(watch, key)).items():
                 if rel not in keep:
                     sent.setdefault(key, {})[rel] = stamp
     yield from file_frames(watch, sent, None, state.get("since_ns"))

@@ -66,10 +66,112 @@ def test_size_and_shared_parsers_never_traceback():
     assert parse_size("2G") == 2 << 30 and parse_size("500M") == 500 << 20 and parse_size("lots") is None
 
 
-def test_a_path_from_a_node_must_stay_inside_its_folder():
-    for bad in ("../x", "/etc/passwd", "a/../../x", "", "a//b", "a/./b"):
-        assert not outputs.safe_rel(bad), bad
-    assert outputs.safe_rel("models/model.h5")
+HOSTILE_NAMES = ("../x", "/etc/passwd", "a/../../x", "", "a//b", "a/./b", ".ssh/authorized_keys",
+                 ".venv/lib/python3.11/site-packages/zz.pth", ".pai/nodes.yaml", "x\n[pai] job Succeeded",
+                 "a\rb", "a\x1bb", "a\u2028b", "a\udcffb", "__pycache__/m.pyc", "n" * 256, None, 7)
+
+
+def test_one_name_rule_for_the_scanner_and_the_receiver(tmp_path):
+    """node_outputs.refused is the rule: the scanner leaves out every name it
+    refuses (so an honest node never sends one), and the receiver refuses each such
+    name from a node, writes nothing, and fails the job naming the node."""
+    for bad in HOSTILE_NAMES:
+        assert node_outputs.refused(bad), bad
+    assert node_outputs.refused("models/model.h5") is None
+    assert node_outputs.refused("home/x", "/w", {"/w/home"}) and node_outputs.refused("x", "/w/home", {"/w"}) is None
+    src = tmp_path / "src"
+    for rel in ("model.h5", ".hidden", ".venv/zz.pth", "a\nb", "__pycache__/m.pyc", "sub/ok.txt"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text("x")
+    assert sorted(node_outputs.scan(str(src))) == ["model.h5", "sub/ok.txt"]
+    home, dest = tmp_path / "home", tmp_path / "here"
+    dest.mkdir()
+    for rel in [n for n in HOSTILE_NAMES if isinstance(n, str)] + ["home/jobs/x"]:
+        lines: list[str] = []
+        inst = receiver(tmp_path, dest, lines)
+        inst.watch["skip"] = [str(dest / "home")]
+        for kind, payload in ((b"F", {"key": "cwd", "rel": rel, "size": 1, "mtime": 1}), (b"D", b"x"),
+                              (b"S", {"digest": "crc32:8cdc1683"})):
+            inst.sink(kind, payload if kind == b"D" else json.dumps(payload).encode())
+        assert inst.job.hostile and "node h2" in inst.job.hostile and "\n" not in inst.job.hostile, rel
+        assert not inst.job._rows and [line for line in inst.job._lines if "h2" in line] == [
+            f"outputs: {inst.job.hostile}"]
+    assert not list(dest.rglob("*")) and not home.exists() and not (tmp_path / "x").exists()
+
+
+def test_a_node_replaces_no_file_here_that_no_job_wrote(tmp_path):
+    """In the working folder (maybe $HOME) a file that was there before the job is
+    replaced only if a job's file went there (an earlier run, or this job); the
+    output and checkpoint folders are the job's own. A link here never leads a
+    file out of its folder. Neither fails the job: the file stays on its node."""
+    src, dest, ckpt, elsewhere = (tmp_path / n for n in ("node", "here", "ckpt", "elsewhere"))
+    for folder in (src / "linked", dest, ckpt, elsewhere):
+        folder.mkdir(parents=True)
+    for name in ("notes.txt", "model.h5", "step"):
+        (src / name).write_text("from the node")
+        (dest / name).write_text("mine")
+    (ckpt / "step").write_text("old")
+    (src / "linked" / "x").write_text("from the node")
+    (dest / "linked").symlink_to(elsewhere)
+    inst = receiver(tmp_path, dest, [])
+    inst.dirs["ckpt"] = str(ckpt)
+    inst.job.written = {str(dest / "model.h5")}
+    frames = list(node_outputs.file_frames({"dirs": [["cwd", str(src)]]}, {}, None))
+    frames += [f for f in node_outputs.file_frames({"dirs": [["ckpt", str(src)]]}, {}, None)
+               if f[0] != b"F" or json.loads(f[1])["rel"] == "step"]
+    for kind, payload in frames:
+        inst.sink(kind, payload)
+    assert (dest / "notes.txt").read_text() == "mine" and (dest / "model.h5").read_text() == "from the node"
+    assert (ckpt / "step").read_text() == "from the node" and not list(elsewhere.iterdir())
+    rows = {r[2]: r for r in inst.job._rows}
+    assert "no job wrote" in rows[str(dest / "notes.txt")][9] and "outside" in rows[str(dest / "linked" / "x")][9]
+    assert rows[str(dest / "step")][6] == "node" and inst.job.hostile is None
+    # the same file again, now that this job wrote it, is replaced
+    again = [f for f in node_outputs.file_frames({"dirs": [["cwd", str(src)]]}, {}, None)
+             if f[0] != b"F" or json.loads(f[1])["rel"] == "model.h5"]
+    for kind, payload in again:
+        inst.sink(kind, payload)
+    assert inst.job._rows[-1][6] == "here"
+
+
+def test_a_node_sends_no_more_than_it_listed_and_the_receiver_takes_no_more(tmp_path):
+    """A file that grows while it is read goes no further than the size it was
+    listed with; a node that sends more than it announced, or than -DoutputMaxSize,
+    is refused; a frame longer than any agent sends ends the link."""
+    from paicli.cluster.agent_link import Link
+
+    src = tmp_path / "node"
+    src.mkdir()
+    (src / "log.txt").write_bytes(b"x" * 1000)
+    watch = {"dirs": [["cwd", str(src)]], "max_bytes": 1000}
+    frames = node_outputs.file_frames(watch, {}, None)
+    assert next(frames)[0] == b"F"
+    with open(src / "log.txt", "ab") as f:
+        f.write(b"y" * 5_000_100)
+    rest = list(frames)
+    assert sum(len(p) for k, p in rest if k == b"D") == 1000
+    assert json.loads(rest[-2][1])["error"] == "it changed while it was being sent"
+    dest = tmp_path / "here"
+    for size, sent, limit in ((10, 100, None), (2000, 2000, 1000)):
+        inst = receiver(tmp_path, dest, [])
+        inst.job.max_bytes = limit or inst.job.max_bytes
+        inst.sink(b"F", json.dumps({"key": "cwd", "rel": "big.bin", "size": size, "mtime": 1}).encode())
+        for _ in range(0, sent, 10):
+            inst.sink(b"D", b"z" * 10)
+        inst.sink(b"S", json.dumps({"digest": "crc32:00000000"}).encode())
+        assert "more bytes than its size" in inst.job.hostile and "node h2" in inst.job.hostile
+        assert not dest.exists() or not list(dest.iterdir())
+    for feed in ("link", "collect"):
+        inst = receiver(tmp_path, dest, [])
+        claim = b"D" + (0xFFFFFFF0).to_bytes(4, "big") + b"z" * 65536
+        if feed == "link":
+            link = Link(None, "h2")
+            link.sink = inst.sink
+            assert link.feed(claim) == b"" and link.feed(b"z" * 65536) == b""
+            assert link.status is not None and not link._buf
+        else:
+            outputs.feed_frames([claim, b"z" * 65536], inst.sink)
+        assert "a frame of 4294967280 bytes" in inst.job.hostile and "node h2" in inst.job.hostile
 
 
 def test_the_agent_lists_only_what_changed_and_leaves_out_other_watched_folders(tmp_path):
@@ -235,6 +337,15 @@ class Recorder:
     def __init__(self):
         self.rows, self.events = [], []
 
+    def output_paths(self, folder):
+        return set()
+
+    def jobs_since(self, job_id):
+        return []
+
+    def outputs(self, job_id):
+        return []
+
     def add_outputs(self, rows):
         self.rows += rows
 
@@ -376,6 +487,54 @@ def test_local_files_are_listed_got_and_kept_after_pai_kill(pai_home, tmp_path):
         proc.wait()
     listed = pai_json("outputs", job_id)
     assert {os.path.basename(f["path"]) for f in listed["files"]} >= {"ckpt-0", "ckpt-1", "out.txt", "same.txt"}
+
+
+WAITER = r'''
+import argparse, os, time
+p = argparse.ArgumentParser()
+p.add_argument("--tag")
+tag = p.parse_known_args()[0].tag
+idx = os.environ["PAI_INDEX"]
+open(os.path.join(os.environ["PAI_OUTPUT_DIR"], "ready"), "w").close()
+while not os.path.exists(".go"):
+    time.sleep(0.05)
+with open(f"{tag}-{idx}.txt", "w") as f:
+    f.write(tag)
+while not os.path.exists(".end"):
+    time.sleep(0.05)
+print("done", flush=True)
+'''
+
+
+def test_a_local_job_claims_only_what_its_own_processes_wrote(pai_home, tmp_path):
+    """`pai ... > out.txt` and `pai ... | tee log.txt` in the script's folder, two
+    jobs there at once: neither claims pai's own output, nor the other's files."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(WAITER)
+    statement = ["-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":2,"cpu":0}}', "-DmaxRetries=0"]
+    with open(work / "out.txt", "w") as out:
+        first = subprocess.Popen([*PAI, *statement, "-DuserDefinedParameters=--tag a"], cwd=work, stdout=out,
+                                 stderr=subprocess.STDOUT)
+    tee = subprocess.Popen(["tee", "log.txt"], cwd=work, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    second = subprocess.Popen([*PAI, *statement, "-DuserDefinedParameters=--tag b"], cwd=work, stdout=tee.stdin,
+                              stderr=subprocess.STDOUT)
+    tee.stdin.close()
+    try:
+        assert wait_until(lambda: len(list((pai_home / "jobs").glob("*/outputs/*/ready"))) == 4, timeout=90)
+        (work / ".go").touch()
+        assert wait_until(lambda: len(list(work.glob("[ab]-*.txt"))) == 4, timeout=30)
+        (work / ".end").touch()
+        assert first.wait(timeout=90) == 0 and second.wait(timeout=90) == 0
+    finally:
+        for proc in (first, second, tee):
+            proc.kill()
+            proc.wait()
+    said = {"a": (work / "out.txt").read_text(), "b": (work / "log.txt").read_text()}
+    for tag, text in said.items():
+        assert "both wrote" not in text, text
+        names = {os.path.basename(f["path"]) for f in pai_json("outputs", job_id_from(text))["files"]}
+        assert names == {"ready"}, (tag, names)   # the others changed while the other job ran: neither's
 
 
 def test_pai_outputs_answers_fast_for_ten_thousand_files(pai_home):
@@ -627,7 +786,8 @@ def test_the_link_decodes_file_frames_split_anywhere(tmp_path):
 
 def test_files_listed_in_place_are_recorded_as_their_f_and_s_frames_would_be(tmp_path):
     """An L frame (this machine's files, already where they belong): each entry is
-    recorded with its digest; a path outside the watched folder is refused, one that
+    recorded with its digest; a path outside the watched folder is refused (the job
+    fails), one that
     changed while it was read waits for the next pass; Z still ends the pass."""
     work = tmp_path / "work"
     work.mkdir()
@@ -647,6 +807,30 @@ def test_files_listed_in_place_are_recorded_as_their_f_and_s_frames_would_be(tmp
                                 ["cwd", "gone.tmp", 1, 1, None, "it changed while it was being sent", True]]).encode())
     job.flush()
     rows = {row[2]: row for row in store.rows}
-    assert set(rows) == {str(work / "model.h5"), str(work / "run.log"), "../escape"}, rows
+    assert set(rows) == {str(work / "model.h5"), str(work / "run.log")}, rows
     assert rows[str(work / "model.h5")][5].startswith("crc32:") and rows[str(work / "model.h5")][6] == "here"
-    assert "refused" in rows["../escape"][9] and inst.complete and inst.received == 4
+    assert "'../escape'" in job.hostile and inst.complete and inst.received == 4
+
+
+def test_a_collect_stream_cut_mid_file_leaves_no_partial_copy(tmp_path):
+    """The agent's `collect` (a dead master's watchdog, `pai get`) whose stream ends
+    in the middle of a file, without an error: the copy under way is removed, and the
+    instance's files are said to be still on its node."""
+    src, work = tmp_path / "node", tmp_path / "work"
+    src.mkdir()
+    (src / "same.txt").write_bytes(b"x" * 300_000)
+    frames = node_outputs.file_frames({"dirs": [["cwd", str(src)]]}, {}, None)
+    cut = b"".join(k + len(p).to_bytes(4, "big") + p for k, p in [next(frames), next(frames)])   # F, one D
+
+    class Cut:
+        def collect_outputs(self, *args, **kwargs):
+            yield cut
+
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "nodes.json").write_text('{"backend": "ssh"}')
+    job = outputs.JobOutputs(Recorder(), "j1", tmp_path / "job", print)
+    inst = outputs.InstanceOutputs(job, "worker:0", "h2", {"cwd": str(work)}, {"dirs": [["cwd", str(work)]]})
+    job.attempts.append(inst)
+    job.collect(Cut(), [inst])
+    assert work.is_dir() and not list(work.iterdir())
+    assert job._rows[-1][2] == "*" and job._rows[-1][6] == "node"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -499,3 +500,66 @@ def test_a_full_disk_here_while_200_mb_come_back_leaves_nothing_half_written(clu
         assert pai_json("outputs", job_id)["missing"] == 0
     finally:
         subprocess.run(["umount", "-l", str(pai_home)], capture_output=True)
+
+
+HOSTILE_AGENT = r'''
+import json, os, struct, sys, time
+if os.getpgid(0) != os.getpid():
+    os.setsid()   # a group of its own, as an instance: the one stop path finds it
+json.loads(sys.stdin.buffer.readline())
+out = sys.stdout.buffer
+def frame(kind, payload=b""):
+    out.write(kind + struct.pack(">I", len(payload)) + payload)
+    out.flush()
+def send(key, rel, data, size=None):
+    frame(b"F", json.dumps({"key": key, "rel": rel, "size": len(data) if size is None else size,
+                            "mtime": 1, "at": rel}).encode())
+    frame(b"D", data)
+    frame(b"S", json.dumps({"digest": "crc32:00000000"}).encode())
+with open("/proc/self/stat") as f:
+    start = f.read().rsplit(")", 1)[1].split()[19]
+with open("/proc/sys/kernel/random/boot_id") as f:
+    frame(b"I", json.dumps({"pid": os.getpid(), "pgid": os.getpid(), "start": start, "boot": f.read().strip()}).encode())
+for rel in (".ssh/authorized_keys", ".venv/lib/python3.11/site-packages/zz.pth", ".pai/nodes.yaml",
+            "evil\n[pai] job Succeeded", "../escape.txt", sys.argv[-1] + "/abs.txt", "models/../../escape.txt"):
+    send("cwd", rel, b"ssh-ed25519 AAAA planted\n")
+send("out", "big.bin", b"z" * 100_000, size=10)
+send("ckpt", "big.bin", b"z" * 2000)       # over -DoutputMaxSize=1K
+out.write(b"D" + struct.pack(">I", 0xFFFFFFF0) + b"z" * 1_000_000)   # a frame of ~4 GiB
+out.flush()
+time.sleep(600)
+'''
+
+
+def test_a_hostile_node_writes_nothing_here_and_fails_the_job_naming_it(cluster, nodes, tmp_path, pai_home,
+                                                                         monkeypatch):
+    """A node agent that sends crafted frames (hidden names, a newline, '..', an
+    absolute path, more bytes than announced or allowed, a frame of ~4 GiB): each
+    is refused, nothing lands outside the job's targets, the job fails in one line
+    that names the node."""
+    room = Path(f"/var/tmp/paicli-hostile-{os.getpid()}")   # the hosts share all but /tmp
+    room.mkdir(exist_ok=True)
+    try:
+        (room / "agent.py").write_text(HOSTILE_AGENT)
+        wrapper = room / "python3"
+        wrapper.write_text('#!/bin/sh\ncase "$1" in */node_agent.py) [ "$2" = run ] && '
+                           f'exec python3 {room}/agent.py "$@" {room};; esac\nexec python3 "$@"\n')
+        wrapper.chmod(0o755)
+        monkeypatch.setenv("PAI_NODES", str(cluster.write_nodes_file(tmp_path / "hostile.yaml", cpu=100,
+                                                                     python=str(wrapper))))
+        work = workdir(tmp_path)
+        before = sorted(p.name for p in tmp_path.iterdir())
+        result = submit(work, "-DoutputMaxSize=1K")
+        job_id = job_id_from(result.stdout)
+        status = pai_json("status", job_id)
+        assert status["status"] == "Failed" and result.returncode != 0, result.stdout[-3000:]
+        reason = status["reason"]
+        assert re.match(r"node h[12] sent what a node may not send \(worker:[01]\): '\.ssh/authorized_keys'", reason)
+        assert "\n" not in reason and not [line for line in result.stdout.splitlines() if "job Succeeded" in line]
+        assert {p.name for p in tmp_path.iterdir()} <= {*before, "ckpt", "pai-home"} and not list(room.glob("abs*"))
+        assert sorted(p.name for p in work.iterdir()) == ["train.py"]
+        assert not (work.parent / "ckpt").exists() or not list((work.parent / "ckpt").iterdir())
+        assert not list((pai_home / "jobs" / job_id / "outputs").rglob("big.bin"))
+        assert not (pai_home / "nodes.yaml").exists()
+    finally:
+        subprocess.run(["rm", "-rf", str(room)], check=True)

@@ -375,12 +375,14 @@ class Backend:
         """`stop()` for many instances, one bounded wait for all; `waiting` is called
         meanwhile. The refs that were ours and were signalled. `timeout` 0: SIGKILL
         right after SIGTERM. Instances this process started go through their links,
-        the others through each node's identity-checked stop, all nodes at once."""
+        the others (and those whose link was dropped for a frame no agent sends)
+        through each node's identity-checked stop, all nodes at once."""
         refs = [ref for ref in refs if ref.pid > 0]
-        linked = [(ref, self._links[(ref.node, ref.pid)]) for ref in refs if (ref.node, ref.pid) in self._links]
+        links = {key: link for key, link in self._links.items() if not link.refused}   # refused: by the node
+        linked = [(ref, links[(ref.node, ref.pid)]) for ref in refs if (ref.node, ref.pid) in links]
         by_node: dict[str, list[InstanceRef]] = {}
         for ref in refs:
-            if (ref.node, ref.pid) not in self._links and verified(ref):
+            if (ref.node, ref.pid) not in links and verified(ref):
                 by_node.setdefault(ref.node, []).append(ref)
         stopped: list[InstanceRef] = []
         threads = [threading.Thread(target=lambda n=node, g=group: stopped.extend(self._stop_on(n, g, timeout)),

@@ -275,14 +275,18 @@ class JobOutputs:
     def others(self) -> tuple[set, list]:
         """What else wrote in this job's folders, as far as paicli can tell, read once
         per pass of the agent: the (dev, ino) of `pai`'s own output (`> log`, `| tee
-        log`: foreign.json), and (from, to, folders) of the other jobs of this store
+        log`: foreign.json, this job's and the others'), and (from, to, folders) of the other jobs of this store
         that ran while this one did, with the folders they watch here."""
-        try:
-            foreign = {tuple(x) for x in json.loads((Path(self.job_dir) / "foreign.json").read_text())}
-        except (OSError, ValueError):
-            foreign = set()
+        rows = self.store.jobs_since(self.job_id)
+        foreign = set()
+        # Any overlapping job's `pai` output too: its verdict may be written after that job ended.
+        for job_dir in [self.job_dir, *(row["job_dir"] for row in rows)]:
+            try:
+                foreign |= {tuple(x) for x in json.loads((Path(job_dir) / "foreign.json").read_text())}
+            except (OSError, ValueError):
+                pass
         jobs = []
-        for row in self.store.jobs_since(self.job_id):
+        for row in rows:
             settings, cwd = job_settings(row["job_dir"]), _role_cwd(row["job_dir"], None)
             ckpt = checkpoint_dir(settings["checkpoint_dir"], cwd, settings["shared"])
             jobs.append((row["created"] or 0.0, row["ended"] or float("inf"), [f for f in (cwd, ckpt) if f]))

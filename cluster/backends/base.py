@@ -423,6 +423,9 @@ class Backend:
     def ready_to_stop(self) -> bool:
         """Make a stop from this process (the watchdog's) quick, ahead of need; True when
         something was made ready. Most backends reach their nodes at once anyway."""
+        return self._ready_to_stop()
+
+    def _ready_to_stop(self) -> bool:
         return False
 
     def _stop_on(self, node: str, refs: list[InstanceRef], timeout: float) -> list[InstanceRef]:

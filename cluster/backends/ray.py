@@ -567,7 +567,7 @@ class RayBackend(Backend):
 
     # -- stopping what this process did not start (`pai kill`, the watchdog) ---------------
 
-    def ready_to_stop(self) -> bool:
+    def _ready_to_stop(self) -> bool:
         """Ray Client keeps a lost master's actors for its reconnect grace, so the watchdog
         stops them itself: connected, and a worker started on every node by an empty stop,
         ahead. With a GCS address Ray kills a dead driver's actors at once."""

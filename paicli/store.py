@@ -135,7 +135,7 @@ def new_job_id(now: float | None = None) -> str:
 
 
 # Every Store with an open connection in this process: a fork must close them all
-# (see Store.closed_for_fork), not just the one the caller forks with.
+# (see every_store_closed), not just the one the caller forks with.
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
 
 
@@ -196,8 +196,10 @@ def _build_new_store(path: Path) -> None:
 
 @contextmanager
 def every_store_closed() -> Iterator[None]:
-    """Every open Store of this process closed, and opened again after: around a
-    fork whose child opens the store itself (Store.closed_for_fork says why)."""
+    """Every open Store of this process closed across a fork whose child opens the
+    store itself, and opened again after: a child that copied SQLite's lock
+    bookkeeping would believe it holds the parent's locks, and its writes could be
+    checkpointed away."""
     reopen = list(_OPEN_STORES)
     for store in reopen:
         store.close()
@@ -227,14 +229,10 @@ class Store:
             raise PaiError(f"cannot create the job store in {self.home}: {err.strerror}",
                            "set PAI_HOME to a writable directory") from None
         self.connect()
+        # A store of another version (older, created in place, or by another release).
         if self.db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
-            self._migrate()
-
-    def _migrate(self) -> None:
-        """A store of another version (an older one, created in place, or by another
-        release): every table and column made sure of, then the version stamped."""
-        with self.tx():
-            _apply_schema(self.db)
+            with self.tx():
+                _apply_schema(self.db)
 
     def connect(self) -> None:
         self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
@@ -254,14 +252,6 @@ class Store:
         db = self.__dict__.get("db")
         if db is not None:
             db.close()
-
-    @contextmanager
-    def closed_for_fork(self) -> Iterator[None]:
-        """Every open connection of this process closed across a fork and opened
-        again after: a child that copied SQLite's lock bookkeeping would believe it
-        holds the parent's locks, and its writes could be checkpointed away."""
-        with every_store_closed():
-            yield
 
     # -- transactions -------------------------------------------------------
 
@@ -283,21 +273,10 @@ class Store:
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
         try:
-            with self._tx() as db:
-                yield db
-        except sqlite3.OperationalError as err:
-            if "full" not in str(err):
-                raise
-            # SQLite has rolled back: the store is as it was before this write.
-            raise PaiError(f"the job store {self.path} could not be written: {err}",
-                           "free some space on that disk (or set PAI_HOME to another one)") from err
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._retrying(lambda: self.db.execute("BEGIN IMMEDIATE"))
-        try:
+            self._retrying(lambda: self.db.execute("BEGIN IMMEDIATE"))
             yield self.db
-        except BaseException:
+            self.db.execute("COMMIT")
+        except BaseException as err:
             # SQLite may have rolled back by itself: a second ROLLBACK would fail
             # and hide the error that matters.
             if self.db.in_transaction:
@@ -305,9 +284,11 @@ class Store:
                     self.db.execute("ROLLBACK")
                 except sqlite3.Error:
                     pass
+            if isinstance(err, sqlite3.OperationalError) and "full" in str(err):
+                # Rolled back: the store is as it was before this write.
+                raise PaiError(f"the job store {self.path} could not be written: {err}",
+                               "free some space on that disk (or set PAI_HOME to another one)") from err
             raise
-        else:
-            self.db.execute("COMMIT")
 
     # -- jobs ---------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from paicli.store import Store
+from paicli.store import Store, every_store_closed
 
 # Another process's short use of the store: open, read the job IDs, close (its
 # close is the last one it makes, the moment SQLite checkpoints and deletes the
@@ -68,7 +68,7 @@ def test_a_fork_closes_the_connection_of_a_dropped_store_too(tmp_path):
     """A dropped Store closes its connection at once. A sqlite3.Connection is
     freed only by the cyclic collector, so an earlier statement's Store (the
     console makes one per statement) left its connection open, unknown to
-    closed_for_fork: the forked master inherited it, and its own Store, sharing
+    every_store_closed: the forked master inherited it, and its own Store, sharing
     SQLite's inherited lock bookkeeping, never took a lock of its own."""
     home = tmp_path / "home"
     collecting = gc.isenabled()
@@ -78,7 +78,7 @@ def test_a_fork_closes_the_connection_of_a_dropped_store_too(tmp_path):
         earlier.jobs()
         del earlier
         store = Store(home)
-        with store.closed_for_fork():
+        with every_store_closed():
             open_here = [fd for fd in os.listdir("/proc/self/fd")
                          if "pai.db" in os.path.realpath(f"/proc/self/fd/{fd}")]
             pid = os.fork()

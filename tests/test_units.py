@@ -452,10 +452,10 @@ def test_a_fork_closes_every_open_store_of_the_process(tmp_path):
     lock bookkeeping for it (seen: "database disk image is malformed")."""
     import sqlite3
 
-    from paicli.store import Store
+    from paicli.store import Store, every_store_closed
 
     first, second = Store(tmp_path / "home"), Store(tmp_path / "home")
-    with first.closed_for_fork():
+    with every_store_closed():
         for store in (first, second):
             try:
                 store.db.execute("SELECT 1")

@@ -54,7 +54,6 @@ CREATE TABLE IF NOT EXISTS metrics (
     job_id TEXT, role TEXT, idx INTEGER, ts REAL, step REAL, key TEXT, value REAL
 );
 CREATE INDEX IF NOT EXISTS metrics_job ON metrics (job_id, role, idx, key);
-CREATE TABLE IF NOT EXISTS ports (port INTEGER PRIMARY KEY, job_id TEXT);
 -- What live jobs hold on each node (kind "port" or "gpu"): a claim is what keeps
 -- two concurrent jobs from being handed the same port or card.
 CREATE TABLE IF NOT EXISTS claims (
@@ -97,7 +96,7 @@ ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("
 # Kept in the file's user_version: a store that carries it runs none of the
 # statements above. Bump it with any change to SCHEMA or ADDED_COLUMNS
 # (tests/test_store_locks.py keeps a fingerprint of both).
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # A claim holds while its job lives; one whose job was never recorded, this long.
 CLAIM_GRACE = 60.0
 # The claims that hold: of a live job, or of a submit still under way.
@@ -352,7 +351,6 @@ class Store:
             db.execute("INSERT INTO events (job_id, ts, kind, message) VALUES (?,?,?,?)",
                        (job_id, now, "job", status.value + (f": {reason}" if reason else "")))
             if status.is_terminal():
-                db.execute("DELETE FROM ports WHERE job_id = ?", (job_id,))
                 db.execute("DELETE FROM claims WHERE job_id = ?", (job_id,))
         return True
 
@@ -472,7 +470,6 @@ class Store:
 
     def release_ports(self, job_id: str) -> None:
         with self.tx() as db:
-            db.execute("DELETE FROM ports WHERE job_id = ?", (job_id,))
             db.execute("DELETE FROM claims WHERE job_id = ? AND kind = 'port'", (job_id,))
 
     def claim(self, kind: str, node: str, items: list[str], job_id: str) -> bool:

@@ -28,7 +28,6 @@ from paicli.requirements import parse_requirements
 
 
 def close_matches(word: str, possibilities, n: int = 1, cutoff: float = 0.6) -> list[str]:
-    """difflib.get_close_matches, imported only when a suggestion is needed."""
     return difflib.get_close_matches(word, list(possibilities), n, cutoff)
 
 
@@ -212,14 +211,6 @@ def _strip_quotes(text: str) -> str:
     return text
 
 
-def _json_error_line(text: str, err: json.JSONDecodeError) -> str:
-    pos = err.pos
-    start = max(0, pos - 20)
-    snippet = text[start:pos] + "⟨here⟩" + text[pos:pos + 20]
-    snippet = snippet.replace("\n", " ")
-    return f"broken JSON at character {pos + 1}: {err.msg}: …{snippet}…"
-
-
 def resolve_path(value: str, base: Path) -> Path:
     """A file:// URI or a path (relative to `base`) as an absolute path."""
     if value.startswith("file://"):
@@ -292,7 +283,8 @@ def _to_json(param: Param, raw: Any, base: Path) -> Any:
     try:
         return json.loads(raw, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as err:
-        raise ValueError(_json_error_line(raw, err)) from None
+        snippet = (raw[max(0, err.pos - 20):err.pos] + "⟨here⟩" + raw[err.pos:err.pos + 20]).replace("\n", " ")
+        raise ValueError(f"broken JSON at character {err.pos + 1}: {err.msg}: …{snippet}…") from None
     except RecursionError:
         raise ValueError("nested too deeply for a parameter's value; give a few levels at most") from None
 
@@ -345,34 +337,24 @@ def _to_args(param: Param, raw: Any, base: Path) -> str:
     return value
 
 
-def _to_env(param: Param, raw: Any, base: Path) -> dict[str, str]:
-    return parse_env(raw)
-
-
-def _to_requirements(param: Param, raw: Any, base: Path) -> list[str]:
-    return parse_requirements(raw, base)
-
-
 # kind -> converter(param, raw value, base folder): the typed value, or ValueError
 # saying what was expected. A new kind is one function and one row.
 CONVERTERS: dict[str, Callable[[Param, Any, Path], Any]] = {
     "str": _to_text, "int": _to_int, "float": _to_float, "duration": _to_duration,
     "json": _to_json, "path": _to_path, "choice": _to_choice, "args": _to_args,
-    "env": _to_env, "requirements": _to_requirements,
+    "env": lambda _param, raw, _base: parse_env(raw),
+    "requirements": lambda _param, raw, base: parse_requirements(raw, base),
 }
 
 
 def convert(param: Param, raw: Any, base: Path) -> Any:
     """Turn a raw value (a -D string or a YAML value) into the param's type.
     Raises ValueError with a message that says what was expected."""
-    converter = CONVERTERS.get(param.kind)
-    if converter is None:  # pragma: no cover - a programming error in a table row
-        raise AssertionError(f"unknown parameter kind {param.kind}")
     if isinstance(raw, str):
         # Quotes around a -D value are the shell's, not the value's; an argument
         # string keeps its own (they group its words).
         raw = raw.strip() if param.kind == "args" else _strip_quotes(raw.strip())
-    value = converter(param, raw, base)
+    value = CONVERTERS[param.kind](param, raw, base)
     if param.minimum is not None and value < param.minimum:
         raise ValueError(f"must be at least {param.minimum:g}, not {raw}")
     if param.check is not None:

@@ -12,7 +12,7 @@ import importlib
 from paicli.errors import UsageError
 from paicli.spec import closest
 
-# module -> class; a module that is not there (yet) is skipped.
+# module -> class
 ADAPTER_MODULES = {
     "paicli.adapters.python": "PythonAdapter",
     "paicli.adapters.tensorflow": "TensorflowAdapter",
@@ -38,13 +38,7 @@ def _load() -> dict[str, type]:
     if _registry is None:
         registry: dict[str, type] = {}
         for module_name, class_name in ADAPTER_MODULES.items():
-            try:
-                module = importlib.import_module(module_name)
-            except ModuleNotFoundError as err:
-                if err.name == module_name:
-                    continue
-                raise
-            cls = getattr(module, class_name)
+            cls = getattr(importlib.import_module(module_name), class_name)
             for name in (cls.name, *cls.aliases):
                 registry[name.lower()] = cls
         _registry = registry

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from paicli.errors import SpecError
 from paicli.jobplan import KEY_VALUE_METRIC, JobPlan
+from paicli.runners.script_imports import local_modules
 from paicli.spec import JobSpec, Param
 
 
@@ -98,6 +99,14 @@ def code_inputs(code: StagedCode) -> list[str]:
     return [str(code.entry)] if code.entry is not None and code.root is None else []
 
 
+def script_inputs(code: StagedCode) -> list[str]:
+    """A plain script and the modules of its own it imports, found as `import`
+    would, and the packages it loads by name (importlib.import_module('pkg.' + ...)):
+    every node needs them, e.g. tf_cnn_benchmarks.py's benchmark_cnn.py or the peer
+    train_mnist.py's common/ and symbols/. An archive travels whole."""
+    return local_modules(str(code.entry), by_name=True) if code_inputs(code) else []
+
+
 def script_args(spec: JobSpec, passthrough: tuple[str, ...] = PASSTHROUGH_FLAGS) -> list[str]:
     """The arguments after the script: the PAI pass-through flags that were given,
     then hyperParameters as --key=value, then userDefinedParameters verbatim."""
@@ -109,11 +118,15 @@ def script_args(spec: JobSpec, passthrough: tuple[str, ...] = PASSTHROUGH_FLAGS)
     return args
 
 
+def positive(value: float) -> str | None:
+    return None if value > 0 else f"must be greater than 0, not {value:g}"
+
+
 # Pluto's linear learning-rate scaling for scripts that call
 # pluto_helpers.learning_rate(base_lr, step) (runners/pluto_helpers.py); a plan sets
 # them when the script exposes no learning-rate flag of its own.
 PLUTO_SCALING_PARAMS = (
-    Param("lrScale", "float", check=lambda v: None if v > 0 else f"must be greater than 0, not {v:g}",
+    Param("lrScale", "float", check=positive,
           help="The factor pluto_helpers.learning_rate(base_lr, step) multiplies the script's "
                "learning rate by (PAI_PLUTO_LR_SCALE; linear scaling for sync data parallelism). "
                "Only a script that calls the helper sees it."),
@@ -160,18 +173,6 @@ def table_patterns(table: tuple[LineRule, ...]) -> tuple[str, ...]:
         if rule.pattern and rule.pattern not in seen:
             seen.append(rule.pattern)
     return tuple(seen)
-
-
-def table_errors(table: tuple[LineRule, ...], parse) -> list[str]:
-    """Rows whose sample the whole table does not read as the row says. `parse` is
-    the master's line parser over table_patterns(table) (line -> (step, metrics));
-    the cluster layer owns it, so the caller passes it in."""
-    errors = []
-    for rule in table:
-        _step, found = parse(rule.sample)
-        if found != rule.reads:
-            errors.append(f"{rule.what}: {rule.sample!r} reads {found}, expected {rule.reads}")
-    return errors
 
 
 # ---------------------------------------------------------------------------

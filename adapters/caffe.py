@@ -24,15 +24,14 @@ import secrets
 from pathlib import Path
 
 from paicli.adapters.base import (NUMBER, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode, cluster_roles,
-                                  code_inputs, distribution_env, script_args, table_patterns)
+                                  code_inputs, distribution_env, positive, script_args, table_patterns)
 from paicli.errors import PaiError, SpecError
 from paicli.jobplan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
-from paicli.runners.caffe_runner import solver_cwd, solver_field
+from paicli.runners.caffe_runner import DEFAULT_MA_PERIOD, solver_cwd, solver_field
 from paicli.runners.runtimes import RuntimeSetupError, get_runtime, runner_path
 from paicli.spec import JobSpec, Param
 
 RUNNER = "caffe_runner.py"
-DEFAULT_MA_PERIOD = 20  # keep in step with runners/caffe_runner.py
 SOLVER_SUFFIXES = (".prototxt", ".pbtxt", ".txt")
 ROLES = ("ps", "worker")
 
@@ -106,7 +105,7 @@ CAFFE_PARAMS: tuple[Param, ...] = (
           help="A .solverstate to resume from (caffe train --snapshot); the iteration count continues."),
     Param("maPeriod", "int", default=DEFAULT_MA_PERIOD, minimum=1,
           help="With several workers: average the model through the ps every this many iterations."),
-    Param("learningRate", "float", check=lambda v: None if v > 0 else f"must be greater than 0, not {v:g}",
+    Param("learningRate", "float", check=positive,
           help="base_lr for this job: written into the job's own copy of the solver (the file you "
                "gave is unchanged). Pluto sets it to scale the rate with the workers."),
     Param("batchSize", "int", minimum=1,

@@ -12,11 +12,10 @@ for it forever), so a retryable failure restarts the whole job: restart="job".
 from __future__ import annotations
 
 from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode,
-                                  cluster_roles, code_inputs, distribution_env, pluto_scaling_env, script_args,
-                                  table_patterns)
+                                  cluster_roles, distribution_env, pluto_scaling_env, positive, script_args,
+                                  script_inputs, table_patterns)
 from paicli.errors import SpecError
 from paicli.jobplan import RESTART_JOB, JobPlan, RolePlan
-from paicli.runners.mxnet_runner import script_files
 from paicli.runners.runtimes import get_runtime, runner_path
 from paicli.spec import JobSpec, Param
 
@@ -28,17 +27,15 @@ DEFAULT_THRESHOLD = 0.5
 # worker is done; ps-lite's shutdown handshake takes well under a second.
 SERVICE_STOP_GRACE = 5.0
 
-_N = NUMBER
-
 # mx.callback.Speedometer: `Epoch[0] Batch [0-100]\tSpeed: 1234.56 samples/sec\taccuracy=0.91`
 # (older releases print `Batch [100]`); the name=value pairs after it are caught
 # by the key=value pattern.
 SPEEDOMETER_METRIC = (
     r"Epoch\[(?P<epoch>\d+)\]\s+Batch\s+\[(?:\d+-)?(?P<batch>\d+)\]\s+"
-    rf"Speed:\s+(?P<speed>{_N})\s+samples/sec"
+    rf"Speed:\s+(?P<speed>{NUMBER})\s+samples/sec"
 )
 # Module.fit's `Epoch[0] Time cost=0.455`: the epoch's wall time.
-EPOCH_TIME_METRIC = rf"Epoch\[(?P<epoch>\d+)\]\s+Time cost=(?P<epoch_seconds>{_N})"
+EPOCH_TIME_METRIC = rf"Epoch\[(?P<epoch>\d+)\]\s+Time cost=(?P<epoch_seconds>{NUMBER})"
 # Module.fit's end-of-epoch `Epoch[0] Train-accuracy=0.77` / `Validation-cross-entropy=0.3`:
 # the epoch here, the scores by the key=value pattern under MXNet's own names.
 EPOCH_SCORE_METRIC = r"Epoch\[(?P<epoch>\d+)\]\s+(?:Train|Validation)-[A-Za-z_]"
@@ -47,7 +44,7 @@ EPOCH_SCORE_METRIC = r"Epoch\[(?P<epoch>\d+)\]\s+(?:Train|Validation)-[A-Za-z_]"
 GLUON_EPOCH_METRIC = r"\[Epoch (?P<epoch>\d+)\]\s+(?:[Tt]raining|[Vv]alidation|[Tt]ime cost):"
 # ...and per batch: `[Epoch 0 Batch 10] Training: accuracy=0.33` (mnist.py)
 GLUON_BATCH_METRIC = r"\[Epoch (?P<epoch>\d+) Batch (?P<batch>\d+)\]\s+[Tt]raining:"
-GLUON_EPOCH_TIME_METRIC = rf"\[Epoch \d+\]\s+[Tt]ime cost:\s+(?P<epoch_seconds>{_N})"
+GLUON_EPOCH_TIME_METRIC = rf"\[Epoch \d+\]\s+[Tt]ime cost:\s+(?P<epoch_seconds>{NUMBER})"
 # A validation line's every score, as validation_<name> (the line is claimed: the
 # key=value pattern does not read it under the training scores' names).
 GLUON_VALIDATION_METRIC = r"\[Epoch \d+\]\s+[Vv]alidation:\s+(?P<validation_pairs>[^\n]*)"
@@ -58,7 +55,7 @@ GLUON_VALIDATION_METRIC = r"\[Epoch \d+\]\s+[Vv]alidation:\s+(?P<validation_pair
 # costs linear time), which are settings, not metrics.
 MX_KEY_VALUE_METRIC = (
     r"(?<![\w.\-])(?<!Time )(?P<key>[A-Za-z_][\w.\-]*)\s*=\s*"
-    rf"(?P<value>{_N})s?(?![\w.])(?!(?:, [A-Za-z_]\w*=(?:'[^'\n]*'|[^,\n()]*)){{0,128}}+\)[ \t]*$)"
+    rf"(?P<value>{NUMBER})s?(?![\w.])(?!(?:, [A-Za-z_]\w*=(?:'[^'\n]*'|[^,\n()]*)){{0,128}}+\)[ \t]*$)"
 )
 
 # The MXNet parser table: lines captured from real runs of MXNet 1.9.1, and what pai
@@ -115,10 +112,6 @@ ROLE_ALIASES = {"ps": "server"}
 KNOWN_ROLES = ("server", "worker")
 
 
-def _positive(value: float) -> str | None:
-    return None if value > 0 else f"must be greater than 0, not {value:g}"
-
-
 class MxnetAdapter(Adapter):
     name = "mxnet"
     aliases = ("mx",)
@@ -137,7 +130,7 @@ class MxnetAdapter(Adapter):
               help="2bit: quantise gradients to {-threshold, 0, +threshold} before they are "
                    "sent to the servers (the residual is kept locally). Applied by the runner "
                    "to every dist kvstore the script creates; the script needs no change."),
-        Param("gradientCompressionThreshold", "float", check=_positive,
+        Param("gradientCompressionThreshold", "float", check=positive,
               help=f"The 2bit compression threshold (default {DEFAULT_THRESHOLD}); only with "
                    "-DgradientCompression=2bit."),
         Param("bigArrayBound", "int", minimum=1,
@@ -231,12 +224,3 @@ class MxnetAdapter(Adapter):
                        task_name=self.task_name, roles=plan_roles, restart=RESTART_JOB,
                        max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
                        metric_patterns=list(self.metric_patterns), notes=notes, inputs=script_inputs(code))
-
-
-def script_inputs(code: StagedCode) -> list[str]:
-    """What a plain script needs on another node: itself and the modules of its
-    folder it imports (the peer train_mnist.py: common/*.py, and symbols/*.py it
-    loads by name). An archive travels whole."""
-    if not code_inputs(code):
-        return []
-    return script_files(str(code.entry))

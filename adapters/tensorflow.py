@@ -23,47 +23,41 @@ from __future__ import annotations
 
 from paicli.adapters import _load
 from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode,
-                                  cluster_roles, code_inputs, distribution_env, pluto_scaling_env, script_args,
+                                  cluster_roles, distribution_env, pluto_scaling_env, script_args, script_inputs,
                                   table_patterns)
 from paicli.errors import SpecError
 from paicli.jobplan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import TF_LEGACY_RUNTIME, get_runtime, runner_path
-from paicli.runners.script_imports import local_modules
 from paicli.spec import JobSpec, Param
-
-# -DrequireDistributed: the runner prints the TF cause (tensorflow_runner.report_distribution),
-# the master judges it (cluster/distribution.py).
-DISTRIBUTION_PARAMS: tuple[Param, ...] = (REQUIRE_DISTRIBUTED,)
 
 ROLES = ("ps", "worker", "chief", "evaluator")     # also the start order: services first
 RUNNER = "tensorflow_runner.py"
 
-_NUMBER = NUMBER
 # The seed's `step=3, global_step=3, loss=6.97, duration=3.6s`: paicli's key=value
 # pattern, except for ALL-CAPS keys, which are environment variables in TensorFlow's
 # own messages (`set the environment variable TF_ENABLE_ONEDNN_OPTS=0`), not metrics,
 # and tf_cnn_benchmarks' `(jitter = 10.1)`, the spread of its images/sec, not a metric.
 TF_KEY_VALUE_METRIC = r"(?![A-Z][A-Z0-9_]*\s*=)(?!jitter\s*=)" + KEY_VALUE_METRIC
 # tf.compat.v1.train.LoggingTensorHook / Estimator: `loss = 0.52, step = 100 (0.3 sec)`
-LOGGING_TENSOR_HOOK_METRIC = rf"\bloss = (?P<loss>{_NUMBER}), step = (?P<step>\d+)"
+LOGGING_TENSOR_HOOK_METRIC = rf"\bloss = (?P<loss>{NUMBER}), step = (?P<step>\d+)"
 # ...and the StepCounterHook of MonitoredTrainingSession / Estimator: `global_step/sec: 41.2`
-STEP_COUNTER_METRIC = rf"\bglobal_step/sec: (?P<global_steps_per_sec>{_NUMBER})"
+STEP_COUNTER_METRIC = rf"\bglobal_step/sec: (?P<global_steps_per_sec>{NUMBER})"
 # tf_cnn_benchmarks (benchmark_cnn.py): `STEP\timages/sec: MEAN +/- UNCERTAINTY (jitter =
 # JITTER)\tLOSS[\tTOP1\tTOP5]`; a diverged loss prints as nan/inf: the line still gives its
 # step and images/sec (the parser keeps finite values only).
 CNN_BENCHMARK_STEP_METRIC = (
-    rf"^[ \t]*(?P<step>\d+)\timages/sec: (?P<images_per_sec>{_NUMBER})"
-    rf"(?: \+/- {_NUMBER} \(jitter = {_NUMBER}\))?\t(?P<loss>{_NUMBER}|[-+]?(?:nan|inf))"
-    rf"(?:\t(?P<top_1_accuracy>{_NUMBER})\t(?P<top_5_accuracy>{_NUMBER}))?[ \t]*$"
+    rf"^[ \t]*(?P<step>\d+)\timages/sec: (?P<images_per_sec>{NUMBER})"
+    rf"(?: \+/- {NUMBER} \(jitter = {NUMBER}\))?\t(?P<loss>{NUMBER}|[-+]?(?:nan|inf))"
+    rf"(?:\t(?P<top_1_accuracy>{NUMBER})\t(?P<top_5_accuracy>{NUMBER}))?[ \t]*$"
 )
-CNN_BENCHMARK_TOTAL_METRIC = rf"^total images/sec: (?P<total_images_per_sec>{_NUMBER})[ \t]*$"
-CNN_BENCHMARK_EVAL_METRIC = (rf"^Accuracy @ 1 = (?P<top_1_accuracy>{_NUMBER}) "
-                             rf"Accuracy @ 5 = (?P<top_5_accuracy>{_NUMBER})")
+CNN_BENCHMARK_TOTAL_METRIC = rf"^total images/sec: (?P<total_images_per_sec>{NUMBER})[ \t]*$"
+CNN_BENCHMARK_EVAL_METRIC = (rf"^Accuracy @ 1 = (?P<top_1_accuracy>{NUMBER}) "
+                             rf"Accuracy @ 5 = (?P<top_5_accuracy>{NUMBER})")
 # Keras progress lines, Keras 3 and legacy Keras 2 (verbose=2, and a verbose=1 bar's
 # last redraw): `6/6 - 0s - 12ms/step - accuracy: 0.5156 - loss: 0.6621`
 # ...and the loss on its own, in case a line yields only its first key/value match.
-KERAS_LOSS_METRIC = rf"\s-\sloss: (?P<loss>{_NUMBER})"
-KERAS_METRIC = rf"(?:^|\s-\s)(?P<key>[a-z][a-z0-9_]*): (?P<value>{_NUMBER})(?![\w.])"
+KERAS_LOSS_METRIC = rf"\s-\sloss: (?P<loss>{NUMBER})"
+KERAS_METRIC = rf"(?:^|\s-\s)(?P<key>[a-z][a-z0-9_]*): (?P<value>{NUMBER})(?![\w.])"
 KERAS_EPOCH_METRIC = r"^Epoch (?P<epoch>\d+)/\d+\s*$"
 
 # The TensorFlow parser table: each row a line captured from a real run and what the
@@ -132,7 +126,7 @@ TF_PARAMS: tuple[Param, ...] = (
                "default, variable i on ps i mod P. greedy: each variable on the ps holding the "
                "fewest bytes so far (Pluto's load balancing; the script needs no change)."),
     *PLUTO_SCALING_PARAMS,
-    *DISTRIBUTION_PARAMS,
+    REQUIRE_DISTRIBUTED,   # the runner prints the cause, cluster/distribution.py judges it
 )
 
 
@@ -161,16 +155,6 @@ def names_by_runtime() -> dict[str, list[str]]:
         if runtime:
             out.setdefault(runtime, []).append(name)
     return out
-
-
-def script_inputs(code: StagedCode) -> list[str]:
-    """A plain script and the modules of its own it imports (its folder's files, found
-    as `import` would): every node needs them, e.g. tf_cnn_benchmarks.py's
-    benchmark_cnn.py. An archive travels whole."""
-    inputs = code_inputs(code)
-    if inputs and code.entry is not None:
-        inputs = local_modules(str(code.entry), [str(code.entry.parent)])
-    return inputs
 
 
 class TensorflowAdapter(Adapter):

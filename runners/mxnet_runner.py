@@ -169,17 +169,10 @@ def compression_params(env: dict[str, str]) -> dict | None:
 KVSTORE_FLAGS = ("kv-store", "kvstore", "kv_store")
 
 
-def defined_flags(script: str, wanted: tuple[str, ...], top: str | None = None) -> list[str]:
+def defined_flags(script: str, wanted: tuple[str, ...]) -> list[str]:
     """Which of `wanted` (flag names without dashes) the script defines, in its own
-    source or in the modules of its folder (`top`, default the script's) it imports."""
-    return script_imports.defined_flags(script_imports.local_modules(script, [top] if top else None), wanted)
-
-
-def script_files(script: str, top: str | None = None) -> list[str]:
-    """The script and every source file of its folder (`top`) it needs on another
-    node: the modules it imports, followed import by import, and the packages it
-    loads by name with importlib.import_module('pkg.' + ...), whole."""
-    return script_imports.local_modules(script, [top] if top else None, by_name=True)
+    source or in the modules of its folder it imports."""
+    return script_imports.defined_flags(script_imports.local_modules(script), wanted)
 
 
 def given_flag(args: list[str], names: tuple[str, ...]) -> str | None:

@@ -84,9 +84,20 @@ def test_a_script_without_a_kvstore_flag_gets_no_flag(tmp_path):
 # Parser tables: each row's captured line, through the master's parser with the whole table
 
 
+def table_errors(table, parse) -> list[str]:
+    """Rows whose sample the whole table does not read as the row says (`parse`:
+    the master's line parser over table_patterns(table))."""
+    errors = []
+    for rule in table:
+        _step, found = parse(rule.sample)
+        if found != rule.reads:
+            errors.append(f"{rule.what}: {rule.sample!r} reads {found}, expected {rule.reads}")
+    return errors
+
+
 @pytest.mark.parametrize("framework", ["mxnet", "caffe"])
 def test_every_row_of_the_parser_table_reads_its_captured_line(framework):
-    from paicli.adapters.base import table_errors, table_patterns
+    from paicli.adapters.base import table_patterns
     from paicli.adapters.caffe import CAFFE_LINES
     from paicli.adapters.mxnet import MXNET_LINES
     from paicli.cluster.logsink import MetricParser
@@ -97,7 +108,7 @@ def test_every_row_of_the_parser_table_reads_its_captured_line(framework):
 
 
 def test_a_table_row_that_reads_too_much_is_reported():
-    from paicli.adapters.base import LineRule, table_errors, table_patterns
+    from paicli.adapters.base import LineRule, table_patterns
     from paicli.cluster.logsink import MetricParser
     from paicli.jobplan import KEY_VALUE_METRIC
 

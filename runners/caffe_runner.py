@@ -173,10 +173,11 @@ def choose_device(wants_gpu: bool, placed: bool, gpu_works) -> tuple[str, str | 
     return "gpu", None
 
 
-def solver_device(args, text: str) -> str:
+def solver_device(args) -> str:
     """The device this worker runs on; says so when a GPU solver runs on CPU."""
-    device, note = choose_device(solver_wants_gpu(text), gpus_placed(os.environ),
-                                 lambda: caffe_can_use_gpu(args.caffe))
+    with open(args.solver, encoding="utf-8", errors="replace") as f:
+        wants_gpu = solver_wants_gpu(f.read())
+    device, note = choose_device(wants_gpu, gpus_placed(os.environ), lambda: caffe_can_use_gpu(args.caffe))
     if note:
         log(note)
     return device
@@ -209,10 +210,10 @@ def prepare_solver(args, workdir: str, device: str = "cpu") -> tuple[str, str]:
         log(f"pluto: training batch_size {args.batch_size} in the job's copy of the net")
         text = copy_net(text, args.batch_size, workdir)
         copy = True
+    if not prefix and not args.checkpoint_dir:
+        # Caffe's default prefix names the solver file, and a copy lives in a temp folder.
+        text = set_solver_field(text, "snapshot_prefix", os.path.splitext(os.path.abspath(args.solver))[0])
     if copy:
-        if prefix is None and not args.checkpoint_dir:
-            # Caffe's default prefix names the solver file, and the copy lives in a temp folder.
-            text = set_solver_field(text, "snapshot_prefix", os.path.splitext(os.path.abspath(args.solver))[0])
         path = os.path.join(workdir, os.path.basename(args.solver))
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
@@ -593,8 +594,7 @@ def run_averaging_worker(args) -> int:
     # Data sharding: Caffe's HDF5Data and Data (LMDB/LevelDB) layers keep record k
     # when k % solver_count == solver_rank. Rank 0 is Caffe's "root solver": it alone
     # logs Caffe's display lines, tests and snapshots.
-    with open(args.solver, encoding="utf-8", errors="replace") as f:
-        device = solver_device(args, f.read())
+    device = solver_device(args)
     if device == "gpu":
         caffe.set_mode_gpu()
         caffe.set_device(0)  # the first card placed for this instance (CUDA_VISIBLE_DEVICES)
@@ -608,9 +608,6 @@ def run_averaging_worker(args) -> int:
         snapshot_after = (solver_field(text, "snapshot_after_train") or "true").lower() != "false"
         # Snapshots are taken here, after averaging, not inside step() before it.
         run_text = set_solver_field(text, "snapshot", "0", quoted=False)
-        if not solver_field(text, "snapshot_prefix"):
-            # Caffe's default names the solver file, and this copy lives in a temp folder.
-            run_text = set_solver_field(run_text, "snapshot_prefix", os.path.splitext(os.path.abspath(args.solver))[0])
         run_path = os.path.join(workdir, "averaging_" + os.path.basename(path))
         with open(run_path, "w", encoding="utf-8") as f:
             f.write(run_text)
@@ -658,9 +655,6 @@ def run_averaging_worker(args) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------
-
-
 def parse_args(argv: list[str]):
     parser = argparse.ArgumentParser(prog="caffe_runner.py")
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -683,7 +677,6 @@ def parse_args(argv: list[str]):
     average = sub.add_parser("average")
     average.add_argument("--workers", type=int, required=True)
     return parser.parse_args(argv)
-
 
 
 RUNTIME_LOCK: int | None = None
@@ -710,8 +703,7 @@ def main(argv: list[str]) -> int:
         return watch([args.python, "-u", os.path.abspath(__file__), *argv, "--child"])
     if args.warmup_iters:
         log("pluto: no learning-rate warm-up with one worker (`caffe train` runs the solver as it is)")
-    with open(args.solver, encoding="utf-8", errors="replace") as f:
-        device = solver_device(args, f.read())
+    device = solver_device(args)
     with tempfile.TemporaryDirectory(prefix="caffe-", dir=scratch_parent()) as workdir:
         path, _text = prepare_solver(args, workdir, device)
         command = [args.caffe, "train", f"--solver={path}"]

@@ -62,7 +62,6 @@ def _urls(value: Any) -> list[str]:
     URLs (PAI's odps://, s3://, ...) reach the script untouched."""
     if not value or not isinstance(value, str):
         return []   # most jobs name no table
-
     urls = paitables.split_urls(value)
     return [u for u in urls if u.startswith(("file://", "sqlite://")) or "://" not in u]
 
@@ -119,12 +118,12 @@ def prepare(spec: Any, plan: Any, job_dir: str | Path, base: str = "") -> dict |
     """Check -Dtables/-Doutputs, write the job's index, give the sliced role its
     environment. None when the job names no table."""
     job_dir = Path(os.path.abspath(job_dir))
-    buckets = check_buckets(spec.get("buckets"), job_dir, base or os.getcwd())
+    base = base or os.getcwd()
+    buckets = check_buckets(spec.get("buckets"), job_dir, base)
     module_path(plan, job_dir)
     if not _urls(spec.get("tables")) and not _urls(spec.get("outputs")):
         return {"buckets": buckets} if buckets else None
     role = sliced_role(plan)
-    base = base or os.getcwd()
     index = {"slice_role": role.name, "slice_count": role.count,
              "tables": check_tables(spec.get("tables") or "", role.count, base),
              "outputs": check_outputs(spec.get("outputs") or "", job_dir, base)}
@@ -140,9 +139,7 @@ def prepare(spec: Any, plan: Any, job_dir: str | Path, base: str = "") -> dict |
 
 
 def _role_env(spec: Any, role: Any, path: Path, sliced: str, count: int) -> dict[str, str]:
-    env = {"PAI_TABLES_INDEX": str(path)} if role.name == sliced else {}
-    if role.name == sliced:
-        env["PAI_SLICE_COUNT"] = str(count)
+    env = {"PAI_TABLES_INDEX": str(path), "PAI_SLICE_COUNT": str(count)} if role.name == sliced else {}
     if spec.get("tables"):
         env["PAI_TABLES"] = spec.get("tables")
     if spec.get("outputs"):
@@ -483,19 +480,13 @@ def bucket_trees(job_dir: str | Path) -> list[dict]:
             for name in sorted(filenames):
                 path = os.path.join(dirpath, name)
                 if os.path.isfile(path) and not os.path.islink(path):
-                    sources.append((os.path.relpath(path, folder), _file_digest(path), path))
+                    with open(path, "rb") as f:
+                        digest = hashlib.file_digest(f, "sha256").hexdigest()
+                    sources.append((os.path.relpath(path, folder), digest, path))
         files = [[rel, digest] for rel, digest, _ in sources]
         trees.append({"digest": hashlib.sha256(json.dumps(files).encode()).hexdigest(), "files": files,
                       "sources": sources, "path": folder, "link": dst})
     return trees
-
-
-def _file_digest(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def node_buckets_argv(plan: Any, trees: list[dict]) -> None:

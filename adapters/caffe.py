@@ -155,9 +155,12 @@ class CaffeAdapter(Adapter):
 
     def plan(self, spec: JobSpec, code: StagedCode) -> JobPlan:
         self.validate(spec)
+        solver = self._solver(spec, code)
         try:
             runtime = get_runtime(self.runtime)
             python = runtime.python()
+            # `caffe train` (one worker) and the GPU check (solver_mode, any count) need the binary.
+            caffe = runtime.caffe() if solver is not None else None
         except RuntimeSetupError as err:
             raise PaiError(f"the caffe runtime: {err}") from None
         roles = cluster_roles(spec, {"worker": {"count": 1}})
@@ -165,7 +168,6 @@ class CaffeAdapter(Adapter):
             raise SpecError("-Dcluster", 'has no "worker" role',
                             'add one, e.g. {"ps":{"count":1},"worker":{"count":2}}')
         workers = roles["worker"]["count"]
-        solver = self._solver(spec, code)
         notes: list[str] = [f"runtime: {runtime.description}"]
         if solver is None:
             return self._script_plan(spec, code, python, roles, notes)
@@ -174,7 +176,7 @@ class CaffeAdapter(Adapter):
         # only in place then): see runners/caffe_runner.py solver_cwd.
         cwd = code.cwd
         notes.append(f"solver {solver}; runs in the folder where its net path resolves")
-        solve = [python, "-u", runner_path(RUNNER), "solve", "--solver", str(solver)]
+        solve = [python, "-u", runner_path(RUNNER), "solve", "--solver", str(solver), "--caffe", caffe]
         if code.root is not None:
             solve += ["--top", str(code.root)]
         if spec.get("weights"):
@@ -189,11 +191,6 @@ class CaffeAdapter(Adapter):
         env = {"GLOG_logtostderr": "1", **distribution_env(spec)}
         plan_roles = []
         restart = RESTART_INSTANCE
-        # Both `caffe train` (one worker) and the GPU check (solver_mode, any count) need the binary.
-        try:
-            solve += ["--caffe", runtime.caffe()]
-        except RuntimeSetupError as err:
-            raise PaiError(f"the caffe runtime: {err}") from None
         if workers == 1:
             if "ps" in roles:
                 notes.append("one worker: nothing to average, the ps is not started")

@@ -216,7 +216,6 @@ def _intact(root: str, top: str, files: list) -> bool:
 def _remove_tree(path: str) -> None:
     for dirpath, dirs, files in os.walk(path, topdown=True):
         os.chmod(dirpath, 0o700)
-
     shutil.rmtree(path, ignore_errors=True)
 
 

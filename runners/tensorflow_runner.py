@@ -110,9 +110,7 @@ def classic_flag_values(wanted: list[str], role: str, index: int,
 def defined_classic_flags(script: str, code_root: str | None = None) -> list[str]:
     """The classic cluster flags that the code defines: in the entry script or in any
     module of its own that it imports (the script's folder, an archive's root)."""
-    roots = [os.path.dirname(os.path.abspath(script))]
-    if code_root and os.path.abspath(code_root) not in roots:
-        roots.append(os.path.abspath(code_root))
+    roots = [os.path.dirname(os.path.abspath(script)), *([code_root] if code_root else [])]
     return script_imports.defined_flags(script_imports.local_modules(script, roots), CLASSIC_FLAGS)
 
 
@@ -132,17 +130,16 @@ def is_port_taken(err: BaseException) -> bool:
     return any(marker in text for marker in _PORT_TAKEN)
 
 
-def import_tensorflow_quietly(import_=None):
+def import_tensorflow_quietly():
     """`import tensorflow` with its import-time banner dropped: fd 2 goes to a file for
     the length of the import, then everything else in it is written back. Everything
     TensorFlow prints later, warnings included, is untouched."""
-    import_ = import_ or builtins.__import__
     sys.stderr.flush()
     saved = os.dup(2)
     capture = tempfile.TemporaryFile()
     os.dup2(capture.fileno(), 2)
     try:
-        return import_("tensorflow")
+        return __import__("tensorflow")
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)
@@ -165,7 +162,7 @@ def quiet_first_tensorflow_import() -> None:
         if level == 0 and (name == "tensorflow" or name.startswith("tensorflow.")) \
                 and "tensorflow" not in sys.modules:
             builtins.__import__ = real_import
-            import_tensorflow_quietly(real_import)
+            import_tensorflow_quietly()
         return real_import(name, globals, locals, fromlist, level)
 
     builtins.__import__ = first_import
@@ -466,7 +463,6 @@ def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
         else:
             sys.exit(f"tensorflow runner: unknown option {opt!r}")
     return options, rest
-
 
 
 RUNTIME_LOCK: int | None = None

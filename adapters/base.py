@@ -146,33 +146,9 @@ def pluto_scaling_env(spec: JobSpec) -> dict[str, str]:
     return env
 
 
-# ---------------------------------------------------------------------------
-# Parser tables: each framework's log lines understood.
-# Each row: a line captured from a real run and what the WHOLE table must read from
-# it, so a pattern that reads too much or steals another row's line fails a test.
-
-
 # A number as frameworks print it in their progress lines (1, -0.5, .25, 3e-05): the
-# parser tables' one spelling (Caffe adds nan/inf to it).
+# metric patterns' one spelling (Caffe adds nan/inf to it).
 NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
-
-
-@dataclass(frozen=True)
-class LineRule:
-    what: str                   # the line, in words (where it comes from)
-    pattern: str                # the regex the master runs (see paicli.jobplan.JobPlan.metric_patterns)
-    sample: str                 # a line captured from a real run of the framework
-    reads: dict                 # what the whole table reads from `sample`: {metric: value}
-
-
-def table_patterns(table: tuple[LineRule, ...]) -> tuple[str, ...]:
-    """The patterns of a table, in its order, without repeats (rows that only
-    document a line the other rows read, or must not read, share a pattern)."""
-    seen: list[str] = []
-    for rule in table:
-        if rule.pattern and rule.pattern not in seen:
-            seen.append(rule.pattern)
-    return tuple(seen)
 
 
 # ---------------------------------------------------------------------------

@@ -23,8 +23,8 @@ import os
 import secrets
 from pathlib import Path
 
-from paicli.adapters.base import (NUMBER, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode, cluster_roles,
-                                  code_inputs, distribution_env, positive, script_args, table_patterns)
+from paicli.adapters.base import (NUMBER, REQUIRE_DISTRIBUTED, Adapter, StagedCode, cluster_roles, code_inputs,
+                                  distribution_env, positive, script_args)
 from paicli.errors import PaiError, SpecError
 from paicli.jobplan import RESTART_INSTANCE, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.caffe_runner import DEFAULT_MA_PERIOD, solver_cwd, solver_field
@@ -36,7 +36,6 @@ SOLVER_SUFFIXES = (".prototxt", ".pbtxt", ".txt")
 ROLES = ("ps", "worker")
 
 _N = NUMBER + r"|[-+]?(?:nan|inf)"
-_GLOG = "I1123 17:06:48.164947 15674 solver.cpp:239] "  # the glog head of the captured lines
 # I1122 ... solver.cpp:239] Iteration 20 (58.8 iter/s, 0.34s/20 iters), loss = 1.23
 ITERATION_METRIC = (rf"\bIteration (?P<step>[1-9]\d*) \((?P<iter_per_s>{_N}) iter/s, "
                     rf"(?P<sec_per_display>{_N})s/\d+ iters\), loss = (?P<loss>{_N})")
@@ -57,43 +56,11 @@ ROUND_METRIC = (rf"model averaging round (?P<ma_round>\d+) at iteration (?P<step
 # the averaging ps: the model's size (Pluto's calibration reads it)
 PS_ROUND_METRIC = rf"averaging round \d+ at iteration \d+: \d+ workers, (?P<model_mb>{_N}) MB"
 
-# The Caffe parser table: lines captured from `caffe train` (BVLC Caffe 1.0, Debian's
-# build) and from the runner's model averaging, and what pai reads from each.
-CAFFE_LINES = (
-    LineRule("caffe train display line", ITERATION_METRIC,
-             _GLOG + "Iteration 20 (20000 iter/s, 0.001s/20 iters), loss = 1.0235",
-             {"step": 20, "iter_per_s": 20000, "sec_per_display": 0.001, "loss": 1.0235}),
-    LineRule("iteration 0: its rate is garbage", FIRST_ITERATION_METRIC,
-             _GLOG + "Iteration 0 (2.75136e-27 iter/s, 0s/20 iters), loss = 1.50008", {"step": 0, "loss": 1.50008}),
-    LineRule("the run's last line", LAST_ITERATION_METRIC,
-             "I1123 17:06:48.412217 15674 solver.cpp:327] Iteration 200, loss = 0.350417",
-             {"step": 200, "loss": 0.350417}),
-    LineRule("learning rate", LR_METRIC,
-             "I1123 17:06:48.164956 15674 sgd_solver.cpp:112] Iteration 20, lr = 0.01", {"step": 20, "lr": 0.01}),
-    LineRule("train output: the loss is read above", TRAIN_OUTPUT_METRIC,
-             "I1123 17:06:48.164954 15674 solver.cpp:258]     Train net output #0: loss = 1.0235 "
-             "(* 1 = 1.0235 loss)", {}),
-    LineRule("test loss", TEST_LOSS_METRIC,
-             "I1123 17:06:48.163300 15674 solver.cpp:414]     Test net output #1: loss = 1.69035 "
-             "(* 1 = 1.69035 loss)", {"test_loss": 1.69035}),
-    LineRule("test accuracy", TEST_OUTPUT_METRIC,
-             "I1123 17:06:48.163293 15674 solver.cpp:414]     Test net output #0: accuracy = 0.158203",
-             {"accuracy": 0.158203}),
-    LineRule("testing starts: not a metric", "",
-             "I1123 17:06:48.163007 15674 solver.cpp:347] Iteration 0, Testing net (#0)", {}),
-    LineRule("averaged model (runner, worker 0)", AVERAGED_LOSS_METRIC,
-             "Averaged model loss = 0.412 (starting loss = 1.52)", {"averaged_loss": 0.412, "starting_loss": 1.52}),
-    LineRule("averaging round (runner, a worker)", ROUND_METRIC,
-             "model averaging round 3 at iteration 60: exchange took 1.8 ms",
-             {"ma_round": 3, "step": 60, "exchange_ms": 1.8}),
-    LineRule("averaging round (runner, the ps)", PS_ROUND_METRIC,
-             "averaging round 3 at iteration 60: 2 workers, 0.03 MB, waited 2 ms, averaged in 0.1 ms",
-             {"model_mb": 0.03}),
-    LineRule("the ps's verdict when nothing was averaged: not a metric", "",
-             "not distributed: ps:0 averaged nothing: the workers ended without one averaging round "
-             "(no iterations left to run: max_iter reached, or a snapshot at it)", {}),
-)
-CAFFE_METRIC_PATTERNS = table_patterns(CAFFE_LINES)
+# What pai reads from this framework's lines; tests/metric_lines.py holds a line captured
+# from a real run for each, and what the whole list must read from it.
+CAFFE_METRIC_PATTERNS = (ITERATION_METRIC, FIRST_ITERATION_METRIC, LAST_ITERATION_METRIC, LR_METRIC,
+                         TRAIN_OUTPUT_METRIC, TEST_LOSS_METRIC, TEST_OUTPUT_METRIC, AVERAGED_LOSS_METRIC,
+                         ROUND_METRIC, PS_ROUND_METRIC)
 
 CAFFE_PARAMS: tuple[Param, ...] = (
     Param("solver", "path",

@@ -11,9 +11,9 @@ for it forever), so a retryable failure restarts the whole job: restart="job".
 
 from __future__ import annotations
 
-from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode,
+from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, StagedCode,
                                   cluster_roles, distribution_env, pluto_scaling_env, positive, script_args,
-                                  script_inputs, table_patterns)
+                                  script_inputs)
 from paicli.errors import SpecError
 from paicli.jobplan import RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import get_runtime, runner_path
@@ -58,55 +58,11 @@ MX_KEY_VALUE_METRIC = (
     rf"(?P<value>{NUMBER})s?(?![\w.])(?!(?:, [A-Za-z_]\w*=(?:'[^'\n]*'|[^,\n()]*)){{0,128}}+\)[ \t]*$)"
 )
 
-# The MXNet parser table: lines captured from real runs of MXNet 1.9.1, and what pai
-# reads from each.
-MXNET_LINES = (
-    LineRule("Speedometer (Module.fit, Gluon image_classification.py)", SPEEDOMETER_METRIC,
-             "INFO:root:Epoch[0] Batch [10-20]\tSpeed: 2169.50 samples/sec\taccuracy=0.789062",
-             {"epoch": 0, "batch": 20, "speed": 2169.5, "accuracy": 0.789062}),
-    LineRule("Speedometer with several metrics, older `Batch [N]`", SPEEDOMETER_METRIC,
-             "Epoch[2] Batch [100]\tSpeed: 512.33 samples/sec\taccuracy=0.5\tcross-entropy=1.25",
-             {"epoch": 2, "batch": 100, "speed": 512.33, "accuracy": 0.5, "cross-entropy": 1.25}),
-    LineRule("Module.fit epoch time", EPOCH_TIME_METRIC, "INFO:root:Epoch[0] Time cost=1.464",
-             {"epoch": 0, "epoch_seconds": 1.464}),
-    LineRule("Module.fit train score", EPOCH_SCORE_METRIC, "INFO:root:Epoch[0] Train-accuracy=0.777593",
-             {"epoch": 0, "Train-accuracy": 0.777593}),
-    LineRule("Module.fit validation score", EPOCH_SCORE_METRIC,
-             "INFO:root:Epoch[0] Validation-accuracy=0.996094",
-             {"epoch": 0, "Validation-accuracy": 0.996094}),
-    LineRule("Speedometer with two metrics (Gluon image_classification.py)", SPEEDOMETER_METRIC,
-             "INFO:root:Epoch[1] Batch [49]\tSpeed: 87.082893 samples/sec\taccuracy=1.000000, top_k_accuracy_5=1.000000",
-             {"epoch": 1, "batch": 49, "speed": 87.082893, "accuracy": 1.0, "top_k_accuracy_5": 1.0}),
-    LineRule("Gluon epoch, training (image_classification.py)", GLUON_EPOCH_METRIC,
-             "INFO:root:[Epoch 0] training: accuracy=1.000000, top_k_accuracy_5=0.990000",
-             {"epoch": 0, "accuracy": 1.0, "top_k_accuracy_5": 0.99}),
-    LineRule("Gluon epoch, training (mnist.py)", GLUON_EPOCH_METRIC, "[Epoch 0] Training: accuracy=0.627344",
-             {"epoch": 0, "accuracy": 0.627344}),
-    LineRule("Gluon batch (mnist.py)", GLUON_BATCH_METRIC,
-             "[Epoch 0 Batch 10] Training: accuracy=0.326705", {"epoch": 0, "batch": 10, "accuracy": 0.326705}),
-    LineRule("Gluon epoch, time", GLUON_EPOCH_TIME_METRIC, "INFO:root:[Epoch 0] time cost: 4.479419",
-             {"epoch": 0, "epoch_seconds": 4.479419}),
-    LineRule("Gluon epoch, validation (mnist.py)", GLUON_VALIDATION_METRIC, "[Epoch 0] Validation: accuracy=0.914062",
-             {"epoch": 0, "validation_accuracy": 0.914062}),
-    LineRule("Gluon epoch, validation with two metrics (image_classification.py)", GLUON_VALIDATION_METRIC,
-             "INFO:root:[Epoch 0] validation: accuracy=1.000000, top_k_accuracy_5=1.000000",
-             {"epoch": 0, "validation_accuracy": 1.0, "validation_top_k_accuracy_5": 1.0}),
-    LineRule("Gluon checkpoint notice (image_classification.py): not metrics", "",
-             "INFO:root:[Epoch 0] Saving checkpoint to mobilenet0.25_best.params with Accuracy: 1.0000", {}),
-    LineRule("a script's own step line (examples/mxnet)", MX_KEY_VALUE_METRIC,
-             "step=12, loss=0.2630, duration=0.006s", {"step": 12, "loss": 0.263, "duration": 0.006}),
-    LineRule("argparse settings printed by fit.py: not metrics", "",
-             "INFO:root:start with arguments Namespace(network='lenet', num_layers=50, gpus=None, "
-             "kv_store='device', num_epochs=2, lr=0.1, lr_factor=0.1, batch_size=32, disp_batches=5, "
-             "image_shape='1,28,28', num_classes=10, num_examples=640, benchmark=1)", {}),
-    LineRule("MXNet's own notices: not metrics", "",
-             "[17:05:50] ../src/executor/graph_executor.cc:1991: Subgraph backend MKLDNN is activated.", {}),
-    LineRule("the runner's kvstore flag line: not metrics", "",
-             "mxnet_runner: passing --kv-store=dist_sync (-Dkvstore) to the script, which defines --kv-store", {}),
-    LineRule("the runner's verdict on a worker that trained alone: not metrics", "",
-             "mxnet_runner: not distributed: worker:1 trained alone: the script created kvstore 'device'; "
-             "pass --kv-store dist_sync, or leave --kv-store out so that -Dkvstore reaches the script", {}),
-)
+# What pai reads from this framework's lines; tests/metric_lines.py holds a line captured
+# from a real run for each, and what the whole list must read from it.
+MXNET_METRIC_PATTERNS = (SPEEDOMETER_METRIC, EPOCH_TIME_METRIC, EPOCH_SCORE_METRIC, GLUON_EPOCH_METRIC,
+                         GLUON_BATCH_METRIC, GLUON_EPOCH_TIME_METRIC, GLUON_VALIDATION_METRIC,
+                         MX_KEY_VALUE_METRIC)
 
 ROLE_ALIASES = {"ps": "server"}
 KNOWN_ROLES = ("server", "worker")
@@ -140,7 +96,7 @@ class MxnetAdapter(Adapter):
         *PLUTO_SCALING_PARAMS,
         REQUIRE_DISTRIBUTED,
     )
-    metric_patterns = table_patterns(MXNET_LINES)
+    metric_patterns = MXNET_METRIC_PATTERNS
 
     def validate(self, spec: JobSpec) -> None:
         super().validate(spec)

@@ -22,9 +22,8 @@ passed when those parameters are given, then hyperParameters, then userDefinedPa
 from __future__ import annotations
 
 from paicli.adapters import _load
-from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, LineRule, StagedCode,
-                                  cluster_roles, distribution_env, pluto_scaling_env, script_args, script_inputs,
-                                  table_patterns)
+from paicli.adapters.base import (NUMBER, PLUTO_SCALING_PARAMS, REQUIRE_DISTRIBUTED, Adapter, StagedCode,
+                                  cluster_roles, distribution_env, pluto_scaling_env, script_args, script_inputs)
 from paicli.errors import SpecError
 from paicli.jobplan import KEY_VALUE_METRIC, RESTART_JOB, JobPlan, RolePlan
 from paicli.runners.runtimes import TF_LEGACY_RUNTIME, get_runtime, runner_path
@@ -60,58 +59,11 @@ KERAS_LOSS_METRIC = rf"\s-\sloss: (?P<loss>{NUMBER})"
 KERAS_METRIC = rf"(?:^|\s-\s)(?P<key>[a-z][a-z0-9_]*): (?P<value>{NUMBER})(?![\w.])"
 KERAS_EPOCH_METRIC = r"^Epoch (?P<epoch>\d+)/\d+\s*$"
 
-# The TensorFlow parser table: each row a line captured from a real run and what the
-# whole table reads from it. Rows with no pattern are lines nothing may read.
-TF_LINES = (
-    LineRule("the seed's step line (examples/tensorflow/async_ps_worker.py)", TF_KEY_VALUE_METRIC,
-             "step=25, global_step=41, loss=0.0099, duration=0.005s.",
-             {"step": 25, "global_step": 41, "loss": 0.0099, "duration": 0.005}),
-    LineRule("tf_cnn_benchmarks step (trivial, sync)", CNN_BENCHMARK_STEP_METRIC,
-             "20\timages/sec: 75.0 +/- 1.5 (jitter = 4.9)\t32.641",
-             {"step": 20, "images_per_sec": 75.0, "loss": 32.641}),
-    LineRule("tf_cnn_benchmarks step (lenet, async)", CNN_BENCHMARK_STEP_METRIC,
-             "10\timages/sec: 90.1 +/- 5.6 (jitter = 8.9)\t3122239787064721670144.000",
-             {"step": 10, "images_per_sec": 90.1, "loss": 3.122239787064721670144e21}),
-    LineRule("tf_cnn_benchmarks step, a diverged loss (its '%.*f' of NaN)", CNN_BENCHMARK_STEP_METRIC,
-             "15\timages/sec: 88.2 +/- 4.1 (jitter = 9.0)\tnan",
-             {"step": 15, "images_per_sec": 88.2}),
-    LineRule("tf_cnn_benchmarks step with --print_training_accuracy", CNN_BENCHMARK_STEP_METRIC,
-             "100\timages/sec: 412.3 +/- 0.9 (jitter = 3.1)\t7.112\t0.001\t0.006",
-             {"step": 100, "images_per_sec": 412.3, "loss": 7.112, "top_1_accuracy": 0.001,
-              "top_5_accuracy": 0.006}),
-    LineRule("tf_cnn_benchmarks total", CNN_BENCHMARK_TOTAL_METRIC, "total images/sec: 148.43",
-             {"total_images_per_sec": 148.43}),
-    LineRule("tf_cnn_benchmarks eval", CNN_BENCHMARK_EVAL_METRIC,
-             "Accuracy @ 1 = 0.0010 Accuracy @ 5 = 0.0050 [50000 examples]",
-             {"top_1_accuracy": 0.001, "top_5_accuracy": 0.005}),
-    LineRule("tf_cnn_benchmarks header: not metrics", "", "Step\tImg/sec\ttotal_loss", {}),
-    LineRule("LoggingTensorHook, Estimator", LOGGING_TENSOR_HOOK_METRIC,
-             "INFO:tensorflow:loss = 0.52, step = 100 (0.311 sec)", {"loss": 0.52, "step": 100}),
-    LineRule("StepCounterHook (MonitoredTrainingSession, log_step_count_steps)", STEP_COUNTER_METRIC,
-             "INFO:tensorflow:global_step/sec: 5193.86", {"global_steps_per_sec": 5193.86}),
-    LineRule("MonitoredTrainingSession's global-step warning: not a metric", "",
-             "WARNING:tensorflow:It seems that global step (tf.train.get_global_step) has not been increased. "
-             "Current value (could be stable): 17 vs previous value: 17. You could increase the global step by "
-             "passing tf.train.get_global_step() to Optimizer.apply_gradients or Optimizer.minimize.", {}),
-    LineRule("Keras 3, verbose=2", KERAS_METRIC,
-             "6/6 - 0s - 12ms/step - accuracy: 0.5156 - loss: 0.6621 - val_accuracy: 0.4688 - val_loss: 0.6742",
-             {"accuracy": 0.5156, "loss": 0.6621, "val_accuracy": 0.4688, "val_loss": 0.6742}),
-    LineRule("Keras 3, verbose=1 bar into a pipe (its last redraw: ANSI colours, no \\r)", KERAS_METRIC,
-             "\x1b[1m6/6\x1b[0m \x1b[32m━━━━━━━━━━━━━━━━━━━━\x1b[0m\x1b[37m\x1b[0m \x1b[1m1s\x1b[0m 79ms/step - "
-             "accuracy: 0.4792 - loss: 0.7134 - val_accuracy: 0.6250 - val_loss: 0.6671",
-             {"accuracy": 0.4792, "loss": 0.7134, "val_accuracy": 0.625, "val_loss": 0.6671}),
-    LineRule("legacy Keras 2 (tf-keras), verbose=2", KERAS_LOSS_METRIC,
-             "6/6 - 1s - loss: 0.7619 - accuracy: 0.5104 - val_loss: 0.8089 - val_accuracy: 0.3750 "
-             "- 817ms/epoch - 136ms/step",
-             {"loss": 0.7619, "accuracy": 0.5104, "val_loss": 0.8089, "val_accuracy": 0.375}),
-    LineRule("legacy Keras 2, verbose=1 bar (its last redraw)", KERAS_METRIC,
-             "8/8 [==============================] - 0s 1ms/step - loss: 0.7575 - accuracy: 0.4688",
-             {"loss": 0.7575, "accuracy": 0.4688}),
-    LineRule("Keras epoch", KERAS_EPOCH_METRIC, "Epoch 2/2", {"epoch": 2}),
-    LineRule("TensorFlow's import notice: not a metric", "",
-             "I0000 00:00:1795453614.777263   15864 port.cc:153] oneDNN custom operations are on. "
-             "To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.", {}),
-)
+# What pai reads from this framework's lines; tests/metric_lines.py holds a line captured
+# from a real run for each, and what the whole list must read from it.
+TF_METRIC_PATTERNS = (TF_KEY_VALUE_METRIC, CNN_BENCHMARK_STEP_METRIC, CNN_BENCHMARK_TOTAL_METRIC,
+                      CNN_BENCHMARK_EVAL_METRIC, LOGGING_TENSOR_HOOK_METRIC, STEP_COUNTER_METRIC,
+                      KERAS_METRIC, KERAS_LOSS_METRIC, KERAS_EPOCH_METRIC)
 
 TF_PARAMS: tuple[Param, ...] = (
     Param("scriptRoles", "choice", default="auto", choices=("auto", "all"),
@@ -163,7 +115,7 @@ class TensorflowAdapter(Adapter):
     task_name = "TensorflowTask"
     runtime = "tensorflow"
     params = TF_PARAMS
-    metric_patterns = table_patterns(TF_LINES)
+    metric_patterns = TF_METRIC_PATTERNS
 
     def roles(self, spec: JobSpec) -> dict[str, dict[str, int]]:
         roles = cluster_roles(spec, {"worker": {"count": 1}})

@@ -97,9 +97,8 @@ def table_errors(table, parse) -> list[str]:
 
 @pytest.mark.parametrize("framework", ["mxnet", "caffe"])
 def test_every_row_of_the_parser_table_reads_its_captured_line(framework):
-    from paicli.adapters.base import table_patterns
-    from paicli.adapters.caffe import CAFFE_LINES
-    from paicli.adapters.mxnet import MXNET_LINES
+    from metric_lines import CAFFE_LINES, MXNET_LINES, table_patterns
+
     from paicli.cluster.logsink import MetricParser
 
     table = {"mxnet": MXNET_LINES, "caffe": CAFFE_LINES}[framework]
@@ -108,7 +107,8 @@ def test_every_row_of_the_parser_table_reads_its_captured_line(framework):
 
 
 def test_a_table_row_that_reads_too_much_is_reported():
-    from paicli.adapters.base import LineRule, table_patterns
+    from metric_lines import LineRule, table_patterns
+
     from paicli.cluster.logsink import MetricParser
     from paicli.jobplan import KEY_VALUE_METRIC
 
@@ -177,9 +177,8 @@ def test_the_tables_and_the_import_scanner_take_any_text(tmp_path):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from paicli.adapters.caffe import CAFFE_LINES
-    from paicli.adapters.mxnet import MXNET_LINES
-    from paicli.adapters.base import table_patterns
+    from metric_lines import CAFFE_LINES, MXNET_LINES, table_patterns
+
     from paicli.cluster.logsink import MetricParser
 
     parsers = [MetricParser(list(table_patterns(t))) for t in (MXNET_LINES, CAFFE_LINES)]

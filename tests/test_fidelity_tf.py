@@ -240,7 +240,8 @@ def test_a_plain_script_takes_the_modules_it_imports_to_the_nodes(tmp_path):
 def test_every_row_of_the_parser_table_reads_its_captured_line():
     """Through the master's own parser, with the whole table: a row that reads too much
     (`jitter = 10.1` as a metric, before) or steals another row's line fails here."""
-    from paicli.adapters.tensorflow import TF_LINES
+    from metric_lines import TF_LINES
+
     from paicli.cluster.logsink import MetricParser
 
     parser = MetricParser(list(TensorflowAdapter.metric_patterns))
@@ -322,7 +323,8 @@ def test_the_parser_table_on_random_lines_is_fast_and_finite():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from paicli.adapters.tensorflow import TF_LINES
+    from metric_lines import TF_LINES
+
     from paicli.cluster.logsink import MetricParser
 
     parser = MetricParser(list(TensorflowAdapter.metric_patterns))

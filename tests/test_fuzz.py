@@ -11,14 +11,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from paicli import client
-from paicli.adapters.caffe import CAFFE_LINES
-from paicli.adapters.mxnet import MXNET_LINES
-from paicli.adapters.tensorflow import TF_LINES
 from paicli.cluster.logsink import MetricParser, literal_runs
 from paicli.errors import UsageError
 from paicli.statement import load_job_file, parse_statement
 
 from conftest import BEHAVE, pai
+from metric_lines import CAFFE_LINES, MXNET_LINES, TF_LINES
 
 KEYS = ["script", "cluster", "maxRetries", "timeout", "entryFile", "userDefinedParameters", "gpuRequired",
         "hyperParameters", "jobName", "clustr", "", "max_retries"]

@@ -47,11 +47,7 @@ def _load() -> dict[str, type]:
 
 def adapter_names() -> list[str]:
     """Canonical names, in registration order."""
-    seen = []
-    for cls in _load().values():
-        if cls.name not in seen:
-            seen.append(cls.name)
-    return seen
+    return list(dict.fromkeys(cls.name for cls in _load().values()))
 
 
 def get_adapter(name: str):

@@ -63,12 +63,8 @@ class Adapter:
 
 def cluster_roles(spec: JobSpec, default: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """-Dcluster as role -> {count, cpu, memory, gpu}, with `default` when absent."""
-    cluster = spec.get("cluster") or default
-    roles = {}
-    for role, conf in cluster.items():
-        roles[role] = {"count": conf.get("count", 1), "cpu": conf.get("cpu", 100),
-                       "memory": conf.get("memory", 0), "gpu": conf.get("gpu", 0)}
-    return roles
+    return {role: {"count": conf.get("count", 1), "cpu": conf.get("cpu", 100), "memory": conf.get("memory", 0),
+                   "gpu": conf.get("gpu", 0)} for role, conf in (spec.get("cluster") or default).items()}
 
 
 # PAI handed these parameters to the script as flags when they were given.

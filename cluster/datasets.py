@@ -493,14 +493,7 @@ def node_buckets_argv(plan: Any, trees: list[dict]) -> None:
     """On a node a bucket is a staged folder: `--buckets=file:///x` becomes
     `--buckets=/x` in the plan the master launches from, so the node's path
     mapping (cluster/node_files.py) turns it into the node's path."""
+    staged, flag = {t["path"] for t in trees}, "--buckets=file://"
     for role in plan.roles:
-        role.argv = [_plain_bucket(a, trees) for a in role.argv]
-
-
-def _plain_bucket(arg: str, trees: list[dict]) -> str:
-    head, eq, tail = arg.partition("=")
-    if head == "--buckets" and eq and tail.startswith("file://"):
-        path = tail[len("file://"):]
-        if any(os.path.normpath(path) == t["path"] for t in trees):
-            return f"{head}={path}"
-    return arg
+        role.argv = [f"--buckets={a[len(flag):]}" if a.startswith(flag) and os.path.normpath(a[len(flag):]) in staged
+                     else a for a in role.argv]

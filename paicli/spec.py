@@ -205,12 +205,6 @@ class JobSpec:
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr)?\s*$")
 
 
-def _strip_quotes(text: str) -> str:
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
-        return text[1:-1]
-    return text
-
-
 def resolve_path(value: str, base: Path) -> Path:
     """A file:// URI or a path (relative to `base`) as an absolute path."""
     if value.startswith("file://"):
@@ -353,7 +347,9 @@ def convert(param: Param, raw: Any, base: Path) -> Any:
     if isinstance(raw, str):
         # Quotes around a -D value are the shell's, not the value's; an argument
         # string keeps its own (they group its words).
-        raw = raw.strip() if param.kind == "args" else _strip_quotes(raw.strip())
+        raw = raw.strip()
+        if param.kind != "args" and len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "\"'":
+            raw = raw[1:-1]
     value = CONVERTERS[param.kind](param, raw, base)
     if param.minimum is not None and value < param.minimum:
         raise ValueError(f"must be at least {param.minimum:g}, not {raw}")

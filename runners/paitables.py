@@ -483,17 +483,15 @@ class Writer:
         folder = os.path.dirname(target) or "."
         fd, self.aside = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".part", dir=folder)
         os.fchmod(fd, 0o600)
+        # sqlite: the rows wait in a part file; close() inserts them in one transaction
+        self.file = os.fdopen(fd, "w", encoding="utf-8", newline="" if kind == "csv" else None)
         if kind == "parts":
-            self.file = os.fdopen(fd, "w", encoding="utf-8")
             self.file.write(json.dumps({"columns": self.columns}) + "\n")
         elif kind == "csv":
-            self.file = os.fdopen(fd, "w", encoding="utf-8", newline="")
             self.csv = csv.writer(self.file, delimiter=delimiter_of(target), lineterminator="\n")
             self.quoted = csv.writer(self.file, delimiter=delimiter_of(target), lineterminator="\n",
                                      quoting=csv.QUOTE_ALL)
             self.csv.writerow(self.columns)
-        else:   # sqlite: the rows wait in a part file; close() inserts them in one transaction
-            self.file = os.fdopen(fd, "w", encoding="utf-8")
 
     def __enter__(self) -> "Writer":
         return self

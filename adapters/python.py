@@ -23,14 +23,10 @@ class PythonAdapter(Adapter):
 
     def plan(self, spec: JobSpec, code: StagedCode) -> JobPlan:
         argv = [sys.executable, "-u", str(code.entry), *script_args(spec)]
-        roles = []
-        for role, conf in cluster_roles(spec, {"worker": {"count": 1}}).items():
-            roles.append(RolePlan(
-                name=role, count=conf["count"], argv=argv, cwd=str(code.cwd),
-                must_finish=role not in SERVICE_ROLES,
-                cpu=conf["cpu"], memory=conf["memory"],
-                gpu=conf["gpu"] or (spec.get("gpuRequired") if role not in SERVICE_ROLES else 0),
-            ))
+        roles = [RolePlan(name=role, count=conf["count"], argv=argv, cwd=str(code.cwd),
+                          must_finish=role not in SERVICE_ROLES, cpu=conf["cpu"], memory=conf["memory"],
+                          gpu=conf["gpu"] or (spec.get("gpuRequired") if role not in SERVICE_ROLES else 0))
+                 for role, conf in cluster_roles(spec, {"worker": {"count": 1}}).items()]
         # Services start first so that workers find them listening sooner.
         roles.sort(key=lambda r: r.must_finish)
         return JobPlan(job_name=spec.get("jobName") or code.entry.stem, framework=self.name,

@@ -167,9 +167,7 @@ class TensorflowAdapter(Adapter):
         env.update(distribution_env(spec))
 
         plans = []
-        for role in ROLES:
-            if role not in roles:
-                continue
+        for role in (r for r in ROLES if r in roles):
             conf = roles[role]
             trains = role in ("worker", "chief")
             plans.append(RolePlan(

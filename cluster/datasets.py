@@ -267,11 +267,9 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
         sids = sorted({p.idx for p in placements if p.node == node and index
                        and p.role == index.get("slice_role")})
         node_index, blobs, sizes = cutter.for_node(sids, transport.folder)
-        tree_plans = [{"digest": t["digest"], "files": t["files"], "link": t["link"]} for t in trees]
-        for t in trees:
-            blobs.update({digest: Path(path).read_bytes for _rel, digest, path in t["sources"]})
-        plan_line = {"index": node_index, "trees": tree_plans}
+        blobs.update({d: Path(p).read_bytes for t in trees for _r, d, p in t["sources"]})
         sizes.update({d: os.path.getsize(p) for t in trees for _r, d, p in t["sources"]})
+        plan_line = {"index": node_index, "trees": [{k: t[k] for k in ("digest", "files", "link")} for t in trees]}
         what = f"slices {','.join(map(str, sids))} of {index['slice_count']}" if sids and index else ""
         try:
             lacking = transport.missing(sorted(blobs))

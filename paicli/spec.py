@@ -369,10 +369,7 @@ def closest(name: str, known: Iterable[str]) -> str | None:
     lowered = {k.lower(): k for k in known}
     if name.lower() in lowered:
         return lowered[name.lower()]
-    match = close_matches(name, known, 1, 0.6)
-    if not match:
-        match = close_matches(name.lower(), list(lowered), 1, 0.6)
-        match = [lowered[m] for m in match]
+    match = close_matches(name, known) or [lowered[m] for m in close_matches(name.lower(), lowered)]
     return match[0] if match else None
 
 

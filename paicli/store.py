@@ -155,25 +155,24 @@ def _create_store(path: Path) -> None:
     and linked into place whole (the first of two racing creators wins). Where that
     cannot be done (no hard links, SQLite failing on the copy), it is created in
     place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.new")
-    touch_private(tmp)
-    try:
-        _build_new_store(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
+    def fsync(name: Path) -> None:
+        fd = os.open(name, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.new")
+    touch_private(tmp)
+    try:
+        _build_new_store(tmp)
+        fsync(tmp)
         os.link(tmp, path)
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
-    except FileExistsError:
-        pass   # another process made it first: theirs is the store
+        fsync(path.parent)   # the new name too
     except (OSError, sqlite3.Error):
-        pass   # no hard links here, or a full disk: created in place, its error said there
+        # FileExistsError: another process made it first, theirs is the store; else no hard
+        # links here, or a full disk: created in place, its error said there.
+        pass
     finally:
         try:
             os.unlink(tmp)

@@ -357,11 +357,7 @@ def authenticate(conn: socket.socket, key: bytes, workers: int) -> int:
 
 def ps_addresses() -> list[tuple[str, int]]:
     cluster = json.loads(os.environ.get("PAI_CLUSTER") or "{}")
-    out = []
-    for entry in cluster.get("ps", []):
-        host, _sep, port = entry.rpartition(":")
-        out.append((host, int(port)))
-    return out
+    return [(host, int(port)) for host, _sep, port in (entry.rpartition(":") for entry in cluster.get("ps", []))]
 
 
 # ---------------------------------------------------------------------------

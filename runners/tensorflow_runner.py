@@ -152,22 +152,6 @@ def import_tensorflow_quietly():
         sys.stderr.flush()
 
 
-def quiet_first_tensorflow_import() -> None:
-    """Make the script's first `import tensorflow` (or of anything that imports it,
-    keras say) a quiet one. The script still imports it itself, at the moment it
-    chooses: environment variables it sets before that still count."""
-    real_import = builtins.__import__
-
-    def first_import(name, globals=None, locals=None, fromlist=(), level=0):
-        if level == 0 and (name == "tensorflow" or name.startswith("tensorflow.")) \
-                and "tensorflow" not in sys.modules:
-            builtins.__import__ = real_import
-            import_tensorflow_quietly()
-        return real_import(name, globals, locals, fromlist, level)
-
-    builtins.__import__ = first_import
-
-
 def block_stop_signals() -> None:
     """Block SIGTERM/SIGINT in this thread before TensorFlow starts its own threads,
     which inherit the mask; a blocked signal then waits for sigwait() instead of
@@ -255,8 +239,11 @@ class ClusterWatch:
         return count
 
 
-def install_cluster_watch(watch: ClusterWatch) -> None:
-    """Once the script has imported TensorFlow: wrap Server and Session creation."""
+def install_cluster_watch(watch: ClusterWatch, quiet: bool = False) -> None:
+    """Once the script has imported TensorFlow: wrap Server and Session creation.
+    `quiet`: its first `import tensorflow` (or of anything that imports it, keras say)
+    is a quiet one; the script still imports it itself, at the moment it chooses, so
+    environment variables it sets before that still count."""
     if "tensorflow.python.client.session" in sys.modules:
         _wrap_tensorflow(watch)
         return
@@ -265,9 +252,12 @@ def install_cluster_watch(watch: ClusterWatch) -> None:
     # Imports under way: TensorFlow's own modules import others as they load, and the
     # session module is in sys.modules, half made, long before TensorFlow is whole.
     # Only the outermost import's return finds it complete.
-    depth = [0]
+    depth, quiet = [0], [quiet]
 
     def watching_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if quiet[0] and level == 0 and name.split(".")[0] == "tensorflow" and "tensorflow" not in sys.modules:
+            quiet[0] = False
+            import_tensorflow_quietly()
         depth[0] += 1
         try:
             module = real_import(name, globals, locals, fromlist, level)
@@ -405,7 +395,7 @@ def report_distribution(watch: ClusterWatch, role: str, index: int, cluster: dic
             + (f", {on_ps} variables on the ps" if on_ps else ""))
 
 
-def run_script(script: str, args: list[str], role: str, report=lambda watch: None) -> None:
+def run_script(script: str, args: list[str], role: str, quiet: bool, report) -> None:
     if role == "ps":
         # A TF1-style ps ends in server.join(), which never returns: the launcher
         # stops it with SIGTERM once the workers are done. Turn that stop into a
@@ -415,6 +405,8 @@ def run_script(script: str, args: list[str], role: str, report=lambda watch: Non
         threading.Thread(target=wait_for_stop_then_exit, args=("ps",), daemon=True,
                          name="ps-stop").start()
     script = os.path.abspath(script)
+    watch = ClusterWatch()
+    install_cluster_watch(watch, quiet)
     # Pluto (runners/pluto_helpers.py): importable by the script from here on; its
     # ps placement and size reports only when a plan or a calibration asks for them.
     import pluto_helpers
@@ -423,8 +415,6 @@ def run_script(script: str, args: list[str], role: str, report=lambda watch: Non
         pluto_helpers.install_tensorflow(tf)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` would have it
-    watch = ClusterWatch()
-    install_cluster_watch(watch)
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
@@ -517,9 +507,7 @@ def main(argv: list[str]) -> None:
             "-DclusterFlags=never turns this off)" if options["cluster_flags"] == "auto"
             else f"passing --{' --'.join(wanted)} (-DclusterFlags={options['cluster_flags']})")
     args = classic_flag_values(wanted, role, index, cluster) + args
-    if quiet:
-        quiet_first_tensorflow_import()
-    run_script(script, args, role, lambda watch: report_distribution(
+    run_script(script, args, role, quiet, lambda watch: report_distribution(
         watch, role, index, cluster, wanted, options["cluster_flags"]))
 
 

@@ -128,25 +128,6 @@ def install_pushpull_workaround(mx) -> None:
     KVStore.pushpull = pushpull
 
 
-def install_compression(mx, params: dict) -> None:
-    """Compress every distributed kvstore the script creates (-DgradientCompression)."""
-    kvstore_pkg = mx.kvstore
-    original_create = kvstore_pkg.create
-
-    def create(name="local"):
-        kv = original_create(name)
-        if isinstance(kv, kvstore_pkg.KVStore) and str(name).lower().startswith(DIST_PREFIX):
-            kv.set_gradient_compression(dict(params))
-            print(f"mxnet_runner: {params['type']} gradient compression on kvstore {name} "
-                  f"(threshold {params['threshold']:g})", file=sys.stderr, flush=True)
-        return kv
-
-    # mx.kv is the same module object as mx.kvstore, and mxnet.model calls
-    # kvs.create through it; base.create is the original the package re-exported.
-    kvstore_pkg.create = create
-    kvstore_pkg.base.create = create
-
-
 def compression_params(env: dict[str, str]) -> dict | None:
     kind = (env.get("PAI_MXNET_GRADIENT_COMPRESSION") or "none").strip().lower()
     if kind in ("", "none"):
@@ -223,17 +204,25 @@ class KvstoreWatch:
         return any(name.lower().startswith(DIST_PREFIX) for name in self.asked)
 
 
-def install_kvstore_watch(mx, watch: KvstoreWatch) -> None:
+def install_kvstore_watch(mx, watch: KvstoreWatch, compression: dict | None) -> None:
     """Record every kvstore type the script asks for, by mx.kv.create or by a
     string handed to Module.fit / gluon.Trainer (which create none for 'device' on
-    one device), and count the pushes to a dist kvstore."""
+    one device), and count the pushes to a dist kvstore. `compression`: every dist
+    kvstore the script creates is compressed (-DgradientCompression)."""
     kvstore_pkg = mx.kvstore
     inner_create = kvstore_pkg.create
 
     def create(name="local"):
         watch.ask(name)
-        return inner_create(name)
+        kv = inner_create(name)
+        if compression and isinstance(kv, kvstore_pkg.KVStore) and str(name).lower().startswith(DIST_PREFIX):
+            kv.set_gradient_compression(dict(compression))
+            print(f"mxnet_runner: {compression['type']} gradient compression on kvstore {name} "
+                  f"(threshold {compression['threshold']:g})", file=sys.stderr, flush=True)
+        return kv
 
+    # mx.kv is the same module object as mx.kvstore, and mxnet.model calls
+    # kvs.create through it; base.create is the original the package re-exported.
     kvstore_pkg.create = create
     kvstore_pkg.base.create = create
 
@@ -345,8 +334,6 @@ def main(argv: list[str]) -> None:
     # would never end. Registered after mxnet's own exit hooks, so it runs first.
     atexit.register(wait_for_engine, mx)
     install_pushpull_workaround(mx)
-    if params:
-        install_compression(mx, params)
     # Pluto (runners/pluto_helpers.py): importable by the script; reports the
     # kvstore's array sizes when a calibration asks for them.
     import pluto_helpers
@@ -355,7 +342,7 @@ def main(argv: list[str]) -> None:
     if said:
         print(f"mxnet_runner: {said}", file=sys.stderr, flush=True)
     watch = KvstoreWatch()
-    install_kvstore_watch(mx, watch)
+    install_kvstore_watch(mx, watch, params)
     sys.argv = [script, *args]
     # As `python SCRIPT` would: the script's folder first, not the runner's.
     sys.path[0] = os.path.dirname(script)

@@ -47,18 +47,13 @@ def parse_statement(tokens: list[str], base: Path | None = None, require_name: b
         token = tokens[i]
         if token in ("-name", "-project") or token.startswith(("-name=", "-project=")):
             flag, eq, value = token.partition("=")
-            if not eq:
-                if i + 1 >= len(tokens) or tokens[i + 1].startswith("-"):
-                    raise UsageError(f"{flag} needs a value", EXAMPLE)
+            if not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
                 i += 1
                 value = tokens[i]
             value = value.strip().strip("\"'")
             if not value:
                 raise UsageError(f"{flag} needs a value", EXAMPLE)
-            if flag == "-name":
-                stmt.framework = value
-            else:
-                stmt.project = value
+            setattr(stmt, "framework" if flag == "-name" else "project", value)
         elif token.startswith("-D"):
             item = token[2:]
             if not item and i + 1 < len(tokens):  # `-D key=value`

@@ -56,6 +56,13 @@ class Adapter:
     def plan(self, spec: JobSpec, code: StagedCode) -> JobPlan:
         raise NotImplementedError
 
+    def job_plan(self, spec: JobSpec, name: str, roles: list, **more) -> JobPlan:
+        """The plan with what every adapter's shares: -DjobName (else `name`), retries,
+        timeout and this adapter's metric patterns."""
+        return JobPlan(job_name=spec.get("jobName") or name, framework=self.name, task_name=self.task_name,
+                       roles=roles, max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
+                       metric_patterns=list(self.metric_patterns), **more)
+
 
 # ---------------------------------------------------------------------------
 # Helpers every adapter shares

@@ -186,11 +186,8 @@ class CaffeAdapter(Adapter):
             name="worker", count=workers, argv=solve, must_finish=True, listens=False,
             cwd=str(cwd), env=env, cpu=conf["cpu"], memory=conf["memory"],
             gpu=conf["gpu"] or spec.get("gpuRequired")))
-        return JobPlan(job_name=spec.get("jobName") or solver.stem, framework=self.name,
-                       task_name=self.task_name, roles=plan_roles, restart=restart,
-                       max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes,
-                       inputs=solver_inputs(solver, code, spec))
+        return self.job_plan(spec, solver.stem, plan_roles, restart=restart, notes=notes,
+                             inputs=solver_inputs(solver, code, spec))
 
     def _script_plan(self, spec: JobSpec, code: StagedCode, python: str, roles: dict,
                      notes: list[str]) -> JobPlan:
@@ -208,10 +205,7 @@ class CaffeAdapter(Adapter):
             for role, conf in sorted(roles.items(), key=lambda kv: kv[0] != "ps")
         ]
         notes.append(f"pycaffe script {code.entry.name} on {', '.join(roles)}")
-        return JobPlan(job_name=spec.get("jobName") or code.entry.stem, framework=self.name,
-                       task_name=self.task_name, roles=plan_roles,
-                       max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=code_inputs(code))
+        return self.job_plan(spec, code.entry.stem, plan_roles, notes=notes, inputs=code_inputs(code))
 
 
 def solver_inputs(solver: Path, code: StagedCode, spec: JobSpec) -> list[str]:

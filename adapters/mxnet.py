@@ -176,7 +176,5 @@ class MxnetAdapter(Adapter):
             notes.append(f"2bit gradient compression, threshold {threshold:g}, applied by the runner")
         if spec.get("bigArrayBound"):
             notes.append(f"arrays over {spec.get('bigArrayBound')} elements sliced across the servers")
-        return JobPlan(job_name=spec.get("jobName") or code.entry.stem, framework=self.name,
-                       task_name=self.task_name, roles=plan_roles, restart=RESTART_JOB,
-                       max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=script_inputs(code))
+        return self.job_plan(spec, code.entry.stem, plan_roles, restart=RESTART_JOB, notes=notes,
+                             inputs=script_inputs(code))

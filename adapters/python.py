@@ -29,7 +29,4 @@ class PythonAdapter(Adapter):
                  for role, conf in cluster_roles(spec, {"worker": {"count": 1}}).items()]
         # Services start first so that workers find them listening sooner.
         roles.sort(key=lambda r: r.must_finish)
-        return JobPlan(job_name=spec.get("jobName") or code.entry.stem, framework=self.name,
-                       task_name=self.task_name, roles=roles,
-                       max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), inputs=code_inputs(code))
+        return self.job_plan(spec, code.entry.stem, roles, inputs=code_inputs(code))

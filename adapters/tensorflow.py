@@ -200,8 +200,5 @@ class TensorflowAdapter(Adapter):
             era = VERSIONED_NAMES[spec.framework.strip().lower()]
             notes.append(f"-name {spec.framework} (TensorFlow {era} era): the {self.runtime} runtime, "
                          f"{get_runtime(self.runtime).description}")
-        job_name = spec.get("jobName") or (code.entry.stem if code.entry else "tensorflow")
-        return JobPlan(job_name=job_name, framework=self.name, task_name=self.task_name,
-                       roles=plans, restart=RESTART_JOB,
-                       max_retries=spec.get("maxRetries"), timeout=spec.get("timeout"),
-                       metric_patterns=list(self.metric_patterns), notes=notes, inputs=script_inputs(code))
+        return self.job_plan(spec, code.entry.stem if code.entry else "tensorflow", plans, restart=RESTART_JOB,
+                             notes=notes, inputs=script_inputs(code))

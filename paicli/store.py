@@ -165,7 +165,14 @@ def _create_store(path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.new")
     touch_private(tmp)
     try:
-        _build_new_store(tmp)
+        db = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode = OFF")
+            db.execute("PRAGMA synchronous = OFF")
+            _apply_schema(db)
+            db.execute("PRAGMA journal_mode = WAL")   # kept in the file's header
+        finally:
+            db.close()   # the last connection: its WAL is checkpointed and removed
         fsync(tmp)
         os.link(tmp, path)
         fsync(path.parent)   # the new name too
@@ -178,18 +185,6 @@ def _create_store(path: Path) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-
-
-def _build_new_store(path: Path) -> None:
-    """The schema, written with no journal and no sync, WAL set in the header."""
-    db = sqlite3.connect(path, isolation_level=None)
-    try:
-        db.execute("PRAGMA journal_mode = OFF")
-        db.execute("PRAGMA synchronous = OFF")
-        _apply_schema(db)
-        db.execute("PRAGMA journal_mode = WAL")   # kept in the file's header
-    finally:
-        db.close()   # the last connection: its WAL is checkpointed and removed
 
 
 @contextmanager

@@ -478,13 +478,16 @@ def bucket_trees(job_dir: str | Path) -> list[dict]:
             for name in sorted(filenames):
                 path = os.path.join(dirpath, name)
                 if os.path.isfile(path) and not os.path.islink(path):
-                    with open(path, "rb") as f:
-                        digest = hashlib.file_digest(f, "sha256").hexdigest()
-                    sources.append((os.path.relpath(path, folder), digest, path))
+                    sources.append((os.path.relpath(path, folder), _file_digest(path), path))
         files = [[rel, digest] for rel, digest, _ in sources]
         trees.append({"digest": hashlib.sha256(json.dumps(files).encode()).hexdigest(), "files": files,
                       "sources": sources, "path": folder, "link": dst})
     return trees
+
+
+def _file_digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def node_buckets_argv(plan: Any, trees: list[dict]) -> None:

@@ -219,33 +219,18 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-class _Counted:
-    """A stream that counts the bytes read from it: what `put` acknowledges as
-    received is what really arrived here."""
-
-    def __init__(self, stream):
-        self.stream, self.count = stream, 0
-
-    def readline(self) -> bytes:
-        line = self.stream.readline()
-        self.count += len(line)
-        return line
-
-    def read(self, size: int) -> bytes:
-        data = self.stream.read(size)
-        self.count += len(data)
-        return data
-
-
 def receive(root: str, folder: str, stream) -> dict:
     """`put`: the plan line, then blobs until END; the job's side placed last.
-    "received" is every byte read from the stream, frames and all."""
+    "received" is every byte read from the stream, frames and all (a blob is read
+    whole or refused): what really arrived here."""
     own_dir(root)
-    stream = _Counted(stream)
-    plan = json.loads(stream.readline() or b"{}")
+    line = stream.readline()
+    plan = json.loads(line or b"{}")
     count = size = 0
+    received = len(line)
     while True:
         head = stream.readline()
+        received += len(head)
         if head in (b"END\n", b""):
             break
         kind, digest, length = head.decode().split()
@@ -253,8 +238,9 @@ def receive(root: str, folder: str, stream) -> dict:
             raise Refused(f"unknown frame {kind[:20]!r}")
         size += store_blob(root, digest, _read_exact(stream, int(length)))
         count += 1
+        received += int(length)
     place(root, folder, plan)
-    return {"blobs": count, "bytes": size, "received": stream.count}
+    return {"blobs": count, "bytes": size, "received": received}
 
 
 def run_staged(folder: str, runner: str, args: list, stdin: bytes) -> tuple:

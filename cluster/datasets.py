@@ -39,6 +39,7 @@ from paicli.runners import paitables
 
 DATA = "data"
 BATCH = 64 << 20        # bytes of blobs per SSH round
+HASH_RATE = 20 << 20    # bytes/s a node is given to hash its cached blobs again (a slow disk)
 INDEX = "tables.json"
 OUT = "out"
 PY = "py"
@@ -272,8 +273,8 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
         plan_line = {"index": node_index, "trees": [{k: t[k] for k in ("digest", "files", "link")} for t in trees]}
         what = f"slices {','.join(map(str, sids))} of {index['slice_count']}" if sids and index else ""
         try:
-            lacking = transport.missing(sorted(blobs))
             transport.sizes = sizes
+            lacking = transport.missing(sorted(blobs))
             sent[node] = transport.put(plan_line, {d: blobs[d] for d in lacking})
         except (PaiError, SpecError):
             raise
@@ -396,7 +397,10 @@ class _NodeCache:
     def missing(self, digests: list[str]) -> list[str]:
         if not digests:
             return []
-        return json.loads(self._run(["missing", cache_root(self.folder)], json.dumps(digests).encode()))
+        # The node hashes every blob it holds again: its time grows with their bytes.
+        held = sum(self.sizes.get(d, 0) for d in digests)
+        return json.loads(self._run(["missing", cache_root(self.folder)], json.dumps(digests).encode(),
+                                    timeout=60.0 + held / HASH_RATE))
 
     def put(self, plan: dict, blobs: dict[str, Callable[[], bytes]]) -> int:
         """The blobs in rounds of up to BATCH bytes (one round in memory at a time),

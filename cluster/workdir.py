@@ -202,8 +202,8 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
     plan = {"files": [[f"{CODE}/{rel}", digests.get(rel, ""), mode, target] for rel, _s, mode, target in files]}
 
     def send(transport: Any) -> tuple[int, int]:
-        lacking = set(transport.missing(sorted(reads)))
         transport.sizes = sizes
+        lacking = set(transport.missing(sorted(reads)))
         sent = transport.put(plan, {d: reads[d] for d in sorted(lacking)})
         return sent, sum(1 for rel in digests if digests[rel] in lacking)
 

@@ -445,3 +445,22 @@ def test_numpy_values_travel_as_their_numbers_never_as_bytes():
     assert paitables.line_row(line) == [3, 0.5, True, b"\x00\x01", "x", None]
     with pytest.raises(TypeError, match="not object"):
         paitables.row_line([object()])
+
+
+def test_a_nodes_check_of_its_cached_blobs_is_given_time_for_their_bytes():
+    """The node hashes every cached blob a job asks for: 20 GB must not meet a fixed
+    60 s limit (the staging would fail as if the node did not answer)."""
+    from paicli.cluster import datasets
+
+    asked = []
+
+    class Backend:
+        def run_runner(self, node, runner, args, stdin, timeout):
+            asked.append(timeout)
+            return b"[]"
+
+    cache = datasets._NodeCache(Backend(), "h1", "/tmp/job")
+    cache.sizes = {"a": 10 << 30, "b": 10 << 30, "c": 5}
+    assert cache.missing(["a", "b"]) == []
+    assert cache.missing(["c"]) == []
+    assert asked[0] >= (20 << 30) / (50 << 20) and asked[1] <= 61

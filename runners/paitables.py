@@ -174,8 +174,11 @@ class CsvFile:
             raise TableError(f"{self.path}: cannot read it ({err.strerror or err})") from None
         with f:
             self.size = os.fstat(f.fileno()).st_size
-            data = f.read(1 << 20)     # the header: the first record, in its first MB
+            data = f.read(CHUNK)     # the header: the first record, read on until it ends
             first = next(self._records(data, len(data) == self.size, check), None)
+            while first is None and len(data) < self.size:
+                data += f.read(len(data))
+                first = next(self._records(data, len(data) == self.size, check), None)
             if first is None or not any(field.strip() for field in first[1]):
                 raise self._fail(1, "no header line naming the columns")
             self.data_start, self.columns = first

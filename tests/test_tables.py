@@ -464,3 +464,11 @@ def test_a_nodes_check_of_its_cached_blobs_is_given_time_for_their_bytes():
     assert cache.missing(["a", "b"]) == []
     assert cache.missing(["c"]) == []
     assert asked[0] >= (20 << 30) / (50 << 20) and asked[1] <= 61
+
+
+def test_a_header_longer_than_a_read_is_still_the_header(tmp_path):
+    columns = [f"column_{i}" for i in range(200_000)]    # 2.5 MB of names: over two reads
+    path = tmp_path / "wide.csv"
+    path.write_text(",".join(columns) + "\n" + ",".join(["1"] * len(columns)) + "\n")
+    table = paitables.open_table(f"file://{path}")
+    assert table.columns == columns and table.row_count == 1

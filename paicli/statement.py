@@ -78,20 +78,33 @@ def parse_statement(tokens: list[str], base: Path | None = None, require_name: b
     return stmt
 
 
-def _key_lines(text: str) -> dict[str, int]:
-    """Top-level key -> its line number, for error messages."""
+def _key_lines(text: str) -> tuple[dict[str, int], tuple[str, int] | None]:
+    """Top-level key -> its line number, for error messages; and the first key given
+    twice in any mapping of the file, with its line (YAML itself keeps the last)."""
     import yaml
 
     lines: dict[str, int] = {}
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return lines
+    except (yaml.YAMLError, RecursionError):
+        return lines, None
     if isinstance(node, yaml.MappingNode):
         for key_node, _ in node.value:
             if isinstance(key_node, yaml.ScalarNode):
                 lines[str(key_node.value)] = key_node.start_mark.line + 1
-    return lines
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, value in node.value:
+                if isinstance(key_node, yaml.ScalarNode) and key_node.value in seen:
+                    return lines, (key_node.value, key_node.start_mark.line + 1)
+                seen.add(getattr(key_node, "value", None) if isinstance(key_node, yaml.ScalarNode) else id(key_node))
+                stack.append(value)
+    return lines, None
 
 
 def load_job_file(path: str) -> Statement:
@@ -122,7 +135,10 @@ def load_job_file(path: str) -> Statement:
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a mapping of parameters (name: ..., script: ...), "
                          f"got a {type(data).__name__}", "see `pai export --help` for an example")
-    lines = _key_lines(text)
+    lines, twice = _key_lines(text)
+    if twice:
+        raise UsageError(f"{path} line {twice[1]}: {twice[0]}: given twice in one mapping",
+                         "keep one of them (YAML would silently take the last)")
     stmt = Statement()
     base = file.resolve().parent
     for key, value in data.items():

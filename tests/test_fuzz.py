@@ -103,6 +103,20 @@ def test_a_deeply_nested_job_file_is_bad_input_and_pai_exits_2(tmp_path):
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-500:]
 
 
+@pytest.mark.parametrize("body, key, line", [
+    ("cluster:\n  worker: {count: 2}\n  worker: {count: 5}\n", "worker", 5),
+    ("cluster: {worker: {count: 1}}\nscript: b.py\n", "script", 4),
+    ("cluster: {worker: {count: 1, count: 2}}\n", "count", 3),
+])
+def test_a_key_given_twice_in_a_job_file_is_bad_input_naming_its_line(tmp_path, body, key, line):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"name: python\nscript: {BEHAVE}\n" + body)
+    with pytest.raises(UsageError, match=f"{path} line {line}: {key}: given twice"):
+        load_job_file(str(path))
+    result = pai("run", str(path))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-500:]
+
+
 def test_a_key_with_a_newline_is_named_escaped_on_one_line():
     """Found by test_statements_never_traceback: `-D0<newline>0=...`."""
     import pytest

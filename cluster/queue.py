@@ -82,13 +82,10 @@ def holds_of(job_id: str, project: str | None, demands: Iterable[placing.Demand]
              placements: list[Placement]) -> list[Hold]:
     """Per node, what a placed job holds."""
     where = {(p.role, p.idx): p.node for p in placements}
-    per: dict[str, list[int]] = {}
+    per: dict[str, list[placing.Demand]] = {}
     for d in demands:
-        row = per.setdefault(where[(d.role, d.idx)], [0, 0, 0])
-        row[0] += d.cpu
-        row[1] += d.memory
-        row[2] += d.cards * 100
-    return [Hold(job_id, project, node, *row) for node, row in per.items()]
+        per.setdefault(where[(d.role, d.idx)], []).append(d)
+    return [Hold(job_id, project, node, **totals(on_node)) for node, on_node in per.items()]
 
 
 # -- quotas ---------------------------------------------------------------------------
@@ -233,19 +230,15 @@ def turns(entries: Iterable[Entry], holds: list[Hold], held_gpus: dict[str, set[
             if shadow is not None:
                 _take(spare, entry.demands, shadow)
             continue
-        turn.start, turn.placements = True, placed
+        turn.start, turn.placements, turn.position = True, placed, 0
         turn.holds = holds_of(entry.job_id, entry.project, entry.demands, placed)
         holds.extend(turn.holds)
         for p in placed:
             gpus.setdefault(p.node, set()).update(p.gpus)
         _take(free, entry.demands, placed)
         _take(spare, entry.demands, placed)
-    waiting = [t for t in out if not t.start]
-    for position, turn in enumerate(waiting, 1):
+    for position, turn in enumerate((t for t in out if not t.start), 1):
         turn.position = position
-    for turn in out:
-        if turn.start:
-            turn.position = 0
     return out
 
 

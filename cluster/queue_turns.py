@@ -65,24 +65,20 @@ def load_quotas(home: Path) -> dict[str, dict[str, int]]:
     return policy.parse_quota(data, f"quota file {path}")
 
 
-def entry_of(job_id: str, demands: list[placing.Demand], nodes: list[NodeSpec], priority: int,
-             project: str | None, submitted: float = 0.0) -> policy.Entry:
-    return policy.Entry(job_id, priority, project, submitted, tuple(demands), tuple(nodes))
-
-
 def check_and_describe(store: Store, plan, nodes: list[NodeSpec], priority: int, project: str | None) -> str:
     """UsageError (exit 2) when the job could never start; else the queue entry
     (JSON) to record with the job."""
     demands = placing.demands(plan)
-    policy.check_submit(entry_of("", demands, nodes, priority, project), load_quotas(store.home))
+    policy.check_submit(policy.Entry("", priority, project, 0.0, tuple(demands), tuple(nodes)),
+                        load_quotas(store.home))
     return json.dumps({"demands": [list(d) for d in demands], "nodes": [n.to_dict() for n in nodes]})
 
 
 def _entry(row) -> policy.Entry:
     data = json.loads(row["entry"])
-    return entry_of(row["job_id"], [placing.Demand(*d) for d in data["demands"]],
-                    [NodeSpec.from_dict(n) for n in data["nodes"]], row["priority"] or 0, row["project"],
-                    row["submitted"] or 0.0)
+    return policy.Entry(row["job_id"], row["priority"] or 0, row["project"], row["submitted"] or 0.0,
+                        tuple(placing.Demand(*d) for d in data["demands"]),
+                        tuple(NodeSpec.from_dict(n) for n in data["nodes"]))
 
 
 # -- the policy in one transaction ------------------------------------------------------
@@ -129,8 +125,7 @@ def _verdict(turn: policy.Turn) -> dict[str, Any]:
 
 def _wake(store: Store, job_id: str) -> None:
     row = store.queue_entry(job_id)
-    waiter = (row["waiter"] or "") if row is not None else ""
-    pid, _, start = waiter.partition(":")
+    pid, _, start = ((row["waiter"] or "") if row is not None else "").partition(":")
     if pid:
         try:
             signal_verified(int(pid), start, signal.SIGUSR1)

@@ -61,11 +61,9 @@ def job_page(store: Store, job_id: str) -> dict[str, Any]:
     """Everything the job page shows except the log tails and the curves."""
     status = jobstatus.build_status(store, job_id)
     job = store.job(job_id)
-    events = []
-    for ev in store.events(job_id):
-        who = f"{ev['role']}:{ev['idx']}" if ev["role"] is not None else ""
-        events.append({"time": fmt_time(ev["ts"]), "kind": ev["kind"], "instance": who,
-                       "message": ev["message"] or ""})
+    events = [{"time": fmt_time(ev["ts"]), "kind": ev["kind"], "message": ev["message"] or "",
+               "instance": f"{ev['role']}:{ev['idx']}" if ev["role"] is not None else ""}
+              for ev in store.events(job_id)]
     instances = []
     for inst in status["instances"]:
         name = f"{inst['role']}:{inst['index']}"
@@ -93,10 +91,8 @@ def summary_rows(status: dict) -> list[dict[str, str]]:
              "fft": f"{sum(t['fatal'] for t in tasks)}/{sum(t['finished'] for t in tasks)}/"
                     f"{sum(t['total'] for t in tasks)}",
              "retries": str(sum(t["retries"] for t in tasks))}]
-    for t in tasks:
-        rows.append({"task": t["name"], "fft": f"{t['fatal']}/{t['finished']}/{t['total']}",
-                     "retries": str(t["retries"])})
-    return rows
+    return rows + [{"task": t["name"], "fft": f"{t['fatal']}/{t['finished']}/{t['total']}",
+                    "retries": str(t["retries"])} for t in tasks]
 
 
 def summary_json(store: Store, job_id: str) -> dict[str, Any]:
@@ -143,20 +139,15 @@ def tail_text(path: Path, size: int = TAIL_BYTES) -> tuple[str, int]:
 def instance_logs(store: Store, job_id: str) -> list[dict[str, Any]]:
     """Each instance's current log file (confined to the job's folder)."""
     job = store.job(job_id)
-    out = []
-    for inst in store.instances(job_id):
-        name = f"{inst['role']}:{inst['idx']}"
-        out.append({"instance": name, "attempt": inst["attempt"] or 0,
-                    "path": log_path(store, job, name, inst["attempt"] or 0)})
-    return out
+    names = [(f"{inst['role']}:{inst['idx']}", inst["attempt"] or 0) for inst in store.instances(job_id)]
+    return [{"instance": name, "attempt": attempt, "path": log_path(store, job, name, attempt)}
+            for name, attempt in names]
 
 
 def first_tab(instances: list[str]) -> str:
     """The log shown first: a worker's (their lines carry the steps), else the first."""
-    for name in instances:
-        if name.startswith(("worker:", "chief:")):
-            return name
-    return instances[0] if instances else ""
+    return next((name for name in instances if name.startswith(("worker:", "chief:"))),
+                instances[0] if instances else "")
 
 
 def metric_points(store: Store, job_id: str, after: int = 0, limit: int = 200_000) -> tuple[list, int]:
@@ -176,10 +167,12 @@ def thin(points: list, cap: int = MAX_POINTS) -> list:
         groups.setdefault((p[0], p[1]), []).append(p)
     if all(len(g) <= cap for g in groups.values()):
         return points
-    out = []
-    for group in groups.values():
-        if len(group) > cap:
-            stride = len(group) / cap
-            group = [group[int(i * stride)] for i in range(cap - 1)] + [group[-1]]
-        out.extend(group)
-    return out
+    return [p for group in groups.values() for p in even_sample(group, cap)]
+
+
+def even_sample(points: list, cap: int) -> list:
+    """At most `cap` of `points`, evenly spread, the newest kept."""
+    if len(points) <= cap:
+        return points
+    stride = len(points) / cap
+    return [points[int(i * stride)] for i in range(cap - 1)] + [points[-1]]

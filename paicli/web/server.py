@@ -12,6 +12,8 @@ Routes (every one answers 403 without the user's token, as ?token=...):
     /api/jobs/ID/log            a whole log: the combined one, or ?instance=worker:0[&attempt=N]
     /api/jobs/ID/stream         the page's live feed (server-sent events)
     /static/NAME                the page's own JS and CSS (nothing comes from a CDN)
+    /logview/studies, /logview/study?s=NAME   `pai tune`'s studies (data: /api/studies/NAME.json|.html)
+    /api/jobs/ID/outputs, /api/jobs/ID/file   a job's outputs, and one of them to download
 
 It exits by itself after PAI_LOGVIEW_IDLE seconds (default 900) without a request,
 an open page or a pai command handing out its URL.
@@ -79,8 +81,12 @@ def make_app(home: Path, token: str, expires: float = float("inf")) -> web.Appli
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/log", whole_log)
     app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/stream", stream)
     app.router.add_get(r"/static/{name:[a-z0-9_.-]+}", static_file)
-    add_study_routes(app)
-    add_output_routes(app)
+    app.router.add_get("/logview/studies", studies_page)
+    app.router.add_get("/logview/study", study_page)
+    app.router.add_get(r"/api/studies/{name:[A-Za-z0-9_.-]+}.json", study_json)
+    app.router.add_get(r"/api/studies/{name:[A-Za-z0-9_.-]+}.html", study_head)
+    app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/outputs", outputs_page)
+    app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/file", output_file)
     return app
 
 
@@ -352,17 +358,6 @@ def run(home: Path, sock: socket.socket) -> int:
 
 # -- the study page of `pai tune` (data in paicli/web/study.py) -----------------------------
 
-STUDY_NAME = r"{name:[A-Za-z0-9_.-]+}"
-
-
-def add_study_routes(app: web.Application) -> None:
-    """/logview/studies, /logview/study?s=NAME, and what the open page fetches:
-    /api/studies/NAME.json (the curves), /api/studies/NAME.html (status and trials)."""
-    app.router.add_get("/logview/studies", studies_page)
-    app.router.add_get("/logview/study", study_page)
-    app.router.add_get(f"/api/studies/{STUDY_NAME}.json", study_json)
-    app.router.add_get(f"/api/studies/{STUDY_NAME}.html", study_head)
-
 
 async def studies_page(request: web.Request) -> web.Response:
     return _html(request, "studies.html", studies=await _read(request, study.study_list))
@@ -381,12 +376,9 @@ async def study_json(request: web.Request) -> web.Response:
 
 async def study_head(request: web.Request) -> web.Response:
     return _html(request, "_study_head.html", study=await _read(request, study.study_page, request.match_info["name"]))
+
+
 # -- a job's outputs, listed with download links ----------------------------------------
-
-
-def add_output_routes(app: web.Application) -> None:
-    app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/outputs", outputs_page)
-    app.router.add_get(r"/api/jobs/{job_id:[a-z0-9]+}/file", output_file)
 
 
 def _outputs(store: Store, prefix: str) -> tuple[dict, list[dict]]:

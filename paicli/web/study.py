@@ -13,7 +13,7 @@ from paicli import tune
 from paicli.errors import PaiError
 from paicli.store import Store
 from paicli.web import launch
-from paicli.web.data import MAX_POINTS, fmt_time
+from paicli.web.data import MAX_POINTS, even_sample, fmt_time
 
 EVERY = 2   # seconds between two looks of an open study page
 
@@ -49,11 +49,8 @@ def curves(store: Store, name: str) -> dict[str, Any]:
             lines.setdefault(row["job_id"], []).append([row["step"], row["value"]])
     out = []
     for job_id, points in lines.items():
-        if len(points) > MAX_POINTS:
-            stride = len(points) / MAX_POINTS
-            points = [points[int(i * stride)] for i in range(MAX_POINTS - 1)] + [points[-1]]
         trial = jobs[job_id]
-        out.append({"trial": trial["number"], "state": trial["state"], "points": points})
+        out.append({"trial": trial["number"], "state": trial["state"], "points": even_sample(points, MAX_POINTS)})
     out.sort(key=lambda c: c["trial"])
     return {"name": name, "metric": view["metric"], "status": view["status"], "over": view["over"],
             "best": view["best"]["number"] if view["best"] else None, "curves": out}
@@ -66,8 +63,6 @@ def study_list(store: Store) -> list[dict[str, Any]]:
 def study_url_line(home: Path, name: str) -> tuple[str | None, str | None]:
     """The study page's URL for a `Log view:` line (the server started if needed),
     or (None, note) when no server can be had; (None, None) with PAI_LOGVIEW=file."""
-
-
     if launch.mode() == "file":
         return None, None
     try:

@@ -17,7 +17,6 @@ import threading
 import time
 from pathlib import Path
 from collections.abc import Callable
-from typing import NamedTuple
 
 from paicli.private import open_append_fd, write_private
 
@@ -94,17 +93,11 @@ class CappedFile:
 PAIR = re.compile(r"(?<![\w.\-])([A-Za-z_][\w.\-]*)\s*=\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])")
 
 
-class CompiledPattern(NamedTuple):
-    """A metric pattern compiled, and its literal_runs: a text without one of them
-    has no match."""
-    regex: re.Pattern
-    needs: tuple[str, ...]
-
-
 @functools.lru_cache(maxsize=256)
-def compiled_pattern(pattern: str) -> CompiledPattern:
-    """A metric pattern compiled MULTILINE, once per process."""
-    return CompiledPattern(re.compile(pattern, re.MULTILINE), literal_runs(pattern))
+def compiled_pattern(pattern: str) -> tuple[re.Pattern, tuple[str, ...]]:
+    """A metric pattern compiled MULTILINE, once per process, and its literal_runs:
+    a text without one of them has no match."""
+    return re.compile(pattern, re.MULTILINE), literal_runs(pattern)
 
 
 def literal_runs(pattern: str) -> tuple[str, ...]:
@@ -159,9 +152,8 @@ class MetricParser:
     STEP_KEYS = ("step", "iteration", "iter", "global_step", "batch")
 
     def __init__(self, patterns: list[str]):
-        compiled = [compiled_pattern(p) for p in patterns]
-        self.patterns = [c.regex for c in compiled]
-        self.needs = {c.regex: c.needs for c in compiled}
+        self.needs = dict(compiled_pattern(p) for p in patterns)
+        self.patterns = list(self.needs)
         self.pairs_patterns = {p for p in self.patterns if any(g.endswith("_pairs") for g in p.groupindex)}
 
     def patterns_for(self, text: str) -> list[re.Pattern]:
@@ -228,10 +220,7 @@ class MetricParser:
 def _last_redraw(line: bytes) -> bytes:
     """What a line finally showed: CRLF endings dropped, and of a progress bar
     redrawn with \r only its last state."""
-    if b"\r" not in line:
-        return line
-    line = line.rstrip(b"\r")
-    return line.rsplit(b"\r", 1)[-1]
+    return line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
 
 
 # The line an instance is still writing (no newline yet) is kept collapsed: of a
@@ -301,10 +290,7 @@ class InstanceLog:
         return None
 
     def flush(self) -> bytes:
-        if not self.partial:
-            self.cr, self.line_began = False, None
-            return b""
-        complete = bytes(self.partial) + b"\n"
+        complete = bytes(self.partial) + b"\n" if self.partial else b""
         self.partial, self.cr, self.line_began = bytearray(), False, None
         return complete
 

@@ -30,20 +30,15 @@ def probe_node(config: NodesConfig, node: NodeEntry) -> dict:
     try:
         client = ssh.connect(node, config.known_hosts)
     except ssh.HostKeyError as err:
-        row["state"] = KEY_CHANGED if "CHANGED" in str(err) else KEY_UNKNOWN
-        row["error"] = str(err)
-        return row
+        return {**row, "state": KEY_CHANGED if "CHANGED" in str(err) else KEY_UNKNOWN, "error": str(err)}
     except ssh.NodeAuthError as err:
-        row["state"], row["error"] = AUTH_FAILED, str(err)
-        return row
+        return {**row, "state": AUTH_FAILED, "error": str(err)}
     except PaiError as err:
-        row["state"], row["error"] = UNREACHABLE, str(err)
-        return row
+        return {**row, "state": UNREACHABLE, "error": str(err)}
     try:
         info = ssh.run_agent(client, node, "info", node.runtime_dir or "", timeout=30)
     except PaiError as err:
-        row["state"], row["error"] = UNREACHABLE, str(err)
-        return row
+        return {**row, "state": UNREACHABLE, "error": str(err)}
     finally:
         client.close()
     row.update({
@@ -103,10 +98,9 @@ def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
     Connections.session there). The provisioning code goes to a folder of its own
     (0700, files 0600), removed afterwards, whatever happened."""
     info = ssh.run_agent(session(), node, "info", node.runtime_dir or "", timeout=30)
-    if runtime in info["runtimes"]:
-        if info["runtimes"][runtime] == get_runtime(runtime).version:
-            progress(f"{node.name}: {runtime} runtime already in {info['runtime_dir']}")
-            return f"{info['runtime_dir']}/{runtime}"
+    if info["runtimes"].get(runtime) == get_runtime(runtime).version:
+        progress(f"{node.name}: {runtime} runtime already in {info['runtime_dir']}")
+        return f"{info['runtime_dir']}/{runtime}"
     # One folder per provisioning: two jobs provisioning the node at once do not
     # remove each other's copy.
     folder = f"{node.job_root}/provision-{secrets.token_hex(6)}"
@@ -121,7 +115,6 @@ def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
 
 def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable[[str], None],
                       info: dict, folder: str) -> str:
-
     # The runtimes code as the package it imports itself as (runners/__init__.py is empty).
     empty = str(ssh.RUNNERS_DIR / "__init__.py")
     files = [NodeFile(empty, "paicli/__init__.py", 0o600), NodeFile(empty, "paicli/runners/__init__.py", 0o600)]

@@ -112,9 +112,7 @@ def nodes_file_path(environ: dict[str, str] | None = None) -> Path | None:
 
 def load_nodes(environ: dict[str, str] | None = None) -> NodesConfig | None:
     path = nodes_file_path(environ)
-    if path is None:
-        return None
-    return load_nodes_file(path)
+    return None if path is None else load_nodes_file(path)
 
 
 def load_nodes_file(path: Path | str) -> NodesConfig:
@@ -149,26 +147,37 @@ def _int(where: str, value: Any, low: int, high: int, what: str) -> int:
 
 
 def _str(where: str, value: Any, pattern: re.Pattern | None, what: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _fail(where, f"expected {what}, got {value!r}"[:200])
-    if pattern is not None and not pattern.match(value):
+    if (not isinstance(value, str) or not value.strip() or "\0" in value or "\n" in value
+            or (pattern is not None and not pattern.match(value))):
         raise _fail(where, f"expected {what}, got {value!r}"[:200])
     return value
 
 
 def _path(where: str, value: Any, base: Path) -> str:
-    text = _str(where, value, None, "a path")
-    if "\0" in text or "\n" in text:
-        raise _fail(where, f"expected a path, got {text!r}"[:200])
-    p = Path(text).expanduser()
+    p = Path(_str(where, value, None, "a path")).expanduser()
     return str(p if p.is_absolute() else (base / p))
 
 
 def _remote_path(where: str, value: Any) -> str:
     text = _str(where, value, None, "an absolute path on the node")
-    if not text.startswith("/") or "\0" in text or "\n" in text:
+    if not text.startswith("/"):
         raise _fail(where, f"expected an absolute path on the node, got {text!r}"[:200])
     return text.rstrip("/") or "/"
+
+
+# How each optional key of a node is checked: (where, value, the file's folder) -> the value kept.
+OPTIONAL_CHECKS = {
+    "port": lambda where, value, base: _int(where, value, 1, 65535, "a port 1-65535"),
+    "user": lambda where, value, base: _str(where, value, USER_RE, "a user name"),
+    "key": _path,
+    "cpu": lambda where, value, base: _int(where, value, 1, 10**7,
+                                           "PAI cpu units, a positive integer (100 = one core)"),
+    "memory": lambda where, value, base: _int(where, value, 1, 10**9, "memory in MB, a positive integer"),
+    "gpu": lambda where, value, base: _int(where, value, 0, 1024, "a number of GPU cards, 0 or more"),
+    "python": lambda where, value, base: _str(where, value, PYTHON_RE, "an interpreter name or path on the node"),
+    "runtime_dir": lambda where, value, base: _remote_path(where, value),
+    "work_dir": lambda where, value, base: _remote_path(where, value),
+}
 
 
 def parse_nodes(text: str, path: str = "nodes.yaml") -> NodesConfig:
@@ -229,27 +238,10 @@ def parse_nodes(text: str, path: str = "nodes.yaml") -> NodesConfig:
                                               "a host name or an IP address")}
         if entry["host"].startswith("-"):
             raise _fail(f"{where}: key 'host'", f"expected a host name or an IP address, got {entry['host']!r}")
-        if raw.get("port") is not None:
-            entry["port"] = _int(f"{where}: key 'port'", raw["port"], 1, 65535, "a port 1-65535")
         entry["user"] = default_user
-        if raw.get("user") is not None:
-            entry["user"] = _str(f"{where}: key 'user'", raw["user"], USER_RE, "a user name")
-        if raw.get("key") is not None:
-            entry["key"] = _path(f"{where}: key 'key'", raw["key"], base)
-        if raw.get("cpu") is not None:
-            entry["cpu"] = _int(f"{where}: key 'cpu'", raw["cpu"], 1, 10**7,
-                                "PAI cpu units, a positive integer (100 = one core)")
-        if raw.get("memory") is not None:
-            entry["memory"] = _int(f"{where}: key 'memory'", raw["memory"], 1, 10**9,
-                                   "memory in MB, a positive integer")
-        if raw.get("gpu") is not None:
-            entry["gpu"] = _int(f"{where}: key 'gpu'", raw["gpu"], 0, 1024, "a number of GPU cards, 0 or more")
-        if raw.get("python") is not None:
-            entry["python"] = _str(f"{where}: key 'python'", raw["python"], PYTHON_RE,
-                                   "an interpreter name or path on the node")
-        for key in ("runtime_dir", "work_dir"):
+        for key, check in OPTIONAL_CHECKS.items():
             if raw.get(key) is not None:
-                entry[key] = _remote_path(f"{where}: key {key!r}", raw[key])
+                entry[key] = check(f"{where}: key {key!r}", raw[key], base)
         nodes.append(NodeEntry(**entry))
     return NodesConfig(path=path, nodes=tuple(nodes), known_hosts=known_hosts, ray=ray, raw=data,
                        shared=_shared(where_file, data.get("shared")))

@@ -77,26 +77,23 @@ def main(argv: list[str]) -> int:
                 refs.append(InstanceRef.from_dict(json.loads(word)))
             except (ValueError, KeyError, TypeError):
                 print(f"{time.ctime()}: ignored a bad line from the master: {word[:200]!r}", file=sys.stderr)
-    if done:
-        job_ended.set()
-        sweeper.join(lifecycle.STOP_TIMEOUT + lifecycle.STOP_DEADLINE)
-        return 0
-    store = Store()
-    stopped = lifecycle.declare_master_lost(store, job_id, refs, report=log_line)
-    print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in stopped]} "
-          f"(of {len(refs)} instance(s) it was told about)", file=sys.stderr)
-    try:
-        # What the master would have brought back and removed at its end.
-        job_dir = Path(store.job(job_id)["job_dir"])
-        backend = backend_for_job(job_dir)
+    if not done:
+        store = Store()
+        stopped = lifecycle.declare_master_lost(store, job_id, refs, report=log_line)
+        print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in stopped]} "
+              f"(of {len(refs)} instance(s) it was told about)", file=sys.stderr)
         try:
-            outputs.collect_after_master(store, job_id, backend, outputs.job_log_note(job_dir))
-        except Exception as err:  # noqa: BLE001 - the folders are kept then: nothing is lost
-            print(f"{time.ctime()}: bringing the job's files back failed: {err}", file=sys.stderr)
-            backend.keep_nodes.add("*")
-        backend.cleanup(str(job_dir))
-    except Exception as err:  # noqa: BLE001 - a clean-up failure must not hide the verdict
-        print(f"{time.ctime()}: clean-up after the lost master failed: {err}", file=sys.stderr)
+            # What the master would have brought back and removed at its end.
+            job_dir = Path(store.job(job_id)["job_dir"])
+            backend = backend_for_job(job_dir)
+            try:
+                outputs.collect_after_master(store, job_id, backend, outputs.job_log_note(job_dir))
+            except Exception as err:  # noqa: BLE001 - the folders are kept then: nothing is lost
+                print(f"{time.ctime()}: bringing the job's files back failed: {err}", file=sys.stderr)
+                backend.keep_nodes.add("*")
+            backend.cleanup(str(job_dir))
+        except Exception as err:  # noqa: BLE001 - a clean-up failure must not hide the verdict
+            print(f"{time.ctime()}: clean-up after the lost master failed: {err}", file=sys.stderr)
     job_ended.set()
     sweeper.join(lifecycle.STOP_TIMEOUT + lifecycle.STOP_DEADLINE)
     return 0

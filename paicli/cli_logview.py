@@ -23,10 +23,7 @@ def metric_series(store, job_id: str, metric: str | None, instances: tuple[str, 
     (default: loss, else the first one that is not a step counter), of the instances
     asked for (default: every instance that has it)."""
     rows = store.step_metrics(job_id)
-    keys = []
-    for row in rows:
-        if row["key"] not in keys and row["key"] not in STEP_KEYS:
-            keys.append(row["key"])
+    keys = list(dict.fromkeys(row["key"] for row in rows if row["key"] not in STEP_KEYS))
     if not keys:
         raise NotFound(f"job {job_id} has no metrics yet",
                        "metrics are key=number pairs in its log lines, e.g. step=3, loss=0.5")
@@ -59,9 +56,8 @@ def render_plot(series: dict, metric: str, title: str, *, colour: bool, width: i
     if not colour:
         plt.theme("clear")
     for i, (name, points) in enumerate(series.items()):
-        xs = [p[0] for p in points]
-        ys = [p[1] for p in points]
-        plt.plot(xs, ys, label=name, marker="braille" if colour else PLAIN_MARKERS[i % len(PLAIN_MARKERS)])
+        plt.plot([p[0] for p in points], [p[1] for p in points], label=name,
+                 marker="braille" if colour else PLAIN_MARKERS[i % len(PLAIN_MARKERS)])
     plt.title(title)
     plt.xlabel("step")
     text = plt.build()

@@ -99,30 +99,29 @@ def connect(node: NodeEntry, known_hosts: str, timeout: float = CONNECT_TIMEOUT)
     client.set_missing_host_key_policy(paramiko.RejectPolicy())
     where = f"node {node.name} ({node.user}@{node.host}:{node.port})"
     try:
-        client.connect(node.host, port=node.port, username=node.user, key_filename=node.key,
-                       look_for_keys=node.key is None, allow_agent=node.key is None,
-                       timeout=timeout, banner_timeout=timeout, auth_timeout=timeout)
+        try:
+            client.connect(node.host, port=node.port, username=node.user, key_filename=node.key,
+                           look_for_keys=node.key is None, allow_agent=node.key is None,
+                           timeout=timeout, banner_timeout=timeout, auth_timeout=timeout)
+        except BaseException:
+            client.close()
+            raise
     except paramiko.BadHostKeyException as err:
-        client.close()
         raise HostKeyError(f"{where}: host key CHANGED (now {fingerprint(err.key)}; {known_hosts} "
                            "records another); refused",
                            f"if the node was reinstalled, check the key and run: pai nodes trust {node.name}") from None
     except paramiko.PasswordRequiredException:
-        client.close()
         raise NodeAuthError(f"{where}: key {node.key} is protected by a passphrase, which paicli does not ask for",
                             "load it into ssh-agent and leave `key:` out for this node, or use a key "
                             "without a passphrase") from None
     except paramiko.AuthenticationException:
-        client.close()
         key = f"key {node.key}" if node.key else "the agent's and ~/.ssh's keys"
         raise NodeAuthError(f"{where}: authentication failed: user {node.user!r} with {key} was refused",
                             "check `user:` and `key:` for this node in the nodes file") from None
     except FileNotFoundError:
-        client.close()
         raise UsageError(f"{where}: key file {node.key} does not exist",
                          "fix `key:` for this node in the nodes file") from None
     except paramiko.SSHException as err:
-        client.close()
         text = str(err)
         if "not found in known_hosts" in text:
             raise HostKeyError(f"{where}: host key unknown (not in {known_hosts}); refused",
@@ -132,7 +131,6 @@ def connect(node: NodeEntry, known_hosts: str, timeout: float = CONNECT_TIMEOUT)
                                 "fix `key:` for this node in the nodes file") from None
         raise NodeUnreachable(f"{where}: SSH failed: {text}", "check that sshd runs there") from None
     except (OSError, EOFError) as err:
-        client.close()
         reason = "timed out" if isinstance(err, (socket.timeout, TimeoutError)) else \
             (getattr(err, "strerror", None) or err.__class__.__name__)
         raise NodeUnreachable(f"{where}: unreachable ({reason})",
@@ -164,14 +162,10 @@ def scan_host_key(node: NodeEntry, timeout: float = CONNECT_TIMEOUT):
 
 def known_key(node: NodeEntry, known_hosts: str):
     """The key known_hosts records for the node, or None."""
-    paramiko = _paramiko()
     if not os.path.exists(known_hosts):
         return None
-    keys = paramiko.HostKeys(known_hosts)
-    entry = keys.lookup(host_key_name(node))
-    if not entry:
-        return None
-    return next(iter(entry.values()), None)
+    entry = _paramiko().HostKeys(known_hosts).lookup(host_key_name(node))
+    return next(iter(entry.values()), None) if entry else None
 
 
 def record_host_key(node: NodeEntry, known_hosts: str, key) -> None:
@@ -249,6 +243,7 @@ def _is_client(obj) -> bool:
 
 
 def _transport_active(obj) -> bool:
+    """Whether a client's (or a channel's) connection is up."""
     transport = obj.get_transport()
     return transport is not None and transport.is_active()
 
@@ -304,18 +299,15 @@ def open_files(session, node: NodeEntry):
 class Sftp:
     """Per-job folders on a node: 0700 dirs, files 0700 when executable, else 0600."""
 
-    def __init__(self, client, node_name: str = "the node"):
+    def __init__(self, chan, node_name: str = "the node"):
         paramiko = _paramiko()
         try:
-            if _is_client(client):
-                self.sftp = client.open_sftp()
-            else:   # a session channel (Connections.session)
-                client.invoke_subsystem("sftp")
-                self.sftp = paramiko.SFTPClient(client)
+            chan.invoke_subsystem("sftp")   # a session channel (Connections.session)
+            self.sftp = paramiko.SFTPClient(chan)
         except paramiko.SSHException:
             # OpenSSH closes the channel when it has no `Subsystem sftp` line; paramiko
             # then says only "Channel closed.".
-            if not _transport_active(client):
+            if not _transport_active(chan):
                 raise
             raise NoSftp(f"node {node_name}: its sshd has no SFTP subsystem (paicli copies a job's files "
                          "over SFTP)", NO_SFTP_HINT) from None
@@ -448,7 +440,7 @@ class Connections:
         paramiko = _paramiko()
         tried = [self.get(node)]
         with self._lock:
-            tried += [c for c in self._extra.get(node.name, []) if c.get_transport() and c.get_transport().is_active()]
+            tried += [c for c in self._extra.get(node.name, []) if _transport_active(c)]
         for client in tried:
             try:
                 return client.get_transport().open_session(timeout=timeout)
@@ -468,8 +460,7 @@ class Connections:
         with self._lock:
             client = self._clients.get(node.name)
             if client is not None:
-                transport = client.get_transport()
-                if transport is not None and transport.is_active():
+                if _transport_active(client):
                     return client
                 client.close()
                 del self._clients[node.name]

@@ -91,23 +91,20 @@ def _group_exists(pgid: int) -> bool:
     return True
 
 
-def stop_group(pgid: int, grace: float, reap=None) -> bool:
-    """SIGTERM the group, wait up to `grace` s for it to go, then SIGKILL (and up to
-    2 s more). `reap` collects our own child so that it does not linger as a
-    zombie. True when something was signalled."""
+def stop_group(pgid: int, reap) -> None:
+    """SIGTERM the group, wait up to GRACE s for it to go, then SIGKILL (and up to
+    2 s more). `reap` collects our own child so that it does not linger as a zombie."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
-        return False
-    for wait, then in ((grace, signal.SIGKILL), (2.0, None)):
+        return
+    for wait, then in ((GRACE, signal.SIGKILL), (2.0, None)):
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and live_groups({pgid}):
-            if reap:
-                reap()
+            reap()
             time.sleep(0.02)
         if then is not None:
             _killpg(pgid, then)
-    return True
 
 
 def instance_env(spec: dict) -> dict:
@@ -298,7 +295,7 @@ class Instance:
         """The main process ended: stop the rest of its group (nothing outlives an
         instance), take what is left in the pipe, then report the exit."""
         if live_groups({self.proc.pid}):
-            stop_group(self.proc.pid, GRACE, None)
+            stop_group(self.proc.pid, self.proc.poll)
         while self.output_open:
             before = len(self.out.buf)
             self.on_output()
@@ -311,7 +308,7 @@ class Instance:
         return 0
 
     def stop(self) -> int:
-        stop_group(self.proc.pid, GRACE, self.proc.poll)
+        stop_group(self.proc.pid, self.proc.poll)
         return 1
 
 

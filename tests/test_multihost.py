@@ -634,7 +634,7 @@ def test_sftp_copy_keeps_inner_links_and_drops_links_that_leave(cluster, tmp_pat
     client = ssh.connect(NodeEntry(name="h1", host=h1.addr, user=cluster.user, key=str(cluster.client_key)),
                          str(cluster.known_hosts))
     try:
-        sftp = ssh.Sftp(client)
+        sftp = ssh.Sftp(client.get_transport().open_session())
         sftp.makedirs("/tmp/sftp-test/code")
         sftp.put_files(tree_files(str(tree), ""), "/tmp/sftp-test/code", {"/tmp/sftp-test/code"})
         sftp.close()

@@ -989,7 +989,7 @@ backend.prepare(str(job_dir), plan, placements)
 outputs = []
 for placed in placements:
     role = plan.role(placed.role)
-    handle = backend.start(placed, role.argv, dict(os.environ, **role.env), None)
+    handle = backend.begin_start(placed, role.argv, dict(os.environ, **role.env), None)()
     code = backend.wait(handle, 60)
     out = b""
     while True:

@@ -292,19 +292,14 @@ class Backend:
 
     # -- running ------------------------------------------------------------------
 
-    def start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
-              watch: dict | None = None, sink: Callable[[bytes, bytes], None] | None = None) -> Handle:
-        """Start one instance on `placed.node` in a session of its own with default
-        signal dispositions, stdin from /dev/null, stdout+stderr into the Handle.
-        OSError (FileNotFoundError: 127, PermissionError: 126) when it cannot start.
-        `watch` and `sink`: the files that come back (cluster/outputs.py)."""
-        return self.begin_start(placed, argv, env, cwd, watch, sink)()
-
     def begin_start(self, placed: Placement, argv: list[str], env: dict[str, str], cwd: str | None,
                     watch: dict | None = None,
                     sink: Callable[[bytes, bytes], None] | None = None) -> Callable[[], Handle]:
-        """`start()` in two halves: the instance is asked for now, the returned call
-        gives its Handle (or raises what start() raises)."""
+        """Start one instance on `placed.node` in a session of its own with default
+        signal dispositions, stdin from /dev/null, stdout+stderr into the Handle, in
+        two halves: the instance is asked for now, the returned call gives its Handle,
+        or raises OSError (FileNotFoundError: 127, PermissionError: 126) when it cannot
+        start. `watch` and `sink`: the files that come back (cluster/outputs.py)."""
         finish = self._begin_start(placed, self._agent_spec(placed, argv, env, cwd, watch), sink)
         return lambda: self._keep_link(finish())
 

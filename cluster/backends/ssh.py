@@ -175,27 +175,14 @@ class SSHBackend(Backend):
         listens = {r.name for r in plan.roles if r.listens}
         wanted = sum(1 for p in placed if p.role in listens)
         self.conns.get(node)   # connected once here, before the threads below share it
-        looked: dict[str, Any] = {}
-
-        def look() -> None:
-            try:
-                looked["info"] = ssh.run_agent(self.conns.session(node), node, "info", node.runtime_dir or "", node.host,
-                                               str(wanted + 2 if wanted else 0), timeout=60)
-            except BaseException as err:  # re-raised below, in the staging thread
-                looked["error"] = err
-
-        looking = threading.Thread(target=look, daemon=True)
-        looking.start()
-        job_id = Path(job_dir).name
-        folder = remote_paths.job_folder(node.job_root, job_id)
-        manifest = node_files.manifest(job_dir, plan)
-        try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            looking = pool.submit(lambda: ssh.run_agent(self.conns.session(node), node, "info", node.runtime_dir or "",
+                                                        node.host, str(wanted + 2 if wanted else 0), timeout=60))
+            job_id = Path(job_dir).name
+            folder = remote_paths.job_folder(node.job_root, job_id)
+            manifest = node_files.manifest(job_dir, plan)
             self._write(node, folder, manifest, lambda: self._warm_up(node, folder, job_id, placed))
-        finally:
-            looking.join()
-        if "error" in looked:
-            raise looked["error"]
-        info = looked["info"]
+        info = looking.result()   # its error, raised here in the staging thread
         if runtime and info["runtimes"].get(runtime) != _runtime_version(runtime):
             self.progress(f"{node.name}: no {runtime} runtime in {info['runtime_dir']}; provisioning it")
             _provision(lambda: self.conns.session(node), node, runtime, self.progress)

@@ -283,6 +283,8 @@ def runtime_install(name, node):
 def runtime_list(as_json):
     """Show each runtime (installed or not, path, version, size) and each
     requirements layer (its runtime, size, last use, the packages it adds)."""
+    from paicli.adapters.tensorflow import names_by_runtime
+    from paicli.cli_runtime import layer_line, layer_rows
     from paicli.runners.runtimes import RUNTIMES, get_runtime
 
     infos = []
@@ -292,11 +294,7 @@ def runtime_list(as_json):
         except Exception as err:  # one broken runtime must not hide the others
             infos.append({"name": name, "installed": False, "path": "", "version": "", "size": None,
                           "source": f"unavailable: {err}"})
-    from paicli.cli_runtime import layer_line, layer_rows
-
     layers = layer_rows()
-    from paicli.adapters.tensorflow import names_by_runtime
-
     selected_by = names_by_runtime()
     for info in infos:
         info["names"] = selected_by.get(info["name"], [])

@@ -73,11 +73,9 @@ def _figure(choice_json: dict) -> str:
 def alternatives_rows(result) -> list[tuple[str, ...]]:
     """One row per plan; STEP(s) is the figure it is judged by, FIGURE says which."""
     data = result.plan.to_json()
-    rows = []
-    for mark, choice in [("*", data["recommended"])] + [("", c) for c in data["alternatives"]]:
-        rows.append((mark, choice["label"], f"{choice['step_s']:.4f}", choice["figure"],
-                     f"{choice['samples_per_s']:.1f}", _dur(choice["time_to_target_s"]), choice["bottleneck"]))
-    return rows
+    return [(mark, choice["label"], f"{choice['step_s']:.4f}", choice["figure"], f"{choice['samples_per_s']:.1f}",
+             _dur(choice["time_to_target_s"]), choice["bottleneck"])
+            for mark, choice in [("*", data["recommended"])] + [("", c) for c in data["alternatives"]]]
 
 
 # -- the command ---------------------------------------------------------------------------

@@ -15,22 +15,17 @@ def layer_rows() -> list[dict]:
     """One row per layer here, shaped like a runtime's row (kind "layer")."""
     from paicli.runners.runtimes import list_layers
 
-    rows = []
-    for layer in list_layers():
-        rows.append({"kind": "layer", "name": layer["name"], "installed": True, "path": layer["path"],
-                     "version": " ".join(x for x in layer["requirements"] if not x.startswith("-")),
-                     "size": layer["size"], "source": f"layer on {layer['base']}", "base": layer["base"],
-                     "last_use": layer["last_use"], "installed_packages": layer["installed"]})
-    return rows
+    return [{"kind": "layer", "name": layer["name"], "installed": True, "path": layer["path"],
+             "version": " ".join(x for x in layer["requirements"] if not x.startswith("-")),
+             "size": layer["size"], "source": f"layer on {layer['base']}", "base": layer["base"],
+             "last_use": layer["last_use"], "installed_packages": layer["installed"]} for layer in list_layers()]
 
 
 def age(seconds_ago: float) -> str:
     if seconds_ago < 120:
         return "just now"
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds_ago >= size:
-            return f"{seconds_ago / size:.0f}{unit} ago"
-    return "just now"
+    unit, size = next((unit, size) for unit, size in (("d", 86400), ("h", 3600), ("min", 60)) if seconds_ago >= size)
+    return f"{seconds_ago / size:.0f}{unit} ago"
 
 
 def layer_line(row: dict) -> str:

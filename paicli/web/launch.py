@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlencode
 
-from paicli.cluster.procinfo import start_time
+from paicli.cluster.procinfo import Unverified, is_alive, proc_stat, signal_verified, start_time
 from paicli.cluster.spawn import start_in_session
 from paicli.errors import PaiError
 from paicli.private import private_dir, write_private
@@ -75,10 +75,6 @@ def user_token(home: Path, port: int) -> dict:
     return record
 
 
-def bind_host() -> str:
-    return os.environ.get("PAI_LOGVIEW_HOST") or "127.0.0.1"
-
-
 def read_state(home: Path) -> dict | None:
     try:
         return json.loads((home / "logview" / "server.json").read_text())
@@ -86,16 +82,10 @@ def read_state(home: Path) -> dict | None:
         return None
 
 
-def _alive(state: dict) -> bool:
-    from paicli.cluster.procinfo import is_alive
-
-    return bool(state.get("pid")) and is_alive(int(state["pid"]), state.get("start"))
-
-
 def running_server(home: Path) -> dict | None:
     """The state of the live server of this PAI_HOME, or None."""
     state = read_state(home)
-    return state if state and _alive(state) else None
+    return state if state and state.get("pid") and is_alive(int(state["pid"]), state.get("start")) else None
 
 
 def _listen(host: str, folder: Path) -> socket.socket:
@@ -135,7 +125,7 @@ def start_server(home: Path) -> dict:
         raise LogviewUnavailable("the logview server needs aiohttp and jinja2",
                                  "they are paicli's own dependencies: reinstall paicli (bash .ci/setup)")
     folder = state_dir(home)
-    host = bind_host()
+    host = os.environ.get("PAI_LOGVIEW_HOST") or "127.0.0.1"
     sock = _listen(host, folder)
     port = sock.getsockname()[1]
     try:
@@ -200,8 +190,6 @@ def stop_server(home: Path, timeout: float = 3.0) -> bool:
     """SIGTERM, a bounded wait, then SIGKILL, only to the process recorded as this
     home's server (pid and start time both match). False if none was running. A
     record without a start time names no process for sure: one line, no signal."""
-    from paicli.cluster.procinfo import Unverified, is_alive, proc_stat, signal_verified
-
     state = read_state(home)
     if not state or not state.get("pid"):
         return False

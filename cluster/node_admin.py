@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from typing import Callable
 
 from paicli.cluster import ssh_transport as ssh
@@ -107,10 +108,8 @@ def _provision(session: Callable[[], object], node: NodeEntry, runtime: str,
     try:
         return _run_provisioning(session, node, runtime, _node_lines(node, progress, details), info, folder)
     finally:
-        try:
+        with suppress(PaiError, OSError, EOFError):   # an unreachable node keeps it (under /tmp, cleared at boot)
             ssh.exec_command(session(), ["rm", "-rf", "--", folder], timeout=60)
-        except (PaiError, OSError, EOFError):
-            pass   # an unreachable node keeps it (under /tmp, cleared at boot)
 
 
 def _run_provisioning(session, node: NodeEntry, runtime: str, progress: Callable[[str], None],

@@ -23,6 +23,7 @@ import shlex
 import socket
 import sys
 import threading
+from contextlib import suppress
 from pathlib import Path
 
 from paicli.cluster import node_files
@@ -338,10 +339,8 @@ class Sftp:
             self.write(probe, b"")
             ours = self.sftp.lstat(probe).st_uid
         finally:
-            try:
+            with suppress(OSError):
                 self.sftp.remove(probe)
-            except OSError:
-                pass
 
         what = root_fault(attrs.st_mode, attrs.st_uid, ours)
         if what is not None:
@@ -376,10 +375,8 @@ class Sftp:
         if path in made or "/" not in path.strip("/"):
             return   # known, or a top folder (/tmp): there
         self._ensure(path.rsplit("/", 1)[0], made)
-        try:
+        with suppress(OSError):   # there already (in our private root: ours); a real fault fails the next write
             self.sftp.mkdir(path, mode=0o700)
-        except OSError:
-            pass   # there already (in our private root: ours); a real fault fails the next write
         made.add(path)
 
 

@@ -67,7 +67,6 @@ def render_plot(series: dict, metric: str, title: str, *, colour: bool, width: i
 
 
 def register(cli: click.Group) -> None:
-    """Add this module's commands to the `pai` group."""
     @cli.command()
     @click.argument("job_id", required=False)
     @click.option("--stop", is_flag=True, help="Stop your logview server (it also stops by itself when idle).")

@@ -5,6 +5,8 @@ Registered by paicli.cli; keep heavy imports inside the commands.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import click
@@ -28,8 +30,6 @@ def _config():
 
 def _ray_config() -> dict | None:
     """The Ray cluster jobs go to (PAI_RAY_ADDRESS, or a nodes file with `ray:`), if any."""
-    import os
-
     if os.environ.get("PAI_RAY_ADDRESS"):
         return {"backend": "ray", "address": os.environ["PAI_RAY_ADDRESS"]}
     from paicli.cluster.nodes import load_nodes
@@ -39,8 +39,6 @@ def _ray_config() -> dict | None:
 
 
 def _list_nodes(as_json: bool) -> None:
-    import json
-
     ray_config = _ray_config()
     if ray_config is not None:
         from paicli.cluster import backends
@@ -103,7 +101,6 @@ def install_on_node(runtime: str, node: str, progress) -> str:
 
 
 def register(cli: click.Group) -> None:
-    """Add this module's commands to the `pai` group."""
     @cli.group(invoke_without_command=True)
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @click.pass_context

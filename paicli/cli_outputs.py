@@ -77,7 +77,6 @@ def say(line: str) -> None:
 
 
 def register(cli: click.Group) -> None:
-    """Add this module's commands to the `pai` group."""
     @cli.command()
     @click.argument("job_id")
     @click.option("--json", "as_json", is_flag=True, help="Print the files as JSON.")

@@ -106,7 +106,6 @@ def _split_plan_options(tokens: tuple[str, ...]) -> tuple[list[str], bool, str |
 
 
 def register(cli: click.Group) -> None:
-    """Add this module's commands to the `pai` group."""
     @cli.command("plan", cls=StatementCommand, context_settings={"ignore_unknown_options": True})
     @click.argument("statement", nargs=-1, type=click.UNPROCESSED)
     def plan_command(statement):

@@ -37,6 +37,7 @@ import struct
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from stat import S_ISDIR
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
@@ -338,10 +339,8 @@ def cmd_run(label: str) -> int:
 
 
 def _killpg(pgid: int, signum: int) -> None:
-    try:
+    with suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def is_ours(ref: list) -> bool:

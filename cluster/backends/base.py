@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,10 +182,8 @@ class Backend:
         job_id = Path(job_dir).name
 
         def remove(name: str) -> None:
-            try:
+            with suppress(Exception):  # the transport's own errors: the folder stays
                 self._remove_job_folder(job_id, name)
-            except Exception:  # noqa: BLE001 - the transport's own errors: the folder stays
-                pass
 
         with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
             list(pool.map(remove, names))

@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -222,10 +223,8 @@ class RayTransport:
                 raise TimeoutError("no output from the node agent")
 
     def close(self) -> None:
-        try:
+        with suppress(Exception):  # the actor may be gone already
             self.actor.close.remote(self.agent)   # not waited for: the agent stops the group when its stdin closes
-        except Exception:  # noqa: BLE001 - the actor is gone already
-            pass
 
 
 class RayBackend(Backend):
@@ -314,10 +313,8 @@ class RayBackend(Backend):
                 if attempt == tries - 1:
                     raise
                 print(f"ray.init({self.address!r}) failed, trying again: {err}", file=sys.stderr, flush=True)
-                try:
+                with suppress(Exception):  # nothing to shut down
                     ray.shutdown()
-                except Exception:  # noqa: BLE001 - nothing to shut down
-                    pass
                 time.sleep(2 * (attempt + 1))
 
     def _bounded(self, call: Callable[[], Any], what: str, timeout: float = CALL_TIMEOUT,
@@ -495,10 +492,8 @@ class RayBackend(Backend):
             return placed
 
     def _forget(self, inst: _Instance) -> None:
-        try:
+        with suppress(Exception):  # it may be gone already
             self._ray.kill(inst.actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - it is gone already
-            pass
 
     # -- staging ---------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+from contextlib import suppress
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -230,10 +231,8 @@ class SSHBackend(Backend):
         names = set(self._folders)
         placements = Path(job_dir) / "placement.json"
         if placements.exists():
-            try:
+            with suppress(ValueError, KeyError, TypeError):
                 names |= {p["node"] for p in json.loads(placements.read_text())}
-            except (ValueError, KeyError, TypeError):
-                pass
         self.remove_job_folders(job_dir, sorted(n for n in names if not self.keeps(n)))
 
     def _remove_job_folder(self, job_id: str, name: str) -> None:

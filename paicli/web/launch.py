@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import time
+from contextlib import suppress
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -157,10 +158,8 @@ def ensure_server(home: Path) -> dict:
         if state is None:
             state = start_server(home)
         else:
-            try:  # a CLI handing out the URL counts as use: the server's idle clock restarts
+            with suppress(OSError):  # a CLI handing out the URL counts as use: the server's idle clock restarts
                 os.utime(folder / "server.json")
-            except OSError:
-                pass
     return state
 
 
@@ -242,10 +241,8 @@ def forget_state(home: Path, pid: int) -> None:
     """Remove the state file on the way out, if it is still ours."""
     state = read_state(home)
     if state and state.get("pid") == pid:
-        try:
+        with suppress(OSError):
             (home / "logview" / "server.json").unlink()
-        except OSError:
-            pass
 
 
 def check_every(idle: float) -> float:

@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from contextlib import suppress
 from pathlib import Path
 
 import jinja2
@@ -336,10 +337,8 @@ async def serve(home: Path, sock: socket.socket) -> None:
     print(f"logview serving {home} on {sock.getsockname()} (idle limit {idle:g}s)", flush=True)
     born = time.monotonic()
     while not stop.is_set():
-        try:
+        with suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=launch.check_every(idle))
-        except asyncio.TimeoutError:
-            pass
         now = time.monotonic()
         why = launch.reason_to_exit(home, os.getpid(), now - born, now - use["last"], use["streams"], idle)
         if why:

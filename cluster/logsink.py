@@ -200,12 +200,8 @@ class MetricParser:
                             self._put(values, f"{key[:-len('_pairs')]}_{name}", number)
                     else:
                         self._put(values, key, found)
-        out = []
-        for start in sorted(per_line):
-            values = per_line[start]
-            if values:
-                out.append((next((values[k] for k in self.STEP_KEYS if k in values), None), values))
-        return out
+        return [(next((values[k] for k in self.STEP_KEYS if k in values), None), values)
+                for _, values in sorted(per_line.items()) if values]
 
     @staticmethod
     def _put(values: dict[str, float], key: str, text: str) -> None:

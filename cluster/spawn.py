@@ -39,7 +39,8 @@ def start_in_session(module: str, args: list[str], log_path: Path, cwd: Path | s
     """Run `module`'s main(args) in a new session, its stdout and stderr appended to
     `log_path` (0600), its stdin `stdin_fd` (else /dev/null), `keep` left open (same
     numbers); its pid. The caller's stores are closed across a fork."""
-    log = above_stdio(open_private(log_path))
+    log = above_stdio(open_append_fd(log_path))
+    os.fchmod(log, 0o600)   # its owner's alone, whatever it was: it holds argv and log tails
     stdin = above_stdio(os.open(os.devnull, os.O_RDONLY)) if stdin_fd is None else stdin_fd
     try:
         if must_exec():
@@ -134,13 +135,6 @@ def _run(module: str, args: list[str], how: str) -> int:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-
-
-def open_private(path: Path) -> int:
-    """An append-only log file only its owner can read (it holds argv and log tails)."""
-    fd = open_append_fd(path)
-    os.fchmod(fd, 0o600)
-    return fd
 
 
 # -- a job's master ---------------------------------------------------------------

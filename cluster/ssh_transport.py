@@ -461,13 +461,11 @@ class Connections:
                     return client
                 client.close()
                 del self._clients[node.name]
-        client = connect(node, self.known_hosts)
+        new = connect(node, self.known_hosts)
         with self._lock:
-            old = self._clients.get(node.name)
-            if old is not None:
-                client.close()
-                return old
-            self._clients[node.name] = client
+            client = self._clients.setdefault(node.name, new)   # another thread's, if it was quicker
+        if client is not new:
+            new.close()
         return client
 
     def drop(self, node: NodeEntry) -> None:

@@ -26,22 +26,18 @@ from paicli.store import Store
 SWEEP_AFTER = 2.0  # the sweep waits out the instances' start
 
 
-def log_line(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def sweep(start: threading.Event) -> None:
     """lifecycle.sweep_lost, once: SWEEP_AFTER seconds in, or when `start` is set."""
     start.wait(SWEEP_AFTER)
     try:
         store = Store()  # this thread's own connection
         try:
-            recorded = lifecycle.sweep_lost(store, report=log_line)
+            recorded = lifecycle.sweep_lost(store)
         finally:
             store.close()
-        log_line(f"{time.ctime()}: swept the home's lost jobs ({len(recorded)} recorded)")
+        lifecycle.to_stderr(f"{time.ctime()}: swept the home's lost jobs ({len(recorded)} recorded)")
     except Exception as err:  # noqa: BLE001 - another job's trouble must not end this watchdog
-        log_line(f"{time.ctime()}: the sweep of lost jobs failed: {err}")
+        lifecycle.to_stderr(f"{time.ctime()}: the sweep of lost jobs failed: {err}")
 
 
 def get_ready(job_id: str) -> None:
@@ -51,9 +47,9 @@ def get_ready(job_id: str) -> None:
         job_dir = Path(store.job(job_id)["job_dir"])
         store.close()
         if backend_for_job(job_dir).ready_to_stop():
-            log_line(f"{time.ctime()}: ready to stop the job's instances through its backend")
+            lifecycle.to_stderr(f"{time.ctime()}: ready to stop the job's instances through its backend")
     except Exception as err:  # noqa: BLE001 - a stop tries again; this only makes it quicker
-        log_line(f"{time.ctime()}: getting ready to stop the job's instances failed: {err}")
+        lifecycle.to_stderr(f"{time.ctime()}: getting ready to stop the job's instances failed: {err}")
 
 
 def main(argv: list[str]) -> int:
@@ -79,7 +75,7 @@ def main(argv: list[str]) -> int:
                 print(f"{time.ctime()}: ignored a bad line from the master: {word[:200]!r}", file=sys.stderr)
     if not done:
         store = Store()
-        stopped = lifecycle.declare_master_lost(store, job_id, refs, report=log_line)
+        stopped = lifecycle.declare_master_lost(store, job_id, refs)
         print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in stopped]} "
               f"(of {len(refs)} instance(s) it was told about)", file=sys.stderr)
         try:

@@ -363,14 +363,10 @@ for _module in (cli_nodes, cli_plan, cli_logview, cli_queue, cli_tune, cli_outpu
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`pai` through click (paicli.pai.main sends a bare statement past it)."""
-    finish(lambda: run(argv))
-
-
-def run(argv: list[str] | None = None) -> None:
-    """Click's own errors become one line and exit code 2; ours go through the
-    shared boundary (commands.run_guarded)."""
-    run_guarded(lambda: _run_click(argv))
+    """`pai` through click (paicli.pai.main sends a bare statement past it). Click's
+    own errors become one line and exit code 2; ours go through the shared boundary
+    (commands.run_guarded)."""
+    finish(lambda: run_guarded(lambda: _run_click(argv)))
 
 
 def _run_click(argv: list[str] | None) -> None:

@@ -62,8 +62,7 @@ class RayWaitStopped(PaiError):
 
     @property
     def outcome(self):
-        """The job's verdict, which the master takes as it is: Cancelled, as a
-        timeout or a cancel is for any job."""
+        """The job's verdict: Cancelled, as a timeout or a cancel is for any job."""
         return JobStatus.CANCELLED, self.message
 
 
@@ -171,14 +170,6 @@ def is_local_address(ip: str) -> bool:
         return False
 
 
-def import_ray():
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise UsageError("this job goes to a Ray cluster, but Ray is not installed", INSTALL_HINT) from None
-    return ray
-
-
 @dataclass
 class _Instance:
     """What the driver knows of one instance's actor."""
@@ -261,7 +252,10 @@ class RayBackend(Backend):
             return self._ray
         if self._unusable:
             raise PaiError(f"the Ray cluster at {self.address} cannot be used from here")
-        ray = import_ray()
+        try:
+            import ray
+        except ImportError:   # found when the backend was built, but broken
+            raise UsageError("this job goes to a Ray cluster, but Ray is not installed", INSTALL_HINT) from None
         with _CONNECTING:
             if not ray.is_initialized():
                 try:
@@ -505,11 +499,8 @@ class RayBackend(Backend):
         ray = self.connect()
         # Afresh each time: a node an instance moves to gets the checkpoints as they are now.
         self._manifest = node_files.manifest(job_dir, plan)
-        todo: dict[str, _Instance] = {}
-        for placed in placements:
-            inst = self._instances[(placed.role, placed.idx)]
-            if inst.node_id not in self._staged:
-                todo.setdefault(inst.node_id, inst)
+        insts = [self._instances[(placed.role, placed.idx)] for placed in placements]
+        todo = {inst.node_id: inst for inst in insts if inst.node_id not in self._staged}   # one actor a node
         if not todo:
             return
         files = node_files.tar_stream(self._manifest.files)

@@ -47,11 +47,9 @@ def curves(store: Store, name: str) -> dict[str, Any]:
         where = source.setdefault(row["job_id"], (row["role"], row["idx"]))
         if (row["role"], row["idx"]) == where:
             lines.setdefault(row["job_id"], []).append([row["step"], row["value"]])
-    out = []
-    for job_id, points in lines.items():
-        trial = jobs[job_id]
-        out.append({"trial": trial["number"], "state": trial["state"], "points": even_sample(points, MAX_POINTS)})
-    out.sort(key=lambda c: c["trial"])
+    out = sorted(({"trial": jobs[job_id]["number"], "state": jobs[job_id]["state"],
+                   "points": even_sample(points, MAX_POINTS)} for job_id, points in lines.items()),
+                 key=lambda c: c["trial"])
     return {"name": name, "metric": view["metric"], "status": view["status"], "over": view["over"],
             "best": view["best"]["number"] if view["best"] else None, "curves": out}
 

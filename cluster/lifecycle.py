@@ -40,12 +40,6 @@ def to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def stored_refs(store: Store, job_id: str) -> list[InstanceRef]:
-    """The identities the store holds for a job: every attempt's (an attempt may
-    have left processes in its group)."""
-    return [InstanceRef.from_dict(json.loads(row["ref"])) for row in store.attempts(job_id) if row["ref"]]
-
-
 def stop_job_instances(store: Store, job_id: str, refs: list[InstanceRef] | None = None,
                        timeout: float = STOP_TIMEOUT, report: Report = to_stderr) -> list[InstanceRef]:
     """Stop what a job may have left running: the refs given and every attempt
@@ -54,7 +48,9 @@ def stop_job_instances(store: Store, job_id: str, refs: list[InstanceRef] | None
     reached within STOP_DEADLINE is reported, not waited for: the nodes end what
     they run themselves (the agents' heartbeat, Ray killing a dead driver's actors)."""
     job_dir = Path(store.job(job_id)["job_dir"])
-    wanted = list({ref: None for ref in [*(refs or ()), *stored_refs(store, job_id)]})
+    # Every attempt's identity the store holds: an attempt may have left processes in its group.
+    stored = [InstanceRef.from_dict(json.loads(row["ref"])) for row in store.attempts(job_id) if row["ref"]]
+    wanted = list({ref: None for ref in [*(refs or ()), *stored]})
     if not wanted:
         return []  # nothing ever started: no backend to build (a Ray connect may itself hang)
     result: dict[str, object] = {}

@@ -15,8 +15,9 @@ import os
 import re
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
 
 from paicli.private import open_append_fd, write_private
 
@@ -47,11 +48,8 @@ def job_log_note(job_dir: str) -> Callable[[str], None]:
 
     def note(line: str) -> None:
         data = f"[pai] {line}\n".encode("utf-8", "replace")
-        with lock:
-            try:
-                fd = open_append_fd(path)
-            except OSError:
-                return
+        with lock, suppress(OSError):   # a note that cannot be written must not stop the job
+            fd = open_append_fd(path)
             try:
                 os.write(fd, data)
             finally:

@@ -188,11 +188,6 @@ def _take(free: dict[str, placing.Free], demands: Iterable[placing.Demand], plac
         placing.reserve(free, p, by[(p.role, p.idx)])
 
 
-def _shadow(entry: Entry) -> list[Placement] | None:
-    """Where a blocked job would go on its nodes if they were all idle."""
-    return _try(entry, placing.free_resources(entry.nodes), {n.name for n in entry.nodes})
-
-
 def turns(entries: Iterable[Entry], holds: list[Hold], held_gpus: dict[str, set[str]],
           quotas: dict[str, dict[str, int]]) -> list[Turn]:
     """The verdict on every waiting job, in queue order. `holds`: what started live
@@ -226,7 +221,8 @@ def turns(entries: Iterable[Entry], holds: list[Hold], held_gpus: dict[str, set[
             turn.reason = why_waiting(entry, free, holds, gpus, blocked)
             if blocked is None:
                 blocked = entry
-            shadow = _shadow(entry)
+            # Its shadow: where it would go on its nodes if they were all idle.
+            shadow = _try(entry, placing.free_resources(entry.nodes), {n.name for n in entry.nodes})
             if shadow is not None:
                 _take(spare, entry.demands, shadow)
             continue

@@ -336,7 +336,8 @@ class Sftp:
         attrs = self.sftp.lstat(path)
         probe = f"{path}/.paicli-owner-{secrets.token_hex(4)}"
         try:
-            self.write(probe, b"")
+            with self.sftp.open(probe, "w") as f:
+                f.chmod(0o600)   # ours alone before it exists for anyone else to open
             ours = self.sftp.lstat(probe).st_uid
         finally:
             with suppress(OSError):
@@ -345,16 +346,6 @@ class Sftp:
         what = root_fault(attrs.st_mode, attrs.st_uid, ours)
         if what is not None:
             raise UsageError(f"node {node_name}: the per-job folder root {path} is {what}; refused", ROOT_HINT)
-
-    def write(self, remote: str, data: bytes) -> None:
-        """A file of ours with `data`, 0600 before anything is written to it."""
-        with self.sftp.open(remote, "w") as f:
-            f.chmod(0o600)
-            f.write(data)
-
-    def put(self, local: str, remote: str, mode: int) -> None:
-        self.sftp.put(local, remote)
-        self.sftp.chmod(remote, mode)
 
     def put_files(self, files, folder: str, made: set[str]) -> None:
         """node_files.NodeFile entries under `folder`: folders, files and inner links.
@@ -369,7 +360,8 @@ class Sftp:
             if f.kind == "link":
                 self.sftp.symlink(f.target, target)
             else:
-                self.put(f.src, target, f.mode)
+                self.sftp.put(f.src, target)
+                self.sftp.chmod(target, f.mode)
 
     def _ensure(self, path: str, made: set[str]) -> None:
         if path in made or "/" not in path.strip("/"):

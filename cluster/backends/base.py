@@ -314,17 +314,16 @@ class Backend:
         mapping = self._mapping(placed, argv[0])
         if mapping is None:
             spec = {"argv": list(argv), "env": dict(env), "inherit": False, "cwd": cwd, "heartbeat": 0}
-            if watch:
-                spec["watch"] = dict(watch, inplace=True)
-            return spec
-        # Only what the job adds to the master's environment crosses: the node has its
-        # own PATH, HOME, ... (and this machine's secrets stay here).
-        delta = {k: v for k, v in env.items() if os.environ.get(k) != v}
-        spec = {"argv": remote_paths.translate_argv(list(argv), mapping),
-                "env": remote_paths.translate_env(delta, mapping),
-                "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": self.heartbeat}
+        else:
+            # Only what the job adds to the master's environment crosses: the node has its
+            # own PATH, HOME, ... (and this machine's secrets stay here).
+            delta = {k: v for k, v in env.items() if os.environ.get(k) != v}
+            spec = {"argv": remote_paths.translate_argv(list(argv), mapping),
+                    "env": remote_paths.translate_env(delta, mapping),
+                    "cwd": remote_paths.translate(cwd, mapping) if cwd else None, "heartbeat": self.heartbeat}
         if watch:
-            spec["watch"] = remote_paths.translate_watch(watch, mapping)
+            spec["watch"] = (dict(watch, inplace=True) if mapping is None
+                             else remote_paths.translate_watch(watch, mapping))
         return spec
 
     def _mapping(self, placed: Placement, argv0: str) -> Any:

@@ -53,10 +53,6 @@ def parse_resources(text: str) -> dict:
     return {"cores": cores, "memory": memory, "gpus": [g for g in lines[2:] if g.isdigit()]}
 
 
-def _runtime_version(name: str) -> str | None:
-    return get_runtime(name).version if name in RUNTIMES else None
-
-
 class ChannelTransport:
     """One agent's SSH channel as an agent_link transport."""
 
@@ -184,7 +180,7 @@ class SSHBackend(Backend):
             manifest = node_files.manifest(job_dir, plan)
             self._write(node, folder, manifest, lambda: self._warm_up(node, folder, job_id, placed))
         info = looking.result()   # its error, raised here in the staging thread
-        if runtime and info["runtimes"].get(runtime) != _runtime_version(runtime):
+        if runtime and info["runtimes"].get(runtime) != (get_runtime(runtime).version if runtime in RUNTIMES else None):
             self.progress(f"{node.name}: no {runtime} runtime in {info['runtime_dir']}; provisioning it")
             _provision(lambda: self.conns.session(node), node, runtime, self.progress)
             info = self._agent(node, "info", node.runtime_dir or "")

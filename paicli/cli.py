@@ -142,10 +142,7 @@ def status(job_id, as_json):
     echo_log_view(store, job_id, st["log_view"])
     for line in jobview.notice_lines(st):  # idle workers, servers reachable from outside
         click.echo(line)
-    click.echo("")
-    for line in jobview.summary_lines(st):
-        click.echo(line)
-    click.echo("")
+    click.echo("\n" + "\n".join(jobview.summary_lines(st)) + "\n")
     rows = []
     for inst in st["instances"]:
         name = f"{inst['role']}:{inst['index']}"
@@ -155,11 +152,10 @@ def status(job_id, as_json):
                      str(inst["port"] or ""), metrics))
     print_table(("Instance", "Status", "Exit", "Attempts", "Node", "Host", "PID", "Port", "Last metrics"), rows)
     from paicli.cluster.pluto.view import status_lines
+
     pluto = status_lines(st)
     if pluto:
-        click.echo("")
-        for line in pluto:
-            click.echo(line)
+        click.echo("\n" + "\n".join(pluto))
 
 
 @cli.command()

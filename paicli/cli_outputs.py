@@ -64,14 +64,6 @@ class ProgressBar:
             sys.stderr.flush()
 
 
-def plain_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    """Aligned columns without rich: a job may have 10,000 files (rich takes seconds)."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [headers, *rows]]
-    sys.stdout.write("\n".join(lines) + "\n")
-    sys.stdout.flush()
-
-
 def say(line: str) -> None:
     echo(line, err=True)
 
@@ -84,6 +76,7 @@ def register(cli: click.Group) -> None:
         """The files a job wrote, per instance: path, size, time, and where each is now
         (here / still on a node, and where / not brought back, and why)."""
         from paicli import job_outputs
+        from paicli.jobstatus import aligned
 
         listing = job_outputs.list_outputs(open_store(), job_id)
         if as_json:
@@ -96,10 +89,11 @@ def register(cli: click.Group) -> None:
         if not listing.rows:
             echo(f"{listing.job_id}: no files written (in its working folder, checkpointDir or PAI_OUTPUT_DIR)")
             return
-        plain_table(("Instance", "Path", "Size", "Modified", "Where"),
-                    [(r["instance"], r["path"], human_size(r["size"] or 0),
-                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((r["mtime_ns"] or 0) / 1e9)),
-                      where_text(r)) for r in listing.rows])
+        # Aligned columns, not a rich table: a job may have 10,000 files (rich takes seconds).
+        echo("\n".join(aligned([("Instance", "Path", "Size", "Modified", "Where"),
+                                *((r["instance"], r["path"], human_size(r["size"] or 0),
+                                   time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((r["mtime_ns"] or 0) / 1e9)),
+                                   where_text(r)) for r in listing.rows)])))
 
     @cli.command()
     @click.argument("job_id")

@@ -150,6 +150,5 @@ def register(cli: click.Group) -> None:
         if as_json:
             click.echo(json.dumps(result.to_json(), indent=2, sort_keys=True))
             return
-        for line in render_text(result):
-            click.echo(line)
+        click.echo("\n".join(render_text(result)))
         print_table(("", "PLAN", "STEP(s)", "FIGURE", "SAMPLES/S", "TO TARGET", "BOUND BY"), alternatives_rows(result))

@@ -1090,7 +1090,7 @@ print("waiting", flush=True)
 try:
     backend._get(never, "a task that never ends", timeout=None)
 except RayWaitStopped as err:
-    print("stopped", time.monotonic(), err.cancelled, err, flush=True)
+    print("stopped", time.monotonic(), err, flush=True)
 """
 
 
@@ -1111,8 +1111,8 @@ def test_a_ray_call_that_never_answers_ends_at_its_deadline_or_at_a_cancel(ray_c
         proc.send_signal(15)   # `ip netns exec` runs the driver in its own process
         out, err = proc.communicate(timeout=30)
         assert out.startswith("stopped "), out + err[-2000:]
-        _, at, cancelled, reason = out.split(" ", 3)
-        assert float(at) - sent < 1.5 and cancelled == "True" and reason.strip() == "cancelled"
+        _, at, reason = out.split(" ", 2)
+        assert float(at) - sent < 1.5 and reason.strip() == "cancelled"
     finally:
         if proc.poll() is None:
             proc.kill()

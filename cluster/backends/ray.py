@@ -54,11 +54,7 @@ MB = 1024 * 1024
 
 class RayWaitStopped(PaiError):
     """Waiting for Ray to place the job ended: its timeout ran out (the message
-    says what was missing) or it was cancelled."""
-
-    def __init__(self, message: str, cancelled: bool = False):
-        super().__init__(message)
-        self.cancelled = cancelled
+    says what was missing) or it was cancelled (it says the cancel's reason)."""
 
     @property
     def outcome(self):
@@ -425,7 +421,7 @@ class RayBackend(Backend):
     def _check_wait(self, what: str | Callable[[], str]) -> None:
         reason = self._interrupted()
         if reason:
-            raise RayWaitStopped(reason, cancelled=True)
+            raise RayWaitStopped(reason)
         if self._deadline is not None and time.monotonic() >= self._deadline:
             after = f" after {self._timeout:g}s" if self._timeout else ""
             raise RayWaitStopped(f"timeout{after} while waiting for Ray: {what() if callable(what) else what}")

@@ -57,16 +57,14 @@ def job_log_note(job_dir: str) -> Callable[[str], None]:
 
     return note
 
-def open_private(path: Path):
-    """Open a log for appending, readable by its owner only."""
-    return open(open_append_fd(path), "ab", buffering=0)
-
 
 class CappedFile:
+    """A log appended to, readable by its owner only, renamed to `<name>.1` past its cap."""
+
     def __init__(self, path: Path, cap: int):
         self.path = path
         self.cap = cap
-        self.file = open_private(path)
+        self.file = open(open_append_fd(path), "ab", buffering=0)
         self.size = self.file.tell()
 
     def write(self, data: bytes) -> None:
@@ -74,7 +72,7 @@ class CappedFile:
             if self.size + len(data) > self.cap and self.size:
                 self.file.close()
                 os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-                self.file = open_private(self.path)
+                self.file = open(open_append_fd(self.path), "ab", buffering=0)
                 self.size = 0
             self.file.write(data)
         except OSError as err:
@@ -211,12 +209,6 @@ class MetricParser:
             values.setdefault(key, number)
 
 
-def _last_redraw(line: bytes) -> bytes:
-    """What a line finally showed: CRLF endings dropped, and of a progress bar
-    redrawn with \r only its last state."""
-    return line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
-
-
 # The line an instance is still writing (no newline yet) is kept collapsed: of a
 # bar redrawn with \r only its current state. A line without any \r or newline
 # is cut into pieces of this size, so no output can grow the master's memory.
@@ -273,8 +265,8 @@ class InstanceLog:
         head = bytes(self.partial) + (b"\r" if self.cr else b"")
         complete = head + data[:cut + 1]
         self.partial, self.cr, self.line_began = bytearray(), False, None
-        if b"\r" in complete:
-            complete = b"".join(_last_redraw(line) + b"\n" for line in complete[:-1].split(b"\n"))
+        if b"\r" in complete:   # what each line finally showed: CRLF endings dropped, a redrawn bar's last state
+            complete = b"".join(line.rstrip(b"\r").rsplit(b"\r", 1)[-1] + b"\n" for line in complete[:-1].split(b"\n"))
         return complete + self._extend(data[cut + 1:])
 
     def live(self, now: float) -> bytes | None:

@@ -15,8 +15,8 @@ from typing import Callable
 from paicli.cluster import ssh_transport as ssh
 from paicli.cluster.node_files import NodeFile
 from paicli.cluster.nodes import NodeEntry, NodesConfig
-from paicli.errors import PaiError, UsageError
-from paicli.runners.runtimes import DETAIL, RUNTIMES, get_runtime
+from paicli.errors import PaiError
+from paicli.runners.runtimes import DETAIL, get_runtime
 
 PROVISION_SILENCE = 900.0   # seconds without a line from the node's provisioning = it stopped answering
 
@@ -80,9 +80,8 @@ def provision_runtime(config: NodesConfig, node_name: str, runtime: str,
                       progress: Callable[[str], None]) -> str:
     """Provision `runtime` on the node (in its runtime_dir, default its
     ~/.cache/paicli/runtimes) the way `pai runtime install` does here: the runtime
-    code is copied to the node and run with the node's python3. Returns the path."""
-    if runtime not in RUNTIMES:
-        raise UsageError(f"no runtime named {runtime!r}", f"known: {', '.join(RUNTIMES)}")
+    code is copied to the node and run with the node's python3. Returns the path
+    (`pai runtime install` has checked the name)."""
     node = config.node(node_name)
     client = ssh.connect(node, config.known_hosts)
     try:

@@ -148,7 +148,7 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
 
     # A late wake-up must not end this master (SIGUSR1's default): a no-op handler,
     # not SIG_IGN, which would stay ignored in whatever the master execs.
-    signal.signal(signal.SIGUSR1, _late_wake)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAKE_SIGNALS)
     try:
         # Recorded only once the wake-up signal is blocked: it can no longer kill us.
@@ -196,10 +196,6 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
                     dispatch(store, me=job_id)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-
-
-def _late_wake(signum, frame) -> None:
-    """A wake-up for a turn already taken: nothing to do."""
 
 
 def placed_again(store: Store, job_id: str, plan, placements: list[Placement]) -> None:

@@ -197,7 +197,7 @@ def exec_command(client, argv: list[str], stdin: bytes | None = None,
                  timeout: float = 60.0) -> tuple[int, bytes, bytes]:
     """Run argv on the node; (exit status, stdout, stderr). `client` is an SSHClient,
     or a fresh session channel (Connections.session)."""
-    chan = client.get_transport().open_session(timeout=timeout) if _is_client(client) else client
+    chan = client.get_transport().open_session(timeout=timeout) if hasattr(client, "open_sftp") else client
     chan.settimeout(timeout)
     err = bytearray()
     failed: list[BaseException] = []
@@ -237,10 +237,6 @@ def exec_command(client, argv: list[str], stdin: bytes | None = None,
         raise NodeUnreachable(f"command on the node timed out after {timeout:.0f}s") from None
     finally:
         chan.close()
-
-
-def _is_client(obj) -> bool:
-    return hasattr(obj, "open_sftp")
 
 
 def _transport_active(obj) -> bool:

@@ -312,10 +312,10 @@ def runtime_list(as_json):
 def runtime_remove(name):
     """Delete a provisioned runtime or a requirements layer (`pai runtime list` names
     them); the next job that needs it builds it again. Refused while a job uses it."""
-    from paicli.runners.runtimes import RuntimeSetupError
-    from paicli.cli_runtime import is_layer_name, remove_layer
+    from paicli.cli_runtime import remove_layer
+    from paicli.runners.runtimes import RUNTIMES, RuntimeSetupError
 
-    if is_layer_name(name):
+    if name not in RUNTIMES and "-" in name:   # a layer's name (runtimes have none)
         removed = remove_layer(name)
         click.echo(f"{removed}: removed" if removed else f"{name}: was not there")
         return

@@ -10,10 +10,6 @@ import click
 from paicli.commands import echo_json, open_store
 
 
-def needs_text(needs: dict[str, int]) -> str:
-    return " ".join(f"{key} {needs[key]}" for key in ("cpu", "memory", "gpu") if needs.get(key))
-
-
 @click.command("queue")
 @click.option("--json", "as_json", is_flag=True, help="Print the queue as JSON.")
 @click.option("--revive", is_flag=True,
@@ -43,7 +39,8 @@ def queue_command(as_json, revive):
     lines = aligned([("Position", "InstanceID", "Name", "Priority", "Project", "Submitted", "Needs", "Waiting for"),
                      *((str(r["position"]), r["id"], r["name"] or "", str(r["priority"]), r["project"] or "",
                         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["submitted"] or 0)),
-                        needs_text(r["needs"]), r["waiting_for"]) for r in rows)])
+                        " ".join(f"{key} {r['needs'][key]}" for key in ("cpu", "memory", "gpu") if r["needs"].get(key)),
+                        r["waiting_for"]) for r in rows)])
     click.echo("\n".join(lines))
 
 

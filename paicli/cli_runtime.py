@@ -76,9 +76,3 @@ def remove_layer(name: str) -> str | None:
         return matches[0] if remove(matches[0]) else None
     except RuntimeSetupError as err:
         raise PaiError(str(err)) from None
-
-
-def is_layer_name(name: str) -> bool:
-    from paicli.runners.runtimes import RUNTIMES
-
-    return name not in RUNTIMES and "-" in name

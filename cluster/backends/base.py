@@ -55,8 +55,7 @@ class NodeSpec:
     attrs: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "host": self.host, "cpu": self.cpu, "memory": self.memory,
-                "gpus": list(self.gpus), "attrs": dict(self.attrs)}
+        return asdict(self)   # JSON makes gpus a list again
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "NodeSpec":

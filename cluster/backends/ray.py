@@ -132,13 +132,6 @@ def waiting_list(wanted: list[tuple[str, int, dict[str, float]]], available: dic
 # -- Ray -------------------------------------------------------------------------
 
 
-def ray_installed() -> bool:
-    try:
-        return importlib.util.find_spec("ray") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def probe_address(address: str, timeout: float = 3.0) -> None:
     """A GCS address (HOST:PORT) answers a TCP connect, else one clear line. A
     ray:// address is left to Ray Client."""
@@ -225,7 +218,11 @@ class RayBackend(Backend):
         super().__init__(config)
         self.address = ray_address(self.config)
         # Checked when the backend is built (at submit too), without importing Ray.
-        if not ray_installed():
+        try:
+            found = importlib.util.find_spec("ray") is not None
+        except (ImportError, ValueError):   # ValueError: sys.modules["ray"] is None
+            found = False
+        if not found:
             raise UsageError(f"this job goes to the Ray cluster at {self.address}, but Ray is not installed",
                              INSTALL_HINT)
         probe_address(self.address)
@@ -613,11 +610,9 @@ class RayBackend(Backend):
     # -- base.Backend's staged_folders / run_runner ------------------------
 
     def _staged_folders(self, nodes: set[str] | None) -> dict[str, str] | None:
-        found: dict[str, str] = {}
-        for inst in self._instances.values():
-            if inst.node_id and (nodes is None or inst.host in nodes):
-                found.setdefault(inst.host, inst.info["folder"])
-        return found
+        # One folder a node: the job's, whichever actor there reports it.
+        return {inst.host: inst.info["folder"] for inst in self._instances.values()
+                if inst.node_id and (nodes is None or inst.host in nodes)}
 
     def _run_runner(self, node: str, runner: str, args: list[str], stdin: bytes,
                     timeout: float) -> tuple[int, bytes, bytes]:

@@ -9,7 +9,7 @@ it prints is good at once. Imports no web library.
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import json
 import os
 import signal
@@ -112,17 +112,9 @@ def _listen(host: str, folder: Path) -> socket.socket:
                              "set PAI_LOGVIEW_HOST to an address of this machine (PAI_LOGVIEW_PORT to a free port)")
 
 
-@functools.lru_cache(maxsize=1)
-def web_libraries_present() -> bool:
-    """Whether aiohttp and jinja2 are installed (looked up once per process)."""
-    import importlib.util
-
-    return importlib.util.find_spec("aiohttp") is not None and importlib.util.find_spec("jinja2") is not None
-
-
 def start_server(home: Path) -> dict:
     """Start a server (detached, own session) on a socket bound here; returns its state."""
-    if not web_libraries_present():
+    if not all(importlib.util.find_spec(name) for name in ("aiohttp", "jinja2")):
         raise LogviewUnavailable("the logview server needs aiohttp and jinja2",
                                  "they are paicli's own dependencies: reinstall paicli (bash .ci/setup)")
     folder = state_dir(home)

@@ -115,21 +115,20 @@ async def guard(request: web.Request, handler):
 _THREAD = threading.local()
 
 
-def _thread_store(home: Path) -> Store:
-    """This worker thread's own connection: one connection shared by threads would
-    run their queries one at a time."""
-    store = getattr(_THREAD, "store", None)
-    if store is None or store.home != home:
-        store = _THREAD.store = Store(home)
-    return store
-
-
 async def _read(request: web.Request, fn, *args):
     """`fn(store, *args)` in a worker thread: a slow SQLite read (a long job's
     metrics, a store busy with writers) never holds up the event loop, so one page
-    does not stall the others or the live feeds."""
+    does not stall the others or the live feeds. Each thread has its own connection:
+    one shared by threads would run their queries one at a time."""
     home = request.app[HOME]
-    return await asyncio.to_thread(lambda: fn(_thread_store(home), *args))
+
+    def call():
+        store = getattr(_THREAD, "store", None)
+        if store is None or store.home != home:
+            store = _THREAD.store = Store(home)
+        return fn(store, *args)
+
+    return await asyncio.to_thread(call)
 
 
 def _render(request: web.Request, template: str, **context) -> str:

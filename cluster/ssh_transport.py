@@ -174,13 +174,10 @@ def record_host_key(node: NodeEntry, known_hosts: str, key) -> None:
     name = host_key_name(node)
     path = Path(known_hosts)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    lines = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            hosts = line.split(" ", 1)[0].split(",") if line and not line.startswith("#") else []
-            if any(_names(entry, name) for entry in hosts):
-                continue
-            lines.append(line)
+    old = path.read_text().splitlines() if path.exists() else []
+    # A line is the node's when a host field of it (before the first space) names it.
+    lines = [line for line in old if line.startswith("#")
+             or not any(_names(entry, name) for entry in line.split(" ", 1)[0].split(","))]
     lines.append(f"{name} {key.get_name()} {key.get_base64()}")
     write_private(path, "\n".join(lines) + "\n")
 

@@ -225,10 +225,8 @@ class SSHBackend(Backend):
 
     def _cleanup(self, job_dir: str) -> None:
         names = set(self._folders)
-        placements = Path(job_dir) / "placement.json"
-        if placements.exists():
-            with suppress(ValueError, KeyError, TypeError):
-                names |= {p["node"] for p in json.loads(placements.read_text())}
+        with suppress(OSError, ValueError, KeyError, TypeError):   # none recorded, or not readable
+            names |= {p["node"] for p in json.loads((Path(job_dir) / "placement.json").read_text())}
         self.remove_job_folders(job_dir, sorted(n for n in names if not self.keeps(n)))
 
     def _remove_job_folder(self, job_id: str, name: str) -> None:

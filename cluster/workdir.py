@@ -34,6 +34,12 @@ NEVER = (".git", "__pycache__")
 VENV_MARKS = ("pyvenv.cfg", "conda-meta")
 CODE = "code"
 
+# Where secrets usually live: never sent, whatever .gitignore says; a `!` line in a
+# .paiignore sends one (a $HOME holds them, and a global excludes file keeps them out of git).
+SECRETS = (".ssh/", ".gnupg/", ".aws/", ".azure/", ".kube/", "**/.config/gcloud/", "**/.docker/config.json",
+           ".netrc", ".pgpass", ".*_history", ".env", "*.pem", "*.key", "*.p12", "id_rsa", "id_dsa", "id_ecdsa",
+           "id_ed25519")
+SECRET = "a secret's usual place, never sent"
 Rules = list[tuple[str, str, Any, list[int]]]   # (folder rel, ignore file, spec, its patterns' line numbers)
 
 
@@ -65,6 +71,8 @@ def _valid(line: str) -> bool:
 def _rules_in(folder: str, rel: str) -> Rules:
     rules = []
     for name in IGNORE_FILES:
+        if name == ".paiignore" and not rel:
+            rules.append(("", SECRET, pathspec.GitIgnoreSpec.from_lines(SECRETS), []))
         path = os.path.join(folder, name)
         if os.path.isfile(path) and not os.path.islink(path):
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -83,10 +91,11 @@ def _ignored(rules: Rules, rel: str, is_dir: bool) -> str | None:
         if base and not rel.startswith(base + "/"):
             continue
         got = spec.check_file((rel[len(base) + 1:] if base else rel) + ("/" if is_dir else ""))
-        if got.include is not None:
-            line = numbers[got.index]
-            why = f"{base + '/' if base else ''}{name} line {line}: {spec.patterns[got.index].pattern}" \
-                if got.include else None
+        if got.include is None or (why and SECRET in why and name == ".gitignore"):
+            continue
+        pattern = spec.patterns[got.index].pattern
+        why = None if not got.include else f"{pattern} ({SECRET})" if name == SECRET else \
+            f"{base + '/' if base else ''}{name} line {numbers[got.index]}: {pattern}"
     return why
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tarfile
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,6 +83,12 @@ def work_dir(spec: JobSpec, staging: Path, remote: bool, note: Callable[[str], N
         raise SpecError("-DworkDir", f"{folder}: no such folder", "give the project folder, or none")
     if not remote:
         return folder   # this machine reads the folder in place
+    home = os.path.realpath(os.path.expanduser("~")) + "/"
+    if value is None and (home.startswith(os.path.realpath(here).rstrip("/") + "/")
+                          or os.path.realpath(here) == os.path.realpath(tempfile.gettempdir())):
+        note(f"workdir: {here} is your home folder or above it; only the script and its imports travel "
+             "(set -DworkDir to send a folder)")
+        return None
     limit = parse_size(spec.get("workDirMaxSize"))
     # Never the jobs' own store (its plan.json files hold secrets), should it lie inside.
     try:

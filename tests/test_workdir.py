@@ -10,7 +10,9 @@ import pytest
 
 from conftest import pai
 from paicli.errors import PaiError
+from paicli import staging
 from paicli.cluster import workdir
+from paicli.spec import JobSpec
 
 
 def write(root, rel, data="x", mode=0o600):
@@ -161,3 +163,36 @@ def test_caffes_db_error_names_no_path_so_the_nets_sources_are_looked_up(tmp_pat
     tail = ["F1203 db_lmdb.hpp:15] Check failed: mdb_status == 0 (2 vs. 0) No such file or directory"]
     assert workdir.hint(job, tail) == (f"examples/mnist/mnist_train_lmdb is in {project} but not sent to the nodes: "
                                        ".paiignore line 1: *_lmdb/ (a `!` line in .paiignore sends it)")
+
+
+def default_folder(cwd, monkeypatch, tmp_path, **params):
+    """What work_dir picks, and its notes, for `pai -Dscript=train.py` run in `cwd`
+    toward other nodes."""
+    monkeypatch.chdir(cwd)
+    staging_dir, notes = tmp_path / "staging", []
+    staging_dir.mkdir(exist_ok=True)
+    spec = JobSpec(framework="python", params={"script": "train.py", "workDirMaxSize": "100M", **params})
+    return staging.work_dir(spec, staging_dir, True, notes.append), notes
+
+
+def test_home_or_a_folder_above_it_is_never_the_default_project_folder(tmp_path, monkeypatch):
+    home = tmp_path / "home" / "me"
+    write(home, "train.py")
+    write(home, ".ssh/id_ed25519", "private")
+    monkeypatch.setenv("HOME", str(home))
+    for cwd in (home, home.parent, tmp_path):
+        assert default_folder(cwd, monkeypatch, tmp_path) == (None, [
+            f"workdir: {cwd} is your home folder or above it; only the script and its imports travel "
+            "(set -DworkDir to send a folder)"])
+    assert default_folder(home, monkeypatch, tmp_path, workDir=str(home))[0] == str(home)   # named: sent
+
+
+def test_secrets_stay_here_unless_paiignore_names_them(tmp_path):
+    for rel in (".ssh/id_ed25519", ".aws/credentials", ".netrc", ".bash_history", "certs/server.pem",
+                "keys/id_rsa", ".env", "conf/.docker/config.json", "train.py"):
+        write(tmp_path, rel)
+    write(tmp_path, ".gitignore", "!*.pem\n")   # git's `!` lines do not send a secret
+    assert sent(tmp_path) == [".gitignore", "train.py"]
+    assert workdir.why_left_out(str(tmp_path), "keys/id_rsa") == "id_rsa (a secret's usual place, never sent)"
+    write(tmp_path, ".paiignore", "!.env\n")
+    assert sent(tmp_path) == [".env", ".gitignore", ".paiignore", "train.py"]

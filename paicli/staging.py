@@ -94,6 +94,10 @@ def work_dir(spec: JobSpec, staging: Path, remote: bool, note: Callable[[str], N
     try:
         found = workdir.listing(folder, limit, stop_over=value is None, skip=(os.path.realpath(pai_home()),))
     except OSError as err:
+        if value is None:   # a folder the user never named: the script still travels
+            note(f"workdir: {folder} cannot be read ({err}); only the script and its imports travel "
+                 "(list what cannot in .paiignore, or set -DworkDir)")
+            return None
         raise SpecError("-DworkDir", f"{folder}: cannot be read: {err}", "list what cannot in .paiignore") from None
     if found.over and value is None:
         note(f"workdir: {folder} sends more than {spec.get('workDirMaxSize')}; only the script and its "

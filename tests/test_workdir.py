@@ -9,7 +9,7 @@ import os
 import pytest
 
 from conftest import pai
-from paicli.errors import PaiError
+from paicli.errors import PaiError, SpecError
 from paicli import staging
 from paicli.cluster import workdir
 from paicli.spec import JobSpec
@@ -196,3 +196,23 @@ def test_secrets_stay_here_unless_paiignore_names_them(tmp_path):
     assert workdir.why_left_out(str(tmp_path), "keys/id_rsa") == "id_rsa (a secret's usual place, never sent)"
     write(tmp_path, ".paiignore", "!.env\n")
     assert sent(tmp_path) == [".env", ".gitignore", ".paiignore", "train.py"]
+
+
+def test_a_default_folder_that_cannot_be_read_falls_back_to_the_script(tmp_path, monkeypatch):
+    """A folder below the default one that cannot be listed (here: deeper than a path
+    may be long, as root reads any folder a mode would close) is no reason to refuse
+    a submit that named no folder; a named one is refused."""
+    proj = tmp_path / "proj"
+    write(proj, "train.py")
+    fd = os.open(proj, os.O_RDONLY)
+    for _ in range(20):
+        os.mkdir("d" * 250, dir_fd=fd)
+        fd, old = os.open("d" * 250, os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    os.close(fd)
+    folder, notes = default_folder(proj, monkeypatch, tmp_path)
+    assert folder is None and len(notes) == 1
+    assert notes[0].startswith(f"workdir: {proj} cannot be read (") and notes[0].endswith(
+        "); only the script and its imports travel (list what cannot in .paiignore, or set -DworkDir)")
+    with pytest.raises(SpecError, match=r"-DworkDir: .*: cannot be read: "):
+        default_folder(proj, monkeypatch, tmp_path, workDir=str(proj))

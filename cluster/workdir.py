@@ -5,13 +5,15 @@ in any folder of it; `.paiignore` after `.gitignore`, a deeper file decides over
 shallower one), never `.git/`, `__pycache__/` or a virtual environment, links only
 as links whose relative target stays inside. The listing, checked against
 -DworkDirMaxSize at submit, is JOB/workdir.json ({"root", "files": [[rel, size,
-mode, link target]]}); `stage` sends each node the files its data cache
+mode, link target, digest]]}, each digest taken then); `stage` sends each node the
+files its data cache
 (runners/node_cache.py) lacks, by content digest, and the node copies them into
 the job's `code/`, where the instances start.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -171,7 +173,17 @@ def why_left_out(root: str, rel: str) -> str | None:
 # -- at submit: the folder chosen and checked ---------------------------------------------
 
 
+def _open(root: str, rel: str) -> Any:
+    """A file of the folder, never through a link (in place of the file)."""
+    return os.fdopen(os.open(os.path.join(root, rel), os.O_RDONLY | os.O_NOFOLLOW), "rb")
+
+
 def record(job_dir: str | Path, found: Listing) -> None:
+    """JOB/workdir.json, each file's digest taken now: what is sent is the folder as submitted."""
+    for entry in found.files:
+        if not entry[3]:
+            with _open(found.root, entry[0]) as f:
+                entry.append(hashlib.file_digest(f, "sha256").hexdigest())
     write_private(Path(job_dir) / "workdir.json", json.dumps({"root": found.root, "files": found.files}))
 
 
@@ -187,10 +199,16 @@ def human(size: float) -> str:
 
 
 def _read(root: str, rel: str, digest: str) -> bytes:
-    """A file's bytes as they were hashed: every node gets the same folder."""
-    data = Path(root, rel).read_bytes()
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise PaiError(f"workdir: {rel} changed while the job was sent to its nodes",
+    """A file's bytes as they were submitted: every node gets the same folder, and
+    nothing from outside it."""
+    try:
+        with _open(root, rel) as f:
+            data = f.read()
+        why = "" if hashlib.sha256(data).hexdigest() == digest else "changed"
+    except OSError as err:
+        why = {errno.ENOENT: "is gone", errno.ELOOP: "is now a link"}.get(err.errno, f"cannot be read ({err})")
+    if why:
+        raise PaiError(f"workdir: {rel} {why} since the job was submitted",
                        "submit again, or list in .paiignore what is written while jobs start")
     return data
 
@@ -205,10 +223,10 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
     if not transports:
         return {}
     root, files = kept["root"], kept["files"]
-    digests = {rel: datasets._file_digest(f"{root}/{rel}") for rel, _s, _m, target in files if not target}
-    sizes = {digests[rel]: size for rel, size, _m, target in files if not target}
+    digests = {f[0]: f[4] for f in files if not f[3]}   # taken at submit (record)
+    sizes = {f[4]: f[1] for f in files if not f[3]}
     reads = {digest: (lambda rel=rel: _read(root, rel, digests[rel])) for rel, digest in digests.items()}
-    plan = {"files": [[f"{CODE}/{rel}", digests.get(rel, ""), mode, target] for rel, _s, mode, target in files]}
+    plan = {"files": [[f"{CODE}/{rel}", digests.get(rel, ""), mode, target] for rel, _s, mode, target, *_d in files]}
 
     def send(transport: Any) -> tuple[int, int]:
         lacking = set(transport.missing(sorted(reads)))

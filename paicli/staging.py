@@ -93,6 +93,8 @@ def work_dir(spec: JobSpec, staging: Path, remote: bool, note: Callable[[str], N
     # Never the jobs' own store (its plan.json files hold secrets), should it lie inside.
     try:
         found = workdir.listing(folder, limit, stop_over=value is None, skip=(os.path.realpath(pai_home()),))
+        if not found.over:
+            workdir.record(staging, found)
     except OSError as err:
         if value is None:   # a folder the user never named: the script still travels
             note(f"workdir: {folder} cannot be read ({err}); only the script and its imports travel "
@@ -108,7 +110,6 @@ def work_dir(spec: JobSpec, staging: Path, remote: bool, note: Callable[[str], N
         raise SpecError("-DworkDir", f"{folder} sends {workdir.human(found.total)}, over -DworkDirMaxSize="
                         f"{spec.get('workDirMaxSize')}; the biggest: {biggest}",
                         "list what stays here in .paiignore (gitignore syntax), or raise -DworkDirMaxSize")
-    workdir.record(staging, found)
     return folder
 
 

@@ -142,14 +142,26 @@ def test_an_explicit_folder_over_the_limit_is_refused_in_one_line_naming_the_big
     assert [p.name for p in (proj / ".pai" / "jobs").iterdir()] == ["old"]
 
 
-def test_a_file_that_changes_while_it_is_sent_stops_the_job_naming_it(tmp_path):
-    """Every node gets the folder as it was hashed, or the job does not start."""
-    path = write(tmp_path, "train.log", "first")
-    digest = hashlib.sha256(b"first").hexdigest()
-    assert workdir._read(str(tmp_path), "train.log", digest) == b"first"
-    path.write_text("second")
-    with pytest.raises(PaiError, match="workdir: train.log changed while the job was sent to its nodes"):
-        workdir._read(str(tmp_path), "train.log", digest)
+def test_the_folder_is_read_as_it_was_submitted_or_the_job_stops_naming_the_file(tmp_path):
+    """Digests are taken at submit; staging reads each file without following a link
+    and refuses one that is gone, is now a link or changed, so every node gets the
+    submitted folder and nothing from outside it."""
+    project, job = tmp_path / "p", tmp_path / "job"
+    job.mkdir()
+    for rel in ("train.log", "gone.txt", "key", "same.txt"):
+        write(project, rel, "first")
+    write(tmp_path, "outside", "first")
+    workdir.record(job, workdir.listing(str(project)))
+    digests = {f[0]: f[4] for f in json.loads((job / "workdir.json").read_text())["files"]}
+    assert digests["train.log"] == hashlib.sha256(b"first").hexdigest()
+    assert workdir._read(str(project), "same.txt", digests["same.txt"]) == b"first"
+    (project / "train.log").write_text("second")
+    (project / "gone.txt").unlink()
+    (project / "key").unlink()
+    os.symlink(tmp_path / "outside", project / "key")   # the same bytes, but from outside the folder
+    for rel, why in (("train.log", "changed"), ("gone.txt", "is gone"), ("key", "is now a link")):
+        with pytest.raises(PaiError, match=f"^workdir: {rel} {why} since the job was submitted; submit again"):
+            workdir._read(str(project), rel, digests[rel])
 
 
 def test_caffes_db_error_names_no_path_so_the_nets_sources_are_looked_up(tmp_path):

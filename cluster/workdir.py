@@ -49,6 +49,7 @@ Rules = list[tuple[str, str, Any, list[int]]]   # (folder rel, ignore file, spec
 class Listing:
     root: str
     files: list[list] = field(default_factory=list)   # [rel, size, mode, link target ("" for a file)]
+    left: list[str] = field(default_factory=list)     # what is not sent, topmost (paths below it stay as here)
     total: int = 0
     over: bool = False    # the limit was passed (a listing that stops there is partial)
 
@@ -129,14 +130,17 @@ def listing(root: str, limit: int | None = None, stop_over: bool = False, skip: 
                 target = _link_inside(entry.path, real)
                 if target is not None and not _ignored(rules, sub, os.path.isdir(entry.path)):
                     out.files.append([sub, 0, 0o700, target])
-                continue
-            if entry.is_dir():
+                else:
+                    out.left.append(sub)
+            elif entry.is_dir():
                 if os.path.realpath(entry.path) in skip or _never(entry.path, entry.name) \
                         or _ignored(rules, sub, True):
-                    continue
-                if not walk(sub, rules):
+                    out.left.append(sub)
+                elif not walk(sub, rules):
                     return False
-            elif entry.is_file() and not _ignored(rules, sub, False):
+            elif _ignored(rules, sub, False):
+                out.left.append(sub)
+            elif entry.is_file():
                 st = entry.stat()
                 out.files.append([sub, st.st_size, 0o700 if st.st_mode & 0o100 else 0o600, ""])
                 out.total += st.st_size
@@ -184,7 +188,8 @@ def record(job_dir: str | Path, found: Listing) -> None:
         if not entry[3]:
             with _open(found.root, entry[0]) as f:
                 entry.append(hashlib.file_digest(f, "sha256").hexdigest())
-    write_private(Path(job_dir) / "workdir.json", json.dumps({"root": found.root, "files": found.files}))
+    write_private(Path(job_dir) / "workdir.json", json.dumps({"root": found.root, "files": found.files,
+                                                                  "left": found.left}))
 
 
 # -- when the job is staged: through each node's data cache ------------------------------------

@@ -236,13 +236,13 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
     def send(transport: Any) -> tuple[int, int]:
         lacking = set(transport.missing(sorted(reads)))
         transport.sizes = sizes
-        sent = transport.put(plan, {d: reads[d] for d in sorted(lacking)})
-        return sent, sum(1 for rel in digests if digests[rel] in lacking)
+        transport.put(plan, {d: reads[d] for d in sorted(lacking)})
+        return sum(sizes[d] for d in lacking), sum(1 for rel in digests if digests[rel] in lacking)
 
     with ThreadPoolExecutor(max_workers=min(8, len(transports))) as pool:   # every node at once
         done = dict(zip(sorted(transports), pool.map(send, [transports[n] for n in sorted(transports)])))
     for node, (sent, fresh) in done.items():
-        note(f"workdir: {node}: {fresh} file(s) sent ({human(sent)}), {len(files) - fresh} already there")
+        note(f"workdir: {node}: {fresh} file(s) sent ({human(sent)}), {len(digests) - fresh} already there")
     return {node: sent for node, (sent, _fresh) in done.items()}
 
 

@@ -109,9 +109,12 @@ def _never(path: str, name: str) -> str | None:
 
 
 def _link_inside(path: str, root: str) -> str | None:
-    """A link's target when it is relative and stays inside `root` (real path)."""
-    target = os.readlink(path)
-    return target if not os.path.isabs(target) and os.path.realpath(path).startswith(root + "/") else None
+    """A relative link's target when it stays inside `root` (real path), as the way
+    from the link to it inside (a way through a folder outside dangles on a node)."""
+    real = os.path.realpath(path)
+    if os.path.isabs(os.readlink(path)) or not real.startswith(root + "/"):
+        return None
+    return os.path.relpath(real, os.path.realpath(os.path.dirname(path)))
 
 
 def listing(root: str, limit: int | None = None, stop_over: bool = False, skip: tuple[str, ...] = ()) -> Listing:

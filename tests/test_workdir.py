@@ -71,9 +71,10 @@ def test_links_out_of_the_folder_are_never_followed(tmp_path):
     os.symlink("../secret", project / "more")                # a folder outside, relative
     os.symlink("data/a.csv", project / "a.csv")              # inside: sent as a link
     os.symlink(str(project / "train.py"), project / "abs.py")   # inside but absolute: would break there
+    os.symlink("../../p/train.py", project / "data" / "t.py")     # out and back in: sent by its way inside
     files = workdir.listing(str(project)).files
-    assert [f[0] for f in files] == ["a.csv", "data/a.csv", "train.py"]
-    assert files[0][3] == "data/a.csv"
+    assert [f[0] for f in files] == ["a.csv", "data/a.csv", "data/t.py", "train.py"]
+    assert files[0][3] == "data/a.csv" and files[2][3] == "../train.py"
     assert workdir.why_left_out(str(project), "more/key") == "more is a link out of the folder (never followed)"
 
 

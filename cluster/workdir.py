@@ -5,10 +5,9 @@ in any folder of it; `.paiignore` after `.gitignore`, a deeper file decides over
 shallower one), never `.git/`, `__pycache__/` or a virtual environment, links only
 as links whose relative target stays inside. The listing, checked against
 -DworkDirMaxSize at submit, is JOB/workdir.json ({"root", "files": [[rel, size,
-mode, link target, digest]]}, each digest taken then); `stage` sends each node the
-files its data cache
-(runners/node_cache.py) lacks, by content digest, and the node copies them into
-the job's `code/`, where the instances start.
+mode, link target, digest]], "left": what is not sent}, each digest taken then);
+`stage` sends each node the files its data cache (runners/node_cache.py) lacks, by
+content digest, and the node copies them into the job's `code/`, where the instances start.
 """
 
 from __future__ import annotations
@@ -234,7 +233,7 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
     digests = {f[0]: f[4] for f in files if not f[3]}   # taken at submit (record)
     sizes = {f[4]: f[1] for f in files if not f[3]}
     reads = {digest: (lambda rel=rel: _read(root, rel, digests[rel])) for rel, digest in digests.items()}
-    plan = {"files": [[f"{CODE}/{rel}", digests.get(rel, ""), mode, target] for rel, _s, mode, target, *_d in files]}
+    plan = {"files": [[f"{CODE}/{f[0]}", digests.get(f[0], ""), f[2], f[3]] for f in files]}
 
     def send(transport: Any) -> tuple[int, int]:
         lacking = set(transport.missing(sorted(reads)))

@@ -196,7 +196,7 @@ def test_home_or_a_folder_above_it_is_never_the_default_project_folder(tmp_path,
     for cwd in (home, home.parent, tmp_path):
         assert default_folder(cwd, monkeypatch, tmp_path) == (None, [
             f"workdir: {cwd} is your home folder or above it; only the script and its imports travel "
-            "(set -DworkDir to send a folder)"])
+            "(set -DworkDir, or list what stays here in .paiignore)"])
     assert default_folder(home, monkeypatch, tmp_path, workDir=str(home))[0] == str(home)   # named: sent
 
 
@@ -226,6 +226,6 @@ def test_a_default_folder_that_cannot_be_read_falls_back_to_the_script(tmp_path,
     folder, notes = default_folder(proj, monkeypatch, tmp_path)
     assert folder is None and len(notes) == 1
     assert notes[0].startswith(f"workdir: {proj} cannot be read (") and notes[0].endswith(
-        "); only the script and its imports travel (list what cannot in .paiignore, or set -DworkDir)")
+        "); only the script and its imports travel (set -DworkDir, or list what stays here in .paiignore)")
     with pytest.raises(SpecError, match=r"-DworkDir: .*: cannot be read: "):
         default_folder(proj, monkeypatch, tmp_path, workDir=str(proj))

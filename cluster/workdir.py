@@ -55,7 +55,7 @@ class Listing:
     def biggest(self, count: int = 3) -> list[tuple[str, int]]:
         """The top-level entries (files, folders) that weigh most, as sent."""
         sizes: dict[str, int] = {}
-        for rel, size, _mode, _target in self.files:
+        for rel, size, *_rest in self.files:
             top = rel.split("/")[0] + ("/" if "/" in rel else "")
             sizes[top] = sizes.get(top, 0) + size
         return sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:count]

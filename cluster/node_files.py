@@ -14,7 +14,8 @@ backend copies nothing: its mapping is the identity). The list:
   spec.json hold the job's secrets, which reach an instance through its env only.
 
 Nothing is guessed from argv: an absolute path the plan does not name as input
-reaches the script unchanged (a shared filesystem, an output folder).
+reaches the script unchanged (a shared filesystem, an output folder), as does one
+below what the project folder left out; any other below the project folder maps.
 
 `Manifest.mapping` gives the local prefixes -> node paths that translate argv, env
 and cwd (cluster/remote_paths.py).
@@ -68,12 +69,14 @@ class Manifest:
     job_dir: str = ""
     trees: list[tuple[str, str]] = field(default_factory=list)    # local folder -> dst, by prefix
     exact: list[tuple[str, str]] = field(default_factory=list)    # local path -> dst, that path only
+    here: list[str] = field(default_factory=list)                 # local folders and files that stay as they are
 
     def mapping(self, folder: str, runtime_dir: str, python: str) -> remote_paths.Mapping:
         folder = folder.rstrip("/")
         pairs: remote_paths.Mapping = [(str(runtime_root()), runtime_dir), (sys.executable, python)]
         pairs += [(local, f"{folder}/{dst}" if dst else folder) for local, dst in self.trees]
         pairs += [(remote_paths.Exact(local), f"{folder}/{dst}") for local, dst in self.exact]
+        pairs += [(local, local) for local in self.here]
         return remote_paths.normalise(pairs)
 
 
@@ -128,22 +131,25 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
     code = f"{job_dir}/{CODE}"
     files = runner_files()
     trees = [(str(RUNNERS_DIR), "runners"), (job_dir, "")]
+    shared = shared_paths(job_dir)   # read in place on every node
     cwds = sorted({r.cwd.rstrip("/") for r in plan.roles if r.cwd and not _inside(r.cwd, job_dir)
-                   and r.cwd.rstrip("/") != job_dir}, key=len, reverse=True)
+                   and r.cwd.rstrip("/") != job_dir and not under(r.cwd, shared)}, key=len, reverse=True)
     exact = [(cwd, CODE) for cwd in cwds]
     if os.path.isdir(code):
         files += tree_files(code, CODE)
     else:   # the folder plain-script instances start in, standing for the working folder
         files.append(NodeFile(cwds[0] if cwds else code, CODE, 0o700, "dir"))
     folder = project_folder(job_dir)   # its files travel by cluster/workdir.py, through the nodes' cache
-    if folder:   # the instances' working folder, as a tree: every path below it maps
+    here = []
+    if folder:   # the instances' working folder, as a tree: every path below it maps but what it left out
         trees.append((folder["root"], CODE))
         exact = [pair for pair in exact if pair[0] != folder["root"]]
+        here = [f"{folder['root']}/{rel}" for rel in folder.get("left", [])]
     seen = {f.dst for f in files} | ({f"{CODE}/{rel}" for rel, *_rest in folder["files"]} if folder else set())
     for path in getattr(plan, "inputs", None) or []:
         path = os.path.abspath(path)
-        if _inside(path, job_dir) or not os.path.isfile(path):
-            continue   # in the code tree already; a missing input is the script's to report
+        if _inside(path, job_dir) or not os.path.isfile(path) or under(path, shared):
+            continue   # in the code tree already or on every node; a missing input is the script's to report
         dst = input_dst(path, cwds)
         if dst not in seen:
             seen.add(dst)
@@ -157,17 +163,18 @@ def manifest(job_dir: str | Path, plan: Any) -> Manifest:
     ckpt_files, ckpt_trees = staged_checkpoint(job_dir, plan, cwds)
     files += [f for f in ckpt_files if f.dst not in seen]
     trees += ckpt_trees
-    return Manifest(files=files, job_dir=job_dir, trees=trees, exact=exact)
+    return Manifest(files=files, job_dir=job_dir, trees=trees, exact=exact, here=here)
 
 
 def project_folder(job_dir: str) -> dict | None:
     """JOB/workdir.json: the project folder and what of it is sent (cluster/workdir.py
-    writes it at submit), or None."""
+    writes it at submit), or None: also when it lies under a `shared:` path, read in place."""
     try:
         with open(os.path.join(job_dir, "workdir.json")) as f:
-            return json.load(f)
+            folder = json.load(f)
     except (OSError, ValueError):
         return None
+    return None if under(folder["root"], shared_paths(job_dir)) else folder
 
 
 def tar_stream(files: list[NodeFile]) -> bytes:

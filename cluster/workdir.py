@@ -5,13 +5,14 @@ in any folder of it; `.paiignore` after `.gitignore`, a deeper file decides over
 shallower one), never `.git/`, `__pycache__/` or a virtual environment, links only
 as links whose relative target stays inside. The listing, checked against
 -DworkDirMaxSize at submit, is JOB/workdir.json ({"root", "files": [[rel, size,
-mode, link target]]}); `stage` sends each node the files its data cache
-(runners/node_cache.py) lacks, by content digest, and the node copies them into
-the job's `code/`, where the instances start.
+mode, link target, digest]], "left": what is not sent}, each digest taken then);
+`stage` sends each node the files its data cache (runners/node_cache.py) lacks, by
+content digest, and the node copies them into the job's `code/`, where the instances start.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -34,6 +35,12 @@ NEVER = (".git", "__pycache__")
 VENV_MARKS = ("pyvenv.cfg", "conda-meta")
 CODE = "code"
 
+# Where secrets usually live: never sent, whatever .gitignore says; a `!` line in a
+# .paiignore sends one (a $HOME holds them, and a global excludes file keeps them out of git).
+SECRETS = (".ssh/", ".gnupg/", ".aws/", ".azure/", ".kube/", "**/.config/gcloud/", "**/.docker/config.json",
+           ".netrc", ".pgpass", ".*_history", ".env", "*.pem", "*.key", "*.p12", "id_rsa", "id_dsa", "id_ecdsa",
+           "id_ed25519")
+SECRET = "a secret's usual place, never sent"
 Rules = list[tuple[str, str, Any, list[int]]]   # (folder rel, ignore file, spec, its patterns' line numbers)
 
 
@@ -41,13 +48,14 @@ Rules = list[tuple[str, str, Any, list[int]]]   # (folder rel, ignore file, spec
 class Listing:
     root: str
     files: list[list] = field(default_factory=list)   # [rel, size, mode, link target ("" for a file)]
+    left: list[str] = field(default_factory=list)     # what is not sent, topmost (paths below it stay as here)
     total: int = 0
     over: bool = False    # the limit was passed (a listing that stops there is partial)
 
     def biggest(self, count: int = 3) -> list[tuple[str, int]]:
         """The top-level entries (files, folders) that weigh most, as sent."""
         sizes: dict[str, int] = {}
-        for rel, size, _mode, _target in self.files:
+        for rel, size, *_rest in self.files:
             top = rel.split("/")[0] + ("/" if "/" in rel else "")
             sizes[top] = sizes.get(top, 0) + size
         return sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:count]
@@ -65,6 +73,8 @@ def _valid(line: str) -> bool:
 def _rules_in(folder: str, rel: str) -> Rules:
     rules = []
     for name in IGNORE_FILES:
+        if name == ".paiignore" and not rel:
+            rules.append(("", SECRET, pathspec.GitIgnoreSpec.from_lines(SECRETS), []))
         path = os.path.join(folder, name)
         if os.path.isfile(path) and not os.path.islink(path):
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -83,10 +93,11 @@ def _ignored(rules: Rules, rel: str, is_dir: bool) -> str | None:
         if base and not rel.startswith(base + "/"):
             continue
         got = spec.check_file((rel[len(base) + 1:] if base else rel) + ("/" if is_dir else ""))
-        if got.include is not None:
-            line = numbers[got.index]
-            why = f"{base + '/' if base else ''}{name} line {line}: {spec.patterns[got.index].pattern}" \
-                if got.include else None
+        if got.include is None or (why and SECRET in why and name == ".gitignore"):
+            continue
+        pattern = spec.patterns[got.index].pattern
+        why = None if not got.include else f"{pattern} ({SECRET})" if name == SECRET else \
+            f"{base + '/' if base else ''}{name} line {numbers[got.index]}: {pattern}"
     return why
 
 
@@ -97,9 +108,12 @@ def _never(path: str, name: str) -> str | None:
 
 
 def _link_inside(path: str, root: str) -> str | None:
-    """A link's target when it is relative and stays inside `root` (real path)."""
-    target = os.readlink(path)
-    return target if not os.path.isabs(target) and os.path.realpath(path).startswith(root + "/") else None
+    """A relative link's target when it stays inside `root` (real path), as the way
+    from the link to it inside (a way through a folder outside dangles on a node)."""
+    real = os.path.realpath(path)
+    if os.path.isabs(os.readlink(path)) or not real.startswith(root + "/"):
+        return None
+    return os.path.relpath(real, os.path.realpath(os.path.dirname(path)))
 
 
 def listing(root: str, limit: int | None = None, stop_over: bool = False, skip: tuple[str, ...] = ()) -> Listing:
@@ -118,14 +132,17 @@ def listing(root: str, limit: int | None = None, stop_over: bool = False, skip: 
                 target = _link_inside(entry.path, real)
                 if target is not None and not _ignored(rules, sub, os.path.isdir(entry.path)):
                     out.files.append([sub, 0, 0o700, target])
-                continue
-            if entry.is_dir():
+                else:
+                    out.left.append(sub)
+            elif entry.is_dir():
                 if os.path.realpath(entry.path) in skip or _never(entry.path, entry.name) \
                         or _ignored(rules, sub, True):
-                    continue
-                if not walk(sub, rules):
+                    out.left.append(sub)
+                elif not walk(sub, rules):
                     return False
-            elif entry.is_file() and not _ignored(rules, sub, False):
+            elif _ignored(rules, sub, False):
+                out.left.append(sub)
+            elif entry.is_file():
                 st = entry.stat()
                 out.files.append([sub, st.st_size, 0o700 if st.st_mode & 0o100 else 0o600, ""])
                 out.total += st.st_size
@@ -162,8 +179,19 @@ def why_left_out(root: str, rel: str) -> str | None:
 # -- at submit: the folder chosen and checked ---------------------------------------------
 
 
+def _open(root: str, rel: str) -> Any:
+    """A file of the folder, never through a link (in place of the file)."""
+    return os.fdopen(os.open(os.path.join(root, rel), os.O_RDONLY | os.O_NOFOLLOW), "rb")
+
+
 def record(job_dir: str | Path, found: Listing) -> None:
-    write_private(Path(job_dir) / "workdir.json", json.dumps({"root": found.root, "files": found.files}))
+    """JOB/workdir.json, each file's digest taken now: what is sent is the folder as submitted."""
+    for entry in found.files:
+        if not entry[3]:
+            with _open(found.root, entry[0]) as f:
+                entry.append(hashlib.file_digest(f, "sha256").hexdigest())
+    write_private(Path(job_dir) / "workdir.json", json.dumps({"root": found.root, "files": found.files,
+                                                                  "left": found.left}))
 
 
 # -- when the job is staged: through each node's data cache ------------------------------------
@@ -178,10 +206,16 @@ def human(size: float) -> str:
 
 
 def _read(root: str, rel: str, digest: str) -> bytes:
-    """A file's bytes as they were hashed: every node gets the same folder."""
-    data = Path(root, rel).read_bytes()
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise PaiError(f"workdir: {rel} changed while the job was sent to its nodes",
+    """A file's bytes as they were submitted: every node gets the same folder, and
+    nothing from outside it."""
+    try:
+        with _open(root, rel) as f:
+            data = f.read()
+        why = "" if hashlib.sha256(data).hexdigest() == digest else "changed"
+    except OSError as err:
+        why = {errno.ENOENT: "is gone", errno.ELOOP: "is now a link"}.get(err.errno, f"cannot be read ({err})")
+    if why:
+        raise PaiError(f"workdir: {rel} {why} since the job was submitted",
                        "submit again, or list in .paiignore what is written while jobs start")
     return data
 
@@ -196,21 +230,21 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
     if not transports:
         return {}
     root, files = kept["root"], kept["files"]
-    digests = {rel: datasets._file_digest(f"{root}/{rel}") for rel, _s, _m, target in files if not target}
-    sizes = {digests[rel]: size for rel, size, _m, target in files if not target}
+    digests = {f[0]: f[4] for f in files if not f[3]}   # taken at submit (record)
+    sizes = {f[4]: f[1] for f in files if not f[3]}
     reads = {digest: (lambda rel=rel: _read(root, rel, digests[rel])) for rel, digest in digests.items()}
-    plan = {"files": [[f"{CODE}/{rel}", digests.get(rel, ""), mode, target] for rel, _s, mode, target in files]}
+    plan = {"files": [[f"{CODE}/{f[0]}", digests.get(f[0], ""), f[2], f[3]] for f in files]}
 
     def send(transport: Any) -> tuple[int, int]:
         transport.sizes = sizes
         lacking = set(transport.missing(sorted(reads)))
-        sent = transport.put(plan, {d: reads[d] for d in sorted(lacking)})
-        return sent, sum(1 for rel in digests if digests[rel] in lacking)
+        transport.put(plan, {d: reads[d] for d in sorted(lacking)})
+        return sum(sizes[d] for d in lacking), sum(1 for rel in digests if digests[rel] in lacking)
 
     with ThreadPoolExecutor(max_workers=min(8, len(transports))) as pool:   # every node at once
         done = dict(zip(sorted(transports), pool.map(send, [transports[n] for n in sorted(transports)])))
     for node, (sent, fresh) in done.items():
-        note(f"workdir: {node}: {fresh} file(s) sent ({human(sent)}), {len(files) - fresh} already there")
+        note(f"workdir: {node}: {fresh} file(s) sent ({human(sent)}), {len(digests) - fresh} already there")
     return {node: sent for node, (sent, _fresh) in done.items()}
 
 

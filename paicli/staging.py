@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tarfile
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,30 +83,36 @@ def work_dir(spec: JobSpec, staging: Path, remote: bool, note: Callable[[str], N
         raise SpecError("-DworkDir", f"{folder}: no such folder", "give the project folder, or none")
     if not remote:
         return folder   # this machine reads the folder in place
-    limit = parse_size(spec.get("workDirMaxSize"))
-    # Never the jobs' own store (its plan.json files hold secrets), should it lie inside.
-    try:
-        found = workdir.listing(folder, limit, stop_over=value is None, skip=(os.path.realpath(pai_home()),))
-    except OSError as err:
-        raise SpecError("-DworkDir", f"{folder}: cannot be read: {err}", "list what cannot in .paiignore") from None
-    if found.over and value is None:
-        note(f"workdir: {folder} sends more than {spec.get('workDirMaxSize')}; only the script and its "
-             "imports travel (name what stays here in .paiignore, or set -DworkDir)")
+    real, why, found = os.path.realpath(folder), None, None
+    if value is None and ((os.path.realpath(os.path.expanduser("~")) + "/").startswith(real.rstrip("/") + "/")
+                          or real == os.path.realpath(tempfile.gettempdir())):
+        why = "is your home folder or above it"   # where secrets live: never a default
+    else:
+        try:   # never the jobs' own store (its plan.json files hold secrets), should it lie inside
+            found = workdir.listing(folder, parse_size(spec.get("workDirMaxSize")), stop_over=value is None,
+                                    skip=(os.path.realpath(pai_home()),))
+            if not found.over:
+                workdir.record(staging, found)
+        except OSError as err:
+            if value is not None:
+                raise SpecError("-DworkDir", f"{folder}: cannot be read: {err}",
+                                "list what cannot in .paiignore") from None
+            why = f"cannot be read ({err})"
+    if value is None and (why or found.over):   # a folder the user never named: the script still travels
+        note(f"workdir: {folder} {why or 'sends more than ' + str(spec.get('workDirMaxSize'))}; only the script and "
+             "its imports travel (set -DworkDir, or list what stays here in .paiignore)")
         return None
     if found.over:
         biggest = ", ".join(f"{rel} ({workdir.human(size)})" for rel, size in found.biggest())
         raise SpecError("-DworkDir", f"{folder} sends {workdir.human(found.total)}, over -DworkDirMaxSize="
                         f"{spec.get('workDirMaxSize')}; the biggest: {biggest}",
                         "list what stays here in .paiignore (gitignore syntax), or raise -DworkDirMaxSize")
-    workdir.record(staging, found)
     return folder
 
 
 def extract_checked(script: str, root: Path) -> None:
     """Extract an archive into `root`, its problems as one line each (tarfile and
     the archive checks are imported only for an archive)."""
-
-
     try:
         extract(script, str(root))
     except BadLimit as err:

@@ -5,6 +5,7 @@ real node; the Ray tests check the same for Ray."""
 
 from __future__ import annotations
 
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from paicli.client import prepare
-from paicli.cluster import node_files, remote_paths
+from paicli.cluster import node_files, remote_paths, workdir
 from paicli.staging import stage_code
 from paicli.statement import parse_statement
 
@@ -261,3 +262,28 @@ def test_the_exec_writer_resolves_a_chain_of_links_before_it_writes(tmp_path):
                                                    ("sub/l3", "link", "l2/.."), ("sub/l3/escape", "file", b"x")])
     assert status == 1 and "leaves the folder" in err.strip().splitlines()[-1], err
     assert not (root / "escape").exists()
+
+
+def test_only_what_the_project_folder_sent_maps_below_it(tmp_path, monkeypatch):
+    """Paths below the project folder map to `code/` on the node, but those it left
+    out (ignored, never sent, links out), which stay as they are; a project folder
+    under a `shared:` path is neither sent nor mapped."""
+    proj = tmp_path / "proj"
+    for rel, text in (("train.py", "print(1)\n"), (".gitignore", "data/\n*.log\n"), ("data/big.csv", "1"),
+                      ("conf/p.yaml", "a: 1"), ("run.log", "x")):
+        (proj / rel).parent.mkdir(parents=True, exist_ok=True)
+        (proj / rel).write_text(text)
+    job_dir, plan = planned(tmp_path, monkeypatch, "-name", "python", "-Dscript=train.py",
+                            f"-DuserDefinedParameters=--data={proj}/data/big.csv --conf {proj}/conf/p.yaml "
+                            f"--log {proj}/run.log --out {proj}/out/model.ckpt")
+    workdir.record(job_dir, workdir.listing(str(proj)))
+    assert translated(plan, node_files.manifest(job_dir, plan))[3:] == [
+        f"--data={proj}/data/big.csv", "--conf", f"{FOLDER}/code/conf/p.yaml", "--log", f"{proj}/run.log",
+        "--out", f"{FOLDER}/code/out/model.ckpt"]
+    (job_dir / "nodes.json").write_text(json.dumps({"nodes": [{"name": "h1", "host": "h1"}],
+                                                    "shared": [str(tmp_path)]}))
+    manifest = node_files.manifest(job_dir, plan)
+    assert translated(plan, manifest)[3:] == plan.role("worker").argv[3:]
+    mapping = manifest.mapping(FOLDER, "/node/rt", "/usr/bin/python3")
+    assert remote_paths.translate(plan.role("worker").cwd, mapping) == plan.role("worker").cwd
+    assert workdir.stage(None, job_dir, print) == {}

@@ -9,8 +9,10 @@ import os
 import pytest
 
 from conftest import pai
-from paicli.errors import PaiError
+from paicli.errors import PaiError, SpecError
+from paicli import staging
 from paicli.cluster import workdir
+from paicli.spec import JobSpec
 
 
 def write(root, rel, data="x", mode=0o600):
@@ -69,9 +71,10 @@ def test_links_out_of_the_folder_are_never_followed(tmp_path):
     os.symlink("../secret", project / "more")                # a folder outside, relative
     os.symlink("data/a.csv", project / "a.csv")              # inside: sent as a link
     os.symlink(str(project / "train.py"), project / "abs.py")   # inside but absolute: would break there
+    os.symlink("../../p/train.py", project / "data" / "t.py")     # out and back in: sent by its way inside
     files = workdir.listing(str(project)).files
-    assert [f[0] for f in files] == ["a.csv", "data/a.csv", "train.py"]
-    assert files[0][3] == "data/a.csv"
+    assert [f[0] for f in files] == ["a.csv", "data/a.csv", "data/t.py", "train.py"]
+    assert files[0][3] == "data/a.csv" and files[2][3] == "../train.py"
     assert workdir.why_left_out(str(project), "more/key") == "more is a link out of the folder (never followed)"
 
 
@@ -140,14 +143,26 @@ def test_an_explicit_folder_over_the_limit_is_refused_in_one_line_naming_the_big
     assert [p.name for p in (proj / ".pai" / "jobs").iterdir()] == ["old"]
 
 
-def test_a_file_that_changes_while_it_is_sent_stops_the_job_naming_it(tmp_path):
-    """Every node gets the folder as it was hashed, or the job does not start."""
-    path = write(tmp_path, "train.log", "first")
-    digest = hashlib.sha256(b"first").hexdigest()
-    assert workdir._read(str(tmp_path), "train.log", digest) == b"first"
-    path.write_text("second")
-    with pytest.raises(PaiError, match="workdir: train.log changed while the job was sent to its nodes"):
-        workdir._read(str(tmp_path), "train.log", digest)
+def test_the_folder_is_read_as_it_was_submitted_or_the_job_stops_naming_the_file(tmp_path):
+    """Digests are taken at submit; staging reads each file without following a link
+    and refuses one that is gone, is now a link or changed, so every node gets the
+    submitted folder and nothing from outside it."""
+    project, job = tmp_path / "p", tmp_path / "job"
+    job.mkdir()
+    for rel in ("train.log", "gone.txt", "key", "same.txt"):
+        write(project, rel, "first")
+    write(tmp_path, "outside", "first")
+    workdir.record(job, workdir.listing(str(project)))
+    digests = {f[0]: f[4] for f in json.loads((job / "workdir.json").read_text())["files"]}
+    assert digests["train.log"] == hashlib.sha256(b"first").hexdigest()
+    assert workdir._read(str(project), "same.txt", digests["same.txt"]) == b"first"
+    (project / "train.log").write_text("second")
+    (project / "gone.txt").unlink()
+    (project / "key").unlink()
+    os.symlink(tmp_path / "outside", project / "key")   # the same bytes, but from outside the folder
+    for rel, why in (("train.log", "changed"), ("gone.txt", "is gone"), ("key", "is now a link")):
+        with pytest.raises(PaiError, match=f"^workdir: {rel} {why} since the job was submitted; submit again"):
+            workdir._read(str(project), rel, digests[rel])
 
 
 def test_caffes_db_error_names_no_path_so_the_nets_sources_are_looked_up(tmp_path):
@@ -161,3 +176,56 @@ def test_caffes_db_error_names_no_path_so_the_nets_sources_are_looked_up(tmp_pat
     tail = ["F1203 db_lmdb.hpp:15] Check failed: mdb_status == 0 (2 vs. 0) No such file or directory"]
     assert workdir.hint(job, tail) == (f"examples/mnist/mnist_train_lmdb is in {project} but not sent to the nodes: "
                                        ".paiignore line 1: *_lmdb/ (a `!` line in .paiignore sends it)")
+
+
+def default_folder(cwd, monkeypatch, tmp_path, **params):
+    """What work_dir picks, and its notes, for `pai -Dscript=train.py` run in `cwd`
+    toward other nodes."""
+    monkeypatch.chdir(cwd)
+    staging_dir, notes = tmp_path / "staging", []
+    staging_dir.mkdir(exist_ok=True)
+    spec = JobSpec(framework="python", params={"script": "train.py", "workDirMaxSize": "100M", **params})
+    return staging.work_dir(spec, staging_dir, True, notes.append), notes
+
+
+def test_home_or_a_folder_above_it_is_never_the_default_project_folder(tmp_path, monkeypatch):
+    home = tmp_path / "home" / "me"
+    write(home, "train.py")
+    write(home, ".ssh/id_ed25519", "private")
+    monkeypatch.setenv("HOME", str(home))
+    for cwd in (home, home.parent, tmp_path):
+        assert default_folder(cwd, monkeypatch, tmp_path) == (None, [
+            f"workdir: {cwd} is your home folder or above it; only the script and its imports travel "
+            "(set -DworkDir, or list what stays here in .paiignore)"])
+    assert default_folder(home, monkeypatch, tmp_path, workDir=str(home))[0] == str(home)   # named: sent
+
+
+def test_secrets_stay_here_unless_paiignore_names_them(tmp_path):
+    for rel in (".ssh/id_ed25519", ".aws/credentials", ".netrc", ".bash_history", "certs/server.pem",
+                "keys/id_rsa", ".env", "conf/.docker/config.json", "train.py"):
+        write(tmp_path, rel)
+    write(tmp_path, ".gitignore", "!*.pem\n")   # git's `!` lines do not send a secret
+    assert sent(tmp_path) == [".gitignore", "train.py"]
+    assert workdir.why_left_out(str(tmp_path), "keys/id_rsa") == "id_rsa (a secret's usual place, never sent)"
+    write(tmp_path, ".paiignore", "!.env\n")
+    assert sent(tmp_path) == [".env", ".gitignore", ".paiignore", "train.py"]
+
+
+def test_a_default_folder_that_cannot_be_read_falls_back_to_the_script(tmp_path, monkeypatch):
+    """A folder below the default one that cannot be listed (here: deeper than a path
+    may be long, as root reads any folder a mode would close) is no reason to refuse
+    a submit that named no folder; a named one is refused."""
+    proj = tmp_path / "proj"
+    write(proj, "train.py")
+    fd = os.open(proj, os.O_RDONLY)
+    for _ in range(20):
+        os.mkdir("d" * 250, dir_fd=fd)
+        fd, old = os.open("d" * 250, os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    os.close(fd)
+    folder, notes = default_folder(proj, monkeypatch, tmp_path)
+    assert folder is None and len(notes) == 1
+    assert notes[0].startswith(f"workdir: {proj} cannot be read (") and notes[0].endswith(
+        "); only the script and its imports travel (set -DworkDir, or list what stays here in .paiignore)")
+    with pytest.raises(SpecError, match=r"-DworkDir: .*: cannot be read: "):
+        default_folder(proj, monkeypatch, tmp_path, workDir=str(proj))

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import ROOT, job_id_from, pai
 from netns import module_cluster, module_nodes
+from paicli.cluster import workdir
 
 cluster = module_cluster(2, "pwd", 210)
 nodes = module_nodes(cpu=100)
@@ -45,13 +46,14 @@ def test_the_three_file_project_runs_on_two_nodes_as_here_and_sends_only_what_ch
     assert here.returncode == 0, here.stdout + here.stderr
     for out in proj.glob("out-*.txt"):
         out.unlink()
+    os.symlink("conf/params.yaml", proj / "params.yaml")   # a link: never counted as a file sent or there
     first = pai("-name", "python", "-Dscript=train.py", TWO, cwd=str(proj), timeout=120)
     assert first.returncode == 0, first.stdout + first.stderr
     hosts = set(re.findall(r"\[worker:\d\] rows 100 lr 0\.1 on (\S+)", first.stdout))
     assert len(hosts) == 2 and all(h.startswith(cluster.subnet) for h in hosts), first.stdout
     sent = sent_lines(first.stdout)
-    assert len(sent) == 2 and all(s.startswith("3 file(s) sent") and s.endswith(", 0 already there")
-                                  for s in sent.values()), first.stdout
+    size = sum(os.path.getsize(proj / rel) for rel in ("train.py", "data.csv", "conf/params.yaml"))
+    assert list(sent.values()) == [f"3 file(s) sent ({workdir.human(size)}), 0 already there"] * 2, first.stdout
     # what the workers wrote came back beside the script; what came with the folder is no output
     assert (proj / "out-0.txt").read_text() == (proj / "out-1.txt").read_text() == "100 rows\n"
     written = json.loads(pai("outputs", job_id_from(first.stdout), "--json").stdout)["files"]
@@ -64,8 +66,7 @@ def test_the_three_file_project_runs_on_two_nodes_as_here_and_sends_only_what_ch
     assert second.returncode == 0, second.stdout + second.stderr
     assert second.stdout.count("lr 0.2 on") == 2
     again = sent_lines(second.stdout)
-    assert len(again) == 2 and all(s.startswith("1 file(s) sent") and s.endswith(", 2 already there")
-                                   for s in again.values()), second.stdout
+    assert list(again.values()) == ["1 file(s) sent (18 bytes), 2 already there"] * 2, second.stdout
 
 
 def test_a_file_an_ignore_rule_kept_here_is_named_when_the_job_fails(cluster, nodes, tmp_path):

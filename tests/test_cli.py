@@ -76,10 +76,15 @@ def test_every_statement_command_reads_d_tokens_whole(command):
     the key lost a letter; `-Dscript=/x/h.py` holds an `h` (--help)."""
     import click
 
+    from paicli.cli import cli
+
     cmd = _command(command)
     leading = ["JOB" for p in cmd.params if isinstance(p, click.Argument) and p.nargs == 1]
     tokens = ["-DuserDefinedParameters=--steps 60", "-Dscript=/x/h.py"]
-    ctx = cmd.make_context(" ".join(command), [*leading, *tokens])
+    # Under pai's own context, as when run: click keeps the first help option it
+    # makes for a command, and a context of its own would give it --help alone.
+    parent = click.Context(cli, info_name="pai", **cli.context_settings)
+    ctx = cmd.make_context(" ".join(command), [*leading, *tokens], parent=parent)
     passed = [v for p in cmd.params if isinstance(p, click.Argument) and p.nargs == -1 for v in ctx.params[p.name]]
     assert passed == tokens
     assert not any(v is True for v in ctx.params.values()), ctx.params

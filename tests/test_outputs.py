@@ -530,6 +530,8 @@ def test_a_local_job_claims_only_what_its_own_processes_wrote(pai_home, tmp_path
         for proc in (first, second, tee):
             proc.kill()
             proc.wait()
+        for flag in (".go", ".end"):   # the jobs outlive their `pai`: a failed test ends them too
+            (work / flag).touch()
     said = {"a": (work / "out.txt").read_text(), "b": (work / "log.txt").read_text()}
     for tag, text in said.items():
         assert "both wrote" not in text, text

@@ -401,13 +401,19 @@ def _is_big(path: Path) -> bool:
         return all(f.read(1 << 20) == bytes([block]) * (1 << 20) for block in range(200)) and not f.read(1)
 
 
-def test_kill_9_of_a_node_agent_sending_200_mb_leaves_nothing_half_written_and_pai_get_brings_it(
-        cluster, nodes, tmp_path, pai_home):
+def _big_job(tmp_path: Path) -> tuple[Path, subprocess.Popen]:
+    """A one-worker job writing a 200 MB output, attached: its folder and its `pai`."""
     work = tmp_path / "work"
     work.mkdir()
     (work / "train.py").write_text(BIG)
-    proc = subprocess.Popen([*PAI, "-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":1}}',
-                             "-DmaxRetries=0"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return work, subprocess.Popen([*PAI, "-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":1}}',
+                                   "-DmaxRetries=0"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+
+
+def test_kill_9_of_a_node_agent_sending_200_mb_leaves_nothing_half_written_and_pai_get_brings_it(
+        cluster, nodes, tmp_path, pai_home):
+    work, proc = _big_job(tmp_path)
     try:
         job_id = proc.stdout.readline()[5:].strip()
         # a partial copy here means the agent is in the middle of sending the file
@@ -442,11 +448,7 @@ def test_kill_9_of_a_node_agent_sending_200_mb_leaves_nothing_half_written_and_p
 
 def test_a_link_dropped_while_200_mb_come_back_names_the_file_and_pai_get_brings_it_later(
         cluster, nodes, tmp_path, pai_home):
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "train.py").write_text(BIG)
-    proc = subprocess.Popen([*PAI, "-name", "python", "-Dscript=train.py", '-Dcluster={"worker":{"count":1}}',
-                             "-DmaxRetries=0"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    work, proc = _big_job(tmp_path)
     lost = None
     try:
         job_id = proc.stdout.readline()[5:].strip()

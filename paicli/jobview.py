@@ -35,7 +35,7 @@ def summary_lines(status: dict) -> list[str]:
 
 def verdict_line(status: dict) -> str:
     if status["status"] == JobStatus.SUCCEEDED.value:
-        # Issue 20: a distributed job whose workers trained alone is not OK.
+        # A distributed job whose workers trained alone is not OK.
         return f"NOT DISTRIBUTED (the job succeeded): {status['not_distributed']}" \
             if status.get("not_distributed") else "OK"
     if status["status"] == JobStatus.CANCELLED.value:

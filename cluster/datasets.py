@@ -223,7 +223,7 @@ def fetch_parts(job_dir: str | Path, backend: Any, index: dict, nodes: set | Non
     """Remote backends: every node's part files into this machine's job folder
     (local: they are there already). The nodes whose parts did not come, each
     named with where its rows stay (its job folder, kept), or ""."""
-    transports = _transports(backend, nodes)
+    transports = node_caches(backend, nodes)
     if transports is None:
         return ""
     lost = {node: f"{node} does not answer; its rows stay in its job folder there"
@@ -253,7 +253,7 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
     of `placements`): each node gets the slices of its own workers (and the job's
     buckets), only the blobs it lacks, and an index naming them where they are on
     the node. {node: bytes sent}; {} when local."""
-    transports = _transports(backend, only or {p.node for p in placements})
+    transports = node_caches(backend, only or {p.node for p in placements})
     if transports is None:
         return {}   # local: read in place (and no bucket hashed while the instances wait to start)
     index = load(job_dir)
@@ -276,12 +276,10 @@ def stage(backend: Any, job_dir: str | Path, plan: Any, placements: list, note: 
             transport.sizes = sizes
             lacking = transport.missing(sorted(blobs))
             sent[node] = transport.put(plan_line, {d: blobs[d] for d in lacking})
-        except (PaiError, SpecError):
-            raise
-        except Exception as err:  # noqa: BLE001 - the transport's own (paramiko's, OSError, EOFError)
+        except CacheLinkLost as err:
             # A blob lands on the node under its digest only once whole, so nothing half-sent is used.
-            raise PaiError(f"data: {what or 'the buckets'} did not reach node {node} "
-                           f"({type(err).__name__}: {err}); they are still here") from err
+            raise PaiError(f"data: {what or 'the buckets'} did not reach node {node} ({err.why}); "
+                           "they are still here") from err
         held = len(blobs) - len(lacking)
         note(f"data: {node}: {len(lacking)} blob(s) sent ({sent[node]} bytes), {held} already there"
              + (f"; {what}" if what else ""))
@@ -371,7 +369,7 @@ def cache_root(folder: str) -> str:
     return f"{os.path.dirname(folder.rstrip('/'))}/.cache"
 
 
-def _transports(backend: Any, nodes: set | None = None) -> dict | None:
+def node_caches(backend: Any, nodes: set | None = None) -> dict | None:
     """node_cache.py on each staged node of the job that still answers, through the
     backend's public calls (base.Backend staged_folders / run_runner); None when
     local (the instances read this machine's files in place)."""
@@ -379,6 +377,14 @@ def _transports(backend: Any, nodes: set | None = None) -> dict | None:
     if folders is None:
         return None
     return {node: _NodeCache(backend, node, folder) for node, folder in folders.items()}
+
+
+class CacheLinkLost(PaiError):
+    """The link to a node's data cache broke: what was on its way did not arrive."""
+
+    def __init__(self, node: str, why: str):
+        super().__init__(f"node {node}: its data cache did not answer ({why})")
+        self.why = why
 
 
 class _NodeCache:
@@ -392,7 +398,12 @@ class _NodeCache:
         self.sizes: dict[str, int] = {}
 
     def _run(self, args: list[str], stdin: bytes = b"", timeout: float = 60.0) -> bytes:
-        return self.backend.run_runner(self.node, self.RUNNER, args, stdin, timeout)
+        try:
+            return self.backend.run_runner(self.node, self.RUNNER, args, stdin, timeout)
+        except (PaiError, SpecError):
+            raise
+        except Exception as err:  # noqa: BLE001 - the transport's own (paramiko's, OSError, EOFError)
+            raise CacheLinkLost(self.node, f"{type(err).__name__}: {err}") from err
 
     def missing(self, digests: list[str]) -> list[str]:
         if not digests:

@@ -226,7 +226,7 @@ def stage(backend: Any, job_dir: str | Path, note: Callable[[str], None], only: 
     job's `code/`. {node: bytes sent}; {} when the job has no folder to send or
     runs on this machine."""
     kept = project_folder(str(job_dir))
-    transports = datasets._transports(backend, only) if kept else None
+    transports = datasets.node_caches(backend, only) if kept else None
     if not transports:
         return {}
     root, files = kept["root"], kept["files"]

@@ -20,14 +20,14 @@ from pathlib import Path
 
 from paicli import jobstatus
 from paicli.cluster import (backends, datasets, distribution, lifecycle, outputs, placement as placing, policy,
-                            queue_turns, requirement_layers as job_layers, workdir)
+                            queue_turns, requirement_layers as job_layers, router, workdir)
 from paicli.cluster.backends import backend_for_job, job_config
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
 from paicli.cluster.job_placement import place_job, read_placements, write_placements
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
 from paicli.cluster.procinfo import start_time
-from paicli.cluster.spawn import Watchdog, spawn_watchdog
+from paicli.cluster.spawn import RouterProcess, Watchdog, spawn_watchdog, start_router, stop_router
 from paicli.errors import PaiError, UsageError
 from paicli.jobplan import JobPlan, RolePlan
 from paicli.states import InstanceStatus, JobStatus
@@ -151,6 +151,7 @@ class JobMaster:
         self.watchdog: Watchdog | None = None
         self.untold: list[str] = []   # what the watchdog is told once it runs
         self.failure: tuple[JobStatus, str | None] | None = None
+        self.router: RouterProcess | None = None   # the plan's front, once started
         self.recorded_fd = recorded_fd   # closed once the job's record is complete: the CLI's end
 
     # -- entry ------------------------------------------------------------------
@@ -182,6 +183,8 @@ class JobMaster:
             placed = {(p.role, p.idx): p for p in self.placements}
             for inst in self.instances:
                 inst.placed = placed[(inst.role.name, inst.idx)]
+            if self.plan.front:
+                self._start_router()
             self.backend.prepare(str(self.job_dir), self.plan, self.placements)
             datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note)   # DATA
             workdir.stage(self.backend, self.job_dir, self.joblog.note)
@@ -242,6 +245,39 @@ class JobMaster:
                 self.watchdog.stdin.flush()
             except OSError:
                 pass
+
+    # -- the router in front of a serving role (cluster/router.py) ------------------------
+
+    def _start_router(self) -> None:
+        """Its port bound here first (a busy one fails the job in one line), then the
+        router on it; the watchdog learns it like an instance."""
+        sock = router.listen(self.plan.front)
+        try:
+            self.router = start_router(sock.fileno(), self.job_dir / "plan.json", self.job_dir / "router.log")
+        finally:
+            sock.close()
+        self._tell_watchdog(f"router {json.dumps(self.router.ref.to_dict())}")
+        self.joblog.note(f"serving at {router.url_of(self.plan.front)}")
+
+    def _tell_router(self, inst: Instance, up: bool) -> None:
+        if self.router is None or inst.role.name != self.plan.front["role"]:
+            return
+        line = f"up {inst.name} {inst.placed.host}:{inst.port}" if up else f"down {inst.name}"
+        try:
+            self.router.stdin.write(f"{line}\n".encode())
+            self.router.stdin.flush()
+        except OSError:
+            pass   # it is gone: the job's end stops what is left of it
+
+    def _stop_router(self) -> None:
+        if self.router is None:
+            return
+        try:
+            self.router.stdin.close()   # EOF: it stops accepting and finishes what is in flight
+        except OSError:
+            pass
+        stop_router(self.router.ref, self.stop_timeout)
+        self.router = None
 
     # -- one way to change an instance's state -------------------------------------
 
@@ -377,6 +413,8 @@ class JobMaster:
             self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, ended=time.time(),
                                       exit_code=code)
             inst.handle = None
+            return
+        self._tell_router(inst, up=True)
 
     def _recorded(self) -> None:
         """The job's record is complete: the CLI that forked this master ends now."""
@@ -547,6 +585,7 @@ class JobMaster:
 
     def _end_attempt(self, inst: Instance, code: int) -> None:
         inst.exit_code = code
+        self._tell_router(inst, up=False)
         if inst.handle is not None:
             # Whatever the instance left running in its group goes with it.
             if code != NODE_LOST:
@@ -668,6 +707,8 @@ class JobMaster:
         deadline = time.monotonic() + grace
         while grace and time.monotonic() < deadline and any(self.backend.poll(i.handle) is None for i in insts):
             self._pump(POLL_SECONDS)
+        for inst in insts:
+            self._tell_router(inst, up=False)   # out of the router before its SIGTERM
         live = [i for i in insts if self.backend.poll(i.handle) is None]
         for inst in live:
             self.store.event(self.job_id, "stop", f"SIGTERM to {inst.name}", inst.role.name, inst.idx)
@@ -704,6 +745,7 @@ class JobMaster:
                 self.joblog.note("the job was ended from outside; stopping every instance")
             self._stop(running, InstanceStatus.KILLED)
             datasets.finish(self.job_dir, self.backend, False, self.joblog.note)   # DATA: rows fetched, no table
+        self._stop_router()
         for inst in self.instances:
             if inst.status == InstanceStatus.WAITING:
                 self._set(inst, InstanceStatus.KILLED, "never restarted")

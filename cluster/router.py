@@ -35,7 +35,7 @@ from paicli.jobplan import JobPlan
 HEALTH_EVERY = 0.25      # seconds between a replica's health checks
 HEALTH_TIMEOUT = 0.7     # a check unanswered this long fails: a sick replica is out within 1 s
 WAIT_FOR_REPLICA = 5.0   # a request while no replica is ready waits this long, then gets 503
-DRAIN = 5.0              # at the end, requests in flight get this long to finish
+DRAIN = 2.0              # at the end, requests in flight get this long (within the stop's grace)
 CONNECT_TIMEOUT = 2.0
 MAX_BODY = 64 << 20      # bytes, unless the plan's front says otherwise
 TOKEN_ENV = "PAI_SERVING_TOKEN"

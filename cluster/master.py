@@ -174,6 +174,8 @@ class JobMaster:
             return 0
         if not self.store.set_job(self.job_id, JobStatus.RUNNING):
             return 0  # cancelled before we got going
+        # `pai serve scale` (lifecycle.request_scale): the store is looked at in the next round.
+        signal.signal(signal.SIGUSR1, self._on_scale)
         try:
             if self.placements is None and self.backend.places_jobs:
                 # Ray: waits while the cluster is busy (the job's timeout covers it).
@@ -226,6 +228,9 @@ class JobMaster:
 
     def _on_signal(self, signum, frame) -> None:
         self.cancel_reason = self.cancel_reason or "cancelled"
+
+    def _on_scale(self, signum, frame) -> None:
+        self.last_store_check = 0.0
 
     def _start_watchdog(self) -> None:
         # The watchdog holds the read end of a pipe only we write to: when we die,
@@ -455,6 +460,10 @@ class JobMaster:
                 self.last_store_check = now
                 if JobStatus(self.store.job(self.job_id)["status"]).is_terminal():
                     self.cancel_reason = self.cancel_reason or "cancelled"
+                elif self.plan.front:
+                    self._rescale()
+                    if self.failure:
+                        return self.failure
             if self.cancel_reason:
                 return JobStatus.CANCELLED, self.cancel_reason
 
@@ -644,9 +653,10 @@ class JobMaster:
     ON_VERDICT = {policy.FINISHED: _on_finished, policy.RESTART_JOB_: _on_restart_job,
                   policy.RESTART_INSTANCE: _on_restart_instance, policy.FAIL: _on_fail}
 
-    def _move(self, inst: Instance) -> None:
-        """Place `inst` again, away from the nodes this job lost, with what the
-        job's other instances leave free. UsageError when no node has room."""
+    def _move(self, inst: Instance, added: bool = False) -> None:
+        """Place `inst` again (or, `added`, for the first time), away from the nodes
+        this job lost, with what the job's other instances leave free. UsageError
+        when no node has room."""
         if self.backend.places_jobs:
             # Ray moves the lost node's bundle to a node with room, waiting for one.
             new = self.backend.place_instance(inst.role.name, inst.idx, inst.attempt + 1, self.joblog.note,
@@ -661,16 +671,61 @@ class JobMaster:
             self.store.release_claims(self.job_id, "gpu", inst.placed.node, list(inst.placed.gpus))
             if new.gpus and not self.store.claim("gpu", new.node, list(new.gpus), self.job_id):
                 raise OSError(f"GPUs {','.join(new.gpus)} on {new.node} were taken meanwhile")
-        self.joblog.note(f"{inst.name} moves from {inst.placed.node} to {new.node}")
-        self.store.event(self.job_id, "moved", f"{inst.name}: {inst.placed.node} -> {new.node}",
-                         inst.role.name, inst.idx)
+        if added:
+            self.joblog.note(f"{inst.name} added on {new.node}")
+        else:
+            self.joblog.note(f"{inst.name} moves from {inst.placed.node} to {new.node}")
+            self.store.event(self.job_id, "moved", f"{inst.name}: {inst.placed.node} -> {new.node}",
+                             inst.role.name, inst.idx)
         inst.placed = new
         self.placements = [new if (p.role, p.idx) == (new.role, new.idx) else p for p in self.placements or []]
+        if added:
+            self.placements.append(new)
         write_placements(self.job_dir, self.placements)
-        queue_turns.placed_again(self.store, self.job_id, self.plan, self.placements)
+        queue_turns.placed_again(self.store, self.job_id, [i.demand for i in self.instances], self.placements)
         self.backend.prepare(str(self.job_dir), self.plan, [new])
         datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note, {new.node})   # DATA
         workdir.stage(self.backend, self.job_dir, self.joblog.note, {new.node})
+
+    def _rescale(self) -> None:
+        """As many instances of the front's role as the store asks for (`pai serve
+        scale`): new ones placed as a moved one is, with the others reserved; the
+        highest-numbered removed, each out of the router before the one stop path."""
+        role = self.plan.role(self.plan.front["role"])
+        want = next(task["count"] for task in self.store.tasks(self.job_id) if task["role"] == role.name)
+        used = 1 + max(row["idx"] for row in self.store.instances(self.job_id) if row["role"] == role.name)
+        mine = {inst.idx: inst for inst in self.instances if inst.role is role}
+        add, remove = policy.scale_steps(list(mine), used, want)
+        for idx in remove:
+            inst = mine[idx]
+            self.joblog.note(f"{inst.name} removed (scaled to {want})")
+            self._stop([inst], InstanceStatus.TERMINATED)
+            if inst.status == InstanceStatus.WAITING:
+                self._set(inst, InstanceStatus.KILLED, "scaled down")
+            self.store.release_claims(self.job_id, "gpu", inst.placed.node, list(inst.placed.gpus))
+            self.instances.remove(inst)
+            self.must_finish = [i for i in self.must_finish if i is not inst]
+            self.placements = [p for p in self.placements or [] if (p.role, p.idx) != (role.name, idx)]
+        if remove:
+            write_placements(self.job_dir, self.placements)
+            queue_turns.placed_again(self.store, self.job_id, [i.demand for i in self.instances], self.placements)
+        for idx in add:
+            inst = Instance(role, idx, Placement(role.name, idx, "", ""))
+            self.store.add_instance(self.job_id, role.name, idx)
+            self.instances.append(inst)
+            if role.must_finish:
+                self.must_finish.append(inst)
+            try:
+                self._move(inst, added=True)
+            except (UsageError, OSError) as err:
+                self.joblog.note(f"{inst.name} cannot be added: {err}")
+                self._set(inst, InstanceStatus.FAILED, f"no node has room: {err}")
+                self.instances.remove(inst)
+                self.must_finish = [i for i in self.must_finish if i is not inst]
+                self.store.set_task_count(self.job_id, role.name, len(mine) + add.index(idx))
+                return
+            self._assign_ports([inst])
+            self._launch(inst)
 
     def _restart_job(self, failed: Instance, code: int, ended_on: str | None) -> None:
         """Stop every instance, take fresh ports, start them all again (a job-level

@@ -54,7 +54,7 @@ class Replica:
     address: str            # HOST:PORT
     ready: bool = False     # its last health check answered 200, and no connection failed since
     outstanding: int = 0    # requests sent to it and not answered yet
-    sent: int = 0           # requests sent to it in all
+    picked: int = 0         # when it was last chosen (the router's count of choices)
 
 
 def parse_control(line: str) -> tuple[str, str, str | None]:
@@ -70,9 +70,10 @@ def parse_control(line: str) -> tuple[str, str, str | None]:
 
 def choose(replicas: Iterable[Replica]) -> Replica | None:
     """The ready replica with the fewest requests outstanding; between equals, the one
-    sent the fewest in all, so that even one client at a time is spread. None: none ready."""
+    chosen longest ago, so that even one client at a time is spread (and a new replica
+    takes its turn, not every request until it has caught up). None: none ready."""
     ready = [r for r in replicas if r.ready]
-    return min(ready, key=lambda r: (r.outstanding, r.sent, r.name)) if ready else None
+    return min(ready, key=lambda r: (r.outstanding, r.picked, r.name)) if ready else None
 
 
 def ready_after_check(status: int | None) -> bool:
@@ -130,6 +131,7 @@ class Router:
         self.replicas: dict[str, Replica] = {}
         self.checks: dict[str, asyncio.Task] = {}
         self.changed = asyncio.Event()
+        self.choices = 0
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT))
@@ -203,8 +205,9 @@ class Router:
                 with suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), left)
                 continue
+            self.choices += 1
             replica.outstanding += 1
-            replica.sent += 1
+            replica.picked = self.choices
             try:
                 url = URL(f"http://{replica.address}{request.raw_path}", encoded=True)
                 async with self.session.request(request.method, url, data=body,

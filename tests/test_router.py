@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, kill_groups, processes_in, wait_until
-from paicli.cluster import router, spawn
+from paicli.cluster import policy, router, spawn
 from paicli.cluster.procinfo import is_alive
 from paicli.errors import UsageError
 from paicli.jobplan import JobPlan, RolePlan
@@ -46,21 +46,31 @@ def test_the_ready_replica_with_fewest_outstanding_is_chosen_and_equals_take_tur
     a.outstanding = 2
     assert router.choose([a, b, c]) is b
     b.outstanding = 2
-    a.sent, b.sent = 5, 3
-    assert router.choose([a, b, c]) is b          # equal load: the one sent fewer
+    a.picked, b.picked = 5, 3
+    assert router.choose([a, b, c]) is b          # equal load: the one chosen longer ago
     order = []
-    a.outstanding = b.outstanding = a.sent = b.sent = 0
-    for _ in range(4):
+    a.outstanding = b.outstanding = 0
+    for turn in range(6, 10):
         pick = router.choose([a, b])
-        pick.sent += 1
+        pick.picked = turn
         order.append(pick.name)
-    assert order == ["r:0", "r:1", "r:0", "r:1"]
+    assert order == ["r:1", "r:0", "r:1", "r:0"]
+    c.ready = True                                # new: its turn comes once, then it takes turns
+    assert router.choose([a, b, c]) is c
 
 
 def test_only_a_200_health_answer_keeps_a_replica_in():
     assert router.ready_after_check(200)
     for status in (None, 401, 500, 503):
         assert not router.ready_after_check(status)
+
+
+def test_scaling_numbers_new_replicas_after_every_index_used_and_removes_the_highest():
+    assert policy.scale_steps([0, 1], 2, 4) == ([2, 3], [])
+    assert policy.scale_steps([0, 1, 2, 3], 4, 2) == ([], [3, 2])
+    assert policy.scale_steps([0, 3], 5, 3) == ([5], [])      # 1, 2 and 4 were removed: never reused
+    assert policy.scale_steps([0, 5], 6, 1) == ([], [5])
+    assert policy.scale_steps([0, 1], 2, 2) == ([], [])
 
 
 def test_the_url_and_the_error_form():
@@ -231,3 +241,21 @@ def test_the_one_stop_path_ends_the_router(front):
     assert spawn.stop_router(ref, 5.0)
     assert not processes_in({ref.pgid})
     assert not spawn.stop_router(ref, 5.0)   # gone: nothing of ours to signal
+
+
+# -- `pai serve scale` refusals (a serving job scales: tests/test_serving_router.py) ----
+
+
+def test_scaling_a_job_that_is_not_a_service_is_refused_in_one_line(pai_home):
+    from conftest import BEHAVE, pai
+
+    assert pai("serve", "scale", "nosuch", "2").returncode == 2
+    job_id = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}", env={"BEHAVE": "sleep:600"}).stdout.strip()
+    try:
+        result = pai("serve", "scale", job_id, "2")
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [
+            f"pai: error: job {job_id} (behave) is a python job, not a service; only a serving job scales"]
+        assert pai("serve", "scale", job_id, "0").returncode == 2     # at least one replica
+    finally:
+        pai("kill", job_id)

@@ -9,6 +9,7 @@ given. adapters/serving.py says which kind of model the files hold.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable
@@ -73,12 +74,25 @@ def job_model(store, job_id: str, path: str | None, say: Say) -> Model:
     files = [row["path"] for row in chosen.here]
     if path:
         files = [f for f in files if under(f, path)]
-    model = detect(files)
+    model = detect(files + deploy_nets(files, job["job_dir"]))
     if model is None:
         where = f" under {path}" if path else ""
         raise model_error(f"no model among the outputs of job {job['id']}{where} ({len(files)} file(s); "
                           f"`pai outputs {job['id']}` lists them)")
     return model
+
+
+def deploy_nets(files: list[str], job_dir: str) -> list[str]:
+    """The prototxt files beside a job's .caffemodel outputs and beside its inputs (the
+    solver's folder): a Caffe job writes weights, and its deploy net is the user's own file."""
+    if not any(f.endswith(".caffemodel") for f in files):
+        return []
+    try:
+        inputs = json.loads((Path(job_dir) / "plan.json").read_text()).get("inputs") or []
+    except (OSError, ValueError):
+        inputs = []
+    folders = {os.path.dirname(f) for f in files if f.endswith(".caffemodel")} | {os.path.dirname(f) for f in inputs}
+    return [str(p) for folder in sorted(folders) if os.path.isdir(folder) for p in Path(folder).glob("*.prototxt")]
 
 
 def under(file: str, path: str) -> bool:

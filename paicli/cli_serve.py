@@ -1,35 +1,16 @@
-"""`pai serve`: a model answering requests, as a `-name serving` job (paicli/serving.py,
-docs/serving.md). Registered by paicli.cli."""
+"""`pai serve MODEL`: a model answering requests, as a `-name serving` job (paicli/serving.py,
+docs/serving.md): the default command of the `pai serve` group (paicli/cli_scale.py).
+Registered by paicli.cli."""
 
 from __future__ import annotations
 
 import click
 
+from paicli.cli_scale import serve
 from paicli.commands import echo, echo_json, open_store, runtime_progress
 
 
-class ServeGroup(click.Group):
-    """`pai serve ARGS` is `pai serve start ARGS` unless ARGS begins with a subcommand."""
-
-    def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
-            args = ["start", *args]
-        return super().parse_args(ctx, args)
-
-
-@click.group("serve", cls=ServeGroup)
-def serve():
-    """Serve a model: `pai serve MODEL [options]` (that is, `pai serve start`).
-
-    \b
-    MODEL: a path or file:// URL of a SavedModel folder, .keras file, Gluon
-    export, Caffe deploy prototxt (beside its .caffemodel) or .onnx file, or
-    JOB_ID[:PATH], the model a job saved among its outputs. The service is a
-    job: `pai list`, `pai status`, `pai logs` and `pai kill` work on it.
-    """
-
-
-@serve.command("start")
+@click.command("start")
 @click.argument("model")
 @click.option("--name", help="The model's name in the URL (default: its folder or file name).")
 @click.option("--replicas", type=int, default=1, show_default=True, help="Replica instances.")
@@ -65,4 +46,4 @@ def start(model, name, replicas, port, host, version, max_batch_size, batch_time
 
 
 def register(cli: click.Group) -> None:
-    cli.add_command(serve)
+    serve.set_default(start)   # `pai serve MODEL ...` is `pai serve start MODEL ...`

@@ -443,7 +443,7 @@ def test_pai_serve_starts_a_service_that_pai_kill_ends(lenet, pai_home, tmp_path
             (f"http://127.0.0.1:{port}", "caffe", "digits", 2)
         rows = images(2, seed=3)
         want = np.array(in_process(lenet, rows))
-        for url, headers in replicas_of(started["id"], 2):
+        for url, headers in replicas_of(started["id"], 2) + [(started["url"], {})]:   # each replica, the router
             for way, got in conformance(Client(url, headers), "digits", rows).items():
                 assert np.allclose(np.array(got), want, atol=1e-6), (url, way)
     finally:

@@ -141,9 +141,10 @@ def serve(services: list, home: Path, model: str, *options: str) -> dict:
 
 
 def check_service(started: dict, want: list, datatype: str = "FP32") -> None:
-    """Both protocols give `want`; bad input gets its error and the next request is served."""
-    (url, headers), = replicas_of(started["id"], 1)
-    client = Client(url, headers)
+    """Both protocols give `want` through the service's router; bad input gets its error
+    and the next request is served."""
+    replicas_of(started["id"], 1)
+    client = Client(started["url"])
     name = started["name"]
     rows = ROWS[:, 0].tolist() if started["kind"] in ("keras", "savedmodel") else ROWS.tolist()
     for way, got in conformance(client, name, rows, datatype).items():

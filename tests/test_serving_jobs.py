@@ -103,7 +103,6 @@ def home(tmp_path_factory):
         patch.setenv("NO_COLOR", "1")
         patch.delenv("PAI_DEBUG", raising=False)
         (folder / "here").mkdir()
-        (folder / "rows.json").write_text(json.dumps(ROWS.tolist()))   # for pycaffe's reference
         yield folder
     assert not list((folder / "here").iterdir())   # nothing written where pai ran
 
@@ -118,18 +117,45 @@ def services(home):
         pai("kill", job_id)
 
 
-def train(home: Path, *statement: str) -> tuple[str, Path]:
-    """A training job run to its end (killed if the test ends first): its ID and job folder."""
-    done = pai(*statement, "--detach", cwd=str(home / "here"))
+def train(home: Path, *statement: str, env: dict | None = None) -> tuple[str, Path]:
+    """A training job run from HOME/here to its end (killed if the test ends first): its ID
+    and job folder."""
+    done = pai(*statement, "--detach", cwd=str(home / "here"), env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     job_id = done.stdout.split()[-1]
     try:
-        waited = pai("wait", job_id, "--no-progress", timeout=600)
+        waited = pai("wait", job_id, "--no-progress", timeout=600, env=env)
         assert waited.returncode == 0, waited.stdout + waited.stderr
     except BaseException:
-        pai("kill", job_id)
+        pai("kill", job_id, env=env)
         raise
-    return job_id, home / "home" / "jobs" / job_id
+    return job_id, Path(json.loads(pai("status", job_id, "--json", env=env).stdout)["job_dir"])
+
+
+def trained(framework: str, home: Path, env: dict | None = None) -> tuple[str, dict]:
+    """A model trained by a `-name FRAMEWORK` job: its ID, and kind -> the predictions the
+    framework gives for ROWS in its own process."""
+    if framework == "caffe":
+        folder = home / "caffe"
+        folder.mkdir()
+        for name, text in (("train.prototxt", CAFFE_TRAIN), ("deploy.prototxt", CAFFE_DEPLOY),
+                           ("solver.prototxt", CAFFE_SOLVER), ("list.txt", "records.h5\n")):
+            (folder / name).write_text(text)
+        subprocess.run([caffe_python(), "-c", CAFFE_DATA], cwd=folder, check=True, capture_output=True)
+        # Snapshots go to -DcheckpointDir, which comes back as the job's outputs; the deploy
+        # net is found beside the solver.
+        job_id, _ = train(home, "-name", "caffe", f"-Dsolver={folder / 'solver.prototxt'}",
+                          f"-DcheckpointDir={home / 'ck'}", env=env)
+        (home / "rows.json").write_text(json.dumps(ROWS.tolist()))
+        reference = subprocess.run([caffe_python(), "-c", IN_PROCESS, "deploy.prototxt",
+                                    str(home / "ck" / "lenet_iter_20.caffemodel"), str(home / "rows.json")],
+                                   cwd=folder, check=True, capture_output=True, text=True,
+                                   env={**os.environ, "GLOG_minloglevel": "2"})
+        return job_id, {"caffe": json.loads(reference.stdout)}
+    script = home / f"train_{framework}.py"
+    script.write_text({"tensorflow": TF_TRAIN, "mxnet": MX_TRAIN}[framework])
+    job_id, job_dir = train(home, "-name", framework, f"-Dscript={script}", env=env)
+    return job_id, json.loads((job_dir / "outputs" / "worker-0" / "expected.json").read_text())
 
 
 def serve(services: list, home: Path, model: str, *options: str) -> dict:
@@ -140,10 +166,10 @@ def serve(services: list, home: Path, model: str, *options: str) -> dict:
     return started
 
 
-def check_service(started: dict, want: list, datatype: str = "FP32") -> None:
+def check_service(started: dict, want: list, replicas: int = 1, datatype: str = "FP32") -> list:
     """Both protocols give `want` through the service's router; bad input gets its error
-    and the next request is served."""
-    replicas_of(started["id"], 1)
+    and the next request is served. The replicas' (URL, headers)."""
+    ready = replicas_of(started["id"], replicas)
     client = Client(started["url"])
     name = started["name"]
     rows = ROWS[:, 0].tolist() if started["kind"] in ("keras", "savedmodel") else ROWS.tolist()
@@ -159,13 +185,12 @@ def check_service(started: dict, want: list, datatype: str = "FP32") -> None:
         answer = client.tf_error("POST", path, body, raw)
         assert answer.status == (404 if "versions/7" in path else 400), answer.body
         assert np.allclose(np.array(client.tf_predict_rows(name, rows[:1])), np.array(want[:1]), atol=1e-5)
+    return ready
 
 
 @pytest.mark.tensorflow
 def test_a_keras_model_trained_by_a_tensorflow_job_is_served_from_its_outputs(home, services):
-    (home / "train_tf.py").write_text(TF_TRAIN)
-    job_id, job_dir = train(home, "-name", "tensorflow", f"-Dscript={home / 'train_tf.py'}")
-    expected = json.loads((job_dir / "outputs" / "worker-0" / "expected.json").read_text())
+    job_id, expected = trained("tensorflow", home)
     saved = serve(services, home, job_id)                       # the SavedModel comes first
     keras_file = serve(services, home, f"{job_id}:mnist.keras", "--name", "mnist_keras")
     assert (saved["kind"], saved["name"], keras_file["kind"]) == ("savedmodel", "mnist", "keras")
@@ -175,9 +200,7 @@ def test_a_keras_model_trained_by_a_tensorflow_job_is_served_from_its_outputs(ho
 
 @pytest.mark.mxnet
 def test_a_gluon_model_trained_by_an_mxnet_job_is_served_from_its_outputs(home, services):
-    (home / "train_mx.py").write_text(MX_TRAIN)
-    job_id, job_dir = train(home, "-name", "mxnet", f"-Dscript={home / 'train_mx.py'}")
-    expected = json.loads((job_dir / "outputs" / "worker-0" / "expected.json").read_text())
+    job_id, expected = trained("mxnet", home)
     started = serve(services, home, job_id)
     assert (started["kind"], started["name"]) == ("gluon", "lenet")
     check_service(started, expected["gluon"])
@@ -185,22 +208,10 @@ def test_a_gluon_model_trained_by_an_mxnet_job_is_served_from_its_outputs(home, 
 
 @pytest.mark.caffe
 def test_a_lenet_trained_by_a_caffe_job_is_served_from_its_outputs(home, services):
-    folder = home / "caffe"
-    folder.mkdir()
-    for name, text in (("train.prototxt", CAFFE_TRAIN), ("deploy.prototxt", CAFFE_DEPLOY),
-                       ("solver.prototxt", CAFFE_SOLVER), ("list.txt", "records.h5\n")):
-        (folder / name).write_text(text)
-    subprocess.run([caffe_python(), "-c", CAFFE_DATA], cwd=folder, check=True, capture_output=True)
-    # Snapshots go to -DcheckpointDir, which comes back as the job's outputs; the deploy net
-    # is found beside the solver.
-    job_id, _ = train(home, "-name", "caffe", f"-Dsolver={folder / 'solver.prototxt'}",
-                      f"-DcheckpointDir={home / 'ck'}")
+    job_id, expected = trained("caffe", home)
     started = serve(services, home, job_id)
     assert (started["kind"], started["name"]) == ("caffe", "lenet")
-    reference = subprocess.run([caffe_python(), "-c", IN_PROCESS, "deploy.prototxt", str(home / "ck" / "lenet_iter_20.caffemodel"),
-                                str(home / "rows.json")], cwd=folder, check=True, capture_output=True, text=True,
-                               env={**os.environ, "GLOG_minloglevel": "2"})
-    check_service(started, json.loads(reference.stdout))
+    check_service(started, expected["caffe"])
 
 
 def test_a_job_without_a_model_is_one_line_naming_dmodel(home):

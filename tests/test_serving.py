@@ -311,7 +311,8 @@ def test_concurrent_requests_are_one_call_of_the_model(lenet, replica):
 @pytest.mark.caffe
 def test_sigterm_answers_the_requests_in_flight_then_exits_0(lenet):
     # A batch that waits 3 s for company: the request is surely in flight when SIGTERM comes.
-    proc, url, out = start_replica(lenet, "--max-batch-size", "64", "--batch-timeout-micros", "3000000")
+    proc, url, out = start_replica(lenet, "--max-batch-size", "64", "--batch-timeout-micros", "3000000",
+                                   "--request-log", "off")
     try:
         answer = {}
         asking = threading.Thread(target=lambda: answer.update(rows=Client(url).tf_predict_rows("lenet", images(1))))
@@ -321,7 +322,7 @@ def test_sigterm_answers_the_requests_in_flight_then_exits_0(lenet):
         asking.join(30)
         assert len(answer["rows"]) == 1
         assert proc.wait(30) == 0
-        assert "serving lenet: stopped" in read(out)
+        assert "serving lenet: stopped" in read(out) and "POST /v1" not in read(out)   # no access lines
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5).close()
     finally:
@@ -446,6 +447,9 @@ def test_pai_serve_starts_a_service_that_pai_kill_ends(lenet, pai_home, tmp_path
         for url, headers in replicas_of(started["id"], 2) + [(started["url"], {})]:   # each replica, the router
             for way, got in conformance(Client(url, headers), "digits", rows).items():
                 assert np.allclose(np.array(got), want, atol=1e-6), (url, way)
+        # The replicas' summary lines are the service's metrics (`pai status`, the logview).
+        wait_until(lambda: "p99_ms" in json.loads(pai("status", started["id"], "--json").stdout)["metrics"]
+                   .get("replica:0", {}), timeout=30)
     finally:
         assert pai("kill", started["id"]).returncode == 0
     assert json.loads(pai("status", started["id"], "--json").stdout)["status"] == "Cancelled"

@@ -72,6 +72,28 @@ rows = nd.array(np.random.RandomState(7).rand(3, 1, 28, 28).astype("float32"))  
 json.dump({"gluon": block(rows).asnumpy().tolist()}, open(os.path.join(out, "expected.json"), "w"))
 """
 
+# An ONNX model written with the onnx package by a `-name python` job (its -Drequirements),
+# which also runs it with onnxruntime in its own process for the reference.
+ONNX_MAKE = """import json, os
+import numpy as np, onnx, onnxruntime
+from onnx import TensorProto, helper, numpy_helper
+rng = np.random.RandomState(0)
+w, b = rng.rand(784, 10).astype("float32") - 0.5, rng.rand(10).astype("float32")
+graph = helper.make_graph(
+    [helper.make_node("Flatten", ["image"], ["flat"]), helper.make_node("Gemm", ["flat", "w", "b"], ["logits"]),
+     helper.make_node("Softmax", ["logits"], ["prob"])], "mlp",
+    [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 1, 28, 28])],
+    [helper.make_tensor_value_info("prob", TensorProto.FLOAT, ["N", 10])],
+    initializer=[numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+model.ir_version = 9
+out = os.environ["PAI_OUTPUT_DIR"]
+onnx.save(model, os.path.join(out, "mlp.onnx"))
+rows = np.random.RandomState(7).rand(3, 1, 28, 28).astype("float32")   # the test's ROWS
+session = onnxruntime.InferenceSession(os.path.join(out, "mlp.onnx"), providers=["CPUExecutionProvider"])
+json.dump({"onnx": session.run(None, {"image": rows})[0].tolist()}, open(os.path.join(out, "expected.json"), "w"))
+"""
+
 CAFFE_LAYERS = """layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
         convolution_param { num_output: 4 kernel_size: 5 stride: 2 weight_filler { type: "xavier" } } }
 layer { name: "ip1" type: "InnerProduct" bottom: "conv1" top: "ip1"
@@ -212,6 +234,19 @@ def test_a_lenet_trained_by_a_caffe_job_is_served_from_its_outputs(home, service
     started = serve(services, home, job_id)
     assert (started["kind"], started["name"]) == ("caffe", "lenet")
     check_service(started, expected["caffe"])
+
+
+def test_an_onnx_model_a_job_wrote_is_served_by_onnxruntime_from_a_layer(home, services):
+    (home / "make_onnx.py").write_text(ONNX_MAKE)
+    (home / "onnx-requirements.txt").write_text("onnx==1.23.2\nonnxruntime==1.32.0\n")
+    job_id, job_dir = train(home, "-name", "python", f"-Dscript={home / 'make_onnx.py'}",
+                            f"-Drequirements=file://{home / 'onnx-requirements.txt'}")
+    expected = json.loads((job_dir / "outputs" / "worker-0" / "expected.json").read_text())
+    started = serve(services, home, job_id)
+    assert (started["kind"], started["name"]) == ("onnx", "mlp")
+    check_service(started, expected["onnx"])
+    job = json.loads(pai("status", started["id"], "--json").stdout)["job_dir"]
+    assert json.loads((Path(job) / "layer.json").read_text())["lines"] == ["onnxruntime==1.32.0", "numpy"]
 
 
 def test_a_job_without_a_model_is_one_line_naming_dmodel(home):

@@ -98,12 +98,7 @@ def datatype(dtype) -> str:
 # Routes
 
 
-class Route:
-    def __init__(self, protocol: str, action: str, name: str = "", version: str = ""):
-        self.protocol, self.action, self.name, self.version = protocol, action, name, version
-
-    def __repr__(self) -> str:
-        return f"Route({self.protocol}, {self.action}, {self.name!r}, {self.version!r})"
+Route = collections.namedtuple("Route", "protocol action name version", defaults=("", ""))
 
 
 V1_PATH = re.compile(r"^/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>[^/:]+)|/labels/(?P<label>[^/:]+))?"
@@ -623,19 +618,16 @@ class Replica:
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
 
-    def answer(self, method: str, path: str, body: bytes | None) -> tuple[int, dict, int]:
-        """(status, JSON answer, rows) for one request; errors in the protocol's form."""
+    def answer(self, method: str, path: str, body: bytes | None) -> tuple[int, dict, int, str]:
+        """(status, JSON answer, rows, the Allow header of a 405) for one request; errors
+        in the protocol's form."""
         try:
-            found = route(method, path)
+            return (*self._answer(route(method, path), body), "")
         except HttpError as err:
-            return err.status, {"error": err.message}, 0
-        try:
-            return self._answer(found, body)
-        except HttpError as err:
-            return err.status, {"error": err.message}, 0
+            return err.status, {"error": err.message}, 0, err.allow
         except Exception as err:   # the framework refused the input (a shape it cannot take)
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            return 400, {"error": f"the model could not run on this input: {first}"}, 0
+            return 400, {"error": f"the model could not run on this input: {first}"}, 0, ""
 
     def _answer(self, found: Route, body: bytes | None) -> tuple[int, dict, int]:
         a = found.action
@@ -709,9 +701,9 @@ def handler_class(replica: Replica):
                     else:
                         body = self.rfile.read(length)
                 if status == 0:
-                    status, answer, rows = replica.answer(method, self.path, body)
-                if status == 405:
-                    extra["Allow"] = route_allow(method, self.path)
+                    status, answer, rows, allow = replica.answer(method, self.path, body)
+                    if allow:
+                        extra["Allow"] = allow
                 if replica.draining:
                     self.close_connection = True
                 self._send(status, answer, extra)
@@ -754,14 +746,6 @@ def handler_class(replica: Replica):
             self._serve("PATCH")
 
     return Handler
-
-
-def route_allow(method: str, path: str) -> str:
-    try:
-        route(method, path)
-    except HttpError as err:
-        return err.allow
-    return method
 
 
 def parse_args(argv: list) -> argparse.Namespace:

@@ -454,3 +454,12 @@ def test_pai_serve_starts_a_service_that_pai_kill_ends(lenet, pai_home, tmp_path
         assert pai("kill", started["id"]).returncode == 0
     assert json.loads(pai("status", started["id"], "--json").stdout)["status"] == "Cancelled"
     assert not list(here.iterdir())   # nothing written where pai ran
+
+
+def test_a_serving_statement_exports_to_yaml_and_needs_its_model(tmp_path, pai_home):
+    exported = pai("export", "-name", "serving", "-Dmodel=file:///models/mnist", "-DmaxBatchSize=8",
+                   '-Dcluster={"replica":{"count":2}}', cwd=str(tmp_path))
+    assert exported.returncode == 0, exported.stderr
+    assert "max_batch_size: 8" in exported.stdout and "model: file:///models/mnist" in exported.stdout
+    missing = pai("-name", "serving", "--detach", cwd=str(tmp_path))
+    assert missing.returncode == 2 and missing.stderr.startswith("pai: error: -Dmodel: missing; give a SavedModel")

@@ -19,6 +19,7 @@ import pytest
 from paicli.runners import serving_runner as sr
 from paicli.runners.runtimes import get_runtime, runner_path
 from conftest import pai, wait_until
+from netns import kill_unfinished_jobs
 from serving_client import Client, conformance, flatten
 
 # -- the protocol functions ---------------------------------------------------------------
@@ -431,8 +432,15 @@ def replicas_of(job_id: str, count: int, home=None) -> list:
     return [(f"http://{i['host']}:{i['port']}", {"X-Pai-Token": token}) for i in up]
 
 
+@pytest.fixture
+def services(pai_home):
+    """Whatever happens in the test, every job of its home that has not ended is killed after it."""
+    yield
+    kill_unfinished_jobs()
+
+
 @pytest.mark.caffe
-def test_pai_serve_starts_a_service_that_pai_kill_ends(lenet, pai_home, tmp_path):
+def test_pai_serve_starts_a_service_that_pai_kill_ends(lenet, pai_home, services, tmp_path):
     port, here = free_port(), tmp_path / "here"
     here.mkdir()
     done = pai("serve", str(lenet), "--name", "digits", "--port", str(port), "--replicas", "2",

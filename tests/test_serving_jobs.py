@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import pai
+from netns import kill_unfinished_jobs
 from serving_client import Client, conformance
 from test_serving import IN_PROCESS, caffe_python, free_port, replicas_of
 
@@ -131,12 +132,12 @@ def home(tmp_path_factory):
 
 @pytest.fixture
 def services(home):
-    """The serving jobs a test starts, each ended by `pai kill` when it ends, whatever
-    happened: a replica holds a core, and the next test's training job needs one."""
+    """The serving jobs a test starts; when it ends, whatever happened, every job of the
+    module's home that has not ended is killed: a replica holds a core, and the next
+    test's training job needs one."""
     started: list[str] = []
     yield started
-    for job_id in started:
-        pai("kill", job_id)
+    kill_unfinished_jobs()
 
 
 def train(home: Path, *statement: str, env: dict | None = None) -> tuple[str, Path]:

@@ -209,7 +209,8 @@ READERS = {
 # Not readers of jobs: they submit, cancel, copy files out, start the logview
 # server (`logview`), or read no job at all.
 WRITERS = {"submit", "run", "resume", "kill", "export", "params", "plan", "get", "logview", "nodes trust",
-           "runtime install", "runtime list", "runtime remove", "tune start", "tune status", "tune stop"}
+           "runtime install", "runtime list", "runtime remove", "tune start", "tune status", "tune stop",
+           "serve start", "serve scale"}
 
 
 def _leaf_commands() -> set[str]:

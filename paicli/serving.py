@@ -17,6 +17,7 @@ from pathlib import Path
 
 from paicli import client, job_outputs
 from paicli.adapters.serving import ONNX_REQUIREMENTS, Model, detect, files_under, model_error
+from paicli.cluster.router import url_of
 from paicli.errors import NotFound, SpecError, UsageError
 from paicli.jobplan import JobPlan
 from paicli.spec import RawParam, resolve_path
@@ -130,4 +131,4 @@ def service(store, job_id: str) -> dict:
     argv = plan.role(plan.front["role"]).argv
     return {"id": job["id"], "name": plan.job_name, "kind": argv[argv.index("--kind") + 1],
             "replicas": plan.role(plan.front["role"]).count,
-            "url": f"http://{plan.front['host']}:{plan.front['port']}"}
+            "url": url_of(plan.front)}

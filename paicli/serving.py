@@ -43,9 +43,13 @@ def resolve(prepared: client.Prepared, store, say: Say = lambda line: None) -> M
 
 
 def find_model(text: str, store, say: Say = lambda line: None) -> Model:
-    local = Path(os.path.expanduser(text))
+    """-Dmodel's model: a path that exists wins over a job ID of the same spelling."""
+    try:
+        exists = Path(os.path.expanduser(text)).exists()
+    except (OSError, ValueError):   # a name too long, a NUL
+        exists = False
     match = JOB_MODEL.fullmatch(text)
-    if text.startswith("file://") or match is None or local.exists():
+    if text.startswith("file://") or match is None or exists:
         try:
             path = resolve_path(text, Path.cwd())
         except ValueError as err:

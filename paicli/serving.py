@@ -52,11 +52,12 @@ def find_model(text: str, store, say: Say = lambda line: None) -> Model:
     if text.startswith("file://") or match is None or exists:
         try:
             path = resolve_path(text, Path.cwd())
-        except ValueError as err:
-            raise model_error(str(err)) from None
-        if not path.exists():
-            raise model_error(f"{path} does not exist")
-        model = detect(files_under(str(path)))
+            if not path.exists():
+                raise model_error(f"{path} does not exist")
+            files = files_under(str(path))
+        except (OSError, ValueError) as err:
+            raise model_error(f"cannot use {text[:80]!r} as a path: {getattr(err, 'strerror', None) or err}") from None
+        model = detect(files)
         if model is None:
             raise model_error(f"{path} is no model paicli serves")
         return model

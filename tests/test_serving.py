@@ -405,6 +405,7 @@ def test_the_summary_line_is_the_services_metrics_and_nothing_else_is():
     ("/no/such/model", "-Dmodel: /no/such/model does not exist; give a SavedModel folder"),
     ("{here}/train.py", "train.py is no model paicli serves; give"),
     ("20260101000000000zzzzzzz", "-Dmodel: no job 20260101000000000zzzzzzz in"),
+    ("a" * 5000, "-Dmodel: cannot use 'aaaa"),
 ])
 def test_a_bad_model_is_one_line_and_exit_2(tmp_path, pai_home, model, words):
     touch(tmp_path, "train.py")

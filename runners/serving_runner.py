@@ -527,6 +527,15 @@ class CaffeModel(Model):
     def __init__(self, prototxt: str, weights: str):
         import caffe
         caffe.set_mode_cpu()
+        # A net Caffe cannot load aborts the process (a glog CHECK), which the launcher would
+        # take for a retryable death and restart for ever: a child tries first.
+        child = os.fork()
+        if child == 0:
+            caffe.Net(prototxt, caffe.TEST, weights=weights)
+            os._exit(0)
+        _pid, status = os.waitpid(child, 0)
+        if status != 0:
+            raise RuntimeError("Caffe could not load the net with these weights (its F line above says why)")
         self.net = caffe.Net(prototxt, caffe.TEST, weights=weights)
         self.inputs = [Tensor(n, "float32", [-1, *self.net.blobs[n].data.shape[1:]]) for n in self.net.inputs]
         self.outputs = [Tensor(n, "float32", [-1, *self.net.blobs[n].data.shape[1:]]) for n in self.net.outputs]

@@ -472,3 +472,14 @@ def test_a_serving_statement_exports_to_yaml_and_needs_its_model(tmp_path, pai_h
     assert "max_batch_size: 8" in exported.stdout and "model: file:///models/mnist" in exported.stdout
     missing = pai("-name", "serving", "--detach", cwd=str(tmp_path))
     assert missing.returncode == 2 and missing.stderr.startswith("pai: error: -Dmodel: missing; give a SavedModel")
+
+
+@pytest.mark.caffe
+def test_a_net_caffe_cannot_load_is_exit_1_not_an_abort_restarted_for_ever(lenet, tmp_path):
+    (tmp_path / "deploy.prototxt").write_text(LENET.replace("num_output: 10", "num_output: 7"))
+    done = subprocess.run([caffe_python(), "-u", runner_path("serving_runner.py"), "--model",
+                           str(tmp_path / "deploy.prototxt"), "--weights", str(lenet / "lenet.caffemodel"),
+                           "--kind", "caffe", "--name", "lenet"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PAI_HOST": "127.0.0.1", "PAI_PORT": str(free_port())})
+    assert done.returncode == 1, done.stdout + done.stderr   # not -6 (SIGABRT): that is retried
+    assert "serving: cannot load the caffe model" in done.stdout and "shape mismatch" in done.stderr

@@ -157,17 +157,21 @@ def detect(files: list[str]) -> Model | None:
     return None
 
 
+# A model file -> the name endings of the files it needs beside it
+PARTNERS = {".prototxt": (".caffemodel",), ".pbtxt": (".caffemodel",), "-symbol.json": (".params",),
+            ".caffemodel": (".prototxt", ".pbtxt"), ".params": ("-symbol.json",)}
+
+
 def files_under(path: str) -> list[str]:
-    """A file and what lies beside it (a model's parts sit together), or every file of a folder."""
+    """Every file of a folder, or a model file and its partners beside it (a Caffe net and
+    its weights, a Gluon symbol and its parameters); a SavedModel by its saved_model.pb."""
     if os.path.isdir(path):
         return [os.path.join(d, f) for d, _dirs, names in os.walk(path) for f in names]
-    if path.endswith((".prototxt", ".pbtxt", "-symbol.json", "saved_model.pb")):
-        folder = os.path.dirname(path)
-        beside = [os.path.join(folder, f) for f in os.listdir(folder)]
-        if path.endswith("saved_model.pb"):
-            return files_under(folder)
-        return [path] + [f for f in beside if f.endswith((".caffemodel", ".params")) and os.path.isfile(f)]
-    return [path]
+    folder = os.path.dirname(path)
+    if os.path.basename(path) == "saved_model.pb":
+        return files_under(folder)
+    ends = next((partners for end, partners in PARTNERS.items() if path.endswith(end)), ())
+    return [path] + [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if ends and f.endswith(ends)]
 
 
 class ServingAdapter(Adapter):

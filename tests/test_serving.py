@@ -483,3 +483,16 @@ def test_a_net_caffe_cannot_load_is_exit_1_not_an_abort_restarted_for_ever(lenet
                           env={**os.environ, "PAI_HOST": "127.0.0.1", "PAI_PORT": str(free_port())})
     assert done.returncode == 1, done.stdout + done.stderr   # not -6 (SIGABRT): that is retried
     assert "serving: cannot load the caffe model" in done.stdout and "shape mismatch" in done.stderr
+
+
+def test_a_model_file_brings_its_partners(tmp_path):
+    from paicli.adapters.serving import detect, files_under
+
+    deploy = touch(tmp_path, "deploy.prototxt", text='layer { type: "Input" }')[0]
+    weights = touch(tmp_path, "lenet_iter_100.caffemodel")[0]
+    touch(tmp_path, "gl-symbol.json", "gl-0003.params", "notes.txt")
+    for given in (deploy, weights):
+        model = detect(files_under(given))
+        assert (model.kind, model.main, model.weights) == ("caffe", deploy, weights), given
+    gluon = detect(files_under(str(tmp_path / "gl-0003.params")))
+    assert (gluon.kind, gluon.weights) == ("gluon", str(tmp_path / "gl-0003.params"))

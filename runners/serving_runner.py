@@ -265,6 +265,8 @@ def _flat(value) -> list:
     """The Open Inference Protocol's tensor data: flat, or nested in row-major order."""
     if not isinstance(value, list):
         return [value]
+    if not any(isinstance(item, list) for item in value):
+        return value   # flat already, as most clients send it
     out = []
     for item in value:
         out.extend(_flat(item) if isinstance(item, list) else [item])

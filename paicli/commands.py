@@ -105,6 +105,10 @@ def submit_statement(stmt, store, progress, meanwhile=None) -> str:
     from paicli import client
 
     prepared = client.prepare(stmt)
+    if prepared.adapter.name == "serving":
+        from paicli.serving import resolve  # the model found here, before the plan
+
+        resolve(prepared, store, progress)
     if prepared.spec.get("autoStrategy") == "true":
         from paicli.pluto import auto_strategy  # calibrate, plan, apply its recommendation
 

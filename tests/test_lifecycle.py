@@ -210,7 +210,7 @@ READERS = {
 # server (`logview`), or read no job at all.
 WRITERS = {"submit", "run", "resume", "kill", "export", "params", "plan", "get", "logview", "nodes trust",
            "runtime install", "runtime list", "runtime remove", "tune start", "tune status", "tune stop",
-           "serve scale"}
+           "serve start", "serve scale"}
 
 
 def _leaf_commands() -> set[str]:

@@ -1,8 +1,12 @@
-"""The job store: SQLite in WAL mode under $PAI_HOME (default ~/.pai).
+"""The job store: SQLite in WAL mode under $PAI_HOME (default ~/.pai), or a team's
+PostgreSQL database named by PAI_STORE (docs/team.md; paicli.store_pg).
 
 Several processes write at once (the CLI, one JobMaster per job, watchdogs), so
-every write is a short `BEGIN IMMEDIATE` transaction with a busy timeout: a
-writer waits its turn instead of failing with "database is locked".
+every write is a short serialised transaction: `BEGIN IMMEDIATE` with a busy
+timeout on SQLite (a writer waits its turn instead of failing with "database is
+locked"), one advisory lock taken first on PostgreSQL. One set of statements
+serves both: `?` placeholders, upserts as INSERT ... ON CONFLICT, no SQL only one
+of them speaks.
 """
 
 from __future__ import annotations
@@ -93,10 +97,25 @@ CREATE TABLE IF NOT EXISTS outputs (
 ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("instances", "gpus", "TEXT"),
                  ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"), ("claims", "ts", "REAL"),
                  ("jobs", "supervised", "REAL"))  # when a queued job's master was last (re)started
-# Kept in the file's user_version: a store that carries it runs none of the
-# statements above. Bump it with any change to SCHEMA or ADDED_COLUMNS
-# (tests/test_store_locks.py keeps a fingerprint of both).
+# PostgreSQL's metrics rows keep their order in a column of their own (SQLite's rowid).
+PG_ADDED_COLUMNS = (("metrics", "rowid", "BIGSERIAL"),)
+# Kept in the file's user_version (SQLite) or the schema_version table (PostgreSQL):
+# a store that carries it runs none of the statements above; a newer one is refused.
+# Bump it with any change to SCHEMA or ADDED_COLUMNS (tests/test_store_locks.py keeps
+# a fingerprint of both).
 SCHEMA_VERSION = 2
+def upsert(table: str, columns: tuple[str, ...], key: tuple[str, ...], update: bool = True) -> str:
+    """INSERT of one row of `columns` that, where a row with its `key` exists, replaces
+    that row's other columns (or, update=False, leaves it): both stores speak it."""
+    sets = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in key)
+    return (f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({','.join('?' * len(columns))})"
+            f" ON CONFLICT ({', '.join(key)}) " + (f"DO UPDATE SET {sets}" if update else "DO NOTHING"))
+
+
+QUEUE_COLUMNS = ("job_id", "priority", "project", "submitted", "entry", "state", "placement", "reason", "position",
+                 "revived", "waiter")
+HOLD = upsert("holds", ("job_id", "node", "project", "cpu", "memory", "gpu"), ("job_id", "node"))
+CLAIM = upsert("claims", ("kind", "node", "item", "job_id", "ts"), ("kind", "node", "item"))
 # A claim holds while its job lives; one whose job was never recorded, this long.
 CLAIM_GRACE = 60.0
 # The claims that hold: of a live job, or of a submit still under way.
@@ -138,8 +157,20 @@ def new_job_id(now: float | None = None) -> str:
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
 
 
-def _apply_schema(db: sqlite3.Connection) -> None:
+def _apply_schema(db: Any, postgres: bool = False) -> None:
     """Every table, index and added column made sure of, then SCHEMA_VERSION stamped."""
+    if postgres:
+        from paicli import store_pg
+
+        for statement in store_pg.schema(SCHEMA).strip().split(";"):
+            if statement.strip():
+                db.execute(statement)
+        for table, column, kind in ADDED_COLUMNS + PG_ADDED_COLUMNS:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {store_pg.schema(kind)}")
+        db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER)")
+        db.execute("DELETE FROM schema_version")
+        db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
+        return
     for statement in SCHEMA.strip().split(";"):
         if statement.strip():
             db.execute(statement)
@@ -203,31 +234,79 @@ def every_store_closed() -> Iterator[None]:
             store.connect()
 
 
+def store_url() -> str | None:
+    """PAI_STORE: a team's PostgreSQL database (None: SQLite under $PAI_HOME)."""
+    url = os.environ.get("PAI_STORE") or None
+    if url and not url.startswith(("postgresql://", "postgres://")):
+        raise UsageError(f"PAI_STORE={url.split('@')[-1]}: expected a PostgreSQL URL",
+                         "e.g. postgresql://USER@HOST/DATABASE, or unset it for the store under PAI_HOME")
+    return url
+
+
 class Store:
-    def __init__(self, home: Path | None = None):
+    def __init__(self, home: Path | None = None, *, upgrade: bool = False):
+        """The store (created when new). A store whose schema this pai does not know
+        (newer) is refused; an older SQLite store is brought up to date, an older
+        team store only with `upgrade` (`pai store upgrade`: its other users'
+        clients may be older)."""
         self.home = home or pai_home()
         self.jobs_dir = self.home / "jobs"
         self.path = self.home / "pai.db"
+        self.url = store_url()
+        self.postgres = self.url is not None
         try:
             # Owner only: the store and the job folders hold argv and log tails.
             private_dir(self.home, parents=True)
             private_dir(self.jobs_dir)
-            if not os.path.exists(self.path):
-                _create_store(self.path)
-            touch_private(self.path)
-            for suffix in ("-wal", "-shm"):  # SQLite gives these the database's mode; older stores
-                if self.path.with_name(self.path.name + suffix).exists():
-                    touch_private(self.path.with_name(self.path.name + suffix))
+            if not self.postgres:
+                if not os.path.exists(self.path):
+                    _create_store(self.path)
+                touch_private(self.path)
+                for suffix in ("-wal", "-shm"):  # SQLite gives these the database's mode; older stores
+                    if self.path.with_name(self.path.name + suffix).exists():
+                        touch_private(self.path.with_name(self.path.name + suffix))
         except OSError as err:
             raise PaiError(f"cannot create the job store in {self.home}: {err.strerror}",
                            "set PAI_HOME to a writable directory") from None
         self.connect()
         # A store of another version (older, created in place, or by another release).
-        if self.db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+        if self.schema_version() != SCHEMA_VERSION:
             with self.tx():
-                _apply_schema(self.db)
+                version = self.schema_version()   # again, under the write lock
+                if version and version > SCHEMA_VERSION:
+                    raise UsageError(f"the job store {self.where} has schema version {version}, newer than this"
+                                     f" pai knows ({SCHEMA_VERSION})", "upgrade paicli to the team's release")
+                if self.postgres and version and version < SCHEMA_VERSION and not upgrade:
+                    raise UsageError(f"the job store {self.where} has schema version {version}, older than this"
+                                     f" pai's ({SCHEMA_VERSION})", "run `pai store upgrade` once for the team")
+                if version != SCHEMA_VERSION:
+                    _apply_schema(self.db, self.postgres)
+
+    @property
+    def where(self) -> str:
+        """The store as error lines name it."""
+        if self.postgres:
+            from paicli.store_pg import redacted
+
+            return redacted(self.url)
+        return str(self.home)
+
+    def schema_version(self) -> int:
+        """The store's schema version (0: a database with no store in it yet)."""
+        if not self.postgres:
+            return self.db.execute("PRAGMA user_version").fetchone()[0]
+        # Looked up first: a failed statement would end the transaction it is in.
+        if self.db.execute("SELECT to_regclass('schema_version')").fetchone()[0] is None:
+            return 0
+        return self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
 
     def connect(self) -> None:
+        if self.postgres:
+            from paicli import store_pg
+
+            self.db = store_pg.Connection(self.url)
+            _OPEN_STORES.add(self)
+            return
         self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA busy_timeout = 60000")
@@ -266,7 +345,10 @@ class Store:
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
         try:
-            self._retrying(lambda: self.db.execute("BEGIN IMMEDIATE"))
+            if self.postgres:
+                self.db.begin()
+            else:
+                self._retrying(lambda: self.db.execute("BEGIN IMMEDIATE"))
             yield self.db
             self.db.execute("COMMIT")
         except BaseException as err:
@@ -275,7 +357,7 @@ class Store:
             if self.db.in_transaction:
                 try:
                     self.db.execute("ROLLBACK")
-                except sqlite3.Error:
+                except Exception:   # sqlite3's or psycopg's: the first error is the one to show
                     pass
             if isinstance(err, sqlite3.OperationalError) and "full" in str(err):
                 # Rolled back: the store is as it was before this write.
@@ -305,7 +387,7 @@ class Store:
     def job(self, job_id: str) -> sqlite3.Row:
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
-            raise NotFound(f"no job {job_id} in {self.home}", "`pai list` shows the jobs there")
+            raise NotFound(f"no job {job_id} in {self.where}", "`pai list` shows the jobs there")
         return row
 
     def find_job(self, prefix: str) -> sqlite3.Row:
@@ -317,7 +399,7 @@ class Store:
         if len(rows) == 1:
             return rows[0]
         if not rows:
-            raise NotFound(f"no job {prefix} in {self.home}", "`pai list` shows the jobs there")
+            raise NotFound(f"no job {prefix} in {self.where}", "`pai list` shows the jobs there")
         raise NotFound(f"{prefix} matches more than one job", "give more of the ID")
 
     def jobs(self, limit: int = 50) -> list[sqlite3.Row]:
@@ -390,8 +472,8 @@ class Store:
 
     def record_attempt(self, job_id: str, role: str, idx: int, attempt: int, **fields: Any) -> None:
         with self.tx() as db:
-            db.execute("INSERT OR IGNORE INTO attempts (job_id, role, idx, attempt) VALUES (?,?,?,?)",
-                       (job_id, role, idx, attempt))
+            db.execute(upsert("attempts", ("job_id", "role", "idx", "attempt"), ("job_id", "role", "idx", "attempt"),
+                              update=False), (job_id, role, idx, attempt))
             self._update(db, "attempts", {"job_id": job_id, "role": role, "idx": idx, "attempt": attempt}, fields)
 
     def add_retry(self, job_id: str, role: str) -> None:
@@ -475,8 +557,7 @@ class Store:
             for held_node, item, holder in db.execute(LIVE_CLAIMS, (kind, now - CLAIM_GRACE)):
                 if held_node == node and item in wanted and holder != job_id:
                     return False
-            db.executemany("INSERT OR REPLACE INTO claims (kind, node, item, job_id, ts) VALUES (?,?,?,?,?)",
-                           [(kind, node, item, job_id, now) for item in items])
+            db.executemany(CLAIM, [(kind, node, item, job_id, now) for item in items])
         return True
 
     def held(self, kind: str, except_job: str | None = None) -> dict[str, set[str]]:
@@ -491,8 +572,10 @@ class Store:
                        items: list[str] | None = None) -> None:
         with self.tx() as db:
             if items is None:
-                db.execute("DELETE FROM claims WHERE job_id = ? AND kind IS COALESCE(?, kind)"
-                           " AND node IS COALESCE(?, node)", (job_id, kind, node))
+                given = {"kind": kind, "node": node}
+                db.execute("DELETE FROM claims WHERE job_id = ?" + "".join(f" AND {k} = ?" for k, v in given.items()
+                                                                          if v is not None),
+                           (job_id, *(v for v in given.values() if v is not None)))
             else:
                 db.executemany("DELETE FROM claims WHERE job_id=? AND kind=? AND node=? AND item=?",
                                [(job_id, kind, node, item) for item in items])
@@ -544,8 +627,8 @@ class Store:
     def enqueue(self, job_id: str, priority: int, project: str | None, entry: str) -> None:
         with self.tx() as db:
             submitted = db.execute("SELECT created FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
-            db.execute("INSERT OR REPLACE INTO queue (job_id, priority, project, submitted, entry, state)"
-                       " VALUES (?,?,?,?,?,'waiting')", (job_id, priority, project, submitted, entry))
+            db.execute(upsert("queue", QUEUE_COLUMNS, ("job_id",)),
+                       (job_id, priority, project, submitted, entry, "waiting", None, None, None, None, None))
 
     def queue_dispatch(self, decide: Callable[[list, list, dict], list[dict[str, Any]]]) -> list[sqlite3.Row]:
         """Run `decide(waiting rows, live holds, held cards)` in one transaction (holds
@@ -574,11 +657,9 @@ class Store:
                 if v["start"]:
                     db.execute("UPDATE queue SET state = 'granted', placement = ?, reason = NULL, position = 0"
                                " WHERE job_id = ?", (v["placement"], job_id))
-                    db.executemany("INSERT OR REPLACE INTO holds VALUES (?,?,?,?,?,?)",
-                                   [(job_id, node, row["project"], cpu, memory, gpu)
+                    db.executemany(HOLD, [(job_id, node, row["project"], cpu, memory, gpu)
                                     for node, cpu, memory, gpu in v["holds"]])
-                    db.executemany("INSERT OR REPLACE INTO claims (kind, node, item, job_id, ts) VALUES (?,?,?,?,?)",
-                                   [("gpu", node, item, job_id, now) for node, ids in v["gpus"].items()
+                    db.executemany(CLAIM, [("gpu", node, item, job_id, now) for node, ids in v["gpus"].items()
                                     for item in ids])
                     db.execute("UPDATE jobs SET reason = NULL WHERE id = ?", (job_id,))
                     granted.append(job_id)
@@ -667,7 +748,7 @@ class Store:
     def study(self, name: str) -> sqlite3.Row:
         row = self.db.execute("SELECT * FROM studies WHERE name = ?", (name,)).fetchone()
         if row is None:
-            raise NotFound(f"no study {name} in {self.home}", "`pai tune list` shows the studies there")
+            raise NotFound(f"no study {name} in {self.where}", "`pai tune list` shows the studies there")
         return row
 
     def studies(self, limit: int = 50) -> list[sqlite3.Row]:
@@ -694,7 +775,7 @@ class Store:
 
     def put_trial(self, study: str, number: int, **fields: Any) -> None:
         with self.tx() as db:
-            db.execute("INSERT OR IGNORE INTO study_trials (study, number, state, created) VALUES (?,?,?,?)",
+            db.execute(upsert("study_trials", ("study", "number", "state", "created"), ("study", "number"), update=False),
                        (study, number, "Waiting", time.time()))
             self._update(db, "study_trials", {"study": study, "number": number}, fields)
 
@@ -718,9 +799,8 @@ class Store:
         """Rows in OUTPUT_COLUMNS order; a later row for the same (job, instance, path) wins."""
         if not rows:
             return
-        marks = ",".join("?" * len(self.OUTPUT_COLUMNS))
         with self.tx() as db:
-            db.executemany(f"INSERT OR REPLACE INTO outputs ({','.join(self.OUTPUT_COLUMNS)}) VALUES ({marks})", rows)
+            db.executemany(upsert("outputs", self.OUTPUT_COLUMNS, ("job_id", "instance", "path")), rows)
 
     def replace_outputs(self, job_id: str, path: str, keep: str) -> None:
         """Every other instance's row for `path` becomes "replaced" by `keep`'s copy."""
@@ -733,7 +813,7 @@ class Store:
         tens of thousands of rows stay cheap), by instance and path."""
         cur = self.db.execute(f"SELECT {','.join(self.OUTPUT_COLUMNS)} FROM outputs WHERE job_id = ?"
                               " ORDER BY instance, path", (job_id,))
-        cur.row_factory = None
+        cur.row_factory = self.db.plain_rows if self.postgres else None
         return cur.fetchall()
 
     def jobs_since(self, job_id: str) -> list[sqlite3.Row]:
@@ -749,7 +829,8 @@ class Store:
 
     def output_totals(self, job_id: str) -> dict[str, int]:
         """{count, bytes, missing} of the files the job wrote (missing: not here)."""
-        row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(location IN ('node', 'missing')), 0)"
+        row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(CASE WHEN location IN ('node', 'missing')"
+                              " THEN 1 ELSE 0 END), 0)"
                               " FROM outputs WHERE job_id = ? AND location != 'replaced'", (job_id,)).fetchone()
         return {"count": row[0], "bytes": row[1], "missing": row[2]}
 

@@ -1,0 +1,132 @@
+"""A real PostgreSQL server for tests: Debian's `postgresql` binaries, `initdb` and
+`pg_ctl` into a temporary folder, listening on 127.0.0.1 at a free port and on a
+unix socket in that folder.
+
+    with PostgresServer() as server:
+        url = server.new_database()     # postgresql://pai@127.0.0.1:PORT/pai_1
+        ...
+
+PostgreSQL refuses to run as root: as root the server runs as the `postgres` user
+the Debian package makes (through `runuser`), the folder handed to it. Connections
+are trusted (`initdb --auth=trust`): the server listens on loopback only and lives
+as long as the test module. `close()` stops it (fast, then immediate) and removes
+the folder even when a test failed; it is idempotent and registered with atexit.
+
+`can_run()` says whether this machine can (the binaries, psycopg, a user to run
+as); tests skip with its reason otherwise.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def _bin_dir() -> Path | None:
+    """The newest Debian PostgreSQL's binaries (/usr/lib/postgresql/N/bin): `initdb`
+    on PATH may be something else."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(Path(p).parent.parent.name))
+    return Path(found[-1]).parent if found else None
+
+
+def _run_as() -> str | None:
+    """The user the server runs as: None for this one, `postgres` as root."""
+    return "postgres" if os.geteuid() == 0 else None
+
+
+def can_run() -> tuple[bool, str]:
+    if _bin_dir() is None:
+        return False, "no PostgreSQL server binaries (apt-get install postgresql)"
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return False, "psycopg is not installed (pip install 'paicli[team]')"
+    user = _run_as()
+    if user:
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            return False, f"running as root and there is no {user} user to run the server as"
+        if not shutil.which("runuser"):
+            return False, "running as root and there is no runuser"
+    return True, ""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class PostgresServer:
+    def __init__(self) -> None:
+        self.bin = _bin_dir()
+        self.user = _run_as()
+        self.dir = Path(tempfile.mkdtemp(prefix="pai-pg-"))
+        self.data = self.dir / "data"
+        self.port = free_port()
+        self.databases = 0
+        self.started = False
+        atexit.register(self.close)
+
+    def _cmd(self, tool: str, *args: str) -> list[str]:
+        argv = [str(self.bin / tool), *args]
+        return ["runuser", "-u", self.user, "--", *argv] if self.user else argv
+
+    def start(self) -> "PostgresServer":
+        if not self.data.exists():
+            if self.user:
+                shutil.chown(self.dir, self.user)
+            subprocess.run(self._cmd("initdb", "-D", str(self.data), "-U", "pai", "--auth=trust", "-E", "UTF8",
+                                     "--no-sync"), check=True, capture_output=True, timeout=120)
+        options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off"
+        subprocess.run(self._cmd("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "log"), "-o", options,
+                                 "-w", "-t", "60", "start"), check=True, capture_output=True, timeout=90)
+        self.started = True
+        return self
+
+    def url(self, database: str = "postgres", user: str = "pai") -> str:
+        return f"postgresql://{user}@127.0.0.1:{self.port}/{database}"
+
+    def sql(self, statement: str, database: str = "postgres") -> None:
+        """One statement as the superuser, outside a transaction (CREATE DATABASE)."""
+        import psycopg
+
+        with psycopg.connect(self.url(database), autocommit=True) as con:
+            con.execute(statement)
+
+    def new_database(self) -> str:
+        """A fresh, empty database: its URL."""
+        self.databases += 1
+        name = f"pai_{self.databases}"
+        self.sql(f"CREATE DATABASE {name}")
+        return self.url(name)
+
+    def stop(self) -> None:
+        """Stopped, its folder kept (the server can start again on it)."""
+        if self.started:
+            for mode in ("fast", "immediate"):
+                done = subprocess.run(self._cmd("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "30",
+                                                "stop"), capture_output=True, timeout=60)
+                if done.returncode == 0:
+                    break
+            self.started = False
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "PostgresServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -45,11 +45,12 @@ def quota_path(home: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def load_quotas(home: Path) -> dict[str, dict[str, int]]:
-    """The quota file ($PAI_QUOTA, else $PAI_HOME/quota.yaml; none: no quotas)."""
+def _quota_file(home: Path) -> tuple[Any, str]:
+    """The quota file's content ($PAI_QUOTA, else $PAI_HOME/quota.yaml; none: None)
+    and how errors name it."""
     path = quota_path(home)
     if path is None:
-        return {}
+        return None, ""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as err:
@@ -58,11 +59,20 @@ def load_quotas(home: Path) -> dict[str, dict[str, int]]:
     import yaml
 
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text), f"quota file {path}"
     except (yaml.YAMLError, ValueError, RecursionError):
         raise UsageError(f"quota file {path}: not valid YAML",
                          "e.g. vision: {cpu: 800, memory: 32000, gpu: 200}") from None
-    return policy.parse_quota(data, f"quota file {path}")
+
+
+def load_quotas(home: Path) -> dict[str, dict[str, int]]:
+    """The quota file's quotas (no file: no quotas)."""
+    return policy.parse_quota(*_quota_file(home))
+
+
+def load_admins(home: Path) -> frozenset[str]:
+    """The quota file's admins: (no file: nobody)."""
+    return policy.parse_admins(*_quota_file(home))
 
 
 def check_and_describe(store: Store, plan, nodes: list[NodeSpec], priority: int, project: str | None) -> str:

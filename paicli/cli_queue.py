@@ -1,5 +1,6 @@
 """`pai queue`: the jobs waiting for room, in the order they will start
-(docs/queue.md). Registered by paicli.cli; `show queue;` in the console."""
+(docs/queue.md), and `pai store upgrade`, the store they wait in (docs/team.md).
+Registered by paicli.cli; `show queue;` in the console."""
 
 from __future__ import annotations
 
@@ -44,5 +45,21 @@ def queue_command(as_json, revive):
     click.echo("\n".join(lines))
 
 
+@click.group("store")
+def store_group():
+    """The job store: SQLite under PAI_HOME, or a team's PostgreSQL (PAI_STORE)."""
+
+
+@store_group.command("upgrade")
+def store_upgrade():
+    """Bring the store's schema up to this pai's version (once, for the whole team,
+    when a newer paicli is rolled out; older clients are refused after)."""
+    from paicli.store import SCHEMA_VERSION, Store
+
+    store = Store(upgrade=True)
+    click.echo(f"the job store {store.where} is at schema version {SCHEMA_VERSION}")
+
+
 def register(cli: click.Group) -> None:
     cli.add_command(queue_command)
+    cli.add_command(store_group)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paicli.adapters import get_adapter
-from paicli.cluster import backends, datasets, lifecycle, policy, queue_turns
+from paicli.cluster import backends, datasets, lifecycle, policy, queue as queue_policy, queue_turns
 from paicli.cluster.procinfo import output_files, start_time
 from paicli.cluster.requirement_layers import prepare_job_env
 from paicli.cluster.spawn import MasterProcess, start_master
@@ -183,15 +183,21 @@ def final_status(store: Store, job_id: str) -> dict[str, Any]:
     return final(store, job_id)
 
 
-def list_jobs(store: Store, limit: int = 50) -> list[dict[str, Any]]:
+def list_jobs(store: Store, limit: int = 50, everyone: bool = False) -> list[dict[str, Any]]:
+    """The newest jobs: this user's, or (everyone) the team's. A store under PAI_HOME
+    is its owner's alone: every job in it is listed."""
+    jobs = store.jobs(limit, everyone=everyone or not store.postgres)
+    nodes = store.job_nodes([job["id"] for job in jobs])
     out = []
-    for job in store.jobs(limit):
+    for job in jobs:
         if not JobStatus(job["status"]).is_terminal():
             job = refresh(store, job["id"])
         end = job["ended"] or time.time()
         out.append({"id": job["id"], "name": job["name"], "framework": job["framework"],
                     "status": job["status"], "start_time": job["started"] or job["created"],
-                    "run_time": (end - job["started"]) if job["started"] else 0.0, "reason": job["reason"]})
+                    "run_time": (end - job["started"]) if job["started"] else 0.0, "reason": job["reason"],
+                    "user": job["db_role"] or job["user_name"], "project": job["project"],
+                    "nodes": nodes.get(job["id"], [])})
     return out
 
 
@@ -213,7 +219,15 @@ def revive_queued(store: Store) -> list[str]:
     return lifecycle.revive_queued(store)
 
 
-def resolve_job(store: Store, job_id: str):
+def resolve_job(store: Store, job_id: str, to: str | None = None):
+    """The job of an ID or unique prefix. With `to` (what the caller is about to do:
+    "kill", "resume", "get the files of"), a job of another user is refused unless
+    this user is an admin (cluster.queue.may_act)."""
     if not job_id:
         raise UsageError("missing job ID", "`pai list` shows the jobs")
-    return store.find_job(job_id)
+    job = store.find_job(job_id)
+    owner = (job["user_name"], job["db_role"])
+    if to and not queue_policy.may_act(owner, store.me(), queue_turns.load_admins(store.home)):
+        raise UsageError(f"{job['id']} is {owner[1] or owner[0]}'s job: you may not {to} it",
+                         "only its owner, or a name in the quota file's admins:, may")
+    return job

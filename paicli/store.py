@@ -12,6 +12,7 @@ of them speaks.
 from __future__ import annotations
 
 import os
+import pwd
 import sqlite3
 import time
 import weakref
@@ -96,14 +97,16 @@ CREATE TABLE IF NOT EXISTS outputs (
 # Columns added after a store was first created: (table, column, type).
 ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("instances", "gpus", "TEXT"),
                  ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"), ("claims", "ts", "REAL"),
-                 ("jobs", "supervised", "REAL"))  # when a queued job's master was last (re)started
+                 ("jobs", "supervised", "REAL"),  # when a queued job's master was last (re)started
+                 # who submitted it: the Unix user, and the database role where that differs
+                 ("jobs", "user_name", "TEXT"), ("jobs", "db_role", "TEXT"))
 # PostgreSQL's metrics rows keep their order in a column of their own (SQLite's rowid).
 PG_ADDED_COLUMNS = (("metrics", "rowid", "BIGSERIAL"),)
 # Kept in the file's user_version (SQLite) or the schema_version table (PostgreSQL):
 # a store that carries it runs none of the statements above; a newer one is refused.
 # Bump it with any change to SCHEMA or ADDED_COLUMNS (tests/test_store_locks.py keeps
 # a fingerprint of both).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 def upsert(table: str, columns: tuple[str, ...], key: tuple[str, ...], update: bool = True) -> str:
     """INSERT of one row of `columns` that, where a row with its `key` exists, replaces
     that row's other columns (or, update=False, leaves it): both stores speak it."""
@@ -300,6 +303,18 @@ class Store:
             return 0
         return self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
 
+    def me(self) -> tuple[str, str | None]:
+        """Who this process is to the store: (Unix user, the database role where it
+        differs from that name, else None)."""
+        if "_me" not in self.__dict__:
+            try:
+                user = pwd.getpwuid(os.geteuid()).pw_name
+            except KeyError:   # a uid with no name (a container's)
+                user = str(os.geteuid())
+            role = self.db.execute("SELECT current_user").fetchone()[0] if self.postgres else None
+            self._me = (user, role if role != user else None)
+        return self._me
+
     def connect(self) -> None:
         if self.postgres:
             from paicli import store_pg
@@ -372,9 +387,10 @@ class Store:
         """The job, its tasks and instances, all Waiting, in one transaction."""
         now = time.time()
         with self.tx() as db:
-            db.execute("INSERT INTO jobs (id, name, framework, project, task_name, status, created, job_dir)"
-                       " VALUES (?,?,?,?,?,?,?,?)",
-                       (job_id, name, framework, project, task_name, JobStatus.WAITING.value, now, str(job_dir)))
+            db.execute("INSERT INTO jobs (id, name, framework, project, task_name, status, created, job_dir,"
+                       " user_name, db_role) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                       (job_id, name, framework, project, task_name, JobStatus.WAITING.value, now, str(job_dir),
+                        *self.me()))
             for position, role in enumerate(roles):
                 db.execute("INSERT INTO tasks (job_id, role, count, must_finish, position) VALUES (?,?,?,?,?)",
                            (job_id, role["name"], role["count"], int(role["must_finish"]), position))
@@ -402,8 +418,23 @@ class Store:
             raise NotFound(f"no job {prefix} in {self.where}", "`pai list` shows the jobs there")
         raise NotFound(f"{prefix} matches more than one job", "give more of the ID")
 
-    def jobs(self, limit: int = 50) -> list[sqlite3.Row]:
-        return self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
+    def jobs(self, limit: int = 50, everyone: bool = True) -> list[sqlite3.Row]:
+        """The newest jobs: everyone's, or (everyone=False) those of this user (me())."""
+        if everyone:
+            return self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
+        user, role = self.me()
+        return self.db.execute("SELECT * FROM jobs WHERE user_name = ? AND COALESCE(db_role, '') = ?"
+                               " ORDER BY created DESC LIMIT ?", (user, role or "", limit)).fetchall()
+
+    def job_nodes(self, job_ids: list[str]) -> dict[str, list[str]]:
+        """job -> the nodes its instances were placed on, sorted."""
+        out: dict[str, set[str]] = {}
+        if job_ids:
+            for job_id, node in self.db.execute(
+                    f"SELECT DISTINCT job_id, node FROM instances WHERE node IS NOT NULL"
+                    f" AND job_id IN ({','.join('?' * len(job_ids))})", job_ids):
+                out.setdefault(job_id, set()).add(node)
+        return {job_id: sorted(nodes) for job_id, nodes in out.items()}
 
     def set_job(self, job_id: str, status: JobStatus, reason: str | None = None, **fields: Any) -> bool:
         """Move a job to `status`; False (and nothing written) if it is already

@@ -110,6 +110,7 @@ def redacted(url: str) -> str:
 
 
 def one_reason(err: Exception) -> str:
-    """The last line of the driver's message (libpq's are several)."""
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(err).__name__
+    """The first line of the driver's message (libpq adds hints on lines of their
+    own), from its last "failed:" on (the address is in the URL already)."""
+    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return line.rsplit("failed: ", 1)[-1].strip()

@@ -130,3 +130,37 @@ class PostgresServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+SITE_PACKAGES = Path(__file__).resolve().parent.parent / ".venv" / "lib"
+
+
+class UnixUser:
+    """A Unix user made for a test (`useradd`, no home of its own: a private folder
+    under `base`, which others may enter, is its HOME and PAI_HOME), removed with everything it ran by
+    close(). run(*args) runs `pai` as that user, with the system's python and the
+    project's venv as a site directory (the venv's own python lives under root's
+    home, which other users cannot enter)."""
+
+    def __init__(self, name: str, base: Path) -> None:
+        self.name = name
+        subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True, capture_output=True)
+        self.home = base / name
+        self.home.mkdir(mode=0o700)
+        shutil.chown(self.home, name)
+        site = next(SITE_PACKAGES.glob("python3*/site-packages"))
+        # Every python it starts (masters, watchdogs, instances) finds paicli the same way.
+        (self.home / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site)!r})\n")
+        shutil.chown(self.home / "sitecustomize.py", name)
+
+    def run(self, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        full = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(self.home), "PAI_HOME": str(self.home / "pai"),
+                "PYTHONPATH": str(self.home), "NO_COLOR": "1", "PAI_LOGVIEW": "file", **(env or {})}
+        argv = ["runuser", "-u", self.name, "--", "env", *(f"{k}={v}" for k, v in full.items()),
+                "/usr/bin/python3", "-m", "paicli", *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=self.home)
+
+    def close(self) -> None:
+        subprocess.run(["pkill", "-KILL", "-u", self.name], capture_output=True)   # its own processes only
+        subprocess.run(["userdel", self.name], capture_output=True)
+        shutil.rmtree(self.home, ignore_errors=True)

@@ -271,3 +271,18 @@ def test_the_sweep_gives_a_queued_job_a_new_supervisor_instead_of_declaring_it_l
         for proc in started:
             proc.kill()
             proc.wait()
+
+
+def test_only_the_owner_or_an_admin_may_act_on_a_job():
+    admins = queue.parse_admins({"admins": ["ops"], "vision": {"gpu": 100}}, "q.yaml")
+    assert queue.parse_quota({"admins": ["ops"], "vision": {"gpu": 100}}, "q.yaml") == {"vision": {"gpu": 100}}
+    assert queue.may_act(("alice", None), ("alice", None), admins)
+    assert not queue.may_act(("bob", None), ("alice", None), admins)
+    assert not queue.may_act(("alice", "shared"), ("alice", "other"), admins)   # the role counts
+    assert queue.may_act(("bob", None), ("ops", None), admins)
+    assert queue.may_act(("bob", None), ("alice", "ops"), admins)               # an admin's role
+    assert not queue.may_act(("bob", None), ("ops", "alice"), admins)           # a role that is not
+    assert queue.may_act((None, None), ("alice", None), frozenset())            # recorded before users
+    with pytest.raises(UsageError) as err:
+        queue.parse_admins({"admins": "ops"}, "q.yaml")
+    assert err.value.message == "q.yaml: admins: expected a list of user or role names, got 'ops'"

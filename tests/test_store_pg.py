@@ -4,11 +4,19 @@ across clients, an unreachable database, users), and two Unix users at once."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import socket
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
 import pg
+from conftest import PAI, job_id_from, pai
+from paicli.store import SCHEMA_VERSION, Store
 
 
 def test_the_test_server_is_stopped_and_its_folder_removed_even_when_a_test_fails():
@@ -23,3 +31,103 @@ def test_the_test_server_is_stopped_and_its_folder_removed_even_when_a_test_fail
     assert not server.dir.exists()
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", server.port)) != 0
+
+
+def test_an_unreachable_database_is_one_line_at_submit_and_nothing_starts(pai_home, tmp_path, monkeypatch):
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    monkeypatch.setenv("PAI_STORE", f"postgresql://pai@127.0.0.1:{pg.free_port()}/pai")
+    done = pai("-name", "python", f"-Dscript={script}")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pai: error: PAI_STORE postgresql://pai@127.0.0.1:"), lines
+    assert "cannot reach the database (Connection refused)" in lines[0] and "Traceback" not in done.stderr
+    assert not list((pai_home / "jobs").iterdir()) if (pai_home / "jobs").exists() else True
+
+
+def test_a_store_newer_than_the_client_is_refused_and_an_older_one_upgraded_only_on_request(pai_home, postgres,
+                                                                                             monkeypatch):
+    import psycopg
+
+    url = postgres.new_database()
+    monkeypatch.setenv("PAI_STORE", url)
+    Store().close()
+    with psycopg.connect(url, autocommit=True) as con:
+        con.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION + 1,))
+    for args in (["list"], ["store", "upgrade"]):
+        done = pai(*args)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert f"has schema version {SCHEMA_VERSION + 1}, newer than this pai knows ({SCHEMA_VERSION})" in done.stderr
+    with psycopg.connect(url, autocommit=True) as con:   # an older store: as this one before jobs had users
+        assert con.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION + 1,)]
+        con.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION - 1,))
+        con.execute("ALTER TABLE jobs DROP COLUMN user_name")
+    done = pai("list")
+    assert done.returncode == 2 and "older than this pai's" in done.stderr and "`pai store upgrade`" in done.stderr
+    done = pai("store", "upgrade")
+    assert done.returncode == 0 and f"schema version {SCHEMA_VERSION}" in done.stdout, done.stderr
+    assert pai("list").returncode == 0
+
+
+@pytest.fixture
+def team(postgres):
+    """Two Unix users, each with a database role of their name in the role `team`,
+    sharing one store (created, and its tables granted to the team, by the owner)."""
+    import psycopg
+
+    ok = os.geteuid() == 0 and shutil.which("useradd")
+    if not ok:
+        pytest.skip("two Unix users need root and useradd")
+    url = postgres.new_database()
+    base = Path(tempfile.mkdtemp(prefix="pai-team-"))   # pytest's tmp_path: only root may enter it
+    base.chmod(0o755)
+    users = []
+    try:
+        with psycopg.connect(url, autocommit=True) as con:
+            con.execute("DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'team')"
+                        " THEN CREATE ROLE team; END IF; END $$")
+        for name in ("pai-alice", "pai-bob"):
+            users.append(pg.UnixUser(name, base))
+            with psycopg.connect(url, autocommit=True) as con:
+                con.execute(f'DROP ROLE IF EXISTS "{name}"')
+                con.execute(f'CREATE ROLE "{name}" LOGIN IN ROLE team')
+        env = {"PAI_STORE": url}
+        subprocess.run([*PAI, "store", "upgrade"], env={**os.environ, **env}, check=True, capture_output=True)
+        with psycopg.connect(url, autocommit=True) as con:
+            con.execute("GRANT ALL ON ALL TABLES IN SCHEMA public TO team")
+            con.execute("GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO team")
+        yield url, users, base
+    finally:
+        for user in users:
+            user.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_each_user_lists_their_own_jobs_all_lists_the_teams_and_only_owners_or_admins_act(team):
+    url, (alice, bob), base = team
+    script = base / "hello.py"
+    script.write_text("print('hello')\n")
+    script.chmod(0o644)
+    ids = {}
+    for user, project in ((alice, "vision"), (bob, "speech")):
+        done = user.run("-name", "python", f"-Dscript={script}", f"-project={project}",
+                        env={"PAI_STORE": url.replace("//pai@", f"//{user.name}@")})
+        assert done.returncode == 0, done.stderr
+        ids[user.name] = job_id_from(done.stdout)
+    as_alice = {"PAI_STORE": url.replace("//pai@", "//pai-alice@")}
+    mine = alice.run("list", "--json", env=as_alice)
+    assert [job["id"] for job in json.loads(mine.stdout)] == [ids["pai-alice"]]
+    everyone = alice.run("list", "--all", env=as_alice)
+    assert everyone.returncode == 0, everyone.stderr
+    rows = {line.split()[3]: line.split()[:3] for line in everyone.stdout.splitlines()[1:]}
+    assert rows == {ids["pai-alice"]: ["pai-alice", "vision", "Succeeded"],
+                    ids["pai-bob"]: ["pai-bob", "speech", "Succeeded"]}
+    for args in (["kill", ids["pai-bob"]], ["resume", ids["pai-bob"]], ["get", ids["pai-bob"]]):
+        done = alice.run(*args, env=as_alice)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert f"{ids['pai-bob']} is pai-bob's job: you may not" in done.stderr
+    quota = base / "quota.yaml"
+    quota.write_text("admins: [pai-alice]\n")
+    quota.chmod(0o644)
+    done = alice.run("kill", ids["pai-bob"], env={**as_alice, "PAI_QUOTA": str(quota)})
+    assert done.returncode == 0 and "had already ended (Succeeded)" in done.stdout, done.stderr

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import psycopg
+from psycopg.adapt import Loader
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
@@ -52,6 +53,14 @@ def _rows(cursor: psycopg.Cursor) -> Any:
     return kind
 
 
+class Number(Loader):
+    """numeric (what SUM of integers gives) as int or float, as SQLite gives it, not Decimal."""
+
+    def load(self, data: Any) -> int | float:
+        text = bytes(data).decode()
+        return float(text) if "." in text or "e" in text.lower() or "N" in text else int(text)
+
+
 def translate(sql: str) -> str:
     """sqlite3's `?` placeholders as psycopg's `%s` (a literal % doubled)."""
     return sql.replace("%", "%%").replace("?", "%s")
@@ -72,12 +81,13 @@ def schema(sql: str) -> str:
 class Connection:
     """One autocommit psycopg connection; the store opens its transactions itself."""
 
-    plain_rows = tuple_row     # a cursor's row factory for plain tuples
+    plain_rows = staticmethod(tuple_row)     # a cursor's row factory for plain tuples
 
     def __init__(self, url: str) -> None:
         self.url = url
         try:
             self.con = psycopg.connect(url, autocommit=True, row_factory=_rows, connect_timeout=5)
+            self.con.adapters.register_loader("numeric", Number)
         except psycopg.Error as err:
             raise UsageError(f"PAI_STORE {redacted(url)}: cannot reach the database"
                              f" ({one_reason(err)})", "check that it runs and the URL, or unset PAI_STORE") from None

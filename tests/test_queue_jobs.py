@@ -73,7 +73,7 @@ def gates(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SSHD), reason="needs root and sshd (a loopback node)")
-def test_one_gpu_two_jobs_priorities_cli_death_and_kill_of_a_waiting_job(tmp_path, monkeypatch, pai_home, gates):
+def test_one_gpu_two_jobs_priorities_cli_death_and_kill_of_a_waiting_job(tmp_path, monkeypatch, pai_home, gates, store_kind):
     from netns import LoopbackHost
 
     with LoopbackHost(Path("/var/tmp") / f"paicli-qlo-{os.getpid()}") as lo:

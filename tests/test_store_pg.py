@@ -131,3 +131,21 @@ def test_each_user_lists_their_own_jobs_all_lists_the_teams_and_only_owners_or_a
     quota.chmod(0o644)
     done = alice.run("kill", ids["pai-bob"], env={**as_alice, "PAI_QUOTA": str(quota)})
     assert done.returncode == 0 and "had already ended (Succeeded)" in done.stdout, done.stderr
+
+
+def test_the_nodes_files_store_selects_the_team_store_and_pai_store_wins(pai_home, postgres, monkeypatch):
+    url = postgres.new_database()
+    monkeypatch.setenv("PAI_STORE", url)
+    Store().create_job("20261203000000000team001", name="shared", framework="python", project="vision",
+                       task_name="T", job_dir=pai_home / "jobs" / "x", roles=[])
+    monkeypatch.delenv("PAI_STORE")
+    nodes = pai_home / "nodes.yaml"
+    nodes.write_text(f"store: {url}\nnodes: [{{name: h1, host: 127.0.0.1}}]\n")
+    listed = pai("list", "--all", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [job["id"] for job in json.loads(listed.stdout)] == ["20261203000000000team001"]
+    assert json.loads(pai("list", "--all", "--json", env={"PAI_STORE": postgres.new_database()}).stdout) == []
+    nodes.write_text("store: sqlite:///x.db\nnodes: [{name: h1, host: 127.0.0.1}]\n")
+    done = pai("list")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert f"nodes file {nodes}: key 'store': expected a PostgreSQL URL, got 'sqlite:///x.db'" in done.stderr

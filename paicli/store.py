@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import socket
 import sqlite3
 import time
 import weakref
@@ -99,7 +100,8 @@ ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("
                  ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"), ("claims", "ts", "REAL"),
                  ("jobs", "supervised", "REAL"),  # when a queued job's master was last (re)started
                  # who submitted it: the Unix user, and the database role where that differs
-                 ("jobs", "user_name", "TEXT"), ("jobs", "db_role", "TEXT"))
+                 ("jobs", "user_name", "TEXT"), ("jobs", "db_role", "TEXT"),
+                 ("jobs", "master_host", "TEXT"))  # the machine its master runs on (the submitting one)
 # PostgreSQL's metrics rows keep their order in a column of their own (SQLite's rowid).
 PG_ADDED_COLUMNS = (("metrics", "rowid", "BIGSERIAL"),)
 # Kept in the file's user_version (SQLite) or the schema_version table (PostgreSQL):
@@ -237,6 +239,16 @@ def every_store_closed() -> Iterator[None]:
             store.connect()
 
 
+# This machine, as jobs' master_host names it.
+HOST = socket.gethostname()
+
+
+def master_here(job: Any) -> bool:
+    """Does the job's master run on this machine (or is that not recorded)? Only
+    here can its pid and start time say whether it lives."""
+    return not job["master_host"] or job["master_host"] == HOST
+
+
 def store_url() -> str | None:
     """PAI_STORE: a team's PostgreSQL database (None: SQLite under $PAI_HOME)."""
     url = os.environ.get("PAI_STORE") or None
@@ -315,6 +327,12 @@ class Store:
             self._me = (user, role if role != user else None)
         return self._me
 
+    def mine_here(self, job: Any) -> bool:
+        """Is the job this user's, its master on this machine: one whose lost master
+        or supervisor this process may record or replace? Every job of a store under
+        PAI_HOME is."""
+        return not self.postgres or (master_here(job) and (job["user_name"], job["db_role"]) == self.me())
+
     def connect(self) -> None:
         if self.postgres:
             from paicli import store_pg
@@ -388,9 +406,9 @@ class Store:
         now = time.time()
         with self.tx() as db:
             db.execute("INSERT INTO jobs (id, name, framework, project, task_name, status, created, job_dir,"
-                       " user_name, db_role) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                       " user_name, db_role, master_host) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                        (job_id, name, framework, project, task_name, JobStatus.WAITING.value, now, str(job_dir),
-                        *self.me()))
+                        *self.me(), HOST))
             for position, role in enumerate(roles):
                 db.execute("INSERT INTO tasks (job_id, role, count, must_finish, position) VALUES (?,?,?,?,?)",
                            (job_id, role["name"], role["count"], int(role["must_finish"]), position))
@@ -675,9 +693,10 @@ class Store:
                        " WHERE status IN ('Waiting', 'Running'))")
             rows = db.execute("SELECT * FROM queue WHERE state = 'waiting'").fetchall()
             # With the holder's master, so the policy can leave out what a dead one held.
-            holds = db.execute("SELECT h.*, j.master_pid, j.master_start, j.created, j.supervised FROM holds h"
+            holds = db.execute("SELECT h.*, j.master_pid, j.master_start, j.created, j.supervised, j.master_host"
+                               " FROM holds h"
                                " JOIN jobs j ON j.id = h.job_id").fetchall()
-            masters = "SELECT master_pid, master_start, created, supervised FROM jobs WHERE id = ?"
+            masters = "SELECT master_pid, master_start, created, supervised, master_host FROM jobs WHERE id = ?"
             gpus = [(node, item, holder, db.execute(masters, (holder,)).fetchone())
                     for node, item, holder in db.execute(LIVE_CLAIMS, ("gpu", now - CLAIM_GRACE))]
             verdicts = decide(rows, holds, gpus)
@@ -748,7 +767,8 @@ class Store:
         """Every job still in the queue (waiting or granted, not yet taken), with
         its jobs row's fields, in no particular order."""
         return self.db.execute(
-            "SELECT q.*, j.name, j.framework, j.created, j.master_pid, j.master_start, j.supervised"
+            "SELECT q.*, j.name, j.framework, j.created, j.master_pid, j.master_start, j.supervised, j.master_host,"
+            " j.user_name, j.db_role"
             " FROM queue q JOIN jobs j ON j.id = q.job_id WHERE j.status = 'Waiting'").fetchall()
 
     def mark_revived(self, job_id: str, master_pid: int | None, older_than: float) -> bool:

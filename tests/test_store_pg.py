@@ -149,3 +149,26 @@ def test_the_nodes_files_store_selects_the_team_store_and_pai_store_wins(pai_hom
     done = pai("list")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert f"nodes file {nodes}: key 'store': expected a PostgreSQL URL, got 'sqlite:///x.db'" in done.stderr
+
+
+def test_a_job_whose_master_runs_on_another_machine_is_never_judged_by_this_ones_process_table(pai_home, postgres,
+                                                                                             monkeypatch):
+    """Another machine's pid means nothing here: its job is neither recorded lost,
+    nor revived, nor stripped of what it holds by this machine's pai."""
+    import subprocess as sp
+
+    from paicli.cluster import lifecycle
+    from paicli.jobstatus import read_job
+    from paicli.states import JobStatus
+
+    monkeypatch.setenv("PAI_STORE", postgres.new_database())
+    store = Store()
+    gone = sp.Popen(["true"])
+    gone.wait()
+    for job_id, host in (("20261203000000000there01", "elsewhere"), ("20261203000000000here001", None)):
+        store.create_job(job_id, name="j", framework="python", project=None, task_name="T",
+                         job_dir=pai_home / "jobs" / job_id, roles=[])
+        store.set_job(job_id, JobStatus.RUNNING, master_pid=gone.pid, master_start="1",
+                      **({"master_host": host} if host else {}))
+    assert lifecycle.sweep_lost(store, report=lambda line: None) == ["20261203000000000here001"]
+    assert read_job(store, "20261203000000000there01")["status"] == "Running"

@@ -154,11 +154,16 @@ class UnixUser:
         shutil.chown(self.home / "sitecustomize.py", name)
 
     def run(self, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        """`pai ARGS` as this user."""
+        return subprocess.run(self.argv("-m", "paicli", *args, env=env), capture_output=True, text=True,
+                              timeout=timeout, cwd=self.home)
+
+    def argv(self, *args: str, env: dict | None = None) -> list[str]:
+        """`python3 ARGS` as this user."""
         full = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(self.home), "PAI_HOME": str(self.home / "pai"),
                 "PYTHONPATH": str(self.home), "NO_COLOR": "1", "PAI_LOGVIEW": "file", **(env or {})}
-        argv = ["runuser", "-u", self.name, "--", "env", *(f"{k}={v}" for k, v in full.items()),
-                "/usr/bin/python3", "-m", "paicli", *args]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=self.home)
+        return ["runuser", "-u", self.name, "--", "env", *(f"{k}={v}" for k, v in full.items()),
+                "/usr/bin/python3", *args]
 
     def close(self) -> None:
         subprocess.run(["pkill", "-KILL", "-u", self.name], capture_output=True)   # its own processes only

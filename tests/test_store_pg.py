@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import pg
-from conftest import PAI, job_id_from, pai
+from conftest import PAI, ROOT, job_id_from, pai
 from paicli.store import SCHEMA_VERSION, Store
 
 
@@ -172,3 +172,31 @@ def test_a_job_whose_master_runs_on_another_machine_is_never_judged_by_this_ones
                       **({"master_host": host} if host else {}))
     assert lifecycle.sweep_lost(store, report=lambda line: None) == ["20261203000000000here001"]
     assert read_job(store, "20261203000000000there01")["status"] == "Running"
+
+
+def test_two_users_twenty_jobs_each_against_four_cards_never_hold_more_than_four(team, monkeypatch):
+    """Each user's process queues 20 one-card jobs at once and plays their masters;
+    the claims and turns of both, in one serialised transaction each, never give
+    a card twice: no two spans on one card overlap, at most 4 at any instant."""
+    url, users, base = team
+    script = base / "team_jobs.py"
+    shutil.copy(ROOT / "tests" / "scripts" / "team_jobs.py", script)
+    script.chmod(0o644)
+    procs = [subprocess.Popen(user.argv(str(script), "20", env={"PAI_STORE": url.replace("//pai@", f"//{user.name}@")}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for user in users]
+    outs = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err for _, err in outs]
+    spans = [(user.name, *span) for user, (out, _) in zip(users, outs) for span in json.loads(out)]
+    assert len(spans) == 40
+    cards = [(who, job, (node, card), start, end) for who, job, node, gpus, start, end in spans for card in gpus]
+    for i, a in enumerate(cards):
+        for b in cards[i + 1:]:
+            assert not (a[2] == b[2] and a[3] < b[4] and b[3] < a[4]), f"{a} and {b} held one card at once"
+    most = max(sum(1 for c in cards if c[3] <= t < c[4]) for t in (c[3] for c in cards))
+    assert most <= 4
+    # The two users' jobs did run side by side: the claims were contended across them.
+    assert any(a[0] != b[0] and a[3] < b[4] and b[3] < a[4] for a in cards for b in cards)
+    monkeypatch.setenv("PAI_STORE", url)
+    store = Store(base / "root-home")
+    assert [job["status"] for job in store.jobs(100)] == ["Succeeded"] * 40
+    store.close()

@@ -14,6 +14,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from paicli.adapters import get_adapter
@@ -31,7 +32,7 @@ from paicli.runners.runtimes import RuntimeSetupError, get_runtime
 from paicli.spec import CORE_PARAMS, JobSpec, build_spec
 from paicli.staging import stage_code
 from paicli.statement import Statement, dump_yaml
-from paicli.states import JobStatus
+from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store, new_job_id
 
 
@@ -219,6 +220,28 @@ def revive_queued(store: Store) -> list[str]:
     return lifecycle.revive_queued(store)
 
 
+def scale(store: Store, name_or_job: str, count: int) -> dict[str, Any]:
+    """`pai serve scale`: a running serving job (its ID, an ID prefix or its name)
+    asked for `count` replicas (paicli.cluster.lifecycle.request_scale); its master
+    adds or removes them. {"id", "role", "from", "to"}."""
+    named = store.live_jobs_named(name_or_job)
+    job = may_act(store, named[0], "scale") if named else resolve_job(store, name_or_job, to="scale")
+    where = f"job {job['id']}" + (f" ({job['name']})" if job["name"] else "")
+    plan = JobPlan.from_json((Path(job["job_dir"]) / "plan.json").read_text())
+    if not plan.front:
+        raise UsageError(f"{where} is a {job['framework']} job, not a service", "only a serving job scales")
+    if backends.job_config(Path(job["job_dir"])).get("backend") == "ray":
+        raise UsageError(f"{where} runs on Ray, where a serving job keeps the replicas it started with",
+                         f"submit it again with the count you want (-Dcluster or --replicas)")
+    if refresh(store, job["id"])["status"] != JobStatus.RUNNING.value:
+        raise UsageError(f"{where} is {refresh(store, job['id'])['status']}, not Running", "only a running job scales")
+    role = plan.front["role"]
+    before = sum(1 for row in store.instances(job["id"])
+                 if row["role"] == role and not InstanceStatus(row["status"]).is_terminal())
+    lifecycle.request_scale(store, job["id"], role, count)
+    return {"id": job["id"], "role": role, "from": before, "to": count}
+
+
 def resolve_job(store: Store, job_id: str, to: str | None = None):
     """The job of an ID or unique prefix. With `to` (what the caller is about to do:
     "kill", "resume", "get the files of"), a job of another user is refused unless
@@ -226,8 +249,13 @@ def resolve_job(store: Store, job_id: str, to: str | None = None):
     if not job_id:
         raise UsageError("missing job ID", "`pai list` shows the jobs")
     job = store.find_job(job_id)
+    return may_act(store, job, to) if to else job
+
+
+def may_act(store: Store, job, to: str):
+    """`job`, when this user may `to` it (cluster.queue.may_act); else UsageError."""
     owner = (job["user_name"], job["db_role"])
-    if to and not queue_policy.may_act(owner, store.me(), queue_turns.load_admins(store.home)):
+    if not queue_policy.may_act(owner, store.me(), queue_turns.load_admins(store.home)):
         raise UsageError(f"{job['id']} is {owner[1] or owner[0]}'s job: you may not {to} it",
                          "only its owner, or a name in the quota file's admins:, may")
     return job

@@ -436,6 +436,11 @@ class Store:
             raise NotFound(f"no job {prefix} in {self.where}", "`pai list` shows the jobs there")
         raise NotFound(f"{prefix} matches more than one job", "give more of the ID")
 
+    def live_jobs_named(self, name: str) -> list[sqlite3.Row]:
+        """The Waiting or Running jobs named `name`, newest first."""
+        return self.db.execute("SELECT * FROM jobs WHERE name = ? AND status IN (?, ?) ORDER BY created DESC",
+                               (name, JobStatus.WAITING.value, JobStatus.RUNNING.value)).fetchall()
+
     def jobs(self, limit: int = 50, everyone: bool = True) -> list[sqlite3.Row]:
         """The newest jobs: everyone's, or (everyone=False) those of this user (me())."""
         if everyone:
@@ -524,6 +529,17 @@ class Store:
             db.execute(upsert("attempts", ("job_id", "role", "idx", "attempt"), ("job_id", "role", "idx", "attempt"),
                               update=False), (job_id, role, idx, attempt))
             self._update(db, "attempts", {"job_id": job_id, "role": role, "idx": idx, "attempt": attempt}, fields)
+
+    def set_task_count(self, job_id: str, role: str, count: int) -> None:
+        """How many instances of `role` the job should run (`pai serve scale`; its master acts on it)."""
+        with self.tx() as db:
+            db.execute("UPDATE tasks SET count = ? WHERE job_id=? AND role=?", (count, job_id, role))
+
+    def add_instance(self, job_id: str, role: str, idx: int) -> None:
+        """A new instance of a running job's role (scaled up), Waiting."""
+        with self.tx() as db:
+            db.execute("INSERT INTO instances (job_id, role, idx, status) VALUES (?,?,?,?)",
+                       (job_id, role, idx, InstanceStatus.WAITING.value))
 
     def add_retry(self, job_id: str, role: str) -> None:
         with self.tx() as db:

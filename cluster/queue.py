@@ -120,6 +120,18 @@ def parse_quota(data: Any, where: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def parse_limits(words: tuple[str, ...]) -> dict[str, Any]:
+    """`cpu=800 gpu=200` as {"cpu": 800, "gpu": 200} (parse_quota checks the keys)."""
+    out: dict[str, Any] = {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep or not value.isdigit():
+            raise UsageError(f"pai quota set: {word!r}: expected KEY=NUMBER"[:200],
+                             "e.g. cpu=800 memory=32000 gpu=200 (PAI units)")
+        out[key] = int(value)
+    return out
+
+
 ADMINS = "admins"   # the quota file's list of the users (or database roles) that may act on any job
 
 

@@ -45,10 +45,10 @@ def quota_path(home: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def _quota_file(home: Path) -> tuple[Any, str]:
-    """The quota file's content ($PAI_QUOTA, else $PAI_HOME/quota.yaml; none: None)
-    and how errors name it."""
-    path = quota_path(home)
+def _quota_file(home: Path, path: Path | None = None) -> tuple[Any, str]:
+    """The quota file's content (`path`, else $PAI_QUOTA, else $PAI_HOME/quota.yaml;
+    none: None) and how errors name it."""
+    path = path or quota_path(home)
     if path is None:
         return None, ""
     try:
@@ -65,14 +65,21 @@ def _quota_file(home: Path) -> tuple[Any, str]:
                          "e.g. vision: {cpu: 800, memory: 32000, gpu: 200}") from None
 
 
-def load_quotas(home: Path) -> dict[str, dict[str, int]]:
-    """The quota file's quotas (no file: no quotas)."""
-    return policy.parse_quota(*_quota_file(home))
+def load_quotas(store: Store) -> dict[str, dict[str, int]]:
+    """The quotas: a team store's own (`pai quota set`), else the quota file's (no
+    file: no quotas)."""
+    return store.quotas() if store.postgres else policy.parse_quota(*_quota_file(store.home))
 
 
-def load_admins(home: Path) -> frozenset[str]:
-    """The quota file's admins: (no file: nobody)."""
-    return policy.parse_admins(*_quota_file(home))
+def load_admins(store: Store) -> frozenset[str]:
+    """Who may act on any job: a team store's admins, else the quota file's (no file: nobody)."""
+    return store.admins() if store.postgres else policy.parse_admins(*_quota_file(store.home))
+
+
+def read_quota_file(path: Path) -> tuple[dict[str, dict[str, int]], frozenset[str]]:
+    """A quota file's quotas and admins (`pai quota set --file`)."""
+    data, where = _quota_file(path.parent, path)
+    return policy.parse_quota(data, where), policy.parse_admins(data, where)
 
 
 def check_and_describe(store: Store, plan, nodes: list[NodeSpec], priority: int, project: str | None) -> str:
@@ -80,7 +87,7 @@ def check_and_describe(store: Store, plan, nodes: list[NodeSpec], priority: int,
     (JSON) to record with the job."""
     demands = placing.demands(plan)
     policy.check_submit(policy.Entry("", priority, project, 0.0, tuple(demands), tuple(nodes)),
-                        load_quotas(store.home))
+                        load_quotas(store))
     return json.dumps({"demands": [list(d) for d in demands], "nodes": [n.to_dict() for n in nodes]})
 
 
@@ -98,7 +105,7 @@ def dispatch(store: Store, me: str | None = None) -> None:
     """Run the policy over the whole queue in one store transaction, record each
     verdict, wake the supervisors of the jobs that may start (not `me`)."""
     try:
-        quotas, quota_error = load_quotas(store.home), None
+        quotas, quota_error = load_quotas(store), None
     except UsageError as err:
         quotas, quota_error = {}, f"the quota file is broken ({err.message}); nothing starts until it is fixed"
 

@@ -253,9 +253,10 @@ def resolve_job(store: Store, job_id: str, to: str | None = None):
 
 
 def may_act(store: Store, job, to: str):
-    """`job`, when this user may `to` it (cluster.queue.may_act); else UsageError."""
+    """`job`, when this user may `to` it (cluster.queue.may_act; the admins: a team
+    store's, else the quota file's); else UsageError."""
     owner = (job["user_name"], job["db_role"])
-    if not queue_policy.may_act(owner, store.me(), queue_turns.load_admins(store.home)):
+    if not queue_policy.may_act(owner, store.me(), queue_turns.load_admins(store)):
         raise UsageError(f"{job['id']} is {owner[1] or owner[0]}'s job: you may not {to} it",
-                         "only its owner, or a name in the quota file's admins:, may")
+                         "only its owner or an admin may (`pai quota show` names them)")
     return job

@@ -90,6 +90,11 @@ CREATE TABLE IF NOT EXISTS study_trials (
 -- Every file a job's instances wrote, and where it is now:
 -- here, node (not brought back, still at node:node_path), missing, or replaced
 -- (another instance's copy of the same path was kept), and why.
+-- A team store's quotas (`pai quota set`): project -> cpu, memory, gpu (NULL: no cap),
+-- and the names that may act on any user's job (a store under PAI_HOME keeps both in
+-- the quota file).
+CREATE TABLE IF NOT EXISTS quotas (project TEXT PRIMARY KEY, cpu INTEGER, memory INTEGER, gpu INTEGER);
+CREATE TABLE IF NOT EXISTS admins (name TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS outputs (
     job_id TEXT, instance TEXT, path TEXT, size INTEGER, mtime_ns INTEGER, digest TEXT,
     location TEXT, node TEXT, node_path TEXT, why TEXT, PRIMARY KEY (job_id, instance, path)
@@ -108,7 +113,7 @@ PG_ADDED_COLUMNS = (("metrics", "rowid", "BIGSERIAL"),)
 # a store that carries it runs none of the statements above; a newer one is refused.
 # Bump it with any change to SCHEMA or ADDED_COLUMNS (tests/test_store_locks.py keeps
 # a fingerprint of both).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 def upsert(table: str, columns: tuple[str, ...], key: tuple[str, ...], update: bool = True) -> str:
     """INSERT of one row of `columns` that, where a row with its `key` exists, replaces
     that row's other columns (or, update=False, leaves it): both stores speak it."""
@@ -800,6 +805,33 @@ class Store:
             db.execute("UPDATE jobs SET supervised = ?, master_pid = NULL, master_start = NULL WHERE id = ?",
                        (now, job_id))
             return True
+
+    # -- a team store's quotas ---------------------------------------------------------
+
+    QUOTA_KEYS = ("cpu", "memory", "gpu")
+
+    def quotas(self) -> dict[str, dict[str, int]]:
+        """project -> {cpu, memory, gpu} (the keys with a cap)."""
+        return {row[0]: {k: v for k, v in zip(self.QUOTA_KEYS, row[1:]) if v is not None}
+                for row in self.db.execute("SELECT project, cpu, memory, gpu FROM quotas ORDER BY project")}
+
+    def admins(self) -> frozenset[str]:
+        return frozenset(row[0] for row in self.db.execute("SELECT name FROM admins"))
+
+    def set_quotas(self, quotas: dict[str, dict[str, int]], admins: frozenset[str] | None = None,
+                   replace: bool = False, allowed: Callable[[frozenset[str]], None] = lambda admins: None) -> None:
+        """Each project's caps set (a project given replaces its row); with `replace`
+        every other project's go, and `admins`, when given, become the admins. Runs
+        `allowed(the admins now)` first, in the transaction: it raises to refuse."""
+        with self.tx() as db:
+            allowed(frozenset(row[0] for row in db.execute("SELECT name FROM admins")))
+            if replace:
+                db.execute("DELETE FROM quotas")
+            db.executemany(upsert("quotas", ("project", *self.QUOTA_KEYS), ("project",)),
+                           [(project, *(caps.get(k) for k in self.QUOTA_KEYS)) for project, caps in quotas.items()])
+            if admins is not None:
+                db.execute("DELETE FROM admins")
+                db.executemany("INSERT INTO admins (name) VALUES (?)", [(name,) for name in sorted(admins)])
 
     # -- `pai tune` studies and their trials -----------------------------------------
 

@@ -176,13 +176,13 @@ def test_the_store_records_turns_holds_claims_and_reasons(tmp_path, monkeypatch,
     assert queue_turns.listing(store) == []
 
 
-def test_a_broken_quota_file_holds_the_queue_and_says_so(tmp_path, monkeypatch, store_kind):
+def test_a_broken_quota_file_holds_the_queue_and_says_so(tmp_path, monkeypatch):
     store = Store(tmp_path)
     bad = tmp_path / "elsewhere.yaml"
     bad.write_text("vision: {cpu: [\n")
     monkeypatch.setenv("PAI_QUOTA", str(bad))
     with pytest.raises(UsageError) as err:
-        queue_turns.load_quotas(store.home)
+        queue_turns.load_quotas(store)
     assert err.value.message == f"quota file {bad}: not valid YAML"
     monkeypatch.delenv("PAI_QUOTA")
     record(store, "2026a", TWO, worker=(1, 100, 0, 0))

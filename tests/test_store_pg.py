@@ -129,7 +129,9 @@ def test_each_user_lists_their_own_jobs_all_lists_the_teams_and_only_owners_or_a
     quota = base / "quota.yaml"
     quota.write_text("admins: [pai-alice]\n")
     quota.chmod(0o644)
-    done = alice.run("kill", ids["pai-bob"], env={**as_alice, "PAI_QUOTA": str(quota)})
+    assert alice.run("kill", ids["pai-bob"], env={**as_alice, "PAI_QUOTA": str(quota)}).returncode == 2  # the store's
+    assert alice.run("quota", "set", "--file", str(quota), env=as_alice).returncode == 0
+    done = alice.run("kill", ids["pai-bob"], env=as_alice)
     assert done.returncode == 0 and "had already ended (Succeeded)" in done.stdout, done.stderr
 
 
@@ -199,4 +201,40 @@ def test_two_users_twenty_jobs_each_against_four_cards_never_hold_more_than_four
     monkeypatch.setenv("PAI_STORE", url)
     store = Store(base / "root-home")
     assert [job["status"] for job in store.jobs(100)] == ["Succeeded"] * 40
+    store.close()
+
+
+def test_quotas_live_in_the_team_store_set_by_its_admins_and_hold_every_users_jobs(team, monkeypatch):
+    url, (alice, bob), base = team
+    as_ = {user.name: {"PAI_STORE": url.replace("//pai@", f"//{user.name}@")} for user in (alice, bob)}
+    quota = base / "quota.yaml"
+    quota.write_text("admins: [pai-alice]\nvision: {gpu: 100}\n")
+    quota.chmod(0o644)
+    done = alice.run("quota", "set", "--file", str(quota), env=as_["pai-alice"])   # no admins yet: anyone may
+    assert done.returncode == 0 and done.stdout.strip() == "quotas set: vision; admins: pai-alice", done.stderr
+    done = bob.run("quota", "set", "vision", "gpu=300", env=as_["pai-bob"])
+    assert done.returncode == 2 and done.stderr.strip() == \
+        "pai: error: only an admin may set quotas (pai-alice); ask one of them, or `pai quota show`"
+    done = alice.run("quota", "set", "speech", "cpu=800", "gpu=x", env=as_["pai-alice"])
+    assert done.returncode == 2 and "'gpu=x': expected KEY=NUMBER" in done.stderr
+    assert alice.run("quota", "set", "speech", "cpu=800", env=as_["pai-alice"]).returncode == 0
+    shown = json.loads(bob.run("quota", "show", "--json", env=as_["pai-bob"]).stdout)
+    assert shown == {"quotas": {"speech": {"cpu": 800}, "vision": {"gpu": 100}}, "admins": ["pai-alice"]}
+    # Whoever's jobs they are, the project's: the second one-card vision job waits, naming it.
+    from test_queue import nodes, record
+
+    from paicli.cluster import queue_turns
+
+    monkeypatch.setenv("PAI_STORE", url)
+    monkeypatch.delenv("PAI_QUOTA", raising=False)
+    store = Store(base / "root-home")
+    two_cards = nodes((400, 8000, 0), (400, 8000, 2))
+    record(store, "2026a", two_cards, project="vision", worker=(1, 100, 0, 100))
+    record(store, "2026b", two_cards, project="vision", worker=(1, 100, 0, 0))
+    queue_turns.dispatch(store)
+    assert store.take_turn("2026a") and store.take_turn("2026b")   # b needs no card
+    record(store, "2026c", two_cards, project="vision", worker=(1, 100, 0, 100))
+    queue_turns.dispatch(store)
+    assert store.take_turn("2026c") is None
+    assert "project vision over its quota: holds gpu 100 of 100" in store.job("2026c")["reason"]
     store.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -167,6 +168,10 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
     # not SIG_IGN, which would stay ignored in whatever the master execs.
     signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAKE_SIGNALS)
+    # Started with the signals blocked, so its thread never takes one: it sends this
+    # thread the wake-up when another machine or user grants the turn.
+    main = threading.get_ident()
+    stop_listening = store.listen_turns(job_id, lambda: signal.pthread_kill(main, signal.SIGUSR1))
     try:
         # Recorded only once the wake-up signal is blocked: it can no longer kill us.
         store.set_waiter(job_id, f"{os.getpid()}:{start_time(os.getpid())}")
@@ -212,6 +217,7 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
                     seen = now_seen
                     dispatch(store, me=job_id)
     finally:
+        stop_listening()
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 

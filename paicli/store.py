@@ -741,8 +741,21 @@ class Store:
                 if v.get("event"):
                     db.execute("INSERT INTO events (job_id, ts, kind, message) VALUES (?,?,?,?)",
                                (job_id, now, "queue", v["event"]))
+            if self.postgres:   # wakes the waiters of other machines and users (store_pg.TurnListener)
+                for job_id in granted:
+                    db.execute("SELECT pg_notify('pai_turns', ?)", (job_id,))
             marks = ",".join("?" * len(granted))
             return db.execute(f"SELECT * FROM jobs WHERE id IN ({marks})", granted).fetchall() if granted else []
+
+    def listen_turns(self, job_id: str, wake: Callable[[], None]) -> Callable[[], None]:
+        """Call `wake()` (from another thread) when the job is granted its turn by any
+        machine's dispatch; the function that stops listening. A store under PAI_HOME
+        has one machine, whose dispatch signals the waiter itself: nothing to do."""
+        if not self.postgres:
+            return lambda: None
+        from paicli.store_pg import TurnListener
+
+        return TurnListener(self.url, job_id, wake).stop
 
     def queue_entry(self, job_id: str) -> sqlite3.Row | None:
         return self.db.execute("SELECT * FROM queue WHERE job_id = ?", (job_id,)).fetchone()

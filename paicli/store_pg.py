@@ -8,7 +8,8 @@ Imported only when PAI_STORE names a database: psycopg is the `team` extra.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import psycopg
@@ -111,6 +112,37 @@ class Connection:
         return self.con.info.transaction_status != TransactionStatus.IDLE
 
     def close(self) -> None:
+        self.con.close()
+
+
+# The channel a dispatch notifies each granted job's ID on (at its commit).
+TURNS = "pai_turns"
+
+
+class TurnListener:
+    """A thread on a connection of its own that LISTENs on TURNS and calls `wake()`
+    when `job_id` is granted its turn: the waiting master of another machine or
+    user, whom no signal reaches, wakes at once. stop() ends it (within a second)."""
+
+    def __init__(self, url: str, job_id: str, wake: Callable[[], None]) -> None:
+        self.job_id, self.wake, self.stopping = job_id, wake, threading.Event()
+        self.con = Connection(url).con
+        self.con.execute(f"LISTEN {TURNS}")
+        self.thread = threading.Thread(target=self._run, name="pai-turns", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                for note in self.con.notifies(timeout=1.0):
+                    if note.payload == self.job_id:
+                        self.wake()
+        except psycopg.Error:
+            pass   # the database went away: the waiter's own looks at its row go on
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
         self.con.close()
 
 

@@ -238,3 +238,32 @@ def test_quotas_live_in_the_team_store_set_by_its_admins_and_hold_every_users_jo
     assert store.take_turn("2026c") is None
     assert "project vision over its quota: holds gpu 100 of 100" in store.job("2026c")["reason"]
     store.close()
+
+
+def test_a_grant_by_another_users_dispatch_wakes_the_waiter_through_listen_notify(team, monkeypatch):
+    """No signal crosses users (or machines): the waiter of bob's job listens on the
+    store, and alice's dispatch that grants it notifies it."""
+    import threading
+
+    from test_queue import TWO, record
+
+    url, (alice, bob), base = team
+    monkeypatch.delenv("PAI_QUOTA", raising=False)
+    monkeypatch.setenv("PAI_STORE", url)
+    store = Store(base / "root-home")
+    record(store, "2026bob", TWO, worker=(1, 100, 0, 100))
+    woken = threading.Event()
+    stop = store.listen_turns("2026bob", woken.set)
+    try:
+        script = base / "dispatch.py"
+        script.write_text("from paicli.cluster import queue_turns\nfrom paicli.store import Store\n"
+                          "queue_turns.dispatch(Store())\n")
+        script.chmod(0o644)
+        done = subprocess.run(alice.argv(str(script), env={"PAI_STORE": url.replace("//pai@", "//pai-alice@")}),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert woken.wait(30)
+        assert store.queue_entry("2026bob")["state"] == "granted"
+    finally:
+        stop()
+    store.close()

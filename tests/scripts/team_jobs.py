@@ -1,6 +1,6 @@
 """One team member's jobs through the shared store, run as that Unix user by
-tests/test_store_pg.py: COUNT one-card jobs queued at once against a cluster of
-4 cards, each run for a moment once its turn comes (several at once), ended, and
+tests/test_store_pg.py: COUNT one-card jobs queued at once (priorities COUNT down
+to 1) against a cluster of 4 cards, each run for a moment once its turn comes (several at once), ended, and
 the queue handed over, as a job's master does. Prints, as JSON, each job's span:
 [job, node, cards, started, ended], the times inside the span its claim held.
 
@@ -30,7 +30,8 @@ for n in range(count):
                      job_dir=store.jobs_dir / job_id, roles=[{"name": "worker", "count": 1, "must_finish": True}])
     store.update_job(job_id, master_pid=os.getpid(), master_start=start_time(os.getpid()))  # this process is its master
     plan = JobPlan("j", "python", "T", [RolePlan("worker", 1, ["true"], cpu=100, gpu=100)])
-    store.enqueue(job_id, 0, None, queue_turns.check_and_describe(store, plan, CLUSTER, 0, None))
+    # Each user's n-th job as urgent as the other's: the queue interleaves the users.
+    store.enqueue(job_id, count - n, None, queue_turns.check_and_describe(store, plan, CLUSTER, count - n, None))
     waiting.append(job_id)
 running: dict[str, tuple] = {}
 spans = []

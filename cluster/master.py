@@ -31,7 +31,7 @@ from paicli.cluster.spawn import RouterProcess, Watchdog, spawn_watchdog, start_
 from paicli.errors import PaiError, UsageError
 from paicli.jobplan import JobPlan, RolePlan
 from paicli.states import InstanceStatus, JobStatus
-from paicli.store import Store
+from paicli.store import LEASE_RENEW, Store
 
 
 def print_exc() -> None:
@@ -145,6 +145,7 @@ class JobMaster:
         self.avoid: set[str] = set()     # nodes this job lost
         self.started = time.monotonic()
         self.last_store_check = 0.0
+        self.lease_due = 0.0
         self.metrics_due = 0.0
         self.summary_due: float | None = None
         self.watchdog_due: float | None = None
@@ -458,6 +459,9 @@ class JobMaster:
             if now - self.last_store_check > 1.0:
                 # A cancel written by `pai kill` whose signal we somehow missed.
                 self.last_store_check = now
+                if self.store.postgres and now >= self.lease_due:   # other machines see it lives
+                    self.lease_due = now + LEASE_RENEW
+                    self.store.renew_lease(self.job_id)
                 if JobStatus(self.store.job(self.job_id)["status"]).is_terminal():
                     self.cancel_reason = self.cancel_reason or "cancelled"
                 elif self.plan.front:

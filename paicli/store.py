@@ -106,7 +106,8 @@ ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("
                  ("jobs", "supervised", "REAL"),  # when a queued job's master was last (re)started
                  # who submitted it: the Unix user, and the database role where that differs
                  ("jobs", "user_name", "TEXT"), ("jobs", "db_role", "TEXT"),
-                 ("jobs", "master_host", "TEXT"))  # the machine its master runs on (the submitting one)
+                 ("jobs", "master_host", "TEXT"),  # the machine its master runs on (the submitting one)
+                 ("jobs", "lease", "REAL"))  # when its master last said, in a team store, that it lives
 # PostgreSQL's metrics rows keep their order in a column of their own (SQLite's rowid).
 PG_ADDED_COLUMNS = (("metrics", "rowid", "BIGSERIAL"),)
 # Kept in the file's user_version (SQLite) or the schema_version table (PostgreSQL):
@@ -252,6 +253,18 @@ def master_here(job: Any) -> bool:
     """Does the job's master run on this machine (or is that not recorded)? Only
     here can its pid and start time say whether it lives."""
     return not job["master_host"] or job["master_host"] == HOST
+
+
+# A team store's master renews its job's lease this often; another machine's job
+# whose lease is older than LEASE counts as having no master (what it holds is free).
+# The machines' clocks are taken to agree (NTP) to well within the difference.
+LEASE_RENEW = 10.0
+LEASE = 30.0
+
+
+def lease_lapsed(job: Any, now: float | None = None) -> bool:
+    """Has the job's master (in a team store) stopped renewing its lease?"""
+    return job["lease"] is not None and (time.time() if now is None else now) - job["lease"] > LEASE
 
 
 def store_url() -> str | None:
@@ -489,6 +502,9 @@ class Store:
                 db.execute("DELETE FROM claims WHERE job_id = ?", (job_id,))
         return True
 
+    def renew_lease(self, job_id: str) -> None:
+        self.update_job(job_id, lease=time.time())
+
     def update_job(self, job_id: str, **fields: Any) -> None:
         with self.tx() as db:
             self._update(db, "jobs", {"id": job_id}, fields)
@@ -714,10 +730,11 @@ class Store:
                        " WHERE status IN ('Waiting', 'Running'))")
             rows = db.execute("SELECT * FROM queue WHERE state = 'waiting'").fetchall()
             # With the holder's master, so the policy can leave out what a dead one held.
-            holds = db.execute("SELECT h.*, j.master_pid, j.master_start, j.created, j.supervised, j.master_host"
+            holds = db.execute("SELECT h.*, j.master_pid, j.master_start, j.created, j.supervised, j.master_host,"
+                               " j.lease"
                                " FROM holds h"
                                " JOIN jobs j ON j.id = h.job_id").fetchall()
-            masters = "SELECT master_pid, master_start, created, supervised, master_host FROM jobs WHERE id = ?"
+            masters = "SELECT master_pid, master_start, created, supervised, master_host, lease FROM jobs WHERE id = ?"
             gpus = [(node, item, holder, db.execute(masters, (holder,)).fetchone())
                     for node, item, holder in db.execute(LIVE_CLAIMS, ("gpu", now - CLAIM_GRACE))]
             verdicts = decide(rows, holds, gpus)
@@ -732,7 +749,9 @@ class Store:
                                     for node, cpu, memory, gpu in v["holds"]])
                     db.executemany(CLAIM, [("gpu", node, item, job_id, now) for node, ids in v["gpus"].items()
                                     for item in ids])
-                    db.execute("UPDATE jobs SET reason = NULL WHERE id = ?", (job_id,))
+                    # Its lease starts with its turn: a master gone before it ever renews
+                    # it frees what it was granted all the same (LEASE).
+                    db.execute("UPDATE jobs SET reason = NULL, lease = ? WHERE id = ?", (now, job_id))
                     granted.append(job_id)
                 elif (row["reason"], row["position"]) != (v["reason"], v["position"]):
                     db.execute("UPDATE queue SET reason = ?, position = ? WHERE job_id = ?",
@@ -802,6 +821,7 @@ class Store:
         its jobs row's fields, in no particular order."""
         return self.db.execute(
             "SELECT q.*, j.name, j.framework, j.created, j.master_pid, j.master_start, j.supervised, j.master_host,"
+            " j.lease,"
             " j.user_name, j.db_role"
             " FROM queue q JOIN jobs j ON j.id = q.job_id WHERE j.status = 'Waiting'").fetchall()
 

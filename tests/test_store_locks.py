@@ -163,7 +163,7 @@ def test_a_store_on_a_filesystem_without_hard_links_is_created_in_place(tmp_path
 
 # -- the schema's version ----------------------------------------------------------------
 
-SCHEMA_FINGERPRINT = 2721904611   # crc32 of SCHEMA's statements and ADDED_COLUMNS at SCHEMA_VERSION
+SCHEMA_FINGERPRINT = 3643369684   # crc32 of SCHEMA's statements and ADDED_COLUMNS at SCHEMA_VERSION
 
 
 def test_a_schema_change_comes_with_a_new_version():

@@ -267,3 +267,35 @@ def test_a_grant_by_another_users_dispatch_wakes_the_waiter_through_listen_notif
     finally:
         stop()
     store.close()
+
+
+def test_what_another_machines_job_holds_is_freed_once_its_master_stops_renewing_its_lease(pai_home, postgres,
+                                                                                          monkeypatch):
+    """kill -9 of a master on another machine: nothing here can see its pid; its
+    lease lapses, and the card it held goes to the next job."""
+    import subprocess as sp
+    import time
+
+    from test_queue import TWO, record
+
+    from paicli.cluster import queue_turns
+    from paicli.states import JobStatus
+    from paicli.store import LEASE
+
+    monkeypatch.delenv("PAI_QUOTA", raising=False)
+    monkeypatch.setenv("PAI_STORE", postgres.new_database())
+    store = Store()
+    record(store, "2026there", TWO, worker=(1, 100, 0, 100))
+    queue_turns.dispatch(store)
+    assert store.take_turn("2026there")
+    gone = sp.Popen(["true"])
+    gone.wait()
+    store.set_job("2026there", JobStatus.RUNNING, master_pid=gone.pid, master_start="1", master_host="elsewhere")
+    store.renew_lease("2026there")
+    record(store, "2026next", TWO, worker=(1, 100, 0, 100))
+    queue_turns.dispatch(store)
+    assert store.take_turn("2026next") is None   # its lease holds: alive, whatever this machine's pid says
+    store.update_job("2026there", lease=time.time() - LEASE - 1)
+    queue_turns.dispatch(store)
+    assert json.loads(store.take_turn("2026next"))[0]["gpus"] == ["0"]
+    store.close()

@@ -31,7 +31,7 @@ from paicli.cluster.spawn import RouterProcess, Watchdog, spawn_watchdog, start_
 from paicli.errors import PaiError, UsageError
 from paicli.jobplan import JobPlan, RolePlan
 from paicli.states import InstanceStatus, JobStatus
-from paicli.store import LEASE_RENEW, Store
+from paicli.store import LEASE_RENEW, OUTAGE_WAIT, Store
 
 
 def print_exc() -> None:
@@ -862,7 +862,7 @@ def main(argv: list[str]) -> int:
     if backend is not None and job_config(Path.cwd()) != backend.config:   # not the nodes the job was recorded with
         backend.let_go_of_connections()
         backend = None
-    return JobMaster(Store(home), job_id, backend=backend, recorded_fd=answer_fd).run()
+    return JobMaster(Store(home, outage_wait=OUTAGE_WAIT), job_id, backend=backend, recorded_fd=answer_fd).run()
 
 
 def _answer_nodes(config: dict, answer_fd: int) -> Backend | None:

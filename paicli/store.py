@@ -242,7 +242,7 @@ def every_store_closed() -> Iterator[None]:
         yield
     finally:
         for store in reopen:
-            store.connect()
+            store.connect(again=True)
 
 
 # This machine, as jobs' master_host names it.
@@ -255,6 +255,9 @@ def master_here(job: Any) -> bool:
     return not job["master_host"] or job["master_host"] == HOST
 
 
+# How long a job's master and watchdog wait for a team store that went away: the
+# job runs on meanwhile (its log is its own), and the store gets its writes after.
+OUTAGE_WAIT = 3600.0
 # A team store's master renews its job's lease this often; another machine's job
 # whose lease is older than LEASE counts as having no master (what it holds is free).
 # The machines' clocks are taken to agree (NTP) to well within the difference.
@@ -277,12 +280,14 @@ def store_url() -> str | None:
 
 
 class Store:
-    def __init__(self, home: Path | None = None, *, upgrade: bool = False):
+    def __init__(self, home: Path | None = None, *, upgrade: bool = False, outage_wait: float = 10.0):
         """The store (created when new). A store whose schema this pai does not know
         (newer) is refused; an older SQLite store is brought up to date, an older
         team store only with `upgrade` (`pai store upgrade`: its other users'
-        clients may be older)."""
+        clients may be older). A team store's connection lost later is made again
+        for up to `outage_wait` seconds (OUTAGE_WAIT for a job's master)."""
         self.home = home or pai_home()
+        self.outage_wait = outage_wait
         self.jobs_dir = self.home / "jobs"
         self.path = self.home / "pai.db"
         self.url = store_url()
@@ -351,11 +356,12 @@ class Store:
         PAI_HOME is."""
         return not self.postgres or (master_here(job) and (job["user_name"], job["db_role"]) == self.me())
 
-    def connect(self) -> None:
+    def connect(self, again: bool = False) -> None:
+        """The store's connection (`again`: after every_store_closed)."""
         if self.postgres:
             from paicli import store_pg
 
-            self.db = store_pg.Connection(self.url)
+            self.db = store_pg.Connection(self.url, self.outage_wait, again)
             _OPEN_STORES.add(self)
             return
         self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)

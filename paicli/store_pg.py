@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import psycopg
 from psycopg.adapt import Loader
-from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
 from paicli.errors import UsageError
@@ -24,9 +24,6 @@ from paicli.errors import UsageError
 # makes them do on one machine (docs/decisions.md).
 WRITE_LOCK = 0x7061_6963_6C69   # "paicli"
 
-Error = psycopg.Error
-# A statement that failed because the server went away (or never answered).
-Unreachable = psycopg.OperationalError
 
 
 class Row(tuple):
@@ -80,21 +77,63 @@ def schema(sql: str) -> str:
 
 
 class Connection:
-    """One autocommit psycopg connection; the store opens its transactions itself."""
+    """One autocommit psycopg connection; the store opens its transactions itself.
+
+    A connection lost outside a transaction (the server restarted, the network
+    dropped) is made again, every second for up to `outage_wait` seconds, and the
+    statement or the transaction's start run on it: a job's master rides out an
+    outage that way. Lost inside a transaction, the error is raised (the
+    transaction is gone with the connection; the store rolls back)."""
 
     plain_rows = staticmethod(tuple_row)     # a cursor's row factory for plain tuples
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        try:
-            self.con = psycopg.connect(url, autocommit=True, row_factory=_rows, connect_timeout=5)
-            self.con.adapters.register_loader("numeric", Number)
-        except psycopg.Error as err:
-            raise UsageError(f"PAI_STORE {redacted(url)}: cannot reach the database"
-                             f" ({one_reason(err)})", "check that it runs and the URL, or unset PAI_STORE") from None
+    def __init__(self, url: str, outage_wait: float = 0.0, again: bool = False) -> None:
+        """`again`: the process had a connection (closed across a fork): one that
+        cannot be made is waited for as a lost one is."""
+        self.url, self.outage_wait, self.in_transaction, self.closed = url, outage_wait, False, False
+        deadline = time.monotonic() + (outage_wait if again else 0.0)
+        while True:
+            try:
+                self.con = self._connect()
+                return
+            except psycopg.Error as err:
+                if isinstance(err, psycopg.OperationalError) and time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    continue
+                raise UsageError(f"PAI_STORE {redacted(url)}: cannot reach the database ({one_reason(err)})",
+                                 "check that it runs and the URL, or unset PAI_STORE") from None
+
+    def _connect(self) -> psycopg.Connection:
+        con = psycopg.connect(self.url, autocommit=True, row_factory=_rows, connect_timeout=5)
+        con.adapters.register_loader("numeric", Number)
+        return con
+
+    def _again(self, err: psycopg.OperationalError) -> None:
+        """A new connection for a lost one, or `err` once outage_wait has passed."""
+        if self.in_transaction or self.closed or not (self.con.closed or self.con.broken):
+            raise err
+        deadline = time.monotonic() + self.outage_wait
+        while True:
+            try:
+                self.con = self._connect()
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() >= deadline:
+                    raise err from None
+                time.sleep(1.0)
 
     def execute(self, sql: str, args: Iterable[Any] = ()) -> psycopg.Cursor:
-        return self.con.execute(translate(sql), tuple(args))
+        ending = sql in ("COMMIT", "ROLLBACK")
+        while True:
+            try:
+                return self.con.execute(translate(sql), tuple(args))
+            except psycopg.OperationalError as err:
+                if ending:
+                    raise
+                self._again(err)
+            finally:
+                if ending:
+                    self.in_transaction = False
 
     def executemany(self, sql: str, rows: Iterable[Iterable[Any]]) -> psycopg.Cursor:
         cur = self.con.cursor()
@@ -104,14 +143,17 @@ class Connection:
         return cur
 
     def begin(self) -> None:
-        self.con.execute("BEGIN")
+        while True:
+            try:
+                self.con.execute("BEGIN")
+                break
+            except psycopg.OperationalError as err:
+                self._again(err)
+        self.in_transaction = True
         self.con.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
 
-    @property
-    def in_transaction(self) -> bool:
-        return self.con.info.transaction_status != TransactionStatus.IDLE
-
     def close(self) -> None:
+        self.closed = True   # not made again: closed on purpose (across a fork, at the end)
         self.con.close()
 
 

@@ -177,15 +177,16 @@ class TurnListener:
         try:
             while not self.stopping.is_set():
                 for note in self.con.notifies(timeout=1.0):
-                    if note.payload == self.job_id:
+                    if note.payload == self.job_id and not self.stopping.is_set():
                         self.wake()
         except psycopg.Error:
             pass   # the database went away: the waiter's own looks at its row go on
+        finally:
+            self.con.close()
 
     def stop(self) -> None:
+        """Not waited for: the thread leaves within a second, closing its connection."""
         self.stopping.set()
-        self.thread.join(5)
-        self.con.close()
 
 
 def redacted(url: str) -> str:

@@ -66,7 +66,8 @@ def free_port() -> int:
 
 
 class PostgresServer:
-    def __init__(self) -> None:
+    def __init__(self, max_connections: int = 200) -> None:
+        self.max_connections = max_connections
         self.bin = _bin_dir()
         self.user = _run_as()
         self.dir = Path(tempfile.mkdtemp(prefix="pai-pg-"))
@@ -86,7 +87,9 @@ class PostgresServer:
                 shutil.chown(self.dir, self.user)
             subprocess.run(self._cmd("initdb", "-D", str(self.data), "-U", "pai", "--auth=trust", "-E", "UTF8",
                                      "--no-sync"), check=True, capture_output=True, timeout=120)
-        options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off"
+        # A waiting job's master holds two connections (the store, its turn's listener).
+        options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off"
+                   f" -c max_connections={self.max_connections}")
         subprocess.run(self._cmd("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "log"), "-o", options,
                                  "-w", "-t", "60", "start"), check=True, capture_output=True, timeout=90)
         self.started = True

@@ -25,7 +25,6 @@ from paicli.errors import UsageError
 WRITE_LOCK = 0x7061_6963_6C69   # "paicli"
 
 
-
 class Row(tuple):
     """A row read by index or by column name, like sqlite3.Row."""
 

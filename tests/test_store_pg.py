@@ -327,3 +327,42 @@ def test_jobs_run_on_through_an_outage_of_the_store_and_it_catches_up_after(pai_
                                     else None)(json.loads(pai("list", "--all", "--json").stdout)), 120, 1.0)
         assert ended and sorted(j["id"] for j in ended) == sorted(ids)
         assert {j["status"] for j in ended} == {"Succeeded"}, [(j["id"], j["status"], j["reason"]) for j in ended]
+
+
+def test_two_users_real_jobs_wait_in_one_queue_and_the_next_starts_when_the_others_ends(team):
+    """Real masters of two Unix users on this machine: bob's job waits for the cores
+    alice's holds, saying so, and starts once hers ends (no signal of hers may reach
+    his master: his turn comes by the store's notification, or his own look)."""
+    from paicli.cluster.scheduler import machine_cpu
+
+    url, (alice, bob), base = team
+    gate = base / "gate.py"
+    shutil.copy(ROOT / "tests" / "scripts" / "gate.py", gate)
+    gate.chmod(0o644)
+    whole = '-Dcluster={"worker":{"count":1,"cpu":%d}}' % machine_cpu()
+    env = {user.name: {"PAI_STORE": url.replace("//pai@", f"//{user.name}@")} for user in (alice, bob)}
+    ids = {}
+    for user in (alice, bob):
+        done = user.run("--detach", "-name", "python", f"-Dscript={gate}",
+                        f"-DuserDefinedParameters={base / ('open-' + user.name)}", whole, env=env[user.name])
+        assert done.returncode == 0, done.stderr
+        ids[user.name] = done.stdout.split()[0]
+
+    def state(user, job_id):
+        return json.loads(user.run("status", job_id, "--json", env=env[user.name]).stdout)
+
+    try:
+        assert wait_until(lambda: state(alice, ids["pai-alice"])["status"] == "Running", 60)
+        waiting = wait_until(lambda: (lambda s: s if "held by" in (s["reason"] or "") else None)(
+            state(bob, ids["pai-bob"])), 60)
+        assert waiting and waiting["status"] == "Waiting" and ids["pai-alice"] in waiting["reason"], waiting
+        queued = json.loads(bob.run("queue", "--json", env=env["pai-bob"]).stdout)
+        assert [q["id"] for q in queued] == [ids["pai-bob"]]
+        (base / "open-pai-alice").touch()
+        assert wait_until(lambda: state(bob, ids["pai-bob"])["status"] == "Running", 60)
+        (base / "open-pai-bob").touch()
+        assert wait_until(lambda: state(bob, ids["pai-bob"])["status"] == "Succeeded", 60)
+        assert state(alice, ids["pai-alice"])["status"] == "Succeeded"
+    finally:
+        for name in ids:
+            (base / f"open-{name}").touch()

@@ -87,14 +87,14 @@ CREATE TABLE IF NOT EXISTS study_trials (
     study TEXT, number INTEGER, job_id TEXT, params TEXT, state TEXT NOT NULL, reason TEXT,
     value REAL, best REAL, step REAL, created REAL, ended REAL, PRIMARY KEY (study, number)
 );
--- Every file a job's instances wrote, and where it is now:
--- here, node (not brought back, still at node:node_path), missing, or replaced
--- (another instance's copy of the same path was kept), and why.
 -- A team store's quotas (`pai quota set`): project -> cpu, memory, gpu (NULL: no cap),
 -- and the names that may act on any user's job (a store under PAI_HOME keeps both in
 -- the quota file).
 CREATE TABLE IF NOT EXISTS quotas (project TEXT PRIMARY KEY, cpu INTEGER, memory INTEGER, gpu INTEGER);
 CREATE TABLE IF NOT EXISTS admins (name TEXT PRIMARY KEY);
+-- Every file a job's instances wrote, and where it is now:
+-- here, node (not brought back, still at node:node_path), missing, or replaced
+-- (another instance's copy of the same path was kept), and why.
 CREATE TABLE IF NOT EXISTS outputs (
     job_id TEXT, instance TEXT, path TEXT, size INTEGER, mtime_ns INTEGER, digest TEXT,
     location TEXT, node TEXT, node_path TEXT, why TEXT, PRIMARY KEY (job_id, instance, path)
@@ -115,6 +115,8 @@ PG_ADDED_COLUMNS = (("metrics", "rowid", "BIGSERIAL"),)
 # Bump it with any change to SCHEMA or ADDED_COLUMNS (tests/test_store_locks.py keeps
 # a fingerprint of both).
 SCHEMA_VERSION = 4
+
+
 def upsert(table: str, columns: tuple[str, ...], key: tuple[str, ...], update: bool = True) -> str:
     """INSERT of one row of `columns` that, where a row with its `key` exists, replaces
     that row's other columns (or, update=False, leaves it): both stores speak it."""

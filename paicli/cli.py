@@ -201,7 +201,7 @@ def kill(job_id):
     from paicli import client
 
     store = open_store()
-    job = client.resolve_job(store, job_id)
+    job = client.resolve_job(store, job_id, to="kill")
     if client.kill(store, job["id"]):
         ended = store.job(job["id"])   # a job whose master was gone is recorded lost, not cancelled
         click.echo(f"{job['id']} cancelled" if ended["status"] == "Cancelled" else
@@ -213,13 +213,22 @@ def kill(job_id):
 @cli.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the jobs as JSON.")
 @click.option("--limit", "-n", default=50, show_default=True, type=click.IntRange(min=1), help="How many jobs.")
-def list_(as_json, limit):
-    """List recent jobs, newest first (like PAI's `show instances`)."""
+@click.option("--all", "everyone", is_flag=True,
+              help="Every user's jobs in a team store (PAI_STORE): user, project, state, where, since.")
+def list_(as_json, limit, everyone):
+    """List recent jobs, newest first (like PAI's `show instances`): one's own in a
+    team store (PAI_STORE), --all the team's."""
     from paicli import client
 
-    jobs = client.list_jobs(open_store(), limit)
+    jobs = client.list_jobs(open_store(), limit, everyone)
     if as_json:
         echo_json(jobs)
+        return
+    if everyone:
+        print_table(("User", "Project", "Status", "InstanceID", "Name", "Where", "Since"),
+                    [(job["user"] or "", job["project"] or "", job["status"], job["id"], job["name"] or "",
+                      ",".join(job["nodes"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])))
+                     for job in jobs])
         return
     # A Waiting job's reason (its place in the queue) is a last column, shown only when one has it.
     waiting = any(job["status"] == "Waiting" and job["reason"] for job in jobs)

@@ -122,7 +122,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # runtimes/archive modules too: nothing of paicli but runners/ (checked below).
     "runners": ("paicli.runners.*",),
     # The shared vocabulary every layer above speaks.
-    "core": ("paicli", "paicli.errors", "paicli.spec", "paicli.jobplan", "paicli.states", "paicli.store",
+    "core": ("paicli", "paicli.errors", "paicli.spec", "paicli.jobplan", "paicli.states", "paicli.store", "paicli.store_pg",
              "paicli.private", "paicli.steptime",
              "paicli.envvars", "paicli.requirements"),   # a job's env and requirements
     "adapters": ("paicli.adapters.*",),                 # frameworks, never processes
@@ -305,7 +305,7 @@ def test_code_run_in_a_runtime_imports_nothing_of_paicli():
 
 def test_help_imports_nothing_heavy():
     heavy = ("rich", "yaml", "sqlite3", "tensorflow", "mxnet", "ray", "paicli.cluster", "paicli.adapters",
-             "aiohttp", "jinja2", "prompt_toolkit", "plotext", "selenium", "paicli.web")
+             "aiohttp", "jinja2", "prompt_toolkit", "plotext", "selenium", "paicli.web", "psycopg")
     code = f"import sys, paicli.cli; print(sorted(m for m in sys.modules if any(m == h or m.startswith(h + '.')" \
            f" for h in {heavy!r})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -782,7 +782,7 @@ class Store:
             return lambda: None
         from paicli.store_pg import TurnListener
 
-        return TurnListener(self.url, job_id, wake).stop
+        return TurnListener(self.db, job_id, wake).stop
 
     def queue_entry(self, job_id: str) -> sqlite3.Row | None:
         return self.db.execute("SELECT * FROM queue WHERE job_id = ?", (job_id,)).fetchone()

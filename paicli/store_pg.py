@@ -8,6 +8,7 @@ Imported only when PAI_STORE names a database: psycopg is the `team` extra.
 from __future__ import annotations
 
 import re
+import select
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -90,6 +91,7 @@ class Connection:
         """`again`: the process had a connection (closed across a fork): one that
         cannot be made is waited for as a lost one is."""
         self.url, self.outage_wait, self.in_transaction, self.closed = url, outage_wait, False, False
+        self.listening: dict[str, Callable[[psycopg.Notify], None]] = {}   # channel -> its handler
         deadline = time.monotonic() + (outage_wait if again else 0.0)
         while True:
             try:
@@ -105,7 +107,50 @@ class Connection:
     def _connect(self) -> psycopg.Connection:
         con = psycopg.connect(self.url, autocommit=True, row_factory=_rows, connect_timeout=5)
         con.adapters.register_loader("numeric", Number)
+        for channel, handler in self.listening.items():   # a connection made again listens again
+            con.execute(f"LISTEN {channel}")
+            con.add_notify_handler(handler)
         return con
+
+    def listen(self, channel: str, handler: Callable[[psycopg.Notify], None]) -> None:
+        """`handler(note)` for each notification on `channel` this connection reads:
+        while a statement runs, or when take_notes() is called."""
+        self.execute(f"LISTEN {channel}")
+        self.listening[channel] = handler
+        self.con.add_notify_handler(handler)
+
+    def unlisten(self, channel: str) -> None:
+        handler = self.listening.pop(channel, None)
+        if handler is None or self.con.closed or self.con.broken:
+            return   # a connection made again after this does not listen
+        self.con.remove_notify_handler(handler)
+        self.con.execute(f"UNLISTEN {channel}")
+
+    def take_notes(self, timeout: float) -> None:
+        """Wait up to `timeout` for the server to send something, then hand what
+        notifications it sent to their handlers. Safe beside another thread's
+        statements: the connection's lock is taken only to read what is there, and
+        a statement that reads first hands them over itself."""
+        con = self.con
+        if con.closed or con.broken:
+            time.sleep(timeout)   # made again by the next statement
+            return
+        try:
+            ready = select.select([con.fileno()], [], [], timeout)[0]
+        except (OSError, ValueError):   # closed meanwhile
+            return
+        if not ready:
+            return
+        if not con.lock.acquire(timeout=timeout):
+            return
+        try:
+            con.pgconn.consume_input()
+            while note := con.pgconn.notifies():
+                con.pgconn.notify_handler(note)
+        except psycopg.Error:
+            pass   # the connection is lost: the next statement makes it again
+        finally:
+            con.lock.release()
 
     def _again(self, err: psycopg.OperationalError) -> None:
         """A new connection for a lost one, or `err` once outage_wait has passed."""
@@ -161,31 +206,29 @@ TURNS = "pai_turns"
 
 
 class TurnListener:
-    """A thread on a connection of its own that LISTENs on TURNS and calls `wake()`
-    when `job_id` is granted its turn: the waiting master of another machine or
-    user, whom no signal reaches, wakes at once. stop() ends it (within a second)."""
+    """LISTENs on TURNS on the store's own connection and calls `wake()` (from a
+    thread of its own) when `job_id` is granted its turn: the waiting master of
+    another machine or user, whom no signal reaches, wakes at once, and a waiting
+    job holds one connection, not two. stop() ends it (its thread within a second)."""
 
-    def __init__(self, url: str, job_id: str, wake: Callable[[], None]) -> None:
-        self.job_id, self.wake, self.stopping = job_id, wake, threading.Event()
-        self.con = Connection(url).con
-        self.con.execute(f"LISTEN {TURNS}")
+    def __init__(self, db: Connection, job_id: str, wake: Callable[[], None]) -> None:
+        self.db, self.job_id, self.wake, self.stopping = db, job_id, wake, threading.Event()
+        db.listen(TURNS, self._note)
         self.thread = threading.Thread(target=self._run, name="pai-turns", daemon=True)
         self.thread.start()
 
+    def _note(self, note: psycopg.Notify) -> None:
+        if note.channel == TURNS and note.payload == self.job_id and not self.stopping.is_set():
+            self.wake()
+
     def _run(self) -> None:
-        try:
-            while not self.stopping.is_set():
-                for note in self.con.notifies(timeout=1.0):
-                    if note.payload == self.job_id and not self.stopping.is_set():
-                        self.wake()
-        except psycopg.Error:
-            pass   # the database went away: the waiter's own looks at its row go on
-        finally:
-            self.con.close()
+        # Between the waiter's own statements nothing reads the connection: this does.
+        while not self.stopping.is_set():
+            self.db.take_notes(1.0)
 
     def stop(self) -> None:
-        """Not waited for: the thread leaves within a second, closing its connection."""
         self.stopping.set()
+        self.db.unlisten(TURNS)
 
 
 def redacted(url: str) -> str:

@@ -366,3 +366,45 @@ def test_two_users_real_jobs_wait_in_one_queue_and_the_next_starts_when_the_othe
     finally:
         for name in ids:
             (base / f"open-{name}").touch()
+
+
+def test_a_waiting_job_holds_one_connection_to_the_team_store(pai_home, tmp_path, postgres, monkeypatch):
+    """Its master listens for its turn on the connection it reads the store with:
+    N waiting jobs hold N connections (max_connections bounds the queue by that)."""
+    import psycopg
+
+    from paicli.cluster.scheduler import machine_cpu
+
+    url = postgres.new_database()
+    monkeypatch.setenv("PAI_STORE", url)
+    monkeypatch.delenv("PAI_QUOTA", raising=False)
+    gate = tmp_path / "gate.py"
+    shutil.copy(ROOT / "tests" / "scripts" / "gate.py", gate)
+    whole = '-Dcluster={"worker":{"count":1,"cpu":%d}}' % machine_cpu()
+
+    def submit(env=None):
+        done = pai("--detach", "-name", "python", f"-Dscript={gate}", f"-DuserDefinedParameters={tmp_path / 'open'}",
+                   whole, env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()[0]
+
+    def jobs():
+        return {j["id"]: j for j in json.loads(pai("list", "--json").stdout)}
+
+    def connections(con):   # of the waiting jobs' processes: libpq names them by PGAPPNAME
+        return con.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
+                           " AND application_name = 'pai-waiting'").fetchone()[0]
+
+    ids = []
+    with psycopg.connect(url, autocommit=True) as con:
+        try:
+            ids.append(submit())
+            assert wait_until(lambda: jobs()[ids[0]]["status"] == "Running", 60)
+            ids += [submit({"PGAPPNAME": "pai-waiting"}) for _ in range(5)]
+            # Each has said why it waits: it listens for its turn since before that.
+            assert wait_until(lambda: all(jobs()[i]["status"] == "Waiting" and jobs()[i]["reason"] for i in ids[1:]),
+                              60)
+            assert wait_until(lambda: connections(con) == 5, 30), connections(con)
+        finally:
+            (tmp_path / "open").touch()
+        assert wait_until(lambda: {j["status"] for j in jobs().values()} == {"Succeeded"}, 120), jobs()

@@ -10,12 +10,14 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 import pg
 from conftest import PAI, ROOT, job_id_from, pai, wait_until
+from netns import module_cluster
 from paicli.store import SCHEMA_VERSION, Store
 
 
@@ -101,6 +103,9 @@ def team(postgres):
         for user in users:
             user.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+team_cluster = module_cluster(2, "ptm", 230, name="team_cluster")
 
 
 def test_each_user_lists_their_own_jobs_all_lists_the_teams_and_only_owners_or_admins_act(team):
@@ -274,7 +279,6 @@ def test_what_another_machines_job_holds_is_freed_once_its_master_stops_renewing
     """kill -9 of a master on another machine: nothing here can see its pid; its
     lease lapses, and the card it held goes to the next job."""
     import subprocess as sp
-    import time
 
     from test_queue import TWO, record
 
@@ -304,7 +308,6 @@ def test_what_another_machines_job_holds_is_freed_once_its_master_stops_renewing
 def test_jobs_run_on_through_an_outage_of_the_store_and_it_catches_up_after(pai_home, tmp_path, monkeypatch):
     """PostgreSQL stopped for 20 s while 5 jobs run (they end meanwhile): they all
     succeed, their masters' writes reach the store once it is back."""
-    import time
 
     ok, why = pg.can_run()
     if not ok:
@@ -408,3 +411,93 @@ def test_a_waiting_job_holds_one_connection_to_the_team_store(pai_home, tmp_path
         finally:
             (tmp_path / "open").touch()
         assert wait_until(lambda: {j["status"] for j in jobs().values()} == {"Succeeded"}, 120), jobs()
+
+
+def test_three_users_real_jobs_on_ssh_hosts_share_four_cards_by_priority_and_quota(team, team_cluster):
+    """Real masters of three Unix users, one-card jobs on two SSH hosts of two
+    declared cards each. While 4 gate jobs hold the cards, alice and bob queue 6
+    jobs each (priorities rising as they submit) and carol one job of project
+    vision, whose quota is one card and whose gate job holds it. Then the gates
+    open: never more than 4 cards claimed, every job ends, a higher-priority job
+    never starts after a lower one ended, carol's waits naming its project until
+    her gate job ends."""
+    import psycopg
+
+    from paicli.runners.runtimes import runtime_root
+
+    url, (alice, bob), base = team
+    gates = Path(tempfile.mkdtemp(prefix="pai-team-gates-", dir="/var/tmp"))   # the hosts' /tmp is their own
+    gates.chmod(0o755)
+    carol = None
+    try:
+        carol = pg.UnixUser("pai-carol", base)
+        with psycopg.connect(url, autocommit=True) as con:
+            con.execute('DROP ROLE IF EXISTS "pai-carol"')
+            con.execute('CREATE ROLE "pai-carol" LOGIN IN ROLE team')
+        users = {u.name: u for u in (alice, bob, carol)}
+        env, folder = {}, {}
+        for name, user in users.items():
+            folder[name] = user.home / "proj"
+            folder[name].mkdir()
+            shutil.copy(ROOT / "tests" / "scripts" / "gate.py", folder[name] / "gate.py")
+            (folder[name] / "short.py").write_text("import time\ntime.sleep(1)\n")
+            for key in ("client_key", "known_hosts"):   # the cluster's key, each user's own copy
+                shutil.copy(getattr(team_cluster, key), user.home / key)
+            nodes = {"known_hosts": str(user.home / "known_hosts"),
+                     "nodes": [{**n, "key": str(user.home / "client_key"), "cpu": 400, "gpu": 2,
+                                "runtime_dir": str(runtime_root())} for n in team_cluster.nodes()]}
+            (user.home / "nodes.yaml").write_text(json.dumps(nodes))
+            subprocess.run(["chown", "-R", name, str(user.home)], check=True)
+            env[name] = {"PAI_STORE": url.replace("//pai@", f"//{name}@"), "PAI_NODES": str(user.home / "nodes.yaml")}
+
+        def submit(name, *args):
+            done = subprocess.run(users[name].argv("-m", "paicli", "--detach", "-name", "python", *args,
+                                                   '-Dcluster={"worker":{"count":1,"gpu":100}}', env=env[name]),
+                                  capture_output=True, text=True, timeout=120, cwd=folder[name])
+            assert done.returncode == 0, done.stdout + done.stderr
+            return done.stdout.split()[0]
+
+        done = alice.run("quota", "set", "vision", "gpu=100", env=env["pai-alice"])
+        assert done.returncode == 0, done.stderr
+        gate_ids = {submit(name, "-Dscript=gate.py", f"-DuserDefinedParameters={gates / name}",
+                           *(["-project=vision"] if name == "pai-carol" else []))
+                    for name in ("pai-alice", "pai-alice", "pai-bob", "pai-carol")}
+        store = psycopg.connect(url, autocommit=True)
+
+        def statuses():
+            return dict(store.execute("SELECT id, status FROM jobs").fetchall())
+
+        def cards_held():
+            return store.execute("SELECT COUNT(*) FROM claims c JOIN jobs j ON j.id = c.job_id"
+                                 " WHERE c.kind = 'gpu' AND j.status IN ('Waiting', 'Running')").fetchone()[0]
+
+        assert wait_until(lambda: all(statuses().get(i) == "Running" for i in gate_ids), 120), statuses()
+        priority = {}
+        for n in range(6):
+            for name, p in (("pai-alice", 2 * n + 1), ("pai-bob", 2 * n + 2)):
+                priority[submit(name, "-Dscript=short.py", f"-Dpriority={p}")] = p
+        over = submit("pai-carol", "-Dscript=short.py", "-project=vision", "-Dpriority=99")
+        line = lambda: store.execute("SELECT reason FROM jobs WHERE id = %s", (over,)).fetchone()[0] or ""
+        assert wait_until(lambda: "project vision over its quota" in line(), 60), line()
+        for name in ("pai-alice", "pai-bob"):
+            (gates / name).touch()
+        most, deadline = 0, time.monotonic() + 300
+        while not all(statuses()[i] in ("Succeeded", "Failed", "Cancelled") for i in priority):
+            most = max(most, cards_held())
+            assert statuses()[over] == "Waiting" and time.monotonic() < deadline, statuses()
+            time.sleep(0.1)
+        assert 0 < most <= 4 and statuses()[over] == "Waiting" and "project vision over its quota" in line()
+        (gates / "pai-carol").touch()
+        assert wait_until(lambda: set(statuses().values()) == {"Succeeded"}, 120), statuses()
+        times = {i: store.execute("SELECT started, ended FROM jobs WHERE id = %s", (i,)).fetchone() for i in priority}
+        for a in priority:
+            for b in priority:
+                assert not (priority[a] > priority[b] and times[a][0] > times[b][1]), \
+                    f"priority {priority[a]} started after priority {priority[b]} ended"
+        store.close()
+    finally:
+        if carol is not None:
+            carol.close()
+        for name in ("pai-alice", "pai-bob", "pai-carol"):
+            (gates / name).touch()
+        shutil.rmtree(gates, ignore_errors=True)

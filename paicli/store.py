@@ -803,12 +803,16 @@ class Store:
             db.execute("UPDATE queue SET waiter = ? WHERE job_id = ?", (waiter, job_id))
 
     def queue_fingerprint(self) -> tuple:
-        """Changes whenever the queue's verdicts may: jobs queued, what live jobs hold."""
+        """Changes whenever the queue's verdicts may: jobs queued, what live jobs hold,
+        the live jobs whose master stopped renewing its lease (a master killed outright
+        changes nothing else until its job is recorded ended)."""
         return tuple(self.db.execute(
             "SELECT (SELECT COUNT(*) FROM queue),"
             " (SELECT COUNT(*) FROM holds h JOIN jobs j ON j.id = h.job_id WHERE j.status IN ('Waiting', 'Running')),"
             " (SELECT COUNT(*) FROM claims c JOIN jobs j ON j.id = c.job_id"
-            "  WHERE c.kind = 'gpu' AND j.status IN ('Waiting', 'Running'))").fetchone())
+            "  WHERE c.kind = 'gpu' AND j.status IN ('Waiting', 'Running')),"
+            " (SELECT COUNT(*) FROM jobs WHERE status IN ('Waiting', 'Running') AND lease < ?)",
+            (time.time() - LEASE,)).fetchone())
 
     def queue_holds(self, job_id: str) -> list[sqlite3.Row]:
         return self.db.execute("SELECT * FROM holds WHERE job_id = ? ORDER BY node", (job_id,)).fetchall()

@@ -306,7 +306,7 @@ def test_what_another_machines_job_holds_is_freed_once_its_master_stops_renewing
 
 
 def test_jobs_run_on_through_an_outage_of_the_store_and_it_catches_up_after(pai_home, tmp_path, monkeypatch):
-    """PostgreSQL stopped for 20 s while 5 jobs run (they end meanwhile): they all
+    """PostgreSQL stopped for 30 s while 5 jobs run (they end meanwhile): they all
     succeed, their masters' writes reach the store once it is back."""
 
     ok, why = pg.can_run()
@@ -324,7 +324,7 @@ def test_jobs_run_on_through_an_outage_of_the_store_and_it_catches_up_after(pai_
             ids.append(done.stdout.split()[0])
         assert wait_until(lambda: {j["status"] for j in json.loads(pai("list", "--json").stdout)} == {"Running"}, 60)
         server.stop()
-        time.sleep(20)
+        time.sleep(30)
         server.start()
         ended = wait_until(lambda: (lambda jobs: jobs if all(j["status"] not in ("Waiting", "Running") for j in jobs)
                                     else None)(json.loads(pai("list", "--all", "--json").stdout)), 120, 1.0)
@@ -501,3 +501,46 @@ def test_three_users_real_jobs_on_ssh_hosts_share_four_cards_by_priority_and_quo
         for name in ("pai-alice", "pai-bob", "pai-carol"):
             (gates / name).touch()
         shutil.rmtree(gates, ignore_errors=True)
+
+
+def test_kill_9_of_a_real_master_frees_what_it_held_and_the_next_users_job_starts(team):
+    """alice's job holds every core; bob's waits for them. SIGKILL of alice's master
+    (its pid from the store): what it held is freed (its pid is gone, and its lease
+    lapses after LEASE) and bob's master, at the head, runs the policy again and starts."""
+    import signal
+
+    import psycopg
+
+    from paicli.cluster.scheduler import machine_cpu
+    from paicli.store import LEASE
+
+    url, (alice, bob), base = team
+    gate = base / "gate.py"
+    shutil.copy(ROOT / "tests" / "scripts" / "gate.py", gate)
+    gate.chmod(0o644)
+    whole = '-Dcluster={"worker":{"count":1,"cpu":%d}}' % machine_cpu()
+    env = {user.name: {"PAI_STORE": url.replace("//pai@", f"//{user.name}@")} for user in (alice, bob)}
+    ids = {}
+    store = psycopg.connect(url, autocommit=True)
+
+    def job(job_id):
+        return store.execute("SELECT status, master_pid FROM jobs WHERE id = %s", (job_id,)).fetchone()
+
+    try:
+        for user in (alice, bob):
+            done = user.run("--detach", "-name", "python", f"-Dscript={gate}",
+                            f"-DuserDefinedParameters={base / ('open-' + user.name)}", whole, env=env[user.name])
+            assert done.returncode == 0, done.stderr
+            ids[user.name] = done.stdout.split()[0]
+        assert wait_until(lambda: job(ids["pai-alice"])[0] == "Running", 60)
+        reason = lambda: store.execute("SELECT reason FROM jobs WHERE id = %s", (ids["pai-bob"],)).fetchone()[0] or ""
+        assert wait_until(lambda: f"held by {ids['pai-alice']}" in reason(), 60), reason()
+        assert job(ids["pai-bob"])[0] == "Waiting"
+        os.kill(job(ids["pai-alice"])[1], signal.SIGKILL)
+        assert wait_until(lambda: job(ids["pai-bob"])[0] == "Running", LEASE + 60, 0.5), job(ids["pai-bob"])
+        (base / "open-pai-bob").touch()
+        assert wait_until(lambda: job(ids["pai-bob"])[0] == "Succeeded", 60)
+    finally:
+        for name in ("pai-alice", "pai-bob"):
+            (base / f"open-{name}").touch()
+        store.close()

@@ -1,0 +1,100 @@
+"""Quantised serving (paicli/serving_quant.py): models trained here in their real
+runtimes (tests/scripts/serving_models.py), converted to ONNX, quantised to int8 with
+ONNX Runtime and checked on a labelled CSV; an int8 model that loses too much is
+refused in one line with exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paicli.errors import UsageError
+from paicli.runners.runtimes import get_runtime
+from paicli.serving_quant import accuracy_refusal, quantize
+
+SCRIPT = Path(__file__).parent / "scripts" / "serving_models.py"
+
+
+def _train(kind: str, runtime: str, folder: Path) -> Path:
+    rt = get_runtime(runtime)
+    rt.ensure(lambda line: print(line, file=sys.stderr))
+    folder.mkdir()
+    done = subprocess.run([rt.python(), str(SCRIPT), kind, str(folder)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def keras_cnn(tmp_path_factory):
+    return _train("keras-cnn", "tensorflow", tmp_path_factory.mktemp("quant") / "keras")
+
+
+def test_a_keras_cnn_is_quantised_checked_and_kept(keras_cnn):
+    lines = []
+    path, report = quantize(str(keras_cnn / "model.keras"), "keras", str(keras_cnn / "check.csv"), 1.0, lines.append)
+    assert report["rows"] == 500
+    assert report["float_accuracy"] > 80   # the rule is learnt: the check means something
+    assert report["float_accuracy"] - report["int8_accuracy"] <= 1.0
+    assert report["int8_bytes"] < report["float_bytes"] / 2
+    assert Path(path).name == "int8.onnx" and Path(path).is_file()
+    assert report["line"] in lines and f"{report['float_accuracy']:.2f}% float" in report["line"]
+    assert any("converting the keras model to ONNX" in line for line in lines)
+
+    again = []
+    assert quantize(str(keras_cnn / "model.keras"), "keras", str(keras_cnn / "check.csv"), 1.0,
+                    again.append)[0] == path
+    assert not any("converting" in line for line in again)   # the same model and CSV: kept
+
+
+def test_an_int8_model_losing_accuracy_is_refused_in_one_line(keras_cnn):
+    # One row of huge values in the calibration sample stretches the input's int8
+    # range until every ordinary pixel rounds to zero: the float model is still right.
+    with pytest.raises(UsageError) as caught:
+        quantize(str(keras_cnn / "model.keras"), "keras", str(keras_cnn / "outlier.csv"), 1.0, lambda line: None)
+    err = caught.value
+    assert err.exit_code == 2 and "\n" not in str(err)
+    assert str(err).startswith("-DmaxAccuracyDrop=1: the int8 model's accuracy ")
+    assert "points below the float model's" in str(err) and "on 501 rows of outlier.csv" in str(err)
+    assert not list((Path(str(keras_cnn)).parent.parent).glob("**/.*.partial"))
+
+
+def test_a_gluon_cnn_is_converted_and_quantised(tmp_path):
+    folder = _train("gluon-cnn", "mxnet", tmp_path / "gluon")
+    path, report = quantize(str(folder / "model-symbol.json"), "gluon", str(folder / "check.csv"), 1.0,
+                            lambda line: None)
+    assert report["float_accuracy"] > 80
+    assert report["float_accuracy"] - report["int8_accuracy"] <= 1.0
+    assert Path(path).is_file()
+
+
+def test_a_bad_check_csv_is_one_line(keras_cnn, tmp_path):
+    path, _ = quantize(str(keras_cnn / "model.keras"), "keras", str(keras_cnn / "check.csv"), 1.0, lambda line: None)
+    float_model = str(Path(path).parent / "float.onnx")
+    rows = (keras_cnn / "check.csv").read_text().splitlines()
+    bad = tmp_path / "bad.csv"
+    bad.write_text("\n".join(rows[:3] + ["x" + rows[3]]) + "\n")
+    with pytest.raises(UsageError, match=rf"^-Dquantize=int8: {bad}: line 4 holds a value that is not a number; "):
+        quantize(float_model, "onnx", str(bad), 1.0, lambda line: None)
+    narrow = tmp_path / "narrow.csv"
+    narrow.write_text("0.5,0.5,1\n")
+    with pytest.raises(UsageError, match=r"input row has shape \[28, 28, 1\], the check rows 2 values"):
+        quantize(float_model, "onnx", str(narrow), 1.0, lambda line: None)
+    with pytest.raises(UsageError, match=r"^-DcheckData: .*/missing.csv: no such file"):
+        quantize(float_model, "onnx", str(tmp_path / "missing.csv"), 1.0, lambda line: None)
+
+
+def test_a_caffe_model_is_refused_before_any_work(tmp_path):
+    with pytest.raises(UsageError, match=r"^-Dquantize=int8: a caffe model has no ONNX converter here"):
+        quantize(str(tmp_path / "deploy.prototxt"), "caffe", str(tmp_path / "check.csv"), 1.0, lambda line: None)
+
+
+def test_the_allowed_drop_is_inclusive():
+    report = {"rows": 200, "float_accuracy": 97.5, "int8_accuracy": 96.5}
+    assert accuracy_refusal(report, 1.0, "/d/check.csv") is None
+    assert accuracy_refusal({**report, "int8_accuracy": 98.0}, 0, "/d/check.csv") is None
+    assert accuracy_refusal(report, 0.5, "/d/check.csv") == (
+        "-DmaxAccuracyDrop=0.5: the int8 model's accuracy 96.50% is 1.00 points below the float model's "
+        "97.50% on 200 rows of check.csv")

@@ -61,6 +61,14 @@ def test_an_int8_model_losing_accuracy_is_refused_in_one_line(keras_cnn):
     assert not list((Path(str(keras_cnn)).parent.parent).glob("**/.*.partial"))
 
 
+def test_a_savedmodel_is_converted_from_its_serving_signature(keras_cnn):
+    _, keras = quantize(str(keras_cnn / "model.keras"), "keras", str(keras_cnn / "check.csv"), 1.0, lambda line: None)
+    path, report = quantize(str(keras_cnn / "savedmodel"), "savedmodel", str(keras_cnn / "check.csv"), 1.0,
+                            lambda line: None)
+    assert report["float_accuracy"] == keras["float_accuracy"]   # the same network, the same answers
+    assert Path(path).is_file()
+
+
 def test_a_gluon_cnn_is_converted_and_quantised(tmp_path):
     folder = _train("gluon-cnn", "mxnet", tmp_path / "gluon")
     path, report = quantize(str(folder / "model-symbol.json"), "gluon", str(folder / "check.csv"), 1.0,

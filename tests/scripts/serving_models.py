@@ -4,7 +4,7 @@ the serving tests and bench/bench_serving.py. Runs in the framework's runtime:
     serving_models.py keras-cnn|keras-mlp|gluon-cnn OUT_DIR [--rows N] [--epochs E] [--width W]
 
 The rule: each of 10 classes has a fixed random 28x28 template; an image is its
-class's template at half strength plus unit noise. Writes the model (OUT_DIR/model.keras,
+class's template at half strength plus unit noise. Writes the model (OUT_DIR/model.keras and OUT_DIR/savedmodel,
 or OUT_DIR/model-symbol.json + model-0000.params), OUT_DIR/check.csv (500 held-out rows:
 the image flattened in the model's layout, then the label) and OUT_DIR/outlier.csv
 (the same with one row of huge values first: a calibration sample that ruins int8).
@@ -41,6 +41,7 @@ def keras_model(kind, width, images, labels, epochs, out):
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(images[..., None], labels, epochs=epochs, batch_size=64, verbose=0)
     model.save(os.path.join(out, "model.keras"))
+    model.export(os.path.join(out, "savedmodel"), verbose=False)
     return lambda rows: model.predict(rows.reshape(-1, 28, 28, 1), verbose=0)
 
 

@@ -119,6 +119,18 @@ def cancel(store: Store, job_id: str, reason: str = "cancelled by user", wait: f
     return True
 
 
+def request_scale(store: Store, job_id: str, role: str, count: int) -> None:
+    """Ask a running job's master for `count` instances of `role`: the count in the
+    store, then SIGUSR1 to the master (pid and start time verified), which acts on it."""
+    store.set_task_count(job_id, role, count)
+    job = store.job(job_id)
+    try:
+        if not signal_verified(job["master_pid"], job["master_start"], signal.SIGUSR1):
+            raise PaiError(f"the master of {job_id} is gone", f"`pai status {job_id}` shows the job")
+    except Unverified as err:
+        raise PaiError(f"the master of {job_id}: {err}", f"`pai status {job_id}` shows the job") from None
+
+
 def _end_master(store: Store, job_id: str, deadline: float, report: Report) -> None:
     """SIGTERM the master (it stops its instances and records them), wait until it
     is gone and nothing runs, or the deadline; then SIGKILL it, so a master blocked

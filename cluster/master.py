@@ -20,14 +20,14 @@ from pathlib import Path
 
 from paicli import jobstatus
 from paicli.cluster import (backends, datasets, distribution, lifecycle, outputs, placement as placing, policy,
-                            queue_turns, requirement_layers as job_layers, workdir)
+                            queue_turns, requirement_layers as job_layers, router, workdir)
 from paicli.cluster.backends import backend_for_job, job_config
 from paicli.cluster.backends.base import NODE_LOST, Backend, Handle, Placement
 from paicli.cluster.job_placement import place_job, read_placements, write_placements
 from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
 from paicli.cluster.procinfo import start_time
-from paicli.cluster.spawn import Watchdog, spawn_watchdog
+from paicli.cluster.spawn import RouterProcess, Watchdog, spawn_watchdog, start_router, stop_router
 from paicli.errors import PaiError, UsageError
 from paicli.jobplan import JobPlan, RolePlan
 from paicli.states import InstanceStatus, JobStatus
@@ -151,6 +151,7 @@ class JobMaster:
         self.watchdog: Watchdog | None = None
         self.untold: list[str] = []   # what the watchdog is told once it runs
         self.failure: tuple[JobStatus, str | None] | None = None
+        self.router: RouterProcess | None = None   # the plan's front, once started
         self.recorded_fd = recorded_fd   # closed once the job's record is complete: the CLI's end
 
     # -- entry ------------------------------------------------------------------
@@ -173,6 +174,8 @@ class JobMaster:
             return 0
         if not self.store.set_job(self.job_id, JobStatus.RUNNING):
             return 0  # cancelled before we got going
+        # `pai serve scale` (lifecycle.request_scale): the store is looked at in the next round.
+        signal.signal(signal.SIGUSR1, self._on_scale)
         try:
             if self.placements is None and self.backend.places_jobs:
                 # Ray: waits while the cluster is busy (the job's timeout covers it).
@@ -182,6 +185,8 @@ class JobMaster:
             placed = {(p.role, p.idx): p for p in self.placements}
             for inst in self.instances:
                 inst.placed = placed[(inst.role.name, inst.idx)]
+            if self.plan.front:
+                self._start_router()
             self.backend.prepare(str(self.job_dir), self.plan, self.placements)
             datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note)   # DATA
             workdir.stage(self.backend, self.job_dir, self.joblog.note)
@@ -224,6 +229,9 @@ class JobMaster:
     def _on_signal(self, signum, frame) -> None:
         self.cancel_reason = self.cancel_reason or "cancelled"
 
+    def _on_scale(self, signum, frame) -> None:
+        self.last_store_check = 0.0
+
     def _start_watchdog(self) -> None:
         # The watchdog holds the read end of a pipe only we write to: when we die,
         # however we die, it reads EOF and ends the instances.
@@ -242,6 +250,39 @@ class JobMaster:
                 self.watchdog.stdin.flush()
             except OSError:
                 pass
+
+    # -- the router in front of a serving role (cluster/router.py) ------------------------
+
+    def _start_router(self) -> None:
+        """Its port bound here first (a busy one fails the job in one line), then the
+        router on it; the watchdog learns it like an instance."""
+        sock = router.listen(self.plan.front)
+        try:
+            self.router = start_router(sock.fileno(), self.job_dir / "plan.json", self.job_dir / "router.log")
+        finally:
+            sock.close()
+        self._tell_watchdog(f"router {json.dumps(self.router.ref.to_dict())}")
+        self.joblog.note(f"serving at {router.url_of(self.plan.front)}")
+
+    def _tell_router(self, inst: Instance, up: bool) -> None:
+        if self.router is None or inst.role.name != self.plan.front["role"]:
+            return
+        line = f"up {inst.name} {inst.placed.host}:{inst.port}" if up else f"down {inst.name}"
+        try:
+            self.router.stdin.write(f"{line}\n".encode())
+            self.router.stdin.flush()
+        except OSError:
+            pass   # it is gone: the job's end stops what is left of it
+
+    def _stop_router(self) -> None:
+        if self.router is None:
+            return
+        try:
+            self.router.stdin.close()   # EOF: it stops accepting and finishes what is in flight
+        except OSError:
+            pass
+        stop_router(self.router.ref, self.stop_timeout)
+        self.router = None
 
     # -- one way to change an instance's state -------------------------------------
 
@@ -377,6 +418,8 @@ class JobMaster:
             self.store.record_attempt(self.job_id, role.name, inst.idx, inst.attempt, ended=time.time(),
                                       exit_code=code)
             inst.handle = None
+            return
+        self._tell_router(inst, up=True)
 
     def _recorded(self) -> None:
         """The job's record is complete: the CLI that forked this master ends now."""
@@ -417,6 +460,10 @@ class JobMaster:
                 self.last_store_check = now
                 if JobStatus(self.store.job(self.job_id)["status"]).is_terminal():
                     self.cancel_reason = self.cancel_reason or "cancelled"
+                elif self.plan.front:
+                    self._rescale()
+                    if self.failure:
+                        return self.failure
             if self.cancel_reason:
                 return JobStatus.CANCELLED, self.cancel_reason
 
@@ -547,6 +594,7 @@ class JobMaster:
 
     def _end_attempt(self, inst: Instance, code: int) -> None:
         inst.exit_code = code
+        self._tell_router(inst, up=False)
         if inst.handle is not None:
             # Whatever the instance left running in its group goes with it.
             if code != NODE_LOST:
@@ -605,9 +653,10 @@ class JobMaster:
     ON_VERDICT = {policy.FINISHED: _on_finished, policy.RESTART_JOB_: _on_restart_job,
                   policy.RESTART_INSTANCE: _on_restart_instance, policy.FAIL: _on_fail}
 
-    def _move(self, inst: Instance) -> None:
-        """Place `inst` again, away from the nodes this job lost, with what the
-        job's other instances leave free. UsageError when no node has room."""
+    def _move(self, inst: Instance, added: bool = False) -> None:
+        """Place `inst` again (or, `added`, for the first time), away from the nodes
+        this job lost, with what the job's other instances leave free. UsageError
+        when no node has room."""
         if self.backend.places_jobs:
             # Ray moves the lost node's bundle to a node with room, waiting for one.
             new = self.backend.place_instance(inst.role.name, inst.idx, inst.attempt + 1, self.joblog.note,
@@ -622,16 +671,61 @@ class JobMaster:
             self.store.release_claims(self.job_id, "gpu", inst.placed.node, list(inst.placed.gpus))
             if new.gpus and not self.store.claim("gpu", new.node, list(new.gpus), self.job_id):
                 raise OSError(f"GPUs {','.join(new.gpus)} on {new.node} were taken meanwhile")
-        self.joblog.note(f"{inst.name} moves from {inst.placed.node} to {new.node}")
-        self.store.event(self.job_id, "moved", f"{inst.name}: {inst.placed.node} -> {new.node}",
-                         inst.role.name, inst.idx)
+        if added:
+            self.joblog.note(f"{inst.name} added on {new.node}")
+        else:
+            self.joblog.note(f"{inst.name} moves from {inst.placed.node} to {new.node}")
+            self.store.event(self.job_id, "moved", f"{inst.name}: {inst.placed.node} -> {new.node}",
+                             inst.role.name, inst.idx)
         inst.placed = new
         self.placements = [new if (p.role, p.idx) == (new.role, new.idx) else p for p in self.placements or []]
+        if added:
+            self.placements.append(new)
         write_placements(self.job_dir, self.placements)
-        queue_turns.placed_again(self.store, self.job_id, self.plan, self.placements)
+        queue_turns.placed_again(self.store, self.job_id, [i.demand for i in self.instances], self.placements)
         self.backend.prepare(str(self.job_dir), self.plan, [new])
         datasets.stage(self.backend, self.job_dir, self.plan, self.placements, self.joblog.note, {new.node})   # DATA
         workdir.stage(self.backend, self.job_dir, self.joblog.note, {new.node})
+
+    def _rescale(self) -> None:
+        """As many instances of the front's role as the store asks for (`pai serve
+        scale`): new ones placed as a moved one is, with the others reserved; the
+        highest-numbered removed, each out of the router before the one stop path."""
+        role = self.plan.role(self.plan.front["role"])
+        want = next(task["count"] for task in self.store.tasks(self.job_id) if task["role"] == role.name)
+        used = 1 + max(row["idx"] for row in self.store.instances(self.job_id) if row["role"] == role.name)
+        mine = {inst.idx: inst for inst in self.instances if inst.role is role}
+        add, remove = policy.scale_steps(list(mine), used, want)
+        for idx in remove:
+            inst = mine[idx]
+            self.joblog.note(f"{inst.name} removed (scaled to {want})")
+            self._stop([inst], InstanceStatus.TERMINATED)
+            if inst.status == InstanceStatus.WAITING:
+                self._set(inst, InstanceStatus.KILLED, "scaled down")
+            self.store.release_claims(self.job_id, "gpu", inst.placed.node, list(inst.placed.gpus))
+            self.instances.remove(inst)
+            self.must_finish = [i for i in self.must_finish if i is not inst]
+            self.placements = [p for p in self.placements or [] if (p.role, p.idx) != (role.name, idx)]
+        if remove:
+            write_placements(self.job_dir, self.placements)
+            queue_turns.placed_again(self.store, self.job_id, [i.demand for i in self.instances], self.placements)
+        for idx in add:
+            inst = Instance(role, idx, Placement(role.name, idx, "", ""))
+            self.store.add_instance(self.job_id, role.name, idx)
+            self.instances.append(inst)
+            if role.must_finish:
+                self.must_finish.append(inst)
+            try:
+                self._move(inst, added=True)
+            except (UsageError, OSError) as err:
+                self.joblog.note(f"{inst.name} cannot be added: {err}")
+                self._set(inst, InstanceStatus.FAILED, f"no node has room: {err}")
+                self.instances.remove(inst)
+                self.must_finish = [i for i in self.must_finish if i is not inst]
+                self.store.set_task_count(self.job_id, role.name, len(mine) + add.index(idx))
+                return
+            self._assign_ports([inst])
+            self._launch(inst)
 
     def _restart_job(self, failed: Instance, code: int, ended_on: str | None) -> None:
         """Stop every instance, take fresh ports, start them all again (a job-level
@@ -668,6 +762,8 @@ class JobMaster:
         deadline = time.monotonic() + grace
         while grace and time.monotonic() < deadline and any(self.backend.poll(i.handle) is None for i in insts):
             self._pump(POLL_SECONDS)
+        for inst in insts:
+            self._tell_router(inst, up=False)   # out of the router before its SIGTERM
         live = [i for i in insts if self.backend.poll(i.handle) is None]
         for inst in live:
             self.store.event(self.job_id, "stop", f"SIGTERM to {inst.name}", inst.role.name, inst.idx)
@@ -704,6 +800,7 @@ class JobMaster:
                 self.joblog.note("the job was ended from outside; stopping every instance")
             self._stop(running, InstanceStatus.KILLED)
             datasets.finish(self.job_dir, self.backend, False, self.joblog.note)   # DATA: rows fetched, no table
+        self._stop_router()
         for inst in self.instances:
             if inst.status == InstanceStatus.WAITING:
                 self._set(inst, InstanceStatus.KILLED, "never restarted")

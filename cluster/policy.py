@@ -129,3 +129,12 @@ def stop_timeout_or_default(env: Mapping[str, str] | None = None) -> tuple[float
 def check_launcher_env(env: Mapping[str, str] | None = None) -> None:
     """Every launcher setting a submit hands to its master, checked at submit."""
     stop_timeout(env)
+
+
+def scale_steps(active: list[int], used: int, want: int) -> tuple[list[int], list[int]]:
+    """(indices to add, indices to remove) to go from the `active` instances of a role
+    to `want`: new ones numbered after every index the job ever `used` (a row of the
+    store is never reused), the highest-numbered removed first."""
+    if want >= len(active):
+        return list(range(used, used + want - len(active))), []
+    return [], sorted(active)[want:][::-1]

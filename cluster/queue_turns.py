@@ -198,11 +198,12 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
-def placed_again(store: Store, job_id: str, plan, placements: list[Placement]) -> None:
-    """A started job moved an instance (failover): what it holds follows it."""
+def placed_again(store: Store, job_id: str, demands: list[placing.Demand], placements: list[Placement]) -> None:
+    """A started job moved, added or removed an instance (failover, scaling): what
+    it holds follows."""
     if store.queue_holds(job_id):
         project = store.job(job_id)["project"]
-        holds = policy.holds_of(job_id, project, placing.demands(plan), placements)
+        holds = policy.holds_of(job_id, project, demands, placements)
         store.set_holds(job_id, project, [(h.node, h.cpu, h.memory, h.gpu) for h in holds])
 
 

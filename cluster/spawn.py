@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from paicli.cluster.backends.base import NodeSpec
-from paicli.cluster.procinfo import let_go_inherited
+from paicli.cluster.backends.base import InstanceRef, NodeSpec, agent_ref
+from paicli.cluster.procinfo import boot_id, let_go_inherited, proc_stat
 from paicli.errors import PaiError, UsageError
 from paicli.private import open_append_fd
+from paicli.runners import node_agent
 from paicli.store import every_store_closed
 
 
@@ -235,6 +236,40 @@ def spawn_watchdog(job_id: str, log_path: Path) -> Watchdog:
     finally:
         os.close(read_fd)
     return Watchdog(pid, os.fdopen(write_fd, "wb"))
+
+
+# -- a serving job's router ---------------------------------------------------------
+
+
+@dataclass
+class RouterProcess:
+    ref: InstanceRef   # its identity, for the one stop path (the watchdog's too)
+    stdin: BinaryIO    # the master's lines (`up NAME HOST:PORT`, `down NAME`); EOF ends it
+
+
+def start_router(sock_fd: int, plan_path: Path, log_path: Path) -> RouterProcess:
+    """The router of a serving job (cluster/router.py) on the listening socket
+    `sock_fd`, a pipe on its stdin whose write end stays the caller's alone."""
+    read_fd, write_fd = pipe()
+    os.set_inheritable(write_fd, False)
+    try:
+        pid = start_in_session("paicli.cluster.router", [str(sock_fd), str(plan_path)], log_path,
+                               cwd=plan_path.parent, stdin_fd=read_fd, keep=(sock_fd,))
+    except BaseException:
+        os.close(write_fd)
+        raise
+    finally:
+        os.close(read_fd)
+    stat = proc_stat(pid)   # a forked one leads no group: its session's first process does
+    ref = InstanceRef(backend="local", node="local", host="127.0.0.1", pid=pid, pgid=stat.pgid if stat else pid,
+                      start=stat.start if stat else None, boot_id=boot_id())
+    return RouterProcess(ref, os.fdopen(write_fd, "wb"))
+
+
+def stop_router(ref: InstanceRef, timeout: float) -> bool:
+    """The one stop, identity checked, on this machine (where every router runs,
+    whatever the job's backend): SIGTERM, `timeout` seconds, SIGKILL."""
+    return bool(node_agent.stop_refs([agent_ref(ref)], timeout))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 from paicli.cluster import lifecycle, outputs
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import InstanceRef
+from paicli.cluster.spawn import stop_router
 from paicli.store import Store
 
 SWEEP_AFTER = 2.0  # the sweep waits out the instances' start
@@ -63,17 +64,22 @@ def main(argv: list[str]) -> int:
     sweeper.start()
     threading.Thread(target=get_ready, args=(job_id,), name="ready", daemon=True).start()
     refs: list[InstanceRef] = []
+    routers: list[InstanceRef] = []   # a serving job's router, on this machine whatever the backend
     done = False
     for line in sys.stdin.buffer:
         word = line.strip()
         if word == b"done":
             done = True
-        elif word.startswith(b"{"):
+        elif word.startswith((b"{", b"router {")):
             try:
-                refs.append(InstanceRef.from_dict(json.loads(word)))
+                ref = InstanceRef.from_dict(json.loads(word.removeprefix(b"router ")))
+                (routers if word.startswith(b"router") else refs).append(ref)
             except (ValueError, KeyError, TypeError):
                 print(f"{time.ctime()}: ignored a bad line from the master: {word[:200]!r}", file=sys.stderr)
     if not done:
+        for ref in routers:
+            if stop_router(ref, lifecycle.STOP_TIMEOUT):
+                print(f"{time.ctime()}: stopped the router {ref.pid}", file=sys.stderr, flush=True)
         store = Store()
         stopped = lifecycle.declare_master_lost(store, job_id, refs)
         print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in stopped]} "

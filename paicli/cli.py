@@ -17,7 +17,7 @@ import time
 import click
 
 from paicli import __version__, cli_logview, cli_nodes, cli_outputs, cli_plan
-from paicli import cli_queue, cli_tune
+from paicli import cli_queue, cli_scale, cli_tune
 from paicli.cli_statement import StatementCommand
 from paicli.cli_tokens import is_bare_statement
 from paicli.commands import (attach, echo_json, echo_log_view, finish, open_store, print_table, run_guarded,
@@ -351,7 +351,7 @@ def console(project):
 # Commands that live in rooms of their own (multi-host nodes, the Pluto planner,
 # the logview page and plots); each module imports its heavy dependencies inside
 # its commands, so `pai --help` stays fast.
-for _module in (cli_nodes, cli_plan, cli_logview, cli_queue, cli_tune, cli_outputs):
+for _module in (cli_nodes, cli_plan, cli_logview, cli_queue, cli_tune, cli_outputs, cli_scale):
     _module.register(cli)
 
 

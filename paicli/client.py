@@ -14,6 +14,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from paicli.adapters import get_adapter
@@ -31,7 +32,7 @@ from paicli.runners.runtimes import RuntimeSetupError, get_runtime
 from paicli.spec import CORE_PARAMS, JobSpec, build_spec
 from paicli.staging import stage_code
 from paicli.statement import Statement, dump_yaml
-from paicli.states import JobStatus
+from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store, new_job_id
 
 
@@ -211,6 +212,28 @@ def revive_queued(store: Store) -> list[str]:
     is gone (after a reboot, when nothing of paicli runs to do it); their IDs.
     Every writer that frees room does this anyway (paicli.cluster.lifecycle)."""
     return lifecycle.revive_queued(store)
+
+
+def scale(store: Store, name_or_job: str, count: int) -> dict[str, Any]:
+    """`pai serve scale`: a running serving job (its ID, an ID prefix or its name)
+    asked for `count` replicas (paicli.cluster.lifecycle.request_scale); its master
+    adds or removes them. {"id", "role", "from", "to"}."""
+    named = store.live_jobs_named(name_or_job)
+    job = named[0] if named else resolve_job(store, name_or_job)
+    where = f"job {job['id']}" + (f" ({job['name']})" if job["name"] else "")
+    plan = JobPlan.from_json((Path(job["job_dir"]) / "plan.json").read_text())
+    if not plan.front:
+        raise UsageError(f"{where} is a {job['framework']} job, not a service", "only a serving job scales")
+    if backends.job_config(Path(job["job_dir"])).get("backend") == "ray":
+        raise UsageError(f"{where} runs on Ray, where a serving job keeps the replicas it started with",
+                         f"submit it again with the count you want (-Dcluster or --replicas)")
+    if refresh(store, job["id"])["status"] != JobStatus.RUNNING.value:
+        raise UsageError(f"{where} is {refresh(store, job['id'])['status']}, not Running", "only a running job scales")
+    role = plan.front["role"]
+    before = sum(1 for row in store.instances(job["id"])
+                 if row["role"] == role and not InstanceStatus(row["status"]).is_terminal())
+    lifecycle.request_scale(store, job["id"], role, count)
+    return {"id": job["id"], "role": role, "from": before, "to": count}
 
 
 def resolve_job(store: Store, job_id: str):

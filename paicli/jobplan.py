@@ -69,6 +69,9 @@ class JobPlan:
     # net, weights): staged on every node (cluster/node_files.py). Nothing else is
     # guessed from argv; an archive's code/ travels whole without being named here.
     inputs: list[str] = field(default_factory=list)
+    # A router in front of one role's instances, run by the master on the submitting
+    # machine (cluster/router.py): {"host", "port", "role"[, "max_body"]}. None: no router.
+    front: dict | None = None
 
     def role(self, name: str) -> RolePlan:
         for role in self.roles:

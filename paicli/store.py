@@ -320,6 +320,11 @@ class Store:
             raise NotFound(f"no job {prefix} in {self.home}", "`pai list` shows the jobs there")
         raise NotFound(f"{prefix} matches more than one job", "give more of the ID")
 
+    def live_jobs_named(self, name: str) -> list[sqlite3.Row]:
+        """The Waiting or Running jobs named `name`, newest first."""
+        return self.db.execute("SELECT * FROM jobs WHERE name = ? AND status IN (?, ?) ORDER BY created DESC",
+                               (name, JobStatus.WAITING.value, JobStatus.RUNNING.value)).fetchall()
+
     def jobs(self, limit: int = 50) -> list[sqlite3.Row]:
         return self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
 
@@ -393,6 +398,17 @@ class Store:
             db.execute("INSERT OR IGNORE INTO attempts (job_id, role, idx, attempt) VALUES (?,?,?,?)",
                        (job_id, role, idx, attempt))
             self._update(db, "attempts", {"job_id": job_id, "role": role, "idx": idx, "attempt": attempt}, fields)
+
+    def set_task_count(self, job_id: str, role: str, count: int) -> None:
+        """How many instances of `role` the job should run (`pai serve scale`; its master acts on it)."""
+        with self.tx() as db:
+            db.execute("UPDATE tasks SET count = ? WHERE job_id=? AND role=?", (count, job_id, role))
+
+    def add_instance(self, job_id: str, role: str, idx: int) -> None:
+        """A new instance of a running job's role (scaled up), Waiting."""
+        with self.tx() as db:
+            db.execute("INSERT INTO instances (job_id, role, idx, status) VALUES (?,?,?,?)",
+                       (job_id, role, idx, InstanceStatus.WAITING.value))
 
     def add_retry(self, job_id: str, role: str) -> None:
         with self.tx() as db:

@@ -215,7 +215,8 @@ def test_a_moved_instance_takes_its_hold_along(tmp_path, monkeypatch):
     queue_turns.dispatch(store)
     assert {p["node"] for p in json.loads(store.take_turn("2026a"))} == {"h1"}
     plan = JobPlan("j", "python", "T", [RolePlan("worker", 2, ["true"], cpu=100)])
-    queue_turns.placed_again(store, "2026a", plan, [Placement("worker", 0, "h1", "a"), Placement("worker", 1, "h2", "b")])
+    queue_turns.placed_again(store, "2026a", placing.demands(plan),
+                             [Placement("worker", 0, "h1", "a"), Placement("worker", 1, "h2", "b")])
     assert [(h["node"], h["cpu"]) for h in store.queue_holds("2026a")] == [("h1", 100), ("h2", 100)]
 
 

@@ -44,6 +44,8 @@ def quantize(model_path: str, kind: str, check_csv: str, max_drop: float, progre
     if kind not in CONVERTERS and kind != "onnx":
         raise UsageError(f"-Dquantize=int8: a {kind} model has no ONNX converter here",
                          f"serve it without -Dquantize (kinds that convert: {', '.join([*CONVERTERS, 'onnx'])})")
+    if kind == "savedmodel" and os.path.basename(model_path) == "saved_model.pb":
+        model_path = os.path.dirname(model_path)   # as the replica is given it: the folder is the model
     if not check_csv:
         raise UsageError("-DcheckData: -Dquantize=int8 needs a labelled sample to check the int8 model on",
                          CHECK_HINT)

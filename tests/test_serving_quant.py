@@ -67,6 +67,8 @@ def test_a_savedmodel_is_converted_from_its_serving_signature(keras_cnn):
                             lambda line: None)
     assert report["float_accuracy"] == keras["float_accuracy"]   # the same network, the same answers
     assert Path(path).is_file()
+    assert quantize(str(keras_cnn / "savedmodel" / "saved_model.pb"), "savedmodel", str(keras_cnn / "check.csv"),
+                    1.0, lambda line: None)[0] == path   # its saved_model.pb names the same model
 
 
 def test_a_gluon_cnn_is_converted_and_quantised(tmp_path):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Serving figures, side by side in one run (docs/serving.md, issue "easy model serving").
 
-    .venv/bin/python bench/bench_serving.py                  # every part, about 8 min
+    .venv/bin/python bench/bench_serving.py                  # every part, about 6 min (nodes: root)
     .venv/bin/python bench/bench_serving.py --parts load --seconds 3
     .venv/bin/python bench/bench_serving.py --parts int8 --json /tmp/serving.json
 
@@ -26,6 +26,14 @@ Parts:
          batch 1 and 64, one thread), then each served by a replica with batching on
          through the router at 64 clients; the accuracy of both on the 500-row check
          CSV (goal: >= 1.5x throughput at <= 1 point).
+  kill   `pai serve` of the MLP with two replicas under 64 clients (at least 15 s): replica:0
+         is killed with SIGKILL a third of the way in; the failed requests (goal: none, the
+         router retries them) and the seconds until its master has it running and ready
+         again (goal: <= 10 s).
+  nodes  The MLP by `pai serve` on two SSH nodes (network namespaces with their own sshd,
+         built as tests/netns.py builds them and removed at the end; root): one replica,
+         then two, at 64 clients (goal: two >= 1.7x one). The nodes share this machine's
+         two cores with the router and the clients.
 
 Every server runs on this machine (2 cores shared with the clients, which run in this
 process on one aiohttp session): read each figure with the load average printed beside it.
@@ -275,9 +283,117 @@ def part_int8(servers: Servers, ctx: dict, seconds: float, results: dict) -> Non
     results["int8_accuracy"] = report
 
 
+def pai(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "paicli", *args], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"pai {' '.join(args)}: {done.stderr.strip()[-500:]}")
+    return done.stdout
+
+
+def replica_back(job_id: str, token: str, since: float, timeout: float = 60) -> float | None:
+    """Seconds from `since` until replica:0 runs again (a new attempt) and answers ready."""
+    import urllib.request
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = json.loads(pai("status", job_id, "--json"))
+        first = next(i for i in status["instances"] if i["index"] == 0)
+        if first["attempts"] > 1 and first["status"] == "Running" and first.get("port"):
+            request = urllib.request.Request(f"http://{first['host']}:{first['port']}/v2/health/ready",
+                                             headers={router.TOKEN_HEADER: token})
+            try:
+                with urllib.request.urlopen(request, timeout=1) as answer:
+                    if answer.status == 200:
+                        return time.monotonic() - since
+            except OSError:
+                pass
+        time.sleep(0.1)
+    return None
+
+
+def part_kill(servers: Servers, ctx: dict, seconds: float, results: dict) -> None:
+    """A `pai serve` job of two replicas (the MLP) under 64 clients; replica:0 gets SIGKILL
+    a third of the way in; its master restarts it."""
+    port = free_ports("127.0.0.1", 1, set())[0]
+    started = json.loads(pai("serve", str(ctx["models"]["mlp"] / "model.keras"), "--replicas", "2",
+                             "--port", str(port), "--json"))
+    job_id, url = started["id"], started["url"]
+    try:
+        status = json.loads(pai("status", job_id, "--json"))
+        plan = JobPlan.from_json((Path(status["job_dir"]) / "plan.json").read_text())
+        token = plan.role("replica").env[router.TOKEN_ENV]
+        deadline = time.monotonic() + 120
+        while drive(f"{url}/v1/models/model:predict", ctx["body"], 1, 0.5)["requests"] == 0:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the service {job_id} never answered")
+        time.sleep(2.0)   # both replicas in the router
+        victim = next(i for i in json.loads(pai("status", job_id, "--json"))["instances"] if i["index"] == 0)
+        back: dict = {}
+
+        def kill_later() -> None:
+            time.sleep(seconds / 3 + min(1.0, seconds / 3))   # after the warm-up, a third in
+            killed = time.monotonic()
+            os.kill(victim["pid"], signal.SIGKILL)
+            back["seconds"] = replica_back(job_id, token, killed)
+
+        killer = threading.Thread(target=kill_later)
+        killer.start()
+        figure = drive(f"{url}/v1/models/model:predict", ctx["body"], 64, seconds)
+        killer.join()
+        figure["back_s"] = back.get("seconds")
+        results["kill"] = figure
+        say(f"mlp  kill -9 replica:0 of 2 under 64 clients: {figure['requests']} answered, {figure['failed']} failed, "
+            f"{figure['rps']:.1f} req/s, p99 {figure['p99_ms']:.1f} ms; back and ready after "
+            f"{figure['back_s'] if figure['back_s'] is None else round(figure['back_s'], 2)} s  ({load()})")
+    finally:
+        pai("kill", job_id)
+
+
+def serve_and_drive(model: Path, replicas: int, body: bytes, seconds: float) -> dict:
+    """`pai serve` with `replicas` replicas, 64 clients once it answers, then `pai kill`."""
+    port = free_ports("127.0.0.1", 1, set())[0]
+    started = json.loads(pai("serve", str(model), "--replicas", str(replicas), "--port", str(port), "--json"))
+    url = f"{started['url']}/v1/models/{started['name']}:predict"
+    try:
+        deadline = time.monotonic() + 180
+        while drive(url, body, 1, 0.5)["requests"] == 0:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the service {started['id']} never answered")
+        time.sleep(2.0)   # every replica in the router
+        hosts = sorted({i["host"] for i in json.loads(pai("status", started["id"], "--json"))["instances"]})
+        return {**drive(url, body, 64, seconds), "hosts": hosts}
+    finally:
+        pai("kill", started["id"])
+
+
+def part_nodes(servers: Servers, ctx: dict, seconds: float, results: dict) -> None:
+    """The MLP served by one replica, then by two, on two SSH nodes (network namespaces with
+    their own sshd, built as tests/netns.py builds them, removed at the end)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from netns import build_cluster, can_build
+    from paicli.runners.runtimes import runtime_root
+
+    reason = can_build()
+    if reason:
+        say(f"nodes: skipped, cannot build the test hosts here: {reason}")
+        return
+    with build_cluster(hosts=2, prefix="pqs", first_subnet=170) as cluster:
+        os.environ["PAI_NODES"] = str(cluster.write_nodes_file(servers.work / "nodes.yaml", cpu=100,
+                                                               runtime_dir=str(runtime_root())))
+        try:
+            for replicas in (1, 2):
+                figure = serve_and_drive(ctx["models"]["mlp"] / "model.keras", replicas, ctx["body"], seconds)
+                results.setdefault("nodes", []).append({"replicas": replicas, **figure})
+                say(row_line("mlp", f"ssh-{replicas}", figure) + f" on {', '.join(figure['hosts'])}")
+        finally:
+            del os.environ["PAI_NODES"]
+    one, two = (f["rps"] for f in results["nodes"])
+    say(f"mlp  two replicas on two SSH nodes / one: {two / one:.2f}x (goal >= 1.7)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="load,int8", help="comma-separated: load, int8")
+    parser.add_argument("--parts", default="load,int8,kill,nodes",
+                        help="comma-separated: load, int8, kill, nodes")
     parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per figure")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args()
@@ -300,6 +416,10 @@ def main() -> None:
                 part_load(servers, ctx, args.seconds, results)
             if "int8" in parts:
                 part_int8(servers, ctx, args.seconds, results)
+            if "kill" in parts:
+                part_kill(servers, ctx, max(args.seconds, 15.0), results)
+            if "nodes" in parts:
+                part_nodes(servers, ctx, args.seconds, results)
         finally:
             servers.close()
     if args.json:

@@ -32,14 +32,15 @@ def keras_cnn(tmp_path_factory):
     return _train("keras-cnn", "tensorflow", tmp_path_factory.mktemp("quant") / "keras")
 
 
-def test_a_keras_cnn_is_quantised_checked_and_kept(keras_cnn):
+@pytest.mark.tensorflow
+def test_a_keras_cnn_is_quantised_checked_and_kept(keras_cnn, pai_home):
     lines = []
     path, report = quantize(str(keras_cnn / "model.keras"), "keras", str(keras_cnn / "check.csv"), 1.0, lines.append)
     assert report["rows"] == 500
     assert report["float_accuracy"] > 80   # the rule is learnt: the check means something
     assert report["float_accuracy"] - report["int8_accuracy"] <= 1.0
     assert report["int8_bytes"] < report["float_bytes"] / 2
-    assert Path(path).name == "int8.onnx" and Path(path).is_file()
+    assert Path(path).name == "int8.onnx" and Path(path).is_file() and Path(path).is_relative_to(pai_home)
     assert report["line"] in lines and f"{report['float_accuracy']:.2f}% float" in report["line"]
     assert any("converting the keras model to ONNX" in line for line in lines)
 
@@ -49,7 +50,8 @@ def test_a_keras_cnn_is_quantised_checked_and_kept(keras_cnn):
     assert not any("converting" in line for line in again)   # the same model and CSV: kept
 
 
-def test_an_int8_model_losing_accuracy_is_refused_in_one_line(keras_cnn):
+@pytest.mark.tensorflow
+def test_an_int8_model_losing_accuracy_is_refused_in_one_line(keras_cnn, pai_home):
     # One row of huge values in the calibration sample stretches the input's int8
     # range until every ordinary pixel rounds to zero: the float model is still right.
     with pytest.raises(UsageError) as caught:
@@ -58,9 +60,11 @@ def test_an_int8_model_losing_accuracy_is_refused_in_one_line(keras_cnn):
     assert err.exit_code == 2 and "\n" not in str(err)
     assert str(err).startswith("-DmaxAccuracyDrop=1: the int8 model's accuracy ")
     assert "points below the float model's" in str(err) and "on 501 rows of outlier.csv" in str(err)
-    assert not list((Path(str(keras_cnn)).parent.parent).glob("**/.*.partial"))
+    kept = list((pai_home / "serving-models").iterdir())
+    assert len(kept) == 1 and (kept[0] / "report.json").is_file()   # the check's result whole, nothing staged
 
 
+@pytest.mark.tensorflow
 def test_a_savedmodel_is_converted_from_its_serving_signature(keras_cnn):
     _, keras = quantize(str(keras_cnn / "model.keras"), "keras", str(keras_cnn / "check.csv"), 1.0, lambda line: None)
     path, report = quantize(str(keras_cnn / "savedmodel"), "savedmodel", str(keras_cnn / "check.csv"), 1.0,
@@ -71,6 +75,7 @@ def test_a_savedmodel_is_converted_from_its_serving_signature(keras_cnn):
                     1.0, lambda line: None)[0] == path   # its saved_model.pb names the same model
 
 
+@pytest.mark.mxnet
 def test_a_gluon_cnn_is_converted_and_quantised(tmp_path):
     folder = _train("gluon-cnn", "mxnet", tmp_path / "gluon")
     path, report = quantize(str(folder / "model-symbol.json"), "gluon", str(folder / "check.csv"), 1.0,
@@ -80,6 +85,7 @@ def test_a_gluon_cnn_is_converted_and_quantised(tmp_path):
     assert Path(path).is_file()
 
 
+@pytest.mark.tensorflow
 def test_a_bad_check_csv_is_one_line(keras_cnn, tmp_path):
     path, _ = quantize(str(keras_cnn / "model.keras"), "keras", str(keras_cnn / "check.csv"), 1.0, lambda line: None)
     float_model = str(Path(path).parent / "float.onnx")

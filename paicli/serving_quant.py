@@ -23,7 +23,7 @@ from pathlib import Path
 
 from paicli.cluster.requirement_layers import ensure_layer
 from paicli.errors import PaiError, UsageError
-from paicli.private import private_dir, write_private
+from paicli.private import open_append_fd, private_dir, write_private
 from paicli.runners.runtimes import PipError, RuntimeSetupError, get_runtime, runner_path
 from paicli.store import pai_home
 
@@ -102,7 +102,8 @@ def _convert(folder: Path, model_path: str, kind: str, check_csv: str, progress:
     staging = folder.parent / f".{folder.name}.{os.getpid()}.partial"
     shutil.rmtree(staging, ignore_errors=True)   # a dead submit's, whose pid this one has
     private_dir(staging)
-    log = folder.parent / f"{folder.name}.log"   # kept when a step fails: the error names it
+    log = folder.parent / f"{folder.name}.log"   # both steps' stderr, kept when one fails: the error names it
+    log.unlink(missing_ok=True)
     try:
         float_path = model_path
         if kind != "onnx":
@@ -136,7 +137,7 @@ def _step(runtime: str, lines: list[str], args: list[str], log: Path, progress: 
     python = get_runtime(runtime).python() if runtime else sys.executable
     env = {**os.environ, "PYTHONPATH": built["site"], "TF_CPP_MIN_LOG_LEVEL": "2"}
     out = []
-    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as errors:
+    with open(open_append_fd(log), "w") as errors:
         proc = subprocess.Popen([python, "-u", SCRIPT, *args], stdout=subprocess.PIPE, stderr=errors,
                                 stdin=subprocess.DEVNULL, text=True, env=env)
         assert proc.stdout is not None
@@ -147,7 +148,8 @@ def _step(runtime: str, lines: list[str], args: list[str], log: Path, progress: 
                 out.append(line.strip())
     status = proc.wait()
     bad = next((line[len("ERROR "):] for line in out if line.startswith("ERROR ")), None)
-    if bad:
+    if bad:   # the user's input: the one line says it all
+        log.unlink()
         check_csv = args[args.index("--check") + 1]
         raise UsageError(f"-Dquantize=int8: {bad}", CHECK_HINT if bad.startswith(check_csv) else None)
     if status != 0 or not out or not out[-1].startswith("{"):

@@ -86,7 +86,7 @@ def test_a_gluon_cnn_is_converted_and_quantised(tmp_path):
 
 
 @pytest.mark.tensorflow
-def test_a_bad_check_csv_is_one_line(keras_cnn, tmp_path):
+def test_a_bad_check_csv_is_one_line(keras_cnn, tmp_path, pai_home):
     path, _ = quantize(str(keras_cnn / "model.keras"), "keras", str(keras_cnn / "check.csv"), 1.0, lambda line: None)
     float_model = str(Path(path).parent / "float.onnx")
     rows = (keras_cnn / "check.csv").read_text().splitlines()
@@ -98,6 +98,7 @@ def test_a_bad_check_csv_is_one_line(keras_cnn, tmp_path):
     narrow.write_text("0.5,0.5,1\n")
     with pytest.raises(UsageError, match=r"input row has shape \[28, 28, 1\], the check rows 2 values"):
         quantize(float_model, "onnx", str(narrow), 1.0, lambda line: None)
+    assert sorted(p.name for p in (pai_home / "serving-models").iterdir()) == [Path(path).parent.name]   # no log
     with pytest.raises(UsageError, match=r"^-DcheckData: .*/missing.csv: no such file"):
         quantize(float_model, "onnx", str(tmp_path / "missing.csv"), 1.0, lambda line: None)
 

@@ -47,7 +47,6 @@ import json
 import os
 import secrets
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile

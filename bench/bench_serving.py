@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Serving figures, side by side in one run (docs/serving.md, issue "easy model serving").
+"""Serving figures, side by side in one run (docs/serving.md).
 
     .venv/bin/python bench/bench_serving.py                  # every part, about 6 min (nodes: root)
     .venv/bin/python bench/bench_serving.py --parts load --seconds 3

@@ -267,7 +267,8 @@ def part_int8(servers: Servers, ctx: dict, seconds: float, results: dict) -> Non
                 results.setdefault("int8_in_process", []).append({"form": form, "batch": int(batch),
                                                                   "rows_per_s": float(rate)})
                 say(f"cnn  onnxruntime {form:5} batch {batch:>2}: {float(rate):9.0f} rows/s  ({load()})")
-    serve_site = ensure_layer("", ["onnxruntime", "numpy"], lambda line: None)[1]["site"]
+    from paicli.adapters.serving import ONNX_REQUIREMENTS   # the layer a served ONNX model gets
+    serve_site = ensure_layer("", list(ONNX_REQUIREMENTS), lambda line: None)[1]["site"]
     for form, path in onnx.items():
         port = free_ports("127.0.0.1", 1, set())[0]
         servers.replica(sys.executable, serve_site, path, "onnx", port, batch=64)
@@ -315,13 +316,13 @@ def part_kill(servers: Servers, ctx: dict, seconds: float, results: dict) -> Non
     port = free_ports("127.0.0.1", 1, set())[0]
     started = json.loads(pai("serve", str(ctx["models"]["mlp"] / "model.keras"), "--replicas", "2",
                              "--port", str(port), "--json"))
-    job_id, url = started["id"], started["url"]
+    job_id, url = started["id"], f"{started['url']}/v1/models/{started['name']}:predict"
     try:
         status = json.loads(pai("status", job_id, "--json"))
         plan = JobPlan.from_json((Path(status["job_dir"]) / "plan.json").read_text())
         token = plan.role("replica").env[router.TOKEN_ENV]
         deadline = time.monotonic() + 120
-        while drive(f"{url}/v1/models/model:predict", ctx["body"], 1, 0.5)["requests"] == 0:
+        while drive(url, ctx["body"], 1, 0.5)["requests"] == 0:
             if time.monotonic() > deadline:
                 raise SystemExit(f"the service {job_id} never answered")
         time.sleep(2.0)   # both replicas in the router
@@ -336,7 +337,7 @@ def part_kill(servers: Servers, ctx: dict, seconds: float, results: dict) -> Non
 
         killer = threading.Thread(target=kill_later)
         killer.start()
-        figure = drive(f"{url}/v1/models/model:predict", ctx["body"], 64, seconds)
+        figure = drive(url, ctx["body"], 64, seconds)
         killer.join()
         figure["back_s"] = back.get("seconds")
         results["kill"] = figure

@@ -1,17 +1,22 @@
 """Quantised serving (paicli/serving_quant.py): models trained here in their real
 runtimes (tests/scripts/serving_models.py), converted to ONNX, quantised to int8 with
 ONNX Runtime and checked on a labelled CSV; an int8 model that loses too much is
-refused in one line with exit 2."""
+refused in one line with exit 2; `pai serve --quantize int8` serves the int8 model."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from conftest import pai, wait_until
 from paicli.errors import UsageError
+from paicli.runners.node_agent import free_ports
 from paicli.runners.runtimes import get_runtime
 from paicli.serving_quant import accuracy_refusal, quantize
 
@@ -115,3 +120,46 @@ def test_the_allowed_drop_is_inclusive():
     assert accuracy_refusal(report, 0.5, "/d/check.csv") == (
         "-DmaxAccuracyDrop=0.5: the int8 model's accuracy 96.50% is 1.00 points below the float model's "
         "97.50% on 200 rows of check.csv")
+
+
+# -- through `pai serve` -----------------------------------------------------------------
+
+
+@pytest.mark.tensorflow
+def test_pai_serve_refuses_a_lossy_int8_model_in_one_line_and_starts_nothing(keras_cnn, pai_home):
+    done = pai("serve", str(keras_cnn / "model.keras"), "--quantize", "int8", "--check", str(keras_cnn / "outlier.csv"),
+               timeout=300)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("pai: error: ")]
+    assert errors == [done.stderr.strip().splitlines()[-1]]
+    assert errors[0].startswith("pai: error: -DmaxAccuracyDrop=1: the int8 model's accuracy ")
+    assert json.loads(pai("list", "--json").stdout) == []
+
+
+@pytest.mark.tensorflow
+def test_pai_serve_int8_serves_the_quantised_onnx_model(keras_cnn, pai_home):
+    port = free_ports("127.0.0.1", 1, set())[0]
+    done = pai("serve", str(keras_cnn / "model.keras"), "--quantize", "int8", "--check", str(keras_cnn / "check.csv"),
+               "--port", str(port), "--json", timeout=300)
+    assert done.returncode == 0, done.stderr
+    started = json.loads(done.stdout)
+    try:
+        assert started["kind"] == "onnx"
+        assert "quantize int8: accuracy " in done.stderr
+        rows = np.loadtxt(keras_cnn / "check.csv", delimiter=",", max_rows=20)
+        body = json.dumps({"instances": rows[:, :-1].reshape(-1, 28, 28, 1).tolist()}).encode()
+        request = urllib.request.Request(f"{started['url']}/v1/models/{started['name']}:predict", data=body,
+                                         headers={"Content-Type": "application/json"})
+        answer = wait_until(lambda: _answer(request), timeout=120)
+        got = np.argmax(np.array(answer["predictions"]), axis=1)
+        assert (got == rows[:, -1]).mean() >= 0.8   # the int8 model answers as checked
+    finally:
+        pai("kill", started["id"])
+
+
+def _answer(request) -> dict | None:
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return json.load(answer)
+    except OSError:
+        return None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paicli.errors import UsageError
-from paicli.jobplan import JobPlan
+from paicli.jobplan import JobPlan, front_url
 
 HEALTH_EVERY = 0.25      # seconds between a replica's health checks
 HEALTH_TIMEOUT = 0.7     # a check unanswered this long fails: a sick replica is out within 1 s
@@ -90,12 +90,6 @@ def error_body(message: str) -> bytes:
 def passed(headers) -> dict[str, str]:
     """The headers that cross the router (the token never leaves it towards a client)."""
     return {name: headers[name] for name in PASSED_HEADERS if name in headers}
-
-
-def url_of(front: dict) -> str:
-    """Where clients reach a job's router."""
-    host = front.get("host") or "127.0.0.1"
-    return f"http://{f'[{host}]' if ':' in host else host}:{int(front['port'])}"
 
 
 def listen(front: dict) -> socket.socket:
@@ -246,7 +240,7 @@ async def serve(sock: socket.socket, front: dict, token: str | None) -> None:
         loop.add_signal_handler(signum, stop.set)
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(0, "rb", closefd=False))
-    note(f"serving {url_of(front)} (aiohttp {aiohttp.__version__}) for role {front.get('role')}")
+    note(f"serving {front_url(front)} (aiohttp {aiohttp.__version__}) for role {front.get('role')}")
 
     async def commands() -> None:
         while line := await reader.readline():

@@ -25,6 +25,7 @@ from paicli.cluster.spawn import MasterProcess, start_master
 from paicli.envvars import exported
 from paicli.errors import PaiError, UsageError
 from paicli.jobstatus import MASTER_START_DEADLINE, build_status, job_over, master_alive, read_job  # noqa: F401
+from paicli.jobstatus import service_url
 from paicli.jobstatus import final_status as final
 from paicli.jobplan import JobPlan
 from paicli.private import private_dir, write_private
@@ -192,7 +193,8 @@ def list_jobs(store: Store, limit: int = 50) -> list[dict[str, Any]]:
         end = job["ended"] or time.time()
         out.append({"id": job["id"], "name": job["name"], "framework": job["framework"],
                     "status": job["status"], "start_time": job["started"] or job["created"],
-                    "run_time": (end - job["started"]) if job["started"] else 0.0, "reason": job["reason"]})
+                    "run_time": (end - job["started"]) if job["started"] else 0.0, "reason": job["reason"],
+                    "url": service_url(job)})
     return out
 
 

@@ -18,6 +18,7 @@ from paicli import steptime
 from paicli.cluster import distribution
 from paicli.cluster.pluto import view as pluto_view
 from paicli.cluster.procinfo import boot_time, is_alive
+from paicli.jobplan import front_url
 from paicli.private import write_private
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store
@@ -96,6 +97,17 @@ def read_job(store: Store, job_id: str) -> dict[str, Any]:
     return {**dict(job), "status": JobStatus.FAILED.value, "reason": reason, "unrecorded": True}
 
 
+def service_url(job) -> str | None:
+    """The URL a live serving job answers at (its plan's front); None for any other job."""
+    if JobStatus(job["status"]).is_terminal():
+        return None
+    try:
+        front = json.loads((Path(job["job_dir"]) / "plan.json").read_text()).get("front")
+    except (OSError, ValueError):
+        return None
+    return front_url(front) if front else None
+
+
 def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
     """Everything `pai status --json` shows, read from the store. The last value of
     each metric comes from SQL; the whole series (which can be millions of rows)
@@ -137,6 +149,7 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
         "pluto": pluto_view.record(job_dir),
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
+    out["url"] = service_url(job)
     out["not_distributed"] = distribution.cause_of(out["status"], out["reason"])
     out["outputs"] = store.output_totals(job_id)   # count, bytes, missing
     out.update(store.resume_links(job_id))          # pai resume

@@ -21,7 +21,7 @@ from conftest import ROOT, kill_groups, processes_in, wait_until
 from paicli.cluster import policy, router, spawn
 from paicli.cluster.procinfo import is_alive
 from paicli.errors import UsageError
-from paicli.jobplan import JobPlan, RolePlan
+from paicli.jobplan import JobPlan, RolePlan, front_url
 from paicli.runners.node_agent import free_ports
 
 REPLICA = ROOT / "tests" / "scripts" / "http_replica.py"
@@ -74,8 +74,8 @@ def test_scaling_numbers_new_replicas_after_every_index_used_and_removes_the_hig
 
 
 def test_the_url_and_the_error_form():
-    assert router.url_of({"host": "0.0.0.0", "port": 8501}) == "http://0.0.0.0:8501"
-    assert router.url_of({"host": "::1", "port": 9}) == "http://[::1]:9"
+    assert front_url({"host": "0.0.0.0", "port": 8501}) == "http://0.0.0.0:8501"
+    assert front_url({"host": "::1", "port": 9}) == "http://[::1]:9"
     assert json.loads(router.error_body("no")) == {"error": "no"}
 
 
@@ -110,7 +110,7 @@ class Fixture:
             self.proc = spawn.start_router(sock.fileno(), tmp / "plan.json", tmp / "router.log")
         finally:
             sock.close()
-        self.url = router.url_of(self.front)
+        self.url = front_url(self.front)
 
     def replica(self, idx: int, delay: float = 0.0) -> str:
         name = f"replica:{idx}"
@@ -259,3 +259,46 @@ def test_scaling_a_job_that_is_not_a_service_is_refused_in_one_line(pai_home):
         assert pai("serve", "scale", job_id, "0").returncode == 2     # at least one replica
     finally:
         pai("kill", job_id)
+
+
+# -- where a service shows its URL and its request metrics ------------------------------
+
+
+def record_service(tmp_path: Path, front: dict | None):
+    from paicli.store import Store
+
+    store = Store(tmp_path / "home")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    plan = JobPlan("serve", "serving", "serve", [RolePlan("replica", 1, ["x"])], front=front)
+    (job_dir / "plan.json").write_text(plan.to_json())
+    store.create_job("2026s", name="mnist", framework="serving", project=None, task_name="serve", job_dir=job_dir,
+                     roles=[{"name": "replica", "count": 1, "must_finish": True}])
+    return store
+
+
+def test_a_live_service_has_its_url_and_no_other_job_has_one(tmp_path):
+    from paicli import jobstatus
+    from paicli.states import JobStatus
+
+    store = record_service(tmp_path, {"host": "127.0.0.1", "port": 8501, "role": "replica"})
+    assert jobstatus.service_url(store.job("2026s")) == "http://127.0.0.1:8501"
+    store.set_job("2026s", JobStatus.RUNNING)
+    store.set_job("2026s", JobStatus.CANCELLED, "cancelled by user")
+    assert jobstatus.service_url(store.job("2026s")) is None     # ended: nothing answers there
+    assert jobstatus.service_url(record_service(tmp_path / "other", None).job("2026s")) is None
+
+
+def test_request_metrics_without_a_step_are_drawn_over_the_seconds_since_the_start(tmp_path):
+    from paicli.states import JobStatus
+    from paicli.web import data
+
+    store = record_service(tmp_path, {"host": "127.0.0.1", "port": 8501, "role": "replica"})
+    store.set_job("2026s", JobStatus.RUNNING)
+    began = store.job("2026s")["started"]
+    store.add_metrics([("2026s", "replica", 0, began + 1.5, None, "rps", 119.8),
+                       ("2026s", "replica", 0, began + 1.5, None, "p99_ms", 3.4),
+                       ("2026s", "worker", 0, began + 2.0, 7.0, "loss", 0.5)])
+    points, _ = data.metric_points(store, "2026s")
+    assert points == [["replica:0", "rps", 1.5, 119.8, "seconds"], ["replica:0", "p99_ms", 1.5, 3.4, "seconds"],
+                      ["worker:0", "loss", 7.0, 0.5]]

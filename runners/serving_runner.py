@@ -1,0 +1,830 @@
+"""One replica of a `pai -name serving` job: a model behind two REST protocols.
+
+Runs inside the model's framework runtime (stdlib, numpy and the framework only;
+Caffe's runtime is Debian bullseye's Python 3.9):
+
+    serving_runner.py --model PATH --kind KIND --name NAME [--version N] [--weights PATH]
+                      [--max-batch-size N] [--batch-timeout-micros U] [--num-batch-threads T]
+                      [--max-body-bytes B] [--request-log on|off]
+
+KIND: savedmodel (PATH: its saved_model.pb), keras (.keras), gluon (the -symbol.json,
+--weights the .params), caffe (the deploy prototxt, --weights the .caffemodel), onnx.
+
+It binds PAI_HOST:PAI_PORT and answers TensorFlow Serving's REST API (/v1/models/...)
+and the Open Inference Protocol's REST endpoints (/v2/...). With PAI_SERVING_TOKEN set,
+every request carries it in X-Pai-Token. --max-batch-size > 0 combines concurrent
+requests into one call of the model (TensorFlow Serving's batching knobs). SIGTERM:
+no new connections, the requests in flight are answered, exit 0.
+
+The protocol work (routes, JSON bodies to arrays and back, batches) is in pure
+functions; the HTTP handler and the framework loaders only call them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import hmac
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+
+KINDS = ("savedmodel", "keras", "gluon", "caffe", "onnx")
+PLATFORMS = {"savedmodel": "tensorflow_savedmodel", "keras": "tensorflow_keras", "gluon": "mxnet_gluon",
+             "caffe": "caffe_caffemodel", "onnx": "onnxruntime_onnx"}
+SIGNATURE = "serving_default"
+TOKEN_HEADER = "X-Pai-Token"
+DRAIN_SECONDS = 10.0
+SUMMARY_SECONDS = 1.0
+# The Open Inference Protocol's health answers: 200 is true, a 4xx false.
+NOT_READY = 400
+
+# numpy dtype name -> (Open Inference Protocol datatype, TensorFlow DataType name)
+DTYPES = {
+    "bool": ("BOOL", "DT_BOOL"), "uint8": ("UINT8", "DT_UINT8"), "uint16": ("UINT16", "DT_UINT16"),
+    "uint32": ("UINT32", "DT_UINT32"), "uint64": ("UINT64", "DT_UINT64"), "int8": ("INT8", "DT_INT8"),
+    "int16": ("INT16", "DT_INT16"), "int32": ("INT32", "DT_INT32"), "int64": ("INT64", "DT_INT64"),
+    "float16": ("FP16", "DT_HALF"), "float32": ("FP32", "DT_FLOAT"), "float64": ("FP64", "DT_DOUBLE"),
+    "object": ("BYTES", "DT_STRING"),
+}
+V2_DTYPES = {v2: name for name, (v2, _tf) in DTYPES.items()}
+# What JSON values may fill a tensor of a numpy kind (b: bool, i/u: integers, f: floats).
+ACCEPTS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "O": "OU"}
+
+
+class HttpError(Exception):
+    """An answer other than 200: its status and message, sent in the protocol's error form."""
+
+    def __init__(self, status: int, message: str, allow: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.allow = status, message, allow
+
+
+class Tensor:
+    """A model input or output: its name, numpy dtype and shape (-1: any size; the
+    first dimension is the batch). shape None: the rank is not known."""
+
+    def __init__(self, name: str, dtype, shape):
+        self.name, self.dtype = name, np.dtype(dtype)
+        self.shape = None if shape is None else [-1 if d is None or not isinstance(d, int) or d < 0 else int(d)
+                                                 for d in shape]
+
+    def v2(self) -> dict:
+        return {"name": self.name, "datatype": datatype(self.dtype), "shape": self.shape or [-1]}
+
+    def tf(self) -> dict:
+        shape = ({"unknown_rank": True} if self.shape is None else
+                 {"dim": [{"size": str(d), "name": ""} for d in self.shape], "unknown_rank": False})
+        return {"dtype": DTYPES.get(self.dtype.name, ("", "DT_INVALID"))[1], "tensor_shape": shape,
+                "name": self.name}
+
+
+def datatype(dtype) -> str:
+    dtype = np.dtype(dtype)
+    if dtype.kind in "OUS":
+        return "BYTES"
+    return DTYPES.get(dtype.name, ("BYTES", ""))[0]
+
+
+# ---------------------------------------------------------------------------
+# Routes
+
+
+class Route:
+    def __init__(self, protocol: str, action: str, name: str = "", version: str = ""):
+        self.protocol, self.action, self.name, self.version = protocol, action, name, version
+
+    def __repr__(self) -> str:
+        return f"Route({self.protocol}, {self.action}, {self.name!r}, {self.version!r})"
+
+
+V1_PATH = re.compile(r"^/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>[^/:]+)|/labels/(?P<label>[^/:]+))?"
+                     r"(?:(?P<metadata>/metadata)|:(?P<verb>[A-Za-z]+))?/?$")
+V2_MODEL_PATH = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+                           r"(?:/(?P<action>ready|infer))?/?$")
+METHODS = {"status": "GET", "metadata": "GET", "predict": "POST", "live": "GET", "ready": "GET",
+           "server": "GET", "model": "GET", "model_ready": "GET", "infer": "POST"}
+
+
+def route(method: str, path: str) -> Route:
+    """The endpoint a request names; HttpError 404 (no such endpoint) or 405 (another method)."""
+    path = path.split("?", 1)[0]
+    found = None
+    match = V1_PATH.match(path)
+    if match:
+        if match.group("label"):
+            raise HttpError(404, f"version labels are not served here; use /v1/models/{match.group('name')}"
+                                 "/versions/N")
+        verb = match.group("verb")
+        if verb is not None and verb != "predict":
+            raise HttpError(404 if verb not in ("classify", "regress") else 400,
+                            f":{verb} is not served; this server answers :predict")
+        action = "metadata" if match.group("metadata") else "predict" if verb else "status"
+        found = Route("v1", action, match.group("name"), match.group("version") or "")
+    elif path.startswith("/v2"):
+        if path.rstrip("/") == "/v2":
+            found = Route("v2", "server")
+        elif path.rstrip("/") in ("/v2/health/live", "/v2/health/ready"):
+            found = Route("v2", path.rstrip("/").rsplit("/", 1)[1])
+        else:
+            match = V2_MODEL_PATH.match(path)
+            if match:
+                action = {"ready": "model_ready", "infer": "infer", None: "model"}[match.group("action")]
+                found = Route("v2", action, match.group("name"), match.group("version") or "")
+    if found is None:
+        raise HttpError(404, f"no such endpoint: {path[:200]} (TensorFlow Serving: /v1/models/NAME[:predict], "
+                             "Open Inference Protocol: /v2/models/NAME[/infer])")
+    if METHODS[found.action] != method:
+        raise HttpError(405, f"{method} is not allowed on {path[:200]}; use {METHODS[found.action]}",
+                        allow=METHODS[found.action])
+    return found
+
+
+def check_model(route_: Route, name: str, version: str) -> None:
+    """404 unless the route names this model (and this version, when it names one)."""
+    if route_.name and route_.name != name:
+        raise HttpError(404, f"model {route_.name!r} is not served here; this replica serves {name!r}")
+    if route_.version and route_.version != version:
+        raise HttpError(404, f"model {name!r} has no version {route_.version!r}; it serves version {version}")
+
+
+# ---------------------------------------------------------------------------
+# JSON bodies -> arrays
+
+
+def parse_json(body: bytes):
+    try:
+        return json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise HttpError(400, f"the body is not JSON: {err}") from None
+    except RecursionError:
+        raise HttpError(400, "the body is nested too deeply") from None
+
+
+def _b64(value):
+    """TensorFlow Serving's {"b64": "..."} binary values, decoded, anywhere in a value."""
+    if isinstance(value, dict):
+        if set(value) == {"b64"} and isinstance(value["b64"], str):
+            try:
+                return base64.b64decode(value["b64"], validate=True)
+            except ValueError:
+                raise HttpError(400, "a {\"b64\": ...} value is not base64") from None
+        raise HttpError(400, "a tensor value is an object; expected numbers or lists of numbers")
+    if isinstance(value, list):
+        return [_b64(v) for v in value]
+    return value
+
+
+def to_array(value, spec: Tensor, what: str, shape=None) -> np.ndarray:
+    """A JSON value (reshaped to `shape` when given) as an array of the input's dtype;
+    HttpError 400 naming `what` when its values or shape do not fit the input."""
+    try:
+        raw = np.array(_b64(value))
+    except ValueError as err:
+        raise HttpError(400, f"{what}: not a rectangular tensor ({err})") from None
+    if raw.dtype.kind == "S":
+        raw = raw.astype(object)
+    if raw.size and raw.dtype.kind not in ACCEPTS.get(spec.dtype.kind, spec.dtype.kind):
+        shown = {"b": "booleans", "U": "strings", "O": "mixed or ragged values", "f": "floats"}.get(
+            raw.dtype.kind, raw.dtype.name)
+        raise HttpError(400, f"{what}: {shown} given, the model takes {datatype(spec.dtype)} ({spec.dtype.name})")
+    if shape is not None:
+        raw = raw.reshape(shape)
+    check_shape(raw.shape, spec, what)
+    return raw.astype(spec.dtype)
+
+
+def check_shape(shape, spec: Tensor, what: str) -> None:
+    if spec.shape is not None and (len(shape) != len(spec.shape) or any(
+            want >= 0 and got != want for got, want in zip(shape[1:], spec.shape[1:]))):
+        raise HttpError(400, f"{what}: shape {list(shape)}, the model takes {spec.shape} (-1: any size)")
+
+
+def rows_of(arrays: dict) -> int:
+    """The batch size every input shares (the column form lets them differ: -1)."""
+    sizes = {a.shape[0] if a.ndim else 1 for a in arrays.values()}
+    return sizes.pop() if len(sizes) == 1 else -1
+
+
+def _named(inputs: list, value, what: str) -> dict:
+    """A value for the one input, or an object naming every input."""
+    names = [t.name for t in inputs]
+    if isinstance(value, dict) and set(value) != {"b64"}:
+        missing = [n for n in names if n not in value]
+        unknown = [n for n in value if n not in names]
+        if missing or unknown:
+            raise HttpError(400, f"{what}: " + "; ".join(
+                ([f"missing input(s) {missing}"] if missing else []) +
+                ([f"unknown input(s) {unknown}"] if unknown else [])) + f"; the model's inputs: {names}")
+        return value
+    if len(names) != 1:
+        raise HttpError(400, f"{what}: the model has inputs {names}; name each one in an object")
+    return {names[0]: value}
+
+
+def parse_tf_predict(data, inputs: list) -> tuple[dict, str]:
+    """TensorFlow Serving's predict body -> ({input name: array}, "row" | "column")."""
+    if not isinstance(data, dict):
+        raise HttpError(400, 'expected a JSON object with "instances" (row form) or "inputs" (column form)')
+    signature = data.get("signature_name", SIGNATURE)
+    if signature != SIGNATURE:
+        raise HttpError(400, f"signature_name {str(signature)[:80]!r}: this model has one signature, {SIGNATURE!r}")
+    if ("instances" in data) == ("inputs" in data):
+        raise HttpError(400, 'give exactly one of "instances" (row form) and "inputs" (column form)')
+    if "instances" in data:
+        instances = data["instances"]
+        if not isinstance(instances, list) or not instances:
+            raise HttpError(400, '"instances" must be a non-empty list, one element per row')
+        rows = [_named(inputs, row, f"instances[{i}]") for i, row in enumerate(instances)]
+        arrays = {}
+        for spec in inputs:
+            arrays[spec.name] = to_array([row[spec.name] for row in rows], spec, f'input "{spec.name}"')
+        return arrays, "row"
+    named = _named(inputs, data["inputs"], '"inputs"')
+    return {spec.name: to_array(named[spec.name], spec, f'input "{spec.name}"') for spec in inputs}, "column"
+
+
+def tf_response(outputs: dict, form: str) -> dict:
+    """The predict answer: row form -> "predictions" (a value per row, an object per row
+    when the model has several outputs), column form -> "outputs"."""
+    if form == "column":
+        if len(outputs) == 1:
+            return {"outputs": next(iter(outputs.values())).tolist()}
+        return {"outputs": {name: a.tolist() for name, a in outputs.items()}}
+    if len(outputs) == 1:
+        return {"predictions": next(iter(outputs.values())).tolist()}
+    columns = {name: a.tolist() for name, a in outputs.items()}
+    rows = len(next(iter(columns.values())))
+    return {"predictions": [{name: col[i] for name, col in columns.items()} for i in range(rows)]}
+
+
+def _flat(value) -> list:
+    """The Open Inference Protocol's tensor data: flat, or nested in row-major order."""
+    if not isinstance(value, list):
+        return [value]
+    out = []
+    for item in value:
+        out.extend(_flat(item) if isinstance(item, list) else [item])
+    return out
+
+
+def parse_v2_infer(data, inputs: list, outputs: list) -> tuple[dict, list, dict]:
+    """An inference request -> ({input name: array}, the output names asked for, the id echo)."""
+    if not isinstance(data, dict) or not isinstance(data.get("inputs"), list):
+        raise HttpError(400, 'expected a JSON object with "inputs": [{"name", "shape", "datatype", "data"}, ...]')
+    by_name = {t.name: t for t in inputs}
+    arrays = {}
+    for i, item in enumerate(data["inputs"]):
+        if not isinstance(item, dict) or not all(k in item for k in ("name", "shape", "datatype", "data")):
+            raise HttpError(400, f"inputs[{i}]: needs name, shape, datatype and data")
+        name, shape, dtype = item["name"], item["shape"], item["datatype"]
+        spec = by_name.get(name)
+        if spec is None:
+            raise HttpError(400, f"inputs[{i}]: the model has no input {str(name)[:80]!r}; its inputs: {list(by_name)}")
+        if name in arrays:
+            raise HttpError(400, f"inputs[{i}]: input {name!r} given twice")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise HttpError(400, f'input "{name}": shape must be a list of sizes, not {json.dumps(shape)[:80]}')
+        if dtype != datatype(spec.dtype):
+            raise HttpError(400, f'input "{name}": datatype {str(dtype)[:20]}, the model takes {datatype(spec.dtype)}')
+        flat = _flat(item["data"])
+        if len(flat) != int(np.prod(shape, dtype=np.int64)):
+            raise HttpError(400, f'input "{name}": {len(flat)} values for shape {shape} '
+                                 f"({int(np.prod(shape, dtype=np.int64))} expected)")
+        arrays[name] = to_array(flat, spec, f'input "{name}"', shape)
+    missing = [n for n in by_name if n not in arrays]
+    if missing:
+        raise HttpError(400, f"missing input(s) {missing}")
+    wanted = data.get("outputs")
+    known = [t.name for t in outputs]
+    if wanted is None:
+        names = known
+    else:
+        if not isinstance(wanted, list) or not all(isinstance(o, dict) and "name" in o for o in wanted):
+            raise HttpError(400, '"outputs" must be a list of {"name": ...}')
+        names = [o["name"] for o in wanted]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise HttpError(400, f"the model has no output(s) {unknown}; its outputs: {known}")
+    echo = {"id": data["id"]} if isinstance(data.get("id"), str) else {}
+    return arrays, names, echo
+
+
+def v2_response(name: str, version: str, outputs: dict, wanted: list, echo: dict) -> dict:
+    return {"model_name": name, "model_version": version, **echo,
+            "outputs": [{"name": out, "datatype": datatype(outputs[out].dtype), "shape": list(outputs[out].shape),
+                         "data": outputs[out].ravel().tolist()} for out in wanted]}
+
+
+# ---------------------------------------------------------------------------
+# Batches: requests combined into one call of the model, and split back
+
+
+def combine(requests: list) -> tuple[dict, list]:
+    """Several requests' {input: array} -> one {input: concatenated array}, each one's rows."""
+    sizes = [rows_of(r) for r in requests]
+    return {name: np.concatenate([r[name] for r in requests]) for name in requests[0]}, sizes
+
+
+def split(outputs: dict, sizes: list) -> list:
+    """One call's outputs back into each request's rows."""
+    bounds = np.cumsum([0] + sizes)
+    return [{name: a[bounds[i]:bounds[i + 1]] for name, a in outputs.items()} for i in range(len(sizes))]
+
+
+def batch_key(arrays: dict) -> tuple:
+    """Requests combine only when their inputs agree beyond the batch dimension."""
+    return tuple(sorted((name, a.shape[1:], a.dtype.str) for name, a in arrays.items()))
+
+
+# The rows of the model call that answered this thread's last request (the access line's "in a batch of N").
+CALL = threading.local()
+
+
+class Job:
+    def __init__(self, arrays: dict):
+        self.arrays, self.rows, self.key = arrays, rows_of(arrays), batch_key(arrays)
+        self.done = threading.Event()
+        self.batch = self.rows
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+
+
+class Batcher:
+    """TensorFlow Serving's batching knobs: up to max_rows rows per call, a batch waits
+    at most timeout seconds for more once it has its first request, `threads`
+    calls at once. A request with more rows than max_rows runs on its own."""
+
+    def __init__(self, call, max_rows: int, timeout: float, threads: int):
+        self.call, self.max_rows, self.timeout = call, max_rows, timeout
+        self.queue: collections.deque = collections.deque()
+        self.cond = threading.Condition()
+        for i in range(max(1, threads)):
+            threading.Thread(target=self._work, name=f"batch-{i}", daemon=True).start()
+
+    def run(self, arrays: dict) -> dict:
+        job = Job(arrays)
+        if job.rows < 0:   # inputs of different batch sizes cannot join a batch
+            return self.call(arrays)
+        with self.cond:
+            self.queue.append(job)
+            self.cond.notify_all()
+        job.done.wait()
+        CALL.batch = job.batch
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _take(self) -> list:
+        with self.cond:
+            while not self.queue:
+                self.cond.wait()
+            first = self.queue.popleft()
+            batch, rows = [first], first.rows
+            deadline = time.monotonic() + self.timeout
+            while rows < self.max_rows:
+                for job in list(self.queue):
+                    if job.key == first.key and rows + job.rows <= self.max_rows:
+                        self.queue.remove(job)
+                        batch.append(job)
+                        rows += job.rows
+                left = deadline - time.monotonic()
+                if rows >= self.max_rows or left <= 0:
+                    break
+                self.cond.wait(left)
+            return batch
+
+    def _work(self) -> None:
+        while True:
+            batch = self._take()
+            try:
+                if len(batch) == 1:
+                    batch[0].result = self.call(batch[0].arrays)
+                else:
+                    joined, sizes = combine([job.arrays for job in batch])
+                    for job, part in zip(batch, split(self.call(joined), sizes)):
+                        job.result, job.batch = part, sum(sizes)
+            except Exception as err:
+                if len(batch) == 1:
+                    batch[0].error = err
+                else:   # one request's bad input must not fail the others: each alone again
+                    for job in batch:
+                        try:
+                            job.result = self.call(job.arrays)
+                        except Exception as own:
+                            job.error = own
+            for job in batch:
+                job.done.set()
+
+
+# ---------------------------------------------------------------------------
+# Statistics: the access lines and the summary line once a second
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = self.errors = 0
+        self.window: list = []
+        self.since = time.monotonic()
+
+    def record(self, ms: float, error: bool) -> None:
+        with self.lock:
+            self.requests += 1
+            self.errors += error
+            self.window.append(ms)
+
+    def summary(self) -> str | None:
+        """`serving: requests=N, rps=R, p50_ms=..., p90_ms=..., p99_ms=..., errors=E` over the
+        time since the last one (requests and errors: totals), None without traffic."""
+        with self.lock:
+            window, self.window = self.window, []
+            now, since, self.since = time.monotonic(), self.since, time.monotonic()
+            requests, errors = self.requests, self.errors
+        if not window:
+            return None
+        p50, p90, p99 = np.percentile(np.array(window), [50, 90, 99])
+        return (f"serving: requests={requests}, rps={len(window) / max(now - since, 1e-3):.1f}, "
+                f"p50_ms={p50:.2f}, p90_ms={p90:.2f}, p99_ms={p99:.2f}, errors={errors}")
+
+
+# ---------------------------------------------------------------------------
+# Models: each framework loaded by its own API, behind one interface
+
+
+class Model:
+    """inputs/outputs: Tensors; predict({input: array}) -> {output: array}, in outputs' order."""
+
+    thread_safe = False
+    inputs: list = []
+    outputs: list = []
+
+    def predict(self, arrays: dict) -> dict:
+        raise NotImplementedError
+
+
+class SavedModel(Model):
+    thread_safe = True
+
+    def __init__(self, path: str):
+        import tensorflow as tf
+        self.tf = tf
+        self.fn = tf.saved_model.load(os.path.dirname(path)).signatures[SIGNATURE]
+        _args, kwargs = self.fn.structured_input_signature
+        self.inputs = [Tensor(n, s.dtype.as_numpy_dtype, s.shape.as_list() if s.shape.rank is not None else None)
+                       for n, s in sorted(kwargs.items())]
+        self.outputs = [Tensor(n, s.dtype.as_numpy_dtype, s.shape.as_list() if s.shape.rank is not None else None)
+                        for n, s in sorted(self.fn.structured_outputs.items())]
+
+    def predict(self, arrays: dict) -> dict:
+        out = self.fn(**{n: self.tf.constant(a) for n, a in arrays.items()})
+        return {t.name: out[t.name].numpy() for t in self.outputs}
+
+
+class KerasModel(Model):
+    def __init__(self, path: str):
+        import keras
+        self.model = keras.saving.load_model(path, compile=False)
+        # Named by their layers (input_layer, dense_1), as the model's summary shows them.
+        self.inputs = [Tensor(layer_name(t), t.dtype, list(t.shape)) for t in self.model.inputs]
+        self.outputs = [Tensor(layer_name(t), t.dtype, list(t.shape)) for t in self.model.outputs]
+
+    def predict(self, arrays: dict) -> dict:
+        given = [arrays[t.name] for t in self.inputs]
+        out = self.model(given[0] if len(given) == 1 else given, training=False)
+        out = out if isinstance(out, (list, tuple)) else [out]
+        return {t.name: np.asarray(o) for t, o in zip(self.outputs, out)}
+
+
+def layer_name(tensor) -> str:
+    history = getattr(tensor, "_keras_history", None)
+    return (getattr(history[0], "name", None) if history else None) or tensor.name
+
+
+class GluonModel(Model):
+    def __init__(self, symbol: str, params: str):
+        import mxnet as mx
+        self.mx = mx
+        sym = mx.sym.load(symbol)
+        stored = {k.split(":", 1)[-1] for k in mx.nd.load(params)}
+        names = [n for n in sym.list_inputs() if n not in stored]
+        self.net = mx.gluon.SymbolBlock.imports(symbol, names, params)
+        # The symbol keeps no input shape: any rank and size (a bad one is MXNet's 400).
+        self.inputs = [Tensor(n, "float32", None) for n in names]
+        self.outputs = [Tensor(n, "float32", None) for n in sym.list_outputs()]
+
+    def predict(self, arrays: dict) -> dict:
+        out = self.net(*[self.mx.nd.array(arrays[t.name], dtype=t.dtype) for t in self.inputs])
+        out = out if isinstance(out, (list, tuple)) else [out]
+        return {t.name: o.asnumpy() for t, o in zip(self.outputs, out)}
+
+
+class CaffeModel(Model):
+    def __init__(self, prototxt: str, weights: str):
+        import caffe
+        caffe.set_mode_cpu()
+        self.net = caffe.Net(prototxt, caffe.TEST, weights=weights)
+        self.inputs = [Tensor(n, "float32", [-1, *self.net.blobs[n].data.shape[1:]]) for n in self.net.inputs]
+        self.outputs = [Tensor(n, "float32", [-1, *self.net.blobs[n].data.shape[1:]]) for n in self.net.outputs]
+
+    def predict(self, arrays: dict) -> dict:
+        for t in self.inputs:
+            self.net.blobs[t.name].reshape(*arrays[t.name].shape)
+            self.net.blobs[t.name].data[...] = arrays[t.name]
+        out = self.net.forward()
+        return {t.name: np.array(out[t.name]) for t in self.outputs}
+
+
+ONNX_TYPES = {"tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int16)": "int16", "tensor(int8)": "int8",
+              "tensor(uint8)": "uint8", "tensor(bool)": "bool", "tensor(string)": "object"}
+
+
+class OnnxModel(Model):
+    thread_safe = True
+
+    def __init__(self, path: str):
+        import onnxruntime
+        self.session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        self.inputs = [Tensor(i.name, ONNX_TYPES.get(i.type, "float32"), i.shape) for i in self.session.get_inputs()]
+        self.outputs = [Tensor(o.name, ONNX_TYPES.get(o.type, "float32"), o.shape)
+                        for o in self.session.get_outputs()]
+
+    def predict(self, arrays: dict) -> dict:
+        out = self.session.run([t.name for t in self.outputs], arrays)
+        return {t.name: np.asarray(o) for t, o in zip(self.outputs, out)}
+
+
+def load_model(kind: str, path: str, weights: str | None) -> Model:
+    if kind == "savedmodel":
+        return SavedModel(path)
+    if kind == "keras":
+        return KerasModel(path)
+    if kind == "gluon":
+        return GluonModel(path, weights)
+    if kind == "caffe":
+        return CaffeModel(path, weights)
+    return OnnxModel(path)
+
+
+def warm_up(model: Model) -> None:
+    """One call on a row of zeros, so the first request does not pay for the framework's
+    first-call set-up; skipped when an input's size is not known."""
+    if all(t.shape is not None and all(d >= 0 for d in t.shape[1:]) for t in model.inputs):
+        model.predict({t.name: np.zeros([1, *t.shape[1:]], t.dtype) for t in model.inputs})
+
+
+# ---------------------------------------------------------------------------
+# The server
+
+
+class Replica:
+    """What the handler threads share: the model once loaded, the batcher, statistics."""
+
+    def __init__(self, args):
+        self.args = args
+        self.name, self.version, self.kind = args.name, str(args.version), args.kind
+        self.model: Model | None = None
+        self.ready = False
+        self.call = None
+        self.stats = Stats()
+        self.token = os.environ.get("PAI_SERVING_TOKEN", "").encode()
+        self.out_lock = threading.Lock()
+        self.in_flight = 0
+        self.flight_lock = threading.Condition()
+        self.draining = False
+
+    def loaded(self, model: Model) -> None:
+        lock = threading.Lock()
+
+        def call(arrays: dict) -> dict:
+            if model.thread_safe:
+                return model.predict(arrays)
+            with lock:
+                return model.predict(arrays)
+
+        warm_up(model)
+        a = self.args
+        self.call = (Batcher(call, a.max_batch_size, a.batch_timeout_micros / 1e6, a.num_batch_threads).run
+                     if a.max_batch_size > 0 else call)
+        self.model, self.ready = model, True
+
+    def say(self, line: str) -> None:
+        with self.out_lock:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+    def answer(self, method: str, path: str, body: bytes | None) -> tuple[int, dict, int]:
+        """(status, JSON answer, rows) for one request; errors in the protocol's form."""
+        try:
+            found = route(method, path)
+        except HttpError as err:
+            return err.status, {"error": err.message}, 0
+        try:
+            return self._answer(found, body)
+        except HttpError as err:
+            return err.status, {"error": err.message}, 0
+        except Exception as err:   # the framework refused the input (a shape it cannot take)
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            return 400, {"error": f"the model could not run on this input: {first}"}, 0
+
+    def _answer(self, found: Route, body: bytes | None) -> tuple[int, dict, int]:
+        a = found.action
+        if a == "live":
+            return 200, {"live": True}, 0
+        if a == "ready":
+            return (200 if self.ready else NOT_READY), {"ready": self.ready}, 0
+        if a == "server":
+            return 200, {"name": "paicli-serving", "version": "1", "extensions": []}, 0
+        check_model(found, self.name, self.version)
+        if a == "status":
+            return 200, {"model_version_status": [{"version": self.version,
+                                                   "state": "AVAILABLE" if self.ready else "LOADING",
+                                                   "status": {"error_code": "OK", "error_message": ""}}]}, 0
+        if a == "model_ready":
+            return (200 if self.ready else NOT_READY), {"name": self.name, "ready": self.ready}, 0
+        model = self.model
+        if model is None:
+            raise HttpError(503, f"model {self.name!r} is loading; /v2/health/ready says when it is ready")
+        if a == "metadata":
+            return 200, {"model_spec": {"name": self.name, "signature_name": "", "version": self.version},
+                         "metadata": {"signature_def": {"signature_def": {SIGNATURE: {
+                             "inputs": {t.name: t.tf() for t in model.inputs},
+                             "outputs": {t.name: t.tf() for t in model.outputs},
+                             "method_name": "tensorflow/serving/predict"}}}}}, 0
+        if a == "model":
+            return 200, {"name": self.name, "versions": [self.version], "platform": PLATFORMS[self.kind],
+                         "inputs": [t.v2() for t in model.inputs], "outputs": [t.v2() for t in model.outputs]}, 0
+        data = parse_json(body or b"")
+        if a == "predict":
+            arrays, form = parse_tf_predict(data, model.inputs)
+            return 200, tf_response(self.call(arrays), form), rows_of(arrays)
+        arrays, wanted, echo = parse_v2_infer(data, model.inputs, model.outputs)
+        return 200, v2_response(self.name, self.version, self.call(arrays), wanted, echo), rows_of(arrays)
+
+
+def handler_class(replica: Replica):
+    max_body = replica.args.max_body_bytes
+    log = replica.args.request_log == "on"
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "paicli-serving"
+        timeout = 120   # an idle keep-alive connection is closed after this long
+
+        def log_message(self, format, *args):   # the replica prints its own access lines
+            pass
+
+        def _serve(self, method: str) -> None:
+            with replica.flight_lock:
+                replica.in_flight += 1
+            started = time.perf_counter()
+            status, rows, extra = 0, 0, {}
+            CALL.batch = 0
+            try:
+                body, status, answer = None, 0, None
+                if replica.token and not hmac.compare_digest(
+                        self.headers.get(TOKEN_HEADER, "").encode(), replica.token):
+                    status, answer = 401, {"error": f"missing or wrong {TOKEN_HEADER} header"}
+                elif method == "POST":
+                    try:
+                        length = int(self.headers.get("Content-Length", ""))
+                    except ValueError:
+                        length = -1
+                    if length < 0:
+                        status, answer = 411, {"error": "a POST needs a Content-Length header"}
+                        self.close_connection = True
+                    elif length > max_body:
+                        status, answer = 413, {"error": f"the body is {length} bytes, over the limit of {max_body}"}
+                        self.close_connection = True   # its body is not read
+                    else:
+                        body = self.rfile.read(length)
+                if status == 0:
+                    status, answer, rows = replica.answer(method, self.path, body)
+                if status == 405:
+                    extra["Allow"] = route_allow(method, self.path)
+                if replica.draining:
+                    self.close_connection = True
+                self._send(status, answer, extra)
+            finally:
+                ms = (time.perf_counter() - started) * 1000
+                replica.stats.record(ms, status >= 400 or status == 0)
+                if log:
+                    replica.say(f"{method} {self.path[:200]} {status} {ms:.2f}ms"
+                                + (f" {rows} rows" if rows > 0 else "")
+                                + (f" in a batch of {CALL.batch}" if CALL.batch > rows > 0 else ""))
+                with replica.flight_lock:
+                    replica.in_flight -= 1
+                    replica.flight_lock.notify_all()
+
+        def _send(self, status: int, answer: dict, extra: dict) -> None:
+            data = json.dumps(answer, separators=(",", ":")).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for key, value in extra.items():
+                self.send_header(key, value)
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._serve("GET")
+
+        def do_POST(self):
+            self._serve("POST")
+
+        def do_PUT(self):
+            self._serve("PUT")
+
+        def do_DELETE(self):
+            self._serve("DELETE")
+
+        def do_PATCH(self):
+            self._serve("PATCH")
+
+    return Handler
+
+
+def route_allow(method: str, path: str) -> str:
+    try:
+        route(method, path)
+    except HttpError as err:
+        return err.allow
+    return method
+
+
+def parse_args(argv: list) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="serving_runner.py")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--kind", required=True, choices=KINDS)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--version", type=int, default=1)
+    parser.add_argument("--weights")
+    parser.add_argument("--max-batch-size", type=int, default=0)
+    parser.add_argument("--batch-timeout-micros", type=int, default=1000)
+    parser.add_argument("--num-batch-threads", type=int, default=1)
+    parser.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    parser.add_argument("--request-log", choices=("on", "off"), default="on")
+    return parser.parse_args(argv)
+
+
+RUNTIME_LOCK: int | None = None
+
+
+def main(argv: list) -> int:
+    global RUNTIME_LOCK
+    from runtime_lock import hold_runtime_lock  # siblings in runners/, staged with us on every node
+
+    RUNTIME_LOCK = hold_runtime_lock()  # kept open until this process ends
+    args = parse_args(argv)
+    host, port = os.environ.get("PAI_HOST", "127.0.0.1"), int(os.environ.get("PAI_PORT", "8501"))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    replica = Replica(args)
+    server = ThreadingHTTPServer((host, port), handler_class(replica))
+    server.daemon_threads = True   # idle keep-alive connections do not hold the exit
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+
+    def summaries() -> None:
+        while not stop.wait(SUMMARY_SECONDS):
+            line = replica.stats.summary()
+            if line:
+                replica.say(line)
+
+    threading.Thread(target=summaries, name="summary", daemon=True).start()
+    try:
+        replica.loaded(load_model(args.kind, args.model, args.weights))
+    except Exception as err:
+        replica.say(f"serving: cannot load the {args.kind} model {args.model}: {type(err).__name__}: {err}")
+        return 1
+    replica.say(f"serving {args.name} version {args.version} ({args.kind}) ready on {host}:{port}")
+    while not stop.wait(0.5):
+        pass
+    # Drain: no new connections; the requests already read are answered.
+    replica.draining = True
+    server.shutdown()
+    server.server_close()
+    deadline = time.monotonic() + DRAIN_SECONDS
+    with replica.flight_lock:
+        while replica.in_flight and time.monotonic() < deadline:
+            replica.flight_lock.wait(deadline - time.monotonic())
+    line = replica.stats.summary()
+    if line:
+        replica.say(line)
+    replica.say(f"serving {args.name}: stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -15,6 +15,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import ROOT, kill_groups, processes_in, wait_until
@@ -193,6 +194,40 @@ def test_a_replica_killed_under_load_costs_no_request(front):
     assert [status for status, _ in results] == [200] * 320
     assert {answer["replica"] for _, answer in results[-40:]} == {"replica:0"}
     assert "replica:1 (127.0.0.1:" in front.log() and "out: " in front.log()
+
+
+@pytest.mark.caffe
+def test_real_replicas_behind_the_router_answer_as_pycaffe_and_a_kill_9_costs_no_request(front, tmp_path):
+    from test_serving import LENET, MAKE, caffe_python, images, in_process, start_replica
+
+    folder = tmp_path / "lenet"
+    folder.mkdir()
+    (folder / "deploy.prototxt").write_text(LENET)
+    subprocess.run([caffe_python(), "-c", MAKE], cwd=folder, check=True, capture_output=True,
+                   env={**os.environ, "GLOG_minloglevel": "2"})
+    for idx in range(2):
+        proc, url, _ = start_replica(folder, env={router.TOKEN_ENV: TOKEN})
+        front.replicas[f"replica:{idx}"] = proc
+        front.tell(f"up replica:{idx} {url.removeprefix('http://')}")
+    rows = images(2)
+    want = in_process(folder, rows)
+    body = json.dumps({"instances": rows}).encode()
+    assert wait_until(lambda: "replica:1 (" in front.log() and "replica:0 (" in front.log(), timeout=60)
+    results = []
+
+    def client() -> None:
+        for _ in range(15):
+            results.append(post(f"{front.url}/v1/models/lenet:predict", body))
+
+    with ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(client) for _ in range(8)]
+        assert wait_until(lambda: len(results) >= 20, timeout=120)
+        front.replicas["replica:1"].kill()
+        for future in running:
+            future.result()
+    assert [status for status, _ in results] == [200] * 120
+    for _, answer in results:
+        assert np.allclose(np.array(answer["predictions"]), np.array(want), atol=1e-6)
 
 
 def test_a_replica_failing_its_health_check_is_taken_out_and_back(front):

@@ -699,7 +699,7 @@ class JobMaster:
         for idx in remove:
             inst = mine[idx]
             self.joblog.note(f"{inst.name} removed (scaled to {want})")
-            self._stop([inst], InstanceStatus.TERMINATED)
+            self._stop([inst], InstanceStatus.KILLED)
             if inst.status == InstanceStatus.WAITING:
                 self._set(inst, InstanceStatus.KILLED, "scaled down")
             self.store.release_claims(self.job_id, "gpu", inst.placed.node, list(inst.placed.gpus))

@@ -337,3 +337,15 @@ def test_request_metrics_without_a_step_are_drawn_over_the_seconds_since_the_sta
     points, _ = data.metric_points(store, "2026s")
     assert points == [["replica:0", "rps", 1.5, 119.8, "seconds"], ["replica:0", "p99_ms", 1.5, 3.4, "seconds"],
                       ["worker:0", "loss", 7.0, 0.5]]
+
+
+def test_scaling_a_service_on_ray_is_refused_in_one_line(tmp_path):
+    from paicli import client
+    from paicli.cluster.backends import SNAPSHOT
+
+    store = record_service(tmp_path, {"host": "127.0.0.1", "port": 8501, "role": "replica"})
+    (tmp_path / "job" / SNAPSHOT).write_text(json.dumps({"backend": "ray", "address": "10.0.0.1:6379"}))
+    with pytest.raises(UsageError) as err:
+        client.scale(store, "mnist", 3)
+    assert str(err.value).startswith("job 2026s (mnist) runs on Ray, where a serving job keeps the replicas")
+    assert store.tasks("2026s")[0]["count"] == 1     # nothing asked of anyone

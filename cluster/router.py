@@ -176,7 +176,7 @@ class Router:
             except (self.aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 pass
             self._set_ready(replica, ready_after_check(status),
-                            "health check answered" if status else "health check got no answer")
+                            f"health check answered {status}" if status else "health check got no answer")
             await asyncio.sleep(HEALTH_EVERY)
 
     # -- requests

@@ -18,6 +18,7 @@ ADAPTER_MODULES = {
     "paicli.adapters.tensorflow": "TensorflowAdapter",
     "paicli.adapters.mxnet": "MxnetAdapter",
     "paicli.adapters.caffe": "CaffeAdapter",
+    "paicli.adapters.serving": "ServingAdapter",
 }
 
 _registry: dict[str, type] | None = None
@@ -30,6 +31,7 @@ USUAL_NAMES = {
     "tensorflow": "paicli.adapters.tensorflow", "tf": "paicli.adapters.tensorflow",
     "mxnet": "paicli.adapters.mxnet", "mx": "paicli.adapters.mxnet",
     "caffe": "paicli.adapters.caffe",
+    "serving": "paicli.adapters.serving",
 }
 
 

@@ -9,7 +9,7 @@ Measures
   queue     `pai queue` wall time (a fresh `pai` process, text and --json),
             median of 5.  Goal: <= 0.3 s.
   dispatch  one run of the policy over the whole queue in its store
-            transaction (what every master that frees room pays), median of 5.
+            transaction (what every master that frees room pays), median and max of 20.
   memory    the waiting masters' proportional set size (Pss, /proc/PID/smaps_rollup),
             in all and per master.
 
@@ -21,6 +21,9 @@ process (each still gets a real forked master), then cancelled at the end.
 Run from the repository root (~3 min for 500 on 2 cores):
 
     flock /tmp/paicli-bench.lock .venv/bin/python bench/bench_queue.py --jobs 500
+
+--store postgresql runs it on a team store (docs/team.md): a PostgreSQL server the
+bench starts itself (tests/pg.py: Debian's postgresql, psycopg), stopped after.
 """
 
 from __future__ import annotations
@@ -49,7 +52,24 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=500, help="waiting jobs (default 500)")
     parser.add_argument("--handoffs", type=int, default=5, help="job ends to time (default 5)")
     parser.add_argument("--json", dest="json_out", help="also write the figures to this file")
+    parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite",
+                        help="the job store (default sqlite under PAI_HOME)")
     args = parser.parse_args()
+    server = None
+    if args.store == "postgresql":
+        sys.path.insert(0, str(ROOT / "tests"))
+        import pg
+
+        server = pg.PostgresServer(max_connections=2 * args.jobs + 50).start()
+        os.environ["PAI_STORE"] = server.new_database()
+    try:
+        return run(args)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def run(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-queue-"))
     os.environ["PAI_HOME"] = str(work / "home")
     os.environ["PAI_LOGVIEW"] = "file"
@@ -72,7 +92,7 @@ def main() -> int:
         ids.append(client.submit(client.prepare(stmt), store))
         return ids[-1]
 
-    figures: dict[str, object] = {"jobs": args.jobs, "cores": machine_cpu() // 100}
+    figures: dict[str, object] = {"jobs": args.jobs, "cores": machine_cpu() // 100, "store": args.store}
     try:
         t0 = time.monotonic()
         submit(0)
@@ -137,7 +157,7 @@ def time_dispatch(store) -> dict[str, float]:
     from paicli.cluster import queue_turns
 
     runs = []
-    for _ in range(5):
+    for _ in range(20):
         start = time.monotonic()
         queue_turns.dispatch(store)
         runs.append(time.monotonic() - start)

@@ -162,7 +162,7 @@ def sweep_lost(store: Store, report: Report = to_stderr) -> list[str]:
     lost."""
     lost = []
     for job in store.unfinished_jobs():
-        reason = lost_reason(job)
+        reason = store.mine_here(job) and lost_reason(job)
         if reason and store.queue_entry(job["id"]) is None:   # a queued one is revived below
             lost.append(job["id"])
             stopped = declare_master_lost(store, job["id"], reason=reason, report=report)
@@ -202,7 +202,7 @@ def revive_queued(store: Store, report: Report = to_stderr) -> list[str]:
     writer takes each (store.mark_revived, in a transaction). Returns their IDs."""
     revived = []
     for row in store.queued():
-        if master_alive(row):
+        if master_alive(row) or not store.mine_here(row):   # another user's: theirs to revive
             continue
         if store.mark_revived(row["job_id"], row["master_pid"], time.time() - REVIVE_GRACE):
             try:

@@ -31,7 +31,7 @@ from paicli.cluster.spawn import RouterProcess, Watchdog, spawn_watchdog, start_
 from paicli.errors import PaiError, UsageError
 from paicli.jobplan import JobPlan, RolePlan, front_url
 from paicli.states import InstanceStatus, JobStatus
-from paicli.store import Store
+from paicli.store import LEASE_RENEW, OUTAGE_WAIT, Store
 
 
 def print_exc() -> None:
@@ -145,6 +145,7 @@ class JobMaster:
         self.avoid: set[str] = set()     # nodes this job lost
         self.started = time.monotonic()
         self.last_store_check = 0.0
+        self.lease_due = 0.0
         self.metrics_due = 0.0
         self.summary_due: float | None = None
         self.watchdog_due: float | None = None
@@ -458,6 +459,9 @@ class JobMaster:
             if now - self.last_store_check > 1.0:
                 # A cancel written by `pai kill` whose signal we somehow missed.
                 self.last_store_check = now
+                if self.store.postgres and now >= self.lease_due:   # other machines see it lives
+                    self.lease_due = now + LEASE_RENEW
+                    self.store.renew_lease(self.job_id)
                 if JobStatus(self.store.job(self.job_id)["status"]).is_terminal():
                     self.cancel_reason = self.cancel_reason or "cancelled"
                 elif self.plan.front:
@@ -858,7 +862,7 @@ def main(argv: list[str]) -> int:
     if backend is not None and job_config(Path.cwd()) != backend.config:   # not the nodes the job was recorded with
         backend.let_go_of_connections()
         backend = None
-    return JobMaster(Store(home), job_id, backend=backend, recorded_fd=answer_fd).run()
+    return JobMaster(Store(home, outage_wait=OUTAGE_WAIT), job_id, backend=backend, recorded_fd=answer_fd).run()
 
 
 def _answer_nodes(config: dict, answer_fd: int) -> Backend | None:

@@ -4,6 +4,7 @@
     machine alone (load_nodes() returns None: the local backend).
 
     known_hosts: /path/known_hosts      # optional; default ~/.ssh/known_hosts
+    store: postgresql://pai@db/pai      # optional: the team's job store (PAI_STORE wins; docs/team.md)
     shared: [/nfs, /data]               # optional: paths that are the same on every node
                                         # (an NFS home, a mounted bucket): never copied
     nodes:
@@ -45,7 +46,7 @@ PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]{1,255}$")
 
 NODE_KEYS = ("name", "host", "port", "user", "key", "cpu", "memory", "gpu", "python",
              "runtime_dir", "work_dir")
-TOP_KEYS = ("known_hosts", "nodes", "ray", "shared")
+TOP_KEYS = ("known_hosts", "nodes", "ray", "shared", "store")
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class NodesConfig:
     ray: dict | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     shared: tuple[str, ...] = ()      # absolute paths the same on every node
+    store: str | None = None          # the team's job store (a PostgreSQL URL)
 
     def node(self, name: str) -> NodeEntry:
         for node in self.nodes:
@@ -203,6 +205,10 @@ def parse_nodes(text: str, path: str = "nodes.yaml") -> NodesConfig:
     known_hosts = str(Path("~/.ssh/known_hosts").expanduser())
     if data.get("known_hosts") is not None:
         known_hosts = _path(f"{where_file}: key 'known_hosts'", data["known_hosts"], base)
+    store = data.get("store")
+    if store is not None and not (isinstance(store, str) and store.startswith(("postgresql://", "postgres://"))):
+        raise _fail(f"{where_file}: key 'store'", f"expected a PostgreSQL URL, got {store!r}"[:200].split("@")[-1],
+                    "e.g. store: postgresql://USER@HOST/DATABASE (docs/team.md)")
     ray = data.get("ray")
     if ray is not None and not isinstance(ray, dict):
         raise _fail(f"{where_file}: key 'ray'", f"expected a mapping, got {ray!r}"[:200])
@@ -244,7 +250,22 @@ def parse_nodes(text: str, path: str = "nodes.yaml") -> NodesConfig:
                 entry[key] = check(f"{where}: key {key!r}", raw[key], base)
         nodes.append(NodeEntry(**entry))
     return NodesConfig(path=path, nodes=tuple(nodes), known_hosts=known_hosts, ray=ray, raw=data,
-                       shared=_shared(where_file, data.get("shared")))
+                       shared=_shared(where_file, data.get("shared")), store=store)
+
+
+def select_store(environ: dict[str, str] | None = None) -> None:
+    """The nodes file's `store:` as PAI_STORE, unless that is set: in the environment,
+    so that the job's master and watchdog use the same store."""
+    env = os.environ if environ is None else environ
+    path = None if env.get("PAI_STORE") else nodes_file_path(env)
+    try:
+        text = path.read_text() if path else ""
+    except (OSError, UnicodeDecodeError):
+        return   # the commands that use the nodes say what is wrong with the file
+    # Parsed only when it names a store: a command that uses no node is not held up
+    # by a mistake elsewhere in the file.
+    if re.search(r"^store\s*:", text, re.M):
+        env["PAI_STORE"] = parse_nodes(text, str(path)).store
 
 
 def _shared(where: str, value: Any) -> tuple[str, ...]:

@@ -100,7 +100,10 @@ def parse_quota(data: Any, where: str) -> dict[str, dict[str, int]]:
     if not isinstance(data, dict):
         raise UsageError(f"{where}: expected a mapping of project -> limits", hint)
     out: dict[str, dict[str, int]] = {}
+    parse_admins(data, where)
     for project, limits in data.items():
+        if project == ADMINS:
+            continue
         name = f"{where}: project {project!r}"[:200]
         if not isinstance(project, str) or not project.strip():
             raise UsageError(f"{name}: expected a project name", hint)
@@ -115,6 +118,40 @@ def parse_quota(data: Any, where: str) -> dict[str, dict[str, int]]:
                                  hint)
             out[project][key] = value
     return out
+
+
+def parse_limits(words: tuple[str, ...]) -> dict[str, Any]:
+    """`cpu=800 gpu=200` as {"cpu": 800, "gpu": 200} (parse_quota checks the keys)."""
+    out: dict[str, Any] = {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep or not value.isdigit():
+            raise UsageError(f"pai quota set: {word!r}: expected KEY=NUMBER"[:200],
+                             "e.g. cpu=800 memory=32000 gpu=200 (PAI units)")
+        out[key] = int(value)
+    return out
+
+
+ADMINS = "admins"   # the quota file's list of the users (or database roles) that may act on any job
+
+
+def parse_admins(data: Any, where: str) -> frozenset[str]:
+    """The quota file's `admins:` (a list of names; none: nobody)."""
+    names = data.get(ADMINS) if isinstance(data, dict) else None
+    if names is None:
+        return frozenset()
+    if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise UsageError(f"{where}: {ADMINS}: expected a list of user or role names, got {names!r}"[:200],
+                         "e.g. admins: [alice, ops]")
+    return frozenset(names)
+
+
+def may_act(owner: tuple[str | None, str | None], me: tuple[str, str | None], admins: frozenset[str]) -> bool:
+    """May `me` (Unix user, database role where it differs) kill, resume or get the
+    files of a job of `owner`? Its owner may (a job recorded before jobs carried
+    their user is the store's owner's), and an admin: one whose role (else user)
+    the quota file's admins: names."""
+    return owner[0] is None or tuple(owner) == tuple(me) or (me[1] or me[0]) in admins
 
 
 def quota_for(quotas: dict[str, dict[str, int]], project: str | None) -> dict[str, int] | None:

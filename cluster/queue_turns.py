@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,11 +46,12 @@ def quota_path(home: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def load_quotas(home: Path) -> dict[str, dict[str, int]]:
-    """The quota file ($PAI_QUOTA, else $PAI_HOME/quota.yaml; none: no quotas)."""
-    path = quota_path(home)
+def _quota_file(home: Path, path: Path | None = None) -> tuple[Any, str]:
+    """The quota file's content (`path`, else $PAI_QUOTA, else $PAI_HOME/quota.yaml;
+    none: None) and how errors name it."""
+    path = path or quota_path(home)
     if path is None:
-        return {}
+        return None, ""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as err:
@@ -58,11 +60,27 @@ def load_quotas(home: Path) -> dict[str, dict[str, int]]:
     import yaml
 
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text), f"quota file {path}"
     except (yaml.YAMLError, ValueError, RecursionError):
         raise UsageError(f"quota file {path}: not valid YAML",
                          "e.g. vision: {cpu: 800, memory: 32000, gpu: 200}") from None
-    return policy.parse_quota(data, f"quota file {path}")
+
+
+def load_quotas(store: Store) -> dict[str, dict[str, int]]:
+    """The quotas: a team store's own (`pai quota set`), else the quota file's (no
+    file: no quotas)."""
+    return store.quotas() if store.postgres else policy.parse_quota(*_quota_file(store.home))
+
+
+def load_admins(store: Store) -> frozenset[str]:
+    """Who may act on any job: a team store's admins, else the quota file's (no file: nobody)."""
+    return store.admins() if store.postgres else policy.parse_admins(*_quota_file(store.home))
+
+
+def read_quota_file(path: Path) -> tuple[dict[str, dict[str, int]], frozenset[str]]:
+    """A quota file's quotas and admins (`pai quota set --file`)."""
+    data, where = _quota_file(path.parent, path)
+    return policy.parse_quota(data, where), policy.parse_admins(data, where)
 
 
 def check_and_describe(store: Store, plan, nodes: list[NodeSpec], priority: int, project: str | None) -> str:
@@ -70,7 +88,7 @@ def check_and_describe(store: Store, plan, nodes: list[NodeSpec], priority: int,
     (JSON) to record with the job."""
     demands = placing.demands(plan)
     policy.check_submit(policy.Entry("", priority, project, 0.0, tuple(demands), tuple(nodes)),
-                        load_quotas(store.home))
+                        load_quotas(store))
     return json.dumps({"demands": [list(d) for d in demands], "nodes": [n.to_dict() for n in nodes]})
 
 
@@ -88,7 +106,7 @@ def dispatch(store: Store, me: str | None = None) -> None:
     """Run the policy over the whole queue in one store transaction, record each
     verdict, wake the supervisors of the jobs that may start (not `me`)."""
     try:
-        quotas, quota_error = load_quotas(store.home), None
+        quotas, quota_error = load_quotas(store), None
     except UsageError as err:
         quotas, quota_error = {}, f"the quota file is broken ({err.message}); nothing starts until it is fixed"
 
@@ -150,6 +168,10 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
     # not SIG_IGN, which would stay ignored in whatever the master execs.
     signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAKE_SIGNALS)
+    # Started with the signals blocked, so its thread never takes one: it sends this
+    # thread the wake-up when another machine or user grants the turn.
+    main = threading.get_ident()
+    stop_listening = store.listen_turns(job_id, lambda: signal.pthread_kill(main, signal.SIGUSR1))
     try:
         # Recorded only once the wake-up signal is blocked: it can no longer kill us.
         store.set_waiter(job_id, f"{os.getpid()}:{start_time(os.getpid())}")
@@ -195,6 +217,7 @@ def wait_turn(store: Store, job_id: str, note: Callable[[str], None], deadline: 
                     seen = now_seen
                     dispatch(store, me=job_id)
     finally:
+        stop_listening()
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 

@@ -22,7 +22,7 @@ from paicli.cluster import lifecycle, outputs
 from paicli.cluster.backends import backend_for_job
 from paicli.cluster.backends.base import InstanceRef
 from paicli.cluster.spawn import stop_router
-from paicli.store import Store
+from paicli.store import OUTAGE_WAIT, Store
 
 SWEEP_AFTER = 2.0  # the sweep waits out the instances' start
 
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
         for ref in routers:
             if stop_router(ref, lifecycle.STOP_TIMEOUT):
                 print(f"{time.ctime()}: stopped the router {ref.pid}", file=sys.stderr, flush=True)
-        store = Store()
+        store = Store(outage_wait=OUTAGE_WAIT)
         stopped = lifecycle.declare_master_lost(store, job_id, refs)
         print(f"{time.ctime()}: master of {job_id} lost; stopped {[f'{r.node}:{r.pid}' for r in stopped]} "
               f"(of {len(refs)} instance(s) it was told about)", file=sys.stderr)

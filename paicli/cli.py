@@ -17,7 +17,7 @@ import time
 import click
 
 from paicli import __version__, cli_logview, cli_nodes, cli_outputs, cli_plan
-from paicli import cli_queue, cli_scale, cli_tune
+from paicli import cli_queue, cli_scale, cli_serve, cli_tune
 from paicli.cli_statement import StatementCommand
 from paicli.cli_tokens import is_bare_statement
 from paicli.commands import (attach, echo_json, echo_log_view, finish, open_store, print_table, run_guarded,
@@ -203,7 +203,7 @@ def kill(job_id):
     from paicli import client
 
     store = open_store()
-    job = client.resolve_job(store, job_id)
+    job = client.resolve_job(store, job_id, to="kill")
     if client.kill(store, job["id"]):
         ended = store.job(job["id"])   # a job whose master was gone is recorded lost, not cancelled
         click.echo(f"{job['id']} cancelled" if ended["status"] == "Cancelled" else
@@ -215,13 +215,22 @@ def kill(job_id):
 @cli.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the jobs as JSON.")
 @click.option("--limit", "-n", default=50, show_default=True, type=click.IntRange(min=1), help="How many jobs.")
-def list_(as_json, limit):
-    """List recent jobs, newest first (like PAI's `show instances`)."""
+@click.option("--all", "everyone", is_flag=True,
+              help="Every user's jobs in a team store (PAI_STORE): user, project, state, where, since.")
+def list_(as_json, limit, everyone):
+    """List recent jobs, newest first (like PAI's `show instances`): one's own in a
+    team store (PAI_STORE), --all the team's."""
     from paicli import client
 
-    jobs = client.list_jobs(open_store(), limit)
+    jobs = client.list_jobs(open_store(), limit, everyone)
     if as_json:
         echo_json(jobs)
+        return
+    if everyone:
+        print_table(("User", "Project", "Status", "InstanceID", "Name", "Where", "Since"),
+                    [(job["user"] or "", job["project"] or "", job["status"], job["id"], job["name"] or "",
+                      ",".join(job["nodes"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])))
+                     for job in jobs])
         return
     # A Waiting job's reason (its place in the queue) and a service's URL are last
     # columns, shown only when a job has one.
@@ -357,7 +366,7 @@ def console(project):
 # Commands that live in rooms of their own (multi-host nodes, the Pluto planner,
 # the logview page and plots); each module imports its heavy dependencies inside
 # its commands, so `pai --help` stays fast.
-for _module in (cli_nodes, cli_plan, cli_logview, cli_queue, cli_tune, cli_outputs, cli_scale):
+for _module in (cli_nodes, cli_plan, cli_logview, cli_queue, cli_tune, cli_outputs, cli_scale, cli_serve):
     _module.register(cli)
 
 

@@ -1,5 +1,6 @@
 """`pai queue`: the jobs waiting for room, in the order they will start
-(docs/queue.md). Registered by paicli.cli; `show queue;` in the console."""
+(docs/queue.md), and `pai store upgrade`, the store they wait in (docs/team.md).
+Registered by paicli.cli; `show queue;` in the console."""
 
 from __future__ import annotations
 
@@ -44,5 +45,75 @@ def queue_command(as_json, revive):
     click.echo("\n".join(lines))
 
 
+@click.group("store")
+def store_group():
+    """The job store: SQLite under PAI_HOME, or a team's PostgreSQL (PAI_STORE)."""
+
+
+@store_group.command("upgrade")
+def store_upgrade():
+    """Bring the store's schema up to this pai's version (once, for the whole team,
+    when a newer paicli is rolled out; older clients are refused after)."""
+    from paicli.store import SCHEMA_VERSION, Store
+
+    store = Store(upgrade=True)
+    click.echo(f"the job store {store.where} is at schema version {SCHEMA_VERSION}")
+
+
+@click.group("quota")
+def quota_group():
+    """The quotas each project's jobs are held to, across users (docs/queue.md)."""
+
+
+@quota_group.command("show")
+@click.option("--json", "as_json", is_flag=True, help="Print the quotas and admins as JSON.")
+def quota_show(as_json):
+    """Each project's quota (PAI units) and the admins: a team store's, else the quota file's."""
+    from paicli.cluster import queue_turns
+
+    store = open_store()
+    quotas, admins = queue_turns.load_quotas(store), sorted(queue_turns.load_admins(store))
+    if as_json:
+        echo_json({"quotas": quotas, "admins": admins})
+        return
+    for project, caps in quotas.items():
+        click.echo(f"{project}: " + ", ".join(f"{key} {value}" for key, value in caps.items()))
+    click.echo(f"admins: {', '.join(admins) or '-'}")
+
+
+@quota_group.command("set")
+@click.argument("project", required=False)
+@click.argument("limits", nargs=-1)
+@click.option("--file", "path", type=click.Path(dir_okay=False, exists=True),
+              help="Load a quota file (projects and admins:) in place of every quota.")
+def quota_set(project, limits, path):
+    """Set a project's quota in the team store, e.g. `pai quota set vision cpu=800 gpu=200`,
+    or load a quota file into it (--file). Once the store has admins, only they may."""
+    from pathlib import Path
+
+    from paicli.cluster import queue as policy, queue_turns
+    from paicli.errors import UsageError
+
+    store = open_store()
+    if not store.postgres:
+        raise UsageError("the quotas of a store under PAI_HOME are its quota file's",
+                         f"edit {queue_turns.quota_path(store.home) or store.home / 'quota.yaml'} (docs/queue.md)")
+    if bool(path) == bool(project):
+        raise UsageError("give a project and its limits, or --file", "e.g. pai quota set vision cpu=800 gpu=200")
+    quotas, admins = (queue_turns.read_quota_file(Path(path)) if path else
+                      (policy.parse_quota({project: policy.parse_limits(limits)}, "pai quota set"), None))
+    me = store.me()
+
+    def allowed(current: frozenset[str]) -> None:
+        if current and (me[1] or me[0]) not in current:
+            raise UsageError(f"only an admin may set quotas ({', '.join(sorted(current))})",
+                             "ask one of them, or `pai quota show`")
+
+    store.set_quotas(quotas, admins, replace=bool(path), allowed=allowed)
+    click.echo(f"quotas set: {', '.join(quotas) or 'none'}" + (f"; admins: {', '.join(sorted(admins))}" if admins else ""))
+
+
 def register(cli: click.Group) -> None:
     cli.add_command(queue_command)
+    cli.add_command(store_group)
+    cli.add_command(quota_group)

@@ -44,7 +44,15 @@ def scale_command(name_or_job, count, as_json):
                f"(`pai status {change['id']}` shows them)")
 
 
-serve = ServeGroup("serve", help="Serve a model as a job; `pai serve scale NAME N` changes its replicas.")
+serve = ServeGroup("serve", help="""Serve a model: `pai serve MODEL [options]` (that is, `pai serve start`);
+    `pai serve scale NAME N` changes its replicas.
+
+    \b
+    MODEL: a path or file:// URL of a SavedModel folder, .keras file, Gluon
+    export, Caffe deploy prototxt (beside its .caffemodel) or .onnx file, or
+    JOB_ID[:PATH], the model a job saved among its outputs. The service is a
+    job: `pai list`, `pai status`, `pai logs` and `pai kill` work on it.
+    """)
 serve.add_command(scale_command)
 
 

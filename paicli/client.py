@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from paicli.adapters import get_adapter
-from paicli.cluster import backends, datasets, lifecycle, policy, queue_turns
+from paicli.cluster import backends, datasets, lifecycle, policy, queue as queue_policy, queue_turns
 from paicli.cluster.procinfo import output_files, start_time
 from paicli.cluster.requirement_layers import prepare_job_env
 from paicli.cluster.spawn import MasterProcess, start_master
@@ -185,16 +185,21 @@ def final_status(store: Store, job_id: str) -> dict[str, Any]:
     return final(store, job_id)
 
 
-def list_jobs(store: Store, limit: int = 50) -> list[dict[str, Any]]:
+def list_jobs(store: Store, limit: int = 50, everyone: bool = False) -> list[dict[str, Any]]:
+    """The newest jobs: this user's, or (everyone) the team's. A store under PAI_HOME
+    is its owner's alone: every job in it is listed."""
+    jobs = store.jobs(limit, everyone=everyone or not store.postgres)
+    nodes = store.job_nodes([job["id"] for job in jobs])
     out = []
-    for job in store.jobs(limit):
+    for job in jobs:
         if not JobStatus(job["status"]).is_terminal():
             job = refresh(store, job["id"])
         end = job["ended"] or time.time()
         out.append({"id": job["id"], "name": job["name"], "framework": job["framework"],
                     "status": job["status"], "start_time": job["started"] or job["created"],
                     "run_time": (end - job["started"]) if job["started"] else 0.0, "reason": job["reason"],
-                    "url": service_url(job)})
+                    "user": job["db_role"] or job["user_name"], "project": job["project"],
+                    "nodes": nodes.get(job["id"], []), "url": service_url(job)})
     return out
 
 
@@ -221,7 +226,7 @@ def scale(store: Store, name_or_job: str, count: int) -> dict[str, Any]:
     asked for `count` replicas (paicli.cluster.lifecycle.request_scale); its master
     adds or removes them. {"id", "role", "from", "to"}."""
     named = store.live_jobs_named(name_or_job)
-    job = named[0] if named else resolve_job(store, name_or_job)
+    job = may_act(store, named[0], "scale") if named else resolve_job(store, name_or_job, to="scale")
     where = f"job {job['id']}" + (f" ({job['name']})" if job["name"] else "")
     plan = JobPlan.from_json((Path(job["job_dir"]) / "plan.json").read_text())
     if not plan.front:
@@ -238,7 +243,21 @@ def scale(store: Store, name_or_job: str, count: int) -> dict[str, Any]:
     return {"id": job["id"], "role": role, "from": before, "to": count}
 
 
-def resolve_job(store: Store, job_id: str):
+def resolve_job(store: Store, job_id: str, to: str | None = None):
+    """The job of an ID or unique prefix. With `to` (what the caller is about to do:
+    "kill", "resume", "get the files of"), a job of another user is refused unless
+    this user is an admin (cluster.queue.may_act)."""
     if not job_id:
         raise UsageError("missing job ID", "`pai list` shows the jobs")
-    return store.find_job(job_id)
+    job = store.find_job(job_id)
+    return may_act(store, job, to) if to else job
+
+
+def may_act(store: Store, job, to: str):
+    """`job`, when this user may `to` it (cluster.queue.may_act; the admins: a team
+    store's, else the quota file's); else UsageError."""
+    owner = (job["user_name"], job["db_role"])
+    if not queue_policy.may_act(owner, store.me(), queue_turns.load_admins(store)):
+        raise UsageError(f"{job['id']} is {owner[1] or owner[0]}'s job: you may not {to} it",
+                         "only its owner or an admin may (`pai quota show` names them)")
+    return job

@@ -105,6 +105,10 @@ def submit_statement(stmt, store, progress, meanwhile=None) -> str:
     from paicli import client
 
     prepared = client.prepare(stmt)
+    if prepared.adapter.name == "serving":
+        from paicli.serving import resolve  # the model found here, before the plan
+
+        resolve(prepared, store, progress)
     if prepared.spec.get("autoStrategy") == "true":
         from paicli.pluto import auto_strategy  # calibrate, plan, apply its recommendation
 
@@ -191,6 +195,11 @@ def run_guarded(action: Callable[[], None]) -> None:
     with PAI_DEBUG=1."""
     debug = bool(os.environ.get("PAI_DEBUG"))
     try:
+        if not os.environ.get("PAI_STORE") and (os.environ.get("PAI_NODES") or os.path.exists(
+                os.path.join(os.path.expanduser(os.environ.get("PAI_HOME") or "~/.pai"), "nodes.yaml"))):
+            from paicli.cluster.nodes import select_store   # only where a nodes file may name a store
+
+            select_store()
         action()
     except PaiError as err:
         if debug:

@@ -97,7 +97,7 @@ def choose(store, job_id: str, globs: tuple[str, ...] = (), instance: str | None
     """The job's files matching `globs` (default all) and `instance`. With `fetch`, the
     chosen files an ended job left on a node are brought here first (bring_back).
     No file matches: UsageError."""
-    job = dict(client.resolve_job(store, job_id))
+    job = dict(client.resolve_job(store, job_id, to="get the files of"))
     chosen = [r for r in rows_of(store, job["id"]) if matches(r, globs, instance)]
     if fetch and any(r["where"] == "node" for r in chosen) and \
             JobStatus(client.refresh(store, job["id"])["status"]).is_terminal():
@@ -188,7 +188,7 @@ def resumption(store, job_id: str, tokens: list[str]) -> Resumption:
     """An ended job's statement (its spec.json), overridden by `tokens` (-Dk=v ...),
     and the folder it ran in (a plain script's working folder, where its files
     went). A job that has not ended, or whose statement is unreadable: UsageError."""
-    job = client.resolve_job(store, job_id)
+    job = client.resolve_job(store, job_id, to="resume")
     if not JobStatus(client.refresh(store, job["id"])["status"]).is_terminal():
         raise UsageError(f"{job['id']} has not ended", f"`pai kill {job['id']}` first, or wait for it")
     job_dir = Path(job["job_dir"])

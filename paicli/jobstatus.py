@@ -21,7 +21,7 @@ from paicli.cluster.procinfo import boot_time, is_alive
 from paicli.jobplan import front_url
 from paicli.private import write_private
 from paicli.states import InstanceStatus, JobStatus
-from paicli.store import Store
+from paicli.store import Store, lease_lapsed, master_here
 
 # A job recorded this long ago with no master pid never got its master (the CLI
 # died between recording it and starting the master, or the start failed).
@@ -33,6 +33,9 @@ SUPERVISOR_GONE = ("its supervisor is gone: a new one starts at the queue's next
 
 
 def master_alive(job) -> bool:
+    if "master_host" in job.keys() and not master_here(job):
+        # Another machine's: its pid means nothing here; its lease says (a team store).
+        return not lease_lapsed(job)
     # A queued job's supervisor may be started again (after a reboot): since then.
     since = max(job["created"] or 0, (job["supervised"] if "supervised" in job.keys() else None) or 0)
     if not job["master_pid"]:

@@ -1,13 +1,19 @@
-"""The job store: SQLite in WAL mode under $PAI_HOME (default ~/.pai).
+"""The job store: SQLite in WAL mode under $PAI_HOME (default ~/.pai), or a team's
+PostgreSQL database named by PAI_STORE (docs/team.md; paicli.store_pg).
 
 Several processes write at once (the CLI, one JobMaster per job, watchdogs), so
-every write is a short `BEGIN IMMEDIATE` transaction with a busy timeout: a
-writer waits its turn instead of failing with "database is locked".
+every write is a short serialised transaction: `BEGIN IMMEDIATE` with a busy
+timeout on SQLite (a writer waits its turn instead of failing with "database is
+locked"), one advisory lock taken first on PostgreSQL. One set of statements
+serves both: `?` placeholders, upserts as INSERT ... ON CONFLICT, no SQL only one
+of them speaks.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
+import socket
 import sqlite3
 import time
 import weakref
@@ -81,6 +87,11 @@ CREATE TABLE IF NOT EXISTS study_trials (
     study TEXT, number INTEGER, job_id TEXT, params TEXT, state TEXT NOT NULL, reason TEXT,
     value REAL, best REAL, step REAL, created REAL, ended REAL, PRIMARY KEY (study, number)
 );
+-- A team store's quotas (`pai quota set`): project -> cpu, memory, gpu (NULL: no cap),
+-- and the names that may act on any user's job (a store under PAI_HOME keeps both in
+-- the quota file).
+CREATE TABLE IF NOT EXISTS quotas (project TEXT PRIMARY KEY, cpu INTEGER, memory INTEGER, gpu INTEGER);
+CREATE TABLE IF NOT EXISTS admins (name TEXT PRIMARY KEY);
 -- Every file a job's instances wrote, and where it is now:
 -- here, node (not brought back, still at node:node_path), missing, or replaced
 -- (another instance's copy of the same path was kept), and why.
@@ -92,11 +103,32 @@ CREATE TABLE IF NOT EXISTS outputs (
 # Columns added after a store was first created: (table, column, type).
 ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("instances", "gpus", "TEXT"),
                  ("attempts", "node", "TEXT"), ("attempts", "ref", "TEXT"), ("claims", "ts", "REAL"),
-                 ("jobs", "supervised", "REAL"))  # when a queued job's master was last (re)started
-# Kept in the file's user_version: a store that carries it runs none of the
-# statements above. Bump it with any change to SCHEMA or ADDED_COLUMNS
-# (tests/test_store_locks.py keeps a fingerprint of both).
-SCHEMA_VERSION = 2
+                 ("jobs", "supervised", "REAL"),  # when a queued job's master was last (re)started
+                 # who submitted it: the Unix user, and the database role where that differs
+                 ("jobs", "user_name", "TEXT"), ("jobs", "db_role", "TEXT"),
+                 ("jobs", "master_host", "TEXT"),  # the machine its master runs on (the submitting one)
+                 ("jobs", "lease", "REAL"))  # when its master last said, in a team store, that it lives
+# PostgreSQL's metrics rows keep their order in a column of their own (SQLite's rowid).
+PG_ADDED_COLUMNS = (("metrics", "rowid", "BIGSERIAL"),)
+# Kept in the file's user_version (SQLite) or the schema_version table (PostgreSQL):
+# a store that carries it runs none of the statements above; a newer one is refused.
+# Bump it with any change to SCHEMA or ADDED_COLUMNS (tests/test_store_locks.py keeps
+# a fingerprint of both).
+SCHEMA_VERSION = 4
+
+
+def upsert(table: str, columns: tuple[str, ...], key: tuple[str, ...], update: bool = True) -> str:
+    """INSERT of one row of `columns` that, where a row with its `key` exists, replaces
+    that row's other columns (or, update=False, leaves it): both stores speak it."""
+    sets = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in key)
+    return (f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({','.join('?' * len(columns))})"
+            f" ON CONFLICT ({', '.join(key)}) " + (f"DO UPDATE SET {sets}" if update else "DO NOTHING"))
+
+
+QUEUE_COLUMNS = ("job_id", "priority", "project", "submitted", "entry", "state", "placement", "reason", "position",
+                 "revived", "waiter")
+HOLD = upsert("holds", ("job_id", "node", "project", "cpu", "memory", "gpu"), ("job_id", "node"))
+CLAIM = upsert("claims", ("kind", "node", "item", "job_id", "ts"), ("kind", "node", "item"))
 # A claim holds while its job lives; one whose job was never recorded, this long.
 CLAIM_GRACE = 60.0
 # The claims that hold: of a live job, or of a submit still under way.
@@ -138,8 +170,20 @@ def new_job_id(now: float | None = None) -> str:
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
 
 
-def _apply_schema(db: sqlite3.Connection) -> None:
+def _apply_schema(db: Any, postgres: bool = False) -> None:
     """Every table, index and added column made sure of, then SCHEMA_VERSION stamped."""
+    if postgres:
+        from paicli import store_pg
+
+        for statement in store_pg.schema(SCHEMA).strip().split(";"):
+            if statement.strip():
+                db.execute(statement)
+        for table, column, kind in ADDED_COLUMNS + PG_ADDED_COLUMNS:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {store_pg.schema(kind)}")
+        db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER)")
+        db.execute("DELETE FROM schema_version")
+        db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
+        return
     for statement in SCHEMA.strip().split(";"):
         if statement.strip():
             db.execute(statement)
@@ -200,34 +244,128 @@ def every_store_closed() -> Iterator[None]:
         yield
     finally:
         for store in reopen:
-            store.connect()
+            store.connect(again=True)
+
+
+# This machine, as jobs' master_host names it.
+HOST = socket.gethostname()
+
+
+def master_here(job: Any) -> bool:
+    """Does the job's master run on this machine (or is that not recorded)? Only
+    here can its pid and start time say whether it lives."""
+    return not job["master_host"] or job["master_host"] == HOST
+
+
+# How long a job's master and watchdog wait for a team store that went away: the
+# job runs on meanwhile (its log is its own), and the store gets its writes after.
+OUTAGE_WAIT = 3600.0
+# A team store's master renews its job's lease this often; another machine's job
+# whose lease is older than LEASE counts as having no master (what it holds is free).
+# The machines' clocks are taken to agree (NTP) to well within the difference.
+LEASE_RENEW = 10.0
+LEASE = 30.0
+
+
+def lease_lapsed(job: Any, now: float | None = None) -> bool:
+    """Has the job's master (in a team store) stopped renewing its lease?"""
+    return job["lease"] is not None and (time.time() if now is None else now) - job["lease"] > LEASE
+
+
+def store_url() -> str | None:
+    """PAI_STORE: a team's PostgreSQL database (None: SQLite under $PAI_HOME)."""
+    url = os.environ.get("PAI_STORE") or None
+    if url and not url.startswith(("postgresql://", "postgres://")):
+        raise UsageError(f"PAI_STORE={url.split('@')[-1]}: expected a PostgreSQL URL",
+                         "e.g. postgresql://USER@HOST/DATABASE, or unset it for the store under PAI_HOME")
+    return url
 
 
 class Store:
-    def __init__(self, home: Path | None = None):
+    def __init__(self, home: Path | None = None, *, upgrade: bool = False, outage_wait: float = 10.0):
+        """The store (created when new). A store whose schema this pai does not know
+        (newer) is refused; an older SQLite store is brought up to date, an older
+        team store only with `upgrade` (`pai store upgrade`: its other users'
+        clients may be older). A team store's connection lost later is made again
+        for up to `outage_wait` seconds (OUTAGE_WAIT for a job's master)."""
         self.home = home or pai_home()
+        self.outage_wait = outage_wait
         self.jobs_dir = self.home / "jobs"
         self.path = self.home / "pai.db"
+        self.url = store_url()
+        self.postgres = self.url is not None
         try:
             # Owner only: the store and the job folders hold argv and log tails.
             private_dir(self.home, parents=True)
             private_dir(self.jobs_dir)
-            if not os.path.exists(self.path):
-                _create_store(self.path)
-            touch_private(self.path)
-            for suffix in ("-wal", "-shm"):  # SQLite gives these the database's mode; older stores
-                if self.path.with_name(self.path.name + suffix).exists():
-                    touch_private(self.path.with_name(self.path.name + suffix))
+            if not self.postgres:
+                if not os.path.exists(self.path):
+                    _create_store(self.path)
+                touch_private(self.path)
+                for suffix in ("-wal", "-shm"):  # SQLite gives these the database's mode; older stores
+                    if self.path.with_name(self.path.name + suffix).exists():
+                        touch_private(self.path.with_name(self.path.name + suffix))
         except OSError as err:
             raise PaiError(f"cannot create the job store in {self.home}: {err.strerror}",
                            "set PAI_HOME to a writable directory") from None
         self.connect()
         # A store of another version (older, created in place, or by another release).
-        if self.db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+        if self.schema_version() != SCHEMA_VERSION:
             with self.tx():
-                _apply_schema(self.db)
+                version = self.schema_version()   # again, under the write lock
+                if version and version > SCHEMA_VERSION:
+                    raise UsageError(f"the job store {self.where} has schema version {version}, newer than this"
+                                     f" pai knows ({SCHEMA_VERSION})", "upgrade paicli to the team's release")
+                if self.postgres and version and version < SCHEMA_VERSION and not upgrade:
+                    raise UsageError(f"the job store {self.where} has schema version {version}, older than this"
+                                     f" pai's ({SCHEMA_VERSION})", "run `pai store upgrade` once for the team")
+                if version != SCHEMA_VERSION:
+                    _apply_schema(self.db, self.postgres)
 
-    def connect(self) -> None:
+    @property
+    def where(self) -> str:
+        """The store as error lines name it."""
+        if self.postgres:
+            from paicli.store_pg import redacted
+
+            return redacted(self.url)
+        return str(self.home)
+
+    def schema_version(self) -> int:
+        """The store's schema version (0: a database with no store in it yet)."""
+        if not self.postgres:
+            return self.db.execute("PRAGMA user_version").fetchone()[0]
+        # Looked up first: a failed statement would end the transaction it is in.
+        if self.db.execute("SELECT to_regclass('schema_version')").fetchone()[0] is None:
+            return 0
+        return self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
+
+    def me(self) -> tuple[str, str | None]:
+        """Who this process is to the store: (Unix user, the database role where it
+        differs from that name, else None)."""
+        if "_me" not in self.__dict__:
+            try:
+                user = pwd.getpwuid(os.geteuid()).pw_name
+            except KeyError:   # a uid with no name (a container's)
+                user = str(os.geteuid())
+            role = self.db.execute("SELECT current_user").fetchone()[0] if self.postgres else None
+            self._me = (user, role if role != user else None)
+        return self._me
+
+    def mine_here(self, job: Any) -> bool:
+        """Is the job this user's, its master on this machine: one whose lost master
+        or supervisor this process may record or replace? Every job of a store under
+        PAI_HOME is."""
+        return not self.postgres or (master_here(job) and (job["user_name"], job["db_role"]) == self.me())
+
+    def connect(self, again: bool = False) -> None:
+        """The store's connection (`again`: after every_store_closed)."""
+        if self.postgres:
+            from paicli import store_pg
+
+            self.db = store_pg.Connection(self.url, self.outage_wait, again)
+            _OPEN_STORES.add(self)
+            return
         self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA busy_timeout = 60000")
@@ -266,7 +404,10 @@ class Store:
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
         try:
-            self._retrying(lambda: self.db.execute("BEGIN IMMEDIATE"))
+            if self.postgres:
+                self.db.begin()
+            else:
+                self._retrying(lambda: self.db.execute("BEGIN IMMEDIATE"))
             yield self.db
             self.db.execute("COMMIT")
         except BaseException as err:
@@ -275,7 +416,7 @@ class Store:
             if self.db.in_transaction:
                 try:
                     self.db.execute("ROLLBACK")
-                except sqlite3.Error:
+                except Exception:   # sqlite3's or psycopg's: the first error is the one to show
                     pass
             if isinstance(err, sqlite3.OperationalError) and "full" in str(err):
                 # Rolled back: the store is as it was before this write.
@@ -290,9 +431,10 @@ class Store:
         """The job, its tasks and instances, all Waiting, in one transaction."""
         now = time.time()
         with self.tx() as db:
-            db.execute("INSERT INTO jobs (id, name, framework, project, task_name, status, created, job_dir)"
-                       " VALUES (?,?,?,?,?,?,?,?)",
-                       (job_id, name, framework, project, task_name, JobStatus.WAITING.value, now, str(job_dir)))
+            db.execute("INSERT INTO jobs (id, name, framework, project, task_name, status, created, job_dir,"
+                       " user_name, db_role, master_host) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                       (job_id, name, framework, project, task_name, JobStatus.WAITING.value, now, str(job_dir),
+                        *self.me(), HOST))
             for position, role in enumerate(roles):
                 db.execute("INSERT INTO tasks (job_id, role, count, must_finish, position) VALUES (?,?,?,?,?)",
                            (job_id, role["name"], role["count"], int(role["must_finish"]), position))
@@ -305,7 +447,7 @@ class Store:
     def job(self, job_id: str) -> sqlite3.Row:
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
-            raise NotFound(f"no job {job_id} in {self.home}", "`pai list` shows the jobs there")
+            raise NotFound(f"no job {job_id} in {self.where}", "`pai list` shows the jobs there")
         return row
 
     def find_job(self, prefix: str) -> sqlite3.Row:
@@ -317,7 +459,7 @@ class Store:
         if len(rows) == 1:
             return rows[0]
         if not rows:
-            raise NotFound(f"no job {prefix} in {self.home}", "`pai list` shows the jobs there")
+            raise NotFound(f"no job {prefix} in {self.where}", "`pai list` shows the jobs there")
         raise NotFound(f"{prefix} matches more than one job", "give more of the ID")
 
     def live_jobs_named(self, name: str) -> list[sqlite3.Row]:
@@ -325,8 +467,23 @@ class Store:
         return self.db.execute("SELECT * FROM jobs WHERE name = ? AND status IN (?, ?) ORDER BY created DESC",
                                (name, JobStatus.WAITING.value, JobStatus.RUNNING.value)).fetchall()
 
-    def jobs(self, limit: int = 50) -> list[sqlite3.Row]:
-        return self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
+    def jobs(self, limit: int = 50, everyone: bool = True) -> list[sqlite3.Row]:
+        """The newest jobs: everyone's, or (everyone=False) those of this user (me())."""
+        if everyone:
+            return self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
+        user, role = self.me()
+        return self.db.execute("SELECT * FROM jobs WHERE user_name = ? AND COALESCE(db_role, '') = ?"
+                               " ORDER BY created DESC LIMIT ?", (user, role or "", limit)).fetchall()
+
+    def job_nodes(self, job_ids: list[str]) -> dict[str, list[str]]:
+        """job -> the nodes its instances were placed on, sorted."""
+        out: dict[str, set[str]] = {}
+        if job_ids:
+            for job_id, node in self.db.execute(
+                    f"SELECT DISTINCT job_id, node FROM instances WHERE node IS NOT NULL"
+                    f" AND job_id IN ({','.join('?' * len(job_ids))})", job_ids):
+                out.setdefault(job_id, set()).add(node)
+        return {job_id: sorted(nodes) for job_id, nodes in out.items()}
 
     def set_job(self, job_id: str, status: JobStatus, reason: str | None = None, **fields: Any) -> bool:
         """Move a job to `status`; False (and nothing written) if it is already
@@ -352,6 +509,9 @@ class Store:
             if status.is_terminal():
                 db.execute("DELETE FROM claims WHERE job_id = ?", (job_id,))
         return True
+
+    def renew_lease(self, job_id: str) -> None:
+        self.update_job(job_id, lease=time.time())
 
     def update_job(self, job_id: str, **fields: Any) -> None:
         with self.tx() as db:
@@ -395,8 +555,8 @@ class Store:
 
     def record_attempt(self, job_id: str, role: str, idx: int, attempt: int, **fields: Any) -> None:
         with self.tx() as db:
-            db.execute("INSERT OR IGNORE INTO attempts (job_id, role, idx, attempt) VALUES (?,?,?,?)",
-                       (job_id, role, idx, attempt))
+            db.execute(upsert("attempts", ("job_id", "role", "idx", "attempt"), ("job_id", "role", "idx", "attempt"),
+                              update=False), (job_id, role, idx, attempt))
             self._update(db, "attempts", {"job_id": job_id, "role": role, "idx": idx, "attempt": attempt}, fields)
 
     def set_task_count(self, job_id: str, role: str, count: int) -> None:
@@ -491,8 +651,7 @@ class Store:
             for held_node, item, holder in db.execute(LIVE_CLAIMS, (kind, now - CLAIM_GRACE)):
                 if held_node == node and item in wanted and holder != job_id:
                     return False
-            db.executemany("INSERT OR REPLACE INTO claims (kind, node, item, job_id, ts) VALUES (?,?,?,?,?)",
-                           [(kind, node, item, job_id, now) for item in items])
+            db.executemany(CLAIM, [(kind, node, item, job_id, now) for item in items])
         return True
 
     def held(self, kind: str, except_job: str | None = None) -> dict[str, set[str]]:
@@ -507,8 +666,10 @@ class Store:
                        items: list[str] | None = None) -> None:
         with self.tx() as db:
             if items is None:
-                db.execute("DELETE FROM claims WHERE job_id = ? AND kind IS COALESCE(?, kind)"
-                           " AND node IS COALESCE(?, node)", (job_id, kind, node))
+                given = {"kind": kind, "node": node}
+                db.execute("DELETE FROM claims WHERE job_id = ?" + "".join(f" AND {k} = ?" for k, v in given.items()
+                                                                          if v is not None),
+                           (job_id, *(v for v in given.values() if v is not None)))
             else:
                 db.executemany("DELETE FROM claims WHERE job_id=? AND kind=? AND node=? AND item=?",
                                [(job_id, kind, node, item) for item in items])
@@ -560,8 +721,8 @@ class Store:
     def enqueue(self, job_id: str, priority: int, project: str | None, entry: str) -> None:
         with self.tx() as db:
             submitted = db.execute("SELECT created FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
-            db.execute("INSERT OR REPLACE INTO queue (job_id, priority, project, submitted, entry, state)"
-                       " VALUES (?,?,?,?,?,'waiting')", (job_id, priority, project, submitted, entry))
+            db.execute(upsert("queue", QUEUE_COLUMNS, ("job_id",)),
+                       (job_id, priority, project, submitted, entry, "waiting", None, None, None, None, None))
 
     def queue_dispatch(self, decide: Callable[[list, list, dict], list[dict[str, Any]]]) -> list[sqlite3.Row]:
         """Run `decide(waiting rows, live holds, held cards)` in one transaction (holds
@@ -577,9 +738,11 @@ class Store:
                        " WHERE status IN ('Waiting', 'Running'))")
             rows = db.execute("SELECT * FROM queue WHERE state = 'waiting'").fetchall()
             # With the holder's master, so the policy can leave out what a dead one held.
-            holds = db.execute("SELECT h.*, j.master_pid, j.master_start, j.created, j.supervised FROM holds h"
+            holds = db.execute("SELECT h.*, j.master_pid, j.master_start, j.created, j.supervised, j.master_host,"
+                               " j.lease"
+                               " FROM holds h"
                                " JOIN jobs j ON j.id = h.job_id").fetchall()
-            masters = "SELECT master_pid, master_start, created, supervised FROM jobs WHERE id = ?"
+            masters = "SELECT master_pid, master_start, created, supervised, master_host, lease FROM jobs WHERE id = ?"
             gpus = [(node, item, holder, db.execute(masters, (holder,)).fetchone())
                     for node, item, holder in db.execute(LIVE_CLAIMS, ("gpu", now - CLAIM_GRACE))]
             verdicts = decide(rows, holds, gpus)
@@ -590,13 +753,13 @@ class Store:
                 if v["start"]:
                     db.execute("UPDATE queue SET state = 'granted', placement = ?, reason = NULL, position = 0"
                                " WHERE job_id = ?", (v["placement"], job_id))
-                    db.executemany("INSERT OR REPLACE INTO holds VALUES (?,?,?,?,?,?)",
-                                   [(job_id, node, row["project"], cpu, memory, gpu)
+                    db.executemany(HOLD, [(job_id, node, row["project"], cpu, memory, gpu)
                                     for node, cpu, memory, gpu in v["holds"]])
-                    db.executemany("INSERT OR REPLACE INTO claims (kind, node, item, job_id, ts) VALUES (?,?,?,?,?)",
-                                   [("gpu", node, item, job_id, now) for node, ids in v["gpus"].items()
+                    db.executemany(CLAIM, [("gpu", node, item, job_id, now) for node, ids in v["gpus"].items()
                                     for item in ids])
-                    db.execute("UPDATE jobs SET reason = NULL WHERE id = ?", (job_id,))
+                    # Its lease starts with its turn: a master gone before it ever renews
+                    # it frees what it was granted all the same (LEASE).
+                    db.execute("UPDATE jobs SET reason = NULL, lease = ? WHERE id = ?", (now, job_id))
                     granted.append(job_id)
                 elif (row["reason"], row["position"]) != (v["reason"], v["position"]):
                     db.execute("UPDATE queue SET reason = ?, position = ? WHERE job_id = ?",
@@ -605,8 +768,21 @@ class Store:
                 if v.get("event"):
                     db.execute("INSERT INTO events (job_id, ts, kind, message) VALUES (?,?,?,?)",
                                (job_id, now, "queue", v["event"]))
+            if self.postgres:   # wakes the waiters of other machines and users (store_pg.TurnListener)
+                for job_id in granted:
+                    db.execute("SELECT pg_notify('pai_turns', ?)", (job_id,))
             marks = ",".join("?" * len(granted))
             return db.execute(f"SELECT * FROM jobs WHERE id IN ({marks})", granted).fetchall() if granted else []
+
+    def listen_turns(self, job_id: str, wake: Callable[[], None]) -> Callable[[], None]:
+        """Call `wake()` (from another thread) when the job is granted its turn by any
+        machine's dispatch; the function that stops listening. A store under PAI_HOME
+        has one machine, whose dispatch signals the waiter itself: nothing to do."""
+        if not self.postgres:
+            return lambda: None
+        from paicli.store_pg import TurnListener
+
+        return TurnListener(self.url, job_id, wake).stop
 
     def queue_entry(self, job_id: str) -> sqlite3.Row | None:
         return self.db.execute("SELECT * FROM queue WHERE job_id = ?", (job_id,)).fetchone()
@@ -652,7 +828,9 @@ class Store:
         """Every job still in the queue (waiting or granted, not yet taken), with
         its jobs row's fields, in no particular order."""
         return self.db.execute(
-            "SELECT q.*, j.name, j.framework, j.created, j.master_pid, j.master_start, j.supervised"
+            "SELECT q.*, j.name, j.framework, j.created, j.master_pid, j.master_start, j.supervised, j.master_host,"
+            " j.lease,"
+            " j.user_name, j.db_role"
             " FROM queue q JOIN jobs j ON j.id = q.job_id WHERE j.status = 'Waiting'").fetchall()
 
     def mark_revived(self, job_id: str, master_pid: int | None, older_than: float) -> bool:
@@ -669,6 +847,33 @@ class Store:
                        (now, job_id))
             return True
 
+    # -- a team store's quotas ---------------------------------------------------------
+
+    QUOTA_KEYS = ("cpu", "memory", "gpu")
+
+    def quotas(self) -> dict[str, dict[str, int]]:
+        """project -> {cpu, memory, gpu} (the keys with a cap)."""
+        return {row[0]: {k: v for k, v in zip(self.QUOTA_KEYS, row[1:]) if v is not None}
+                for row in self.db.execute("SELECT project, cpu, memory, gpu FROM quotas ORDER BY project")}
+
+    def admins(self) -> frozenset[str]:
+        return frozenset(row[0] for row in self.db.execute("SELECT name FROM admins"))
+
+    def set_quotas(self, quotas: dict[str, dict[str, int]], admins: frozenset[str] | None = None,
+                   replace: bool = False, allowed: Callable[[frozenset[str]], None] = lambda admins: None) -> None:
+        """Each project's caps set (a project given replaces its row); with `replace`
+        every other project's go, and `admins`, when given, become the admins. Runs
+        `allowed(the admins now)` first, in the transaction: it raises to refuse."""
+        with self.tx() as db:
+            allowed(frozenset(row[0] for row in db.execute("SELECT name FROM admins")))
+            if replace:
+                db.execute("DELETE FROM quotas")
+            db.executemany(upsert("quotas", ("project", *self.QUOTA_KEYS), ("project",)),
+                           [(project, *(caps.get(k) for k in self.QUOTA_KEYS)) for project, caps in quotas.items()])
+            if admins is not None:
+                db.execute("DELETE FROM admins")
+                db.executemany("INSERT INTO admins (name) VALUES (?)", [(name,) for name in sorted(admins)])
+
     # -- `pai tune` studies and their trials -----------------------------------------
 
     def create_study(self, name: str, config: str) -> None:
@@ -683,7 +888,7 @@ class Store:
     def study(self, name: str) -> sqlite3.Row:
         row = self.db.execute("SELECT * FROM studies WHERE name = ?", (name,)).fetchone()
         if row is None:
-            raise NotFound(f"no study {name} in {self.home}", "`pai tune list` shows the studies there")
+            raise NotFound(f"no study {name} in {self.where}", "`pai tune list` shows the studies there")
         return row
 
     def studies(self, limit: int = 50) -> list[sqlite3.Row]:
@@ -710,7 +915,7 @@ class Store:
 
     def put_trial(self, study: str, number: int, **fields: Any) -> None:
         with self.tx() as db:
-            db.execute("INSERT OR IGNORE INTO study_trials (study, number, state, created) VALUES (?,?,?,?)",
+            db.execute(upsert("study_trials", ("study", "number", "state", "created"), ("study", "number"), update=False),
                        (study, number, "Waiting", time.time()))
             self._update(db, "study_trials", {"study": study, "number": number}, fields)
 
@@ -734,9 +939,8 @@ class Store:
         """Rows in OUTPUT_COLUMNS order; a later row for the same (job, instance, path) wins."""
         if not rows:
             return
-        marks = ",".join("?" * len(self.OUTPUT_COLUMNS))
         with self.tx() as db:
-            db.executemany(f"INSERT OR REPLACE INTO outputs ({','.join(self.OUTPUT_COLUMNS)}) VALUES ({marks})", rows)
+            db.executemany(upsert("outputs", self.OUTPUT_COLUMNS, ("job_id", "instance", "path")), rows)
 
     def replace_outputs(self, job_id: str, path: str, keep: str) -> None:
         """Every other instance's row for `path` becomes "replaced" by `keep`'s copy."""
@@ -749,7 +953,7 @@ class Store:
         tens of thousands of rows stay cheap), by instance and path."""
         cur = self.db.execute(f"SELECT {','.join(self.OUTPUT_COLUMNS)} FROM outputs WHERE job_id = ?"
                               " ORDER BY instance, path", (job_id,))
-        cur.row_factory = None
+        cur.row_factory = self.db.plain_rows if self.postgres else None
         return cur.fetchall()
 
     def jobs_since(self, job_id: str) -> list[sqlite3.Row]:
@@ -765,7 +969,8 @@ class Store:
 
     def output_totals(self, job_id: str) -> dict[str, int]:
         """{count, bytes, missing} of the files the job wrote (missing: not here)."""
-        row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(location IN ('node', 'missing')), 0)"
+        row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(CASE WHEN location IN ('node', 'missing')"
+                              " THEN 1 ELSE 0 END), 0)"
                               " FROM outputs WHERE job_id = ? AND location != 'replaced'", (job_id,)).fetchone()
         return {"count": row[0], "bytes": row[1], "missing": row[2]}
 

@@ -98,12 +98,7 @@ def datatype(dtype) -> str:
 # Routes
 
 
-class Route:
-    def __init__(self, protocol: str, action: str, name: str = "", version: str = ""):
-        self.protocol, self.action, self.name, self.version = protocol, action, name, version
-
-    def __repr__(self) -> str:
-        return f"Route({self.protocol}, {self.action}, {self.name!r}, {self.version!r})"
+Route = collections.namedtuple("Route", "protocol action name version", defaults=("", ""))
 
 
 V1_PATH = re.compile(r"^/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>[^/:]+)|/labels/(?P<label>[^/:]+))?"
@@ -270,6 +265,8 @@ def _flat(value) -> list:
     """The Open Inference Protocol's tensor data: flat, or nested in row-major order."""
     if not isinstance(value, list):
         return [value]
+    if not any(isinstance(item, list) for item in value):
+        return value   # flat already, as most clients send it
     out = []
     for item in value:
         out.extend(_flat(item) if isinstance(item, list) else [item])
@@ -532,6 +529,15 @@ class CaffeModel(Model):
     def __init__(self, prototxt: str, weights: str):
         import caffe
         caffe.set_mode_cpu()
+        # A net Caffe cannot load aborts the process (a glog CHECK), which the launcher would
+        # take for a retryable death and restart for ever: a child tries first.
+        child = os.fork()
+        if child == 0:
+            caffe.Net(prototxt, caffe.TEST, weights=weights)
+            os._exit(0)
+        _pid, status = os.waitpid(child, 0)
+        if status != 0:
+            raise RuntimeError("Caffe could not load the net with these weights (its F line above says why)")
         self.net = caffe.Net(prototxt, caffe.TEST, weights=weights)
         self.inputs = [Tensor(n, "float32", [-1, *self.net.blobs[n].data.shape[1:]]) for n in self.net.inputs]
         self.outputs = [Tensor(n, "float32", [-1, *self.net.blobs[n].data.shape[1:]]) for n in self.net.outputs]
@@ -623,19 +629,16 @@ class Replica:
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
 
-    def answer(self, method: str, path: str, body: bytes | None) -> tuple[int, dict, int]:
-        """(status, JSON answer, rows) for one request; errors in the protocol's form."""
+    def answer(self, method: str, path: str, body: bytes | None) -> tuple[int, dict, int, str]:
+        """(status, JSON answer, rows, the Allow header of a 405) for one request; errors
+        in the protocol's form."""
         try:
-            found = route(method, path)
+            return (*self._answer(route(method, path), body), "")
         except HttpError as err:
-            return err.status, {"error": err.message}, 0
-        try:
-            return self._answer(found, body)
-        except HttpError as err:
-            return err.status, {"error": err.message}, 0
+            return err.status, {"error": err.message}, 0, err.allow
         except Exception as err:   # the framework refused the input (a shape it cannot take)
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            return 400, {"error": f"the model could not run on this input: {first}"}, 0
+            return 400, {"error": f"the model could not run on this input: {first}"}, 0, ""
 
     def _answer(self, found: Route, body: bytes | None) -> tuple[int, dict, int]:
         a = found.action
@@ -679,6 +682,9 @@ def handler_class(replica: Replica):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "paicli-serving"
+        # The headers and the body go out in two writes: with Nagle's algorithm the second
+        # waits for the client's delayed ACK (40 ms on Linux) on a keep-alive connection.
+        disable_nagle_algorithm = True
         timeout = 120   # an idle keep-alive connection is closed after this long
 
         def log_message(self, format, *args):   # the replica prints its own access lines
@@ -709,9 +715,9 @@ def handler_class(replica: Replica):
                     else:
                         body = self.rfile.read(length)
                 if status == 0:
-                    status, answer, rows = replica.answer(method, self.path, body)
-                if status == 405:
-                    extra["Allow"] = route_allow(method, self.path)
+                    status, answer, rows, allow = replica.answer(method, self.path, body)
+                    if allow:
+                        extra["Allow"] = allow
                 if replica.draining:
                     self.close_connection = True
                 self._send(status, answer, extra)
@@ -756,12 +762,9 @@ def handler_class(replica: Replica):
     return Handler
 
 
-def route_allow(method: str, path: str) -> str:
-    try:
-        route(method, path)
-    except HttpError as err:
-        return err.allow
-    return method
+class Server(ThreadingHTTPServer):
+    daemon_threads = True        # idle keep-alive connections do not hold the exit
+    request_queue_size = 128     # many clients connecting at once are queued, not refused
 
 
 def parse_args(argv: list) -> argparse.Namespace:
@@ -792,9 +795,8 @@ def main(argv: list) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     replica = Replica(args)
-    server = ThreadingHTTPServer((host, port), handler_class(replica))
-    server.daemon_threads = True   # idle keep-alive connections do not hold the exit
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    server = Server((host, port), handler_class(replica))
+    threading.Thread(target=server.serve_forever, args=(0.1,), name="http", daemon=True).start()
 
     def summaries() -> None:
         while not stop.wait(SUMMARY_SECONDS):
@@ -809,8 +811,7 @@ def main(argv: list) -> int:
         replica.say(f"serving: cannot load the {args.kind} model {args.model}: {type(err).__name__}: {err}")
         return 1
     replica.say(f"serving {args.name} version {args.version} ({args.kind}) ready on {host}:{port}")
-    while not stop.wait(0.5):
-        pass
+    stop.wait()
     # Drain: no new connections; the requests already read are answered.
     replica.draining = True
     server.shutdown()

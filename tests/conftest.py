@@ -98,6 +98,28 @@ def pytest_unconfigure(config) -> None:
     shutil.rmtree(SESSION_HOME, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def postgres():
+    """One real PostgreSQL server for the session (of this xdist worker): tests/pg.py."""
+    import pg
+
+    ok, why = pg.can_run()
+    if not ok:
+        pytest.skip(why)
+    with pg.PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_kind(request, monkeypatch):
+    """Run the test on each store: SQLite under PAI_HOME (no PAI_STORE), and a fresh
+    database on the session's PostgreSQL server (PAI_STORE, for every `pai` it starts too)."""
+    monkeypatch.delenv("PAI_STORE", raising=False)
+    if request.param == "postgresql":
+        monkeypatch.setenv("PAI_STORE", request.getfixturevalue("postgres").new_database())
+    return request.param
+
+
 @pytest.fixture
 def pai_home(tmp_path, monkeypatch):
     home = tmp_path / "pai-home"

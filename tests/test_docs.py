@@ -122,7 +122,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # runtimes/archive modules too: nothing of paicli but runners/ (checked below).
     "runners": ("paicli.runners.*",),
     # The shared vocabulary every layer above speaks.
-    "core": ("paicli", "paicli.errors", "paicli.spec", "paicli.jobplan", "paicli.states", "paicli.store",
+    "core": ("paicli", "paicli.errors", "paicli.spec", "paicli.jobplan", "paicli.states", "paicli.store", "paicli.store_pg",
              "paicli.private", "paicli.steptime",
              "paicli.envvars", "paicli.requirements"),   # a job's env and requirements
     "adapters": ("paicli.adapters.*",),                 # frameworks, never processes
@@ -132,7 +132,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # The library the commands, the console and the web server call.
     "library": ("paicli.client", "paicli.jobview", "paicli.pluto", "paicli.statement", "paicli.staging", "paicli.logtail",
                 "paicli.logview", "paicli.docs", "paicli.progress", "paicli.job_outputs",
-                "paicli.tune"),   # pai tune's library (Optuna inside its functions)
+                "paicli.tune",    # pai tune's library (Optuna inside its functions)
+                "paicli.serving"),   # the model a serving job serves, found before the plan
     "web": ("paicli.web.*",),                           # the logview launcher, the server, its pages
     "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__"),
 }
@@ -304,7 +305,7 @@ def test_code_run_in_a_runtime_imports_nothing_of_paicli():
 
 def test_help_imports_nothing_heavy():
     heavy = ("rich", "yaml", "sqlite3", "tensorflow", "mxnet", "ray", "paicli.cluster", "paicli.adapters",
-             "aiohttp", "jinja2", "prompt_toolkit", "plotext", "selenium", "paicli.web")
+             "aiohttp", "jinja2", "prompt_toolkit", "plotext", "selenium", "paicli.web", "psycopg")
     code = f"import sys, paicli.cli; print(sorted(m for m in sys.modules if any(m == h or m.startswith(h + '.')" \
            f" for h in {heavy!r})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

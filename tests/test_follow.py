@@ -374,7 +374,7 @@ def test_an_attached_job_ends_with_the_status_its_master_wrote(pai_home):
         store.close()
 
 
-def test_a_follower_ends_once_the_record_is_complete_not_when_the_master_exits(tmp_path):
+def test_a_follower_ends_once_the_record_is_complete_not_when_the_master_exits(tmp_path, store_kind):
     """The master closes the pipe it wrote its pid to once the job's record is
     complete (its verdict, its summary file), then waits for its agents' exits and
     exits itself: a follower given that pipe (client.hand_over) shows the
@@ -626,7 +626,7 @@ class FakeMaster:
         return os.open(os.devnull, os.O_RDONLY)
 
 
-def test_an_error_in_the_first_lines_is_raised_once_the_master_is_recorded(tmp_path):
+def test_an_error_in_the_first_lines_is_raised_once_the_master_is_recorded(tmp_path, store_kind):
     """A closed stdout while the ID is printed: the job is handed over already, so its
     master's pid is recorded (the job is not called unstarted) before the error goes up."""
     from paicli.client import hand_over
@@ -652,7 +652,7 @@ def test_an_error_in_the_first_lines_is_raised_once_the_master_is_recorded(tmp_p
         store.close()
 
 
-def test_the_cli_leaves_the_masters_pid_to_a_master_that_recorded_itself(tmp_path, monkeypatch):
+def test_the_cli_leaves_the_masters_pid_to_a_master_that_recorded_itself(tmp_path, monkeypatch, store_kind):
     """The master records its pid and start first thing; the CLI writes them only
     for a master that has not yet."""
     from paicli.client import hand_over

@@ -475,7 +475,7 @@ print("alive", flush=True)
 """
 
 
-def test_a_wake_up_that_arrives_as_the_master_takes_its_turn_does_not_kill_it(tmp_path):
+def test_a_wake_up_that_arrives_as_the_master_takes_its_turn_does_not_kill_it(tmp_path, store_kind):
     """Every master's dispatch wakes each job granted a start (SIGUSR1). One that
     lands while the granted master is taking its turn stayed pending; when the
     master unblocked it, SIGUSR1's default action ended the master without a

@@ -50,7 +50,7 @@ def start_attached(*args, env=None) -> subprocess.Popen:
                             env=full_env, start_new_session=True)
 
 
-def test_ps_and_two_workers_succeed_and_the_ps_is_stopped(pai_home):
+def test_ps_and_two_workers_succeed_and_the_ps_is_stopped(pai_home, store_kind):
     result = pai("-name", "python", f"-Dscript=file://{EXAMPLE}", f"-Dcluster={PS_2W}",
                  "-DuserDefinedParameters=--steps 8 --sleep 0.02;")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -242,7 +242,7 @@ def _holds(pid: str, target: str) -> bool:
         return False
 
 
-def test_pai_kill_cancels_within_5_seconds(pai_home, tmp_path):
+def test_pai_kill_cancels_within_5_seconds(pai_home, tmp_path, store_kind):
     pidfile = tmp_path / "pids"
     env = {"BEHAVE": f"pidfile:{pidfile},ignore-term,child,print:1,sleep:600"}
     job_id = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}", env=env).stdout.strip()

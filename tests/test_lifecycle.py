@@ -201,7 +201,8 @@ READERS = {
     "outputs": lambda job: [["outputs", job, "--json"]],
     "plot": lambda job: [["plot", job]],
     "wait": None,   # run below for the jobs shown ended: it follows the others until they end
-    "list": [["list"], ["list", "--json"]],
+    "list": [["list"], ["list", "--json"], ["list", "--all"]],
+    "quota show": [["quota", "show"], ["quota", "show", "--json"]],
     "queue": [["queue"], ["queue", "--json"]],
     "tune list": [["tune", "list", "--json"]],
     "console": None,  # run below with read statements only
@@ -210,7 +211,7 @@ READERS = {
 # server (`logview`), ask a master for more or fewer replicas (`serve scale`), or read no job at all.
 WRITERS = {"submit", "run", "resume", "kill", "export", "params", "plan", "get", "logview", "nodes trust",
            "runtime install", "runtime list", "runtime remove", "tune start", "tune status", "tune stop",
-           "serve scale"}
+           "store upgrade", "quota set", "serve start", "serve scale"}
 
 
 def _leaf_commands() -> set[str]:

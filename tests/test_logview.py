@@ -446,7 +446,7 @@ def test_a_running_server_refuses_its_token_once_spent(tmp_path):
         loop.call_soon_threadsafe(loop.stop)
 
 
-def test_a_slow_store_read_does_not_hold_up_another_request(tmp_path, monkeypatch):
+def test_a_slow_store_read_does_not_hold_up_another_request(tmp_path, monkeypatch, store_kind):
     """The handlers read SQLite off the event loop: while one request's read is
     stuck, a second request (another read of the store) is answered."""
     import asyncio

@@ -302,7 +302,7 @@ class NodeFolders:
         self.removed += names
 
 
-def test_pai_get_brings_what_a_node_held_marks_it_here_and_removes_the_folder(tmp_path):
+def test_pai_get_brings_what_a_node_held_marks_it_here_and_removes_the_folder(tmp_path, store_kind):
     store = Store(tmp_path / "home")
     job_dir, work, node = tmp_path / "home" / "jobs" / "j1", tmp_path / "work", tmp_path / "h1"
     job_dir.mkdir(parents=True)
@@ -539,7 +539,7 @@ def test_a_local_job_claims_only_what_its_own_processes_wrote(pai_home, tmp_path
         assert names == {"ready"}, (tag, names)   # the others changed while the other job ran: neither's
 
 
-def test_pai_outputs_answers_fast_for_ten_thousand_files(pai_home):
+def test_pai_outputs_answers_fast_for_ten_thousand_files(pai_home, store_kind):
     store = Store()
     store.create_job("j10k", name="big", framework="python", project=None, task_name="T",
                      job_dir=pai_home / "jobs" / "j10k", roles=[{"name": "worker", "count": 1, "must_finish": True}])
@@ -659,7 +659,7 @@ def test_pai_resume_of_an_archive_job_continues_from_the_checkpoints_in_its_code
     assert pai_json("status", job_id)["resumed_by"] == [new_id]
 
 
-def test_the_logview_lists_outputs_with_download_links_behind_the_token(tmp_path):
+def test_the_logview_lists_outputs_with_download_links_behind_the_token(tmp_path, store_kind):
     import asyncio
     import threading
     import urllib.error

@@ -190,7 +190,7 @@ class GpuNodes(Backend):
         return nodes((800, 8000, 2), (800, 8000, 1))
 
 
-def test_concurrent_jobs_never_get_the_same_card_and_an_ended_job_gives_its_cards_back(tmp_path):
+def test_concurrent_jobs_never_get_the_same_card_and_an_ended_job_gives_its_cards_back(tmp_path, store_kind):
     store = Store(tmp_path)
     for job in ("a", "b", "c"):
         store.create_job(job, name=job, framework="python", project=None, task_name="T", job_dir=tmp_path,
@@ -211,7 +211,7 @@ def test_concurrent_jobs_never_get_the_same_card_and_an_ended_job_gives_its_card
     assert store.held("gpu") == {"h1": {"0"}, "h2": {"0"}}
 
 
-def test_a_claim_whose_job_was_never_recorded_lapses(tmp_path, monkeypatch):
+def test_a_claim_whose_job_was_never_recorded_lapses(tmp_path, monkeypatch, store_kind):
     """A submit killed between claiming its cards and recording its job must not
     hold them for good."""
     store = Store(tmp_path)

@@ -155,7 +155,7 @@ def record(store: Store, job_id: str, cluster, priority=0, project=None, **roles
                                                                               priority, project))
 
 
-def test_the_store_records_turns_holds_claims_and_reasons(tmp_path, monkeypatch):
+def test_the_store_records_turns_holds_claims_and_reasons(tmp_path, monkeypatch, store_kind):
     monkeypatch.delenv("PAI_QUOTA", raising=False)
     store = Store(tmp_path)
     record(store, "2026a", TWO, worker=(1, 100, 0, 100))
@@ -182,7 +182,7 @@ def test_a_broken_quota_file_holds_the_queue_and_says_so(tmp_path, monkeypatch):
     bad.write_text("vision: {cpu: [\n")
     monkeypatch.setenv("PAI_QUOTA", str(bad))
     with pytest.raises(UsageError) as err:
-        queue_turns.load_quotas(store.home)
+        queue_turns.load_quotas(store)
     assert err.value.message == f"quota file {bad}: not valid YAML"
     monkeypatch.delenv("PAI_QUOTA")
     record(store, "2026a", TWO, worker=(1, 100, 0, 0))
@@ -192,7 +192,7 @@ def test_a_broken_quota_file_holds_the_queue_and_says_so(tmp_path, monkeypatch):
     assert "the quota file is broken" in store.job("2026a")["reason"]
 
 
-def test_what_a_job_whose_master_is_gone_held_is_free(tmp_path, monkeypatch):
+def test_what_a_job_whose_master_is_gone_held_is_free(tmp_path, monkeypatch, store_kind):
     """After a reboot (or a master's kill -9) the jobs recorded Running hold
     nothing: nobody may be left waiting for them to be recorded lost."""
     monkeypatch.delenv("PAI_QUOTA", raising=False)
@@ -206,7 +206,7 @@ def test_what_a_job_whose_master_is_gone_held_is_free(tmp_path, monkeypatch):
     assert json.loads(store.take_turn("2026b"))[0]["gpus"] == ["0"]
 
 
-def test_a_moved_instance_takes_its_hold_along(tmp_path, monkeypatch):
+def test_a_moved_instance_takes_its_hold_along(tmp_path, monkeypatch, store_kind):
     from paicli.cluster.backends.base import Placement
 
     monkeypatch.delenv("PAI_QUOTA", raising=False)
@@ -220,7 +220,7 @@ def test_a_moved_instance_takes_its_hold_along(tmp_path, monkeypatch):
     assert [(h["node"], h["cpu"]) for h in store.queue_holds("2026a")] == [("h1", 100), ("h2", 100)]
 
 
-def test_a_backfilled_job_says_so_in_its_event_log(tmp_path, monkeypatch):
+def test_a_backfilled_job_says_so_in_its_event_log(tmp_path, monkeypatch, store_kind):
     monkeypatch.delenv("PAI_QUOTA", raising=False)
     store = Store(tmp_path)
     record(store, "2026a", TWO, worker=(1, 100, 0, 100))     # takes h2's card
@@ -235,7 +235,7 @@ def test_a_backfilled_job_says_so_in_its_event_log(tmp_path, monkeypatch):
     assert store.job("2026b")["reason"] == "waiting: 1st in queue; worker needs gpu 100, h2 has 0 free (held by 2026a)"
 
 
-def test_the_sweep_gives_a_queued_job_a_new_supervisor_instead_of_declaring_it_lost(tmp_path, monkeypatch):
+def test_the_sweep_gives_a_queued_job_a_new_supervisor_instead_of_declaring_it_lost(tmp_path, monkeypatch, store_kind):
     """The next job's watchdog (lifecycle.sweep_lost) records jobs whose master is
     gone; a queued one, of which nothing ran, it revives instead (issue 16: no
     reader does any more)."""
@@ -272,3 +272,18 @@ def test_the_sweep_gives_a_queued_job_a_new_supervisor_instead_of_declaring_it_l
         for proc in started:
             proc.kill()
             proc.wait()
+
+
+def test_only_the_owner_or_an_admin_may_act_on_a_job():
+    admins = queue.parse_admins({"admins": ["ops"], "vision": {"gpu": 100}}, "q.yaml")
+    assert queue.parse_quota({"admins": ["ops"], "vision": {"gpu": 100}}, "q.yaml") == {"vision": {"gpu": 100}}
+    assert queue.may_act(("alice", None), ("alice", None), admins)
+    assert not queue.may_act(("bob", None), ("alice", None), admins)
+    assert not queue.may_act(("alice", "shared"), ("alice", "other"), admins)   # the role counts
+    assert queue.may_act(("bob", None), ("ops", None), admins)
+    assert queue.may_act(("bob", None), ("alice", "ops"), admins)               # an admin's role
+    assert not queue.may_act(("bob", None), ("ops", "alice"), admins)           # a role that is not
+    assert queue.may_act((None, None), ("alice", None), frozenset())            # recorded before users
+    with pytest.raises(UsageError) as err:
+        queue.parse_admins({"admins": "ops"}, "q.yaml")
+    assert err.value.message == "q.yaml: admins: expected a list of user or role names, got 'ops'"

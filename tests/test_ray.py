@@ -534,6 +534,46 @@ def test_mxnet_dist_sync_over_three_nodes(ray_cluster, home):
     assert_nothing_left(job_id)
 
 
+@pytest.mark.mxnet
+def test_a_gluon_model_is_served_by_a_replica_on_each_of_two_ray_nodes(ray_cluster, home, tmp_path):
+    import numpy as np
+    from serving_client import Client, conformance
+    from test_serving_jobs import MX_TRAIN, ROWS
+
+    script = tmp_path / "train_mx.py"
+    script.write_text(MX_TRAIN)
+    # Trained on the head node itself (no Ray for it), then served on the Ray nodes.
+    trained = pai_ray(ray_cluster, home, "-name", "mxnet", f"-Dscript={script}", env={"PAI_RAY_ADDRESS": ""},
+                      cwd=tmp_path)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-2000:]
+    train_id = job_id_of(trained.stdout)
+    want = json.loads((home / "jobs" / train_id / "outputs" / "worker-0" / "expected.json").read_text())["gluon"]
+    port = 18000 + int.from_bytes(os.urandom(2), "big") % 2000
+    served = pai_ray(ray_cluster, home, "serve", train_id, "--replicas", "2", "--host", "0.0.0.0",
+                     "--port", str(port), "--json", cwd=tmp_path)
+    assert served.returncode == 0, served.stderr
+    job_id = json.loads(served.stdout)["id"]
+    try:
+        def ready():
+            status = status_of(ray_cluster, home, job_id)
+            assert status["status"] not in ("Failed", "Cancelled"), status
+            up = [i for i in status["instances"] if i["status"] == "Running" and i["port"]]
+            logs = pai_ray(ray_cluster, home, "logs", job_id, timeout=60).stdout
+            return up if len(up) == 2 and logs.count(" ready on ") >= 2 else None
+
+        replicas = wait_until(ready, timeout=180, interval=1)
+        assert len({i["host"] for i in replicas}) == 2 and all(i["host"].startswith(SUBNET + ".") for i in replicas)
+        token = json.loads((home / "jobs" / job_id / "plan.json").read_text())["roles"][0]["env"]["PAI_SERVING_TOKEN"]
+        clients = [Client(f"http://{ray_cluster.head.addr}:{port}")]   # the router, on the head node
+        clients += [Client(f"http://{i['host']}:{i['port']}", {"X-Pai-Token": token}) for i in replicas]
+        for client in clients:
+            for way, got in conformance(client, "lenet", ROWS.tolist()).items():
+                assert np.allclose(np.array(got), np.array(want), atol=1e-5), way
+    finally:
+        pai_ray(ray_cluster, home, "kill", job_id, timeout=60)
+    assert_nothing_left(job_id)
+
+
 LONG_SCRIPT = """
 import os, sys, time
 steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 40

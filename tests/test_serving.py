@@ -18,7 +18,8 @@ import pytest
 
 from paicli.runners import serving_runner as sr
 from paicli.runners.runtimes import get_runtime, runner_path
-from conftest import wait_until
+from conftest import pai, wait_until
+from netns import kill_unfinished_jobs
 from serving_client import Client, conformance, flatten
 
 # -- the protocol functions ---------------------------------------------------------------
@@ -311,7 +312,8 @@ def test_concurrent_requests_are_one_call_of_the_model(lenet, replica):
 @pytest.mark.caffe
 def test_sigterm_answers_the_requests_in_flight_then_exits_0(lenet):
     # A batch that waits 3 s for company: the request is surely in flight when SIGTERM comes.
-    proc, url, out = start_replica(lenet, "--max-batch-size", "64", "--batch-timeout-micros", "3000000")
+    proc, url, out = start_replica(lenet, "--max-batch-size", "64", "--batch-timeout-micros", "3000000",
+                                   "--request-log", "off")
     try:
         answer = {}
         asking = threading.Thread(target=lambda: answer.update(rows=Client(url).tf_predict_rows("lenet", images(1))))
@@ -321,10 +323,176 @@ def test_sigterm_answers_the_requests_in_flight_then_exits_0(lenet):
         asking.join(30)
         assert len(answer["rows"]) == 1
         assert proc.wait(30) == 0
-        assert "serving lenet: stopped" in read(out)
+        assert "serving lenet: stopped" in read(out) and "POST /v1" not in read(out)   # no access lines
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5).close()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+# -- the model found, the plan, `pai serve` ---------------------------------------------------
+
+
+def touch(folder, *names, text="x"):
+    paths = []
+    for name in names:
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        paths.append(str(path))
+    return paths
+
+
+def test_each_kind_of_model_is_found_among_files(tmp_path):
+    from paicli.adapters.serving import detect
+
+    saved = touch(tmp_path, "models/mnist/1/saved_model.pb", "models/mnist/1/variables/variables.index")
+    model = detect(saved + touch(tmp_path, "train.py"))
+    assert (model.kind, model.name, model.main) == ("savedmodel", "mnist", saved[0]) and sorted(model.files) == saved
+    assert detect(touch(tmp_path, "net.keras")).kind == "keras"
+    gluon = detect(touch(tmp_path, "lenet-symbol.json", "lenet-0001.params", "lenet-0004.params"))
+    assert (gluon.kind, gluon.name, gluon.weights.endswith("lenet-0004.params")) == ("gluon", "lenet", True)
+    deploy = touch(tmp_path, "deploy.prototxt", text='layer { name: "data" type: "Input" top: "data" }')
+    solver = touch(tmp_path, "solver.prototxt", text='net: "train.prototxt"\nbase_lr: 0.01')
+    caffe = detect(deploy + solver + touch(tmp_path, "lenet_iter_200.caffemodel", "lenet_iter_1000.caffemodel"))
+    assert (caffe.kind, caffe.main, caffe.name) == ("caffe", deploy[0], "lenet")
+    assert caffe.weights.endswith("lenet_iter_1000.caffemodel")
+    assert detect(touch(tmp_path, "m.onnx")).kind == "onnx"
+    assert detect(solver + touch(tmp_path, "notes.txt")) is None
+    from paicli.errors import UsageError
+    with pytest.raises(UsageError, match="2 .keras models"):
+        detect(touch(tmp_path, "a.keras", "b.keras"))
+
+
+def test_the_plan_of_a_served_model(tmp_path, pai_home, monkeypatch):
+    from paicli import client, serving
+    from paicli.adapters.base import StagedCode
+    from paicli.statement import parse_statement
+    from paicli.store import Store
+
+    monkeypatch.chdir(tmp_path)
+    onnx = touch(tmp_path, "mnist.onnx")[0]
+    prepared = client.prepare(parse_statement(["-name", "serving", f"-Dmodel=file://{onnx}", "-DmaxBatchSize=16",
+                                               '-Dcluster={"replica":{"count":3}}', "-DservingPort=9000"]))
+    serving.resolve(prepared, Store())
+    plan = prepared.adapter.plan(prepared.spec, StagedCode(None, None, tmp_path))
+    (role,) = plan.roles
+    assert (role.name, role.count, role.listens, role.must_finish) == ("replica", 3, True, True)
+    assert role.argv[role.argv.index("--kind") + 1] == "onnx" and role.argv[role.argv.index("--name") + 1] == "mnist"
+    assert role.argv[role.argv.index("--max-batch-size") + 1] == "16" and len(role.env["PAI_SERVING_TOKEN"]) == 32
+    assert plan.inputs == [onnx] and plan.front == {"host": "127.0.0.1", "port": 9000, "role": "replica",
+                                                     "max_body": 64 << 20}
+    assert plan.max_retries == 1000 and prepared.adapter.runtime is None
+    assert prepared.spec.get("requirements") == ["onnxruntime==1.32.0", "numpy"]
+
+
+def test_the_summary_line_is_the_services_metrics_and_nothing_else_is():
+    from paicli.adapters.serving import ServingAdapter
+    from paicli.cluster.logsink import MetricParser
+
+    parse = MetricParser(list(ServingAdapter.metric_patterns)).parse
+    summary = "serving: requests=120, rps=119.8, p50_ms=1.2, p90_ms=2.0, p99_ms=3.4, errors=0\n"
+    assert parse(summary)[1] == {"requests": 120, "rps": 119.8, "p50_ms": 1.2, "p90_ms": 2.0, "p99_ms": 3.4,
+                                 "errors": 0}
+    for line in ("POST /v1/models/mnist:predict 200 1.84ms 8 rows in a batch of 32\n",
+                 "set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.\n"):
+        assert parse(line)[1] == {}, line
+
+
+@pytest.mark.parametrize("model, words", [
+    ("/no/such/model", "-Dmodel: /no/such/model does not exist; give a SavedModel folder"),
+    ("{here}/train.py", "train.py is no model paicli serves; give"),
+    ("20260101000000000zzzzzzz", "-Dmodel: no job 20260101000000000zzzzzzz in"),
+    ("a" * 5000, "-Dmodel: cannot use 'aaaa"),
+])
+def test_a_bad_model_is_one_line_and_exit_2(tmp_path, pai_home, model, words):
+    touch(tmp_path, "train.py")
+    done = pai("serve", model.format(here=tmp_path), cwd=str(tmp_path))
+    assert done.returncode == 2 and words in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert not (pai_home / "jobs").exists() or not list((pai_home / "jobs").iterdir())
+
+
+def replicas_of(job_id: str, count: int, home=None) -> list:
+    """(URL, headers) of each ready replica of a serving job, from `pai status` and its plan."""
+    env = {"PAI_HOME": str(home)} if home else None
+
+    def ready():
+        status = json.loads(pai("status", job_id, "--json", env=env).stdout)
+        up = [i for i in status["instances"] if i["status"] == "Running" and i["port"]]
+        logs = pai("logs", job_id, env=env).stdout
+        if status["status"] in ("Failed", "Cancelled"):
+            raise AssertionError(f"{job_id} ended: {status['status']}\n{logs}")
+        return up if len(up) == count and logs.count(" ready on ") >= count else None
+
+    up = wait_until(ready, timeout=180, interval=0.5)
+    plan = json.loads(open(os.path.join(json.loads(pai("status", job_id, "--json", env=env).stdout)["job_dir"],
+                                        "plan.json")).read())
+    token = plan["roles"][0]["env"]["PAI_SERVING_TOKEN"]
+    return [(f"http://{i['host']}:{i['port']}", {"X-Pai-Token": token}) for i in up]
+
+
+@pytest.fixture
+def services(pai_home):
+    """Whatever happens in the test, every job of its home that has not ended is killed after it."""
+    yield
+    kill_unfinished_jobs()
+
+
+@pytest.mark.caffe
+def test_pai_serve_starts_a_service_that_pai_kill_ends(lenet, pai_home, services, tmp_path):
+    port, here = free_port(), tmp_path / "here"
+    here.mkdir()
+    done = pai("serve", str(lenet), "--name", "digits", "--port", str(port), "--replicas", "2",
+               "--max-batch-size", "4", "--json", cwd=str(here))
+    assert done.returncode == 0, done.stderr
+    started = json.loads(done.stdout)
+    try:
+        assert (started["url"], started["kind"], started["name"], started["replicas"]) == \
+            (f"http://127.0.0.1:{port}", "caffe", "digits", 2)
+        rows = images(2, seed=3)
+        want = np.array(in_process(lenet, rows))
+        for url, headers in replicas_of(started["id"], 2) + [(started["url"], {})]:   # each replica, the router
+            for way, got in conformance(Client(url, headers), "digits", rows).items():
+                assert np.allclose(np.array(got), want, atol=1e-6), (url, way)
+        # The replicas' summary lines are the service's metrics (`pai status`, the logview).
+        wait_until(lambda: "p99_ms" in json.loads(pai("status", started["id"], "--json").stdout)["metrics"]
+                   .get("replica:0", {}), timeout=30)
+    finally:
+        assert pai("kill", started["id"]).returncode == 0
+    assert json.loads(pai("status", started["id"], "--json").stdout)["status"] == "Cancelled"
+    assert not list(here.iterdir())   # nothing written where pai ran
+
+
+def test_a_serving_statement_exports_to_yaml_and_needs_its_model(tmp_path, pai_home):
+    exported = pai("export", "-name", "serving", "-Dmodel=file:///models/mnist", "-DmaxBatchSize=8",
+                   '-Dcluster={"replica":{"count":2}}', cwd=str(tmp_path))
+    assert exported.returncode == 0, exported.stderr
+    assert "max_batch_size: 8" in exported.stdout and "model: file:///models/mnist" in exported.stdout
+    missing = pai("-name", "serving", "--detach", cwd=str(tmp_path))
+    assert missing.returncode == 2 and missing.stderr.startswith("pai: error: -Dmodel: missing; give a SavedModel")
+
+
+@pytest.mark.caffe
+def test_a_net_caffe_cannot_load_is_exit_1_not_an_abort_restarted_for_ever(lenet, tmp_path):
+    (tmp_path / "deploy.prototxt").write_text(LENET.replace("num_output: 10", "num_output: 7"))
+    done = subprocess.run([caffe_python(), "-u", runner_path("serving_runner.py"), "--model",
+                           str(tmp_path / "deploy.prototxt"), "--weights", str(lenet / "lenet.caffemodel"),
+                           "--kind", "caffe", "--name", "lenet"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PAI_HOST": "127.0.0.1", "PAI_PORT": str(free_port())})
+    assert done.returncode == 1, done.stdout + done.stderr   # not -6 (SIGABRT): that is retried
+    assert "serving: cannot load the caffe model" in done.stdout and "shape mismatch" in done.stderr
+
+
+def test_a_model_file_brings_its_partners(tmp_path):
+    from paicli.adapters.serving import detect, files_under
+
+    deploy = touch(tmp_path, "deploy.prototxt", text='layer { type: "Input" }')[0]
+    weights = touch(tmp_path, "lenet_iter_100.caffemodel")[0]
+    touch(tmp_path, "gl-symbol.json", "gl-0003.params", "notes.txt")
+    for given in (deploy, weights):
+        model = detect(files_under(given))
+        assert (model.kind, model.main, model.weights) == ("caffe", deploy, weights), given
+    gluon = detect(files_under(str(tmp_path / "gl-0003.params")))
+    assert (gluon.kind, gluon.weights) == ("gluon", str(tmp_path / "gl-0003.params"))

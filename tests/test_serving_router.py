@@ -19,7 +19,6 @@ from test_router import post
 from test_serving import images, lenet  # noqa: F401 - the module's LeNet model folder, a fixture
 
 pytestmark = pytest.mark.caffe
-pytest.importorskip("paicli.adapters.serving", reason="-name serving (adapters/serving.py) is not merged here yet")
 
 
 def serve(lenet_folder: Path, replicas: int = 2, *extra: str) -> tuple[str, str, Path]:

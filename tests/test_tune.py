@@ -393,7 +393,7 @@ def test_a_bad_storage_is_one_line_and_leaves_nothing(pai_home, tmp_path):
         assert not (pai_home / "studies" / "s1").exists()
 
 
-def test_the_pruner_judges_after_each_step_a_poll_read(tmp_path):
+def test_the_pruner_judges_after_each_step_a_poll_read(tmp_path, store_kind):
     """A poll reads several steps at once: each is reported and judged in turn, as in
     an objective's loop (successive halving judges a trial at its latest step: judged
     once per poll, trials were compared at whatever step each poll happened to reach)."""

@@ -1,0 +1,49 @@
+"""`pai serve MODEL`: a model answering requests, as a `-name serving` job (paicli/serving.py,
+docs/serving.md): the default command of the `pai serve` group (paicli/cli_scale.py).
+Registered by paicli.cli."""
+
+from __future__ import annotations
+
+import click
+
+from paicli.cli_scale import serve
+from paicli.commands import echo, echo_json, open_store, runtime_progress
+
+
+@click.command("start")
+@click.argument("model")
+@click.option("--name", help="The model's name in the URL (default: its folder or file name).")
+@click.option("--replicas", type=int, default=1, show_default=True, help="Replica instances.")
+@click.option("--port", type=int, help="The router's port (default 8501).")
+@click.option("--host", help="The router's address (default 127.0.0.1; 0.0.0.0: every interface).")
+@click.option("--version", "version", type=int, help="The version it is served as (default 1).")
+@click.option("--max-batch-size", type=int, help="Combine concurrent requests into calls of up to this many rows.")
+@click.option("--batch-timeout-micros", type=int, help="How long a batch waits for more requests (default 1000).")
+@click.option("--num-batch-threads", type=int, help="Batches a replica runs at once (default 1).")
+@click.option("--json", "as_json", is_flag=True, help="Print the job ID and URL as JSON.")
+def start(model, name, replicas, port, host, version, max_batch_size, batch_timeout_micros, num_batch_threads,
+          as_json):
+    """Start serving MODEL: the statement `pai -name serving -Dmodel=MODEL ...`,
+    submitted detached. Prints the job ID and the URL clients use:
+
+    \b
+      curl -d '{"instances": [...]}' http://127.0.0.1:8501/v1/models/NAME:predict
+      curl -d '{"inputs": [...]}' http://127.0.0.1:8501/v2/models/NAME/infer
+    """
+    from paicli import serving
+    from paicli.commands import submit_statement
+
+    options = {"name": name, "port": port, "host": host, "version": version, "max_batch_size": max_batch_size,
+               "batch_timeout_micros": batch_timeout_micros, "num_batch_threads": num_batch_threads}
+    store = open_store()
+    started = serving.service(store, submit_statement(serving.serve_statement(model, replicas, options), store,
+                                                      runtime_progress()))
+    if as_json:
+        echo_json(started)
+        return
+    echo(f"ID = {started['id']}")
+    echo(f"serving {started['name']} ({started['kind']}, {started['replicas']} replica(s)) at {started['url']}")
+
+
+def register(cli: click.Group) -> None:
+    serve.set_default(start)   # `pai serve MODEL ...` is `pai serve start MODEL ...`

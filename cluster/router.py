@@ -19,6 +19,7 @@ pure functions below; aiohttp is imported only by the process that serves.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import signal
@@ -115,12 +116,22 @@ def note(text: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} router: {text}", flush=True)
 
 
+def bearer_ok(header: str | None, token: str | None) -> bool:
+    """A client's `Authorization: Bearer TOKEN` against the front's token (none asked
+    for when the router listens on loopback only)."""
+    if not token:
+        return True
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
 class Router:
-    def __init__(self, token: str | None, max_body: int):
+    def __init__(self, token: str | None, max_body: int, client_token: str | None = None):
         import aiohttp
 
         self.aiohttp = aiohttp
         self.token = token
+        self.client_token = client_token
         self.max_body = max_body
         self.replicas: dict[str, Replica] = {}
         self.checks: dict[str, asyncio.Task] = {}
@@ -185,6 +196,8 @@ class Router:
         from yarl import URL   # aiohttp's own
 
         web = self.aiohttp.web
+        if not bearer_ok(request.headers.get("Authorization"), self.client_token):
+            return self._error(401, "this service asks for `Authorization: Bearer TOKEN` (pai status shows it)")
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -228,7 +241,7 @@ async def serve(sock: socket.socket, front: dict, token: str | None) -> None:
     from aiohttp import web
 
     max_body = int(front.get("max_body") or MAX_BODY)
-    router = Router(token, max_body)
+    router = Router(token, max_body, front.get("token"))
     app = web.Application(client_max_size=max_body)
     app.router.add_route("*", "/{tail:.*}", router.handle)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=DRAIN)

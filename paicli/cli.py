@@ -140,7 +140,8 @@ def status(job_id, as_json):
     click.echo(f"ID = {st['id']}  {st['name']}  ({st['framework']})")
     click.echo(f"Status: {st['status']}" + (f"  {st['reason']}" if st["reason"] else ""))
     if st["url"]:
-        click.echo(f"Serving: {st['url']}")
+        click.echo(f"Serving: {st['url']}" + (f"  (clients send `Authorization: Bearer {st['token']}`)"
+                                               if st.get("token") else ""))
     echo_log_view(store, job_id, st["log_view"])
     for line in jobview.notice_lines(st):  # idle workers, servers reachable from outside
         click.echo(line)

@@ -100,14 +100,20 @@ def read_job(store: Store, job_id: str) -> dict[str, Any]:
     return {**dict(job), "status": JobStatus.FAILED.value, "reason": reason, "unrecorded": True}
 
 
-def service_url(job) -> str | None:
-    """The URL a live serving job answers at (its plan's front); None for any other job."""
+def service_front(job) -> dict | None:
+    """A live serving job's front (its plan's router: host, port, a client token when it
+    listens beyond this machine); None for any other job."""
     if JobStatus(job["status"]).is_terminal():
         return None
     try:
-        front = json.loads((Path(job["job_dir"]) / "plan.json").read_text()).get("front")
+        return json.loads((Path(job["job_dir"]) / "plan.json").read_text()).get("front")
     except (OSError, ValueError):
         return None
+
+
+def service_url(job) -> str | None:
+    """The URL a live serving job answers at; None for any other job."""
+    front = service_front(job)
     return front_url(front) if front else None
 
 
@@ -152,7 +158,10 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
         "pluto": pluto_view.record(job_dir),
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
-    out["url"] = service_url(job)
+    front = service_front(job)
+    out["url"] = front_url(front) if front else None
+    if front and front.get("token"):
+        out["token"] = front["token"]   # plan.json is the owner's alone (0600)
     out["not_distributed"] = distribution.cause_of(out["status"], out["reason"])
     out["outputs"] = store.output_totals(job_id)   # count, bytes, missing
     out.update(store.resume_links(job_id))          # pai resume

@@ -135,4 +135,4 @@ def service(store, job_id: str) -> dict:
     argv = plan.role(plan.front["role"]).argv
     return {"id": job["id"], "name": plan.job_name, "kind": argv[argv.index("--kind") + 1],
             "replicas": plan.role(plan.front["role"]).count,
-            "url": front_url(plan.front)}
+            "url": front_url(plan.front), **({"token": plan.front["token"]} if plan.front.get("token") else {})}

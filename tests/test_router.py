@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, kill_groups, processes_in, wait_until
+from paicli.adapters.serving import is_loopback
 from paicli.cluster import policy, router, spawn
 from paicli.cluster.procinfo import is_alive
 from paicli.errors import UsageError
@@ -98,11 +99,12 @@ def test_a_busy_port_is_one_line_naming_it_and_how_to_pick_another():
 class Fixture:
     """A router started as the master starts it, and replicas it can be told about."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, client_token: str | None = None):
         self.tmp = tmp
         self.replicas: dict[str, subprocess.Popen] = {}
         port, *self.ports = free_ports("127.0.0.1", 5, set())
-        self.front = {"host": "127.0.0.1", "port": port, "role": "replica"}
+        self.front = {"host": "127.0.0.1", "port": port, "role": "replica",
+                      **({"token": client_token} if client_token else {})}
         plan = JobPlan("serve", "serving", "serve", [RolePlan("replica", 2, ["x"], env={router.TOKEN_ENV: TOKEN})],
                        front=self.front)
         (tmp / "plan.json").write_text(plan.to_json())
@@ -145,8 +147,8 @@ def front(tmp_path):
     fixture.close()
 
 
-def post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+def post(url: str, body: bytes, timeout: float = 30.0, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             return answer.status, json.loads(answer.read())
@@ -349,3 +351,26 @@ def test_scaling_a_service_on_ray_is_refused_in_one_line(tmp_path):
         client.scale(store, "mnist", 3)
     assert str(err.value).startswith("job 2026s (mnist) runs on Ray, where a serving job keeps the replicas")
     assert store.tasks("2026s")[0]["count"] == 1     # nothing asked of anyone
+
+
+def test_a_client_token_is_asked_for_only_beyond_loopback_and_compared_whole():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5") and not is_loopback("db.example")
+    assert router.bearer_ok(None, None)
+    assert router.bearer_ok("Bearer s3cret", "s3cret") and router.bearer_ok("bearer s3cret", "s3cret")
+    for header in (None, "", "Bearer", "Bearer s3cre", "Bearer s3cretX", "Basic s3cret", "s3cret"):
+        assert not router.bearer_ok(header, "s3cret"), header
+
+
+def test_a_router_with_a_client_token_answers_401_without_it(tmp_path):
+    fixture = Fixture(tmp_path, client_token="c1ient")
+    try:
+        fixture.replica(0)
+        code, body = post(f"{fixture.url}/v1/models/m:predict", b"{}")
+        assert code == 401 and "Authorization: Bearer" in body["error"]
+        code, body = post(f"{fixture.url}/v1/models/m:predict", b"{}", headers={"Authorization": "Bearer wrong"})
+        assert code == 401
+        code, body = post(f"{fixture.url}/v1/models/m:predict", b"{}", headers={"Authorization": "Bearer c1ient"})
+        assert code == 200 and body["replica"] == "replica:0"
+    finally:
+        fixture.close()

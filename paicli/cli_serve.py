@@ -49,6 +49,8 @@ def start(model, name, replicas, port, host, version, max_batch_size, batch_time
         return
     echo(f"ID = {started['id']}")
     echo(f"serving {started['name']} ({started['kind']}, {started['replicas']} replica(s)) at {started['url']}")
+    if started.get("token"):
+        echo(f"clients send the header `Authorization: Bearer {started['token']}` (--host is not this machine)")
 
 
 def register(cli: click.Group) -> None:

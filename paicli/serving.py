@@ -17,9 +17,8 @@ from pathlib import Path
 
 from paicli import client, job_outputs
 from paicli.adapters.serving import ONNX_REQUIREMENTS, Model, detect, files_under, model_error
-from paicli.cluster.router import url_of
 from paicli.errors import NotFound, SpecError, UsageError
-from paicli.jobplan import JobPlan
+from paicli.jobplan import JobPlan, front_url
 from paicli.serving_quant import quantize
 from paicli.spec import RawParam, resolve_path
 from paicli.statement import Statement
@@ -142,4 +141,4 @@ def service(store, job_id: str) -> dict:
     argv = plan.role(plan.front["role"]).argv
     return {"id": job["id"], "name": plan.job_name, "kind": argv[argv.index("--kind") + 1],
             "replicas": plan.role(plan.front["role"]).count,
-            "url": url_of(plan.front)}
+            "url": front_url(plan.front), **({"token": plan.front["token"]} if plan.front.get("token") else {})}

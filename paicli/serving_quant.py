@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from paicli.adapters.serving import ONNX_REQUIREMENTS
 from paicli.cluster.requirement_layers import ensure_layer
 from paicli.errors import PaiError, UsageError
 from paicli.private import open_append_fd, private_dir, write_private
@@ -32,7 +33,8 @@ Progress = Callable[[str], None]
 # onnx.mapping, which onnx 1.16 removed.
 CONVERTERS = {"savedmodel": ("tensorflow", ["tf2onnx", "onnx"]), "keras": ("tensorflow", ["tf2onnx", "onnx"]),
               "gluon": ("mxnet", ["onnx<1.16"])}
-QUANTISER = ["onnx", "onnxruntime", "numpy"]
+# The accuracy is checked on the onnxruntime the replicas serve with.
+QUANTISER = ["onnx", *ONNX_REQUIREMENTS]
 SCRIPT = runner_path("serving_convert.py")
 REPORT = "report.json"
 CHECK_HINT = "give a CSV of labelled rows: the input's values, then the label (a class index)"

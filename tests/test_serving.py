@@ -254,6 +254,8 @@ def test_a_replica_answers_both_protocols_as_pycaffe_does(lenet, replica):
     for way, predictions in got.items():
         assert np.allclose(np.array(predictions), want, atol=1e-6), way
     assert "POST /v1/models/lenet:predict 200" in read(out)
+    # Health checks (the router's, four a second) are neither access lines nor counted.
+    assert "/v2/health/" not in read(out)
 
 
 @pytest.mark.caffe

@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO))
 from paicli.cluster import router, spawn   # noqa: E402
 from paicli.runners.node_agent import free_ports   # noqa: E402
 from paicli.cluster.requirement_layers import ensure_layer   # noqa: E402
-from paicli.jobplan import JobPlan, RolePlan   # noqa: E402
+from paicli.jobplan import JobPlan, RolePlan, front_url   # noqa: E402
 from paicli.runners.runtimes import get_runtime   # noqa: E402
 
 REPLICA = REPO / "runners" / "serving_runner.py"
@@ -131,7 +131,7 @@ class Servers:
         for i, replica_port in enumerate(replicas):
             proc.stdin.write(f"up replica:{i} 127.0.0.1:{replica_port}\n".encode())
         proc.stdin.flush()
-        return router.url_of(front)
+        return front_url(front)
 
     def close(self) -> None:
         for proc in self.routers:

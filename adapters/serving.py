@@ -13,6 +13,7 @@ set of files holds. Its files are the plan's inputs, staged to every node.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import secrets
@@ -191,8 +192,6 @@ class ServingAdapter(Adapter):
             if role != ROLE:
                 raise SpecError("-Dcluster", f'a serving job has no role "{role}"',
                                 'its one role is "replica", e.g. {"replica":{"count":2}}')
-        if spec.get("quantize") == "int8":
-            raise SpecError("-Dquantize", "int8 is not available in this version", "drop -Dquantize")
 
     def plan(self, spec: JobSpec, code: StagedCode) -> JobPlan:
         model = self.model
@@ -218,6 +217,9 @@ class ServingAdapter(Adapter):
                         gpu=conf["gpu"] or spec.get("gpuRequired"))
         front = {"host": spec.get("servingHost"), "port": spec.get("servingPort"), "role": ROLE,
                  "max_body": parse_size(spec.get("maxBodyBytes"))}
+        if not is_loopback(front["host"]):
+            # Told to listen beyond this machine: clients show a bearer token, as for the logview.
+            front["token"] = secrets.token_urlsafe(24)
         notes = [f"serving {model.kind} model {model.main} as {name} version {spec.get('modelVersion')} on "
                  f"{conf['count']} replica(s), in the {self.runtime or 'python'} runtime",
                  f"router at http://{front['host']}:{front['port']}; a replica that dies is restarted"]
@@ -229,3 +231,11 @@ class ServingAdapter(Adapter):
         if "maxRetries" not in spec.params:
             plan.max_retries = SERVING_RETRIES
         return plan
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine reaches HOST (an address or `localhost`)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -29,7 +29,7 @@ from paicli.cluster.ports import allocate_ports
 from paicli.cluster.procinfo import start_time
 from paicli.cluster.spawn import RouterProcess, Watchdog, spawn_watchdog, start_router, stop_router
 from paicli.errors import PaiError, UsageError
-from paicli.jobplan import JobPlan, RolePlan
+from paicli.jobplan import JobPlan, RolePlan, front_url
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import LEASE_RENEW, OUTAGE_WAIT, Store
 
@@ -263,7 +263,7 @@ class JobMaster:
         finally:
             sock.close()
         self._tell_watchdog(f"router {json.dumps(self.router.ref.to_dict())}")
-        self.joblog.note(f"serving at {router.url_of(self.plan.front)}")
+        self.joblog.note(f"serving at {front_url(self.plan.front)}")
 
     def _tell_router(self, inst: Instance, up: bool) -> None:
         if self.router is None or inst.role.name != self.plan.front["role"]:
@@ -703,7 +703,7 @@ class JobMaster:
         for idx in remove:
             inst = mine[idx]
             self.joblog.note(f"{inst.name} removed (scaled to {want})")
-            self._stop([inst], InstanceStatus.TERMINATED)
+            self._stop([inst], InstanceStatus.KILLED)
             if inst.status == InstanceStatus.WAITING:
                 self._set(inst, InstanceStatus.KILLED, "scaled down")
             self.store.release_claims(self.job_id, "gpu", inst.placed.node, list(inst.placed.gpus))

@@ -37,14 +37,17 @@ PIP_LOG = "pip.log"
 Progress = Callable[[str], None]
 
 
-def _base(plan) -> tuple[str, str, str]:
-    """(runtime name or "", its version, the interpreter the layer is built for)."""
-    if plan.runtime:
-        runtime = get_runtime(plan.runtime)
+def ensure_layer(runtime: str, lines: list[str], progress: Progress, log: Path | None = None) -> tuple[Layer, dict]:
+    """The layer of `lines` on `runtime` ("": the Python paicli runs on), built here
+    unless it is cached; Layer.ensure's result. pip's output goes to `log` when given."""
+    if runtime:
+        rt = get_runtime(runtime)
         # Your own interpreter (PAI_<NAME>_PYTHON) is another base than the provisioned one.
-        version = runtime.version + (f"|{runtime.override}" if runtime.override else "")
-        return plan.runtime, version, runtime.python()
-    return "", f"python{sys.version_info[0]}.{sys.version_info[1]}", sys.executable
+        version, python = rt.version + (f"|{rt.override}" if rt.override else ""), rt.python()
+    else:
+        version, python = f"python{sys.version_info[0]}.{sys.version_info[1]}", sys.executable
+    layer = Layer(runtime, python, layer_digest(runtime, version, lines, folder_digest(find_links(lines))), lines)
+    return layer, layer.ensure(progress, log_path=str(log) if log and not layer.installed() else None)
 
 
 def prepare_job_env(spec, plan, job_dir: Path, progress: Progress, home: Path | None = None) -> None:
@@ -54,13 +57,9 @@ def prepare_job_env(spec, plan, job_dir: Path, progress: Progress, home: Path | 
     if not lines:
         return
 
-    base, version, python = _base(plan)
-    links = find_links(lines)
-    digest = layer_digest(base, version, lines, folder_digest(links))
-    layer = Layer(base, python, digest, lines)
     log = job_dir / PIP_LOG
     try:
-        built = layer.ensure(progress, log_path=str(log) if not layer.installed() else None)
+        layer, built = ensure_layer(plan.runtime or "", lines, progress, log)
     except PipError as err:
         kept = _keep_log(log, home or job_dir.parent.parent, job_dir.name)
         # pip's verdict on the requirements is bad input: exit 2, nothing submitted.
@@ -73,8 +72,8 @@ def prepare_job_env(spec, plan, job_dir: Path, progress: Progress, home: Path | 
         role.env["PAI_LAYER"] = built["path"]
     plan.notes.append(f"requirements: layer {layer.name} ({', '.join(built['pins']) or 'nothing to add'})")
     write_private(job_dir / LAYER_FILE, json.dumps(
-        {"name": layer.name, "base": base, "python": python, "digest": digest, "lines": lines,
-         "pins": built["pins"], "links": links, "path": built["path"]}, indent=2))
+        {"name": layer.name, "base": plan.runtime or "", "python": layer.python, "digest": layer.digest,
+         "lines": lines, "pins": built["pins"], "links": find_links(lines), "path": built["path"]}, indent=2))
 
 
 def _keep_log(log: Path, home: Path, job_id: str) -> str:

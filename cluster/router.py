@@ -19,6 +19,7 @@ pure functions below; aiohttp is imported only by the process that serves.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import signal
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paicli.errors import UsageError
-from paicli.jobplan import JobPlan
+from paicli.jobplan import JobPlan, front_url
 
 HEALTH_EVERY = 0.25      # seconds between a replica's health checks
 HEALTH_TIMEOUT = 0.7     # a check unanswered this long fails: a sick replica is out within 1 s
@@ -92,12 +93,6 @@ def passed(headers) -> dict[str, str]:
     return {name: headers[name] for name in PASSED_HEADERS if name in headers}
 
 
-def url_of(front: dict) -> str:
-    """Where clients reach a job's router."""
-    host = front.get("host") or "127.0.0.1"
-    return f"http://{f'[{host}]' if ':' in host else host}:{int(front['port'])}"
-
-
 def listen(front: dict) -> socket.socket:
     """The router's listening socket, bound by the master before anything starts;
     a port in use is the user's to change, in one line."""
@@ -121,12 +116,22 @@ def note(text: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} router: {text}", flush=True)
 
 
+def bearer_ok(header: str | None, token: str | None) -> bool:
+    """A client's `Authorization: Bearer TOKEN` against the front's token (none asked
+    for when the router listens on loopback only)."""
+    if not token:
+        return True
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
 class Router:
-    def __init__(self, token: str | None, max_body: int):
+    def __init__(self, token: str | None, max_body: int, client_token: str | None = None):
         import aiohttp
 
         self.aiohttp = aiohttp
         self.token = token
+        self.client_token = client_token
         self.max_body = max_body
         self.replicas: dict[str, Replica] = {}
         self.checks: dict[str, asyncio.Task] = {}
@@ -182,7 +187,7 @@ class Router:
             except (self.aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 pass
             self._set_ready(replica, ready_after_check(status),
-                            "health check answered" if status else "health check got no answer")
+                            f"health check answered {status}" if status else "health check got no answer")
             await asyncio.sleep(HEALTH_EVERY)
 
     # -- requests
@@ -191,6 +196,8 @@ class Router:
         from yarl import URL   # aiohttp's own
 
         web = self.aiohttp.web
+        if not bearer_ok(request.headers.get("Authorization"), self.client_token):
+            return self._error(401, "this service asks for `Authorization: Bearer TOKEN` (pai status shows it)")
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -234,7 +241,7 @@ async def serve(sock: socket.socket, front: dict, token: str | None) -> None:
     from aiohttp import web
 
     max_body = int(front.get("max_body") or MAX_BODY)
-    router = Router(token, max_body)
+    router = Router(token, max_body, front.get("token"))
     app = web.Application(client_max_size=max_body)
     app.router.add_route("*", "/{tail:.*}", router.handle)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=DRAIN)
@@ -246,7 +253,7 @@ async def serve(sock: socket.socket, front: dict, token: str | None) -> None:
         loop.add_signal_handler(signum, stop.set)
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(0, "rb", closefd=False))
-    note(f"serving {url_of(front)} (aiohttp {aiohttp.__version__}) for role {front.get('role')}")
+    note(f"serving {front_url(front)} (aiohttp {aiohttp.__version__}) for role {front.get('role')}")
 
     async def commands() -> None:
         while line := await reader.readline():

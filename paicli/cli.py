@@ -139,6 +139,9 @@ def status(job_id, as_json):
         return
     click.echo(f"ID = {st['id']}  {st['name']}  ({st['framework']})")
     click.echo(f"Status: {st['status']}" + (f"  {st['reason']}" if st["reason"] else ""))
+    if st["url"]:
+        click.echo(f"Serving: {st['url']}" + (f"  (clients send `Authorization: Bearer {st['token']}`)"
+                                               if st.get("token") else ""))
     echo_log_view(store, job_id, st["log_view"])
     for line in jobview.notice_lines(st):  # idle workers, servers reachable from outside
         click.echo(line)
@@ -230,13 +233,17 @@ def list_(as_json, limit, everyone):
                       ",".join(job["nodes"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])))
                      for job in jobs])
         return
-    # A Waiting job's reason (its place in the queue) is a last column, shown only when one has it.
+    # A Waiting job's reason (its place in the queue) and a service's URL are last
+    # columns, shown only when a job has one.
     waiting = any(job["status"] == "Waiting" and job["reason"] for job in jobs)
-    print_table(("StartTime", "RunTime", "Status", "InstanceID", "Name", "Framework", *(("Reason",) if waiting else ())),
-                 [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])),
-                   f"{job['run_time']:.0f}s", job["status"], job["id"], job["name"] or "", job["framework"],
-                   *((job["reason"] or "" if job["status"] == "Waiting" else "",) if waiting else ()))
-                  for job in jobs])
+    serving = any(job["url"] for job in jobs)
+    print_table(("StartTime", "RunTime", "Status", "InstanceID", "Name", "Framework", *(("Reason",) if waiting else ()),
+                 *(("URL",) if serving else ())),
+                [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])),
+                  f"{job['run_time']:.0f}s", job["status"], job["id"], job["name"] or "", job["framework"],
+                  *((job["reason"] or "" if job["status"] == "Waiting" else "",) if waiting else ()),
+                  *((job["url"] or "",) if serving else ()))
+                 for job in jobs])
 
 
 @cli.command()

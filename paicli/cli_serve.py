@@ -20,9 +20,14 @@ from paicli.commands import echo, echo_json, open_store, runtime_progress
 @click.option("--max-batch-size", type=int, help="Combine concurrent requests into calls of up to this many rows.")
 @click.option("--batch-timeout-micros", type=int, help="How long a batch waits for more requests (default 1000).")
 @click.option("--num-batch-threads", type=int, help="Batches a replica runs at once (default 1).")
+@click.option("--quantize", type=click.Choice(["none", "int8"]),
+              help="int8: serve the model converted to ONNX and quantised (needs --check).")
+@click.option("--check", help="With --quantize int8: a labelled CSV (last column the label) both models are checked on.")
+@click.option("--max-accuracy-drop", type=float,
+              help="With --quantize int8: the most accuracy, in points, the int8 model may lose (default 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print the job ID and URL as JSON.")
 def start(model, name, replicas, port, host, version, max_batch_size, batch_timeout_micros, num_batch_threads,
-          as_json):
+          quantize, check, max_accuracy_drop, as_json):
     """Start serving MODEL: the statement `pai -name serving -Dmodel=MODEL ...`,
     submitted detached. Prints the job ID and the URL clients use:
 
@@ -34,7 +39,8 @@ def start(model, name, replicas, port, host, version, max_batch_size, batch_time
     from paicli.commands import submit_statement
 
     options = {"name": name, "port": port, "host": host, "version": version, "max_batch_size": max_batch_size,
-               "batch_timeout_micros": batch_timeout_micros, "num_batch_threads": num_batch_threads}
+               "batch_timeout_micros": batch_timeout_micros, "num_batch_threads": num_batch_threads,
+               "quantize": quantize, "check": check, "max_accuracy_drop": max_accuracy_drop}
     store = open_store()
     started = serving.service(store, submit_statement(serving.serve_statement(model, replicas, options), store,
                                                       runtime_progress()))
@@ -43,6 +49,8 @@ def start(model, name, replicas, port, host, version, max_batch_size, batch_time
         return
     echo(f"ID = {started['id']}")
     echo(f"serving {started['name']} ({started['kind']}, {started['replicas']} replica(s)) at {started['url']}")
+    if started.get("token"):
+        echo(f"clients send the header `Authorization: Bearer {started['token']}` (--host is not this machine)")
 
 
 def register(cli: click.Group) -> None:

@@ -25,6 +25,7 @@ from paicli.cluster.spawn import MasterProcess, start_master
 from paicli.envvars import exported
 from paicli.errors import PaiError, UsageError
 from paicli.jobstatus import MASTER_START_DEADLINE, build_status, job_over, master_alive, read_job  # noqa: F401
+from paicli.jobstatus import service_url
 from paicli.jobstatus import final_status as final
 from paicli.jobplan import JobPlan
 from paicli.private import private_dir, write_private
@@ -198,7 +199,7 @@ def list_jobs(store: Store, limit: int = 50, everyone: bool = False) -> list[dic
                     "status": job["status"], "start_time": job["started"] or job["created"],
                     "run_time": (end - job["started"]) if job["started"] else 0.0, "reason": job["reason"],
                     "user": job["db_role"] or job["user_name"], "project": job["project"],
-                    "nodes": nodes.get(job["id"], [])})
+                    "nodes": nodes.get(job["id"], []), "url": service_url(job)})
     return out
 
 

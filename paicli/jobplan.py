@@ -97,6 +97,12 @@ class JobPlan:
         return cls.from_dict(json.loads(text))
 
 
+def front_url(front: dict) -> str:
+    """Where clients reach a plan's front (its router)."""
+    host = front.get("host") or "127.0.0.1"
+    return f"http://{f'[{host}]' if ':' in host else host}:{int(front['port'])}"
+
+
 # key=number pairs such as the seed's `step=3, global_step=3, loss=6.97, duration=3.6s`.
 KEY_VALUE_METRIC = (
     r"(?P<key>\b[A-Za-z_][A-Za-z0-9_.]*)\s*=\s*"

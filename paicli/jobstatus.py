@@ -18,6 +18,7 @@ from paicli import steptime
 from paicli.cluster import distribution
 from paicli.cluster.pluto import view as pluto_view
 from paicli.cluster.procinfo import boot_time, is_alive
+from paicli.jobplan import front_url
 from paicli.private import write_private
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store, lease_lapsed, master_here
@@ -99,6 +100,23 @@ def read_job(store: Store, job_id: str) -> dict[str, Any]:
     return {**dict(job), "status": JobStatus.FAILED.value, "reason": reason, "unrecorded": True}
 
 
+def service_front(job) -> dict | None:
+    """A live serving job's front (its plan's router: host, port, a client token when it
+    listens beyond this machine); None for any other job."""
+    if JobStatus(job["status"]).is_terminal():
+        return None
+    try:
+        return json.loads((Path(job["job_dir"]) / "plan.json").read_text()).get("front")
+    except (OSError, ValueError):
+        return None
+
+
+def service_url(job) -> str | None:
+    """The URL a live serving job answers at; None for any other job."""
+    front = service_front(job)
+    return front_url(front) if front else None
+
+
 def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[str, Any]:
     """Everything `pai status --json` shows, read from the store. The last value of
     each metric comes from SQL; the whole series (which can be millions of rows)
@@ -140,6 +158,10 @@ def build_status(store: Store, job_id: str, with_series: bool = False) -> dict[s
         "pluto": pluto_view.record(job_dir),
         "metrics": metrics, **({"metric_series": series} if with_series else {}),
     }
+    front = service_front(job)
+    out["url"] = front_url(front) if front else None
+    if front and front.get("token"):
+        out["token"] = front["token"]   # plan.json is the owner's alone (0600)
     out["not_distributed"] = distribution.cause_of(out["status"], out["reason"])
     out["outputs"] = store.output_totals(job_id)   # count, bytes, missing
     out.update(store.resume_links(job_id))          # pai resume

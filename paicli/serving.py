@@ -17,9 +17,9 @@ from pathlib import Path
 
 from paicli import client, job_outputs
 from paicli.adapters.serving import ONNX_REQUIREMENTS, Model, detect, files_under, model_error
-from paicli.cluster.router import url_of
 from paicli.errors import NotFound, SpecError, UsageError
-from paicli.jobplan import JobPlan
+from paicli.jobplan import JobPlan, front_url
+from paicli.serving_quant import quantize
 from paicli.spec import RawParam, resolve_path
 from paicli.statement import Statement
 from paicli.states import JobStatus
@@ -33,6 +33,10 @@ def resolve(prepared: client.Prepared, store, say: Say = lambda line: None) -> M
     """The model of a serving statement found and handed to its adapter; an ONNX model's
     replicas get onnxruntime and numpy as a requirements layer."""
     model = find_model(prepared.spec.get("model"), store, say)
+    if prepared.spec.get("quantize") == "int8":   # served as the int8 ONNX model, or refused here
+        path, _report = quantize(model.main, model.kind, prepared.spec.get("checkData"),
+                                 prepared.spec.get("maxAccuracyDrop"), say)
+        model = Model("onnx", path, files=[path], name=model.name)
     prepared.adapter.model = model
     if model.kind == "onnx":
         lines = list(prepared.spec.get("requirements") or [])
@@ -115,7 +119,8 @@ def under(file: str, path: str) -> bool:
 # `pai serve` options -> the statement's -D keys
 SERVE_OPTIONS = {"name": "modelName", "port": "servingPort", "host": "servingHost", "max_batch_size": "maxBatchSize",
                  "batch_timeout_micros": "batchTimeoutMicros", "num_batch_threads": "numBatchThreads",
-                 "version": "modelVersion"}
+                 "version": "modelVersion", "quantize": "quantize", "check": "checkData",
+                 "max_accuracy_drop": "maxAccuracyDrop"}
 
 
 def serve_statement(model: str, replicas: int, options: dict, cwd: Path | None = None) -> Statement:
@@ -136,4 +141,4 @@ def service(store, job_id: str) -> dict:
     argv = plan.role(plan.front["role"]).argv
     return {"id": job["id"], "name": plan.job_name, "kind": argv[argv.index("--kind") + 1],
             "replicas": plan.role(plan.front["role"]).count,
-            "url": url_of(plan.front)}
+            "url": front_url(plan.front), **({"token": plan.front["token"]} if plan.front.get("token") else {})}

@@ -609,7 +609,7 @@ class Store:
         """Metric rows (with their rowid) newer than rowid `after`, oldest first: what
         a live page has not seen yet."""
         return self.db.execute(
-            "SELECT rowid, role, idx, step, key, value FROM metrics WHERE job_id = ? AND rowid > ?"
+            "SELECT rowid, role, idx, ts, step, key, value FROM metrics WHERE job_id = ? AND rowid > ?"
             " ORDER BY rowid LIMIT ?", (job_id, after, limit)).fetchall()
 
     def step_points(self, job_id: str, roles: tuple[str, ...]) -> list[sqlite3.Row]:

@@ -44,6 +44,7 @@ SIGNATURE = "serving_default"
 TOKEN_HEADER = "X-Pai-Token"
 DRAIN_SECONDS = 10.0
 SUMMARY_SECONDS = 1.0
+HEALTH_PREFIX = "/v2/health/"
 # The Open Inference Protocol's health answers: 200 is true, a 4xx false.
 NOT_READY = 400
 
@@ -723,8 +724,11 @@ def handler_class(replica: Replica):
                 self._send(status, answer, extra)
             finally:
                 ms = (time.perf_counter() - started) * 1000
-                replica.stats.record(ms, status >= 400 or status == 0)
-                if log:
+                # The router's health checks (four a second) are neither traffic nor errors.
+                probe = self.path.startswith(HEALTH_PREFIX)
+                if not probe:
+                    replica.stats.record(ms, status >= 400 or status == 0)
+                if log and not probe:
                     replica.say(f"{method} {self.path[:200]} {status} {ms:.2f}ms"
                                 + (f" {rows} rows" if rows > 0 else "")
                                 + (f" in a batch of {CALL.batch}" if CALL.batch > rows > 0 else ""))

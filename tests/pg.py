@@ -135,7 +135,50 @@ class PostgresServer:
         self.close()
 
 
-SITE_PACKAGES = Path(__file__).resolve().parent.parent / ".venv" / "lib"
+ROOT = Path(__file__).resolve().parent.parent
+# paicli's folders as the package maps them (setup.cfg package_dir).
+PACKAGE_DIRS = {"paicli": "paicli", "paicli/adapters": "adapters", "paicli/cluster": "cluster",
+                "paicli/runners": "runners"}
+_readable: list[Path] = []
+
+
+def readable_site() -> Path:
+    """paicli and what it needs (with the `team` extra) copied into a folder every
+    user may read, once per session, removed at exit: the checkout and its venv may
+    lie where only root can enter (a CI clone in a 0700 folder, root's home)."""
+    if _readable:
+        return _readable[0]
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    site = Path(tempfile.mkdtemp(prefix="pai-site-"))
+    site.chmod(0o755)
+    atexit.register(shutil.rmtree, site, True)
+    for dest, source in PACKAGE_DIRS.items():
+        shutil.copytree(ROOT / source, site / dest, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", *PACKAGE_DIRS.values()))
+    seen, todo = set(), [(req, "team") for req in metadata.requires("paicli") or []]
+    while todo:
+        req, extra = todo.pop()
+        req = Requirement(req)
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        dist = metadata.distribution(req.name)
+        if dist.metadata["Name"].lower() in seen:
+            continue
+        seen.add(dist.metadata["Name"].lower())
+        for name in dist.files or []:
+            src = Path(dist.locate_file(name)).resolve()
+            if src.is_file() and not {"..", "__pycache__"} & set(name.parts):
+                target = site / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, target)
+        todo += [(r, e) for r in dist.requires or [] for e in req.extras or [""]]
+    for path in site.rglob("*"):
+        path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
+    _readable.append(site)
+    return site
 
 
 class UnixUser:
@@ -151,7 +194,7 @@ class UnixUser:
         self.home = base / name
         self.home.mkdir(mode=0o700)
         shutil.chown(self.home, name)
-        site = next(SITE_PACKAGES.glob("python3*/site-packages"))
+        site = readable_site()
         # Every python it starts (masters, watchdogs, instances) finds paicli the same way.
         (self.home / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site)!r})\n")
         shutil.chown(self.home / "sitecustomize.py", name)

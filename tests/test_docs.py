@@ -133,7 +133,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "library": ("paicli.client", "paicli.jobview", "paicli.pluto", "paicli.statement", "paicli.staging", "paicli.logtail",
                 "paicli.logview", "paicli.docs", "paicli.progress", "paicli.job_outputs",
                 "paicli.tune",    # pai tune's library (Optuna inside its functions)
-                "paicli.serving"),   # the model a serving job serves, found before the plan
+                "paicli.serving",   # the model a serving job serves, found before the plan
+                "paicli.serving_quant"),   # a model to int8 ONNX at submit, checked on the user's CSV
     "web": ("paicli.web.*",),                           # the logview launcher, the server, its pages
     "commands": ("paicli.cli", "paicli.cli_*", "paicli.commands", "paicli.console", "paicli.pai", "paicli.__main__"),
 }

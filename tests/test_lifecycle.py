@@ -208,7 +208,7 @@ READERS = {
     "console": None,  # run below with read statements only
 }
 # Not readers of jobs: they submit, cancel, copy files out, start the logview
-# server (`logview`), or read no job at all.
+# server (`logview`), ask a master for more or fewer replicas (`serve scale`), or read no job at all.
 WRITERS = {"submit", "run", "resume", "kill", "export", "params", "plan", "get", "logview", "nodes trust",
            "runtime install", "runtime list", "runtime remove", "tune start", "tune status", "tune stop",
            "store upgrade", "quota set", "serve start", "serve scale"}

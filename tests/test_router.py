@@ -15,13 +15,15 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import ROOT, kill_groups, processes_in, wait_until
+from paicli.adapters.serving import is_loopback
 from paicli.cluster import policy, router, spawn
 from paicli.cluster.procinfo import is_alive
 from paicli.errors import UsageError
-from paicli.jobplan import JobPlan, RolePlan
+from paicli.jobplan import JobPlan, RolePlan, front_url
 from paicli.runners.node_agent import free_ports
 
 REPLICA = ROOT / "tests" / "scripts" / "http_replica.py"
@@ -74,8 +76,8 @@ def test_scaling_numbers_new_replicas_after_every_index_used_and_removes_the_hig
 
 
 def test_the_url_and_the_error_form():
-    assert router.url_of({"host": "0.0.0.0", "port": 8501}) == "http://0.0.0.0:8501"
-    assert router.url_of({"host": "::1", "port": 9}) == "http://[::1]:9"
+    assert front_url({"host": "0.0.0.0", "port": 8501}) == "http://0.0.0.0:8501"
+    assert front_url({"host": "::1", "port": 9}) == "http://[::1]:9"
     assert json.loads(router.error_body("no")) == {"error": "no"}
 
 
@@ -97,11 +99,12 @@ def test_a_busy_port_is_one_line_naming_it_and_how_to_pick_another():
 class Fixture:
     """A router started as the master starts it, and replicas it can be told about."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, client_token: str | None = None):
         self.tmp = tmp
         self.replicas: dict[str, subprocess.Popen] = {}
         port, *self.ports = free_ports("127.0.0.1", 5, set())
-        self.front = {"host": "127.0.0.1", "port": port, "role": "replica"}
+        self.front = {"host": "127.0.0.1", "port": port, "role": "replica",
+                      **({"token": client_token} if client_token else {})}
         plan = JobPlan("serve", "serving", "serve", [RolePlan("replica", 2, ["x"], env={router.TOKEN_ENV: TOKEN})],
                        front=self.front)
         (tmp / "plan.json").write_text(plan.to_json())
@@ -110,7 +113,7 @@ class Fixture:
             self.proc = spawn.start_router(sock.fileno(), tmp / "plan.json", tmp / "router.log")
         finally:
             sock.close()
-        self.url = router.url_of(self.front)
+        self.url = front_url(self.front)
 
     def replica(self, idx: int, delay: float = 0.0) -> str:
         name = f"replica:{idx}"
@@ -144,8 +147,8 @@ def front(tmp_path):
     fixture.close()
 
 
-def post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+def post(url: str, body: bytes, timeout: float = 30.0, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             return answer.status, json.loads(answer.read())
@@ -193,6 +196,40 @@ def test_a_replica_killed_under_load_costs_no_request(front):
     assert [status for status, _ in results] == [200] * 320
     assert {answer["replica"] for _, answer in results[-40:]} == {"replica:0"}
     assert "replica:1 (127.0.0.1:" in front.log() and "out: " in front.log()
+
+
+@pytest.mark.caffe
+def test_real_replicas_behind_the_router_answer_as_pycaffe_and_a_kill_9_costs_no_request(front, tmp_path):
+    from test_serving import LENET, MAKE, caffe_python, images, in_process, start_replica
+
+    folder = tmp_path / "lenet"
+    folder.mkdir()
+    (folder / "deploy.prototxt").write_text(LENET)
+    subprocess.run([caffe_python(), "-c", MAKE], cwd=folder, check=True, capture_output=True,
+                   env={**os.environ, "GLOG_minloglevel": "2"})
+    for idx in range(2):
+        proc, url, _ = start_replica(folder, env={router.TOKEN_ENV: TOKEN})
+        front.replicas[f"replica:{idx}"] = proc
+        front.tell(f"up replica:{idx} {url.removeprefix('http://')}")
+    rows = images(2)
+    want = in_process(folder, rows)
+    body = json.dumps({"instances": rows}).encode()
+    assert wait_until(lambda: "replica:1 (" in front.log() and "replica:0 (" in front.log(), timeout=60)
+    results = []
+
+    def client() -> None:
+        for _ in range(15):
+            results.append(post(f"{front.url}/v1/models/lenet:predict", body))
+
+    with ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(client) for _ in range(8)]
+        assert wait_until(lambda: len(results) >= 20, timeout=120)
+        front.replicas["replica:1"].kill()
+        for future in running:
+            future.result()
+    assert [status for status, _ in results] == [200] * 120
+    for _, answer in results:
+        assert np.allclose(np.array(answer["predictions"]), np.array(want), atol=1e-6)
 
 
 def test_a_replica_failing_its_health_check_is_taken_out_and_back(front):
@@ -259,3 +296,81 @@ def test_scaling_a_job_that_is_not_a_service_is_refused_in_one_line(pai_home):
         assert pai("serve", "scale", job_id, "0").returncode == 2     # at least one replica
     finally:
         pai("kill", job_id)
+
+
+# -- where a service shows its URL and its request metrics ------------------------------
+
+
+def record_service(tmp_path: Path, front: dict | None):
+    from paicli.store import Store
+
+    store = Store(tmp_path / "home")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    plan = JobPlan("serve", "serving", "serve", [RolePlan("replica", 1, ["x"])], front=front)
+    (job_dir / "plan.json").write_text(plan.to_json())
+    store.create_job("2026s", name="mnist", framework="serving", project=None, task_name="serve", job_dir=job_dir,
+                     roles=[{"name": "replica", "count": 1, "must_finish": True}])
+    return store
+
+
+def test_a_live_service_has_its_url_and_no_other_job_has_one(tmp_path):
+    from paicli import jobstatus
+    from paicli.states import JobStatus
+
+    store = record_service(tmp_path, {"host": "127.0.0.1", "port": 8501, "role": "replica"})
+    assert jobstatus.service_url(store.job("2026s")) == "http://127.0.0.1:8501"
+    store.set_job("2026s", JobStatus.RUNNING)
+    store.set_job("2026s", JobStatus.CANCELLED, "cancelled by user")
+    assert jobstatus.service_url(store.job("2026s")) is None     # ended: nothing answers there
+    assert jobstatus.service_url(record_service(tmp_path / "other", None).job("2026s")) is None
+
+
+def test_request_metrics_without_a_step_are_drawn_over_the_seconds_since_the_start(tmp_path):
+    from paicli.states import JobStatus
+    from paicli.web import data
+
+    store = record_service(tmp_path, {"host": "127.0.0.1", "port": 8501, "role": "replica"})
+    store.set_job("2026s", JobStatus.RUNNING)
+    began = store.job("2026s")["started"]
+    store.add_metrics([("2026s", "replica", 0, began + 1.5, None, "rps", 119.8),
+                       ("2026s", "replica", 0, began + 1.5, None, "p99_ms", 3.4),
+                       ("2026s", "worker", 0, began + 2.0, 7.0, "loss", 0.5)])
+    points, _ = data.metric_points(store, "2026s")
+    assert points == [["replica:0", "rps", 1.5, 119.8, "seconds"], ["replica:0", "p99_ms", 1.5, 3.4, "seconds"],
+                      ["worker:0", "loss", 7.0, 0.5]]
+
+
+def test_scaling_a_service_on_ray_is_refused_in_one_line(tmp_path):
+    from paicli import client
+    from paicli.cluster.backends import SNAPSHOT
+
+    store = record_service(tmp_path, {"host": "127.0.0.1", "port": 8501, "role": "replica"})
+    (tmp_path / "job" / SNAPSHOT).write_text(json.dumps({"backend": "ray", "address": "10.0.0.1:6379"}))
+    with pytest.raises(UsageError) as err:
+        client.scale(store, "mnist", 3)
+    assert str(err.value).startswith("job 2026s (mnist) runs on Ray, where a serving job keeps the replicas")
+    assert store.tasks("2026s")[0]["count"] == 1     # nothing asked of anyone
+
+
+def test_a_client_token_is_asked_for_only_beyond_loopback_and_compared_whole():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5") and not is_loopback("db.example")
+    assert router.bearer_ok(None, None)
+    assert router.bearer_ok("Bearer s3cret", "s3cret") and router.bearer_ok("bearer s3cret", "s3cret")
+    for header in (None, "", "Bearer", "Bearer s3cre", "Bearer s3cretX", "Basic s3cret", "s3cret"):
+        assert not router.bearer_ok(header, "s3cret"), header
+
+
+def test_a_router_with_a_client_token_answers_401_without_it(tmp_path):
+    fixture = Fixture(tmp_path, client_token="c1ient")
+    try:
+        fixture.replica(0)
+        code, body = post(f"{fixture.url}/v1/models/m:predict", b"{}")
+        assert code == 401 and "Authorization: Bearer" in body["error"]
+        code, body = post(f"{fixture.url}/v1/models/m:predict", b"{}", headers={"Authorization": "Bearer wrong"})
+        assert code == 401
+        code, body = post(f"{fixture.url}/v1/models/m:predict", b"{}", headers={"Authorization": "Bearer c1ient"})
+        assert code == 200 and body["replica"] == "replica:0"
+    finally:
+        fixture.close()

@@ -254,6 +254,8 @@ def test_a_replica_answers_both_protocols_as_pycaffe_does(lenet, replica):
     for way, predictions in got.items():
         assert np.allclose(np.array(predictions), want, atol=1e-6), way
     assert "POST /v1/models/lenet:predict 200" in read(out)
+    # Health checks (the router's, four a second) are neither access lines nor counted.
+    assert "/v2/health/" not in read(out)
 
 
 @pytest.mark.caffe
@@ -386,6 +388,11 @@ def test_the_plan_of_a_served_model(tmp_path, pai_home, monkeypatch):
                                                      "max_body": 64 << 20}
     assert plan.max_retries == 1000 and prepared.adapter.runtime is None
     assert prepared.spec.get("requirements") == ["onnxruntime==1.32.0", "numpy"]
+    # Told to listen beyond this machine, the router asks clients for a token of its own.
+    wide = client.prepare(parse_statement(["-name", "serving", f"-Dmodel=file://{onnx}", "-DservingHost=0.0.0.0"]))
+    serving.resolve(wide, Store())
+    front = wide.adapter.plan(wide.spec, StagedCode(None, None, tmp_path)).front
+    assert len(front["token"]) >= 32 and front["token"] != role.env["PAI_SERVING_TOKEN"]
 
 
 def test_the_summary_line_is_the_services_metrics_and_nothing_else_is():

@@ -73,7 +73,7 @@ def job_page(store: Store, job_id: str) -> dict[str, Any]:
     return {
         "id": job_id, "name": status["name"], "framework": status["framework"],
         "project": status["project"] or "", "owner": owner_of(status["job_dir"]),
-        "status": status["status"], "reason": status["reason"] or "",
+        "status": status["status"], "reason": status["reason"] or "", "url": status["url"] or "",
         "start": fmt_time(status["started"] or status["created"]), "end": fmt_time(status["ended"]),
         "summary": summary_rows(status), "verdict": jobview.verdict_line(status)
         if status["status"] in ("Succeeded", "Failed", "Cancelled") else "",
@@ -152,11 +152,16 @@ def first_tab(instances: list[str]) -> str:
 
 def metric_points(store: Store, job_id: str, after: int = 0, limit: int = 200_000) -> tuple[list, int]:
     """New metric points since rowid `after`: ([instance, key, step, value], ...), last rowid.
-    Step counters are left out (they are the x axis)."""
+    Step counters are left out (they are the x axis). A metric from a line without a
+    step (a replica's `serving: requests=..., rps=...` each second) is drawn over the
+    seconds since the job started: [instance, key, seconds, value, "seconds"]."""
     rows = store.metrics_after(job_id, after, limit)
     last = rows[-1]["rowid"] if rows else after
-    points = [[f"{r['role']}:{r['idx']}", r["key"], r["step"], r["value"]]
-              for r in rows if r["key"] not in HIDDEN_METRICS and r["step"] is not None]
+    job = store.job(job_id)
+    began = job["started"] or job["created"] or 0.0
+    points = [[f"{r['role']}:{r['idx']}", r["key"], r["step"], r["value"]] if r["step"] is not None else
+              [f"{r['role']}:{r['idx']}", r["key"], round(r["ts"] - began, 2), r["value"], "seconds"]
+              for r in rows if r["key"] not in HIDDEN_METRICS]
     return thin(points), last
 
 

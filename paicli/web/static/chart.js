@@ -23,9 +23,10 @@ window.paiChart = (function () {
     return lo > 0 && hi / lo >= 100;
   }
 
-  // curves: [{points: [[step, value], ...], colour, label, className, attrs}], drawn
+  // curves: [{points: [[x, value], ...], colour, label, className, attrs}], drawn
   // into the <svg> `plot` and the element `legend`; plot.dataset.points counts them.
-  function draw(plot, legend, curves, log) {
+  // `xLabel` names the x axis ("step" unless said).
+  function draw(plot, legend, curves, log, xLabel) {
     plot.textContent = "";
     legend.textContent = "";
     function el(tag, attrs, text) {
@@ -59,7 +60,7 @@ window.paiChart = (function () {
       el("text", {x: sx(xv), y: H - B + 16, "class": "tick", "text-anchor": "middle"},
          fmt(x1 - x0 >= 8 ? Math.round(xv) : xv));
     }
-    el("text", {x: W - R, y: H - 4, "class": "label", "text-anchor": "end"}, "step");
+    el("text", {x: W - R, y: H - 4, "class": "label", "text-anchor": "end"}, xLabel || "step");
     curves.forEach(function (c) {
       // Points may arrive out of step order (several attempts, a restarted feed).
       const pts = c.points.slice().sort(function (a, b) { return a[0] - b[0]; });

@@ -42,6 +42,7 @@
   const TAIL = 10 * 1024;
   const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
   const series = {};          // metric -> instance -> [[step, value], ...]
+  const axis = {};            // metric -> what its x is: "step", or "seconds" (since the job started)
   const select = document.getElementById("metric");
   const plot = document.getElementById("plot");
   const legend = document.getElementById("legend");
@@ -104,6 +105,7 @@
     points.forEach(function (p) {
       const instance = p[0], key = p[1];
       (series[key] = series[key] || {});
+      axis[key] = p[4] || "step";
       (series[key][instance] = series[key][instance] || []).push([p[2], p[3]]);
     });
     const keys = Object.keys(series).sort();
@@ -128,7 +130,7 @@
       const pts = lines[n];
       return {points: pts, colour: COLOURS[i % COLOURS.length], attrs: {"data-instance": n},
               label: n + " " + metric + " " + paiChart.fmt(pts[pts.length - 1][1])};
-    }), logy.checked);
+    }), logy.checked, axis[metric]);
   }
   // The log scale is chosen (chart.js) until the user ticks or unticks the box.
   let logyTouched = false;

@@ -81,12 +81,11 @@ def run_on_pty(argv: list[str], env: dict[str, str]) -> tuple[int, bytes]:
 # The longest modules first: `.ci/run` hands whole modules to two workers in this
 # order (--dist loadfile --no-loadscope-reorder), so the run does not end waiting on
 # one long module that started last. Slowest first, measured with --durations.
-LONGEST_MODULES = ("test_ray.py", "test_tensorflow.py", "test_serving_jobs.py", "test_multihost.py",
-                   "test_serving_nodes.py", "test_pluto.py", "test_mxnet.py", "test_store_pg.py",
-                   "test_serving_quant.py", "test_serving_router.py",
+LONGEST_MODULES = ("test_ray.py", "test_tensorflow.py", "test_multihost.py", "test_pluto.py", "test_mxnet.py",
                    "test_tune.py", "test_outputs_ssh.py", "test_envs_nodes.py", "test_pluto_costs.py",
                    "test_runtimes.py", "test_fidelity_tf.py", "test_launcher.py", "test_pluto_cluster.py",
-                   "test_fidelity_mx_jobs.py", "test_envs.py", "test_queue_jobs.py")
+                   "test_fidelity_mx_jobs.py", "test_envs.py", "test_queue_jobs.py", "test_store_pg.py",
+                   "test_serving_jobs.py", "test_serving_nodes.py", "test_serving_quant.py", "test_serving_router.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -563,8 +563,11 @@ def test_a_gluon_model_is_served_by_a_replica_on_each_of_two_ray_nodes(ray_clust
 
         replicas = wait_until(ready, timeout=180, interval=1)
         assert len({i["host"] for i in replicas}) == 2 and all(i["host"].startswith(SUBNET + ".") for i in replicas)
-        token = json.loads((home / "jobs" / job_id / "plan.json").read_text())["roles"][0]["env"]["PAI_SERVING_TOKEN"]
-        clients = [Client(f"http://{ray_cluster.head.addr}:{port}")]   # the router, on the head node
+        plan = json.loads((home / "jobs" / job_id / "plan.json").read_text())
+        token = plan["roles"][0]["env"]["PAI_SERVING_TOKEN"]
+        # The router, on the head node: listening beyond loopback, it asks clients for its own token.
+        assert Client(f"http://{ray_cluster.head.addr}:{port}").request("GET", "/v2/health/live").status == 401
+        clients = [Client(f"http://{ray_cluster.head.addr}:{port}", {"Authorization": f"Bearer {plan['front']['token']}"})]
         clients += [Client(f"http://{i['host']}:{i['port']}", {"X-Pai-Token": token}) for i in replicas]
         for client in clients:
             for way, got in conformance(client, "lenet", ROWS.tolist()).items():

@@ -504,8 +504,12 @@ def test_step_seconds_and_live_reads_come_through_the_store(tmp_path, store_kind
     rows += [("j1", "ps", 0, t, s, "step", s) for s, t in ((0, 0.0), (1, 50.0), (2, 100.0))]
     store.add_metrics(rows)
     assert steptime.job_step_seconds(store, "j1") == pytest.approx((0.2 + 0.4) / 2)
+    store.update_job("j1", started=0.5)
     points, last = data.metric_points(store, "j1")
-    assert points == [] and last == len(rows)   # step counters are the x axis, not points
+    # Step counters are the x axis, not points; a metric without a step is drawn over
+    # the seconds since the job started.
+    assert points == [["worker:1", "duration", 0.5 + i, d, "seconds"] for i, d in enumerate((9.0, 0.4, 0.4))]
+    assert last == len(rows)
     store.add_metrics([("j1", "worker", 0, 9.5, 30, "loss", 0.5)])
     assert data.metric_points(store, "j1", last) == ([["worker:0", "loss", 30, 0.5]], last + 1)
     before = store.last_event_id("j1")

@@ -408,6 +408,10 @@ def test_a_waiting_job_holds_one_connection_to_the_team_store(pai_home, tmp_path
             assert wait_until(lambda: all(jobs()[i]["status"] == "Waiting" and jobs()[i]["reason"] for i in ids[1:]),
                               60)
             assert wait_until(lambda: connections(con) == 5, 30), connections(con)
+        except BaseException:
+            for job_id in ids:   # no job outlives a failed test (they would wait for a store that goes)
+                pai("kill", job_id)
+            raise
         finally:
             (tmp_path / "open").touch()
         assert wait_until(lambda: {j["status"] for j in jobs().values()} == {"Succeeded"}, 120), jobs()

@@ -234,8 +234,9 @@ def scale(store: Store, name_or_job: str, count: int) -> dict[str, Any]:
     if backends.job_config(Path(job["job_dir"])).get("backend") == "ray":
         raise UsageError(f"{where} runs on Ray, where a serving job keeps the replicas it started with",
                          f"submit it again with the count you want (-Dcluster or --replicas)")
-    if refresh(store, job["id"])["status"] != JobStatus.RUNNING.value:
-        raise UsageError(f"{where} is {refresh(store, job['id'])['status']}, not Running", "only a running job scales")
+    status = refresh(store, job["id"])["status"]
+    if status != JobStatus.RUNNING.value:
+        raise UsageError(f"{where} is {status}, not Running", "only a running job scales")
     role = plan.front["role"]
     before = sum(1 for row in store.instances(job["id"])
                  if row["role"] == role and not InstanceStatus(row["status"]).is_terminal())

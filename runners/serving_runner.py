@@ -17,14 +17,16 @@ requests into one call of the model (TensorFlow Serving's batching knobs). SIGTE
 no new connections, the requests in flight are answered, exit 0.
 
 The protocol work (routes, JSON bodies to arrays and back, batches) is in pure
-functions; the HTTP handler and the framework loaders only call them.
+functions; the asyncio HTTP/1.1 server and the framework loaders only call them.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import collections
+import gc
 import hmac
 import json
 import os
@@ -33,7 +35,9 @@ import signal
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from http import HTTPStatus
 
 import numpy as np
 
@@ -44,6 +48,7 @@ SIGNATURE = "serving_default"
 TOKEN_HEADER = "X-Pai-Token"
 DRAIN_SECONDS = 10.0
 SUMMARY_SECONDS = 1.0
+IDLE_SECONDS = 120.0   # a keep-alive connection idle this long is closed
 HEALTH_PREFIX = "/v2/health/"
 # The Open Inference Protocol's health answers: 200 is true, a 4xx false.
 NOT_READY = 400
@@ -183,8 +188,11 @@ def to_array(value, spec: Tensor, what: str, shape=None) -> np.ndarray:
     """A JSON value (reshaped to `shape` when given) as an array of the input's dtype;
     HttpError 400 naming `what` when its values or shape do not fit the input."""
     try:
-        raw = np.array(_b64(value))
+        raw = np.array(value)   # numbers: numpy reads the lists at C speed
+        if raw.dtype.kind == "O":   # objects among them: {"b64": ...} values, decoded
+            raw = np.array(_b64(value))
     except ValueError as err:
+        _b64(value)   # an object that is not {"b64": ...} is named as such
         raise HttpError(400, f"{what}: not a rectangular tensor ({err})") from None
     if raw.dtype.kind == "S":
         raw = raw.astype(object)
@@ -344,84 +352,104 @@ def batch_key(arrays: dict) -> tuple:
     return tuple(sorted((name, a.shape[1:], a.dtype.str) for name, a in arrays.items()))
 
 
-# The rows of the model call that answered this thread's last request (the access line's "in a batch of N").
-CALL = threading.local()
-
-
 class Job:
-    def __init__(self, arrays: dict):
-        self.arrays, self.rows, self.key = arrays, rows_of(arrays), batch_key(arrays)
-        self.done = threading.Event()
-        self.batch = self.rows
-        self.result: dict | None = None
-        self.error: BaseException | None = None
+    def __init__(self, arrays: dict, rows: int, future):
+        self.arrays, self.rows, self.key, self.future = arrays, rows, batch_key(arrays), future
+
+
+def run_batch(call, batch: list) -> list:
+    """One call of the model for a batch's {input: array}s -> (outputs, error, rows of the
+    call) for each. When the combined call fails, each runs alone again, so that one
+    request's bad input does not fail the others."""
+    if len(batch) > 1:
+        joined, sizes = combine(batch)
+        try:
+            return [(part, None, sum(sizes)) for part in split(call(joined), sizes)]
+        except Exception:
+            pass
+    answers = []
+    for arrays in batch:
+        try:
+            answers.append((call(arrays), None, rows_of(arrays)))
+        except Exception as err:
+            answers.append((None, err, 0))
+    return answers
 
 
 class Batcher:
-    """TensorFlow Serving's batching knobs: up to max_rows rows per call, a batch waits
-    at most timeout seconds for more once it has its first request, `threads`
-    calls at once. A request with more rows than max_rows runs on its own."""
+    """TensorFlow Serving's batching knobs on the event loop: up to max_rows rows per
+    call, a batch waits at most timeout seconds for more once it has its first
+    request, `threads` calls at once (each in the pool). A request with more rows than
+    max_rows runs on its own."""
 
-    def __init__(self, call, max_rows: int, timeout: float, threads: int):
-        self.call, self.max_rows, self.timeout = call, max_rows, timeout
+    def __init__(self, call, max_rows: int, timeout: float, threads: int, pool):
+        self.call, self.max_rows, self.timeout, self.threads, self.pool = call, max_rows, timeout, threads, pool
         self.queue: collections.deque = collections.deque()
-        self.cond = threading.Condition()
-        for i in range(max(1, threads)):
-            threading.Thread(target=self._work, name=f"batch-{i}", daemon=True).start()
+        self.waiters: list = []
+        self.workers: list = []
 
-    def run(self, arrays: dict) -> dict:
-        job = Job(arrays)
-        if job.rows < 0:   # inputs of different batch sizes cannot join a batch
-            return self.call(arrays)
-        with self.cond:
-            self.queue.append(job)
-            self.cond.notify_all()
-        job.done.wait()
-        CALL.batch = job.batch
-        if job.error is not None:
-            raise job.error
-        return job.result
+    async def run(self, arrays: dict) -> tuple[dict, int]:
+        """(outputs, rows of the call that answered them)."""
+        loop = asyncio.get_running_loop()
+        rows = rows_of(arrays)
+        if rows < 0:   # inputs of different batch sizes cannot join a batch
+            return await loop.run_in_executor(self.pool, self.call, arrays), rows
+        if not self.workers:
+            self.workers = [loop.create_task(self._work()) for _ in range(max(1, self.threads))]
+        job = Job(arrays, rows, loop.create_future())
+        self.queue.append(job)
+        for waiter in self.waiters:
+            _settle(waiter)
+        self.waiters.clear()
+        return await job.future
 
-    def _take(self) -> list:
-        with self.cond:
-            while not self.queue:
-                self.cond.wait()
-            first = self.queue.popleft()
-            batch, rows = [first], first.rows
-            deadline = time.monotonic() + self.timeout
-            while rows < self.max_rows:
-                for job in list(self.queue):
-                    if job.key == first.key and rows + job.rows <= self.max_rows:
-                        self.queue.remove(job)
-                        batch.append(job)
-                        rows += job.rows
-                left = deadline - time.monotonic()
-                if rows >= self.max_rows or left <= 0:
-                    break
-                self.cond.wait(left)
-            return batch
+    async def _wait(self, timeout: float | None = None) -> None:
+        """Until a request arrives (or timeout seconds pass)."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self.waiters.append(waiter)
+        timer = None if timeout is None else loop.call_later(timeout, _settle, waiter)
+        await waiter
+        if timer is not None:
+            timer.cancel()
 
-    def _work(self) -> None:
+    async def _take(self) -> list:
+        while not self.queue:
+            await self._wait()
+        first = self.queue.popleft()
+        batch, rows = [first], first.rows
+        deadline = asyncio.get_running_loop().time() + self.timeout
         while True:
-            batch = self._take()
-            try:
-                if len(batch) == 1:
-                    batch[0].result = self.call(batch[0].arrays)
+            rest: collections.deque = collections.deque()
+            for job in self.queue:
+                if job.key == first.key and rows + job.rows <= self.max_rows:
+                    batch.append(job)
+                    rows += job.rows
                 else:
-                    joined, sizes = combine([job.arrays for job in batch])
-                    for job, part in zip(batch, split(self.call(joined), sizes)):
-                        job.result, job.batch = part, sum(sizes)
-            except Exception as err:
-                if len(batch) == 1:
-                    batch[0].error = err
-                else:   # one request's bad input must not fail the others: each alone again
-                    for job in batch:
-                        try:
-                            job.result = self.call(job.arrays)
-                        except Exception as own:
-                            job.error = own
-            for job in batch:
-                job.done.set()
+                    rest.append(job)
+            self.queue = rest
+            left = deadline - asyncio.get_running_loop().time()
+            if rows >= self.max_rows or left <= 0:
+                return batch
+            await self._wait(left)
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._take()
+            answers = await loop.run_in_executor(self.pool, run_batch, self.call, [job.arrays for job in batch])
+            for job, (outputs, error, rows) in zip(batch, answers):
+                if job.future.done():   # its client is gone
+                    continue
+                if error is not None:
+                    job.future.set_exception(error)
+                else:
+                    job.future.set_result((outputs, rows))
+
+
+def _settle(future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 # ---------------------------------------------------------------------------
@@ -430,24 +458,21 @@ class Batcher:
 
 class Stats:
     def __init__(self):
-        self.lock = threading.Lock()
         self.requests = self.errors = 0
         self.window: list = []
         self.since = time.monotonic()
 
     def record(self, ms: float, error: bool) -> None:
-        with self.lock:
-            self.requests += 1
-            self.errors += error
-            self.window.append(ms)
+        self.requests += 1
+        self.errors += error
+        self.window.append(ms)
 
     def summary(self) -> str | None:
         """`serving: requests=N, rps=R, p50_ms=..., p90_ms=..., p99_ms=..., errors=E` over the
         time since the last one (requests and errors: totals), None without traffic."""
-        with self.lock:
-            window, self.window = self.window, []
-            now, since, self.since = time.monotonic(), self.since, time.monotonic()
-            requests, errors = self.requests, self.errors
+        window, self.window = self.window, []
+        now, since, self.since = time.monotonic(), self.since, time.monotonic()
+        requests, errors = self.requests, self.errors
         if not window:
             return None
         p50, p90, p99 = np.percentile(np.array(window), [50, 90, 99])
@@ -498,7 +523,9 @@ class KerasModel(Model):
 
     def predict(self, arrays: dict) -> dict:
         given = [arrays[t.name] for t in self.inputs]
-        out = self.model(given[0] if len(given) == 1 else given, training=False)
+        # Keras's compiled predict step: calling the model eagerly costs milliseconds of
+        # Python a call, holding the lock every other thread (the server's) waits for.
+        out = self.model.predict_on_batch(given[0] if len(given) == 1 else given)
         out = out if isinstance(out, (list, tuple)) else [out]
         return {t.name: np.asarray(o) for t, o in zip(self.outputs, out)}
 
@@ -595,7 +622,9 @@ def warm_up(model: Model) -> None:
 
 
 class Replica:
-    """What the handler threads share: the model once loaded, the batcher, statistics."""
+    """The server: the model once loaded, its calls (batched or not), the connections,
+    statistics. Everything runs on the event loop but the model's calls, which run in
+    a pool of threads."""
 
     def __init__(self, args):
         self.args = args
@@ -605,15 +634,16 @@ class Replica:
         self.call = None
         self.stats = Stats()
         self.token = os.environ.get("PAI_SERVING_TOKEN", "").encode()
-        self.out_lock = threading.Lock()
+        self.log = args.request_log == "on"
+        self.idle: dict = {}        # the connections waiting for a request: writer -> since when
         self.in_flight = 0
-        self.flight_lock = threading.Condition()
         self.draining = False
+        self.drained = asyncio.Event()
 
-    def loaded(self, model: Model) -> None:
+    def loaded(self, model: Model, pool) -> None:
         lock = threading.Lock()
 
-        def call(arrays: dict) -> dict:
+        def predict(arrays: dict) -> dict:
             if model.thread_safe:
                 return model.predict(arrays)
             with lock:
@@ -621,41 +651,45 @@ class Replica:
 
         warm_up(model)
         a = self.args
-        self.call = (Batcher(call, a.max_batch_size, a.batch_timeout_micros / 1e6, a.num_batch_threads).run
-                     if a.max_batch_size > 0 else call)
+        if a.max_batch_size > 0:
+            self.call = Batcher(predict, a.max_batch_size, a.batch_timeout_micros / 1e6, a.num_batch_threads,
+                                pool).run
+        else:
+            async def call(arrays: dict) -> tuple[dict, int]:
+                return await asyncio.get_running_loop().run_in_executor(pool, predict, arrays), rows_of(arrays)
+            self.call = call
         self.model, self.ready = model, True
 
     def say(self, line: str) -> None:
-        with self.out_lock:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
-    def answer(self, method: str, path: str, body: bytes | None) -> tuple[int, dict, int, str]:
-        """(status, JSON answer, rows, the Allow header of a 405) for one request; errors
-        in the protocol's form."""
+    async def answer(self, method: str, path: str, body: bytes | None) -> tuple[int, dict, int, int, str]:
+        """(status, JSON answer, rows, rows of the model call, the Allow header of a 405)
+        for one request; errors in the protocol's form."""
         try:
-            return (*self._answer(route(method, path), body), "")
+            return (*await self._answer(route(method, path), body), "")
         except HttpError as err:
-            return err.status, {"error": err.message}, 0, err.allow
+            return err.status, {"error": err.message}, 0, 0, err.allow
         except Exception as err:   # the framework refused the input (a shape it cannot take)
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            return 400, {"error": f"the model could not run on this input: {first}"}, 0, ""
+            return 400, {"error": f"the model could not run on this input: {first}"}, 0, 0, ""
 
-    def _answer(self, found: Route, body: bytes | None) -> tuple[int, dict, int]:
+    async def _answer(self, found: Route, body: bytes | None) -> tuple[int, dict, int, int]:
         a = found.action
         if a == "live":
-            return 200, {"live": True}, 0
+            return 200, {"live": True}, 0, 0
         if a == "ready":
-            return (200 if self.ready else NOT_READY), {"ready": self.ready}, 0
+            return (200 if self.ready else NOT_READY), {"ready": self.ready}, 0, 0
         if a == "server":
-            return 200, {"name": "paicli-serving", "version": "1", "extensions": []}, 0
+            return 200, {"name": "paicli-serving", "version": "1", "extensions": []}, 0, 0
         check_model(found, self.name, self.version)
         if a == "status":
             return 200, {"model_version_status": [{"version": self.version,
                                                    "state": "AVAILABLE" if self.ready else "LOADING",
-                                                   "status": {"error_code": "OK", "error_message": ""}}]}, 0
+                                                   "status": {"error_code": "OK", "error_message": ""}}]}, 0, 0
         if a == "model_ready":
-            return (200 if self.ready else NOT_READY), {"name": self.name, "ready": self.ready}, 0
+            return (200 if self.ready else NOT_READY), {"name": self.name, "ready": self.ready}, 0, 0
         model = self.model
         if model is None:
             raise HttpError(503, f"model {self.name!r} is loading; /v2/health/ready says when it is ready")
@@ -664,111 +698,122 @@ class Replica:
                          "metadata": {"signature_def": {"signature_def": {SIGNATURE: {
                              "inputs": {t.name: t.tf() for t in model.inputs},
                              "outputs": {t.name: t.tf() for t in model.outputs},
-                             "method_name": "tensorflow/serving/predict"}}}}}, 0
+                             "method_name": "tensorflow/serving/predict"}}}}}, 0, 0
         if a == "model":
             return 200, {"name": self.name, "versions": [self.version], "platform": PLATFORMS[self.kind],
-                         "inputs": [t.v2() for t in model.inputs], "outputs": [t.v2() for t in model.outputs]}, 0
+                         "inputs": [t.v2() for t in model.inputs], "outputs": [t.v2() for t in model.outputs]}, 0, 0
         data = parse_json(body or b"")
         if a == "predict":
             arrays, form = parse_tf_predict(data, model.inputs)
-            return 200, tf_response(self.call(arrays), form), rows_of(arrays)
+            outputs, batch = await self.call(arrays)
+            return 200, tf_response(outputs, form), rows_of(arrays), batch
         arrays, wanted, echo = parse_v2_infer(data, model.inputs, model.outputs)
-        return 200, v2_response(self.name, self.version, self.call(arrays), wanted, echo), rows_of(arrays)
+        outputs, batch = await self.call(arrays)
+        return 200, v2_response(self.name, self.version, outputs, wanted, echo), rows_of(arrays), batch
 
+    # -- HTTP/1.1: keep-alive connections, one request at a time each (pipelined ones in turn)
 
-def handler_class(replica: Replica):
-    max_body = replica.args.max_body_bytes
-    log = replica.args.request_log == "on"
+    async def connection(self, reader, writer) -> None:
+        # asyncio's TCP transports set TCP_NODELAY, and an answer goes out in one write.
+        try:
+            while not self.draining:
+                self.idle[writer] = time.monotonic()
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                    return
+                finally:
+                    self.idle.pop(writer, None)
+                self.in_flight += 1
+                try:
+                    if not await self.request(head, reader, writer):
+                        return
+                finally:
+                    self.in_flight -= 1
+                    if self.draining and not self.in_flight:
+                        self.drained.set()
+        finally:
+            writer.close()
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "paicli-serving"
-        # The headers and the body go out in two writes: with Nagle's algorithm the second
-        # waits for the client's delayed ACK (40 ms on Linux) on a keep-alive connection.
-        disable_nagle_algorithm = True
-        timeout = 120   # an idle keep-alive connection is closed after this long
-
-        def log_message(self, format, *args):   # the replica prints its own access lines
-            pass
-
-        def _serve(self, method: str) -> None:
-            with replica.flight_lock:
-                replica.in_flight += 1
-            started = time.perf_counter()
-            status, rows, extra = 0, 0, {}
-            CALL.batch = 0
+    async def request(self, head: bytes, reader, writer) -> bool:
+        """Reads the body, answers, logs: whether the connection stays open."""
+        started = time.perf_counter()
+        method, path, keep, status, rows, batch, allow = "", "", False, 0, 0, 0, ""
+        try:
             try:
-                body, status, answer = None, 0, None
-                if replica.token and not hmac.compare_digest(
-                        self.headers.get(TOKEN_HEADER, "").encode(), replica.token):
-                    status, answer = 401, {"error": f"missing or wrong {TOKEN_HEADER} header"}
-                elif method == "POST":
-                    try:
-                        length = int(self.headers.get("Content-Length", ""))
-                    except ValueError:
-                        length = -1
-                    if length < 0:
-                        status, answer = 411, {"error": "a POST needs a Content-Length header"}
-                        self.close_connection = True
-                    elif length > max_body:
-                        status, answer = 413, {"error": f"the body is {length} bytes, over the limit of {max_body}"}
-                        self.close_connection = True   # its body is not read
-                    else:
-                        body = self.rfile.read(length)
-                if status == 0:
-                    status, answer, rows, allow = replica.answer(method, self.path, body)
-                    if allow:
-                        extra["Allow"] = allow
-                if replica.draining:
-                    self.close_connection = True
-                self._send(status, answer, extra)
-            finally:
-                ms = (time.perf_counter() - started) * 1000
-                # The router's health checks (four a second) are neither traffic nor errors.
-                probe = self.path.startswith(HEALTH_PREFIX)
-                if not probe:
-                    replica.stats.record(ms, status >= 400 or status == 0)
-                if log and not probe:
-                    replica.say(f"{method} {self.path[:200]} {status} {ms:.2f}ms"
-                                + (f" {rows} rows" if rows > 0 else "")
-                                + (f" in a batch of {CALL.batch}" if CALL.batch > rows > 0 else ""))
-                with replica.flight_lock:
-                    replica.in_flight -= 1
-                    replica.flight_lock.notify_all()
+                method, path, version, headers = parse_head(head)
+                keep = keeps_alive(version, headers)
+            except ValueError as err:
+                status, answer = 400, {"error": f"not an HTTP/1.1 request: {err}"}
+            else:
+                length = headers.get("content-length", "")
+                length = int(length) if length.isdigit() else -1
+                if self.token and not hmac.compare_digest(headers.get("x-pai-token", "").encode(), self.token):
+                    status, answer, keep = 401, {"error": f"missing or wrong {TOKEN_HEADER} header"}, False
+                elif length < 0 and method == "POST":
+                    status, answer, keep = 411, {"error": "a POST needs a Content-Length header"}, False
+                elif length > self.args.max_body_bytes:
+                    status, answer, keep = 413, {"error": f"the body is {length} bytes, over the limit of "
+                                                          f"{self.args.max_body_bytes}"}, False   # its body is not read
+                else:
+                    if length > 0 and headers.get("expect", "").lower() == "100-continue":
+                        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    body = await reader.readexactly(length) if length > 0 else None
+                    status, answer, rows, batch, allow = await self.answer(method, path, body)
+            keep = keep and not self.draining
+            writer.write(response(status, answer, allow, keep))
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            status, keep = 0, False
+        finally:
+            ms = (time.perf_counter() - started) * 1000
+            # The router's health checks (four a second) are neither traffic nor errors.
+            if not path.startswith(HEALTH_PREFIX):
+                self.stats.record(ms, status >= 400 or status == 0)
+                if self.log:
+                    self.say(f"{method} {path[:200]} {status} {ms:.2f}ms" + (f" {rows} rows" if rows > 0 else "")
+                             + (f" in a batch of {batch}" if batch > rows > 0 else ""))
+        return keep
 
-        def _send(self, status: int, answer: dict, extra: dict) -> None:
-            data = json.dumps(answer, separators=(",", ":")).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for key, value in extra.items():
-                self.send_header(key, value)
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self._serve("GET")
-
-        def do_POST(self):
-            self._serve("POST")
-
-        def do_PUT(self):
-            self._serve("PUT")
-
-        def do_DELETE(self):
-            self._serve("DELETE")
-
-        def do_PATCH(self):
-            self._serve("PATCH")
-
-    return Handler
+    async def ticks(self) -> None:
+        """Once a second: the summary line, and idle keep-alive connections closed."""
+        while True:
+            await asyncio.sleep(SUMMARY_SECONDS)
+            line = self.stats.summary()
+            if line:
+                self.say(line)
+            old = time.monotonic() - IDLE_SECONDS
+            for writer in [w for w, since in self.idle.items() if since < old]:
+                writer.close()
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True        # idle keep-alive connections do not hold the exit
-    request_queue_size = 128     # many clients connecting at once are queued, not refused
+def parse_head(head: bytes) -> tuple[str, str, str, dict]:
+    """A request's line and headers -> (method, target, version, {lower-case name: value});
+    ValueError when it is not HTTP/1.x."""
+    lines = head.decode("latin-1").split("\r\n")
+    words = lines[0].split(" ")
+    if len(words) != 3 or not words[2].startswith("HTTP/1."):
+        raise ValueError(f"request line {lines[0][:100]!r}")
+    headers = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if colon:
+            headers[name.strip().lower()] = value.strip()
+    return words[0], words[1], words[2], headers
+
+
+def keeps_alive(version: str, headers: dict) -> bool:
+    """HTTP/1.1 keeps a connection open unless told to close; HTTP/1.0 closes unless told not to."""
+    connection = headers.get("connection", "").lower()
+    return connection != "close" if version != "HTTP/1.0" else connection == "keep-alive"
+
+
+def response(status: int, answer: dict, allow: str, keep: bool) -> bytes:
+    data = json.dumps(answer, separators=(",", ":")).encode()
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nServer: paicli-serving\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+            + (f"Allow: {allow}\r\n" if allow else "") + ("" if keep else "Connection: close\r\n")
+            + "\r\n").encode() + data
 
 
 def parse_args(argv: list) -> argparse.Namespace:
@@ -789,6 +834,45 @@ def parse_args(argv: list) -> argparse.Namespace:
 RUNTIME_LOCK: int | None = None
 
 
+async def serve(args, host: str, port: int) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    replica = Replica(args)
+    server = await asyncio.start_server(replica.connection, host, port, backlog=128)
+    ticks = loop.create_task(replica.ticks())
+    # Model calls run here, off the loop: the batches' threads, or as many as the cores.
+    threads = args.num_batch_threads if args.max_batch_size > 0 else os.cpu_count() or 1
+    pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="model")
+    try:
+        model = await loop.run_in_executor(pool, load_model, args.kind, args.model, args.weights)
+        await loop.run_in_executor(pool, replica.loaded, model, pool)
+    except Exception as err:
+        replica.say(f"serving: cannot load the {args.kind} model {args.model}: {type(err).__name__}: {err}")
+        return 1
+    # The framework's objects, hundreds of thousands, are kept out of the collector's
+    # full passes: else every request's JSON lists set one off now and then, at a
+    # millisecond each of the loop's time.
+    gc.freeze()
+    replica.say(f"serving {args.name} version {args.version} ({args.kind}) ready on {host}:{port}")
+    await stop.wait()
+    # Drain: no new connections, idle ones closed; the requests already read are answered.
+    server.close()
+    replica.draining = True
+    for writer in list(replica.idle):
+        writer.close()
+    if replica.in_flight:
+        with suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(replica.drained.wait(), DRAIN_SECONDS)
+    ticks.cancel()
+    line = replica.stats.summary()
+    if line:
+        replica.say(line)
+    replica.say(f"serving {args.name}: stopped")
+    pool.shutdown(wait=False)
+    return 0
+
+
 def main(argv: list) -> int:
     global RUNTIME_LOCK
     from runtime_lock import hold_runtime_lock  # siblings in runners/, staged with us on every node
@@ -796,39 +880,7 @@ def main(argv: list) -> int:
     RUNTIME_LOCK = hold_runtime_lock()  # kept open until this process ends
     args = parse_args(argv)
     host, port = os.environ.get("PAI_HOST", "127.0.0.1"), int(os.environ.get("PAI_PORT", "8501"))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    replica = Replica(args)
-    server = Server((host, port), handler_class(replica))
-    threading.Thread(target=server.serve_forever, args=(0.1,), name="http", daemon=True).start()
-
-    def summaries() -> None:
-        while not stop.wait(SUMMARY_SECONDS):
-            line = replica.stats.summary()
-            if line:
-                replica.say(line)
-
-    threading.Thread(target=summaries, name="summary", daemon=True).start()
-    try:
-        replica.loaded(load_model(args.kind, args.model, args.weights))
-    except Exception as err:
-        replica.say(f"serving: cannot load the {args.kind} model {args.model}: {type(err).__name__}: {err}")
-        return 1
-    replica.say(f"serving {args.name} version {args.version} ({args.kind}) ready on {host}:{port}")
-    stop.wait()
-    # Drain: no new connections; the requests already read are answered.
-    replica.draining = True
-    server.shutdown()
-    server.server_close()
-    deadline = time.monotonic() + DRAIN_SECONDS
-    with replica.flight_lock:
-        while replica.in_flight and time.monotonic() < deadline:
-            replica.flight_lock.wait(deadline - time.monotonic())
-    line = replica.stats.summary()
-    if line:
-        replica.say(line)
-    replica.say(f"serving {args.name}: stopped")
-    return 0
+    return asyncio.run(serve(args, host, port))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ concurrent requests, and draining on SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -138,21 +140,22 @@ def test_the_batcher_calls_the_model_once_for_concurrent_requests_and_isolates_a
             raise ValueError("negative input")
         return {"y": arrays["x"] + 1}
 
-    batcher = sr.Batcher(model, max_rows=8, timeout=0.5, threads=1)
     answers, errors = {}, {}
 
-    def ask(i, value):
-        try:
-            answers[i] = batcher.run({"x": np.full((2, 1), value, np.float32)})["y"].ravel().tolist()
-        except ValueError as err:
-            errors[i] = str(err)
+    async def ask_four():
+        batcher = sr.Batcher(model, max_rows=8, timeout=0.5, threads=1, pool=ThreadPoolExecutor(1))
 
-    threads = [threading.Thread(target=ask, args=(i, v)) for i, v in enumerate((1, 2, -1, 4))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert answers == {0: [2, 2], 1: [3, 3], 3: [5, 5]} and errors == {2: "negative input"}
+        async def ask(i, value):
+            try:
+                outputs, rows = await batcher.run({"x": np.full((2, 1), value, np.float32)})
+                answers[i] = (outputs["y"].ravel().tolist(), rows)
+            except ValueError as err:
+                errors[i] = str(err)
+
+        await asyncio.gather(*(ask(i, v) for i, v in enumerate((1, 2, -1, 4))))
+
+    asyncio.run(ask_four())
+    assert answers == {0: ([2, 2], 2), 1: ([3, 3], 2), 3: ([5, 5], 2)} and errors == {2: "negative input"}
     assert calls[0] == 8   # all four at once, then each alone again after the failure
     assert sorted(calls[1:]) == [2, 2, 2, 2]
 

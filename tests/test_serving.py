@@ -293,6 +293,57 @@ def test_bad_requests_get_their_errors_and_the_replica_goes_on(lenet, replica):
     assert "POST /v1/models/other:predict 404" in read(out)
 
 
+def http_answers(sock, count: int) -> list:
+    """`count` answers read off a raw connection: (status, {lower-case header: value}, JSON body or None)."""
+    data, answers = b"", []
+    while len(answers) < count:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        if sep:
+            lines = head.decode("latin-1").split("\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+            length = int(headers.get("content-length", 0))
+            if len(rest) >= length:
+                answers.append((int(lines[0].split()[1]), headers, json.loads(rest[:length]) if length else None))
+                data = rest[length:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, (answers, data)
+        data += chunk
+    return answers
+
+
+@pytest.mark.caffe
+def test_pipelined_requests_on_one_connection_while_another_sends_slowly(replica):
+    port = int(replica[0].rsplit(":", 1)[1])
+    body = json.dumps({"instances": images(1)}).encode()
+    token = b"X-Pai-Token: s3cret\r\n"
+    line = b"POST /v1/models/lenet:predict HTTP/1.1\r\n"
+    predict = line + token + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as slow, \
+            socket.create_connection(("127.0.0.1", port), timeout=30) as fast:
+        slow.sendall(line + token)   # half a request, the rest later
+        fast.sendall(predict + b"GET /v1/models/lenet:predict HTTP/1.1\r\n" + token + b"\r\n" + predict)
+        answers = http_answers(fast, 3)
+        assert [a[0] for a in answers] == [200, 405, 200] and answers[1][1]["allow"] == "POST"
+        assert len(answers[2][2]["predictions"]) == 1
+        # curl asks before sending a body over 1 KB
+        slow.sendall(b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        assert http_answers(slow, 1)[0][0] == 100
+        slow.sendall(body)
+        assert len(http_answers(slow, 1)[0][2]["predictions"]) == 1
+        fast.sendall(line + token + b"\r\n")
+        status, headers, _ = http_answers(fast, 1)[0]
+        assert status == 411 and headers["connection"] == "close" and fast.recv(1) == b""
+
+
+@pytest.mark.caffe
+def test_a_refused_requests_body_is_not_read_as_the_next_request(replica):
+    client = Client(replica[0], {"X-Pai-Token": "wrong"})
+    assert client.tf_error("POST", "/v1/models/lenet:predict", {"instances": images(1)}).status == 401
+    client.headers["X-Pai-Token"] = "s3cret"
+    assert len(client.tf_predict_rows("lenet", images(1))) == 1
+
+
 @pytest.mark.caffe
 def test_concurrent_requests_are_one_call_of_the_model(lenet, replica):
     url, out = replica

@@ -588,7 +588,10 @@ class OnnxModel(Model):
 
     def __init__(self, path: str):
         import onnxruntime
-        self.session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        options = onnxruntime.SessionOptions()
+        # Its threads sleep between calls rather than spin: the cores are the server's too.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         self.inputs = [Tensor(i.name, ONNX_TYPES.get(i.type, "float32"), i.shape) for i in self.session.get_inputs()]
         self.outputs = [Tensor(o.name, ONNX_TYPES.get(o.type, "float32"), o.shape)
                         for o in self.session.get_outputs()]

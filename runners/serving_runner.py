@@ -750,7 +750,7 @@ class Replica:
                 status, answer = 400, {"error": f"not an HTTP/1.1 request: {err}"}
             else:
                 length = headers.get("content-length", "")
-                length = int(length) if length.isdigit() else -1
+                length = int(length) if length.isascii() and length.isdigit() else -1
                 if self.token and not hmac.compare_digest(headers.get("x-pai-token", "").encode(), self.token):
                     status, answer, keep = 401, {"error": f"missing or wrong {TOKEN_HEADER} header"}, False
                 elif length < 0 and method == "POST":

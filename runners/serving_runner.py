@@ -36,7 +36,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 from http import HTTPStatus
 
 import numpy as np
@@ -379,11 +378,12 @@ def run_batch(call, batch: list) -> list:
 class Batcher:
     """TensorFlow Serving's batching knobs on the event loop: up to max_rows rows per
     call, a batch waits at most timeout seconds for more once it has its first
-    request, `threads` calls at once (each in the pool). A request with more rows than
-    max_rows runs on its own."""
+    request, `threads` calls at once, each in a thread of its own. A request with more
+    rows than max_rows runs on its own (max_rows 0: every request does)."""
 
-    def __init__(self, call, max_rows: int, timeout: float, threads: int, pool):
-        self.call, self.max_rows, self.timeout, self.threads, self.pool = call, max_rows, timeout, threads, pool
+    def __init__(self, call, max_rows: int, timeout: float, threads: int):
+        self.call, self.max_rows, self.timeout, self.threads = call, max_rows, timeout, max(1, threads)
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="model")
         self.queue: collections.deque = collections.deque()
         self.waiters: list = []
         self.workers: list = []
@@ -395,7 +395,7 @@ class Batcher:
         if rows < 0:   # inputs of different batch sizes cannot join a batch
             return await loop.run_in_executor(self.pool, self.call, arrays), rows
         if not self.workers:
-            self.workers = [loop.create_task(self._work()) for _ in range(max(1, self.threads))]
+            self.workers = [loop.create_task(self._work()) for _ in range(self.threads)]
         job = Job(arrays, rows, loop.create_future())
         self.queue.append(job)
         for waiter in self.waiters:
@@ -641,9 +641,8 @@ class Replica:
         self.idle: dict = {}        # the connections waiting for a request: writer -> since when
         self.in_flight = 0
         self.draining = False
-        self.drained = asyncio.Event()
 
-    def loaded(self, model: Model, pool) -> None:
+    def loaded(self, model: Model) -> None:
         lock = threading.Lock()
 
         def predict(arrays: dict) -> dict:
@@ -654,13 +653,9 @@ class Replica:
 
         warm_up(model)
         a = self.args
-        if a.max_batch_size > 0:
-            self.call = Batcher(predict, a.max_batch_size, a.batch_timeout_micros / 1e6, a.num_batch_threads,
-                                pool).run
-        else:
-            async def call(arrays: dict) -> tuple[dict, int]:
-                return await asyncio.get_running_loop().run_in_executor(pool, predict, arrays), rows_of(arrays)
-            self.call = call
+        # Without batching, as many calls at once as there are cores.
+        self.call = (Batcher(predict, a.max_batch_size, a.batch_timeout_micros / 1e6, a.num_batch_threads)
+                     if a.max_batch_size > 0 else Batcher(predict, 0, 0, os.cpu_count() or 1)).run
         self.model, self.ready = model, True
 
     def say(self, line: str) -> None:
@@ -733,8 +728,6 @@ class Replica:
                         return
                 finally:
                     self.in_flight -= 1
-                    if self.draining and not self.in_flight:
-                        self.drained.set()
         finally:
             writer.close()
 
@@ -744,8 +737,7 @@ class Replica:
         method, path, keep, status, rows, batch, allow = "", "", False, 0, 0, 0, ""
         try:
             try:
-                method, path, version, headers = parse_head(head)
-                keep = keeps_alive(version, headers)
+                method, path, keep, headers = parse_head(head)
             except ValueError as err:
                 status, answer = 400, {"error": f"not an HTTP/1.1 request: {err}"}
             else:
@@ -790,9 +782,10 @@ class Replica:
                 writer.close()
 
 
-def parse_head(head: bytes) -> tuple[str, str, str, dict]:
-    """A request's line and headers -> (method, target, version, {lower-case name: value});
-    ValueError when it is not HTTP/1.x."""
+def parse_head(head: bytes) -> tuple[str, str, bool, dict]:
+    """A request's line and headers -> (method, target, whether the connection stays open,
+    {lower-case name: value}); ValueError when it is not HTTP/1.x. HTTP/1.1 keeps a
+    connection open unless told to close, HTTP/1.0 closes it unless told not to."""
     lines = head.decode("latin-1").split("\r\n")
     words = lines[0].split(" ")
     if len(words) != 3 or not words[2].startswith("HTTP/1."):
@@ -802,13 +795,9 @@ def parse_head(head: bytes) -> tuple[str, str, str, dict]:
         name, colon, value = line.partition(":")
         if colon:
             headers[name.strip().lower()] = value.strip()
-    return words[0], words[1], words[2], headers
-
-
-def keeps_alive(version: str, headers: dict) -> bool:
-    """HTTP/1.1 keeps a connection open unless told to close; HTTP/1.0 closes unless told not to."""
     connection = headers.get("connection", "").lower()
-    return connection != "close" if version != "HTTP/1.0" else connection == "keep-alive"
+    keep = connection != "close" if words[2] != "HTTP/1.0" else connection == "keep-alive"
+    return words[0], words[1], keep, headers
 
 
 def response(status: int, answer: dict, allow: str, keep: bool) -> bytes:
@@ -844,12 +833,9 @@ async def serve(args, host: str, port: int) -> int:
     replica = Replica(args)
     server = await asyncio.start_server(replica.connection, host, port, backlog=128)
     ticks = loop.create_task(replica.ticks())
-    # Model calls run here, off the loop: the batches' threads, or as many as the cores.
-    threads = args.num_batch_threads if args.max_batch_size > 0 else os.cpu_count() or 1
-    pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="model")
     try:
-        model = await loop.run_in_executor(pool, load_model, args.kind, args.model, args.weights)
-        await loop.run_in_executor(pool, replica.loaded, model, pool)
+        model = await loop.run_in_executor(None, load_model, args.kind, args.model, args.weights)
+        await loop.run_in_executor(None, replica.loaded, model)
     except Exception as err:
         replica.say(f"serving: cannot load the {args.kind} model {args.model}: {type(err).__name__}: {err}")
         return 1
@@ -864,15 +850,14 @@ async def serve(args, host: str, port: int) -> int:
     replica.draining = True
     for writer in list(replica.idle):
         writer.close()
-    if replica.in_flight:
-        with suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(replica.drained.wait(), DRAIN_SECONDS)
+    deadline = time.monotonic() + DRAIN_SECONDS
+    while replica.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     ticks.cancel()
     line = replica.stats.summary()
     if line:
         replica.say(line)
     replica.say(f"serving {args.name}: stopped")
-    pool.shutdown(wait=False)
     return 0
 
 

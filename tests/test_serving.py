@@ -13,7 +13,6 @@ import socket
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -143,7 +142,7 @@ def test_the_batcher_calls_the_model_once_for_concurrent_requests_and_isolates_a
     answers, errors = {}, {}
 
     async def ask_four():
-        batcher = sr.Batcher(model, max_rows=8, timeout=0.5, threads=1, pool=ThreadPoolExecutor(1))
+        batcher = sr.Batcher(model, max_rows=8, timeout=0.5, threads=1)
 
         async def ask(i, value):
             try:
@@ -158,6 +157,18 @@ def test_the_batcher_calls_the_model_once_for_concurrent_requests_and_isolates_a
     assert answers == {0: ([2, 2], 2), 1: ([3, 3], 2), 3: ([5, 5], 2)} and errors == {2: "negative input"}
     assert calls[0] == 8   # all four at once, then each alone again after the failure
     assert sorted(calls[1:]) == [2, 2, 2, 2]
+
+
+def test_a_request_head_and_whether_its_connection_stays_open():
+    head = b"POST /v1/models/m:predict?x=1 HTTP/1.1\r\nContent-Length: 3\r\nX-Pai-Token:  t \r\n\r\n"
+    assert sr.parse_head(head) == ("POST", "/v1/models/m:predict?x=1", True,
+                                   {"content-length": "3", "x-pai-token": "t"})
+    assert not sr.parse_head(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")[2]
+    assert not sr.parse_head(b"GET / HTTP/1.0\r\n\r\n")[2]
+    assert sr.parse_head(b"GET / HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n")[2]
+    for bad in (b"GET /\r\n\r\n", b"GET / SPDY/3\r\n\r\n", b"\r\n\r\n"):
+        with pytest.raises(ValueError):
+            sr.parse_head(bad)
 
 
 # -- a real replica: Caffe's LeNet in the Caffe runtime ------------------------------------

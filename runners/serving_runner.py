@@ -722,12 +722,8 @@ class Replica:
                     return
                 finally:
                     self.idle.pop(writer, None)
-                self.in_flight += 1
-                try:
-                    if not await self.request(head, reader, writer):
-                        return
-                finally:
-                    self.in_flight -= 1
+                if not await self.request(head, reader, writer):
+                    return
         finally:
             writer.close()
 
@@ -735,6 +731,7 @@ class Replica:
         """Reads the body, answers, logs: whether the connection stays open."""
         started = time.perf_counter()
         method, path, keep, status, rows, batch, allow = "", "", False, 0, 0, 0, ""
+        self.in_flight += 1
         try:
             try:
                 method, path, keep, headers = parse_head(head)
@@ -761,6 +758,7 @@ class Replica:
         except (asyncio.IncompleteReadError, ConnectionError):
             status, keep = 0, False
         finally:
+            self.in_flight -= 1
             ms = (time.perf_counter() - started) * 1000
             # The router's health checks (four a second) are neither traffic nor errors.
             if not path.startswith(HEALTH_PREFIX):
@@ -840,8 +838,8 @@ async def serve(args, host: str, port: int) -> int:
         replica.say(f"serving: cannot load the {args.kind} model {args.model}: {type(err).__name__}: {err}")
         return 1
     # The framework's objects, hundreds of thousands, are kept out of the collector's
-    # full passes: else every request's JSON lists set one off now and then, at a
-    # millisecond each of the loop's time.
+    # full passes, which every request's JSON lists set off now and then: a pass over
+    # them all costs the loop more than the request itself.
     gc.freeze()
     replica.say(f"serving {args.name} version {args.version} ({args.kind}) ready on {host}:{port}")
     await stop.wait()

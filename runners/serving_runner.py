@@ -379,7 +379,7 @@ class Batcher:
     """TensorFlow Serving's batching knobs on the event loop: up to max_rows rows per
     call, a batch waits at most timeout seconds for more once it has its first
     request, `threads` calls at once, each in a thread of its own. A request with more
-    rows than max_rows runs on its own (max_rows 0: every request does)."""
+    rows than max_rows runs on its own."""
 
     def __init__(self, call, max_rows: int, timeout: float, threads: int):
         self.call, self.max_rows, self.timeout, self.threads = call, max_rows, timeout, max(1, threads)
@@ -419,7 +419,7 @@ class Batcher:
         first = self.queue.popleft()
         batch, rows = [first], first.rows
         deadline = asyncio.get_running_loop().time() + self.timeout
-        while True:
+        while rows < self.max_rows:
             rest: collections.deque = collections.deque()
             for job in self.queue:
                 if job.key == first.key and rows + job.rows <= self.max_rows:
@@ -430,8 +430,9 @@ class Batcher:
             self.queue = rest
             left = deadline - asyncio.get_running_loop().time()
             if rows >= self.max_rows or left <= 0:
-                return batch
+                break
             await self._wait(left)
+        return batch
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
@@ -653,9 +654,14 @@ class Replica:
 
         warm_up(model)
         a = self.args
-        # Without batching, as many calls at once as there are cores.
-        self.call = (Batcher(predict, a.max_batch_size, a.batch_timeout_micros / 1e6, a.num_batch_threads)
-                     if a.max_batch_size > 0 else Batcher(predict, 0, 0, os.cpu_count() or 1)).run
+        if a.max_batch_size > 0:
+            self.call = Batcher(predict, a.max_batch_size, a.batch_timeout_micros / 1e6, a.num_batch_threads).run
+        else:   # as many calls at once as there are cores, queued in the pool so that none waits for the loop
+            pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="model")
+
+            async def call(arrays: dict) -> tuple[dict, int]:
+                return await asyncio.get_running_loop().run_in_executor(pool, predict, arrays), rows_of(arrays)
+            self.call = call
         self.model, self.ready = model, True
 
     def say(self, line: str) -> None:

@@ -322,8 +322,10 @@ class Store:
             raise PaiError(f"cannot create the job store in {self.home}: {err.strerror}",
                            "set PAI_HOME to a writable directory") from None
         self.connect()
-        # A store of another version (older, created in place, or by another release).
-        if self.schema_version() != SCHEMA_VERSION:
+        # A store of another version (older, created in place, or by another release);
+        # `upgrade` applies this pai's schema to one of its own version too (every
+        # statement of it may run again), for what a version leaves alone (PG_FILLFACTOR).
+        if self.schema_version() != SCHEMA_VERSION or upgrade:
             with self.tx():
                 version = self.schema_version()   # again, under the write lock
                 if version and version > SCHEMA_VERSION:
@@ -332,7 +334,7 @@ class Store:
                 if self.postgres and version and version < SCHEMA_VERSION and not upgrade:
                     raise UsageError(f"the job store {self.where} has schema version {version}, older than this"
                                      f" pai's ({SCHEMA_VERSION})", "run `pai store upgrade` once for the team")
-                if version != SCHEMA_VERSION:
+                if version != SCHEMA_VERSION or upgrade:
                     _apply_schema(self.db, self.postgres)
 
     @property

@@ -71,6 +71,31 @@ def test_a_store_newer_than_the_client_is_refused_and_an_older_one_upgraded_only
     assert pai("list").returncode == 0
 
 
+def test_the_queue_and_jobs_tables_leave_room_for_new_row_versions_and_an_upgrade_gives_it_to_a_store(
+        pai_home, postgres, monkeypatch):
+    """A turn rewrites every waiting job's line: PostgreSQL keeps a row's new version on
+    its page (no index entry, pruned as the page is read) only where the page has room."""
+    import psycopg
+
+    url = postgres.new_database()
+    monkeypatch.setenv("PAI_STORE", url)
+    Store().close()
+
+    def fill() -> dict[str, str]:
+        with psycopg.connect(url) as con:
+            return dict(con.execute("SELECT relname, array_to_string(reloptions, ',') FROM pg_class"
+                                    " WHERE relname IN ('queue', 'jobs')").fetchall())
+
+    assert fill() == {"queue": "fillfactor=50", "jobs": "fillfactor=70"}
+    with psycopg.connect(url, autocommit=True) as con:   # a store of this version made without it
+        con.execute("ALTER TABLE queue RESET (fillfactor)")
+        con.execute("ALTER TABLE jobs RESET (fillfactor)")
+    assert pai("list").returncode == 0 and fill() == {"queue": None, "jobs": None}   # a version alike: as it is
+    done = pai("store", "upgrade")
+    assert done.returncode == 0 and f"schema version {SCHEMA_VERSION}" in done.stdout, done.stderr
+    assert fill() == {"queue": "fillfactor=50", "jobs": "fillfactor=70"}
+
+
 @pytest.fixture
 def team(postgres):
     """Two Unix users, each with a database role of their name in the role `team`,

@@ -9,7 +9,8 @@ Measures
                       turn and every job behind it moves up one place (written);
               steady  nothing changed (the head's look every second).
             On a queue of --jobs built in a store of its own through the store's
-            calls (no masters: the decision alone), before the live part.
+            calls (no masters: the decision alone), before the live part, beside
+            --history ended jobs (a store's past: the decision must not scan it).
             Goal: p99 <= 50 ms with 1,000 waiting.
   live      --jobs waiting jobs behind one that holds the machine, each with its own
             waiting JobMaster (no daemon), submitted through paicli.client.submit:
@@ -37,7 +38,7 @@ every folder made are removed, also when the run fails.
 Run from the repository root (decisions alone: ~1 min; the live part ~3 min for 500 on
 2 cores, ~8 min for 1,000):
 
-    flock /tmp/paicli-bench.lock .venv/bin/python bench/bench_queue.py --jobs 1000 --handoffs 0
+    flock /tmp/paicli-bench.lock .venv/bin/python bench/bench_queue.py --jobs 1000 --history 50000 --handoffs 0
     flock /tmp/paicli-bench.lock .venv/bin/python bench/bench_queue.py --jobs 1000 --handoffs 5 --store postgresql --users 2
 
 --store postgresql runs it on a team store (docs/team.md): a PostgreSQL server the
@@ -71,6 +72,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=500, help="waiting jobs (default 500)")
     parser.add_argument("--decisions", type=int, default=200, help="decisions to time of each kind (default 200)")
+    parser.add_argument("--history", type=int, default=0,
+                        help="ended jobs in the decision's store beside the queue (default 0)")
     parser.add_argument("--handoffs", type=int, default=5, help="job ends to time (default 5; 0: no live part)")
     parser.add_argument("--users", type=int, choices=(1, 2), default=1,
                         help="2: also time handoffs between two Unix users' jobs (PostgreSQL, root)")
@@ -87,11 +90,11 @@ def main() -> int:
     os.environ["PAI_LOGVIEW"] = "file"
     for name in ("PAI_NODES", "PAI_QUOTA", "PAI_STORE"):
         os.environ.pop(name, None)
-    figures: dict[str, object] = {"jobs": args.jobs, "store": args.store}
+    figures: dict[str, object] = {"jobs": args.jobs, "history": args.history, "store": args.store}
     try:
         if args.store == "postgresql":
             server = pg.PostgresServer(max_connections=2 * args.jobs + 50).start()
-        figures["decision"] = in_home(server, lambda home: time_decisions(home, args.jobs, args.decisions))
+        figures["decision"] = in_home(server, lambda home: time_decisions(home, args.jobs, args.decisions, args.history))
         if args.handoffs:
             in_home(server, lambda home: live(home, args, figures, server))
     finally:
@@ -131,7 +134,7 @@ def spread(runs: list[float]) -> dict[str, float]:
 # -- the decision alone ------------------------------------------------------------------
 
 
-def time_decisions(work: Path, jobs: int, count: int) -> dict[str, object]:
+def time_decisions(work: Path, jobs: int, count: int, history: int) -> dict[str, object]:
     from paicli.cluster import backends, queue_turns
     from paicli.cluster.procinfo import start_time
     from paicli.cluster.scheduler import machine_cpu
@@ -155,6 +158,13 @@ def time_decisions(work: Path, jobs: int, count: int) -> dict[str, object]:
         store.enqueue(job_id, 0, None, entry)
         return job_id
 
+    past = time.time() - 86400
+    with store.tx() as db:
+        db.executemany("INSERT INTO jobs (id, name, framework, status, created, started, ended) VALUES (?,?,?,?,?,?,?)",
+                       [(f"20261202000000000h{n:06d}", "old", "python", JobStatus.SUCCEEDED.value, past + n, past + n,
+                         past + n + 1) for n in range(history)])
+    if store.postgres:
+        store.db.execute("ANALYZE")   # as autovacuum would have by now: the planner knows the table's size
     running = add()
     queue_turns.dispatch(store)
     assert store.take_turn(running) is not None
@@ -162,7 +172,7 @@ def time_decisions(work: Path, jobs: int, count: int) -> dict[str, object]:
     for _ in range(jobs):
         add()
     queue_turns.dispatch(store)
-    print(f"decision: {jobs} waiting in a store of their own ({load()})", flush=True)
+    print(f"decision: {jobs} waiting, {history} ended, in a store of their own ({load()})", flush=True)
     runs: dict[str, list[float]] = {"submit": [], "turn": [], "steady": []}
 
     def timed(kind: str, me: str | None = None) -> None:

@@ -756,11 +756,11 @@ class Store:
         "event"}. Returns the jobs rows of those granted a start (to wake them)."""
         now = time.time()
         with self.tx() as db:
-            db.execute("DELETE FROM queue WHERE job_id IN (SELECT q.job_id FROM queue q LEFT JOIN jobs j"
-                       " ON j.id = q.job_id WHERE j.status IS NULL OR j.status != 'Waiting')")
-            # Looked up per hold, not a scan of every job the store ever had.
-            db.execute("DELETE FROM holds WHERE NOT EXISTS (SELECT 1 FROM jobs j WHERE j.id = holds.job_id"
-                       " AND j.status IN ('Waiting', 'Running'))")
+            # Each row's job looked up by its key (a join would have PostgreSQL scan
+            # every job the store ever had).
+            job_status = "COALESCE((SELECT status FROM jobs j WHERE j.id = {}.job_id), '')"
+            db.execute(f"DELETE FROM queue WHERE {job_status.format('queue')} != 'Waiting'")
+            db.execute(f"DELETE FROM holds WHERE {job_status.format('holds')} NOT IN ('Waiting', 'Running')")
             rows = db.execute("SELECT job_id, priority, project, submitted, entry, reason, position FROM queue"
                               " WHERE state = 'waiting'").fetchall()
             # With the holder's master, so the policy can leave out what a dead one held.

@@ -94,9 +94,10 @@ def main() -> int:
     try:
         if args.store == "postgresql":
             server = pg.PostgresServer(max_connections=2 * args.jobs + 50).start()
-        figures["decision"] = in_home(server, lambda home: time_decisions(home, args.jobs, args.decisions, args.history))
+        figures["decision"] = in_home(server, lambda work: time_decisions(work, args.jobs, args.decisions,
+                                                                             args.history))
         if args.handoffs:
-            in_home(server, lambda home: live(home, args, figures, server))
+            in_home(server, lambda work: live(work, args, figures))
     finally:
         if server is not None:
             server.close()
@@ -107,7 +108,7 @@ def main() -> int:
 
 
 def in_home(server, run):
-    """run(home) with PAI_HOME a new folder and, on PostgreSQL, PAI_STORE a new
+    """run(work) with PAI_HOME in `work`, a new folder, and, on PostgreSQL, PAI_STORE a new
     database; the folder removed after."""
     work = Path(tempfile.mkdtemp(prefix="bench-queue-"))
     os.environ["PAI_HOME"] = str(work / "home")
@@ -201,7 +202,7 @@ def time_decisions(work: Path, jobs: int, count: int, history: int) -> dict[str,
 # -- live jobs ---------------------------------------------------------------------------
 
 
-def live(work: Path, args, figures: dict[str, object], server) -> None:
+def live(work: Path, args, figures: dict[str, object]) -> None:
     from paicli import client
     from paicli.cluster.scheduler import machine_cpu
     from paicli.statement import parse_statement

@@ -128,9 +128,12 @@ def dispatch(store: Store, me: str | None = None) -> None:
             if claim["holder"] is None or master_alive(claim):
                 gpus.setdefault(claim["node"], set()).add(claim["item"])
         if quota_error:
-            return [_verdict(policy.Turn(e.job_id, n, reason=quota_error))
-                    for n, e in enumerate(policy.ordered(entries), 1)]
-        return [_verdict(turn) for turn in policy.turns(entries, held, gpus, quotas)]
+            turns = [policy.Turn(e.job_id, n, reason=quota_error) for n, e in enumerate(policy.ordered(entries), 1)]
+        else:
+            turns = policy.turns(entries, held, gpus, quotas)
+        # Only what changes is written: while no job starts, no line moves.
+        said = {row["job_id"]: (row["reason"], row["position"]) for row in rows}
+        return [_verdict(turn) for turn in turns if turn.start or said[turn.job_id] != (turn.reason, turn.position)]
 
     for job in store.queue_dispatch(decide):
         if job["id"] != me:

@@ -751,18 +751,21 @@ class Store:
     def queue_dispatch(self, decide: Callable[[list, list, dict], list[dict[str, Any]]]) -> list[sqlite3.Row]:
         """Run `decide(waiting rows, live holds, held cards)` in one transaction (holds
         and cards with their holder's master fields, `holder` None for a claim whose
-        job is not recorded yet) and write its verdicts: each {"job_id", "start", "placement", "reason",
-        "position", "holds": [(node, cpu, memory, gpu)], "gpus": {node: [ids]},
-        "event"}. Returns the jobs rows of those granted a start (to wake them)."""
+        job is not recorded yet) and write its verdicts, those that change a row: each
+        {"job_id", "start", "placement", "reason", "position", "holds": [(node, cpu,
+        memory, gpu)], "gpus": {node: [ids]}, "event"}. Returns the jobs rows of those
+        granted a start (to wake them)."""
         now = time.time()
         with self.tx() as db:
             # Each row's job looked up by its key (a join would have PostgreSQL scan
             # every job the store ever had).
             job_status = "COALESCE((SELECT status FROM jobs j WHERE j.id = {}.job_id), '')"
-            db.execute(f"DELETE FROM queue WHERE {job_status.format('queue')} != 'Waiting'")
             db.execute(f"DELETE FROM holds WHERE {job_status.format('holds')} NOT IN ('Waiting', 'Running')")
-            rows = db.execute("SELECT job_id, priority, project, submitted, entry, reason, position FROM queue"
-                              " WHERE state = 'waiting'").fetchall()
+            rows = db.execute(f"SELECT job_id, priority, project, submitted, entry, reason, position, state,"
+                              f" {job_status.format('queue')} AS status FROM queue").fetchall()
+            db.executemany("DELETE FROM queue WHERE job_id = ?", [(row["job_id"],) for row in rows
+                                                                    if row["status"] != "Waiting"])
+            rows = [row for row in rows if row["status"] == "Waiting" and row["state"] == "waiting"]
             # With the holder's master, so the policy can leave out what a dead one held.
             holds = db.execute(f"SELECT h.job_id, h.project, h.node, h.cpu, h.memory, h.gpu, {MASTER} FROM holds h"
                                " JOIN jobs j ON j.id = h.job_id").fetchall()
@@ -783,7 +786,7 @@ class Store:
                     # it frees what it was granted all the same (LEASE).
                     db.execute("UPDATE jobs SET reason = NULL, lease = ? WHERE id = ?", (now, job_id))
                     granted.append(job_id)
-                elif (row["reason"], row["position"]) != (v["reason"], v["position"]):
+                else:
                     moved.append(v)
                 if v.get("event"):
                     db.execute("INSERT INTO events (job_id, ts, kind, message) VALUES (?,?,?,?)",

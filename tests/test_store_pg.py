@@ -509,8 +509,10 @@ def test_three_users_real_jobs_on_ssh_hosts_share_four_cards_by_priority_and_quo
 
 def test_kill_9_of_a_real_master_frees_what_it_held_and_the_next_users_job_starts(team):
     """alice's job holds every core; bob's waits for them. SIGKILL of alice's master
-    (its pid from the store): what it held is freed (its pid is gone, and its lease
-    lapses after LEASE) and bob's master, at the head, runs the policy again and starts."""
+    (its pid from the store) as soon as her job runs: what it held is freed (its pid is
+    gone, and its lease lapses after LEASE), bob's master, at the head, runs the policy
+    again and starts, and alice's job is recorded Failed by its watchdog (bob's
+    job's sweep of lost jobs is of bob's alone)."""
     import signal
 
     import psycopg
@@ -528,7 +530,7 @@ def test_kill_9_of_a_real_master_frees_what_it_held_and_the_next_users_job_start
     store = psycopg.connect(url, autocommit=True)
 
     def job(job_id):
-        return store.execute("SELECT status, master_pid FROM jobs WHERE id = %s", (job_id,)).fetchone()
+        return store.execute("SELECT status, master_pid, reason FROM jobs WHERE id = %s", (job_id,)).fetchone()
 
     try:
         for user in (alice, bob):
@@ -541,6 +543,8 @@ def test_kill_9_of_a_real_master_frees_what_it_held_and_the_next_users_job_start
         assert wait_until(lambda: f"held by {ids['pai-alice']}" in reason(), 60), reason()
         assert job(ids["pai-bob"])[0] == "Waiting"
         os.kill(job(ids["pai-alice"])[1], signal.SIGKILL)
+        assert wait_until(lambda: job(ids["pai-alice"])[0] != "Running", 30, 0.5), job(ids["pai-alice"])
+        assert job(ids["pai-alice"])[::2] == ("Failed", "master lost")
         assert wait_until(lambda: job(ids["pai-bob"])[0] == "Running", LEASE + 60, 0.5), job(ids["pai-bob"])
         (base / "open-pai-bob").touch()
         assert wait_until(lambda: job(ids["pai-bob"])[0] == "Succeeded", 60)

@@ -28,10 +28,10 @@ from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
 from paicli.cluster.procinfo import start_time
 from paicli.cluster.spawn import RouterProcess, Watchdog, spawn_watchdog, start_router, stop_router
-from paicli.errors import PaiError, UsageError
+from paicli.errors import PaiError, StoreLost, UsageError
 from paicli.jobplan import JobPlan, RolePlan, front_url
 from paicli.states import InstanceStatus, JobStatus
-from paicli.store import LEASE_RENEW, OUTAGE_WAIT, Store
+from paicli.store import LEASE_RENEW, OUTAGE_WAIT, STORE_WAIT, Store
 
 
 def print_exc() -> None:
@@ -123,6 +123,7 @@ class JobMaster:
         self.job_dir = Path(row["job_dir"])
         self.plan = JobPlan.from_json((self.job_dir / "plan.json").read_text())
         job_layers.declare_in_master(self.plan)   # the job's declared env always crosses to nodes
+        store.wait_out_outages(self.plan.timeout or STORE_WAIT)   # a lost team store, while the job runs
         self.backend = backend or backend_for_job(self.job_dir)
         self.placements = read_placements(self.job_dir)
         self.instances = [Instance(role, idx, Placement(role.name, idx, "", ""))
@@ -201,6 +202,12 @@ class JobMaster:
             self._launch_all(self.instances)
             self.summary_due = time.monotonic() + SUMMARY_DELAY
             outcome = self._supervise()
+        except StoreLost as err:
+            # Past the job's bound: its instances stop now, without the store; the
+            # end is recorded once the store is back (_finish).
+            self.joblog.note(f"{err.message}: the job ends")
+            self.backend.stop_all([i.handle.ref for i in self.instances if i.handle], self.stop_timeout)
+            outcome = JobStatus.FAILED, err.message
         except BaseException as err:  # a bug or an OS failure must not leave processes behind
             print_exc()
             # A backend's own verdict (Ray: timed out or cancelled waiting for room), a
@@ -780,6 +787,7 @@ class JobMaster:
             self._set(inst, final, policy.describe(code, inst.placed.node), exit_code=code, ended=time.time())
 
     def _finish(self, status: JobStatus, reason: str | None) -> None:
+        self.store.wait_out_outages(OUTAGE_WAIT)   # to record the end: nothing waits on the store now
         running = [i for i in self.instances if i.status == InstanceStatus.RUNNING]
         if status == JobStatus.SUCCEEDED:
             grace = max((i.role.stop_grace for i in running), default=0.0)
@@ -856,7 +864,7 @@ def main(argv: list[str]) -> int:
     if backend is not None and job_config(Path.cwd()) != backend.config:   # not the nodes the job was recorded with
         backend.let_go_of_connections()
         backend = None
-    return JobMaster(Store(home, outage_wait=OUTAGE_WAIT), job_id, backend=backend, recorded_fd=answer_fd).run()
+    return JobMaster(Store(home, outage_wait=STORE_WAIT), job_id, backend=backend, recorded_fd=answer_fd).run()
 
 
 def _answer_nodes(config: dict, answer_fd: int) -> Backend | None:

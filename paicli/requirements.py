@@ -21,7 +21,14 @@ OPTIONS = {"--find-links": True, "-f": True, "--no-index": False, "--index-url":
            "--extra-index-url": True, "--pre": False, "--prefer-binary": False, "--only-binary": True}
 CANONICAL = {"-f": "--find-links", "-i": "--index-url"}
 # A requirement: a name (PEP 508), optional extras, then specifiers / markers / URL.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 REQUIREMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._, -]*\])?\s*([<>=!~;@ (].*)?")
+
+
+def project_name(line: str) -> str:
+    """A requirement line's project name, lower-cased ("" for an option)."""
+    found = NAME.match(line)
+    return found.group(0).lower() if found else ""
 
 
 def _path(text: str, base: Path) -> Path:

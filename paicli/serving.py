@@ -19,6 +19,7 @@ from paicli import client, job_outputs
 from paicli.adapters.serving import ONNX_REQUIREMENTS, Model, detect, files_under, model_error
 from paicli.errors import NotFound, SpecError, UsageError
 from paicli.jobplan import JobPlan, front_url
+from paicli.requirements import project_name
 from paicli.serving_quant import quantize
 from paicli.spec import RawParam, resolve_path
 from paicli.statement import Statement
@@ -40,9 +41,8 @@ def resolve(prepared: client.Prepared, store, say: Say = lambda line: None) -> M
     prepared.adapter.model = model
     if model.kind == "onnx":
         lines = list(prepared.spec.get("requirements") or [])
-        names = {re.split(r"[<>=!~ \[;]", line, maxsplit=1)[0].lower() for line in lines}
-        prepared.spec.params["requirements"] = lines + [r for r in ONNX_REQUIREMENTS
-                                                        if re.split(r"[<>=]", r)[0] not in names]
+        names = {project_name(line) for line in lines}
+        prepared.spec.params["requirements"] = lines + [r for r in ONNX_REQUIREMENTS if project_name(r) not in names]
     return model
 
 

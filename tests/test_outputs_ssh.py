@@ -505,7 +505,7 @@ def test_a_full_disk_here_while_200_mb_come_back_leaves_nothing_half_written(clu
 
 
 HOSTILE_AGENT = r'''
-import json, os, struct, sys, time
+import json, os, struct, sys, threading
 if os.getpgid(0) != os.getpid():
     os.setsid()   # a group of its own, as an instance: the one stop path finds it
 json.loads(sys.stdin.buffer.readline())
@@ -529,7 +529,10 @@ send("out", "big.bin", b"z" * 100_000, size=10)
 send("ckpt", "big.bin", b"z" * 2000)       # over -DoutputMaxSize=1K
 out.write(b"D" + struct.pack(">I", 0xFFFFFFF0) + b"z" * 1_000_000)   # a frame of ~4 GiB
 out.flush()
-time.sleep(600)
+# as a real agent does, end when the master closes this connection (bounded, should it never)
+threading.Timer(600, os._exit, (0,)).start()
+sys.stdin.buffer.read()
+os._exit(0)
 '''
 
 

@@ -388,6 +388,11 @@ def test_the_plan_of_a_served_model(tmp_path, pai_home, monkeypatch):
                                                      "max_body": 64 << 20}
     assert plan.max_retries == 1000 and prepared.adapter.runtime is None
     assert prepared.spec.get("requirements") == ["onnxruntime==1.32.0", "numpy"]
+    # a pin of the user's own wins over ours, whatever its spelling
+    pinned = client.prepare(parse_statement(["-name", "serving", f"-Dmodel=file://{onnx}"]))
+    pinned.spec.params["requirements"] = ["ONNXRuntime[extra]>=1.20"]
+    serving.resolve(pinned, Store())
+    assert pinned.spec.get("requirements") == ["ONNXRuntime[extra]>=1.20", "numpy"]
     # Told to listen beyond this machine, the router asks clients for a token of its own.
     wide = client.prepare(parse_statement(["-name", "serving", f"-Dmodel=file://{onnx}", "-DservingHost=0.0.0.0"]))
     serving.resolve(wide, Store())

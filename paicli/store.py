@@ -270,8 +270,13 @@ def master_here(job: Any) -> bool:
     return not job["master_host"] or job["master_host"] == HOST
 
 
-# How long a job's master and watchdog wait for a team store that went away: the
-# job runs on meanwhile (its log is its own), and the store gets its writes after.
+# How long a running job's master waits for a team store that went away, unless the
+# job's -Dtimeout says: the job runs on meanwhile (its log is its own), and past it
+# the master ends the job (docs/team.md).
+STORE_WAIT = 600.0
+# How long a master waits to record a job's end, and a watchdog a lost master's, in
+# a team store that went away: nothing of the job runs any more, the store gets the
+# writes after.
 OUTAGE_WAIT = 3600.0
 # A team store's master renews its job's lease this often; another machine's job
 # whose lease is older than LEASE counts as having no master (what it holds is free).
@@ -387,6 +392,12 @@ class Store:
         self._retrying(lambda: self.db.execute("PRAGMA journal_mode = WAL"))
         self.db.execute("PRAGMA synchronous = NORMAL")
         _OPEN_STORES.add(self)
+
+    def wait_out_outages(self, seconds: float) -> None:
+        """A lost team store is waited for up to `seconds` from now on."""
+        self.outage_wait = seconds
+        if self.postgres:
+            self.db.outage_wait = seconds
 
     def close(self) -> None:
         _OPEN_STORES.discard(self)

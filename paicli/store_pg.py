@@ -19,7 +19,7 @@ import psycopg
 from psycopg.adapt import Loader
 from psycopg.rows import tuple_row
 
-from paicli.errors import UsageError
+from paicli.errors import StoreLost, UsageError
 
 # Every write transaction takes this transaction-level advisory lock first: the
 # writers of the whole team queue one behind the other, as SQLite's BEGIN IMMEDIATE
@@ -83,7 +83,7 @@ class Connection:
     A connection lost outside a transaction (the server restarted, the network
     dropped) is made again, every second for up to `outage_wait` seconds, and the
     statement or the transaction's start run on it: a job's master rides out an
-    outage that way. Lost inside a transaction, the error is raised (the
+    outage that way (StoreLost past that). Lost inside a transaction, the error is raised (the
     transaction is gone with the connection; the store rolls back)."""
 
     plain_rows = staticmethod(tuple_row)     # a cursor's row factory for plain tuples
@@ -154,7 +154,7 @@ class Connection:
             con.lock.release()
 
     def _again(self, err: psycopg.OperationalError) -> None:
-        """A new connection for a lost one, or `err` once outage_wait has passed."""
+        """A new connection for a lost one, or StoreLost once outage_wait has passed."""
         if self.in_transaction or self.closed or not (self.con.closed or self.con.broken):
             raise err
         deadline = time.monotonic() + self.outage_wait
@@ -164,7 +164,8 @@ class Connection:
                 return
             except psycopg.OperationalError:
                 if time.monotonic() >= deadline:
-                    raise err from None
+                    raise StoreLost(f"the job store {redacted(self.url)} could not be reached for"
+                                    f" {self.outage_wait:g}s", "check that the database runs") from err
                 time.sleep(1.0)
 
     def execute(self, sql: str, args: Iterable[Any] = ()) -> psycopg.Cursor:

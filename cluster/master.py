@@ -28,10 +28,10 @@ from paicli.cluster.logsink import InstanceLog, JobLog, MetricParser, log_cap
 from paicli.cluster.ports import allocate_ports
 from paicli.cluster.procinfo import start_time
 from paicli.cluster.spawn import RouterProcess, Watchdog, spawn_watchdog, start_router, stop_router
-from paicli.errors import PaiError, UsageError
+from paicli.errors import PaiError, StoreLost, UsageError
 from paicli.jobplan import JobPlan, RolePlan, front_url
 from paicli.states import InstanceStatus, JobStatus
-from paicli.store import LEASE_RENEW, OUTAGE_WAIT, Store
+from paicli.store import LEASE_RENEW, OUTAGE_WAIT, STORE_WAIT, Store
 
 
 def print_exc() -> None:
@@ -41,7 +41,6 @@ def print_exc() -> None:
 POLL_SECONDS = 0.1  # a child's exit and its output wake the loop sooner
 RESTART_BACKOFF = 0.5
 SUMMARY_DELAY = 1.0  # seconds after the launch before the first summary file is written
-WATCHDOG_DELAY = 0.5  # started after the launch, not beside the instances' interpreters
 METRICS_EVERY = 0.25  # seconds between the master's commits of the metrics it parsed (they are in job.log at once)
 
 
@@ -124,6 +123,7 @@ class JobMaster:
         self.job_dir = Path(row["job_dir"])
         self.plan = JobPlan.from_json((self.job_dir / "plan.json").read_text())
         job_layers.declare_in_master(self.plan)   # the job's declared env always crosses to nodes
+        store.wait_out_outages(self.plan.timeout or STORE_WAIT)   # a lost team store, while the job runs
         self.backend = backend or backend_for_job(self.job_dir)
         self.placements = read_placements(self.job_dir)
         self.instances = [Instance(role, idx, Placement(role.name, idx, "", ""))
@@ -148,9 +148,7 @@ class JobMaster:
         self.lease_due = 0.0
         self.metrics_due = 0.0
         self.summary_due: float | None = None
-        self.watchdog_due: float | None = None
         self.watchdog: Watchdog | None = None
-        self.untold: list[str] = []   # what the watchdog is told once it runs
         self.failure: tuple[JobStatus, str | None] | None = None
         self.router: RouterProcess | None = None   # the plan's front, once started
         self.recorded_fd = recorded_fd   # closed once the job's record is complete: the CLI's end
@@ -173,7 +171,16 @@ class JobMaster:
         if waited_out:
             self._finish(*waited_out)
             return 0
+        # The watchdog before the job runs: a master killed at any moment after this
+        # is recorded lost by it, not left to a sweep by this user's next job here
+        # (in a team store another user's job never sweeps it).
+        try:
+            self._start_watchdog()
+        except OSError as err:
+            self._finish(JobStatus.FAILED, f"its watchdog did not start: {err}")
+            return 0
         if not self.store.set_job(self.job_id, JobStatus.RUNNING):
+            self._tell_watchdog("done")
             return 0  # cancelled before we got going
         # `pai serve scale` (lifecycle.request_scale): the store is looked at in the next round.
         signal.signal(signal.SIGUSR1, self._on_scale)
@@ -193,11 +200,14 @@ class JobMaster:
             workdir.stage(self.backend, self.job_dir, self.joblog.note)
             self._assign_ports(self.instances)
             self._launch_all(self.instances)
-            # A master dead before the watchdog runs closes the agents' links, which
-            # stop the instances; lifecycle.sweep_lost records the job later.
-            self.watchdog_due = time.monotonic() + WATCHDOG_DELAY
             self.summary_due = time.monotonic() + SUMMARY_DELAY
             outcome = self._supervise()
+        except StoreLost as err:
+            # Past the job's bound: its instances stop now, without the store; the
+            # end is recorded once the store is back (_finish).
+            self.joblog.note(f"{err.message}: the job ends")
+            self.backend.stop_all([i.handle.ref for i in self.instances if i.handle], self.stop_timeout)
+            outcome = JobStatus.FAILED, err.message
         except BaseException as err:  # a bug or an OS failure must not leave processes behind
             print_exc()
             # A backend's own verdict (Ray: timed out or cancelled waiting for room), a
@@ -237,15 +247,9 @@ class JobMaster:
         # The watchdog holds the read end of a pipe only we write to: when we die,
         # however we die, it reads EOF and ends the instances.
         self.watchdog = spawn_watchdog(self.job_id, self.job_dir / "watchdog.log")
-        for line in self.untold:
-            self._tell_watchdog(line)
-        self.untold = []
 
     def _tell_watchdog(self, line: str) -> None:
-        if self.watchdog is None:
-            self.untold.append(line)   # an identity before the watchdog runs: told when it starts
-            return
-        if self.watchdog.stdin:
+        if self.watchdog and self.watchdog.stdin:
             try:
                 self.watchdog.stdin.write(f"{line}\n".encode())
                 self.watchdog.stdin.flush()
@@ -450,9 +454,6 @@ class JobMaster:
                         return self.failure
             if self.plan.timeout and now - self.started > self.plan.timeout:
                 return JobStatus.CANCELLED, f"timeout after {self.plan.timeout:g}s"
-            if self.watchdog_due is not None and now >= self.watchdog_due:
-                self.watchdog_due = None
-                self._start_watchdog()
             if self.summary_due is not None and now >= self.summary_due:
                 self.summary_due = None
                 self._write_log_view()
@@ -786,6 +787,7 @@ class JobMaster:
             self._set(inst, final, policy.describe(code, inst.placed.node), exit_code=code, ended=time.time())
 
     def _finish(self, status: JobStatus, reason: str | None) -> None:
+        self.store.wait_out_outages(OUTAGE_WAIT)   # to record the end: nothing waits on the store now
         running = [i for i in self.instances if i.status == InstanceStatus.RUNNING]
         if status == JobStatus.SUCCEEDED:
             grace = max((i.role.stop_grace for i in running), default=0.0)
@@ -862,7 +864,7 @@ def main(argv: list[str]) -> int:
     if backend is not None and job_config(Path.cwd()) != backend.config:   # not the nodes the job was recorded with
         backend.let_go_of_connections()
         backend = None
-    return JobMaster(Store(home, outage_wait=OUTAGE_WAIT), job_id, backend=backend, recorded_fd=answer_fd).run()
+    return JobMaster(Store(home, outage_wait=STORE_WAIT), job_id, backend=backend, recorded_fd=answer_fd).run()
 
 
 def _answer_nodes(config: dict, answer_fd: int) -> Backend | None:

@@ -174,20 +174,31 @@ def check_submit(entry: Entry, quotas: dict[str, dict[str, int]]) -> None:
     placing.place(list(entry.demands), list(entry.nodes))   # no_fit's one line when it never fits
 
 
-def over_quota(entry: Entry, quotas: dict[str, dict[str, int]], holds: list[Hold]) -> str | None:
+def held_by_project(holds: Iterable[Hold]) -> dict[str | None, dict[str, int]]:
+    """project -> what its started jobs hold in all (the quotas count that)."""
+    out: dict[str | None, dict[str, int]] = {}
+    for h in holds:
+        held = out.setdefault(h.project, dict.fromkeys(KEYS, 0))
+        held["cpu"] += h.cpu
+        held["memory"] += h.memory
+        held["gpu"] += h.gpu // 100 * 100   # whole cards
+    return out
+
+
+def over_quota(entry: Entry, quotas: dict[str, dict[str, int]], held: dict[str | None, dict[str, int]]) -> str | None:
     """Why the job must wait for its project's own jobs to end, or None. A
-    project's quota counts what that project's started jobs hold (`default`
-    applies to each unlisted project alone, and to jobs without -project)."""
+    project's quota counts what that project's started jobs hold (`held`, from
+    held_by_project; `default` applies to each unlisted project alone, and to
+    jobs without -project)."""
     quota = quota_for(quotas, entry.project)
     if not quota:
         return None
-    held = totals(placing.Demand("", 0, h.cpu, h.memory, h.gpu // 100, False)
-                  for h in holds if h.project == entry.project)
+    holds = held.get(entry.project, dict.fromkeys(KEYS, 0))
     need = totals(entry.demands)
     for key, cap in quota.items():
-        if held[key] + need[key] > cap:
+        if holds[key] + need[key] > cap:
             who = f"project {entry.project}" if entry.project else "jobs without -project"
-            return f"{who} over its quota: holds {key} {held[key]} of {cap}, needs {need[key]} more"
+            return f"{who} over its quota: holds {key} {holds[key]} of {cap}, needs {need[key]} more"
     return None
 
 
@@ -213,8 +224,10 @@ def _free(nodes: Iterable[NodeSpec], holds: list[Hold], held_gpus: dict[str, set
 
 
 def _try(entry: Entry, free: dict[str, placing.Free], idle: set[str]) -> list[Placement] | None:
+    """Where the job would go in `free` (left as it is), or None."""
+    room = {n.name: _copy(free[n.name]) for n in entry.nodes if n.name in free}
     try:
-        return placing.place(list(entry.demands), list(entry.nodes), free, soft_cpu=idle)
+        return placing.place(list(entry.demands), list(entry.nodes), room, soft_cpu=idle)
     except UsageError:
         return None
 
@@ -234,42 +247,61 @@ def turns(entries: Iterable[Entry], holds: list[Hold], held_gpus: dict[str, set[
     for e in queue:
         nodes.update((n.name, n) for n in e.nodes)
     holds = list(holds)
+    held = held_by_project(holds)
     gpus = {node: set(ids) for node, ids in held_gpus.items()}
     free = _free(nodes.values(), holds, gpus)
-    # What jobs ahead that wait will take when they start (none may be delayed).
+    idle = set(nodes) - {h.node for h in holds}
+    # What jobs ahead that wait will take when they start (none may be delayed). Only
+    # a job that fits in what is free now needs it: the waiting jobs' shadows are
+    # taken from it then, not for every job of a long queue that waits.
     spare = _free(nodes.values(), holds, gpus)
+    shadows: list[Entry] = []
+    # The reason a job waits depends on its shape and on what is free (which changes
+    # only when a job starts): a long queue of jobs alike is judged once per start.
+    waits: dict[tuple, str] = {}
     blocked: Entry | None = None
     out = []
     for position, entry in enumerate(queue, 1):
         turn = Turn(entry.job_id, position)
         out.append(turn)
-        quota = over_quota(entry, quotas, holds)
+        quota = over_quota(entry, quotas, held)
         if quota:
             turn.reason = quota
             continue
-        busy = {h.node for h in holds}
-        placed = _try(entry, {k: _copy(v) for k, v in free.items()},
-                      set(nodes) - busy if blocked is None else set())
-        if placed is not None and blocked is not None:
-            # Backfill: only into what the jobs ahead that wait leave free.
-            placed = _try(entry, {k: _copy(v) for k, v in spare.items()}, set())
-            turn.backfill = blocked.job_id if placed is not None else None
+        shape = (entry.demands, entry.nodes, blocked.job_id if blocked else None)
+        placed = None if shape in waits else _try(entry, free, idle if blocked is None else set())
         if placed is None:
-            turn.reason = why_waiting(entry, free, holds, gpus, blocked)
-            if blocked is None:
-                blocked = entry
-            # Its shadow: where it would go on its nodes if they were all idle.
-            shadow = _try(entry, placing.free_resources(entry.nodes), {n.name for n in entry.nodes})
-            if shadow is not None:
-                _take(spare, entry.demands, shadow)
+            if shape not in waits:
+                waits[shape] = why_waiting(entry, free, holds, gpus, blocked)
+            turn.reason = waits[shape]
+        elif blocked is not None:
+            # Backfill: only into what the jobs ahead that wait leave free.
+            for ahead in shadows:
+                # Its shadow: where it would go on its nodes if they were all idle.
+                shadow = _try(ahead, placing.free_resources(ahead.nodes), {n.name for n in ahead.nodes})
+                if shadow is not None:
+                    _take(spare, ahead.demands, shadow)
+            shadows.clear()
+            placed = _try(entry, spare, set())
+            turn.backfill = blocked.job_id if placed is not None else None
+            if placed is None:
+                turn.reason = why_waiting(entry, free, holds, gpus, blocked)
+        if placed is None:
+            blocked = blocked or entry
+            shadows.append(entry)
             continue
         turn.start, turn.placements, turn.position = True, placed, 0
         turn.holds = holds_of(entry.job_id, entry.project, entry.demands, placed)
         holds.extend(turn.holds)
+        project = held.setdefault(entry.project, dict.fromkeys(KEYS, 0))
+        for key, value in totals(entry.demands).items():
+            project[key] += value
+        idle.difference_update(h.node for h in turn.holds)
         for p in placed:
             gpus.setdefault(p.node, set()).update(p.gpus)
         _take(free, entry.demands, placed)
         _take(spare, entry.demands, placed)
+        waits.clear()
     for position, turn in enumerate((t for t in out if not t.start), 1):
         turn.position = position
     return out

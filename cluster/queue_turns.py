@@ -13,6 +13,7 @@ Ray places jobs itself: its jobs never enter this queue.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -93,10 +94,17 @@ def check_and_describe(store: Store, plan, nodes: list[NodeSpec], priority: int,
 
 
 def _entry(row) -> policy.Entry:
-    data = json.loads(row["entry"])
     return policy.Entry(row["job_id"], row["priority"] or 0, row["project"], row["submitted"] or 0.0,
-                        tuple(placing.Demand(*d) for d in data["demands"]),
-                        tuple(NodeSpec.from_dict(n) for n in data["nodes"]))
+                        *_shape(row["entry"]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape(entry: str) -> tuple[tuple[placing.Demand, ...], tuple[NodeSpec, ...]]:
+    """A queue entry's demands and nodes. Every decision reads the whole queue, whose
+    jobs are mostly alike (one nodes file, sweeps of one job): each text is decoded
+    once per process."""
+    data = json.loads(entry)
+    return tuple(placing.Demand(*d) for d in data["demands"]), tuple(NodeSpec.from_dict(n) for n in data["nodes"])
 
 
 # -- the policy in one transaction ------------------------------------------------------
@@ -116,13 +124,16 @@ def dispatch(store: Store, me: str | None = None) -> None:
         held = [policy.Hold(h["job_id"], h["project"], h["node"], h["cpu"], h["memory"], h["gpu"])
                 for h in holds if master_alive(h)]
         gpus: dict[str, set[str]] = {}
-        for node, item, _, master in claims:
-            if master is None or master_alive(master):
-                gpus.setdefault(node, set()).add(item)
+        for claim in claims:
+            if claim["holder"] is None or master_alive(claim):
+                gpus.setdefault(claim["node"], set()).add(claim["item"])
         if quota_error:
-            return [_verdict(policy.Turn(e.job_id, n, reason=quota_error))
-                    for n, e in enumerate(policy.ordered(entries), 1)]
-        return [_verdict(turn) for turn in policy.turns(entries, held, gpus, quotas)]
+            turns = [policy.Turn(e.job_id, n, reason=quota_error) for n, e in enumerate(policy.ordered(entries), 1)]
+        else:
+            turns = policy.turns(entries, held, gpus, quotas)
+        # Only what changes is written: while no job starts, no line moves.
+        said = {row["job_id"]: (row["reason"], row["position"]) for row in rows}
+        return [_verdict(turn) for turn in turns if turn.start or said[turn.job_id] != (turn.reason, turn.position)]
 
     for job in store.queue_dispatch(decide):
         if job["id"] != me:

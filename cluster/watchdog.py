@@ -25,6 +25,7 @@ from paicli.cluster.spawn import stop_router
 from paicli.store import OUTAGE_WAIT, Store
 
 SWEEP_AFTER = 2.0  # the sweep waits out the instances' start
+READY_AFTER = 0.5  # so does getting ready to stop: both are CPU the instances' start needs
 
 
 def sweep(start: threading.Event) -> None:
@@ -43,6 +44,7 @@ def sweep(start: threading.Event) -> None:
 
 def get_ready(job_id: str) -> None:
     """Backend.ready_to_stop while the master still runs: a stop from here is then quick."""
+    time.sleep(READY_AFTER)
     try:
         store = Store()  # this thread's own connection
         job_dir = Path(store.job(job_id)["job_dir"])

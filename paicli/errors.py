@@ -49,6 +49,10 @@ class NotFound(UsageError):
     """A job ID, instance or runtime that does not exist."""
 
 
+class StoreLost(PaiError):
+    """The team store stayed out of reach for longer than this process waits for it."""
+
+
 class Cancelled(PaiError):
     """The job was cancelled (Ctrl-C or `pai kill`), exit code 130."""
 

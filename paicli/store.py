@@ -110,6 +110,12 @@ ADDED_COLUMNS = (("instances", "node", "TEXT"), ("instances", "ref", "TEXT"), ("
                  ("jobs", "lease", "REAL"))  # when its master last said, in a team store, that it lives
 # PostgreSQL's metrics rows keep their order in a column of their own (SQLite's rowid).
 PG_ADDED_COLUMNS = (("metrics", "rowid", "BIGSERIAL"),)
+# PostgreSQL writes a new version of a row at each update. A turn rewrites every
+# waiting job's line (its place moves up one), and a running job's master renews its
+# lease every LEASE_RENEW: room left on each page (fillfactor, percent) keeps those
+# versions on their row's page, where they are pruned as the page is read, with no
+# index entries and no table growing until a vacuum.
+PG_FILLFACTOR = (("queue", 50), ("jobs", 70))
 # Kept in the file's user_version (SQLite) or the schema_version table (PostgreSQL):
 # a store that carries it runs none of the statements above; a newer one is refused.
 # Bump it with any change to SCHEMA or ADDED_COLUMNS (tests/test_store_locks.py keeps
@@ -134,6 +140,11 @@ CLAIM_GRACE = 60.0
 # The claims that hold: of a live job, or of a submit still under way.
 LIVE_CLAIMS = ("SELECT c.node, c.item, c.job_id FROM claims c LEFT JOIN jobs j ON j.id = c.job_id"
                " WHERE c.kind = ? AND (j.status IN ('Waiting', 'Running') OR (j.id IS NULL AND c.ts > ?))")
+# What the policy asks of a holder's master: whether it lives (paicli.jobstatus.master_alive).
+MASTER = "j.id AS holder, j.master_pid, j.master_start, j.created, j.supervised, j.master_host, j.lease"
+# The cards live claims hold, each with its holder's master (NULLs: a claim whose job is not recorded yet).
+LIVE_GPUS = (f"SELECT c.node, c.item, {MASTER} FROM claims c LEFT JOIN jobs j ON j.id = c.job_id"
+             " WHERE c.kind = 'gpu' AND (j.status IN ('Waiting', 'Running') OR (j.id IS NULL AND c.ts > ?))")
 
 
 def pai_home() -> Path:
@@ -180,6 +191,8 @@ def _apply_schema(db: Any, postgres: bool = False) -> None:
                 db.execute(statement)
         for table, column, kind in ADDED_COLUMNS + PG_ADDED_COLUMNS:
             db.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {store_pg.schema(kind)}")
+        for table, percent in PG_FILLFACTOR:
+            db.execute(f"ALTER TABLE {table} SET (fillfactor = {percent})")
         db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER)")
         db.execute("DELETE FROM schema_version")
         db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
@@ -257,8 +270,13 @@ def master_here(job: Any) -> bool:
     return not job["master_host"] or job["master_host"] == HOST
 
 
-# How long a job's master and watchdog wait for a team store that went away: the
-# job runs on meanwhile (its log is its own), and the store gets its writes after.
+# How long a running job's master waits for a team store that went away, unless the
+# job's -Dtimeout says: the job runs on meanwhile (its log is its own), and past it
+# the master ends the job (docs/team.md).
+STORE_WAIT = 600.0
+# How long a master waits to record a job's end, and a watchdog a lost master's, in
+# a team store that went away: nothing of the job runs any more, the store gets the
+# writes after.
 OUTAGE_WAIT = 3600.0
 # A team store's master renews its job's lease this often; another machine's job
 # whose lease is older than LEASE counts as having no master (what it holds is free).
@@ -309,8 +327,10 @@ class Store:
             raise PaiError(f"cannot create the job store in {self.home}: {err.strerror}",
                            "set PAI_HOME to a writable directory") from None
         self.connect()
-        # A store of another version (older, created in place, or by another release).
-        if self.schema_version() != SCHEMA_VERSION:
+        # A store of another version (older, created in place, or by another release);
+        # `upgrade` applies this pai's schema to one of its own version too (every
+        # statement of it may run again), for what a version leaves alone (PG_FILLFACTOR).
+        if self.schema_version() != SCHEMA_VERSION or upgrade:
             with self.tx():
                 version = self.schema_version()   # again, under the write lock
                 if version and version > SCHEMA_VERSION:
@@ -319,7 +339,7 @@ class Store:
                 if self.postgres and version and version < SCHEMA_VERSION and not upgrade:
                     raise UsageError(f"the job store {self.where} has schema version {version}, older than this"
                                      f" pai's ({SCHEMA_VERSION})", "run `pai store upgrade` once for the team")
-                if version != SCHEMA_VERSION:
+                if version != SCHEMA_VERSION or upgrade:
                     _apply_schema(self.db, self.postgres)
 
     @property
@@ -372,6 +392,12 @@ class Store:
         self._retrying(lambda: self.db.execute("PRAGMA journal_mode = WAL"))
         self.db.execute("PRAGMA synchronous = NORMAL")
         _OPEN_STORES.add(self)
+
+    def wait_out_outages(self, seconds: float) -> None:
+        """A lost team store is waited for up to `seconds` from now on."""
+        self.outage_wait = seconds
+        if self.postgres:
+            self.db.outage_wait = seconds
 
     def close(self) -> None:
         _OPEN_STORES.discard(self)
@@ -676,6 +702,15 @@ class Store:
 
     # -----------------------------------------------------------------------------
 
+    def _update_rows(self, table: str, key: str, columns: dict[str, str], rows: list[tuple]) -> None:
+        """Each row's `columns` (name -> PostgreSQL type) set where `key` is the row's
+        last value: one statement on PostgreSQL (a round trip per row is what a
+        thousand rows would cost), executemany on SQLite (no round trips)."""
+        if self.postgres:
+            self.db.update_rows(table, key, columns, rows)
+        else:
+            self.db.executemany(f"UPDATE {table} SET {', '.join(f'{c} = ?' for c in columns)} WHERE {key} = ?", rows)
+
     @staticmethod
     def _update(db: sqlite3.Connection, table: str, key: dict[str, Any], values: dict[str, Any]) -> None:
         if not values:
@@ -726,28 +761,29 @@ class Store:
 
     def queue_dispatch(self, decide: Callable[[list, list, dict], list[dict[str, Any]]]) -> list[sqlite3.Row]:
         """Run `decide(waiting rows, live holds, held cards)` in one transaction (holds
-        and cards with their holder's master fields, None for a claim whose job is
-        not recorded yet) and write its verdicts: each {"job_id", "start", "placement", "reason",
-        "position", "holds": [(node, cpu, memory, gpu)], "gpus": {node: [ids]},
-        "event"}. Returns the jobs rows of those granted a start (to wake them)."""
+        and cards with their holder's master fields, `holder` None for a claim whose
+        job is not recorded yet) and write its verdicts, those that change a row: each
+        {"job_id", "start", "placement", "reason", "position", "holds": [(node, cpu,
+        memory, gpu)], "gpus": {node: [ids]}, "event"}. Returns the jobs rows of those
+        granted a start (to wake them)."""
         now = time.time()
         with self.tx() as db:
-            db.execute("DELETE FROM queue WHERE job_id IN (SELECT q.job_id FROM queue q LEFT JOIN jobs j"
-                       " ON j.id = q.job_id WHERE j.status IS NULL OR j.status != 'Waiting')")
-            db.execute("DELETE FROM holds WHERE job_id NOT IN (SELECT id FROM jobs"
-                       " WHERE status IN ('Waiting', 'Running'))")
-            rows = db.execute("SELECT * FROM queue WHERE state = 'waiting'").fetchall()
+            # Each row's job looked up by its key (a join would have PostgreSQL scan
+            # every job the store ever had).
+            job_status = "COALESCE((SELECT status FROM jobs j WHERE j.id = {}.job_id), '')"
+            db.execute(f"DELETE FROM holds WHERE {job_status.format('holds')} NOT IN ('Waiting', 'Running')")
+            rows = db.execute(f"SELECT job_id, priority, project, submitted, entry, reason, position, state,"
+                              f" {job_status.format('queue')} AS status FROM queue").fetchall()
+            db.executemany("DELETE FROM queue WHERE job_id = ?", [(row["job_id"],) for row in rows
+                                                                    if row["status"] != "Waiting"])
+            rows = [row for row in rows if row["status"] == "Waiting" and row["state"] == "waiting"]
             # With the holder's master, so the policy can leave out what a dead one held.
-            holds = db.execute("SELECT h.*, j.master_pid, j.master_start, j.created, j.supervised, j.master_host,"
-                               " j.lease"
-                               " FROM holds h"
+            holds = db.execute(f"SELECT h.job_id, h.project, h.node, h.cpu, h.memory, h.gpu, {MASTER} FROM holds h"
                                " JOIN jobs j ON j.id = h.job_id").fetchall()
-            masters = "SELECT master_pid, master_start, created, supervised, master_host, lease FROM jobs WHERE id = ?"
-            gpus = [(node, item, holder, db.execute(masters, (holder,)).fetchone())
-                    for node, item, holder in db.execute(LIVE_CLAIMS, ("gpu", now - CLAIM_GRACE))]
+            gpus = db.execute(LIVE_GPUS, (now - CLAIM_GRACE,)).fetchall()
             verdicts = decide(rows, holds, gpus)
             current = {row["job_id"]: row for row in rows}
-            granted = []
+            granted, moved = [], []
             for v in verdicts:
                 job_id, row = v["job_id"], current[v["job_id"]]
                 if v["start"]:
@@ -761,13 +797,16 @@ class Store:
                     # it frees what it was granted all the same (LEASE).
                     db.execute("UPDATE jobs SET reason = NULL, lease = ? WHERE id = ?", (now, job_id))
                     granted.append(job_id)
-                elif (row["reason"], row["position"]) != (v["reason"], v["position"]):
-                    db.execute("UPDATE queue SET reason = ?, position = ? WHERE job_id = ?",
-                               (v["reason"], v["position"], job_id))
-                    db.execute("UPDATE jobs SET reason = ? WHERE id = ?", (v["line"], job_id))
+                else:
+                    moved.append(v)
                 if v.get("event"):
                     db.execute("INSERT INTO events (job_id, ts, kind, message) VALUES (?,?,?,?)",
                                (job_id, now, "queue", v["event"]))
+            # A job's start moves every job behind it up one place: their lines are
+            # written together, not one statement (and round trip) each.
+            self._update_rows("queue", "job_id", {"reason": "text", "position": "bigint"},
+                              [(v["reason"], v["position"], v["job_id"]) for v in moved])
+            self._update_rows("jobs", "id", {"reason": "text"}, [(v["line"], v["job_id"]) for v in moved])
             if self.postgres:   # wakes the waiters of other machines and users (store_pg.TurnListener)
                 for job_id in granted:
                     db.execute("SELECT pg_notify('pai_turns', ?)", (job_id,))

@@ -7,6 +7,7 @@ Imported only when PAI_STORE names a database: psycopg is the `team` extra.
 
 from __future__ import annotations
 
+import json
 import re
 import select
 import threading
@@ -18,7 +19,7 @@ import psycopg
 from psycopg.adapt import Loader
 from psycopg.rows import tuple_row
 
-from paicli.errors import UsageError
+from paicli.errors import StoreLost, UsageError
 
 # Every write transaction takes this transaction-level advisory lock first: the
 # writers of the whole team queue one behind the other, as SQLite's BEGIN IMMEDIATE
@@ -82,7 +83,7 @@ class Connection:
     A connection lost outside a transaction (the server restarted, the network
     dropped) is made again, every second for up to `outage_wait` seconds, and the
     statement or the transaction's start run on it: a job's master rides out an
-    outage that way. Lost inside a transaction, the error is raised (the
+    outage that way (StoreLost past that). Lost inside a transaction, the error is raised (the
     transaction is gone with the connection; the store rolls back)."""
 
     plain_rows = staticmethod(tuple_row)     # a cursor's row factory for plain tuples
@@ -153,7 +154,7 @@ class Connection:
             con.lock.release()
 
     def _again(self, err: psycopg.OperationalError) -> None:
-        """A new connection for a lost one, or `err` once outage_wait has passed."""
+        """A new connection for a lost one, or StoreLost once outage_wait has passed."""
         if self.in_transaction or self.closed or not (self.con.closed or self.con.broken):
             raise err
         deadline = time.monotonic() + self.outage_wait
@@ -163,7 +164,8 @@ class Connection:
                 return
             except psycopg.OperationalError:
                 if time.monotonic() >= deadline:
-                    raise err from None
+                    raise StoreLost(f"the job store {redacted(self.url)} could not be reached for"
+                                    f" {self.outage_wait:g}s", "check that the database runs") from err
                 time.sleep(1.0)
 
     def execute(self, sql: str, args: Iterable[Any] = ()) -> psycopg.Cursor:
@@ -185,6 +187,19 @@ class Connection:
         if rows:
             cur.executemany(translate(sql), rows)
         return cur
+
+    def update_rows(self, table: str, key: str, columns: dict[str, str], rows: list[tuple]) -> None:
+        """UPDATE `table` SET each of `columns` (name -> its PostgreSQL type) WHERE `key`
+        (text), for each row (its columns' values in order, then its key): one statement,
+        the rows sent as one JSON document, where executemany() would send a thousand
+        rows as a thousand statements."""
+        if not rows:
+            return
+        names = [*columns, key]
+        kinds = ", ".join(f"{name} {kind}" for name, kind in [*columns.items(), (key, "text")])
+        sets = ", ".join(f"{name} = v.{name}" for name in columns)
+        self.con.execute(f"UPDATE {table} SET {sets} FROM json_to_recordset(%s) AS v({kinds})"
+                         f" WHERE {table}.{key} = v.{key}", (json.dumps([dict(zip(names, row)) for row in rows]),))
 
     def begin(self) -> None:
         while True:

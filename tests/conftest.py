@@ -194,8 +194,7 @@ def kill_groups(groups) -> None:
 
 
 def watchdog_says(job_dir, text: str, timeout: float = 60.0) -> str:
-    """The job's watchdog.log once it holds `text` (the master forks the watchdog
-    WATCHDOG_DELAY after the launch, and it logs as it goes)."""
+    """The job's watchdog.log once it holds `text` (it logs as it goes)."""
     log = Path(job_dir) / "watchdog.log"
     assert wait_until(lambda: log.exists() and text in log.read_text(), timeout=timeout), (job_dir, text)
     return log.read_text()

@@ -208,7 +208,6 @@ def test_setup_cfg_asks_for_the_python_that_has_extraction_filters():
 def test_the_store_job_folders_and_logs_are_the_owners_only(pai_home, tmp_path):
     old = os.umask(0o022)  # the usual umask: what we write must not follow it
     try:
-        # Long enough for its watchdog (forked WATCHDOG_DELAY after the launch), whose log is checked.
         result = pai("-name", "python", f"-Dscript={BEHAVE}", '-Dcluster={"worker":{"count":2}}',
                      "-DuserDefinedParameters=--key=s3cr3t", env={"BEHAVE": "print:2,sleep:1.5"})
     finally:

@@ -192,16 +192,34 @@ def test_kill_9_of_the_supervisor_leaves_no_orphan(pai_home, tmp_path):
     status = pai_json("status", job_id)
     groups = {i["pgid"] for i in status["instances"]}
     assert len(processes_in(groups)) >= 6  # each instance and its grandchild
-    watchdog_pid(pai_home, job_id)   # forked a little after the launch (WATCHDOG_DELAY)
+    watchdog_pid(pai_home, job_id)
     os.kill(status["master_pid"], signal.SIGKILL)
     assert wait_until(lambda: processes_in(groups) == [], timeout=EVENT_DEADLINE), processes_in(groups)
     after = pai_json("status", job_id)
     assert after["status"] == "Failed" and after["reason"] == "master lost"
-    # The watchdog starts a little after the launch: it was told of each instance
-    # the master started before it (cluster/master.py _tell_watchdog).
+    # The watchdog was told of each instance as it started (cluster/master.py _tell_watchdog).
     log = pai_home / "jobs" / job_id / "watchdog.log"
     assert wait_until(lambda: "lost; stopped" in log.read_text(), timeout=EVENT_DEADLINE)
     assert "(of 3 instance(s) it was told about)" in log.read_text(), log.read_text()
+
+
+def test_a_master_killed_at_any_moment_of_its_start_is_recorded_lost(pai_home, store_kind):
+    """kill -9 of the master as its job is recorded Running, and a little later:
+    each time the job is recorded Failed, "master lost", with no other job to sweep
+    it (in a team store another user's next job could not: the watchdog must exist
+    before the job runs)."""
+    store = Store(pai_home)
+    try:
+        for delay in (0.0, 0.3, 0.8):
+            job_id = pai("--detach", "-name", "python", f"-Dscript={BEHAVE}",
+                         env={"BEHAVE": "print:1,sleep:600"}).stdout.strip()
+            assert wait_until(lambda: store.job(job_id)["status"] == "Running", EVENT_DEADLINE, 0.002)
+            time.sleep(delay)
+            os.kill(store.job(job_id)["master_pid"], signal.SIGKILL)
+            assert wait_until(lambda: store.job(job_id)["ended"], EVENT_DEADLINE, 0.5), (delay, dict(store.job(job_id)))
+            assert (store.job(job_id)["status"], store.job(job_id)["reason"]) == ("Failed", "master lost"), delay
+    finally:
+        store.close()
 
 
 def test_supervisor_death_is_noticed_by_the_next_look_too(pai_home):
@@ -632,7 +650,7 @@ def test_the_forked_master_keeps_nothing_of_the_cli(pai_home, tmp_path):
         for name in ("master.log", "watchdog.log"):
             assert wait_until(lambda: (job_dir / name).exists(), timeout=EVENT_DEADLINE)
             assert (job_dir / name).stat().st_mode & 0o777 == 0o600, name
-        # The watchdog running (WATCHDOG_DELAY after the launch): the master opens its log
+        # The watchdog running (forked before the launch): the master opens its log
         # just before the fork and closes it once the watchdog's pid is back, which can
         # come a moment after the watchdog's first line; a leak keeps it open for good.
         watchdog = watchdog_pid(pai_home, job_id)

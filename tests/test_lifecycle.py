@@ -437,8 +437,7 @@ def test_pai_kill_records_a_job_whose_master_and_watchdog_died_and_stops_what_it
 
 def test_the_next_jobs_watchdog_records_a_job_lost_with_its_watchdog(pai_home):
     """Decision: nobody reading a job writes it, so a job whose master and watchdog
-    both died (a reboot) is recorded by the next job's watchdog (of a job that runs
-    past WATCHDOG_DELAY: a shorter one has no watchdog)."""
+    both died (a reboot) is recorded by the next job's watchdog."""
     stranger = sleeper()
     try:
         ref = {"backend": "local", "node": "local", "host": "127.0.0.1", "pid": stranger.pid,

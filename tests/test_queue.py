@@ -137,6 +137,73 @@ def test_quota_files_never_traceback(data):
     assert all(isinstance(v, int) and v >= 0 for limits in parsed.values() for v in limits.values())
 
 
+def reference_turns(entries, holds, held_gpus, quotas) -> list[queue.Turn]:
+    """The rules of docs/queue.md step by step, with none of turns()'s shortcuts
+    (one verdict per shape of job while nothing starts, the shadows of the waiting
+    jobs taken only when a later job could backfill): the model turns() must agree with."""
+    ahead = queue.ordered(entries)
+    all_nodes = {n.name: n for e in ahead for n in e.nodes}
+    holds, gpus = list(holds), {node: set(ids) for node, ids in held_gpus.items()}
+    free = queue._free(all_nodes.values(), holds, gpus)
+    spare = queue._free(all_nodes.values(), holds, gpus)
+    blocked, out = None, []
+    for position, e in enumerate(ahead, 1):
+        turn = queue.Turn(e.job_id, position)
+        out.append(turn)
+        turn.reason = queue.over_quota(e, quotas, queue.held_by_project(holds)) or ""
+        if turn.reason:
+            continue
+        placed = queue._try(e, free, set(all_nodes) - {h.node for h in holds} if blocked is None else set())
+        if placed is not None and blocked is not None:
+            placed = queue._try(e, spare, set())
+            turn.backfill = blocked.job_id if placed is not None else None
+        if placed is None:
+            turn.reason = queue.why_waiting(e, free, holds, gpus, blocked)
+            blocked = blocked or e
+            shadow = queue._try(e, placing.free_resources(e.nodes), {n.name for n in e.nodes})
+            if shadow is not None:
+                queue._take(spare, e.demands, shadow)
+            continue
+        turn.start, turn.placements, turn.position = True, placed, 0
+        turn.holds = queue.holds_of(e.job_id, e.project, e.demands, placed)
+        holds.extend(turn.holds)
+        for p in placed:
+            gpus.setdefault(p.node, set()).update(p.gpus)
+        queue._take(free, e.demands, placed)
+        queue._take(spare, e.demands, placed)
+    for position, turn in enumerate((t for t in out if not t.start), 1):
+        turn.position = position
+    return out
+
+
+CLUSTERS = (nodes((200, 8000, 0)), TWO, nodes((400, 4000, 2), (200, 8000, 1), (100, 2000, 0)))
+# A few shapes, so that a queue holds many jobs alike (as a sweep does) and some that differ.
+SHAPES = ({"worker": (1, 100, 0, 0)}, {"worker": (1, 200, 0, 0)}, {"worker": (2, 100, 1000, 0)},
+          {"worker": (1, 100, 0, 100)}, {"ps": (1, 100, 0, 0), "worker": (2, 100, 0, 100)},
+          {"worker": (1, 400, 4000, 200)}, {"worker": (3, 100, 0, 0)})
+
+
+@st.composite
+def queues(draw):
+    cluster = draw(st.sampled_from(CLUSTERS))
+    names = [n.name for n in cluster]
+    projects = st.sampled_from([None, "vision", "nlp"])
+    entries = [entry(f"j{n:02d}", cluster, priority=draw(st.integers(0, 2)), project=draw(projects),
+                     submitted=float(n), **draw(st.sampled_from(SHAPES)))
+               for n in range(draw(st.integers(0, 14)))]
+    holds = [queue.Hold(f"r{n}", draw(projects), draw(st.sampled_from(names)), draw(st.sampled_from([0, 100, 200])),
+                        draw(st.sampled_from([0, 2000])), 0) for n in range(draw(st.integers(0, 3)))]
+    held_gpus = {n.name: set(draw(st.lists(st.sampled_from(n.gpus), unique=True))) for n in cluster if n.gpus}
+    quotas = draw(st.sampled_from([{}, {"vision": {"cpu": 300}}, {"default": {"gpu": 100}, "nlp": {"cpu": 400}}]))
+    return entries, holds, held_gpus, quotas
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(queues())
+def test_the_turns_agree_with_the_rules_taken_step_by_step(case):
+    assert queue.turns(*case) == reference_turns(*case)
+
+
 def test_ordinals():
     assert [queue.ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111)] == \
         ["1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "111th"]

@@ -4,6 +4,7 @@ across clients, an unreachable database, users), and two Unix users at once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -69,6 +70,31 @@ def test_a_store_newer_than_the_client_is_refused_and_an_older_one_upgraded_only
     done = pai("store", "upgrade")
     assert done.returncode == 0 and f"schema version {SCHEMA_VERSION}" in done.stdout, done.stderr
     assert pai("list").returncode == 0
+
+
+def test_the_queue_and_jobs_tables_leave_room_for_new_row_versions_and_an_upgrade_gives_it_to_a_store(
+        pai_home, postgres, monkeypatch):
+    """A turn rewrites every waiting job's line: PostgreSQL keeps a row's new version on
+    its page (no index entry, pruned as the page is read) only where the page has room."""
+    import psycopg
+
+    url = postgres.new_database()
+    monkeypatch.setenv("PAI_STORE", url)
+    Store().close()
+
+    def fill() -> dict[str, str]:
+        with psycopg.connect(url) as con:
+            return dict(con.execute("SELECT relname, array_to_string(reloptions, ',') FROM pg_class"
+                                    " WHERE relname IN ('queue', 'jobs')").fetchall())
+
+    assert fill() == {"queue": "fillfactor=50", "jobs": "fillfactor=70"}
+    with psycopg.connect(url, autocommit=True) as con:   # a store of this version made without it
+        con.execute("ALTER TABLE queue RESET (fillfactor)")
+        con.execute("ALTER TABLE jobs RESET (fillfactor)")
+    assert pai("list").returncode == 0 and fill() == {"queue": None, "jobs": None}   # a version alike: as it is
+    done = pai("store", "upgrade")
+    assert done.returncode == 0 and f"schema version {SCHEMA_VERSION}" in done.stdout, done.stderr
+    assert fill() == {"queue": "fillfactor=50", "jobs": "fillfactor=70"}
 
 
 @pytest.fixture
@@ -332,6 +358,52 @@ def test_jobs_run_on_through_an_outage_of_the_store_and_it_catches_up_after(pai_
         assert {j["status"] for j in ended} == {"Succeeded"}, [(j["id"], j["status"], j["reason"]) for j in ended]
 
 
+def test_a_store_lost_for_longer_than_the_jobs_timeout_ends_the_job_and_the_end_is_recorded_after(pai_home,
+                                                                                                    tmp_path,
+                                                                                                    monkeypatch):
+    """A job's master waits for a lost store as long as the job's -Dtimeout (else
+    STORE_WAIT, docs/team.md): past it, it stops the job's instances through the one
+    stop path while the store is still away, says so in job.log naming the store,
+    and records the job Failed for that reason once the store is back."""
+    import signal
+
+    from conftest import kill_groups, processes_in
+
+    ok, why = pg.can_run()
+    if not ok:
+        pytest.skip(why)
+    script = tmp_path / "long.py"
+    script.write_text("import time\nfor i in range(600):\n    print('step', i, flush=True)\n    time.sleep(1)\n")
+    master, groups, passed = None, set(), False
+    with pg.PostgresServer() as server:
+        url = server.new_database()
+        monkeypatch.setenv("PAI_STORE", url)
+        try:
+            done = pai("--detach", "-name", "python", f"-Dscript={script}", "-Dtimeout=20")
+            assert done.returncode == 0, done.stderr
+            job_id = done.stdout.split()[0]
+            store = Store()
+            assert wait_until(lambda: store.instances(job_id)[0]["status"] == "Running", 60)
+            master, groups = store.job(job_id)["master_pid"], {store.instances(job_id)[0]["pgid"]}
+            store.close()
+            server.stop()
+            lost = f"the job store {url} could not be reached for 20s"
+            log = pai_home / "jobs" / job_id / "job.log"
+            assert wait_until(lambda: f"{lost}: the job ends" in log.read_text(), 120, 0.5), log.read_text()
+            assert wait_until(lambda: processes_in(groups) == [], 30), processes_in(groups)
+            server.start()
+            store = Store()
+            assert wait_until(lambda: store.job(job_id)["ended"], 60, 0.5), dict(store.job(job_id))
+            assert (store.job(job_id)["status"], store.job(job_id)["reason"]) == ("Failed", lost)
+            store.close()
+            passed = True
+        finally:
+            if master and not passed:   # a master that waits on for the store would keep its job for an hour
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(master, signal.SIGKILL)
+                kill_groups(groups)
+
+
 def test_two_users_real_jobs_wait_in_one_queue_and_the_next_starts_when_the_others_ends(team):
     """Real masters of two Unix users on this machine: bob's job waits for the cores
     alice's holds, saying so, and starts once hers ends (no signal of hers may reach
@@ -509,8 +581,10 @@ def test_three_users_real_jobs_on_ssh_hosts_share_four_cards_by_priority_and_quo
 
 def test_kill_9_of_a_real_master_frees_what_it_held_and_the_next_users_job_starts(team):
     """alice's job holds every core; bob's waits for them. SIGKILL of alice's master
-    (its pid from the store): what it held is freed (its pid is gone, and its lease
-    lapses after LEASE) and bob's master, at the head, runs the policy again and starts."""
+    (its pid from the store) as soon as her job runs: what it held is freed (its pid is
+    gone, and its lease lapses after LEASE), bob's master, at the head, runs the policy
+    again and starts, and alice's job is recorded Failed by its watchdog (bob's
+    job's sweep of lost jobs is of bob's alone)."""
     import signal
 
     import psycopg
@@ -528,7 +602,7 @@ def test_kill_9_of_a_real_master_frees_what_it_held_and_the_next_users_job_start
     store = psycopg.connect(url, autocommit=True)
 
     def job(job_id):
-        return store.execute("SELECT status, master_pid FROM jobs WHERE id = %s", (job_id,)).fetchone()
+        return store.execute("SELECT status, master_pid, reason FROM jobs WHERE id = %s", (job_id,)).fetchone()
 
     try:
         for user in (alice, bob):
@@ -541,6 +615,8 @@ def test_kill_9_of_a_real_master_frees_what_it_held_and_the_next_users_job_start
         assert wait_until(lambda: f"held by {ids['pai-alice']}" in reason(), 60), reason()
         assert job(ids["pai-bob"])[0] == "Waiting"
         os.kill(job(ids["pai-alice"])[1], signal.SIGKILL)
+        assert wait_until(lambda: job(ids["pai-alice"])[0] != "Running", 30, 0.5), job(ids["pai-alice"])
+        assert job(ids["pai-alice"])[::2] == ("Failed", "master lost")
         assert wait_until(lambda: job(ids["pai-bob"])[0] == "Running", LEASE + 60, 0.5), job(ids["pai-bob"])
         (base / "open-pai-bob").touch()
         assert wait_until(lambda: job(ids["pai-bob"])[0] == "Succeeded", 60)

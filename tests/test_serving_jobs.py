@@ -221,20 +221,13 @@ def test_a_keras_model_trained_by_a_tensorflow_job_is_served_from_its_outputs(ho
     check_service(keras_file, expected["keras"])
 
 
-@pytest.mark.mxnet
-def test_a_gluon_model_trained_by_an_mxnet_job_is_served_from_its_outputs(home, services):
-    job_id, expected = trained("mxnet", home)
+@pytest.mark.parametrize("framework, kind", [pytest.param("mxnet", "gluon", marks=pytest.mark.mxnet),
+                                             pytest.param("caffe", "caffe", marks=pytest.mark.caffe)])
+def test_a_lenet_trained_by_an_mxnet_or_caffe_job_is_served_from_its_outputs(home, services, framework, kind):
+    job_id, expected = trained(framework, home)
     started = serve(services, home, job_id)
-    assert (started["kind"], started["name"]) == ("gluon", "lenet")
-    check_service(started, expected["gluon"])
-
-
-@pytest.mark.caffe
-def test_a_lenet_trained_by_a_caffe_job_is_served_from_its_outputs(home, services):
-    job_id, expected = trained("caffe", home)
-    started = serve(services, home, job_id)
-    assert (started["kind"], started["name"]) == ("caffe", "lenet")
-    check_service(started, expected["caffe"])
+    assert (started["kind"], started["name"]) == (kind, "lenet")
+    check_service(started, expected[kind])
 
 
 def test_an_onnx_model_a_job_wrote_is_served_by_onnxruntime_from_a_layer(home, services):

@@ -404,29 +404,38 @@ def test_a_store_lost_for_longer_than_the_jobs_timeout_ends_the_job_and_the_end_
                 kill_groups(groups)
 
 
-def test_two_users_real_jobs_wait_in_one_queue_and_the_next_starts_when_the_others_ends(team):
-    """Real masters of two Unix users on this machine: bob's job waits for the cores
-    alice's holds, saying so, and starts once hers ends (no signal of hers may reach
-    his master: his turn comes by the store's notification, or his own look)."""
+def submit_gated(team, ids: dict) -> dict:
+    """Each team user's job asking for every core of this machine, ending once its gate
+    file `open-USER` is in the team's folder; their IDs go into `ids` as they are
+    submitted (a failing test still opens each gate). Each user's environment."""
     from paicli.cluster.scheduler import machine_cpu
 
-    url, (alice, bob), base = team
+    url, users, base = team
     gate = base / "gate.py"
     shutil.copy(ROOT / "tests" / "scripts" / "gate.py", gate)
     gate.chmod(0o644)
     whole = '-Dcluster={"worker":{"count":1,"cpu":%d}}' % machine_cpu()
-    env = {user.name: {"PAI_STORE": url.replace("//pai@", f"//{user.name}@")} for user in (alice, bob)}
-    ids = {}
-    for user in (alice, bob):
+    env = {user.name: {"PAI_STORE": url.replace("//pai@", f"//{user.name}@")} for user in users}
+    for user in users:
         done = user.run("--detach", "-name", "python", f"-Dscript={gate}",
                         f"-DuserDefinedParameters={base / ('open-' + user.name)}", whole, env=env[user.name])
         assert done.returncode == 0, done.stderr
         ids[user.name] = done.stdout.split()[0]
+    return env
+
+
+def test_two_users_real_jobs_wait_in_one_queue_and_the_next_starts_when_the_others_ends(team):
+    """Real masters of two Unix users on this machine: bob's job waits for the cores
+    alice's holds, saying so, and starts once hers ends (no signal of hers may reach
+    his master: his turn comes by the store's notification, or his own look)."""
+    _url, (alice, bob), base = team
+    ids = {}
 
     def state(user, job_id):
         return json.loads(user.run("status", job_id, "--json", env=env[user.name]).stdout)
 
     try:
+        env = submit_gated(team, ids)
         assert wait_until(lambda: state(alice, ids["pai-alice"])["status"] == "Running", 60)
         waiting = wait_until(lambda: (lambda s: s if "held by" in (s["reason"] or "") else None)(
             state(bob, ids["pai-bob"])), 60)
@@ -589,15 +598,9 @@ def test_kill_9_of_a_real_master_frees_what_it_held_and_the_next_users_job_start
 
     import psycopg
 
-    from paicli.cluster.scheduler import machine_cpu
     from paicli.store import LEASE
 
     url, (alice, bob), base = team
-    gate = base / "gate.py"
-    shutil.copy(ROOT / "tests" / "scripts" / "gate.py", gate)
-    gate.chmod(0o644)
-    whole = '-Dcluster={"worker":{"count":1,"cpu":%d}}' % machine_cpu()
-    env = {user.name: {"PAI_STORE": url.replace("//pai@", f"//{user.name}@")} for user in (alice, bob)}
     ids = {}
     store = psycopg.connect(url, autocommit=True)
 
@@ -605,11 +608,7 @@ def test_kill_9_of_a_real_master_frees_what_it_held_and_the_next_users_job_start
         return store.execute("SELECT status, master_pid, reason FROM jobs WHERE id = %s", (job_id,)).fetchone()
 
     try:
-        for user in (alice, bob):
-            done = user.run("--detach", "-name", "python", f"-Dscript={gate}",
-                            f"-DuserDefinedParameters={base / ('open-' + user.name)}", whole, env=env[user.name])
-            assert done.returncode == 0, done.stderr
-            ids[user.name] = done.stdout.split()[0]
+        submit_gated(team, ids)
         assert wait_until(lambda: job(ids["pai-alice"])[0] == "Running", 60)
         reason = lambda: store.execute("SELECT reason FROM jobs WHERE id = %s", (ids["pai-bob"],)).fetchone()[0] or ""
         assert wait_until(lambda: f"held by {ids['pai-alice']}" in reason(), 60), reason()

@@ -207,7 +207,7 @@ def parse_nodes(text: str, path: str = "nodes.yaml") -> NodesConfig:
         known_hosts = _path(f"{where_file}: key 'known_hosts'", data["known_hosts"], base)
     store = data.get("store")
     if store is not None and not (isinstance(store, str) and store.startswith(("postgresql://", "postgres://"))):
-        raise _fail(f"{where_file}: key 'store'", f"expected a PostgreSQL URL, got {store!r}"[:200].split("@")[-1],
+        raise _fail(f"{where_file}: key 'store'", f"expected a PostgreSQL URL, got {str(store).split('@')[-1]!r}"[:200],
                     "e.g. store: postgresql://USER@HOST/DATABASE (docs/team.md)")
     ray = data.get("ray")
     if ray is not None and not isinstance(ray, dict):

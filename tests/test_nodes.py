@@ -75,6 +75,8 @@ nodes:
     ("nodez: []", "key 'nodez': unknown key; did you mean 'nodes'?"),
     ("- just a list", "expected a mapping with a 'nodes' list"),
     ("nodes: [{name: h1, host: a}", "line 1"),
+    # a store's password stays out of the line
+    ("store: mysql://u:secret@db/pai\nnodes: [{name: h1, host: a}]", "key 'store': expected a PostgreSQL URL, got 'db/pai'"),
 ])
 def test_a_bad_file_is_one_line_naming_file_node_and_key(tmp_path, text, message):
     path = tmp_path / "nodes.yaml"

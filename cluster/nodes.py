@@ -253,11 +253,10 @@ def parse_nodes(text: str, path: str = "nodes.yaml") -> NodesConfig:
                        shared=_shared(where_file, data.get("shared")), store=store)
 
 
-def select_store(environ: dict[str, str] | None = None) -> None:
-    """The nodes file's `store:` as PAI_STORE, unless that is set: in the environment,
-    so that the job's master and watchdog use the same store."""
-    env = os.environ if environ is None else environ
-    path = None if env.get("PAI_STORE") else nodes_file_path(env)
+def select_store() -> None:
+    """The nodes file's `store:` as PAI_STORE (the caller checked it is not set): in
+    the environment, so that the job's master and watchdog use the same store."""
+    path = nodes_file_path()
     try:
         text = path.read_text() if path else ""
     except (OSError, UnicodeDecodeError):
@@ -265,7 +264,7 @@ def select_store(environ: dict[str, str] | None = None) -> None:
     # Parsed only when it names a store: a command that uses no node is not held up
     # by a mistake elsewhere in the file.
     if re.search(r"^store\s*:", text, re.M):
-        env["PAI_STORE"] = parse_nodes(text, str(path)).store
+        os.environ["PAI_STORE"] = parse_nodes(text, str(path)).store
 
 
 def _shared(where: str, value: Any) -> tuple[str, ...]:

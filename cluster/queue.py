@@ -151,7 +151,12 @@ def may_act(owner: tuple[str | None, str | None], me: tuple[str, str | None], ad
     files of a job of `owner`? Its owner may (a job recorded before jobs carried
     their user is the store's owner's), and an admin: one whose role (else user)
     the quota file's admins: names."""
-    return owner[0] is None or tuple(owner) == tuple(me) or (me[1] or me[0]) in admins
+    return owner[0] is None or tuple(owner) == tuple(me) or is_admin(me, admins)
+
+
+def is_admin(me: tuple[str, str | None], admins: frozenset[str]) -> bool:
+    """Does the admins: list name `me`'s database role (else its Unix user)?"""
+    return (me[1] or me[0]) in admins
 
 
 def quota_for(quotas: dict[str, dict[str, int]], project: str | None) -> dict[str, int] | None:

@@ -102,10 +102,8 @@ def quota_set(project, limits, path):
         raise UsageError("give a project and its limits, or --file", "e.g. pai quota set vision cpu=800 gpu=200")
     quotas, admins = (queue_turns.read_quota_file(Path(path)) if path else
                       (policy.parse_quota({project: policy.parse_limits(limits)}, "pai quota set"), None))
-    me = store.me()
-
     def allowed(current: frozenset[str]) -> None:
-        if current and (me[1] or me[0]) not in current:
+        if current and not policy.is_admin(store.me(), current):
             raise UsageError(f"only an admin may set quotas ({', '.join(sorted(current))})",
                              "ask one of them, or `pai quota show`")
 

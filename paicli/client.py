@@ -24,8 +24,8 @@ from paicli.cluster.requirement_layers import prepare_job_env
 from paicli.cluster.spawn import MasterProcess, start_master
 from paicli.envvars import exported
 from paicli.errors import PaiError, UsageError
-from paicli.jobstatus import MASTER_START_DEADLINE, build_status, job_over, master_alive, read_job  # noqa: F401
-from paicli.jobstatus import service_url
+from paicli.jobstatus import (MASTER_START_DEADLINE, build_status, job_over, master_alive, read_job,  # noqa: F401
+                              service_url)
 from paicli.jobstatus import final_status as final
 from paicli.jobplan import JobPlan
 from paicli.private import private_dir, write_private

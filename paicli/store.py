@@ -185,10 +185,10 @@ def _apply_schema(db: Any, postgres: bool = False) -> None:
     """Every table, index and added column made sure of, then SCHEMA_VERSION stamped."""
     if postgres:
         from paicli import store_pg
-
-        for statement in store_pg.schema(SCHEMA).strip().split(";"):
-            if statement.strip():
-                db.execute(statement)
+    for statement in (store_pg.schema(SCHEMA) if postgres else SCHEMA).strip().split(";"):
+        if statement.strip():
+            db.execute(statement)
+    if postgres:
         for table, column, kind in ADDED_COLUMNS + PG_ADDED_COLUMNS:
             db.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {store_pg.schema(kind)}")
         for table, percent in PG_FILLFACTOR:
@@ -197,9 +197,6 @@ def _apply_schema(db: Any, postgres: bool = False) -> None:
         db.execute("DELETE FROM schema_version")
         db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
         return
-    for statement in SCHEMA.strip().split(";"):
-        if statement.strip():
-            db.execute(statement)
     for table, column, kind in ADDED_COLUMNS:
         have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
         if column not in have:
@@ -384,13 +381,12 @@ class Store:
             from paicli import store_pg
 
             self.db = store_pg.Connection(self.url, self.outage_wait, again)
-            _OPEN_STORES.add(self)
-            return
-        self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA busy_timeout = 60000")
-        self._retrying(lambda: self.db.execute("PRAGMA journal_mode = WAL"))
-        self.db.execute("PRAGMA synchronous = NORMAL")
+        else:
+            self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+            self.db.row_factory = sqlite3.Row
+            self.db.execute("PRAGMA busy_timeout = 60000")
+            self._retrying(lambda: self.db.execute("PRAGMA journal_mode = WAL"))
+            self.db.execute("PRAGMA synchronous = NORMAL")
         _OPEN_STORES.add(self)
 
     def wait_out_outages(self, seconds: float) -> None:
@@ -692,10 +688,8 @@ class Store:
                        items: list[str] | None = None) -> None:
         with self.tx() as db:
             if items is None:
-                given = {"kind": kind, "node": node}
-                db.execute("DELETE FROM claims WHERE job_id = ?" + "".join(f" AND {k} = ?" for k, v in given.items()
-                                                                          if v is not None),
-                           (job_id, *(v for v in given.values() if v is not None)))
+                given = {k: v for k, v in {"job_id": job_id, "kind": kind, "node": node}.items() if v is not None}
+                db.execute("DELETE FROM claims WHERE " + " AND ".join(f"{k} = ?" for k in given), tuple(given.values()))
             else:
                 db.executemany("DELETE FROM claims WHERE job_id=? AND kind=? AND node=? AND item=?",
                                [(job_id, kind, node, item) for item in items])
@@ -808,8 +802,9 @@ class Store:
                               [(v["reason"], v["position"], v["job_id"]) for v in moved])
             self._update_rows("jobs", "id", {"reason": "text"}, [(v["line"], v["job_id"]) for v in moved])
             if self.postgres:   # wakes the waiters of other machines and users (store_pg.TurnListener)
+                from paicli.store_pg import TURNS
                 for job_id in granted:
-                    db.execute("SELECT pg_notify('pai_turns', ?)", (job_id,))
+                    db.execute("SELECT pg_notify(?, ?)", (TURNS, job_id))
             marks = ",".join("?" * len(granted))
             return db.execute(f"SELECT * FROM jobs WHERE id IN ({marks})", granted).fetchall() if granted else []
 
@@ -908,7 +903,7 @@ class Store:
         every other project's go, and `admins`, when given, become the admins. Runs
         `allowed(the admins now)` first, in the transaction: it raises to refuse."""
         with self.tx() as db:
-            allowed(frozenset(row[0] for row in db.execute("SELECT name FROM admins")))
+            allowed(self.admins())
             if replace:
                 db.execute("DELETE FROM quotas")
             db.executemany(upsert("quotas", ("project", *self.QUOTA_KEYS), ("project",)),

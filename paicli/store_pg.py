@@ -93,17 +93,23 @@ class Connection:
         cannot be made is waited for as a lost one is."""
         self.url, self.outage_wait, self.in_transaction, self.closed = url, outage_wait, False, False
         self.listening: dict[str, Callable[[psycopg.Notify], None]] = {}   # channel -> its handler
-        deadline = time.monotonic() + (outage_wait if again else 0.0)
+        try:
+            self.con = self._connect_within(outage_wait if again else 0.0)
+        except psycopg.Error as err:
+            raise UsageError(f"PAI_STORE {redacted(url)}: cannot reach the database ({one_reason(err)})",
+                             "check that it runs and the URL, or unset PAI_STORE") from None
+
+    def _connect_within(self, seconds: float) -> psycopg.Connection:
+        """A connection, tried again every second for up to `seconds` while the server
+        cannot be reached (any other error at once)."""
+        deadline = time.monotonic() + seconds
         while True:
             try:
-                self.con = self._connect()
-                return
-            except psycopg.Error as err:
-                if isinstance(err, psycopg.OperationalError) and time.monotonic() < deadline:
-                    time.sleep(1.0)
-                    continue
-                raise UsageError(f"PAI_STORE {redacted(url)}: cannot reach the database ({one_reason(err)})",
-                                 "check that it runs and the URL, or unset PAI_STORE") from None
+                return self._connect()
+            except psycopg.OperationalError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(1.0)
 
     def _connect(self) -> psycopg.Connection:
         con = psycopg.connect(self.url, autocommit=True, row_factory=_rows, connect_timeout=5)
@@ -157,16 +163,11 @@ class Connection:
         """A new connection for a lost one, or StoreLost once outage_wait has passed."""
         if self.in_transaction or self.closed or not (self.con.closed or self.con.broken):
             raise err
-        deadline = time.monotonic() + self.outage_wait
-        while True:
-            try:
-                self.con = self._connect()
-                return
-            except psycopg.OperationalError:
-                if time.monotonic() >= deadline:
-                    raise StoreLost(f"the job store {redacted(self.url)} could not be reached for"
-                                    f" {self.outage_wait:g}s", "check that the database runs") from err
-                time.sleep(1.0)
+        try:
+            self.con = self._connect_within(self.outage_wait)
+        except psycopg.OperationalError:
+            raise StoreLost(f"the job store {redacted(self.url)} could not be reached for {self.outage_wait:g}s",
+                            "check that the database runs") from err
 
     def execute(self, sql: str, args: Iterable[Any] = ()) -> psycopg.Cursor:
         ending = sql in ("COMMIT", "ROLLBACK")

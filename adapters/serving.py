@@ -13,7 +13,6 @@ set of files holds. Its files are the plan's inputs, staged to every node.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import secrets
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 
 from paicli.adapters.base import NUMBER, Adapter, StagedCode, cluster_roles
 from paicli.errors import SpecError, UsageError
-from paicli.jobplan import RESTART_INSTANCE, JobPlan, RolePlan
+from paicli.jobplan import RESTART_INSTANCE, JobPlan, RolePlan, front_url, is_loopback
 from paicli.runners.runtimes import get_runtime, runner_path
 from paicli.spec import JobSpec, Param, parse_size
 
@@ -201,13 +200,14 @@ class ServingAdapter(Adapter):
         self.runtime = RUNTIMES[model.kind]
         python = get_runtime(self.runtime).python() if self.runtime else None
         name = spec.get("modelName") or model.name
+        max_body = parse_size(spec.get("maxBodyBytes"))
         argv = [python or sys.executable, "-u", runner_path(RUNNER), "--model", model.main, "--kind", model.kind,
                 "--name", name, "--version", str(spec.get("modelVersion")),
                 *(["--weights", model.weights] if model.weights else []),
                 "--max-batch-size", str(spec.get("maxBatchSize")),
                 "--batch-timeout-micros", str(spec.get("batchTimeoutMicros")),
                 "--num-batch-threads", str(spec.get("numBatchThreads")),
-                "--max-body-bytes", str(parse_size(spec.get("maxBodyBytes"))),
+                "--max-body-bytes", str(max_body),
                 "--request-log", "on" if spec.get("requestLog") == "true" else "off"]
         # The router and the replicas share this secret: nobody else reaches a replica's port.
         env = {"PAI_SERVING_TOKEN": secrets.token_hex(16), "TF_CPP_MIN_LOG_LEVEL": "2", "GLOG_minloglevel": "1"}
@@ -215,14 +215,13 @@ class ServingAdapter(Adapter):
         role = RolePlan(name=ROLE, count=conf["count"], argv=argv, must_finish=True, listens=True, env=env,
                         cwd=str(code.cwd), cpu=conf["cpu"], memory=conf["memory"],
                         gpu=conf["gpu"] or spec.get("gpuRequired"))
-        front = {"host": spec.get("servingHost"), "port": spec.get("servingPort"), "role": ROLE,
-                 "max_body": parse_size(spec.get("maxBodyBytes"))}
+        front = {"host": spec.get("servingHost"), "port": spec.get("servingPort"), "role": ROLE, "max_body": max_body}
         if not is_loopback(front["host"]):
             # Told to listen beyond this machine: clients show a bearer token, as for the logview.
             front["token"] = secrets.token_urlsafe(24)
         notes = [f"serving {model.kind} model {model.main} as {name} version {spec.get('modelVersion')} on "
                  f"{conf['count']} replica(s), in the {self.runtime or 'python'} runtime",
-                 f"router at http://{front['host']}:{front['port']}; a replica that dies is restarted"]
+                 f"router at {front_url(front)}; a replica that dies is restarted"]
         if spec.get("maxBatchSize"):
             notes.append(f"dynamic batching: up to {spec.get('maxBatchSize')} rows, waiting at most "
                          f"{spec.get('batchTimeoutMicros')} us, {spec.get('numBatchThreads')} batch thread(s)")
@@ -231,11 +230,3 @@ class ServingAdapter(Adapter):
         if "maxRetries" not in spec.params:
             plan.max_retries = SERVING_RETRIES
         return plan
-
-
-def is_loopback(host: str) -> bool:
-    """Whether only this machine reaches HOST (an address or `localhost`)."""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -7,7 +7,7 @@ from __future__ import annotations
 import click
 
 from paicli.cli_scale import serve
-from paicli.commands import echo, echo_json, open_store, runtime_progress
+from paicli.commands import echo, echo_json, open_store, runtime_progress, submit_statement
 
 
 @click.command("start")
@@ -26,8 +26,7 @@ from paicli.commands import echo, echo_json, open_store, runtime_progress
 @click.option("--max-accuracy-drop", type=float,
               help="With --quantize int8: the most accuracy, in points, the int8 model may lose (default 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print the job ID and URL as JSON.")
-def start(model, name, replicas, port, host, version, max_batch_size, batch_timeout_micros, num_batch_threads,
-          quantize, check, max_accuracy_drop, as_json):
+def start(model, replicas, as_json, **options):
     """Start serving MODEL: the statement `pai -name serving -Dmodel=MODEL ...`,
     submitted detached. Prints the job ID and the URL clients use:
 
@@ -36,11 +35,7 @@ def start(model, name, replicas, port, host, version, max_batch_size, batch_time
       curl -d '{"inputs": [...]}' http://127.0.0.1:8501/v2/models/NAME/infer
     """
     from paicli import serving
-    from paicli.commands import submit_statement
 
-    options = {"name": name, "port": port, "host": host, "version": version, "max_batch_size": max_batch_size,
-               "batch_timeout_micros": batch_timeout_micros, "num_batch_threads": num_batch_threads,
-               "quantize": quantize, "check": check, "max_accuracy_drop": max_accuracy_drop}
     store = open_store()
     started = serving.service(store, submit_statement(serving.serve_statement(model, replicas, options), store,
                                                       runtime_progress()))

@@ -23,6 +23,7 @@ or classic flags inside the framework's runtime.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -101,6 +102,18 @@ def front_url(front: dict) -> str:
     """Where clients reach a plan's front (its router)."""
     host = front.get("host") or "127.0.0.1"
     return f"http://{f'[{host}]' if ':' in host else host}:{int(front['port'])}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine reaches HOST: `localhost`, or a loopback address
+    (an IPv4 one mapped into IPv6 too)."""
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
 # key=number pairs such as the seed's `step=3, global_step=3, loss=6.97, duration=3.6s`.

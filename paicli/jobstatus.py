@@ -18,7 +18,7 @@ from paicli import steptime
 from paicli.cluster import distribution
 from paicli.cluster.pluto import view as pluto_view
 from paicli.cluster.procinfo import boot_time, is_alive
-from paicli.jobplan import front_url
+from paicli.jobplan import front_url, is_loopback
 from paicli.private import write_private
 from paicli.states import InstanceStatus, JobStatus
 from paicli.store import Store, lease_lapsed, master_here
@@ -103,8 +103,8 @@ def read_job(store: Store, job_id: str) -> dict[str, Any]:
 def service_front(job) -> dict | None:
     """A live serving job's front (its plan's router: host, port, a client token when it
     listens beyond this machine); None for any other job."""
-    if JobStatus(job["status"]).is_terminal():
-        return None
+    if job["framework"] != "serving" or JobStatus(job["status"]).is_terminal():
+        return None   # only the serving adapter plans a front
     try:
         return json.loads((Path(job["job_dir"]) / "plan.json").read_text()).get("front")
     except (OSError, ValueError):
@@ -238,13 +238,6 @@ def _listening(path: str) -> list[tuple[str, int]]:
     except (OSError, ValueError):
         pass
     return found
-
-
-def is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "")

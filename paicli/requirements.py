@@ -22,7 +22,7 @@ OPTIONS = {"--find-links": True, "-f": True, "--no-index": False, "--index-url":
 CANONICAL = {"-f": "--find-links", "-i": "--index-url"}
 # A requirement: a name (PEP 508), optional extras, then specifiers / markers / URL.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-REQUIREMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._, -]*\])?\s*([<>=!~;@ (].*)?")
+REQUIREMENT = re.compile(NAME.pattern + r"(\[[A-Za-z0-9._, -]*\])?\s*([<>=!~;@ (].*)?")
 
 
 def project_name(line: str) -> str:

@@ -71,7 +71,7 @@ def find_model(text: str, store, say: Say = lambda line: None) -> Model:
 def job_model(store, job_id: str, path: str | None, say: Say) -> Model:
     """The model among a job's outputs (under `path` when given)."""
     try:
-        job = client.refresh(store, store.find_job(job_id)["id"])
+        job = client.refresh(store, client.resolve_job(store, job_id, to="get the files of")["id"])
     except NotFound as err:
         raise SpecError("-Dmodel", str(err.message), "`pai list` shows the jobs; a model file's path works too") from None
     if not JobStatus(job["status"]).is_terminal():

@@ -379,7 +379,8 @@ class Batcher:
     """TensorFlow Serving's batching knobs on the event loop: up to max_rows rows per
     call, a batch waits at most timeout seconds for more once it has its first
     request, `threads` calls at once, each in a thread of its own. A request with more
-    rows than max_rows runs on its own."""
+    rows than max_rows runs on its own; with max_rows 0 (no batching) every call goes
+    straight to the pool, queued there so that none waits for the loop."""
 
     def __init__(self, call, max_rows: int, timeout: float, threads: int):
         self.call, self.max_rows, self.timeout, self.threads = call, max_rows, timeout, max(1, threads)
@@ -392,7 +393,7 @@ class Batcher:
         """(outputs, rows of the call that answered them)."""
         loop = asyncio.get_running_loop()
         rows = rows_of(arrays)
-        if rows < 0:   # inputs of different batch sizes cannot join a batch
+        if rows < 0 or self.max_rows <= 0:   # inputs of different batch sizes cannot join a batch
             return await loop.run_in_executor(self.pool, self.call, arrays), rows
         if not self.workers:
             self.workers = [loop.create_task(self._work()) for _ in range(self.threads)]
@@ -654,14 +655,8 @@ class Replica:
 
         warm_up(model)
         a = self.args
-        if a.max_batch_size > 0:
-            self.call = Batcher(predict, a.max_batch_size, a.batch_timeout_micros / 1e6, a.num_batch_threads).run
-        else:   # as many calls at once as there are cores, queued in the pool so that none waits for the loop
-            pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="model")
-
-            async def call(arrays: dict) -> tuple[dict, int]:
-                return await asyncio.get_running_loop().run_in_executor(pool, predict, arrays), rows_of(arrays)
-            self.call = call
+        threads = a.num_batch_threads if a.max_batch_size > 0 else os.cpu_count() or 1   # unbatched: a call a core
+        self.call = Batcher(predict, a.max_batch_size, a.batch_timeout_micros / 1e6, threads).run
         self.model, self.ready = model, True
 
     def say(self, line: str) -> None:
@@ -746,7 +741,7 @@ class Replica:
             else:
                 length = headers.get("content-length", "")
                 length = int(length) if length.isascii() and length.isdigit() else -1
-                if self.token and not hmac.compare_digest(headers.get("x-pai-token", "").encode(), self.token):
+                if self.token and not hmac.compare_digest(headers.get(TOKEN_HEADER.lower(), "").encode(), self.token):
                     status, answer, keep = 401, {"error": f"missing or wrong {TOKEN_HEADER} header"}, False
                 elif length < 0 and method == "POST":
                     status, answer, keep = 411, {"error": "a POST needs a Content-Length header"}, False
